@@ -1,0 +1,174 @@
+#include "engine/allocator.h"
+
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "engine/cuda_api.h"
+#include "engine/error.h"
+
+namespace flowmoe {
+
+CachingAllocator::CachingAllocator(RawAlloc raw_alloc, RawFree raw_free)
+    : raw_alloc_(std::move(raw_alloc)), raw_free_(std::move(raw_free)) {}
+
+CachingAllocator::~CachingAllocator() {
+  // Live blocks at exit belong to static tensors; leave them to the driver's teardown.
+  std::lock_guard<std::mutex> lock(mu_);
+  try {
+    empty_cache_locked();
+  } catch (...) {  // the CUDA context may already be gone at process exit
+  }
+}
+
+// Small requests round to 512 B, large ones to 1 MiB, so blocks of near sizes are interchangeable.
+size_t CachingAllocator::round_size(size_t nbytes) {
+  const size_t small = 512, large = size_t(1) << 20;
+  size_t q = nbytes < large ? small : large;
+  return (nbytes + q - 1) / q * q;
+}
+
+void* CachingAllocator::allocate(size_t nbytes) {
+  if (nbytes == 0) return nullptr;
+  size_t size = round_size(nbytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.num_allocs++;
+  void* ptr = nullptr;
+  // Best fit among cached blocks, wasting at most 1/8 of the request.
+  auto it = free_blocks_.lower_bound(size);
+  if (it != free_blocks_.end() && it->first <= size + size / 8) {
+    size = it->first;
+    ptr = it->second;
+    free_blocks_.erase(it);
+  } else {
+    try {
+      ptr = raw_alloc_(size);
+    } catch (const Error&) {
+      empty_cache_locked();  // out of memory: give the cache back and try once more
+      ptr = raw_alloc_(size);
+    }
+    FLOWMOE_CHECK(ptr != nullptr, Error, "allocation of ", size, " bytes failed");
+    stats_.num_raw_allocs++;
+    stats_.reserved_bytes += size;
+  }
+  live_blocks_[ptr] = size;
+  stats_.live_bytes += size;
+  if (stats_.live_bytes > stats_.peak_bytes) stats_.peak_bytes = stats_.live_bytes;
+  return ptr;
+}
+
+void CachingAllocator::release(void* ptr) {
+  if (!ptr) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_blocks_.find(ptr);
+  FLOWMOE_CHECK(it != live_blocks_.end(), Error, "release of a pointer this allocator did not hand out");
+  stats_.live_bytes -= it->second;
+  free_blocks_.emplace(it->second, ptr);
+  live_blocks_.erase(it);
+}
+
+void CachingAllocator::empty_cache_locked() {
+  for (auto& [size, ptr] : free_blocks_) {
+    raw_free_(ptr);
+    stats_.reserved_bytes -= size;
+  }
+  free_blocks_.clear();
+}
+
+void CachingAllocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  empty_cache_locked();
+}
+
+MemoryStats CachingAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void CachingAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.peak_bytes = stats_.live_bytes;
+}
+
+// ---- per-device entry points ------------------------------------------------------------------
+
+namespace {
+
+// Host memory: aligned, uncached, but counted the same way as device memory.
+struct HostAccounting {
+  std::mutex mu;
+  std::map<void*, size_t> live;
+  MemoryStats stats;
+};
+// Leaked on purpose: tensors held in statics may be freed after static destructors ran.
+HostAccounting& host() {
+  static auto* h = new HostAccounting;
+  return *h;
+}
+
+CachingAllocator& cuda_allocator(int device) {
+  static std::mutex mu;
+  static auto& allocs = *new std::vector<std::unique_ptr<CachingAllocator>>;  // leaked, as host()
+  std::lock_guard<std::mutex> lock(mu);
+  FLOWMOE_CHECK(device >= 0 && device < cuda_device_count(), DeviceError, "cuda:", device,
+                " does not exist (", cuda_device_count(), " CUDA devices visible)");
+  if (allocs.empty()) allocs.resize(size_t(cuda_device_count()));
+  auto& a = allocs[size_t(device)];
+  if (!a)
+    a = std::make_unique<CachingAllocator>([device](size_t n) { return cuda_malloc_raw(n, device); },
+                                           [device](void* p) { cuda_free_raw(p, device); });
+  return *a;
+}
+
+}  // namespace
+
+void* device_allocate(size_t nbytes, Device device) {
+  if (device.is_cuda()) return cuda_allocator(device.index).allocate(nbytes);
+  if (nbytes == 0) return nullptr;
+  size_t size = (nbytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, size);
+  FLOWMOE_CHECK(p != nullptr, Error, "host allocation of ", size, " bytes failed");
+  auto& h = host();
+  std::lock_guard<std::mutex> lock(h.mu);
+  h.live[p] = size;
+  h.stats.num_allocs++;
+  h.stats.num_raw_allocs++;
+  h.stats.live_bytes += size;
+  h.stats.reserved_bytes += size;
+  if (h.stats.live_bytes > h.stats.peak_bytes) h.stats.peak_bytes = h.stats.live_bytes;
+  return p;
+}
+
+void device_release(void* ptr, Device device) {
+  if (!ptr) return;
+  if (device.is_cuda()) return cuda_allocator(device.index).release(ptr);
+  auto& h = host();
+  {
+    std::lock_guard<std::mutex> lock(h.mu);
+    auto it = h.live.find(ptr);
+    if (it != h.live.end()) {
+      h.stats.live_bytes -= it->second;
+      h.stats.reserved_bytes -= it->second;
+      h.live.erase(it);
+    }
+  }
+  std::free(ptr);
+}
+
+MemoryStats memory_stats(Device device) {
+  if (device.is_cuda()) return cuda_allocator(device.index).stats();
+  std::lock_guard<std::mutex> lock(host().mu);
+  return host().stats;
+}
+
+void reset_peak_memory(Device device) {
+  if (device.is_cuda()) return cuda_allocator(device.index).reset_peak();
+  std::lock_guard<std::mutex> lock(host().mu);
+  host().stats.peak_bytes = host().stats.live_bytes;
+}
+
+void empty_cache(Device device) {
+  if (device.is_cuda()) cuda_allocator(device.index).empty_cache();
+}
+
+}  // namespace flowmoe

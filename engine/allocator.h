@@ -1,0 +1,60 @@
+// Memory for tensors, with live/peak accounting on every device.
+//
+// CUDA memory goes through a caching allocator: freed blocks are kept in a size-ordered pool and
+// handed out again, so a training step does not call cudaMalloc/cudaFree. All engine work runs on one
+// stream per device (engine/cuda_api.h), so a freed block may be reused at once: any later use is
+// ordered after the last kernel that touched it.
+#pragma once
+#include <cstddef>
+#include <functional>
+#include <map>
+#include <mutex>
+
+#include "engine/device.h"
+
+namespace flowmoe {
+
+struct MemoryStats {
+  size_t live_bytes = 0;      // bytes handed out and not yet freed (after rounding)
+  size_t peak_bytes = 0;      // max of live_bytes since the last reset_peak
+  size_t reserved_bytes = 0;  // live + cached (what the device has given us)
+  size_t num_allocs = 0;      // allocate() calls
+  size_t num_raw_allocs = 0;  // calls that reached the device allocator (cache misses)
+};
+
+// A caching allocator over raw alloc/free functions. Used for CUDA (cudaMalloc/cudaFree); the
+// tests drive it with malloc/free to check its accounting without a GPU.
+class CachingAllocator {
+ public:
+  using RawAlloc = std::function<void*(size_t)>;
+  using RawFree = std::function<void(void*)>;
+  CachingAllocator(RawAlloc raw_alloc, RawFree raw_free);
+  ~CachingAllocator();
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  void* allocate(size_t nbytes);  // nbytes may be 0: returns nullptr
+  void release(void* ptr);
+  void empty_cache();             // returns every cached block to the device
+  MemoryStats stats() const;
+  void reset_peak();
+  static size_t round_size(size_t nbytes);
+
+ private:
+  RawAlloc raw_alloc_;
+  RawFree raw_free_;
+  mutable std::mutex mu_;
+  std::multimap<size_t, void*> free_blocks_;  // size -> block
+  std::map<void*, size_t> live_blocks_;       // block -> size
+  MemoryStats stats_;
+  void empty_cache_locked();
+};
+
+// Allocation entry points used by Storage. CPU memory is 64-byte aligned and not cached.
+void* device_allocate(size_t nbytes, Device device);
+void device_release(void* ptr, Device device);
+MemoryStats memory_stats(Device device);
+void reset_peak_memory(Device device);
+void empty_cache(Device device);
+
+}  // namespace flowmoe

@@ -1,0 +1,130 @@
+// A small reverse-mode autograd graph.
+//
+// Ops are Primitives in the MLX style: eval_cpu, eval_gpu and vjp. apply() runs a primitive on the
+// inputs' device and, when gradients are wanted, records a Node that keeps only what the primitive
+// says its vjp needs. Variable::backward() walks the graph in topological order, adds up gradients
+// where a value is used twice, and accumulates into leaf .grad(). checkpoint() drops a subgraph's
+// activations in forward and re-runs it in backward (the base of `recompute: [moe_expert]`).
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/tensor.h"
+
+namespace flowmoe {
+
+// ---- primitives -------------------------------------------------------------------------------
+
+class Primitive {
+ public:
+  virtual ~Primitive() = default;
+  virtual const char* name() const = 0;
+  virtual std::vector<Tensor> eval_cpu(const std::vector<Tensor>& inputs) = 0;
+  virtual std::vector<Tensor> eval_gpu(const std::vector<Tensor>& inputs) = 0;
+  // Gradients for each input, given the cotangents of each output. An entry may be left undefined
+  // where needs_grad is false. inputs/outputs hold only what saves_inputs/saves_outputs kept.
+  virtual std::vector<Tensor> vjp(const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs,
+                                  const std::vector<Tensor>& d_outputs, const std::vector<bool>& needs_grad) = 0;
+  virtual bool saves_inputs() const { return true; }
+  virtual bool saves_outputs() const { return false; }
+};
+
+// Runs the primitive on the device of its inputs (all defined inputs must share one device).
+std::vector<Tensor> eval(Primitive& p, const std::vector<Tensor>& inputs);
+
+// ---- gradient mode ----------------------------------------------------------------------------
+
+bool grad_enabled();
+class NoGradGuard {  // ops run inside record no graph
+ public:
+  NoGradGuard();
+  ~NoGradGuard();
+ private:
+  bool prev_;
+};
+class EnableGradGuard {
+ public:
+  EnableGradGuard();
+  ~EnableGradGuard();
+ private:
+  bool prev_;
+};
+
+// ---- variables --------------------------------------------------------------------------------
+
+struct Node;
+struct VariableImpl {
+  Tensor data;
+  Tensor grad;
+  bool requires_grad = false;
+  std::shared_ptr<Node> grad_fn;  // null for leaves
+  int output_nr = 0;
+  std::string name;
+};
+
+class Variable {
+ public:
+  Variable() = default;
+  explicit Variable(Tensor data, bool requires_grad = false, std::string name = {});
+
+  bool defined() const { return impl_ != nullptr; }
+  const Tensor& data() const { return impl()->data; }
+  void set_data(const Tensor& t);  // e.g. the optimizer's update; shape/dtype/device must match
+  const Tensor& grad() const { return impl()->grad; }
+  void set_grad(const Tensor& g) { impl()->grad = g; }
+  void zero_grad() { impl()->grad = Tensor(); }
+  bool requires_grad() const { return impl()->requires_grad; }
+  bool is_leaf() const { return impl()->grad_fn == nullptr; }
+  const std::string& name() const { return impl()->name; }
+  Variable detach() const;  // same data, no history, no grad
+
+  const Shape& shape() const { return data().shape(); }
+  int64_t size(int d) const { return data().size(d); }
+  DType dtype() const { return data().dtype(); }
+  Device device() const { return data().device(); }
+
+  // Backpropagates from this value. `d` defaults to 1 for a one-element output.
+  void backward(const Tensor& d = Tensor(), bool retain_graph = false) const;
+
+  VariableImpl* impl() const;
+  const std::shared_ptr<VariableImpl>& shared_impl() const { return impl_; }
+
+ private:
+  std::shared_ptr<VariableImpl> impl_;
+};
+
+// Backpropagates from several outputs at once (used by checkpoint).
+void backward(const std::vector<Variable>& outputs, const std::vector<Tensor>& d_outputs, bool retain_graph = false);
+
+// ---- graph nodes ------------------------------------------------------------------------------
+
+struct Edge {
+  std::shared_ptr<Node> fn;                // producing node, or
+  std::shared_ptr<VariableImpl> leaf;      // the leaf that receives the gradient
+  int output_nr = 0;
+};
+
+struct Node {
+  virtual ~Node() = default;
+  virtual std::string name() const = 0;
+  // Gradients for each entry of `next`, given the gradients of this node's outputs.
+  virtual std::vector<Tensor> backward(const std::vector<Tensor>& d_outputs) = 0;
+  virtual void release() {}  // drop saved tensors once backward ran
+  std::vector<Edge> next;    // one per input
+  std::vector<Shape> out_shapes;
+  std::vector<DType> out_dtypes;
+  Device device;
+};
+
+// Runs a primitive and records it. Outputs of integer dtype never require grad.
+std::vector<Variable> apply(std::shared_ptr<Primitive> p, const std::vector<Variable>& inputs);
+
+// Recomputation: runs fn without recording, and in backward re-runs it with recording on and
+// backpropagates through the fresh graph. Parameters fn captures get their gradients there.
+// fn must be deterministic (same outputs for the same inputs).
+using CheckpointFn = std::function<std::vector<Variable>(const std::vector<Variable>&)>;
+std::vector<Variable> checkpoint(CheckpointFn fn, const std::vector<Variable>& inputs);
+
+}  // namespace flowmoe

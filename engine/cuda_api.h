@@ -1,0 +1,30 @@
+// The few CUDA runtime services the host-side engine needs, behind a header that compiles without
+// CUDA. With FLOWMOE_WITH_CUDA they are implemented in engine/cuda/cuda_api.cpp; without it,
+// engine/cuda_api_none.cpp answers "no device" and throws DeviceError on any use.
+#pragma once
+#include <cstddef>
+
+// Same declaration as cuda_runtime_api.h, so launchers can be declared in host-only headers.
+typedef struct CUstream_st* cudaStream_t;
+
+namespace flowmoe {
+
+bool built_with_cuda();
+// What eval_gpu does in a CPU-only build (it is unreachable there: no tensor can live on a device).
+[[noreturn]] void throw_no_cuda(const char* what);
+int cuda_device_count();  // 0 when not built with CUDA or no device/driver is present
+bool cuda_available();    // cuda_device_count() > 0
+
+void cuda_set_device(int index);
+int cuda_current_device();
+cudaStream_t current_stream(int device);  // the engine's compute stream on that device
+void cuda_synchronize(int device);        // waits for the engine's stream on that device
+
+void* cuda_malloc_raw(size_t nbytes, int device);  // throws CudaError with the size on failure
+void cuda_free_raw(void* ptr, int device);
+
+// Byte copies. kind is inferred from the two pointers' devices; -1 means host.
+void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size_t nbytes);
+void cuda_memset_zero(void* ptr, size_t nbytes, int device);
+
+}  // namespace flowmoe

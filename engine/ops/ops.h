@@ -1,0 +1,61 @@
+// The differentiable ops of flowmoe, on Variables. Each is a Primitive (eval_cpu / eval_gpu / vjp)
+// in engine/ops/<op>.cpp, with its CPU reference in kernels/cpu/<op>.cpp, its CUDA kernel in
+// kernels/cuda/<op>.cu (launchers declared in kernels/<op>.h) and its tests in tests/test_<op>.cpp.
+//
+// Dtypes: the CPU backend computes in f32 or f64 (f64 is for gradient checks); the CUDA backend in
+// f32 or bf16 (bf16 in and out, fp32 inside). All floating inputs of one op share one dtype and one
+// device; a mismatch throws DTypeError / DeviceError naming both sides.
+#pragma once
+#include "engine/autograd.h"
+
+namespace flowmoe {
+
+// ---- tensor-level helpers (no graph; used by the engine and optimizers) -----------------------
+Tensor tensor_add(const Tensor& a, const Tensor& b);  // a + b, same shape
+Tensor tensor_scale(const Tensor& a, double s);       // s * a
+Tensor tensor_mul(const Tensor& a, const Tensor& b);  // a * b, same shape
+
+// ---- elementwise: engine/ops/elementwise.cpp ---------------------------------------------------
+Variable add(const Variable& a, const Variable& b);  // same shape
+Variable mul(const Variable& a, const Variable& b);  // same shape
+Variable scale(const Variable& a, double s);         // s * a
+Variable cast(const Variable& a, DType to);          // f32 <-> bf16 (and f64 on cpu); grad casts back
+
+// ---- matmul / linear: engine/ops/linear.cpp (cuBLASLt on GPU, Eigen on CPU) --------------------
+Variable matmul(const Variable& a /*[M,K]*/, const Variable& b /*[K,N]*/);  // -> [M,N]
+// y = x · wᵀ (+ bias). x [..., K], w [N, K], bias [N] or undefined -> y [..., N].
+Variable linear(const Variable& x, const Variable& w, const Variable& bias = Variable());
+
+// ---- embedding: engine/ops/embedding.cpp -------------------------------------------------------
+// out[..., :] = weight[ids[...], :]; ids i32 in [0, V) (out of range throws on cpu, traps on gpu).
+Variable embedding(const Variable& weight /*[V,H]*/, const Tensor& ids /*[...] i32*/);  // -> [..., H]
+
+// ---- normalisation and activations -------------------------------------------------------------
+// y = x / sqrt(mean(x^2 over last dim) + eps) * weight. engine/ops/rmsnorm.cpp
+Variable rmsnorm(const Variable& x /*[..., H]*/, const Variable& weight /*[H]*/, double eps);
+Variable silu(const Variable& x);  // x * sigmoid(x). engine/ops/silu.cpp
+// out = silu(gate) * up, gate = x[..., :F], up = x[..., F:]. engine/ops/swiglu.cpp
+Variable swiglu(const Variable& gate_up /*[..., 2F]*/);  // -> [..., F]
+
+// ---- softmax and loss --------------------------------------------------------------------------
+Variable softmax(const Variable& x);  // over the last dim. engine/ops/softmax.cpp
+// Mean over rows whose target != ignore_index of -log softmax(logits)[target]; f32 scalar (shape {}).
+// All rows ignored gives 0 (and zero gradients). engine/ops/cross_entropy.cpp
+Variable cross_entropy(const Variable& logits /*[N,V]*/, const Tensor& targets /*[N] i32*/,
+                       int ignore_index = -100);
+
+// ---- attention: engine/ops/rope.cpp, engine/ops/attention.cpp ---------------------------------
+// Rotary embedding on pairs (x[2i], x[2i+1]) of each head, angle = (pos_offset + t) * theta^(-2i/hd).
+Variable rope(const Variable& x /*[B,T,nh,hd]*/, double theta, int64_t pos_offset = 0);
+// softmax(q·kᵀ / sqrt(hd) with a causal mask) · v, per batch and head.
+Variable causal_attention(const Variable& q /*[B,T,nh,hd]*/, const Variable& k /*[B,T,nh,hd]*/,
+                          const Variable& v /*[B,T,nh,hd]*/);  // -> [B,T,nh,hd]
+
+// ---- reductions: engine/ops/reduce.cpp ---------------------------------------------------------
+Variable sum(const Variable& x);   // over all elements -> shape {} (f32 for bf16 input)
+Variable mean(const Variable& x);  // over all elements -> shape {}; mean of nothing is 0
+
+// ---- views (no copy when contiguous; gradient reshapes back) ---------------------------------
+Variable reshape(const Variable& x, const Shape& shape);
+
+}  // namespace flowmoe

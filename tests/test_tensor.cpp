@@ -1,0 +1,165 @@
+// Tensors: dtype conversions (bf16 / FP8 against their definitions and the GPU), views, copies,
+// device moves, RNG reproducibility and error messages.
+#include <cmath>
+
+#include "tests/test_util.h"
+
+using namespace flowmoe;
+using namespace flowmoe::test;
+
+TEST(DType, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(f32_to_bf16_bits(1.0f), 0x3F80);
+  // 1 + 2^-8 is exactly halfway between two bf16 values: ties go to the even mantissa (1.0).
+  EXPECT_EQ(f32_to_bf16_bits(1.0f + std::ldexp(1.0f, -8)), 0x3F80);
+  EXPECT_EQ(f32_to_bf16_bits(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82);
+  EXPECT_TRUE(std::isnan(bf16_bits_to_f32(f32_to_bf16_bits(NAN))));
+  EXPECT_EQ(bf16_bits_to_f32(f32_to_bf16_bits(-0.0f)), 0.0f);
+  EXPECT_TRUE(std::signbit(bf16_bits_to_f32(f32_to_bf16_bits(-0.0f))));
+}
+
+TEST(DType, E4m3EveryCodeRoundTrips) {
+  for (int b = 0; b < 256; ++b) {
+    float v = e4m3_to_f32(uint8_t(b));
+    if ((b & 0x7F) == 0x7F) {
+      EXPECT_TRUE(std::isnan(v));
+      continue;
+    }
+    EXPECT_EQ(f32_to_e4m3(v), uint8_t(b)) << "code " << b << " value " << v;
+  }
+  EXPECT_EQ(e4m3_to_f32(0x7E), 448.0f);
+  EXPECT_EQ(e4m3_to_f32(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
+  EXPECT_EQ(e4m3_to_f32(0x08), std::ldexp(1.0f, -6));  // smallest normal
+}
+
+TEST(DType, E4m3SaturatesAndRoundsToEven) {
+  EXPECT_EQ(f32_to_e4m3(1000.0f), 0x7E);
+  EXPECT_EQ(f32_to_e4m3(-1000.0f), 0xFE);
+  EXPECT_EQ(f32_to_e4m3(INFINITY), 0x7E);
+  EXPECT_EQ(f32_to_e4m3(NAN) & 0x7F, 0x7F);
+  // Between 1.0 (0x38) and 1.125 (0x39): the midpoint goes to the even code 0x38.
+  EXPECT_EQ(f32_to_e4m3(1.0625f), 0x38);
+  EXPECT_EQ(f32_to_e4m3(1.0626f), 0x39);
+  // Subnormal grid (spacing 2^-9): 1.5 * 2^-9 ties to 2 * 2^-9 (even), 0.5 * 2^-9 ties to 0.
+  EXPECT_EQ(f32_to_e4m3(1.5f * std::ldexp(1.0f, -9)), 0x02);
+  EXPECT_EQ(f32_to_e4m3(0.5f * std::ldexp(1.0f, -9)), 0x00);
+  EXPECT_EQ(f32_to_e4m3(-0.0f), 0x80);
+}
+
+TEST(DType, E5m2EveryCodeRoundTrips) {
+  for (int b = 0; b < 256; ++b) {
+    float v = e5m2_to_f32(uint8_t(b));
+    if (std::isnan(v) || std::isinf(v)) continue;
+    EXPECT_EQ(f32_to_e5m2(v), uint8_t(b)) << "code " << b;
+  }
+  EXPECT_EQ(f32_to_e5m2(1e6f), 0x7B);
+}
+
+TEST(Tensor, ShapesViewsAndCopies) {
+  Rng rng(test_seed());
+  Tensor a = random_tensor(rng, {3, 4, 5});
+  EXPECT_EQ(a.numel(), 60);
+  EXPECT_TRUE(a.is_contiguous());
+  Tensor t = a.transpose(0, 2);
+  EXPECT_EQ(t.shape(), (Shape{5, 4, 3}));
+  EXPECT_FALSE(t.is_contiguous());
+  Tensor c = t.contiguous();
+  auto av = a.to_floats(), cv = c.to_floats();
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < 4; ++j)
+      for (int k = 0; k < 5; ++k) EXPECT_EQ(cv[size_t((k * 4 + j) * 3 + i)], av[size_t((i * 4 + j) * 5 + k)]);
+  Tensor s = a.slice(1, 1, 3);
+  EXPECT_EQ(s.shape(), (Shape{3, 2, 5}));
+  EXPECT_EQ(s.contiguous().to_floats()[0], av[5]);
+  EXPECT_EQ(a.view({-1, 5}).shape(), (Shape{12, 5}));
+  EXPECT_TRUE(a.view({12, 5}).shares_storage_with(a));
+  Tensor e = Tensor::empty({0, 7}, DType::f32);
+  EXPECT_TRUE(e.defined());
+  EXPECT_EQ(e.numel(), 0);
+}
+
+TEST(Tensor, ErrorsNameBothSides) {
+  Tensor a = Tensor::zeros({2, 3}, DType::f32), b = Tensor::zeros({3, 2}, DType::f32);
+  try {
+    check_same_shape(a, b, "test");
+    FAIL() << "no throw";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("[2, 3] vs [3, 2]"), std::string::npos) << e.what();
+  }
+  try {
+    check_same_dtype(a, Tensor::zeros({2, 3}, DType::bf16), "test");
+    FAIL() << "no throw";
+  } catch (const DTypeError& e) {
+    EXPECT_NE(std::string(e.what()).find("f32 vs bf16"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(a.view({4, 2}), ShapeError);
+  EXPECT_THROW(a.data<double>(), DTypeError);
+  EXPECT_THROW(Device::parse("gpu0"), DeviceError);
+  EXPECT_EQ(Device::parse("cuda:3").index, 3);
+}
+
+TEST(Rng, SameSeedSameValuesAnyDevice) {
+  Rng r1(7), r2(7);
+  EXPECT_TRUE(bit_equal(r1.normal({100}, 0, 1), r2.normal({100}, 0, 1)));
+  Rng r3(8);
+  EXPECT_FALSE(bit_equal(Rng(7).normal({100}, 0, 1), r3.normal({100}, 0, 1)));
+  // State save/restore continues the same stream.
+  Rng a(3);
+  a.uniform({10}, 0, 1);
+  Rng b(0);
+  b.set_state(a.seed(), a.offset());
+  EXPECT_TRUE(bit_equal(a.uniform({5}, 0, 1), b.uniform({5}, 0, 1)));
+  if (cuda_available()) {
+    Rng g(7), h(7);
+    EXPECT_TRUE(bit_equal(g.normal({100}, 0, 1, DType::f32, Device::cuda()), h.normal({100}, 0, 1)));
+  }
+}
+
+TEST(TensorCuda, CastsMatchCpuBitForBit) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  // Wide range (with some values past the FP8 limits) plus the special values.
+  std::vector<float> v = rng.uniform({4093}, -600, 600).to_floats();
+  std::vector<float> small = rng.uniform({1000}, -0.01, 0.01).to_floats();
+  v.insert(v.end(), small.begin(), small.end());
+  for (float s : {0.0f, -0.0f, NAN, INFINITY, -INFINITY, 448.0f, 449.0f, 1e-30f}) v.push_back(s);
+  Tensor host = Tensor::from_floats(v, {int64_t(v.size())});
+  Tensor dev = host.to(Device::cuda());
+  for (DType t : {DType::bf16, DType::e4m3, DType::e5m2}) {
+    SCOPED_TRACE(dtype_name(t));
+    EXPECT_TRUE(bit_equal(dev.to(t), host.to(t)));
+    EXPECT_TRUE(bit_equal(dev.to(t).to(DType::f32), host.to(t).to(DType::f32)));
+  }
+  Tensor ints = Tensor::from_ints({1, -5, 1 << 30, 7}, {4}, DType::i64);
+  EXPECT_TRUE(bit_equal(ints.to(Device::cuda()).to(DType::i32), ints.to(DType::i32)));
+}
+
+TEST(TensorCuda, ContiguousAndCopiesMatchCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  for (DType t : {DType::f32, DType::bf16, DType::e4m3, DType::i64}) {
+    Tensor a = t == DType::i64 ? rng.randint({7, 130, 3}, -100, 100, DType::i64) : random_tensor(rng, {7, 130, 3}, t);
+    Tensor g = a.to(Device::cuda());
+    EXPECT_TRUE(bit_equal(g.transpose(0, 1).contiguous(), a.transpose(0, 1).contiguous()));
+    EXPECT_TRUE(bit_equal(g.slice(1, 5, 129).transpose(1, 2).contiguous(), a.slice(1, 5, 129).transpose(1, 2).contiguous()));
+    EXPECT_TRUE(bit_equal(g.clone(), a));
+  }
+  EXPECT_TRUE(bit_equal(Tensor::full({5, 3}, 2.5, DType::bf16, Device::cuda()), Tensor::full({5, 3}, 2.5, DType::bf16)));
+  EXPECT_TRUE(bit_equal(Tensor::zeros({0, 3}, DType::f32, Device::cuda()), Tensor::zeros({0, 3}, DType::f32)));
+  EXPECT_THROW(Tensor::empty({1}, DType::f32, Device::cuda(cuda_device_count())), DeviceError);
+}
+
+TEST(TensorFp8, ScalesTravelWithTheValue) {
+  Tensor data = Tensor::zeros({4, 256}, DType::e4m3);
+  Tensor s = Tensor::full({4, 2}, 0.5, DType::f32);
+  Tensor q = data.with_scales(s, ScalingMode::rowwise_1x128);
+  ASSERT_NE(q.fp8_scales(), nullptr);
+  EXPECT_EQ(q.fp8_scales()->mode, ScalingMode::rowwise_1x128);
+  EXPECT_EQ(data.fp8_scales(), nullptr);
+  EXPECT_EQ(q.view({8, 128}).fp8_scales(), nullptr);  // a reshaped view no longer matches its scales
+  EXPECT_THROW(Tensor::zeros({2}, DType::f32).with_scales(s, ScalingMode::rowwise_1x128), DTypeError);
+  // An FP8 value flows through the graph as a value, scales attached.
+  Variable v(q);
+  Variable r = checkpoint([](const std::vector<Variable>& in) { return in; }, {v});
+  ASSERT_NE(r.data().fp8_scales(), nullptr);
+  EXPECT_TRUE(r.data().fp8_scales()->scale_inv.shares_storage_with(s));
+}

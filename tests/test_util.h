@@ -1,0 +1,44 @@
+// Shared test helpers: fresh random inputs, closeness checks that name the first bad element,
+// a finite-difference gradient check in f64, and a skip for machines without a GPU.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "engine/cuda_api.h"
+#include "engine/ops/ops.h"
+#include "engine/rng.h"
+
+namespace flowmoe::test {
+
+// Skips the current test (cleanly, with a reason) when no CUDA device is usable.
+#define FLOWMOE_REQUIRE_CUDA()                                                        \
+  do {                                                                                \
+    if (!::flowmoe::cuda_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped"; \
+  } while (0)
+
+// A seed that differs per run (so inputs are fresh) unless FLOWMOE_TEST_SEED fixes it; the seed
+// is printed so any failure can be replayed.
+uint64_t test_seed();
+
+// Uniform in [lo, hi) with the given dtype and device, drawn from `rng`.
+Tensor random_tensor(Rng& rng, const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu(),
+                     double lo = -1.0, double hi = 1.0);
+
+// max |got - ref| <= atol + rtol * |ref| elementwise; a failure names the first bad index and values.
+::testing::AssertionResult all_close(const Tensor& got, const Tensor& ref, double rtol, double atol);
+// Bitwise equality of the raw bytes (for permutes, quantize, casts); names the first bad element.
+::testing::AssertionResult bit_equal(const Tensor& got, const Tensor& ref);
+// ||got - ref|| / ||ref|| (0 when both are zero).
+double rel_error(const Tensor& got, const Tensor& ref);
+
+// Finite-difference check of fn's gradients at `inputs` (f64 CPU tensors). Compares the analytic
+// vjp of a random projection of the output against central differences. Only inputs listed in
+// `wrt` are checked (default: all floating inputs).
+using GradFn = std::function<Variable(const std::vector<Variable>&)>;
+::testing::AssertionResult gradcheck(const GradFn& fn, const std::vector<Tensor>& inputs, double eps = 1e-6,
+                                     double tol = 1e-5, std::vector<int> wrt = {});
+
+}  // namespace flowmoe::test
