@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs the Debian packages flowmoe builds with. Skips apt entirely when all are present.
+# The CUDA toolkit is not installed here: when nvcc exists (/usr/local/cuda or PATH) it is used.
+set -euo pipefail
+pkgs=(build-essential cmake ninja-build pkg-config libeigen3-dev libyaml-cpp-dev libgtest-dev gnuplot-nox)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "[deps] all present: ${pkgs[*]}"
+  exit 0
+fi
+echo "[deps] installing: ${missing[*]}"
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The test command: install Debian deps, configure (CUDA auto-detected: kernels are compiled when
+# nvcc is present, GPU tests skip without a device), build warning-free, run every test.
+#   scripts/test.sh            build dir ./build
+#   BUILD_DIR=/tmp/b scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install_deps.sh
+build="${BUILD_DIR:-build}"
+jobs="$(nproc)"
+cmake -G Ninja -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DFLOWMOE_CUDA="${FLOWMOE_CUDA:-AUTO}" -DFLOWMOE_WERROR=ON
+cmake --build "$build" -j"$jobs"
+ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 900
