@@ -17,7 +17,7 @@
   do {                                                                                            \
     cublasStatus_t s_ = (cmd);                                                                    \
     if (s_ != CUBLAS_STATUS_SUCCESS)                                                              \
-      FLOWMOE_THROW(::flowmoe::CudaError, #cmd, " failed: ", cublasGetStatusString(s_), " (",     \
+      FLOWMOE_THROW(::flowmoe::CudaError, #cmd, " failed: ", cublasLtGetStatusString(s_), " (",     \
                     int(s_), ")");                                                                \
   } while (0)
 
