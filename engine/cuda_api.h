@@ -3,6 +3,7 @@
 // engine/cuda_api_none.cpp answers "no device" and throws DeviceError on any use.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 // Same declaration as cuda_runtime_api.h, so launchers can be declared in host-only headers.
 typedef struct CUstream_st* cudaStream_t;
@@ -26,5 +27,11 @@ void cuda_free_raw(void* ptr, int device);
 // Byte copies. kind is inferred from the two pointers' devices; -1 means host.
 void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size_t nbytes);
 void cuda_memset_zero(void* ptr, size_t nbytes, int device);
+
+// Host synchronisations the engine makes on purpose (e.g. reading per-expert counts once per layer
+// so cuBLASLt gets each expert's M). Every such place calls note_host_sync(); the trainer reports
+// the count per step in the metrics.
+void note_host_sync();
+uint64_t num_host_syncs();
 
 }  // namespace flowmoe
