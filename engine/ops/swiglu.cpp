@@ -1,0 +1,113 @@
+// swiglu(gate_up) = silu(gate_up[..., :F]) * gate_up[..., F:] as an autograd primitive, with its
+// backward as a primitive on the same device. Reference: kernels/cpu/swiglu.cpp. Tests: tests/test_swiglu.cpp.
+#include "engine/cuda_api.h"
+#include "engine/ops/ops.h"
+#include "kernels/swiglu.h"
+
+namespace flowmoe {
+
+namespace {
+
+// The last dim holds [gate | up] and must be even; returns F.
+int64_t swiglu_width(const Tensor& gate_up, const char* what) {
+  FLOWMOE_CHECK(gate_up.dim() >= 1, ShapeError, what, ": gate_up must have a last dim [..., 2F], got ",
+                gate_up.describe());
+  int64_t two_f = gate_up.size(-1);
+  FLOWMOE_CHECK(two_f % 2 == 0, ShapeError, what, ": gate_up's last dim must be even (2F), got ",
+                gate_up.describe());
+  return two_f / 2;
+}
+
+Shape out_shape(const Tensor& gate_up, int64_t F) {
+  Shape s = gate_up.shape();
+  s.back() = F;
+  return s;
+}
+
+// d_gate_up from {d_out [..., F], gate_up [..., 2F]}.
+class SwigluBackward : public Primitive {
+ public:
+  const char* name() const override { return "swiglu_backward"; }
+
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    int64_t F = check(in);
+    Tensor d_out = in[0].contiguous(), gate_up = in[1].contiguous();
+    Tensor d_gate_up = Tensor::empty(gate_up.shape(), gate_up.dtype(), gate_up.device());
+    int64_t rows = F > 0 ? d_out.numel() / F : 0;
+    FLOWMOE_DISPATCH_CPU_FLOAT(gate_up.dtype(), name(),
+                               swiglu_backward_cpu<scalar_t>(d_gate_up.data<scalar_t>(), d_out.data<scalar_t>(),
+                                                             gate_up.data<scalar_t>(), rows, F));
+    return {d_gate_up};
+  }
+
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
+#ifdef FLOWMOE_WITH_CUDA
+    int64_t F = check(in);
+    check_dtype(in[1], {DType::f32, DType::bf16}, name());
+    Tensor d_out = in[0].contiguous(), gate_up = in[1].contiguous();
+    Tensor d_gate_up = Tensor::empty(gate_up.shape(), gate_up.dtype(), gate_up.device());
+    int64_t rows = F > 0 ? d_out.numel() / F : 0;
+    swiglu_backward_cuda(gate_up.dtype(), d_gate_up.raw_data(), d_out.raw_data(), gate_up.raw_data(), rows, F,
+                         current_stream(gate_up.device().index));
+    return {d_gate_up};
+#else
+    throw_no_cuda(name());
+#endif
+  }
+
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
+                          const std::vector<bool>&) override {
+    FLOWMOE_THROW(Error, name(), ": second-order gradients are not implemented");
+  }
+
+ private:
+  static int64_t check(const std::vector<Tensor>& in) {
+    check_same_dtype(in[0], in[1], "swiglu_backward (d_out vs gate_up)");
+    int64_t F = swiglu_width(in[1], "swiglu_backward");
+    FLOWMOE_CHECK(in[0].shape() == out_shape(in[1], F), ShapeError, "swiglu_backward: d_out ", in[0].describe(),
+                  " does not match gate_up ", in[1].describe());
+    return F;
+  }
+};
+
+class Swiglu : public Primitive {
+ public:
+  const char* name() const override { return "swiglu"; }
+
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    int64_t F = swiglu_width(in[0], name());
+    Tensor gate_up = in[0].contiguous();
+    Tensor out = Tensor::empty(out_shape(gate_up, F), gate_up.dtype(), gate_up.device());
+    int64_t rows = F > 0 ? out.numel() / F : 0;
+    FLOWMOE_DISPATCH_CPU_FLOAT(gate_up.dtype(), name(),
+                               swiglu_forward_cpu<scalar_t>(out.data<scalar_t>(), gate_up.data<scalar_t>(), rows, F));
+    return {out};
+  }
+
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
+#ifdef FLOWMOE_WITH_CUDA
+    int64_t F = swiglu_width(in[0], name());
+    check_dtype(in[0], {DType::f32, DType::bf16}, name());
+    Tensor gate_up = in[0].contiguous();
+    Tensor out = Tensor::empty(out_shape(gate_up, F), gate_up.dtype(), gate_up.device());
+    int64_t rows = F > 0 ? out.numel() / F : 0;
+    swiglu_forward_cuda(gate_up.dtype(), out.raw_data(), gate_up.raw_data(), rows, F,
+                        current_stream(gate_up.device().index));
+    return {out};
+#else
+    throw_no_cuda(name());
+#endif
+  }
+
+  std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>&) override {
+    SwigluBackward bwd;
+    return {eval(bwd, {d_out[0], in[0]})[0]};
+  }
+};
+
+}  // namespace
+
+Variable swiglu(const Variable& gate_up) { return apply(std::make_shared<Swiglu>(), {gate_up})[0]; }
+
+}  // namespace flowmoe
