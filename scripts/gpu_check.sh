@@ -20,7 +20,7 @@ row "nvcc" "$(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' | head -1)"
 
 t0=$(date +%s)
 if cmake -G Ninja -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DFLOWMOE_CUDA=ON -DFLOWMOE_WERROR=ON >"$out/configure.log" 2>&1 &&
-   cmake --build "$build" -j"$(nproc)" >"$out/build.log" 2>&1; then
+   cmake --build "$build" -j"$(nproc)" -- -k 0 >"$out/build.log" 2>&1; then
   nwarn=$(grep -ci 'warning' "$out/build.log")
   row "build (sm_90a)" "ok in $(( $(date +%s) - t0 )) s, ${nwarn} warning lines"
 else

@@ -1,5 +1,6 @@
 // The autograd graph: accumulation where a value is used twice, leaf gradient accumulation across
 // backward calls, no-grad scopes, checkpoint equality, and clear errors.
+#include "engine/allocator.h"
 #include "tests/test_util.h"
 
 using namespace flowmoe;
