@@ -60,7 +60,7 @@ static float bits_f32(uint32_t u) {
 
 uint16_t f32_to_bf16_bits(float x) {
   uint32_t u = f32_bits(x);
-  if (std::isnan(x)) return uint16_t((u >> 16) | 0x0040);  // keep sign and payload top, force quiet
+  if (std::isnan(x)) return 0x7FFF;  // CUDA's canonical bf16 NaN (sign dropped), so CPU and GPU agree
   uint32_t lsb = (u >> 16) & 1u;
   u += 0x7FFFu + lsb;  // round to nearest even
   return uint16_t(u >> 16);
@@ -117,8 +117,11 @@ static float small_to_f32(uint8_t b, int man_bits, int bias) {
 
 uint8_t f32_to_e4m3(float x) { return f32_to_small(x, 3, 7, kE4m3Max, 0x7F); }
 
+// The GPU converts FP8 NaN to the canonical float NaN 0x7FFFFFFF; the CPU returns the same bits.
+static float canonical_nan() { return bits_f32(0x7FFFFFFFu); }
+
 float e4m3_to_f32(uint8_t b) {
-  if ((b & 0x7F) == 0x7F) return std::nanf("");
+  if ((b & 0x7F) == 0x7F) return canonical_nan();
   return small_to_f32(b, 3, 7);
 }
 
@@ -129,7 +132,7 @@ uint8_t f32_to_e5m2(float x) {
 
 float e5m2_to_f32(uint8_t b) {
   uint32_t e = (b >> 2) & 0x1F, m = b & 3;
-  if (e == 0x1F) return m ? std::nanf("") : ((b & 0x80) ? -INFINITY : INFINITY);
+  if (e == 0x1F) return m ? canonical_nan() : ((b & 0x80) ? -INFINITY : INFINITY);
   return small_to_f32(b, 2, 15);
 }
 

@@ -121,7 +121,7 @@ TEST(TensorCuda, CastsMatchCpuBitForBit) {
   std::vector<float> v = rng.uniform({4093}, -600, 600).to_floats();
   std::vector<float> small = rng.uniform({1000}, -0.01, 0.01).to_floats();
   v.insert(v.end(), small.begin(), small.end());
-  for (float s : {0.0f, -0.0f, NAN, INFINITY, -INFINITY, 448.0f, 449.0f, 1e-30f}) v.push_back(s);
+  for (float s : {0.0f, -0.0f, NAN, -NAN, INFINITY, -INFINITY, 448.0f, 449.0f, 1e-30f}) v.push_back(s);
   Tensor host = Tensor::from_floats(v, {int64_t(v.size())});
   Tensor dev = host.to(Device::cuda());
   for (DType t : {DType::bf16, DType::e4m3, DType::e5m2}) {
