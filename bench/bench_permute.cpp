@@ -1,0 +1,212 @@
+// bench_permute: the fused MoE permute+pad (kernels/cuda/permute.cu) and unpermute+unpad
+// (kernels/cuda/unpermute.cu) with a bf16 payload, align 16 and 128, on random top-k routing drawn
+// per config (distinct experts per token, all experts local).
+// Bytes are the minimal traffic: permute reads each token row once and writes each padded row once
+// (pad rows count as written), plus topk_idx, topk_prob, row_map and the permuted probs; unpermute
+// reads each routed row once (pad rows are not read), writes each token row once, plus row_map and
+// topk_prob. permute is timed three ways: the buffer sized from counts the caller holds ("exact"),
+// sized for the worst case ("worst": its tail rows are written too, but not counted), and the
+// published recipe's cudaMemset of the whole worst-case buffer first ("memset+"). The ceiling is the
+// device's own D2D cudaMemcpyAsync bandwidth (read + write) measured in the same run; the H200 figure
+// of DESIGN.md §6 (4249 GB/s) is reported too. Each time is the median of kReps event-timed runs
+// after kWarmup. No GPU: prints a skip line and exits 0.
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "engine/cuda/cuda_check.h"
+#include "engine/cuda_api.h"
+#include "engine/rng.h"
+#include "engine/stream.h"
+#include "kernels/permute.h"
+#include "kernels/unpermute.h"
+
+using namespace flowmoe;
+
+namespace {
+
+constexpr int kWarmup = 5;
+constexpr int kReps = 30;
+constexpr double kH200CopyGbps = 4249.0;
+constexpr size_t kCopyBytes = size_t(1) << 30;
+
+template <class F>
+double median_ms(F&& run, cudaStream_t stream) {
+  for (int i = 0; i < kWarmup; ++i) run();
+  Event start(true), stop(true);
+  std::vector<float> times;
+  for (int i = 0; i < kReps; ++i) {
+    start.record(stream);
+    run();
+    stop.record(stream);
+    stop.synchronize();
+    times.push_back(start.elapsed_ms(stop));
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+double gbps(double bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; }
+
+// Device-to-device copy of 1 GiB, counting bytes read + written.
+double copy_gbps(cudaStream_t stream) {
+  void* src = cuda_malloc_raw(kCopyBytes, 0);
+  void* dst = cuda_malloc_raw(kCopyBytes, 0);
+  MOE_CUDA_CHECK(cudaMemsetAsync(src, 1, kCopyBytes, stream));
+  double ms = median_ms([&] { MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, kCopyBytes, cudaMemcpyDeviceToDevice, stream)); },
+                        stream);
+  cuda_free_raw(src, 0);
+  cuda_free_raw(dst, 0);
+  return gbps(2.0 * double(kCopyBytes), ms);
+}
+
+struct Config {
+  int64_t tokens;
+  int experts;
+  int64_t hidden;
+  int topk;
+};
+
+struct Result {
+  Config c;
+  int align;
+  int64_t padded_rows, worst_rows;
+  double permute_bytes, unpermute_bytes;
+  double exact_ms, worst_ms, memset_ms, unpermute_ms;
+};
+
+// Distinct experts per token, uniform: what a balanced router produces.
+std::vector<int64_t> random_routing(std::mt19937_64& gen, const Config& c) {
+  std::vector<int64_t> idx;
+  idx.reserve(size_t(c.tokens * c.topk));
+  std::vector<int> pool(size_t(c.experts));
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    std::iota(pool.begin(), pool.end(), 0);
+    for (int j = 0; j < c.topk; ++j) {
+      std::uniform_int_distribution<size_t> pick(size_t(j), pool.size() - 1);
+      std::swap(pool[size_t(j)], pool[pick(gen)]);
+      idx.push_back(pool[size_t(j)]);
+    }
+  }
+  return idx;
+}
+
+Result bench_config(const Config& c, int align, std::mt19937_64& gen, Rng& rng, cudaStream_t stream) {
+  const Device dev = Device::cuda(0);
+  const int64_t esize = 2;  // bf16
+  Tensor idx = Tensor::from_ints(random_routing(gen, c), {c.tokens, c.topk}, DType::i32, dev);
+  Tensor x = rng.uniform({c.tokens, c.hidden}, -1, 1, DType::bf16, dev);
+  Tensor prob = rng.uniform({c.tokens, c.topk}, 0, 1, DType::f32, dev);
+
+  RoutingDims d;
+  d.num_tokens = c.tokens, d.topk = c.topk, d.num_experts = c.experts, d.expert_offset = 0;
+  d.num_local_experts = c.experts, d.align_size = align;
+  d.num_rows = permute_worst_case_rows(c.tokens, c.topk, c.experts, align);
+  Tensor rows = Tensor::empty({d.num_rows, c.hidden}, DType::bf16, dev);
+  Tensor probs = Tensor::empty({d.num_rows}, DType::f32, dev);
+  Tensor row_map = Tensor::empty({c.tokens, c.topk}, DType::i32, dev);
+  Tensor counts = Tensor::empty({3 * int64_t(c.experts) + 1}, DType::i32, dev);  // tokens, padded, starts
+  Tensor workspace = Tensor::empty({int64_t(permute_workspace_bytes(d))}, DType::u8, dev);
+  Tensor y = Tensor::empty({c.tokens, c.hidden}, DType::bf16, dev);
+
+  PermuteBuffers b;
+  b.topk_idx = idx.data<int32_t>(), b.x = x.raw_data(), b.row_bytes = size_t(c.hidden * esize);
+  b.topk_prob = prob.data<float>(), b.rows = rows.raw_data(), b.probs = probs.data<float>();
+  b.row_map = row_map.data<int32_t>(), b.tokens_per_expert = counts.data<int32_t>();
+  b.padded_tokens_per_expert = b.tokens_per_expert + c.experts, b.segment_starts = b.tokens_per_expert + 2 * c.experts;
+  b.workspace = workspace.raw_data();
+
+  // The host reads the counts once, outside the timing, as a layer that sizes its buffers would.
+  permute_pad_cuda(d, b, stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<int64_t> host_counts = counts.to_ints();
+  const int64_t padded_rows = host_counts.back();
+  int64_t routed = 0;
+  for (int e = 0; e < c.experts; ++e) routed += host_counts[size_t(e)];
+
+  Result r{c, align, padded_rows, d.num_rows, 0, 0, 0, 0, 0, 0};
+  const double side_bytes = double(c.tokens * c.topk) * 4 * 3 + double(padded_rows) * 4;  // idx, prob, row_map; probs
+  r.permute_bytes = double(c.tokens + padded_rows) * double(c.hidden * esize) + side_bytes;
+  r.unpermute_bytes = double(routed + c.tokens) * double(c.hidden * esize) + double(c.tokens * c.topk) * 8;
+
+  r.worst_ms = median_ms([&] { permute_pad_cuda(d, b, stream); }, stream);
+  r.memset_ms = median_ms(
+      [&] {
+        MOE_CUDA_CHECK(cudaMemsetAsync(b.rows, 0, size_t(d.num_rows * c.hidden * esize), stream));
+        permute_pad_cuda(d, b, stream);
+      },
+      stream);
+  RoutingDims exact = d;
+  exact.num_rows = padded_rows;
+  r.exact_ms = median_ms([&] { permute_pad_cuda(exact, b, stream); }, stream);
+  r.unpermute_ms = median_ms(
+      [&] {
+        unpermute_cuda(DType::bf16, row_map.data<int32_t>(), c.tokens, c.topk, c.hidden, rows.raw_data(),
+                       prob.data<float>(), y.raw_data(), stream);
+      },
+      stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return r;
+}
+
+}  // namespace
+
+int main() {
+  if (cuda_device_count() == 0) {
+    std::printf("bench_permute: no CUDA device, skipped\n");
+    return 0;
+  }
+  try {
+    cuda_set_device(0);
+    cudaDeviceProp prop{};
+    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    cudaStream_t stream = current_stream(0);
+    std::printf("bench_permute on %s: bf16 payload, random top-k routing, median of %d reps\n", prop.name, kReps);
+    const double copy = copy_gbps(stream);
+    std::printf("  device D2D copy (read + write): %.0f GB/s (%.3f of the H200's %.0f)\n", copy, copy / kH200CopyGbps,
+                kH200CopyGbps);
+
+    const Config configs[] = {{4096, 64, 7168, 8}, {8192, 128, 4096, 8}, {16384, 32, 2048, 4}, {4096, 8, 1024, 2}};
+    std::mt19937_64 gen(2026);
+    Rng rng(2026);
+    std::vector<Result> results;
+    for (const Config& c : configs)
+      for (int align : {16, 128}) results.push_back(bench_config(c, align, gen, rng, stream));
+
+    std::printf("\n%-24s %5s %8s | %9s %8s %6s | %9s %8s | %9s | %9s %8s %6s\n", "tokens,experts,hidden,k", "align",
+                "rows", "perm ms", "GB/s", "copy", "worst ms", "GB/s", "memset+ms", "unperm ms", "GB/s", "copy");
+    for (const Result& r : results) {
+      char cfg[64];
+      std::snprintf(cfg, sizeof(cfg), "%lld,%d,%lld,%d", (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden,
+                    r.c.topk);
+      const double pe = gbps(r.permute_bytes, r.exact_ms), pw = gbps(r.permute_bytes, r.worst_ms);
+      const double u = gbps(r.unpermute_bytes, r.unpermute_ms);
+      std::printf("%-24s %5d %8lld | %9.4f %8.0f %6.3f | %9.4f %8.0f | %9.4f | %9.4f %8.0f %6.3f\n", cfg, r.align,
+                  (long long)r.padded_rows, r.exact_ms, pe, pe / copy, r.worst_ms, pw, r.memset_ms, r.unpermute_ms, u,
+                  u / copy);
+    }
+    for (const Result& r : results) {
+      const double pe = gbps(r.permute_bytes, r.exact_ms), pw = gbps(r.permute_bytes, r.worst_ms);
+      std::printf("BENCH permute T=%lld E=%d H=%lld k=%d align=%d dtype=bf16 rows=%lld worst_rows=%lld ms=%.4f "
+                  "gbps=%.1f frac_copy=%.4f frac_h200=%.4f worst_ms=%.4f worst_gbps=%.1f worst_frac_copy=%.4f "
+                  "memset_first_ms=%.4f copy_gbps=%.1f\n",
+                  (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden, r.c.topk, r.align,
+                  (long long)r.padded_rows, (long long)r.worst_rows, r.exact_ms, pe, pe / copy, pe / kH200CopyGbps,
+                  r.worst_ms, pw, pw / copy, r.memset_ms, copy);
+    }
+    for (const Result& r : results) {
+      const double u = gbps(r.unpermute_bytes, r.unpermute_ms);
+      std::printf("BENCH unpermute T=%lld E=%d H=%lld k=%d align=%d dtype=bf16 ms=%.4f gbps=%.1f frac_copy=%.4f "
+                  "frac_h200=%.4f copy_gbps=%.1f\n",
+                  (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden, r.c.topk, r.align, r.unpermute_ms, u,
+                  u / copy, u / kH200CopyGbps, copy);
+    }
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_permute failed: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,226 @@
+// permute_pad and its backward as autograd primitives (see engine/ops/permute.h).
+// References: kernels/cpu/permute.cpp. Kernels: kernels/cuda/permute.cu. Tests: tests/test_permute.cpp.
+#include "engine/ops/permute.h"
+
+#include <memory>
+#include <vector>
+
+#include "engine/cuda_api.h"
+
+namespace flowmoe {
+
+namespace {
+
+// Inputs: row_map [T,k], d_rows [num_rows,H] (or undefined), d_probs [num_rows] (or undefined).
+// Outputs: d_x [T,H] and d_topk_prob [T,k], each undefined when its cotangent is.
+class PermutePadBackward : public Primitive {
+ public:
+  PermutePadBackward(int64_t num_tokens, int topk, int64_t hidden) : num_tokens_(num_tokens), topk_(topk), hidden_(hidden) {}
+  const char* name() const override { return "permute_pad_backward"; }
+
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    Tensor row_map = in[0].contiguous(), d_x, d_prob;
+    if (in[1].defined()) {
+      Tensor d_rows = in[1].contiguous();
+      d_x = Tensor::empty({num_tokens_, hidden_}, d_rows.dtype());
+      FLOWMOE_DISPATCH_CPU_FLOAT(d_rows.dtype(), name(),
+                                 permute_backward_cpu<scalar_t>(row_map.data<int32_t>(), num_tokens_, topk_, hidden_,
+                                                                d_rows.data<scalar_t>(), nullptr,
+                                                                d_x.data<scalar_t>(), nullptr));
+    }
+    if (in[2].defined()) {
+      Tensor d_probs = in[2].contiguous();
+      d_prob = Tensor::empty({num_tokens_, topk_}, d_probs.dtype());
+      FLOWMOE_DISPATCH_CPU_FLOAT(d_probs.dtype(), name(),
+                                 permute_backward_cpu<scalar_t>(row_map.data<int32_t>(), num_tokens_, topk_, hidden_,
+                                                                nullptr, d_probs.data<scalar_t>(), nullptr,
+                                                                d_prob.data<scalar_t>()));
+    }
+    return {d_x, d_prob};
+  }
+
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
+#ifdef FLOWMOE_WITH_CUDA
+    const Device dev = in[0].device();
+    Tensor row_map = in[0].contiguous(), d_rows, d_probs, d_x, d_prob;
+    if (in[1].defined()) {
+      d_rows = in[1].contiguous();
+      d_x = Tensor::empty({num_tokens_, hidden_}, d_rows.dtype(), dev);
+    }
+    if (in[2].defined()) {
+      d_probs = in[2].contiguous();
+      d_prob = Tensor::empty({num_tokens_, topk_}, DType::f32, dev);
+    }
+    permute_backward_cuda(d_rows.defined() ? d_rows.dtype() : DType::f32, row_map.data<int32_t>(), num_tokens_, topk_,
+                          hidden_, d_rows.defined() ? d_rows.raw_data() : nullptr,
+                          d_probs.defined() ? d_probs.data<float>() : nullptr,
+                          d_x.defined() ? d_x.raw_data() : nullptr, d_prob.defined() ? d_prob.data<float>() : nullptr,
+                          current_stream(dev.index));
+    return {d_x, d_prob};
+#else
+    throw_no_cuda(name());
+#endif
+  }
+
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
+                          const std::vector<bool>&) override {
+    FLOWMOE_THROW(Error, "permute_pad_backward: double backward is not supported");
+  }
+
+ private:
+  int64_t num_tokens_;
+  int topk_;
+  int64_t hidden_;
+};
+
+// Inputs: x [T,H], topk_idx [T,k] i32, topk_prob [T,k] (or undefined), side [T,S] f32 (or undefined).
+// Outputs: rows, probs, row_map, tokens_per_expert, padded_tokens_per_expert, segment_starts, side_rows.
+class PermutePad : public Primitive {
+ public:
+  PermutePad(const RoutingDims& d, double side_pad_value) : d_(d), side_pad_value_(side_pad_value) {}
+  const char* name() const override { return "permute_pad"; }
+  bool saves_inputs() const override { return false; }  // the vjp needs only row_map, kept below
+
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    check(in, false);
+    Tensor x = in[0].contiguous(), idx = in[1].contiguous();
+    std::vector<Tensor> out = allocate(in, Device::cpu());
+    permute_map_cpu(d_, idx.data<int32_t>(), out[2].data<int32_t>(), out[3].data<int32_t>(), out[4].data<int32_t>(),
+                    out[5].data<int32_t>());
+    const int32_t* row_map = out[2].data<int32_t>();
+    permute_rows_cpu(d_, row_map, x.raw_data(), row_bytes(x), nullptr, out[0].raw_data());
+    if (in[2].defined()) {
+      Tensor prob = in[2].contiguous();
+      FLOWMOE_DISPATCH_CPU_FLOAT(prob.dtype(), name(),
+                                 permute_probs_cpu<scalar_t>(d_, row_map, prob.data<scalar_t>(), out[1].data<scalar_t>()));
+    }
+    if (in[3].defined()) {
+      Tensor side = in[3].contiguous();
+      std::vector<float> pad_row(size_t(side.size(1)), float(side_pad_value_));
+      permute_rows_cpu(d_, row_map, side.raw_data(), size_t(side.size(1)) * sizeof(float), pad_row.data(),
+                       out[6].raw_data());
+    }
+    row_map_ = out[2];
+    return out;
+  }
+
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
+#ifdef FLOWMOE_WITH_CUDA
+    check(in, true);
+    const Device dev = in[0].device();
+    Tensor x = in[0].contiguous(), idx = in[1].contiguous(), prob, side;
+    std::vector<Tensor> out = allocate(in, dev);
+    Tensor workspace = Tensor::empty({int64_t(permute_workspace_bytes(d_))}, DType::u8, dev);
+    PermuteBuffers b;
+    b.topk_idx = idx.data<int32_t>();
+    b.x = x.raw_data();
+    b.row_bytes = row_bytes(x);
+    if (in[2].defined()) {
+      prob = in[2].contiguous();
+      b.topk_prob = prob.data<float>();
+      b.probs = out[1].data<float>();
+    }
+    if (in[3].defined()) {
+      side = in[3].contiguous();
+      b.side = side.data<float>();
+      b.side_cols = int(side.size(1));
+      b.side_pad_value = float(side_pad_value_);
+      b.side_rows = out[6].data<float>();
+    }
+    b.rows = out[0].raw_data();
+    b.row_map = out[2].data<int32_t>();
+    b.tokens_per_expert = out[3].data<int32_t>();
+    b.padded_tokens_per_expert = out[4].data<int32_t>();
+    b.segment_starts = out[5].data<int32_t>();
+    b.workspace = workspace.raw_data();
+    permute_pad_cuda(d_, b, current_stream(dev.index));
+    row_map_ = out[2];
+    return out;
+#else
+    throw_no_cuda(name());
+#endif
+  }
+
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>& needs) override {
+    PermutePadBackward backward(d_.num_tokens, d_.topk, hidden_);
+    std::vector<Tensor> g = eval(backward, {row_map_, needs[0] ? d_out[0] : Tensor(), needs[2] ? d_out[1] : Tensor()});
+    return {g[0], Tensor(), g[1], Tensor()};
+  }
+
+ private:
+  RoutingDims d_;
+  double side_pad_value_;
+  int64_t hidden_ = 0;
+  Tensor row_map_;  // [T,k]: small, kept for the vjp instead of saving the (large) outputs
+
+  size_t row_bytes(const Tensor& x) const { return size_t(x.size(1)) * dtype_size(x.dtype()); }
+
+  void check(const std::vector<Tensor>& in, bool cuda) const {
+    const Tensor &x = in[0], &idx = in[1], &prob = in[2], &side = in[3];
+    FLOWMOE_CHECK(x.dim() == 2, ShapeError, "permute_pad: x must be [tokens, hidden], got ", x.describe());
+    FLOWMOE_CHECK(idx.dim() == 2 && idx.size(0) == x.size(0) && idx.size(0) == d_.num_tokens && idx.size(1) == d_.topk,
+                  ShapeError, "permute_pad: topk_idx ", idx.describe(), " does not match x ", x.describe());
+    check_dtype(idx, {DType::i32}, "permute_pad topk_idx");
+    if (prob.defined()) {
+      check_same_shape(prob, idx, "permute_pad topk_prob vs topk_idx");
+      if (cuda)
+        check_dtype(prob, {DType::f32}, "permute_pad topk_prob on cuda");
+      else
+        check_dtype(prob, {DType::f32, DType::f64}, "permute_pad topk_prob on cpu");
+    }
+    if (side.defined()) {
+      FLOWMOE_CHECK(side.dim() == 2 && side.size(0) == x.size(0), ShapeError, "permute_pad: side payload ",
+                    side.describe(), " must be [", x.size(0), ", S]");
+      check_dtype(side, {DType::f32}, "permute_pad side payload");
+    }
+  }
+
+  // [rows, probs, row_map, tokens_per_expert, padded_tokens_per_expert, segment_starts, side_rows]
+  std::vector<Tensor> allocate(const std::vector<Tensor>& in, Device dev) {
+    const Tensor &x = in[0], &prob = in[2], &side = in[3];
+    hidden_ = x.size(1);
+    const int64_t num_local = d_.num_local_experts;
+    return {Tensor::empty({d_.num_rows, hidden_}, x.dtype(), dev),
+            prob.defined() ? Tensor::empty({d_.num_rows}, prob.dtype(), dev) : Tensor(),
+            Tensor::empty({d_.num_tokens, d_.topk}, DType::i32, dev),
+            Tensor::empty({num_local}, DType::i32, dev),
+            Tensor::empty({num_local}, DType::i32, dev),
+            Tensor::empty({num_local + 1}, DType::i32, dev),
+            side.defined() ? Tensor::empty({d_.num_rows, side.size(1)}, DType::f32, dev) : Tensor()};
+  }
+};
+
+}  // namespace
+
+PermuteResult permute_pad(const Variable& x, const Tensor& topk_idx, const Variable& topk_prob, int num_experts,
+                          int align_size, int expert_offset, int num_local_experts, int64_t num_rows,
+                          const Tensor& side, double side_pad_value) {
+  FLOWMOE_CHECK(topk_idx.dim() == 2, ShapeError, "permute_pad: topk_idx must be [tokens, k], got ",
+                topk_idx.describe());
+  RoutingDims d;
+  d.num_tokens = topk_idx.size(0);
+  d.topk = int(topk_idx.size(1));
+  d.num_experts = num_experts;
+  d.expert_offset = expert_offset;
+  d.num_local_experts = num_local_experts < 0 ? num_experts - expert_offset : num_local_experts;
+  d.align_size = align_size;
+  check_routing_dims(d);  // align_size and expert range first: the worst case below relies on them
+  d.num_rows = num_rows < 0 ? permute_worst_case_rows(d.num_tokens, d.topk, d.num_local_experts, align_size) : num_rows;
+  check_routing_dims(d);
+
+  std::vector<Variable> out = apply(std::make_shared<PermutePad>(d, side_pad_value),
+                                    {x, Variable(topk_idx), topk_prob, side.defined() ? Variable(side) : Variable()});
+  PermuteResult r;
+  r.rows = out[0];
+  if (topk_prob.defined()) r.probs = out[1];
+  r.row_map = out[2].data();
+  r.tokens_per_expert = out[3].data();
+  r.padded_tokens_per_expert = out[4].data();
+  r.segment_starts = out[5].data();
+  if (side.defined()) r.side_rows = out[6].data();
+  r.align_size = align_size;
+  return r;
+}
+
+}  // namespace flowmoe

@@ -1,0 +1,343 @@
+// MoE unpermute + unpad with merging probs on the GPU (math in kernels/unpermute.h).
+//   forward:  one thread group per token gathers its routed rows (16-byte vectors, two rows in
+//             flight) and accumulates prob * row with fmaf in fp32, j ascending (bit-identical to the
+//             CPU reference)
+//   backward: one group per token loads dy once, stores prob * dy to each of its rows and reduces
+//             rows . dy per slot (per-warp partials in shared memory: deterministic); the other
+//             groups zero the pad and tail rows of d_rows. Nothing is memset first.
+// CPU reference: kernels/cpu/unpermute.cpp. Tests: tests/test_unpermute.cpp. Bench: bench/bench_permute.cpp.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "engine/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_utils.cuh"
+#include "kernels/unpermute.h"
+
+namespace flowmoe {
+
+namespace {
+
+constexpr int kThreads = 256;  // blocks hold 256 / group thread groups
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4;         // backward: vectors per thread per pass
+constexpr int kForwardUnroll = 2;  // forward: vectors per thread per pass (two rows in flight: 4 vectors)
+constexpr int kMaxTopk = 512;  // shared memory holds [groups, k] rows and probs and [8 warps, k] partials
+
+template <int VB>
+struct VecOf;
+template <>
+struct VecOf<16> { using type = uint4; };
+template <>
+struct VecOf<4> { using type = unsigned int; };
+template <>
+struct VecOf<2> { using type = unsigned short; };
+
+// VB bytes of T, loaded and stored as one vector (llm.c's Packed128); get/set convert through fp32.
+template <class T, int VB>
+struct Packed {
+  static constexpr int n = VB / int(sizeof(T));
+  T v[n];
+  __device__ static Packed load(const T* p) {
+    auto raw = __ldg(reinterpret_cast<const typename VecOf<VB>::type*>(p));
+    Packed out;
+    memcpy(&out, &raw, VB);
+    return out;
+  }
+  __device__ void store(T* p) const {
+    typename VecOf<VB>::type raw;
+    memcpy(&raw, this, VB);
+    *reinterpret_cast<typename VecOf<VB>::type*>(p) = raw;
+  }
+  __device__ float get(int e) const { return to_float(v[e]); }
+  __device__ void set(int e, float x) { v[e] = from_float<T>(x); }
+};
+
+// Eight bf16 kept as four 32-bit words (not eight 16-bit registers): widening is a shift, exact.
+template <>
+struct Packed<__nv_bfloat16, 16> {
+  static constexpr int n = 8;
+  uint4 raw;
+  __device__ static Packed load(const __nv_bfloat16* p) { return {__ldg(reinterpret_cast<const uint4*>(p))}; }
+  __device__ void store(__nv_bfloat16* p) const { *reinterpret_cast<uint4*>(p) = raw; }
+  __device__ unsigned& word(int i) { return i == 0 ? raw.x : i == 1 ? raw.y : i == 2 ? raw.z : raw.w; }
+  __device__ unsigned word(int i) const { return i == 0 ? raw.x : i == 1 ? raw.y : i == 2 ? raw.z : raw.w; }
+  __device__ float get(int e) const {
+    const unsigned w = word(e >> 1);
+    return __uint_as_float((e & 1) ? (w & 0xffff0000u) : (w << 16));
+  }
+  __device__ void set(int e, float x) {
+    const unsigned b = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    unsigned& w = word(e >> 1);
+    w = (e & 1) ? ((w & 0x0000ffffu) | (b << 16)) : ((w & 0xffff0000u) | b);
+  }
+};
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+// Each thread keeps kForwardUnroll vectors of fp32 sums and reads two routed rows at a time, so
+// 4 vectors per thread are in flight at a modest register count.
+template <class T, int VB>
+__global__ void __launch_bounds__(kThreads)
+    unpermute_kernel(const int32_t* __restrict__ row_map /*[T,k]*/, int64_t num_tokens, int topk, int64_t nvec,
+                     int group, const T* __restrict__ rows /*[num_rows, nvec*n]*/,
+                     const float* __restrict__ topk_prob /*[T,k]*/, T* __restrict__ y /*[T, nvec*n]*/) {
+  using P = Packed<T, VB>;
+  constexpr int U = kForwardUnroll;
+  extern __shared__ unsigned char s_raw[];
+  __shared__ int s_count[kWarps];  // routed slots per group
+  const int groups = blockDim.x / group, g = threadIdx.x / group, lane = threadIdx.x % group;
+  int32_t* s_row = reinterpret_cast<int32_t*>(s_raw) + g * topk;                    // [groups, k]
+  float* s_prob = reinterpret_cast<float*>(s_raw) + (groups + g) * int64_t(topk);  // [groups, k]
+  const int64_t t = int64_t(blockIdx.x) * groups + g;
+  if (t < num_tokens)
+    for (int j = lane; j < topk; j += group) {
+      s_row[j] = row_map[t * topk + j];
+      s_prob[j] = topk_prob ? topk_prob[t * topk + j] : 1.f;
+    }
+  __syncthreads();
+  if (t < num_tokens && lane == 0) {  // routed slots first, j ascending: the loop below needs no branch
+    int count = 0;
+    for (int j = 0; j < topk; ++j)
+      if (s_row[j] >= 0) {
+        s_row[count] = s_row[j];
+        s_prob[count] = s_prob[j];
+        ++count;
+      }
+    s_count[g] = count;
+  }
+  __syncthreads();
+  if (t >= num_tokens) return;
+  const int count = s_count[g];
+  for (int64_t v0 = 0; v0 < nvec; v0 += int64_t(group) * U) {
+    float acc[U][P::n] = {};
+    auto load = [&](int slot, P (&in)[U]) {
+      const T* src = rows + int64_t(s_row[slot]) * nvec * P::n;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t v = v0 + u * group + lane;
+        if (v < nvec) in[u] = P::load(src + v * P::n);
+      }
+    };
+    auto accumulate = [&](float p, const P (&in)[U]) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < P::n; ++e) acc[u][e] = fmaf(p, in[u].get(e), acc[u][e]);
+    };
+    int j = 0;
+#pragma unroll 1
+    for (; j + 1 < count; j += 2) {
+      P a[U], b[U];
+      load(j, a);
+      load(j + 1, b);
+      accumulate(s_prob[j], a);
+      accumulate(s_prob[j + 1], b);
+    }
+    if (j < count) {
+      P a[U];
+      load(j, a);
+      accumulate(s_prob[j], a);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + u * group + lane;
+      if (v < nvec) {
+        P out{};
+#pragma unroll
+        for (int e = 0; e < P::n; ++e) out.set(e, acc[u][e]);
+        out.store(y + (t * nvec + v) * P::n);
+      }
+    }
+  }
+}
+
+struct BackwardArgs {
+  const int32_t* row_map;  // [T,k]
+  const int32_t* tokens;   // [L]
+  const int32_t* seg;      // [L+1]
+  const float* topk_prob;  // [T,k] or null (weights 1)
+  float* d_topk_prob;      // [T,k] or null
+  int64_t num_tokens, nvec, num_rows, token_blocks, num_pad_items;
+  int topk, num_local, align, group;
+};
+
+// Blocks [0, token_blocks) hold 256 / group tokens each. The blocks after them hold 8 pad warps each:
+// pad warp p zeroes pad slot (e, q) = divmod(p, align-1) of d_rows when that row exists, then strides
+// over the tail rows [seg[L], num_rows) (as permute_rows does).
+template <class T, int VB>
+__global__ void __launch_bounds__(kThreads)
+    unpermute_backward_kernel(const BackwardArgs a, const T* __restrict__ rows /*[num_rows, nvec*n]*/,
+                              const T* __restrict__ dy /*[T, nvec*n]*/, T* __restrict__ d_rows /*[num_rows, nvec*n]*/) {
+  using P = Packed<T, VB>;
+  extern __shared__ unsigned char s_raw[];
+  if (blockIdx.x >= a.token_blocks) {
+    const int lane = threadIdx.x & 31;
+    const int64_t p = (int64_t(blockIdx.x) - a.token_blocks) * kWarps + (threadIdx.x >> 5);
+    if (p >= a.num_pad_items) return;
+    auto zero_row = [&](int64_t r) {
+      P zero{};
+#pragma unroll
+      for (int e = 0; e < P::n; ++e) zero.set(e, 0.f);
+      for (int64_t v = lane; v < a.nvec; v += 32) zero.store(d_rows + (r * a.nvec + v) * P::n);
+    };
+    const int slots = a.align - 1;  // an expert has at most align-1 pad rows
+    if (p < int64_t(a.num_local) * slots) {
+      const int e = int(p / slots), q = int(p % slots);
+      const int64_t r = int64_t(a.seg[e]) + a.tokens[e] + q;
+      if (r < a.seg[e + 1]) zero_row(r);
+    }
+    for (int64_t r = a.seg[a.num_local] + p; r < a.num_rows; r += a.num_pad_items) zero_row(r);
+    return;
+  }
+  const int groups = blockDim.x / a.group, g = threadIdx.x / a.group, lane = threadIdx.x % a.group;
+  const int warp = threadIdx.x >> 5, warps_per_group = a.group >> 5;
+  int32_t* s_row = reinterpret_cast<int32_t*>(s_raw) + g * a.topk;                         // [groups, k]
+  float* s_prob = reinterpret_cast<float*>(s_raw) + (groups + g) * int64_t(a.topk);       // [groups, k]
+  float* s_dot = reinterpret_cast<float*>(s_raw) + 2 * groups * int64_t(a.topk);          // [warps, k]
+  const int64_t item = int64_t(blockIdx.x) * groups + g;
+  const bool is_token = item < a.num_tokens;
+  if (is_token)
+    for (int j = lane; j < a.topk; j += a.group) {
+      s_row[j] = a.row_map[item * a.topk + j];
+      s_prob[j] = a.topk_prob ? a.topk_prob[item * a.topk + j] : 1.f;
+    }
+  for (int i = threadIdx.x; i < kWarps * a.topk; i += blockDim.x) s_dot[i] = 0.f;
+  __syncthreads();
+
+  if (is_token) {
+    for (int64_t v0 = 0; v0 < a.nvec; v0 += int64_t(a.group) * kUnroll) {
+      float g_in[kUnroll][P::n] = {};
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * a.group + lane;
+        if (v < a.nvec) {
+          const P in = P::load(dy + (item * a.nvec + v) * P::n);
+#pragma unroll
+          for (int e = 0; e < P::n; ++e) g_in[u][e] = in.get(e);
+        }
+      }
+      for (int j = 0; j < a.topk; ++j) {
+        const int32_t r = s_row[j];
+        if (r < 0) continue;
+        if (d_rows) {
+          const float p = s_prob[j];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = v0 + u * a.group + lane;
+            if (v < a.nvec) {
+              P out{};
+#pragma unroll
+              for (int e = 0; e < P::n; ++e) out.set(e, p * g_in[u][e]);
+              out.store(d_rows + (int64_t(r) * a.nvec + v) * P::n);
+            }
+          }
+        }
+        if (a.d_topk_prob) {
+          float part = 0.f;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = v0 + u * a.group + lane;
+            if (v < a.nvec) {
+              const P in = P::load(rows + (int64_t(r) * a.nvec + v) * P::n);
+#pragma unroll
+              for (int e = 0; e < P::n; ++e) part = fmaf(in.get(e), g_in[u][e], part);
+            }
+          }
+          part = warp_sum(part);  // the whole warp is in this group and takes the same branch
+          if ((threadIdx.x & 31) == 0) s_dot[warp * a.topk + j] += part;
+        }
+      }
+    }
+  }
+
+  if (!a.d_topk_prob) return;
+  __syncthreads();
+  if (is_token)
+    for (int j = lane; j < a.topk; j += a.group) {
+      float dot = 0.f;  // the group's warps in order: a fixed reduction tree
+      for (int w = g * warps_per_group; w < (g + 1) * warps_per_group; ++w) dot += s_dot[w * a.topk + j];
+      a.d_topk_prob[item * a.topk + j] = s_row[j] >= 0 ? dot : 0.f;
+    }
+}
+
+// Threads per token: enough that one pass of `unroll` vectors per thread covers a row when it can.
+int group_for(int64_t nvec, int unroll) {
+  if (nvec <= 32 * unroll) return 32;
+  if (nvec <= 64 * unroll) return 64;
+  if (nvec <= 128 * unroll) return 128;
+  return 256;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+// ---- launchers --------------------------------------------------------------------------------
+
+void unpermute_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int topk, int64_t hidden,
+                    const void* rows, const float* topk_prob, void* y, cudaStream_t stream) {
+  FLOWMOE_CHECK(topk >= 1 && topk <= kMaxTopk, Error, "unpermute_cuda: topk must be in [1, ", kMaxTopk, "], got ",
+                topk);
+  if (num_tokens == 0 || hidden == 0) return;
+  dispatch_cuda_float(dtype, "unpermute_cuda", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool wide = hidden * int64_t(sizeof(T)) % 16 == 0 && aligned16(rows) && aligned16(y);
+    auto launch = [&](auto kernel, int elems_per_vec) {
+      const int64_t nvec = hidden / elems_per_vec;
+      const int group = group_for(nvec, kForwardUnroll), groups = kThreads / group;
+      const unsigned blocks = unsigned((num_tokens + groups - 1) / groups);
+      const size_t smem = size_t(2 * groups) * topk * 4;
+      kernel<<<blocks, kThreads, smem, stream>>>(row_map, num_tokens, topk, nvec, group, static_cast<const T*>(rows),
+                                                 topk_prob, static_cast<T*>(y));
+    };
+    if (wide)
+      launch(unpermute_kernel<T, 16>, 16 / int(sizeof(T)));
+    else
+      launch(unpermute_kernel<T, int(sizeof(T))>, 1);
+  });
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void unpermute_backward_cuda(DType dtype, const UnpermuteBackwardArgs& in, cudaStream_t stream) {
+  FLOWMOE_CHECK(in.topk >= 1 && in.topk <= kMaxTopk, Error, "unpermute_backward_cuda: topk must be in [1, ", kMaxTopk,
+                "], got ", in.topk);
+  FLOWMOE_CHECK(in.num_local_experts >= 1 && (in.align_size == 16 || in.align_size == 32 || in.align_size == 64 ||
+                                              in.align_size == 128),
+                Error, "unpermute_backward_cuda: need >= 1 local expert and align_size 16/32/64/128, got ",
+                in.num_local_experts, " and ", in.align_size);
+  FLOWMOE_CHECK(!in.d_topk_prob || in.rows, Error, "unpermute_backward_cuda: d_topk_prob needs rows");
+  if (!in.d_rows && !in.d_topk_prob) return;
+  BackwardArgs a{};
+  a.row_map = in.row_map, a.tokens = in.tokens_per_expert, a.seg = in.segment_starts, a.topk_prob = in.topk_prob;
+  a.d_topk_prob = in.d_topk_prob;
+  a.num_tokens = in.num_tokens, a.num_rows = in.num_rows, a.topk = in.topk, a.num_local = in.num_local_experts;
+  a.align = in.align_size;
+  // Pad warps: one per possible pad slot, and at least enough to stride over a large tail.
+  a.num_pad_items =
+      in.d_rows ? std::max<int64_t>(int64_t(a.num_local) * (a.align - 1), std::min<int64_t>(a.num_rows, 1024)) : 0;
+  if (a.num_tokens == 0 && a.num_pad_items == 0) return;
+  dispatch_cuda_float(dtype, "unpermute_backward_cuda", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool wide = in.hidden * int64_t(sizeof(T)) % 16 == 0 && aligned16(in.rows) && aligned16(in.dy) &&
+                      aligned16(in.d_rows);
+    auto launch = [&](auto kernel, int elems_per_vec) {
+      a.nvec = in.hidden / elems_per_vec;
+      a.group = group_for(a.nvec, kUnroll);
+      const int groups = kThreads / a.group;
+      a.token_blocks = (a.num_tokens + groups - 1) / groups;
+      const unsigned blocks = unsigned(a.token_blocks + (a.num_pad_items + kWarps - 1) / kWarps);
+      const size_t smem = size_t(2 * groups + kWarps) * a.topk * 4;
+      kernel<<<blocks, kThreads, smem, stream>>>(a, static_cast<const T*>(in.rows), static_cast<const T*>(in.dy),
+                                                 static_cast<T*>(in.d_rows));
+    };
+    if (wide)
+      launch(unpermute_backward_kernel<T, 16>, 16 / int(sizeof(T)));
+    else
+      launch(unpermute_backward_kernel<T, int(sizeof(T))>, 1);
+  });
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace flowmoe
