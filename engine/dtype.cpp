@@ -72,8 +72,8 @@ float bf16_bits_to_f32(uint16_t b) { return bits_f32(uint32_t(b) << 16); }
 // value `max_val`, saturating. Works on the exact value, so rounding is nearest-even on the target grid
 // including its subnormals (spacing 2^(1-bias-man_bits)).
 static uint8_t f32_to_small(float x, int man_bits, int bias, float max_val, uint8_t nan_code) {
+  if (std::isnan(x)) return nan_code;  // the GPU's cvt gives the positive NaN code for any NaN
   uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
-  if (std::isnan(x)) return uint8_t(sign | nan_code);
   float a = std::fabs(x);
   if (a > max_val) a = max_val;  // saturate (also +-inf for e4m3)
   if (a == 0.0f) return sign;

@@ -26,7 +26,7 @@ inline float to_f32(bf16 x) { return bf16_bits_to_f32(x.bits); }
 
 // FP8 (OCP): e4m3fn has max 448 and no infinities; e5m2 has max 57344 and infinities.
 // Both round to nearest even and saturate finite overflow to +-max (the "satfinite" mode);
-// NaN maps to NaN (e4m3: S.1111.111).
+// NaN maps to the positive NaN code 0x7F (e4m3 0.1111.111), as the H100/H200 cvt instruction does.
 uint8_t f32_to_e4m3(float x);
 float e4m3_to_f32(uint8_t b);
 uint8_t f32_to_e5m2(float x);

@@ -35,7 +35,8 @@ TEST(DType, E4m3SaturatesAndRoundsToEven) {
   EXPECT_EQ(f32_to_e4m3(1000.0f), 0x7E);
   EXPECT_EQ(f32_to_e4m3(-1000.0f), 0xFE);
   EXPECT_EQ(f32_to_e4m3(INFINITY), 0x7E);
-  EXPECT_EQ(f32_to_e4m3(NAN) & 0x7F, 0x7F);
+  EXPECT_EQ(f32_to_e4m3(NAN), 0x7F);
+  EXPECT_EQ(f32_to_e4m3(-NAN), 0x7F);
   // Between 1.0 (0x38) and 1.125 (0x39): the midpoint goes to the even code 0x38.
   EXPECT_EQ(f32_to_e4m3(1.0625f), 0x38);
   EXPECT_EQ(f32_to_e4m3(1.0626f), 0x39);
