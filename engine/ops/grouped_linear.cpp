@@ -1,0 +1,143 @@
+// grouped_linear as an autograd primitive (see engine/ops/grouped_linear.h), and read_counts_once.
+//   y_e = x_e · w_eᵀ;  vjp: d_x_e = d_y_e · w_e,  d_w_e = d_y_eᵀ · x_e  (0 for an expert with no rows)
+// Reference: kernels/cpu/grouped_linear.cpp. CUDA: kernels/cuda/grouped_linear.cu. Tests: tests/test_grouped_linear.cpp.
+#include "engine/ops/grouped_linear.h"
+
+#include <memory>
+#include <utility>
+
+#include "engine/cuda_api.h"
+#include "kernels/grouped_linear.h"
+
+namespace flowmoe {
+
+std::vector<int64_t> read_counts_once(const Tensor& padded_tokens_per_expert) {
+  const Tensor& c = padded_tokens_per_expert;
+  FLOWMOE_CHECK(c.dim() == 1 && (c.dtype() == DType::i32 || c.dtype() == DType::i64), DTypeError,
+                "read_counts_once: expected per-expert counts [L] i32 or i64, got ", c.describe());
+  // The device -> host copy synchronises the engine stream (copy_bytes): this is the layer's one sync.
+  std::vector<int64_t> host = c.to_ints();
+  if (c.device().is_cuda()) note_host_sync();
+  return host;
+}
+
+namespace {
+
+struct Dims {
+  int64_t num_experts, m_total, n, k;
+};
+
+// Inputs {x [M_total,K], weight [E,N,K]}; throws naming both shapes (or the counts) when they disagree.
+Dims check_inputs(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows) {
+  FLOWMOE_CHECK(x.dim() == 2 && w.dim() == 3, ShapeError, "grouped_linear: x ", shape_str(x.shape()), " and weight ",
+                shape_str(w.shape()), ": x must be [M_total, K] and weight [E, N, K]");
+  FLOWMOE_CHECK(x.size(1) == w.size(2), ShapeError, "grouped_linear: x ", shape_str(x.shape()), " and weight ",
+                shape_str(w.shape()), " disagree on in-features K (", x.size(1), " vs ", w.size(2), ")");
+  FLOWMOE_CHECK(int64_t(rows.size()) == w.size(0), ShapeError, "grouped_linear: rows_per_expert has ", rows.size(),
+                " entries but weight ", shape_str(w.shape()), " has ", w.size(0), " experts");
+  Dims d{w.size(0), x.size(0), w.size(1), w.size(2)};
+  check_grouped_rows(rows.data(), d.num_experts, d.m_total, "grouped_linear");
+  return d;
+}
+
+#ifdef FLOWMOE_WITH_CUDA
+void check_gpu_dtypes(const Tensor& x, const Tensor& w) {
+  check_dtype(x, {DType::bf16, DType::f32}, "grouped_linear x on cuda");
+  FLOWMOE_CHECK(w.dtype() == DType::f32 || w.dtype() == x.dtype(), DTypeError, "grouped_linear: weight ",
+                w.describe(), " must be f32 or x's dtype (x ", x.describe(), ")");
+}
+#endif
+
+class GroupedLinear : public Primitive {
+ public:
+  explicit GroupedLinear(std::vector<int64_t> rows) : rows_(std::move(rows)) {}
+  const char* name() const override { return "grouped_linear"; }
+
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    Dims d = check_inputs(in[0], in[1], rows_);
+    check_same_dtype(in[0], in[1], "grouped_linear (x vs weight)");
+    Tensor x = in[0].contiguous(), w = in[1].contiguous();
+    Tensor y = Tensor::empty({d.m_total, d.n}, x.dtype(), x.device());
+    FLOWMOE_DISPATCH_CPU_FLOAT(x.dtype(), name(),
+                               grouped_linear_forward_cpu<scalar_t>(x.data<scalar_t>(), w.data<scalar_t>(),
+                                                                    y.data<scalar_t>(), rows_.data(), d.num_experts,
+                                                                    d.m_total, d.n, d.k));
+    return {y};
+  }
+
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
+#ifdef FLOWMOE_WITH_CUDA
+    Dims d = check_inputs(in[0], in[1], rows_);
+    check_gpu_dtypes(in[0], in[1]);
+    Tensor x = in[0].contiguous();
+    w_compute_ = in[1].to(x.dtype()).contiguous();  // the one cast of this call; the vjp reuses it
+    Tensor y = Tensor::empty({d.m_total, d.n}, x.dtype(), x.device());
+    grouped_linear_forward_cuda(x.dtype(), x.raw_data(), w_compute_.raw_data(), y.raw_data(), rows_.data(),
+                                d.num_experts, d.m_total, d.n, d.k, current_stream(x.device().index));
+    return {y};
+#else
+    throw_no_cuda(name());
+#endif
+  }
+
+  std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>& needs) override {
+    const Tensor &x_in = in[0], &w_in = in[1];
+    Dims d = check_inputs(x_in, w_in, rows_);
+    check_same_dtype(d_out[0], x_in, "grouped_linear backward (d_y vs x)");
+    FLOWMOE_CHECK(d_out[0].shape() == (Shape{d.m_total, d.n}), ShapeError, "grouped_linear backward: d_y ",
+                  d_out[0].describe(), " does not match y [", d.m_total, ", ", d.n, "]");
+    Tensor x = x_in.contiguous(), dy = d_out[0].contiguous();
+    Tensor dx, dw;
+    if (x.device().is_cpu()) {
+      Tensor w = w_in.contiguous();
+      FLOWMOE_DISPATCH_CPU_FLOAT(x.dtype(), "grouped_linear backward", {
+        if (needs[0]) {
+          dx = Tensor::empty(x.shape(), x.dtype());
+          grouped_linear_dgrad_cpu<scalar_t>(dy.data<scalar_t>(), w.data<scalar_t>(), dx.data<scalar_t>(),
+                                             rows_.data(), d.num_experts, d.m_total, d.n, d.k);
+        }
+        if (needs[1]) {
+          dw = Tensor::empty(w.shape(), w.dtype());
+          grouped_linear_wgrad_cpu<scalar_t>(x.data<scalar_t>(), dy.data<scalar_t>(), dw.data<scalar_t>(),
+                                             rows_.data(), d.num_experts, d.n, d.k, false);
+        }
+      });
+      return {dx, dw};
+    }
+#ifdef FLOWMOE_WITH_CUDA
+    const Device dev = x.device();
+    if (cuda_current_device() != dev.index) cuda_set_device(dev.index);  // vjps run outside eval()
+    cudaStream_t stream = current_stream(dev.index);
+    // Released here, so the copy does not outlive this backward (a retained graph casts again).
+    Tensor w = w_compute_.defined() ? std::exchange(w_compute_, Tensor()) : w_in.to(x.dtype()).contiguous();
+    if (needs[0]) {
+      dx = Tensor::empty(x.shape(), x.dtype(), dev);
+      grouped_linear_dgrad_cuda(x.dtype(), dy.raw_data(), w.raw_data(), dx.raw_data(), rows_.data(), d.num_experts,
+                                d.m_total, d.n, d.k, stream);
+    }
+    if (needs[1]) {
+      // fp32 straight from the GEMM epilogue; only a non-f32 weight gets a cast of the result.
+      Tensor dw32 = Tensor::empty(w_in.shape(), DType::f32, dev);
+      grouped_linear_wgrad_cuda(x.dtype(), x.raw_data(), dy.raw_data(), dw32.data<float>(), rows_.data(),
+                                d.num_experts, d.m_total, d.n, d.k, false, stream);
+      dw = dw32.to(w_in.dtype());
+    }
+    return {dx, dw};
+#else
+    throw_no_cuda(name());
+#endif
+  }
+
+ private:
+  std::vector<int64_t> rows_;  // host counts, read once per layer by the caller
+  Tensor w_compute_;           // GPU: the weight in x's dtype, from the forward to the backward
+};
+
+}  // namespace
+
+Variable grouped_linear(const Variable& x, const Variable& weight, const std::vector<int64_t>& rows_per_expert) {
+  return apply(std::make_shared<GroupedLinear>(rows_per_expert), {x, weight})[0];
+}
+
+}  // namespace flowmoe
