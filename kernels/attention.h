@@ -1,0 +1,44 @@
+// Causal self-attention per (batch, head): o_i = sum_{j<=i} P_ij v_j, P_i = softmax_j(q_i·k_j / sqrt(hd)).
+// q, k, v, o are [batch, seq_len, num_heads, head_dim]. Backward, with dS_ij = P_ij (dO_i·v_j - dO_i·o_i):
+//   dv_j = sum_i P_ij dO_i,   dq_i = sum_j dS_ij k_j / sqrt(hd),   dk_j = sum_i dS_ij q_i / sqrt(hd).
+// CPU reference: kernels/cpu/attention.cpp (f32, f64; naive O(T^2) with explicit probabilities).
+// CUDA: kernels/cuda/attention.cu (f32, bf16, fp32 math; flash-attention style with a saved logsumexp).
+// Node: engine/ops/attention.cpp. Tests: tests/test_attention.cpp.
+#pragma once
+#include <cstdint>
+
+#include "engine/cuda_api.h"
+#include "engine/dtype.h"
+
+namespace flowmoe {
+
+template <class T>
+void attention_forward_cpu(T* out /*[batch, seq_len, num_heads, head_dim]*/, const T* q /*[same]*/,
+                           const T* k /*[same]*/, const T* v /*[same]*/, int64_t batch, int64_t seq_len,
+                           int64_t num_heads, int64_t head_dim);
+// Recomputes the probabilities from q and k; every gradient is written (no accumulation into them).
+template <class T>
+void attention_backward_cpu(T* d_q /*[batch, seq_len, num_heads, head_dim]*/, T* d_k /*[same]*/, T* d_v /*[same]*/,
+                            const T* d_out /*[same]*/, const T* q /*[same]*/, const T* k /*[same]*/,
+                            const T* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
+                            int64_t head_dim);
+
+constexpr int64_t kAttentionMaxHeadDimCuda = 128;
+
+// dtype f32 or bf16; 1 <= head_dim <= 128. lse receives the natural-log softmax normaliser of every
+// query row, log(sum_{j<=i} exp(q_i·k_j / sqrt(hd))), which the backward needs.
+void attention_forward_cuda(DType dtype, void* out /*[batch, seq_len, num_heads, head_dim]*/,
+                            float* lse /*[batch, num_heads, seq_len]*/,
+                            const void* q /*[batch, seq_len, num_heads, head_dim]*/, const void* k /*[same]*/,
+                            const void* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
+                            int64_t head_dim, cudaStream_t stream);
+// delta is scratch for dO_i·o_i. Deterministic: dq and dk/dv come from two kernels (one per query tile,
+// one per key tile) that each own their output rows, so no atomics.
+void attention_backward_cuda(DType dtype, void* d_q /*[batch, seq_len, num_heads, head_dim]*/, void* d_k /*[same]*/,
+                             void* d_v /*[same]*/, float* delta /*[batch, num_heads, seq_len] scratch*/,
+                             const void* d_out /*[batch, seq_len, num_heads, head_dim]*/, const void* q /*[same]*/,
+                             const void* k /*[same]*/, const void* v /*[same]*/, const void* out /*[same]*/,
+                             const float* lse /*[batch, num_heads, seq_len]*/, int64_t batch, int64_t seq_len,
+                             int64_t num_heads, int64_t head_dim, cudaStream_t stream);
+
+}  // namespace flowmoe

@@ -1,0 +1,355 @@
+// Causal attention on the GPU, flash-attention style, fp32 math on f32 or bf16 data.
+//   forward:  one block per (batch, head, 64-query tile) walks the 64-key tiles up to the diagonal with an
+//             online softmax and writes o and lse_i = log sum_{j<=i} exp(s_ij), s = q·kᵀ/sqrt(hd).
+//   backward: delta_i = dO_i·o_i; then P = exp(s - lse) is recomputed twice: by one block per key tile
+//             (dk, dv, looping over query tiles from the diagonal on) and by one block per query tile (dq).
+//             Every block owns its output rows, so there are no atomics and results are deterministic.
+// q, k, v, o [B, T, nh, hd] with hd <= 128, zero-padded to 32, 64 or 128 columns in shared memory.
+// Tiles and the products on them: kernels/cuda/attention_tile.cuh.
+// CPU reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "engine/cuda/cuda_check.h"
+#include "kernels/attention.h"
+#include "kernels/cuda/attention_tile.cuh"
+#include "kernels/cuda/cuda_utils.cuh"
+
+namespace flowmoe {
+
+namespace {
+
+using namespace attention_tile;
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+template <class T, int HD>
+__global__ void __launch_bounds__(kThreads)
+    attention_forward_kernel(T* __restrict__ out /*[B, T, nh, hd]*/, float* __restrict__ lse /*[B, nh, T]*/,
+                             const T* __restrict__ q /*[B, T, nh, hd]*/, const T* __restrict__ k /*[B, T, nh, hd]*/,
+                             const T* __restrict__ v /*[B, T, nh, hd]*/, AttnDims dims) {
+  using TS = TileShape<HD>;
+  extern __shared__ float4 smem4[];
+  float* q_s = reinterpret_cast<float*>(smem4);  // [64, stride]
+  float* k_s = q_s + kTile * TS::stride;           // [64, stride]
+  float* v_s = k_s + kTile * TS::stride;           // [64, stride]
+  float* p_s = v_s + kTile * TS::stride;           // [64, kProbStride]
+  const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kTile - 1) / kTile;
+  const int q_tile = num_tiles - 1 - int(blockIdx.x) / num_bh;  // tiles with the most keys start first
+  const int b = int(blockIdx.x) % num_bh / dims.num_heads, h = int(blockIdx.x) % dims.num_heads;
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16, q0 = q_tile * kTile;
+
+  load_tile<HD>(q_s, q, dims, b, h, q0);
+  float m[4], l[4], acc[4][TS::cols];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m[i] = -INFINITY, l[i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < TS::cols; ++j) acc[i][j] = 0.f;
+  }
+  for (int k_tile = 0; k_tile <= q_tile; ++k_tile) {
+    const int k0 = k_tile * kTile;
+    __syncthreads();  // the previous tile's k_s, v_s, p_s are no longer read
+    load_tile<HD>(k_s, k, dims, b, h, k0);
+    load_tile<HD>(v_s, v, dims, b, h, k0);
+    __syncthreads();
+    float s[4][4];
+    tile_dot<HD>(q_s, k_s, s);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int q_idx = q0 + 4 * ty + i;
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int k_idx = k0 + tx + 16 * c;
+        s[i][c] = (k_idx <= q_idx && k_idx < dims.seq_len) ? s[i][c] * dims.scale : -INFINITY;
+        tile_max = fmaxf(tile_max, s[i][c]);
+      }
+      // Key 0 is in every row's first tile, so m_new is finite and alpha = exp(-inf) = 0 there.
+      const float m_new = fmaxf(m[i], row_max16(tile_max));
+      const float alpha = expf(m[i] - m_new);
+      float tile_sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float p = expf(s[i][c] - m_new);
+        tile_sum += p;
+        p_s[(4 * ty + i) * kProbStride + tx + 16 * c] = p;
+      }
+      l[i] = l[i] * alpha + row_sum16(tile_sum);
+      m[i] = m_new;
+#pragma unroll
+      for (int j = 0; j < TS::cols; ++j) acc[i][j] *= alpha;
+    }
+    __syncthreads();
+    tile_accum<HD>(p_s, v_s, acc);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int q_idx = q0 + 4 * ty + i;
+    if (q_idx >= dims.seq_len) continue;
+    const float inv_l = 1.f / l[i];
+    T* o_row = out + row_offset(dims, b, q_idx, h);
+#pragma unroll
+    for (int j = 0; j < TS::cols; ++j) {
+      const int d = TS::col(tx, j);
+      if (d < dims.head_dim) o_row[d] = from_float<T>(acc[i][j] * inv_l);
+    }
+    if (tx == 0) lse[(int64_t(b) * dims.num_heads + h) * dims.seq_len + q_idx] = m[i] + logf(l[i]);
+  }
+}
+
+// delta[b, h, t] = dO[b, t, h, :]·o[b, t, h, :]; one warp per (b, t, h).
+template <class T>
+__global__ void attention_delta_kernel(float* __restrict__ delta /*[B, nh, T]*/,
+                                       const T* __restrict__ d_out /*[B, T, nh, hd]*/,
+                                       const T* __restrict__ out /*[B, T, nh, hd]*/, AttnDims dims) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // (b * T + t) * nh + h
+  const int lane = threadIdx.x % 32;
+  if (row >= int64_t(dims.batch) * dims.seq_len * dims.num_heads) return;  // the whole warp leaves together
+  float sum = 0.f;
+  for (int d = lane; d < dims.head_dim; d += 32)
+    sum += to_float(d_out[row * dims.head_dim + d]) * to_float(out[row * dims.head_dim + d]);
+  sum = warp_sum(sum);
+  if (lane == 0) {
+    const int64_t h = row % dims.num_heads, bt = row / dims.num_heads;
+    const int64_t t = bt % dims.seq_len, b = bt / dims.seq_len;
+    delta[(b * dims.num_heads + h) * dims.seq_len + t] = sum;
+  }
+}
+
+// dk, dv for one 64-key tile: loop over query tiles from the diagonal on, with everything transposed
+// (rows of the tiles are keys): Pᵀ = exp(K Qᵀ scale - lse), dSᵀ = Pᵀ (V dOᵀ - delta),
+// dV += Pᵀ dO, dK += dSᵀ Q scale.
+template <class T, int HD>
+__global__ void __launch_bounds__(kThreads)
+    attention_backward_dkdv_kernel(T* __restrict__ d_k /*[B, T, nh, hd]*/, T* __restrict__ d_v /*[B, T, nh, hd]*/,
+                                   const T* __restrict__ q /*[B, T, nh, hd]*/,
+                                   const T* __restrict__ k /*[B, T, nh, hd]*/,
+                                   const T* __restrict__ v /*[B, T, nh, hd]*/,
+                                   const T* __restrict__ d_out /*[B, T, nh, hd]*/,
+                                   const float* __restrict__ lse /*[B, nh, T]*/,
+                                   const float* __restrict__ delta /*[B, nh, T]*/, AttnDims dims) {
+  using TS = TileShape<HD>;
+  extern __shared__ float4 smem4[];
+  float* k_s = reinterpret_cast<float*>(smem4);  // [64, stride]
+  float* v_s = k_s + kTile * TS::stride;           // [64, stride]
+  float* q_s = v_s + kTile * TS::stride;           // [64, stride]
+  float* do_s = q_s + kTile * TS::stride;          // [64, stride]
+  float* pt_s = do_s + kTile * TS::stride;         // [64 keys, kProbStride] Pᵀ
+  float* dst_s = pt_s + kTile * kProbStride;       // [64 keys, kProbStride] dSᵀ
+  float* lse_s = dst_s + kTile * kProbStride;      // [64]
+  float* delta_s = lse_s + kTile;                  // [64]
+  const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kTile - 1) / kTile;
+  const int k_tile = int(blockIdx.x) / num_bh;  // low key tiles see the most queries and start first
+  const int bh = int(blockIdx.x) % num_bh, b = bh / dims.num_heads, h = bh % dims.num_heads;
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16, k0 = k_tile * kTile;
+
+  load_tile<HD>(k_s, k, dims, b, h, k0);
+  load_tile<HD>(v_s, v, dims, b, h, k0);
+  float dk[4][TS::cols], dv[4][TS::cols];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < TS::cols; ++j) dk[i][j] = 0.f, dv[i][j] = 0.f;
+  for (int q_tile = k_tile; q_tile < num_tiles; ++q_tile) {
+    const int q0 = q_tile * kTile;
+    __syncthreads();  // the previous tile's q_s, do_s, pt_s, dst_s are no longer read
+    load_tile<HD>(q_s, q, dims, b, h, q0);
+    load_tile<HD>(do_s, d_out, dims, b, h, q0);
+    for (int r = threadIdx.x; r < kTile; r += kThreads) {
+      const bool valid = q0 + r < dims.seq_len;
+      lse_s[r] = valid ? lse[int64_t(bh) * dims.seq_len + q0 + r] : 0.f;
+      delta_s[r] = valid ? delta[int64_t(bh) * dims.seq_len + q0 + r] : 0.f;
+    }
+    __syncthreads();
+    float s[4][4], dp[4][4];
+    tile_dot<HD>(k_s, q_s, s);    // s[i][c] = k_{k0+4ty+i} · q_{q0+tx+16c}
+    tile_dot<HD>(v_s, do_s, dp);  // dp[i][c] = v_{k0+4ty+i} · dO_{q0+tx+16c}
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int k_idx = k0 + 4 * ty + i, r = tx + 16 * c, q_idx = q0 + r;
+        const float p = (k_idx <= q_idx && q_idx < dims.seq_len) ? expf(s[i][c] * dims.scale - lse_s[r]) : 0.f;
+        pt_s[(4 * ty + i) * kProbStride + r] = p;
+        dst_s[(4 * ty + i) * kProbStride + r] = p * (dp[i][c] - delta_s[r]);
+      }
+    __syncthreads();
+    tile_accum<HD>(pt_s, do_s, dv);
+    tile_accum<HD>(dst_s, q_s, dk);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int k_idx = k0 + 4 * ty + i;
+    if (k_idx >= dims.seq_len) continue;
+    const int64_t off = row_offset(dims, b, k_idx, h);
+#pragma unroll
+    for (int j = 0; j < TS::cols; ++j) {
+      const int d = TS::col(tx, j);
+      if (d >= dims.head_dim) continue;
+      d_k[off + d] = from_float<T>(dk[i][j] * dims.scale);
+      d_v[off + d] = from_float<T>(dv[i][j]);
+    }
+  }
+}
+
+// dq for one 64-query tile: loop over key tiles up to the diagonal; dS = P (dO Vᵀ - delta), dQ += dS K scale.
+template <class T, int HD>
+__global__ void __launch_bounds__(kThreads)
+    attention_backward_dq_kernel(T* __restrict__ d_q /*[B, T, nh, hd]*/, const T* __restrict__ q /*[B, T, nh, hd]*/,
+                                 const T* __restrict__ k /*[B, T, nh, hd]*/,
+                                 const T* __restrict__ v /*[B, T, nh, hd]*/,
+                                 const T* __restrict__ d_out /*[B, T, nh, hd]*/,
+                                 const float* __restrict__ lse /*[B, nh, T]*/,
+                                 const float* __restrict__ delta /*[B, nh, T]*/, AttnDims dims) {
+  using TS = TileShape<HD>;
+  extern __shared__ float4 smem4[];
+  float* q_s = reinterpret_cast<float*>(smem4);  // [64, stride]
+  float* do_s = q_s + kTile * TS::stride;          // [64, stride]
+  float* k_s = do_s + kTile * TS::stride;          // [64, stride]
+  float* v_s = k_s + kTile * TS::stride;           // [64, stride]
+  float* ds_s = v_s + kTile * TS::stride;          // [64 queries, kProbStride] dS
+  const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kTile - 1) / kTile;
+  const int q_tile = num_tiles - 1 - int(blockIdx.x) / num_bh;
+  const int bh = int(blockIdx.x) % num_bh, b = bh / dims.num_heads, h = bh % dims.num_heads;
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16, q0 = q_tile * kTile;
+
+  load_tile<HD>(q_s, q, dims, b, h, q0);
+  load_tile<HD>(do_s, d_out, dims, b, h, q0);
+  float row_lse[4], row_delta[4], dq[4][TS::cols];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int q_idx = q0 + 4 * ty + i;
+    const bool valid = q_idx < dims.seq_len;
+    row_lse[i] = valid ? lse[int64_t(bh) * dims.seq_len + q_idx] : 0.f;
+    row_delta[i] = valid ? delta[int64_t(bh) * dims.seq_len + q_idx] : 0.f;
+#pragma unroll
+    for (int j = 0; j < TS::cols; ++j) dq[i][j] = 0.f;
+  }
+  for (int k_tile = 0; k_tile <= q_tile; ++k_tile) {
+    const int k0 = k_tile * kTile;
+    __syncthreads();  // the previous tile's k_s, v_s, ds_s are no longer read
+    load_tile<HD>(k_s, k, dims, b, h, k0);
+    load_tile<HD>(v_s, v, dims, b, h, k0);
+    __syncthreads();
+    float s[4][4], dp[4][4];
+    tile_dot<HD>(q_s, k_s, s);    // s[i][c] = q_{q0+4ty+i} · k_{k0+tx+16c}
+    tile_dot<HD>(do_s, v_s, dp);  // dp[i][c] = dO_{q0+4ty+i} · v_{k0+tx+16c}
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int q_idx = q0 + 4 * ty + i, k_idx = k0 + tx + 16 * c;
+        const float p = (k_idx <= q_idx && k_idx < dims.seq_len) ? expf(s[i][c] * dims.scale - row_lse[i]) : 0.f;
+        ds_s[(4 * ty + i) * kProbStride + tx + 16 * c] = p * (dp[i][c] - row_delta[i]);
+      }
+    __syncthreads();
+    tile_accum<HD>(ds_s, k_s, dq);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int q_idx = q0 + 4 * ty + i;
+    if (q_idx >= dims.seq_len) continue;
+    T* dq_row = d_q + row_offset(dims, b, q_idx, h);
+#pragma unroll
+    for (int j = 0; j < TS::cols; ++j) {
+      const int d = TS::col(tx, j);
+      if (d < dims.head_dim) dq_row[d] = from_float<T>(dq[i][j] * dims.scale);
+    }
+  }
+}
+
+// ---- launchers --------------------------------------------------------------------------------
+
+// Checks sizes; false when there is nothing to compute.
+bool make_dims(AttnDims& dims, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+               const char* what) {
+  FLOWMOE_CHECK(batch >= 0 && seq_len >= 0 && num_heads >= 0 && head_dim >= 0, ShapeError, what,
+                ": negative size [", batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
+  FLOWMOE_CHECK(head_dim <= kAttentionMaxHeadDimCuda, ShapeError, what, ": head_dim ", head_dim,
+                " is larger than the ", kAttentionMaxHeadDimCuda, " the kernel supports");
+  if (batch * seq_len * num_heads * head_dim == 0) return false;
+  const int64_t num_tiles = (seq_len + kTile - 1) / kTile;
+  FLOWMOE_CHECK(batch * num_heads * num_tiles < (int64_t(1) << 31) && seq_len < (int64_t(1) << 30), ShapeError,
+                what, ": too large [", batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
+  dims = AttnDims{int(batch), int(seq_len), int(num_heads), int(head_dim), float(1.0 / std::sqrt(double(head_dim)))};
+  return true;
+}
+
+unsigned num_tile_blocks(const AttnDims& dims) {
+  return unsigned(dims.batch * dims.num_heads * ((dims.seq_len + kTile - 1) / kTile));
+}
+
+// Calls f(std::integral_constant<int, HD>) with head_dim rounded up to 32, 64 or 128.
+template <class F>
+void dispatch_head_dim(int head_dim, F&& f) {
+  if (head_dim <= 32)
+    f(std::integral_constant<int, 32>());
+  else if (head_dim <= 64)
+    f(std::integral_constant<int, 64>());
+  else
+    f(std::integral_constant<int, 128>());
+}
+
+// From HD = 64 on the kernels need more than the default 48 KiB of shared memory; opt in for each.
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+}  // namespace
+
+void attention_forward_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
+                            int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                            cudaStream_t stream) {
+  AttnDims dims{};
+  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, "attention_forward_cuda")) return;
+  dispatch_cuda_float(dtype, "attention_forward_cuda", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    dispatch_head_dim(dims.head_dim, [&](auto hd_tag) {
+      constexpr int HD = decltype(hd_tag)::value;
+      const size_t smem = (3 * kTile * TileShape<HD>::stride + kTile * kProbStride) * sizeof(float);
+      allow_smem(attention_forward_kernel<T, HD>, smem);
+      attention_forward_kernel<T, HD><<<num_tile_blocks(dims), kThreads, smem, stream>>>(
+          static_cast<T*>(out), lse, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
+          dims);
+      MOE_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void attention_backward_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
+                             const void* q, const void* k, const void* v, const void* out, const float* lse,
+                             int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                             cudaStream_t stream) {
+  AttnDims dims{};
+  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, "attention_backward_cuda")) return;
+  dispatch_cuda_float(dtype, "attention_backward_cuda", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t num_rows = batch * seq_len * num_heads;
+    const int delta_threads = 256;
+    attention_delta_kernel<<<unsigned((num_rows * 32 + delta_threads - 1) / delta_threads), delta_threads, 0,
+                             stream>>>(delta, static_cast<const T*>(d_out), static_cast<const T*>(out), dims);
+    MOE_CUDA_CHECK_LAUNCH();
+    dispatch_head_dim(dims.head_dim, [&](auto hd_tag) {
+      constexpr int HD = decltype(hd_tag)::value;
+      const size_t dkdv_smem =
+          (4 * kTile * TileShape<HD>::stride + 2 * kTile * kProbStride + 2 * kTile) * sizeof(float);
+      allow_smem(attention_backward_dkdv_kernel<T, HD>, dkdv_smem);
+      attention_backward_dkdv_kernel<T, HD><<<num_tile_blocks(dims), kThreads, dkdv_smem, stream>>>(
+          static_cast<T*>(d_k), static_cast<T*>(d_v), static_cast<const T*>(q), static_cast<const T*>(k),
+          static_cast<const T*>(v), static_cast<const T*>(d_out), lse, delta, dims);
+      MOE_CUDA_CHECK_LAUNCH();
+      const size_t dq_smem = (4 * kTile * TileShape<HD>::stride + kTile * kProbStride) * sizeof(float);
+      allow_smem(attention_backward_dq_kernel<T, HD>, dq_smem);
+      attention_backward_dq_kernel<T, HD><<<num_tile_blocks(dims), kThreads, dq_smem, stream>>>(
+          static_cast<T*>(d_q), static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
+          static_cast<const T*>(d_out), lse, delta, dims);
+      MOE_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+}  // namespace flowmoe

@@ -1,0 +1,121 @@
+// The tile machinery of the attention kernels (kernels/cuda/attention.cu): 64-row tiles of q, k, v, dO
+// held as fp32 in shared memory, two register-tiled products on them (A·Bᵀ over head_dim, and a
+// probability tile times a [64, HD] tile), and half-warp row reductions for the softmax.
+// A block has 16 x 16 threads; thread (ty, tx) owns tile rows 4ty..4ty+3, score columns tx + 16c.
+#pragma once
+#include <cstdint>
+
+#include "kernels/cuda/cuda_utils.cuh"
+
+namespace flowmoe::attention_tile {
+
+constexpr int kTile = 64;               // queries per query tile, keys per key tile
+constexpr int kThreads = 256;           // 16 x 16 threads
+constexpr int kProbStride = kTile + 4;  // row stride (floats) of a 64x64 probability tile in shared memory
+
+// A [64, HD] tile in shared memory, and how a thread's HD/16 output columns are spread: groups of
+// `vec` adjacent columns, so rows of V / dO / Q / K are read as float4 (float2 for HD = 32).
+template <int HD>
+struct TileShape {
+  static constexpr int stride = HD + 4;  // rows 4 apart land in different banks; float4 stays aligned
+  static constexpr int cols = HD / 16;
+  static constexpr int vec = cols >= 4 ? 4 : 2;
+  static __device__ __forceinline__ int col(int tx, int j) { return (j / vec) * 16 * vec + tx * vec + j % vec; }
+};
+
+struct AttnDims {
+  int batch, seq_len, num_heads, head_dim;
+  float scale;  // 1 / sqrt(head_dim)
+};
+
+__device__ __forceinline__ int64_t row_offset(const AttnDims& dims, int b, int t, int h) {
+  return ((int64_t(b) * dims.seq_len + t) * dims.num_heads + h) * dims.head_dim;
+}
+
+// Sum / max over the 16 threads (one tx range) that share a tile row; they sit in one half-warp.
+__device__ __forceinline__ float row_sum16(float x) {
+  for (int o = 8; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float row_max16(float x) {
+  for (int o = 8; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// dst[r][d] = src[b, t0 + r, h, d] as float; zero past seq_len and past head_dim.
+template <int HD, class T>
+__device__ __forceinline__ void load_tile(float* dst /*[64, stride]*/, const T* src /*[B, T, nh, hd]*/,
+                                          const AttnDims& dims, int b, int h, int t0) {
+  for (int idx = threadIdx.x; idx < kTile * HD; idx += kThreads) {
+    const int r = idx / HD, d = idx % HD, t = t0 + r;
+    float x = 0.f;
+    if (t < dims.seq_len && d < dims.head_dim) x = to_float(src[row_offset(dims, b, t, h) + d]);
+    dst[r * TileShape<HD>::stride + d] = x;
+  }
+}
+
+// acc[i][c] = A[4ty + i] · B[tx + 16c]: dot products of rows of two [64, HD] tiles.
+template <int HD>
+__device__ __forceinline__ void tile_dot(const float* A, const float* B, float (&acc)[4][4]) {
+  constexpr int S = TileShape<HD>::stride;
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+#pragma unroll 4
+  for (int d = 0; d < HD; d += 4) {
+    float4 a[4], b[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = *reinterpret_cast<const float4*>(A + (4 * ty + i) * S + d);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) b[c] = *reinterpret_cast<const float4*>(B + (tx + 16 * c) * S + d);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float x = acc[i][c];
+        x = fmaf(a[i].x, b[c].x, x);
+        x = fmaf(a[i].y, b[c].y, x);
+        x = fmaf(a[i].z, b[c].z, x);
+        acc[i][c] = fmaf(a[i].w, b[c].w, x);
+      }
+  }
+}
+
+// acc[i][j] += sum_c P[4ty + i][c] * V[c][col(tx, j)]: a [64, 64] probability tile times a [64, HD] tile.
+template <int HD>
+__device__ __forceinline__ void tile_accum(const float* P, const float* V, float (&acc)[4][TileShape<HD>::cols]) {
+  using TS = TileShape<HD>;
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+#pragma unroll 2
+  for (int c = 0; c < kTile; c += 4) {
+    float p[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 p4 = *reinterpret_cast<const float4*>(P + (4 * ty + i) * kProbStride + c);
+      p[i][0] = p4.x, p[i][1] = p4.y, p[i][2] = p4.z, p[i][3] = p4.w;
+    }
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+      const float* v_row = V + (c + cc) * TS::stride + tx * TS::vec;
+      float vv[TS::cols];
+#pragma unroll
+      for (int g = 0; g < TS::cols / TS::vec; ++g) {
+        if constexpr (TS::vec == 4) {
+          const float4 x = *reinterpret_cast<const float4*>(v_row + g * 64);
+          vv[4 * g] = x.x, vv[4 * g + 1] = x.y, vv[4 * g + 2] = x.z, vv[4 * g + 3] = x.w;
+        } else {
+          const float2 x = *reinterpret_cast<const float2*>(v_row + g * 32);
+          vv[2 * g] = x.x, vv[2 * g + 1] = x.y;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < TS::cols; ++j) acc[i][j] = fmaf(p[i][cc], vv[j], acc[i][j]);
+    }
+  }
+}
+
+}  // namespace flowmoe::attention_tile
