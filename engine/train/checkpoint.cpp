@@ -1,0 +1,323 @@
+// safetensors reader/writer and atomic checkpoint directories (see checkpoint.h).
+#include "engine/train/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace flowmoe {
+
+namespace fs = std::filesystem;
+
+// ---- JSON ---------------------------------------------------------------------------------------
+
+std::string json_escape(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          out += buf;
+        } else {
+          out += char(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// JSON is read with yaml-cpp (JSON is a subset of YAML 1.2's flow style).
+static YAML::Node parse_json(const std::string& text, const std::string& what) {
+  try {
+    return YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    FLOWMOE_THROW(IoError, what, ": malformed JSON (", e.msg, ")");
+  }
+}
+
+// ---- files --------------------------------------------------------------------------------------
+
+// Writes bytes to path and fsyncs it, so a later rename publishes complete contents.
+static void write_file_synced(const std::string& path, const std::vector<const std::string*>& chunks) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  FLOWMOE_CHECK(fd >= 0, IoError, "cannot create '", path, "': ", std::strerror(errno));
+  for (const std::string* c : chunks) {
+    size_t done = 0;
+    while (done < c->size()) {
+      ssize_t n = ::write(fd, c->data() + done, c->size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        int err = errno;
+        ::close(fd);
+        FLOWMOE_THROW(IoError, "writing '", path, "' failed: ", std::strerror(err));
+      }
+      done += size_t(n);
+    }
+  }
+  bool ok = ::fsync(fd) == 0;
+  int err = errno;
+  ::close(fd);
+  FLOWMOE_CHECK(ok, IoError, "fsync of '", path, "' failed: ", std::strerror(err));
+}
+
+static void fsync_dir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return;  // some filesystems do not allow it; the rename is still atomic
+  ::fsync(fd);
+  ::close(fd);
+}
+
+static std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  FLOWMOE_CHECK(in.good(), IoError, "cannot open '", path, "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// ---- safetensors --------------------------------------------------------------------------------
+
+const char* safetensors_dtype(DType t) {
+  switch (t) {
+    case DType::f32: return "F32";
+    case DType::f64: return "F64";
+    case DType::bf16: return "BF16";
+    case DType::e4m3: return "F8_E4M3";
+    case DType::e5m2: return "F8_E5M2";
+    case DType::i32: return "I32";
+    case DType::i64: return "I64";
+    case DType::u8: return "U8";
+  }
+  FLOWMOE_THROW(IoError, "no safetensors dtype for ", dtype_name(t));
+}
+
+DType dtype_from_safetensors(const std::string& s) {
+  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::e4m3, DType::e5m2, DType::i32, DType::i64, DType::u8})
+    if (s == safetensors_dtype(t)) return t;
+  FLOWMOE_THROW(IoError, "safetensors dtype '", s, "' is not supported (F32, F64, BF16, F8_E4M3, F8_E5M2, I32, I64, U8)");
+}
+
+static std::string safetensors_bytes(const std::vector<NamedTensor>& tensors,
+                                     const std::map<std::string, std::string>& metadata, std::string& body) {
+  std::ostringstream h;
+  h << "{";
+  bool first = true;
+  if (!metadata.empty()) {
+    h << "\"__metadata__\":{";
+    for (auto it = metadata.begin(); it != metadata.end(); ++it)
+      h << (it == metadata.begin() ? "" : ",") << json_escape(it->first) << ":" << json_escape(it->second);
+    h << "}";
+    first = false;
+  }
+  size_t offset = 0;
+  for (const NamedTensor& nt : tensors) {
+    FLOWMOE_CHECK(nt.name != "__metadata__" && !nt.name.empty(), IoError, "safetensors: bad tensor name '", nt.name,
+                  "'");
+    Tensor host = nt.tensor.to(Device::cpu()).contiguous();
+    h << (first ? "" : ",") << json_escape(nt.name) << ":{\"dtype\":\"" << safetensors_dtype(host.dtype())
+      << "\",\"shape\":[";
+    for (int d = 0; d < host.dim(); ++d) h << (d ? "," : "") << host.size(d);
+    h << "],\"data_offsets\":[" << offset << "," << offset + host.nbytes() << "]}";
+    first = false;
+    if (host.nbytes() > 0) body.append(static_cast<const char*>(host.raw_data()), host.nbytes());
+    offset += host.nbytes();
+  }
+  h << "}";
+  std::string header = h.str();
+  header.append((8 - header.size() % 8) % 8, ' ');  // pad so the data starts 8-byte aligned
+  uint64_t n = header.size();
+  std::string prefix(8, '\0');
+  for (int i = 0; i < 8; ++i) prefix[size_t(i)] = char((n >> (8 * i)) & 0xff);
+  return prefix + header;
+}
+
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::string body;
+  std::string head = safetensors_bytes(tensors, metadata, body);
+  write_file_synced(path, {&head, &body});
+}
+
+std::vector<NamedTensor> read_safetensors(const std::string& path, std::map<std::string, std::string>* metadata) {
+  std::string bytes = read_file(path);
+  FLOWMOE_CHECK(bytes.size() >= 8, IoError, "'", path, "' is too short for a safetensors file");
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t(static_cast<unsigned char>(bytes[size_t(i)])) << (8 * i);
+  FLOWMOE_CHECK(n <= bytes.size() - 8, IoError, "'", path, "': header length ", n, " exceeds the file");
+  YAML::Node header = parse_json(bytes.substr(8, n), path);
+  FLOWMOE_CHECK(header.IsMap(), IoError, "'", path, "': the header is not a JSON object");
+  const size_t data_start = 8 + n, data_size = bytes.size() - data_start;
+  std::vector<std::pair<uint64_t, NamedTensor>> found;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    std::string name = it->first.as<std::string>();
+    if (name == "__metadata__") {
+      if (metadata)
+        for (auto m = it->second.begin(); m != it->second.end(); ++m)
+          (*metadata)[m->first.as<std::string>()] = m->second.as<std::string>();
+      continue;
+    }
+    YAML::Node e = it->second;
+    FLOWMOE_CHECK(e.IsMap() && e["dtype"] && e["shape"] && e["data_offsets"], IoError, "'", path, "': entry '", name,
+                  "' lacks dtype, shape or data_offsets");
+    DType dt = dtype_from_safetensors(e["dtype"].as<std::string>());
+    Shape shape;
+    for (const auto& d : e["shape"]) shape.push_back(d.as<int64_t>());
+    uint64_t b = e["data_offsets"][0].as<uint64_t>(), end = e["data_offsets"][1].as<uint64_t>();
+    Tensor t = Tensor::empty(shape, dt);
+    FLOWMOE_CHECK(b <= end && end <= data_size && end - b == t.nbytes(), IoError, "'", path, "': tensor '", name,
+                  "' has offsets [", b, ", ", end, ") for ", t.nbytes(), " bytes in a ", data_size, "-byte body");
+    if (t.nbytes() > 0) std::memcpy(t.raw_data(), bytes.data() + data_start + b, t.nbytes());
+    found.push_back({b, NamedTensor{name, t}});
+  }
+  std::stable_sort(found.begin(), found.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+  std::vector<NamedTensor> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
+}
+
+// ---- checkpoints --------------------------------------------------------------------------------
+
+static std::string step_dir_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+// Step number of a finished checkpoint directory name ("step_00000100"), or -1.
+static int64_t parse_step_dir(const std::string& name) {
+  if (name.rfind("step_", 0) != 0 || name.size() == 5) return -1;
+  for (size_t i = 5; i < name.size(); ++i)
+    if (name[i] < '0' || name[i] > '9') return -1;
+  return std::stoll(name.substr(5));
+}
+
+static std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const std::string& root) {
+  std::vector<std::pair<int64_t, fs::path>> out;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  for (const auto& e : fs::directory_iterator(root)) {
+    int64_t s = parse_step_dir(e.path().filename().string());
+    if (s >= 0 && e.is_directory() && fs::exists(e.path() / "meta.json")) out.push_back({s, e.path()});
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta, const std::vector<Variable>& params,
+                            const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq,
+                            int64_t keep_last) {
+  FLOWMOE_CHECK(exp_avg.size() == params.size() && exp_avg_sq.size() == params.size(), Error,
+                "save_checkpoint: ", params.size(), " parameters but ", exp_avg.size(), " / ", exp_avg_sq.size(),
+                " moments");
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  FLOWMOE_CHECK(!ec, IoError, "cannot create checkpoint directory '", root, "': ", ec.message());
+  const fs::path final_dir = fs::path(root) / step_dir_name(meta.step);
+  const fs::path tmp_dir = fs::path(root) / (step_dir_name(meta.step) + ".tmp");
+  fs::remove_all(tmp_dir, ec);  // left over from a crash
+  fs::create_directory(tmp_dir, ec);
+  FLOWMOE_CHECK(!ec, IoError, "cannot create '", tmp_dir.string(), "': ", ec.message());
+
+  std::vector<NamedTensor> model, optim;
+  for (size_t i = 0; i < params.size(); ++i) {
+    model.push_back({params[i].name(), params[i].data()});
+    optim.push_back({params[i].name() + ".exp_avg", exp_avg[i]});
+    optim.push_back({params[i].name() + ".exp_avg_sq", exp_avg_sq[i]});
+  }
+  write_safetensors((tmp_dir / "model.safetensors").string(), model, {{"format", "pt"}});
+  write_safetensors((tmp_dir / "optimizer.safetensors").string(), optim, {{"format", "pt"}});
+
+  std::ostringstream js;
+  js << "{\n  \"format\": \"flowmoe-checkpoint-1\",\n"
+     << "  \"step\": " << meta.step << ",\n"
+     << "  \"num_updates\": " << meta.num_updates << ",\n"
+     << "  \"skipped_steps\": " << meta.skipped_steps << ",\n"
+     << "  \"data_position\": {\"epoch\": " << meta.data.epoch << ", \"cursor\": " << meta.data.cursor
+     << ", \"seed\": " << meta.data_seed << "},\n"
+     << "  \"rng\": {\"init_seed\": " << meta.init_seed
+     << ", \"note\": \"after init only the batch order is random: a function of data_position\"},\n"
+     << "  \"config\": " << json_escape(meta.config_yaml) << "\n}\n";
+  std::string json = js.str();
+  write_file_synced((tmp_dir / "meta.json").string(), {&json});
+  fsync_dir(tmp_dir.string());
+
+  if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);  // the same step saved again (after a resume)
+  fs::rename(tmp_dir, final_dir, ec);
+  FLOWMOE_CHECK(!ec, IoError, "renaming '", tmp_dir.string(), "' to '", final_dir.string(), "' failed: ", ec.message());
+  fsync_dir(root);
+
+  auto all = list_checkpoints(root);
+  for (size_t i = 0; i + size_t(keep_last) < all.size(); ++i) fs::remove_all(all[i].second, ec);
+  return final_dir.string();
+}
+
+std::string latest_checkpoint(const std::string& root) {
+  auto all = list_checkpoints(root);
+  return all.empty() ? "" : all.back().second.string();
+}
+
+// Copies a host tensor read from `file` into `dst`, after checking it is the one expected.
+static void fill_from(Tensor& dst, const std::map<std::string, Tensor>& found, const std::string& name,
+                      const std::string& file) {
+  auto it = found.find(name);
+  FLOWMOE_CHECK(it != found.end(), IoError, "'", file, "' has no tensor '", name, "'");
+  const Tensor& src = it->second;
+  FLOWMOE_CHECK(src.shape() == dst.shape() && src.dtype() == dst.dtype(), IoError, "'", file, "': tensor '", name,
+                "' is ", src.describe(), ", the model expects ", dtype_name(dst.dtype()), shape_str(dst.shape()),
+                " (was the checkpoint made with another model config?)");
+  dst.copy_(src);
+}
+
+CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params, std::vector<Tensor>* exp_avg,
+                               std::vector<Tensor>* exp_avg_sq) {
+  const fs::path d(dir);
+  FLOWMOE_CHECK(fs::exists(d / "meta.json"), IoError, "'", dir, "' is not a checkpoint (no meta.json)");
+  std::string model_file = (d / "model.safetensors").string();
+  std::map<std::string, Tensor> model;
+  for (auto& nt : read_safetensors(model_file)) model[nt.name] = nt.tensor;
+  for (const Variable& p : params) {
+    Tensor dst = p.data();
+    fill_from(dst, model, p.name(), model_file);
+  }
+  if (exp_avg || exp_avg_sq) {
+    std::string optim_file = (d / "optimizer.safetensors").string();
+    std::map<std::string, Tensor> optim;
+    for (auto& nt : read_safetensors(optim_file)) optim[nt.name] = nt.tensor;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (exp_avg) fill_from((*exp_avg)[i], optim, params[i].name() + ".exp_avg", optim_file);
+      if (exp_avg_sq) fill_from((*exp_avg_sq)[i], optim, params[i].name() + ".exp_avg_sq", optim_file);
+    }
+  }
+  std::string meta_file = (d / "meta.json").string();
+  YAML::Node j = parse_json(read_file(meta_file), meta_file);
+  CheckpointMeta meta;
+  try {
+    meta.step = j["step"].as<int64_t>();
+    meta.num_updates = j["num_updates"].as<int64_t>();
+    meta.skipped_steps = j["skipped_steps"].as<int64_t>();
+    meta.data.epoch = j["data_position"]["epoch"].as<uint64_t>();
+    meta.data.cursor = j["data_position"]["cursor"].as<uint64_t>();
+    meta.data_seed = j["data_position"]["seed"].as<uint64_t>();
+    meta.init_seed = j["rng"]["init_seed"].as<uint64_t>();
+    meta.config_yaml = j["config"].as<std::string>();
+  } catch (const YAML::Exception& e) {
+    FLOWMOE_THROW(IoError, "'", meta_file, "': missing or malformed field (", e.msg, ")");
+  }
+  return meta;
+}
+
+}  // namespace flowmoe

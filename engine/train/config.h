@@ -1,0 +1,133 @@
+// The run configuration: one YAML file with sections model, data, train, optimizer, precision,
+// parallel, checkpoint and logging, plus "section.key=value" overrides from the command line.
+//
+// Validation is strict and happens before any work: an unknown key, a wrong type, an out-of-range
+// value or an inconsistent combination throws ConfigError naming the file, the line and the key
+// ("configs/tiny.yaml:7: model.hidden_size: ..."). Overrides go through the same checks and are
+// named "--set key=value". Model keys use the Hugging Face DeepSeek-V3 names (DESIGN.md §5).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace flowmoe {
+
+struct ModelConfig {
+  int64_t vocab_size = 256;
+  int64_t hidden_size = 128;
+  int64_t num_hidden_layers = 2;
+  int64_t num_attention_heads = 4;
+  int64_t intermediate_size = 384;
+  int64_t max_position_embeddings = 128;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  double initializer_range = 0.02;
+  // MoE (DeepSeek-V3 names). n_routed_experts = 0 builds a dense model; MoE layers come later.
+  int64_t n_routed_experts = 0;
+  int64_t n_shared_experts = 1;
+  int64_t num_experts_per_tok = 2;
+  int64_t moe_intermediate_size = 256;
+  int64_t first_k_dense_replace = 0;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  std::string scoring_func = "sigmoid";
+  bool norm_topk_prob = true;
+  double routed_scaling_factor = 1.0;
+  double aux_loss_alpha = 0.0;
+  double bias_update_rate = 0.001;
+};
+
+struct DataConfig {
+  std::string source = "synthetic";  // synthetic | text | tokens
+  std::string path;                  // text: a file or a directory of files; tokens: a .bin file
+  int64_t seq_len = 128;
+  double val_fraction = 0.05;
+  int64_t seed = 1234;
+  int64_t synthetic_tokens = 1 << 20;  // size of the generated corpus
+};
+
+struct TrainConfig {
+  std::string device = "auto";  // auto | cpu | cuda
+  int64_t steps = 300;
+  int64_t batch_size = 8;  // sequences per micro-batch
+  int64_t grad_accum_steps = 1;
+  int64_t eval_every = 100;  // 0: evaluate only at the end
+  int64_t eval_batches = 4;
+  int64_t seed = 42;
+  std::string nonfinite = "skip";  // skip | stop
+  int64_t max_skipped_steps = 10;
+};
+
+struct OptimizerConfig {
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t warmup_steps = 20;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;  // 0 disables clipping
+};
+
+struct PrecisionConfig {
+  std::string recipe = "bf16";  // bf16 (fp8_blockwise, fp8_flow: not available yet)
+  int64_t align_size = 16;      // 16 | 32 | 64 | 128
+};
+
+struct ParallelConfig {
+  int64_t expert_parallel_size = 1;
+  int64_t data_parallel_size = 1;
+};
+
+struct CheckpointConfig {
+  std::string dir;            // empty: <logging.out_dir>/checkpoints
+  int64_t every = 0;          // steps between checkpoints; 0: only the final one
+  int64_t keep_last = 3;
+  std::string resume = "false";  // false | true (latest in dir) | path of a checkpoint directory
+};
+
+struct LoggingConfig {
+  std::string out_dir;  // empty: runs/<config file name without extension>
+  std::string metrics_format = "jsonl";  // jsonl | csv
+  int64_t log_every = 10;
+  std::string progress = "auto";  // auto | bar | plain
+};
+
+struct Config {
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  OptimizerConfig optimizer;
+  PrecisionConfig precision;
+  ParallelConfig parallel;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+
+  std::string file;                            // the YAML file it came from ("" when built in code)
+  std::map<std::string, std::string> origins;  // "section.key" -> "file:line" or "--set ..."
+
+  // Where a key's value came from, for messages: "configs/tiny.yaml:7", "--set k=v" or "default".
+  std::string origin(const std::string& dotted_key) const;
+  std::string run_dir() const;         // logging.out_dir, or runs/<config file name>
+  std::string checkpoint_dir() const;  // checkpoint.dir, or <run_dir()>/checkpoints
+};
+
+// Reads and validates a YAML file, applies the overrides ("section.key=value") and validates the
+// result. Throws ConfigError.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from YAML text; `name` stands for the file in messages.
+Config parse_config(const std::string& yaml_text, const std::string& name,
+                    const std::vector<std::string>& overrides = {});
+// One "section.key=value" override, type- and range-checked (call validate() afterwards).
+void apply_override(Config& cfg, const std::string& assignment);
+// The cross-key checks (divisibility, ranges that depend on other keys, unavailable features).
+void validate(const Config& cfg);
+
+// The resolved configuration as YAML, every key included (written beside a run's outputs).
+std::string to_yaml(const Config& cfg);
+// A Markdown table of every key: type, range, default, meaning (docs/TRAINING.md).
+std::string config_reference_markdown();
+
+}  // namespace flowmoe

@@ -1,0 +1,223 @@
+// Token sources and the deterministic batch order (see data.h).
+#include "engine/train/data.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "engine/error.h"
+#include "engine/rng.h"
+
+namespace flowmoe {
+
+namespace fs = std::filesystem;
+
+// ---- token files --------------------------------------------------------------------------------
+
+std::vector<uint16_t> read_token_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  FLOWMOE_CHECK(in.good(), IoError, "cannot open token file '", path, "'");
+  int32_t header[kTokenFileHeaderInts] = {};
+  in.read(reinterpret_cast<char*>(header), sizeof header);
+  FLOWMOE_CHECK(in.gcount() == std::streamsize(sizeof header), IoError, "token file '", path,
+                "' is shorter than its 1024-byte header");
+  FLOWMOE_CHECK(header[0] == kTokenFileMagic, IoError, "token file '", path, "' has magic ", header[0], ", expected ",
+                kTokenFileMagic, " (an llm.c-style .bin file; write one with `flowmoe prepare-data`)");
+  FLOWMOE_CHECK(header[1] == kTokenFileVersion, IoError, "token file '", path, "' has version ", header[1],
+                ", expected ", kTokenFileVersion, " (uint16 tokens)");
+  FLOWMOE_CHECK(header[2] >= 0, IoError, "token file '", path, "' has a negative token count ", header[2]);
+  std::vector<uint16_t> tokens(static_cast<size_t>(header[2]));
+  in.read(reinterpret_cast<char*>(tokens.data()), std::streamsize(tokens.size() * sizeof(uint16_t)));
+  FLOWMOE_CHECK(in.gcount() == std::streamsize(tokens.size() * sizeof(uint16_t)), IoError, "token file '", path,
+                "' is truncated: the header says ", header[2], " tokens, the file holds ",
+                in.gcount() / std::streamsize(sizeof(uint16_t)));
+  return tokens;
+}
+
+void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
+  FLOWMOE_CHECK(tokens.size() <= size_t(INT32_MAX), IoError, "token file '", path, "': ", tokens.size(),
+                " tokens exceed the format's int32 count");
+  int32_t header[kTokenFileHeaderInts] = {};
+  header[0] = kTokenFileMagic;
+  header[1] = kTokenFileVersion;
+  header[2] = int32_t(tokens.size());
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    FLOWMOE_CHECK(out.good(), IoError, "cannot write '", tmp, "'");
+    out.write(reinterpret_cast<const char*>(header), sizeof header);
+    out.write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * sizeof(uint16_t)));
+    out.flush();
+    FLOWMOE_CHECK(out.good(), IoError, "writing '", tmp, "' failed (disk full?)");
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  FLOWMOE_CHECK(!ec, IoError, "renaming '", tmp, "' to '", path, "' failed: ", ec.message());
+}
+
+// ---- text ---------------------------------------------------------------------------------------
+
+static void append_file_bytes(const fs::path& p, std::vector<uint16_t>& out) {
+  std::ifstream in(p, std::ios::binary);
+  FLOWMOE_CHECK(in.good(), IoError, "cannot open text file '", p.string(), "'");
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (char c : bytes) out.push_back(uint16_t(static_cast<unsigned char>(c)));
+}
+
+std::vector<uint16_t> read_text_tokens(const std::string& path) {
+  std::vector<uint16_t> out;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    std::vector<fs::path> files;
+    for (const auto& e : fs::directory_iterator(path))
+      if (e.is_regular_file()) files.push_back(e.path());
+    std::sort(files.begin(), files.end());
+    FLOWMOE_CHECK(!files.empty(), IoError, "text directory '", path, "' holds no files");
+    for (const auto& f : files) append_file_bytes(f, out);
+  } else {
+    append_file_bytes(path, out);
+  }
+  return out;
+}
+
+int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::string& output) {
+  FLOWMOE_CHECK(!inputs.empty(), IoError, "prepare-data: no input files");
+  std::vector<uint16_t> tokens;
+  for (const std::string& in : inputs) {
+    std::vector<uint16_t> t = read_text_tokens(in);
+    tokens.insert(tokens.end(), t.begin(), t.end());
+  }
+  write_token_file(output, tokens);
+  return int64_t(tokens.size());
+}
+
+// ---- synthetic corpus ---------------------------------------------------------------------------
+
+std::vector<uint16_t> synthetic_corpus(int64_t vocab_size, int64_t num_tokens, uint64_t seed) {
+  FLOWMOE_CHECK(vocab_size >= 16 && vocab_size <= 65536, Error, "synthetic corpus: vocab_size ", vocab_size,
+                " outside [16, 65536]");
+  Rng rng(seed ^ 0x5EEDC0DE5EEDC0DEull);
+  const int64_t num_words = std::max<int64_t>(8, vocab_size / 4);
+  const int num_next = 4;
+  const double next_prob[num_next] = {0.5, 0.25, 0.15, 0.10};
+  std::vector<std::vector<uint16_t>> words(static_cast<size_t>(num_words));
+  for (auto& w : words) {
+    int64_t len = 3 + int64_t(rng.next_u64() % 6);  // 3..8 tokens
+    for (int64_t i = 0; i < len; ++i) w.push_back(uint16_t(1 + rng.next_u64() % uint64_t(vocab_size - 1)));
+  }
+  std::vector<int64_t> next(static_cast<size_t>(num_words * num_next));
+  for (auto& n : next) n = int64_t(rng.next_u64() % uint64_t(num_words));
+
+  std::vector<uint16_t> out;
+  out.reserve(size_t(num_tokens));
+  int64_t word = 0;
+  while (int64_t(out.size()) < num_tokens) {
+    for (uint16_t t : words[size_t(word)]) out.push_back(t);
+    out.push_back(0);  // separator
+    double u = rng.next_uniform(), acc = 0;
+    int j = 0;
+    for (; j < num_next - 1; ++j) {
+      acc += next_prob[j];
+      if (u < acc) break;
+    }
+    word = next[size_t(word * num_next + j)];
+  }
+  out.resize(size_t(num_tokens));
+  return out;
+}
+
+// ---- the loader ---------------------------------------------------------------------------------
+
+DataLoader::DataLoader(std::vector<uint16_t> tokens, int64_t vocab_size, int64_t seq_len, double val_fraction,
+                       uint64_t seed, std::string name)
+    : tokens_(std::move(tokens)), seq_len_(seq_len), seed_(seed) {
+  FLOWMOE_CHECK(seq_len >= 1, Error, "seq_len must be positive, got ", seq_len);
+  for (size_t i = 0; i < tokens_.size(); ++i)
+    FLOWMOE_CHECK(tokens_[i] < vocab_size, IoError, name, ": token ", tokens_[i], " at position ", i,
+                  " is outside model.vocab_size = ", vocab_size);
+  const int64_t n = int64_t(tokens_.size());
+  int64_t num_val_tokens = int64_t(double(n) * val_fraction);
+  train_end_ = n - num_val_tokens;
+  num_train_ = train_end_ > 0 ? (train_end_ - 1) / seq_len : 0;
+  num_val_ = num_val_tokens > 0 ? (num_val_tokens - 1) / seq_len : 0;
+  FLOWMOE_CHECK(num_train_ >= 1, IoError, name, ": ", train_end_, " training tokens are too few for one sequence of ",
+                seq_len, " + 1 tokens");
+  FLOWMOE_CHECK(val_fraction == 0 || num_val_ >= 1, IoError, name, ": ", num_val_tokens,
+                " validation tokens (data.val_fraction = ", val_fraction, ") are too few for one sequence of ",
+                seq_len, " + 1 tokens");
+  shuffle_epoch();
+}
+
+DataLoader DataLoader::from_config(const Config& cfg) {
+  const DataConfig& d = cfg.data;
+  std::vector<uint16_t> tokens;
+  std::string name;
+  if (d.source == "synthetic") {
+    tokens = synthetic_corpus(cfg.model.vocab_size, d.synthetic_tokens, uint64_t(d.seed));
+    name = "synthetic corpus";
+  } else if (d.source == "text") {
+    tokens = read_text_tokens(d.path);
+    name = "text '" + d.path + "'";
+  } else {
+    tokens = read_token_file(d.path);
+    name = "token file '" + d.path + "'";
+  }
+  return DataLoader(std::move(tokens), cfg.model.vocab_size, d.seq_len, d.val_fraction, uint64_t(d.seed), name);
+}
+
+// Fisher-Yates over the training windows with a stream that depends only on (seed, epoch).
+void DataLoader::shuffle_epoch() {
+  order_.resize(size_t(num_train_));
+  for (int64_t i = 0; i < num_train_; ++i) order_[size_t(i)] = i;
+  Rng rng(seed_ * 0x9E3779B97F4A7C15ull + pos_.epoch + 1);
+  for (int64_t i = num_train_ - 1; i > 0; --i) {
+    int64_t j = int64_t(rng.next_u64() % uint64_t(i + 1));
+    std::swap(order_[size_t(i)], order_[size_t(j)]);
+  }
+}
+
+void DataLoader::set_position(const DataPosition& pos) {
+  FLOWMOE_CHECK(pos.cursor <= uint64_t(num_train_), IoError, "data position cursor ", pos.cursor, " exceeds the ",
+                num_train_, " training windows (was the checkpoint made with another corpus or seq_len?)");
+  pos_ = pos;
+  shuffle_epoch();
+}
+
+Batch DataLoader::make_batch(const std::vector<int64_t>& starts) const {
+  const int64_t b = int64_t(starts.size()), t = seq_len_;
+  Tensor inputs = Tensor::empty({b, t}, DType::i32), targets = Tensor::empty({b, t}, DType::i32);
+  int32_t* in = inputs.data<int32_t>();
+  int32_t* tg = targets.data<int32_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    const uint16_t* src = tokens_.data() + starts[size_t(i)];
+    for (int64_t j = 0; j < t; ++j) {
+      in[i * t + j] = src[j];
+      tg[i * t + j] = src[j + 1];
+    }
+  }
+  return {inputs, targets};
+}
+
+Batch DataLoader::next_train(int64_t batch_size) {
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < batch_size; ++i) {
+    if (pos_.cursor == uint64_t(num_train_)) {
+      pos_.epoch++, pos_.cursor = 0;
+      shuffle_epoch();
+    }
+    starts.push_back(order_[size_t(pos_.cursor++)] * seq_len_);
+  }
+  return make_batch(starts);
+}
+
+Batch DataLoader::val_batch(int64_t batch_idx, int64_t batch_size) const {
+  FLOWMOE_CHECK(num_val_ > 0, Error, "no validation data (data.val_fraction is 0)");
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < batch_size; ++i)
+    starts.push_back(train_end_ + ((batch_idx * batch_size + i) % num_val_) * seq_len_);
+  return make_batch(starts);
+}
+
+}  // namespace flowmoe

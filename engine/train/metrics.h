@@ -1,0 +1,71 @@
+// Training metrics: a JSONL or CSV file with one row per step, the progress display (a redrawn
+// bar on a terminal, plain lines otherwise), and loss-curve plots of one or several runs.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace flowmoe {
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = NAN;          // mean training loss over the step's micro-batches
+  double val_loss = NAN;      // NaN: no validation at this step
+  double lr = 0;
+  double grad_norm = NAN;     // before clipping
+  double tokens_per_s = 0;
+  int64_t peak_mem_bytes = 0;  // peak tensor memory on the training device so far
+  int64_t host_syncs = 0;      // deliberate host synchronisations inside the model during the step
+  bool skipped = false;        // non-finite loss or gradient: no update
+};
+
+// Appends rows to <path>. With keep_up_to_step >= 0 (a resumed run) the rows of later steps an
+// interrupted run had written are dropped first; with -1 the file starts empty.
+class MetricsWriter {
+ public:
+  MetricsWriter(const std::string& path, const std::string& format /*jsonl|csv*/, int64_t keep_up_to_step);
+  ~MetricsWriter();
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+  void write(const StepMetrics& m);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  bool csv_;
+  std::FILE* file_ = nullptr;
+};
+
+// Rows of a metrics file (format from its extension, .csv or else JSONL). Throws IoError.
+std::vector<StepMetrics> read_metrics(const std::string& path);
+// The metrics file inside a run directory (metrics.jsonl or metrics.csv), or path itself if a file.
+std::string find_metrics_file(const std::string& run_or_file);
+
+class Progress {
+ public:
+  // mode auto|bar|plain; auto draws a bar when `out` is a terminal (and TERM is not "dumb").
+  // out == nullptr: silent.
+  Progress(const std::string& mode, int64_t total_steps, int64_t log_every, std::FILE* out = stdout);
+  void update(const StepMetrics& m, double eta_s);  // bar: redraw; plain: a line every log_every steps
+  void message(const std::string& line);            // a permanent line (evaluation, checkpoints)
+  void finish();
+  bool is_bar() const { return bar_; }
+
+ private:
+  bool bar_;
+  int64_t total_, log_every_;
+  std::FILE* out_;
+  bool drawn_ = false;
+  bool printed_any_ = false;  // plain mode prints the first step of a run, then every log_every
+};
+
+std::string format_duration(double seconds);  // "1h02m", "3m07s", "12s"
+std::string format_rate(double per_s);        // "12.3k"
+
+// Renders the loss (and validation loss) curves of the runs into a PNG, with gnuplot when it is
+// installed, else Python's matplotlib. Each run is a run directory or a metrics file.
+void plot_runs(const std::vector<std::string>& runs, const std::string& png_path, const std::string& title);
+
+}  // namespace flowmoe

@@ -1,0 +1,37 @@
+// AdamW update and the gradient-norm reduction used for clipping, on f32 buffers.
+//   g = grad_scale * grad;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+//   p = p - lr * (m / bc1 / (sqrt(v / bc2) + eps) + weight_decay * p)      (bc = 1 - beta^t)
+// sum_squares: out = sum_i x[i]^2 (sum_values: sum_i x[i]), deterministic: a fixed two-pass tree,
+// no atomics, so the same input always gives the same bits. CPU reference: kernels/cpu/adamw.cpp;
+// CUDA: kernels/cuda/adamw.cu; optimizer: engine/train/optimizer.cpp; tests: tests/test_adamw.cpp.
+#pragma once
+#include <cstdint>
+
+#include "engine/cuda_api.h"
+
+namespace flowmoe {
+
+struct AdamWStep {
+  float lr = 0, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0;
+  float grad_scale = 1;  // clipping factor applied to the gradient
+  float bias_correction1 = 1, bias_correction2 = 1;  // 1 - beta1^t, 1 - beta2^t
+};
+
+void adamw_cpu(float* param /*[n]*/, const float* grad /*[n]*/, float* exp_avg /*[n]*/, float* exp_avg_sq /*[n]*/,
+               int64_t n, const AdamWStep& s);
+// Accumulates in double, in index order.
+double sum_squares_cpu(const float* x /*[n]*/, int64_t n);
+
+// Blocks of the first reduction pass; `partials` must hold this many floats.
+constexpr int kReduceMaxBlocks = 1024;
+
+void adamw_cuda(float* param /*[n]*/, const float* grad /*[n]*/, float* exp_avg /*[n]*/, float* exp_avg_sq /*[n]*/,
+                int64_t n, const AdamWStep& s, cudaStream_t stream);
+// *out (one device float) = sum of x[i]^2; partials: device scratch of kReduceMaxBlocks floats.
+void sum_squares_cuda(const float* x /*[n]*/, int64_t n, float* out /*[1]*/, float* partials /*[kReduceMaxBlocks]*/,
+                      cudaStream_t stream);
+// *out = sum of x[i] (used to add up per-tensor squared norms).
+void sum_values_cuda(const float* x /*[n]*/, int64_t n, float* out /*[1]*/, float* partials /*[kReduceMaxBlocks]*/,
+                     cudaStream_t stream);
+
+}  // namespace flowmoe

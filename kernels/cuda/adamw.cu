@@ -1,0 +1,84 @@
+// AdamW update and deterministic sum-of-squares reduction on the GPU (math in kernels/adamw.h).
+//   adamw:        one thread per element (grid-stride), f32 params, grads and moments, fp32 math.
+//   sum_squares:  pass 1 - each of G <= kReduceMaxBlocks blocks reduces a grid-stride slice to
+//                 partials[block]; pass 2 - one block adds the G partials. G depends on n only, and
+//                 no atomics are used, so a given input always gives the same bits.
+// CPU reference: kernels/cpu/adamw.cpp. Tests: tests/test_adamw.cpp.
+#include "engine/cuda/cuda_check.h"
+#include "kernels/adamw.h"
+#include "kernels/cuda/cuda_utils.cuh"
+
+namespace flowmoe {
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+__global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
+                             float* __restrict__ exp_avg_sq, int64_t n, AdamWStep s) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float g = s.grad_scale * grad[i];
+    float m = s.beta1 * exp_avg[i] + (1.0f - s.beta1) * g;
+    float v = s.beta2 * exp_avg_sq[i] + (1.0f - s.beta2) * g * g;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    float update = (m / s.bias_correction1) / (sqrtf(v / s.bias_correction2) + s.eps);
+    float p = param[i];
+    param[i] = p - s.lr * (update + s.weight_decay * p);
+  }
+}
+
+template <bool kSquare>
+__global__ void reduce_partials_kernel(const float* __restrict__ x, int64_t n, float* __restrict__ partials) {
+  __shared__ float scratch[32];
+  float acc = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float v = x[i];
+    acc += kSquare ? v * v : v;
+  }
+  acc = block_sum(acc, scratch);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+// One block of kReduceMaxBlocks threads: thread t holds partials[t] (or 0).
+__global__ void reduce_final_kernel(const float* __restrict__ partials, int num_partials, float* __restrict__ out) {
+  __shared__ float scratch[32];
+  float v = int(threadIdx.x) < num_partials ? partials[threadIdx.x] : 0.f;
+  v = block_sum(v, scratch);
+  if (threadIdx.x == 0) *out = v;
+}
+
+// ---- launchers --------------------------------------------------------------------------------
+
+void adamw_cuda(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamWStep& s,
+                cudaStream_t stream) {
+  FLOWMOE_CHECK(n >= 0, Error, "adamw_cuda: negative size ", n);
+  if (n == 0) return;
+  FLOWMOE_CHECK(param && grad && exp_avg && exp_avg_sq, Error, "adamw_cuda: null buffer for ", n, " elements");
+  const int threads = 256;
+  adamw_kernel<<<grid_size(n, threads), threads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, s);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+template <bool kSquare>
+static void reduce_cuda(const float* x, int64_t n, float* out, float* partials, cudaStream_t stream) {
+  FLOWMOE_CHECK(n >= 0, Error, "sum reduction: negative size ", n);
+  FLOWMOE_CHECK(out && partials, Error, "sum reduction: null output or scratch");
+  const int threads = 256;
+  int64_t want = (n + threads * 4 - 1) / (threads * 4);  // about 4 elements per thread
+  int blocks = int(want < kReduceMaxBlocks ? want : kReduceMaxBlocks);
+  if (blocks > 0) {
+    reduce_partials_kernel<kSquare><<<blocks, threads, 0, stream>>>(x, n, partials);
+    MOE_CUDA_CHECK_LAUNCH();
+  }
+  reduce_final_kernel<<<1, kReduceMaxBlocks, 0, stream>>>(partials, blocks, out);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void sum_squares_cuda(const float* x, int64_t n, float* out, float* partials, cudaStream_t stream) {
+  reduce_cuda<true>(x, n, out, partials, stream);
+}
+
+void sum_values_cuda(const float* x, int64_t n, float* out, float* partials, cudaStream_t stream) {
+  reduce_cuda<false>(x, n, out, partials, stream);
+}
+
+}  // namespace flowmoe

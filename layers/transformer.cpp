@@ -1,0 +1,69 @@
+#include "layers/transformer.h"
+
+#include <cmath>
+
+namespace flowmoe {
+
+static std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i); }
+
+// Output projections start smaller so the residual stream's variance does not grow with depth.
+static double out_std(const ModelConfig& c) { return c.initializer_range / std::sqrt(2.0 * double(c.num_hidden_layers)); }
+
+TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i)
+    : eps_(c.rms_norm_eps),
+      input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})),
+      self_attn_(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads, c.rope_theta,
+                 c.initializer_range, out_std(c)),
+      mlp_(f, layer_prefix(i) + ".mlp", c.hidden_size, c.intermediate_size, c.initializer_range, out_std(c)) {
+  post_attention_layernorm_ = f.ones(layer_prefix(i) + ".post_attention_layernorm.weight", {c.hidden_size});
+}
+
+Variable TransformerBlock::forward(const Variable& x, DType compute) const {
+  Variable h = add(x, self_attn_.forward(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute));
+  return add(h, mlp_.forward(rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_), compute));
+}
+
+Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed)
+    : cfg_(cfg), device_(device), compute_(compute) {
+  FLOWMOE_CHECK(cfg.n_routed_experts == 0, Error, "Transformer: MoE layers are not available yet (n_routed_experts ",
+                cfg.n_routed_experts, ")");
+  FLOWMOE_CHECK(compute == DType::f32 || (compute == DType::bf16 && device.is_cuda()), DTypeError,
+                "Transformer: compute dtype ", dtype_name(compute), " on ", device.str(),
+                " (the CPU computes in f32, the GPU in bf16 or f32)");
+  ParamFactory f(seed, device);
+  embed_tokens_ = f.normal("model.embed_tokens.weight", {cfg.vocab_size, cfg.hidden_size}, cfg.initializer_range);
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) layers_.push_back(std::make_unique<TransformerBlock>(f, cfg, i));
+  norm_ = f.ones("model.norm.weight", {cfg.hidden_size});
+  lm_head_ = cfg.tie_word_embeddings
+                 ? embed_tokens_
+                 : f.normal("lm_head.weight", {cfg.vocab_size, cfg.hidden_size}, cfg.initializer_range);
+  params_ = f.params();
+}
+
+int64_t Transformer::num_parameters() const {
+  int64_t n = 0;
+  for (const Variable& p : params_) n += p.data().numel();
+  return n;
+}
+
+Variable Transformer::forward(const Tensor& ids) const {
+  FLOWMOE_CHECK(ids.dim() == 2 && ids.dtype() == DType::i32, ShapeError, "Transformer: ids ", ids.describe(),
+                ", expected [B, T] i32");
+  FLOWMOE_CHECK(ids.size(1) <= cfg_.max_position_embeddings, ShapeError, "Transformer: sequence of ", ids.size(1),
+                " tokens exceeds max_position_embeddings ", cfg_.max_position_embeddings);
+  Variable h = embedding(compute_weight(embed_tokens_, compute_), ids.to(device_));
+  for (const auto& layer : layers_) h = layer->forward(h, compute_);
+  h = rmsnorm(h, compute_weight(norm_, compute_), cfg_.rms_norm_eps);
+  // A tied head casts the embedding again, so each use's gradient returns to f32 before they are added.
+  return linear(h, compute_weight(lm_head_, compute_));
+}
+
+Variable Transformer::loss(const Tensor& ids, const Tensor& targets) const {
+  FLOWMOE_CHECK(targets.shape() == ids.shape(), ShapeError, "Transformer::loss: targets ", targets.describe(),
+                " vs ids ", ids.describe());
+  Variable logits = forward(ids);
+  const int64_t n = ids.numel();
+  return cross_entropy(reshape(logits, {n, cfg_.vocab_size}), targets.to(device_).reshape({n}));
+}
+
+}  // namespace flowmoe

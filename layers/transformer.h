@@ -1,0 +1,52 @@
+// The dense decoder-only transformer (DeepSeek-V3 layout with plain MHA and a dense MLP):
+//   h = embed(ids);  per block: h += attn(rmsnorm(h)); h += mlp(rmsnorm(h));
+//   logits = rmsnorm(h) · W_headᵀ   (W_head = the embedding when tie_word_embeddings).
+// Parameters are f32 master weights named as Hugging Face does ("model.layers.0.self_attn.q_proj.weight").
+// The forward computes in `compute` dtype: f32 on the CPU; bf16 on the GPU, where each weight is
+// cast per use and its gradient returns to f32. Init is seeded and identical on every device.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "engine/train/config.h"
+#include "layers/attention.h"
+#include "layers/mlp.h"
+
+namespace flowmoe {
+
+class TransformerBlock {
+ public:
+  TransformerBlock(ParamFactory& f, const ModelConfig& cfg, int64_t layer_idx);
+  Variable forward(const Variable& x /*[B,T,H]*/, DType compute) const;
+
+ private:
+  double eps_;
+  Variable input_layernorm_, post_attention_layernorm_;
+  Attention self_attn_;
+  Mlp mlp_;
+};
+
+class Transformer {
+ public:
+  Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed);
+
+  Variable forward(const Tensor& ids /*[B,T] i32*/) const;  // -> logits [B,T,V] in the compute dtype
+  // Mean next-token cross-entropy, an f32 scalar. ids and targets [B,T] i32 (moved to the device).
+  Variable loss(const Tensor& ids, const Tensor& targets) const;
+
+  const std::vector<Variable>& parameters() const { return params_; }  // fixed order
+  int64_t num_parameters() const;
+  const ModelConfig& config() const { return cfg_; }
+  Device device() const { return device_; }
+  DType compute_dtype() const { return compute_; }
+
+ private:
+  ModelConfig cfg_;
+  Device device_;
+  DType compute_;
+  std::vector<Variable> params_;
+  Variable embed_tokens_, norm_, lm_head_;
+  std::vector<std::unique_ptr<TransformerBlock>> layers_;
+};
+
+}  // namespace flowmoe

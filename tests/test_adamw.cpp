@@ -1,0 +1,169 @@
+// AdamW update and the squared-norm reduction: the CPU reference against the textbook formula in
+// double, CUDA against the CPU over edge sizes, determinism, and the AdamW class end to end.
+#include <cmath>
+#include <cstring>
+
+#include "engine/train/optimizer.h"
+#include "kernels/adamw.h"
+#include "tests/test_util.h"
+
+using namespace flowmoe;
+using namespace flowmoe::test;
+
+namespace {
+
+AdamWStep make_step(int t, float lr, float wd, float grad_scale) {
+  AdamWStep s;
+  s.lr = lr;
+  s.beta1 = 0.9f;
+  s.beta2 = 0.95f;
+  s.eps = 1e-8f;
+  s.weight_decay = wd;
+  s.grad_scale = grad_scale;
+  s.bias_correction1 = float(1 - std::pow(0.9, t));
+  s.bias_correction2 = float(1 - std::pow(0.95, t));
+  return s;
+}
+
+std::vector<float> floats(const Tensor& t) { return t.to_floats(); }
+
+}  // namespace
+
+// Loshchilov & Hutter, Algorithm 2, in double: m, v, bias corrections, decoupled decay.
+TEST(AdamW, CpuMatchesTextbookFormula) {
+  Rng rng(test_seed());
+  const int64_t n = 1000;
+  std::vector<float> p = floats(random_tensor(rng, {n})), m(n, 0.f), v(n, 0.f);
+  std::vector<double> pd(p.begin(), p.end()), md(n, 0), vd(n, 0);
+  const double lr = 3e-3, wd = 0.1, b1 = 0.9, b2 = 0.95, eps = 1e-8, scale = 0.7;
+  for (int t = 1; t <= 5; ++t) {
+    std::vector<float> g = floats(random_tensor(rng, {n}, DType::f32, Device::cpu(), -2, 2));
+    adamw_cpu(p.data(), g.data(), m.data(), v.data(), n, make_step(t, float(lr), float(wd), float(scale)));
+    for (int64_t i = 0; i < n; ++i) {
+      double gi = scale * g[size_t(i)];
+      md[size_t(i)] = b1 * md[size_t(i)] + (1 - b1) * gi;
+      vd[size_t(i)] = b2 * vd[size_t(i)] + (1 - b2) * gi * gi;
+      double mhat = md[size_t(i)] / (1 - std::pow(b1, t)), vhat = vd[size_t(i)] / (1 - std::pow(b2, t));
+      pd[size_t(i)] -= lr * (mhat / (std::sqrt(vhat) + eps) + wd * pd[size_t(i)]);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_NEAR(p[size_t(i)], pd[size_t(i)], 1e-6 * (1 + std::fabs(pd[size_t(i)]))) << "param " << i;
+    ASSERT_NEAR(m[size_t(i)], md[size_t(i)], 1e-6) << "exp_avg " << i;
+    ASSERT_NEAR(v[size_t(i)], vd[size_t(i)], 1e-6) << "exp_avg_sq " << i;
+  }
+}
+
+TEST(AdamW, SumSquaresCpu) {
+  std::vector<float> x = {3, 4, -12};
+  EXPECT_DOUBLE_EQ(sum_squares_cpu(x.data(), 3), 169.0);
+  EXPECT_DOUBLE_EQ(sum_squares_cpu(x.data(), 0), 0.0);
+  x[1] = NAN;
+  EXPECT_TRUE(std::isnan(sum_squares_cpu(x.data(), 3)));
+}
+
+TEST(AdamW, OptimizerClassOnCpu) {
+  Rng rng(test_seed());
+  Variable w(random_tensor(rng, {4, 5}), true, "w"), b(random_tensor(rng, {5}), true, "b");
+  Tensor gw = random_tensor(rng, {4, 5}), gb = random_tensor(rng, {5});
+  w.set_grad(gw.clone());
+  b.set_grad(gb.clone());
+  OptimizerConfig cfg;
+  cfg.beta1 = 0.9;
+  cfg.beta2 = 0.95;
+  cfg.weight_decay = 0.5;
+  AdamW opt({w, b}, cfg);
+  double want = std::sqrt(sum_squares_cpu(gw.data<float>(), 20) + sum_squares_cpu(gb.data<float>(), 5));
+  EXPECT_NEAR(opt.grad_norm(), want, 1e-12);
+  // Reference: the kernel on copies; weight decay only on the matrix.
+  std::vector<float> pw = floats(w.data()), pb = floats(b.data()), m(20, 0), v(20, 0), mb(5, 0), vb(5, 0);
+  adamw_cpu(pw.data(), gw.data<float>(), m.data(), v.data(), 20, make_step(1, 0.01f, 0.5f, 0.25f));
+  adamw_cpu(pb.data(), gb.data<float>(), mb.data(), vb.data(), 5, make_step(1, 0.01f, 0.0f, 0.25f));
+  opt.step(0.01, 0.25);
+  EXPECT_EQ(opt.num_updates(), 1);
+  EXPECT_EQ(floats(w.data()), pw);
+  EXPECT_EQ(floats(b.data()), pb);
+  EXPECT_EQ(floats(opt.exp_avg()[0]), m);
+  // A parameter without a gradient is left alone; the norm counts it as zero.
+  opt.zero_grad();
+  b.set_grad(gb.clone());
+  std::vector<float> before = floats(w.data());
+  EXPECT_NEAR(opt.grad_norm(), std::sqrt(sum_squares_cpu(gb.data<float>(), 5)), 1e-12);
+  opt.step(0.01, 1.0);
+  EXPECT_EQ(floats(w.data()), before);
+  Variable bad(Tensor::zeros({3}, DType::f64), true, "f64");
+  EXPECT_THROW(AdamW({bad}, cfg), DTypeError);
+}
+
+// The launchers exist only in CUDA builds; the optimizer class below reaches them by device.
+#ifdef FLOWMOE_WITH_CUDA
+TEST(AdamWCuda, UpdateMatchesCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  for (int64_t n : {0, 1, 255, 4097, 1 << 20}) {
+    SCOPED_TRACE(n);
+    Tensor p = random_tensor(rng, {n}), g = random_tensor(rng, {n}, DType::f32, Device::cpu(), -3, 3);
+    Tensor m = random_tensor(rng, {n}, DType::f32, Device::cpu(), -0.1, 0.1);
+    Tensor v = random_tensor(rng, {n}, DType::f32, Device::cpu(), 0, 0.1);
+    Tensor gp = p.to(Device::cuda()), gg = g.to(Device::cuda()), gm = m.to(Device::cuda()), gv = v.to(Device::cuda());
+    AdamWStep s = make_step(3, 1e-3f, 0.1f, 0.5f);
+    adamw_cpu(p.data<float>(), g.data<float>(), m.data<float>(), v.data<float>(), n, s);
+    adamw_cuda(gp.data<float>(), gg.data<float>(), gm.data<float>(), gv.data<float>(), n, s, current_stream(0));
+    EXPECT_TRUE(all_close(gp, p, 1e-5, 1e-7));
+    EXPECT_TRUE(all_close(gm, m, 1e-6, 1e-8));
+    EXPECT_TRUE(all_close(gv, v, 1e-6, 1e-8));
+  }
+}
+
+TEST(AdamWCuda, SumSquaresMatchesCpuAndIsDeterministic) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  Tensor partials = Tensor::zeros({kReduceMaxBlocks}, DType::f32, Device::cuda());
+  Tensor out = Tensor::zeros({1}, DType::f32, Device::cuda());
+  for (int64_t n : {0, 1, 31, 1000, 4097, (1 << 20) + 3, 5 << 20}) {
+    SCOPED_TRACE(n);
+    Tensor x = random_tensor(rng, {n});
+    Tensor gx = x.to(Device::cuda());
+    sum_squares_cuda(gx.data<float>(), n, out.data<float>(), partials.data<float>(), current_stream(0));
+    float first = out.to_floats()[0];
+    double want = sum_squares_cpu(x.data<float>(), n);
+    EXPECT_NEAR(first, want, 1e-5 * want + 1e-30);
+    for (int rep = 0; rep < 3; ++rep) {
+      sum_squares_cuda(gx.data<float>(), n, out.data<float>(), partials.data<float>(), current_stream(0));
+      float again = out.to_floats()[0];
+      EXPECT_EQ(std::memcmp(&again, &first, sizeof first), 0) << "run " << rep << " differs";
+    }
+    sum_values_cuda(gx.data<float>(), n, out.data<float>(), partials.data<float>(), current_stream(0));
+    double plain = 0;
+    for (float f : floats(x)) plain += f;
+    EXPECT_NEAR(out.to_floats()[0], plain, 1e-4 * std::sqrt(double(n)) + 1e-6);
+  }
+  Tensor x = Tensor::from_floats({1, 2, NAN, 4}, {4}, DType::f32, Device::cuda());
+  sum_squares_cuda(x.data<float>(), 4, out.data<float>(), partials.data<float>(), current_stream(0));
+  EXPECT_TRUE(std::isnan(out.to_floats()[0])) << "a NaN gradient must show in the norm";
+}
+#endif  // FLOWMOE_WITH_CUDA
+
+TEST(AdamWCuda, OptimizerClassMatchesCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  std::vector<Tensor> init = {random_tensor(rng, {64, 33}), random_tensor(rng, {33}), random_tensor(rng, {7, 5})};
+  std::vector<Tensor> grads = {random_tensor(rng, {64, 33}), random_tensor(rng, {33}), random_tensor(rng, {7, 5})};
+  OptimizerConfig cfg;
+  auto run = [&](Device dev, double* norm) {
+    std::vector<Variable> ps;
+    for (size_t i = 0; i < init.size(); ++i) ps.push_back(Variable(init[i].to(dev).clone(), true, "p" + std::to_string(i)));
+    AdamW opt(ps, cfg);
+    for (int t = 0; t < 3; ++t) {
+      for (size_t i = 0; i < ps.size(); ++i) ps[i].set_grad(grads[i].to(dev).clone());
+      *norm = opt.grad_norm();
+      opt.step(1e-2, clip_scale(*norm, 1.0));
+    }
+    return ps;
+  };
+  double cpu_norm = 0, gpu_norm = 0;
+  auto cpu = run(Device::cpu(), &cpu_norm);
+  auto gpu = run(Device::cuda(), &gpu_norm);
+  EXPECT_NEAR(gpu_norm, cpu_norm, 1e-5 * cpu_norm);
+  for (size_t i = 0; i < cpu.size(); ++i) EXPECT_TRUE(all_close(gpu[i].data(), cpu[i].data(), 1e-5, 1e-6)) << i;
+}

@@ -1,0 +1,223 @@
+// The data pipeline: token files (llm.c format), prepare-data, the synthetic corpus, and the
+// loader's seeded order, epochs, validation split and resumable position.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "engine/error.h"
+#include "engine/train/data.h"
+
+using namespace flowmoe;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / ("flowmoe_test_data_" + name);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+std::vector<int64_t> ints(const Tensor& t) { return t.to_ints(); }
+
+}  // namespace
+
+TEST(TokenFile, RoundTripAndHeaderLayout) {
+  fs::path d = temp_dir("roundtrip");
+  std::vector<uint16_t> tokens = {0, 1, 65535, 300, 7, 42};
+  std::string path = (d / "t.bin").string();
+  write_token_file(path, tokens);
+  EXPECT_EQ(read_token_file(path), tokens);
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  // The llm.c layout, byte for byte: 256 int32 header, then uint16 tokens.
+  EXPECT_EQ(fs::file_size(path), 1024u + 2 * tokens.size());
+  std::ifstream in(path, std::ios::binary);
+  int32_t header[256];
+  in.read(reinterpret_cast<char*>(header), sizeof header);
+  EXPECT_EQ(header[0], 20240520);
+  EXPECT_EQ(header[1], 1);
+  EXPECT_EQ(header[2], int32_t(tokens.size()));
+  uint16_t third = 0;
+  in.seekg(1024 + 2 * 2);
+  in.read(reinterpret_cast<char*>(&third), 2);
+  EXPECT_EQ(third, 65535);
+  fs::remove_all(d);
+}
+
+TEST(TokenFile, BadFilesAreNamed) {
+  fs::path d = temp_dir("bad");
+  std::string path = (d / "bad.bin").string();
+  write_token_file(path, {1, 2, 3, 4});
+  {  // wrong magic
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    int32_t magic = 12345;
+    f.write(reinterpret_cast<char*>(&magic), 4);
+  }
+  try {
+    read_token_file(path);
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.bin"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("magic 12345"), std::string::npos) << e.what();
+  }
+  write_token_file(path, {1, 2, 3, 4});
+  fs::resize_file(path, 1024 + 5);  // truncated body
+  EXPECT_THROW(read_token_file(path), IoError);
+  EXPECT_THROW(read_token_file((d / "missing.bin").string()), IoError);
+  fs::remove_all(d);
+}
+
+TEST(PrepareData, BytesOfFilesInOrder) {
+  fs::path d = temp_dir("prepare");
+  fs::create_directories(d / "dir");
+  std::ofstream(d / "a.txt") << "hi\n";
+  std::ofstream(d / "dir" / "2.txt") << "yz";
+  std::ofstream(d / "dir" / "1.txt") << "x\xff";  // sorted by name: 1.txt before 2.txt
+  std::string out = (d / "out.bin").string();
+  int64_t n = prepare_token_file({(d / "a.txt").string(), (d / "dir").string()}, out);
+  std::vector<uint16_t> want = {'h', 'i', '\n', 'x', 255, 'y', 'z'};
+  EXPECT_EQ(n, int64_t(want.size()));
+  EXPECT_EQ(read_token_file(out), want);
+  EXPECT_THROW(prepare_token_file({(d / "nope.txt").string()}, out), IoError);
+  fs::remove_all(d);
+}
+
+TEST(SyntheticCorpus, SeededAndInRange) {
+  auto a = synthetic_corpus(256, 50000, 7), b = synthetic_corpus(256, 50000, 7), c = synthetic_corpus(256, 50000, 8);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  ASSERT_EQ(a.size(), 50000u);
+  for (uint16_t t : a) ASSERT_LT(t, 256);
+  auto small = synthetic_corpus(16, 1000, 1);
+  for (uint16_t t : small) ASSERT_LT(t, 16);
+}
+
+// The corpus must be learnable: the empirical next-token entropy given the previous token is well
+// under half of ln(vocab), so even a bigram model can halve the loss.
+TEST(SyntheticCorpus, IsLearnable) {
+  const int64_t vocab = 256;
+  auto tokens = synthetic_corpus(vocab, 400000, 1234);
+  std::map<std::pair<int, int>, double> pair_count;
+  std::map<int, double> prev_count;
+  for (size_t i = 1; i < tokens.size(); ++i) {
+    pair_count[{tokens[i - 1], tokens[i]}] += 1;
+    prev_count[tokens[i - 1]] += 1;
+  }
+  double h = 0, n = double(tokens.size() - 1);
+  for (const auto& [pair, cnt] : pair_count) h -= cnt / n * std::log(cnt / prev_count[pair.first]);
+  EXPECT_LT(h, 0.5 * std::log(double(vocab))) << "bigram entropy " << h << " nats";
+  EXPECT_GT(h, 0.1) << "the corpus should not be trivial";
+}
+
+TEST(DataLoader, TargetsAreShiftedInputs) {
+  std::vector<uint16_t> tokens(1000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = uint16_t(i % 97);
+  DataLoader dl(tokens, 97, 16, 0.1, 5, "test");
+  Batch b = dl.next_train(4);
+  ASSERT_EQ(b.inputs.shape(), (Shape{4, 16}));
+  auto in = ints(b.inputs), tg = ints(b.targets);
+  for (size_t i = 0; i < in.size(); ++i) EXPECT_EQ(tg[i], (in[i] + 1) % 97) << "element " << i;
+}
+
+// Tokens are their own positions (mod 2^16), so every window names where it came from.
+TEST(DataLoader, EpochVisitsEveryWindowOnceAndValIsHeldOut) {
+  const int64_t n = 4000, seq = 32;
+  std::vector<uint16_t> tokens(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) tokens[size_t(i)] = uint16_t(i);
+  DataLoader dl(tokens, 65536, seq, 0.25, 11, "positions");
+  const int64_t train_end = n - int64_t(double(n) * 0.25);
+  EXPECT_EQ(dl.num_train_windows(), (train_end - 1) / seq);
+  std::set<int64_t> starts;
+  for (int64_t i = 0; i < dl.num_train_windows(); ++i) {
+    auto in = ints(dl.next_train(1).inputs), tg = ints(dl.next_train(0).inputs);
+    EXPECT_EQ(in[0] % seq, 0) << "windows start on a multiple of seq_len";
+    EXPECT_LE(in[0] + seq, train_end - 1) << "a training target reaches into the validation split";
+    EXPECT_TRUE(starts.insert(in[0]).second) << "window " << in[0] << " twice in one epoch";
+  }
+  EXPECT_EQ(dl.position().epoch, 0u);
+  dl.next_train(1);
+  EXPECT_EQ(dl.position().epoch, 1u);
+  EXPECT_EQ(dl.position().cursor, 1u);
+  for (int64_t b = 0; b < dl.num_val_windows() + 2; ++b) {
+    auto in = ints(dl.val_batch(b, 1).inputs);
+    EXPECT_GE(in[0], train_end) << "validation batch " << b << " overlaps training data";
+  }
+}
+
+TEST(DataLoader, OrderDependsOnlyOnSeed) {
+  auto tokens = synthetic_corpus(64, 20000, 3);
+  auto run = [&](uint64_t seed) {
+    DataLoader dl(tokens, 64, 24, 0.1, seed, "s");
+    std::vector<int64_t> all;
+    for (int i = 0; i < 50; ++i) {  // crosses several epochs
+      auto v = ints(dl.next_train(8).inputs);
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  };
+  EXPECT_EQ(run(1), run(1));
+  EXPECT_NE(run(1), run(2));
+}
+
+TEST(DataLoader, PositionRestoresTheSameBatches) {
+  auto tokens = synthetic_corpus(64, 8000, 3);
+  DataLoader a(tokens, 64, 20, 0.1, 9, "s");
+  for (int i = 0; i < 130; ++i) a.next_train(3);  // into the second epoch (359 windows)
+  DataPosition pos = a.position();
+  EXPECT_GE(pos.epoch, 1u);
+  DataLoader b(tokens, 64, 20, 0.1, 9, "s");
+  b.set_position(pos);
+  for (int i = 0; i < 40; ++i) {
+    Batch x = a.next_train(3), y = b.next_train(3);
+    ASSERT_EQ(ints(x.inputs), ints(y.inputs)) << "batch " << i << " after restore";
+    ASSERT_EQ(ints(x.targets), ints(y.targets));
+  }
+  DataPosition bad = pos;
+  bad.cursor = uint64_t(a.num_train_windows()) + 1;
+  EXPECT_THROW(b.set_position(bad), IoError);
+}
+
+TEST(DataLoader, RejectsBadCorpora) {
+  std::vector<uint16_t> tokens(500, 3);
+  tokens[123] = 300;
+  try {
+    DataLoader dl(tokens, 256, 16, 0.1, 1, "corpus.bin");
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("corpus.bin"), std::string::npos) << m;
+    EXPECT_NE(m.find("token 300 at position 123"), std::string::npos) << m;
+  }
+  EXPECT_THROW(DataLoader(std::vector<uint16_t>(10, 1), 256, 16, 0.0, 1, "short"), IoError);
+  EXPECT_THROW(DataLoader(std::vector<uint16_t>(100, 1), 256, 16, 0.05, 1, "no val"), IoError);
+  EXPECT_NO_THROW(DataLoader(std::vector<uint16_t>(100, 1), 256, 16, 0.0, 1, "no val needed"));
+}
+
+TEST(DataLoader, FromConfigReadsEachSource) {
+  fs::path d = temp_dir("sources");
+  std::string text;
+  for (int i = 0; i < 300; ++i) text += "the quick brown fox " + std::to_string(i) + "\n";
+  std::ofstream(d / "c.txt") << text;
+  std::string bin = (d / "c.bin").string();
+  prepare_token_file({(d / "c.txt").string()}, bin);
+
+  Config cfg = parse_config("data:\n  seq_len: 64\n", "t.yaml");
+  cfg.data.source = "text";
+  cfg.data.path = (d / "c.txt").string();
+  DataLoader from_text = DataLoader::from_config(cfg);
+  cfg.data.source = "tokens";
+  cfg.data.path = bin;
+  DataLoader from_tokens = DataLoader::from_config(cfg);
+  EXPECT_EQ(from_text.num_tokens(), int64_t(text.size()));
+  EXPECT_EQ(ints(from_text.next_train(4).inputs), ints(from_tokens.next_train(4).inputs));
+  cfg.data.source = "synthetic";
+  cfg.data.path.clear();
+  EXPECT_EQ(DataLoader::from_config(cfg).num_tokens(), cfg.data.synthetic_tokens);
+  fs::remove_all(d);
+}
