@@ -186,8 +186,9 @@ int cmd_eval(int argc, char** argv) {
   Device device = resolve_device(cfg);
   DataLoader data = DataLoader::from_config(cfg);
   if (data.num_val_windows() == 0) throw UsageError("eval: the config holds out no validation data (data.val_fraction is 0)");
-  Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed));
-  CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters());
+  Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed),
+                    int(cfg.precision.align_size));
+  CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers());
   double loss = evaluate(model, data, batches, cfg.train.batch_size);
   std::printf("checkpoint %s (step %lld) on %s: val loss %.4f | perplexity %.3f | %lld sequences of %lld tokens\n",
               checkpoint.c_str(), static_cast<long long>(meta.step), device.str().c_str(), loss, std::exp(loss),

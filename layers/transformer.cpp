@@ -9,30 +9,36 @@ static std::string layer_prefix(int64_t i) { return "model.layers." + std::to_st
 // Output projections start smaller so the residual stream's variance does not grow with depth.
 static double out_std(const ModelConfig& c) { return c.initializer_range / std::sqrt(2.0 * double(c.num_hidden_layers)); }
 
-TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i)
+TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i, int align_size, Device device)
     : eps_(c.rms_norm_eps),
       input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})),
       self_attn_(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads, c.rope_theta,
-                 c.initializer_range, out_std(c)),
-      mlp_(f, layer_prefix(i) + ".mlp", c.hidden_size, c.intermediate_size, c.initializer_range, out_std(c)) {
+                 c.initializer_range, out_std(c)) {
+  if (c.n_routed_experts > 0 && i >= c.first_k_dense_replace)
+    moe_ = std::make_unique<MoeLayer>(f, c, layer_prefix(i) + ".mlp", align_size, device);
+  else
+    mlp_ = std::make_unique<Mlp>(f, layer_prefix(i) + ".mlp", c.hidden_size, c.intermediate_size,
+                                 c.initializer_range, out_std(c));
   post_attention_layernorm_ = f.ones(layer_prefix(i) + ".post_attention_layernorm.weight", {c.hidden_size});
 }
 
 Variable TransformerBlock::forward(const Variable& x, DType compute) const {
   Variable h = add(x, self_attn_.forward(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute));
-  return add(h, mlp_.forward(rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_), compute));
+  Variable n = rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_);
+  return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
 }
 
-Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed)
+Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, int align_size)
     : cfg_(cfg), device_(device), compute_(compute) {
-  FLOWMOE_CHECK(cfg.n_routed_experts == 0, Error, "Transformer: MoE layers are not available yet (n_routed_experts ",
-                cfg.n_routed_experts, ")");
   FLOWMOE_CHECK(compute == DType::f32 || (compute == DType::bf16 && device.is_cuda()), DTypeError,
                 "Transformer: compute dtype ", dtype_name(compute), " on ", device.str(),
                 " (the CPU computes in f32, the GPU in bf16 or f32)");
   ParamFactory f(seed, device);
   embed_tokens_ = f.normal("model.embed_tokens.weight", {cfg.vocab_size, cfg.hidden_size}, cfg.initializer_range);
-  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) layers_.push_back(std::make_unique<TransformerBlock>(f, cfg, i));
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+    layers_.push_back(std::make_unique<TransformerBlock>(f, cfg, i, align_size, device));
+    if (layers_.back()->moe()) buffers_.push_back(layers_.back()->moe()->expert_bias());
+  }
   norm_ = f.ones("model.norm.weight", {cfg.hidden_size});
   lm_head_ = cfg.tie_word_embeddings
                  ? embed_tokens_
@@ -63,7 +69,20 @@ Variable Transformer::loss(const Tensor& ids, const Tensor& targets) const {
                 " vs ids ", ids.describe());
   Variable logits = forward(ids);
   const int64_t n = ids.numel();
-  return cross_entropy(reshape(logits, {n, cfg_.vocab_size}), targets.to(device_).reshape({n}));
+  Variable loss = cross_entropy(reshape(logits, {n, cfg_.vocab_size}), targets.to(device_).reshape({n}));
+  for (const auto& layer : layers_) {
+    if (!layer->moe() || !layer->moe()->aux_loss().defined()) continue;
+    const Variable& aux = layer->moe()->aux_loss();
+    loss = add(loss, aux.dtype() == loss.dtype() ? aux : cast(aux, loss.dtype()));
+  }
+  return loss;
+}
+
+std::vector<LoadStats> Transformer::update_moe_bias() {
+  std::vector<LoadStats> stats;
+  for (const auto& layer : layers_)
+    if (layer->moe()) stats.push_back(layer->moe()->update_bias());
+  return stats;
 }
 
 }  // namespace flowmoe

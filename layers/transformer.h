@@ -11,28 +11,40 @@
 #include "engine/train/config.h"
 #include "layers/attention.h"
 #include "layers/mlp.h"
+#include "layers/moe.h"
 
 namespace flowmoe {
 
 class TransformerBlock {
  public:
-  TransformerBlock(ParamFactory& f, const ModelConfig& cfg, int64_t layer_idx);
+  // Layers from first_k_dense_replace on use an MoE block when n_routed_experts > 0.
+  TransformerBlock(ParamFactory& f, const ModelConfig& cfg, int64_t layer_idx, int align_size, Device device);
   Variable forward(const Variable& x /*[B,T,H]*/, DType compute) const;
+  MoeLayer* moe() const { return moe_.get(); }  // null for a dense block
 
  private:
   double eps_;
   Variable input_layernorm_, post_attention_layernorm_;
   Attention self_attn_;
-  Mlp mlp_;
+  std::unique_ptr<Mlp> mlp_;
+  std::unique_ptr<MoeLayer> moe_;
 };
 
 class Transformer {
  public:
-  Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed);
+  // align_size: row alignment of each expert's segment in MoE layers (precision.align_size).
+  Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, int align_size = 16);
 
   Variable forward(const Tensor& ids /*[B,T] i32*/) const;  // -> logits [B,T,V] in the compute dtype
-  // Mean next-token cross-entropy, an f32 scalar. ids and targets [B,T] i32 (moved to the device).
+  // Mean next-token cross-entropy, an f32 scalar, plus the MoE balance losses when aux_loss_alpha > 0.
+  // ids and targets [B,T] i32 (moved to the device).
   Variable loss(const Tensor& ids, const Tensor& targets) const;
+
+  // State that is not trained but belongs to the model (the MoE expert biases); saved in checkpoints.
+  const std::vector<Variable>& buffers() const { return buffers_; }
+  // After an optimizer step: aux-loss-free bias update of every MoE layer, with each layer's load
+  // statistics since the last call (empty for a dense model).
+  std::vector<LoadStats> update_moe_bias();
 
   const std::vector<Variable>& parameters() const { return params_; }  // fixed order
   int64_t num_parameters() const;
@@ -44,7 +56,7 @@ class Transformer {
   ModelConfig cfg_;
   Device device_;
   DType compute_;
-  std::vector<Variable> params_;
+  std::vector<Variable> params_, buffers_;
   Variable embed_tokens_, norm_, lm_head_;
   std::vector<std::unique_ptr<TransformerBlock>> layers_;
 };

@@ -149,12 +149,18 @@ TEST(Config, InconsistentCombinations) {
 }
 
 TEST(Config, UnavailableFeaturesAreRejected) {
-  std::string m = parse_error("model:\n  n_routed_experts: 8\n  n_group: 2\n  topk_group: 1\n");
-  EXPECT_HAS(m, "bad.yaml:2");
-  EXPECT_HAS(m, "model.n_routed_experts");
-  EXPECT_HAS(m, "MoE layers are not available yet");
-  m = parse_error("model:\n  n_routed_experts: 8\n  n_group: 3\n");
-  EXPECT_HAS(m, "model.n_group");  // MoE keys are checked for consistency all the same
+  // MoE routing keys are checked for consistency, naming the key and its line.
+  std::string m = parse_error("model:\n  n_routed_experts: 8\n  n_group: 3\n");
+  EXPECT_HAS(m, "bad.yaml:3");
+  EXPECT_HAS(m, "model.n_group");
+  m = parse_error("model:\n  n_routed_experts: 8\n  n_group: 4\n  topk_group: 1\n  num_experts_per_tok: 3\n");
+  EXPECT_HAS(m, "model.num_experts_per_tok");
+  EXPECT_HAS(m, "kept groups");
+  m = parse_error("model:\n  n_routed_experts: 300\n");
+  EXPECT_HAS(m, "limit of 256");
+  m = parse_error("parallel:\n  expert_parallel_size: 2\n");
+  EXPECT_HAS(m, "parallel.expert_parallel_size");
+  EXPECT_HAS(m, "not available yet");
   m = parse_error("precision:\n  recipe: fp8_flow\n");
   EXPECT_HAS(m, "precision.recipe");
   EXPECT_HAS(m, "not available yet");
@@ -198,8 +204,8 @@ TEST(Config, SetOverridesAreValidatedTheSameWay) {
   m = parse_error("", {"model.hidden_size=100"});  // 4 heads of 25: odd head size, blamed on the key that was set
   EXPECT_HAS(m, "--set model.hidden_size=100: model.hidden_size");
   EXPECT_HAS(m, "must be even");
-  m = parse_error("", {"model.n_routed_experts=4"});
-  EXPECT_HAS(m, "MoE layers are not available yet");
+  m = parse_error("", {"model.n_routed_experts=8", "model.n_group=3"});
+  EXPECT_HAS(m, "--set model.n_group=3");
 }
 
 TEST(Config, ResolvedYamlReadsBack) {

@@ -219,7 +219,7 @@ static std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const std::str
 
 std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta, const std::vector<Variable>& params,
                             const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq,
-                            int64_t keep_last) {
+                            int64_t keep_last, const std::vector<Variable>& buffers) {
   FLOWMOE_CHECK(exp_avg.size() == params.size() && exp_avg_sq.size() == params.size(), Error,
                 "save_checkpoint: ", params.size(), " parameters but ", exp_avg.size(), " / ", exp_avg_sq.size(),
                 " moments");
@@ -238,6 +238,7 @@ std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta,
     optim.push_back({params[i].name() + ".exp_avg", exp_avg[i]});
     optim.push_back({params[i].name() + ".exp_avg_sq", exp_avg_sq[i]});
   }
+  for (const Variable& b : buffers) model.push_back({b.name(), b.data()});
   write_safetensors((tmp_dir / "model.safetensors").string(), model, {{"format", "pt"}});
   write_safetensors((tmp_dir / "optimizer.safetensors").string(), optim, {{"format", "pt"}});
 
@@ -283,16 +284,17 @@ static void fill_from(Tensor& dst, const std::map<std::string, Tensor>& found, c
 }
 
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params, std::vector<Tensor>* exp_avg,
-                               std::vector<Tensor>* exp_avg_sq) {
+                               std::vector<Tensor>* exp_avg_sq, const std::vector<Variable>& buffers) {
   const fs::path d(dir);
   FLOWMOE_CHECK(fs::exists(d / "meta.json"), IoError, "'", dir, "' is not a checkpoint (no meta.json)");
   std::string model_file = (d / "model.safetensors").string();
   std::map<std::string, Tensor> model;
   for (auto& nt : read_safetensors(model_file)) model[nt.name] = nt.tensor;
-  for (const Variable& p : params) {
-    Tensor dst = p.data();
-    fill_from(dst, model, p.name(), model_file);
-  }
+  for (const std::vector<Variable>* list : {&params, &buffers})
+    for (const Variable& p : *list) {
+      Tensor dst = p.data();
+      fill_from(dst, model, p.name(), model_file);
+    }
   if (exp_avg || exp_avg_sq) {
     std::string optim_file = (d / "optimizer.safetensors").string();
     std::map<std::string, Tensor> optim;

@@ -45,15 +45,17 @@ struct CheckpointMeta {
 
 // Writes <root>/step_<step>/ atomically and deletes all but the newest keep_last checkpoints.
 // Returns the checkpoint's directory.
+// buffers: model state without gradients or moments (MoE expert biases), stored beside the weights.
 std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta, const std::vector<Variable>& params,
                             const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq,
-                            int64_t keep_last);
+                            int64_t keep_last, const std::vector<Variable>& buffers = {});
 // The newest complete checkpoint under root, or "" when there is none.
 std::string latest_checkpoint(const std::string& root);
 // Fills params (and the moments, when given) from the checkpoint at dir; names, shapes and dtypes
 // must match (IoError names the first that does not). Returns its meta.
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
-                               std::vector<Tensor>* exp_avg = nullptr, std::vector<Tensor>* exp_avg_sq = nullptr);
+                               std::vector<Tensor>* exp_avg = nullptr, std::vector<Tensor>* exp_avg_sq = nullptr,
+                               const std::vector<Variable>& buffers = {});
 
 // Small JSON helpers shared with the metrics writer.
 std::string json_escape(const std::string& s);  // with the quotes

@@ -75,7 +75,7 @@ const std::vector<Field>& schema() {
     f.push_back(number("model", "rope_theta", FM_REF(model.rope_theta), 0, true, kInf, false, "RoPE base"));
     f.push_back(boolean("model", "tie_word_embeddings", FM_REF(model.tie_word_embeddings), "the LM head reuses the token embedding"));
     f.push_back(number("model", "initializer_range", FM_REF(model.initializer_range), 0, true, 1, false, "std of the normal weight init"));
-    f.push_back(integer("model", "n_routed_experts", FM_REF(model.n_routed_experts), 0, 4096, "routed experts per MoE layer; 0 = dense model (MoE layers: not available yet)"));
+    f.push_back(integer("model", "n_routed_experts", FM_REF(model.n_routed_experts), 0, 4096, "routed experts per MoE layer; 0 = dense model"));
     f.push_back(integer("model", "n_shared_experts", FM_REF(model.n_shared_experts), 0, 64, "shared experts per MoE layer"));
     f.push_back(integer("model", "num_experts_per_tok", FM_REF(model.num_experts_per_tok), 1, 256, "routed experts per token (top-k)"));
     f.push_back(integer("model", "moe_intermediate_size", FM_REF(model.moe_intermediate_size), 1, 1 << 20, "width of each expert's SwiGLU MLP"));
@@ -427,7 +427,7 @@ void validate(const Config& c) {
              "data.seq_len = " + n(c.data.seq_len) + " exceeds model.max_position_embeddings = " +
                  n(m.max_position_embeddings));
 
-  // MoE keys are checked for consistency now so configs written today stay valid later.
+  // MoE keys: consistency of the routing (DeepSeek-V3 group-limited top-k).
   if (m.n_routed_experts > 0) {
     if (m.n_routed_experts % m.n_group != 0)
       err("model.n_group", std::to_string(m.n_group) + " does not divide model.n_routed_experts = " +
@@ -440,7 +440,15 @@ void validate(const Config& c) {
     if (m.first_k_dense_replace > m.num_hidden_layers)
       err("model.first_k_dense_replace", std::to_string(m.first_k_dense_replace) +
                                              " exceeds model.num_hidden_layers = " + std::to_string(m.num_hidden_layers));
-    err("model.n_routed_experts", "MoE layers are not available yet; set n_routed_experts: 0 for a dense model");
+    // The router kernel's limits (kernels/cuda/router.cu), enforced on the CPU too.
+    if (m.n_routed_experts > 256) err("model.n_routed_experts", n(m.n_routed_experts) + " exceeds the router's limit of 256");
+    if (m.num_experts_per_tok > 16) err("model.num_experts_per_tok", n(m.num_experts_per_tok) + " exceeds the router's limit of 16");
+    if (m.n_group > 16) err("model.n_group", n(m.n_group) + " exceeds the router's limit of 16");
+    if (m.n_routed_experts % m.n_group == 0 && m.topk_group <= m.n_group &&
+        m.num_experts_per_tok > m.topk_group * (m.n_routed_experts / m.n_group))
+      conflict("model.num_experts_per_tok", "model.topk_group",
+               "num_experts_per_tok = " + n(m.num_experts_per_tok) + " exceeds the experts in the kept groups (topk_group " +
+                   n(m.topk_group) + " x " + n(m.n_routed_experts / m.n_group) + " experts per group)");
   }
 
   const DataConfig& d = c.data;
@@ -479,7 +487,7 @@ void validate(const Config& c) {
   if (c.parallel.data_parallel_size != 1)
     err("parallel.data_parallel_size", "data parallelism is not available yet (use 1)");
   if (c.parallel.expert_parallel_size != 1)
-    err("parallel.expert_parallel_size", "expert parallelism needs MoE layers, which are not available yet (use 1)");
+    err("parallel.expert_parallel_size", "expert parallelism (NCCL dispatch/combine) is not available yet (use 1)");
 }
 
 Config parse_config(const std::string& yaml_text, const std::string& name, const std::vector<std::string>& overrides) {

@@ -16,7 +16,18 @@ namespace flowmoe {
 
 namespace fs = std::filesystem;
 
-static const char* kCsvHeader = "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,skipped";
+static const char* kCsvHeader = "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,skipped,moe_max_over_mean";
+
+// Per-MoE-layer max/mean load: "1.02;1.10" in CSV, [1.02, 1.10] in JSON; empty for a dense model.
+static std::string layer_list(const std::vector<double>& v, bool json) {
+  std::string out = json ? "[" : "";
+  for (size_t i = 0; i < v.size(); ++i) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.4g", v[i]);
+    out += (i ? (json ? ", " : ";") : "") + std::string(std::isfinite(v[i]) ? buf : (json ? "null" : "nan"));
+  }
+  return json ? out + "]" : out;
+}
 
 static std::string num(double v, const char* fmt, bool json) {
   if (!std::isfinite(v)) return json ? "null" : (std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf"));
@@ -31,12 +42,13 @@ static std::string row_text(const StepMetrics& m, bool csv) {
     os << m.step << "," << num(m.loss, "%.9g", false) << "," << (std::isnan(m.val_loss) ? "" : num(m.val_loss, "%.9g", false))
        << "," << num(m.lr, "%.6g", false) << "," << num(m.grad_norm, "%.6g", false) << ","
        << num(m.tokens_per_s, "%.1f", false) << "," << m.peak_mem_bytes << "," << m.host_syncs << ","
-       << (m.skipped ? 1 : 0);
+       << (m.skipped ? 1 : 0) << "," << layer_list(m.moe_max_over_mean, false);
   } else {
     os << "{\"step\": " << m.step << ", \"loss\": " << num(m.loss, "%.9g", true)
        << ", \"val_loss\": " << num(m.val_loss, "%.9g", true) << ", \"lr\": " << num(m.lr, "%.6g", true)
        << ", \"grad_norm\": " << num(m.grad_norm, "%.6g", true) << ", \"tokens_per_s\": " << num(m.tokens_per_s, "%.1f", true)
-       << ", \"peak_mem_bytes\": " << m.peak_mem_bytes << ", \"host_syncs\": " << m.host_syncs << ", \"skipped\": " << (m.skipped ? "true" : "false") << "}";
+       << ", \"peak_mem_bytes\": " << m.peak_mem_bytes << ", \"host_syncs\": " << m.host_syncs << ", \"skipped\": " << (m.skipped ? "true" : "false")
+       << ", \"moe_max_over_mean\": " << layer_list(m.moe_max_over_mean, true) << "}";
   }
   return os.str();
 }

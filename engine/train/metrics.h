@@ -19,6 +19,7 @@ struct StepMetrics {
   int64_t peak_mem_bytes = 0;  // peak tensor memory on the training device so far
   int64_t host_syncs = 0;      // deliberate host synchronisations inside the model during the step
   bool skipped = false;        // non-finite loss or gradient: no update
+  std::vector<double> moe_max_over_mean;  // per MoE layer: max load / mean load this step (1 = balanced)
 };
 
 // Appends rows to <path>. With keep_up_to_step >= 0 (a resumed run) the rows of later steps an

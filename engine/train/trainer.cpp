@@ -88,13 +88,14 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
   }
 
   DataLoader data = DataLoader::from_config(cfg);
-  Transformer model(cfg.model, device, compute, uint64_t(tc.seed));
+  Transformer model(cfg.model, device, compute, uint64_t(tc.seed), int(cfg.precision.align_size));
   AdamW opt(model.parameters(), cfg.optimizer);
   Progress progress(cfg.logging.progress, tc.steps, cfg.logging.log_every, opts.out);
 
   int64_t step = 0, skipped = 0;
   if (!resume_dir.empty()) {
-    CheckpointMeta meta = load_checkpoint(resume_dir, model.parameters(), &opt.exp_avg(), &opt.exp_avg_sq());
+    CheckpointMeta meta = load_checkpoint(resume_dir, model.parameters(), &opt.exp_avg(), &opt.exp_avg_sq(),
+                                          model.buffers());
     FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
                   ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
                   " (a resumed run must keep its data order)");
@@ -134,7 +135,7 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     meta.init_seed = uint64_t(tc.seed);
     meta.config_yaml = to_yaml(cfg);
     res.last_checkpoint = save_checkpoint(ckpt_root, meta, model.parameters(), opt.exp_avg(), opt.exp_avg_sq(),
-                                          cfg.checkpoint.keep_last);
+                                          cfg.checkpoint.keep_last, model.buffers());
   };
 
   using clock = std::chrono::steady_clock;
@@ -177,6 +178,8 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
                        std::to_string(tc.max_skipped_steps) + ")");
     }
     opt.zero_grad();
+    // Aux-loss-free balancing: every MoE layer moves its expert bias toward the mean load.
+    for (const LoadStats& ls : model.update_moe_bias()) m.moe_max_over_mean.push_back(ls.max_over_mean);
     const double dt = std::chrono::duration<double>(clock::now() - t0).count();
     train_seconds += dt;
     ++steps_done;
