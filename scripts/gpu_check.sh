@@ -54,17 +54,32 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       tail -20 "$out/$name.log"
     fi
   done
-  # A short GPU training run of the small config: tokens/s and loss for docs/PERF.md.
-  if [ -x "$build/examples/flowmoe" ] && [ -f configs/gpu_small.yaml ]; then
-    if "$build/examples/flowmoe" train --config configs/gpu_small.yaml --set train.steps=60 \
-         --set logging.out_dir="$out/run_gpu_small" --set logging.progress=plain >"$out/train_gpu_small.log" 2>&1; then
-      row "train gpu_small (60 steps)" "$(grep -E 'tok/s|tokens/s' "$out/train_gpu_small.log" | tail -1)"
+  # Short GPU training runs: tokens/s, loss and (MoE) load balance for docs/PERF.md.
+  for run in "gpu_small 60" "gpu_moe 200"; do
+    set -- $run
+    cfg="configs/$1.yaml"
+    [ -x "$build/examples/flowmoe" ] && [ -f "$cfg" ] || continue
+    if "$build/examples/flowmoe" train --config "$cfg" --set train.steps="$2" --set train.eval_every=0 \
+         --set logging.out_dir="$out/run_$1" --set logging.progress=plain --set checkpoint.every=0 \
+         >"$out/train_$1.log" 2>&1; then
+      row "train $1 ($2 steps)" "$(grep -E '^done:' "$out/train_$1.log" | tail -1)"
+      # Load balance: worst layer's max/mean load over the last quarter of the steps.
+      bal=$(python3 - "$out/run_$1/metrics.jsonl" <<'PY' 2>/dev/null
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+tail = rows[-max(1, len(rows) // 4):]
+worst = [max(r["moe_max_over_mean"]) for r in tail if r.get("moe_max_over_mean")]
+if worst:
+    print(f"max/mean load over the last {len(tail)} steps: worst layer max {max(worst):.3f}, mean {sum(worst)/len(worst):.3f}")
+PY
+)
+      [ -n "$bal" ] && row "  load $1" "$bal"
     else
       bench_rc=1
-      row "train gpu_small" "FAILED (see train_gpu_small.log)"
-      tail -20 "$out/train_gpu_small.log"
+      row "train $1" "FAILED (see train_$1.log)"
+      tail -20 "$out/train_$1.log"
     fi
-  fi
+  done
 fi
 
 echo
