@@ -7,8 +7,13 @@
 // "op": grouped_linear() + backward() through autograd (adds the f32 -> bf16 weight cast, allocation
 //   and the leaf-gradient copy of the f32 [E,N,K] gradient);
 // "fresh M": the grouped launchers when every step brings new per-expert counts (same total): each
-//   M not seen before costs a cuBLASLt heuristic query in gemm_cuda's plan cache. First step and median.
+//   M not seen before builds a gemm_cuda plan (an AlgoCheck of its bucket's algorithm; a heuristic
+//   query only for a new bucket or a refused algorithm). First step (GPU span and host issue time),
+//   median, and the plan-cache counters over all fresh steps.
 // "host": wall time to issue one grouped step (no sync); near the GPU time means launch-bound.
+//   "us/gemm" divides it by the GEMMs issued (3 per expert).
+// "4 streams": the same step with set_grouped_linear_streams(4) (small GEMMs overlap); "x" = 1-stream
+//   step / 4-stream step.
 // Times are medians of kReps event-timed runs after kWarmup; data random. FLOPs = 3 · 2 · M_total·N·K;
 // the ceiling is the measured BF16 grouped GEMM 679 TFLOP/s (DESIGN.md §6). No GPU: skip, exit 0.
 #include <algorithm>
@@ -104,6 +109,8 @@ struct Result {
   Case c;
   double fwd_ms, dgrad_ms, wgrad_ms, grouped_ms, host_ms, dense_ms, op_ms, fresh_first_ms, fresh_median_ms;
   size_t distinct_m;
+  double host_us_per_gemm, fresh_first_host_ms, streams4_ms, streams4_host_ms;
+  GemmPlanStats fresh_stats;  // counters accumulated over the fresh-M steps
 };
 
 Result bench_case(const Case& c, Rng& rng) {
@@ -140,6 +147,21 @@ Result bench_case(const Case& c, Rng& rng) {
       stream);
   res.grouped_ms = step.gpu_ms;
   res.host_ms = step.host_ms;
+  res.host_us_per_gemm = step.host_ms * 1e3 / double(3 * e);
+  {  // the same step over 4 streams
+    const int saved = grouped_linear_streams();
+    set_grouped_linear_streams(4);
+    Timing fan = median_timing(
+        [&](int) {
+          fwd(rows);
+          dgrad(rows);
+          wgrad(rows);
+        },
+        stream);
+    set_grouped_linear_streams(saved);
+    res.streams4_ms = fan.gpu_ms;
+    res.streams4_host_ms = fan.host_ms;
+  }
 
   {  // dense baseline: the same FLOPs as one GEMM per pass (weight = expert 0's)
     Tensor dw_dense = Tensor::empty({n, k}, DType::f32, dev);
@@ -176,15 +198,22 @@ Result bench_case(const Case& c, Rng& rng) {
     }
     Event start(true), stop(true);
     std::vector<double> times;
+    const GemmPlanStats before = gemm_cuda_plan_stats();
     for (const auto& r : steps) {
       start.record(stream);
+      auto t0 = std::chrono::steady_clock::now();
       fwd(r);
       dgrad(r);
       wgrad(r);
+      auto t1 = std::chrono::steady_clock::now();
       stop.record(stream);
       stop.synchronize();
       times.push_back(start.elapsed_ms(stop));
+      if (times.size() == 1) res.fresh_first_host_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
     }
+    const GemmPlanStats after = gemm_cuda_plan_stats();
+    res.fresh_stats = {after.heuristic_queries - before.heuristic_queries, after.plans_built - before.plans_built,
+                       after.bucket_rejects - before.bucket_rejects};
     res.fresh_first_ms = times.front();
     std::sort(times.begin(), times.end());
     res.fresh_median_ms = times[times.size() / 2];
@@ -249,6 +278,27 @@ int main() {
                   (long long)r.c.n, r.fwd_ms, r.dgrad_ms, r.wgrad_ms, r.grouped_ms, tf, tf / kCeilingTflops, r.dense_ms,
                   tflops(r, r.dense_ms), r.grouped_ms / r.dense_ms, r.op_ms, r.host_ms, r.fresh_first_ms,
                   r.fresh_median_ms);
+    }
+    std::printf("\n%-13s %8s %10s %11s %8s %8s %8s %10s %10s %6s\n", "case", "us/gemm", "fresh1 hst", "fresh plans",
+                "queries", "rejects", "new M", "4str ms", "4str host", "x");
+    for (const Result& r : results)
+      std::printf("%-13s %8.2f %10.3f %11llu %8llu %8llu %8zu %10.3f %10.3f %6.2f\n", r.c.name, r.host_us_per_gemm,
+                  r.fresh_first_host_ms, (unsigned long long)r.fresh_stats.plans_built,
+                  (unsigned long long)r.fresh_stats.heuristic_queries,
+                  (unsigned long long)r.fresh_stats.bucket_rejects, r.distinct_m, r.streams4_ms, r.streams4_host_ms,
+                  r.grouped_ms / r.streams4_ms);
+    for (const Result& r : results) {
+      double tf4 = tflops(r, r.streams4_ms);
+      std::printf("BENCH grouped_linear_host case=%s dtype=bf16 E=%lld gemms_per_step=%lld host_issue_ms=%.4f "
+                  "host_issue_us_per_gemm=%.3f fresh_first_ms=%.4f fresh_first_host_ms=%.4f fresh_plans_built=%llu "
+                  "fresh_heuristic_queries=%llu fresh_bucket_rejects=%llu fresh_distinct_m=%zu "
+                  "streams4_grouped_ms=%.4f streams4_tflops=%.1f streams4_frac_679_ceiling=%.4f "
+                  "streams4_host_issue_ms=%.4f ratio_1stream_4stream=%.4f\n",
+                  r.c.name, (long long)r.c.num_experts, (long long)(3 * r.c.num_experts), r.host_ms, r.host_us_per_gemm,
+                  r.fresh_first_ms, r.fresh_first_host_ms, (unsigned long long)r.fresh_stats.plans_built,
+                  (unsigned long long)r.fresh_stats.heuristic_queries,
+                  (unsigned long long)r.fresh_stats.bucket_rejects, r.distinct_m, r.streams4_ms, tf4,
+                  tf4 / kCeilingTflops, r.streams4_host_ms, r.grouped_ms / r.streams4_ms);
     }
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {

@@ -41,6 +41,14 @@ void grouped_linear_wgrad_cpu(const T* x /*[m_total,k]*/, const T* dy /*[m_total
 // One gemm_cuda (cuBLASLt, fp32 compute) per expert with rows, in expert order on `stream`, no host
 // synchronisation. dtype (x, w, y, dx, dy) is f32 or bf16; all pointers are packed row-major.
 
+// How many streams the launchers spread the expert GEMMs over, round robin (process-wide; 1, the
+// default, keeps everything on `stream`; at most 8). Side streams wait for `stream` before their first
+// GEMM and `stream` waits for them before the launcher returns, so callers see one stream's ordering.
+// Each GEMM keeps its algorithm and gets its stream's own workspace, so results are unchanged (the
+// tests check bit equality); each side stream costs a 32 MiB cuBLASLt workspace per device.
+void set_grouped_linear_streams(int num_streams);
+int grouped_linear_streams();
+
 void grouped_linear_forward_cuda(DType dtype, const void* x /*[m_total,k]*/, const void* w /*[E,n,k]*/,
                                  void* y /*[m_total,n]*/, const int64_t* rows_per_expert /*[E] host*/,
                                  int64_t num_experts, int64_t m_total, int64_t n, int64_t k, cudaStream_t stream);

@@ -27,12 +27,23 @@ void bias_grad_cpu(T* d_bias /*[n]*/, const T* dy /*[m,n]*/, int64_t m, int64_t 
 // a and b share ab_dtype (f32 or bf16); c is f32 or bf16 (bf16 operands may write an f32 c, e.g. to
 // accumulate weight gradients in fp32); bias, when given, has c's dtype. lda/ldb/ldc are row strides
 // in elements (>= the row length). k = 0 writes zeros (or leaves c when accumulating), then adds
-// bias; m = 0 or n = 0 does nothing. Runs on `stream` of the current device.
+// bias; m = 0 or n = 0 does nothing. Runs on `stream` of the current device. Host cost: the first
+// call of an exact problem builds a plan (descriptors + algorithm; the algorithm is shared by the row
+// counts in one quarter-octave bucket, m or, for trans_a without trans_b, k, so a new count costs no
+// heuristic query); later calls are a lock-free lookup and cublasLtMatmul. Thread-safe.
 void gemm_cuda(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, DType ab_dtype,
                const void* a /*[m,k], or [k,m] when trans_a*/, int64_t lda,
                const void* b /*[k,n], or [n,k] when trans_b*/, int64_t ldb, DType c_dtype,
                void* c /*[m,n]*/, int64_t ldc, const void* bias /*[n] or nullptr*/, bool accumulate,
                cudaStream_t stream);
+
+// Counters of gemm_cuda's plan cache since the process started (all devices and threads), for
+// benchmarks and tests: cuBLASLt heuristic queries, exact-problem plans built, and bucket algorithms
+// refused for an exact problem (by cublasLtMatmulAlgoCheck or cublasLtMatmul; each costs a query).
+struct GemmPlanStats {
+  uint64_t heuristic_queries = 0, plans_built = 0, bucket_rejects = 0;
+};
+GemmPlanStats gemm_cuda_plan_stats();
 
 // Column sums in two deterministic passes: each chunk of kBiasGradRows rows is summed into one row
 // of `partial`, then the partials are added in chunk order (no atomics, so runs are bit-identical).

@@ -307,7 +307,75 @@ TEST(GroupedLinearCuda, ReadCountsOnceCountsOneSync) {
   EXPECT_EQ(num_host_syncs(), before + 1);
 }
 
+// Training brings new per-expert counts every step: gemm_cuda builds a plan per new count, borrowing
+// its bucket's algorithm; every step must still match the CPU.
+TEST(GroupedLinearCuda, NewCountsEveryStepMatchCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  std::mt19937_64 gen(test_seed());
+  const int64_t e = 6, n = 136, k = 200;
+  for (int step = 0; step < 4; ++step) {
+    std::vector<int64_t> rows = random_counts(gen, e, 90, 1, step == 2 ? 4 : 0);
+    const int64_t m_total = total_rows(rows) + 5;
+    SCOPED_TRACE(testing::Message() << "step " << step << ": M_total " << m_total);
+    auto draw = [&](const Shape& s) { return random_tensor(rng, s).to(DType::bf16).to(DType::f32); };
+    Tensor x = draw({m_total, k}), w = draw({e, n, k}), dy = draw({m_total, n});
+    Result want = run_grouped(x, w, rows, dy);
+    const Device gpu = Device::cuda();
+    Result got = run_grouped(x.to(DType::bf16).to(gpu), w.to(gpu), rows, dy.to(DType::bf16).to(gpu));
+    expect_segments_close(got, want, rows, 1e-2, 1e-2, 1e-4);
+  }
+}
+
 #ifdef FLOWMOE_WITH_CUDA
+namespace {
+// Sets the launchers' stream count for one scope.
+struct ScopedGroupedStreams {
+  explicit ScopedGroupedStreams(int n) : saved(grouped_linear_streams()) { set_grouped_linear_streams(n); }
+  ~ScopedGroupedStreams() { set_grouped_linear_streams(saved); }
+  int saved;
+};
+}  // namespace
+
+// Spreading the expert GEMMs over side streams changes no bit of y, dx or dw (each GEMM keeps its
+// algorithm and gets its own workspace), and the results are complete once the launcher's stream is:
+// the copy to the host below synchronises only that stream.
+TEST(GroupedLinearCuda, SideStreamsAreBitIdentical) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  const std::vector<int64_t> rows = {48, 0, 17, 64, 1, 33, 0, 20};
+  const int64_t e = int64_t(rows.size()), m_total = total_rows(rows) + 7, n = 136, k = 200;
+  const Device gpu = Device::cuda();
+  auto draw = [&](const Shape& s) { return random_tensor(rng, s).to(DType::bf16).to(gpu); };
+  Tensor x = draw({m_total, k}), dy = draw({m_total, n}), w = draw({e, n, k});
+  Tensor main_grad = random_tensor(rng, {e, n, k}).to(gpu);
+  cudaStream_t stream = current_stream(0);
+  auto run = [&](int num_streams) {
+    ScopedGroupedStreams scoped(num_streams);
+    Tensor y = Tensor::empty({m_total, n}, DType::bf16, gpu), dx = Tensor::empty({m_total, k}, DType::bf16, gpu);
+    Tensor dw = Tensor::empty({e, n, k}, DType::f32, gpu), acc = main_grad.clone();
+    grouped_linear_forward_cuda(DType::bf16, x.raw_data(), w.raw_data(), y.raw_data(), rows.data(), e, m_total, n, k,
+                                stream);
+    grouped_linear_dgrad_cuda(DType::bf16, dy.raw_data(), w.raw_data(), dx.raw_data(), rows.data(), e, m_total, n, k,
+                              stream);
+    grouped_linear_wgrad_cuda(DType::bf16, x.raw_data(), dy.raw_data(), dw.data<float>(), rows.data(), e, m_total, n,
+                              k, false, stream);
+    grouped_linear_wgrad_cuda(DType::bf16, x.raw_data(), dy.raw_data(), acc.data<float>(), rows.data(), e, m_total, n,
+                              k, true, stream);
+    return std::vector<Tensor>{y.to(Device::cpu()), dx.to(Device::cpu()), dw.to(Device::cpu()), acc.to(Device::cpu())};
+  };
+  const std::vector<Tensor> one = run(1);
+  for (int num_streams : {2, 4, 8}) {
+    SCOPED_TRACE(testing::Message() << num_streams << " streams");
+    const std::vector<Tensor> many = run(num_streams);
+    const char* names[] = {"y", "dx", "dw", "dw accumulated"};
+    for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(bit_equal(many[i], one[i])) << names[i];
+  }
+  EXPECT_EQ(grouped_linear_streams(), 1);
+  EXPECT_TRUE(throws_naming<Error>([] { set_grouped_linear_streams(0); }, {"set_grouped_linear_streams", "0"}));
+  EXPECT_TRUE(throws_naming<Error>([] { set_grouped_linear_streams(9); }, {"9"}));
+}
+
 // The wgrad launcher with accumulate adds into an existing fp32 main grad (beta = 1) and leaves the
 // experts with no rows untouched, bit for bit.
 TEST(GroupedLinearCuda, WgradLauncherAccumulatesIntoFp32) {

@@ -272,4 +272,104 @@ TEST(LinearCuda, LauncherStridesAndFp32Accumulate) {
     EXPECT_TRUE(bit_equal(d1, d2));
   }
 }
+
+namespace {
+
+// One gemm_cuda on fresh packed random operands against gemm_cpu (+ add_bias_cpu) on the same values;
+// a second call into another buffer (a cached plan) must give the same bits.
+void expect_gemm_matches_cpu(Rng& rng, bool ta, bool tb, int64_t m, int64_t n, int64_t k, DType ab_dtype,
+                             DType c_dtype, bool with_bias) {
+  SCOPED_TRACE(testing::Message() << "ta " << ta << " tb " << tb << " m " << m << " n " << n << " k " << k << " "
+                                  << dtype_name(ab_dtype) << " -> " << dtype_name(c_dtype)
+                                  << (with_bias ? " with bias" : ""));
+  auto draw = [&](const Shape& s, DType t) { return random_tensor(rng, s).to(t).to(DType::f32); };
+  Tensor a = draw(ta ? Shape{k, m} : Shape{m, k}, ab_dtype), b = draw(tb ? Shape{n, k} : Shape{k, n}, ab_dtype);
+  Tensor bias = with_bias ? draw({n}, c_dtype) : Tensor();
+  const Device gpu = Device::cuda();
+  Tensor ga = a.to(ab_dtype).to(gpu), gb = b.to(ab_dtype).to(gpu), gbias = with_bias ? bias.to(c_dtype).to(gpu) : bias;
+  Tensor c1 = Tensor::empty({m, n}, c_dtype, gpu), c2 = Tensor::empty({m, n}, c_dtype, gpu);
+  for (Tensor* c : {&c1, &c2})
+    gemm_cuda(ta, tb, m, n, k, ab_dtype, ga.raw_data(), ta ? m : k, gb.raw_data(), tb ? k : n, c_dtype,
+              c->raw_data(), n, with_bias ? gbias.raw_data() : nullptr, false, current_stream(0));
+  Tensor want = Tensor::empty({m, n}, DType::f32);
+  gemm_cpu<float>(ta, tb, m, n, k, a.data<float>(), b.data<float>(), want.data<float>(), false);
+  if (with_bias) add_bias_cpu<float>(want.data<float>(), bias.data<float>(), m, n);
+  EXPECT_LT(rel_error(c1, want), c_dtype == DType::f32 ? 1e-5 : 1e-2);
+  EXPECT_TRUE(bit_equal(c1, c2)) << "a repeat call with a cached plan";
+}
+
+}  // namespace
+
+// gemm_cuda's plan cache: every exact problem gets its own plan, whose algorithm usually comes from
+// its bucket (the row count, m or a wgrad's k, rounded up a quarter octave: 17 -> 20, 1040 -> 1280).
+// Counts near bucket edges, in the three shapes grouped_linear issues (fprop with a fused bias,
+// dgrad, wgrad into fp32 with k = rows), must each match the CPU; calling them all again builds and
+// queries nothing.
+TEST(LinearCuda, PlanCacheAcrossRowCounts) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  const int64_t n = 72, feat = 136;
+  const int64_t counts[] = {1, 2, 15, 16, 17, 31, 33, 100, 127, 129, 255, 257, 1000, 1023, 1040};
+  auto run_all = [&] {
+    for (DType dtype : {DType::f32, DType::bf16})
+      for (int64_t rows : counts) {
+        expect_gemm_matches_cpu(rng, false, true, rows, n, feat, dtype, dtype, true);      // fprop + bias
+        expect_gemm_matches_cpu(rng, false, false, rows, feat, n, dtype, dtype, false);    // dgrad
+        expect_gemm_matches_cpu(rng, true, false, n, feat, rows, dtype, DType::f32, false);  // wgrad, k = rows
+      }
+  };
+  run_all();
+  const GemmPlanStats before = gemm_cuda_plan_stats();
+  run_all();
+  const GemmPlanStats after = gemm_cuda_plan_stats();
+  EXPECT_EQ(after.plans_built, before.plans_built);
+  EXPECT_EQ(after.heuristic_queries, before.heuristic_queries);
+}
+
+// A new row count in a bucket already seen costs no heuristic query, unless the bucket's algorithm
+// is refused for it (then the stats count one reject per extra query). Shapes unused elsewhere.
+TEST(LinearCuda, NewRowCountsReuseTheirBucket) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  const int64_t n = 96, feat = 264;
+  for (bool wgrad : {false, true}) {
+    SCOPED_TRACE(wgrad ? "wgrad (k = rows)" : "fprop (m = rows)");
+    for (int64_t rows = 1025; rows <= 1040; ++rows) {  // all in bucket 1280
+      const GemmPlanStats before = gemm_cuda_plan_stats();
+      if (wgrad) {
+        expect_gemm_matches_cpu(rng, true, false, n, feat, rows, DType::bf16, DType::f32, false);
+      } else {
+        expect_gemm_matches_cpu(rng, false, true, rows, n, feat, DType::bf16, DType::bf16, false);
+      }
+      const GemmPlanStats after = gemm_cuda_plan_stats();
+      EXPECT_EQ(after.plans_built - before.plans_built, 1u) << rows << " rows";
+      if (rows > 1025) {  // the first one may have queried its bucket
+        EXPECT_EQ(after.heuristic_queries - before.heuristic_queries, after.bucket_rejects - before.bucket_rejects)
+            << rows << " rows";
+      }
+    }
+  }
+}
+
+// One cached plan (same shape and alignments) serves calls with different bias buffers: the fused
+// epilogue must read each call's own bias.
+TEST(LinearCuda, CachedPlanUsesEachCallsBias) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  const int64_t m = 33, n = 40, k = 24;
+  Tensor a = random_tensor(rng, {m, k}), b = random_tensor(rng, {n, k});
+  Tensor biases[] = {random_tensor(rng, {n}), random_tensor(rng, {n})};
+  Tensor ga = a.to(Device::cuda()), gb = b.to(Device::cuda());
+  Tensor gbiases[] = {biases[0].to(Device::cuda()), biases[1].to(Device::cuda())};
+  for (int i : {0, 1, 0}) {
+    SCOPED_TRACE(testing::Message() << "bias " << i);
+    Tensor c = Tensor::empty({m, n}, DType::f32, Device::cuda());
+    gemm_cuda(false, true, m, n, k, DType::f32, ga.raw_data(), k, gb.raw_data(), k, DType::f32, c.raw_data(), n,
+              gbiases[i].raw_data(), false, current_stream(0));
+    Tensor want = Tensor::empty({m, n}, DType::f32);
+    gemm_cpu<float>(false, true, m, n, k, a.data<float>(), b.data<float>(), want.data<float>(), false);
+    add_bias_cpu<float>(want.data<float>(), biases[i].data<float>(), m, n);
+    EXPECT_LT(rel_error(c, want), 1e-5);
+  }
+}
 #endif

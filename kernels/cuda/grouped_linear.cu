@@ -1,17 +1,21 @@
 // GroupedLinear on the GPU: one cuBLASLt GEMM per expert (gemm_cuda, fp32 compute), issued in expert
-// order on one stream; experts with no rows issue nothing (wgrad zero-fills them unless accumulating).
+// order; experts with no rows issue nothing (wgrad zero-fills them unless accumulating).
 //   forward  y_e  = x_e · w_eᵀ     gemm(trans_b)   m = rows_e, n = N, k = K
 //   dgrad    dx_e = dy_e · w_e     gemm            m = rows_e, n = K, k = N
 //   wgrad    dw_e = dy_eᵀ · x_e    gemm(trans_a)   m = N, n = K, k = rows_e   (fp32 output, beta 0 or 1)
 // Tail rows past sum(rows) are zeroed with cudaMemsetAsync (no kernel of our own is needed).
 // The counts are host values read once per layer by the caller; nothing here synchronises.
-// gemm_cuda caches one cuBLASLt algorithm per (m, n, k, ...) key: a new per-expert M costs one
-// heuristic query on the host the first time it is seen (bench/bench_grouped_linear.cpp measures it).
+// Host cost per expert is gemm_cuda's plan lookup + cublasLtMatmul; a new per-expert count reuses its
+// bucket's algorithm (kernels/cuda/linear.cu), so changing counts cost no heuristic queries.
+// Optionally (set_grouped_linear_streams) the expert GEMMs are spread over a few side streams.
 // CPU reference: kernels/cpu/grouped_linear.cpp. Tests: tests/test_grouped_linear.cpp.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "engine/cuda/cuda_check.h"
 #include "kernels/grouped_linear.h"
@@ -42,7 +46,94 @@ void zero_tail(void* out, int64_t first_row, int64_t m_total, int64_t cols, size
                                  stream));
 }
 
+int64_t experts_with_rows(const int64_t* rows_per_expert, int64_t num_experts) {
+  return std::count_if(rows_per_expert, rows_per_expert + num_experts, [](int64_t r) { return r > 0; });
+}
+
+// ---- side streams -----------------------------------------------------------------------------
+// A small expert GEMM fills a fraction of the SMs (fc2 E=32: 64 output tiles for 132 SMs) and the
+// next one starts only when it ends; on a few streams neighbours overlap. Results are unchanged:
+// each GEMM keeps its algorithm, and gemm_cuda gives every stream its own workspace.
+
+constexpr int kMaxStreams = 8;
+std::atomic<int> g_num_streams{1};
+
+// Per device and host thread (events are re-recorded every call, so threads must not share them).
+// Created on first use and never destroyed: destroying them at exit would race CUDA's own teardown.
+struct SideStreams {
+  std::vector<cudaStream_t> streams;
+  std::vector<cudaEvent_t> done;  // one per side stream
+  cudaEvent_t fork = nullptr;
+};
+
+SideStreams& side_streams(int device, size_t count) {
+  thread_local std::vector<std::unique_ptr<SideStreams>> per_device;
+  if (per_device.size() <= size_t(device)) per_device.resize(size_t(device) + 1);
+  auto& s = per_device[size_t(device)];
+  if (!s) {
+    s = std::make_unique<SideStreams>();
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming));
+  }
+  while (s->streams.size() < count) {
+    cudaStream_t st = nullptr;
+    cudaEvent_t ev = nullptr;
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    s->streams.push_back(st);
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    s->done.push_back(ev);
+  }
+  return *s;
+}
+
+// Hands out `main` and the side streams round robin. The side streams first wait for everything
+// already on `main`, and join() makes `main` wait for them, so the caller (and the allocator, which
+// assumes one stream per device) sees the ordering of a single stream. With one stream: no events.
+class StreamFan {
+ public:
+  StreamFan(cudaStream_t main, int64_t num_gemms) : main_(main) {
+    const int64_t n = std::min<int64_t>(g_num_streams.load(std::memory_order_relaxed), num_gemms);
+    if (n <= 1) return;
+    side_ = &side_streams(cuda_current_device(), size_t(n - 1));
+    num_side_ = int(n - 1);
+    MOE_CUDA_CHECK(cudaEventRecord(side_->fork, main_));
+    for (int i = 0; i < num_side_; ++i) MOE_CUDA_CHECK(cudaStreamWaitEvent(side_->streams[size_t(i)], side_->fork, 0));
+  }
+  StreamFan(const StreamFan&) = delete;
+  StreamFan& operator=(const StreamFan&) = delete;
+  ~StreamFan() {
+    if (num_side_ > 0) join_impl(false);  // unwinding from a throw: still leave `main` ordered after the sides
+  }
+
+  cudaStream_t next() {
+    if (num_side_ == 0) return main_;
+    int i = turn_++ % (num_side_ + 1);
+    return i == 0 ? main_ : side_->streams[size_t(i - 1)];
+  }
+  void join() { join_impl(true); }
+
+ private:
+  void join_impl(bool check) {
+    for (int i = 0; i < num_side_; ++i) {
+      cudaError_t e = cudaEventRecord(side_->done[size_t(i)], side_->streams[size_t(i)]);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(main_, side_->done[size_t(i)], 0);
+      if (check) MOE_CUDA_CHECK(e);
+    }
+    num_side_ = 0;
+  }
+
+  cudaStream_t main_;
+  SideStreams* side_ = nullptr;
+  int num_side_ = 0, turn_ = 0;
+};
+
 }  // namespace
+
+void set_grouped_linear_streams(int num_streams) {
+  FLOWMOE_CHECK(num_streams >= 1 && num_streams <= kMaxStreams, Error, "set_grouped_linear_streams: ", num_streams,
+                " is outside [1, ", kMaxStreams, "]");
+  g_num_streams.store(num_streams, std::memory_order_relaxed);
+}
+int grouped_linear_streams() { return g_num_streams.load(std::memory_order_relaxed); }
 
 // ---- launchers --------------------------------------------------------------------------------
 
@@ -51,16 +142,19 @@ void grouped_linear_forward_cuda(DType dtype, const void* x, const void* w, void
   check_args(dtype, num_experts, m_total, n, k, "grouped_linear_forward_cuda");
   int64_t total = check_grouped_rows(rows_per_expert, num_experts, m_total, "grouped_linear_forward_cuda");
   const size_t es = dtype_size(dtype);
+  zero_tail(y, total, m_total, n, es, stream);
+  if (n == 0) return;
+  StreamFan fan(stream, experts_with_rows(rows_per_expert, num_experts));
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     int64_t rows = rows_per_expert[e];
-    if (rows > 0 && n > 0)
+    if (rows > 0)
       gemm_cuda(false, true, rows, n, k, dtype, at_row(x, off, k, es), std::max<int64_t>(1, k),
                 at_row(w, e * n, k, es), std::max<int64_t>(1, k), dtype, at_row(y, off, n, es), n, nullptr, false,
-                stream);
+                fan.next());
     off += rows;
   }
-  zero_tail(y, total, m_total, n, es, stream);
+  fan.join();
 }
 
 void grouped_linear_dgrad_cuda(DType dtype, const void* dy, const void* w, void* dx, const int64_t* rows_per_expert,
@@ -68,15 +162,18 @@ void grouped_linear_dgrad_cuda(DType dtype, const void* dy, const void* w, void*
   check_args(dtype, num_experts, m_total, n, k, "grouped_linear_dgrad_cuda");
   int64_t total = check_grouped_rows(rows_per_expert, num_experts, m_total, "grouped_linear_dgrad_cuda");
   const size_t es = dtype_size(dtype);
+  zero_tail(dx, total, m_total, k, es, stream);
+  if (k == 0) return;
+  StreamFan fan(stream, experts_with_rows(rows_per_expert, num_experts));
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     int64_t rows = rows_per_expert[e];
-    if (rows > 0 && k > 0)
+    if (rows > 0)
       gemm_cuda(false, false, rows, k, n, dtype, at_row(dy, off, n, es), std::max<int64_t>(1, n),
-                at_row(w, e * n, k, es), k, dtype, at_row(dx, off, k, es), k, nullptr, false, stream);
+                at_row(w, e * n, k, es), k, dtype, at_row(dx, off, k, es), k, nullptr, false, fan.next());
     off += rows;
   }
-  zero_tail(dx, total, m_total, k, es, stream);
+  fan.join();
 }
 
 void grouped_linear_wgrad_cuda(DType dtype, const void* x, const void* dy, float* dw, const int64_t* rows_per_expert,
@@ -86,17 +183,19 @@ void grouped_linear_wgrad_cuda(DType dtype, const void* x, const void* dy, float
   check_grouped_rows(rows_per_expert, num_experts, m_total, "grouped_linear_wgrad_cuda");
   const size_t es = dtype_size(dtype), expert_bytes = size_t(n) * size_t(k) * sizeof(float);
   if (expert_bytes == 0) return;
+  for (int64_t e = 0; e < num_experts; ++e)  // no tokens: the gradient is an empty sum
+    if (rows_per_expert[e] == 0 && !accumulate)
+      MOE_CUDA_CHECK(cudaMemsetAsync(dw + e * n * k, 0, expert_bytes, stream));
+  StreamFan fan(stream, experts_with_rows(rows_per_expert, num_experts));
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     int64_t rows = rows_per_expert[e];
-    float* dw_e = dw + e * n * k;
     if (rows > 0)
-      gemm_cuda(true, false, n, k, rows, dtype, at_row(dy, off, n, es), n, at_row(x, off, k, es), k, DType::f32, dw_e,
-                k, nullptr, accumulate, stream);
-    else if (!accumulate)  // no tokens: the gradient is an empty sum
-      MOE_CUDA_CHECK(cudaMemsetAsync(dw_e, 0, expert_bytes, stream));
+      gemm_cuda(true, false, n, k, rows, dtype, at_row(dy, off, n, es), n, at_row(x, off, k, es), k, DType::f32,
+                dw + e * n * k, k, nullptr, accumulate, fan.next());
     off += rows;
   }
+  fan.join();
 }
 
 }  // namespace flowmoe

@@ -3,15 +3,20 @@
 //   never TF32, so f32 results agree with the CPU to ~1e-6). cuBLASLt is column-major: row-major C
 //   is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so it is called with A and B swapped and m, n exchanged.
 //   d_bias[n] = Σ_rows dy[:, n], fp32 sums in a fixed order.
+// Host cost: a repeat GEMM is a lock-free plan lookup plus cublasLtMatmul; algorithms are chosen per
+//   bucket of m and k (row counts), so new per-expert counts reuse them (see "cuBLASLt plans").
 // CPU reference: kernels/cpu/linear.cpp. Tests: tests/test_linear.cpp. Benchmark: bench/bench_linear.cpp.
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "engine/cuda/cuda_check.h"
@@ -65,7 +70,16 @@ __global__ void bias_grad_finish_kernel(T* __restrict__ d_bias, const float* __r
   }
 }
 
-// ---- cuBLASLt state ---------------------------------------------------------------------------
+// ---- cuBLASLt plans ---------------------------------------------------------------------------
+// A repeat call must cost little more than cublasLtMatmul itself (grouped GEMMs issue ~100 small
+// ones per layer), and a new per-expert row count must not cost a heuristic query (they change
+// every training step). Hence two caches:
+//   plans   (per device and host thread, no lock): exact problem -> descriptors initialised in place
+//           + algorithm; a hit is one hash lookup, a bias-pointer update and the matmul.
+//   choices (per device, shared, under g_mutex; only on a plan miss): heuristic results, keyed by the
+//           problem with m and k rounded up to a bucket. A new exact shape takes its bucket's
+//           algorithm once cublasLtMatmulAlgoCheck accepts it for that shape, else (rare) its own
+//           exact query. Either way the algorithm is a function of the shape alone, not of call order.
 
 namespace {
 
@@ -76,9 +90,7 @@ cudaDataType_t cuda_type(DType t) { return t == DType::f32 ? CUDA_R_32F : CUDA_R
 // Largest power of two (at most 256) dividing the address: cuBLASLt picks algorithms by alignment.
 uint32_t alignment_of(const void* p) {
   auto v = reinterpret_cast<uintptr_t>(p);
-  uint32_t a = 256;
-  while (a > 1 && v % a != 0) a >>= 1;
-  return a;
+  return v == 0 ? 256u : uint32_t(1) << std::min(8, std::countr_zero(v));
 }
 
 // Everything the algorithm choice depends on (the bias pointer's alignment included: the heuristic reads it).
@@ -101,75 +113,72 @@ struct PlanKeyHash {
   }
 };
 
-struct Plan {
+// The size an algorithm is chosen for: v rounded up to a quarter octave (16, 20, 24, 28, 32, 40, ...,
+// 1024, 1280, 1536, 1792, 2048, ...), at least 16. At most 25% over, so the heuristic sees nearly the
+// real tile and wave counts, while a step's fresh counts fall into a handful of buckets.
+int64_t bucket_of(int64_t v) {
+  if (v <= 16) return 16;
+  int64_t step = int64_t(1) << (std::bit_width(uint64_t(v - 1)) - 3);  // 2^(floor(log2(v-1)) - 2)
+  return (v + step - 1) / step * step;
+}
+
+// The key whose heuristic result `key` borrows: m and k (they count rows or tokens in our callers, n
+// is a feature size) bucketed where they are never an operand's contiguous dimension, so vector widths
+// and row tails stay those of the exact problem: m unless a is stored [k, m] (trans_a), k only when a
+// is [k, m] and b is [k, n]. This covers grouped_linear's varying counts: m of fprop and dgrad, k of
+// wgrad.
+PlanKey bucket_key(PlanKey key) {
+  if (!key.trans_a) key.m = bucket_of(key.m);
+  if (key.trans_a && !key.trans_b) key.k = bucket_of(key.k);
+  return key;
+}
+
+struct Choice {
   cublasLtMatmulAlgo_t algo;
   bool fused_bias;  // false when bias is added by add_bias_kernel (or there is none)
 };
 
-// Per device: one handle, one plan cache, one workspace per stream (GEMMs on two streams may overlap).
-// Never freed: releasing them at exit would race CUDA's own teardown.
-struct DeviceContext {
-  cublasLtHandle_t handle = nullptr;
-  std::unordered_map<cudaStream_t, void*> workspaces;
-  std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
-};
-
-std::mutex g_mutex;  // guards g_contexts and everything in them
-std::vector<std::unique_ptr<DeviceContext>> g_contexts;
-
-DeviceContext& device_context(int device) {
-  if (g_contexts.size() <= size_t(device)) g_contexts.resize(size_t(device) + 1);
-  if (!g_contexts[size_t(device)]) {
-    auto ctx = std::make_unique<DeviceContext>();
-    MOE_CUBLAS_CHECK(cublasLtCreate(&ctx->handle));
-    g_contexts[size_t(device)] = std::move(ctx);
-  }
-  return *g_contexts[size_t(device)];
-}
-
-void* stream_workspace(DeviceContext& ctx, cudaStream_t stream, int device) {
-  void*& ws = ctx.workspaces[stream];
-  if (!ws) ws = cuda_malloc_raw(kWorkspaceBytes, device);
-  return ws;
-}
-
-// The descriptors of one call, destroyed on scope exit (also when a check throws).
-struct Descriptors {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A (our b), B (our a), C = D
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~Descriptors() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
+// Descriptors live in cuBLASLt's semi-opaque structs, initialised in place: no heap, nothing to destroy.
+struct Layouts {
+  cublasLtMatrixLayoutOpaque_t a, b, d;  // cuBLASLt's A (our b), B (our a), C = D
 };
 
 // Column-major view of the problem: D[n, m] = op(our b)[n, k] · op(our a)[k, m]. A row-major [r, c]
 // buffer with row stride ld is the column-major [c, r] matrix with leading dimension ld.
-void make_descriptors(Descriptors& ds, const PlanKey& key, const void* bias, bool fuse_bias) {
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&ds.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+void init_layouts(Layouts& l, const PlanKey& key) {
+  const uint64_t m = uint64_t(key.m), n = uint64_t(key.n), k = uint64_t(key.k);
+  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.a, cuda_type(key.ab_dtype), key.trans_b ? k : n, key.trans_b ? n : k,
+                                            key.ldb));
+  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.b, cuda_type(key.ab_dtype), key.trans_a ? m : k, key.trans_a ? k : m,
+                                            key.lda));
+  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.d, cuda_type(key.c_dtype), n, m, key.ldc));
+}
+
+void init_op(cublasLtMatmulDescOpaque_t& op, const PlanKey& key, const void* bias, bool fuse_bias) {
+  MOE_CUBLAS_CHECK(cublasLtMatmulDescInit(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t op_a = key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t op_b = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   if (fuse_bias) {  // the bias has D's dtype, which is cuBLASLt's default bias type
     cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   }
-  const uint64_t m = uint64_t(key.m), n = uint64_t(key.n), k = uint64_t(key.k);
-  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.a, cuda_type(key.ab_dtype), key.trans_b ? k : n,
-                                              key.trans_b ? n : k, key.ldb));
-  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.b, cuda_type(key.ab_dtype), key.trans_a ? m : k,
-                                              key.trans_a ? k : m, key.lda));
-  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.d, cuda_type(key.c_dtype), n, m, key.ldc));
+}
 
-  MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&ds.pref));
+std::atomic<uint64_t> g_heuristic_queries{0}, g_plans_built{0}, g_bucket_rejects{0};
+
+// The heuristic's first choice for `key` (with the bias fused into the epilogue when possible), or
+// nothing when it has no algorithm for this configuration.
+std::optional<Choice> query_heuristic(cublasLtHandle_t handle, const PlanKey& key, const void* bias) {
+  g_heuristic_queries.fetch_add(1, std::memory_order_relaxed);
+  Layouts l;
+  init_layouts(l, key);
+  cublasLtMatmulPreferenceOpaque_t pref;
+  MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
   uint64_t ws_bytes = kWorkspaceBytes;
-  MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(ds.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+  MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
                                                         sizeof(ws_bytes)));
   const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b},  // swapped operands
@@ -177,21 +186,134 @@ void make_descriptors(Descriptors& ds, const PlanKey& key, const void* bias, boo
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}};
   for (const auto& [attr, value] : aligns)
-    MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(ds.pref, attr, &value, sizeof(value)));
+    MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, attr, &value, sizeof(value)));
+  for (bool fuse : {true, false}) {
+    if (fuse && !key.has_bias) continue;
+    cublasLtMatmulDescOpaque_t op;
+    init_op(op, key, bias, fuse);
+    cublasLtMatmulHeuristicResult_t result{};
+    int num_results = 0;
+    cublasStatus_t s =
+        cublasLtMatmulAlgoGetHeuristic(handle, &op, &l.a, &l.b, &l.d, &l.d, &pref, 1, &result, &num_results);
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && num_results == 0)) continue;
+    MOE_CUBLAS_CHECK(s);
+    return Choice{result.algo, fuse};
+  }
+  return std::nullopt;
 }
 
-// The heuristic's first choice, or nothing when it has no algorithm for this configuration.
-std::optional<cublasLtMatmulAlgo_t> query_algo(cublasLtHandle_t handle, const PlanKey& key, const void* bias,
-                                               bool fuse_bias) {
-  Descriptors ds;
-  make_descriptors(ds, key, bias, fuse_bias);
+// Per device, shared by all host threads (under g_mutex): the handle (cuBLAS documents its functions
+// as callable from several threads with one handle), one workspace per stream (GEMMs on two streams
+// may overlap) and the heuristic results. Never freed: releasing them at exit would race CUDA's own
+// teardown.
+struct SharedDevice {
+  cublasLtHandle_t handle = nullptr;
+  std::unordered_map<cudaStream_t, void*> workspaces;
+  // The heuristic's answer for a problem queried as given: bucket problems, problems that are their
+  // own bucket, and exact problems whose bucket algorithm was refused.
+  std::unordered_map<PlanKey, std::optional<Choice>, PlanKeyHash> choices;
+};
+
+std::mutex g_mutex;  // guards g_shared and everything in it
+std::vector<std::unique_ptr<SharedDevice>> g_shared;
+
+SharedDevice& shared_device(int device) {  // call with g_mutex held
+  if (g_shared.size() <= size_t(device)) g_shared.resize(size_t(device) + 1);
+  if (!g_shared[size_t(device)]) {
+    auto dev = std::make_unique<SharedDevice>();
+    MOE_CUBLAS_CHECK(cublasLtCreate(&dev->handle));
+    g_shared[size_t(device)] = std::move(dev);
+  }
+  return *g_shared[size_t(device)];
+}
+
+struct Plan {
+  Layouts layouts;
+  cublasLtMatmulDescOpaque_t op;  // its bias pointer is set on every call that fuses the bias
+  Choice choice;
+  bool exact;  // choice was made for this exact shape (false: borrowed from its bucket)
+};
+
+// Per device and host thread: lock-free after the first call. Plans are plain memory (freed with the
+// thread); the handle and workspaces belong to the SharedDevice.
+struct ThreadDevice {
+  int device = 0;
+  cublasLtHandle_t handle = nullptr;
+  std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
+  std::vector<std::pair<cudaStream_t, void*>> workspaces;  // this thread's copy of the shared map's entries
+};
+
+ThreadDevice& thread_device(int device) {
+  thread_local std::vector<std::unique_ptr<ThreadDevice>> devices;
+  if (size_t(device) < devices.size() && devices[size_t(device)]) return *devices[size_t(device)];
+  auto td = std::make_unique<ThreadDevice>();
+  td->device = device;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    td->handle = shared_device(device).handle;
+  }
+  if (devices.size() <= size_t(device)) devices.resize(size_t(device) + 1);
+  devices[size_t(device)] = std::move(td);
+  return *devices[size_t(device)];
+}
+
+void* stream_workspace(ThreadDevice& td, cudaStream_t stream) {
+  for (const auto& [s, ws] : td.workspaces)
+    if (s == stream) return ws;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  void*& ws = shared_device(td.device).workspaces[stream];
+  if (!ws) ws = cuda_malloc_raw(kWorkspaceBytes, td.device);
+  td.workspaces.emplace_back(stream, ws);
+  return ws;
+}
+
+// Whether `choice` (made for another shape of the bucket) runs the exact problem described by p's
+// layouts; initialises p.op for it either way.
+bool check_choice(cublasLtHandle_t handle, Plan& p, const PlanKey& key, const void* bias, const Choice& choice) {
+  init_op(p.op, key, bias, choice.fused_bias);
   cublasLtMatmulHeuristicResult_t result{};
-  int num_results = 0;
-  cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle, ds.op, ds.a, ds.b, ds.d, ds.d, ds.pref, 1, &result,
-                                                    &num_results);
-  if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && num_results == 0)) return std::nullopt;
-  MOE_CUBLAS_CHECK(s);
-  return result.algo;
+  cublasStatus_t s =
+      cublasLtMatmulAlgoCheck(handle, &p.op, &p.layouts.a, &p.layouts.b, &p.layouts.d, &p.layouts.d, &choice.algo,
+                              &result);
+  return s == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= kWorkspaceBytes;
+}
+
+// Fills p (descriptors, algorithm) for the exact problem `key`: the bucket's choice when AlgoCheck
+// accepts it, else one made for this shape (always, with exact_only: the bucket's was refused).
+void build_plan(ThreadDevice& td, Plan& p, const PlanKey& key, const void* bias, bool exact_only) {
+  init_layouts(p.layouts, key);
+  std::lock_guard<std::mutex> lock(g_mutex);  // heuristic queries are rare: holding the lock keeps this simple
+  SharedDevice& shared = shared_device(td.device);
+  auto it = shared.choices.find(key);
+  const PlanKey bkey = bucket_key(key);
+  if (it == shared.choices.end() && !exact_only && !(bkey == key)) {
+    auto bucket = shared.choices.find(bkey);
+    if (bucket == shared.choices.end())
+      bucket = shared.choices.emplace(bkey, query_heuristic(td.handle, bkey, bias)).first;
+    if (bucket->second && check_choice(td.handle, p, key, bias, *bucket->second)) {
+      p.choice = *bucket->second;
+      p.exact = false;
+      return;
+    }
+    if (bucket->second) g_bucket_rejects.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (it == shared.choices.end()) it = shared.choices.emplace(key, query_heuristic(td.handle, key, bias)).first;
+  FLOWMOE_CHECK(it->second.has_value(), CudaError, "gemm_cuda: cuBLASLt has no algorithm for m=", key.m,
+                " n=", key.n, " k=", key.k, " trans_a=", key.trans_a, " trans_b=", key.trans_b, " ",
+                dtype_name(key.ab_dtype), " -> ", dtype_name(key.c_dtype), " (lda ", key.lda, ", ldb ", key.ldb,
+                ", ldc ", key.ldc, ")");
+  p.choice = *it->second;
+  p.exact = true;
+  init_op(p.op, key, bias, p.choice.fused_bias);
+}
+
+cublasStatus_t run_plan(ThreadDevice& td, Plan& p, const void* a, const void* b, void* c, const void* bias,
+                        bool accumulate, void* workspace, cudaStream_t stream) {
+  if (p.choice.fused_bias)  // the cached descriptor still holds the previous call's bias
+    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
+  return cublasLtMatmul(td.handle, &p.op, &alpha, b, &p.layouts.a, a, &p.layouts.b, &beta, c, &p.layouts.d, c,
+                        &p.layouts.d, &p.choice.algo, workspace, kWorkspaceBytes, stream);
 }
 
 void launch_add_bias(DType dtype, void* c, const void* bias, int64_t m, int64_t n, int64_t ldc, cudaStream_t stream) {
@@ -232,31 +354,36 @@ void gemm_cuda(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, DTyp
     return;
   }
 
-  int device = cuda_current_device();
-  std::lock_guard<std::mutex> lock(g_mutex);
-  DeviceContext& ctx = device_context(device);
-  PlanKey key{m, n, k, lda, ldb, ldc, trans_a, trans_b, accumulate, bias != nullptr, ab_dtype, c_dtype,
-              alignment_of(a), alignment_of(b), alignment_of(c), alignment_of(bias)};
-  auto it = ctx.plans.find(key);
-  if (it == ctx.plans.end()) {
-    std::optional<cublasLtMatmulAlgo_t> algo;
-    if (bias) algo = query_algo(ctx.handle, key, bias, true);
-    bool fused = algo.has_value();
-    if (!algo) algo = query_algo(ctx.handle, key, bias, false);
-    FLOWMOE_CHECK(algo.has_value(), CudaError, "gemm_cuda: cuBLASLt has no algorithm for m=", m, " n=", n, " k=", k,
-                  " trans_a=", trans_a, " trans_b=", trans_b, " ", dtype_name(ab_dtype), " -> ",
-                  dtype_name(c_dtype), " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc, ")");
-    it = ctx.plans.emplace(key, Plan{*algo, fused}).first;
+  ThreadDevice& td = thread_device(cuda_current_device());
+  const PlanKey key{m, n, k, lda, ldb, ldc, trans_a, trans_b, accumulate, bias != nullptr, ab_dtype, c_dtype,
+                    alignment_of(a), alignment_of(b), alignment_of(c), alignment_of(bias)};
+  auto [it, inserted] = td.plans.try_emplace(key);
+  Plan& plan = it->second;
+  if (inserted) {
+    g_plans_built.fetch_add(1, std::memory_order_relaxed);
+    try {
+      build_plan(td, plan, key, bias, false);
+    } catch (...) {
+      td.plans.erase(it);  // no half-built plan survives a throw
+      throw;
+    }
   }
-  const Plan& plan = it->second;
-  void* workspace = stream_workspace(ctx, stream, device);
+  void* workspace = stream_workspace(td, stream);
+  cublasStatus_t s = run_plan(td, plan, a, b, c, bias, accumulate, workspace, stream);
+  if (s != CUBLAS_STATUS_SUCCESS && !plan.exact) {  // AlgoCheck is not a guarantee: choose for this shape
+    g_bucket_rejects.fetch_add(1, std::memory_order_relaxed);
+    build_plan(td, plan, key, bias, true);
+    s = run_plan(td, plan, a, b, c, bias, accumulate, workspace, stream);
+  }
+  FLOWMOE_CHECK(s == CUBLAS_STATUS_SUCCESS, CudaError, "gemm_cuda: cublasLtMatmul failed: ",
+                cublasLtGetStatusString(s), " (", int(s), ") for m=", m, " n=", n, " k=", k, " trans_a=", trans_a,
+                " trans_b=", trans_b, " ", dtype_name(ab_dtype), " -> ", dtype_name(c_dtype));
+  if (bias && !plan.choice.fused_bias) launch_add_bias(c_dtype, c, bias, m, n, ldc, stream);
+}
 
-  Descriptors ds;
-  make_descriptors(ds, key, bias, plan.fused_bias);
-  float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
-  MOE_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, ds.op, &alpha, b, ds.a, a, ds.b, &beta, c, ds.d, c, ds.d, &plan.algo,
-                                  workspace, kWorkspaceBytes, stream));
-  if (bias && !plan.fused_bias) launch_add_bias(c_dtype, c, bias, m, n, ldc, stream);
+GemmPlanStats gemm_cuda_plan_stats() {
+  return {g_heuristic_queries.load(std::memory_order_relaxed), g_plans_built.load(std::memory_order_relaxed),
+          g_bucket_rejects.load(std::memory_order_relaxed)};
 }
 
 void bias_grad_cuda(DType dtype, void* d_bias, const void* dy, int64_t m, int64_t n, float* partial,
