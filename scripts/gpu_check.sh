@@ -59,7 +59,8 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     set -- $run
     cfg="configs/$1.yaml"
     [ -x "$build/flowmoe" ] && [ -f "$cfg" ] || continue
-    if "$build/flowmoe" train --config "$cfg" --set train.steps="$2" --set train.eval_every=0 \
+    if "$build/flowmoe" train --config "$cfg" --set train.steps="$2" --set optimizer.warmup_steps=$(( $2 / 10 )) \
+         --set train.eval_every=0 \
          --set logging.out_dir="$out/run_$1" --set logging.progress=plain --set checkpoint.every=0 \
          >"$out/train_$1.log" 2>&1; then
       row "train $1 ($2 steps)" "$(grep -E '^done:' "$out/train_$1.log" | tail -1)"
