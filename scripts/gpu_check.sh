@@ -55,7 +55,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     fi
   done
   # Short GPU training runs: tokens/s, loss and (MoE) load balance for docs/PERF.md.
-  for run in "gpu_small 60" "gpu_moe 200"; do
+  for run in "gpu_small 60" "gpu_moe 400"; do
     set -- $run
     cfg="configs/$1.yaml"
     [ -x "$build/flowmoe" ] && [ -f "$cfg" ] || continue
