@@ -12,8 +12,6 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
-#include <string>
-#include <vector>
 
 #include "engine/cuda_api.h"
 #include "engine/dtype.h"
@@ -77,44 +75,15 @@ struct PermuteBuffers {  // device pointers of one permute_pad_cuda call
   void* workspace = nullptr;          // permute_workspace_bytes(d) bytes, no initialisation needed
 };
 size_t permute_workspace_bytes(const RoutingDims& d);
-// Two to four launches (the routing map, then the row move, with programmatic dependent launch; see the
-// variants below), no host synchronisation. A bad expert id, or a padded total above d.num_rows, prints
-// the culprit and traps.
+// Two launches in the usual case (the routing map: one cooperative kernel; then the row move, with
+// programmatic dependent launch), four when the routing kernel's blocks cannot all be resident at once
+// (very many tokens, or many local experts); no host synchronisation. A bad expert id, or a padded total
+// above d.num_rows, prints the culprit and traps. Kernels: kernels/cuda/permute.cu.
 void permute_pad_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream);
 // The two halves of permute_pad_cuda, for timing them apart (bench/bench_permute.cpp): the routing map
 // (row_map, counts, segment starts; the workspace), then the row move, which reads what the map left.
-// Both use the current variant (below); do not change it between them.
 void permute_map_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream);
 void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream);
-
-// Implementation variants of permute_pad_cuda under evaluation: flags, all giving bit-identical outputs.
-//   trigger  the routing kernels let their dependent kernel start at once (griddepcontrol.launch_dependents)
-//   fused    one cooperative routing kernel (count, grid barrier, scan) writes the final row_map
-//   nocoop   with fused: count, scan and a finalize kernel instead (what fused falls back to when its
-//            blocks cannot all be resident); for tests
-//   stream   16-byte rows read with L1::no_allocate, written with st.global.cs (evict-first)
-//   u8       8 vectors per thread per pass instead of 4 (thread groups half as wide)
-//   persist  persistent row kernel that loads the next token while storing the current one
-//   mono     the whole op in one cooperative kernel (route_map's phases, then persist's row move);
-//            permute_map_cuda / permute_rows_cuda still run it as two halves (fused, persist)
-// nocoop and persist imply fused; mono implies fused and persist. 0 ("base") is the original path.
-enum PermuteVariantFlag : unsigned {
-  kPermuteTrigger = 1u,
-  kPermuteFused = 2u,
-  kPermuteNoCoop = 4u,
-  kPermuteStream = 8u,
-  kPermuteU8 = 16u,
-  kPermutePersist = 32u,
-  kPermuteMono = 64u,
-};
-// "base", or flag names joined by '+' ("trigger+fused"); throws Error naming an unknown flag.
-unsigned parse_permute_variant(const std::string& name);
-std::string permute_variant_name(unsigned flags);  // canonical: flags in the order above
-// The variant permute_pad_cuda uses: FLOWMOE_PERMUTE_VARIANT at first use (else base) until set.
-unsigned permute_variant();
-void set_permute_variant(unsigned flags);
-// The variants bench_permute sweeps (and tests/test_permute.cpp checks), base first.
-std::vector<unsigned> permute_candidate_variants();
 
 // Backward of permute_pad: dtype (of d_rows and d_x) f32 or bf16, fp32 accumulation, j ascending.
 // d_x and d_rows may be null together; d_topk_prob and d_probs (f32) likewise.

@@ -1,7 +1,7 @@
 // permute_pad: the CPU op against a plain per-expert loop reference (token ids encoded in the
 // payload, so a wrong row is named), edge cases, bad input, gradient checks, and CUDA vs CPU
-// (bit-identical buffers, with the device memory poisoned first so unwritten pad rows show), for
-// every implementation variant of the CUDA kernels.
+// (bit-identical buffers, with the device memory poisoned first so unwritten pad rows show), over
+// shapes that reach every vector width and both routing-map paths of kernels/cuda/permute.cu.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -274,62 +274,7 @@ struct CudaCase {
   int64_t side_cols;
 };
 
-// The permute_pad_cuda variants (kernels/permute.h) every GPU test runs: the benchmark's candidates,
-// plus combinations only a forced flag reaches (the fused map's three-kernel fallback without the
-// early trigger or under the persistent kernel, the streaming hints on the base row kernel).
-std::vector<unsigned> cuda_variants() {
-#ifdef FLOWMOE_WITH_CUDA
-  std::vector<unsigned> v = permute_candidate_variants();
-  const unsigned trigger_fused = kPermuteTrigger | kPermuteFused;
-  for (unsigned extra : {kPermuteFused | kPermuteNoCoop, kPermuteStream | kPermuteU8,
-                         trigger_fused | kPermuteNoCoop | kPermuteStream | kPermutePersist,
-                         trigger_fused | kPermuteStream | kPermuteU8})
-    if (std::find(v.begin(), v.end(), extra) == v.end()) v.push_back(extra);
-  return v;
-#else
-  return {0u};
-#endif
-}
-
-// Runs permute_pad_cuda as `variant` while alive; the process default comes back afterwards.
-class VariantScope {
- public:
-  explicit VariantScope(unsigned variant) {
-#ifdef FLOWMOE_WITH_CUDA
-    saved_ = permute_variant();
-    set_permute_variant(variant);
-#endif
-  }
-  ~VariantScope() {
-#ifdef FLOWMOE_WITH_CUDA
-    set_permute_variant(saved_);
-#endif
-  }
-  VariantScope(const VariantScope&) = delete;
-  VariantScope& operator=(const VariantScope&) = delete;
-
- private:
-  unsigned saved_ = 0;
-};
-
-std::string variant_name(unsigned variant) {
-#ifdef FLOWMOE_WITH_CUDA
-  return permute_variant_name(variant);
-#else
-  return std::to_string(variant);
-#endif
-}
-
 }  // namespace
-
-#ifdef FLOWMOE_WITH_CUDA
-TEST(PermuteCuda, VariantNames) {
-  for (unsigned v : cuda_variants()) EXPECT_EQ(parse_permute_variant(permute_variant_name(v)), v) << v;
-  EXPECT_EQ(parse_permute_variant("persist"), kPermutePersist | kPermuteFused);  // persist needs the final map
-  EXPECT_EQ(permute_candidate_variants().front(), 0u);
-  EXPECT_THROW(parse_permute_variant("trigger+bogus"), Error);
-}
-#endif
 
 TEST(PermuteCuda, BitIdenticalToCpu) {
   FLOWMOE_REQUIRE_CUDA();
@@ -348,10 +293,13 @@ TEST(PermuteCuda, BitIdenticalToCpu) {
       {4096, 8, 64, 0, 64, 128, 2048, DType::bf16, 16},  // a benchmark-like shape
       {500, 4, 2000, 0, 2000, 16, 8, DType::f32, 0},      // shared-memory histogram above 48 KiB
       {40000, 8, 16, 0, 16, 16, 8, DType::f32, 1},       // 157 chunks: more than one per SM; many tokens per group
-      {110000, 8, 16, 0, 16, 16, 8, DType::f32, 0},      // 430 chunks: more than permute_mono's grid holds
+      {110000, 8, 16, 0, 16, 16, 8, DType::f32, 0},      // 430 chunks: several route_map blocks per SM
       {64, 4, 8, 0, 8, 16, 17000, DType::bf16, 2},        // rows of 2125 vectors: several passes per token
+      // The routing map's fallback (route_count + route_scan + route_finalize): with L = 4096, route_map's
+      // block takes 160 KiB of shared memory, so one fits per SM, and 300 chunks cannot all be resident
+      // on a GPU of fewer than 300 SMs.
+      {76800, 8, 4096, 0, 4096, 16, 8, DType::f32, 1},
   };
-  const std::vector<unsigned> variants = cuda_variants();
   for (const CudaCase& c : cases) {
     SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.topk << " E " << c.num_experts
                                       << " align " << c.align << " H " << c.hidden << " " << dtype_name(c.dtype));
@@ -362,21 +310,17 @@ TEST(PermuteCuda, BitIdenticalToCpu) {
                                     c.num_local, -1, side, 0.5);
     Tensor gx = x.to(Device::cuda()), gidx = idx.to(Device::cuda()), gprob = prob.to(Device::cuda());
     Tensor gside = side.defined() ? side.to(Device::cuda()) : Tensor();
-    for (unsigned variant : variants) {
-      SCOPED_TRACE("variant " + variant_name(variant));
-      VariantScope scope(variant);
-      poison_device_block(cpu.rows.shape(), c.dtype);  // the next allocation (the rows) gets NaN bytes
-      PermuteResult gpu = permute_pad(Variable(gx), gidx, Variable(gprob), c.num_experts, c.align, c.expert_offset,
-                                      c.num_local, -1, gside, 0.5);
-      EXPECT_TRUE(bit_equal(gpu.row_map, cpu.row_map));
-      EXPECT_TRUE(bit_equal(gpu.tokens_per_expert, cpu.tokens_per_expert));
-      EXPECT_TRUE(bit_equal(gpu.padded_tokens_per_expert, cpu.padded_tokens_per_expert));
-      EXPECT_TRUE(bit_equal(gpu.segment_starts, cpu.segment_starts));
-      EXPECT_TRUE(bit_equal(gpu.rows.data(), cpu.rows.data()));
-      EXPECT_TRUE(bit_equal(gpu.probs.data(), cpu.probs.data()));
-      if (side.defined()) {
-        EXPECT_TRUE(bit_equal(gpu.side_rows, cpu.side_rows));
-      }
+    poison_device_block(cpu.rows.shape(), c.dtype);  // the next allocation (the rows) gets NaN bytes
+    PermuteResult gpu = permute_pad(Variable(gx), gidx, Variable(gprob), c.num_experts, c.align, c.expert_offset,
+                                    c.num_local, -1, gside, 0.5);
+    EXPECT_TRUE(bit_equal(gpu.row_map, cpu.row_map));
+    EXPECT_TRUE(bit_equal(gpu.tokens_per_expert, cpu.tokens_per_expert));
+    EXPECT_TRUE(bit_equal(gpu.padded_tokens_per_expert, cpu.padded_tokens_per_expert));
+    EXPECT_TRUE(bit_equal(gpu.segment_starts, cpu.segment_starts));
+    EXPECT_TRUE(bit_equal(gpu.rows.data(), cpu.rows.data()));
+    EXPECT_TRUE(bit_equal(gpu.probs.data(), cpu.probs.data()));
+    if (side.defined()) {
+      EXPECT_TRUE(bit_equal(gpu.side_rows, cpu.side_rows));
     }
   }
 }
@@ -388,16 +332,12 @@ TEST(PermuteCuda, ExactSizeAndTokenPayload) {
   Tensor idx = random_topk(gen, 900, 4, 12), x = token_payload(900, 130), prob = random_tensor(rng, {900, 4});
   const int64_t total = permute_pad(Variable(x), idx, Variable(prob), 12, 64).segment_starts.to_ints().back();
   Tensor gx = x.to(Device::cuda()), gidx = idx.to(Device::cuda()), gprob = prob.to(Device::cuda());
-  for (unsigned variant : cuda_variants()) {
-    SCOPED_TRACE("variant " + variant_name(variant));
-    VariantScope scope(variant);
-    poison_device_block({total, 130}, DType::f32);
-    PermuteResult p = permute_pad(Variable(gx), gidx, Variable(gprob), 12, 64, 0, -1, total);
-    PermuteResult host{Variable(p.rows.data().to(Device::cpu())), Variable(p.probs.data().to(Device::cpu())),
-                       p.row_map.to(Device::cpu()), p.tokens_per_expert.to(Device::cpu()),
-                       p.padded_tokens_per_expert.to(Device::cpu()), p.segment_starts.to(Device::cpu()), Tensor(), 64};
-    EXPECT_TRUE(matches_reference(host, idx, prob, 0, 12, 64, 130));
-  }
+  poison_device_block({total, 130}, DType::f32);
+  PermuteResult p = permute_pad(Variable(gx), gidx, Variable(gprob), 12, 64, 0, -1, total);
+  PermuteResult host{Variable(p.rows.data().to(Device::cpu())), Variable(p.probs.data().to(Device::cpu())),
+                     p.row_map.to(Device::cpu()), p.tokens_per_expert.to(Device::cpu()),
+                     p.padded_tokens_per_expert.to(Device::cpu()), p.segment_starts.to(Device::cpu()), Tensor(), 64};
+  EXPECT_TRUE(matches_reference(host, idx, prob, 0, 12, 64, 130));
 }
 
 TEST(PermuteCuda, BackwardMatchesCpu) {
