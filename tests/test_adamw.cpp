@@ -152,7 +152,8 @@ TEST(AdamWCuda, OptimizerClassMatchesCpu) {
   OptimizerConfig cfg;
   auto run = [&](Device dev, double* norm) {
     std::vector<Variable> ps;
-    for (size_t i = 0; i < init.size(); ++i) ps.push_back(Variable(init[i].to(dev).clone(), true, "p" + std::to_string(i)));
+    const char* names[] = {"p0", "p1", "p2"};  // literals: "p" + to_string trips GCC 12's -Wrestrict false positive
+    for (size_t i = 0; i < init.size(); ++i) ps.push_back(Variable(init[i].to(dev).clone(), true, names[i]));
     AdamW opt(ps, cfg);
     for (int t = 0; t < 3; ++t) {
       for (size_t i = 0; i < ps.size(); ++i) ps[i].set_grad(grads[i].to(dev).clone());
