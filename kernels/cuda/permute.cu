@@ -42,46 +42,6 @@ namespace {
 
 // ---- backward -----------------------------------------------------------------------------------
 
-// VB bytes of T, loaded and stored as one vector (llm.c's Packed128); get/set convert through fp32.
-template <class T, int VB>
-struct Packed {
-  static constexpr int n = VB / int(sizeof(T));
-  T v[n];
-  __device__ static Packed load(const T* p) {
-    auto raw = __ldg(reinterpret_cast<const typename VecOf<VB>::type*>(p));
-    Packed out;
-    memcpy(&out, &raw, VB);
-    return out;
-  }
-  __device__ void store(T* p) const {
-    typename VecOf<VB>::type raw;
-    memcpy(&raw, this, VB);
-    *reinterpret_cast<typename VecOf<VB>::type*>(p) = raw;
-  }
-  __device__ float get(int e) const { return to_float(v[e]); }
-  __device__ void set(int e, float x) { v[e] = from_float<T>(x); }
-};
-
-// Eight bf16 kept as four 32-bit words (not eight 16-bit registers): widening is a shift, exact.
-template <>
-struct Packed<__nv_bfloat16, 16> {
-  static constexpr int n = 8;
-  uint4 raw;
-  __device__ static Packed load(const __nv_bfloat16* p) { return {__ldg(reinterpret_cast<const uint4*>(p))}; }
-  __device__ void store(__nv_bfloat16* p) const { *reinterpret_cast<uint4*>(p) = raw; }
-  __device__ unsigned& word(int i) { return i == 0 ? raw.x : i == 1 ? raw.y : i == 2 ? raw.z : raw.w; }
-  __device__ unsigned word(int i) const { return i == 0 ? raw.x : i == 1 ? raw.y : i == 2 ? raw.z : raw.w; }
-  __device__ float get(int e) const {
-    const unsigned w = word(e >> 1);
-    return __uint_as_float((e & 1) ? (w & 0xffff0000u) : (w << 16));
-  }
-  __device__ void set(int e, float x) {
-    const unsigned b = __bfloat16_as_ushort(__float2bfloat16_rn(x));
-    unsigned& w = word(e >> 1);
-    w = (e & 1) ? ((w & 0x0000ffffu) | (b << 16)) : ((w & 0xffff0000u) | b);
-  }
-};
-
 // d_x[t] = sum_j d_rows[row_map[t,j]] in fp32, j ascending; d_topk_prob[t,j] = d_probs[row_map[t,j]].
 template <class T, int VB>
 __global__ void __launch_bounds__(kRowThreads)

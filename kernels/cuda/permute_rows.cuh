@@ -12,6 +12,7 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/cuda/packed.cuh"
 #include "kernels/cuda/permute_route.cuh"
 
 namespace flowmoe {
@@ -21,19 +22,6 @@ constexpr int kRowThreads = 256;  // threads per block of the row kernels: 256 /
 constexpr int kUnroll = 4;        // vectors per thread in flight per pass
 constexpr int kRowMinBlocks = 5;  // the row kernel's register budget: 5 blocks per SM (<= 48 registers)
 constexpr int kMaxTopk = 1024;    // permute_rows keeps [groups][k] ints in shared memory
-
-template <int VB>
-struct VecOf;
-template <>
-struct VecOf<16> { using type = uint4; };
-template <>
-struct VecOf<8> { using type = uint2; };
-template <>
-struct VecOf<4> { using type = unsigned int; };
-template <>
-struct VecOf<2> { using type = unsigned short; };
-template <>
-struct VecOf<1> { using type = unsigned char; };
 
 struct RowArgs {
   const void* x;             // [T, nvec] vectors
