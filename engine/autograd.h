@@ -31,6 +31,16 @@ class Primitive {
   virtual bool saves_outputs() const { return false; }
 };
 
+// A primitive that computes another op's gradient (e.g. rmsnorm_backward): run through eval() so
+// the device picks the backend, but not differentiable itself.
+class BackwardPrimitive : public Primitive {
+ public:
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
+                          const std::vector<bool>&) override {
+    FLOWMOE_THROW(Error, name(), ": second-order gradients are not implemented");
+  }
+};
+
 // Runs the primitive on the device of its inputs (all defined inputs must share one device).
 std::vector<Tensor> eval(Primitive& p, const std::vector<Tensor>& inputs);
 

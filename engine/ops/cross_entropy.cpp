@@ -22,7 +22,7 @@ void check_inputs(const Tensor& logits, const Tensor& targets, const char* what)
 }
 
 // inputs {d_loss [], logits [N, V], targets [N], lse [N], inv_count [] (GPU only)} -> {d_logits}.
-class CrossEntropyBackward : public Primitive {
+class CrossEntropyBackward : public BackwardPrimitive {
  public:
   explicit CrossEntropyBackward(int ignore_index) : ignore_index_(ignore_index) {}
   const char* name() const override { return "cross_entropy_backward"; }
@@ -53,10 +53,6 @@ class CrossEntropyBackward : public Primitive {
 #endif
   }
 
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, name(), " has no gradient (cross_entropy is differentiable once)");
-  }
 
  private:
   int ignore_index_;

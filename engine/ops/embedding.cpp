@@ -21,7 +21,7 @@ Shape rows_shape(const Tensor& ids, int64_t hidden) {
 }
 
 // d_weight [vocab, H] from {d_out [..., H], ids [...]}.
-class EmbeddingBackward : public Primitive {
+class EmbeddingBackward : public BackwardPrimitive {
  public:
   EmbeddingBackward(int64_t vocab, DType weight_dtype) : vocab_(vocab), weight_dtype_(weight_dtype) {}
   const char* name() const override { return "embedding_backward"; }
@@ -50,11 +50,6 @@ class EmbeddingBackward : public Primitive {
 #else
     throw_no_cuda(name());
 #endif
-  }
-
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, name(), ": second-order gradients are not implemented");
   }
 
  private:

@@ -13,7 +13,7 @@ namespace {
 
 // Inputs: row_map [T,k], d_rows [num_rows,H] (or undefined), d_probs [num_rows] (or undefined).
 // Outputs: d_x [T,H] and d_topk_prob [T,k], each undefined when its cotangent is.
-class PermutePadBackward : public Primitive {
+class PermutePadBackward : public BackwardPrimitive {
  public:
   PermutePadBackward(int64_t num_tokens, int topk, int64_t hidden) : num_tokens_(num_tokens), topk_(topk), hidden_(hidden) {}
   const char* name() const override { return "permute_pad_backward"; }
@@ -62,10 +62,6 @@ class PermutePadBackward : public Primitive {
 #endif
   }
 
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, "permute_pad_backward: double backward is not supported");
-  }
 
  private:
   int64_t num_tokens_;

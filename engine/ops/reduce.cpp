@@ -12,7 +12,7 @@ namespace {
 const char* reduce_name(ReduceOp op) { return op == ReduceOp::sum ? "sum" : "mean"; }
 
 // inputs {d_out []} -> {d_x} of the shape and dtype the forward saw.
-class ReduceBackward : public Primitive {
+class ReduceBackward : public BackwardPrimitive {
  public:
   ReduceBackward(ReduceOp op, Shape shape, DType dtype) : op_(op), shape_(std::move(shape)), dtype_(dtype) {}
   const char* name() const override { return op_ == ReduceOp::sum ? "sum_backward" : "mean_backward"; }
@@ -41,10 +41,6 @@ class ReduceBackward : public Primitive {
 #endif
   }
 
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, name(), " has no gradient (", reduce_name(op_), " is differentiable once)");
-  }
 
  private:
   ReduceOp op_;

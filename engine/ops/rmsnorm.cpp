@@ -22,7 +22,7 @@ int64_t check_rmsnorm(const Tensor& x, const Tensor& weight, double eps, const c
 int64_t rows_of(const Tensor& x, int64_t hidden) { return hidden > 0 ? x.numel() / hidden : 0; }
 
 // {d_x, d_weight} from {d_y, x, weight}.
-class RmsnormBackward : public Primitive {
+class RmsnormBackward : public BackwardPrimitive {
  public:
   explicit RmsnormBackward(double eps) : eps_(eps) {}
   const char* name() const override { return "rmsnorm_backward"; }
@@ -56,11 +56,6 @@ class RmsnormBackward : public Primitive {
 #else
     throw_no_cuda(name());
 #endif
-  }
-
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, name(), ": second-order gradients are not implemented");
   }
 
  private:

@@ -42,7 +42,7 @@ void check_topk_idx(const Tensor& topk_idx, const Tensor& logits, const RouterPa
 }
 
 // Gradient of RouterTopk: inputs {logits, topk_idx, d_topk_prob} -> {d_logits}.
-class RouterTopkBackward : public Primitive {
+class RouterTopkBackward : public BackwardPrimitive {
  public:
   explicit RouterTopkBackward(RouterParams p) : p_(p) {}
   const char* name() const override { return "router_topk_backward"; }
@@ -66,10 +66,6 @@ class RouterTopkBackward : public Primitive {
 #else
     throw_no_cuda(name());
 #endif
-  }
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, name(), ": second-order gradients are not supported");
   }
 
  private:
@@ -130,7 +126,7 @@ class RouterTopk : public Primitive {
 };
 
 // Gradient of RouterBalanceLoss: inputs {logits, topk_idx, d_loss {}} -> {d_logits}.
-class RouterBalanceLossBackward : public Primitive {
+class RouterBalanceLossBackward : public BackwardPrimitive {
  public:
   RouterBalanceLossBackward(RouterParams p, int64_t seq_len, double alpha) : p_(p), seq_len_(seq_len), alpha_(alpha) {}
   const char* name() const override { return "router_balance_loss_backward"; }
@@ -157,10 +153,6 @@ class RouterBalanceLossBackward : public Primitive {
 #else
     throw_no_cuda(name());
 #endif
-  }
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, name(), ": second-order gradients are not supported");
   }
 
  private:

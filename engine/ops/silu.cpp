@@ -9,7 +9,7 @@ namespace flowmoe {
 namespace {
 
 // dx = dy * silu'(x); inputs {dy, x}.
-class SiluBackward : public Primitive {
+class SiluBackward : public BackwardPrimitive {
  public:
   const char* name() const override { return "silu_backward"; }
 
@@ -35,11 +35,6 @@ class SiluBackward : public Primitive {
 #else
     throw_no_cuda(name());
 #endif
-  }
-
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, name(), ": second-order gradients are not implemented");
   }
 
  private:

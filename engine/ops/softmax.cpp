@@ -50,7 +50,7 @@ class Softmax : public Primitive {
 };
 
 // inputs {d_y, y} -> {d_x}. Not differentiable itself.
-class SoftmaxBackward : public Primitive {
+class SoftmaxBackward : public BackwardPrimitive {
  public:
   const char* name() const override { return "softmax_backward"; }
 
@@ -79,10 +79,6 @@ class SoftmaxBackward : public Primitive {
 #endif
   }
 
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, name(), " has no gradient (softmax is differentiable once)");
-  }
 
  private:
   void check(const std::vector<Tensor>& in) const {

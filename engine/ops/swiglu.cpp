@@ -25,7 +25,7 @@ Shape out_shape(const Tensor& gate_up, int64_t F) {
 }
 
 // d_gate_up from {d_out [..., F], gate_up [..., 2F]}.
-class SwigluBackward : public Primitive {
+class SwigluBackward : public BackwardPrimitive {
  public:
   const char* name() const override { return "swiglu_backward"; }
 
@@ -53,11 +53,6 @@ class SwigluBackward : public Primitive {
 #else
     throw_no_cuda(name());
 #endif
-  }
-
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, name(), ": second-order gradients are not implemented");
   }
 
  private:

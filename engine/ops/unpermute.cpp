@@ -46,7 +46,7 @@ void check_unpermute(const std::vector<Tensor>& in, bool cuda, const char* what)
 
 // Inputs: [rows, topk_prob, row_map, tokens_per_expert, segment_starts, dy]. Outputs: [d_rows, d_topk_prob],
 // each undefined when not wanted.
-class UnpermuteBackward : public Primitive {
+class UnpermuteBackward : public BackwardPrimitive {
  public:
   UnpermuteBackward(int align_size, bool want_rows, bool want_prob)
       : align_(align_size), want_rows_(want_rows), want_prob_(want_prob) {}
@@ -97,10 +97,6 @@ class UnpermuteBackward : public Primitive {
 #endif
   }
 
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                          const std::vector<bool>&) override {
-    FLOWMOE_THROW(Error, "unpermute_unpad_backward: double backward is not supported");
-  }
 
  private:
   int align_;
