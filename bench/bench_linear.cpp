@@ -17,6 +17,7 @@
 #include "engine/ops/ops.h"
 #include "engine/rng.h"
 #include "engine/stream.h"
+#include "bench/bench_util.h"
 #include "kernels/linear.h"
 
 using namespace flowmoe;
@@ -40,22 +41,6 @@ struct Gemm {
   int64_t lda() const { return ta ? m : k; }
   int64_t ldb() const { return tb ? k : n; }
 };
-
-template <class F>
-double median_ms(F&& run, cudaStream_t stream) {
-  for (int i = 0; i < kWarmup; ++i) run();
-  Event start(true), stop(true);
-  std::vector<float> times;
-  for (int i = 0; i < kReps; ++i) {
-    start.record(stream);
-    run();
-    stop.record(stream);
-    stop.synchronize();
-    times.push_back(start.elapsed_ms(stop));
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
 
 double engine_ms(const Gemm& g, cudaStream_t stream) {
   return median_ms(

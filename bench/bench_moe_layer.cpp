@@ -15,6 +15,7 @@
 #include "engine/allocator.h"
 #include "engine/cuda_api.h"
 #include "engine/stream.h"
+#include "bench/bench_util.h"
 #include "layers/moe.h"
 #include "layers/param.h"
 
@@ -23,23 +24,6 @@ using namespace flowmoe;
 namespace {
 
 struct Shape5 { int64_t T, H, F, E, k; };
-
-template <class F>
-double median_ms(F&& run, int warmup = 3, int reps = 10) {
-  cudaStream_t s = current_stream(0);
-  for (int i = 0; i < warmup; ++i) run();
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    Event a(true), b(true);
-    a.record(s);
-    run();
-    b.record(s);
-    b.synchronize();
-    ms.push_back(a.elapsed_ms(b));
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 ModelConfig layer_config(const Shape5& s) {
   ModelConfig c;
@@ -81,7 +65,7 @@ int main() {
       layer.forward(xv, DType::bf16).backward(dy);
       syncs1 = num_host_syncs();
     };
-    const double layer_ms = median_ms(step);
+    const double layer_ms = median_ms(step, current_stream(0), 3, 10);
     cuda_synchronize(0);
     reset_peak_memory(dev);
     const size_t live0 = memory_stats(dev).live_bytes;
@@ -100,7 +84,7 @@ int main() {
       w1b.zero_grad(), w2b.zero_grad(), xrv.zero_grad();
       linear(swiglu(linear(xrv, w1b)), w2b).backward(dyr);
     };
-    const double dense_ms = median_ms(dense);
+    const double dense_ms = median_ms(dense, current_stream(0), 3, 10);
 
     const double flops = 3.0 * 2.0 * double(s.T * s.k) * double(s.H * 2 * s.F + s.F * s.H);
     const double tflops = flops / (layer_ms * 1e-3) / 1e12;

@@ -25,6 +25,7 @@
 #include "engine/cuda_api.h"
 #include "engine/rng.h"
 #include "engine/stream.h"
+#include "bench/bench_util.h"
 #include "kernels/permute.h"
 #include "kernels/unpermute.h"
 
@@ -36,22 +37,6 @@ constexpr int kWarmup = 5;
 constexpr int kReps = 30;
 constexpr double kH200CopyGbps = 4249.0;
 constexpr size_t kCopyBytes = size_t(1) << 30;
-
-template <class F>
-double median_ms(F&& run, cudaStream_t stream) {
-  for (int i = 0; i < kWarmup; ++i) run();
-  Event start(true), stop(true);
-  std::vector<float> times;
-  for (int i = 0; i < kReps; ++i) {
-    start.record(stream);
-    run();
-    stop.record(stream);
-    stop.synchronize();
-    times.push_back(start.elapsed_ms(stop));
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
 
 // GPU time only: a memset of kBusyBytes keeps the GPU busy while the host submits `prelude` (untimed),
 // the start event, `run` and the stop event, so launch latency drops out of the measurement.

@@ -1,0 +1,27 @@
+// Timing helper shared by the benchmarks: the median of `reps` event-timed runs on `stream`, after
+// `warmup` untimed ones (module load, handle creation and cuBLASLt plans stay out of the numbers).
+#pragma once
+#include <algorithm>
+#include <vector>
+
+#include "engine/stream.h"
+
+namespace flowmoe {
+
+template <class F>
+double median_ms(F&& run, cudaStream_t stream, int warmup = 5, int reps = 30) {
+  for (int i = 0; i < warmup; ++i) run();
+  Event start(true), stop(true);
+  std::vector<float> times;
+  for (int i = 0; i < reps; ++i) {
+    start.record(stream);
+    run();
+    stop.record(stream);
+    stop.synchronize();
+    times.push_back(start.elapsed_ms(stop));
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace flowmoe
