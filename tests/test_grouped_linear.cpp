@@ -21,23 +21,6 @@ using namespace flowmoe::test;
 
 namespace {
 
-// Expects fn to throw E with a message that contains every one of `parts`.
-template <class E, class F>
-::testing::AssertionResult throws_naming(F&& fn, std::initializer_list<const char*> parts) {
-  try {
-    fn();
-  } catch (const E& e) {
-    std::string msg = e.what();
-    for (const char* p : parts)
-      if (msg.find(p) == std::string::npos)
-        return ::testing::AssertionFailure() << "message \"" << msg << "\" does not name " << p;
-    return ::testing::AssertionSuccess();
-  } catch (const std::exception& e) {
-    return ::testing::AssertionFailure() << "threw the wrong type: " << e.what();
-  }
-  return ::testing::AssertionFailure() << "did not throw";
-}
-
 int64_t total_rows(const std::vector<int64_t>& rows) { return std::accumulate(rows.begin(), rows.end(), int64_t(0)); }
 
 struct Result {

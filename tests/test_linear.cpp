@@ -29,23 +29,6 @@ std::vector<double> loop_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k,
   return c;
 }
 
-// Expects fn to throw E with a message that contains every one of `parts`.
-template <class E, class F>
-::testing::AssertionResult throws_naming(F&& fn, std::initializer_list<const char*> parts) {
-  try {
-    fn();
-  } catch (const E& e) {
-    std::string msg = e.what();
-    for (const char* p : parts)
-      if (msg.find(p) == std::string::npos)
-        return ::testing::AssertionFailure() << "message \"" << msg << "\" does not name " << p;
-    return ::testing::AssertionSuccess();
-  } catch (const std::exception& e) {
-    return ::testing::AssertionFailure() << "threw the wrong type: " << e.what();
-  }
-  return ::testing::AssertionFailure() << "did not throw";
-}
-
 struct LinearResult {
   Tensor y, dx, dw, db;
 };

@@ -12,24 +12,6 @@ using namespace flowmoe::test;
 
 namespace {
 
-// topk_idx [T,k]: each token picks k distinct experts from `allowed` (all of [0, E) when empty).
-Tensor random_topk(std::mt19937_64& gen, int64_t num_tokens, int topk, int num_experts, std::vector<int> allowed = {}) {
-  if (allowed.empty()) {
-    allowed.resize(size_t(num_experts));
-    std::iota(allowed.begin(), allowed.end(), 0);
-  }
-  std::vector<int64_t> idx;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    std::vector<int> pool = allowed;
-    for (int j = 0; j < topk; ++j) {
-      std::uniform_int_distribution<size_t> pick(size_t(j), pool.size() - 1);
-      std::swap(pool[size_t(j)], pool[pick(gen)]);
-      idx.push_back(pool[size_t(j)]);
-    }
-  }
-  return Tensor::from_ints(idx, {num_tokens, topk});
-}
-
 // The routing of a permute (no payload needed): x is a [T,1] dummy.
 PermuteResult route(const Tensor& idx, int num_experts, int align, int expert_offset = 0, int num_local = -1,
                     Device d = Device::cpu()) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -40,5 +41,25 @@ double rel_error(const Tensor& got, const Tensor& ref);
 using GradFn = std::function<Variable(const std::vector<Variable>&)>;
 ::testing::AssertionResult gradcheck(const GradFn& fn, const std::vector<Tensor>& inputs, double eps = 1e-6,
                                      double tol = 1e-5, std::vector<int> wrt = {});
+
+// Expects fn to throw E with a message that contains every one of `parts`.
+template <class E, class F>
+::testing::AssertionResult throws_naming(F&& fn, std::initializer_list<const char*> parts) {
+  try {
+    fn();
+  } catch (const E& e) {
+    std::string msg = e.what();
+    for (const char* p : parts)
+      if (msg.find(p) == std::string::npos)
+        return ::testing::AssertionFailure() << "message \"" << msg << "\" does not name " << p;
+    return ::testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return ::testing::AssertionFailure() << "threw the wrong type: " << e.what();
+  }
+  return ::testing::AssertionFailure() << "did not throw";
+}
+
+// topk_idx [T,k] i32: each token picks k distinct experts from `allowed` (all of [0, E) when empty).
+Tensor random_topk(std::mt19937_64& gen, int64_t num_tokens, int topk, int num_experts, std::vector<int> allowed = {});
 
 }  // namespace flowmoe::test
