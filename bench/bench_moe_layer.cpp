@@ -59,7 +59,7 @@ int main() {
     Variable xv(x, true);
     uint64_t syncs0 = 0, syncs1 = 0;
     auto step = [&] {
-      for (const Variable& p : f.params()) p.impl()->grad = Tensor();
+      for (Variable p : f.params()) p.zero_grad();
       xv.zero_grad();
       syncs0 = num_host_syncs();
       layer.forward(xv, DType::bf16).backward(dy);

@@ -60,7 +60,9 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   Variable h = grouped_linear(p.rows, fc1_, counts);  // [M, 2F]
   Variable a = swiglu(h);                             // [M, F]
   Variable o = grouped_linear(a, fc2_, counts);       // [M, H]
-  Variable topk_prob = r.topk_prob.dtype() == o.dtype() || o.device().is_cuda() ? r.topk_prob : cast(r.topk_prob, o.dtype());
+  // unpermute takes f32 probs on the GPU, and probs of the rows' dtype on the CPU (f32 or f64).
+  Variable topk_prob = r.topk_prob;
+  if (o.device().is_cpu() && topk_prob.dtype() != o.dtype()) topk_prob = cast(topk_prob, o.dtype());
   Variable y = unpermute_unpad(o, p, topk_prob);  // [T, H]
   if (shared_) y = add(y, shared_->forward(x2, compute));
   return reshape(y, in_shape);
