@@ -313,12 +313,14 @@ std::vector<int64_t> Tensor::to_ints() const {
   return out;
 }
 
-Tensor Tensor::with_scales(const Tensor& scale_inv, ScalingMode mode) const {
+Tensor Tensor::with_scales(const Tensor& scale_inv, ScalingMode mode, std::vector<int64_t> rows_per_segment) const {
   FLOWMOE_CHECK(is_fp8(dtype_), DTypeError, "with_scales on a ", describe(), " (FP8 data expected)");
   FLOWMOE_CHECK(scale_inv.dtype() == DType::f32, DTypeError, "scale_inv must be f32, got ", scale_inv.describe());
   check_same_device(*this, scale_inv, "with_scales");
   Tensor t = *this;
-  t.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{scale_inv, mode});
+  FLOWMOE_CHECK(rows_per_segment.empty() || mode == ScalingMode::colwise_1x128, Error,
+                "with_scales: segments apply to colwise_1x128 only, got ", scaling_mode_name(mode));
+  t.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{scale_inv, mode, std::move(rows_per_segment)});
   return t;
 }
 

@@ -101,7 +101,9 @@ class Tensor {
 
   // FP8: the attached scales (nullptr when none) and a copy of this tensor with scales attached.
   const std::shared_ptr<const Fp8Scales>& fp8_scales() const { return fp8_; }
-  Tensor with_scales(const Tensor& scale_inv, ScalingMode mode) const;
+  // rows_per_segment: colwise_1x128 only, the segments (experts) its 128-row blocks follow
+  // (kernels/fp8.h); empty means one segment of all rows.
+  Tensor with_scales(const Tensor& scale_inv, ScalingMode mode, std::vector<int64_t> rows_per_segment = {}) const;
 
   bool shares_storage_with(const Tensor& o) const { return storage_ && storage_ == o.storage_; }
 
@@ -119,8 +121,9 @@ class Tensor {
 };
 
 struct Fp8Scales {
-  Tensor scale_inv;  // f32, layout given by mode (see kernels/quantize for the exact shapes)
+  Tensor scale_inv;  // f32, layout given by mode (kernels/fp8.h has the exact shapes)
   ScalingMode mode;
+  std::vector<int64_t> rows_per_segment;  // colwise_1x128: its segments (empty: one segment of all rows)
 };
 
 // Checks that raise ShapeError / DTypeError / DeviceError naming both sides.
