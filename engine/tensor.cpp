@@ -252,7 +252,7 @@ Tensor Tensor::to(Device device) const {
   Tensor src = contiguous();
   Tensor out = empty(shape_, dtype_, device);
   out.copy_(src);
-  if (fp8_) out.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{fp8_->scale_inv.to(device), fp8_->mode});
+  if (fp8_) out.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{fp8_->scale_inv.to(device), fp8_->mode, fp8_->rows_per_segment});
   return out;
 }
 

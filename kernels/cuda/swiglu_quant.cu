@@ -1,0 +1,346 @@
+// Fused SwiGLU (x prob) + rowwise 1x128 FP8 quantize on the GPU (math in kernels/swiglu_quant.h):
+//   forward  h [M,2F] -> q [M,F] e4m3 + scale_inv [M, ceil(F/128)]: a group of 128/N lanes per
+//            (row, 128-column block), N = 16 bytes of h per lane, the block amax a shuffle reduction.
+//   backward d_a [M,F], h [M,2F] -> d_h [M,2F] (FP8 + scales, or dtype) and d_prob [M]: one CTA per row
+//            stages [d_g | d_u] in shared memory (its 1x128 blocks may straddle the gate/up seam), a warp
+//            per block quantizes it, and d_prob is a fixed-order block reduction (no atomics).
+// silu / silu' come from kernels/cuda/silu.cuh; products use __fmul_rn in the reference's order.
+// CPU reference: kernels/cpu/swiglu_quant.cpp. Tests: tests/test_swiglu_quant.cpp. The unfused baseline's
+// kernels (prob product, row dot, plain quantize) are here for bench/bench_swiglu_quant.cpp.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "engine/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_utils.cuh"
+#include "kernels/cuda/packed.cuh"
+#include "kernels/cuda/silu.cuh"
+#include "kernels/fp8.h"
+#include "kernels/swiglu_quant.h"
+
+namespace flowmoe {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Elements of T in one 16-byte load.
+template <class T>
+constexpr int vec_elems() {
+  return 16 / int(sizeof(T));
+}
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+// N values of `row` from column j0, zero at columns >= n. kVec: one 16-byte load (the caller
+// guarantees n % N == 0, so j0 < n means the whole chunk is in range).
+template <class T, bool kVec, int N>
+__device__ __forceinline__ void load_chunk(const T* __restrict__ row, int64_t j0, int64_t n, float (&v)[N]) {
+  if constexpr (kVec) {
+    const Packed<T, 16> p = Packed<T, 16>::load(row + j0);
+#pragma unroll
+    for (int e = 0; e < N; ++e) v[e] = p.get(e);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) v[e] = j0 + e < n ? to_float(row[j0 + e]) : 0.f;
+  }
+}
+
+__device__ __forceinline__ uint32_t e4m3_bits(float x) {
+  return uint32_t(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+// amax over a group of L lanes (L a power of two <= 32, groups aligned): NaN propagates.
+template <int L>
+__device__ __forceinline__ float group_amax(float amax) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) amax = fp8_amax_update(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  return amax;
+}
+
+// Quantizes N values (columns j0.. of one row) with the group's scale; N bytes stored at out (kVec:
+// as one N-byte store) or fewer at a row's end (only columns < n).
+template <bool kVec, int N>
+__device__ __forceinline__ void store_e4m3(uint8_t* __restrict__ out, const float (&v)[N], float scale, int64_t j0,
+                                           int64_t n) {
+  if constexpr (kVec) {
+    uint32_t w[N / 4];
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k)
+      w[k] = e4m3_bits(__fmul_rn(v[4 * k], scale)) | e4m3_bits(__fmul_rn(v[4 * k + 1], scale)) << 8 |
+             e4m3_bits(__fmul_rn(v[4 * k + 2], scale)) << 16 | e4m3_bits(__fmul_rn(v[4 * k + 3], scale)) << 24;
+    if constexpr (N == 8)
+      *reinterpret_cast<uint2*>(out) = make_uint2(w[0], w[1]);
+    else
+      *reinterpret_cast<uint32_t*>(out) = w[0];
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+      if (j0 + e < n) out[e] = uint8_t(e4m3_bits(__fmul_rn(v[e], scale)));
+  }
+}
+
+// Rowwise 1x128 quantize of M rows of K values made on the fly by produce(r, j0, v) (v[0..N) =
+// columns j0.. of row r). A group of L = 128 / N lanes per (row, block); the loop's trip count is
+// warp-uniform so the shuffles always see the whole warp.
+template <int N, bool kVec, class Produce>
+__device__ __forceinline__ void quantize_rows(int64_t M, int64_t K, uint8_t* __restrict__ q,
+                                              float* __restrict__ scale_inv, Produce produce) {
+  constexpr int L = kFp8BlockSize / N, kGroupsPerWarp = 32 / L;
+  const int64_t nb = fp8_num_blocks(K), num_groups = M * nb;
+  const int sub = (threadIdx.x & 31) % L;
+  const int64_t num_warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; w * kGroupsPerWarp < num_groups;
+       w += num_warps) {
+    const int64_t group = w * kGroupsPerWarp + (threadIdx.x & 31) / L;
+    const bool valid = group < num_groups;
+    const int64_t r = valid ? group / nb : 0, b = valid ? group - r * nb : 0, j0 = b * kFp8BlockSize + sub * N;
+    float v[N];
+    if (valid && j0 < K) {
+      produce(r, j0, v);
+    } else {
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[e] = 0.f;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int e = 0; e < N; ++e) amax = fp8_amax_update(amax, v[e]);
+    amax = group_amax<L>(amax);
+    if (!valid || j0 >= K) continue;
+    const float s_inv = fp8_scale_inv(amax);
+    if (sub == 0) scale_inv[r * nb + b] = s_inv;
+    store_e4m3<kVec>(q + r * K + j0, v, fp8_scale_from_inv(s_inv), j0, K);
+  }
+}
+
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    swiglu_quant_forward_kernel(const T* __restrict__ h, const float* __restrict__ prob, int64_t M, int64_t F,
+                                uint8_t* __restrict__ q, float* __restrict__ scale_inv) {
+  constexpr int N = vec_elems<T>();
+  quantize_rows<N, kVec>(M, F, q, scale_inv, [&](int64_t r, int64_t j0, float(&a)[N]) {
+    const T* gate = h + r * 2 * F;
+    float g[N], u[N];
+    load_chunk<T, kVec>(gate, j0, F, g);
+    load_chunk<T, kVec>(gate + F, j0, F, u);
+    const float p = prob ? prob[r] : 1.f;
+#pragma unroll
+    for (int e = 0; e < N; ++e) a[e] = __fmul_rn(__fmul_rn(silu_f32(g[e]), u[e]), p);
+  });
+}
+
+// One CTA per row (grid-stride). Phase 1: each thread takes chunks of N columns j, writes d_g[j] and
+// d_u[j] (fp32) to shared memory and adds its d_prob terms in a fixed order. Phase 2: a warp per
+// 128-column block of the 2F-wide row quantizes (or converts) it.
+template <class T, bool kVec>
+__global__ void __launch_bounds__(1024)
+    swiglu_quant_backward_kernel(const T* __restrict__ d_a, const T* __restrict__ h, const float* __restrict__ prob,
+                                 int64_t M, int64_t F, uint8_t* __restrict__ d_h_q, float* __restrict__ d_h_scale_inv,
+                                 T* __restrict__ d_h, float* __restrict__ d_prob) {
+  constexpr int N = vec_elems<T>();
+  extern __shared__ float4 smem_f4[];
+  float* row_grad = reinterpret_cast<float*>(smem_f4);  // [2F]: [d_g | d_u] of the current row
+  __shared__ float scratch[32];
+  const bool want_h = d_h_q != nullptr || d_h != nullptr;
+  const int64_t K = 2 * F, nb = fp8_num_blocks(K), num_chunks = (F + N - 1) / N;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  for (int64_t r = blockIdx.x; r < M; r += gridDim.x) {
+    const T* gate = h + r * K;
+    const float p = prob ? prob[r] : 1.f;
+    float dot = 0.f;
+    for (int64_t c = threadIdx.x; c < num_chunks; c += blockDim.x) {
+      const int64_t j0 = c * N;
+      float g[N], u[N], da[N], dg[N], du[N];
+      load_chunk<T, kVec>(gate, j0, F, g);
+      load_chunk<T, kVec>(gate + F, j0, F, u);
+      load_chunk<T, kVec>(d_a + r * F, j0, F, da);
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const float s = silu_f32(g[e]), dy = __fmul_rn(da[e], p);
+        dot = __fadd_rn(dot, __fmul_rn(da[e], __fmul_rn(s, u[e])));
+        dg[e] = __fmul_rn(__fmul_rn(dy, u[e]), silu_grad_f32(g[e]));
+        du[e] = __fmul_rn(dy, s);
+      }
+      if (!want_h) continue;
+      if constexpr (kVec) {
+#pragma unroll
+        for (int k = 0; k < N; k += 4) {
+          *reinterpret_cast<float4*>(row_grad + j0 + k) = make_float4(dg[k], dg[k + 1], dg[k + 2], dg[k + 3]);
+          *reinterpret_cast<float4*>(row_grad + F + j0 + k) = make_float4(du[k], du[k + 1], du[k + 2], du[k + 3]);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e)
+          if (j0 + e < F) row_grad[j0 + e] = dg[e], row_grad[F + j0 + e] = du[e];
+      }
+    }
+    if (d_prob) {
+      dot = block_sum(dot, scratch);  // fixed shuffle tree: deterministic
+      if (threadIdx.x == 0) d_prob[r] = dot;
+    }
+    if (!want_h) continue;
+    __syncthreads();  // row_grad complete
+    for (int64_t b = warp; b < nb; b += num_warps) {
+      const int64_t c0 = b * kFp8BlockSize + lane * 4;
+      float v[4];
+      if (kVec && c0 < K) {
+        const float4 x = *reinterpret_cast<const float4*>(row_grad + c0);
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = c0 + e < K ? row_grad[c0 + e] : 0.f;
+      }
+      if (d_h_q) {
+        float amax = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) amax = fp8_amax_update(amax, v[e]);
+        amax = group_amax<32>(amax);
+        const float s_inv = fp8_scale_inv(amax);
+        if (lane == 0) d_h_scale_inv[r * nb + b] = s_inv;
+        if (c0 < K) store_e4m3<kVec>(d_h_q + r * K + c0, v, fp8_scale_from_inv(s_inv), c0, K);
+      }
+      if (d_h && c0 < K) {
+        Packed<T, 4 * sizeof(T)> out;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out.set(e, v[e]);
+        if (kVec) {
+          out.store(d_h + r * K + c0);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (c0 + e < K) d_h[r * K + c0 + e] = out.v[e];
+        }
+      }
+    }
+    __syncthreads();  // the next row overwrites row_grad
+  }
+}
+
+// ---- the unfused baseline (bench only) ---------------------------------------------------------
+
+template <class T>
+__global__ void row_scale_kernel(T* out, const T* x, const float* __restrict__ row_scale, int64_t M, int64_t K) {
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < K; j += int64_t(gridDim.x) * blockDim.x)
+    for (int64_t r = blockIdx.y; r < M; r += gridDim.y)
+      out[r * K + j] = from_float<T>(to_float(x[r * K + j]) * row_scale[r]);
+}
+
+template <class T>
+__global__ void row_dot_kernel(float* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, int64_t M,
+                               int64_t K) {
+  __shared__ float scratch[32];
+  for (int64_t r = blockIdx.x; r < M; r += gridDim.x) {
+    float s = 0.f;
+    for (int64_t k = threadIdx.x; k < K; k += blockDim.x) s += to_float(a[r * K + k]) * to_float(b[r * K + k]);
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) out[r] = s;
+  }
+}
+
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    quantize_kernel(const T* __restrict__ x, int64_t M, int64_t K, uint8_t* __restrict__ q, float* __restrict__ s) {
+  constexpr int N = vec_elems<T>();
+  quantize_rows<N, kVec>(M, K, q, s,
+                         [&](int64_t r, int64_t j0, float(&v)[N]) { load_chunk<T, kVec>(x + r * K, j0, K, v); });
+}
+
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Blocks for the forward/quantize grid: one group of 128/N lanes per (row, block), grid-stride beyond.
+unsigned quantize_grid(int64_t M, int64_t K, int N) {
+  return grid_size(M * fp8_num_blocks(K) * (kFp8BlockSize / N), kThreads);
+}
+
+}  // namespace
+
+// ---- launchers --------------------------------------------------------------------------------
+
+void swiglu_quant_forward_cuda(DType dtype, const void* h, const float* prob, int64_t M, int64_t F, uint8_t* q,
+                               float* scale_inv, cudaStream_t stream) {
+  FLOWMOE_CHECK(M >= 0 && F >= 0, ShapeError, "swiglu_quant_forward_cuda: bad shape M ", M, ", F ", F);
+  if (M == 0 || F == 0) return;
+  FLOWMOE_CHECK(h && q && scale_inv, Error, "swiglu_quant_forward_cuda: null h, q or scale_inv (M ", M, ", F ", F, ")");
+  dispatch_cuda_float(dtype, "swiglu_quant_forward_cuda", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    constexpr int N = vec_elems<T>();
+    const bool vec = F % N == 0 && aligned(h, 16) && aligned(q, N);
+    auto kernel = vec ? swiglu_quant_forward_kernel<T, true> : swiglu_quant_forward_kernel<T, false>;
+    kernel<<<quantize_grid(M, F, N), kThreads, 0, stream>>>(static_cast<const T*>(h), prob, M, F, q, scale_inv);
+  });
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, const float* prob, int64_t M, int64_t F,
+                                uint8_t* d_h_q, float* d_h_scale_inv, void* d_h, float* d_prob, cudaStream_t stream) {
+  FLOWMOE_CHECK(M >= 0 && F >= 0, ShapeError, "swiglu_quant_backward_cuda: bad shape M ", M, ", F ", F);
+  FLOWMOE_CHECK(!d_h_q == !d_h_scale_inv, Error,
+                "swiglu_quant_backward_cuda: d_h_q and d_h_scale_inv come together (one of them is null)");
+  if (M == 0) return;
+  if (F == 0) {  // no columns: d_prob is an empty sum
+    if (d_prob) MOE_CUDA_CHECK(cudaMemsetAsync(d_prob, 0, size_t(M) * sizeof(float), stream));
+    return;
+  }
+  FLOWMOE_CHECK(d_a && h, Error, "swiglu_quant_backward_cuda: null d_a or h (M ", M, ", F ", F, ")");
+  const bool want_h = d_h_q || d_h;
+  const size_t smem = want_h ? size_t(2 * F) * sizeof(float) : 0;
+  const bool big_smem = smem + 32 * sizeof(float) > 48 * 1024;  // past the default: opt in (F > ~6000)
+  if (big_smem) {
+    int dev = 0, smem_optin = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&dev));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    FLOWMOE_CHECK(smem + 32 * sizeof(float) <= size_t(smem_optin), ShapeError, "swiglu_quant_backward_cuda: F ", F,
+                  " needs ", smem, " bytes of shared memory for a row of d_h, the device allows ", smem_optin);
+  }
+  dispatch_cuda_float(dtype, "swiglu_quant_backward_cuda", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    constexpr int N = vec_elems<T>();
+    const bool vec = F % N == 0 && aligned(h, 16) && aligned(d_a, 16) && aligned(d_h_q, 4) && aligned(d_h, 16);
+    auto kernel = vec ? swiglu_quant_backward_kernel<T, true> : swiglu_quant_backward_kernel<T, false>;
+    if (big_smem)
+      MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    const int64_t chunks = (F + N - 1) / N;
+    const int threads = int(chunks < 64 ? 64 : (chunks > 1024 ? 1024 : (chunks + 31) / 32 * 32));
+    const unsigned grid = unsigned(M < (int64_t(1) << 30) ? M : (int64_t(1) << 30));
+    kernel<<<grid, threads, smem, stream>>>(static_cast<const T*>(d_a), static_cast<const T*>(h), prob, M, F, d_h_q,
+                                            d_h_scale_inv, static_cast<T*>(d_h), d_prob);
+  });
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_quant_baseline_row_scale_cuda(DType dtype, void* out, const void* x, const float* row_scale, int64_t M,
+                                          int64_t K, cudaStream_t stream) {
+  if (M == 0 || K == 0) return;
+  dispatch_cuda_float(dtype, "swiglu_quant_baseline_row_scale_cuda", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t col_blocks = (K + kThreads - 1) / kThreads;
+    dim3 grid(unsigned(col_blocks < 65536 ? col_blocks : 65536), unsigned(M < 65535 ? M : 65535));
+    row_scale_kernel<<<grid, kThreads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(x), row_scale, M, K);
+  });
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_quant_baseline_row_dot_cuda(DType dtype, float* out, const void* a, const void* b, int64_t M, int64_t K,
+                                        cudaStream_t stream) {
+  if (M == 0) return;
+  dispatch_cuda_float(dtype, "swiglu_quant_baseline_row_dot_cuda", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const unsigned grid = unsigned(M < (int64_t(1) << 30) ? M : (int64_t(1) << 30));
+    row_dot_kernel<<<grid, kThreads, 0, stream>>>(out, static_cast<const T*>(a), static_cast<const T*>(b), M, K);
+  });
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_quant_baseline_quantize_cuda(DType dtype, const void* x, int64_t M, int64_t K, uint8_t* q, float* s,
+                                         cudaStream_t stream) {
+  if (M == 0 || K == 0) return;
+  dispatch_cuda_float(dtype, "swiglu_quant_baseline_quantize_cuda", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    constexpr int N = vec_elems<T>();
+    const bool vec = K % N == 0 && aligned(x, 16) && aligned(q, N);
+    auto kernel = vec ? quantize_kernel<T, true> : quantize_kernel<T, false>;
+    kernel<<<quantize_grid(M, K, N), kThreads, 0, stream>>>(static_cast<const T*>(x), M, K, q, s);
+  });
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace flowmoe
