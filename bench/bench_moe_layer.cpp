@@ -1,11 +1,13 @@
-// bench_moe_layer: the BF16 MoE block (layers/moe.cpp) forward + backward on one GPU, routed experts
-// only (n_shared_experts = 0), on the MoE issue's shapes:
+// bench_moe_layer: the MoE block (layers/moe.cpp) forward + backward on one GPU, routed experts only
+// (n_shared_experts = 0), in each recipe (bf16, fp8_blockwise, fp8_flow), with and without
+// moe_expert recompute, on the MoE issues' shapes:
 //   (T=16384, H=2048, F=1408, E=64, k=6) and (T=8192, H=1024, F=512, E=32, k=4).
 // FLOPs counted: the expert GEMMs, 3 passes (fwd, dgrad, wgrad) x 2·(T·k)·(H·2F + F·H); the router's
 // small GEMM and the data movement are not counted (so TFLOP/s is a lower bound of the work done).
 // Baseline in the same run: the same expert FLOPs as one dense bf16 MLP over T·k rows (linear →
 // swiglu → linear, forward + backward through autograd): the ratio layer/dense is the price of
-// routing, permutation and splitting by expert. Ceiling: BF16 grouped GEMM 679 TFLOP/s (DESIGN.md §6).
+// routing, permutation and splitting by expert; and the bf16 recipe itself (speedup, memory ratio).
+// Ceilings (DESIGN.md §6): BF16 grouped GEMM 679 TFLOP/s; blockwise FP8 via cuBLASLt 1275 TFLOP/s.
 // Peak memory: the caching allocator's peak live bytes over one forward + backward, above what was
 // live before it (weights, inputs). Times: CUDA events, median of 10 after 3 warm-ups; random data.
 #include <algorithm>
@@ -29,74 +31,79 @@ ModelConfig layer_config(const Shape5& s) {
   ModelConfig c;
   c.hidden_size = s.H;
   c.num_hidden_layers = 8;
-  c.n_routed_experts = s.E;
-  c.num_experts_per_tok = s.k;
-  c.moe_intermediate_size = s.F;
-  c.n_shared_experts = 0;
-  c.n_group = 1;
-  c.topk_group = 1;
-  return c;
-}
-
-}  // namespace
-
-int main() {
+  c.nint main() {
   if (!cuda_available()) {
     std::printf("bench_moe_layer: no CUDA device, skipped\n");
     return 0;
   }
   const Device dev = Device::cuda(0);
-  std::printf("bench_moe_layer: BF16 MoE block fwd+bwd, routed experts only, median of 10\n");
-  std::printf("%-30s %9s %9s %7s %9s %9s %8s %10s\n", "T,H,F,E,k", "layer ms", "TFLOP/s", "of 679", "dense ms",
-              "layer/dn", "syncs", "peak GiB");
+  std::printf("bench_moe_layer: MoE block fwd+bwd, routed experts only, median of 10\n");
+  std::printf("%-24s %-14s %4s %9s %9s %9s %9s %8s %6s %9s %9s\n", "T,H,F,E,k", "recipe", "rcmp", "layer ms",
+              "TFLOP/s", "of ceil", "vs bf16", "layer/dn", "syncs", "peak GiB", "peak/bf16");
   for (const Shape5& s : {Shape5{16384, 2048, 1408, 64, 6}, Shape5{8192, 1024, 512, 32, 4}}) {
     ModelConfig cfg = layer_config(s);
-    ParamFactory f(1, dev);
-    MoeLayer layer(f, cfg, "model.layers.1.mlp", 16, dev);
     Rng rng(2);
     Tensor x = rng.normal({s.T, s.H}, 0.0, 1.0, DType::bf16, dev);
     Tensor dy = rng.normal({s.T, s.H}, 0.0, 1.0, DType::bf16, dev);
-    Variable xv(x, true);
-    uint64_t syncs0 = 0, syncs1 = 0;
-    auto step = [&] {
-      for (Variable p : f.params()) p.zero_grad();
-      xv.zero_grad();
-      syncs0 = num_host_syncs();
-      layer.forward(xv, DType::bf16).backward(dy);
-      syncs1 = num_host_syncs();
-    };
-    const double layer_ms = median_ms(step, current_stream(0), 3, 10);
-    cuda_synchronize(0);
-    reset_peak_memory(dev);
-    const size_t live0 = memory_stats(dev).live_bytes;
-    step();
-    cuda_synchronize(0);
-    const double peak_gib = double(memory_stats(dev).peak_bytes - live0) / double(1ull << 30);
 
     // Dense baseline with the same expert FLOPs: T·k rows through one H→2F→F→H SwiGLU MLP.
-    ParamFactory fd(3, dev);
-    Variable w1 = fd.normal("w1", {2 * s.F, s.H}, 0.02), w2 = fd.normal("w2", {s.H, s.F}, 0.02);
-    Tensor xr = rng.normal({s.T * s.k, s.H}, 0.0, 1.0, DType::bf16, dev);
-    Tensor dyr = rng.normal({s.T * s.k, s.H}, 0.0, 1.0, DType::bf16, dev);
-    Variable xrv(xr, true);
-    Variable w1b(w1.data().to(DType::bf16), true), w2b(w2.data().to(DType::bf16), true);
-    auto dense = [&] {
-      w1b.zero_grad(), w2b.zero_grad(), xrv.zero_grad();
-      linear(swiglu(linear(xrv, w1b)), w2b).backward(dyr);
-    };
-    const double dense_ms = median_ms(dense, current_stream(0), 3, 10);
+    double dense_ms = 0;
+    {
+      ParamFactory fd(3, dev);
+      Variable w1 = fd.normal("w1", {2 * s.F, s.H}, 0.02), w2 = fd.normal("w2", {s.H, s.F}, 0.02);
+      Tensor xr = rng.normal({s.T * s.k, s.H}, 0.0, 1.0, DType::bf16, dev);
+      Tensor dyr = rng.normal({s.T * s.k, s.H}, 0.0, 1.0, DType::bf16, dev);
+      Variable xrv(xr, true);
+      Variable w1b(w1.data().to(DType::bf16), true), w2b(w2.data().to(DType::bf16), true);
+      auto dense = [&] {
+        w1b.zero_grad(), w2b.zero_grad(), xrv.zero_grad();
+        linear(swiglu(linear(xrv, w1b)), w2b).backward(dyr);
+      };
+      dense_ms = median_ms(dense, current_stream(0), 3, 10);
+    }
 
-    const double flops = 3.0 * 2.0 * double(s.T * s.k) * double(s.H * 2 * s.F + s.F * s.H);
-    const double tflops = flops / (layer_ms * 1e-3) / 1e12;
-    char name[64];
-    std::snprintf(name, sizeof name, "%lld,%lld,%lld,%lld,%lld", (long long)s.T, (long long)s.H, (long long)s.F,
-                  (long long)s.E, (long long)s.k);
-    std::printf("%-30s %9.3f %9.1f %7.3f %9.3f %9.2f %8llu %10.2f\n", name, layer_ms, tflops, tflops / 679.0, dense_ms,
-                layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib);
-    std::printf("BENCH moe_layer recipe=bf16 T=%lld H=%lld F=%lld E=%lld k=%lld ms=%.3f tflops=%.1f frac_679=%.3f "
-                "dense_ms=%.3f ratio_dense=%.2f host_syncs=%llu peak_gib=%.2f\n",
-                (long long)s.T, (long long)s.H, (long long)s.F, (long long)s.E, (long long)s.k, layer_ms, tflops,
-                tflops / 679.0, dense_ms, layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib);
+    double bf16_ms = 0, bf16_peak = 0;
+    for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
+      for (bool recompute : {false, true}) {
+        MoeOptions opt(16);
+        opt.recipe = recipe;
+        opt.recompute_expert = recompute;
+        ParamFactory f(1, dev);
+        MoeLayer layer(f, cfg, "model.layers.1.mlp", opt, dev);
+        Variable xv(x, true);
+        uint64_t syncs0 = 0, syncs1 = 0;
+        auto step = [&] {
+          for (Variable p : f.params()) p.zero_grad();
+          xv.zero_grad();
+          syncs0 = num_host_syncs();
+          layer.forward(xv, DType::bf16).backward(dy);
+          syncs1 = num_host_syncs();
+        };
+        const double layer_ms = median_ms(step, current_stream(0), 3, 10);
+        cuda_synchronize(0);
+        reset_peak_memory(dev);
+        const size_t live0 = memory_stats(dev).live_bytes;
+        step();
+        cuda_synchronize(0);
+        const double peak_gib = double(memory_stats(dev).peak_bytes - live0) / double(1ull << 30);
+        if (recipe == MoeRecipe::bf16 && !recompute) bf16_ms = layer_ms, bf16_peak = peak_gib;
+
+        const double flops = 3.0 * 2.0 * double(s.T * s.k) * double(s.H * 2 * s.F + s.F * s.H);
+        const double tflops = flops / (layer_ms * 1e-3) / 1e12;
+        const double ceiling = recipe == MoeRecipe::bf16 ? 679.0 : 1275.0;
+        char name[64];
+        std::snprintf(name, sizeof name, "%lld,%lld,%lld,%lld,%lld", (long long)s.T, (long long)s.H, (long long)s.F,
+                      (long long)s.E, (long long)s.k);
+        std::printf("%-24s %-14s %4s %9.3f %9.1f %9.3f %9.2f %8.2f %6llu %9.2f %9.2f\n", name, moe_recipe_name(recipe),
+                    recompute ? "yes" : "no", layer_ms, tflops, tflops / ceiling, bf16_ms / layer_ms,
+                    layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib, peak_gib / bf16_peak);
+        std::printf("BENCH moe_layer %s recompute=%s T=%lld H=%lld F=%lld E=%lld k=%lld ms=%.3f tflops=%.1f "
+                    "frac_ceiling=%.3f speedup_vs_bf16=%.2f ratio_dense=%.2f host_syncs=%llu peak_gib=%.2f "
+                    "peak_vs_bf16=%.2f\n",
+                    moe_recipe_name(recipe), recompute ? "yes" : "no", (long long)s.T, (long long)s.H, (long long)s.F,
+                    (long long)s.E, (long long)s.k, layer_ms, tflops, tflops / ceiling, bf16_ms / layer_ms,
+                    layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib, peak_gib / bf16_peak);
+      }
   }
   return 0;
 }

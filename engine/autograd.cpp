@@ -56,6 +56,7 @@ void Variable::set_data(const Tensor& t) {
   check_same_dtype(d, t, "Variable::set_data");
   check_same_device(d, t, "Variable::set_data");
   impl()->data = t;
+  bump_version();
 }
 
 Variable Variable::detach() const { return Variable(data(), false, name()); }

@@ -72,6 +72,7 @@ struct VariableImpl {
   std::shared_ptr<Node> grad_fn;  // null for leaves
   int output_nr = 0;
   std::string name;
+  uint64_t version = 0;  // bumped whenever data changes in place (optimizer step, checkpoint load)
 };
 
 class Variable {
@@ -82,6 +83,10 @@ class Variable {
   bool defined() const { return impl_ != nullptr; }
   const Tensor& data() const { return impl()->data; }
   void set_data(const Tensor& t);  // e.g. the optimizer's update; shape/dtype/device must match
+  // Caches derived from the data (the FP8 copy of an expert weight) compare versions to stay fresh.
+  // Whoever edits data() in place must call bump_version(); set_data() does it.
+  uint64_t version() const { return impl()->version; }
+  void bump_version() const { ++impl()->version; }
   const Tensor& grad() const { return impl()->grad; }
   void set_grad(const Tensor& g) { impl()->grad = g; }
   void zero_grad() { impl()->grad = Tensor(); }

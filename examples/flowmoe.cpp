@@ -187,7 +187,7 @@ int cmd_eval(int argc, char** argv) {
   DataLoader data = DataLoader::from_config(cfg);
   if (data.num_val_windows() == 0) throw UsageError("eval: the config holds out no validation data (data.val_fraction is 0)");
   Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed),
-                    int(cfg.precision.align_size));
+                    moe_options(cfg));
   CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers());
   double loss = evaluate(model, data, batches, cfg.train.batch_size);
   std::printf("checkpoint %s (step %lld) on %s: val loss %.4f | perplexity %.3f | %lld sequences of %lld tokens\n",

@@ -1,9 +1,17 @@
-// The DeepSeek-style MoE block (DESIGN.md §2), BF16 recipe:
+// The DeepSeek-style MoE block (DESIGN.md §2) in three recipes on the same code:
 //   x [T,H] ─ router (fp32 logits, group-limited top-k on score + expert_bias) → topk_idx, topk_prob
-//           ─ permute+pad (expert-major, segments aligned to align_size)
-//           ─ fc1 GroupedLinear [M,H]→[M,2F] ─ SwiGLU → [M,F] ─ fc2 GroupedLinear → [M,H]
-//           ─ unpermute+unpad, weighted by topk_prob (fp32 accumulate)          → y [T,H]
-//           + shared experts: a dense SwiGLU MLP of width n_shared_experts·F on x.
+//   bf16:          permute+pad → fc1 [M,H]→[M,2F] → SwiGLU → fc2 → unpermute+unpad × probs
+//   fp8_blockwise: the same, but each expert GEMM quantizes its own bf16 input (1x128) and re-quantizes
+//                  its wgrad operands column-wise from high precision (the classic recipe)
+//   fp8_flow:      quantize x once → permute+pad moves FP8 data, scales and probs → FP8 fc1 →
+//                  SwiGLU×prob+quantize (fused) → FP8 fc2 → unpermute+unpad (no probs); backward
+//                  quantizes dy once, dispatches it in FP8, and takes wgrad operands from the
+//                  scaling-aware transpose. Two activation casts per layer per step in all.
+//   + shared experts: a dense bf16 SwiGLU MLP of width n_shared_experts·F on x (every recipe).
+// Expert weights are quantized (128x128 blocks, with their exact transpose) once per optimizer step:
+// the cache follows the parameter's version (Variable::bump_version).
+// recompute (moe_expert): fc1 → SwiGLU(+quantize) runs inside checkpoint(): forward keeps only the
+// permuted expert input (FP8 with its scales in fp8_flow) and the routing; fc2 keeps its own input.
 // The layer reads the per-expert counts to the host once per forward (read_counts_once): cuBLASLt
 // needs each expert's M. expert_bias is a buffer, not a parameter: after each optimizer step
 // update_bias() moves it by ±bias_update_rate toward the mean load (aux-loss-free balancing).
@@ -13,15 +21,31 @@
 #include <memory>
 #include <string>
 
+#include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
 #include "engine/train/config.h"
 #include "layers/mlp.h"
 
 namespace flowmoe {
 
+enum class MoeRecipe { bf16, fp8_blockwise, fp8_flow };
+MoeRecipe moe_recipe_from_name(const std::string& name);  // precision.recipe; throws ConfigError
+const char* moe_recipe_name(MoeRecipe r);
+
+struct MoeOptions {
+  MoeOptions(int align = 16) : align_size(align) {}  // NOLINT: an int means "bf16, this alignment"
+  int align_size = 16;                   // precision.align_size
+  MoeRecipe recipe = MoeRecipe::bf16;    // precision.recipe
+  bool recompute_expert = false;         // train.recompute contains moe_expert
+};
+
+// The options a run's config asks for (precision.recipe, precision.align_size, train.recompute).
+MoeOptions moe_options(const Config& cfg);
+
 class MoeLayer {
  public:
-  MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& prefix, int align_size, Device device);
+  MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& prefix, const MoeOptions& options,
+           Device device);
   Variable forward(const Variable& x /*[..., H]*/, DType compute) const;  // -> [..., H]
 
   // The balance loss of the last forward (undefined when aux_loss_alpha == 0).
@@ -33,9 +57,18 @@ class MoeLayer {
   const Variable& expert_bias() const { return expert_bias_; }
 
  private:
+  struct WeightCache {  // the FP8 copy of one expert weight, valid for one parameter version
+    QuantizedWeight wq;
+    uint64_t version = 0;
+    const void* data = nullptr;
+  };
+  const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
+  Variable experts(const Variable& rows, const Variable& probs, const std::vector<int64_t>& counts) const;
+
   RouterConfig router_;
   int64_t num_experts_, intermediate_;
-  int align_size_;
+  MoeOptions options_;
+  mutable WeightCache fc1_cache_, fc2_cache_;
   double bias_update_rate_;
   Variable gate_, fc1_, fc2_;
   std::unique_ptr<Mlp> shared_;

@@ -9,13 +9,13 @@ static std::string layer_prefix(int64_t i) { return "model.layers." + std::to_st
 // Output projections start smaller so the residual stream's variance does not grow with depth.
 static double out_std(const ModelConfig& c) { return c.initializer_range / std::sqrt(2.0 * double(c.num_hidden_layers)); }
 
-TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i, int align_size, Device device)
+TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i, const MoeOptions& moe, Device device)
     : eps_(c.rms_norm_eps),
       input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})),
       self_attn_(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads, c.rope_theta,
                  c.initializer_range, out_std(c)) {
   if (c.n_routed_experts > 0 && i >= c.first_k_dense_replace)
-    moe_ = std::make_unique<MoeLayer>(f, c, layer_prefix(i) + ".mlp", align_size, device);
+    moe_ = std::make_unique<MoeLayer>(f, c, layer_prefix(i) + ".mlp", moe, device);
   else
     mlp_ = std::make_unique<Mlp>(f, layer_prefix(i) + ".mlp", c.hidden_size, c.intermediate_size,
                                  c.initializer_range, out_std(c));
@@ -28,7 +28,7 @@ Variable TransformerBlock::forward(const Variable& x, DType compute) const {
   return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
 }
 
-Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, int align_size)
+Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, const MoeOptions& moe)
     : cfg_(cfg), device_(device), compute_(compute) {
   FLOWMOE_CHECK(compute == DType::f32 || (compute == DType::bf16 && device.is_cuda()), DTypeError,
                 "Transformer: compute dtype ", dtype_name(compute), " on ", device.str(),
@@ -36,7 +36,7 @@ Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, u
   ParamFactory f(seed, device);
   embed_tokens_ = f.normal("model.embed_tokens.weight", {cfg.vocab_size, cfg.hidden_size}, cfg.initializer_range);
   for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
-    layers_.push_back(std::make_unique<TransformerBlock>(f, cfg, i, align_size, device));
+    layers_.push_back(std::make_unique<TransformerBlock>(f, cfg, i, moe, device));
     if (layers_.back()->moe()) buffers_.push_back(layers_.back()->moe()->expert_bias());
   }
   norm_ = f.ones("model.norm.weight", {cfg.hidden_size});

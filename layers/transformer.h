@@ -18,7 +18,7 @@ namespace flowmoe {
 class TransformerBlock {
  public:
   // Layers from first_k_dense_replace on use an MoE block when n_routed_experts > 0.
-  TransformerBlock(ParamFactory& f, const ModelConfig& cfg, int64_t layer_idx, int align_size, Device device);
+  TransformerBlock(ParamFactory& f, const ModelConfig& cfg, int64_t layer_idx, const MoeOptions& moe, Device device);
   Variable forward(const Variable& x /*[B,T,H]*/, DType compute) const;
   MoeLayer* moe() const { return moe_.get(); }  // null for a dense block
 
@@ -32,8 +32,9 @@ class TransformerBlock {
 
 class Transformer {
  public:
-  // align_size: row alignment of each expert's segment in MoE layers (precision.align_size).
-  Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, int align_size = 16);
+  // moe: the MoE layers' recipe, segment alignment and recompute (precision.*, train.recompute); an int
+  // means the bf16 recipe with that align_size.
+  Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, const MoeOptions& moe = {});
 
   Variable forward(const Tensor& ids /*[B,T] i32*/) const;  // -> logits [B,T,V] in the compute dtype
   // Mean next-token cross-entropy, an f32 scalar, plus the MoE balance losses when aux_loss_alpha > 0.

@@ -2,7 +2,8 @@
 # The one command for the GPU machine: build for sm_90a, run every test (GPU tests included), run
 # every benchmark and a short GPU training run, and end with a summary table.
 #   scripts/gpu_check.sh                 logs go to $OUT (device tool) or ./out
-#   GPU_CHECK_SKIP_BENCH=1 scripts/gpu_check.sh
+#   GPU_CHECK_SKIP_BENCH=1 scripts/gpu_check.sh      tests only
+#   GPU_CHECK_PARITY=1 scripts/gpu_check.sh          also the 500-step FP8 loss parity (scripts/fp8_parity.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off (shared hosts: see the device notes).
@@ -54,18 +55,26 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       tail -20 "$out/$name.log"
     fi
   done
-  # Short GPU training runs: tokens/s, loss and (MoE) load balance for docs/PERF.md.
-  for run in "gpu_small 60" "gpu_moe 400"; do
+  # Short GPU training runs: tokens/s, loss and (MoE) load balance for docs/PERF.md. gpu_moe_text is
+  # gpu_moe on real text (byte-level: the Python standard library's sources on this machine), whose
+  # routing is not as degenerate as the low-entropy synthetic corpus's.
+  pylib="$(python3 -c 'import os; print(os.path.dirname(os.__file__))' 2>/dev/null)"
+  for run in "gpu_small 60" "gpu_moe 400" "gpu_moe_text 400"; do
     set -- $run
-    cfg="configs/$1.yaml"
+    name=$1 cfg="configs/$1.yaml" extra=()
+    if [ "$name" = gpu_moe_text ]; then
+      cfg=configs/gpu_moe.yaml
+      [ -d "$pylib" ] || { row "train $name" "skipped (no python3 library sources found)"; continue; }
+      extra=(--set data.source=text --set data.path="$pylib")
+    fi
     [ -x "$build/flowmoe" ] && [ -f "$cfg" ] || continue
     if "$build/flowmoe" train --config "$cfg" --set train.steps="$2" --set optimizer.warmup_steps=$(( $2 / 10 )) \
-         --set train.eval_every=0 \
-         --set logging.out_dir="$out/run_$1" --set logging.progress=plain --set checkpoint.every=0 \
-         >"$out/train_$1.log" 2>&1; then
-      row "train $1 ($2 steps)" "$(grep -E '^done:' "$out/train_$1.log" | tail -1)"
+         --set train.eval_every=0 "${extra[@]}" \
+         --set logging.out_dir="$out/run_$name" --set logging.progress=plain --set checkpoint.every=0 \
+         >"$out/train_$name.log" 2>&1; then
+      row "train $name ($2 steps)" "$(grep -E '^done:' "$out/train_$name.log" | tail -1)"
       # Load balance: worst layer's max/mean load over the last quarter of the steps.
-      bal=$(python3 - "$out/run_$1/metrics.jsonl" <<'PY' 2>/dev/null
+      bal=$(python3 - "$out/run_$name/metrics.jsonl" <<'PY' 2>/dev/null
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 tail = rows[-max(1, len(rows) // 4):]
@@ -74,17 +83,24 @@ if worst:
     print(f"max/mean load over the last {len(tail)} steps: worst layer max {max(worst):.3f}, mean {sum(worst)/len(worst):.3f}")
 PY
 )
-      [ -n "$bal" ] && row "  load $1" "$bal"
+      [ -n "$bal" ] && row "  load $name" "$bal"
     else
       bench_rc=1
-      row "train $1" "FAILED (see train_$1.log)"
-      tail -20 "$out/train_$1.log"
+      row "train $name" "FAILED (see train_$name.log)"
+      tail -20 "$out/train_$name.log"
     fi
   done
+fi
+
+parity_rc=0
+if [ -n "${GPU_CHECK_PARITY:-}" ]; then
+  scripts/fp8_parity.sh "$build" >"$out/parity.log" 2>&1
+  parity_rc=$?
+  grep -E '^parity|^casts' "$out/parity.log" | while read -r line; do row "fp8 parity" "$line"; done
 fi
 
 echo
 echo "==================== flowmoe gpu_check summary ===================="
 cat "$summary"
 echo "==================================================================="
-[ $test_rc -eq 0 ] && [ $bench_rc -eq 0 ]
+[ $test_rc -eq 0 ] && [ $bench_rc -eq 0 ] && [ $parity_rc -eq 0 ]

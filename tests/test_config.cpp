@@ -161,13 +161,31 @@ TEST(Config, UnavailableFeaturesAreRejected) {
   m = parse_error("parallel:\n  expert_parallel_size: 2\n");
   EXPECT_HAS(m, "parallel.expert_parallel_size");
   EXPECT_HAS(m, "not available yet");
-  m = parse_error("precision:\n  recipe: fp8_flow\n");
-  EXPECT_HAS(m, "precision.recipe");
-  EXPECT_HAS(m, "not available yet");
+  // FP8 recipes need 128-wide blocks: a hidden size or expert width FP8 cannot serve is named.
+  m = parse_error("model:\n  n_routed_experts: 8\n  hidden_size: 192\n  num_attention_heads: 4\nprecision:\n  recipe: fp8_flow\n");
+  EXPECT_HAS(m, "model.hidden_size");
+  EXPECT_HAS(m, "not a multiple of 128");
+  EXPECT_HAS(m, "fp8_flow");
+  m = parse_error("model:\n  n_routed_experts: 8\n  hidden_size: 256\n  moe_intermediate_size: 200\nprecision:\n  recipe: fp8_blockwise\n");
+  EXPECT_HAS(m, "model.moe_intermediate_size");
   m = parse_error("parallel:\n  data_parallel_size: 2\n");
   EXPECT_HAS(m, "parallel.data_parallel_size");
   m = parse_error("parallel:\n  expert_parallel_size: 4\n");
   EXPECT_HAS(m, "parallel.expert_parallel_size");
+}
+
+TEST(Config, RecomputeIsAListOfModules) {
+  Config c = parse_config("train:\n  recompute: [moe_expert]\n", "ok.yaml");
+  EXPECT_TRUE(c.train.recomputes("moe_expert"));
+  EXPECT_NE(to_yaml(c).find("recompute: [moe_expert]"), std::string::npos);
+  c = parse_config("train:\n  recompute: []\n", "ok.yaml");
+  EXPECT_FALSE(c.train.recomputes("moe_expert"));
+  c = parse_config("", "ok.yaml", {"train.recompute=[moe_expert]"});
+  EXPECT_TRUE(c.train.recomputes("moe_expert"));
+  std::string m = parse_error("train:\n  recompute: [moe_experts]\n");
+  EXPECT_HAS(m, "train.recompute");
+  EXPECT_HAS(m, "moe_expert");
+  EXPECT_HAS(m, "bad.yaml:2");
 }
 
 TEST(Config, DuplicatesAndSyntaxErrors) {

@@ -73,7 +73,8 @@ class PermutePadBackward : public BackwardPrimitive {
 // Outputs: rows, probs, row_map, tokens_per_expert, padded_tokens_per_expert, segment_starts, side_rows.
 class PermutePad : public Primitive {
  public:
-  PermutePad(const RoutingDims& d, double side_pad_value) : d_(d), side_pad_value_(side_pad_value) {}
+  PermutePad(const RoutingDims& d, double side_pad_value, bool fp8_scales)
+      : d_(d), side_pad_value_(side_pad_value), fp8_scales_(fp8_scales) {}
   const char* name() const override { return "permute_pad"; }
   bool saves_inputs() const override { return false; }  // the vjp needs only row_map, kept below
 
@@ -96,8 +97,7 @@ class PermutePad : public Primitive {
       permute_rows_cpu(d_, row_map, side.raw_data(), size_t(side.size(1)) * sizeof(float), pad_row.data(),
                        out[6].raw_data());
     }
-    row_map_ = out[2];
-    return out;
+    return finish(out);
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
@@ -130,8 +130,7 @@ class PermutePad : public Primitive {
     b.segment_starts = out[5].data<int32_t>();
     b.workspace = workspace.raw_data();
     permute_pad_cuda(d_, b, current_stream(dev.index));
-    row_map_ = out[2];
-    return out;
+    return finish(out);
 #else
     throw_no_cuda(name());
 #endif
@@ -147,10 +146,17 @@ class PermutePad : public Primitive {
  private:
   RoutingDims d_;
   double side_pad_value_;
+  bool fp8_scales_;  // the side payload is x's FP8 scales: attach them to the rows
   int64_t hidden_ = 0;
   Tensor row_map_;  // [T,k]: small, kept for the vjp instead of saving the (large) outputs
 
   size_t row_bytes(const Tensor& x) const { return size_t(x.size(1)) * dtype_size(x.dtype()); }
+
+  std::vector<Tensor> finish(std::vector<Tensor>& out) {
+    row_map_ = out[2];
+    if (fp8_scales_) out[0] = out[0].with_scales(out[6], ScalingMode::rowwise_1x128);
+    return out;
+  }
 
   void check(const std::vector<Tensor>& in, bool cuda) const {
     const Tensor &x = in[0], &idx = in[1], &prob = in[2], &side = in[3];
@@ -187,6 +193,59 @@ class PermutePad : public Primitive {
   }
 };
 
+// Inputs: x [T,H'] (any dtype), row_map, tokens_per_expert, segment_starts, side [T,S] f32 (or
+// undefined). Outputs: rows [num_rows, H'] (pad rows zero), side_rows [num_rows, S] (pad rows 1).
+class DispatchRows : public BackwardPrimitive {
+ public:
+  explicit DispatchRows(const RoutingDims& d) : d_(d) {}
+  const char* name() const override { return "dispatch_rows"; }
+
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    Tensor x = in[0].contiguous(), row_map = in[1].contiguous();
+    const size_t row_bytes = size_t(x.size(1)) * dtype_size(x.dtype());
+    Tensor rows = Tensor::empty({d_.num_rows, x.size(1)}, x.dtype()), side_rows;
+    permute_rows_cpu(d_, row_map.data<int32_t>(), x.raw_data(), row_bytes, nullptr, rows.raw_data());
+    if (in[4].defined()) {
+      Tensor side = in[4].contiguous();
+      side_rows = Tensor::empty({d_.num_rows, side.size(1)}, DType::f32);
+      std::vector<float> pad_row(size_t(side.size(1)), 1.0f);
+      permute_rows_cpu(d_, row_map.data<int32_t>(), side.raw_data(), size_t(side.size(1)) * sizeof(float),
+                       pad_row.data(), side_rows.raw_data());
+    }
+    return {rows, side_rows};
+  }
+
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
+#ifdef FLOWMOE_WITH_CUDA
+    const Device dev = in[0].device();
+    Tensor x = in[0].contiguous(), side;
+    Tensor rows = Tensor::empty({d_.num_rows, x.size(1)}, x.dtype(), dev), side_rows;
+    PermuteBuffers b;
+    b.x = x.raw_data();
+    b.row_bytes = size_t(x.size(1)) * dtype_size(x.dtype());
+    b.rows = rows.raw_data();
+    b.row_map = const_cast<int32_t*>(in[1].data<int32_t>());  // read only by the row move
+    b.tokens_per_expert = const_cast<int32_t*>(in[2].data<int32_t>());
+    b.segment_starts = const_cast<int32_t*>(in[3].data<int32_t>());
+    if (in[4].defined()) {
+      side = in[4].contiguous();
+      side_rows = Tensor::empty({d_.num_rows, side.size(1)}, DType::f32, dev);
+      b.side = side.data<float>();
+      b.side_cols = int(side.size(1));
+      b.side_pad_value = 1.0f;
+      b.side_rows = side_rows.data<float>();
+    }
+    permute_rows_cuda(d_, b, current_stream(dev.index));
+    return {rows, side_rows};
+#else
+    throw_no_cuda(name());
+#endif
+  }
+
+ private:
+  RoutingDims d_;
+};
+
 }  // namespace
 
 PermuteResult permute_pad(const Variable& x, const Tensor& topk_idx, const Variable& topk_prob, int num_experts,
@@ -205,8 +264,18 @@ PermuteResult permute_pad(const Variable& x, const Tensor& topk_idx, const Varia
   d.num_rows = num_rows < 0 ? permute_worst_case_rows(d.num_tokens, d.topk, d.num_local_experts, align_size) : num_rows;
   check_routing_dims(d);
 
-  std::vector<Variable> out = apply(std::make_shared<PermutePad>(d, side_pad_value),
-                                    {x, Variable(topk_idx), topk_prob, side.defined() ? Variable(side) : Variable()});
+  Tensor side_payload = side;
+  const auto& scales = x.data().fp8_scales();
+  if (scales) {
+    FLOWMOE_CHECK(!side.defined(), Error, "permute_pad: an FP8 x carries its own scales; pass no side payload");
+    FLOWMOE_CHECK(scales->mode == ScalingMode::rowwise_1x128, Error, "permute_pad: FP8 x must be rowwise 1x128, got ",
+                  scaling_mode_name(scales->mode));
+    side_payload = scales->scale_inv;
+    side_pad_value = 1.0;  // the amax = 0 scale of a zero row (DESIGN.md §3)
+  }
+  std::vector<Variable> out =
+      apply(std::make_shared<PermutePad>(d, side_pad_value, bool(scales)),
+            {x, Variable(topk_idx), topk_prob, side_payload.defined() ? Variable(side_payload) : Variable()});
   PermuteResult r;
   r.rows = out[0];
   if (topk_prob.defined()) r.probs = out[1];
@@ -216,7 +285,22 @@ PermuteResult permute_pad(const Variable& x, const Tensor& topk_idx, const Varia
   r.segment_starts = out[5].data();
   if (side.defined()) r.side_rows = out[6].data();
   r.align_size = align_size;
+  r.dims = d;
   return r;
+}
+
+Tensor dispatch_rows(const Tensor& x, const PermuteResult& routing) {
+  const RoutingDims& d = routing.dims;
+  FLOWMOE_CHECK(x.dim() == 2 && x.size(0) == d.num_tokens, ShapeError, "dispatch_rows: x ", x.describe(),
+                " must be [", d.num_tokens, ", H] (the routing's tokens)");
+  const auto& scales = x.fp8_scales();
+  FLOWMOE_CHECK(!scales || scales->mode == ScalingMode::rowwise_1x128, Error,
+                "dispatch_rows: FP8 x must be rowwise 1x128, got ", scaling_mode_name(scales->mode));
+  DispatchRows op(d);
+  std::vector<Tensor> in = {x, routing.row_map, routing.tokens_per_expert, routing.segment_starts,
+                            scales ? scales->scale_inv : Tensor()};
+  std::vector<Tensor> out = eval(op, in);
+  return scales ? out[0].with_scales(out[1], ScalingMode::rowwise_1x128) : out[0];
 }
 
 }  // namespace flowmoe

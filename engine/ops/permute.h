@@ -22,6 +22,7 @@ struct PermuteResult {
   Tensor segment_starts;            // [L+1] i32: exclusive scan of the padded counts
   Tensor side_rows;                 // [num_rows, S] f32 when a side payload was given (pad rows side_pad_value)
   int align_size = 16;
+  RoutingDims dims;                 // the routing it was built with (dispatch_rows reuses it)
 };
 
 // x [T,H]: any dtype (rows move as bytes; gradients need f32/f64 on cpu, f32/bf16 on cuda).
@@ -29,8 +30,16 @@ struct PermuteResult {
 // [expert_offset, expert_offset + num_local_experts) (-1: all of them). topk_prob [T,k]: f32 or f64
 // on cpu, f32 on cuda; may be undefined. side [T,S] f32: an optional per-row payload moved with the
 // rows (FP8 scale_inv); its pad rows hold side_pad_value. It gets no gradient.
+// An FP8 x with rowwise 1x128 scales attached moves its scales with the rows (as the side payload, pad
+// rows scale_inv 1 over zero data), and `rows` comes back with the permuted scales attached: the FP8
+// data is never dequantized (DESIGN.md §2). Its gradient d_x is in d_rows' dtype.
 PermuteResult permute_pad(const Variable& x, const Tensor& topk_idx, const Variable& topk_prob, int num_experts,
                           int align_size, int expert_offset = 0, int num_local_experts = -1, int64_t num_rows = -1,
                           const Tensor& side = Tensor(), double side_pad_value = 0.0);
+
+// Moves the rows of another [T, H'] tensor with the routing of an earlier permute_pad (no gradient):
+// out[row_map[t,j]] = x[t], pad and tail rows zero. An FP8 x with rowwise scales moves its scales too
+// (pad rows scale_inv 1). The fp8_flow backward uses it to dispatch the once-quantized output gradient.
+Tensor dispatch_rows(const Tensor& x, const PermuteResult& routing);
 
 }  // namespace flowmoe

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/cuda_api.h"
+#include "engine/ops/quantize.h"
 #include "kernels/unpermute.h"
 
 namespace flowmoe {
@@ -149,7 +150,34 @@ class UnpermuteUnpad : public Primitive {
   int align_;
 };
 
+// The fp8_flow combine: UnpermuteUnpad without probs, whose vjp quantizes dy once and dispatches it.
+class UnpermuteFp8Grad : public UnpermuteUnpad {
+ public:
+  explicit UnpermuteFp8Grad(const PermuteResult& routing) : UnpermuteUnpad(routing.align_size), routing_(routing) {
+    routing_.rows = routing_.probs = Variable();  // keep the routing, not the permuted activations
+    routing_.side_rows = Tensor();
+  }
+  const char* name() const override { return "unpermute_unpad_fp8_grad"; }
+  bool saves_inputs() const override { return false; }  // the vjp needs only the routing
+
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>& needs) override {
+    if (!needs[0]) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    Tensor dq = quantize_rowwise_tensor(d_out[0], "combine backward: dy");
+    return {dispatch_rows(dq, routing_), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+
+ private:
+  PermuteResult routing_;
+};
+
 }  // namespace
+
+Variable unpermute_unpad_fp8_grad(const Variable& rows, const PermuteResult& routing) {
+  const PermuteResult& r = routing;
+  return apply(std::make_shared<UnpermuteFp8Grad>(r), {rows, Variable(), Variable(r.row_map),
+                                                       Variable(r.tokens_per_expert), Variable(r.segment_starts)})[0];
+}
 
 Variable unpermute_unpad(const Variable& rows, const Tensor& row_map, const Tensor& tokens_per_expert,
                          const Tensor& segment_starts, int align_size, const Variable& topk_prob) {

@@ -19,4 +19,10 @@ Variable unpermute_unpad(const Variable& rows, const Tensor& row_map /*[T,k] i32
 // The same, with the routing of a permute_pad call.
 Variable unpermute_unpad(const Variable& rows, const PermuteResult& routing, const Variable& topk_prob);
 
+// The fp8_flow combine (DESIGN.md §2): y[t] = sum_j rows[row_map[t,j]] with no probs (fp8_flow applies
+// them in SwiGLU+quantize). Its backward is a dispatch of the gradient in FP8: dy [T,H] is quantized
+// once (rowwise 1x128, one counted cast) and its rows and scales move with dispatch_rows, so d_rows
+// arrives at fc2 as FP8 with scales attached (pad rows zero).
+Variable unpermute_unpad_fp8_grad(const Variable& rows, const PermuteResult& routing);
+
 }  // namespace flowmoe

@@ -294,6 +294,7 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
     for (const Variable& p : *list) {
       Tensor dst = p.data();
       fill_from(dst, model, p.name(), model_file);
+      p.bump_version();  // loaded in place
     }
   if (exp_avg || exp_avg_sq) {
     std::string optim_file = (d / "optimizer.safetensors").string();

@@ -25,7 +25,7 @@ namespace fs = std::filesystem;
 
 // ---- the schema ---------------------------------------------------------------------------------
 
-enum class Kind { integer, number, boolean, string, choice, int_choice, bool_or_path };
+enum class Kind { integer, number, boolean, string, choice, int_choice, bool_or_path, choice_list };
 using FieldRef = std::variant<int64_t*, double*, bool*, std::string*>;
 
 struct Field {
@@ -55,6 +55,10 @@ Field boolean(const char* s, const char* k, std::function<FieldRef(Config&)> r, 
 }
 Field string(const char* s, const char* k, std::function<FieldRef(Config&)> r, const char* doc) {
   return Field{s, k, Kind::string, 0, 0, false, false, {}, doc, std::move(r)};
+}
+Field choice_list(const char* s, const char* k, std::function<FieldRef(Config&)> r, std::vector<std::string> choices,
+                  const char* doc) {
+  return Field{s, k, Kind::choice_list, 0, 0, false, false, std::move(choices), doc, std::move(r)};
 }
 Field choice(const char* s, const char* k, std::function<FieldRef(Config&)> r, std::vector<std::string> choices,
              const char* doc) {
@@ -103,6 +107,7 @@ const std::vector<Field>& schema() {
     f.push_back(integer("train", "eval_batches", FM_REF(train.eval_batches), 1, 1 << 20, "micro-batches per validation pass"));
     f.push_back(integer("train", "seed", FM_REF(train.seed), 0, 9.0e15, "seed of the weight init"));
     f.push_back(choice("train", "nonfinite", FM_REF(train.nonfinite), {"skip", "stop"}, "on a non-finite loss or gradient: skip the step, or stop with an error"));
+    f.push_back(choice_list("train", "recompute", FM_REF(train.recompute), {"moe_expert"}, "modules recomputed in backward: moe_expert keeps only the expert input (FP8 in fp8_flow) and recomputes fc1 and SwiGLU"));
     f.push_back(integer("train", "max_skipped_steps", FM_REF(train.max_skipped_steps), 0, 1e12, "with nonfinite: skip, stop after this many skipped steps"));
     // optimizer (AdamW, warmup then cosine)
     f.push_back(number("optimizer", "lr", FM_REF(optimizer.lr), 0, true, 10, false, "peak learning rate"));
@@ -114,7 +119,7 @@ const std::vector<Field>& schema() {
     f.push_back(number("optimizer", "eps", FM_REF(optimizer.eps), 0, true, 1, false, "AdamW epsilon"));
     f.push_back(number("optimizer", "grad_clip", FM_REF(optimizer.grad_clip), 0, false, kInf, false, "max global gradient norm; 0 disables clipping"));
     // precision
-    f.push_back(choice("precision", "recipe", FM_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow"}, "bf16 compute with fp32 master weights on GPU (fp32 on CPU); fp8 recipes: not available yet"));
+    f.push_back(choice("precision", "recipe", FM_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow"}, "MoE expert precision: bf16 (fp32 on CPU); fp8_blockwise (FP8 GEMMs, each quantizing its own inputs); fp8_flow (quantize once before dispatch, FP8 through the experts). Master weights and gradients stay fp32"));
     Field align{"precision", "align_size", Kind::int_choice, 0, 0, false, false, {"16", "32", "64", "128"},
                 "row alignment of each expert's segment", FM_REF(precision.align_size)};
     f.push_back(align);
@@ -193,6 +198,11 @@ std::string describe_type(const Field& f) {
     case Kind::boolean: return "true or false";
     case Kind::string: return "a string";
     case Kind::bool_or_path: return "true, false or a path";
+    case Kind::choice_list: {
+      std::string s = "a list of ";
+      for (size_t i = 0; i < f.choices.size(); ++i) s += (i ? ", " : "") + f.choices[i];
+      return s + " (possibly empty: [])";
+    }
     case Kind::choice:
     case Kind::int_choice: {
       std::string s = "one of ";
@@ -277,6 +287,26 @@ void set_field(Config& cfg, const Field& f, const std::string& text, const std::
       *std::get<int64_t*>(ref) = v;
       break;
     }
+    case Kind::choice_list: {
+      // Stored comma-joined; accepts "[a, b]", "a,b", "a" and "[]" (the YAML list arrives joined).
+      std::string body = text;
+      if (!body.empty() && body.front() == '[') {
+        if (body.back() != ']') bad("'" + text + "'");
+        body = body.substr(1, body.size() - 2);
+      }
+      std::string joined;
+      std::stringstream ss(body);
+      for (std::string item; std::getline(ss, item, ',');) {
+        item.erase(0, item.find_first_not_of(" \t"));
+        item.erase(item.find_last_not_of(" \t") + 1);
+        if (item.empty()) continue;
+        if (std::find(f.choices.begin(), f.choices.end(), item) == f.choices.end())
+          bad("'" + item + "'" + suggestion(item, f.choices));
+        joined += (joined.empty() ? "" : ",") + item;
+      }
+      *std::get<std::string*>(ref) = joined;
+      break;
+    }
     case Kind::bool_or_path: {
       bool b = false;
       if (text.empty()) bad("an empty value");
@@ -350,6 +380,15 @@ void read_yaml(Config& cfg, const YAML::Node& root, const std::string& name) {
       if (!seen_keys.insert(key).second) fail(at(name, kn), f->dotted(), "key given twice");
       YAML::Node v = kv->second;
       if (v.IsNull() && f->kind != Kind::string) fail(at(name, kn), f->dotted(), "missing value (expected " + describe_type(*f) + ")");
+      if (f->kind == Kind::choice_list && v.IsSequence()) {
+        std::string joined;
+        for (const YAML::Node& item : v) {
+          if (!item.IsScalar()) fail(at(name, item), f->dotted(), "expected " + describe_type(*f) + ", got a nested value");
+          joined += (joined.empty() ? "" : ",") + item.Scalar();
+        }
+        set_field(cfg, *f, joined, at(name, kn));
+        continue;
+      }
       if (!v.IsNull() && !v.IsScalar()) fail(at(name, v), f->dotted(), "expected " + describe_type(*f) + ", got a " +
                                                                          (v.IsMap() ? "mapping" : "list"));
       set_field(cfg, *f, v.IsNull() ? "" : v.Scalar(), at(name, kn));
@@ -482,8 +521,16 @@ void validate(const Config& c) {
     conflict("optimizer.warmup_steps", "train.steps",
              "optimizer.warmup_steps = " + n(c.optimizer.warmup_steps) + " exceeds train.steps = " + n(c.train.steps));
 
-  if (c.precision.recipe != "bf16")
-    err("precision.recipe", "'" + c.precision.recipe + "' is not available yet (use bf16)");
+  if (c.precision.recipe != "bf16" && m.n_routed_experts > 0) {
+    // FP8 GEMMs use 128x128 weight blocks and 1x128 activation blocks (DESIGN.md §3-4).
+    auto need128 = [&](const char* key, int64_t v) {
+      if (v % 128 != 0)
+        err(key, std::to_string(v) + " is not a multiple of 128, which " + from("precision.recipe") + " = " +
+                     c.precision.recipe + " needs (FP8 blocks are 128 wide)");
+    };
+    need128("model.hidden_size", m.hidden_size);
+    need128("model.moe_intermediate_size", m.moe_intermediate_size);
+  }
   if (c.parallel.data_parallel_size != 1)
     err("parallel.data_parallel_size", "data parallelism is not available yet (use 1)");
   if (c.parallel.expert_parallel_size != 1)
@@ -528,6 +575,7 @@ std::string to_yaml(const Config& cfg) {
     }
     std::string v = field_value(c, f);
     bool quote = f.kind == Kind::string || (f.kind == Kind::bool_or_path && v != "true" && v != "false");
+    if (f.kind == Kind::choice_list) v = "[" + v + "]";
     os << "  " << f.key << ": " << (quote ? yaml_quote(v) : v) << "\n";
   }
   return os.str();
@@ -543,9 +591,21 @@ std::string config_reference_markdown() {
       os << "\n### " << section << "\n\n| key | type and range | default | meaning |\n| --- | --- | --- | --- |\n";
     }
     std::string v = field_value(defaults, f);
+    if (f.kind == Kind::choice_list) v = "[" + v + "]";
     os << "| `" << f.key << "` | " << describe_type(f) << " | `" << (v.empty() ? "\"\"" : v) << "` | " << f.doc << " |\n";
   }
   return os.str();
+}
+
+}  // namespace flowmoe
+
+namespace flowmoe {
+
+bool TrainConfig::recomputes(const std::string& module) const {
+  std::stringstream ss(recompute);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (item == module) return true;
+  return false;
 }
 
 }  // namespace flowmoe

@@ -57,6 +57,8 @@ struct TrainConfig {
   int64_t eval_batches = 4;
   int64_t seed = 42;
   std::string nonfinite = "skip";  // skip | stop
+  std::string recompute;           // comma-joined modules recomputed in backward: "" or "moe_expert"
+  bool recomputes(const std::string& module) const;
   int64_t max_skipped_steps = 10;
 };
 
@@ -72,7 +74,7 @@ struct OptimizerConfig {
 };
 
 struct PrecisionConfig {
-  std::string recipe = "bf16";  // bf16 (fp8_blockwise, fp8_flow: not available yet)
+  std::string recipe = "bf16";  // bf16 | fp8_blockwise | fp8_flow (the MoE experts; DESIGN.md §1)
   int64_t align_size = 16;      // 16 | 32 | 64 | 128
 };
 

@@ -16,7 +16,7 @@ namespace flowmoe {
 
 namespace fs = std::filesystem;
 
-static const char* kCsvHeader = "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,skipped,moe_max_over_mean";
+static const char* kCsvHeader = "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,moe_casts,skipped,moe_max_over_mean";
 
 // Per-MoE-layer max/mean load: "1.02;1.10" in CSV, [1.02, 1.10] in JSON; empty for a dense model.
 static std::string layer_list(const std::vector<double>& v, bool json) {
@@ -42,12 +42,13 @@ static std::string row_text(const StepMetrics& m, bool csv) {
     os << m.step << "," << num(m.loss, "%.9g", false) << "," << (std::isnan(m.val_loss) ? "" : num(m.val_loss, "%.9g", false))
        << "," << num(m.lr, "%.6g", false) << "," << num(m.grad_norm, "%.6g", false) << ","
        << num(m.tokens_per_s, "%.1f", false) << "," << m.peak_mem_bytes << "," << m.host_syncs << ","
-       << (m.skipped ? 1 : 0) << "," << layer_list(m.moe_max_over_mean, false);
+       << (std::isnan(m.moe_casts) ? "" : num(m.moe_casts, "%.6g", false)) << "," << (m.skipped ? 1 : 0) << "," << layer_list(m.moe_max_over_mean, false);
   } else {
     os << "{\"step\": " << m.step << ", \"loss\": " << num(m.loss, "%.9g", true)
        << ", \"val_loss\": " << num(m.val_loss, "%.9g", true) << ", \"lr\": " << num(m.lr, "%.6g", true)
        << ", \"grad_norm\": " << num(m.grad_norm, "%.6g", true) << ", \"tokens_per_s\": " << num(m.tokens_per_s, "%.1f", true)
-       << ", \"peak_mem_bytes\": " << m.peak_mem_bytes << ", \"host_syncs\": " << m.host_syncs << ", \"skipped\": " << (m.skipped ? "true" : "false")
+       << ", \"peak_mem_bytes\": " << m.peak_mem_bytes << ", \"host_syncs\": " << m.host_syncs
+       << ", \"moe_casts\": " << num(m.moe_casts, "%.6g", true) << ", \"skipped\": " << (m.skipped ? "true" : "false")
        << ", \"moe_max_over_mean\": " << layer_list(m.moe_max_over_mean, true) << "}";
   }
   return os.str();
@@ -130,6 +131,7 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
         else if (c == "tokens_per_s") m.tokens_per_s = field_double(cells[i]);
         else if (c == "peak_mem_bytes") m.peak_mem_bytes = std::atoll(cells[i].c_str());
         else if (c == "host_syncs") m.host_syncs = std::atoll(cells[i].c_str());
+        else if (c == "moe_casts") m.moe_casts = cells[i].empty() ? NAN : field_double(cells[i]);
         else if (c == "skipped") m.skipped = cells[i] == "1";
       }
     } else {
@@ -149,6 +151,7 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
       m.tokens_per_s = get("tokens_per_s");
       m.peak_mem_bytes = j["peak_mem_bytes"] ? j["peak_mem_bytes"].as<int64_t>() : 0;
       m.host_syncs = j["host_syncs"] ? j["host_syncs"].as<int64_t>() : 0;
+      m.moe_casts = get("moe_casts");
       m.skipped = j["skipped"] && j["skipped"].Scalar() == "true";
     }
     rows.push_back(m);

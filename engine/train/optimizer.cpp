@@ -105,6 +105,7 @@ void AdamW::step(double lr, double grad_scale) {
       throw_no_cuda("AdamW::step");
 #endif
     }
+    p.bump_version();  // updated in place: FP8 weight caches must re-quantize
   }
 }
 

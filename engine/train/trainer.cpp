@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "engine/allocator.h"
+#include "engine/cast_stats.h"
 #include "engine/cuda_api.h"
 #include "engine/train/checkpoint.h"
 #include "engine/train/metrics.h"
@@ -88,7 +89,7 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
   }
 
   DataLoader data = DataLoader::from_config(cfg);
-  Transformer model(cfg.model, device, compute, uint64_t(tc.seed), int(cfg.precision.align_size));
+  Transformer model(cfg.model, device, compute, uint64_t(tc.seed), moe_options(cfg));
   AdamW opt(model.parameters(), cfg.optimizer);
   Progress progress(cfg.logging.progress, tc.steps, cfg.logging.log_every, opts.out);
 
@@ -138,12 +139,17 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
                                           cfg.checkpoint.keep_last, model.buffers());
   };
 
+  int64_t num_moe_layers = 0;
+  for (const Variable& b : model.buffers()) num_moe_layers += b.name().find("e_score_correction_bias") != std::string::npos;
+  CastCounts last_casts;
+
   using clock = std::chrono::steady_clock;
   double train_seconds = 0;
   int64_t steps_done = 0, last_saved = -1;
   while (step < end) {
     const auto t0 = clock::now();
     const uint64_t syncs_before = num_host_syncs();
+    reset_cast_counts();
     ++step;
     StepMetrics m;
     m.step = step;
@@ -158,6 +164,10 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     }
     m.loss = loss_sum / double(tc.grad_accum_steps);
     m.host_syncs = int64_t(num_host_syncs() - syncs_before);  // the model's own; our loss reads are not counted
+    if (num_moe_layers > 0) {
+      last_casts = cast_counts();
+      m.moe_casts = double(last_casts.activation_casts()) / double(num_moe_layers * tc.grad_accum_steps);
+    }
     if (opts.after_backward) opts.after_backward(step, model.parameters());
     m.grad_norm = opt.grad_norm();
     if (std::isfinite(m.loss) && std::isfinite(m.grad_norm)) {
@@ -225,6 +235,15 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     line += " | " + format_rate(res.tokens_per_s) + " tok/s | peak mem " +
             fixed(double(memory_stats(device).peak_bytes) / (1 << 20), 1) + " MiB";
     progress.message(line);
+    if (num_moe_layers > 0) {
+      // Where each explicit cast of the last step happened (DESIGN.md §1: the published flow has 2).
+      std::string casts = "casts per MoE layer per micro-batch (" + cfg.precision.recipe + "): " +
+                          fixed(double(last_casts.activation_casts()) / double(num_moe_layers * tc.grad_accum_steps), 1);
+      for (const auto& [site, n] : last_casts.by_site)
+        if (site.rfind("weight_quantize", 0) != 0)
+          casts += " | " + site + " x" + fixed(double(n) / double(num_moe_layers * tc.grad_accum_steps), 1);
+      progress.message(casts);
+    }
     progress.message("metrics: " + res.metrics_file + (res.last_checkpoint.empty() ? "" : " | checkpoint: " + res.last_checkpoint));
   } else {
     progress.message("nothing to do: the run is already at step " + std::to_string(step) + " of " +
