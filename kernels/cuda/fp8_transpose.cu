@@ -1,0 +1,319 @@
+// Scaling-aware FP8 transpose on the GPU (math: kernels/fp8_transpose.h), bit-identical to the CPU
+// reference kernels/cpu/fp8_transpose.cpp. One CTA per (128-row block of a segment, 128-column block):
+// 16-byte loads of the q tile into registers, the block's S from its 128 row scales, each row's bytes
+// re-encoded at S (e4m3 -> half, times 2^-k, -> e4m3 RNE: exact in half wherever the e4m3 result is not
+// zero), a row-swizzled shared tile, a 4x4 byte transpose in registers, 16-byte stores of q_t.
+// Also the dequantize -> requantize baseline kernels of bench/bench_fp8_transpose.cpp.
+// Tests: tests/test_fp8_transpose.cpp.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "engine/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_utils.cuh"
+#include "kernels/fp8.h"
+#include "kernels/fp8_transpose.h"
+
+namespace flowmoe {
+
+namespace {
+
+constexpr int kTile = 128;           // rows and columns of a tile: one scaling block each way
+constexpr int kThreads = 256;
+constexpr int kChunkSegments = 128;  // segments per launch, passed by value (~2 KB of parameters)
+constexpr int kHalfMaxShift = 24;    // 2^-24 is the smallest half; 448 * 2^-24 rounds to zero in e4m3
+constexpr uint32_t kNanBits = 0x7FC00000u;
+
+// One launch's segments: segment s has rows [row_start[s], row_start[s] + num_rows[s]) and owns this
+// launch's 128-row blocks [first_block[s], first_block[s+1]); block_offset is the global index of block 0.
+struct SegmentChunk {
+  int64_t row_start[kChunkSegments];
+  int32_t num_rows[kChunkSegments];
+  int32_t first_block[kChunkSegments + 1];
+  int32_t num_segments;
+  int64_t block_offset;
+};
+
+struct TileRows {
+  int64_t first_row, block;  // first row of the tile in [M], its row of scale_inv_t
+  int num_rows;              // <= 128: the last block of a segment is partial
+};
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+__device__ __forceinline__ TileRows find_tile_rows(const SegmentChunk& c, int blk) {
+  int lo = 0, hi = c.num_segments - 1;  // the last segment with first_block <= blk (empty ones own nothing)
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (c.first_block[mid] <= blk) lo = mid; else hi = mid - 1;
+  }
+  const int r0 = (blk - c.first_block[lo]) * kTile;
+  return {c.row_start[lo] + r0, c.block_offset + blk, min(kTile, c.num_rows[lo] - r0)};
+}
+
+__device__ __forceinline__ int exponent_field(float x) { return int((__float_as_uint(x) >> 23) & 0xFF); }
+
+// Four e4m3 bytes times 2^-k (f: that power as a half pair), rounded to nearest even by the cvt.
+__device__ __forceinline__ uint32_t shift_word(uint32_t w, __half2 f) {
+  __half2 lo = __half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w & 0xFFFFu), __NV_E4M3));
+  __half2 hi = __half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w >> 16), __NV_E4M3));
+  const uint32_t out_lo = __nv_cvt_halfraw2_to_fp8x2(__half2_raw(__hmul2(lo, f)), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t out_hi = __nv_cvt_halfraw2_to_fp8x2(__half2_raw(__hmul2(hi, f)), __NV_SATFINITE, __NV_E4M3);
+  return out_lo | (out_hi << 16);
+}
+
+// NaN bytes of `in` become the positive NaN code 0x7F in `out`, whatever sign the cvt kept.
+__device__ __forceinline__ uint32_t canonical_nans(uint32_t out, uint32_t in) {
+  const uint32_t nan = __vcmpeq4(in & 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+  return (out & ~nan) | (0x7F7F7F7Fu & nan);
+}
+
+// Grid: 1D over (block of the chunk) x (column tile), column tiles fastest so neighbours share the
+// sectors of the scale gather. Thread t loads 16-byte group t%8 of rows t/8 + 32*it.
+__global__ void __launch_bounds__(kThreads) fp8_transpose_kernel(
+    const uint8_t* __restrict__ q, const float* __restrict__ scale_inv, int64_t M, int64_t K,
+    uint8_t* __restrict__ q_t, float* __restrict__ scale_inv_t, int num_col_tiles, bool vec_in, bool vec_out,
+    const __grid_constant__ SegmentChunk chunk) {
+  __shared__ __align__(16) uint32_t tile[kTile * kTile / 4];  // [row][32 words]; 16-byte group g at g ^ (row/16)
+  __shared__ int32_t warp_max[kThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, group = tid & 7;
+  const int col_tile = int(blockIdx.x % unsigned(num_col_tiles));
+  const TileRows tr = find_tile_rows(chunk, int(blockIdx.x / unsigned(num_col_tiles)));
+  const int64_t col0 = int64_t(col_tile) * kTile;
+  const int num_cols = int(K - col0 < kTile ? K - col0 : kTile);
+
+  uint4 v[4];
+  float s[4];
+  int32_t best = 0;  // max of the taking-part scales' bits (positive floats order as ints; NaN above inf)
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int r = (tid >> 3) + 32 * it;
+    v[it] = make_uint4(0, 0, 0, 0);
+    s[it] = 1.f;
+    if (r < tr.num_rows) {
+      const int64_t row = tr.first_row + r;
+      s[it] = scale_inv[row * num_col_tiles + col_tile];
+      const uint8_t* src = q + row * K + col0 + 16 * group;
+      if (vec_in) {
+        if (16 * group < num_cols) v[it] = __ldcs(reinterpret_cast<const uint4*>(src));
+      } else {
+        uint32_t w[4] = {0, 0, 0, 0};
+        for (int b = 0; b < 16 && 16 * group + b < num_cols; ++b) w[b >> 2] |= uint32_t(src[b]) << (8 * (b & 3));
+        v[it] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {  // after all four loads are in flight
+    const int r = (tid >> 3) + 32 * it;
+    uint32_t nz = (v[it].x | v[it].y | v[it].z | v[it].w) & 0x7F7F7F7Fu;
+    nz |= __shfl_xor_sync(0xFFFFFFFFu, nz, 1);
+    nz |= __shfl_xor_sync(0xFFFFFFFFu, nz, 2);
+    nz |= __shfl_xor_sync(0xFFFFFFFFu, nz, 4);
+    const bool nan = s[it] != s[it];
+    if (r < tr.num_rows && (nz != 0 || nan)) best = max(best, nan ? int32_t(kNanBits) : __float_as_int(s[it]));
+  }
+  best = __reduce_max_sync(0xFFFFFFFFu, best);
+  if (lane == 0) warp_max[warp] = best;
+  __syncthreads();
+  int32_t s_bits = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) s_bits = max(s_bits, warp_max[w]);
+  const bool nan_scale = s_bits > int32_t(0x7F800000u);
+  const float S = s_bits == 0 ? 1.f : __int_as_float(s_bits);
+  if (tid < num_cols) scale_inv_t[tr.block * K + col0 + tid] = S;
+
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int r = (tid >> 3) + 32 * it;
+    const int k = nan_scale ? 0 : min(max(exponent_field(S) - exponent_field(s[it]), 0), kHalfMaxShift);
+    uint4 o = v[it];
+    if (k != 0) {
+      const uint32_t h = k <= 14 ? uint32_t(15 - k) << 10 : 1u << (24 - k);  // 2^-k as half bits
+      const __half2 f = __half2(__half2_raw{uint16_t(h), uint16_t(h)});
+      o = make_uint4(shift_word(o.x, f), shift_word(o.y, f), shift_word(o.z, f), shift_word(o.w, f));
+    }
+    o = make_uint4(canonical_nans(o.x, v[it].x), canonical_nans(o.y, v[it].y), canonical_nans(o.z, v[it].z),
+                   canonical_nans(o.w, v[it].w));
+    *reinterpret_cast<uint4*>(&tile[r * 32 + 4 * (group ^ (r >> 4))]) = o;
+  }
+  __syncthreads();
+
+  // Thread (rg, cw): rows 16*rg..+15 of the 4 columns in word cw; 8 lanes cover 128 bytes of one q_t row.
+  const int rg = lane & 7, cw = 4 * warp + (lane >> 3);
+  uint32_t col[4][4];  // [column of the word][rows 4g..4g+3]
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    const int r = 16 * rg + 4 * g, pw = cw ^ (rg << 2);
+    const uint32_t a = tile[r * 32 + pw], b = tile[(r + 1) * 32 + pw];
+    const uint32_t c = tile[(r + 2) * 32 + pw], d = tile[(r + 3) * 32 + pw];
+    const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+    const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+    col[0][g] = __byte_perm(ab_lo, cd_lo, 0x5410);
+    col[1][g] = __byte_perm(ab_lo, cd_lo, 0x7632);
+    col[2][g] = __byte_perm(ab_hi, cd_hi, 0x5410);
+    col[3][g] = __byte_perm(ab_hi, cd_hi, 0x7632);
+  }
+  const int r_first = 16 * rg;
+  if (r_first >= tr.num_rows) return;
+  const bool full = vec_out && r_first + 16 <= tr.num_rows && ((tr.first_row + r_first) & 15) == 0;
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const int j = 4 * cw + x;
+    if (j >= num_cols) continue;
+    uint8_t* dst = q_t + (col0 + j) * M + tr.first_row + r_first;
+    if (full) {
+      __stcs(reinterpret_cast<uint4*>(dst), make_uint4(col[x][0], col[x][1], col[x][2], col[x][3]));
+    } else {
+      for (int t = 0; t < 16 && r_first + t < tr.num_rows; ++t) dst[t] = uint8_t(col[x][t >> 2] >> (8 * (t & 3)));
+    }
+  }
+}
+
+// Baseline step 1: y = bf16(e4m3_to_f32(q) * s_inv), 8 elements per thread (K % 8 == 0).
+__global__ void baseline_dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale_inv,
+                                           int64_t M, int64_t K, __nv_bfloat16* __restrict__ y) {
+  const int64_t groups = M * K / 8, nb = fp8_num_blocks(K);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < groups; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i * 8 / K, col = i * 8 % K;
+    const float s = scale_inv[row * nb + col / kFp8BlockSize];
+    const uint2 in = *reinterpret_cast<const uint2*>(q + i * 8);
+    __align__(16) __nv_bfloat16 out[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const uint8_t byte = uint8_t((e < 4 ? in.x : in.y) >> (8 * (e & 3)));
+      const float x = __half2float(__half(__nv_cvt_fp8_to_halfraw(byte, __NV_E4M3)));
+      out[e] = __float2bfloat16_rn(__fmul_rn(x, s));
+    }
+    *reinterpret_cast<uint4*>(y + i * 8) = *reinterpret_cast<const uint4*>(out);
+  }
+}
+
+// Baseline step 2: an ordinary colwise quantize of y. CTA per (128-row block, 64 columns): the tile
+// goes to shared memory transposed (f32), thread (j, part) takes the amax of column j over the block
+// (4 parts of 32 rows), then quantizes its 32 rows and stores them as 2 x 16 bytes.
+constexpr int kBaseCols = 64;
+__global__ void __launch_bounds__(kThreads) baseline_quantize_colwise_kernel(
+    const __nv_bfloat16* __restrict__ y, int64_t M, int64_t K, uint8_t* __restrict__ q_t,
+    float* __restrict__ scale_inv_t, int num_col_tiles, bool vec_out, const __grid_constant__ SegmentChunk chunk) {
+  __shared__ float tile_t[kBaseCols][kTile + 1];
+  __shared__ float part_amax[4][kBaseCols];
+  const int tid = threadIdx.x, col_tile = int(blockIdx.x % unsigned(num_col_tiles));
+  const TileRows tr = find_tile_rows(chunk, int(blockIdx.x / unsigned(num_col_tiles)));
+  const int64_t col0 = int64_t(col_tile) * kBaseCols;
+  for (int i = tid; i < kTile * kBaseCols / 8; i += kThreads) {  // 8 bf16 (16 bytes) per load
+    const int r = i / (kBaseCols / 8), c = 8 * (i % (kBaseCols / 8));
+    uint4 in = make_uint4(0, 0, 0, 0);
+    if (r < tr.num_rows && col0 + c < K) in = *reinterpret_cast<const uint4*>(y + (tr.first_row + r) * K + col0 + c);
+    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&in);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) tile_t[c + k][r] = __bfloat162float(e[k]);
+  }
+  __syncthreads();
+  const int j = tid % kBaseCols, part = tid / kBaseCols;
+  float amax = 0.f;
+  for (int t = 0; t < 32; ++t) amax = fp8_amax_update(amax, tile_t[j][32 * part + t]);
+  part_amax[part][j] = amax;
+  __syncthreads();
+  for (int p = 0; p < 4; ++p) amax = fp8_amax_update(amax, part_amax[p][j]);
+  const float s_inv = fp8_scale_inv(amax), scale = fp8_scale_from_inv(s_inv);
+  if (col0 + j >= K) return;
+  if (part == 0) scale_inv_t[tr.block * K + col0 + j] = s_inv;
+  __align__(16) uint8_t out[32];
+#pragma unroll
+  for (int t = 0; t < 32; ++t)
+    out[t] = __nv_cvt_float_to_fp8(__fmul_rn(tile_t[j][32 * part + t], scale), __NV_SATFINITE, __NV_E4M3);
+  const int r_first = 32 * part;
+  uint8_t* dst = q_t + (col0 + j) * M + tr.first_row + r_first;
+  if (vec_out && r_first + 32 <= tr.num_rows && ((tr.first_row + r_first) & 15) == 0) {
+    reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<const uint4*>(out)[0];
+    reinterpret_cast<uint4*>(dst)[1] = reinterpret_cast<const uint4*>(out)[1];
+  } else {
+    for (int t = 0; t < 32 && r_first + t < tr.num_rows; ++t) dst[t] = out[t];
+  }
+}
+
+// ---- launchers --------------------------------------------------------------------------------
+
+// Launches kernel(chunk) once per kChunkSegments segments; returns the segments' total rows.
+template <class Launch>
+int64_t for_each_chunk(const int64_t* rows_per_segment, int64_t num_segments, int64_t num_col_tiles,
+                       const char* what, Launch&& launch) {
+  int64_t seg_start = 0, block = 0;
+  for (int64_t s0 = 0; s0 < num_segments; s0 += kChunkSegments) {
+    SegmentChunk c{};
+    c.num_segments = int32_t(std::min<int64_t>(kChunkSegments, num_segments - s0));
+    c.block_offset = block;
+    int64_t num_blocks = 0;
+    for (int i = 0; i < c.num_segments; ++i) {
+      FLOWMOE_CHECK(rows_per_segment[s0 + i] < INT32_MAX, ShapeError, what, ": segment ", s0 + i, " has ",
+                    rows_per_segment[s0 + i], " rows (at most 2^31 - 2)");
+      c.row_start[i] = seg_start, c.num_rows[i] = int32_t(rows_per_segment[s0 + i]);
+      c.first_block[i] = int32_t(num_blocks);
+      num_blocks += fp8_num_blocks(rows_per_segment[s0 + i]);
+      seg_start += rows_per_segment[s0 + i];
+    }
+    c.first_block[c.num_segments] = int32_t(num_blocks);
+    FLOWMOE_CHECK(num_blocks * num_col_tiles < INT_MAX, ShapeError, what, ": ", num_blocks, " row blocks x ",
+                  num_col_tiles, " column tiles exceed one grid");
+    if (num_blocks > 0) launch(c, unsigned(num_blocks * num_col_tiles));
+    block += num_blocks;
+  }
+  return seg_start;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+void fp8_transpose_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
+                        const int64_t* rows_per_segment, int64_t num_segments, uint8_t* q_t, float* scale_inv_t,
+                        cudaStream_t stream) {
+  FLOWMOE_CHECK(K >= 0, ShapeError, "fp8_transpose_cuda: bad K ", K);
+  fp8_transpose_num_blocks(rows_per_segment, num_segments, M);
+  if (M == 0 || K == 0) return;
+  const int64_t num_col_tiles = fp8_num_blocks(K);
+  const bool vec_in = K % 16 == 0 && aligned16(q), vec_out = M % 16 == 0 && aligned16(q_t);
+  const int64_t total = for_each_chunk(rows_per_segment, num_segments, num_col_tiles, "fp8_transpose_cuda",
+                                       [&](const SegmentChunk& c, unsigned grid) {
+                                         fp8_transpose_kernel<<<grid, kThreads, 0, stream>>>(
+                                             q, scale_inv, M, K, q_t, scale_inv_t, int(num_col_tiles), vec_in,
+                                             vec_out, c);
+                                         MOE_CUDA_CHECK_LAUNCH();
+                                       });
+  if (total < M) MOE_CUDA_CHECK(cudaMemset2DAsync(q_t + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
+}
+
+void fp8_transpose_baseline_dequantize_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
+                                            uint16_t* y, cudaStream_t stream) {
+  FLOWMOE_CHECK(M >= 0 && K >= 0 && K % 8 == 0 && aligned16(y), ShapeError,
+                "fp8_transpose_baseline_dequantize_cuda: needs K % 8 == 0 and aligned y, got M ", M, ", K ", K);
+  if (M == 0 || K == 0) return;
+  baseline_dequantize_kernel<<<grid_size(M * K / 8, kThreads), kThreads, 0, stream>>>(
+      q, scale_inv, M, K, reinterpret_cast<__nv_bfloat16*>(y));
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_transpose_baseline_quantize_colwise_cuda(const uint16_t* y, int64_t M, int64_t K,
+                                                  const int64_t* rows_per_segment, int64_t num_segments,
+                                                  uint8_t* q_t, float* scale_inv_t, cudaStream_t stream) {
+  const char* what = "fp8_transpose_baseline_quantize_colwise_cuda";
+  FLOWMOE_CHECK(K >= 0 && K % 8 == 0 && aligned16(y), ShapeError, what, ": needs K % 8 == 0 and aligned y, got K ", K);
+  fp8_transpose_num_blocks(rows_per_segment, num_segments, M);
+  if (M == 0 || K == 0) return;
+  const int64_t num_col_tiles = (K + kBaseCols - 1) / kBaseCols;
+  const bool vec_out = M % 16 == 0 && aligned16(q_t);
+  const int64_t total =
+      for_each_chunk(rows_per_segment, num_segments, num_col_tiles, what, [&](const SegmentChunk& c, unsigned grid) {
+        baseline_quantize_colwise_kernel<<<grid, kThreads, 0, stream>>>(
+            reinterpret_cast<const __nv_bfloat16*>(y), M, K, q_t, scale_inv_t, int(num_col_tiles), vec_out, c);
+        MOE_CUDA_CHECK_LAUNCH();
+      });
+  if (total < M) MOE_CUDA_CHECK(cudaMemset2DAsync(q_t + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
+}
+
+}  // namespace flowmoe

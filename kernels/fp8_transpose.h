@@ -1,0 +1,41 @@
+// Scaling-aware FP8 transpose (DESIGN.md §3): rowwise 1x128 [M,K] -> colwise 1x128 [K,M] over segments,
+// without dequantize/requantize. For a 128-row block r of one segment and a column j in block b = j/128:
+//   S[r,b] = max over rows i in r of s_inv[i,b], rows whose block b is all zeros (+-0) left out unless
+//            their scale is NaN; no row left: S = 1; NaN among them: S = NaN (written 0x7FC00000)
+//   q_t[j,i] = e4m3_satfinite(e4m3_to_f32(q[i,j]) * 2^-k),  k = log2 S - log2 s_inv[i,b] (clamped to [0,64])
+// i.e. exact while normal, round-to-nearest-even on the subnormal grid, signed zeros kept, NaN -> 0x7F.
+// With S NaN the bytes are kept (NaN canonicalised). Layouts: kernels/fp8.h. CPU: kernels/cpu/fp8_transpose.cpp,
+// CUDA: kernels/cuda/fp8_transpose.cu (bit-identical). Op: engine/ops/fp8_transpose.h.
+// Tests: tests/test_fp8_transpose.cpp.
+#pragma once
+#include <cstdint>
+
+#include "engine/cuda_api.h"
+
+namespace flowmoe {
+
+// Checks the segments (each >= 0, sum <= M; ShapeError naming the values) and returns
+// num_blocks = sum_s ceil(rows_s / 128), the row count of scale_inv_t.
+int64_t fp8_transpose_num_blocks(const int64_t* rows_per_segment /*[num_segments] host*/, int64_t num_segments,
+                                 int64_t M);
+
+// Columns of q_t past the segments' total are written as zero. rows_per_segment is a host array.
+void fp8_transpose_cpu(const uint8_t* q /*[M,K]*/, const float* scale_inv /*[M, ceil(K/128)]*/, int64_t M, int64_t K,
+                       const int64_t* rows_per_segment /*[num_segments] host*/, int64_t num_segments,
+                       uint8_t* q_t /*[K,M]*/, float* scale_inv_t /*[num_blocks, K]*/);
+// Same, on `stream`; no host synchronisation (the segment table travels in the launch parameters).
+void fp8_transpose_cuda(const uint8_t* q /*[M,K]*/, const float* scale_inv /*[M, ceil(K/128)]*/, int64_t M, int64_t K,
+                        const int64_t* rows_per_segment /*[num_segments] host*/, int64_t num_segments,
+                        uint8_t* q_t /*[K,M]*/, float* scale_inv_t /*[num_blocks, K]*/, cudaStream_t stream);
+
+// The "double quantization" baseline of bench/bench_fp8_transpose.cpp (bench .cpp files cannot hold
+// kernels): y = bf16(e4m3_to_f32(q) * s_inv), then an ordinary colwise quantize of y over the segments.
+void fp8_transpose_baseline_dequantize_cuda(const uint8_t* q /*[M,K]*/, const float* scale_inv /*[M, ceil(K/128)]*/,
+                                            int64_t M, int64_t K, uint16_t* y /*[M,K] bf16 bits*/,
+                                            cudaStream_t stream);
+void fp8_transpose_baseline_quantize_colwise_cuda(const uint16_t* y /*[M,K] bf16 bits*/, int64_t M, int64_t K,
+                                                  const int64_t* rows_per_segment /*[num_segments] host*/,
+                                                  int64_t num_segments, uint8_t* q_t /*[K,M]*/,
+                                                  float* scale_inv_t /*[num_blocks, K]*/, cudaStream_t stream);
+
+}  // namespace flowmoe
