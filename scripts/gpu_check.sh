@@ -3,6 +3,7 @@
 # every benchmark and a short GPU training run, and end with a summary table.
 #   scripts/gpu_check.sh                 logs go to $OUT (device tool) or ./out
 #   GPU_CHECK_SKIP_BENCH=1 scripts/gpu_check.sh      tests only
+#   GPU_CHECK_SKIP_TRAIN=1 scripts/gpu_check.sh     tests and benchmarks, no training runs
 #   GPU_CHECK_PARITY=1 scripts/gpu_check.sh          also the 500-step FP8 loss parity (scripts/fp8_parity.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,7 +60,9 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
   # gpu_moe on real text (byte-level: the Python standard library's sources on this machine), whose
   # routing is not as degenerate as the low-entropy synthetic corpus's.
   pylib="$(python3 -c 'import os; print(os.path.dirname(os.__file__))' 2>/dev/null)"
-  for run in "gpu_small 60" "gpu_moe 400" "gpu_moe_text 400"; do
+  runs=("gpu_small 60" "gpu_moe 400" "gpu_moe_text 400")
+  [ -n "${GPU_CHECK_SKIP_TRAIN:-}" ] && runs=()
+  for run in "${runs[@]}"; do
     set -- $run
     name=$1 cfg="configs/$1.yaml" extra=()
     if [ "$name" = gpu_moe_text ]; then
