@@ -31,7 +31,18 @@ ModelConfig layer_config(const Shape5& s) {
   ModelConfig c;
   c.hidden_size = s.H;
   c.num_hidden_layers = 8;
-  c.nint main() {
+  c.n_routed_experts = s.E;
+  c.num_experts_per_tok = s.k;
+  c.moe_intermediate_size = s.F;
+  c.n_shared_experts = 0;
+  c.n_group = 1;
+  c.topk_group = 1;
+  return c;
+}
+
+}  // namespace
+
+int main() {
   if (!cuda_available()) {
     std::printf("bench_moe_layer: no CUDA device, skipped\n");
     return 0;

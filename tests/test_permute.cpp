@@ -318,7 +318,7 @@ TEST(PermuteCuda, ExactSizeAndTokenPayload) {
   PermuteResult p = permute_pad(Variable(gx), gidx, Variable(gprob), 12, 64, 0, -1, total);
   PermuteResult host{Variable(p.rows.data().to(Device::cpu())), Variable(p.probs.data().to(Device::cpu())),
                      p.row_map.to(Device::cpu()), p.tokens_per_expert.to(Device::cpu()),
-                     p.padded_tokens_per_expert.to(Device::cpu()), p.segment_starts.to(Device::cpu()), Tensor(), 64};
+                     p.padded_tokens_per_expert.to(Device::cpu()), p.segment_starts.to(Device::cpu()), Tensor(), 64, p.dims};
   EXPECT_TRUE(matches_reference(host, idx, prob, 0, 12, 64, 130));
 }
 
