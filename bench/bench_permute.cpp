@@ -14,11 +14,20 @@
 // launch is submitted before the start event and host launch latency drops out ("gpu"), and so are its
 // two steps apart: the routing map alone ("map", permute_map_cuda) and the row move alone ("rows",
 // permute_rows_cuda, after an untimed map). Their fractions are of the copy's own GPU-only bandwidth.
+// Then both row-move kernels (kernels/permute.h, set_permute_rows_impl: classic and tma) on every
+// config in the same run: whole op (event-timed), GPU-only whole op and the row move alone, as
+// fractions of copy ("BENCH permute_impl"), and whether their outputs are bit-identical. The other
+// lines use the default (FLOWMOE_PERMUTE_ROWS, else auto). A failing TMA path is reported, not fatal.
 // No GPU: prints a skip line and exits 0.
 #include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <numeric>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "engine/cuda/cuda_check.h"
@@ -222,6 +231,90 @@ void print_results(const std::vector<Result>& results, double copy, double copy_
   std::fflush(stdout);
 }
 
+// ---- classic vs TMA row move ---------------------------------------------------------------------
+
+struct ImplTimes {
+  double whole_ms = -1, gpu_ms = -1, rows_ms = -1;  // -1: not measured (the path failed)
+};
+
+ImplTimes time_impl(Setup& s, int impl, cudaStream_t stream) {
+  set_permute_rows_impl(impl);
+  ImplTimes t;
+  auto exact = [&] { permute_pad_cuda(s.exact, s.b, stream); };
+  auto map = [&] { permute_map_cuda(s.exact, s.b, stream); };
+  t.whole_ms = median_ms(exact, stream);
+  t.gpu_ms = median_gpu_ms([] {}, exact, stream);
+  t.rows_ms = median_gpu_ms(map, [&] { permute_rows_cuda(s.exact, s.b, stream); }, stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return t;
+}
+
+// The exact-size rows and probs after one permute with `impl`, the device buffers poisoned first.
+std::vector<unsigned char> impl_output(Setup& s, int impl, cudaStream_t stream) {
+  set_permute_rows_impl(impl);
+  const size_t row_bytes = size_t(s.padded_rows) * s.b.row_bytes, prob_bytes = size_t(s.padded_rows) * 4;
+  MOE_CUDA_CHECK(cudaMemsetAsync(s.b.rows, 0xff, row_bytes, stream));
+  MOE_CUDA_CHECK(cudaMemsetAsync(s.b.probs, 0xff, prob_bytes, stream));
+  permute_pad_cuda(s.exact, s.b, stream);
+  std::vector<unsigned char> out(row_bytes + prob_bytes);
+  MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), s.b.rows, row_bytes, cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_CHECK(cudaMemcpyAsync(out.data() + row_bytes, s.b.probs, prob_bytes, cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return out;
+}
+
+// One permute with `impl`, watched: a kernel that never finishes would otherwise stall the whole run,
+// so after 20 s this says so and exits.
+void run_watched(Setup& s, int impl, cudaStream_t stream) {
+  set_permute_rows_impl(impl);
+  permute_pad_cuda(s.exact, s.b, stream);
+  Event done;
+  done.record(stream);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  cudaError_t st;
+  while ((st = cudaEventQuery(done.get())) == cudaErrorNotReady) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::printf("bench_permute: the permute with row kernel %d did not finish within 20 s (T=%lld H=%lld "
+                  "align=%d); exiting\n", impl, (long long)s.c.tokens, (long long)s.c.hidden, s.align);
+      std::fflush(stdout);
+      std::_Exit(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  MOE_CUDA_CHECK(st);
+}
+
+// Classic then TMA on one config; prints its BENCH permute_impl line. Returns false when the TMA path
+// failed (the device may be unusable afterwards).
+bool compare_impls(Setup& s, double copy, double copy_gpu, cudaStream_t stream) {
+  const ImplTimes classic = time_impl(s, kPermuteRowsClassic, stream);
+  ImplTimes tma;
+  int identical = -1;  // -1: not compared
+  bool ok = true;
+  try {
+    run_watched(s, kPermuteRowsTma, stream);
+    identical = impl_output(s, kPermuteRowsClassic, stream) == impl_output(s, kPermuteRowsTma, stream) ? 1 : 0;
+    tma = time_impl(s, kPermuteRowsTma, stream);
+  } catch (const std::exception& e) {
+    std::printf("bench_permute: the TMA row move failed on T=%lld H=%lld align=%d: %s\n", (long long)s.c.tokens,
+                (long long)s.c.hidden, s.align, e.what());
+    ok = false;
+  }
+  set_permute_rows_impl(kPermuteRowsClassic);
+  const bool eligible = s.b.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(s.b.x) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(s.b.rows) % 16 == 0;
+  auto frac = [&](double ms, double ceiling) { return ms > 0 ? gbps(s.permute_bytes, ms) / ceiling : -1.0; };
+  std::printf("BENCH permute_impl T=%lld E=%d H=%lld k=%d align=%d dtype=bf16 classic_whole=%.4f tma_whole=%.4f "
+              "classic_gpu=%.4f tma_gpu=%.4f classic_rows=%.4f tma_rows=%.4f classic_ms=%.4f tma_ms=%.4f "
+              "classic_rows_ms=%.4f tma_rows_ms=%.4f tma_eligible=%d identical=%d copy_gbps=%.1f copy_gpu_gbps=%.1f\n",
+              (long long)s.c.tokens, s.c.experts, (long long)s.c.hidden, s.c.topk, s.align,
+              frac(classic.whole_ms, copy), frac(tma.whole_ms, copy), frac(classic.gpu_ms, copy_gpu),
+              frac(tma.gpu_ms, copy_gpu), frac(classic.rows_ms, copy_gpu), frac(tma.rows_ms, copy_gpu),
+              classic.whole_ms, tma.whole_ms, classic.rows_ms, tma.rows_ms, int(eligible), identical, copy, copy_gpu);
+  std::fflush(stdout);
+  return ok;
+}
+
 }  // namespace
 
 int main() {
@@ -249,6 +342,20 @@ int main() {
         results.push_back(bench(s, stream));
       }
     print_results(results, copy, copy_gpu);
+
+    // The same configs again (same routing and payload), classic against TMA.
+    const int default_impl = permute_rows_impl();
+    std::mt19937_64 gen2(2026);
+    Rng rng2(2026);
+    bool tma_ok = true;
+    for (const Config& c : kConfigs)
+      for (int align : kAligns)
+        if (tma_ok) {
+          Setup s(c, align, gen2, rng2, stream);
+          tma_ok = compare_impls(s, copy, copy_gpu, stream);
+        }
+    if (!tma_ok) std::printf("bench_permute: stopped comparing after the TMA row move failed\n");
+    set_permute_rows_impl(default_impl);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     cuda_free_raw(g_busy, 0);
   } catch (const std::exception& e) {

@@ -85,6 +85,16 @@ void permute_pad_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_
 void permute_map_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream);
 void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream);
 
+// Which kernel moves the rows (permute_pad_cuda, permute_rows_cuda); outputs are bit-identical either way.
+// classic: thread groups with vector loads and stores. tma: sm_90 bulk copies through shared memory,
+// used only when row_bytes and both x and rows are 16-byte aligned (else classic). auto: classic for
+// now. The default comes from FLOWMOE_PERMUTE_ROWS=auto|classic|tma, read at the first use (a bad
+// value throws, naming it); set_permute_rows_impl overrides it (a value outside these throws).
+// CUDA builds only (kernels/cuda/permute.cu).
+constexpr int kPermuteRowsAuto = 0, kPermuteRowsClassic = 1, kPermuteRowsTma = 2;
+void set_permute_rows_impl(int impl);
+int permute_rows_impl();
+
 // Backward of permute_pad: dtype (of d_rows and d_x) f32 or bf16, fp32 accumulation, j ascending.
 // d_x and d_rows may be null together; d_topk_prob and d_probs (f32) likewise.
 void permute_backward_cuda(DType dtype, const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int topk,

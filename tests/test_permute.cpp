@@ -349,3 +349,74 @@ TEST(PermuteCuda, BackwardMatchesCpu) {
     }
   }
 }
+
+#ifdef FLOWMOE_WITH_CUDA
+// Both row-move kernels of kernels/permute.h (classic; tma, sm_90 bulk copies) against the CPU reference,
+// bit for bit, with the device rows poisoned first. The shapes reach every TMA block geometry: 8, 4 and
+// 2 tokens per block, rows cut into 2 and 5 chunks (the stage ring refills), tokens routed to other
+// ranks only, a wide top-k, a side payload, the worst-case tail, zero tokens, and rows that are not a
+// multiple of 16 bytes (tma falls back to classic).
+TEST(PermuteCuda, RowKernelsBitIdentical) {
+  FLOWMOE_REQUIRE_CUDA();
+  struct Restore {
+    int impl;
+    ~Restore() { set_permute_rows_impl(impl); }
+  } restore{permute_rows_impl()};
+  std::mt19937_64 gen(test_seed());
+  Rng rng(test_seed());
+  struct RowCase {
+    CudaCase c;
+    std::vector<int> allowed;  // experts drawn from (all when empty)
+  };
+  const RowCase cases[] = {
+      {{0, 2, 4, 0, 4, 16, 64, DType::bf16, 0}, {}},              // zero tokens: only tail rows
+      {{1, 1, 1, 0, 1, 16, 8, DType::f32, 1}, {}},                // one 32-byte row
+      {{37, 2, 5, 0, 5, 16, 100, DType::bf16, 0}, {}},            // 200-byte rows: classic either way
+      {{1000, 6, 64, 16, 16, 128, 7, DType::e4m3, 1}, {}},        // 7-byte rows: classic either way
+      {{333, 4, 16, 4, 8, 32, 36, DType::f32, 2}, {}},            // 144-byte rows, experts of other ranks
+      {{3000, 2, 8, 0, 8, 16, 48, DType::e4m3, 3}, {}},           // FP8 payload with scale rows
+      {{200, 32, 64, 0, 64, 16, 64, DType::f32, 0}, {}},          // k = 32: 8 tokens x 32 destinations
+      {{2048, 8, 64, 0, 64, 128, 7168, DType::bf16, 56}, {}},     // 14 KiB rows: 2 tokens per block
+      {{513, 8, 64, 16, 16, 128, 4096, DType::bf16, 0}, {}},      // 8 KiB rows, most slots elsewhere
+      {{64, 4, 8, 0, 8, 16, 17000, DType::bf16, 2}, {}},          // 34000-byte rows: 2 chunks
+      {{41, 3, 6, 2, 3, 64, 40000, DType::f32, 1}, {}},           // 160000-byte rows: 5 chunks, 2 stages
+      {{29, 2, 8, 0, 4, 16, 40000, DType::f32, 0}, {4, 5, 6, 7}},  // nothing routed here: loads, no stores
+      {{300, 1, 4, 0, 4, 32, 1024, DType::bf16, 1}, {3}},          // one hot expert, three empty
+  };
+  for (const RowCase& rc : cases) {
+    const CudaCase& c = rc.c;
+    SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.topk << " E " << c.num_experts
+                                      << " local [" << c.expert_offset << ", +" << c.num_local << ") align "
+                                      << c.align << " H " << c.hidden << " " << dtype_name(c.dtype));
+    Tensor idx = random_topk(gen, c.num_tokens, c.topk, c.num_experts, rc.allowed);
+    Tensor x = random_tensor(rng, {c.num_tokens, c.hidden}).to(c.dtype), prob = random_tensor(rng, {c.num_tokens, c.topk});
+    Tensor side = c.side_cols ? random_tensor(rng, {c.num_tokens, c.side_cols}) : Tensor();
+    PermuteResult cpu = permute_pad(Variable(x), idx, Variable(prob), c.num_experts, c.align, c.expert_offset,
+                                    c.num_local, -1, side, 0.5);
+    Tensor gx = x.to(Device::cuda()), gidx = idx.to(Device::cuda()), gprob = prob.to(Device::cuda());
+    Tensor gside = side.defined() ? side.to(Device::cuda()) : Tensor();
+    for (int impl : {kPermuteRowsClassic, kPermuteRowsTma}) {
+      SCOPED_TRACE(impl == kPermuteRowsTma ? "tma" : "classic");
+      set_permute_rows_impl(impl);
+      poison_device_block(cpu.rows.shape(), c.dtype);
+      PermuteResult gpu = permute_pad(Variable(gx), gidx, Variable(gprob), c.num_experts, c.align, c.expert_offset,
+                                      c.num_local, -1, gside, 0.5);
+      EXPECT_TRUE(bit_equal(gpu.row_map, cpu.row_map));
+      EXPECT_TRUE(bit_equal(gpu.rows.data(), cpu.rows.data()));
+      EXPECT_TRUE(bit_equal(gpu.probs.data(), cpu.probs.data()));
+      if (side.defined()) {
+        EXPECT_TRUE(bit_equal(gpu.side_rows, cpu.side_rows));
+      }
+    }
+  }
+}
+
+TEST(PermuteCuda, RowKernelSelector) {
+  const int saved = permute_rows_impl();
+  set_permute_rows_impl(kPermuteRowsTma);
+  EXPECT_EQ(permute_rows_impl(), kPermuteRowsTma);
+  EXPECT_TRUE(throws_naming<Error>([] { set_permute_rows_impl(7); }, {"7"}));
+  EXPECT_EQ(permute_rows_impl(), kPermuteRowsTma);  // a rejected value changes nothing
+  set_permute_rows_impl(saved);
+}
+#endif

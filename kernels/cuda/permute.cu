@@ -15,76 +15,39 @@
 //      counts, segment starts and the final row_map; when its blocks cannot all be resident it falls back
 //      to route_count + route_scan + route_finalize. Each routing kernel triggers its dependent at once
 //      (start_dependents), so the row kernel becomes resident and loads its first slice of x early.
-//   2. the row move (kernels/cuda/permute_rows.cuh): permute_rows_kernel, one thread group per token,
-//      loads the token's row once (16-byte vectors where the row and pointers allow) and stores it to
-//      its k destination rows; the blocks after the token blocks write the pad rows and the tail.
+//   2. the row move, one of two kernels (permute_rows_impl(), kernels/permute.h):
+//      classic (kernels/cuda/permute_rows.cuh): permute_rows_kernel, one thread group per token, loads
+//      the token's row once (16-byte vectors where the row and pointers allow) and stores it to its k
+//      destination rows; the blocks after the token blocks write the pad rows and the tail.
+//      tma (kernels/cuda/permute_rows_tma.cuh, sm_90, 16-byte aligned rows only): bulk copies through
+//      shared memory, the block's rows loaded before the wait for the routing map.
 // The result is bit-identical to the CPU reference (it only moves bytes); bench/bench_permute.cpp
 // measures it against the device's D2D copy bandwidth, as a whole and as its two steps.
-// Backward (permute_backward_kernel): one group per token gathers and sums its k row gradients (fp32,
-// j ascending, one rounding).
+// Backward (permute_backward_kernel, permute_rows.cuh): one group per token gathers and sums its k row
+// gradients (fp32, j ascending, one rounding).
 // CPU reference: kernels/cpu/permute.cpp. Tests: tests/test_permute.cpp (GPU vs CPU, bit for bit).
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
 
 #include "engine/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/permute_route.cuh"
 #include "kernels/cuda/permute_rows.cuh"
+#include "kernels/cuda/permute_rows_tma.cuh"
 #include "kernels/permute.h"
 
 namespace flowmoe {
 
 namespace {
-
-// ---- backward -----------------------------------------------------------------------------------
-
-// d_x[t] = sum_j d_rows[row_map[t,j]] in fp32, j ascending; d_topk_prob[t,j] = d_probs[row_map[t,j]].
-template <class T, int VB>
-__global__ void __launch_bounds__(kRowThreads)
-    permute_backward_kernel(const int32_t* __restrict__ row_map /*[T,k]*/, int64_t num_tokens, int topk,
-                            int64_t nvec, int group, const T* __restrict__ d_rows /*[num_rows, nvec*n]*/,
-                            const float* __restrict__ d_probs /*[num_rows]*/, T* __restrict__ d_x /*[T, nvec*n]*/,
-                            float* __restrict__ d_topk_prob /*[T,k]*/) {
-  using P = Packed<T, VB>;
-  const int lane = threadIdx.x % group;
-  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  if (t >= num_tokens) return;
-  const int32_t* dest = row_map + t * topk;
-  if (d_topk_prob)
-    for (int j = lane; j < topk; j += group) d_topk_prob[t * topk + j] = dest[j] >= 0 ? d_probs[dest[j]] : 0.f;
-  if (!d_x) return;
-  for (int64_t v0 = 0; v0 < nvec; v0 += int64_t(group) * kUnroll) {
-    float acc[kUnroll][P::n] = {};
-    for (int j = 0; j < topk; ++j) {
-      const int32_t r = __ldg(dest + j);
-      if (r < 0) continue;
-      const T* src = d_rows + int64_t(r) * nvec * P::n;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = v0 + u * group + lane;
-        if (v < nvec) {
-          const P in = P::load(src + v * P::n);
-#pragma unroll
-          for (int k = 0; k < P::n; ++k) acc[u][k] += in.get(k);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t v = v0 + u * group + lane;
-      if (v < nvec) {
-        P out{};
-#pragma unroll
-        for (int k = 0; k < P::n; ++k) out.set(k, acc[u][k]);
-        out.store(d_x + (t * nvec + v) * P::n);
-      }
-    }
-  }
-}
 
 // ---- launch helpers -----------------------------------------------------------------------------
 
@@ -150,9 +113,35 @@ int sm_count() {
   return n;
 }
 
-void allow_smem(const void* kernel, size_t smem) {
+// Raises a kernel's dynamic shared memory limit once per device and size (a host call on every step
+// would add to the op's latency). carveout: also ask for the largest shared memory split of L1.
+void allow_smem(const void* kernel, size_t smem, bool carveout = false) {
+  if (smem <= 48 * 1024 && !carveout) return;
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> granted;  // (kernel, device) -> bytes allowed
+  int dev = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = granted.find({kernel, dev});
+  if (it != granted.end() && it->second >= smem) return;
+  if (carveout && it == granted.end())
+    MOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   if (smem > 48 * 1024)
     MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  granted[{kernel, dev}] = smem;
+}
+
+// FLOWMOE_PERMUTE_ROWS=auto|classic|tma, read at the first use unless set_permute_rows_impl came first.
+std::atomic<int> g_rows_impl{-1};
+
+int rows_impl_from_env() {
+  const char* v = std::getenv("FLOWMOE_PERMUTE_ROWS");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "auto") return kPermuteRowsAuto;
+  if (s == "classic") return kPermuteRowsClassic;
+  if (s == "tma") return kPermuteRowsTma;
+  FLOWMOE_THROW(Error, "FLOWMOE_PERMUTE_ROWS must be auto, classic or tma, got '", s, "'");
 }
 
 void check_permute_args(const RoutingDims& d, const PermuteBuffers& b) {
@@ -220,10 +209,34 @@ void launch_rows_vb(const RowArgs& a, cudaStream_t stream) {
   launch_dependent(permute_rows_kernel<VB>, unsigned(a.token_blocks + pad_blocks), kRowThreads, smem, stream, a);
 }
 
+// Grid: the token blocks, or enough blocks for the pad warps when there are few tokens; every block's
+// pad warps stride over the pad items.
+void launch_rows_tma(const RowArgs& a, int64_t row_bytes, cudaStream_t stream) {
+  TmaRowArgs ta{};
+  ta.a = a;
+  tma_geometry(ta, row_bytes);
+  const int64_t token_blocks = (a.num_tokens + ta.tokens_per_block - 1) / ta.tokens_per_block;
+  const int64_t pad_blocks = (std::min<int64_t>(a.num_pad_items, 4096) + kTmaPadWarps - 1) / kTmaPadWarps;
+  const int64_t blocks = std::max<int64_t>({token_blocks, pad_blocks, 1});
+  ta.num_pad_warps = blocks * kTmaPadWarps;
+  const size_t smem = tma_smem_bytes(ta);
+  allow_smem(reinterpret_cast<const void*>(permute_rows_tma_kernel), smem, true);
+  launch_dependent(permute_rows_tma_kernel, unsigned(blocks), kTmaThreads, smem, stream, ta);
+}
+
+// The TMA kernel when selected and possible: 16-byte rows and base addresses, and an sm_90 build.
+bool use_tma_rows(const PermuteBuffers& b) {
+  // auto is classic until bench_permute's permute_impl lines show the TMA kernel ahead on every shape.
+  if (permute_rows_impl() != kPermuteRowsTma) return false;
+  return b.row_bytes > 0 && b.row_bytes % 16 == 0 && aligned_to(b.x, 16) && aligned_to(b.rows, 16) &&
+         tma_rows_supported();
+}
+
 // Step 2: the row move, after step 1 in the same stream.
 void launch_rows(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream) {
   if (d.num_tokens == 0 && d.num_rows == 0) return;
-  const int vb = vector_bytes(b.row_bytes, b.x, b.rows);
+  const bool tma = use_tma_rows(b);
+  const int vb = tma ? 16 : vector_bytes(b.row_bytes, b.x, b.rows);
   RowArgs a{};
   a.x = b.x, a.topk_prob = b.topk_prob, a.side = b.side;
   a.row_map = b.row_map, a.tokens = b.tokens_per_expert, a.seg = b.segment_starts;
@@ -236,6 +249,7 @@ void launch_rows(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t str
                                       std::min<int64_t>(d.num_rows, 1024));
   a.topk = d.topk, a.num_local = d.num_local_experts, a.align = d.align_size;
   a.side_cols = b.side ? b.side_cols : 0, a.side_pad_value = b.side_pad_value;
+  if (tma) return launch_rows_tma(a, int64_t(b.row_bytes), stream);
   switch (vb) {
     case 16: return launch_rows_vb<16>(a, stream);
     case 8: return launch_rows_vb<8>(a, stream);
@@ -248,6 +262,23 @@ void launch_rows(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t str
 }  // namespace
 
 // ---- public launchers ---------------------------------------------------------------------------
+
+void set_permute_rows_impl(int impl) {
+  FLOWMOE_CHECK(impl == kPermuteRowsAuto || impl == kPermuteRowsClassic || impl == kPermuteRowsTma, Error,
+                "set_permute_rows_impl: ", impl,
+                " is not kPermuteRowsAuto (0), kPermuteRowsClassic (1) or kPermuteRowsTma (2)");
+  g_rows_impl.store(impl);
+}
+
+int permute_rows_impl() {
+  int v = g_rows_impl.load();
+  if (v < 0) {
+    const int from_env = rows_impl_from_env();
+    g_rows_impl.compare_exchange_strong(v, from_env);  // a concurrent set_permute_rows_impl wins
+    v = g_rows_impl.load();
+  }
+  return v;
+}
 
 size_t permute_workspace_bytes(const RoutingDims& d) {
   const int64_t chunks = (d.num_tokens * d.topk + kChunk - 1) / kChunk;
