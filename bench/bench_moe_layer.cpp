@@ -8,8 +8,10 @@
 // swiglu → linear, forward + backward through autograd): the ratio layer/dense is the price of
 // routing, permutation and splitting by expert; and the bf16 recipe itself (speedup, memory ratio).
 // Ceilings (DESIGN.md §6): BF16 grouped GEMM 679 TFLOP/s; blockwise FP8 via cuBLASLt 1275 TFLOP/s.
-// Peak memory: the caching allocator's peak live bytes over one forward + backward, above what was
-// live before it (weights, inputs). Times: CUDA events, median of 10 after 3 warm-ups; random data.
+// Peak memory: the caching allocator's peak live bytes over one forward + backward from a start with
+// no gradients held, above what was live before it (weights, inputs); "act" is that peak less the
+// step's gradient outputs (f32 weight grads, d_x), i.e. activations and temporaries.
+// Times: CUDA events, median of 10 after 3 warm-ups; random data.
 #include <algorithm>
 #include <cstdio>
 #include <vector>
@@ -49,8 +51,8 @@ int main() {
   }
   const Device dev = Device::cuda(0);
   std::printf("bench_moe_layer: MoE block fwd+bwd, routed experts only, median of 10\n");
-  std::printf("%-24s %-14s %4s %9s %9s %9s %9s %8s %6s %9s %9s\n", "T,H,F,E,k", "recipe", "rcmp", "layer ms",
-              "TFLOP/s", "of ceil", "vs bf16", "layer/dn", "syncs", "peak GiB", "peak/bf16");
+  std::printf("%-24s %-14s %4s %9s %9s %8s %8s %8s %6s %9s %9s %8s %8s\n", "T,H,F,E,k", "recipe", "rcmp", "layer ms",
+              "TFLOP/s", "of ceil", "vs bf16", "layer/dn", "syncs", "peak GiB", "peak/bf16", "act GiB", "act/bf16");
   for (const Shape5& s : {Shape5{16384, 2048, 1408, 64, 6}, Shape5{8192, 1024, 512, 32, 4}}) {
     ModelConfig cfg = layer_config(s);
     Rng rng(2);
@@ -73,7 +75,7 @@ int main() {
       dense_ms = median_ms(dense, current_stream(0), 3, 10);
     }
 
-    double bf16_ms = 0, bf16_peak = 0;
+    double bf16_ms = 0, bf16_peak = 0, bf16_act = 0;
     for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
       for (bool recompute : {false, true}) {
         MoeOptions opt(16);
@@ -91,13 +93,21 @@ int main() {
           syncs1 = num_host_syncs();
         };
         const double layer_ms = median_ms(step, current_stream(0), 3, 10);
+        // Peak over one step from a clean start (no gradients held), and the part of it that is not
+        // the step's own gradient outputs (the f32 weight grads and d_x, the same in every recipe):
+        // the activations and temporaries that the recipe and recompute change.
+        for (Variable p : f.params()) p.zero_grad();
+        xv.zero_grad();
         cuda_synchronize(0);
         reset_peak_memory(dev);
         const size_t live0 = memory_stats(dev).live_bytes;
         step();
         cuda_synchronize(0);
+        size_t grad_bytes = xv.grad().nbytes();
+        for (const Variable& p : f.params()) grad_bytes += p.grad().defined() ? p.grad().nbytes() : 0;
         const double peak_gib = double(memory_stats(dev).peak_bytes - live0) / double(1ull << 30);
-        if (recipe == MoeRecipe::bf16 && !recompute) bf16_ms = layer_ms, bf16_peak = peak_gib;
+        const double act_gib = peak_gib - double(grad_bytes) / double(1ull << 30);
+        if (recipe == MoeRecipe::bf16 && !recompute) bf16_ms = layer_ms, bf16_peak = peak_gib, bf16_act = act_gib;
 
         const double flops = 3.0 * 2.0 * double(s.T * s.k) * double(s.H * 2 * s.F + s.F * s.H);
         const double tflops = flops / (layer_ms * 1e-3) / 1e12;
@@ -105,15 +115,17 @@ int main() {
         char name[64];
         std::snprintf(name, sizeof name, "%lld,%lld,%lld,%lld,%lld", (long long)s.T, (long long)s.H, (long long)s.F,
                       (long long)s.E, (long long)s.k);
-        std::printf("%-24s %-14s %4s %9.3f %9.1f %9.3f %9.2f %8.2f %6llu %9.2f %9.2f\n", name, moe_recipe_name(recipe),
-                    recompute ? "yes" : "no", layer_ms, tflops, tflops / ceiling, bf16_ms / layer_ms,
-                    layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib, peak_gib / bf16_peak);
+        std::printf("%-24s %-14s %4s %9.3f %9.1f %8.3f %8.2f %8.2f %6llu %9.2f %9.2f %8.2f %8.2f\n", name,
+                    moe_recipe_name(recipe), recompute ? "yes" : "no", layer_ms, tflops, tflops / ceiling,
+                    bf16_ms / layer_ms, layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib,
+                    peak_gib / bf16_peak, act_gib, act_gib / bf16_act);
         std::printf("BENCH moe_layer %s recompute=%s T=%lld H=%lld F=%lld E=%lld k=%lld ms=%.3f tflops=%.1f "
                     "frac_ceiling=%.3f speedup_vs_bf16=%.2f ratio_dense=%.2f host_syncs=%llu peak_gib=%.2f "
-                    "peak_vs_bf16=%.2f\n",
+                    "peak_vs_bf16=%.2f act_gib=%.2f act_vs_bf16=%.2f\n",
                     moe_recipe_name(recipe), recompute ? "yes" : "no", (long long)s.T, (long long)s.H, (long long)s.F,
                     (long long)s.E, (long long)s.k, layer_ms, tflops, tflops / ceiling, bf16_ms / layer_ms,
-                    layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib, peak_gib / bf16_peak);
+                    layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib, peak_gib / bf16_peak, act_gib,
+                    act_gib / bf16_act);
       }
   }
   return 0;

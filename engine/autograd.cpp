@@ -2,6 +2,7 @@
 
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
@@ -211,10 +212,11 @@ void backward(const std::vector<Variable>& outputs, const std::vector<Tensor>& d
     for (size_t i = 0; i < d_in.size(); ++i) {
       const Edge& e = n->next[i];
       if (e.leaf) {
-        // A leaf's first gradient is copied: vjps may hand the same tensor to several inputs, and
-        // optimizers change .grad() in place.
+        // A leaf's first gradient is copied unless nothing else refers to it: vjps may hand the same
+        // tensor to several inputs, and optimizers may change .grad() in place. A fresh result (an
+        // expert weight's wgrad) is taken as is, saving a full copy of it.
         if (!e.leaf->grad.defined() && d_in[i].defined())
-          e.leaf->grad = d_in[i].clone();
+          e.leaf->grad = d_in[i].is_sole_owner() ? std::move(d_in[i]) : d_in[i].clone();
         else
           accumulate(e.leaf->grad, d_in[i]);
       } else if (e.fn) {

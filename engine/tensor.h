@@ -106,6 +106,8 @@ class Tensor {
   Tensor with_scales(const Tensor& scale_inv, ScalingMode mode, std::vector<int64_t> rows_per_segment = {}) const;
 
   bool shares_storage_with(const Tensor& o) const { return storage_ && storage_ == o.storage_; }
+  // No other Tensor (view or copy) refers to this storage: handing it over cannot alias anything.
+  bool is_sole_owner() const { return storage_ && storage_.use_count() == 1; }
 
  private:
   std::shared_ptr<Storage> storage_;

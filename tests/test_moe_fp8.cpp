@@ -61,8 +61,9 @@ LayerRun run_layer(const ModelConfig& c, const MoeOptions& o, const Tensor& x, c
 }  // namespace
 
 // FP8 against the f32 layer on the CPU: same routing (the router runs in fp32 on the same x), so
-// the difference is the FP8 rounding of activations, gradients and weights (e4m3: 2^-4 relative
-// per element, averaging down over the GEMMs' sums).
+// the difference is the FP8 rounding of activations, gradients and weights (e4m3: up to 2^-4
+// relative per element and operand, averaging down over the GEMMs' sums; with T = 1 a weight
+// gradient is one outer product and nothing averages, hence the looser bound on gradients).
 TEST(MoeFp8, CloseToTheF32Layer) {
   Rng rng(test_seed());
   for (int64_t T : {0, 1, 37, 200}) {
@@ -77,10 +78,10 @@ TEST(MoeFp8, CloseToTheF32Layer) {
         EXPECT_EQ(got.y.numel(), 0);
         continue;
       }
-      EXPECT_LT(rel_error(got.y, ref.y), 0.05);
+      EXPECT_LT(rel_error(got.y, ref.y), 0.06);
       EXPECT_LT(rel_error(got.dx, ref.dx), 0.08);
       for (size_t i = 0; i < ref.grads.size(); ++i)
-        EXPECT_LT(rel_error(got.grads[i], ref.grads[i]), 0.1) << "parameter " << i;
+        EXPECT_LT(rel_error(got.grads[i], ref.grads[i]), T == 1 ? 0.2 : 0.1) << "parameter " << i;
     }
   }
 }
