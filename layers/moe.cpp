@@ -102,6 +102,14 @@ Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const st
   return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), counts, wgrad, "fc2");
 }
 
+// The permuted buffer's rows: the worst case, rounded up to a multiple of 16 for the FP8 GEMMs (their
+// leading dimension over the whole buffer, in wgrad, must be a multiple of 16).
+int64_t MoeLayer::permuted_rows(int64_t num_tokens) const {
+  const int64_t worst =
+      permute_worst_case_rows(num_tokens, router_.top_k, int(num_experts_), options_.align_size);
+  return options_.recipe == MoeRecipe::bf16 ? worst : (worst + 15) / 16 * 16;
+}
+
 Variable MoeLayer::forward(const Variable& x, DType compute) const {
   const Shape in_shape = x.shape();
   const int64_t H = in_shape.back();
@@ -121,13 +129,15 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   if (options_.recipe == MoeRecipe::fp8_flow) {
     // Quantize once, before dispatch; the probs travel with the rows and are applied in SwiGLU.
     Variable xq = quantize_rowwise(x2, "dispatch: x");
-    PermuteResult p = permute_pad(xq, r.topk_idx, topk_prob, int(num_experts_), options_.align_size);
+    PermuteResult p = permute_pad(xq, r.topk_idx, topk_prob, int(num_experts_), options_.align_size, 0, -1,
+                                  permuted_rows(x2.size(0)));
     // THE host synchronisation of this layer: fc1 and fc2 need each expert's M on the host.
     std::vector<int64_t> counts = read_counts_once(p.padded_tokens_per_expert);
     y = unpermute_unpad_fp8_grad(experts(p.rows, p.probs, counts), p);
   } else {
     // Probabilities are applied once, at the unpermute (fp32 accumulation), not in the permute.
-    PermuteResult p = permute_pad(x2, r.topk_idx, Variable(), int(num_experts_), options_.align_size);
+    PermuteResult p = permute_pad(x2, r.topk_idx, Variable(), int(num_experts_), options_.align_size, 0, -1,
+                                  permuted_rows(x2.size(0)));
     // THE host synchronisation of this layer: fc1 and fc2 need each expert's M on the host.
     std::vector<int64_t> counts = read_counts_once(p.padded_tokens_per_expert);
     y = unpermute_unpad(experts(p.rows, Variable(), counts), p, topk_prob);  // [T, H]

@@ -64,6 +64,7 @@ class MoeLayer {
   };
   const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   Variable experts(const Variable& rows, const Variable& probs, const std::vector<int64_t>& counts) const;
+  int64_t permuted_rows(int64_t num_tokens) const;
 
   RouterConfig router_;
   int64_t num_experts_, intermediate_;

@@ -11,6 +11,7 @@
 // §4 measured 1.3e-4 / 1.6e-3 against an exact reference). Tail rows and empty experts must be exactly 0.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -416,6 +417,25 @@ void check_wgrad(std::mt19937_64& gen, const CudaCase& c) {
 }
 
 }  // namespace
+
+// What cuBLASLt's block-scaled GEMM accepts as one expert's row count (the VEC128 operand's outer
+// size): printed as a table, so docs/PERF.md and the recipes' alignment rule rest on a measurement.
+TEST(Fp8GroupedLinearCuda, RowCountSupportProbe) {
+  FLOWMOE_REQUIRE_CUDA();
+  std::mt19937_64 gen(test_seed());
+  for (int64_t r : {16, 32, 48, 64, 80, 96, 112, 128, 144, 208, 256, 384, 1024, 1408}) {
+    Problem p = make_problem(gen, {r}, r, 256, 256);
+    std::string verdict;
+    try {
+      Tensor got = fprop_cuda(p, DType::bf16), ref = fprop_cpu(p, DType::bf16);
+      double err = rel_error(got, ref);
+      verdict = err <= 2e-3 ? "ok" : "WRONG (rel error " + std::to_string(err) + ")";
+    } catch (const CudaError& e) {
+      verdict = std::string("refused: ") + e.what();
+    }
+    std::printf("[fp8 row-count probe] rows %5lld: %s\n", (long long)r, verdict.c_str());
+  }
+}
 
 TEST(Fp8GroupedLinearCuda, FpropMatchesCpu) {
   FLOWMOE_REQUIRE_CUDA();

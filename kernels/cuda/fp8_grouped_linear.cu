@@ -95,12 +95,12 @@ int64_t bucket_of(int64_t v) {
   return (v + step - 1) / step * step;
 }
 PlanKey bucket_key(PlanKey key) {
-  if (!key.wgrad) {
-    key.n = bucket_of(key.n);
-  } else {  // the inner dim is the row count; lda = ldb = m_total moves every step too (and stays >= k)
-    key.k = bucket_of(key.k);
-    key.lda = key.ldb = bucket_of(key.lda);
-  }
+  // fprop/dgrad: no borrowing. An H200 run gave silently wrong rows (zeros) when an algorithm chosen
+  // for one row count ran another; every row count gets its own heuristic answer instead.
+  if (!key.wgrad) return key;
+  // wgrad: the inner dim is the row count; lda = ldb = m_total moves every step too (and stays >= k).
+  key.k = bucket_of(key.k);
+  key.lda = key.ldb = bucket_of(key.lda);
   return key;
 }
 
