@@ -437,6 +437,34 @@ TEST(Fp8GroupedLinearCuda, RowCountSupportProbe) {
   }
 }
 
+// Which scale layouts cuBLASLt reads (printed): the activation's VEC128 scales as [K/128][rows] or
+// [rows][K/128], the weight's 128x128 scales as [N/128][K/128] or [K/128][N/128]. Dimensions differ so
+// a transposed read cannot pass by accident.
+TEST(Fp8GroupedLinearCuda, ScaleLayoutProbe) {
+  FLOWMOE_REQUIRE_CUDA();
+  std::mt19937_64 gen(test_seed());
+  const int64_t rows = 256, n = 384, k = 512, kb = k / 128, nb = n / 128;
+  Problem p = make_problem(gen, {rows}, rows, n, k);
+  Tensor ref = fprop_cpu(p, DType::f32);
+  for (bool b_rows_major : {false, true})
+    for (bool a_transposed : {false, true}) {
+      Problem q = p;
+      if (b_rows_major) {  // feed the launcher's [rows][kb] -> [kb][rows] re-layout so it produces [rows][kb]
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t b = 0; b < kb; ++b) {
+            const int64_t L = b * rows + r, rr = L / kb, bb = L % kb;
+            q.x.s[size_t(r * kb + b)] = p.x.s[size_t(rr * kb + bb)];
+          }
+      }
+      if (a_transposed)
+        for (int64_t i = 0; i < nb; ++i)
+          for (int64_t j = 0; j < kb; ++j) q.w.s[size_t(j * nb + i)] = p.w.s[size_t(i * kb + j)];
+      Tensor got = fprop_cuda(q, DType::f32);
+      std::printf("[fp8 scale-layout probe] B %s, A %s: rel error %.3g\n", b_rows_major ? "[rows][K/128]" : "[K/128][rows]",
+                  a_transposed ? "[K/128][N/128]" : "[N/128][K/128]", rel_error(got, ref));
+    }
+}
+
 TEST(Fp8GroupedLinearCuda, FpropMatchesCpu) {
   FLOWMOE_REQUIRE_CUDA();
   std::mt19937_64 gen(test_seed());
