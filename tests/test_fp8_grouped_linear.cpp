@@ -423,18 +423,22 @@ void check_wgrad(std::mt19937_64& gen, const CudaCase& c) {
 TEST(Fp8GroupedLinearCuda, RowCountSupportProbe) {
   FLOWMOE_REQUIRE_CUDA();
   std::mt19937_64 gen(test_seed());
-  for (int64_t r : {16, 32, 48, 64, 80, 96, 112, 128, 144, 208, 256, 384, 1024, 1408}) {
-    Problem p = make_problem(gen, {r}, r, 256, 256);
-    std::string verdict;
-    try {
-      Tensor got = fprop_cuda(p, DType::bf16), ref = fprop_cpu(p, DType::bf16);
-      double err = rel_error(got, ref);
-      verdict = err <= 2e-3 ? "ok" : "WRONG (rel error " + std::to_string(err) + ")";
-    } catch (const CudaError& e) {
-      verdict = std::string("refused: ") + e.what();
+  struct Dims { int64_t n, k; DType out; };
+  for (Dims d : {Dims{256, 256, DType::f32}, Dims{384, 512, DType::bf16}, Dims{256, 512, DType::f32},
+                 Dims{384, 256, DType::f32}, Dims{256, 256, DType::bf16}})
+    for (int64_t r : {16, 32, 48, 128, 208, 256, 1024}) {
+      Problem p = make_problem(gen, {r}, r, d.n, d.k);
+      std::string verdict;
+      try {
+        Tensor got = fprop_cuda(p, d.out), ref = fprop_cpu(p, d.out);
+        double err = rel_error(got, ref);
+        verdict = err <= 2e-3 ? "ok" : "WRONG (rel error " + std::to_string(err) + ")";
+      } catch (const CudaError& e) {
+        verdict = std::string("refused: ") + e.what();
+      }
+      std::printf("[fp8 row-count probe] N %lld K %lld %s rows %5lld: %s\n", (long long)d.n, (long long)d.k,
+                  dtype_name(d.out), (long long)r, verdict.substr(0, 60).c_str());
     }
-    std::printf("[fp8 row-count probe] rows %5lld: %s\n", (long long)r, verdict.c_str());
-  }
 }
 
 // Which scale layouts cuBLASLt reads (printed): the activation's VEC128 scales as [K/128][rows] or
