@@ -17,8 +17,10 @@
 namespace flowmoe {
 
 // Bytes of the fprop/dgrad workspace: x's scales re-laid out per expert as cuBLASLt reads them
-// ([k/128][r_e], rows contiguous), m_total · ceil(k/128) floats.
-size_t fp8_grouped_gemm_workspace_bytes(int64_t m_total, int64_t k);
+// ([k/128][r_e], rows contiguous: m_total · ceil(k/128) floats), then the weights' 128x128 scale grids
+// with the K-block stride padded to a multiple of 4 ([E][n/128][round_up(k/128, 4)]): measured on the
+// H200, cuBLASLt 13 reads BLK128x128 scales with that stride (k/128 = 2 or 11 gave wrong results).
+size_t fp8_grouped_gemm_workspace_bytes(int64_t m_total, int64_t k, int64_t num_experts, int64_t n);
 
 // ---- CPU reference ----------------------------------------------------------------------------
 // Dequantizes each expert's operands (e4m3_to_f32(q) · scale_inv) to f32 and runs gemm_cpu (fp32
@@ -42,7 +44,7 @@ void fp8_grouped_wgrad_cpu(const uint8_t* dy_t /*[n, m_total] e4m3*/, const floa
 // multiples of 16 (permute_pad with align_size >= 16); device pointers 16-byte aligned.
 // Host cost: a cached plan per exact problem; the algorithm is chosen per bucket of row counts.
 
-// workspace: fp8_grouped_gemm_workspace_bytes(m_total, k) bytes on the device (may be null when no
+// workspace: fp8_grouped_gemm_workspace_bytes(m_total, k, num_experts, n) bytes on the device (may be null when no
 // expert has rows), used by the scale re-layout kernel that runs before the GEMMs on `stream`.
 void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x /*[m_total, k] e4m3*/,
                            const float* x_scale_inv /*[m_total, k/128]*/, const uint8_t* w /*[E, n, k] e4m3*/,

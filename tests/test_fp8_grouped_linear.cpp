@@ -326,8 +326,9 @@ TEST(Fp8GroupedLinearCpu, Errors) {
         fp8_grouped_wgrad_cpu(q.data(), s.data(), q.data(), s.data(), y.data(), over.data(), 2, 64, 32, 32, false);
       },
       {"80", "64"}));
-  EXPECT_EQ(fp8_grouped_gemm_workspace_bytes(256, 384), size_t(256 * 3 * 4));
-  EXPECT_EQ(fp8_grouped_gemm_workspace_bytes(0, 384), size_t(0));
+  // x scales (256·3, rounded up to 64 floats) + 2 experts · (512/128 = 4) rows of round_up(3, 4) weight scales.
+  EXPECT_EQ(fp8_grouped_gemm_workspace_bytes(256, 384, 2, 512), size_t((768 + 2 * 4 * 4) * 4));
+  EXPECT_EQ(fp8_grouped_gemm_workspace_bytes(0, 384, 0, 128), size_t(0));
 }
 
 // ---- CUDA --------------------------------------------------------------------------------------
@@ -341,7 +342,7 @@ Tensor fprop_cuda(const Problem& p, DType out) {
   Tensor x = dev(host_tensor(p.x.q, DType::e4m3)), xs = dev(host_tensor(p.x.s, DType::f32));
   Tensor w = dev(host_tensor(p.w.q, DType::e4m3)), ws = dev(host_tensor(p.w.s, DType::f32));
   Tensor y = Tensor::full({p.m_total, p.n}, std::numeric_limits<double>::quiet_NaN(), out, Device::cuda());
-  Tensor work = Tensor::empty({int64_t(fp8_grouped_gemm_workspace_bytes(p.m_total, p.k))}, DType::u8, Device::cuda());
+  Tensor work = Tensor::empty({int64_t(fp8_grouped_gemm_workspace_bytes(p.m_total, p.k, int64_t(p.rows.size()), p.n))}, DType::u8, Device::cuda());
   fp8_grouped_gemm_cuda(out, x.data<uint8_t>(), xs.data<float>(), w.data<uint8_t>(), ws.data<float>(), y.raw_data(),
                         p.rows.data(), int64_t(p.rows.size()), p.m_total, p.n, p.k, work.raw_data(), current_stream(0));
   return y.to(Device::cpu());

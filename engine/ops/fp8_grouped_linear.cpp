@@ -43,7 +43,7 @@ class Fp8GroupedGemm : public BackwardPrimitive {
     Dims d = check(in);
     const Device dev = in[0].device();
     Tensor y = Tensor::empty({d.m, d.n}, DType::bf16, dev);
-    Tensor ws = Tensor::empty({int64_t(fp8_grouped_gemm_workspace_bytes(d.m, d.k))}, DType::u8, dev);
+    Tensor ws = Tensor::empty({int64_t(fp8_grouped_gemm_workspace_bytes(d.m, d.k, int64_t(rows_.size()), d.n))}, DType::u8, dev);
     const Fp8Scales &sa = *in[0].fp8_scales(), &sw = *in[1].fp8_scales();
     fp8_grouped_gemm_cuda(DType::bf16, in[0].data<uint8_t>(), sa.scale_inv.data<float>(), in[1].data<uint8_t>(),
                           sw.scale_inv.data<float>(), y.raw_data(), rows_.data(), int64_t(rows_.size()), d.m, d.n, d.k,

@@ -59,6 +59,17 @@ __global__ void scale_relayout_kernel(float* __restrict__ ws, const float* __res
   }
 }
 
+// w_pad[e][i][j] = w[e][i][j] for j < kb, 1 in the padding: the 128x128 scale grid with its K-block
+// stride padded to kb4 = round_up(kb, 4), the stride cuBLASLt reads (see the header).
+__global__ void weight_scale_pad_kernel(float* __restrict__ w_pad, const float* __restrict__ w, int64_t num_rows,
+                                        int64_t kb, int64_t kb4) {
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < num_rows * kb4;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = idx / kb4, j = idx % kb4;
+    w_pad[idx] = j < kb ? w[row * kb + j] : 1.f;
+  }
+}
+
 // ---- cuBLASLt plans ---------------------------------------------------------------------------
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
@@ -95,12 +106,12 @@ int64_t bucket_of(int64_t v) {
   return (v + step - 1) / step * step;
 }
 PlanKey bucket_key(PlanKey key) {
-  // fprop/dgrad: no borrowing. An H200 run gave silently wrong rows (zeros) when an algorithm chosen
-  // for one row count ran another; every row count gets its own heuristic answer instead.
-  if (!key.wgrad) return key;
-  // wgrad: the inner dim is the row count; lda = ldb = m_total moves every step too (and stays >= k).
-  key.k = bucket_of(key.k);
-  key.lda = key.ldb = bucket_of(key.lda);
+  if (!key.wgrad) {
+    key.n = bucket_of(key.n);
+  } else {  // the inner dim is the row count; lda = ldb = m_total moves every step too (and stays >= k)
+    key.k = bucket_of(key.k);
+    key.lda = key.ldb = bucket_of(key.lda);
+  }
   return key;
 }
 
@@ -346,6 +357,14 @@ void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x, const float* x_sca
     scale_relayout_kernel<<<grid, dim3(32, 8), 0, stream>>>(ws, x_scale_inv, chunk, kb);
     MOE_CUDA_CHECK_LAUNCH();
   }
+  const int64_t kb4 = (kb + 3) / 4 * 4;
+  float* w_scales = ws + (m_total * kb + 63) / 64 * 64;
+  {
+    const int64_t num = num_experts * nb * kb4;
+    weight_scale_pad_kernel<<<unsigned(std::min<int64_t>((num + 255) / 256, 4096)), 256, 0, stream>>>(
+        w_scales, w_scale_inv, num_experts * nb, kb, kb4);
+    MOE_CUDA_CHECK_LAUNCH();
+  }
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t rows = rows_per_expert[e];
@@ -355,7 +374,7 @@ void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x, const float* x_sca
       void* d = static_cast<char*>(y) + size_t(off * n) * es;
       const PlanKey key{n, rows, k, k, k, n, false, false, out_dtype,  // D [n, rows] = y_eᵀ
                         alignment_of(a), alignment_of(b), alignment_of(d)};
-      run_gemm(key, a, w_scale_inv + e * nb * kb, b, ws + off * kb, d, stream);
+      run_gemm(key, a, w_scales + e * nb * kb4, b, ws + off * kb, d, stream);
     }
     off += rows;
   }
