@@ -458,8 +458,9 @@ TEST(Fp8TransposeCuda, BitIdenticalToCpu) {
   // The MoE shape: 64 ragged experts (every alignment path) and 64 aligned ones of 64 rows.
   std::uniform_int_distribution<int64_t> rows(0, 120);
   std::vector<int64_t> ragged(64), aligned(64, 64);
-  for (int64_t& r : ragged) r = rows(gen);
-  cases.push_back({4096, 7168, ragged});
+  int64_t ragged_total = 0;
+  for (int64_t& r : ragged) ragged_total += (r = rows(gen));
+  cases.push_back({std::max<int64_t>(4096, ragged_total), 7168, ragged});  // the segments must fit in M
   cases.push_back({4096, 7168, aligned});
   cases.push_back({4096, 7168, {4096}});
   cases.push_back({1000, 7168 + 16, {999}});  // M not a multiple of 16: byte stores

@@ -19,7 +19,7 @@ namespace flowmoe {
 // train.device resolved: auto picks cuda:0 when a GPU is usable. Throws ConfigError naming
 // train.device when cuda is asked for and not available.
 Device resolve_device(const Config& cfg);
-// bf16 on the GPU (precision.recipe bf16), f32 on the CPU.
+// bf16 on the GPU (every recipe: FP8 is confined to the MoE expert GEMMs), f32 on the CPU.
 DType compute_dtype_for(const Config& cfg, Device device);
 
 // Mean loss over `num_batches` validation micro-batches (no graph is recorded).
