@@ -81,7 +81,7 @@ struct PrimitiveNode : Node {
   std::vector<bool> needs_grad;
   bool released = false;
   std::string name() const override { return prim->name(); }
-  std::vector<Tensor> backward(const std::vector<Tensor>& d_outputs) override {
+  std::vector<Tensor> backward(std::vector<Tensor> d_outputs) override {
     FLOWMOE_CHECK(!released, Error, "backward through ", prim->name(),
                   " a second time: its saved tensors were freed (pass retain_graph = true)");
     return prim->vjp(saved_inputs, saved_outputs, d_outputs, needs_grad);
@@ -152,7 +152,7 @@ std::vector<Variable> apply(std::shared_ptr<Primitive> p, const std::vector<Vari
 
 // ---- backward ---------------------------------------------------------------------------------
 
-void backward(const std::vector<Variable>& outputs, const std::vector<Tensor>& d_outputs, bool retain_graph) {
+void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool retain_graph) {
   FLOWMOE_CHECK(outputs.size() == d_outputs.size(), Error, "backward: ", outputs.size(), " outputs but ",
                 d_outputs.size(), " gradients");
   NoGradGuard no_grad;  // gradients are values, not new graph
@@ -177,6 +177,10 @@ void backward(const std::vector<Variable>& outputs, const std::vector<Tensor>& d
     accumulate(slot[size_t(v.impl()->output_nr)], d_outputs[i]);
     roots.push_back(v.impl()->grad_fn);
   }
+  // Seeded: what the caller moved in is not needed any more (checkpoint's recomputed outputs and
+  // their incoming gradients would otherwise live through the whole backward).
+  outputs.clear();
+  d_outputs.clear();
 
   // Count dependencies over the reachable graph (iterative DFS: graphs can be deep).
   std::unordered_set<Node*> seen;
@@ -205,7 +209,7 @@ void backward(const std::vector<Variable>& outputs, const std::vector<Tensor>& d
     d_out.resize(n->out_shapes.size());
     for (size_t i = 0; i < d_out.size(); ++i)  // outputs nobody used get zero cotangents
       if (!d_out[i].defined()) d_out[i] = Tensor::zeros(n->out_shapes[i], n->out_dtypes[i], n->device);
-    std::vector<Tensor> d_in = n->backward(d_out);
+    std::vector<Tensor> d_in = n->backward(std::move(d_out));
     if (!retain_graph) n->release();
     FLOWMOE_CHECK(d_in.size() == n->next.size(), Error, n->name(), ": vjp returned ", d_in.size(),
                   " gradients for ", n->next.size(), " inputs");
@@ -247,7 +251,7 @@ struct CheckpointNode : Node {
   std::vector<bool> input_requires_grad;
   bool released = false;
   std::string name() const override { return "checkpoint"; }
-  std::vector<Tensor> backward(const std::vector<Tensor>& d_outputs) override {
+  std::vector<Tensor> backward(std::vector<Tensor> d_outputs) override {
     FLOWMOE_CHECK(!released, Error, "backward through a checkpoint a second time (pass retain_graph = true)");
     EnableGradGuard grad_on;  // recompute with recording on, then backprop the fresh graph
     std::vector<Variable> fresh;
@@ -256,7 +260,7 @@ struct CheckpointNode : Node {
     std::vector<Variable> outs = fn(fresh);
     FLOWMOE_CHECK(outs.size() == d_outputs.size(), Error, "checkpoint: recompute gave ", outs.size(),
                   " outputs, forward gave ", d_outputs.size());
-    flowmoe::backward(outs, d_outputs, false);
+    flowmoe::backward(std::move(outs), std::move(d_outputs), false);
     std::vector<Tensor> d_in;
     for (auto& v : fresh) d_in.push_back(v.defined() ? v.grad() : Tensor());
     return d_in;

@@ -110,8 +110,9 @@ class Variable {
   std::shared_ptr<VariableImpl> impl_;
 };
 
-// Backpropagates from several outputs at once (used by checkpoint).
-void backward(const std::vector<Variable>& outputs, const std::vector<Tensor>& d_outputs, bool retain_graph = false);
+// Backpropagates from several outputs at once (used by checkpoint). Both vectors are taken by value
+// and dropped once the graph is seeded, so a caller that moves them in frees them early.
+void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool retain_graph = false);
 
 // ---- graph nodes ------------------------------------------------------------------------------
 
@@ -124,8 +125,9 @@ struct Edge {
 struct Node {
   virtual ~Node() = default;
   virtual std::string name() const = 0;
-  // Gradients for each entry of `next`, given the gradients of this node's outputs.
-  virtual std::vector<Tensor> backward(const std::vector<Tensor>& d_outputs) = 0;
+  // Gradients for each entry of `next`, given the gradients of this node's outputs (moved in, so a
+  // node may release them before it returns, as checkpoint does).
+  virtual std::vector<Tensor> backward(std::vector<Tensor> d_outputs) = 0;
   virtual void release() {}  // drop saved tensors once backward ran
   std::vector<Edge> next;    // one per input
   std::vector<Shape> out_shapes;

@@ -41,7 +41,8 @@ void grouped_linear_wgrad_cpu(const T* x /*[m_total,k]*/, const T* dy /*[m_total
 // One gemm_cuda (cuBLASLt, fp32 compute) per expert with rows, in expert order on `stream`, no host
 // synchronisation. dtype (x, w, y, dx, dy) is f32 or bf16; all pointers are packed row-major.
 
-// How many streams the launchers spread the expert GEMMs over, round robin (process-wide; 1, the
+// How many streams the launchers spread the expert GEMMs over, round robin (process-wide, shared with
+// the FP8 launchers of kernels/fp8_grouped_linear.h; kernels/cuda/stream_fan.cuh; 1, the
 // default, keeps everything on `stream`; at most 8). Side streams wait for `stream` before their first
 // GEMM and `stream` waits for them before the launcher returns, so callers see one stream's ordering.
 // Each GEMM keeps its algorithm and gets its stream's own workspace, so results are unchanged (the

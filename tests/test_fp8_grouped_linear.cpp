@@ -20,6 +20,7 @@
 
 #include "kernels/fp8.h"
 #include "kernels/fp8_grouped_linear.h"
+#include "kernels/grouped_linear.h"
 #include "tests/test_util.h"
 
 using namespace flowmoe;
@@ -468,6 +469,21 @@ TEST(Fp8GroupedLinearCuda, ScaleLayoutProbe) {
       std::printf("[fp8 scale-layout probe] B %s, A %s: rel error %.3g\n", b_rows_major ? "[rows][K/128]" : "[K/128][rows]",
                   a_transposed ? "[K/128][N/128]" : "[N/128][K/128]", rel_error(got, ref));
     }
+}
+
+// Spreading the expert GEMMs over side streams (set_grouped_linear_streams) changes no bit.
+TEST(Fp8GroupedLinearCuda, SideStreamsGiveIdenticalResults) {
+  FLOWMOE_REQUIRE_CUDA();
+  std::mt19937_64 gen(test_seed());
+  Problem p = make_problem(gen, {128, 0, 256, 512, 128, 384}, 1408, 256, 512);
+  const int saved = grouped_linear_streams();
+  set_grouped_linear_streams(1);
+  Tensor y1 = fprop_cuda(p, DType::bf16), w1 = wgrad_cuda(p, false);
+  set_grouped_linear_streams(4);
+  Tensor y4 = fprop_cuda(p, DType::bf16), w4 = wgrad_cuda(p, false);
+  set_grouped_linear_streams(saved);
+  EXPECT_TRUE(bit_equal(y4, y1));
+  EXPECT_TRUE(bit_equal(w4, w1));
 }
 
 TEST(Fp8GroupedLinearCuda, FpropMatchesCpu) {

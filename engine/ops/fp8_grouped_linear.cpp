@@ -141,10 +141,8 @@ class Fp8GroupedLinear : public Primitive {
     const bool dy_fp8 = is_fp8(dy.dtype());
     Tensor dy_row = dy_fp8 ? dy : quantize_rowwise_tensor(dy, site_ + ".dgrad: dy rowwise");
     Tensor dx, dw;
-    if (needs[0]) {
-      Fp8GroupedGemm dgrad(rows_, "fp8_grouped_linear_dgrad");
-      dx = eval(dgrad, {dy_row, wq_.q_t})[0];
-    }
+    // wgrad first: its column-wise operands are freed before dgrad allocates dx, which keeps the
+    // backward's peak memory at max(wgrad operands, dx) rather than their sum.
     if (needs[1]) {
       Tensor dy_col, x_col;
       if (wgrad_ == Fp8Wgrad::transpose) {
@@ -161,6 +159,10 @@ class Fp8GroupedLinear : public Primitive {
       }
       Fp8GroupedWgrad wgrad(rows_);
       dw = eval(wgrad, {dy_col, x_col})[0];
+    }
+    if (needs[0]) {
+      Fp8GroupedGemm dgrad(rows_, "fp8_grouped_linear_dgrad");
+      dx = eval(dgrad, {dy_row, wq_.q_t})[0];
     }
     return {dx, dw};
   }

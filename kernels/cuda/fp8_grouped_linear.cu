@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine/cuda/cuda_check.h"
+#include "kernels/cuda/stream_fan.cuh"
 #include "kernels/fp8.h"
 #include "kernels/fp8_grouped_linear.h"
 #include "kernels/grouped_linear.h"
@@ -365,6 +366,7 @@ void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x, const float* x_sca
         w_scales, w_scale_inv, num_experts * nb, kb, kb4);
     MOE_CUDA_CHECK_LAUNCH();
   }
+  StreamFan fan(stream, std::count_if(rows_per_expert, rows_per_expert + num_experts, [](int64_t r) { return r > 0; }));
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t rows = rows_per_expert[e];
@@ -374,10 +376,11 @@ void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x, const float* x_sca
       void* d = static_cast<char*>(y) + size_t(off * n) * es;
       const PlanKey key{n, rows, k, k, k, n, false, false, out_dtype,  // D [n, rows] = y_eᵀ
                         alignment_of(a), alignment_of(b), alignment_of(d)};
-      run_gemm(key, a, w_scales + e * nb * kb4, b, ws + off * kb, d, stream);
+      run_gemm(key, a, w_scales + e * nb * kb4, b, ws + off * kb, d, fan.next());
     }
     off += rows;
   }
+  fan.join();
 }
 
 void fp8_grouped_wgrad_cuda(const uint8_t* dy_t, const float* dy_t_scale_inv, const uint8_t* x_t,
@@ -388,23 +391,24 @@ void fp8_grouped_wgrad_cuda(const uint8_t* dy_t, const float* dy_t_scale_inv, co
   const size_t expert_bytes = size_t(n * k) * sizeof(float);
   if (expert_bytes == 0) return;
   FLOWMOE_CHECK(dw != nullptr, Error, what, ": null dw");
+  for (int64_t e = 0; e < num_experts; ++e)  // an empty sum, on `main` before the fan forks
+    if (rows_per_expert[e] == 0 && !accumulate) MOE_CUDA_CHECK(cudaMemsetAsync(dw + e * n * k, 0, expert_bytes, stream));
+  StreamFan fan(stream, std::count_if(rows_per_expert, rows_per_expert + num_experts, [](int64_t r) { return r > 0; }));
   int64_t off = 0, blk = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t rows = rows_per_expert[e];
     float* d = dw + e * n * k;
-    if (rows == 0) {
-      if (!accumulate) MOE_CUDA_CHECK(cudaMemsetAsync(d, 0, expert_bytes, stream));  // an empty sum
-      continue;
-    }
+    if (rows == 0) continue;
     FLOWMOE_CHECK(dy_t && dy_t_scale_inv && x_t && x_t_scale_inv, Error, what, ": null operand for expert ", e);
     const uint8_t* a = x_t + off;
     const uint8_t* b = dy_t + off;
     const PlanKey key{k, n, rows, m_total, m_total, k, true, accumulate, DType::f32,  // D [k, n] = dw[e]ᵀ
                       alignment_of(a), alignment_of(b), alignment_of(d)};
-    run_gemm(key, a, x_t_scale_inv + blk * k, b, dy_t_scale_inv + blk * n, d, stream);
+    run_gemm(key, a, x_t_scale_inv + blk * k, b, dy_t_scale_inv + blk * n, d, fan.next());
     off += rows;
     blk += fp8_num_blocks(rows);
   }
+  fan.join();
 }
 
 }  // namespace flowmoe
