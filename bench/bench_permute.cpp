@@ -54,23 +54,7 @@ void* g_busy = nullptr;  // kBusyBytes of device memory, allocated in main
 
 template <class P, class F>
 double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream) {
-  for (int i = 0; i < kWarmup; ++i) {
-    prelude();
-    run();
-  }
-  Event start(true), stop(true);
-  std::vector<float> times;
-  for (int i = 0; i < kReps; ++i) {
-    MOE_CUDA_CHECK(cudaMemsetAsync(g_busy, 0, kBusyBytes, stream));
-    prelude();
-    start.record(stream);
-    run();
-    stop.record(stream);
-    stop.synchronize();
-    times.push_back(start.elapsed_ms(stop));
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return flowmoe::median_gpu_ms(prelude, run, stream, g_busy, kBusyBytes, kWarmup, kReps);
 }
 
 double gbps(double bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; }

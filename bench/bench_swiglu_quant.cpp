@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "engine/cuda/cuda_check.h"
 #include "engine/cuda_api.h"
 #include "engine/rng.h"
@@ -32,22 +33,10 @@ constexpr size_t kCopyBytes = size_t(1) << 30;
 constexpr size_t kBusyBytes = size_t(256) << 20;
 void* g_busy = nullptr;  // kBusyBytes of device memory, allocated in main
 
-// GPU time only: the memset keeps the GPU busy while the host queues the start event, `run` and the stop event.
+// GPU time only (bench_util.h): the memset of g_busy hides the host's queueing.
 template <class F>
 double median_gpu_ms(F&& run, cudaStream_t stream) {
-  for (int i = 0; i < kWarmup; ++i) run();
-  Event start(true), stop(true);
-  std::vector<float> times;
-  for (int i = 0; i < kReps; ++i) {
-    MOE_CUDA_CHECK(cudaMemsetAsync(g_busy, 0, kBusyBytes, stream));
-    start.record(stream);
-    run();
-    stop.record(stream);
-    stop.synchronize();
-    times.push_back(start.elapsed_ms(stop));
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return flowmoe::median_gpu_ms([] {}, run, stream, g_busy, kBusyBytes, kWarmup, kReps);
 }
 
 double gbps(double bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; }
