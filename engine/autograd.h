@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/cuda_api.h"
 #include "engine/tensor.h"
 
 namespace flowmoe {
@@ -39,6 +40,25 @@ class BackwardPrimitive : public Primitive {
                           const std::vector<bool>&) override {
     FLOWMOE_THROW(Error, name(), ": second-order gradients are not implemented");
   }
+};
+
+// A Primitive or BackwardPrimitive whose CPU and GPU paths share one body (it picks its kernels from
+// the `cuda` flag or the tensors' device): subclasses implement run(); without CUDA eval_gpu is
+// unreachable (no tensor can live on a device) and throws.
+template <class Base>
+class SharedBodyPrimitive : public Base {
+ public:
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) final { return run(in, false); }
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) final {
+#ifdef FLOWMOE_WITH_CUDA
+    return run(in, true);
+#else
+    throw_no_cuda(this->name());
+#endif
+  }
+
+ protected:
+  virtual std::vector<Tensor> run(const std::vector<Tensor>& in, bool cuda) = 0;
 };
 
 // Runs the primitive on the device of its inputs (all defined inputs must share one device).

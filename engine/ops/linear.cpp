@@ -145,17 +145,9 @@ void check_linear(const std::vector<Tensor>& in) {
 }
 
 // Inputs {x, w} or {x, w, bias}.
-class Linear : public Primitive {
+class Linear : public SharedBodyPrimitive<Primitive> {
  public:
   const char* name() const override { return "linear"; }
-  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return run(in, false); }
-  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
-    return run(in, true);
-#else
-    throw_no_cuda(name());
-#endif
-  }
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
     const Tensor &x = in[0], &w = in[1];
@@ -169,7 +161,7 @@ class Linear : public Primitive {
   }
 
  private:
-  static std::vector<Tensor> run(const std::vector<Tensor>& in, bool gpu) {
+  std::vector<Tensor> run(const std::vector<Tensor>& in, bool gpu) override {
     check_linear(in);
     const Tensor &x = in[0], &w = in[1];
     Tensor bias = in.size() > 2 ? in[2] : Tensor();

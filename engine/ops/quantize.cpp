@@ -92,20 +92,11 @@ Tensor checked_scales(const Tensor& q, const std::string& what) {
 }
 
 // x [..., K] -> e4m3 [..., K] with rowwise scales. Straight-through gradient.
-class QuantizeRowwise : public Primitive {
+class QuantizeRowwise : public SharedBodyPrimitive<Primitive> {
  public:
   explicit QuantizeRowwise(std::string site) : what_("quantize_rowwise at '" + site + "'") {}
   const char* name() const override { return "quantize_rowwise"; }
   bool saves_inputs() const override { return false; }
-
-  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return run(in[0]); }
-  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
-    return run(in[0]);
-#else
-    throw_no_cuda(name());
-#endif
-  }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>&) override {
@@ -118,7 +109,8 @@ class QuantizeRowwise : public Primitive {
   std::string what_;
   DType x_dtype_ = DType::f32;
 
-  std::vector<Tensor> run(const Tensor& x_in) {
+  std::vector<Tensor> run(const std::vector<Tensor>& in, bool) override {  // QUANT_DISPATCH picks the device
+    const Tensor& x_in = in[0];
     check_high_precision(x_in, what_, "x");
     FLOWMOE_CHECK(x_in.dim() >= 1, ShapeError, what_, ": x must be [..., K], got ", x_in.describe());
     x_dtype_ = x_in.dtype();
@@ -134,26 +126,18 @@ class QuantizeRowwise : public Primitive {
 };
 
 // x [M,K] -> e4m3 [K,M] with colwise scales over segments (no gradient).
-class QuantizeColwise : public BackwardPrimitive {
+class QuantizeColwise : public SharedBodyPrimitive<BackwardPrimitive> {
  public:
   QuantizeColwise(std::vector<int64_t> segments, const std::string& site)
       : segments_(std::move(segments)), what_("quantize_colwise at '" + site + "'") {}
   const char* name() const override { return "quantize_colwise"; }
 
-  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return run(in[0]); }
-  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
-    return run(in[0]);
-#else
-    throw_no_cuda(name());
-#endif
-  }
-
  private:
   std::vector<int64_t> segments_;
   std::string what_;
 
-  std::vector<Tensor> run(const Tensor& x_in) {
+  std::vector<Tensor> run(const std::vector<Tensor>& in, bool) override {  // QUANT_DISPATCH picks the device
+    const Tensor& x_in = in[0];
     check_high_precision(x_in, what_, "x");
     FLOWMOE_CHECK(x_in.dim() == 2, ShapeError, what_, ": x must be [M, K], got ", x_in.describe());
     Tensor x = x_in.contiguous();
@@ -178,20 +162,11 @@ class QuantizeColwise : public BackwardPrimitive {
 };
 
 // Any of the three FP8 forms -> dtype. Identity gradient (rowwise and block forms keep the shape).
-class Dequantize : public Primitive {
+class Dequantize : public SharedBodyPrimitive<Primitive> {
  public:
   Dequantize(DType dtype, const std::string& site) : dtype_(dtype), what_("dequantize at '" + site + "'") {}
   const char* name() const override { return "dequantize"; }
   bool saves_inputs() const override { return false; }
-
-  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return run(in[0]); }
-  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
-    return run(in[0]);
-#else
-    throw_no_cuda(name());
-#endif
-  }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>&) override {
@@ -202,7 +177,8 @@ class Dequantize : public Primitive {
   DType dtype_;
   std::string what_;
 
-  std::vector<Tensor> run(const Tensor& q) {
+  std::vector<Tensor> run(const std::vector<Tensor>& in, bool) override {  // QUANT_DISPATCH picks the device
+    const Tensor& q = in[0];
     check_out_dtype(dtype_, what_);
     Tensor s = checked_scales(q, what_);
     const Fp8Scales& sc = *q.fp8_scales();
@@ -239,24 +215,16 @@ class Dequantize : public Primitive {
 };
 
 // w [E,N,K] or [N,K] -> {q, q_t} in 128x128 blocks (no gradient).
-class QuantizeWeight : public BackwardPrimitive {
+class QuantizeWeight : public SharedBodyPrimitive<BackwardPrimitive> {
  public:
   explicit QuantizeWeight(const std::string& site) : what_("quantize_weight at '" + site + "'") {}
   const char* name() const override { return "quantize_weight"; }
 
-  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return run(in[0]); }
-  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
-    return run(in[0]);
-#else
-    throw_no_cuda(name());
-#endif
-  }
-
  private:
   std::string what_;
 
-  std::vector<Tensor> run(const Tensor& w_in) {
+  std::vector<Tensor> run(const std::vector<Tensor>& in, bool) override {  // QUANT_DISPATCH picks the device
+    const Tensor& w_in = in[0];
     check_high_precision(w_in, what_, "w");
     FLOWMOE_CHECK(w_in.dim() == 2 || w_in.dim() == 3, ShapeError, what_, ": w must be [N, K] or [E, N, K], got ",
                   w_in.describe());

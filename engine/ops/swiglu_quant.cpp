@@ -30,24 +30,16 @@ const float* prob_ptr(const Tensor& prob) { return prob.defined() ? prob.data<fl
 
 // {d_a [M,F], h [M,2F], prob [M] or undefined} -> {d_h (FP8 + scales, or h's dtype) or undefined,
 // d_prob [M] f32 or undefined}.
-class SwigluQuantBackward : public BackwardPrimitive {
+class SwigluQuantBackward : public SharedBodyPrimitive<BackwardPrimitive> {
  public:
   SwigluQuantBackward(bool quantize_grad, bool want_h, bool want_prob)
       : quantize_grad_(quantize_grad), want_h_(want_h), want_prob_(want_prob) {}
   const char* name() const override { return "swiglu_quant_backward"; }
-  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return run(in, false); }
-  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
-    return run(in, true);
-#else
-    throw_no_cuda(name());
-#endif
-  }
 
  private:
   bool quantize_grad_, want_h_, want_prob_;
 
-  std::vector<Tensor> run(const std::vector<Tensor>& in, bool cuda) {
+  std::vector<Tensor> run(const std::vector<Tensor>& in, bool cuda) override {
     const int64_t F = check_h_prob(in[1], in[2], name());
     const int64_t M = in[1].size(0);
     FLOWMOE_CHECK(in[0].shape() == (Shape{M, F}), ShapeError, name(), ": d_a ", in[0].describe(), " does not match h ",
@@ -88,18 +80,10 @@ class SwigluQuantBackward : public BackwardPrimitive {
   }
 };
 
-class SwigluQuant : public Primitive {
+class SwigluQuant : public SharedBodyPrimitive<Primitive> {
  public:
   explicit SwigluQuant(bool quantize_grad) : quantize_grad_(quantize_grad) {}
   const char* name() const override { return "swiglu_quant"; }
-  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return run(in, false); }
-  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
-    return run(in, true);
-#else
-    throw_no_cuda(name());
-#endif
-  }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
@@ -110,7 +94,7 @@ class SwigluQuant : public Primitive {
  private:
   bool quantize_grad_;
 
-  std::vector<Tensor> run(const std::vector<Tensor>& in, bool cuda) {
+  std::vector<Tensor> run(const std::vector<Tensor>& in, bool cuda) override {
     const int64_t F = check_h_prob(in[0], in[1], name());
     const int64_t M = in[0].size(0);
     const Device dev = in[0].device();
