@@ -22,6 +22,11 @@ const Fp8Scales& scales_of(const Tensor& t, ScalingMode mode, const char* what) 
   return *t.fp8_scales();
 }
 
+// The problem of one grouped GEMM: M_total rows, N outputs, K inner.
+struct Dims {
+  int64_t m, n, k;
+};
+
 // y [M_total, N] = per expert a[rows of e] · w[e]ᵀ, a rowwise FP8 [M_total, K], w block FP8 [E, N, K].
 // fprop (a = x, w = Wq) and dgrad (a = dy, w = Wqᵀ) are the same GEMM.
 class Fp8GroupedGemm : public BackwardPrimitive {
@@ -43,7 +48,8 @@ class Fp8GroupedGemm : public BackwardPrimitive {
     Dims d = check(in);
     const Device dev = in[0].device();
     Tensor y = Tensor::empty({d.m, d.n}, DType::bf16, dev);
-    Tensor ws = Tensor::empty({int64_t(fp8_grouped_gemm_workspace_bytes(d.m, d.k, int64_t(rows_.size()), d.n))}, DType::u8, dev);
+    const size_t ws_bytes = fp8_grouped_gemm_workspace_bytes(d.m, d.k, int64_t(rows_.size()), d.n);
+    Tensor ws = Tensor::empty({int64_t(ws_bytes)}, DType::u8, dev);
     const Fp8Scales &sa = *in[0].fp8_scales(), &sw = *in[1].fp8_scales();
     fp8_grouped_gemm_cuda(DType::bf16, in[0].data<uint8_t>(), sa.scale_inv.data<float>(), in[1].data<uint8_t>(),
                           sw.scale_inv.data<float>(), y.raw_data(), rows_.data(), int64_t(rows_.size()), d.m, d.n, d.k,
@@ -55,9 +61,6 @@ class Fp8GroupedGemm : public BackwardPrimitive {
   }
 
  private:
-  struct Dims {
-    int64_t m, n, k;
-  };
   std::vector<int64_t> rows_;
   const char* what_;
 
@@ -106,9 +109,6 @@ class Fp8GroupedWgrad : public BackwardPrimitive {
   }
 
  private:
-  struct Dims {
-    int64_t m, n, k;
-  };
   std::vector<int64_t> rows_;
 
   Dims check(const std::vector<Tensor>& in) const {
