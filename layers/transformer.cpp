@@ -1,5 +1,6 @@
 #include "layers/transformer.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace flowmoe {
@@ -76,6 +77,10 @@ Variable Transformer::loss(const Tensor& ids, const Tensor& targets) const {
     loss = add(loss, aux.dtype() == loss.dtype() ? aux : cast(aux, loss.dtype()));
   }
   return loss;
+}
+
+int64_t Transformer::num_moe_layers() const {
+  return std::count_if(layers_.begin(), layers_.end(), [](const auto& l) { return l->moe() != nullptr; });
 }
 
 std::vector<LoadStats> Transformer::update_moe_bias() {

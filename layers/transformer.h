@@ -46,6 +46,7 @@ class Transformer {
   // After an optimizer step: aux-loss-free bias update of every MoE layer, with each layer's load
   // statistics since the last call (empty for a dense model).
   std::vector<LoadStats> update_moe_bias();
+  int64_t num_moe_layers() const;
 
   const std::vector<Variable>& parameters() const { return params_; }  // fixed order
   int64_t num_parameters() const;

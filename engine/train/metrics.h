@@ -18,8 +18,9 @@ struct StepMetrics {
   double tokens_per_s = 0;
   int64_t peak_mem_bytes = 0;  // peak tensor memory on the training device so far
   int64_t host_syncs = 0;      // deliberate host synchronisations inside the model during the step
-  double moe_casts = NAN;      // explicit activation quantize + dequantize calls per MoE layer this step
-                               // (engine/cast_stats.h; weight quantization not included); NaN: dense
+  double moe_casts = NAN;      // explicit activation quantize + dequantize calls per MoE layer and
+                               // micro-batch this step (engine/cast_stats.h; weight quantization not
+                               // included); NaN: dense
   bool skipped = false;        // non-finite loss or gradient: no update
   std::vector<double> moe_max_over_mean;  // per MoE layer: max load / mean load this step (1 = balanced)
 };

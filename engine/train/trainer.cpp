@@ -141,8 +141,8 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
                                           cfg.checkpoint.keep_last, model.buffers());
   };
 
-  int64_t num_moe_layers = 0;
-  for (const Variable& b : model.buffers()) num_moe_layers += b.name().find("e_score_correction_bias") != std::string::npos;
+  // Casts are reported per MoE layer and micro-batch (what one forward + backward of a layer makes).
+  const double cast_divisor = double(model.num_moe_layers() * tc.grad_accum_steps);
   CastCounts last_casts;
 
   using clock = std::chrono::steady_clock;
@@ -166,9 +166,9 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     }
     m.loss = loss_sum / double(tc.grad_accum_steps);
     m.host_syncs = int64_t(num_host_syncs() - syncs_before);  // the model's own; our loss reads are not counted
-    if (num_moe_layers > 0) {
+    if (cast_divisor > 0) {
       last_casts = cast_counts();
-      m.moe_casts = double(last_casts.activation_casts()) / double(num_moe_layers * tc.grad_accum_steps);
+      m.moe_casts = double(last_casts.activation_casts()) / cast_divisor;
     }
     if (opts.after_backward) opts.after_backward(step, model.parameters());
     m.grad_norm = opt.grad_norm();
@@ -237,13 +237,13 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     line += " | " + format_rate(res.tokens_per_s) + " tok/s | peak mem " +
             fixed(double(memory_stats(device).peak_bytes) / (1 << 20), 1) + " MiB";
     progress.message(line);
-    if (num_moe_layers > 0) {
+    if (cast_divisor > 0) {
       // Where each explicit cast of the last step happened (DESIGN.md §1: the published flow has 2).
       std::string casts = "casts per MoE layer per micro-batch (" + cfg.precision.recipe + "): " +
-                          fixed(double(last_casts.activation_casts()) / double(num_moe_layers * tc.grad_accum_steps), 1);
+                          fixed(double(last_casts.activation_casts()) / cast_divisor, 1);
       for (const auto& [site, n] : last_casts.by_site)
         if (site.rfind("weight_quantize", 0) != 0)
-          casts += " | " + site + " x" + fixed(double(n) / double(num_moe_layers * tc.grad_accum_steps), 1);
+          casts += " | " + site + " x" + fixed(double(n) / cast_divisor, 1);
       progress.message(casts);
     }
     progress.message("metrics: " + res.metrics_file + (res.last_checkpoint.empty() ? "" : " | checkpoint: " + res.last_checkpoint));
