@@ -11,24 +11,9 @@
 
 namespace flowmoe {
 
-template <class F>
-double median_ms(F&& run, cudaStream_t stream, int warmup = 5, int reps = 30) {
-  for (int i = 0; i < warmup; ++i) run();
-  Event start(true), stop(true);
-  std::vector<float> times;
-  for (int i = 0; i < reps; ++i) {
-    start.record(stream);
-    run();
-    stop.record(stream);
-    stop.synchronize();
-    times.push_back(start.elapsed_ms(stop));
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
 // GPU time only: a memset of `busy_bytes` at `busy` keeps the GPU busy while the host queues
 // `prelude` (untimed), the start event, `run` and the stop event, so launch latency drops out.
+// With busy == nullptr the host's queueing is timed too (median_ms).
 template <class P, class F>
 double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream, void* busy, size_t busy_bytes, int warmup = 5,
                      int reps = 30) {
@@ -39,7 +24,7 @@ double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream, void* busy, size
   Event start(true), stop(true);
   std::vector<float> times;
   for (int i = 0; i < reps; ++i) {
-    MOE_CUDA_CHECK(cudaMemsetAsync(busy, 0, busy_bytes, stream));
+    if (busy) MOE_CUDA_CHECK(cudaMemsetAsync(busy, 0, busy_bytes, stream));
     prelude();
     start.record(stream);
     run();
@@ -49,6 +34,11 @@ double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream, void* busy, size
   }
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
+}
+
+template <class F>
+double median_ms(F&& run, cudaStream_t stream, int warmup = 5, int reps = 30) {
+  return median_gpu_ms([] {}, run, stream, nullptr, 0, warmup, reps);
 }
 
 }  // namespace flowmoe
