@@ -71,10 +71,9 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
 }
 
 const QuantizedWeight& MoeLayer::quantized(const Variable& w, WeightCache& cache) const {
-  if (!cache.wq.q.defined() || cache.version != w.version() || cache.data != w.data().raw_data()) {
+  if (!cache.wq.q.defined() || cache.version != w.version()) {  // set_data and in-place updates bump it
     cache.wq = quantize_weight(w.data(), w.name());
     cache.version = w.version();
-    cache.data = w.data().raw_data();
   }
   return cache.wq;
 }

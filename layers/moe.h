@@ -60,7 +60,6 @@ class MoeLayer {
   struct WeightCache {  // the FP8 copy of one expert weight, valid for one parameter version
     QuantizedWeight wq;
     uint64_t version = 0;
-    const void* data = nullptr;
   };
   const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   Variable experts(const Variable& rows, const Variable& probs, const std::vector<int64_t>& counts) const;
