@@ -1,9 +1,10 @@
 // Fused SwiGLU (x prob) + rowwise 1x128 FP8 quantize on the GPU (math in kernels/swiglu_quant.h):
 //   forward  h [M,2F] -> q [M,F] e4m3 + scale_inv [M, ceil(F/128)]: a group of 128/N lanes per
 //            (row, 128-column block), N = 16 bytes of h per lane, the block amax a shuffle reduction.
-//   backward d_a [M,F], h [M,2F] -> d_h [M,2F] (FP8 + scales, or dtype) and d_prob [M]: one CTA per row
-//            stages [d_g | d_u] in shared memory (its 1x128 blocks may straddle the gate/up seam), a warp
-//            per block quantizes it, and d_prob is a fixed-order block reduction (no atomics).
+//   backward d_a [M,F], h [M,2F] -> d_h [M,2F] (FP8 + scales, or dtype) and d_prob [M]. F % 128 == 0 (the
+//            FP8 expert case): a warp per row makes each d_g and d_u block in registers. Otherwise one CTA per
+//            row stages [d_g | d_u] in shared memory (its 1x128 blocks may straddle the gate/up seam) and a
+//            warp per block quantizes it. d_prob is a fixed-order reduction either way (no atomics).
 // silu / silu' come from kernels/cuda/silu.cuh; products use __fmul_rn in the reference's order.
 // CPU reference: kernels/cpu/swiglu_quant.cpp. Tests: tests/test_swiglu_quant.cpp. The unfused baseline's
 // kernels (prob product, row dot, plain quantize) are here for bench/bench_swiglu_quant.cpp.
@@ -215,6 +216,72 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
+// F a multiple of 128 (every FP8 expert width): no 1x128 block of d_h straddles the gate/up seam, so a
+// lane group computes the d_g block and the d_u block of the same 128 columns straight from registers,
+// without staging the row in shared memory. One warp per row (grid-stride): groups of L = 128/N lanes
+// take one block each, and d_prob is the warp's fixed-order shuffle sum (deterministic, no atomics).
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    swiglu_quant_backward_aligned_kernel(const T* __restrict__ d_a, const T* __restrict__ h,
+                                         const float* __restrict__ prob, int64_t M, int64_t F,
+                                         uint8_t* __restrict__ d_h_q, float* __restrict__ d_h_scale_inv,
+                                         T* __restrict__ d_h, float* __restrict__ d_prob) {
+  constexpr int N = vec_elems<T>(), L = kFp8BlockSize / N, kGroupsPerWarp = 32 / L;
+  const int64_t K = 2 * F, nb_f = F / kFp8BlockSize, nb = 2 * nb_f;
+  const int lane = threadIdx.x & 31, sub = lane % L, group = lane / L;
+  const int64_t num_warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; r < M; r += num_warps) {
+    const T* gate = h + r * K;
+    const float p = prob ? prob[r] : 1.f;
+    float dot = 0.f;
+    for (int64_t b0 = 0; b0 < nb_f; b0 += kGroupsPerWarp) {  // warp-uniform trip count: shuffles see all lanes
+      const int64_t b = b0 + group, j0 = b * kFp8BlockSize + sub * N;
+      const bool valid = b < nb_f;
+      float g[N], u[N], da[N], dg[N], du[N];
+      if (valid) {
+        load_chunk<T, true>(gate, j0, F, g);
+        load_chunk<T, true>(gate + F, j0, F, u);
+        load_chunk<T, true>(d_a + r * F, j0, F, da);
+      } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e) g[e] = u[e] = da[e] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const float s = silu_f32(g[e]), dy = __fmul_rn(da[e], p);
+        dot = __fadd_rn(dot, __fmul_rn(da[e], __fmul_rn(s, u[e])));
+        dg[e] = __fmul_rn(__fmul_rn(dy, u[e]), silu_grad_f32(g[e]));
+        du[e] = __fmul_rn(dy, s);
+      }
+      if (d_h_q) {
+        float amax_g = 0.f, amax_u = 0.f;
+#pragma unroll
+        for (int e = 0; e < N; ++e) amax_g = fp8_amax_update(amax_g, dg[e]), amax_u = fp8_amax_update(amax_u, du[e]);
+        amax_g = group_amax<L>(amax_g);
+        amax_u = group_amax<L>(amax_u);
+        if (valid) {
+          const float s_g = fp8_scale_inv(amax_g), s_u = fp8_scale_inv(amax_u);
+          if (sub == 0) d_h_scale_inv[r * nb + b] = s_g, d_h_scale_inv[r * nb + nb_f + b] = s_u;
+          store_e4m3<true>(d_h_q + r * K + j0, dg, fp8_scale_from_inv(s_g), j0, K);
+          store_e4m3<true>(d_h_q + r * K + F + j0, du, fp8_scale_from_inv(s_u), j0, K);
+        }
+      }
+      if (d_h && valid) {
+        Packed<T, 16> out_g, out_u;
+#pragma unroll
+        for (int e = 0; e < N; ++e) out_g.set(e, dg[e]), out_u.set(e, du[e]);
+        out_g.store(d_h + r * K + j0);
+        out_u.store(d_h + r * K + F + j0);
+      }
+    }
+    if (d_prob) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+      if (lane == 0) d_prob[r] = dot;
+    }
+  }
+}
+
 // ---- the unfused baseline (bench only) ---------------------------------------------------------
 
 template <class T>
@@ -295,6 +362,13 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, con
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int N = vec_elems<T>();
     const bool vec = F % N == 0 && aligned(h, 16) && aligned(d_a, 16) && aligned(d_h_q, 4) && aligned(d_h, 16);
+    if (vec && F % kFp8BlockSize == 0 && aligned(d_h_q, N)) {  // the FP8 expert case: no seam, no shared memory
+      const unsigned grid = grid_size(M * 32, kThreads);
+      swiglu_quant_backward_aligned_kernel<T><<<grid, kThreads, 0, stream>>>(
+          static_cast<const T*>(d_a), static_cast<const T*>(h), prob, M, F, d_h_q, d_h_scale_inv,
+          static_cast<T*>(d_h), d_prob);
+      return;
+    }
     auto kernel = vec ? swiglu_quant_backward_kernel<T, true> : swiglu_quant_backward_kernel<T, false>;
     if (big_smem)
       MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
