@@ -10,7 +10,9 @@
 // Ceilings (DESIGN.md §6): BF16 grouped GEMM 679 TFLOP/s; blockwise FP8 via cuBLASLt 1275 TFLOP/s.
 // Peak memory: the caching allocator's peak live bytes over one forward + backward from a start with
 // no gradients held, above what was live before it (weights, inputs); "act" is that peak less the
-// step's gradient outputs (f32 weight grads, d_x), i.e. activations and temporaries.
+// step's gradient outputs (f32 weight grads, d_x), i.e. activations and temporaries. "saved" is what
+// stays live between forward and backward, less the output: the activations one layer keeps for its
+// backward, the memory that grows with depth and that moe_expert recompute exists to cut.
 // Times: CUDA events, median of 10 after 3 warm-ups; random data.
 #include <algorithm>
 #include <cstdio>
@@ -52,8 +54,9 @@ int main() {
   }
   const Device dev = Device::cuda(0);
   std::printf("bench_moe_layer: MoE block fwd+bwd, routed experts only, median of 10\n");
-  std::printf("%-24s %-14s %4s %4s %9s %9s %8s %8s %8s %6s %9s %9s %8s %8s\n", "T,H,F,E,k", "recipe", "rcmp", "strm", "layer ms",
-              "TFLOP/s", "of ceil", "vs bf16", "layer/dn", "syncs", "peak GiB", "peak/bf16", "act GiB", "act/bf16");
+  std::printf("%-24s %-14s %4s %4s %9s %9s %8s %8s %8s %6s %9s %9s %8s %8s %9s %9s\n", "T,H,F,E,k", "recipe", "rcmp",
+              "strm", "layer ms", "TFLOP/s", "of ceil", "vs bf16", "layer/dn", "syncs", "peak GiB", "peak/bf16",
+              "act GiB", "act/bf16", "saved GiB", "saved/bf16");
   for (const Shape5& s : {Shape5{16384, 2048, 1408, 64, 6}, Shape5{8192, 1024, 512, 32, 4}}) {
     ModelConfig cfg = layer_config(s);
     Rng rng(2);
@@ -84,7 +87,7 @@ int main() {
     for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
       runs.push_back({recipe, false, 4});
     runs.push_back({MoeRecipe::fp8_flow, true, 4});
-    double bf16_ms = 0, bf16_peak = 0, bf16_act = 0;
+    double bf16_ms = 0, bf16_peak = 0, bf16_act = 0, bf16_saved = 0;
     for (const Run& run : runs) {
         const MoeRecipe recipe = run.recipe;
         const bool recompute = run.recompute;
@@ -112,14 +115,21 @@ int main() {
         cuda_synchronize(0);
         reset_peak_memory(dev);
         const size_t live0 = memory_stats(dev).live_bytes;
-        step();
+        double saved_gib = 0;
+        {
+          Variable y = layer.forward(xv, DType::bf16);
+          cuda_synchronize(0);
+          saved_gib = double(memory_stats(dev).live_bytes - live0 - y.data().nbytes()) / double(1ull << 30);
+          y.backward(dy);
+        }
         cuda_synchronize(0);
         size_t grad_bytes = xv.grad().nbytes();
         for (const Variable& p : f.params()) grad_bytes += p.grad().defined() ? p.grad().nbytes() : 0;
         const double peak_gib = double(memory_stats(dev).peak_bytes - live0) / double(1ull << 30);
         const double act_gib = peak_gib - double(grad_bytes) / double(1ull << 30);
         // The bf16 baseline of the same stream setting (measured first in each group).
-        if (recipe == MoeRecipe::bf16 && !recompute) bf16_ms = layer_ms, bf16_peak = peak_gib, bf16_act = act_gib;
+        if (recipe == MoeRecipe::bf16 && !recompute)
+          bf16_ms = layer_ms, bf16_peak = peak_gib, bf16_act = act_gib, bf16_saved = saved_gib;
 
         const double flops = 3.0 * 2.0 * double(s.T * s.k) * double(s.H * 2 * s.F + s.F * s.H);
         const double tflops = flops / (layer_ms * 1e-3) / 1e12;
@@ -127,17 +137,17 @@ int main() {
         char name[64];
         std::snprintf(name, sizeof name, "%lld,%lld,%lld,%lld,%lld", (long long)s.T, (long long)s.H, (long long)s.F,
                       (long long)s.E, (long long)s.k);
-        std::printf("%-24s %-14s %4s %4d %9.3f %9.1f %8.3f %8.2f %8.2f %6llu %9.2f %9.2f %8.2f %8.2f\n", name,
-                    moe_recipe_name(recipe), recompute ? "yes" : "no", run.streams, layer_ms, tflops, tflops / ceiling,
-                    bf16_ms / layer_ms, layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib,
-                    peak_gib / bf16_peak, act_gib, act_gib / bf16_act);
+        std::printf("%-24s %-14s %4s %4d %9.3f %9.1f %8.3f %8.2f %8.2f %6llu %9.2f %9.2f %8.2f %8.2f %9.3f %9.2f\n",
+                    name, moe_recipe_name(recipe), recompute ? "yes" : "no", run.streams, layer_ms, tflops,
+                    tflops / ceiling, bf16_ms / layer_ms, layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0),
+                    peak_gib, peak_gib / bf16_peak, act_gib, act_gib / bf16_act, saved_gib, saved_gib / bf16_saved);
         std::printf("BENCH moe_layer %s recompute=%s streams=%d T=%lld H=%lld F=%lld E=%lld k=%lld ms=%.3f tflops=%.1f "
                     "frac_ceiling=%.3f speedup_vs_bf16=%.2f ratio_dense=%.2f host_syncs=%llu peak_gib=%.2f "
-                    "peak_vs_bf16=%.2f act_gib=%.2f act_vs_bf16=%.2f\n",
+                    "peak_vs_bf16=%.2f act_gib=%.2f act_vs_bf16=%.2f saved_gib=%.3f saved_vs_bf16=%.2f\n",
                     moe_recipe_name(recipe), recompute ? "yes" : "no", run.streams, (long long)s.T, (long long)s.H, (long long)s.F,
                     (long long)s.E, (long long)s.k, layer_ms, tflops, tflops / ceiling, bf16_ms / layer_ms,
                     layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib, peak_gib / bf16_peak, act_gib,
-                    act_gib / bf16_act);
+                    act_gib / bf16_act, saved_gib, saved_gib / bf16_saved);
     }
     set_grouped_linear_streams(1);
   }
