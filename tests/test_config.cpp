@@ -199,6 +199,23 @@ TEST(Config, DuplicatesAndSyntaxErrors) {
   EXPECT_HAS(m, "top level must be a mapping");
 }
 
+TEST(Config, SyntheticKindChoosesTheCorpus) {
+  EXPECT_EQ(parse_config("", "ok.yaml").data.synthetic_kind, "words");
+  Config c = parse_config("data:\n  synthetic_kind: bigram\n", "ok.yaml");
+  EXPECT_EQ(c.data.synthetic_kind, "bigram");
+  EXPECT_EQ(c.origin("data.synthetic_kind"), "ok.yaml:2");
+  EXPECT_NE(to_yaml(c).find("synthetic_kind: bigram"), std::string::npos);
+  c = parse_config("", "ok.yaml", {"data.synthetic_kind=bigram"});
+  EXPECT_EQ(c.data.synthetic_kind, "bigram");
+  std::string m = parse_error("data:\n  seq_len: 64\n  synthetic_kind: zipf\n");
+  EXPECT_HAS(m, "bad.yaml:3");
+  EXPECT_HAS(m, "data.synthetic_kind");
+  EXPECT_HAS(m, "one of words, bigram");
+  m = parse_error("", {"data.synthetic_kind=bigrams"});
+  EXPECT_HAS(m, "--set data.synthetic_kind=bigrams: data.synthetic_kind");
+  EXPECT_HAS(m, "did you mean 'bigram'");
+}
+
 TEST(Config, SetOverridesAreValidatedTheSameWay) {
   Config c = parse_config("train:\n  steps: 50\n", "base.yaml", {"train.steps=7", "optimizer.lr=1e-4",
                                                                   "optimizer.min_lr=0", "optimizer.warmup_steps=2"});

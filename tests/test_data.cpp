@@ -1,7 +1,8 @@
-// The data pipeline: token files (llm.c format), prepare-data, the synthetic corpus, and the
+// The data pipeline: token files (llm.c format), prepare-data, the synthetic corpora, and the
 // loader's seeded order, epochs, validation split and resumable position.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -115,6 +116,65 @@ TEST(SyntheticCorpus, IsLearnable) {
   EXPECT_GT(h, 0.1) << "the corpus should not be trivial";
 }
 
+TEST(SyntheticBigramCorpus, SeededAndInRange) {
+  auto a = synthetic_bigram_corpus(8192, 50000, 7), b = synthetic_bigram_corpus(8192, 50000, 7),
+       c = synthetic_bigram_corpus(8192, 50000, 8);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  ASSERT_EQ(a.size(), 50000u);
+  for (uint16_t t : a) ASSERT_LT(t, 8192);
+  EXPECT_NE(a, synthetic_corpus(8192, 50000, 7)) << "the two corpora must differ";
+  auto small = synthetic_bigram_corpus(16, 5000, 1);
+  ASSERT_EQ(small.size(), 5000u);
+  std::set<uint16_t> seen(small.begin(), small.end());
+  for (uint16_t t : small) ASSERT_LT(t, 16);
+  EXPECT_GE(seen.size(), 8u) << "a 16-token vocabulary should still be mostly used";
+  EXPECT_TRUE(synthetic_bigram_corpus(256, 0, 1).empty());
+  try {
+    synthetic_bigram_corpus(8, 100, 1);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("vocab_size 8"), std::string::npos) << e.what();
+  }
+}
+
+// BPE-like statistics: no dominant token, a rare separator, many distinct tokens, and a true bigram
+// chain (each token is followed by at most 16 distinct tokens, except after the separator, where a
+// fresh document starts) whose conditional entropy is a few nats.
+TEST(SyntheticBigramCorpus, LooksLikeTokenizedText) {
+  const int64_t vocab = 8192, n = 400000;
+  auto tokens = synthetic_bigram_corpus(vocab, n, 1234);
+  std::vector<int64_t> count(size_t(vocab), 0);
+  for (uint16_t t : tokens) count[t]++;
+  const double max_share = double(*std::max_element(count.begin() + 1, count.end())) / double(n);
+  EXPECT_LT(max_share, 0.05) << "a dominant token";
+  EXPECT_GT(max_share, 0.002) << "the head should be Zipf-like, not flat";
+  EXPECT_LT(double(count[0]) / double(n), 0.01) << "separator share";
+  EXPECT_GT(count[0], 0) << "400k tokens span several documents";
+  int64_t distinct = std::count_if(count.begin(), count.end(), [](int64_t c) { return c > 0; });
+  EXPECT_GT(distinct, 2000) << "distinct tokens";
+
+  std::map<int, std::set<int>> next;
+  std::map<std::pair<int, int>, double> pair_count;
+  std::vector<double> prev_count(size_t(vocab), 0);
+  for (size_t i = 1; i < tokens.size(); ++i) {
+    if (tokens[i] == 0 || tokens[i - 1] == 0) continue;  // document boundaries
+    next[tokens[i - 1]].insert(tokens[i]);
+    pair_count[{tokens[i - 1], tokens[i]}] += 1;
+    prev_count[tokens[i - 1]] += 1;
+  }
+  size_t most = 0;
+  for (const auto& [t, s] : next) most = std::max(most, s.size());
+  EXPECT_LE(most, 16u) << "a token has more than 16 distinct successors: not the bigram chain";
+  EXPECT_GE(most, 8u);
+  double h = 0, m = 0;
+  for (const auto& [pair, cnt] : pair_count) m += cnt;
+  for (const auto& [pair, cnt] : pair_count) h -= cnt / m * std::log(cnt / prev_count[size_t(pair.first)]);
+  // The true conditional entropy is 2.36 nats; repeated successors and sampling pull the empirical one a little lower.
+  EXPECT_GT(h, 1.5) << "conditional entropy";
+  EXPECT_LT(h, 2.6) << "conditional entropy";
+}
+
 TEST(DataLoader, TargetsAreShiftedInputs) {
   std::vector<uint16_t> tokens(1000);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = uint16_t(i % 97);
@@ -218,6 +278,18 @@ TEST(DataLoader, FromConfigReadsEachSource) {
   EXPECT_EQ(ints(from_text.next_train(4).inputs), ints(from_tokens.next_train(4).inputs));
   cfg.data.source = "synthetic";
   cfg.data.path.clear();
-  EXPECT_EQ(DataLoader::from_config(cfg).num_tokens(), cfg.data.synthetic_tokens);
+  DataLoader words = DataLoader::from_config(cfg);
+  EXPECT_EQ(words.num_tokens(), cfg.data.synthetic_tokens);
+  cfg.data.synthetic_kind = "bigram";
+  DataLoader bigram = DataLoader::from_config(cfg);
+  EXPECT_EQ(bigram.num_tokens(), cfg.data.synthetic_tokens);
+  EXPECT_NE(ints(words.next_train(4).inputs), ints(bigram.next_train(4).inputs));
+  cfg.data.synthetic_tokens = 100;  // the corpus is named in the loader's messages
+  try {
+    DataLoader::from_config(cfg);
+    FAIL() << "no error";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("synthetic corpus (bigram)"), std::string::npos) << e.what();
+  }
   fs::remove_all(d);
 }

@@ -98,6 +98,7 @@ const std::vector<Field>& schema() {
     f.push_back(number("data", "val_fraction", FM_REF(data.val_fraction), 0, false, 0.5, false, "tail of the corpus held out for validation; 0 disables evaluation"));
     f.push_back(integer("data", "seed", FM_REF(data.seed), 0, 9.0e15, "seed of the synthetic corpus and of the batch order"));
     f.push_back(integer("data", "synthetic_tokens", FM_REF(data.synthetic_tokens), 1024, 1 << 30, "size of the synthetic corpus"));
+    f.push_back(choice("data", "synthetic_kind", FM_REF(data.synthetic_kind), {"words", "bigram"}, "which synthetic corpus: words (a low-entropy word chain, fast convergence checks) or bigram (BPE-like token statistics: MoE load balance and precision parity)"));
     // train
     f.push_back(choice("train", "device", FM_REF(train.device), {"auto", "cpu", "cuda"}, "auto: the GPU when one is present, else the CPU"));
     f.push_back(integer("train", "steps", FM_REF(train.steps), 1, 1e12, "optimizer steps"));

@@ -120,7 +120,9 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
                    std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) +
                    ") on " + device.str() + ", " + dtype_name(compute) + " compute; initial loss ~ ln(vocab) = " +
                    fixed(std::log(double(cfg.model.vocab_size)), 3));
-  progress.message("data: " + cfg.data.source + ", " + std::to_string(data.num_train_windows()) + " train / " +
+  const std::string source =
+      cfg.data.source == "synthetic" ? "synthetic (" + cfg.data.synthetic_kind + ")" : cfg.data.source;
+  progress.message("data: " + source + ", " + std::to_string(data.num_train_windows()) + " train / " +
                    std::to_string(data.num_val_windows()) + " val sequences of " + std::to_string(cfg.data.seq_len) +
                    " tokens; " + std::to_string(tc.steps) + " steps x " + std::to_string(tokens_per_step) +
                    " tokens; outputs in " + res.out_dir);
