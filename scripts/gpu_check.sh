@@ -76,16 +76,8 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
          --set logging.out_dir="$out/run_$name" --set logging.progress=plain --set checkpoint.every=0 \
          >"$out/train_$name.log" 2>&1; then
       row "train $name ($2 steps)" "$(grep -E '^done:' "$out/train_$name.log" | tail -1)"
-      # Load balance: worst layer's max/mean load over the last quarter of the steps.
-      bal=$(python3 - "$out/run_$name/metrics.jsonl" <<'PY' 2>/dev/null
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-tail = rows[-max(1, len(rows) // 4):]
-worst = [max(r["moe_max_over_mean"]) for r in tail if r.get("moe_max_over_mean")]
-if worst:
-    print(f"max/mean load over the last {len(tail)} steps: worst layer max {max(worst):.3f}, mean {sum(worst)/len(worst):.3f}")
-PY
-)
+      # Load balance: per-layer max/mean load over the last quarter of the steps (scripts/load_balance.py).
+      bal=$(python3 scripts/load_balance.py "$out/run_$name" 2>/dev/null | grep 'worst layer' | sed 's/^[^:]*: //')
       [ -n "$bal" ] && row "  load $name" "$bal"
     else
       bench_rc=1

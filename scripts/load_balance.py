@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""MoE load balance of a training run, per layer, from its metrics.jsonl.
+
+  scripts/load_balance.py [--after STEP] [--threshold 1.5] RUN...
+
+RUN is a run directory (holding metrics.jsonl) or the file itself. For every MoE layer it prints the
+mean and the worst of the per-step max/mean load (`moe_max_over_mean`; 1 = balanced) over the steps
+after STEP (default: the last quarter of the run), then the worst layer's per-step value averaged and
+at its maximum. Exits 1 when the worst layer's average is at or above --threshold. Optional tooling:
+the engine does not need Python.
+"""
+import argparse
+import json
+import os
+import sys
+
+
+def rows(path):
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--after", type=int, default=None, help="first step counted (default: the last quarter)")
+    p.add_argument("--threshold", type=float, default=1.5)
+    p.add_argument("runs", nargs="+")
+    args = p.parse_args()
+    rc = 0
+    for run in args.runs:
+        data = [r for r in rows(run) if r.get("moe_max_over_mean")]
+        if not data:
+            print(f"{run}: no MoE load statistics")
+            rc = 1
+            continue
+        last = max(int(r["step"]) for r in data)
+        after = args.after if args.after is not None else last - last // 4
+        tail = [r["moe_max_over_mean"] for r in data if int(r["step"]) > after]
+        if not tail:
+            print(f"{run}: no steps after {after}")
+            rc = 1
+            continue
+        layers = list(zip(*tail))
+        per_layer = " ".join(f"{sum(v) / len(v):.3f}/{max(v):.2f}" for v in layers)
+        worst = [max(step) for step in tail]
+        avg = sum(worst) / len(worst)
+        print(f"{run}: steps {after + 1}-{last}, per MoE layer mean/max: {per_layer}")
+        print(f"{run}: worst layer per step: mean {avg:.3f}, max {max(worst):.3f} "
+              f"({'under' if avg < args.threshold else 'NOT under'} {args.threshold})")
+        if avg >= args.threshold:
+            rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
