@@ -5,9 +5,9 @@
 
 Each run is a run directory (holding metrics.jsonl) or a metrics.jsonl file. For every other run it
 prints the largest relative deviation |loss - base| / base over all steps, the same after a centred
-moving average of --window steps (the per-step noise of two runs that round differently), and the
-final losses. Exits 1 when a smoothed deviation exceeds --tolerance. Optional tooling: the engine
-does not need Python.
+moving average of --window steps (the per-step noise of two runs that round differently), the steps
+whose own deviation exceeds --tolerance, and the final losses. Exits 1 when a smoothed deviation
+exceeds --tolerance. Optional tooling: the engine does not need Python.
 """
 import argparse
 import json
@@ -52,6 +52,7 @@ def main():
         b = [base[s] for s in steps]
         o = [other[s] for s in steps]
         raw = max(abs(x - y) / y for x, y in zip(o, b))
+        over = [s for s, x, y in zip(steps, o, b) if abs(x - y) / y > a.tolerance]
         sb, so = smooth(b, a.window), smooth(o, a.window)
         devs = [abs(x - y) / y for x, y in zip(so, sb)]
         worst = max(range(len(devs)), key=devs.__getitem__)
@@ -60,7 +61,8 @@ def main():
         print(f"parity {os.path.basename(run.rstrip('/'))} vs {os.path.basename(a.runs[0].rstrip('/'))}: "
               f"{len(steps)} steps, max relative deviation {raw:.4f} per step, {devs[worst]:.4f} smoothed over "
               f"{a.window} (at step {steps[worst]}), final loss {o[-1]:.4f} vs {b[-1]:.4f}: {verdict} "
-              f"(tolerance {a.tolerance})")
+              f"(tolerance {a.tolerance}); {len(over)} single steps beyond it"
+              + (f" (steps {', '.join(map(str, over[:8]))}{', ...' if len(over) > 8 else ''})" if over else ""))
     return 0 if ok else 1
 
 

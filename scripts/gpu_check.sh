@@ -91,7 +91,7 @@ parity_rc=0
 if [ -n "${GPU_CHECK_PARITY:-}" ]; then
   scripts/fp8_parity.sh "$build" >"$out/parity.log" 2>&1
   parity_rc=$?
-  grep -E '^parity|^casts' "$out/parity.log" | while read -r line; do row "fp8 parity" "$line"; done
+  grep -E '^parity|^casts|^load' "$out/parity.log" | while read -r line; do row "fp8 parity" "$line"; done
 fi
 
 echo

@@ -19,7 +19,10 @@ def rows(path):
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        try:
+            return [json.loads(line) for line in f if line.strip()]
+        except json.JSONDecodeError as e:
+            sys.exit(f"{path}: not a metrics.jsonl file ({e})")
 
 
 def main():
