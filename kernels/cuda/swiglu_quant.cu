@@ -113,6 +113,20 @@ __device__ __forceinline__ void quantize_rows(int64_t M, int64_t K, uint8_t* __r
   }
 }
 
+// SwiGLU backward of N columns (math in kernels/swiglu_quant.h), adding the d_prob terms to dot in
+// column order; shared by both backward kernels so their products round alike.
+template <int N>
+__device__ __forceinline__ void swiglu_grad_chunk(const float (&g)[N], const float (&u)[N], const float (&da)[N],
+                                                  float p, float& dot, float (&dg)[N], float (&du)[N]) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    const float s = silu_f32(g[e]), dy = __fmul_rn(da[e], p);
+    dot = __fadd_rn(dot, __fmul_rn(da[e], __fmul_rn(s, u[e])));
+    dg[e] = __fmul_rn(__fmul_rn(dy, u[e]), silu_grad_f32(g[e]));
+    du[e] = __fmul_rn(dy, s);
+  }
+}
+
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     swiglu_quant_forward_kernel(const T* __restrict__ h, const float* __restrict__ prob, int64_t M, int64_t F,
@@ -154,13 +168,7 @@ __global__ void __launch_bounds__(1024)
       load_chunk<T, kVec>(gate, j0, F, g);
       load_chunk<T, kVec>(gate + F, j0, F, u);
       load_chunk<T, kVec>(d_a + r * F, j0, F, da);
-#pragma unroll
-      for (int e = 0; e < N; ++e) {
-        const float s = silu_f32(g[e]), dy = __fmul_rn(da[e], p);
-        dot = __fadd_rn(dot, __fmul_rn(da[e], __fmul_rn(s, u[e])));
-        dg[e] = __fmul_rn(__fmul_rn(dy, u[e]), silu_grad_f32(g[e]));
-        du[e] = __fmul_rn(dy, s);
-      }
+      swiglu_grad_chunk(g, u, da, p, dot, dg, du);
       if (!want_h) continue;
       if constexpr (kVec) {
 #pragma unroll
@@ -246,13 +254,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int e = 0; e < N; ++e) g[e] = u[e] = da[e] = 0.f;
       }
-#pragma unroll
-      for (int e = 0; e < N; ++e) {
-        const float s = silu_f32(g[e]), dy = __fmul_rn(da[e], p);
-        dot = __fadd_rn(dot, __fmul_rn(da[e], __fmul_rn(s, u[e])));
-        dg[e] = __fmul_rn(__fmul_rn(dy, u[e]), silu_grad_f32(g[e]));
-        du[e] = __fmul_rn(dy, s);
-      }
+      swiglu_grad_chunk(g, u, da, p, dot, dg, du);
       if (d_h_q) {
         float amax_g = 0.f, amax_u = 0.f;
 #pragma unroll
