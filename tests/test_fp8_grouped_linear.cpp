@@ -6,9 +6,11 @@
 // neighbouring blocks get different power-of-two scales and a wrong scale layout shows), quantized here
 // with the scalar fp8.h / dtype.h code: rowwise 1x128, 128x128 weight blocks, colwise over segments.
 // Tolerances: CPU (f32 accumulation) vs naive (double): rtol 1e-5, atol 1e-5·max|ref| for f32 output;
-// bf16 output within one bf16 rounding (rtol 8e-3). CUDA vs CPU, per expert segment: bf16 output
-// rel_error <= 2e-3; f32 output rel_error <= 5e-4 and all_close(rtol 1e-3, atol 2e-3·max|ref|) (DESIGN.md
-// §4 measured 1.3e-4 / 1.6e-3 against an exact reference). Tail rows and empty experts must be exactly 0.
+// bf16 output within one bf16 rounding (rtol 8e-3). CUDA vs CPU, per expert segment: f32 output
+// rel_error <= 5e-4 and all_close(rtol 1e-3, atol 2e-3·max|ref|) (DESIGN.md §4 measured 1.3e-4 / 1.6e-3
+// against an exact reference); bf16 output rel_error <= 5e-4 + 2·2^-9 = 4.4e-3, the f32 bound plus one
+// bf16 rounding on each side (2e-3 failed once on the H200 at 2.2e-3, a 16-row segment whose fp32
+// results straddled bf16 rounding points). Tail rows and empty experts must be exactly 0.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -373,8 +375,8 @@ void expect_segments_close(const Tensor& got, const Tensor& ref, const Rows& row
       if (is_f32) {
         EXPECT_LE(rel_error(g, w), 5e-4);
         EXPECT_TRUE(all_close(g, w, 1e-3, 2e-3 * max_abs(w.to_doubles())));
-      } else {
-        EXPECT_LE(rel_error(g, w), 2e-3);
+      } else {  // the f32 bound plus a bf16 rounding (relative 2^-9) of each side
+        EXPECT_LE(rel_error(g, w), 5e-4 + 2 * std::ldexp(1.0, -9));
       }
     }
     off += r;
