@@ -12,6 +12,7 @@
 
 #include "engine/error.h"
 #include "engine/train/data.h"
+#include "tests/test_util.h"
 
 using namespace flowmoe;
 namespace fs = std::filesystem;
@@ -130,12 +131,7 @@ TEST(SyntheticBigramCorpus, SeededAndInRange) {
   for (uint16_t t : small) ASSERT_LT(t, 16);
   EXPECT_GE(seen.size(), 8u) << "a 16-token vocabulary should still be mostly used";
   EXPECT_TRUE(synthetic_bigram_corpus(256, 0, 1).empty());
-  try {
-    synthetic_bigram_corpus(8, 100, 1);
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("vocab_size 8"), std::string::npos) << e.what();
-  }
+  EXPECT_TRUE(test::throws_naming<Error>([] { synthetic_bigram_corpus(8, 100, 1); }, {"vocab_size 8"}));
 }
 
 // BPE-like statistics: no dominant token, a rare separator, many distinct tokens, and a true bigram
@@ -285,11 +281,6 @@ TEST(DataLoader, FromConfigReadsEachSource) {
   EXPECT_EQ(bigram.num_tokens(), cfg.data.synthetic_tokens);
   EXPECT_NE(ints(words.next_train(4).inputs), ints(bigram.next_train(4).inputs));
   cfg.data.synthetic_tokens = 100;  // the corpus is named in the loader's messages
-  try {
-    DataLoader::from_config(cfg);
-    FAIL() << "no error";
-  } catch (const IoError& e) {
-    EXPECT_NE(std::string(e.what()).find("synthetic corpus (bigram)"), std::string::npos) << e.what();
-  }
+  EXPECT_TRUE(test::throws_naming<IoError>([&] { DataLoader::from_config(cfg); }, {"synthetic corpus (bigram)"}));
   fs::remove_all(d);
 }
