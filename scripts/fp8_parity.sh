@@ -15,30 +15,27 @@ steps="${STEPS:-500}"
 recipes="${RECIPES:-bf16 fp8_blockwise fp8_flow}"
 mkdir -p "$out"
 rc=0
-for r in $recipes; do
+runs=""
+# train_run NAME RECIPE [ARGS...]: one 500-step run into $out/parity_NAME, its summary line and casts.
+train_run() {
+  local name=$1 recipe=$2
+  shift 2
   # shellcheck disable=SC2086
-  if "$build/flowmoe" train --config configs/gpu_moe.yaml --set precision.recipe="$r" --set train.steps="$steps" \
+  if "$build/flowmoe" train --config configs/gpu_moe.yaml --set precision.recipe="$recipe" --set train.steps="$steps" \
        --set train.eval_every=0 --set checkpoint.every=0 \
-       --set logging.progress=plain --set logging.log_every=100 --set logging.out_dir="$out/parity_$r" ${EXTRA:-} \
-       >"$out/parity_$r.log" 2>&1; then
-    echo "parity $r: $(grep -E '^done:' "$out/parity_$r.log" | tail -1)"
-    grep -E '^casts per MoE layer' "$out/parity_$r.log" | tail -1
+       --set logging.progress=plain --set logging.log_every=100 --set logging.out_dir="$out/parity_$name" "$@" ${EXTRA:-} \
+       >"$out/parity_$name.log" 2>&1; then
+    echo "parity $name: $(grep -E '^done:' "$out/parity_$name.log" | tail -1)"
+    grep -E '^casts per MoE layer' "$out/parity_$name.log" | tail -1
   else
     rc=1
-    echo "parity $r: FAILED"
-    tail -20 "$out/parity_$r.log"
+    echo "parity $name: FAILED"
+    tail -20 "$out/parity_$name.log"
   fi
-done
-if [ -n "${CONTROL:-}" ]; then
-  # shellcheck disable=SC2086
-  "$build/flowmoe" train --config configs/gpu_moe.yaml --set precision.recipe=bf16 --set train.steps="$steps" \
-    --set train.eval_every=0 --set checkpoint.every=0 --set logging.progress=plain --set logging.log_every=100 \
-    --set logging.out_dir="$out/parity_control" --set optimizer.eps=2e-8 ${EXTRA:-} >"$out/parity_control.log" 2>&1 ||
-    { rc=1; echo "parity control: FAILED"; }
-fi
-runs=""
-for r in $recipes; do runs="$runs $out/parity_$r"; done
-[ -n "${CONTROL:-}" ] && runs="$runs $out/parity_control"
+  runs="$runs $out/parity_$name"
+}
+for r in $recipes; do train_run "$r" "$r"; done
+[ -n "${CONTROL:-}" ] && train_run control bf16 --set optimizer.eps=2e-8
 # shellcheck disable=SC2086
 python3 scripts/compare_runs.py --tolerance 0.01 $runs || rc=1
 warmup=$(sed -n 's/^ *warmup_steps: *\([0-9]*\).*/\1/p' configs/gpu_moe.yaml | head -1)
