@@ -145,9 +145,9 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   return reshape(y, in_shape);
 }
 
-LoadStats MoeLayer::update_bias() {
+LoadStats MoeLayer::update_bias(double rate_scale) {
   Tensor bias = expert_bias_.data();  // shares storage: the kernel updates the buffer in place
-  update_expert_bias(bias, tokens_since_update_, bias_update_rate_);
+  update_expert_bias(bias, tokens_since_update_, bias_update_rate_ * rate_scale);
   LoadStats s = load_stats(tokens_since_update_);
   tokens_since_update_.zero_();
   return s;

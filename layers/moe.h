@@ -52,7 +52,8 @@ class MoeLayer {
   const Variable& aux_loss() const { return aux_loss_; }
   // After an optimizer step: move expert_bias toward balance using the counts of every forward
   // since the last call, and return their load statistics (reads the counts: one host sync).
-  LoadStats update_bias();
+  // rate_scale multiplies bias_update_rate for this update (model.bias_update_schedule: lr).
+  LoadStats update_bias(double rate_scale = 1.0);
   // Named <prefix>.gate.e_score_correction_bias (as HF); no gradient, saved in checkpoints.
   const Variable& expert_bias() const { return expert_bias_; }
 

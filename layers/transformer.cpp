@@ -65,28 +65,32 @@ Variable Transformer::forward(const Tensor& ids) const {
   return linear(h, compute_weight(lm_head_, compute_));
 }
 
-Variable Transformer::loss(const Tensor& ids, const Tensor& targets) const {
+Variable Transformer::Losses::total() const { return aux.defined() ? add(lm, aux) : lm; }
+
+Transformer::Losses Transformer::losses(const Tensor& ids, const Tensor& targets) const {
   FLOWMOE_CHECK(targets.shape() == ids.shape(), ShapeError, "Transformer::loss: targets ", targets.describe(),
                 " vs ids ", ids.describe());
   Variable logits = forward(ids);
   const int64_t n = ids.numel();
-  Variable loss = cross_entropy(reshape(logits, {n, cfg_.vocab_size}), targets.to(device_).reshape({n}));
+  Losses out;
+  out.lm = cross_entropy(reshape(logits, {n, cfg_.vocab_size}), targets.to(device_).reshape({n}));
   for (const auto& layer : layers_) {
     if (!layer->moe() || !layer->moe()->aux_loss().defined()) continue;
-    const Variable& aux = layer->moe()->aux_loss();
-    loss = add(loss, aux.dtype() == loss.dtype() ? aux : cast(aux, loss.dtype()));
+    const Variable& a = layer->moe()->aux_loss();
+    const Variable term = a.dtype() == out.lm.dtype() ? a : cast(a, out.lm.dtype());
+    out.aux = out.aux.defined() ? add(out.aux, term) : term;
   }
-  return loss;
+  return out;
 }
 
 int64_t Transformer::num_moe_layers() const {
   return std::count_if(layers_.begin(), layers_.end(), [](const auto& l) { return l->moe() != nullptr; });
 }
 
-std::vector<LoadStats> Transformer::update_moe_bias() {
+std::vector<LoadStats> Transformer::update_moe_bias(double rate_scale) {
   std::vector<LoadStats> stats;
   for (const auto& layer : layers_)
-    if (layer->moe()) stats.push_back(layer->moe()->update_bias());
+    if (layer->moe()) stats.push_back(layer->moe()->update_bias(rate_scale));
   return stats;
 }
 

@@ -37,15 +37,21 @@ class Transformer {
   Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, const MoeOptions& moe = {});
 
   Variable forward(const Tensor& ids /*[B,T] i32*/) const;  // -> logits [B,T,V] in the compute dtype
-  // Mean next-token cross-entropy, an f32 scalar, plus the MoE balance losses when aux_loss_alpha > 0.
+  // The two terms of the training objective, kept apart so the language-model loss is reported alone.
+  struct Losses {
+    Variable lm;   // mean next-token cross-entropy, an f32 scalar
+    Variable aux;  // sum over MoE layers of aux_loss_alpha * L_Bal; undefined when aux_loss_alpha == 0
+    Variable total() const;  // lm + aux: what training minimizes
+  };
   // ids and targets [B,T] i32 (moved to the device).
-  Variable loss(const Tensor& ids, const Tensor& targets) const;
+  Losses losses(const Tensor& ids, const Tensor& targets) const;
+  Variable loss(const Tensor& ids, const Tensor& targets) const { return losses(ids, targets).total(); }
 
   // State that is not trained but belongs to the model (the MoE expert biases); saved in checkpoints.
   const std::vector<Variable>& buffers() const { return buffers_; }
   // After an optimizer step: aux-loss-free bias update of every MoE layer, with each layer's load
   // statistics since the last call (empty for a dense model).
-  std::vector<LoadStats> update_moe_bias();
+  std::vector<LoadStats> update_moe_bias(double rate_scale = 1.0);
   int64_t num_moe_layers() const;
 
   const std::vector<Variable>& parameters() const { return params_; }  // fixed order

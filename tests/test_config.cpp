@@ -216,6 +216,17 @@ TEST(Config, SyntheticKindChoosesTheCorpus) {
   EXPECT_HAS(m, "did you mean 'bigram'");
 }
 
+TEST(Config, BiasUpdateScheduleIsConstantOrLr) {
+  EXPECT_EQ(parse_config("", "ok.yaml").model.bias_update_schedule, "constant");
+  Config c = parse_config("model:\n  bias_update_schedule: lr\n", "ok.yaml");
+  EXPECT_EQ(c.model.bias_update_schedule, "lr");
+  EXPECT_NE(to_yaml(c).find("bias_update_schedule: lr"), std::string::npos);
+  std::string m = parse_error("model:\n  bias_update_rate: 0.01\n  bias_update_schedule: cosine\n");
+  EXPECT_HAS(m, "bad.yaml:3");
+  EXPECT_HAS(m, "model.bias_update_schedule");
+  EXPECT_HAS(m, "one of constant, lr");
+}
+
 TEST(Config, SetOverridesAreValidatedTheSameWay) {
   Config c = parse_config("train:\n  steps: 50\n", "base.yaml", {"train.steps=7", "optimizer.lr=1e-4",
                                                                   "optimizer.min_lr=0", "optimizer.warmup_steps=2"});

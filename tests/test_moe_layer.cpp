@@ -7,6 +7,9 @@
 #include <fstream>
 
 #include "engine/ops/router.h"
+#include "engine/train/checkpoint.h"
+#include "engine/train/metrics.h"
+#include "engine/train/optimizer.h"
 #include "engine/train/trainer.h"
 #include "layers/moe.h"
 #include "tests/test_util.h"
@@ -170,7 +173,7 @@ TEST(MoeLayerCuda, MatchesCpu) {
 // A 3-layer model with two MoE layers learns on the CPU, reports per-layer load, keeps its load
 // near balance with the bias on, and resumes bit for bit (the expert biases are in the checkpoint).
 namespace {
-Config tiny_moe(const fs::path& out, int64_t steps) {
+Config tiny_moe(const fs::path& out, int64_t steps, int64_t warmup = 3) {
   Config c = parse_config(
       "model: {vocab_size: 64, hidden_size: 32, num_hidden_layers: 3, num_attention_heads: 2,"
       " intermediate_size: 64, max_position_embeddings: 16, first_k_dense_replace: 1, n_routed_experts: 8,"
@@ -178,7 +181,7 @@ Config tiny_moe(const fs::path& out, int64_t steps) {
       " bias_update_rate: 0.01}\n"
       "data: {seq_len: 16, synthetic_tokens: 20000, val_fraction: 0.1}\n"
       "train: {device: cpu, steps: " + std::to_string(steps) + ", batch_size: 8, eval_every: 0, eval_batches: 2}\n"
-      "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: 3}\n"
+      "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: " + std::to_string(warmup) + "}\n"
       "checkpoint: {every: 10, keep_last: 2}\n"
       "logging: {progress: plain}\n",
       "tiny_moe_test.yaml");
@@ -214,6 +217,67 @@ TEST(MoeModel, TrainsBalancesAndResumesExactly) {
   for (size_t i = 0; i < 20; ++i) {
     double r = i < 10 ? b.losses[i] : c.losses[i - 10];
     EXPECT_TRUE(same_bits(a.losses[i], r)) << "step " << i + 1 << ": " << a.losses[i] << " vs " << r;
+  }
+  fs::remove_all(d);
+}
+
+// The metrics report the language-model loss alone and the balance loss beside it: the first step's
+// loss (taken before any update) is the same with aux_loss_alpha on or off.
+TEST(MoeModel, BalanceLossIsLoggedApartFromTheLmLoss) {
+  fs::path d = fs::temp_directory_path() / ("flowmoe_moe_aux_" + std::to_string(test_seed()));
+  fs::remove_all(d);
+  TrainOptions quiet;
+  quiet.out = nullptr;
+  Config off = tiny_moe(d / "off", 1, 1), on = tiny_moe(d / "on", 1, 1);
+  on.model.aux_loss_alpha = 0.1;
+  TrainResult a = train(off, quiet), b = train(on, quiet);
+  ASSERT_EQ(a.losses.size(), 1u);
+  ASSERT_EQ(b.losses.size(), 1u);
+  EXPECT_TRUE(same_bits(a.losses[0], b.losses[0])) << a.losses[0] << " vs " << b.losses[0];
+  std::vector<StepMetrics> rows_off = read_metrics(a.metrics_file), rows_on = read_metrics(b.metrics_file);
+  ASSERT_EQ(rows_on.size(), 1u);
+  EXPECT_TRUE(std::isnan(rows_off.at(0).aux_loss));
+  // alpha * L_Bal over 2 MoE layers; L_Bal is about 1 near balance and at most E / k.
+  EXPECT_GT(rows_on[0].aux_loss, 0.0);
+  EXPECT_LT(rows_on[0].aux_loss, 0.1 * 2 * 8 / 2);
+  fs::remove_all(d);
+}
+
+// bias_update_schedule: lr scales every bias step by lr(step) / optimizer.lr. After two steps each
+// bias is a sum of one signed step per update (a step is 0 where the load was exactly the mean).
+TEST(MoeModel, BiasStepFollowsTheLearningRateWhenAsked) {
+  fs::path d = fs::temp_directory_path() / ("flowmoe_moe_sched_" + std::to_string(test_seed()));
+  fs::remove_all(d);
+  TrainOptions quiet;
+  quiet.out = nullptr;
+  for (const std::string schedule : {"constant", "lr"}) {
+    SCOPED_TRACE(schedule);
+    Config c = tiny_moe(d / schedule, 2, 2);  // lr(1) = lr / 2, lr(2) = lr
+    c.model.bias_update_schedule = schedule;
+    c.checkpoint.every = 2;
+    TrainResult r = train(c, quiet);
+    const bool lr = schedule == "lr";
+    const double rate = c.model.bias_update_rate;
+    const double s1 = lr ? learning_rate(c.optimizer, 1, 2) / c.optimizer.lr : 1.0;
+    const double s2 = lr ? learning_rate(c.optimizer, 2, 2) / c.optimizer.lr : 1.0;
+    int num_biases = 0, num_half_steps = 0;
+    for (const NamedTensor& t : read_safetensors(r.last_checkpoint + "/model.safetensors")) {
+      if (t.name.find("e_score_correction_bias") == std::string::npos) continue;
+      for (double b : t.tensor.to_doubles()) {
+        bool reachable = false;
+        for (int i : {-1, 0, 1})
+          for (int j : {-1, 0, 1}) reachable |= std::abs(b - rate * (i * s1 + j * s2)) < 1e-6;
+        EXPECT_TRUE(reachable) << t.name << " = " << b;
+        // |b| = rate/2 or 3*rate/2 is out of reach of two constant steps
+        num_half_steps += std::abs(std::abs(b) / rate - std::round(std::abs(b) / rate)) > 0.25;
+        ++num_biases;
+      }
+    }
+    EXPECT_EQ(num_biases, 2 * 8);  // two MoE layers of 8 experts
+    if (lr)
+      EXPECT_GT(num_half_steps, 0);
+    else
+      EXPECT_EQ(num_half_steps, 0);
   }
   fs::remove_all(d);
 }

@@ -37,6 +37,7 @@ struct ModelConfig {
   double routed_scaling_factor = 1.0;
   double aux_loss_alpha = 0.0;
   double bias_update_rate = 0.001;
+  std::string bias_update_schedule = "constant";  // constant | lr: the step scales with lr(step)/optimizer.lr
 };
 
 struct DataConfig {

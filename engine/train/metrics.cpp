@@ -4,7 +4,9 @@
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -16,7 +18,8 @@ namespace flowmoe {
 
 namespace fs = std::filesystem;
 
-static const char* kCsvHeader = "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,moe_casts,skipped,moe_max_over_mean";
+static const char* kCsvHeader = "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,moe_casts,skipped,moe_max_over_mean,aux_loss";
+// Columns added later go last: the rows an older run wrote are padded with empty cells on resume.
 
 // Per-MoE-layer max/mean load: "1.02;1.10" in CSV, [1.02, 1.10] in JSON; empty for a dense model.
 static std::string layer_list(const std::vector<double>& v, bool json) {
@@ -42,14 +45,16 @@ static std::string row_text(const StepMetrics& m, bool csv) {
     os << m.step << "," << num(m.loss, "%.9g", false) << "," << (std::isnan(m.val_loss) ? "" : num(m.val_loss, "%.9g", false))
        << "," << num(m.lr, "%.6g", false) << "," << num(m.grad_norm, "%.6g", false) << ","
        << num(m.tokens_per_s, "%.1f", false) << "," << m.peak_mem_bytes << "," << m.host_syncs << ","
-       << (std::isnan(m.moe_casts) ? "" : num(m.moe_casts, "%.6g", false)) << "," << (m.skipped ? 1 : 0) << "," << layer_list(m.moe_max_over_mean, false);
+       << (std::isnan(m.moe_casts) ? "" : num(m.moe_casts, "%.6g", false)) << "," << (m.skipped ? 1 : 0) << "," << layer_list(m.moe_max_over_mean, false) << ","
+       << (std::isnan(m.aux_loss) ? "" : num(m.aux_loss, "%.9g", false));
   } else {
     os << "{\"step\": " << m.step << ", \"loss\": " << num(m.loss, "%.9g", true)
        << ", \"val_loss\": " << num(m.val_loss, "%.9g", true) << ", \"lr\": " << num(m.lr, "%.6g", true)
        << ", \"grad_norm\": " << num(m.grad_norm, "%.6g", true) << ", \"tokens_per_s\": " << num(m.tokens_per_s, "%.1f", true)
        << ", \"peak_mem_bytes\": " << m.peak_mem_bytes << ", \"host_syncs\": " << m.host_syncs
        << ", \"moe_casts\": " << num(m.moe_casts, "%.6g", true) << ", \"skipped\": " << (m.skipped ? "true" : "false")
-       << ", \"moe_max_over_mean\": " << layer_list(m.moe_max_over_mean, true) << "}";
+       << ", \"moe_max_over_mean\": " << layer_list(m.moe_max_over_mean, true)
+       << ", \"aux_loss\": " << num(m.aux_loss, "%.9g", true) << "}";
   }
   return os.str();
 }
@@ -79,7 +84,12 @@ MetricsWriter::MetricsWriter(const std::string& path, const std::string& format,
   file_ = std::fopen(path.c_str(), "w");
   FLOWMOE_CHECK(file_ != nullptr, IoError, "cannot write metrics file '", path, "'");
   if (csv_) std::fprintf(file_, "%s\n", kCsvHeader);
-  for (const auto& l : kept) std::fprintf(file_, "%s\n", l.c_str());
+  const auto header_commas = std::count(kCsvHeader, kCsvHeader + std::strlen(kCsvHeader), ',');
+  for (auto l : kept) {
+    if (csv_)
+      for (auto c = std::count(l.begin(), l.end(), ','); c < header_commas; ++c) l += ',';
+    std::fprintf(file_, "%s\n", l.c_str());
+  }
   std::fflush(file_);
 }
 
@@ -133,6 +143,7 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
         else if (c == "host_syncs") m.host_syncs = std::atoll(cells[i].c_str());
         else if (c == "moe_casts") m.moe_casts = cells[i].empty() ? NAN : field_double(cells[i]);
         else if (c == "skipped") m.skipped = cells[i] == "1";
+        else if (c == "aux_loss") m.aux_loss = field_double(cells[i]);
       }
     } else {
       YAML::Node j;
@@ -152,6 +163,7 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
       m.peak_mem_bytes = j["peak_mem_bytes"] ? j["peak_mem_bytes"].as<int64_t>() : 0;
       m.host_syncs = j["host_syncs"] ? j["host_syncs"].as<int64_t>() : 0;
       m.moe_casts = get("moe_casts");
+      m.aux_loss = get("aux_loss");
       m.skipped = j["skipped"] && j["skipped"].Scalar() == "true";
     }
     rows.push_back(m);

@@ -11,7 +11,8 @@ namespace flowmoe {
 
 struct StepMetrics {
   int64_t step = 0;
-  double loss = NAN;          // mean training loss over the step's micro-batches
+  double loss = NAN;          // mean language-model (cross-entropy) loss over the step's micro-batches
+  double aux_loss = NAN;      // mean MoE balance loss (sum over layers of aux_loss_alpha * L_Bal); NaN: off
   double val_loss = NAN;      // NaN: no validation at this step
   double lr = 0;
   double grad_norm = NAN;     // before clipping

@@ -45,7 +45,7 @@ double evaluate(const Transformer& model, const DataLoader& data, int64_t num_ba
   double total = 0;
   for (int64_t i = 0; i < num_batches; ++i) {
     Batch b = data.val_batch(i, batch_size);
-    total += double(model.loss(b.inputs, b.targets).data().to_floats()[0]);
+    total += double(model.losses(b.inputs, b.targets).lm.data().to_floats()[0]);  // the LM loss alone
   }
   return total / double(num_batches);
 }
@@ -159,14 +159,23 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     m.step = step;
     m.lr = learning_rate(cfg.optimizer, step, tc.steps);
     opt.zero_grad();
-    double loss_sum = 0;
+    double loss_sum = 0, aux_sum = 0;
+    bool has_aux = false;
     for (int64_t a = 0; a < tc.grad_accum_steps; ++a) {
       Batch b = data.next_train(tc.batch_size);
-      Variable loss = model.loss(b.inputs, b.targets);
-      loss_sum += double(loss.data().to_floats()[0]);
+      const Transformer::Losses parts = model.losses(b.inputs, b.targets);
+      const Variable loss = parts.total();
+      loss_sum += double(parts.lm.data().to_floats()[0]);
+      if (parts.aux.defined()) {
+        has_aux = true;
+        aux_sum += double(parts.aux.data().to_floats()[0]);
+      }
       (tc.grad_accum_steps > 1 ? scale(loss, 1.0 / double(tc.grad_accum_steps)) : loss).backward();
     }
+    // The LM loss and the balance loss are logged apart; training minimizes their sum.
     m.loss = loss_sum / double(tc.grad_accum_steps);
+    m.aux_loss = has_aux ? aux_sum / double(tc.grad_accum_steps) : NAN;
+    const double objective = m.loss + (has_aux ? m.aux_loss : 0.0);
     m.host_syncs = int64_t(num_host_syncs() - syncs_before);  // the model's own; our loss reads are not counted
     if (cast_divisor > 0) {
       last_casts = cast_counts();
@@ -174,14 +183,16 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     }
     if (opts.after_backward) opts.after_backward(step, model.parameters());
     m.grad_norm = opt.grad_norm();
-    if (std::isfinite(m.loss) && std::isfinite(m.grad_norm)) {
+    if (std::isfinite(objective) && std::isfinite(m.grad_norm)) {
       opt.step(m.lr, clip_scale(m.grad_norm, cfg.optimizer.grad_clip));
     } else {
       m.skipped = true;
       ++skipped;
       std::string what = "step " + std::to_string(step) + ": non-finite " +
-                         (std::isfinite(m.loss) ? "gradients (grad norm " + std::to_string(m.grad_norm) + ")"
-                                                : "loss (" + std::to_string(m.loss) + ")");
+                         (std::isfinite(objective) ? "gradients (grad norm " + std::to_string(m.grad_norm) + ")"
+                                                   : "loss (" + std::to_string(m.loss) +
+                                                         (has_aux ? ", balance loss " + std::to_string(m.aux_loss) : "") +
+                                                         ")");
       if (tc.nonfinite == "stop")
         FLOWMOE_THROW(Error, what, "; stopping because train.nonfinite is 'stop' (", cfg.origin("train.nonfinite"),
                       "). Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nonfinite: skip");
@@ -192,8 +203,12 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
                        std::to_string(tc.max_skipped_steps) + ")");
     }
     opt.zero_grad();
-    // Aux-loss-free balancing: every MoE layer moves its expert bias toward the mean load.
-    for (const LoadStats& ls : model.update_moe_bias()) m.moe_max_over_mean.push_back(ls.max_over_mean);
+    // Aux-loss-free balancing: every MoE layer moves its expert bias toward the mean load, by
+    // bias_update_rate, or (schedule lr) by bias_update_rate * lr / optimizer.lr.
+    const double bias_scale = cfg.model.bias_update_schedule != "lr" ? 1.0
+                              : cfg.optimizer.lr > 0                 ? m.lr / cfg.optimizer.lr
+                                                                     : 0.0;
+    for (const LoadStats& ls : model.update_moe_bias(bias_scale)) m.moe_max_over_mean.push_back(ls.max_over_mean);
     const double dt = std::chrono::duration<double>(clock::now() - t0).count();
     train_seconds += dt;
     ++steps_done;
