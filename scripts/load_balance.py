@@ -6,8 +6,8 @@
 RUN is a run directory (holding metrics.jsonl) or the file itself. For every MoE layer it prints the
 mean and the worst of the per-step max/mean load (`moe_max_over_mean`; 1 = balanced) over the steps
 after STEP (default: the last quarter of the run), then the worst layer's per-step value averaged and
-at its maximum. Exits 1 when the worst layer's average is at or above --threshold. Optional tooling:
-the engine does not need Python.
+at its maximum, and how many steps have a layer over --threshold. Exits 1 when the worst layer's
+average is at or above --threshold. Optional tooling: the engine does not need Python.
 """
 import argparse
 import json
@@ -50,8 +50,10 @@ def main():
         worst = [max(step) for step in tail]
         avg = sum(worst) / len(worst)
         print(f"{run}: steps {after + 1}-{last}, per MoE layer mean/max: {per_layer}")
+        over = sum(w > args.threshold for w in worst)
         print(f"{run}: worst layer per step: mean {avg:.3f}, max {max(worst):.3f} "
-              f"({'under' if avg < args.threshold else 'NOT under'} {args.threshold})")
+              f"({'under' if avg < args.threshold else 'NOT under'} {args.threshold}); "
+              f"{over} of {len(worst)} steps have a layer over {args.threshold}")
         if avg >= args.threshold:
             rc = 1
     return rc
