@@ -156,15 +156,7 @@ double tflops(const Case& c, int num_gemms, double ms) {
 }  // namespace
 
 int main() {
-  if (cuda_device_count() == 0) {
-    std::printf("bench_fp8_grouped_linear: no CUDA device, skipped\n");
-    return 0;
-  }
-  try {
-    cuda_set_device(0);
-    cudaDeviceProp prop{};
-    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    cudaStream_t stream = current_stream(0);
+  return bench_main("bench_fp8_grouped_linear", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
     std::printf("bench_fp8_grouped_linear on %s: FP8 1x128 x 128x128 grouped GEMMs (cuBLASLt) vs bf16, median of 30\n",
                 prop.name);
     const Chunks ch = make_chunks();
@@ -210,9 +202,5 @@ int main() {
       }
     }
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_fp8_grouped_linear failed: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

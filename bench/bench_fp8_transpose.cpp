@@ -29,21 +29,6 @@ namespace {
 
 constexpr int64_t kM = 32768, kK = 7168, kHostRows = 4096;
 constexpr int kSegments = 64;
-constexpr double kH200CopyGbps = 4249.0;
-constexpr size_t kCopyBytes = size_t(1) << 30;
-
-double gbps(double bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; }
-
-double copy_gbps(cudaStream_t stream) {
-  void* src = cuda_malloc_raw(kCopyBytes, 0);
-  void* dst = cuda_malloc_raw(kCopyBytes, 0);
-  MOE_CUDA_CHECK(cudaMemsetAsync(src, 1, kCopyBytes, stream));
-  const double ms = median_ms(
-      [&] { MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, kCopyBytes, cudaMemcpyDeviceToDevice, stream)); }, stream);
-  cuda_free_raw(src, 0);
-  cuda_free_raw(dst, 0);
-  return gbps(2.0 * double(kCopyBytes), ms);
-}
 
 // Rows ~ N(0,1) * exp(N(0,1)), 8 channels x20: x [kHostRows, kK].
 std::vector<float> realistic_activations(std::mt19937_64& gen) {
@@ -105,16 +90,8 @@ double colwise_rel_error(const std::vector<uint8_t>& q_t /*[kK, kHostRows]*/, co
 }  // namespace
 
 int main() {
-  if (cuda_device_count() == 0) {
-    std::printf("bench_fp8_transpose: no CUDA device, skipped\n");
-    return 0;
-  }
-  try {
-    cuda_set_device(0);
-    cudaStream_t stream = current_stream(0);
-    cudaDeviceProp prop{};
-    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    const double copy = copy_gbps(stream);
+  return bench_main("bench_fp8_transpose", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
+    const double copy = copy_gbps(stream).queued;
     std::printf("bench_fp8_transpose on %s: e4m3 [%lld, %lld] rowwise 1x128 -> colwise 1x128\n", prop.name,
                 (long long)kM, (long long)kK);
     std::printf("  device D2D copy (read + write): %.0f GB/s (%.3f of the H200's %.0f)\n", copy, copy / kH200CopyGbps,
@@ -210,9 +187,5 @@ int main() {
     std::fflush(stdout);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     for (void* p : std::initializer_list<void*>{q, s, q_t, q_t_base, s_t, s_t_base, y}) cuda_free_raw(p, 0);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_fp8_transpose failed: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "engine/cuda/cuda_check.h"
 #include "engine/cuda_api.h"
 #include "engine/ops/grouped_linear.h"
@@ -231,14 +232,7 @@ double tflops(const Result& r, double ms) {
 }  // namespace
 
 int main() {
-  if (cuda_device_count() == 0) {
-    std::printf("bench_grouped_linear: no CUDA device, skipped\n");
-    return 0;
-  }
-  try {
-    cuda_set_device(0);
-    cudaDeviceProp prop{};
-    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  return bench_main("bench_grouped_linear", [&](const cudaDeviceProp& prop, cudaStream_t /*stream*/) {
     std::printf("bench_grouped_linear on %s: bf16 GroupedLinear fwd + bwd (fprop, dgrad, wgrad fp32 out), "
                 "median of %d reps\n",
                 prop.name, kReps);
@@ -301,9 +295,5 @@ int main() {
                   tf4 / kCeilingTflops, r.streams4_host_ms, r.grouped_ms / r.streams4_ms);
     }
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_grouped_linear failed: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

@@ -142,14 +142,7 @@ Result bench_shape(int64_t m, int64_t n, int64_t k, cublasLtHandle_t handle, voi
 }  // namespace
 
 int main() {
-  if (cuda_device_count() == 0) {
-    std::printf("bench_linear: no CUDA device, skipped\n");
-    return 0;
-  }
-  try {
-    cuda_set_device(0);
-    cudaDeviceProp prop{};
-    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  return bench_main("bench_linear", [&](const cudaDeviceProp& prop, cudaStream_t /*stream*/) {
     std::printf("bench_linear on %s: bf16 linear fwd + bwd (fprop, dgrad, wgrad), median of %d reps\n", prop.name,
                 kReps);
     cublasLtHandle_t handle = nullptr;
@@ -186,9 +179,5 @@ int main() {
     cuda_free_raw(workspace, 0);
     MOE_CUBLAS_CHECK(cublasLtDestroy(handle));
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_linear failed: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

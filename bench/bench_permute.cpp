@@ -44,8 +44,6 @@ namespace {
 
 constexpr int kWarmup = 5;
 constexpr int kReps = 30;
-constexpr double kH200CopyGbps = 4249.0;
-constexpr size_t kCopyBytes = size_t(1) << 30;
 
 // GPU time only: a memset of kBusyBytes keeps the GPU busy while the host submits `prelude` (untimed),
 // the start event, `run` and the stop event, so launch latency drops out of the measurement.
@@ -55,20 +53,6 @@ void* g_busy = nullptr;  // kBusyBytes of device memory, allocated in main
 template <class P, class F>
 double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream) {
   return flowmoe::median_gpu_ms(prelude, run, stream, g_busy, kBusyBytes, kWarmup, kReps);
-}
-
-double gbps(double bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; }
-
-// Device-to-device copy of 1 GiB, counting bytes read + written: timed as median_ms and as median_gpu_ms.
-std::pair<double, double> copy_gbps(cudaStream_t stream) {
-  void* src = cuda_malloc_raw(kCopyBytes, 0);
-  void* dst = cuda_malloc_raw(kCopyBytes, 0);
-  MOE_CUDA_CHECK(cudaMemsetAsync(src, 1, kCopyBytes, stream));
-  auto copy = [&] { MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, kCopyBytes, cudaMemcpyDeviceToDevice, stream)); };
-  const double ms = median_ms(copy, stream), gpu_ms = median_gpu_ms([] {}, copy, stream);
-  cuda_free_raw(src, 0);
-  cuda_free_raw(dst, 0);
-  return {gbps(2.0 * double(kCopyBytes), ms), gbps(2.0 * double(kCopyBytes), gpu_ms)};
 }
 
 struct Config {
@@ -302,18 +286,11 @@ bool compare_impls(Setup& s, double copy, double copy_gpu, cudaStream_t stream) 
 }  // namespace
 
 int main() {
-  if (cuda_device_count() == 0) {
-    std::printf("bench_permute: no CUDA device, skipped\n");
-    return 0;
-  }
-  try {
-    cuda_set_device(0);
-    cudaStream_t stream = current_stream(0);
+  return bench_main("bench_permute", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
     g_busy = cuda_malloc_raw(kBusyBytes, 0);
-    cudaDeviceProp prop{};
-    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("bench_permute on %s: bf16 payload, random top-k routing, median of %d reps\n", prop.name, kReps);
-    const auto [copy, copy_gpu] = copy_gbps(stream);
+    const CopyGbps ceiling = copy_gbps(stream, g_busy, kBusyBytes);
+    const double copy = ceiling.queued, copy_gpu = ceiling.gpu_only;
     std::printf("  device D2D copy (read + write): %.0f GB/s (%.3f of the H200's %.0f); GPU time only: %.0f GB/s\n",
                 copy, copy / kH200CopyGbps, kH200CopyGbps, copy_gpu);
 
@@ -342,9 +319,5 @@ int main() {
     set_permute_rows_impl(default_impl);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     cuda_free_raw(g_busy, 0);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_permute failed: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

@@ -28,8 +28,6 @@ namespace {
 
 constexpr int kWarmup = 5;
 constexpr int kReps = 30;
-constexpr double kH200CopyGbps = 4249.0;
-constexpr size_t kCopyBytes = size_t(1) << 30;
 constexpr size_t kBusyBytes = size_t(256) << 20;
 void* g_busy = nullptr;  // kBusyBytes of device memory, allocated in main
 
@@ -37,19 +35,6 @@ void* g_busy = nullptr;  // kBusyBytes of device memory, allocated in main
 template <class F>
 double median_gpu_ms(F&& run, cudaStream_t stream) {
   return flowmoe::median_gpu_ms([] {}, run, stream, g_busy, kBusyBytes, kWarmup, kReps);
-}
-
-double gbps(double bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; }
-
-double copy_gbps(cudaStream_t stream) {
-  void* src = cuda_malloc_raw(kCopyBytes, 0);
-  void* dst = cuda_malloc_raw(kCopyBytes, 0);
-  MOE_CUDA_CHECK(cudaMemsetAsync(src, 1, kCopyBytes, stream));
-  const double ms = median_gpu_ms(
-      [&] { MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, kCopyBytes, cudaMemcpyDeviceToDevice, stream)); }, stream);
-  cuda_free_raw(src, 0);
-  cuda_free_raw(dst, 0);
-  return gbps(2.0 * double(kCopyBytes), ms);
 }
 
 // Uniform values on the device: a 4M-element random tile drawn on the host, repeated (host draws of
@@ -150,18 +135,10 @@ void print_results(const std::vector<Result>& results, double copy) {
 }  // namespace
 
 int main() {
-  if (cuda_device_count() == 0) {
-    std::printf("bench_swiglu_quant: no CUDA device, skipped\n");
-    return 0;
-  }
-  try {
-    cuda_set_device(0);
-    cudaStream_t stream = current_stream(0);
+  return bench_main("bench_swiglu_quant", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
     g_busy = cuda_malloc_raw(kBusyBytes, 0);
-    cudaDeviceProp prop{};
-    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("bench_swiglu_quant on %s: bf16 h with probs, GPU time only, median of %d reps\n", prop.name, kReps);
-    const double copy = copy_gbps(stream);
+    const double copy = copy_gbps(stream, g_busy, kBusyBytes).gpu_only;
     std::printf("  device D2D copy (read + write): %.0f GB/s (%.3f of the H200's %.0f)\n", copy, copy / kH200CopyGbps,
                 kH200CopyGbps);
     Rng rng(2026);
@@ -170,9 +147,5 @@ int main() {
     print_results(results, copy);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     cuda_free_raw(g_busy, 0);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_swiglu_quant failed: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

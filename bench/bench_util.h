@@ -1,12 +1,17 @@
-// Timing helpers shared by the benchmarks: the median of `reps` event-timed runs on `stream`, after
-// `warmup` untimed ones (module load, handle creation and cuBLASLt plans stay out of the numbers).
+// What the benchmarks share: their main() (bench_main), the median of `reps` event-timed runs on
+// `stream` after `warmup` untimed ones (module load, handle creation and cuBLASLt plans stay out of
+// the numbers), and the device's copy bandwidth, the ceiling of the bandwidth-bound kernels.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <exception>
 #include <vector>
 
 #include "engine/cuda/cuda_check.h"
+#include "engine/cuda_api.h"
 #include "engine/stream.h"
 
 namespace flowmoe {
@@ -39,6 +44,52 @@ double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream, void* busy, size
 template <class F>
 double median_ms(F&& run, cudaStream_t stream, int warmup = 5, int reps = 30) {
   return median_gpu_ms([] {}, run, stream, nullptr, 0, warmup, reps);
+}
+
+// DESIGN.md §6: the H200's device-to-device copy bandwidth, bytes read + written.
+constexpr double kH200CopyGbps = 4249.0;
+
+inline double gbps(double bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; }
+
+// The device's D2D copy bandwidth (cudaMemcpyAsync of 1 GiB, bytes read + written), timed the way
+// the benchmark times its kernels: `queued` with the host's queueing (median_ms), `gpu_only` behind
+// a memset of `busy` (median_gpu_ms; NaN when busy is null).
+struct CopyGbps {
+  double queued = NAN, gpu_only = NAN;
+};
+inline CopyGbps copy_gbps(cudaStream_t stream, void* busy = nullptr, size_t busy_bytes = 0) {
+  constexpr size_t kCopyBytes = size_t(1) << 30;
+  void* src = cuda_malloc_raw(kCopyBytes, 0);
+  void* dst = cuda_malloc_raw(kCopyBytes, 0);
+  MOE_CUDA_CHECK(cudaMemsetAsync(src, 1, kCopyBytes, stream));
+  auto copy = [&] { MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, kCopyBytes, cudaMemcpyDeviceToDevice, stream)); };
+  CopyGbps r;
+  r.queued = gbps(2.0 * double(kCopyBytes), median_ms(copy, stream));
+  if (busy) r.gpu_only = gbps(2.0 * double(kCopyBytes), median_gpu_ms([] {}, copy, stream, busy, busy_bytes));
+  cuda_free_raw(src, 0);
+  cuda_free_raw(dst, 0);
+  return r;
+}
+
+// A benchmark's main(): without a CUDA device it prints "<name>: no CUDA device, skipped" and
+// returns 0; otherwise it selects device 0 and runs body(properties, the engine's stream), turning an
+// exception into "<name> failed: ..." and 1.
+template <class F>
+int bench_main(const char* name, F&& body) {
+  if (cuda_device_count() == 0) {
+    std::printf("%s: no CUDA device, skipped\n", name);
+    return 0;
+  }
+  try {
+    cuda_set_device(0);
+    cudaDeviceProp prop{};
+    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    body(static_cast<const cudaDeviceProp&>(prop), current_stream(0));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s failed: %s\n", name, e.what());
+    return 1;
+  }
+  return 0;
 }
 
 }  // namespace flowmoe
