@@ -95,6 +95,31 @@ TEST(AdamW, OptimizerClassOnCpu) {
   EXPECT_THROW(AdamW({bad}, cfg), DTypeError);
 }
 
+// optimizer.router_lr_scale: the MoE routers' gate weights (and only they) step with lr * scale.
+TEST(AdamW, RouterLearningRateScale) {
+  Rng rng(test_seed());
+  const std::vector<std::string> names = {"model.layers.1.mlp.gate.weight", "model.layers.0.mlp.gate_proj.weight",
+                                          "model.layers.1.mlp.gate.e_score_correction_bias"};
+  Tensor init = random_tensor(rng, {3, 4}), grad = random_tensor(rng, {3, 4});
+  OptimizerConfig cfg;
+  cfg.weight_decay = 0.1;
+  cfg.router_lr_scale = 0.25;
+  std::vector<Variable> ps;
+  for (const std::string& n : names) {
+    ps.push_back(Variable(init.clone(), true, n));
+    ps.back().set_grad(grad.clone());
+  }
+  AdamW opt(ps, cfg);
+  opt.step(0.01, 1.0);
+  std::vector<float> router = floats(init), other = floats(init), m(12, 0), v(12, 0), m2(12, 0), v2(12, 0);
+  adamw_cpu(router.data(), grad.data<float>(), m.data(), v.data(), 12, make_step(1, 0.0025f, 0.1f, 1.0f));
+  adamw_cpu(other.data(), grad.data<float>(), m2.data(), v2.data(), 12, make_step(1, 0.01f, 0.1f, 1.0f));
+  EXPECT_EQ(floats(ps[0].data()), router);
+  EXPECT_EQ(floats(ps[1].data()), other);  // the dense MLP's gate_proj is not a router
+  EXPECT_EQ(floats(ps[2].data()), other);  // nor is a name that only contains ".mlp.gate."
+  EXPECT_NE(router, other);
+}
+
 // The launchers exist only in CUDA builds; the optimizer class below reaches them by device.
 #ifdef FLOWMOE_WITH_CUDA
 TEST(AdamWCuda, UpdateMatchesCpu) {

@@ -216,6 +216,16 @@ TEST(Config, SyntheticKindChoosesTheCorpus) {
   EXPECT_HAS(m, "did you mean 'bigram'");
 }
 
+TEST(Config, RouterLrScaleDefaultsToOneAndRejectsNegatives) {
+  EXPECT_EQ(parse_config("", "ok.yaml").optimizer.router_lr_scale, 1.0);
+  Config c = parse_config("optimizer:\n  router_lr_scale: 0.1\n", "ok.yaml");
+  EXPECT_EQ(c.optimizer.router_lr_scale, 0.1);
+  EXPECT_NE(to_yaml(c).find("router_lr_scale: 0.1"), std::string::npos);
+  std::string m = parse_error("optimizer:\n  router_lr_scale: -1\n");
+  EXPECT_HAS(m, "bad.yaml:2");
+  EXPECT_HAS(m, "optimizer.router_lr_scale");
+}
+
 TEST(Config, BiasUpdateScheduleIsConstantOrLr) {
   EXPECT_EQ(parse_config("", "ok.yaml").model.bias_update_schedule, "constant");
   Config c = parse_config("model:\n  bias_update_schedule: lr\n", "ok.yaml");

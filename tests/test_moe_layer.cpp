@@ -191,6 +191,27 @@ Config tiny_moe(const fs::path& out, int64_t steps, int64_t warmup = 3) {
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 }  // namespace
 
+// optimizer.router_lr_scale reaches exactly the routers of a real model (one per MoE layer), and a
+// model without MoE layers refuses it, naming the key.
+TEST(MoeModel, RouterLrScaleFindsEveryRouter) {
+  Config c = tiny_moe(fs::temp_directory_path() / "unused", 2, 1);
+  Transformer model(c.model, Device::cpu(), DType::f32, 1);
+  EXPECT_EQ(AdamW(model.parameters(), c.optimizer).num_router_params(), 2);
+  fs::path d = fs::temp_directory_path() / ("flowmoe_router_lr_" + std::to_string(test_seed()));
+  Config dense = tiny_moe(d, 2, 1);
+  dense.model.first_k_dense_replace = 3;
+  dense.optimizer.router_lr_scale = 0.5;
+  TrainOptions quiet;
+  quiet.out = nullptr;
+  try {
+    train(dense, quiet);
+    ADD_FAILURE() << "a dense model accepted optimizer.router_lr_scale";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer.router_lr_scale"), std::string::npos) << e.what();
+  }
+  fs::remove_all(d);
+}
+
 TEST(MoeModel, TrainsBalancesAndResumesExactly) {
   fs::path d = fs::temp_directory_path() / ("flowmoe_moe_" + std::to_string(test_seed()));
   fs::remove_all(d);

@@ -120,6 +120,7 @@ const std::vector<Field>& schema() {
     f.push_back(number("optimizer", "beta2", FM_REF(optimizer.beta2), 0, false, 1, true, "AdamW beta2"));
     f.push_back(number("optimizer", "eps", FM_REF(optimizer.eps), 0, true, 1, false, "AdamW epsilon"));
     f.push_back(number("optimizer", "grad_clip", FM_REF(optimizer.grad_clip), 0, false, kInf, false, "max global gradient norm; 0 disables clipping"));
+    f.push_back(number("optimizer", "router_lr_scale", FM_REF(optimizer.router_lr_scale), 0, false, 10, false, "multiplies the learning rate of the MoE routers' gate weights (*.mlp.gate.weight); 1 trains them like every other matrix"));
     // precision
     f.push_back(choice("precision", "recipe", FM_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow"}, "MoE expert precision: bf16 (fp32 on CPU); fp8_blockwise (FP8 GEMMs, each quantizing its own inputs); fp8_flow (quantize once before dispatch, FP8 through the experts). Master weights and gradients stay fp32"));
     Field align{"precision", "align_size", Kind::int_choice, 0, 0, false, false, {"16", "32", "64", "128"},

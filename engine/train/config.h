@@ -73,6 +73,7 @@ struct OptimizerConfig {
   double beta2 = 0.95;
   double eps = 1e-8;
   double grad_clip = 1.0;  // 0 disables clipping
+  double router_lr_scale = 1.0;  // multiplies the learning rate of the MoE routers' gate weights
 };
 
 struct PrecisionConfig {

@@ -2,6 +2,7 @@
 #include "engine/train/optimizer.h"
 
 #include <cmath>
+#include <string>
 
 #include "kernels/adamw.h"
 
@@ -20,6 +21,13 @@ double clip_scale(double norm, double max_norm) {
   return max_norm / norm;
 }
 
+// The MoE router's gate (layers/moe.cpp names it <layer>.mlp.gate.weight); the dense MLP's
+// projections are gate_proj/up_proj/down_proj and do not match.
+static bool is_router_weight(const std::string& name) {
+  const std::string suffix = ".mlp.gate.weight";
+  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg) : params_(std::move(params)), cfg_(cfg) {
   FLOWMOE_CHECK(!params_.empty(), Error, "AdamW: no parameters");
   Device dev = params_[0].device();
@@ -34,6 +42,7 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg) : params_
     exp_avg_.push_back(Tensor::zeros(p.shape(), DType::f32, dev));
     exp_avg_sq_.push_back(Tensor::zeros(p.shape(), DType::f32, dev));
     decay_.push_back(p.data().dim() >= 2);
+    lr_scale_.push_back(is_router_weight(p.name()) ? cfg.router_lr_scale : 1.0);
   }
   if (dev.is_cuda()) {
     norm_slots_ = Tensor::zeros({int64_t(params_.size())}, DType::f32, dev);
@@ -81,7 +90,6 @@ double AdamW::grad_norm() {
 void AdamW::step(double lr, double grad_scale) {
   ++num_updates_;
   AdamWStep s;
-  s.lr = float(lr);
   s.beta1 = float(cfg_.beta1);
   s.beta2 = float(cfg_.beta2);
   s.eps = float(cfg_.eps);
@@ -93,6 +101,7 @@ void AdamW::step(double lr, double grad_scale) {
     if (!p.grad().defined()) continue;  // unused this step: left as is (as torch does)
     Tensor g = checked_grad(p).contiguous();
     s.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
+    s.lr = float(lr * lr_scale_[i]);
     float* w = p.data().data<float>();
     float* m = exp_avg_[i].data<float>();
     float* v = exp_avg_sq_[i].data<float>();
@@ -107,6 +116,12 @@ void AdamW::step(double lr, double grad_scale) {
     }
     p.bump_version();  // updated in place: FP8 weight caches must re-quantize
   }
+}
+
+int64_t AdamW::num_router_params() const {
+  int64_t n = 0;
+  for (const Variable& p : params_) n += is_router_weight(p.name());
+  return n;
 }
 
 void AdamW::zero_grad() {

@@ -18,7 +18,8 @@ double clip_scale(double norm, double max_norm);
 
 class AdamW {
  public:
-  // Parameters must be f32 leaves. Weight decay applies to matrices (dim >= 2) only.
+  // Parameters must be f32 leaves. Weight decay applies to matrices (dim >= 2) only. A parameter
+  // named *.mlp.gate.weight (an MoE router) steps with lr * cfg.router_lr_scale.
   AdamW(std::vector<Variable> params, const OptimizerConfig& cfg);
 
   // Global L2 norm of all gradients (a missing gradient counts as zero); NaN or inf when any
@@ -29,6 +30,7 @@ class AdamW {
   void zero_grad();
 
   int64_t num_updates() const { return num_updates_; }  // the t of the bias corrections
+  int64_t num_router_params() const;                       // parameters stepped with router_lr_scale
   void set_num_updates(int64_t t) { num_updates_ = t; }
   const std::vector<Variable>& params() const { return params_; }
   std::vector<Tensor>& exp_avg() { return exp_avg_; }        // same shapes and devices as params
@@ -38,6 +40,7 @@ class AdamW {
   std::vector<Variable> params_;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;
   std::vector<bool> decay_;
+  std::vector<double> lr_scale_;  // per parameter: router_lr_scale for the routers, else 1
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;
   Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction

@@ -93,6 +93,10 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
   DataLoader data = DataLoader::from_config(cfg);
   Transformer model(cfg.model, device, compute, uint64_t(tc.seed), moe_options(cfg));
   AdamW opt(model.parameters(), cfg.optimizer);
+  FLOWMOE_CHECK(cfg.optimizer.router_lr_scale == 1.0 || opt.num_router_params() > 0, ConfigError,
+                cfg.origin("optimizer.router_lr_scale"), ": optimizer.router_lr_scale is ",
+                cfg.optimizer.router_lr_scale, " but the model has no MoE router (n_routed_experts is 0 or ",
+                "first_k_dense_replace covers every layer)");
   Progress progress(cfg.logging.progress, tc.steps, cfg.logging.log_every, opts.out);
 
   int64_t step = 0, skipped = 0;
