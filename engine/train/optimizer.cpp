@@ -1,6 +1,7 @@
 // AdamW over a parameter list, LR schedule and clipping (see optimizer.h).
 #include "engine/train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -23,10 +24,7 @@ double clip_scale(double norm, double max_norm) {
 
 // The MoE router's gate (layers/moe.cpp names it <layer>.mlp.gate.weight); the dense MLP's
 // projections are gate_proj/up_proj/down_proj and do not match.
-static bool is_router_weight(const std::string& name) {
-  const std::string suffix = ".mlp.gate.weight";
-  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
+static bool is_router_weight(const std::string& name) { return name.ends_with(".mlp.gate.weight"); }
 
 AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg) : params_(std::move(params)), cfg_(cfg) {
   FLOWMOE_CHECK(!params_.empty(), Error, "AdamW: no parameters");
@@ -42,7 +40,7 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg) : params_
     exp_avg_.push_back(Tensor::zeros(p.shape(), DType::f32, dev));
     exp_avg_sq_.push_back(Tensor::zeros(p.shape(), DType::f32, dev));
     decay_.push_back(p.data().dim() >= 2);
-    lr_scale_.push_back(is_router_weight(p.name()) ? cfg.router_lr_scale : 1.0);
+    router_.push_back(is_router_weight(p.name()));
   }
   if (dev.is_cuda()) {
     norm_slots_ = Tensor::zeros({int64_t(params_.size())}, DType::f32, dev);
@@ -101,7 +99,7 @@ void AdamW::step(double lr, double grad_scale) {
     if (!p.grad().defined()) continue;  // unused this step: left as is (as torch does)
     Tensor g = checked_grad(p).contiguous();
     s.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
-    s.lr = float(lr * lr_scale_[i]);
+    s.lr = float(router_[i] ? lr * cfg_.router_lr_scale : lr);
     float* w = p.data().data<float>();
     float* m = exp_avg_[i].data<float>();
     float* v = exp_avg_sq_[i].data<float>();
@@ -119,9 +117,7 @@ void AdamW::step(double lr, double grad_scale) {
 }
 
 int64_t AdamW::num_router_params() const {
-  int64_t n = 0;
-  for (const Variable& p : params_) n += is_router_weight(p.name());
-  return n;
+  return std::count(router_.begin(), router_.end(), true);
 }
 
 void AdamW::zero_grad() {

@@ -40,7 +40,7 @@ class AdamW {
   std::vector<Variable> params_;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;
   std::vector<bool> decay_;
-  std::vector<double> lr_scale_;  // per parameter: router_lr_scale for the routers, else 1
+  std::vector<bool> router_;  // per parameter: an MoE router's gate, stepped with lr * router_lr_scale
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;
   Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction
