@@ -41,8 +41,6 @@ for name in "${names[@]}"; do
     echo "$name: FAILED"; tail -5 "$log"; rc=1; continue
   fi
   echo "$name: $(grep -E '^done:' "$log" | tail -1)"
-  # Balance is read after the run's own warmup (its resolved config.yaml).
-  warmup=$(sed -n 's/^ *warmup_steps: *\([0-9]*\).*/\1/p' "$out/balance_$name/config.yaml" | head -1)
-  python3 scripts/load_balance.py --after "${warmup:-0}" "$out/balance_$name" | sed "s|^$out/balance_||"
+  python3 scripts/load_balance.py --after warmup "$out/balance_$name" | sed "s|^$out/balance_||"
 done
 exit $rc

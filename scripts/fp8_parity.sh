@@ -38,7 +38,6 @@ for r in $recipes; do train_run "$r" "$r"; done
 [ -n "${CONTROL:-}" ] && train_run control bf16 --set optimizer.eps=2e-8
 # shellcheck disable=SC2086
 python3 scripts/compare_runs.py --tolerance 0.01 $runs || rc=1
-warmup=$(sed -n 's/^ *warmup_steps: *\([0-9]*\).*/\1/p' configs/gpu_moe.yaml | head -1)
 # shellcheck disable=SC2086
-python3 scripts/load_balance.py --after "${warmup:-0}" $runs | grep 'worst layer' | sed 's/^/load /'
+python3 scripts/load_balance.py --after warmup $runs | grep 'worst layer' | sed 's/^/load /'
 exit $rc

@@ -83,7 +83,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       # Load balance (scripts/load_balance.py): after the warmup for a run as shipped, else over the
       # last quarter of the steps.
       after=()
-      [ "$2" -eq 0 ] && after=(--after "$(sed -n 's/^ *warmup_steps: *\([0-9]*\).*/\1/p' "$out/run_$name/config.yaml" | head -1)")
+      [ "$2" -eq 0 ] && after=(--after warmup)
       bal=$(python3 scripts/load_balance.py "${after[@]}" "$out/run_$name" 2>/dev/null | grep 'worst layer' | sed 's/^[^:]*: //')
       [ -n "$bal" ] && row "  load $name" "$bal"
     else
