@@ -7,20 +7,17 @@
 //   wgrad  D[k, n] = X_eᵀ[k, r_e] · dY_e[r_e, n]   A = x_t + off_e (T, lda m_total), B = dy_t + off_e
 //          (N, ldb m_total), both VEC128 with their segment's packed [blocks_e, k|n] scale slice;
 //          D column-major [k, n], ld k = dw[e] row-major [n, k], beta 1 when accumulating.
-// Plans (descriptors + algorithm) are cached per exact problem; algorithms are chosen per bucket of the
-// row count (cuBLASLt's n in fprop, k in wgrad), as in kernels/cuda/linear.cu.
+// Plans (descriptors + algorithm) are cached per exact problem (kernels/cuda/cublaslt_cache.cuh, shared
+// with linear.cu); algorithms are chosen per bucket of the row count (cuBLASLt's n in fprop, k in wgrad).
 // CPU reference: kernels/cpu/fp8_grouped_linear.cpp. Tests: tests/test_fp8_grouped_linear.cpp.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <bit>
-#include <memory>
 #include <mutex>
 #include <optional>
-#include <unordered_map>
-#include <vector>
 
 #include "engine/cuda/cuda_check.h"
+#include "kernels/cuda/cublaslt_cache.cuh"
 #include "kernels/cuda/stream_fan.cuh"
 #include "kernels/fp8.h"
 #include "kernels/fp8_grouped_linear.h"
@@ -73,13 +70,6 @@ __global__ void weight_scale_pad_kernel(float* __restrict__ w_pad, const float* 
 
 // ---- cuBLASLt plans ---------------------------------------------------------------------------
 
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
-
-uint32_t alignment_of(const void* p) {  // cuBLASLt picks algorithms by operand alignment (<= 256)
-  auto v = reinterpret_cast<uintptr_t>(p);
-  return v == 0 ? 256u : uint32_t(1) << std::min(8, std::countr_zero(v));
-}
-
 // cuBLASLt's view: D[m, n] (column-major, ldd) = op(A)[m, k] · op(B)[k, n], A stored [k, m] (lda), B [k, n].
 struct PlanKey {
   int64_t m, n, k, lda, ldb, ldd;
@@ -91,21 +81,16 @@ struct PlanKey {
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     size_t h = 0;
-    auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
-    for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldd}) mix(uint64_t(v));
-    mix(uint64_t(k.wgrad) | uint64_t(k.accumulate) << 1 | uint64_t(k.d_dtype) << 8 | uint64_t(k.align_a) << 16 |
-        uint64_t(k.align_b) << 32 | uint64_t(k.align_d) << 48);
+    for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldd}) hash_mix(h, uint64_t(v));
+    hash_mix(h, uint64_t(k.wgrad) | uint64_t(k.accumulate) << 1 | uint64_t(k.d_dtype) << 8 |
+                    uint64_t(k.align_a) << 16 | uint64_t(k.align_b) << 32 | uint64_t(k.align_d) << 48);
     return h;
   }
 };
 
 // Quarter-octave buckets that stay multiples of 16 (FP8 leading dimensions): 16, 32, 48, 64, 80, 96,
 // 112, 128, 160, 192, 224, 256, 320, ..., 1024, 1280, ... A new row count reuses its bucket's algorithm.
-int64_t bucket_of(int64_t v) {
-  if (v <= 16) return 16;
-  int64_t step = std::max<int64_t>(16, int64_t(1) << (std::bit_width(uint64_t(v - 1)) - 3));
-  return (v + step - 1) / step * step;
-}
+int64_t bucket_of(int64_t v) { return quarter_octave_bucket(v, 16); }
 PlanKey bucket_key(PlanKey key) {
   if (!key.wgrad) {
     key.n = bucket_of(key.n);
@@ -153,7 +138,7 @@ std::optional<cublasLtMatmulAlgo_t> query_heuristic(cublasLtHandle_t handle, con
   init_op(op, key, a_scale, b_scale);
   cublasLtMatmulPreferenceOpaque_t pref;
   MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
-  uint64_t ws_bytes = kWorkspaceBytes;
+  uint64_t ws_bytes = kLtWorkspaceBytes;
   MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
                                                         sizeof(ws_bytes)));
   const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
@@ -172,67 +157,21 @@ std::optional<cublasLtMatmulAlgo_t> query_heuristic(cublasLtHandle_t handle, con
   return result.algo;
 }
 
-// Per device, shared by host threads under g_mutex: handle, one workspace per stream, heuristic answers.
-// Never freed (releasing them at exit would race CUDA's own teardown).
-struct SharedDevice {
-  cublasLtHandle_t handle = nullptr;
-  std::unordered_map<cudaStream_t, void*> workspaces;
-  std::unordered_map<PlanKey, std::optional<cublasLtMatmulAlgo_t>, PlanKeyHash> choices;
-};
-std::mutex g_mutex;
-std::vector<std::unique_ptr<SharedDevice>> g_shared;
-
-SharedDevice& shared_device(int device) {  // call with g_mutex held
-  if (g_shared.size() <= size_t(device)) g_shared.resize(size_t(device) + 1);
-  auto& dev = g_shared[size_t(device)];
-  if (!dev) {
-    dev = std::make_unique<SharedDevice>();
-    MOE_CUBLAS_CHECK(cublasLtCreate(&dev->handle));
-  }
-  return *dev;
-}
-
 struct Plan {
   Layouts layouts;
   cublasLtMatmulDescOpaque_t op;  // its scale pointers are set on every call
   cublasLtMatmulAlgo_t algo;
   bool exact;  // chosen for this exact shape (false: borrowed from its bucket)
 };
-struct ThreadDevice {  // per device and host thread: lock-free after the first call
-  int device = 0;
-  cublasLtHandle_t handle = nullptr;
-  std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
-  std::vector<std::pair<cudaStream_t, void*>> workspaces;
-};
 
-ThreadDevice& thread_device(int device) {
-  thread_local std::vector<std::unique_ptr<ThreadDevice>> devices;
-  if (devices.size() <= size_t(device)) devices.resize(size_t(device) + 1);
-  auto& td = devices[size_t(device)];
-  if (!td) {
-    td = std::make_unique<ThreadDevice>();
-    td->device = device;
-    std::lock_guard<std::mutex> lock(g_mutex);
-    td->handle = shared_device(device).handle;
-  }
-  return *td;
-}
-
-void* stream_workspace(ThreadDevice& td, cudaStream_t stream) {
-  for (const auto& [s, ws] : td.workspaces)
-    if (s == stream) return ws;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  void*& ws = shared_device(td.device).workspaces[stream];
-  if (!ws) ws = cuda_malloc_raw(kWorkspaceBytes, td.device);
-  td.workspaces.emplace_back(stream, ws);
-  return ws;
-}
+// Handles, workspaces, heuristic answers and plans: kernels/cuda/cublaslt_cache.cuh.
+using Cache = LtCache<PlanKey, PlanKeyHash, cublasLtMatmulAlgo_t, Plan>;
 
 bool algo_fits(cublasLtHandle_t handle, Plan& p, const cublasLtMatmulAlgo_t& algo) {
   cublasLtMatmulHeuristicResult_t result{};
   cublasStatus_t s =
       cublasLtMatmulAlgoCheck(handle, &p.op, &p.layouts.a, &p.layouts.b, &p.layouts.d, &p.layouts.d, &algo, &result);
-  return s == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= kWorkspaceBytes;
+  return s == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= kLtWorkspaceBytes;
 }
 
 [[noreturn]] void throw_no_algorithm(const PlanKey& key) {
@@ -247,12 +186,12 @@ bool algo_fits(cublasLtHandle_t handle, Plan& p, const cublasLtMatmulAlgo_t& alg
 }
 
 // Fills p for `key`: its bucket's algorithm when AlgoCheck accepts it, else one chosen for this shape.
-void build_plan(ThreadDevice& td, Plan& p, const PlanKey& key, const float* a_scale, const float* b_scale,
+void build_plan(Cache::Thread& td, Plan& p, const PlanKey& key, const float* a_scale, const float* b_scale,
                 bool exact_only) {
   init_layouts(p.layouts, key);
   init_op(p.op, key, a_scale, b_scale);
-  std::lock_guard<std::mutex> lock(g_mutex);  // heuristic queries are rare: holding the lock keeps this simple
-  SharedDevice& shared = shared_device(td.device);
+  std::lock_guard<std::mutex> lock(Cache::mutex());  // heuristic queries are rare: holding the lock keeps this simple
+  Cache::Shared& shared = Cache::shared(td.device);
   const PlanKey bkey = bucket_key(key);
   if (!exact_only && !(bkey == key) && !shared.choices.count(key)) {
     auto bucket = shared.choices.find(bkey);
@@ -275,7 +214,7 @@ void build_plan(ThreadDevice& td, Plan& p, const PlanKey& key, const float* a_sc
 // One GEMM: plan lookup (built on a miss), scale pointers, cublasLtMatmul; C = D.
 void run_gemm(const PlanKey& key, const void* a, const float* a_scale, const void* b, const float* b_scale, void* d,
               cudaStream_t stream) {
-  ThreadDevice& td = thread_device(cuda_current_device());
+  Cache::Thread& td = Cache::thread(cuda_current_device());
   auto [it, inserted] = td.plans.try_emplace(key);
   Plan& plan = it->second;
   if (inserted) {
@@ -286,12 +225,12 @@ void run_gemm(const PlanKey& key, const void* a, const float* a_scale, const voi
       throw;
     }
   }
-  void* workspace = stream_workspace(td, stream);
+  void* workspace = Cache::workspace(td, stream);
   const float alpha = 1.f, beta = key.accumulate ? 1.f : 0.f;
   auto matmul = [&] {
     set_scales(plan.op, a_scale, b_scale);
     return cublasLtMatmul(td.handle, &plan.op, &alpha, a, &plan.layouts.a, b, &plan.layouts.b, &beta, d,
-                          &plan.layouts.d, d, &plan.layouts.d, &plan.algo, workspace, kWorkspaceBytes, stream);
+                          &plan.layouts.d, d, &plan.layouts.d, &plan.algo, workspace, kLtWorkspaceBytes, stream);
   };
   cublasStatus_t s = matmul();
   if (s != CUBLAS_STATUS_SUCCESS && !plan.exact) {  // AlgoCheck is not a guarantee: choose for this shape
@@ -366,7 +305,7 @@ void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x, const float* x_sca
         w_scales, w_scale_inv, num_experts * nb, kb, kb4);
     MOE_CUDA_CHECK_LAUNCH();
   }
-  StreamFan fan(stream, std::count_if(rows_per_expert, rows_per_expert + num_experts, [](int64_t r) { return r > 0; }));
+  StreamFan fan(stream, experts_with_rows(rows_per_expert, num_experts));
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t rows = rows_per_expert[e];
@@ -393,7 +332,7 @@ void fp8_grouped_wgrad_cuda(const uint8_t* dy_t, const float* dy_t_scale_inv, co
   FLOWMOE_CHECK(dw != nullptr, Error, what, ": null dw");
   for (int64_t e = 0; e < num_experts; ++e)  // an empty sum, on `main` before the fan forks
     if (rows_per_expert[e] == 0 && !accumulate) MOE_CUDA_CHECK(cudaMemsetAsync(dw + e * n * k, 0, expert_bytes, stream));
-  StreamFan fan(stream, std::count_if(rows_per_expert, rows_per_expert + num_experts, [](int64_t r) { return r > 0; }));
+  StreamFan fan(stream, experts_with_rows(rows_per_expert, num_experts));
   int64_t off = 0, blk = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t rows = rows_per_expert[e];

@@ -47,10 +47,6 @@ void zero_tail(void* out, int64_t first_row, int64_t m_total, int64_t cols, size
                                  stream));
 }
 
-int64_t experts_with_rows(const int64_t* rows_per_expert, int64_t num_experts) {
-  return std::count_if(rows_per_expert, rows_per_expert + num_experts, [](int64_t r) { return r > 0; });
-}
-
 // ---- side streams: kernels/cuda/stream_fan.cuh ---------------------------------------------------
 
 constexpr int kMaxStreams = 8;

@@ -8,18 +8,13 @@
 // CPU reference: kernels/cpu/linear.cpp. Tests: tests/test_linear.cpp. Benchmark: bench/bench_linear.cpp.
 #include <cuda_bf16.h>
 
-#include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cstdint>
-#include <memory>
 #include <mutex>
 #include <optional>
-#include <unordered_map>
-#include <utility>
-#include <vector>
 
 #include "engine/cuda/cuda_check.h"
+#include "kernels/cuda/cublaslt_cache.cuh"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/linear.h"
 
@@ -76,22 +71,14 @@ __global__ void bias_grad_finish_kernel(T* __restrict__ d_bias, const float* __r
 // every training step). Hence two caches:
 //   plans   (per device and host thread, no lock): exact problem -> descriptors initialised in place
 //           + algorithm; a hit is one hash lookup, a bias-pointer update and the matmul.
-//   choices (per device, shared, under g_mutex; only on a plan miss): heuristic results, keyed by the
+//   choices (per device, shared, under a lock; only on a plan miss): heuristic results, keyed by the
 //           problem with m and k rounded up to a bucket. A new exact shape takes its bucket's
 //           algorithm once cublasLtMatmulAlgoCheck accepts it for that shape, else (rare) its own
 //           exact query. Either way the algorithm is a function of the shape alone, not of call order.
 
 namespace {
 
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
-
 cudaDataType_t cuda_type(DType t) { return t == DType::f32 ? CUDA_R_32F : CUDA_R_16BF; }
-
-// Largest power of two (at most 256) dividing the address: cuBLASLt picks algorithms by alignment.
-uint32_t alignment_of(const void* p) {
-  auto v = reinterpret_cast<uintptr_t>(p);
-  return v == 0 ? 256u : uint32_t(1) << std::min(8, std::countr_zero(v));
-}
 
 // Everything the algorithm choice depends on (the bias pointer's alignment included: the heuristic reads it).
 struct PlanKey {
@@ -104,23 +91,14 @@ struct PlanKey {
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     size_t h = 0;
-    auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
-    for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldc}) mix(uint64_t(v));
-    mix(uint64_t(k.trans_a) | uint64_t(k.trans_b) << 1 | uint64_t(k.accumulate) << 2 | uint64_t(k.has_bias) << 3 |
-        uint64_t(k.ab_dtype) << 8 | uint64_t(k.c_dtype) << 16);
-    mix(uint64_t(k.align_a) | uint64_t(k.align_b) << 16 | uint64_t(k.align_c) << 32 | uint64_t(k.align_bias) << 48);
+    for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldc}) hash_mix(h, uint64_t(v));
+    hash_mix(h, uint64_t(k.trans_a) | uint64_t(k.trans_b) << 1 | uint64_t(k.accumulate) << 2 |
+                    uint64_t(k.has_bias) << 3 | uint64_t(k.ab_dtype) << 8 | uint64_t(k.c_dtype) << 16);
+    hash_mix(h, uint64_t(k.align_a) | uint64_t(k.align_b) << 16 | uint64_t(k.align_c) << 32 |
+                    uint64_t(k.align_bias) << 48);
     return h;
   }
 };
-
-// The size an algorithm is chosen for: v rounded up to a quarter octave (16, 20, 24, 28, 32, 40, ...,
-// 1024, 1280, 1536, 1792, 2048, ...), at least 16. At most 25% over, so the heuristic sees nearly the
-// real tile and wave counts, while a step's fresh counts fall into a handful of buckets.
-int64_t bucket_of(int64_t v) {
-  if (v <= 16) return 16;
-  int64_t step = int64_t(1) << (std::bit_width(uint64_t(v - 1)) - 3);  // 2^(floor(log2(v-1)) - 2)
-  return (v + step - 1) / step * step;
-}
 
 // The key whose heuristic result `key` borrows: m and k (they count rows or tokens in our callers, n
 // is a feature size) bucketed where they are never an operand's contiguous dimension, so vector widths
@@ -128,8 +106,8 @@ int64_t bucket_of(int64_t v) {
 // is [k, m] and b is [k, n]. This covers grouped_linear's varying counts: m of fprop and dgrad, k of
 // wgrad.
 PlanKey bucket_key(PlanKey key) {
-  if (!key.trans_a) key.m = bucket_of(key.m);
-  if (key.trans_a && !key.trans_b) key.k = bucket_of(key.k);
+  if (!key.trans_a) key.m = quarter_octave_bucket(key.m);
+  if (key.trans_a && !key.trans_b) key.k = quarter_octave_bucket(key.k);
   return key;
 }
 
@@ -177,7 +155,7 @@ std::optional<Choice> query_heuristic(cublasLtHandle_t handle, const PlanKey& ke
   init_layouts(l, key);
   cublasLtMatmulPreferenceOpaque_t pref;
   MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
-  uint64_t ws_bytes = kWorkspaceBytes;
+  uint64_t ws_bytes = kLtWorkspaceBytes;
   MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
                                                         sizeof(ws_bytes)));
   const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
@@ -202,31 +180,6 @@ std::optional<Choice> query_heuristic(cublasLtHandle_t handle, const PlanKey& ke
   return std::nullopt;
 }
 
-// Per device, shared by all host threads (under g_mutex): the handle (cuBLAS documents its functions
-// as callable from several threads with one handle), one workspace per stream (GEMMs on two streams
-// may overlap) and the heuristic results. Never freed: releasing them at exit would race CUDA's own
-// teardown.
-struct SharedDevice {
-  cublasLtHandle_t handle = nullptr;
-  std::unordered_map<cudaStream_t, void*> workspaces;
-  // The heuristic's answer for a problem queried as given: bucket problems, problems that are their
-  // own bucket, and exact problems whose bucket algorithm was refused.
-  std::unordered_map<PlanKey, std::optional<Choice>, PlanKeyHash> choices;
-};
-
-std::mutex g_mutex;  // guards g_shared and everything in it
-std::vector<std::unique_ptr<SharedDevice>> g_shared;
-
-SharedDevice& shared_device(int device) {  // call with g_mutex held
-  if (g_shared.size() <= size_t(device)) g_shared.resize(size_t(device) + 1);
-  if (!g_shared[size_t(device)]) {
-    auto dev = std::make_unique<SharedDevice>();
-    MOE_CUBLAS_CHECK(cublasLtCreate(&dev->handle));
-    g_shared[size_t(device)] = std::move(dev);
-  }
-  return *g_shared[size_t(device)];
-}
-
 struct Plan {
   Layouts layouts;
   cublasLtMatmulDescOpaque_t op;  // its bias pointer is set on every call that fuses the bias
@@ -234,38 +187,8 @@ struct Plan {
   bool exact;  // choice was made for this exact shape (false: borrowed from its bucket)
 };
 
-// Per device and host thread: lock-free after the first call. Plans are plain memory (freed with the
-// thread); the handle and workspaces belong to the SharedDevice.
-struct ThreadDevice {
-  int device = 0;
-  cublasLtHandle_t handle = nullptr;
-  std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
-  std::vector<std::pair<cudaStream_t, void*>> workspaces;  // this thread's copy of the shared map's entries
-};
-
-ThreadDevice& thread_device(int device) {
-  thread_local std::vector<std::unique_ptr<ThreadDevice>> devices;
-  if (size_t(device) < devices.size() && devices[size_t(device)]) return *devices[size_t(device)];
-  auto td = std::make_unique<ThreadDevice>();
-  td->device = device;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    td->handle = shared_device(device).handle;
-  }
-  if (devices.size() <= size_t(device)) devices.resize(size_t(device) + 1);
-  devices[size_t(device)] = std::move(td);
-  return *devices[size_t(device)];
-}
-
-void* stream_workspace(ThreadDevice& td, cudaStream_t stream) {
-  for (const auto& [s, ws] : td.workspaces)
-    if (s == stream) return ws;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  void*& ws = shared_device(td.device).workspaces[stream];
-  if (!ws) ws = cuda_malloc_raw(kWorkspaceBytes, td.device);
-  td.workspaces.emplace_back(stream, ws);
-  return ws;
-}
+// Handles, workspaces, heuristic answers and plans: kernels/cuda/cublaslt_cache.cuh.
+using Cache = LtCache<PlanKey, PlanKeyHash, Choice, Plan>;
 
 // Whether `choice` (made for another shape of the bucket) runs the exact problem described by p's
 // layouts; initialises p.op for it either way.
@@ -275,15 +198,15 @@ bool check_choice(cublasLtHandle_t handle, Plan& p, const PlanKey& key, const vo
   cublasStatus_t s =
       cublasLtMatmulAlgoCheck(handle, &p.op, &p.layouts.a, &p.layouts.b, &p.layouts.d, &p.layouts.d, &choice.algo,
                               &result);
-  return s == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= kWorkspaceBytes;
+  return s == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= kLtWorkspaceBytes;
 }
 
 // Fills p (descriptors, algorithm) for the exact problem `key`: the bucket's choice when AlgoCheck
 // accepts it, else one made for this shape (always, with exact_only: the bucket's was refused).
-void build_plan(ThreadDevice& td, Plan& p, const PlanKey& key, const void* bias, bool exact_only) {
+void build_plan(Cache::Thread& td, Plan& p, const PlanKey& key, const void* bias, bool exact_only) {
   init_layouts(p.layouts, key);
-  std::lock_guard<std::mutex> lock(g_mutex);  // heuristic queries are rare: holding the lock keeps this simple
-  SharedDevice& shared = shared_device(td.device);
+  std::lock_guard<std::mutex> lock(Cache::mutex());  // heuristic queries are rare: holding the lock keeps this simple
+  Cache::Shared& shared = Cache::shared(td.device);
   auto it = shared.choices.find(key);
   const PlanKey bkey = bucket_key(key);
   if (it == shared.choices.end() && !exact_only && !(bkey == key)) {
@@ -307,13 +230,13 @@ void build_plan(ThreadDevice& td, Plan& p, const PlanKey& key, const void* bias,
   init_op(p.op, key, bias, p.choice.fused_bias);
 }
 
-cublasStatus_t run_plan(ThreadDevice& td, Plan& p, const void* a, const void* b, void* c, const void* bias,
+cublasStatus_t run_plan(Cache::Thread& td, Plan& p, const void* a, const void* b, void* c, const void* bias,
                         bool accumulate, void* workspace, cudaStream_t stream) {
   if (p.choice.fused_bias)  // the cached descriptor still holds the previous call's bias
     MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   return cublasLtMatmul(td.handle, &p.op, &alpha, b, &p.layouts.a, a, &p.layouts.b, &beta, c, &p.layouts.d, c,
-                        &p.layouts.d, &p.choice.algo, workspace, kWorkspaceBytes, stream);
+                        &p.layouts.d, &p.choice.algo, workspace, kLtWorkspaceBytes, stream);
 }
 
 void launch_add_bias(DType dtype, void* c, const void* bias, int64_t m, int64_t n, int64_t ldc, cudaStream_t stream) {
@@ -354,7 +277,7 @@ void gemm_cuda(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, DTyp
     return;
   }
 
-  ThreadDevice& td = thread_device(cuda_current_device());
+  Cache::Thread& td = Cache::thread(cuda_current_device());
   const PlanKey key{m, n, k, lda, ldb, ldc, trans_a, trans_b, accumulate, bias != nullptr, ab_dtype, c_dtype,
                     alignment_of(a), alignment_of(b), alignment_of(c), alignment_of(bias)};
   auto [it, inserted] = td.plans.try_emplace(key);
@@ -368,7 +291,7 @@ void gemm_cuda(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, DTyp
       throw;
     }
   }
-  void* workspace = stream_workspace(td, stream);
+  void* workspace = Cache::workspace(td, stream);
   cublasStatus_t s = run_plan(td, plan, a, b, c, bias, accumulate, workspace, stream);
   if (s != CUBLAS_STATUS_SUCCESS && !plan.exact) {  // AlgoCheck is not a guarantee: choose for this shape
     g_bucket_rejects.fetch_add(1, std::memory_order_relaxed);

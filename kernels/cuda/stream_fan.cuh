@@ -45,6 +45,11 @@ inline SideStreams& side_streams(int device, size_t count) {
   return *s;
 }
 
+// The GEMMs a grouped call issues: one per expert that has rows (the fan's num_gemms).
+inline int64_t experts_with_rows(const int64_t* rows_per_expert, int64_t num_experts) {
+  return std::count_if(rows_per_expert, rows_per_expert + num_experts, [](int64_t r) { return r > 0; });
+}
+
 class StreamFan {
  public:
   StreamFan(cudaStream_t main, int64_t num_gemms) : main_(main) {

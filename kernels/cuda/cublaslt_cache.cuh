@@ -1,0 +1,108 @@
+// The cuBLASLt plumbing that kernels/cuda/linear.cu (BF16/f32 GEMM) and fp8_grouped_linear.cu (FP8
+// block-scaled GEMMs) share: operand alignment, plan-key hashing, row-count buckets, and the two-level
+// cache of handles, workspaces, heuristic answers and plans. Each .cu defines its own PlanKey, Choice
+// (what a heuristic query returns) and Plan (descriptors + choice) and instantiates LtCache with them,
+// so the two GEMM families keep separate caches.
+//   shared (per device, all host threads, under mutex()): the handle, one workspace per stream (GEMMs
+//          on two streams may overlap), and the heuristic's answers, keyed by problem
+//   thread (per device and host thread, no lock): the built plans and this thread's view of the
+//          workspaces. A repeat GEMM is one hash lookup here plus cublasLtMatmul.
+// Nothing is freed: releasing handles or workspaces at exit would race CUDA's own teardown.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "engine/cuda/cuda_check.h"
+#include "engine/cuda_api.h"
+
+namespace flowmoe {
+
+constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
+
+// Largest power of two (at most 256) dividing the address: cuBLASLt picks algorithms by alignment.
+inline uint32_t alignment_of(const void* p) {
+  auto v = reinterpret_cast<uintptr_t>(p);
+  return v == 0 ? 256u : uint32_t(1) << std::min(8, std::countr_zero(v));
+}
+
+// Folds v into the running hash h (boost's hash_combine).
+inline void hash_mix(size_t& h, uint64_t v) { h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); }
+
+// v rounded up to a quarter octave (16, 20, 24, 28, 32, 40, ..., 1024, 1280, ...), at least 16, with
+// steps of at least min_step: at most 25% over, so a heuristic asked for the bucket sees nearly the real
+// tile and wave counts, while a step's fresh per-expert row counts fall into a handful of buckets.
+inline int64_t quarter_octave_bucket(int64_t v, int64_t min_step = 1) {
+  if (v <= 16) return 16;
+  const int64_t step = std::max<int64_t>(min_step, int64_t(1) << (std::bit_width(uint64_t(v - 1)) - 3));
+  return (v + step - 1) / step * step;
+}
+
+template <class Key, class KeyHash, class Choice, class Plan>
+struct LtCache {
+  struct Shared {
+    cublasLtHandle_t handle = nullptr;
+    std::unordered_map<cudaStream_t, void*> workspaces;
+    // The heuristic's answer (nothing: no algorithm) for each problem queried as given.
+    std::unordered_map<Key, std::optional<Choice>, KeyHash> choices;
+  };
+  struct Thread {
+    int device = 0;
+    cublasLtHandle_t handle = nullptr;
+    std::unordered_map<Key, Plan, KeyHash> plans;
+    std::vector<std::pair<cudaStream_t, void*>> workspaces;  // this thread's copy of the shared entries
+  };
+
+  static std::mutex& mutex() {  // guards every Shared
+    static std::mutex mu;
+    return mu;
+  }
+
+  static Shared& shared(int device) {  // call with mutex() held
+    static std::vector<std::unique_ptr<Shared>> devices;
+    if (devices.size() <= size_t(device)) devices.resize(size_t(device) + 1);
+    auto& dev = devices[size_t(device)];
+    if (!dev) {
+      auto fresh = std::make_unique<Shared>();
+      MOE_CUBLAS_CHECK(cublasLtCreate(&fresh->handle));
+      dev = std::move(fresh);
+    }
+    return *dev;
+  }
+
+  static Thread& thread(int device) {
+    thread_local std::vector<std::unique_ptr<Thread>> devices;
+    if (size_t(device) < devices.size() && devices[size_t(device)]) return *devices[size_t(device)];
+    auto td = std::make_unique<Thread>();
+    td->device = device;
+    {
+      std::lock_guard<std::mutex> lock(mutex());
+      td->handle = shared(device).handle;
+    }
+    if (devices.size() <= size_t(device)) devices.resize(size_t(device) + 1);
+    devices[size_t(device)] = std::move(td);
+    return *devices[size_t(device)];
+  }
+
+  static void* workspace(Thread& td, cudaStream_t stream) {
+    for (const auto& [s, ws] : td.workspaces)
+      if (s == stream) return ws;
+    std::lock_guard<std::mutex> lock(mutex());
+    void*& ws = shared(td.device).workspaces[stream];
+    if (!ws) ws = cuda_malloc_raw(kLtWorkspaceBytes, td.device);
+    td.workspaces.emplace_back(stream, ws);
+    return ws;
+  }
+};
+
+}  // namespace flowmoe
