@@ -9,6 +9,7 @@
 #include "engine/train/metrics.h"
 #include "engine/train/trainer.h"
 #include "layers/moe.h"
+#include "tests/moe_test_config.h"
 #include "tests/test_util.h"
 
 using namespace flowmoe;
@@ -18,17 +19,7 @@ namespace fs = std::filesystem;
 namespace {
 
 ModelConfig fp8_config(int64_t E, int64_t k, int64_t H, int64_t F, int64_t shared) {
-  ModelConfig c;
-  c.hidden_size = H;
-  c.num_hidden_layers = 2;
-  c.n_routed_experts = E;
-  c.num_experts_per_tok = k;
-  c.moe_intermediate_size = F;
-  c.n_group = 1;
-  c.topk_group = 1;
-  c.n_shared_experts = shared;
-  c.initializer_range = 0.05;
-  return c;
+  return moe_test_config(E, k, H, F, shared, 0.05);
 }
 
 MoeOptions options(MoeRecipe recipe, bool recompute = false, int align = 16) {

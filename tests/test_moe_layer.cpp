@@ -12,6 +12,7 @@
 #include "engine/train/optimizer.h"
 #include "engine/train/trainer.h"
 #include "layers/moe.h"
+#include "tests/moe_test_config.h"
 #include "tests/test_util.h"
 
 using namespace flowmoe;
@@ -20,19 +21,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// Weights large enough (std 0.2) that every term matters in the comparisons.
 ModelConfig moe_config(int64_t E, int64_t k, int64_t H, int64_t F, int64_t groups, int64_t topk_group,
                        int64_t shared) {
-  ModelConfig c;
-  c.hidden_size = H;
-  c.num_hidden_layers = 2;
-  c.n_routed_experts = E;
-  c.num_experts_per_tok = k;
-  c.moe_intermediate_size = F;
-  c.n_group = groups;
-  c.topk_group = topk_group;
-  c.n_shared_experts = shared;
-  c.initializer_range = 0.2;  // large enough that every term matters in the comparisons
-  return c;
+  return moe_test_config(E, k, H, F, shared, 0.2, groups, topk_group);
 }
 
 double silu_d(double v) { return v / (1.0 + std::exp(-v)); }
