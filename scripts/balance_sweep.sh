@@ -13,6 +13,8 @@
 # (default configs/gpu_moe.yaml).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/train_run.sh
+. scripts/train_run.sh
 variants="${1:?usage: scripts/balance_sweep.sh VARIANTS [build_dir]}"
 build="${2:-${BUILD_DIR:-build-gpu}}"
 out="${OUT:-out}"
@@ -26,12 +28,8 @@ while read -r name args; do
   case "$name" in "" | \#*) continue ;; esac
   names+=("$name")
   while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
-  # Only the metrics are kept: the final checkpoint (about 1.2 GB) is removed once the run ends.
   # shellcheck disable=SC2086
-  ("$build/flowmoe" train --config "$config" --set train.steps="$steps" --set train.eval_every=0 \
-     --set checkpoint.every=0 --set logging.progress=plain --set logging.log_every=100 \
-     --set logging.out_dir="$out/balance_$name" $args >"$out/balance_$name.log" 2>&1
-   rm -rf "$out/balance_$name/checkpoints") &
+  train_run "$build" "$config" "$out/balance_$name" "$out/balance_$name.log" --set train.steps="$steps" $args &
 done <"$variants"
 wait
 rc=0

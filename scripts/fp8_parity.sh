@@ -16,15 +16,15 @@ recipes="${RECIPES:-bf16 fp8_blockwise fp8_flow}"
 mkdir -p "$out"
 rc=0
 runs=""
-# train_run NAME RECIPE [ARGS...]: one 500-step run into $out/parity_NAME, its summary line and casts.
-train_run() {
+# shellcheck source=scripts/train_run.sh
+. scripts/train_run.sh
+# parity_run NAME RECIPE [ARGS...]: one STEPS-step run into $out/parity_NAME, its summary line and casts.
+parity_run() {
   local name=$1 recipe=$2
   shift 2
   # shellcheck disable=SC2086
-  if "$build/flowmoe" train --config configs/gpu_moe.yaml --set precision.recipe="$recipe" --set train.steps="$steps" \
-       --set train.eval_every=0 --set checkpoint.every=0 \
-       --set logging.progress=plain --set logging.log_every=100 --set logging.out_dir="$out/parity_$name" "$@" ${EXTRA:-} \
-       >"$out/parity_$name.log" 2>&1; then
+  if train_run "$build" configs/gpu_moe.yaml "$out/parity_$name" "$out/parity_$name.log" \
+       --set precision.recipe="$recipe" --set train.steps="$steps" "$@" ${EXTRA:-}; then
     echo "parity $name: $(grep -E '^done:' "$out/parity_$name.log" | tail -1)"
     grep -E '^casts per MoE layer' "$out/parity_$name.log" | tail -1
   else
@@ -34,8 +34,8 @@ train_run() {
   fi
   runs="$runs $out/parity_$name"
 }
-for r in $recipes; do train_run "$r" "$r"; done
-[ -n "${CONTROL:-}" ] && train_run control bf16 --set optimizer.eps=2e-8
+for r in $recipes; do parity_run "$r" "$r"; done
+[ -n "${CONTROL:-}" ] && parity_run control bf16 --set optimizer.eps=2e-8
 # shellcheck disable=SC2086
 python3 scripts/compare_runs.py --tolerance 0.01 $runs || rc=1
 # shellcheck disable=SC2086

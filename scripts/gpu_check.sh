@@ -8,6 +8,8 @@
 #   GPU_CHECK_PARITY=1 scripts/gpu_check.sh          also the 500-step FP8 loss parity (scripts/fp8_parity.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/train_run.sh
+. scripts/train_run.sh
 # NVLink multicast stays off (shared hosts: see the device notes).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out="${OUT:-out}"
@@ -57,9 +59,9 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       tail -20 "$out/$name.log"
     fi
   done
-  # Short GPU training runs: tokens/s, loss and (MoE) load balance for docs/PERF.md. gpu_moe_text is
-  # gpu_moe on real text (byte-level: the Python standard library's sources on this machine), whose
-  # routing is not as degenerate as the low-entropy synthetic corpus's.
+  # Short GPU training runs (scripts/train_run.sh): tokens/s, loss and (MoE) load balance for
+  # docs/PERF.md. gpu_moe_text is gpu_moe on real text (byte-level: the Python standard library's
+  # sources on this machine) instead of its synthetic bigram corpus.
   pylib="$(python3 -c 'import os; print(os.path.dirname(os.__file__))' 2>/dev/null)"
   # STEPS 0: the config as shipped (gpu_moe: the "balanced load after warmup" check); otherwise
   # STEPS steps with a tenth of them as warmup.
@@ -75,10 +77,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     fi
     [ "$2" -gt 0 ] && extra+=(--set train.steps="$2" --set optimizer.warmup_steps=$(( $2 / 10 ))) || label="as shipped"
     [ -x "$build/flowmoe" ] && [ -f "$cfg" ] || continue
-    if "$build/flowmoe" train --config "$cfg" --set train.eval_every=0 "${extra[@]}" \
-         --set logging.out_dir="$out/run_$name" --set logging.progress=plain --set checkpoint.every=0 \
-         >"$out/train_$name.log" 2>&1; then
-      rm -rf "$out/run_$name/checkpoints"  # the final checkpoint is not needed (and is 1.2 GB for gpu_moe)
+    if train_run "$build" "$cfg" "$out/run_$name" "$out/train_$name.log" "${extra[@]}"; then
       row "train $name ($label)" "$(grep -E '^done:' "$out/train_$name.log" | tail -1)"
       # Load balance (scripts/load_balance.py): after the warmup for a run as shipped, else over the
       # last quarter of the steps.

@@ -1,0 +1,16 @@
+# Sourced by scripts/gpu_check.sh, fp8_parity.sh and balance_sweep.sh: the one way they train.
+#   train_run BUILD_DIR CONFIG OUT_DIR LOG [--set key=value ...]
+# One `flowmoe train` run without evaluation or periodic checkpoints, with plain progress every 100
+# steps, writing its metrics and resolved config.yaml to OUT_DIR and its output to LOG. The final
+# checkpoint the trainer always writes is removed, failed run or not: these runs keep only their
+# metrics, and gpu_moe's checkpoint is 1.2 GB (a sweep of them filled the device's disk).
+# Returns the trainer's exit status.
+train_run() {
+  local build=$1 config=$2 out_dir=$3 log=$4
+  shift 4
+  "$build/flowmoe" train --config "$config" --set train.eval_every=0 --set checkpoint.every=0 \
+    --set logging.progress=plain --set logging.log_every=100 --set logging.out_dir="$out_dir" "$@" >"$log" 2>&1
+  local rc=$?
+  rm -rf "$out_dir/checkpoints"
+  return $rc
+}
