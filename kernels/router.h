@@ -20,6 +20,8 @@
 namespace flowmoe {
 
 enum class RouterScoring : uint8_t { sigmoid, softmax };
+// How expert_bias moves after a step (model.bias_update_rule).
+enum class BiasUpdateRule : uint8_t { sign, proportional };
 
 // Limits of the CUDA kernel (one warp per token, at most 8 experts per lane).
 constexpr int kRouterMaxExperts = 256;
@@ -87,9 +89,11 @@ void router_balance_loss_backward_cpu(const RouterParams& p, const T* logits /*[
                                       int64_t seq_len, double alpha, const T* d_loss /*[1]*/,
                                       T* d_logits /*[num_tokens, E]*/);
 
-// bias_e += rate * sign(mean_load - load_e), compared exactly as sign(sum_load - E * load_e).
+// sign:         bias_e += rate * sign(mean_load - load_e), compared exactly as sign(sum_load - E * load_e);
+// proportional: bias_e += rate * (mean_load - load_e) / mean_load = rate * (sum_load - E * load_e) / sum_load,
+//               computed in double and rounded once to f32. No tokens: nothing moves.
 void expert_bias_update_cpu(float* expert_bias /*[E]*/, const int32_t* tokens_per_expert /*[E]*/, int num_experts,
-                            double rate);
+                            double rate, BiasUpdateRule rule = BiasUpdateRule::sign);
 // total_e += counts_e (counts of several micro-batches before one bias update).
 void add_tokens_per_expert_cpu(int32_t* total /*[E]*/, const int32_t* counts /*[E]*/, int num_experts);
 
@@ -111,7 +115,7 @@ void router_balance_loss_backward_cuda(const RouterParams& p, const float* logit
                                        int64_t seq_len, double alpha, const float* d_loss /*[1]*/,
                                        int32_t* seq_counts, float* d_logits /*[num_tokens, E]*/, cudaStream_t stream);
 void expert_bias_update_cuda(float* expert_bias /*[E]*/, const int32_t* tokens_per_expert /*[E]*/, int num_experts,
-                             double rate, cudaStream_t stream);
+                             double rate, BiasUpdateRule rule, cudaStream_t stream);
 void add_tokens_per_expert_cuda(int32_t* total /*[E]*/, const int32_t* counts /*[E]*/, int num_experts,
                                 cudaStream_t stream);
 

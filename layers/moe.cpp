@@ -52,7 +52,8 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
       num_experts_(cfg.n_routed_experts),
       intermediate_(cfg.moe_intermediate_size),
       options_(options),
-      bias_update_rate_(cfg.bias_update_rate) {
+      bias_update_rate_(cfg.bias_update_rate),
+      bias_update_rule_(bias_update_rule_from_name(cfg.bias_update_rule)) {
   validate_router_config(router_);
   const int64_t H = cfg.hidden_size, F = cfg.moe_intermediate_size, E = cfg.n_routed_experts;
   if (options.recipe != MoeRecipe::bf16)
@@ -147,7 +148,7 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
 
 LoadStats MoeLayer::update_bias(double rate_scale) {
   Tensor bias = expert_bias_.data();  // shares storage: the kernel updates the buffer in place
-  update_expert_bias(bias, tokens_since_update_, bias_update_rate_ * rate_scale);
+  update_expert_bias(bias, tokens_since_update_, bias_update_rate_ * rate_scale, bias_update_rule_);
   LoadStats s = load_stats(tokens_since_update_);
   tokens_since_update_.zero_();
   return s;

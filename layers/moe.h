@@ -14,7 +14,8 @@
 // permuted expert input (FP8 with its scales in fp8_flow) and the routing; fc2 keeps its own input.
 // The layer reads the per-expert counts to the host once per forward (read_counts_once): cuBLASLt
 // needs each expert's M. expert_bias is a buffer, not a parameter: after each optimizer step
-// update_bias() moves it by ±bias_update_rate toward the mean load (aux-loss-free balancing).
+// update_bias() moves it by ±bias_update_rate toward the mean load (aux-loss-free balancing; or by
+// bias_update_rate times the relative load error, model.bias_update_rule: proportional).
 // Parameters (HF names): <prefix>.gate.weight [E,H], <prefix>.experts.fc1.weight [E,2F,H] (gate rows
 // first, then up), <prefix>.experts.fc2.weight [E,H,F], <prefix>.shared_experts.{gate,up,down}_proj.
 #pragma once
@@ -71,6 +72,7 @@ class MoeLayer {
   MoeOptions options_;
   mutable WeightCache fc1_cache_, fc2_cache_;
   double bias_update_rate_;
+  BiasUpdateRule bias_update_rule_;
   Variable gate_, fc1_, fc2_;
   std::unique_ptr<Mlp> shared_;
   Variable expert_bias_;                // [E] f32, on the layer's device; requires no grad

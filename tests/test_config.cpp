@@ -237,6 +237,12 @@ TEST(Config, BiasUpdateScheduleIsConstantOrLr) {
   EXPECT_HAS(m, "one of constant, lr");
 }
 
+TEST(Config, BiasUpdateRuleIsSignOrProportional) {
+  EXPECT_EQ(parse_config("", "ok.yaml").model.bias_update_rule, "sign");
+  EXPECT_EQ(parse_config("model:\n  bias_update_rule: proportional\n", "ok.yaml").model.bias_update_rule, "proportional");
+  EXPECT_HAS(parse_error("model:\n  bias_update_rule: linear\n"), "model.bias_update_rule");
+}
+
 TEST(Config, SetOverridesAreValidatedTheSameWay) {
   Config c = parse_config("train:\n  steps: 50\n", "base.yaml", {"train.steps=7", "optimizer.lr=1e-4",
                                                                   "optimizer.min_lr=0", "optimizer.warmup_steps=2"});

@@ -1,6 +1,7 @@
 // The BF16 MoE block end to end (layers/moe.cpp): against a plain per-token loop, finite
 // differences of its weight gradients, CUDA vs CPU, and a small MoE model that trains, balances
 // its load and resumes bit for bit.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -248,6 +249,42 @@ TEST(MoeModel, BalanceLossIsLoggedApartFromTheLmLoss) {
   // alpha * L_Bal over 2 MoE layers; L_Bal is about 1 near balance and at most E / k.
   EXPECT_GT(rows_on[0].aux_loss, 0.0);
   EXPECT_LT(rows_on[0].aux_loss, 0.1 * 2 * 8 / 2);
+  fs::remove_all(d);
+}
+
+// bias_update_rule: proportional reaches the layers: after one step each bias is
+// rate * (mean - load) / mean, so a layer's biases sum to zero and its lowest one is
+// rate * (1 - max/mean), with max/mean read from the metrics (4 significant digits).
+TEST(MoeModel, ProportionalBiasStepFollowsTheLoadError) {
+  fs::path d = fs::temp_directory_path() / ("flowmoe_moe_prop_" + std::to_string(test_seed()));
+  fs::remove_all(d);
+  TrainOptions quiet;
+  quiet.out = nullptr;
+  for (const std::string format : {"jsonl", "csv"}) {  // both metrics formats carry the per-layer loads
+    SCOPED_TRACE(format);
+    Config c = tiny_moe(d / format, 1, 1);
+    c.model.bias_update_rule = "proportional";
+    c.checkpoint.every = 1;
+    c.logging.metrics_format = format;
+    TrainResult r = train(c, quiet);
+    std::vector<StepMetrics> rows = read_metrics(r.metrics_file);
+    ASSERT_EQ(rows.size(), 1u);
+    ASSERT_EQ(rows[0].moe_max_over_mean.size(), 2u);
+    const double rate = c.model.bias_update_rate;
+    int layer = 0;
+    for (const NamedTensor& t : read_safetensors(r.last_checkpoint + "/model.safetensors")) {
+      if (t.name.find("e_score_correction_bias") == std::string::npos) continue;
+      std::vector<double> b = t.tensor.to_doubles();
+      double sum = 0;
+      for (double v : b) sum += v;
+      EXPECT_NEAR(sum, 0.0, 1e-7) << t.name;
+      const double max_over_mean = rows[0].moe_max_over_mean[size_t(layer)];
+      EXPECT_GT(max_over_mean, 1.0);
+      EXPECT_NEAR(*std::min_element(b.begin(), b.end()), rate * (1 - max_over_mean), 1e-5) << t.name;
+      ++layer;
+    }
+    EXPECT_EQ(layer, 2);
+  }
   fs::remove_all(d);
 }
 

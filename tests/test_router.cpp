@@ -298,18 +298,20 @@ TEST(Router, Gradcheck) {
   }
 }
 
+// Both rules on the same loads: sign moves each bias by ±rate (bit-exact), proportional by
+// rate * (mean - load) / mean (to within the f32 spacing of the biases, 6e-8).
 TEST(Router, BiasUpdateMovesTowardMeanLoad) {
   const double rate = 0.001;
-  const float r = float(rate);
   struct Case {
     std::vector<int64_t> counts;
-    std::vector<float> step;  // expected change of each bias
+    std::vector<double> error;  // (mean - load) / mean of each expert; sign gives the sign step
   };
   std::vector<Case> cases = {
-      {{5, 1, 3, 3}, {-r, r, 0, 0}},  // mean 3: overloaded down, underloaded up, equal unchanged
-      {{2, 1, 0}, {-r, 0, r}},        // mean 1
-      {{1, 2}, {r, -r}},              // mean 1.5: nobody equals it
-      {{0, 0, 0, 0}, {0, 0, 0, 0}},   // no tokens: nothing moves
+      {{5, 1, 3, 3}, {-2.0 / 3, 2.0 / 3, 0, 0}},  // mean 3: overloaded down, underloaded up, equal unchanged
+      {{2, 1, 0}, {-1, 0, 1}},                    // mean 1: an idle expert moves by the full rate
+      {{1, 2}, {1.0 / 3, -1.0 / 3}},              // mean 1.5: nobody equals it
+      {{12, 0, 0, 0}, {-3, 1, 1, 1}},             // one hot expert: proportional is not clamped
+      {{0, 0, 0, 0}, {0, 0, 0, 0}},               // no tokens: nothing moves
       {{7, 7, 7}, {0, 0, 0}},
   };
   Rng rng(test_seed());
@@ -317,9 +319,15 @@ TEST(Router, BiasUpdateMovesTowardMeanLoad) {
     int64_t E = int64_t(c.counts.size());
     Tensor counts = Tensor::from_ints(c.counts, {E}), bias = rng.uniform({E}, -0.5, 0.5);
     std::vector<float> before = bias.to_floats(), want(static_cast<size_t>(E));
-    for (size_t e = 0; e < size_t(E); ++e) want[e] = before[e] + c.step[e];
+    for (size_t e = 0; e < size_t(E); ++e)
+      want[e] = before[e] + float(rate) * float((c.error[e] > 0) - (c.error[e] < 0));
     update_expert_bias(bias, counts, rate);
     EXPECT_TRUE(bit_equal(bias, Tensor::from_floats(want, {E})));
+    Tensor prop = Tensor::from_floats(before, {E});
+    update_expert_bias(prop, counts, rate, BiasUpdateRule::proportional);
+    std::vector<float> after = prop.to_floats();
+    for (size_t e = 0; e < size_t(E); ++e)
+      EXPECT_NEAR(after[e] - before[e], rate * c.error[e], 1e-7) << "proportional, expert " << e;
   }
   Tensor total = Tensor::from_ints({1, 2, 3}, {3}), more = Tensor::from_ints({10, 0, 5}, {3});
   add_tokens_per_expert(total, more);
@@ -327,10 +335,13 @@ TEST(Router, BiasUpdateMovesTowardMeanLoad) {
   Tensor f = Tensor::zeros({3}, DType::f32);
   EXPECT_THROW(update_expert_bias(f, Tensor::zeros({3}, DType::f32), rate), DTypeError);
   EXPECT_THROW(update_expert_bias(f, Tensor::zeros({4}, DType::i32), rate), ShapeError);
+  EXPECT_EQ(bias_update_rule_from_name("proportional"), BiasUpdateRule::proportional);
+  EXPECT_EQ(bias_update_rule_from_name("sign"), BiasUpdateRule::sign);
+  EXPECT_THROW(bias_update_rule_from_name("linear"), ConfigError);
 }
 
 // Routing a fixed skewed batch again and again with the bias update in between balances the load.
-static void balance_loop(Device d) {
+static void balance_loop(Device d, BiasUpdateRule rule, double rate) {
   Rng rng(test_seed());
   const int64_t T = 512;
   const int E = 8;
@@ -344,14 +355,17 @@ static void balance_loop(Device d) {
   EXPECT_EQ(first.max_load, T);
   EXPECT_DOUBLE_EQ(first.max_over_mean, 4.0);
   for (int step = 0; step < 800; ++step)  // ~200 steps close the gap; then it oscillates by about the rate
-    update_expert_bias(bias, route_logits(Variable(logits), bias, c).tokens_per_expert, 0.001);
+    update_expert_bias(bias, route_logits(Variable(logits), bias, c).tokens_per_expert, rate, rule);
   LoadStats last = load_stats(route_logits(Variable(logits), bias, c).tokens_per_expert);
   EXPECT_LT(last.max_over_mean, 1.2) << "max " << last.max_load << " min " << last.min_load;
   std::vector<float> b = bias.to_floats();
   for (int e = 2; e < E; ++e) EXPECT_LT(std::max(b[0], b[1]), b[size_t(e)] - 0.2f) << "the hot experts sit lowest";
 }
 
-TEST(Router, BiasUpdateBalancesLoad) { balance_loop(Device::cpu()); }
+TEST(Router, BiasUpdateBalancesLoad) {
+  balance_loop(Device::cpu(), BiasUpdateRule::sign, 0.001);
+  balance_loop(Device::cpu(), BiasUpdateRule::proportional, 0.001);
+}
 
 // ---- CUDA vs CPU ------------------------------------------------------------------------------
 
@@ -405,10 +419,12 @@ TEST(RouterCuda, BiasUpdateMatchesCpu) {
   for (int E : {1, 8, 64, 256, 1000}) {
     SCOPED_TRACE(E);
     Tensor counts = rng.randint({E}, 0, 5), bias = rng.uniform({E}, -1, 1);
-    Tensor gpu_bias = bias.to(Device::cuda());
-    update_expert_bias(bias, counts, 0.001);
-    update_expert_bias(gpu_bias, counts.to(Device::cuda()), 0.001);
-    EXPECT_TRUE(bit_equal(gpu_bias, bias));
+    for (BiasUpdateRule rule : {BiasUpdateRule::sign, BiasUpdateRule::proportional}) {
+      Tensor gpu_bias = bias.to(Device::cuda());
+      update_expert_bias(bias, counts, 0.001, rule);
+      update_expert_bias(gpu_bias, counts.to(Device::cuda()), 0.001, rule);
+      EXPECT_TRUE(bit_equal(gpu_bias, bias)) << "rule " << int(rule);
+    }
     Tensor total = rng.randint({E}, 0, 100), gpu_total = total.to(Device::cuda());
     add_tokens_per_expert(total, counts);
     add_tokens_per_expert(gpu_total, counts.to(Device::cuda()));
@@ -418,5 +434,6 @@ TEST(RouterCuda, BiasUpdateMatchesCpu) {
 
 TEST(RouterCuda, BiasUpdateBalancesLoad) {
   FLOWMOE_REQUIRE_CUDA();
-  balance_loop(Device::cuda());
+  balance_loop(Device::cuda(), BiasUpdateRule::sign, 0.001);
+  balance_loop(Device::cuda(), BiasUpdateRule::proportional, 0.001);
 }

@@ -289,7 +289,13 @@ Variable router_balance_loss(const Variable& logits, const Tensor& topk_idx, con
   return apply(prim, {lg, Variable(topk_idx)})[0];
 }
 
-void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, double rate) {
+BiasUpdateRule bias_update_rule_from_name(const std::string& name) {
+  if (name == "sign") return BiasUpdateRule::sign;
+  if (name == "proportional") return BiasUpdateRule::proportional;
+  FLOWMOE_THROW(ConfigError, "bias_update_rule '", name, "' is not one of sign, proportional");
+}
+
+void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, double rate, BiasUpdateRule rule) {
   check_dtype(expert_bias, {DType::f32}, "update_expert_bias (expert_bias)");
   FLOWMOE_CHECK(expert_bias.dim() == 1 && expert_bias.is_contiguous(), ShapeError,
                 "update_expert_bias: expert_bias must be a contiguous [E], got ", expert_bias.describe());
@@ -298,12 +304,12 @@ void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, do
   check_same_device(expert_bias, tokens_per_expert, "update_expert_bias");
   FLOWMOE_CHECK(std::isfinite(rate) && rate >= 0, ConfigError, "bias_update_rate = ", rate, " must be finite and >= 0");
   if (expert_bias.device().is_cpu()) {
-    expert_bias_update_cpu(expert_bias.data<float>(), tokens_per_expert.data<int32_t>(), int(E), rate);
+    expert_bias_update_cpu(expert_bias.data<float>(), tokens_per_expert.data<int32_t>(), int(E), rate, rule);
     return;
   }
 #ifdef FLOWMOE_WITH_CUDA
   make_current(expert_bias.device());
-  expert_bias_update_cuda(expert_bias.data<float>(), tokens_per_expert.data<int32_t>(), int(E), rate,
+  expert_bias_update_cuda(expert_bias.data<float>(), tokens_per_expert.data<int32_t>(), int(E), rate, rule,
                           current_stream(expert_bias.device().index));
 #else
   throw_no_cuda("update_expert_bias");

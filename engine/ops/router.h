@@ -7,6 +7,7 @@
 #include <string>
 
 #include "engine/autograd.h"
+#include "kernels/router.h"  // BiasUpdateRule
 
 namespace flowmoe {
 
@@ -47,8 +48,12 @@ Variable router_balance_loss(const Variable& logits /*[T,E]*/, const Tensor& top
                              const RouterConfig& cfg);
 
 // Aux-loss-free balancing, in place on the bias's device with no host sync:
-// expert_bias_e += rate * sign(mean_load - load_e) (equal load: unchanged). tokens_per_expert i32 [E].
-void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, double rate);
+// expert_bias_e += rate * sign(mean_load - load_e) (equal load: unchanged), or with rule proportional
+// rate * (mean_load - load_e) / mean_load. tokens_per_expert i32 [E]; no tokens: nothing moves.
+void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, double rate,
+                        BiasUpdateRule rule = BiasUpdateRule::sign);
+// model.bias_update_rule ("sign" | "proportional"); throws ConfigError otherwise.
+BiasUpdateRule bias_update_rule_from_name(const std::string& name);
 // total += counts (i32 [E], same device): sums the counts of several micro-batches before one update.
 void add_tokens_per_expert(Tensor& total, const Tensor& counts);
 

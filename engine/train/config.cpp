@@ -92,6 +92,7 @@ const std::vector<Field>& schema() {
     f.push_back(number("model", "aux_loss_alpha", FM_REF(model.aux_loss_alpha), 0, false, kInf, false, "weight of the sequence-wise balance loss"));
     f.push_back(number("model", "bias_update_rate", FM_REF(model.bias_update_rate), 0, false, kInf, false, "aux-loss-free balancing: expert_bias step"));
     f.push_back(choice("model", "bias_update_schedule", FM_REF(model.bias_update_schedule), {"constant", "lr"}, "constant: every step moves expert_bias by bias_update_rate (DeepSeek-V3); lr: by bias_update_rate * lr(step) / optimizer.lr, so the bias step follows the learning-rate schedule"));
+    f.push_back(choice("model", "bias_update_rule", FM_REF(model.bias_update_rule), {"sign", "proportional"}, "sign: each step moves expert_bias by the bias step toward the mean load (DeepSeek-V3); proportional: by the bias step * (mean - load) / mean, so near-balanced experts barely move and overloaded ones move more"));
     // data
     f.push_back(choice("data", "source", FM_REF(data.source), {"synthetic", "text", "tokens"}, "synthetic (built in, no download), text (bytes of files), tokens (llm.c .bin file)"));
     f.push_back(string("data", "path", FM_REF(data.path), "text: a file or a directory of files; tokens: a .bin token file (relative paths: from the working directory)"));

@@ -38,6 +38,7 @@ struct ModelConfig {
   double aux_loss_alpha = 0.0;
   double bias_update_rate = 0.001;
   std::string bias_update_schedule = "constant";  // constant | lr: the step scales with lr(step)/optimizer.lr
+  std::string bias_update_rule = "sign";          // sign (DeepSeek-V3) | proportional to the load error
 };
 
 struct DataConfig {

@@ -144,6 +144,10 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
         else if (c == "moe_casts") m.moe_casts = cells[i].empty() ? NAN : field_double(cells[i]);
         else if (c == "skipped") m.skipped = cells[i] == "1";
         else if (c == "aux_loss") m.aux_loss = field_double(cells[i]);
+        else if (c == "moe_max_over_mean") {
+          std::stringstream layers(cells[i]);
+          for (std::string v; std::getline(layers, v, ';');) m.moe_max_over_mean.push_back(field_double(v));
+        }
       }
     } else {
       YAML::Node j;
@@ -165,6 +169,8 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
       m.moe_casts = get("moe_casts");
       m.aux_loss = get("aux_loss");
       m.skipped = j["skipped"] && j["skipped"].Scalar() == "true";
+      if (j["moe_max_over_mean"] && j["moe_max_over_mean"].IsSequence())
+        for (const YAML::Node& v : j["moe_max_over_mean"]) m.moe_max_over_mean.push_back(field_double(v.Scalar()));
     }
     rows.push_back(m);
   }

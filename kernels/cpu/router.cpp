@@ -178,13 +178,18 @@ void router_balance_loss_backward_cpu(const RouterParams& p, const T* logits, co
   }
 }
 
-void expert_bias_update_cpu(float* expert_bias, const int32_t* tokens_per_expert, int num_experts, double rate) {
+void expert_bias_update_cpu(float* expert_bias, const int32_t* tokens_per_expert, int num_experts, double rate,
+                            BiasUpdateRule rule) {
   int64_t sum = 0;
   for (int e = 0; e < num_experts; ++e) sum += tokens_per_expert[e];
+  if (sum == 0) return;
   const float r = float(rate);
   for (int e = 0; e < num_experts; ++e) {
-    int64_t diff = sum - int64_t(num_experts) * tokens_per_expert[e];  // sign of mean - load, exactly
-    expert_bias[e] += diff > 0 ? r : (diff < 0 ? -r : 0.f);
+    int64_t diff = sum - int64_t(num_experts) * tokens_per_expert[e];  // (mean - load) * E, exactly
+    if (rule == BiasUpdateRule::sign)
+      expert_bias[e] += diff > 0 ? r : (diff < 0 ? -r : 0.f);
+    else
+      expert_bias[e] += float(rate * double(diff) / double(sum));
   }
 }
 

@@ -3,7 +3,8 @@
 //             topk_group groups, then top-k keys among them (larger key first, ties to the lower index);
 //             prob = s / (sum + 1e-20) (norm_topk_prob, k > 1) * routed_scaling_factor; counts by atomics.
 //   backward: d_logits from d_topk_prob with the selection fixed. Balance loss: per-token terms, then a
-//             fixed-order block sum (deterministic). Bias update: bias_e += rate * sign(mean - load_e).
+//             fixed-order block sum (deterministic). Bias update: bias_e += rate * sign(mean - load_e), or
+//             rate * (mean - load_e) / mean (rule proportional).
 // Shapes: logits [T,E] f32, E <= 256, k <= 16, n_group <= 16. CPU reference: kernels/cpu/router.cpp.
 // Tests: tests/test_router.cpp.
 #include <climits>
@@ -265,7 +266,7 @@ __global__ void balance_backward_kernel(RouterParams p, double coef, const float
 }
 
 __global__ void expert_bias_update_kernel(float* __restrict__ bias, const int32_t* __restrict__ counts, int E,
-                                          float rate) {
+                                          double rate, BiasUpdateRule rule) {
   __shared__ unsigned long long total;
   if (threadIdx.x == 0) total = 0;
   __syncthreads();
@@ -273,9 +274,14 @@ __global__ void expert_bias_update_kernel(float* __restrict__ bias, const int32_
   for (int e = threadIdx.x; e < E; e += blockDim.x) part += unsigned(counts[e]);
   atomicAdd(&total, part);  // integer sum: order-independent
   __syncthreads();
+  if (total == 0) return;
+  const float r = float(rate);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    long long diff = (long long)total - (long long)E * counts[e];  // sign of mean - load, exactly
-    bias[e] += diff > 0 ? rate : (diff < 0 ? -rate : 0.f);
+    long long diff = (long long)total - (long long)E * counts[e];  // (mean - load) * E, exactly
+    if (rule == BiasUpdateRule::sign)
+      bias[e] += diff > 0 ? r : (diff < 0 ? -r : 0.f);
+    else  // the same double arithmetic as the CPU reference, so the two agree bit for bit
+      bias[e] += float(__ddiv_rn(__dmul_rn(rate, double(diff)), double(total)));
   }
 }
 
@@ -365,9 +371,9 @@ void router_balance_loss_backward_cuda(const RouterParams& p, const float* logit
 }
 
 void expert_bias_update_cuda(float* expert_bias, const int32_t* tokens_per_expert, int num_experts, double rate,
-                             cudaStream_t stream) {
+                             BiasUpdateRule rule, cudaStream_t stream) {
   if (num_experts == 0) return;
-  expert_bias_update_kernel<<<1, 256, 0, stream>>>(expert_bias, tokens_per_expert, num_experts, float(rate));
+  expert_bias_update_kernel<<<1, 256, 0, stream>>>(expert_bias, tokens_per_expert, num_experts, rate, rule);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
