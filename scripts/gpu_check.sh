@@ -61,7 +61,8 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
   done
   # Short GPU training runs (scripts/train_run.sh): tokens/s, loss and (MoE) load balance for
   # docs/PERF.md. gpu_moe_text is gpu_moe on real text (byte-level: the Python standard library's
-  # sources on this machine) instead of its synthetic bigram corpus.
+  # sources on this machine) instead of its synthetic bigram corpus, with DeepSeek-V3's sign bias step
+  # (0.01): gpu_moe's proportional step costs loss on byte-level text (docs/PERF.md, MoE load balance).
   pylib="$(python3 -c 'import os; print(os.path.dirname(os.__file__))' 2>/dev/null)"
   # STEPS 0: the config as shipped (gpu_moe: the "balanced load after warmup" check); otherwise
   # STEPS steps with a tenth of them as warmup.
@@ -73,7 +74,8 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     if [ "$name" = gpu_moe_text ]; then
       cfg=configs/gpu_moe.yaml
       [ -d "$pylib" ] || { row "train $name" "skipped (no python3 library sources found)"; continue; }
-      extra=(--set data.source=text --set data.path="$pylib")
+      extra=(--set data.source=text --set data.path="$pylib" --set model.bias_update_rule=sign
+             --set model.bias_update_rate=0.01)
     fi
     [ "$2" -gt 0 ] && extra+=(--set train.steps="$2" --set optimizer.warmup_steps=$(( $2 / 10 ))) || label="as shipped"
     [ -x "$build/flowmoe" ] && [ -f "$cfg" ] || continue
