@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 
 #include "engine/ops/router.h"
 #include "engine/train/checkpoint.h"
@@ -182,6 +181,24 @@ Config tiny_moe(const fs::path& out, int64_t steps, int64_t warmup = 3) {
   return c;
 }
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+// An emptied directory for one test's runs: flowmoe_<name>_<seed> under the temp dir.
+fs::path fresh_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / ("flowmoe_" + name + "_" + std::to_string(test_seed()));
+  fs::remove_all(d);
+  return d;
+}
+TrainOptions quiet() {
+  TrainOptions o;
+  o.out = nullptr;
+  return o;
+}
+// The expert biases (<layer>.mlp.gate.e_score_correction_bias) a checkpoint holds, in layer order.
+std::vector<NamedTensor> saved_expert_biases(const std::string& checkpoint) {
+  std::vector<NamedTensor> biases;
+  for (NamedTensor& t : read_safetensors(checkpoint + "/model.safetensors"))
+    if (t.name.find("e_score_correction_bias") != std::string::npos) biases.push_back(std::move(t));
+  return biases;
+}
 }  // namespace
 
 // optimizer.router_lr_scale reaches exactly the routers of a real model (one per MoE layer), and a
@@ -190,38 +207,31 @@ TEST(MoeModel, RouterLrScaleFindsEveryRouter) {
   Config c = tiny_moe(fs::temp_directory_path() / "unused", 2, 1);
   Transformer model(c.model, Device::cpu(), DType::f32, 1);
   EXPECT_EQ(AdamW(model.parameters(), c.optimizer).num_router_params(), 2);
-  fs::path d = fs::temp_directory_path() / ("flowmoe_router_lr_" + std::to_string(test_seed()));
+  fs::path d = fresh_dir("router_lr");
   Config dense = tiny_moe(d, 2, 1);
   dense.model.first_k_dense_replace = 3;
   dense.optimizer.router_lr_scale = 0.5;
-  TrainOptions quiet;
-  quiet.out = nullptr;
-  EXPECT_TRUE(throws_naming<ConfigError>([&] { train(dense, quiet); }, {"optimizer.router_lr_scale"}));
+  EXPECT_TRUE(throws_naming<ConfigError>([&] { train(dense, quiet()); }, {"optimizer.router_lr_scale"}));
   fs::remove_all(d);
 }
 
 TEST(MoeModel, TrainsBalancesAndResumesExactly) {
-  fs::path d = fs::temp_directory_path() / ("flowmoe_moe_" + std::to_string(test_seed()));
-  fs::remove_all(d);
-  TrainOptions quiet;
-  quiet.out = nullptr;
-  TrainResult a = train(tiny_moe(d / "straight", 20), quiet);
+  fs::path d = fresh_dir("moe");
+  TrainResult a = train(tiny_moe(d / "straight", 20), quiet());
   ASSERT_EQ(a.losses.size(), 20u);
   EXPECT_LT(a.losses.back(), 0.8 * a.losses.front());
 
   // Per-layer load in the metrics: one value per MoE layer on every row.
-  std::ifstream in(a.metrics_file);
-  std::string line, last;
-  while (std::getline(in, line))
-    if (!line.empty()) last = line;
-  EXPECT_NE(last.find("\"moe_max_over_mean\": ["), std::string::npos) << last;
+  std::vector<StepMetrics> rows = read_metrics(a.metrics_file);
+  ASSERT_EQ(rows.size(), 20u);
+  for (const StepMetrics& m : rows) EXPECT_EQ(m.moe_max_over_mean.size(), 2u) << "step " << m.step;
 
   Config split = tiny_moe(d / "split", 20);
-  TrainOptions stop = quiet;
+  TrainOptions stop = quiet();
   stop.stop_after = 10;
   TrainResult b = train(split, stop);
   split.checkpoint.resume = "true";
-  TrainResult c = train(split, quiet);
+  TrainResult c = train(split, quiet());
   ASSERT_EQ(b.losses.size() + c.losses.size(), 20u);
   for (size_t i = 0; i < 20; ++i) {
     double r = i < 10 ? b.losses[i] : c.losses[i - 10];
@@ -233,13 +243,10 @@ TEST(MoeModel, TrainsBalancesAndResumesExactly) {
 // The metrics report the language-model loss alone and the balance loss beside it: the first step's
 // loss (taken before any update) is the same with aux_loss_alpha on or off.
 TEST(MoeModel, BalanceLossIsLoggedApartFromTheLmLoss) {
-  fs::path d = fs::temp_directory_path() / ("flowmoe_moe_aux_" + std::to_string(test_seed()));
-  fs::remove_all(d);
-  TrainOptions quiet;
-  quiet.out = nullptr;
+  fs::path d = fresh_dir("moe_aux");
   Config off = tiny_moe(d / "off", 1, 1), on = tiny_moe(d / "on", 1, 1);
   on.model.aux_loss_alpha = 0.1;
-  TrainResult a = train(off, quiet), b = train(on, quiet);
+  TrainResult a = train(off, quiet()), b = train(on, quiet());
   ASSERT_EQ(a.losses.size(), 1u);
   ASSERT_EQ(b.losses.size(), 1u);
   EXPECT_TRUE(same_bits(a.losses[0], b.losses[0])) << a.losses[0] << " vs " << b.losses[0];
@@ -256,24 +263,20 @@ TEST(MoeModel, BalanceLossIsLoggedApartFromTheLmLoss) {
 // rate * (mean - load) / mean, so a layer's biases sum to zero and its lowest one is
 // rate * (1 - max/mean), with max/mean read from the metrics (4 significant digits).
 TEST(MoeModel, ProportionalBiasStepFollowsTheLoadError) {
-  fs::path d = fs::temp_directory_path() / ("flowmoe_moe_prop_" + std::to_string(test_seed()));
-  fs::remove_all(d);
-  TrainOptions quiet;
-  quiet.out = nullptr;
+  fs::path d = fresh_dir("moe_prop");
   for (const std::string format : {"jsonl", "csv"}) {  // both metrics formats carry the per-layer loads
     SCOPED_TRACE(format);
     Config c = tiny_moe(d / format, 1, 1);
     c.model.bias_update_rule = "proportional";
     c.checkpoint.every = 1;
     c.logging.metrics_format = format;
-    TrainResult r = train(c, quiet);
+    TrainResult r = train(c, quiet());
     std::vector<StepMetrics> rows = read_metrics(r.metrics_file);
     ASSERT_EQ(rows.size(), 1u);
     ASSERT_EQ(rows[0].moe_max_over_mean.size(), 2u);
     const double rate = c.model.bias_update_rate;
     int layer = 0;
-    for (const NamedTensor& t : read_safetensors(r.last_checkpoint + "/model.safetensors")) {
-      if (t.name.find("e_score_correction_bias") == std::string::npos) continue;
+    for (const NamedTensor& t : saved_expert_biases(r.last_checkpoint)) {
       std::vector<double> b = t.tensor.to_doubles();
       double sum = 0;
       for (double v : b) sum += v;
@@ -291,23 +294,19 @@ TEST(MoeModel, ProportionalBiasStepFollowsTheLoadError) {
 // bias_update_schedule: lr scales every bias step by lr(step) / optimizer.lr. After two steps each
 // bias is a sum of one signed step per update (a step is 0 where the load was exactly the mean).
 TEST(MoeModel, BiasStepFollowsTheLearningRateWhenAsked) {
-  fs::path d = fs::temp_directory_path() / ("flowmoe_moe_sched_" + std::to_string(test_seed()));
-  fs::remove_all(d);
-  TrainOptions quiet;
-  quiet.out = nullptr;
+  fs::path d = fresh_dir("moe_sched");
   for (const std::string schedule : {"constant", "lr"}) {
     SCOPED_TRACE(schedule);
     Config c = tiny_moe(d / schedule, 2, 2);  // lr(1) = lr / 2, lr(2) = lr
     c.model.bias_update_schedule = schedule;
     c.checkpoint.every = 2;
-    TrainResult r = train(c, quiet);
+    TrainResult r = train(c, quiet());
     const bool lr = schedule == "lr";
     const double rate = c.model.bias_update_rate;
     const double s1 = lr ? learning_rate(c.optimizer, 1, 2) / c.optimizer.lr : 1.0;
     const double s2 = lr ? learning_rate(c.optimizer, 2, 2) / c.optimizer.lr : 1.0;
     int num_biases = 0, num_half_steps = 0;
-    for (const NamedTensor& t : read_safetensors(r.last_checkpoint + "/model.safetensors")) {
-      if (t.name.find("e_score_correction_bias") == std::string::npos) continue;
+    for (const NamedTensor& t : saved_expert_biases(r.last_checkpoint)) {
       for (double b : t.tensor.to_doubles()) {
         bool reachable = false;
         for (int i : {-1, 0, 1})
