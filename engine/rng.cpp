@@ -1,7 +1,12 @@
 #include "engine/rng.h"
 
+#include <algorithm>
 #include <cmath>
+#include <exception>
+#include <thread>
 #include <vector>
+
+#include "kernels/copy.h"
 
 namespace flowmoe {
 
@@ -20,21 +25,76 @@ static double to_unit(uint64_t r) { return double(r >> 11) * (1.0 / 900719925474
 uint64_t Rng::next_u64() { return draw(offset_++); }
 double Rng::next_uniform() { return to_unit(next_u64()); }
 
+// A host tensor whose element i is value(i), cast to dtype, then moved to device. value(i) depends on
+// i alone (the draws are counter-based), so chunks are filled on several threads and the bits do not
+// depend on how many: a 100M-parameter init takes seconds, not minutes.
+template <class F>
+static Tensor generate(const Shape& shape, DType dtype, Device device, const F& value) {
+  const int64_t n = shape_numel(shape);
+  Tensor host = Tensor::empty(shape, dtype, Device::cpu());
+  char* out = static_cast<char*>(host.raw_data());
+  const size_t esize = dtype_size(dtype);
+  constexpr int64_t kChunk = int64_t(1) << 16;
+  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  // Chunks [c0, c1): values in double, then one cast per chunk (the reference's rounding).
+  auto fill = [&](int64_t c0, int64_t c1) {
+    std::vector<double> buf(size_t(std::min(n, kChunk)));
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t begin = c * kChunk, m = std::min(kChunk, n - begin);
+      for (int64_t i = 0; i < m; ++i) buf[size_t(i)] = value(begin + i);
+      cast_cpu(out + size_t(begin) * esize, dtype, buf.data(), DType::f64, m);
+    }
+  };
+  const int64_t num_threads =
+      std::min<int64_t>(num_chunks / 4, std::max<int64_t>(1, std::thread::hardware_concurrency()));
+  if (num_threads <= 1) {
+    fill(0, num_chunks);
+    return host.to(device);
+  }
+  std::vector<std::thread> workers;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(num_threads));
+  try {
+    for (int64_t w = 1; w < num_threads; ++w)
+      workers.emplace_back([&, w] {
+        try {
+          fill(num_chunks * w / num_threads, num_chunks * (w + 1) / num_threads);
+        } catch (...) {
+          errors[size_t(w)] = std::current_exception();
+        }
+      });
+  } catch (...) {  // a thread that could not start: join the others before unwinding
+    for (std::thread& t : workers) t.join();
+    throw;
+  }
+  try {
+    fill(0, num_chunks / num_threads);
+  } catch (...) {
+    errors[0] = std::current_exception();
+  }
+  for (std::thread& t : workers) t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+  return host.to(device);
+}
+
 Tensor Rng::uniform(const Shape& shape, double lo, double hi, DType dtype, Device device) {
-  std::vector<double> v(size_t(shape_numel(shape)));
-  for (auto& x : v) x = lo + (hi - lo) * to_unit(draw(offset_++));
-  return Tensor::from_doubles(v, shape, dtype, device);
+  const uint64_t base = offset_;
+  Tensor t = generate(shape, dtype, device, [&](int64_t i) { return lo + (hi - lo) * to_unit(draw(base + uint64_t(i))); });
+  offset_ += uint64_t(shape_numel(shape));
+  return t;
 }
 
 Tensor Rng::normal(const Shape& shape, double mean, double std, DType dtype, Device device) {
-  std::vector<double> v(size_t(shape_numel(shape)));
+  const uint64_t base = offset_;
   // Box-Muller: each element uses two draws of its own, so element i never depends on the shape.
-  for (auto& x : v) {
-    double u1 = 1.0 - to_unit(draw(offset_++));  // (0, 1]: log is finite
-    double u2 = to_unit(draw(offset_++));
-    x = mean + std * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
-  }
-  return Tensor::from_doubles(v, shape, dtype, device);
+  Tensor t = generate(shape, dtype, device, [&](int64_t i) {
+    const uint64_t d = base + 2 * uint64_t(i);
+    const double u1 = 1.0 - to_unit(draw(d));  // (0, 1]: log is finite
+    const double u2 = to_unit(draw(d + 1));
+    return mean + std * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+  });
+  offset_ += 2 * uint64_t(shape_numel(shape));
+  return t;
 }
 
 Tensor Rng::randint(const Shape& shape, int64_t lo, int64_t hi, DType dtype, Device device) {

@@ -1,6 +1,7 @@
 // Seeded, counter-based random numbers. Element i of a draw depends only on (seed, offset + i), so
 // the same seed gives the same initial weights on every device: values are generated on the host
-// and copied, which makes CPU and GPU runs start from identical bits by construction.
+// (large draws on several threads, with the same bits) and copied, which makes CPU and GPU runs start
+// from identical bits by construction.
 #pragma once
 #include <cstdint>
 

@@ -109,6 +109,21 @@ TEST(Rng, SameSeedSameValuesAnyDevice) {
   Rng b(0);
   b.set_state(a.seed(), a.offset());
   EXPECT_TRUE(bit_equal(a.uniform({5}, 0, 1), b.uniform({5}, 0, 1)));
+  // A large draw is filled in chunks on several threads: element i is still the single draw at
+  // offset base + 2i (normal) or base + i (uniform), across chunk and thread boundaries.
+  const int64_t n = 3 * (int64_t(1) << 18) + 7;
+  Rng big(5);
+  big.uniform({3}, 0, 1);
+  const std::vector<float> normals = big.normal({n}, 0.5, 2).to_floats();
+  const std::vector<float> uniforms = big.uniform({n}, -1, 3).to_floats();
+  EXPECT_EQ(big.offset(), uint64_t(3 + 3 * n));
+  for (int64_t i : {int64_t(0), int64_t(1) << 16, (int64_t(1) << 16) - 1, n / 2, n - 1}) {
+    Rng one(5);
+    one.set_state(5, uint64_t(3 + 2 * i));
+    EXPECT_EQ(one.normal({1}, 0.5, 2).to_floats()[0], normals[size_t(i)]) << "normal element " << i;
+    one.set_state(5, uint64_t(3 + 2 * n + i));
+    EXPECT_EQ(one.uniform({1}, -1, 3).to_floats()[0], uniforms[size_t(i)]) << "uniform element " << i;
+  }
   if (cuda_available()) {
     Rng g(7), h(7);
     EXPECT_TRUE(bit_equal(g.normal({100}, 0, 1, DType::f32, Device::cuda()), h.normal({100}, 0, 1)));
