@@ -48,47 +48,44 @@ ModelConfig layer_config(const Shape5& s) {
 }  // namespace
 
 int main() {
-  if (!cuda_available()) {
-    std::printf("bench_moe_layer: no CUDA device, skipped\n");
-    return 0;
-  }
-  const Device dev = Device::cuda(0);
-  std::printf("bench_moe_layer: MoE block fwd+bwd, routed experts only, median of 10\n");
-  std::printf("%-24s %-14s %4s %4s %9s %9s %8s %8s %8s %6s %9s %9s %8s %8s %9s %9s\n", "T,H,F,E,k", "recipe", "rcmp",
-              "strm", "layer ms", "TFLOP/s", "of ceil", "vs bf16", "layer/dn", "syncs", "peak GiB", "peak/bf16",
-              "act GiB", "act/bf16", "saved GiB", "saved/bf16");
-  for (const Shape5& s : {Shape5{16384, 2048, 1408, 64, 6}, Shape5{8192, 1024, 512, 32, 4}}) {
-    ModelConfig cfg = layer_config(s);
-    Rng rng(2);
-    Tensor x = rng.normal({s.T, s.H}, 0.0, 1.0, DType::bf16, dev);
-    Tensor dy = rng.normal({s.T, s.H}, 0.0, 1.0, DType::bf16, dev);
+  return bench_main("bench_moe_layer", [](const cudaDeviceProp& prop, cudaStream_t stream) {
+    const Device dev = Device::cuda(0);
+    std::printf("bench_moe_layer on %s: MoE block fwd+bwd, routed experts only, median of 10\n", prop.name);
+    std::printf("%-24s %-14s %4s %4s %9s %9s %8s %8s %8s %6s %9s %9s %8s %8s %9s %9s\n", "T,H,F,E,k", "recipe", "rcmp",
+                "strm", "layer ms", "TFLOP/s", "of ceil", "vs bf16", "layer/dn", "syncs", "peak GiB", "peak/bf16",
+                "act GiB", "act/bf16", "saved GiB", "saved/bf16");
+    for (const Shape5& s : {Shape5{16384, 2048, 1408, 64, 6}, Shape5{8192, 1024, 512, 32, 4}}) {
+      ModelConfig cfg = layer_config(s);
+      Rng rng(2);
+      Tensor x = rng.normal({s.T, s.H}, 0.0, 1.0, DType::bf16, dev);
+      Tensor dy = rng.normal({s.T, s.H}, 0.0, 1.0, DType::bf16, dev);
 
-    // Dense baseline with the same expert FLOPs: T·k rows through one H→2F→F→H SwiGLU MLP.
-    double dense_ms = 0;
-    {
-      ParamFactory fd(3, dev);
-      Variable w1 = fd.normal("w1", {2 * s.F, s.H}, 0.02), w2 = fd.normal("w2", {s.H, s.F}, 0.02);
-      Tensor xr = rng.normal({s.T * s.k, s.H}, 0.0, 1.0, DType::bf16, dev);
-      Tensor dyr = rng.normal({s.T * s.k, s.H}, 0.0, 1.0, DType::bf16, dev);
-      Variable xrv(xr, true);
-      Variable w1b(w1.data().to(DType::bf16), true), w2b(w2.data().to(DType::bf16), true);
-      auto dense = [&] {
-        w1b.zero_grad(), w2b.zero_grad(), xrv.zero_grad();
-        linear(swiglu(linear(xrv, w1b)), w2b).backward(dyr);
-      };
-      dense_ms = median_ms(dense, current_stream(0), 3, 10);
-    }
+      // Dense baseline with the same expert FLOPs: T·k rows through one H→2F→F→H SwiGLU MLP.
+      double dense_ms = 0;
+      {
+        ParamFactory fd(3, dev);
+        Variable w1 = fd.normal("w1", {2 * s.F, s.H}, 0.02), w2 = fd.normal("w2", {s.H, s.F}, 0.02);
+        Tensor xr = rng.normal({s.T * s.k, s.H}, 0.0, 1.0, DType::bf16, dev);
+        Tensor dyr = rng.normal({s.T * s.k, s.H}, 0.0, 1.0, DType::bf16, dev);
+        Variable xrv(xr, true);
+        Variable w1b(w1.data().to(DType::bf16), true), w2b(w2.data().to(DType::bf16), true);
+        auto dense = [&] {
+          w1b.zero_grad(), w2b.zero_grad(), xrv.zero_grad();
+          linear(swiglu(linear(xrv, w1b)), w2b).backward(dyr);
+        };
+        dense_ms = median_ms(dense, stream, 3, 10);
+      }
 
-    struct Run { MoeRecipe recipe; bool recompute; int streams; };
-    std::vector<Run> runs;
-    for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
-      for (bool recompute : {false, true}) runs.push_back({recipe, recompute, 1});
-    // The expert GEMMs spread over 4 streams (set_grouped_linear_streams), every recipe alike.
-    for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
-      runs.push_back({recipe, false, 4});
-    runs.push_back({MoeRecipe::fp8_flow, true, 4});
-    double bf16_ms = 0, bf16_peak = 0, bf16_act = 0, bf16_saved = 0;
-    for (const Run& run : runs) {
+      struct Run { MoeRecipe recipe; bool recompute; int streams; };
+      std::vector<Run> runs;
+      for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
+        for (bool recompute : {false, true}) runs.push_back({recipe, recompute, 1});
+      // The expert GEMMs spread over 4 streams (set_grouped_linear_streams), every recipe alike.
+      for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
+        runs.push_back({recipe, false, 4});
+      runs.push_back({MoeRecipe::fp8_flow, true, 4});
+      double bf16_ms = 0, bf16_peak = 0, bf16_act = 0, bf16_saved = 0;
+      for (const Run& run : runs) {
         const MoeRecipe recipe = run.recipe;
         const bool recompute = run.recompute;
         set_grouped_linear_streams(run.streams);
@@ -106,7 +103,7 @@ int main() {
           layer.forward(xv, DType::bf16).backward(dy);
           syncs1 = num_host_syncs();
         };
-        const double layer_ms = median_ms(step, current_stream(0), 3, 10);
+        const double layer_ms = median_ms(step, stream, 3, 10);
         // Peak over one step from a clean start (no gradients held), and the part of it that is not
         // the step's own gradient outputs (the f32 weight grads and d_x, the same in every recipe):
         // the activations and temporaries that the recipe and recompute change.
@@ -144,12 +141,12 @@ int main() {
         std::printf("BENCH moe_layer %s recompute=%s streams=%d T=%lld H=%lld F=%lld E=%lld k=%lld ms=%.3f tflops=%.1f "
                     "frac_ceiling=%.3f speedup_vs_bf16=%.2f ratio_dense=%.2f host_syncs=%llu peak_gib=%.2f "
                     "peak_vs_bf16=%.2f act_gib=%.2f act_vs_bf16=%.2f saved_gib=%.3f saved_vs_bf16=%.2f\n",
-                    moe_recipe_name(recipe), recompute ? "yes" : "no", run.streams, (long long)s.T, (long long)s.H, (long long)s.F,
-                    (long long)s.E, (long long)s.k, layer_ms, tflops, tflops / ceiling, bf16_ms / layer_ms,
-                    layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib, peak_gib / bf16_peak, act_gib,
-                    act_gib / bf16_act, saved_gib, saved_gib / bf16_saved);
+                    moe_recipe_name(recipe), recompute ? "yes" : "no", run.streams, (long long)s.T, (long long)s.H,
+                    (long long)s.F, (long long)s.E, (long long)s.k, layer_ms, tflops, tflops / ceiling,
+                    bf16_ms / layer_ms, layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib,
+                    peak_gib / bf16_peak, act_gib, act_gib / bf16_act, saved_gib, saved_gib / bf16_saved);
+      }
+      set_grouped_linear_streams(1);
     }
-    set_grouped_linear_streams(1);
-  }
-  return 0;
+  });
 }

@@ -36,6 +36,8 @@ else
 fi
 
 # Tests: every test, GPU ones included. Runs 4 at a time: they share one GPU.
+t_build=$(( $(date +%s) - t0 ))
+t0=$(date +%s)
 ctest --test-dir "$build" --output-on-failure -j4 --timeout 900 >"$out/ctest.log" 2>&1
 test_rc=$?
 grep -E "tests passed|tests failed" "$out/ctest.log" | tail -1 | sed 's/^/    /'
@@ -46,8 +48,11 @@ if [ $test_rc -ne 0 ]; then
   grep -E "\(Failed\)|\(Timeout\)|\(SEGFAULT\)|\(Subprocess" "$out/ctest.log" | head -30 | tee -a "$summary"
 fi
 
+t_tests=$(( $(date +%s) - t0 ))
+t_bench=0 t_train=0
 bench_rc=0
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
+  t0=$(date +%s)
   for b in "$build"/bench/bench_*; do
     [ -x "$b" ] || continue
     name=$(basename "$b")
@@ -59,6 +64,8 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       tail -20 "$out/$name.log"
     fi
   done
+  t_bench=$(( $(date +%s) - t0 ))
+  t0=$(date +%s)
   # Short GPU training runs (scripts/train_run.sh): tokens/s, loss and (MoE) load balance for
   # docs/PERF.md. gpu_moe_text is gpu_moe on real text (byte-level: the Python standard library's
   # sources on this machine) instead of its synthetic bigram corpus, with DeepSeek-V3's sign bias step
@@ -93,7 +100,10 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       tail -20 "$out/train_$name.log"
     fi
   done
+  t_train=$(( $(date +%s) - t0 ))
 fi
+# One call of the device tool runs at most 10 minutes: this row says how close the script comes.
+row "time (s)" "build ${t_build}, tests ${t_tests}, benchmarks ${t_bench}, training ${t_train}"
 
 parity_rc=0
 if [ -n "${GPU_CHECK_PARITY:-}" ]; then
