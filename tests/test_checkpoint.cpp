@@ -13,18 +13,13 @@
 #include "engine/train/checkpoint.h"
 #include "engine/train/metrics.h"
 #include "engine/train/trainer.h"
+#include "tests/train_test_util.h"
 
 using namespace flowmoe;
+using namespace flowmoe::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("flowmoe_test_ckpt_" + name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
 
 std::string read_bytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -53,7 +48,7 @@ bool bits_equal(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0;
 }  // namespace
 
 TEST(Safetensors, RoundTripEveryDtype) {
-  fs::path d = temp_dir("roundtrip");
+  fs::path d = fresh_dir("ckpt_roundtrip");
   std::vector<NamedTensor> ts = {
       {"w.f32", Tensor::from_floats({1.5f, -2.0f, 3.25f, 0.0f, 1e-30f, -7.0f}, {2, 3})},
       {"w.bf16", Tensor::from_floats({1.0f, 0.5f, -3.0f}, {3}, DType::bf16)},
@@ -88,7 +83,7 @@ TEST(Safetensors, RoundTripEveryDtype) {
 }
 
 TEST(Safetensors, CorruptFilesAreNamed) {
-  fs::path d = temp_dir("corrupt");
+  fs::path d = fresh_dir("ckpt_corrupt");
   std::string path = (d / "c.safetensors").string();
   write_safetensors(path, {{"a", Tensor::from_floats({1, 2, 3, 4}, {4})}});
   fs::resize_file(path, fs::file_size(path) - 4);
@@ -105,7 +100,7 @@ TEST(Safetensors, CorruptFilesAreNamed) {
 }
 
 TEST(Checkpoint, AtomicDirectoriesAndKeepLast) {
-  fs::path d = temp_dir("keep");
+  fs::path d = fresh_dir("ckpt_keep");
   std::vector<Variable> params = {Variable(Tensor::from_floats({1, 2, 3}, {3}), true, "a.weight"),
                                   Variable(Tensor::from_floats({4, 5, 6, 7}, {2, 2}), true, "b.weight")};
   std::vector<Tensor> m = {Tensor::zeros({3}, DType::f32), Tensor::full({2, 2}, 0.5, DType::f32)};
@@ -162,17 +157,15 @@ TEST(Checkpoint, AtomicDirectoriesAndKeepLast) {
 // The resume guarantee: run 12 steps straight; run 6, stop, resume to 12. Every loss, the final
 // weights and the metrics file agree bit for bit.
 TEST(Checkpoint, ResumeRepeatsTheLossSequenceBitForBit) {
-  fs::path d = temp_dir("resume");
-  TrainOptions quiet;
-  quiet.out = nullptr;
+  fs::path d = fresh_dir("ckpt_resume");
 
   Config straight = tiny_config(d / "straight");
-  TrainResult a = train(straight, quiet);
+  TrainResult a = train(straight, quiet());
   ASSERT_EQ(a.losses.size(), 12u);
   EXPECT_FALSE(a.interrupted);
 
   Config split = tiny_config(d / "split");
-  TrainOptions stop6 = quiet;
+  TrainOptions stop6 = quiet();
   stop6.stop_after = 6;
   TrainResult b = train(split, stop6);
   ASSERT_EQ(b.losses.size(), 6u);
@@ -180,7 +173,7 @@ TEST(Checkpoint, ResumeRepeatsTheLossSequenceBitForBit) {
   EXPECT_EQ(b.last_checkpoint, (d / "split" / "checkpoints" / "step_00000006").string());
 
   apply_override(split, "checkpoint.resume=true");
-  TrainResult c = train(split, quiet);
+  TrainResult c = train(split, quiet());
   EXPECT_EQ(c.first_step, 7);
   ASSERT_EQ(c.losses.size(), 6u);
 
@@ -203,20 +196,18 @@ TEST(Checkpoint, ResumeRepeatsTheLossSequenceBitForBit) {
     EXPECT_EQ(rows[i].loss, straight_rows[i].loss);
   }
   // Resuming a finished run does nothing.
-  TrainResult again = train(split, quiet);
+  TrainResult again = train(split, quiet());
   EXPECT_TRUE(again.losses.empty());
   EXPECT_EQ(again.last_step, 12);
   fs::remove_all(d);
 }
 
 TEST(Checkpoint, ResumeFromAMissingPathIsAConfigError) {
-  fs::path d = temp_dir("badresume");
+  fs::path d = fresh_dir("ckpt_badresume");
   Config c = tiny_config(d / "run");
   apply_override(c, "checkpoint.resume=" + (d / "no_such_checkpoint").string());
-  TrainOptions quiet;
-  quiet.out = nullptr;
   try {
-    train(c, quiet);
+    train(c, quiet());
     FAIL() << "no error";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("checkpoint.resume"), std::string::npos) << e.what();
@@ -229,13 +220,11 @@ TEST(Checkpoint, PythonSafetensorsOpensCheckpoints) {
   if (std::system("python3 -c 'import safetensors.numpy, numpy' >/dev/null 2>&1") != 0)
     GTEST_SKIP() << "python3 with the safetensors and numpy packages is not available "
                     "(pip install safetensors numpy): Python interoperability not checked";
-  fs::path d = temp_dir("python");
+  fs::path d = fresh_dir("ckpt_python");
   Config c = tiny_config(d / "run");
   c.train.steps = 2;
   c.optimizer.warmup_steps = 1;
-  TrainOptions quiet;
-  quiet.out = nullptr;
-  TrainResult r = train(c, quiet);
+  TrainResult r = train(c, quiet());
   fs::path ckpt = r.last_checkpoint;
 
   // The expected names, shapes and a checksum of every tensor, as the C++ reader sees them.

@@ -11,6 +11,7 @@
 #include "layers/moe.h"
 #include "tests/moe_test_config.h"
 #include "tests/test_util.h"
+#include "tests/train_test_util.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;
@@ -182,8 +183,7 @@ TEST(MoeFp8Cuda, MatchesCpu) {
 // The bound is loose (8% per step): 15 steps at lr 0.01 on a 128-wide model amplify rounding
 // differences; the 1% parity target is measured on the GPU toy config (scripts/fp8_parity.sh).
 TEST(MoeFp8, TinyModelTrainsNearTheF32Curve) {
-  fs::path d = fs::temp_directory_path() / ("flowmoe_fp8_" + std::to_string(test_seed()));
-  fs::remove_all(d);
+  fs::path d = fresh_dir("fp8");
   auto config = [&](const std::string& recipe) {
     Config c = parse_config(
         "model: {vocab_size: 64, hidden_size: 128, num_hidden_layers: 2, num_attention_heads: 2,"
@@ -198,12 +198,10 @@ TEST(MoeFp8, TinyModelTrainsNearTheF32Curve) {
     c.logging.out_dir = (d / recipe).string();
     return c;
   };
-  TrainOptions quiet;
-  quiet.out = nullptr;
-  TrainResult ref = train(config("bf16"), quiet);
+  TrainResult ref = train(config("bf16"), quiet());
   for (const char* recipe : {"fp8_blockwise", "fp8_flow"}) {
     SCOPED_TRACE(recipe);
-    TrainResult r = train(config(recipe), quiet);
+    TrainResult r = train(config(recipe), quiet());
     ASSERT_EQ(r.losses.size(), ref.losses.size());
     EXPECT_LT(r.losses.back(), 0.8 * r.losses.front());
     for (size_t i = 0; i < r.losses.size(); ++i)

@@ -14,6 +14,7 @@
 #include "layers/moe.h"
 #include "tests/moe_test_config.h"
 #include "tests/test_util.h"
+#include "tests/train_test_util.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;
@@ -181,17 +182,6 @@ Config tiny_moe(const fs::path& out, int64_t steps, int64_t warmup = 3) {
   return c;
 }
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
-// An emptied directory for one test's runs: flowmoe_<name>_<seed> under the temp dir.
-fs::path fresh_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("flowmoe_" + name + "_" + std::to_string(test_seed()));
-  fs::remove_all(d);
-  return d;
-}
-TrainOptions quiet() {
-  TrainOptions o;
-  o.out = nullptr;
-  return o;
-}
 // The expert biases (<layer>.mlp.gate.e_score_correction_bias) a checkpoint holds, in layer order.
 std::vector<NamedTensor> saved_expert_biases(const std::string& checkpoint) {
   std::vector<NamedTensor> biases;

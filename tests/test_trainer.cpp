@@ -12,18 +12,13 @@
 #include "engine/train/metrics.h"
 #include "engine/train/optimizer.h"
 #include "engine/train/trainer.h"
+#include "tests/train_test_util.h"
 
 using namespace flowmoe;
+using namespace flowmoe::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("flowmoe_test_trainer_" + name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
 
 Config small_config(const fs::path& out_dir, const std::vector<std::string>& sets = {}) {
   Config c = parse_config(
@@ -36,12 +31,6 @@ Config small_config(const fs::path& out_dir, const std::vector<std::string>& set
       "small_test.yaml", sets);
   c.logging.out_dir = out_dir.string();
   return c;
-}
-
-TrainOptions quiet() {
-  TrainOptions o;
-  o.out = nullptr;
-  return o;
 }
 
 }  // namespace
@@ -65,7 +54,7 @@ TEST(Schedule, WarmupThenCosine) {
 }
 
 TEST(Trainer, TinyModelLearns) {
-  fs::path d = temp_dir("learns");
+  fs::path d = fresh_dir("trainer_learns");
   Config c = small_config(d / "run");
   TrainResult r = train(c, quiet());
   ASSERT_EQ(r.losses.size(), 60u);
@@ -80,7 +69,7 @@ TEST(Trainer, TinyModelLearns) {
 }
 
 TEST(Trainer, GradAccumulationMatchesOneBigBatch) {
-  fs::path d = temp_dir("accum");
+  fs::path d = fresh_dir("trainer_accum");
   TrainResult big = train(small_config(d / "big", {"train.steps=4", "train.batch_size=8", "train.grad_accum_steps=1",
                                                    "optimizer.warmup_steps=1"}),
                           quiet());
@@ -95,7 +84,7 @@ TEST(Trainer, GradAccumulationMatchesOneBigBatch) {
 
 // A NaN planted in one gradient: skip leaves the weights alone and goes on; stop throws.
 TEST(Trainer, NonFinitePolicy) {
-  fs::path d = temp_dir("nonfinite");
+  fs::path d = fresh_dir("trainer_nonfinite");
   auto poison_at = [](std::set<int64_t> steps) {
     TrainOptions o = quiet();
     o.after_backward = [steps](int64_t step, const std::vector<Variable>& params) {
@@ -134,7 +123,7 @@ TEST(Trainer, NonFinitePolicy) {
 }
 
 TEST(Trainer, WritesResolvedConfigAndMetrics) {
-  fs::path d = temp_dir("outputs");
+  fs::path d = fresh_dir("trainer_outputs");
   for (const char* format : {"jsonl", "csv"}) {
     SCOPED_TRACE(format);
     Config c = small_config(d / format, {"train.steps=4", "optimizer.warmup_steps=1", "train.eval_every=2",
@@ -163,7 +152,7 @@ TEST(Trainer, PlotsSeveralRuns) {
   if (std::system("command -v gnuplot >/dev/null 2>&1") != 0 &&
       std::system("python3 -c 'import matplotlib' >/dev/null 2>&1") != 0)
     GTEST_SKIP() << "neither gnuplot nor matplotlib is installed: plot not checked";
-  fs::path d = temp_dir("plot");
+  fs::path d = fresh_dir("trainer_plot");
   train(small_config(d / "a", {"train.steps=4", "optimizer.warmup_steps=1", "train.eval_every=2"}), quiet());
   train(small_config(d / "b", {"train.steps=4", "optimizer.warmup_steps=1", "logging.metrics_format=csv"}), quiet());
   std::string png = (d / "loss.png").string();
@@ -178,20 +167,22 @@ TEST(Trainer, PlotsSeveralRuns) {
 
 TEST(Trainer, CudaWithoutAGpuIsAConfigError) {
   if (cuda_available()) GTEST_SKIP() << "a GPU is present";
-  Config c = small_config(temp_dir("nocuda"), {"train.device=cuda"});
+  fs::path d = fresh_dir("trainer_nocuda");
+  Config c = small_config(d, {"train.device=cuda"});
   try {
     train(c, quiet());
-    FAIL() << "no error";
+    ADD_FAILURE() << "no error";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("train.device"), std::string::npos) << e.what();
   }
+  fs::remove_all(d);
 }
 
 // The default config's first steps on the GPU (bf16 compute, fp32 master weights) follow the CPU's
 // (fp32) within a relative 2e-2 per step: bf16 rounds each matmul input to 8 mantissa bits.
 TEST(TrainerCuda, CpuAndGpuLossCurvesAgree) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped";
-  fs::path d = temp_dir("cpu_gpu");
+  fs::path d = fresh_dir("trainer_cpu_gpu");
   auto run = [&](const std::string& device) {
     Config c = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny.yaml",
                            {"train.device=" + device, "train.steps=20", "optimizer.warmup_steps=5",

@@ -1,0 +1,29 @@
+// What the tests that run the trainer share: a directory of their own, emptied, and options that
+// print nothing.
+#pragma once
+#include <filesystem>
+#include <string>
+
+#include "engine/train/trainer.h"
+#include "tests/test_util.h"
+
+namespace flowmoe::test {
+
+// flowmoe_<name>_<seed> under the temp directory, emptied and created: the seed keeps two runs of the
+// suite on one machine apart.
+inline std::filesystem::path fresh_dir(const std::string& name) {
+  const std::filesystem::path d =
+      std::filesystem::temp_directory_path() / ("flowmoe_" + name + "_" + std::to_string(test_seed()));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+// Train without progress output (the test reads the returned losses and the files).
+inline TrainOptions quiet() {
+  TrainOptions o;
+  o.out = nullptr;
+  return o;
+}
+
+}  // namespace flowmoe::test
