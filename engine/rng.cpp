@@ -36,7 +36,7 @@ static Tensor generate(const Shape& shape, DType dtype, Device device, const F& 
   const size_t esize = dtype_size(dtype);
   constexpr int64_t kChunk = int64_t(1) << 16;
   const int64_t num_chunks = (n + kChunk - 1) / kChunk;
-  // Chunks [c0, c1): values in double, then one cast per chunk (the reference's rounding).
+  // Chunks [c0, c1): values in double, then cast to dtype (one rounding, as a single-threaded fill).
   auto fill = [&](int64_t c0, int64_t c1) {
     std::vector<double> buf(size_t(std::min(n, kChunk)));
     for (int64_t c = c0; c < c1; ++c) {
@@ -79,7 +79,8 @@ static Tensor generate(const Shape& shape, DType dtype, Device device, const F& 
 
 Tensor Rng::uniform(const Shape& shape, double lo, double hi, DType dtype, Device device) {
   const uint64_t base = offset_;
-  Tensor t = generate(shape, dtype, device, [&](int64_t i) { return lo + (hi - lo) * to_unit(draw(base + uint64_t(i))); });
+  Tensor t = generate(shape, dtype, device,
+                      [&](int64_t i) { return lo + (hi - lo) * to_unit(draw(base + uint64_t(i))); });
   offset_ += uint64_t(shape_numel(shape));
   return t;
 }

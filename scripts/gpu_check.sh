@@ -35,9 +35,9 @@ else
   exit 1
 fi
 
-# Tests: every test, GPU ones included. Runs 4 at a time: they share one GPU.
 t_build=$(( $(date +%s) - t0 ))
 t0=$(date +%s)
+# Tests: every test, GPU ones included. Runs 4 at a time: they share one GPU.
 ctest --test-dir "$build" --output-on-failure -j4 --timeout 900 >"$out/ctest.log" 2>&1
 test_rc=$?
 grep -E "tests passed|tests failed" "$out/ctest.log" | tail -1 | sed 's/^/    /'
