@@ -6,8 +6,8 @@
 RUN is a run directory (holding metrics.jsonl) or the file itself. For every MoE layer it prints the
 mean and the worst of the per-step max/mean load (`moe_max_over_mean`; 1 = balanced) over the steps
 after STEP (default: the last quarter of the run; `warmup`: each run's own optimizer.warmup_steps,
-from the config.yaml the trainer wrote beside its metrics), then the worst layer's per-step value averaged and
-at its maximum, and how many steps have a layer over --threshold. Exits 1 when the worst layer's
+from the config.yaml the trainer wrote beside its metrics), then the worst layer's per-step value
+averaged and at its maximum, and how many steps have a layer over --threshold. Exits 1 when the worst layer's
 average is at or above --threshold. Optional tooling: the engine does not need Python.
 """
 import argparse

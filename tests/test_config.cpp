@@ -239,7 +239,8 @@ TEST(Config, BiasUpdateScheduleIsConstantOrLr) {
 
 TEST(Config, BiasUpdateRuleIsSignOrProportional) {
   EXPECT_EQ(parse_config("", "ok.yaml").model.bias_update_rule, "sign");
-  EXPECT_EQ(parse_config("model:\n  bias_update_rule: proportional\n", "ok.yaml").model.bias_update_rule, "proportional");
+  EXPECT_EQ(parse_config("model:\n  bias_update_rule: proportional\n", "ok.yaml").model.bias_update_rule,
+            "proportional");
   EXPECT_HAS(parse_error("model:\n  bias_update_rule: linear\n"), "model.bias_update_rule");
 }
 
