@@ -244,9 +244,7 @@ void launch_rows(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t str
   a.num_tokens = d.num_tokens, a.nvec = int64_t(b.row_bytes) / vb, a.num_rows = d.num_rows;
   a.group = group_for(a.nvec);
   a.token_blocks = (d.num_tokens + kRowThreads / a.group - 1) / (kRowThreads / a.group);
-  // Pad warps: one per possible pad slot, and at least enough to stride over a large tail.
-  a.num_pad_items = std::max<int64_t>(int64_t(d.num_local_experts) * (d.align_size - 1),
-                                      std::min<int64_t>(d.num_rows, 1024));
+  a.num_pad_items = pad_item_count(d.num_local_experts, d.align_size, d.num_rows);
   a.topk = d.topk, a.num_local = d.num_local_experts, a.align = d.align_size;
   a.side_cols = b.side ? b.side_cols : 0, a.side_pad_value = b.side_pad_value;
   if (tma) return launch_rows_tma(a, int64_t(b.row_bytes), stream);

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/packed.cuh"
+#include "kernels/cuda/pad_rows.cuh"
 #include "kernels/cuda/permute_route.cuh"
 
 namespace flowmoe {
@@ -42,8 +43,7 @@ struct RowArgs {
   float side_pad_value;
 };
 
-// One warp. Pad item p < L*(align-1) is pad slot (e, q) = divmod(p, align-1), written when that row
-// exists (an expert has at most align-1 pad rows); then item p strides over the tail [seg[L], num_rows).
+// One warp writes the pad and tail rows of pad item p (kernels/cuda/pad_rows.cuh).
 template <int VB>
 __device__ __forceinline__ void fill_pad_item(const RowArgs& a, int64_t p) {
   using Vec = typename VecOf<VB>::type;
@@ -55,13 +55,7 @@ __device__ __forceinline__ void fill_pad_item(const RowArgs& a, int64_t p) {
     if (a.side_rows)
       for (int c = lane; c < a.side_cols; c += 32) a.side_rows[r * a.side_cols + c] = a.side_pad_value;
   };
-  const int slots = a.align - 1;
-  if (p < int64_t(a.num_local) * slots) {
-    const int e = int(p / slots), q = int(p % slots);
-    const int64_t r = int64_t(a.seg[e]) + a.tokens[e] + q;
-    if (r < a.seg[e + 1]) fill_row(r);
-  }
-  for (int64_t r = a.seg[a.num_local] + p; r < a.num_rows; r += a.num_pad_items) fill_row(r);
+  for_each_pad_row(p, a.num_pad_items, a.seg, a.tokens, a.num_local, a.align, a.num_rows, fill_row);
 }
 
 // Blocks [0, token_blocks) hold 256 / group tokens each; the blocks after them hold 8 pad warps each

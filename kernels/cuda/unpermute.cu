@@ -14,6 +14,7 @@
 #include "engine/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/packed.cuh"
+#include "kernels/cuda/pad_rows.cuh"
 #include "kernels/unpermute.h"
 
 namespace flowmoe {
@@ -116,8 +117,7 @@ struct BackwardArgs {
 };
 
 // Blocks [0, token_blocks) hold 256 / group tokens each. The blocks after them hold 8 pad warps each:
-// pad warp p zeroes pad slot (e, q) = divmod(p, align-1) of d_rows when that row exists, then strides
-// over the tail rows [seg[L], num_rows) (as permute_rows does).
+// pad warp p zeroes the pad and tail rows of d_rows of pad item p (kernels/cuda/pad_rows.cuh).
 template <class T, int VB>
 __global__ void __launch_bounds__(kThreads)
     unpermute_backward_kernel(const BackwardArgs a, const T* __restrict__ rows /*[num_rows, nvec*n]*/,
@@ -134,13 +134,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < P::n; ++e) zero.set(e, 0.f);
       for (int64_t v = lane; v < a.nvec; v += 32) zero.store(d_rows + (r * a.nvec + v) * P::n);
     };
-    const int slots = a.align - 1;  // an expert has at most align-1 pad rows
-    if (p < int64_t(a.num_local) * slots) {
-      const int e = int(p / slots), q = int(p % slots);
-      const int64_t r = int64_t(a.seg[e]) + a.tokens[e] + q;
-      if (r < a.seg[e + 1]) zero_row(r);
-    }
-    for (int64_t r = a.seg[a.num_local] + p; r < a.num_rows; r += a.num_pad_items) zero_row(r);
+    for_each_pad_row(p, a.num_pad_items, a.seg, a.tokens, a.num_local, a.align, a.num_rows, zero_row);
     return;
   }
   const int groups = blockDim.x / a.group, g = threadIdx.x / a.group, lane = threadIdx.x % a.group;
@@ -266,9 +260,7 @@ void unpermute_backward_cuda(DType dtype, const UnpermuteBackwardArgs& in, cudaS
   a.d_topk_prob = in.d_topk_prob;
   a.num_tokens = in.num_tokens, a.num_rows = in.num_rows, a.topk = in.topk, a.num_local = in.num_local_experts;
   a.align = in.align_size;
-  // Pad warps: one per possible pad slot, and at least enough to stride over a large tail.
-  a.num_pad_items =
-      in.d_rows ? std::max<int64_t>(int64_t(a.num_local) * (a.align - 1), std::min<int64_t>(a.num_rows, 1024)) : 0;
+  a.num_pad_items = in.d_rows ? pad_item_count(a.num_local, a.align, a.num_rows) : 0;
   if (a.num_tokens == 0 && a.num_pad_items == 0) return;
   dispatch_cuda_float(dtype, "unpermute_backward_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
