@@ -45,14 +45,10 @@ namespace {
 constexpr int kWarmup = 5;
 constexpr int kReps = 30;
 
-// GPU time only: a memset of kBusyBytes keeps the GPU busy while the host submits `prelude` (untimed),
-// the start event, `run` and the stop event, so launch latency drops out of the measurement.
-constexpr size_t kBusyBytes = size_t(256) << 20;
-void* g_busy = nullptr;  // kBusyBytes of device memory, allocated in main
-
+// GPU time only (bench_util.h): `prelude` untimed, launch latency out of the measurement.
 template <class P, class F>
 double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream) {
-  return flowmoe::median_gpu_ms(prelude, run, stream, g_busy, kBusyBytes, kWarmup, kReps);
+  return flowmoe::median_gpu_ms(prelude, run, stream, true, kWarmup, kReps);
 }
 
 struct Config {
@@ -287,9 +283,8 @@ bool compare_impls(Setup& s, double copy, double copy_gpu, cudaStream_t stream) 
 
 int main() {
   return bench_main("bench_permute", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
-    g_busy = cuda_malloc_raw(kBusyBytes, 0);
     std::printf("bench_permute on %s: bf16 payload, random top-k routing, median of %d reps\n", prop.name, kReps);
-    const CopyGbps ceiling = copy_gbps(stream, g_busy, kBusyBytes);
+    const CopyGbps ceiling = copy_gbps(stream, true);
     const double copy = ceiling.queued, copy_gpu = ceiling.gpu_only;
     std::printf("  device D2D copy (read + write): %.0f GB/s (%.3f of the H200's %.0f); GPU time only: %.0f GB/s\n",
                 copy, copy / kH200CopyGbps, kH200CopyGbps, copy_gpu);
@@ -318,6 +313,5 @@ int main() {
     if (!tma_ok) std::printf("bench_permute: stopped comparing after the TMA row move failed\n");
     set_permute_rows_impl(default_impl);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    cuda_free_raw(g_busy, 0);
   });
 }

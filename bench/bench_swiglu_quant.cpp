@@ -28,13 +28,10 @@ namespace {
 
 constexpr int kWarmup = 5;
 constexpr int kReps = 30;
-constexpr size_t kBusyBytes = size_t(256) << 20;
-void* g_busy = nullptr;  // kBusyBytes of device memory, allocated in main
-
-// GPU time only (bench_util.h): the memset of g_busy hides the host's queueing.
+// GPU time only (bench_util.h): launch latency out of the measurement.
 template <class F>
 double median_gpu_ms(F&& run, cudaStream_t stream) {
-  return flowmoe::median_gpu_ms([] {}, run, stream, g_busy, kBusyBytes, kWarmup, kReps);
+  return flowmoe::median_gpu_ms([] {}, run, stream, true, kWarmup, kReps);
 }
 
 // Uniform values on the device: a 4M-element random tile drawn on the host, repeated (host draws of
@@ -136,9 +133,8 @@ void print_results(const std::vector<Result>& results, double copy) {
 
 int main() {
   return bench_main("bench_swiglu_quant", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
-    g_busy = cuda_malloc_raw(kBusyBytes, 0);
     std::printf("bench_swiglu_quant on %s: bf16 h with probs, GPU time only, median of %d reps\n", prop.name, kReps);
-    const double copy = copy_gbps(stream, g_busy, kBusyBytes).gpu_only;
+    const double copy = copy_gbps(stream, true).gpu_only;
     std::printf("  device D2D copy (read + write): %.0f GB/s (%.3f of the H200's %.0f)\n", copy, copy / kH200CopyGbps,
                 kH200CopyGbps);
     Rng rng(2026);
@@ -146,6 +142,5 @@ int main() {
     for (const Config& c : kConfigs) results.push_back(bench(c, rng, stream));
     print_results(results, copy);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    cuda_free_raw(g_busy, 0);
   });
 }

@@ -16,12 +16,23 @@
 
 namespace flowmoe {
 
-// GPU time only: a memset of `busy_bytes` at `busy` keeps the GPU busy while the host queues
+// The device memory that GPU-time-only measurements memset first: 256 MiB, tens of µs of GPU work,
+// longer than the host takes to queue an op's launches. Allocated on first use, kept until exit.
+struct BusyBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+inline BusyBuffer busy_buffer() {
+  static const BusyBuffer busy{cuda_malloc_raw(size_t(256) << 20, 0), size_t(256) << 20};
+  return busy;
+}
+
+// GPU time only (gpu_only): a memset of busy_buffer() keeps the GPU busy while the host queues
 // `prelude` (untimed), the start event, `run` and the stop event, so launch latency drops out.
-// With busy == nullptr the host's queueing is timed too (median_ms).
+// Otherwise the host's queueing is timed too (median_ms).
 template <class P, class F>
-double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream, void* busy, size_t busy_bytes, int warmup = 5,
-                     int reps = 30) {
+double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream, bool gpu_only, int warmup = 5, int reps = 30) {
+  const BusyBuffer busy = gpu_only ? busy_buffer() : BusyBuffer{};
   for (int i = 0; i < warmup; ++i) {
     prelude();
     run();
@@ -29,7 +40,7 @@ double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream, void* busy, size
   Event start(true), stop(true);
   std::vector<float> times;
   for (int i = 0; i < reps; ++i) {
-    if (busy) MOE_CUDA_CHECK(cudaMemsetAsync(busy, 0, busy_bytes, stream));
+    if (busy.ptr) MOE_CUDA_CHECK(cudaMemsetAsync(busy.ptr, 0, busy.bytes, stream));
     prelude();
     start.record(stream);
     run();
@@ -43,7 +54,7 @@ double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream, void* busy, size
 
 template <class F>
 double median_ms(F&& run, cudaStream_t stream, int warmup = 5, int reps = 30) {
-  return median_gpu_ms([] {}, run, stream, nullptr, 0, warmup, reps);
+  return median_gpu_ms([] {}, run, stream, false, warmup, reps);
 }
 
 // DESIGN.md §6: the H200's device-to-device copy bandwidth, bytes read + written.
@@ -52,12 +63,12 @@ constexpr double kH200CopyGbps = 4249.0;
 inline double gbps(double bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; }
 
 // The device's D2D copy bandwidth (cudaMemcpyAsync of 1 GiB, bytes read + written), timed the way
-// the benchmark times its kernels: `queued` with the host's queueing (median_ms), `gpu_only` behind
-// a memset of `busy` (median_gpu_ms; NaN when busy is null).
+// the benchmark times its kernels: `queued` with the host's queueing (median_ms), and with gpu_only
+// also `gpu_only` (median_gpu_ms; NaN otherwise).
 struct CopyGbps {
   double queued = NAN, gpu_only = NAN;
 };
-inline CopyGbps copy_gbps(cudaStream_t stream, void* busy = nullptr, size_t busy_bytes = 0) {
+inline CopyGbps copy_gbps(cudaStream_t stream, bool gpu_only = false) {
   constexpr size_t kCopyBytes = size_t(1) << 30;
   void* src = cuda_malloc_raw(kCopyBytes, 0);
   void* dst = cuda_malloc_raw(kCopyBytes, 0);
@@ -65,7 +76,7 @@ inline CopyGbps copy_gbps(cudaStream_t stream, void* busy = nullptr, size_t busy
   auto copy = [&] { MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, kCopyBytes, cudaMemcpyDeviceToDevice, stream)); };
   CopyGbps r;
   r.queued = gbps(2.0 * double(kCopyBytes), median_ms(copy, stream));
-  if (busy) r.gpu_only = gbps(2.0 * double(kCopyBytes), median_gpu_ms([] {}, copy, stream, busy, busy_bytes));
+  if (gpu_only) r.gpu_only = gbps(2.0 * double(kCopyBytes), median_gpu_ms([] {}, copy, stream, true));
   cuda_free_raw(src, 0);
   cuda_free_raw(dst, 0);
   return r;
