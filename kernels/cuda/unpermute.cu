@@ -1,7 +1,7 @@
 // MoE unpermute + unpad with merging probs on the GPU (math in kernels/unpermute.h).
-//   forward:  one thread group per token gathers its routed rows (16-byte vectors, two rows in
-//             flight) and accumulates prob * row with fmaf in fp32, j ascending (bit-identical to the
-//             CPU reference)
+//   forward:  one thread group per token gathers its routed rows (16-byte vectors, four vectors of
+//             four rows in flight per thread) and accumulates prob * row with fmaf in fp32, j
+//             ascending (bit-identical to the CPU reference)
 //   backward: one group per token loads dy once, stores prob * dy to each of its rows and reduces
 //             rows . dy per slot (per-warp partials in shared memory: deterministic); the other
 //             groups zero the pad and tail rows of d_rows. Nothing is memset first.
@@ -24,13 +24,15 @@ namespace {
 constexpr int kThreads = 256;  // blocks hold 256 / group thread groups
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;         // backward: vectors per thread per pass
-constexpr int kForwardUnroll = 2;  // forward: vectors per thread per pass (two rows in flight: 4 vectors)
+constexpr int kForwardUnroll = 4;  // forward: vectors per thread per pass
+constexpr int kForwardRows = 4;    // forward: routed rows loaded before accumulating (16 vectors in flight)
 constexpr int kMaxTopk = 512;  // shared memory holds [groups, k] rows and probs and [8 warps, k] partials
 
 // ---- kernels ----------------------------------------------------------------------------------
 
-// Each thread keeps kForwardUnroll vectors of fp32 sums and reads two routed rows at a time, so
-// 4 vectors per thread are in flight at a modest register count.
+// Each thread keeps kForwardUnroll vectors of fp32 sums and loads kForwardRows routed rows before
+// adding them. Loads in flight per SM set the bandwidth: on an H200 this runs at 0.93-0.99 of copy
+// where two vectors of two rows reached 0.85-0.92 (bench/bench_permute.cpp, docs/PERF.md).
 template <class T, int VB>
 __global__ void __launch_bounds__(kThreads)
     unpermute_kernel(const int32_t* __restrict__ row_map /*[T,k]*/, int64_t num_tokens, int topk, int64_t nvec,
@@ -63,35 +65,31 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (t >= num_tokens) return;
   const int count = s_count[g];
+  constexpr int R = kForwardRows;
   for (int64_t v0 = 0; v0 < nvec; v0 += int64_t(group) * U) {
     float acc[U][P::n] = {};
-    auto load = [&](int slot, P (&in)[U]) {
-      const T* src = rows + int64_t(s_row[slot]) * nvec * P::n;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t v = v0 + u * group + lane;
-        if (v < nvec) in[u] = P::load(src + v * P::n);
-      }
-    };
-    auto accumulate = [&](float p, const P (&in)[U]) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int e = 0; e < P::n; ++e) acc[u][e] = fmaf(p, in[u].get(e), acc[u][e]);
-    };
-    int j = 0;
 #pragma unroll 1
-    for (; j + 1 < count; j += 2) {
-      P a[U], b[U];
-      load(j, a);
-      load(j + 1, b);
-      accumulate(s_prob[j], a);
-      accumulate(s_prob[j + 1], b);
-    }
-    if (j < count) {
-      P a[U];
-      load(j, a);
-      accumulate(s_prob[j], a);
+    for (int j0 = 0; j0 < count; j0 += R) {
+      P in[R][U];  // all loads of R rows first, then the fmas in j order
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (j0 + r >= count) continue;
+        const T* src = rows + int64_t(s_row[j0 + r]) * nvec * P::n;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t v = v0 + u * group + lane;
+          if (v < nvec) in[r][u] = P::load(src + v * P::n);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (j0 + r >= count) continue;
+        const float p = s_prob[j0 + r];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int e = 0; e < P::n; ++e) acc[u][e] = fmaf(p, in[r][u].get(e), acc[u][e]);
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
