@@ -95,8 +95,9 @@ constexpr int kPermuteRowsAuto = 0, kPermuteRowsClassic = 1, kPermuteRowsTma = 2
 void set_permute_rows_impl(int impl);
 int permute_rows_impl();
 
-// Backward of permute_pad: dtype (of d_rows and d_x) f32 or bf16, fp32 accumulation, j ascending.
-// d_x and d_rows may be null together; d_topk_prob and d_probs (f32) likewise.
+// Backward of permute_pad: dtype (of d_rows and d_x) f32 or bf16, fp32 accumulation, j ascending
+// (d_x is unpermute_cuda's gather with weights 1), topk at most 512. d_x and d_rows may be null
+// together; d_topk_prob and d_probs (f32) likewise.
 void permute_backward_cuda(DType dtype, const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int topk,
                            int64_t hidden, const void* d_rows /*[num_rows, hidden]*/,
                            const float* d_probs /*[num_rows]*/, void* d_x /*[T, hidden]*/,

@@ -23,8 +23,9 @@
 //      shared memory, the block's rows loaded before the wait for the routing map.
 // The result is bit-identical to the CPU reference (it only moves bytes); bench/bench_permute.cpp
 // measures it against the device's D2D copy bandwidth, as a whole and as its two steps.
-// Backward (permute_backward_kernel, permute_rows.cuh): one group per token gathers and sums its k row
-// gradients (fp32, j ascending, one rounding).
+// Backward: d_x[t] = sum_j d_rows[row_map[t,j]] is the unpermute with weights 1 (unpermute_cuda,
+// kernels/cuda/unpermute.cu: fmaf(1, x, acc) rounds as acc + x, so fp32, j ascending, one rounding,
+// as the CPU reference); d_topk_prob is a gather of d_probs (gather_probs_kernel).
 // CPU reference: kernels/cpu/permute.cpp. Tests: tests/test_permute.cpp (GPU vs CPU, bit for bit).
 #include <cuda_bf16.h>
 
@@ -44,6 +45,7 @@
 #include "kernels/cuda/permute_rows.cuh"
 #include "kernels/cuda/permute_rows_tma.cuh"
 #include "kernels/permute.h"
+#include "kernels/unpermute.h"
 
 namespace flowmoe {
 
@@ -257,6 +259,16 @@ void launch_rows(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t str
   }
 }
 
+// d_topk_prob[i] = d_probs[row_map[i]] for the flat entries i of [T,k]; 0 where not routed here.
+__global__ void gather_probs_kernel(const int32_t* __restrict__ row_map /*[T*k]*/, int64_t n,
+                                    const float* __restrict__ d_probs /*[num_rows]*/,
+                                    float* __restrict__ d_topk_prob /*[T*k]*/) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int32_t r = row_map[i];
+  d_topk_prob[i] = r >= 0 ? d_probs[r] : 0.f;
+}
+
 }  // namespace
 
 // ---- public launchers ---------------------------------------------------------------------------
@@ -304,23 +316,16 @@ void permute_backward_cuda(DType dtype, const int32_t* row_map, int64_t num_toke
                            cudaStream_t stream) {
   FLOWMOE_CHECK(bool(d_x) == bool(d_rows) && bool(d_topk_prob) == bool(d_probs), Error,
                 "permute_backward_cuda: d_x and d_rows (and d_topk_prob and d_probs) go together");
-  if (num_tokens == 0 || (!d_x && !d_topk_prob)) return;
-  dispatch_cuda_float(dtype, "permute_backward_cuda", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const bool wide = !d_x || (hidden * int64_t(sizeof(T)) % 16 == 0 && aligned_to(d_x, 16) && aligned_to(d_rows, 16));
-    auto launch = [&](auto kernel, int elems_per_vec) {
-      const int64_t nvec = hidden / elems_per_vec;
-      const int group = group_for(nvec), groups = kRowThreads / group;
-      const unsigned blocks = unsigned((num_tokens + groups - 1) / groups);
-      kernel<<<blocks, kRowThreads, 0, stream>>>(row_map, num_tokens, topk, nvec, group, static_cast<const T*>(d_rows),
-                                                 d_probs, static_cast<T*>(d_x), d_topk_prob);
-    };
-    if (wide)
-      launch(permute_backward_kernel<T, 16>, 16 / int(sizeof(T)));
-    else
-      launch(permute_backward_kernel<T, int(sizeof(T))>, 1);
-  });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CHECK(topk >= 1 && topk <= kMaxTopk, Error, "permute_backward_cuda: topk must be in [1, ", kMaxTopk,
+                "], got ", topk);
+  if (num_tokens == 0) return;
+  if (d_x) unpermute_cuda(dtype, row_map, num_tokens, topk, hidden, d_rows, nullptr, d_x, stream);
+  if (d_topk_prob) {
+    const int64_t n = num_tokens * topk;
+    gather_probs_kernel<<<unsigned((n + kRowThreads - 1) / kRowThreads), kRowThreads, 0, stream>>>(row_map, n, d_probs,
+                                                                                                   d_topk_prob);
+    MOE_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace flowmoe

@@ -9,8 +9,7 @@
 //   pad blocks:   one warp per pad item writes zero rows (and probs 0, side_pad_value) into the pad slots
 //                 and the tail past segment_starts[L].
 // Vectors are VB = 16, 8, 4, 2 or 1 bytes: the widest that divides the row and both base addresses.
-// The sm_90 alternative (bulk copies through shared memory) is permute_rows_tma.cuh; the backward
-// (permute_backward_kernel: each token sums its k row gradients) is at the end of this file.
+// The sm_90 alternative (bulk copies through shared memory) is permute_rows_tma.cuh.
 #pragma once
 #include <cstdint>
 
@@ -24,7 +23,7 @@ namespace {
 constexpr int kRowThreads = 256;  // threads per block of the row kernels: 256 / group thread groups
 constexpr int kUnroll = 4;        // vectors per thread in flight per pass
 constexpr int kRowMinBlocks = 5;  // the row kernel's register budget: 5 blocks per SM (<= 48 registers)
-constexpr int kMaxTopk = 1024;    // permute_rows keeps [groups][k] ints in shared memory
+constexpr int kMaxTopk = 512;     // shared memory holds [groups][k] ints; the backward's unpermute kernel holds 512
 
 struct RowArgs {
   const void* x;             // [T, nvec] vectors
@@ -116,52 +115,6 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocks) permute_rows_kerne
       if (dest[j] >= 0)
         for (int c = lane; c < a.side_cols; c += a.group)
           a.side_rows[int64_t(dest[j]) * a.side_cols + c] = a.side[t * a.side_cols + c];
-}
-
-// ---- backward -----------------------------------------------------------------------------------
-
-// d_x[t] = sum_j d_rows[row_map[t,j]] in fp32, j ascending; d_topk_prob[t,j] = d_probs[row_map[t,j]].
-template <class T, int VB>
-__global__ void __launch_bounds__(kRowThreads)
-    permute_backward_kernel(const int32_t* __restrict__ row_map /*[T,k]*/, int64_t num_tokens, int topk,
-                            int64_t nvec, int group, const T* __restrict__ d_rows /*[num_rows, nvec*n]*/,
-                            const float* __restrict__ d_probs /*[num_rows]*/, T* __restrict__ d_x /*[T, nvec*n]*/,
-                            float* __restrict__ d_topk_prob /*[T,k]*/) {
-  using P = Packed<T, VB>;
-  const int lane = threadIdx.x % group;
-  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  if (t >= num_tokens) return;
-  const int32_t* dest = row_map + t * topk;
-  if (d_topk_prob)
-    for (int j = lane; j < topk; j += group) d_topk_prob[t * topk + j] = dest[j] >= 0 ? d_probs[dest[j]] : 0.f;
-  if (!d_x) return;
-  for (int64_t v0 = 0; v0 < nvec; v0 += int64_t(group) * kUnroll) {
-    float acc[kUnroll][P::n] = {};
-    for (int j = 0; j < topk; ++j) {
-      const int32_t r = __ldg(dest + j);
-      if (r < 0) continue;
-      const T* src = d_rows + int64_t(r) * nvec * P::n;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = v0 + u * group + lane;
-        if (v < nvec) {
-          const P in = P::load(src + v * P::n);
-#pragma unroll
-          for (int k = 0; k < P::n; ++k) acc[u][k] += in.get(k);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t v = v0 + u * group + lane;
-      if (v < nvec) {
-        P out{};
-#pragma unroll
-        for (int k = 0; k < P::n; ++k) out.set(k, acc[u][k]);
-        out.store(d_x + (t * nvec + v) * P::n);
-      }
-    }
-  }
 }
 
 }  // namespace
