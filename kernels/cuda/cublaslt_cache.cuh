@@ -37,7 +37,9 @@ inline uint32_t alignment_of(const void* p) {
 }
 
 // Folds v into the running hash h (boost's hash_combine).
-inline void hash_mix(size_t& h, uint64_t v) { h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); }
+inline void hash_mix(size_t& h, uint64_t v) {
+  h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+}
 
 // v rounded up to a quarter octave (16, 20, 24, 28, 32, 40, ..., 1024, 1280, ...), at least 16, with
 // steps of at least min_step: at most 25% over, so a heuristic asked for the bucket sees nearly the real
@@ -92,6 +94,38 @@ struct LtCache {
     if (devices.size() <= size_t(device)) devices.resize(size_t(device) + 1);
     devices[size_t(device)] = std::move(td);
     return *devices[size_t(device)];
+  }
+
+  // What choose() picked: the algorithm (null: the heuristic has none for this shape), whether it was
+  // chosen for this exact shape, and whether a bucket's algorithm existed but `fits` refused it.
+  struct Chosen {
+    const Choice* choice = nullptr;
+    bool exact = true;
+    bool bucket_refused = false;
+  };
+
+  // The algorithm for `key`, from the cached heuristic answers (query(k) asks for a missing one): the
+  // answer for its row-count bucket when fits(choice) accepts it for this exact shape, else the answer
+  // for the exact shape (always, with exact_only, or once the exact shape has an answer of its own).
+  // One heuristic query then serves a step's many fresh per-expert row counts. Call with mutex() held;
+  // the returned pointer stays valid (map nodes never move).
+  template <class Query, class Fits>
+  static Chosen choose(Shared& shared, const Key& key, const Key& bucket, bool exact_only, Query&& query,
+                       Fits&& fits) {
+    auto answer = [&](const Key& k) -> const std::optional<Choice>& {
+      auto it = shared.choices.find(k);
+      if (it == shared.choices.end()) it = shared.choices.emplace(k, query(k)).first;
+      return it->second;
+    };
+    Chosen out;
+    if (!exact_only && !(bucket == key) && !shared.choices.count(key)) {
+      const std::optional<Choice>& borrowed = answer(bucket);
+      if (borrowed && fits(*borrowed)) return {&*borrowed, false, false};
+      out.bucket_refused = borrowed.has_value();
+    }
+    const std::optional<Choice>& own = answer(key);
+    out.choice = own ? &*own : nullptr;
+    return out;
   }
 
   static void* workspace(Thread& td, cudaStream_t stream) {

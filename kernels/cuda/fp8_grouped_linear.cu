@@ -191,24 +191,13 @@ void build_plan(Cache::Thread& td, Plan& p, const PlanKey& key, const float* a_s
   init_layouts(p.layouts, key);
   init_op(p.op, key, a_scale, b_scale);
   std::lock_guard<std::mutex> lock(Cache::mutex());  // heuristic queries are rare: holding the lock keeps this simple
-  Cache::Shared& shared = Cache::shared(td.device);
-  const PlanKey bkey = bucket_key(key);
-  if (!exact_only && !(bkey == key) && !shared.choices.count(key)) {
-    auto bucket = shared.choices.find(bkey);
-    if (bucket == shared.choices.end())
-      bucket = shared.choices.emplace(bkey, query_heuristic(td.handle, bkey, a_scale, b_scale)).first;
-    if (bucket->second && algo_fits(td.handle, p, *bucket->second)) {
-      p.algo = *bucket->second;
-      p.exact = false;
-      return;
-    }
-  }
-  auto it = shared.choices.find(key);
-  if (it == shared.choices.end())
-    it = shared.choices.emplace(key, query_heuristic(td.handle, key, a_scale, b_scale)).first;
-  if (!it->second) throw_no_algorithm(key);
-  p.algo = *it->second;
-  p.exact = true;
+  const Cache::Chosen c = Cache::choose(
+      Cache::shared(td.device), key, bucket_key(key), exact_only,
+      [&](const PlanKey& k) { return query_heuristic(td.handle, k, a_scale, b_scale); },
+      [&](const cublasLtMatmulAlgo_t& algo) { return algo_fits(td.handle, p, algo); });
+  if (!c.choice) throw_no_algorithm(key);
+  p.algo = *c.choice;
+  p.exact = c.exact;
 }
 
 // One GEMM: plan lookup (built on a miss), scale pointers, cublasLtMatmul; C = D.

@@ -206,28 +206,17 @@ bool check_choice(cublasLtHandle_t handle, Plan& p, const PlanKey& key, const vo
 void build_plan(Cache::Thread& td, Plan& p, const PlanKey& key, const void* bias, bool exact_only) {
   init_layouts(p.layouts, key);
   std::lock_guard<std::mutex> lock(Cache::mutex());  // heuristic queries are rare: holding the lock keeps this simple
-  Cache::Shared& shared = Cache::shared(td.device);
-  auto it = shared.choices.find(key);
-  const PlanKey bkey = bucket_key(key);
-  if (it == shared.choices.end() && !exact_only && !(bkey == key)) {
-    auto bucket = shared.choices.find(bkey);
-    if (bucket == shared.choices.end())
-      bucket = shared.choices.emplace(bkey, query_heuristic(td.handle, bkey, bias)).first;
-    if (bucket->second && check_choice(td.handle, p, key, bias, *bucket->second)) {
-      p.choice = *bucket->second;
-      p.exact = false;
-      return;
-    }
-    if (bucket->second) g_bucket_rejects.fetch_add(1, std::memory_order_relaxed);
-  }
-  if (it == shared.choices.end()) it = shared.choices.emplace(key, query_heuristic(td.handle, key, bias)).first;
-  FLOWMOE_CHECK(it->second.has_value(), CudaError, "gemm_cuda: cuBLASLt has no algorithm for m=", key.m,
-                " n=", key.n, " k=", key.k, " trans_a=", key.trans_a, " trans_b=", key.trans_b, " ",
-                dtype_name(key.ab_dtype), " -> ", dtype_name(key.c_dtype), " (lda ", key.lda, ", ldb ", key.ldb,
-                ", ldc ", key.ldc, ")");
-  p.choice = *it->second;
-  p.exact = true;
-  init_op(p.op, key, bias, p.choice.fused_bias);
+  const Cache::Chosen c = Cache::choose(
+      Cache::shared(td.device), key, bucket_key(key), exact_only,
+      [&](const PlanKey& k) { return query_heuristic(td.handle, k, bias); },
+      [&](const Choice& choice) { return check_choice(td.handle, p, key, bias, choice); });
+  if (c.bucket_refused) g_bucket_rejects.fetch_add(1, std::memory_order_relaxed);
+  FLOWMOE_CHECK(c.choice, CudaError, "gemm_cuda: cuBLASLt has no algorithm for m=", key.m, " n=", key.n, " k=", key.k,
+                " trans_a=", key.trans_a, " trans_b=", key.trans_b, " ", dtype_name(key.ab_dtype), " -> ",
+                dtype_name(key.c_dtype), " (lda ", key.lda, ", ldb ", key.ldb, ", ldc ", key.ldc, ")");
+  p.choice = *c.choice;
+  p.exact = c.exact;
+  init_op(p.op, key, bias, p.choice.fused_bias);  // for the choice made (check_choice may have set a refused one)
 }
 
 cublasStatus_t run_plan(Cache::Thread& td, Plan& p, const void* a, const void* b, void* c, const void* bias,
