@@ -14,6 +14,8 @@
 // launch is submitted before the start event and host launch latency drops out ("gpu"), and so are its
 // two steps apart: the routing map alone ("map", permute_map_cuda) and the row move alone ("rows",
 // permute_rows_cuda, after an untimed map). Their fractions are of the copy's own GPU-only bandwidth.
+// "same" is a D2D copy of the permute's own byte count (GPU time only), as a fraction of the 1 GiB
+// copy: how much of the ceiling a plain copy of an op this short reaches.
 // Then both row-move kernels (kernels/permute.h, set_permute_rows_impl: classic and tma) on every
 // config in the same run: whole op (event-timed), GPU-only whole op and the row move alone, as
 // fractions of copy ("BENCH permute_impl"), and whether their outputs are bit-identical. The other
@@ -129,11 +131,12 @@ struct Result {
   double permute_bytes, unpermute_bytes;
   double exact_ms, worst_ms, memset_ms, unpermute_ms;
   double gpu_ms, map_gpu_ms, rows_gpu_ms;  // exact size, GPU time only
+  double same_copy_gpu_ms;                 // a D2D copy of the permute's byte count, GPU time only
 };
 
 Result bench(Setup& s, cudaStream_t stream) {
   const Config& c = s.c;
-  Result r{c, s.align, s.padded_rows, s.d.num_rows, s.permute_bytes, s.unpermute_bytes, 0, 0, 0, 0, 0, 0, 0};
+  Result r{c, s.align, s.padded_rows, s.d.num_rows, s.permute_bytes, s.unpermute_bytes, 0, 0, 0, 0, 0, 0, 0, 0};
   auto exact = [&] { permute_pad_cuda(s.exact, s.b, stream); };
   auto map = [&] { permute_map_cuda(s.exact, s.b, stream); };
   r.worst_ms = median_ms([&] { permute_pad_cuda(s.d, s.b, stream); }, stream);
@@ -147,6 +150,15 @@ Result bench(Setup& s, cudaStream_t stream) {
   r.gpu_ms = median_gpu_ms([] {}, exact, stream);
   r.map_gpu_ms = median_gpu_ms([] {}, map, stream);
   r.rows_gpu_ms = median_gpu_ms(map, [&] { permute_rows_cuda(s.exact, s.b, stream); }, stream);
+  {  // what a plain copy of this many bytes reaches: the ceiling is a 1 GiB copy, and shorter ops pay more
+     // of their launch, ramp-up and drain
+    const size_t half = std::min(size_t(s.permute_bytes / 2) / 16 * 16, size_t(s.d.num_rows) * s.b.row_bytes);
+    Tensor scratch = Tensor::empty({int64_t(half)}, DType::u8, Device::cuda(0));
+    r.same_copy_gpu_ms = median_gpu_ms(
+        [] {},
+        [&] { MOE_CUDA_CHECK(cudaMemcpyAsync(scratch.raw_data(), s.b.rows, half, cudaMemcpyDeviceToDevice, stream)); },
+        stream);
+  }
   r.unpermute_ms = median_ms(
       [&] {
         unpermute_cuda(DType::bf16, s.row_map.data<int32_t>(), c.tokens, c.topk, c.hidden, s.rows.raw_data(),
@@ -158,20 +170,21 @@ Result bench(Setup& s, cudaStream_t stream) {
 }
 
 void print_results(const std::vector<Result>& results, double copy, double copy_gpu) {
-  std::printf("\n%-24s %5s %8s | %9s %8s %6s | %9s %8s | %9s | %8s %6s | %8s | %8s %6s | %9s %8s %6s\n",
+  std::printf("\n%-24s %5s %8s | %9s %8s %6s | %9s %8s | %9s | %8s %6s | %8s | %8s %6s | %6s | %9s %8s %6s\n",
               "tokens,experts,hidden,k", "align", "rows", "perm ms", "GB/s", "copy", "worst ms", "GB/s", "memset+ms",
-              "gpu ms", "copy", "map ms", "rows ms", "copy", "unperm ms", "GB/s", "copy");
+              "gpu ms", "copy", "map ms", "rows ms", "copy", "same", "unperm ms", "GB/s", "copy");
   for (const Result& r : results) {
     char cfg[64];
     std::snprintf(cfg, sizeof(cfg), "%lld,%d,%lld,%d", (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden,
                   r.c.topk);
     const double pe = gbps(r.permute_bytes, r.exact_ms), pw = gbps(r.permute_bytes, r.worst_ms);
     const double pg = gbps(r.permute_bytes, r.gpu_ms), pr = gbps(r.permute_bytes, r.rows_gpu_ms);
-    const double u = gbps(r.unpermute_bytes, r.unpermute_ms);
+    const double u = gbps(r.unpermute_bytes, r.unpermute_ms), same = gbps(r.permute_bytes, r.same_copy_gpu_ms);
     std::printf("%-24s %5d %8lld | %9.4f %8.0f %6.3f | %9.4f %8.0f | %9.4f | %8.4f %6.3f | %8.4f | %8.4f %6.3f | "
-                "%9.4f %8.0f %6.3f\n",
+                "%6.3f | %9.4f %8.0f %6.3f\n",
                 cfg, r.align, (long long)r.padded_rows, r.exact_ms, pe, pe / copy, r.worst_ms, pw, r.memset_ms,
-                r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms, pr / copy_gpu, r.unpermute_ms, u, u / copy);
+                r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms, pr / copy_gpu, same / copy_gpu, r.unpermute_ms,
+                u, u / copy);
   }
   for (const Result& r : results) {
     const double pe = gbps(r.permute_bytes, r.exact_ms), pw = gbps(r.permute_bytes, r.worst_ms);
@@ -179,11 +192,11 @@ void print_results(const std::vector<Result>& results, double copy, double copy_
     std::printf("BENCH permute T=%lld E=%d H=%lld k=%d align=%d dtype=bf16 rows=%lld worst_rows=%lld ms=%.4f "
                 "gbps=%.1f frac_copy=%.4f frac_h200=%.4f worst_ms=%.4f worst_gbps=%.1f worst_frac_copy=%.4f "
                 "memset_first_ms=%.4f copy_gbps=%.1f gpu_ms=%.4f gpu_frac_copy=%.4f map_gpu_ms=%.4f "
-                "rows_gpu_ms=%.4f rows_frac_copy=%.4f copy_gpu_gbps=%.1f\n",
+                "rows_gpu_ms=%.4f rows_frac_copy=%.4f copy_gpu_gbps=%.1f same_bytes_copy_frac=%.4f\n",
                 (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden, r.c.topk, r.align,
                 (long long)r.padded_rows, (long long)r.worst_rows, r.exact_ms, pe, pe / copy, pe / kH200CopyGbps,
                 r.worst_ms, pw, pw / copy, r.memset_ms, copy, r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms,
-                pr / copy_gpu, copy_gpu);
+                pr / copy_gpu, copy_gpu, gbps(r.permute_bytes, r.same_copy_gpu_ms) / copy_gpu);
   }
   for (const Result& r : results) {
     const double u = gbps(r.unpermute_bytes, r.unpermute_ms);
