@@ -87,9 +87,10 @@ void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream
 
 // Which kernel moves the rows (permute_pad_cuda, permute_rows_cuda); outputs are bit-identical either way.
 // classic: thread groups with vector loads and stores. tma: sm_90 bulk copies through shared memory,
-// used only when row_bytes and both x and rows are 16-byte aligned (else classic). auto: classic for
-// now. The default comes from FLOWMOE_PERMUTE_ROWS=auto|classic|tma, read at the first use (a bad
-// value throws, naming it); set_permute_rows_impl overrides it (a value outside these throws).
+// used only when row_bytes and both x and rows are 16-byte aligned (else classic). auto: tma for rows
+// of at least 14 KiB, where it measured faster, classic below. The default comes from
+// FLOWMOE_PERMUTE_ROWS=auto|classic|tma, read at the first use (a bad value throws, naming it);
+// set_permute_rows_impl overrides it (a value outside these throws).
 // CUDA builds only (kernels/cuda/permute.cu).
 constexpr int kPermuteRowsAuto = 0, kPermuteRowsClassic = 1, kPermuteRowsTma = 2;
 void set_permute_rows_impl(int impl);

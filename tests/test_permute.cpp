@@ -351,8 +351,8 @@ TEST(PermuteCuda, BackwardMatchesCpu) {
 }
 
 #ifdef FLOWMOE_WITH_CUDA
-// Both row-move kernels of kernels/permute.h (classic; tma, sm_90 bulk copies) against the CPU reference,
-// bit for bit, with the device rows poisoned first. The shapes reach every TMA block geometry: 8, 4 and
+// Both row-move kernels of kernels/permute.h (classic; tma, sm_90 bulk copies), and auto's choice between
+// them, against the CPU reference, bit for bit, with the device rows poisoned first. The shapes reach every TMA block geometry: 8, 4 and
 // 2 tokens per block, rows cut into 2 and 5 chunks (the stage ring refills), tokens routed to other
 // ranks only, a wide top-k, a side payload, the worst-case tail, zero tokens, and rows that are not a
 // multiple of 16 bytes (tma falls back to classic).
@@ -395,8 +395,8 @@ TEST(PermuteCuda, RowKernelsBitIdentical) {
                                     c.num_local, -1, side, 0.5);
     Tensor gx = x.to(Device::cuda()), gidx = idx.to(Device::cuda()), gprob = prob.to(Device::cuda());
     Tensor gside = side.defined() ? side.to(Device::cuda()) : Tensor();
-    for (int impl : {kPermuteRowsClassic, kPermuteRowsTma}) {
-      SCOPED_TRACE(impl == kPermuteRowsTma ? "tma" : "classic");
+    for (int impl : {kPermuteRowsClassic, kPermuteRowsTma, kPermuteRowsAuto}) {
+      SCOPED_TRACE(impl == kPermuteRowsTma ? "tma" : impl == kPermuteRowsClassic ? "classic" : "auto");
       set_permute_rows_impl(impl);
       poison_device_block(cpu.rows.shape(), c.dtype);
       PermuteResult gpu = permute_pad(Variable(gx), gidx, Variable(gprob), c.num_experts, c.align, c.expert_offset,

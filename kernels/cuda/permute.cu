@@ -226,10 +226,15 @@ void launch_rows_tma(const RowArgs& a, int64_t row_bytes, cudaStream_t stream) {
   launch_dependent(permute_rows_tma_kernel, unsigned(blocks), kTmaThreads, smem, stream, ta);
 }
 
+// auto takes the TMA kernel from this row size up: bench_permute's permute_impl lines show it ahead
+// by 1.5-3% on 14 KiB rows (hidden 7168, bf16) on the H100 and the H200, and tied or behind on 8 KiB
+// rows and below (docs/PERF.md).
+constexpr size_t kTmaAutoMinRowBytes = 14336;
+
 // The TMA kernel when selected and possible: 16-byte rows and base addresses, and an sm_90 build.
 bool use_tma_rows(const PermuteBuffers& b) {
-  // auto is classic until bench_permute's permute_impl lines show the TMA kernel ahead on every shape.
-  if (permute_rows_impl() != kPermuteRowsTma) return false;
+  const int impl = permute_rows_impl();
+  if (impl == kPermuteRowsClassic || (impl == kPermuteRowsAuto && b.row_bytes < kTmaAutoMinRowBytes)) return false;
   return b.row_bytes > 0 && b.row_bytes % 16 == 0 && aligned_to(b.x, 16) && aligned_to(b.rows, 16) &&
          tma_rows_supported();
 }
