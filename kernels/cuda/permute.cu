@@ -226,9 +226,9 @@ void launch_rows_tma(const RowArgs& a, int64_t row_bytes, cudaStream_t stream) {
   launch_dependent(permute_rows_tma_kernel, unsigned(blocks), kTmaThreads, smem, stream, ta);
 }
 
-// auto takes the TMA kernel from this row size up: bench_permute's permute_impl lines show it ahead
-// by 1.5-3% on 14 KiB rows (hidden 7168, bf16) on the H100 and the H200, and tied or behind on 8 KiB
-// rows and below (docs/PERF.md).
+// auto takes the TMA kernel from this row size up: bench_permute's permute_impl lines have shown it
+// ahead on 14 KiB rows (hidden 7168, bf16) in every run on the H100 and the H200, by 0.006-0.024 of
+// copy, and tied or behind on 8 KiB rows and below (docs/PERF.md).
 constexpr size_t kTmaAutoMinRowBytes = 14336;
 
 // The TMA kernel when selected and possible: 16-byte rows and base addresses, and an sm_90 build.
