@@ -227,7 +227,7 @@ void launch_rows_tma(const RowArgs& a, int64_t row_bytes, cudaStream_t stream) {
 }
 
 // auto takes the TMA kernel from this row size up: bench_permute's permute_impl lines have shown it
-// ahead on 14 KiB rows (hidden 7168, bf16) in every run on the H100 and the H200, by 0.006-0.024 of
+// ahead on 14 KiB rows (hidden 7168, bf16) in every run on the H100 and the H200, by 0.006-0.028 of
 // copy, and tied or behind on 8 KiB rows and below (docs/PERF.md).
 constexpr size_t kTmaAutoMinRowBytes = 14336;
 
