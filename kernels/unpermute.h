@@ -28,6 +28,10 @@ void unpermute_backward_cpu(const int32_t* row_map /*[T,k]*/, int64_t num_tokens
 
 // ---- CUDA: dtype (rows, y, dy, d_rows) f32 or bf16; probs f32; fp32 math ------------------------
 
+// Largest topk the CUDA kernels take: shared memory holds [groups, k] rows and probs and [8 warps, k]
+// partials. permute's CUDA path takes the same bound, since its backward runs unpermute_cuda.
+constexpr int kUnpermuteMaxTopk = 512;
+
 void unpermute_cuda(DType dtype, const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int topk, int64_t hidden,
                     const void* rows /*[num_rows, hidden]*/, const float* topk_prob /*[T,k]*/,
                     void* y /*[T, hidden]*/, cudaStream_t stream);

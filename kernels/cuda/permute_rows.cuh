@@ -16,6 +16,7 @@
 #include "kernels/cuda/packed.cuh"
 #include "kernels/cuda/pad_rows.cuh"
 #include "kernels/cuda/permute_route.cuh"
+#include "kernels/unpermute.h"
 
 namespace flowmoe {
 namespace {
@@ -23,7 +24,7 @@ namespace {
 constexpr int kRowThreads = 256;  // threads per block of the row kernels: 256 / group thread groups
 constexpr int kUnroll = 4;        // vectors per thread in flight per pass
 constexpr int kRowMinBlocks = 5;  // the row kernel's register budget: 5 blocks per SM (<= 48 registers)
-constexpr int kMaxTopk = 512;     // shared memory holds [groups][k] ints; the backward's unpermute kernel holds 512
+constexpr int kMaxTopk = kUnpermuteMaxTopk;  // the backward runs unpermute_cuda (kernels/unpermute.h)
 
 struct RowArgs {
   const void* x;             // [T, nvec] vectors

@@ -26,7 +26,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;         // backward: vectors per thread per pass
 constexpr int kForwardUnroll = 4;  // forward: vectors per thread per pass
 constexpr int kForwardRows = 4;    // forward: routed rows loaded before accumulating (16 vectors in flight)
-constexpr int kMaxTopk = 512;  // shared memory holds [groups, k] rows and probs and [8 warps, k] partials
+constexpr int kMaxTopk = kUnpermuteMaxTopk;  // kernels/unpermute.h
 
 // ---- kernels ----------------------------------------------------------------------------------
 
