@@ -131,7 +131,7 @@ struct Result {
   double permute_bytes, unpermute_bytes;
   double exact_ms, worst_ms, memset_ms, unpermute_ms;
   double gpu_ms, map_gpu_ms, rows_gpu_ms;  // exact size, GPU time only
-  double same_copy_gpu_ms;                 // a D2D copy of the permute's byte count, GPU time only
+  double same_copy_gbps;                   // a D2D copy of the permute's byte count, GPU time only
 };
 
 Result bench(Setup& s, cudaStream_t stream) {
@@ -150,15 +150,9 @@ Result bench(Setup& s, cudaStream_t stream) {
   r.gpu_ms = median_gpu_ms([] {}, exact, stream);
   r.map_gpu_ms = median_gpu_ms([] {}, map, stream);
   r.rows_gpu_ms = median_gpu_ms(map, [&] { permute_rows_cuda(s.exact, s.b, stream); }, stream);
-  {  // what a plain copy of this many bytes reaches: the ceiling is a 1 GiB copy, and shorter ops pay more
-     // of their launch, ramp-up and drain
-    const size_t half = std::min(size_t(s.permute_bytes / 2) / 16 * 16, size_t(s.d.num_rows) * s.b.row_bytes);
-    Tensor scratch = Tensor::empty({int64_t(half)}, DType::u8, Device::cuda(0));
-    r.same_copy_gpu_ms = median_gpu_ms(
-        [] {},
-        [&] { MOE_CUDA_CHECK(cudaMemcpyAsync(scratch.raw_data(), s.b.rows, half, cudaMemcpyDeviceToDevice, stream)); },
-        stream);
-  }
+  // What a plain copy of this many bytes reaches: the ceiling is a 1 GiB copy, and shorter ops pay more
+  // of their launch, ramp-up and drain.
+  r.same_copy_gbps = copy_gbps(stream, true, size_t(s.permute_bytes / 2)).gpu_only;
   r.unpermute_ms = median_ms(
       [&] {
         unpermute_cuda(DType::bf16, s.row_map.data<int32_t>(), c.tokens, c.topk, c.hidden, s.rows.raw_data(),
@@ -179,11 +173,11 @@ void print_results(const std::vector<Result>& results, double copy, double copy_
                   r.c.topk);
     const double pe = gbps(r.permute_bytes, r.exact_ms), pw = gbps(r.permute_bytes, r.worst_ms);
     const double pg = gbps(r.permute_bytes, r.gpu_ms), pr = gbps(r.permute_bytes, r.rows_gpu_ms);
-    const double u = gbps(r.unpermute_bytes, r.unpermute_ms), same = gbps(r.permute_bytes, r.same_copy_gpu_ms);
+    const double u = gbps(r.unpermute_bytes, r.unpermute_ms);
     std::printf("%-24s %5d %8lld | %9.4f %8.0f %6.3f | %9.4f %8.0f | %9.4f | %8.4f %6.3f | %8.4f | %8.4f %6.3f | "
                 "%6.3f | %9.4f %8.0f %6.3f\n",
                 cfg, r.align, (long long)r.padded_rows, r.exact_ms, pe, pe / copy, r.worst_ms, pw, r.memset_ms,
-                r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms, pr / copy_gpu, same / copy_gpu, r.unpermute_ms,
+                r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms, pr / copy_gpu, r.same_copy_gbps / copy_gpu, r.unpermute_ms,
                 u, u / copy);
   }
   for (const Result& r : results) {
@@ -196,7 +190,7 @@ void print_results(const std::vector<Result>& results, double copy, double copy_
                 (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden, r.c.topk, r.align,
                 (long long)r.padded_rows, (long long)r.worst_rows, r.exact_ms, pe, pe / copy, pe / kH200CopyGbps,
                 r.worst_ms, pw, pw / copy, r.memset_ms, copy, r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms,
-                pr / copy_gpu, copy_gpu, gbps(r.permute_bytes, r.same_copy_gpu_ms) / copy_gpu);
+                pr / copy_gpu, copy_gpu, r.same_copy_gbps / copy_gpu);
   }
   for (const Result& r : results) {
     const double u = gbps(r.unpermute_bytes, r.unpermute_ms);

@@ -62,21 +62,20 @@ constexpr double kH200CopyGbps = 4249.0;
 
 inline double gbps(double bytes, double ms) { return bytes / (ms * 1e-3) / 1e9; }
 
-// The device's D2D copy bandwidth (cudaMemcpyAsync of 1 GiB, bytes read + written), timed the way
-// the benchmark times its kernels: `queued` with the host's queueing (median_ms), and with gpu_only
-// also `gpu_only` (median_gpu_ms; NaN otherwise).
+// The device's D2D copy bandwidth (cudaMemcpyAsync of copy_bytes, 1 GiB for the ceiling; bytes read
+// + written), timed the way the benchmark times its kernels: `queued` with the host's queueing
+// (median_ms), and with gpu_only also `gpu_only` (median_gpu_ms; NaN otherwise).
 struct CopyGbps {
   double queued = NAN, gpu_only = NAN;
 };
-inline CopyGbps copy_gbps(cudaStream_t stream, bool gpu_only = false) {
-  constexpr size_t kCopyBytes = size_t(1) << 30;
-  void* src = cuda_malloc_raw(kCopyBytes, 0);
-  void* dst = cuda_malloc_raw(kCopyBytes, 0);
-  MOE_CUDA_CHECK(cudaMemsetAsync(src, 1, kCopyBytes, stream));
-  auto copy = [&] { MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, kCopyBytes, cudaMemcpyDeviceToDevice, stream)); };
+inline CopyGbps copy_gbps(cudaStream_t stream, bool gpu_only = false, size_t copy_bytes = size_t(1) << 30) {
+  void* src = cuda_malloc_raw(copy_bytes, 0);
+  void* dst = cuda_malloc_raw(copy_bytes, 0);
+  MOE_CUDA_CHECK(cudaMemsetAsync(src, 1, copy_bytes, stream));
+  auto copy = [&] { MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, stream)); };
   CopyGbps r;
-  r.queued = gbps(2.0 * double(kCopyBytes), median_ms(copy, stream));
-  if (gpu_only) r.gpu_only = gbps(2.0 * double(kCopyBytes), median_gpu_ms([] {}, copy, stream, true));
+  r.queued = gbps(2.0 * double(copy_bytes), median_ms(copy, stream));
+  if (gpu_only) r.gpu_only = gbps(2.0 * double(copy_bytes), median_gpu_ms([] {}, copy, stream, true));
   cuda_free_raw(src, 0);
   cuda_free_raw(dst, 0);
   return r;
