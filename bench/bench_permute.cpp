@@ -177,8 +177,8 @@ void print_results(const std::vector<Result>& results, double copy, double copy_
     std::printf("%-24s %5d %8lld | %9.4f %8.0f %6.3f | %9.4f %8.0f | %9.4f | %8.4f %6.3f | %8.4f | %8.4f %6.3f | "
                 "%6.3f | %9.4f %8.0f %6.3f\n",
                 cfg, r.align, (long long)r.padded_rows, r.exact_ms, pe, pe / copy, r.worst_ms, pw, r.memset_ms,
-                r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms, pr / copy_gpu, r.same_copy_gbps / copy_gpu, r.unpermute_ms,
-                u, u / copy);
+                r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms, pr / copy_gpu, r.same_copy_gbps / copy_gpu,
+                r.unpermute_ms, u, u / copy);
   }
   for (const Result& r : results) {
     const double pe = gbps(r.permute_bytes, r.exact_ms), pw = gbps(r.permute_bytes, r.worst_ms);

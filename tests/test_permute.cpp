@@ -352,10 +352,10 @@ TEST(PermuteCuda, BackwardMatchesCpu) {
 
 #ifdef FLOWMOE_WITH_CUDA
 // Both row-move kernels of kernels/permute.h (classic; tma, sm_90 bulk copies), and auto's choice between
-// them, against the CPU reference, bit for bit, with the device rows poisoned first. The shapes reach every TMA block geometry: 8, 4 and
-// 2 tokens per block, rows cut into 2 and 5 chunks (the stage ring refills), tokens routed to other
-// ranks only, a wide top-k, a side payload, the worst-case tail, zero tokens, and rows that are not a
-// multiple of 16 bytes (tma falls back to classic).
+// them, against the CPU reference, bit for bit, with the device rows poisoned first. The shapes reach
+// every TMA block geometry: 8, 4 and 2 tokens per block, rows cut into 2 and 5 chunks (the stage ring
+// refills), tokens routed to other ranks only, a wide top-k, a side payload, the worst-case tail, zero
+// tokens, and rows that are not a multiple of 16 bytes (tma falls back to classic).
 TEST(PermuteCuda, RowKernelsBitIdentical) {
   FLOWMOE_REQUIRE_CUDA();
   struct Restore {
