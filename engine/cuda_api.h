@@ -23,6 +23,8 @@ void cuda_synchronize(int device);        // waits for the engine's stream on th
 
 void* cuda_malloc_raw(size_t nbytes, int device);  // throws CudaError with the size on failure
 void cuda_free_raw(void* ptr, int device);
+// Bytes the driver reports free on the device (cudaMemGetInfo): what new allocations can still get.
+size_t cuda_free_memory(int device);
 
 // Byte copies. kind is inferred from the two pointers' devices; -1 means host.
 void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size_t nbytes);

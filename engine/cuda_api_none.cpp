@@ -17,6 +17,7 @@ cudaStream_t current_stream(int) { no_cuda("current_stream"); }
 void cuda_synchronize(int) { no_cuda("cuda_synchronize"); }
 void* cuda_malloc_raw(size_t, int) { no_cuda("cuda_malloc"); }
 void cuda_free_raw(void*, int) { no_cuda("cuda_free"); }
+size_t cuda_free_memory(int) { no_cuda("cuda_free_memory"); }
 void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size_t nbytes) {
   if (dst_device >= 0 || src_device >= 0) no_cuda("copy to/from a CUDA device");
   if (nbytes) std::memcpy(dst, src, nbytes);

@@ -1,9 +1,13 @@
 // The flowmoe command: train, eval, prepare-data, plot (and config-reference).
-// Only main() catches: configuration and usage errors exit 2, other errors exit 1, an interrupted
-// training run exits 130 after saving a checkpoint.
+// Only main() catches: configuration and usage errors exit 2, other errors exit 1, a training run
+// stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143) after saving a checkpoint.
+#include <unistd.h>
+
+#include <algorithm>
 #include <csignal>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -12,6 +16,7 @@
 #include "engine/train/checkpoint.h"
 #include "engine/train/config.h"
 #include "engine/train/data.h"
+#include "engine/train/memory_estimate.h"
 #include "engine/train/metrics.h"
 #include "engine/train/trainer.h"
 
@@ -36,6 +41,8 @@ commands:
   config-reference print every config key with its type, range and default (Markdown)
 
 Run `flowmoe <command> --help` for the options of a command.
+
+--debug (anywhere on the line) or FLOWMOE_DEBUG=1 adds the source location to an error message.
 )";
 
 const char* kTrainHelp = R"(usage: flowmoe train --config FILE [--set section.key=value ...] [--resume [DIR]] [--print-config]
@@ -47,11 +54,14 @@ options:
   --config FILE            the YAML config (see docs/TRAINING.md or `flowmoe config-reference`)
   --set section.key=value  override one key, validated like the file (repeatable),
                            e.g. --set train.steps=100 --set train.device=cpu
-  --resume [DIR]           continue from the newest checkpoint in checkpoint.dir, or from DIR
+  --resume [DIR]           continue from the newest checkpoint in checkpoint.dir, or from DIR:
+                           a checkpoint (checkpoints/step_NNNNNNNN) or a folder of them (its newest)
   --print-config           print the resolved config and exit
   -h, --help               this text
 
-Ctrl-C finishes the current step, saves a checkpoint and exits; --resume continues from it.
+Ctrl-C (SIGINT) or SIGTERM (timeout, Slurm, Kubernetes) finishes the current step, saves a
+checkpoint and exits with status 130 or 143; --resume continues from it. A second signal stops
+at once, without a checkpoint.
 )";
 
 const char* kEvalHelp = R"(usage: flowmoe eval --config FILE --checkpoint DIR [--set section.key=value ...] [--batches N]
@@ -63,15 +73,17 @@ options:
   --config FILE            the YAML config of the run
   --checkpoint DIR         a checkpoint directory (e.g. runs/tiny/checkpoints/step_00000300)
   --set section.key=value  override one key (repeatable)
-  --batches N              validation micro-batches (default: train.eval_batches)
+  --batches N              validation micro-batches (default: train.eval_batches), at most
+                           the number of whole batches the validation split holds
   -h, --help               this text
 )";
 
 const char* kPrepareHelp = R"(usage: flowmoe prepare-data --output FILE INPUT [INPUT ...]
 
-Reads text files (or every file of a directory, sorted by name) as bytes and writes them, one
-token per byte, as an llm.c-style token file: a 256 x int32 header (magic 20240520, version 1,
-token count), then uint16 tokens. Train on it with data.source: tokens, data.path: FILE.
+Reads text files as bytes and writes them, one token per byte, as an llm.c-style token file: a
+256 x int32 header (magic 20240520, version 1, token count), then uint16 tokens. A directory is
+read recursively, its files in path order; binary files (a NUL byte in the first 8 KiB) and the
+output file are skipped. Train on it with data.source: tokens, data.path: FILE.
 
 options:
   --output FILE   the token file to write (written to FILE.tmp, then renamed)
@@ -132,33 +144,64 @@ class Args {
   bool has_pending_ = false;
 };
 
-void on_sigint(int) {
+volatile std::sig_atomic_t g_stop_signal = 0;  // the signal that asked training to stop
+
+// SIGINT / SIGTERM: finish the step and save (train() polls the request). Either signal again
+// ends the process at once, as the default action does.
+void on_stop_signal(int sig) {
+  g_stop_signal = sig;
   request_stop();
-  std::signal(SIGINT, SIG_DFL);  // a second Ctrl-C ends the process at once
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
+  const char msg[] = "flowmoe: stopping after this step and saving a checkpoint (signal again to stop at once)\n";
+  ssize_t ignored = ::write(STDERR_FILENO, msg, sizeof msg - 1);  // write() is async-signal-safe
+  (void)ignored;
+}
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
 }
 
 int cmd_train(int argc, char** argv) {
   Args args(argc, argv, 2, kTrainHelp);
   std::string config;
   std::vector<std::string> sets;
+  std::string resume_set, resume_label;  // --resume becomes a --set; messages name it as typed
   bool print_only = false;
   while (!args.done()) {
     std::string a = args.next();
     if (a == "--config") config = args.value(a);
     else if (a == "--set") sets.push_back(args.value(a));
-    else if (a == "--resume") sets.push_back("checkpoint.resume=" + (args.has_optional_value() ? args.value(a) : "true"));
-    else if (a == "--print-config") print_only = true;
+    else if (a == "--resume") {
+      std::string dir;
+      if (args.has_optional_value()) {
+        dir = args.value(a);
+        if (dir.empty()) throw UsageError("train: --resume= needs a directory (or give --resume alone)");
+      }
+      resume_set = "checkpoint.resume=" + (dir.empty() ? "true" : dir);
+      resume_label = dir.empty() ? "--resume" : "--resume " + dir;
+      sets.push_back(resume_set);
+    } else if (a == "--print-config") print_only = true;
     else throw UsageError("train: unknown argument '" + a + "' (see flowmoe train --help)");
   }
   if (config.empty()) throw UsageError("train: --config FILE is required (try --config configs/tiny.yaml)");
   Config cfg = load_config(config, sets);
+  if (!resume_set.empty() && cfg.origin("checkpoint.resume") == "--set " + resume_set)
+    cfg.origins["checkpoint.resume"] = resume_label;  // unless a later --set replaced it
   if (print_only) {
     std::fputs(to_yaml(cfg).c_str(), stdout);
     return 0;
   }
-  std::signal(SIGINT, on_sigint);
+  install_stop_handlers();
   TrainResult r = train(cfg);
-  return r.interrupted && r.last_step < cfg.train.steps ? 130 : 0;
+  if (!r.interrupted || r.last_step >= cfg.train.steps || g_stop_signal == 0) return 0;
+  std::fprintf(stderr, "flowmoe: stopped by %s; exit status %d\n", g_stop_signal == SIGTERM ? "SIGTERM" : "SIGINT",
+               128 + int(g_stop_signal));
+  return 128 + int(g_stop_signal);
 }
 
 int cmd_eval(int argc, char** argv) {
@@ -166,6 +209,7 @@ int cmd_eval(int argc, char** argv) {
   std::string config, checkpoint;
   std::vector<std::string> sets;
   int64_t batches = -1;
+  std::string batches_label = "--batches ";  // where the count came from, for the cap message
   while (!args.done()) {
     std::string a = args.next();
     if (a == "--config") config = args.value(a);
@@ -182,17 +226,28 @@ int cmd_eval(int argc, char** argv) {
   }
   if (config.empty() || checkpoint.empty()) throw UsageError("eval: --config FILE and --checkpoint DIR are required");
   Config cfg = load_config(config, sets);
-  if (batches < 0) batches = cfg.train.eval_batches;
+  if (batches < 0) {
+    batches = cfg.train.eval_batches;
+    batches_label = "train.eval_batches = ";
+  }
   Device device = resolve_device(cfg);
   DataLoader data = DataLoader::from_config(cfg);
   if (data.num_val_windows() == 0) throw UsageError("eval: the config holds out no validation data (data.val_fraction is 0)");
+  const ValBatches val = whole_val_batches(data, batches, cfg.train.batch_size);
+  if (val.capped)
+    std::printf("eval: %s%lld is more than %s; using %lld\n", batches_label.c_str(), static_cast<long long>(batches),
+                val.describe().c_str(), static_cast<long long>(val.num_batches));
+  batches = val.num_batches;
+  const int64_t batch_size = val.batch_size;
+  const MemoryEstimate need = estimate_memory(cfg, device, MemoryUse::eval);
+  check_fits(need, device);
   Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed),
                     moe_options(cfg));
   CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers());
-  double loss = evaluate(model, data, batches, cfg.train.batch_size);
+  double loss = evaluate(model, data, batches, batch_size);
   std::printf("checkpoint %s (step %lld) on %s: val loss %.4f | perplexity %.3f | %lld sequences of %lld tokens\n",
               checkpoint.c_str(), static_cast<long long>(meta.step), device.str().c_str(), loss, std::exp(loss),
-              static_cast<long long>(batches * cfg.train.batch_size), static_cast<long long>(cfg.data.seq_len));
+              static_cast<long long>(batches * batch_size), static_cast<long long>(cfg.data.seq_len));
   return 0;
 }
 
@@ -207,7 +262,9 @@ int cmd_prepare(int argc, char** argv) {
     else inputs.push_back(a);
   }
   if (output.empty() || inputs.empty()) throw UsageError("prepare-data: --output FILE and at least one input are required");
-  int64_t n = prepare_token_file(inputs, output);
+  PreparedInputs read;
+  int64_t n = prepare_token_file(inputs, output, &read);
+  std::printf("%s\n", read.summary().c_str());
   std::printf("wrote %lld tokens (byte-level, vocab 256) to %s\n", static_cast<long long>(n), output.c_str());
   return 0;
 }
@@ -229,39 +286,65 @@ int cmd_plot(int argc, char** argv) {
   return 0;
 }
 
+// --debug (anywhere on the command line) or FLOWMOE_DEBUG set to anything but "" or "0": error
+// messages end with the source location that raised them.
+bool debug_requested(std::vector<char*>& args) {
+  const char* env = std::getenv("FLOWMOE_DEBUG");
+  bool debug = env && *env && std::strcmp(env, "0") != 0;
+  const auto flag = [](const char* a) { return std::strcmp(a, "--debug") == 0; };
+  if (std::find_if(args.begin(), args.end(), flag) != args.end()) debug = true;
+  args.erase(std::remove_if(args.begin(), args.end(), flag), args.end());
+  return debug;
+}
+
+// "flowmoe: error: <message>" on one line, plus " (at file:line)" in debug mode.
+void print_error(const std::exception& e, bool debug) {
+  std::string line = detail::one_line(e.what());
+  if (const auto* fe = dynamic_cast<const Error*>(&e); debug && fe && fe->file())
+    line += " (at " + fe->location() + ")";
+  std::fprintf(stderr, "flowmoe: error: %s\n", line.c_str());
+}
+
+int run(int argc, char** argv) {
+  if (argc < 2) {
+    std::fputs(kMainHelp, stderr);
+    return 2;
+  }
+  std::string cmd = argv[1];
+  if (cmd == "-h" || cmd == "--help" || cmd == "help") {
+    std::fputs(kMainHelp, stdout);
+    return 0;
+  }
+  if (cmd == "train") return cmd_train(argc, argv);
+  if (cmd == "eval") return cmd_eval(argc, argv);
+  if (cmd == "prepare-data") return cmd_prepare(argc, argv);
+  if (cmd == "plot") return cmd_plot(argc, argv);
+  if (cmd == "config-reference") {
+    if (argc > 2) {
+      std::fputs("usage: flowmoe config-reference\n\nPrints every config key as Markdown tables.\n", stdout);
+      return std::strcmp(argv[2], "--help") == 0 || std::strcmp(argv[2], "-h") == 0 ? 0 : 2;
+    }
+    std::fputs(config_reference_markdown().c_str(), stdout);
+    return 0;
+  }
+  throw UsageError("unknown command '" + cmd + "' (commands: train, eval, prepare-data, plot, config-reference)");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::vector<char*> args(argv, argv + argc);
+  const bool debug = debug_requested(args);
+  args.push_back(nullptr);  // argv's terminator
   try {
-    if (argc < 2) {
-      std::fputs(kMainHelp, stderr);
-      return 2;
-    }
-    std::string cmd = argv[1];
-    if (cmd == "-h" || cmd == "--help" || cmd == "help") {
-      std::fputs(kMainHelp, stdout);
-      return 0;
-    }
-    if (cmd == "train") return cmd_train(argc, argv);
-    if (cmd == "eval") return cmd_eval(argc, argv);
-    if (cmd == "prepare-data") return cmd_prepare(argc, argv);
-    if (cmd == "plot") return cmd_plot(argc, argv);
-    if (cmd == "config-reference") {
-      if (argc > 2) {
-        std::fputs("usage: flowmoe config-reference\n\nPrints every config key as Markdown tables.\n", stdout);
-        return std::strcmp(argv[2], "--help") == 0 || std::strcmp(argv[2], "-h") == 0 ? 0 : 2;
-      }
-      std::fputs(config_reference_markdown().c_str(), stdout);
-      return 0;
-    }
-    throw UsageError("unknown command '" + cmd + "' (commands: train, eval, prepare-data, plot, config-reference)");
+    return run(int(args.size()) - 1, args.data());
   } catch (const HelpShown&) {
     return 0;
   } catch (const ConfigError& e) {
-    std::fprintf(stderr, "flowmoe: error: %s\n", e.what());
+    print_error(e, debug);
     return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "flowmoe: error: %s\n", e.what());
+    print_error(e, debug);
     return 1;
   }
 }

@@ -6,6 +6,8 @@
 #   GPU_CHECK_SKIP_BENCH=1 scripts/gpu_check.sh      tests only
 #   GPU_CHECK_SKIP_TRAIN=1 scripts/gpu_check.sh     tests and benchmarks, no training runs
 #   GPU_CHECK_PARITY=1 scripts/gpu_check.sh          also the 500-step FP8 loss parity (scripts/fp8_parity.sh)
+#   GPU_CHECK_SANITIZE=1 scripts/gpu_check.sh        also compute-sanitizer over the CUDA tests
+#                                                    (scripts/sanitize_cuda_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/train_run.sh
@@ -105,6 +107,15 @@ fi
 # One call of the device tool runs at most 10 minutes: this row says how close the script comes.
 row "time (s)" "build ${t_build}, tests ${t_tests}, benchmarks ${t_bench}, training ${t_train}"
 
+sanitize_rc=0
+if [ -n "${GPU_CHECK_SANITIZE:-}" ]; then
+  t0=$(date +%s)
+  scripts/sanitize_cuda_tests.sh "$build" "$out/sanitize" >"$out/sanitize.log" 2>&1
+  sanitize_rc=$?
+  grep '^sanitize' "$out/sanitize.log" | while read -r line; do row "compute-sanitizer" "${line#sanitize }"; done
+  row "time sanitizer (s)" "$(( $(date +%s) - t0 ))"
+fi
+
 parity_rc=0
 if [ -n "${GPU_CHECK_PARITY:-}" ]; then
   scripts/fp8_parity.sh "$build" >"$out/parity.log" 2>&1
@@ -116,4 +127,4 @@ echo
 echo "==================== flowmoe gpu_check summary ===================="
 cat "$summary"
 echo "==================================================================="
-[ $test_rc -eq 0 ] && [ $bench_rc -eq 0 ] && [ $parity_rc -eq 0 ]
+[ $test_rc -eq 0 ] && [ $bench_rc -eq 0 ] && [ $parity_rc -eq 0 ] && [ $sanitize_rc -eq 0 ]

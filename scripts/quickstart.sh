@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first command: installs the Debian packages, builds flowmoe (with CUDA when nvcc is found),
 # and trains the default config, configs/tiny.yaml: on the GPU when one is present, else on the
-# CPU (about 2 minutes on 2 cores). Then draws the loss curve to runs/tiny/loss.png.
+# CPU (about 1 minute on 2 cores). Then draws the loss curve to runs/tiny/loss.png.
 #   scripts/quickstart.sh                         # as is
 #   scripts/quickstart.sh --set train.steps=100   # extra arguments go to `flowmoe train`
 #   BUILD_DIR=/tmp/b FLOWMOE_CUDA=OFF scripts/quickstart.sh

@@ -215,6 +215,88 @@ TEST(Checkpoint, ResumeFromAMissingPathIsAConfigError) {
   fs::remove_all(d);
 }
 
+// checkpoint.resume may name a folder of checkpoints (a run's checkpoints/): its newest complete one.
+TEST(Checkpoint, ResumeFromAFolderTakesItsNewestCompleteCheckpoint) {
+  fs::path d = fresh_dir("ckpt_resume_folder");
+  Config first = tiny_config(d / "run");
+  TrainOptions stop6 = quiet();
+  stop6.stop_after = 6;
+  ASSERT_EQ(train(first, stop6).last_step, 6);
+  const fs::path folder = d / "run" / "checkpoints";
+  fs::create_directories(folder / "step_00000011");  // no meta.json: never taken
+
+  Config again = tiny_config(d / "run");
+  apply_override(again, "checkpoint.resume=" + folder.string());
+  TrainResult r = train(again, quiet());
+  EXPECT_EQ(r.first_step, 7);
+  EXPECT_EQ(r.last_step, 12);
+
+  Config none = tiny_config(d / "other");
+  fs::create_directories(d / "empty" / "step_00000003");
+  apply_override(none, "checkpoint.resume=" + (d / "empty").string());
+  EXPECT_TRUE(throws_naming<ConfigError>([&] { train(none, quiet()); },
+                                         {"checkpoint.resume", "holds no complete checkpoint (no step_N/meta.json)"}));
+  fs::remove_all(d);
+}
+
+TEST(Checkpoint, RemovesOnlyUnfinishedStepDirectories) {
+  fs::path d = fresh_dir("ckpt_stale");
+  fs::create_directories(d / "step_00000020.tmp");
+  std::ofstream(d / "step_00000020.tmp" / "model.safetensors") << "half a file";
+  fs::create_directories(d / "step_00000005.tmp");
+  fs::create_directories(d / "step_00000007");
+  std::ofstream(d / "step_00000007" / "meta.json") << "{}";
+  fs::create_directories(d / "notes.tmp");                 // not a checkpoint's
+  fs::create_directories(d / "step_x.tmp");                // not a step number
+  std::ofstream(d / "step_00000009.tmp") << "a file";      // not a directory
+  EXPECT_EQ(remove_stale_checkpoint_tmp(d.string()), (std::vector<std::string>{"step_00000005.tmp",
+                                                                               "step_00000020.tmp"}));
+  EXPECT_FALSE(fs::exists(d / "step_00000020.tmp"));
+  EXPECT_FALSE(fs::exists(d / "step_00000005.tmp"));
+  for (const char* kept : {"step_00000007", "notes.tmp", "step_x.tmp", "step_00000009.tmp"})
+    EXPECT_TRUE(fs::exists(d / kept)) << kept;
+  EXPECT_TRUE(remove_stale_checkpoint_tmp(d.string()).empty());
+  EXPECT_TRUE(remove_stale_checkpoint_tmp((d / "missing").string()).empty());
+  fs::remove_all(d);
+}
+
+// A run clears the unfinished directories of a crashed save before it starts, and says so.
+TEST(Checkpoint, TrainingRemovesUnfinishedCheckpointDirectories) {
+  fs::path d = fresh_dir("ckpt_stale_train");
+  Config c = tiny_config(d / "run");
+  c.train.steps = 2;
+  c.optimizer.warmup_steps = 1;
+  const fs::path stale = fs::path(c.checkpoint_dir()) / "step_00000004.tmp";
+  fs::create_directories(stale);
+  TrainOptions opts;
+  opts.out = std::tmpfile();
+  ASSERT_NE(opts.out, nullptr);
+  train(c, opts);
+  std::rewind(opts.out);
+  std::string printed;
+  for (int ch; (ch = std::fgetc(opts.out)) != EOF;) printed += char(ch);
+  std::fclose(opts.out);
+  EXPECT_NE(printed.find("removed 1 unfinished checkpoint directory from a previous run: step_00000004.tmp\n"),
+            std::string::npos)
+      << printed;
+  EXPECT_FALSE(fs::exists(stale));
+  fs::remove_all(d);
+}
+
+// Directory names that look like checkpoints but are not are skipped, whatever their digits.
+TEST(Checkpoint, OddDirectoryNamesAreNotCheckpoints) {
+  fs::path d = fresh_dir("ckpt_odd_names");
+  for (const char* name : {"step_99999999999999999999999", "step_", "step_12a", "step_-3"}) {
+    fs::create_directories(d / name);
+    std::ofstream(d / name / "meta.json") << "{}";
+  }
+  EXPECT_EQ(latest_checkpoint(d.string()), "");
+  fs::create_directories(d / "step_00000002");
+  std::ofstream(d / "step_00000002" / "meta.json") << "{}";
+  EXPECT_EQ(latest_checkpoint(d.string()), (d / "step_00000002").string());
+  fs::remove_all(d);
+}
+
 // Python's safetensors package opens a real checkpoint and sees the same names, shapes and values.
 TEST(Checkpoint, PythonSafetensorsOpensCheckpoints) {
   if (std::system("python3 -c 'import safetensors.numpy, numpy' >/dev/null 2>&1") != 0)

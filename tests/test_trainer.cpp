@@ -5,10 +5,13 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <set>
 
 #include "engine/cuda_api.h"
 #include "engine/error.h"
+#include "engine/train/checkpoint.h"
 #include "engine/train/metrics.h"
 #include "engine/train/optimizer.h"
 #include "engine/train/trainer.h"
@@ -119,6 +122,94 @@ TEST(Trainer, NonFinitePolicy) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("max_skipped_steps"), std::string::npos) << e.what();
   }
+  fs::remove_all(d);
+}
+
+// Snapshots of every parameter as they stand after the backward of each step in `steps`, i.e. the
+// weights the previous steps left.
+struct WeightLog {
+  std::map<int64_t, std::vector<Tensor>> at;
+  using Hook = std::function<void(int64_t, const std::vector<Variable>&)>;
+  void hook_into(TrainOptions& o, std::set<int64_t> steps, Hook inner) {
+    o.after_backward = [this, steps, inner](int64_t step, const std::vector<Variable>& params) {
+      if (steps.count(step))
+        for (const Variable& p : params) at[step].push_back(p.data().clone());
+      if (inner) inner(step, params);
+    };
+  }
+};
+
+void expect_same_weights(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bit_equal(b[i], a[i])) << "parameter " << i;
+}
+
+// A NaN loss (the planted value stands for a loss that overflowed) is skipped like a NaN gradient:
+// counted, logged, and the step leaves every weight as it was, bit for bit.
+TEST(Trainer, NonFiniteLossOrGradientLeavesTheWeightsBitForBit) {
+  fs::path d = fresh_dir("trainer_nonfinite_bits");
+  for (bool poison_loss : {true, false}) {
+    SCOPED_TRACE(poison_loss ? "NaN loss" : "NaN gradient");
+    TrainOptions o = quiet();
+    WeightLog log;
+    log.hook_into(o, {3, 4}, [poison_loss](int64_t step, const std::vector<Variable>& params) {
+      if (!poison_loss && step == 3) params[1].grad().data<float>()[0] = NAN;
+    });
+    if (poison_loss)
+      o.after_loss = [](int64_t step, double* loss) {
+        if (step == 3) *loss = NAN;
+      };
+    Config c = small_config(d / (poison_loss ? "loss" : "grad"),
+                            {"train.steps=5", "optimizer.warmup_steps=1", "checkpoint.every=0"});
+    TrainResult r = train(c, o);
+    EXPECT_EQ(r.skipped_steps, 1);
+    auto rows = read_metrics(r.metrics_file);
+    ASSERT_EQ(rows.size(), 5u);
+    EXPECT_TRUE(rows[2].skipped);
+    EXPECT_FALSE(rows[1].skipped);
+    EXPECT_FALSE(rows[3].skipped);
+    ASSERT_EQ(log.at.size(), 2u);
+    expect_same_weights(log.at[3], log.at[4]);  // before step 3 == after step 3
+  }
+  fs::remove_all(d);
+}
+
+// nonfinite: stop ends the run with a message and a checkpoint of the weights before the bad step,
+// which a resumed run starts from.
+TEST(Trainer, NonFiniteStopLeavesAUsableCheckpoint) {
+  fs::path d = fresh_dir("trainer_nonfinite_stop");
+  TrainOptions o = quiet();
+  WeightLog before;
+  before.hook_into(o, {3}, nullptr);
+  o.after_loss = [](int64_t step, double* loss) {
+    if (step == 3) *loss = INFINITY;
+  };
+  Config stop = small_config(d, {"train.steps=6", "optimizer.warmup_steps=1", "train.nonfinite=stop",
+                                 "checkpoint.every=0"});
+  try {
+    train(stop, o);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("step 3: non-finite loss"), std::string::npos) << m;
+    EXPECT_NE(m.find("train.nonfinite"), std::string::npos) << m;
+    EXPECT_NE(m.find("step_00000003"), std::string::npos) << m;
+  }
+  const std::string ckpt = latest_checkpoint(stop.checkpoint_dir());
+  ASSERT_FALSE(ckpt.empty()) << "no checkpoint after the stop";
+  EXPECT_EQ(fs::path(ckpt).filename().string(), "step_00000003");
+
+  TrainOptions again = quiet();
+  WeightLog resumed;
+  resumed.hook_into(again, {4}, nullptr);
+  Config resume = small_config(d, {"train.steps=6", "optimizer.warmup_steps=1", "checkpoint.resume=true",
+                                   "checkpoint.every=0"});
+  TrainResult r = train(resume, again);
+  EXPECT_EQ(r.first_step, 4);
+  EXPECT_EQ(r.last_step, 6);
+  EXPECT_EQ(r.skipped_steps, 1);  // the stopped step counts as skipped
+  ASSERT_EQ(resumed.at.size(), 1u);
+  expect_same_weights(before.at[3], resumed.at[4]);
   fs::remove_all(d);
 }
 

@@ -19,6 +19,15 @@ uint64_t test_seed() {
   return seed;
 }
 
+FuzzPlan fuzz_plan(uint64_t default_seed, int64_t default_cases) {
+  const char* cases = std::getenv("FLOWMOE_FUZZ_CASES");
+  FuzzPlan plan{std::getenv("FLOWMOE_TEST_SEED") ? test_seed() : default_seed, default_cases};
+  if (cases && std::atoll(cases) > 0) plan.num_cases = std::atoll(cases);
+  std::printf("[fuzz] %lld cases from seed %llu (FLOWMOE_FUZZ_CASES, FLOWMOE_TEST_SEED)\n",
+              static_cast<long long>(plan.num_cases), static_cast<unsigned long long>(plan.seed));
+  return plan;
+}
+
 Tensor random_tensor(Rng& rng, const Shape& shape, DType dtype, Device device, double lo, double hi) {
   return rng.uniform(shape, lo, hi, dtype, device);
 }

@@ -24,6 +24,14 @@ namespace flowmoe::test {
 // is printed so any failure can be replayed.
 uint64_t test_seed();
 
+// The fuzz tests' seed and case count: fixed defaults, bounded for CI, unless FLOWMOE_TEST_SEED /
+// FLOWMOE_FUZZ_CASES set them for a longer run on demand. Prints what it chose.
+struct FuzzPlan {
+  uint64_t seed;
+  int64_t num_cases;
+};
+FuzzPlan fuzz_plan(uint64_t default_seed, int64_t default_cases);
+
 // Uniform in [lo, hi) with the given dtype and device, drawn from `rng`.
 Tensor random_tensor(Rng& rng, const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu(),
                      double lo = -1.0, double hi = 1.0);

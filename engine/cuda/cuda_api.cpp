@@ -82,6 +82,16 @@ void cuda_free_raw(void* ptr, int device) {
   MOE_CUDA_CHECK(cudaSetDevice(prev));
 }
 
+size_t cuda_free_memory(int device) {
+  check_index(device);
+  int prev = cuda_current_device();
+  MOE_CUDA_CHECK(cudaSetDevice(device));
+  size_t free_bytes = 0, total_bytes = 0;
+  MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  MOE_CUDA_CHECK(cudaSetDevice(prev));
+  return free_bytes;
+}
+
 // Copies are ordered on the engine stream of the device involved; copies that touch the host
 // synchronise that stream so the host sees (or may reuse) the bytes on return.
 void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size_t nbytes) {

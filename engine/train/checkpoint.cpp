@@ -105,10 +105,19 @@ const char* safetensors_dtype(DType t) {
   FLOWMOE_THROW(IoError, "no safetensors dtype for ", dtype_name(t));
 }
 
-DType dtype_from_safetensors(const std::string& s) {
+// The dtype named by a safetensors dtype string; false when it is not one we read.
+static bool known_dtype(const std::string& s, DType* out) {
   for (DType t : {DType::f32, DType::f64, DType::bf16, DType::e4m3, DType::e5m2, DType::i32, DType::i64, DType::u8})
-    if (s == safetensors_dtype(t)) return t;
-  FLOWMOE_THROW(IoError, "safetensors dtype '", s, "' is not supported (F32, F64, BF16, F8_E4M3, F8_E5M2, I32, I64, U8)");
+    if (s == safetensors_dtype(t)) return *out = t, true;
+  return false;
+}
+
+static const char* kSupportedDtypes = "F32, F64, BF16, F8_E4M3, F8_E5M2, I32, I64, U8";
+
+DType dtype_from_safetensors(const std::string& s) {
+  DType t = DType::f32;
+  FLOWMOE_CHECK(known_dtype(s, &t), IoError, "safetensors dtype '", s, "' is not supported (", kSupportedDtypes, ")");
+  return t;
 }
 
 static std::string safetensors_bytes(const std::vector<NamedTensor>& tensors,
@@ -152,36 +161,82 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   write_file_synced(path, {&head, &body});
 }
 
+// A non-negative integer of a safetensors header (a dimension or an offset).
+static bool header_uint(const YAML::Node& n, uint64_t* out) {
+  if (!n.IsScalar() || n.Scalar().empty() || n.Scalar().size() > 19) return false;
+  uint64_t v = 0;
+  for (char c : n.Scalar()) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + uint64_t(c - '0');
+  }
+  *out = v;
+  return true;
+}
+
+// One tensor of a safetensors header, checked against the file before any memory is allocated for it.
+struct EntryLayout {
+  DType dtype = DType::f32;
+  Shape shape;
+  uint64_t begin = 0, end = 0;
+};
+
+static EntryLayout read_entry(const YAML::Node& e, const std::string& path, const std::string& name,
+                              uint64_t body_size) {
+  const std::string what = "'" + path + "': tensor '" + name + "'";
+  FLOWMOE_CHECK(e.IsMap() && e["dtype"] && e["shape"] && e["data_offsets"], IoError, what,
+                " lacks dtype, shape or data_offsets");
+  EntryLayout l;
+  const YAML::Node dtype = e["dtype"], shape = e["shape"], offsets = e["data_offsets"];
+  FLOWMOE_CHECK(dtype.IsScalar() && known_dtype(dtype.Scalar(), &l.dtype), IoError, what, " has dtype '",
+                dtype.IsScalar() ? dtype.Scalar() : "?", "' (supported: ", kSupportedDtypes, ")");
+  FLOWMOE_CHECK(shape.IsSequence(), IoError, what, ": shape is not a list");
+  // Bytes of the tensor, and of the tensor with its zero dimensions taken as 1: the second bounds
+  // the strides, so an empty tensor cannot claim dimensions no allocation could hold.
+  uint64_t bytes = dtype_size(l.dtype), extent = bytes;
+  for (const YAML::Node& d : shape) {
+    uint64_t v = 0;
+    FLOWMOE_CHECK(header_uint(d, &v), IoError, what, ": shape holds something other than a non-negative integer");
+    FLOWMOE_CHECK(!__builtin_mul_overflow(extent, std::max<uint64_t>(v, 1), &extent) && extent <= (uint64_t(1) << 62),
+                  IoError, what, " has an impossibly large shape");
+    bytes *= v;  // <= extent, so it cannot overflow
+    l.shape.push_back(int64_t(v));
+  }
+  FLOWMOE_CHECK(offsets.IsSequence() && offsets.size() == 2 && header_uint(offsets[0], &l.begin) &&
+                    header_uint(offsets[1], &l.end),
+                IoError, what, ": data_offsets is not a pair of non-negative integers");
+  FLOWMOE_CHECK(l.begin <= l.end && l.end <= body_size && l.end - l.begin == bytes, IoError, what, " has offsets [",
+                l.begin, ", ", l.end, ") for ", bytes, " bytes in a ", body_size, "-byte body");
+  return l;
+}
+
 std::vector<NamedTensor> read_safetensors(const std::string& path, std::map<std::string, std::string>* metadata) {
   std::string bytes = read_file(path);
   FLOWMOE_CHECK(bytes.size() >= 8, IoError, "'", path, "' is too short for a safetensors file");
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= uint64_t(static_cast<unsigned char>(bytes[size_t(i)])) << (8 * i);
   FLOWMOE_CHECK(n <= bytes.size() - 8, IoError, "'", path, "': header length ", n, " exceeds the file");
-  YAML::Node header = parse_json(bytes.substr(8, n), path);
+  const YAML::Node header = parse_json(bytes.substr(8, n), path);
   FLOWMOE_CHECK(header.IsMap(), IoError, "'", path, "': the header is not a JSON object");
-  const size_t data_start = 8 + n, data_size = bytes.size() - data_start;
+  const uint64_t data_start = 8 + n, data_size = bytes.size() - data_start;
   std::vector<std::pair<uint64_t, NamedTensor>> found;
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    std::string name = it->first.as<std::string>();
-    if (name == "__metadata__") {
-      if (metadata)
-        for (auto m = it->second.begin(); m != it->second.end(); ++m)
-          (*metadata)[m->first.as<std::string>()] = m->second.as<std::string>();
-      continue;
+  try {
+    for (auto it = header.begin(); it != header.end(); ++it) {
+      FLOWMOE_CHECK(it->first.IsScalar(), IoError, "'", path, "': the header has a key that is not a string");
+      const std::string name = it->first.Scalar();
+      if (name == "__metadata__") {
+        FLOWMOE_CHECK(it->second.IsMap(), IoError, "'", path, "': __metadata__ is not a JSON object");
+        if (metadata)
+          for (auto m = it->second.begin(); m != it->second.end(); ++m)
+            (*metadata)[m->first.as<std::string>()] = m->second.as<std::string>();
+        continue;
+      }
+      const EntryLayout l = read_entry(it->second, path, name, data_size);
+      Tensor t = Tensor::empty(l.shape, l.dtype);
+      if (t.nbytes() > 0) std::memcpy(t.raw_data(), bytes.data() + data_start + l.begin, t.nbytes());
+      found.push_back({l.begin, NamedTensor{name, t}});
     }
-    YAML::Node e = it->second;
-    FLOWMOE_CHECK(e.IsMap() && e["dtype"] && e["shape"] && e["data_offsets"], IoError, "'", path, "': entry '", name,
-                  "' lacks dtype, shape or data_offsets");
-    DType dt = dtype_from_safetensors(e["dtype"].as<std::string>());
-    Shape shape;
-    for (const auto& d : e["shape"]) shape.push_back(d.as<int64_t>());
-    uint64_t b = e["data_offsets"][0].as<uint64_t>(), end = e["data_offsets"][1].as<uint64_t>();
-    Tensor t = Tensor::empty(shape, dt);
-    FLOWMOE_CHECK(b <= end && end <= data_size && end - b == t.nbytes(), IoError, "'", path, "': tensor '", name,
-                  "' has offsets [", b, ", ", end, ") for ", t.nbytes(), " bytes in a ", data_size, "-byte body");
-    if (t.nbytes() > 0) std::memcpy(t.raw_data(), bytes.data() + data_start + b, t.nbytes());
-    found.push_back({b, NamedTensor{name, t}});
+  } catch (const YAML::Exception& e) {  // a value of the wrong JSON type
+    FLOWMOE_THROW(IoError, "'", path, "': malformed header (", e.msg, ")");
   }
   std::stable_sort(found.begin(), found.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
   std::vector<NamedTensor> out;
@@ -199,22 +254,47 @@ static std::string step_dir_name(int64_t step) {
 
 // Step number of a finished checkpoint directory name ("step_00000100"), or -1.
 static int64_t parse_step_dir(const std::string& name) {
-  if (name.rfind("step_", 0) != 0 || name.size() == 5) return -1;
+  if (name.rfind("step_", 0) != 0 || name.size() == 5 || name.size() > 5 + 18) return -1;  // 18 digits fit int64
   for (size_t i = 5; i < name.size(); ++i)
     if (name[i] < '0' || name[i] > '9') return -1;
   return std::stoll(name.substr(5));
 }
 
+// The entries of a directory; none when it cannot be read.
+static std::vector<fs::directory_entry> list_dir(const std::string& root) {
+  std::vector<fs::directory_entry> out;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) out.push_back(*it);
+  return out;
+}
+
 static std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const std::string& root) {
   std::vector<std::pair<int64_t, fs::path>> out;
   std::error_code ec;
-  if (!fs::is_directory(root, ec)) return out;
-  for (const auto& e : fs::directory_iterator(root)) {
+  for (const auto& e : list_dir(root)) {
     int64_t s = parse_step_dir(e.path().filename().string());
-    if (s >= 0 && e.is_directory() && fs::exists(e.path() / "meta.json")) out.push_back({s, e.path()});
+    if (s >= 0 && e.is_directory(ec) && fs::exists(e.path() / "meta.json", ec)) out.push_back({s, e.path()});
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+std::vector<std::string> remove_stale_checkpoint_tmp(const std::string& root) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  for (const auto& e : list_dir(root)) {
+    const std::string name = e.path().filename().string();
+    if (name.ends_with(".tmp") && parse_step_dir(name.substr(0, name.size() - 4)) >= 0 && e.is_directory(ec))
+      removed.push_back(name);
+  }
+  std::sort(removed.begin(), removed.end());
+  for (const std::string& name : removed) {
+    fs::remove_all(fs::path(root) / name, ec);
+    FLOWMOE_CHECK(!ec, IoError, "cannot remove the unfinished checkpoint directory '",
+                  (fs::path(root) / name).string(), "': ", ec.message());
+  }
+  return removed;
 }
 
 std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta, const std::vector<Variable>& params,
@@ -286,7 +366,8 @@ static void fill_from(Tensor& dst, const std::map<std::string, Tensor>& found, c
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params, std::vector<Tensor>* exp_avg,
                                std::vector<Tensor>* exp_avg_sq, const std::vector<Variable>& buffers) {
   const fs::path d(dir);
-  FLOWMOE_CHECK(fs::exists(d / "meta.json"), IoError, "'", dir, "' is not a checkpoint (no meta.json)");
+  std::error_code ec;
+  FLOWMOE_CHECK(fs::exists(d / "meta.json", ec), IoError, "'", dir, "' is not a checkpoint (no meta.json)");
   std::string model_file = (d / "model.safetensors").string();
   std::map<std::string, Tensor> model;
   for (auto& nt : read_safetensors(model_file)) model[nt.name] = nt.tensor;
@@ -306,7 +387,10 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
     }
   }
   std::string meta_file = (d / "meta.json").string();
-  YAML::Node j = parse_json(read_file(meta_file), meta_file);
+  const YAML::Node j = parse_json(read_file(meta_file), meta_file);
+  FLOWMOE_CHECK(j.IsMap() && j["format"] && j["format"].IsScalar() && j["format"].Scalar() == "flowmoe-checkpoint-1",
+                IoError, "'", meta_file, "' is not a flowmoe checkpoint description (no \"format\": ",
+                "\"flowmoe-checkpoint-1\")");
   CheckpointMeta meta;
   try {
     meta.step = j["step"].as<int64_t>();
@@ -320,6 +404,10 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
   } catch (const YAML::Exception& e) {
     FLOWMOE_THROW(IoError, "'", meta_file, "': missing or malformed field (", e.msg, ")");
   }
+  FLOWMOE_CHECK(meta.step >= 0 && meta.num_updates >= 0 && meta.skipped_steps >= 0 &&
+                    meta.num_updates <= meta.step && meta.skipped_steps <= meta.step - meta.num_updates,
+                IoError, "'", meta_file, "': inconsistent counts (step ", meta.step, ", num_updates ", meta.num_updates,
+                ", skipped_steps ", meta.skipped_steps, ")");
   return meta;
 }
 

@@ -29,7 +29,8 @@ DType dtype_from_safetensors(const std::string& s);
 
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
-// Tensors on the CPU in file order. Throws IoError naming the file on any inconsistency.
+// Tensors on the CPU in file order. Throws IoError naming the file on any inconsistency; every
+// length, offset and shape is checked against the file's size before memory is allocated.
 std::vector<NamedTensor> read_safetensors(const std::string& path,
                                           std::map<std::string, std::string>* metadata = nullptr);
 
@@ -51,8 +52,12 @@ std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta,
                             int64_t keep_last, const std::vector<Variable>& buffers = {});
 // The newest complete checkpoint under root, or "" when there is none.
 std::string latest_checkpoint(const std::string& root);
+// Deletes the step_N.tmp directories under root that a crash during a save left behind (a run
+// calls it before its first save). Returns their names, sorted; throws IoError if one cannot go.
+std::vector<std::string> remove_stale_checkpoint_tmp(const std::string& root);
 // Fills params (and the moments, when given) from the checkpoint at dir; names, shapes and dtypes
-// must match (IoError names the first that does not). Returns its meta.
+// must match (IoError names the first that does not). A damaged checkpoint throws IoError, never
+// anything else. Returns its meta.
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
                                std::vector<Tensor>* exp_avg = nullptr, std::vector<Tensor>* exp_avg_sq = nullptr,
                                const std::vector<Variable>& buffers = {});

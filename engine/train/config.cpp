@@ -1,11 +1,13 @@
 // Config schema, strict YAML parsing with line numbers, --set overrides and cross-key validation.
 #include "engine/train/config.h"
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
 #include <cmath>
 #include <filesystem>
@@ -16,6 +18,7 @@
 #include <variant>
 
 #include "engine/error.h"
+#include "engine/train/config_checks.h"
 
 namespace flowmoe {
 
@@ -123,7 +126,7 @@ const std::vector<Field>& schema() {
     f.push_back(number("optimizer", "grad_clip", FM_REF(optimizer.grad_clip), 0, false, kInf, false, "max global gradient norm; 0 disables clipping"));
     f.push_back(number("optimizer", "router_lr_scale", FM_REF(optimizer.router_lr_scale), 0, false, 10, false, "multiplies the learning rate of the MoE routers' gate weights (*.mlp.gate.weight); 1 trains them like every other matrix"));
     // precision
-    f.push_back(choice("precision", "recipe", FM_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow"}, "MoE expert precision: bf16 (fp32 on CPU); fp8_blockwise (FP8 GEMMs, each quantizing its own inputs); fp8_flow (quantize once before dispatch, FP8 through the experts). Master weights and gradients stay fp32"));
+    f.push_back(choice("precision", "recipe", FM_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow"}, "routed-expert GEMM precision: bf16 (fp32 on CPU); fp8_blockwise (FP8 GEMMs, each quantizing its own inputs); fp8_flow (quantize once before dispatch, FP8 through the experts). FP8 needs MoE layers and hidden_size, moe_intermediate_size multiples of 128. Master weights and gradients stay fp32"));
     Field align{"precision", "align_size", Kind::int_choice, 0, 0, false, false, {"16", "32", "64", "128"},
                 "row alignment of each expert's segment", FM_REF(precision.align_size)};
     f.push_back(align);
@@ -334,11 +337,23 @@ std::string field_value(const Config& cfg, const Field& f) {
   return s;
 }
 
+// A double-quoted YAML scalar that reads back as `s`. Control characters are escaped: a raw line
+// break inside quotes would read back as a space.
 std::string yaml_quote(const std::string& s) {
   std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += char(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c < 0x20 || c == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else {
+      out += char(c);
+    }
   }
   return out + "\"";
 }
@@ -400,6 +415,80 @@ void read_yaml(Config& cfg, const YAML::Node& root, const std::string& name) {
   }
 }
 
+// The events of one YAML document: where it starts, and the first node that is not null.
+class DocumentProbe : public YAML::EventHandler {
+ public:
+  YAML::Mark start, content;
+  bool has_content = false;
+
+  void OnDocumentStart(const YAML::Mark& m) override { start = m; }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark& m, YAML::anchor_t) override { saw(m); }
+  void OnScalar(const YAML::Mark& m, const std::string&, YAML::anchor_t, const std::string&) override { saw(m); }
+  void OnSequenceStart(const YAML::Mark& m, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+    saw(m);
+  }
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark& m, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+    saw(m);
+  }
+  void OnMapEnd() override {}
+
+ private:
+  void saw(const YAML::Mark& m) {
+    if (!has_content) content = m;
+    has_content = true;
+  }
+};
+
+// yaml-cpp's Load reads only the first document, and at a token no document can start with (a
+// stray ',') it returns null without an error and without moving on. Walking the documents finds
+// both: content after the first document, and input the parser cannot advance over.
+void check_one_document(const std::string& text, const std::string& name) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  int last_start = -1;
+  for (size_t doc = 0;; ++doc) {
+    DocumentProbe probe;
+    if (!parser.HandleNextDocument(probe)) return;
+    const YAML::Mark& m = probe.start;
+    if (m.pos <= last_start || doc > text.size()) {  // every document takes at least one byte
+      const unsigned char c = m.pos >= 0 && size_t(m.pos) < text.size() ? text[size_t(m.pos)] : 0;
+      char shown[16];
+      std::snprintf(shown, sizeof shown, c >= 0x20 && c < 0x7f ? "'%c'" : "byte 0x%02x", c);
+      fail(name + ":" + std::to_string(m.line + 1) + ":" + std::to_string(m.column + 1), "",
+           std::string("YAML syntax error: cannot parse ") + shown + " here");
+    }
+    if (doc > 0 && probe.has_content)
+      fail(name + ":" + std::to_string(probe.content.line + 1), "",
+           "a second YAML document (after '---'): a config is one document");
+    last_start = m.pos;
+  }
+}
+
+// The YAML of a config: one document, or none (a null node).
+YAML::Node load_yaml(const std::string& text, const std::string& name) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+    check_one_document(text, name);
+  } catch (const YAML::Exception& e) {
+    fail(name + ":" + std::to_string(e.mark.line + 1) + ":" + std::to_string(e.mark.column + 1), "",
+         "YAML syntax error: " + e.msg);
+  }
+  return root;
+}
+
+Config config_from_yaml(const YAML::Node& root, const std::string& name, const std::vector<std::string>& overrides) {
+  Config cfg;
+  cfg.file = name;
+  read_yaml(cfg, root, name);
+  for (const std::string& o : overrides) apply_override(cfg, o);
+  validate(cfg);
+  return cfg;
+}
+
 }  // namespace
 
 // ---- Config -------------------------------------------------------------------------------------
@@ -436,18 +525,12 @@ void apply_override(Config& cfg, const std::string& assignment) {
 }
 
 void validate(const Config& c) {
-  auto err = [&](const std::string& key, const std::string& msg) { fail(c.origin(key), key, msg); };
-  auto from = [&](const std::string& key) { return key + " (" + c.origin(key) + ")"; };
-  // Two keys that do not fit together: reported at the one the user touched last (a --set before
-  // a file line before a default; the first on a tie), naming where the other came from.
-  auto rank = [&](const std::string& key) {
-    std::string o = c.origin(key);
-    return o.rfind("--set", 0) == 0 ? 2 : (o == "default" ? 0 : 1);
-  };
+  const KeyReport report(c);
+  auto err = [&](const std::string& key, const std::string& msg) { report.err(key, msg); };
+  auto from = [&](const std::string& key) { return report.from(key); };
+  // Reported at the key the user touched last, naming where the other came from (config_checks.h).
   auto conflict = [&](const std::string& a, const std::string& b, const std::string& msg) {
-    std::string key = rank(b) > rank(a) ? b : a;
-    std::string other = key == a ? b : a;
-    fail(c.origin(key), key, msg + " (" + other + ": " + c.origin(other) + ")");
+    report.conflict({a, b}, msg);
   };
   const ModelConfig& m = c.model;
 
@@ -478,8 +561,9 @@ void validate(const Config& c) {
     if (m.topk_group > m.n_group)
       err("model.topk_group", std::to_string(m.topk_group) + " exceeds model.n_group = " + std::to_string(m.n_group));
     if (m.num_experts_per_tok > m.n_routed_experts)
-      err("model.num_experts_per_tok", std::to_string(m.num_experts_per_tok) + " exceeds model.n_routed_experts = " +
-                                           std::to_string(m.n_routed_experts));
+      conflict("model.num_experts_per_tok", "model.n_routed_experts",
+               "model.num_experts_per_tok = " + n(m.num_experts_per_tok) + " exceeds model.n_routed_experts = " +
+                   n(m.n_routed_experts));
     if (m.first_k_dense_replace > m.num_hidden_layers)
       err("model.first_k_dense_replace", std::to_string(m.first_k_dense_replace) +
                                              " exceeds model.num_hidden_layers = " + std::to_string(m.num_hidden_layers));
@@ -489,9 +573,10 @@ void validate(const Config& c) {
     if (m.n_group > 16) err("model.n_group", n(m.n_group) + " exceeds the router's limit of 16");
     if (m.n_routed_experts % m.n_group == 0 && m.topk_group <= m.n_group &&
         m.num_experts_per_tok > m.topk_group * (m.n_routed_experts / m.n_group))
-      conflict("model.num_experts_per_tok", "model.topk_group",
-               "num_experts_per_tok = " + n(m.num_experts_per_tok) + " exceeds the experts in the kept groups (topk_group " +
-                   n(m.topk_group) + " x " + n(m.n_routed_experts / m.n_group) + " experts per group)");
+      report.conflict({"model.num_experts_per_tok", "model.topk_group", "model.n_group", "model.n_routed_experts"},
+                      "num_experts_per_tok = " + n(m.num_experts_per_tok) +
+                          " exceeds the experts in the kept groups (topk_group " + n(m.topk_group) + " x " +
+                          n(m.n_routed_experts / m.n_group) + " experts per group)");
   }
 
   const DataConfig& d = c.data;
@@ -503,9 +588,10 @@ void validate(const Config& c) {
     double train_tokens = double(d.synthetic_tokens) * (1 - d.val_fraction);
     double val_tokens = double(d.synthetic_tokens) * d.val_fraction;
     if (train_tokens < double(d.seq_len + 1) || (d.val_fraction > 0 && val_tokens < double(d.seq_len + 1)))
-      err("data.synthetic_tokens", std::to_string(d.synthetic_tokens) +
-                                       " tokens are too few for one training and one validation sequence of " +
-                                       from("data.seq_len") + " = " + std::to_string(d.seq_len));
+      report.conflict({"data.synthetic_tokens", "data.seq_len", "data.val_fraction"},
+                      "data.synthetic_tokens = " + n(d.synthetic_tokens) +
+                          " tokens are too few for one training and one validation sequence of data.seq_len = " +
+                          n(d.seq_len) + " tokens, with data.val_fraction = " + n(d.val_fraction) + " held out");
   } else {
     if (d.path.empty()) err("data.source", d.source + " needs data.path");
     std::error_code ec;
@@ -525,16 +611,8 @@ void validate(const Config& c) {
     conflict("optimizer.warmup_steps", "train.steps",
              "optimizer.warmup_steps = " + n(c.optimizer.warmup_steps) + " exceeds train.steps = " + n(c.train.steps));
 
-  if (c.precision.recipe != "bf16" && m.n_routed_experts > 0) {
-    // FP8 GEMMs use 128x128 weight blocks and 1x128 activation blocks (DESIGN.md §3-4).
-    auto need128 = [&](const char* key, int64_t v) {
-      if (v % 128 != 0)
-        err(key, std::to_string(v) + " is not a multiple of 128, which " + from("precision.recipe") + " = " +
-                     c.precision.recipe + " needs (FP8 blocks are 128 wide)");
-    };
-    need128("model.hidden_size", m.hidden_size);
-    need128("model.moe_intermediate_size", m.moe_intermediate_size);
-  }
+  check_precision_recipe(c, report);
+  check_tensor_sizes(c, report);
   if (c.parallel.data_parallel_size != 1)
     err("parallel.data_parallel_size", "data parallelism is not available yet (use 1)");
   if (c.parallel.expert_parallel_size != 1)
@@ -542,27 +620,24 @@ void validate(const Config& c) {
 }
 
 Config parse_config(const std::string& yaml_text, const std::string& name, const std::vector<std::string>& overrides) {
-  Config cfg;
-  cfg.file = name;
-  YAML::Node root;
-  try {
-    root = YAML::Load(yaml_text);
-  } catch (const YAML::Exception& e) {
-    fail(name + ":" + std::to_string(e.mark.line + 1) + ":" + std::to_string(e.mark.column + 1), "",
-         "YAML syntax error: " + e.msg);
-  }
-  read_yaml(cfg, root, name);
-  for (const std::string& o : overrides) apply_override(cfg, o);
-  validate(cfg);
-  return cfg;
+  return config_from_yaml(load_yaml(yaml_text, name), name, overrides);
 }
 
+// A file that holds no section is refused rather than read as "every key at its default": it is
+// almost always the wrong path (a directory, /dev/null, a file not yet written).
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw ConfigError("'" + path + "' is a directory, not a YAML config file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError(path + ": cannot open the config file");
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse_config(ss.str(), path, overrides);
+  if (in.bad()) throw ConfigError(path + ": cannot read the config file");
+  YAML::Node root = load_yaml(ss.str(), path);
+  if (root.IsNull())
+    throw ConfigError("'" + path + "' is empty (no YAML content, only comments, whitespace or null): a config " +
+                      "needs at least one section, e.g. model: or train:");
+  return config_from_yaml(root, path, overrides);
 }
 
 std::string to_yaml(const Config& cfg) {

@@ -78,7 +78,7 @@ struct OptimizerConfig {
 };
 
 struct PrecisionConfig {
-  std::string recipe = "bf16";  // bf16 | fp8_blockwise | fp8_flow (the MoE experts; DESIGN.md §1)
+  std::string recipe = "bf16";  // bf16 | fp8_blockwise | fp8_flow (the routed experts' GEMMs; DESIGN.md §1)
   int64_t align_size = 16;      // 16 | 32 | 64 | 128
 };
 
@@ -121,9 +121,10 @@ struct Config {
 };
 
 // Reads and validates a YAML file, applies the overrides ("section.key=value") and validates the
-// result. Throws ConfigError.
+// result. Throws ConfigError, also for a path that holds no config: a directory, or a file with no
+// YAML content (empty, only comments or whitespace, a null document, /dev/null).
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
-// The same from YAML text; `name` stands for the file in messages.
+// The same from YAML text; `name` stands for the file in messages. Empty text gives every default.
 Config parse_config(const std::string& yaml_text, const std::string& name,
                     const std::vector<std::string>& overrides = {});
 // One "section.key=value" override, type- and range-checked (call validate() afterwards).

@@ -16,23 +16,42 @@ namespace fs = std::filesystem;
 
 // ---- token files --------------------------------------------------------------------------------
 
+// The size is checked against the header before anything is allocated: a damaged count must not
+// turn into a multi-gigabyte allocation, and a file with extra or odd bytes is not silently cut.
 std::vector<uint16_t> read_token_file(const std::string& path) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  FLOWMOE_CHECK(!ec && fs::exists(st), IoError, "cannot open token file '", path, "': ",
+                ec ? ec.message() : "it does not exist");
+  FLOWMOE_CHECK(fs::is_regular_file(st), IoError, "token file '", path, "' is not a regular file");
+  const uintmax_t size = fs::file_size(path, ec);
+  FLOWMOE_CHECK(!ec, IoError, "cannot read the size of token file '", path, "': ", ec.message());
   std::ifstream in(path, std::ios::binary);
   FLOWMOE_CHECK(in.good(), IoError, "cannot open token file '", path, "'");
+  constexpr uintmax_t header_bytes = kTokenFileHeaderInts * sizeof(int32_t);
+  FLOWMOE_CHECK(size >= header_bytes, IoError, "token file '", path, "' is ", size, " bytes, shorter than its ",
+                header_bytes, "-byte header");
   int32_t header[kTokenFileHeaderInts] = {};
   in.read(reinterpret_cast<char*>(header), sizeof header);
-  FLOWMOE_CHECK(in.gcount() == std::streamsize(sizeof header), IoError, "token file '", path,
-                "' is shorter than its 1024-byte header");
+  FLOWMOE_CHECK(in.gcount() == std::streamsize(sizeof header), IoError, "token file '", path, "': reading its ",
+                header_bytes, "-byte header failed");
   FLOWMOE_CHECK(header[0] == kTokenFileMagic, IoError, "token file '", path, "' has magic ", header[0], ", expected ",
                 kTokenFileMagic, " (an llm.c-style .bin file; write one with `flowmoe prepare-data`)");
   FLOWMOE_CHECK(header[1] == kTokenFileVersion, IoError, "token file '", path, "' has version ", header[1],
                 ", expected ", kTokenFileVersion, " (uint16 tokens)");
-  FLOWMOE_CHECK(header[2] >= 0, IoError, "token file '", path, "' has a negative token count ", header[2]);
-  std::vector<uint16_t> tokens(static_cast<size_t>(header[2]));
+  const int64_t count = header[2];
+  FLOWMOE_CHECK(count >= 0, IoError, "token file '", path, "' has a negative token count ", count);
+  const uintmax_t body = size - header_bytes, expected = header_bytes + 2 * uintmax_t(count);
+  FLOWMOE_CHECK(body % 2 == 0, IoError, "token file '", path, "' is ", size, " bytes: the ", body,
+                " bytes after its header are an odd count, not whole uint16 tokens (its header's token count ", count,
+                " means ", expected, " bytes)");
+  FLOWMOE_CHECK(size == expected, IoError, "token file '", path, "' is ", size, " bytes, but its header's token count ",
+                count, " means ", header_bytes, " + 2 x ", count, " = ", expected, " bytes (",
+                size < expected ? "truncated" : "extra bytes after the tokens", ")");
+  std::vector<uint16_t> tokens(static_cast<size_t>(count));
   in.read(reinterpret_cast<char*>(tokens.data()), std::streamsize(tokens.size() * sizeof(uint16_t)));
   FLOWMOE_CHECK(in.gcount() == std::streamsize(tokens.size() * sizeof(uint16_t)), IoError, "token file '", path,
-                "' is truncated: the header says ", header[2], " tokens, the file holds ",
-                in.gcount() / std::streamsize(sizeof(uint16_t)));
+                "': reading its ", count, " tokens failed after ", in.gcount(), " bytes (did it change meanwhile?)");
   return tokens;
 }
 
@@ -82,14 +101,117 @@ std::vector<uint16_t> read_text_tokens(const std::string& path) {
   return out;
 }
 
-int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::string& output) {
+// ---- prepare-data -------------------------------------------------------------------------------
+
+namespace {
+
+constexpr size_t kBinaryProbeBytes = 8192;
+
+// The bytes of a text file into `bytes`; false, with the rest unread, when its first 8 KiB hold a
+// NUL byte (no text encoding byte-level tokens are meant for has one).
+bool read_if_text(const fs::path& p, std::vector<char>& bytes) {
+  std::ifstream in(p, std::ios::binary);
+  FLOWMOE_CHECK(in.good(), IoError, "prepare-data: cannot open '", p.string(), "'");
+  bytes.assign(kBinaryProbeBytes, 0);
+  in.read(bytes.data(), std::streamsize(bytes.size()));
+  bytes.resize(size_t(in.gcount()));
+  if (std::memchr(bytes.data(), 0, bytes.size())) return false;
+  bytes.insert(bytes.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  FLOWMOE_CHECK(!in.bad(), IoError, "prepare-data: reading '", p.string(), "' failed");
+  return true;
+}
+
+// The bytes of a file named as an input, whatever it holds.
+void read_whole(const std::string& path, std::vector<char>& bytes) {
+  std::ifstream in(path, std::ios::binary);
+  FLOWMOE_CHECK(in.good(), IoError, "prepare-data: cannot open '", path, "'");
+  bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  FLOWMOE_CHECK(!in.bad(), IoError, "prepare-data: reading '", path, "' failed");
+}
+
+// The regular files below `dir` at any depth, sorted by their path relative to it (byte order).
+std::vector<fs::path> files_below(const std::string& dir) {
+  std::vector<std::pair<std::string, fs::path>> found;
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code type_ec;
+    if (it->is_regular_file(type_ec))
+      found.emplace_back(it->path().lexically_relative(dir).generic_string(), it->path());
+  }
+  FLOWMOE_CHECK(!ec, IoError, "prepare-data: cannot list directory '", dir, "': ", ec.message());
+  std::sort(found.begin(), found.end());
+  std::vector<fs::path> files;
+  for (auto& f : found) files.push_back(std::move(f.second));
+  return files;
+}
+
+std::string human_bytes(int64_t n) {
+  if (n < 1000) return std::to_string(n) + " bytes";
+  const char* units[] = {"kB", "MB", "GB", "TB"};
+  double v = double(n) / 1000;
+  int u = 0;
+  for (; v >= 1000 && u < 3; ++u) v /= 1000;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f %s", v, units[u]);
+  return buf;
+}
+
+std::string count_of(size_t n, const char* what) {
+  return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
+}
+
+}  // namespace
+
+int64_t PreparedInputs::bytes() const {
+  int64_t n = 0;
+  for (const File& f : files) n += f.bytes;
+  return n;
+}
+
+std::string PreparedInputs::summary() const {
+  std::string s = "read " + count_of(files.size(), "file") + " (" + human_bytes(bytes()) + ")";
+  if (skipped_binary.empty()) return s;
+  const size_t shown = std::min<size_t>(skipped_binary.size(), 10);
+  s += ", skipped " + count_of(skipped_binary.size(), "binary file") + ": ";
+  for (size_t i = 0; i < shown; ++i) s += (i ? ", " : "") + skipped_binary[i];
+  if (shown < skipped_binary.size()) s += " and " + std::to_string(skipped_binary.size() - shown) + " more";
+  return s;
+}
+
+int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::string& output, PreparedInputs* read) {
   FLOWMOE_CHECK(!inputs.empty(), IoError, "prepare-data: no input files");
+  PreparedInputs info;
   std::vector<uint16_t> tokens;
+  std::vector<char> bytes;
+  auto append = [&](const fs::path& p) {
+    for (char c : bytes) tokens.push_back(uint16_t(static_cast<unsigned char>(c)));
+    info.files.push_back({p.string(), int64_t(bytes.size())});
+  };
+  std::error_code out_ec;
+  const fs::path out_path = fs::weakly_canonical(output, out_ec);
+  auto is_output = [&](const fs::path& p) {
+    std::error_code ec;
+    const fs::path q = fs::weakly_canonical(p, ec);
+    return !out_ec && !ec && q == out_path;
+  };
   for (const std::string& in : inputs) {
-    std::vector<uint16_t> t = read_text_tokens(in);
-    tokens.insert(tokens.end(), t.begin(), t.end());
+    std::error_code ec;
+    if (!fs::is_directory(in, ec)) {
+      read_whole(in, bytes);
+      append(in);
+      continue;
+    }
+    const size_t files_before = info.files.size(), skipped_before = info.skipped_binary.size();
+    for (const fs::path& p : files_below(in)) {
+      if (is_output(p)) continue;
+      if (read_if_text(p, bytes)) append(p);
+      else info.skipped_binary.push_back(p.string());
+    }
+    FLOWMOE_CHECK(info.files.size() > files_before, IoError, "prepare-data: directory '", in, "' holds no text files (",
+                  count_of(info.skipped_binary.size() - skipped_before, "binary file"), " skipped)");
   }
   write_token_file(output, tokens);
+  if (read) *read = std::move(info);
   return int64_t(tokens.size());
 }
 

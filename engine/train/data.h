@@ -24,12 +24,32 @@ constexpr int64_t kTokenFileHeaderInts = 256;
 std::vector<uint16_t> read_token_file(const std::string& path);
 void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens);  // temp file, then rename
 
-// The bytes of a file, or of every regular file in a directory (sorted by name), one token each.
+// The bytes of a file, or of every regular file directly in a directory (sorted by name), one token
+// each (data.source: text).
 std::vector<uint16_t> read_text_tokens(const std::string& path);
 
-// prepare-data: byte-level tokens of the input files, in order, written as one token file.
-// Returns the number of tokens written.
-int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::string& output);
+// What prepare_token_file read: the files whose bytes it wrote, in that order, and the files of
+// its input directories it left out as binary.
+struct PreparedInputs {
+  struct File {
+    std::string path;
+    int64_t bytes = 0;
+  };
+  std::vector<File> files;
+  std::vector<std::string> skipped_binary;
+
+  int64_t bytes() const;
+  // One line: "read 12 files (3.4 MB), skipped 2 binary files: data/a.bin, data/b.png".
+  std::string summary() const;
+};
+
+// prepare-data: byte-level tokens of the inputs, in order, written as one token file. A directory
+// is read recursively, its files in byte order of their path below it ("a.txt" before "a/b.txt");
+// a file there with a NUL byte in its first 8 KiB is binary and skipped, and so is the output file.
+// A file named as an input is read whatever it holds. Returns the number of tokens written; `read`,
+// when given, receives what was read and skipped.
+int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::string& output,
+                           PreparedInputs* read = nullptr);
 
 // A seeded "language": a few dozen words (3-8 random tokens each, separated by token 0) that follow
 // each other by a sparse Markov chain. A bigram model already gets well under ln(vocab)/2, and

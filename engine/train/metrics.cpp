@@ -1,6 +1,7 @@
 // Metrics file, progress display and plots (see metrics.h).
 #include "engine/train/metrics.h"
 
+#include <sys/wait.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
@@ -296,8 +297,40 @@ static std::string run_label(const std::string& run, const std::string& file) {
   return clean;
 }
 
+// A wait status from std::system in words: "exit status 1", "killed by signal 9".
+static std::string describe_status(int status) {
+  if (status == -1) return "could not be started";
+  if (WIFEXITED(status)) return "exit status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
+  return "wait status " + std::to_string(status);
+}
+
+// The last non-empty line a plotting program wrote to `file` (its error message: gnuplot and
+// Python tracebacks both end with it), trimmed; "" when there is none.
+static std::string last_error_line(const fs::path& file) {
+  std::ifstream in(file);
+  std::string line, last;
+  while (std::getline(in, line)) {
+    line.erase(0, line.find_first_not_of(" \t\r"));
+    line.erase(line.find_last_not_of(" \t\r") + 1);
+    if (!line.empty()) last = line;
+  }
+  return last.size() > 300 ? last.substr(0, 300) + "..." : last;
+}
+
+// The image must go into an existing directory, and not onto one: checked before any work.
+static void check_plot_output(const std::string& png_path) {
+  std::error_code ec;
+  FLOWMOE_CHECK(!fs::is_directory(png_path, ec), IoError, "plot: the output '", png_path,
+                "' is a directory; give a file name, e.g. --output ", (fs::path(png_path) / "loss.png").string());
+  const fs::path parent = fs::path(png_path).parent_path();
+  FLOWMOE_CHECK(parent.empty() || fs::is_directory(parent, ec), IoError, "plot: the output directory '",
+                parent.string(), "' does not exist (create it first, or choose another --output)");
+}
+
 void plot_runs(const std::vector<std::string>& runs, const std::string& png_path, const std::string& title) {
   FLOWMOE_CHECK(!runs.empty(), IoError, "plot: no runs given");
+  check_plot_output(png_path);
   const fs::path work = fs::temp_directory_path() / ("flowmoe-plot-" + std::to_string(::getpid()));
   fs::create_directories(work);
   std::vector<std::pair<std::string, std::string>> series;  // label, data file
@@ -316,7 +349,10 @@ void plot_runs(const std::vector<std::string>& runs, const std::string& png_path
     series.push_back({run_label(runs[i], file), data.string()});
   }
   int rc = 0;
+  std::string program;
+  const fs::path errors = work / "stderr.txt";  // the program's messages, reported in one line on failure
   if (have_program("gnuplot")) {
+    program = "gnuplot";
     fs::path script = work / "plot.gp";
     std::ofstream gp(script);
     gp << "set terminal pngcairo size 1000,600 enhanced font 'Sans,11'\n"
@@ -333,8 +369,9 @@ void plot_runs(const std::vector<std::string>& runs, const std::string& png_path
     }
     gp << "\n";
     gp.close();
-    rc = std::system(("gnuplot " + shell_quote(script.string())).c_str());
+    rc = std::system(("gnuplot " + shell_quote(script.string()) + " 2>" + shell_quote(errors.string())).c_str());
   } else if (std::system("python3 -c 'import matplotlib' >/dev/null 2>&1") == 0) {
+    program = "matplotlib (python3)";
     fs::path script = work / "plot.py";
     std::ofstream py(script);
     py << "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\nimport math\n"
@@ -351,14 +388,16 @@ void plot_runs(const std::vector<std::string>& runs, const std::string& png_path
        << "ax.grid(True); ax.legend()\nfig.savefig(" << json_escape(fs::absolute(png_path).string())
        << ", dpi=100)\n";
     py.close();
-    rc = std::system(("python3 " + shell_quote(script.string())).c_str());
+    rc = std::system(("python3 " + shell_quote(script.string()) + " 2>" + shell_quote(errors.string())).c_str());
   } else {
     fs::remove_all(work);
     FLOWMOE_THROW(IoError, "plot needs gnuplot or Python's matplotlib; install one (scripts/quickstart.sh installs gnuplot-nox)");
   }
+  const std::string message = rc == 0 ? "" : last_error_line(errors);
   fs::remove_all(work);
-  FLOWMOE_CHECK(rc == 0 && fs::exists(png_path), IoError, "plot: the plotting program failed (exit status ", rc,
-                "); no '", png_path, "' was written");
+  FLOWMOE_CHECK(rc == 0, IoError, "plot: ", program, " failed (", describe_status(rc), ")",
+                message.empty() ? "" : ": " + message, "; no '", png_path, "' was written");
+  FLOWMOE_CHECK(fs::exists(png_path), IoError, "plot: ", program, " wrote no '", png_path, "'");
 }
 
 }  // namespace flowmoe

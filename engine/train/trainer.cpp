@@ -11,6 +11,7 @@
 #include "engine/cast_stats.h"
 #include "engine/cuda_api.h"
 #include "engine/train/checkpoint.h"
+#include "engine/train/memory_estimate.h"
 #include "engine/train/metrics.h"
 #include "engine/train/optimizer.h"
 
@@ -50,13 +51,38 @@ double evaluate(const Transformer& model, const DataLoader& data, int64_t num_ba
   return total / double(num_batches);
 }
 
+ValBatches whole_val_batches(const DataLoader& data, int64_t num_batches, int64_t batch_size) {
+  const int64_t num_windows = data.num_val_windows();
+  FLOWMOE_CHECK(num_windows > 0, Error, "the data holds out no validation sequences (data.val_fraction is 0)");
+  ValBatches v;
+  v.batch_size = std::min(batch_size, num_windows);
+  v.num_windows = num_windows;
+  const int64_t whole = num_windows / v.batch_size;
+  v.capped = num_batches > whole;
+  v.num_batches = std::min(num_batches, whole);
+  return v;
+}
+
+std::string ValBatches::describe() const {
+  return "the validation split holds (" + std::to_string(num_windows / batch_size) + " batches of " +
+         std::to_string(batch_size) + ")";
+}
+
 static std::string fixed(double v, int digits) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", digits, v);
   return buf;
 }
 
-// The checkpoint to resume from: "" for a fresh start. Problems are configuration errors.
+// Where checkpoint.resume was given, for messages: "--resume DIR" as the user typed it (the
+// command line records that origin), else "<file:line or --set>: checkpoint.resume".
+static std::string resume_origin(const Config& cfg) {
+  const std::string o = cfg.origin("checkpoint.resume");
+  return o.rfind("--resume", 0) == 0 ? o : o + ": checkpoint.resume";
+}
+
+// The checkpoint to resume from: "" for a fresh start. A path is a checkpoint directory or a folder
+// of them (a run's checkpoints/), whose newest complete one is taken. Problems are configuration errors.
 static std::string resume_target(const Config& cfg, std::string* note) {
   const std::string& r = cfg.checkpoint.resume;
   if (r == "false") return "";
@@ -65,19 +91,52 @@ static std::string resume_target(const Config& cfg, std::string* note) {
     if (latest.empty()) *note = "no checkpoint in " + cfg.checkpoint_dir() + " yet: starting from step 0";
     return latest;
   }
-  if (!fs::exists(fs::path(r) / "meta.json"))
-    throw ConfigError(cfg.origin("checkpoint.resume") + ": checkpoint.resume: '" + r +
-                      "' is not a checkpoint directory (it has no meta.json)");
-  return r;
+  std::error_code ec;
+  if (fs::exists(fs::path(r) / "meta.json", ec)) return r;
+  if (!fs::exists(r, ec)) throw ConfigError(resume_origin(cfg) + ": '" + r + "' does not exist");
+  if (!fs::is_directory(r, ec))
+    throw ConfigError(resume_origin(cfg) + ": '" + r + "' is not a checkpoint directory (it has no meta.json)");
+  std::string latest = latest_checkpoint(r);
+  if (latest.empty())
+    throw ConfigError(resume_origin(cfg) + ": '" + r + "' holds no complete checkpoint (no step_N/meta.json)");
+  return latest;  // train() reports "resumed from <it>"
+}
+
+// Removes the unfinished step_N.tmp directories a crash left in the checkpoint directory, saying so.
+static void remove_unfinished_checkpoints(const Config& cfg, std::FILE* out) {
+  const std::vector<std::string> removed = remove_stale_checkpoint_tmp(cfg.checkpoint_dir());
+  if (removed.empty() || !out) return;
+  std::string names;
+  for (const std::string& n : removed) names += (names.empty() ? "" : ", ") + n;
+  std::fprintf(out, "removed %zu unfinished checkpoint director%s from a previous run: %s\n", removed.size(),
+               removed.size() == 1 ? "y" : "ies", names.c_str());
+  std::fflush(out);
 }
 
 TrainResult train(const Config& cfg, const TrainOptions& opts) {
-  g_stop_requested = false;
+  // A stop requested before this point (a signal during start-up) holds: it is cleared on return.
+  struct ClearStopOnReturn {
+    ~ClearStopOnReturn() { g_stop_requested = false; }
+  } clear_stop;
   const Device device = resolve_device(cfg);
   const DType compute = compute_dtype_for(cfg, device);
   std::string resume_note;
   const std::string resume_dir = resume_target(cfg, &resume_note);
+  remove_unfinished_checkpoints(cfg, opts.out);
   const TrainConfig& tc = cfg.train;
+  Progress progress(cfg.logging.progress, tc.steps, cfg.logging.log_every, opts.out);
+
+  // Counted and sized from the config before anything is allocated, so a model that cannot fit is
+  // refused at once instead of allocating until the system kills the process.
+  const MemoryEstimate need = estimate_memory(cfg, device);
+  progress.message("flowmoe: " + format_count(double(need.num_parameters)) + " parameters (" +
+                   std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
+                   std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) +
+                   ") on " + device.str() + ", " + dtype_name(compute) + " compute; initial loss ~ ln(vocab) = " +
+                   fixed(std::log(double(cfg.model.vocab_size)), 3));
+  const double available = available_memory_bytes(device);
+  progress.message("memory: " + need.summary() + " of " + format_bytes(available) + " available on " + device.str());
+  check_fits(need, available, device.str());
 
   TrainResult res;
   res.out_dir = cfg.run_dir();
@@ -97,7 +156,6 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
                 cfg.origin("optimizer.router_lr_scale"), ": optimizer.router_lr_scale is ",
                 cfg.optimizer.router_lr_scale, " but the model has no MoE router (n_routed_experts is 0 or ",
                 "first_k_dense_replace covers every layer)");
-  Progress progress(cfg.logging.progress, tc.steps, cfg.logging.log_every, opts.out);
 
   int64_t step = 0, skipped = 0;
   if (!resume_dir.empty()) {
@@ -119,11 +177,7 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
 
   const int64_t tokens_per_step = tc.batch_size * cfg.data.seq_len * tc.grad_accum_steps;
   const bool have_val = data.num_val_windows() > 0;
-  progress.message("flowmoe: " + fixed(double(model.num_parameters()) / 1e6, 2) + "M parameters (" +
-                   std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
-                   std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) +
-                   ") on " + device.str() + ", " + dtype_name(compute) + " compute; initial loss ~ ln(vocab) = " +
-                   fixed(std::log(double(cfg.model.vocab_size)), 3));
+  const ValBatches val = have_val ? whole_val_batches(data, tc.eval_batches, tc.batch_size) : ValBatches{};
   const std::string source =
       cfg.data.source == "synthetic" ? "synthetic (" + cfg.data.synthetic_kind + ")" : cfg.data.source;
   progress.message("data: " + source + ", " + std::to_string(data.num_train_windows()) + " train / " +
@@ -131,6 +185,9 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
                    " tokens; " + std::to_string(tc.steps) + " steps x " + std::to_string(tokens_per_step) +
                    " tokens; outputs in " + res.out_dir);
   if (!resume_note.empty()) progress.message(resume_note);
+  if (val.capped)
+    progress.message("evaluation: train.eval_batches = " + std::to_string(tc.eval_batches) + " is more than " +
+                     val.describe() + "; using " + std::to_string(val.num_batches));
 
   const int64_t end = opts.stop_after >= 0 ? std::min(tc.steps, opts.stop_after) : tc.steps;
   const std::string ckpt_root = cfg.checkpoint_dir();
@@ -179,14 +236,15 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     // The LM loss and the balance loss are logged apart; training minimizes their sum.
     m.loss = loss_sum / double(tc.grad_accum_steps);
     m.aux_loss = has_aux ? aux_sum / double(tc.grad_accum_steps) : NAN;
-    const double objective = m.loss + (has_aux ? m.aux_loss : 0.0);
     m.host_syncs = int64_t(num_host_syncs() - syncs_before);  // the model's own; our loss reads are not counted
     if (cast_divisor > 0) {
       last_casts = cast_counts();
       m.moe_casts = double(last_casts.activation_casts()) / cast_divisor;
     }
     if (opts.after_backward) opts.after_backward(step, model.parameters());
+    if (opts.after_loss) opts.after_loss(step, &m.loss);
     m.grad_norm = opt.grad_norm();
+    const double objective = m.loss + (has_aux ? m.aux_loss : 0.0);
     if (std::isfinite(objective) && std::isfinite(m.grad_norm)) {
       opt.step(m.lr, clip_scale(m.grad_norm, cfg.optimizer.grad_clip));
     } else {
@@ -197,9 +255,14 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
                                                    : "loss (" + std::to_string(m.loss) +
                                                          (has_aux ? ", balance loss " + std::to_string(m.aux_loss) : "") +
                                                          ")");
-      if (tc.nonfinite == "stop")
+      if (tc.nonfinite == "stop") {
+        // The update was not applied: the checkpoint holds the weights of the last good step, and a
+        // --resume continues after the batch that failed.
+        save(step);
         FLOWMOE_THROW(Error, what, "; stopping because train.nonfinite is 'stop' (", cfg.origin("train.nonfinite"),
-                      "). Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nonfinite: skip");
+                      "); the weights before this step are in ", res.last_checkpoint,
+                      ". Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nonfinite: skip");
+      }
       if (skipped > tc.max_skipped_steps)
         FLOWMOE_THROW(Error, what, "; ", skipped, " steps skipped so far, more than train.max_skipped_steps = ",
                       tc.max_skipped_steps, ": the run is diverging. Lower optimizer.lr or raise warmup_steps");
@@ -212,7 +275,9 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     const double bias_scale = cfg.model.bias_update_schedule != "lr" ? 1.0
                               : cfg.optimizer.lr > 0                 ? m.lr / cfg.optimizer.lr
                                                                      : 0.0;
-    for (const LoadStats& ls : model.update_moe_bias(bias_scale)) m.moe_max_over_mean.push_back(ls.max_over_mean);
+    // A skipped step moves nothing, the expert bias included (rate 0); its loads are still logged.
+    for (const LoadStats& ls : model.update_moe_bias(m.skipped ? 0.0 : bias_scale))
+      m.moe_max_over_mean.push_back(ls.max_over_mean);
     const double dt = std::chrono::duration<double>(clock::now() - t0).count();
     train_seconds += dt;
     ++steps_done;
@@ -221,7 +286,7 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     res.losses.push_back(m.loss);
 
     if (have_val && ((tc.eval_every > 0 && step % tc.eval_every == 0) || step == tc.steps)) {
-      m.val_loss = evaluate(model, data, tc.eval_batches, tc.batch_size);
+      m.val_loss = evaluate(model, data, val.num_batches, val.batch_size);
       if (std::isnan(res.first_val_loss)) res.first_val_loss = m.val_loss;
       res.final_val_loss = m.val_loss;
       progress.message("step " + std::to_string(step) + ": val loss " + fixed(m.val_loss, 4) + " (train loss " +

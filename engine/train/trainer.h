@@ -22,6 +22,16 @@ Device resolve_device(const Config& cfg);
 // bf16 on the GPU (every recipe: FP8 is confined to the MoE expert GEMMs), f32 on the CPU.
 DType compute_dtype_for(const Config& cfg, Device device);
 
+// How many validation micro-batches an evaluation reads: at most the whole batches the split holds,
+// since more would wrap around and count sequences twice. A split smaller than one batch is read as
+// one batch of all its sequences.
+struct ValBatches {
+  int64_t num_batches = 0, batch_size = 0, num_windows = 0;
+  bool capped = false;       // the request was more than the split holds
+  std::string describe() const;  // "the validation split holds (51 batches of 8)"
+};
+ValBatches whole_val_batches(const DataLoader& data, int64_t num_batches, int64_t batch_size);
+
 // Mean loss over `num_batches` validation micro-batches (no graph is recorded).
 double evaluate(const Transformer& model, const DataLoader& data, int64_t num_batches, int64_t batch_size);
 
@@ -30,6 +40,8 @@ struct TrainOptions {
   int64_t stop_after = -1;  // stop after this step as if interrupted (tests); -1: run to train.steps
   // Called after a step's backward, before its gradient norm (tests inject faults here).
   std::function<void(int64_t step, const std::vector<Variable>& params)> after_backward;
+  // Called with the step's measured LM loss before the non-finite check (tests plant a NaN here).
+  std::function<void(int64_t step, double* loss)> after_loss;
 };
 
 struct TrainResult {
