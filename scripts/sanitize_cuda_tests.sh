@@ -3,11 +3,12 @@
 #   scripts/sanitize_cuda_tests.sh BUILD_DIR [LOG_DIR]
 # - memcheck checks every kernel.
 # - racecheck checks flowmoe's own kernels (every kernel lives in namespace flowmoe, so its mangled
-#   name holds "flowmoe"). Where a binary launches cuBLASLt's Hopper GEMMs (nvjet_* kernels), the tool
-#   fails with an internal error while it tracks their TMA copies; such a binary runs again without
-#   tracking asynchronous copies and with nvjet_* excluded by name (racecheck reports write-after-read
-#   hazards inside them: their mbarrier pipelines order shared memory in ways it cannot follow). Our
-#   kernels' own cp.async use is covered by the first pass, in the binaries that test them.
+#   name holds "flowmoe"). A binary that launches cuBLASLt's Hopper GEMMs (nvjet_* kernels) breaks
+#   the tool ("Internal Sanitizer Error") whenever those kernels run uninstrumented or with their TMA
+#   copies tracked; such a binary runs again with every kernel instrumented and asynchronous copies
+#   untracked, and only hazards outside nvjet_* count: racecheck reports write-after-read hazards
+#   inside them, whose mbarrier pipelines order shared memory in ways it cannot follow. Our kernels'
+#   own cp.async use is covered by the first pass, in the binaries that test them.
 # Death tests are left out: they trip device asserts on purpose.
 # Prints "sanitize ..." summary lines; exits non-zero if a tool reports an error or a binary runs past
 # SANITIZE_TIMEOUT seconds (default 300). SANITIZE_TOOLS picks the tools (default "memcheck
@@ -20,6 +21,14 @@ command -v compute-sanitizer >/dev/null || { echo "sanitize: compute-sanitizer n
 filter='*Cuda*:-*DeathTest*'
 echo "sanitize version: $(compute-sanitizer --version | grep -o 'Version [0-9.]*' | head -1)"
 
+# True when the tests of a racecheck log passed and every hazard it reports lies in cuBLASLt's
+# nvjet_* kernels ("Race reported between Read access at KERNEL+0x.. / and Write access at ...").
+only_library_hazards() {  # only_library_hazards LOG
+  local log=$1
+  grep -q '^\[  PASSED  \]' "$log" && ! grep -q '^\[  FAILED  \]' "$log" || return 1
+  ! grep -E 'access at ' "$log" | sed -E 's/.*access at ([^+ ]+).*/\1/' | grep -qv '^nvjet_'
+}
+
 # One binary under the tool; the log is $logs/LABEL-NAME.log. Returns 0 when clean, 3 when the tool
 # itself broke down ("Internal Sanitizer Error"), else 1.
 sanitize_one() {  # sanitize_one LABEL BINARY TOOL-ARGS...
@@ -30,6 +39,7 @@ sanitize_one() {  # sanitize_one LABEL BINARY TOOL-ARGS...
   timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --error-exitcode 99 "$@" "$t" --gtest_filter="$filter" \
     >"$log" 2>&1 && return 0
   grep -q 'Internal Sanitizer Error' "$log" && return 3
+  [ "$label" = racecheck-all ] && only_library_hazards "$log" && return 0
   return 1
 }
 
@@ -92,9 +102,8 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
       all_failed=("${failed[@]}")
       if [ ${#again[@]} -gt 0 ]; then
         echo "sanitize racecheck: $(for b in "${again[@]}"; do basename "$b"; done | xargs)" \
-             "again without tracking async copies (the tool broke on cuBLASLt's TMA copies)"
-        sanitize_all racecheck-no-async again --tool racecheck --racecheck-report hazard \
-          --racecheck-memcpy-async no --kernel-name-exclude regex=nvjet
+             "again with async copies untracked, counting hazards outside nvjet_* (the tool broke on cuBLASLt)"
+        sanitize_all racecheck-all again --tool racecheck --racecheck-report hazard --racecheck-memcpy-async no
       else
         broken=()
       fi
