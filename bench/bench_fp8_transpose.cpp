@@ -2,7 +2,7 @@
 // 1x128 e4m3 tensor [32768, 7168] into colwise 1x128 over segments, for one segment, 64 equal segments
 // (align 128), 64 ragged segments aligned to 16 (the FP8 GEMM minimum) and 64 ragged unaligned ones.
 // Baseline in the same run: the "double quantization" the classic recipe does (dequantize rowwise to
-// bf16, then an ordinary colwise quantize; kernels in the same .cu file). Ceiling: the device's D2D
+// bf16, then an ordinary colwise quantize; bench/baselines/fp8_transpose_baseline.cu). Ceiling: the device's D2D
 // cudaMemcpyAsync bandwidth (read + written) measured in the same run, and the H200 figure of DESIGN.md §6.
 // Bytes = q read + its scales read + q_t written (all K x M, the zeroed tail too) + colwise scales written.
 // Data: realistic activations (rows ~ N(0,1) x a per-row log-normal magnitude, 8 outlier channels x20),
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/baselines/fp8_transpose_baseline.h"
 #include "bench/bench_util.h"
 #include "engine/cuda/cuda_check.h"
 #include "engine/cuda_api.h"

@@ -1,6 +1,6 @@
 // bench_moe_layer: the MoE block (layers/moe.cpp) forward + backward on one GPU, routed experts only
 // (n_shared_experts = 0), in each recipe (bf16, fp8_blockwise, fp8_flow), with and without
-// moe_expert recompute, on the MoE issues' shapes:
+// moe_expert recompute, on these MoE layer shapes:
 //   (T=16384, H=2048, F=1408, E=64, k=6) and (T=8192, H=1024, F=512, E=32, k=4).
 // FLOPs counted: the expert GEMMs, 3 passes (fwd, dgrad, wgrad) x 2·(T·k)·(H·2F + F·H); the router's
 // small GEMM and the data movement are not counted (so TFLOP/s is a lower bound of the work done).

@@ -16,10 +16,10 @@
 // permute_rows_cuda, after an untimed map). Their fractions are of the copy's own GPU-only bandwidth.
 // "same" is a D2D copy of the permute's own byte count (GPU time only), as a fraction of the 1 GiB
 // copy: how much of the ceiling a plain copy of an op this short reaches.
-// Then both row-move kernels (kernels/permute.h, set_permute_rows_impl: classic and tma) on every
+// Then both row-move kernels (kernels/permute.h, PermuteRowKernel: classic and tma) on every
 // config in the same run: whole op (event-timed), GPU-only whole op and the row move alone, as
 // fractions of copy ("BENCH permute_impl"), and whether their outputs are bit-identical. The other
-// lines use the default (FLOWMOE_PERMUTE_ROWS, else auto). A failing TMA path is reported, not fatal.
+// lines use the engine's choice (PermuteRowKernel::automatic). A failing TMA path is reported, not fatal.
 // No GPU: prints a skip line and exits 0.
 #include <algorithm>
 #include <chrono>
@@ -208,25 +208,23 @@ struct ImplTimes {
   double whole_ms = -1, gpu_ms = -1, rows_ms = -1;  // -1: not measured (the path failed)
 };
 
-ImplTimes time_impl(Setup& s, int impl, cudaStream_t stream) {
-  set_permute_rows_impl(impl);
+ImplTimes time_impl(Setup& s, PermuteRowKernel row_kernel, cudaStream_t stream) {
   ImplTimes t;
-  auto exact = [&] { permute_pad_cuda(s.exact, s.b, stream); };
+  auto exact = [&] { permute_pad_cuda(s.exact, s.b, stream, row_kernel); };
   auto map = [&] { permute_map_cuda(s.exact, s.b, stream); };
   t.whole_ms = median_ms(exact, stream);
   t.gpu_ms = median_gpu_ms([] {}, exact, stream);
-  t.rows_ms = median_gpu_ms(map, [&] { permute_rows_cuda(s.exact, s.b, stream); }, stream);
+  t.rows_ms = median_gpu_ms(map, [&] { permute_rows_cuda(s.exact, s.b, stream, row_kernel); }, stream);
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return t;
 }
 
-// The exact-size rows and probs after one permute with `impl`, the device buffers poisoned first.
-std::vector<unsigned char> impl_output(Setup& s, int impl, cudaStream_t stream) {
-  set_permute_rows_impl(impl);
+// The exact-size rows and probs after one permute with `row_kernel`, the device buffers poisoned first.
+std::vector<unsigned char> impl_output(Setup& s, PermuteRowKernel row_kernel, cudaStream_t stream) {
   const size_t row_bytes = size_t(s.padded_rows) * s.b.row_bytes, prob_bytes = size_t(s.padded_rows) * 4;
   MOE_CUDA_CHECK(cudaMemsetAsync(s.b.rows, 0xff, row_bytes, stream));
   MOE_CUDA_CHECK(cudaMemsetAsync(s.b.probs, 0xff, prob_bytes, stream));
-  permute_pad_cuda(s.exact, s.b, stream);
+  permute_pad_cuda(s.exact, s.b, stream, row_kernel);
   std::vector<unsigned char> out(row_bytes + prob_bytes);
   MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), s.b.rows, row_bytes, cudaMemcpyDeviceToHost, stream));
   MOE_CUDA_CHECK(cudaMemcpyAsync(out.data() + row_bytes, s.b.probs, prob_bytes, cudaMemcpyDeviceToHost, stream));
@@ -234,19 +232,19 @@ std::vector<unsigned char> impl_output(Setup& s, int impl, cudaStream_t stream) 
   return out;
 }
 
-// One permute with `impl`, watched: a kernel that never finishes would otherwise stall the whole run,
-// so after 20 s this says so and exits.
-void run_watched(Setup& s, int impl, cudaStream_t stream) {
-  set_permute_rows_impl(impl);
-  permute_pad_cuda(s.exact, s.b, stream);
+// One permute with `row_kernel`, watched: a kernel that never finishes would otherwise stall the whole
+// run, so after 20 s this says so and exits.
+void run_watched(Setup& s, PermuteRowKernel row_kernel, cudaStream_t stream) {
+  permute_pad_cuda(s.exact, s.b, stream, row_kernel);
   Event done;
   done.record(stream);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   cudaError_t st;
   while ((st = cudaEventQuery(done.get())) == cudaErrorNotReady) {
     if (std::chrono::steady_clock::now() > deadline) {
-      std::printf("bench_permute: the permute with row kernel %d did not finish within 20 s (T=%lld H=%lld "
-                  "align=%d); exiting\n", impl, (long long)s.c.tokens, (long long)s.c.hidden, s.align);
+      std::printf("bench_permute: the permute with row kernel %s did not finish within 20 s (T=%lld H=%lld "
+                  "align=%d); exiting\n", row_kernel == PermuteRowKernel::tma ? "tma" : "classic",
+                  (long long)s.c.tokens, (long long)s.c.hidden, s.align);
       std::fflush(stdout);
       std::_Exit(1);
     }
@@ -258,20 +256,20 @@ void run_watched(Setup& s, int impl, cudaStream_t stream) {
 // Classic then TMA on one config; prints its BENCH permute_impl line. Returns false when the TMA path
 // failed (the device may be unusable afterwards).
 bool compare_impls(Setup& s, double copy, double copy_gpu, cudaStream_t stream) {
-  const ImplTimes classic = time_impl(s, kPermuteRowsClassic, stream);
+  const ImplTimes classic = time_impl(s, PermuteRowKernel::classic, stream);
   ImplTimes tma;
   int identical = -1;  // -1: not compared
   bool ok = true;
   try {
-    run_watched(s, kPermuteRowsTma, stream);
-    identical = impl_output(s, kPermuteRowsClassic, stream) == impl_output(s, kPermuteRowsTma, stream) ? 1 : 0;
-    tma = time_impl(s, kPermuteRowsTma, stream);
+    run_watched(s, PermuteRowKernel::tma, stream);
+    identical =
+        impl_output(s, PermuteRowKernel::classic, stream) == impl_output(s, PermuteRowKernel::tma, stream) ? 1 : 0;
+    tma = time_impl(s, PermuteRowKernel::tma, stream);
   } catch (const std::exception& e) {
     std::printf("bench_permute: the TMA row move failed on T=%lld H=%lld align=%d: %s\n", (long long)s.c.tokens,
                 (long long)s.c.hidden, s.align, e.what());
     ok = false;
   }
-  set_permute_rows_impl(kPermuteRowsClassic);
   const bool eligible = s.b.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(s.b.x) % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(s.b.rows) % 16 == 0;
   auto frac = [&](double ms, double ceiling) { return ms > 0 ? gbps(s.permute_bytes, ms) / ceiling : -1.0; };
@@ -307,7 +305,6 @@ int main() {
     print_results(results, copy, copy_gpu);
 
     // The same configs again (same routing and payload), classic against TMA.
-    const int default_impl = permute_rows_impl();
     std::mt19937_64 gen2(2026);
     Rng rng2(2026);
     bool tma_ok = true;
@@ -318,7 +315,6 @@ int main() {
           tma_ok = compare_impls(s, copy, copy_gpu, stream);
         }
     if (!tma_ok) std::printf("bench_permute: stopped comparing after the TMA row move failed\n");
-    set_permute_rows_impl(default_impl);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
   });
 }

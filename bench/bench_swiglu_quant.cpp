@@ -3,8 +3,8 @@
 //   forward  swiglu_forward_cuda -> act bf16; act *= prob; quantize(act)                       (3 kernels)
 //   backward d_prob = rowdot(d_a, act) (act saved); dy = d_a * prob; swiglu_backward_cuda -> d_h bf16;
 //            quantize(d_h)                                                                     (4 kernels)
-// (the baseline's prob product, row dot and quantize kernels live in swiglu_quant.cu: benches are host
-// code). Bytes are the fused op's minimal traffic: forward reads h and prob, writes q and scale_inv;
+// (the baseline's prob product, row dot and quantize kernels: bench/baselines/swiglu_quant_baseline.cu).
+// Bytes are the fused op's minimal traffic: forward reads h and prob, writes q and scale_inv;
 // backward reads d_a, h and prob, writes q, scale_inv and d_prob. Times are GPU time only (a 256 MiB
 // memset queued first hides launch latency), median of kReps after kWarmup; the ceiling is the device's
 // own D2D copy (read + write) measured the same way in the same run, and the H200 figure of DESIGN.md §6.
@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "bench/baselines/swiglu_quant_baseline.h"
 #include "bench/bench_util.h"
 #include "engine/cuda/cuda_check.h"
 #include "engine/cuda_api.h"

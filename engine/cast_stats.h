@@ -1,4 +1,4 @@
-// Cast accounting (DESIGN.md §1, FP8 issue item 9): every explicit quantize and dequantize of an
+// Cast accounting (DESIGN.md §1): every explicit quantize and dequantize of an
 // activation or gradient calls note_cast() with the place it happens, so the trainer can report how
 // many casts each MoE layer makes per step under each recipe. Fused kernels that happen to emit FP8
 // (SwiGLU+quantize) and layout moves of FP8 data (permute, the scaling-aware transpose) are not casts.

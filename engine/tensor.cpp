@@ -90,11 +90,7 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
 Tensor Tensor::full(const Shape& shape, double value, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
   if (device.is_cuda()) {
-#ifdef FLOWMOE_WITH_CUDA
     fill_cuda(t.raw_data(), dtype, value, t.numel(), current_stream(device.index));
-#else
-    throw_no_cuda("Tensor::full");
-#endif
   } else {
     std::vector<double> v(size_t(t.numel()), value);
     cast_cpu(t.raw_data(), dtype, v.data(), DType::f64, t.numel());
@@ -229,11 +225,7 @@ Tensor Tensor::contiguous() const {
     L.strides[i] = strides_[size_t(i)];
   }
   if (device_.is_cuda())
-#ifdef FLOWMOE_WITH_CUDA
     strided_copy_cuda(out.raw_data(), raw_data(), dtype_size(dtype_), L, current_stream(device_.index));
-#else
-    throw_no_cuda("Tensor::contiguous");
-#endif
   else
     strided_copy_cpu(out.raw_data(), raw_data(), dtype_size(dtype_), L);
   return out;
@@ -262,11 +254,7 @@ Tensor Tensor::to(DType dtype) const {
   Tensor out = empty(shape_, dtype, device_);
   if (out.numel() == 0) return out;
   if (device_.is_cuda())
-#ifdef FLOWMOE_WITH_CUDA
     cast_cuda(out.raw_data(), dtype, src.raw_data(), dtype_, numel(), current_stream(device_.index));
-#else
-    throw_no_cuda("Tensor::to(DType)");
-#endif
   else
     cast_cpu(out.raw_data(), dtype, src.raw_data(), dtype_, numel());
   return out;

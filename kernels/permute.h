@@ -79,22 +79,24 @@ size_t permute_workspace_bytes(const RoutingDims& d);
 // programmatic dependent launch), four when the routing kernel's blocks cannot all be resident at once
 // (very many tokens, or many local experts); no host synchronisation. A bad expert id, or a padded total
 // above d.num_rows, prints the culprit and traps. Kernels: kernels/cuda/permute.cu.
-void permute_pad_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream);
+// Which kernel moves the rows (permute_pad_cuda, permute_rows_cuda); outputs are bit-identical either way.
+//   classic:   thread groups with vector loads and stores.
+//   tma:       sm_90 bulk copies through shared memory, used only when row_bytes and both x and rows are
+//              16-byte aligned (else classic).
+//   automatic: tma for rows of kPermuteTmaMinRowBytes (14 KiB) and more, where it measured faster; classic
+//              below. The engine's permute op uses it; the others are for tests and bench/bench_permute.cpp.
+enum class PermuteRowKernel : uint8_t { automatic, classic, tma };
+// bench_permute's row-kernel lines have shown TMA ahead on 14 KiB rows (hidden 7168, bf16) in every run on
+// the H100 and the H200, by 0.006-0.028 of copy, and tied or behind on 8 KiB rows and below (docs/PERF.md).
+constexpr size_t kPermuteTmaMinRowBytes = 14336;
+
+void permute_pad_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream,
+                      PermuteRowKernel row_kernel = PermuteRowKernel::automatic);
 // The two halves of permute_pad_cuda, for timing them apart (bench/bench_permute.cpp): the routing map
 // (row_map, counts, segment starts; the workspace), then the row move, which reads what the map left.
 void permute_map_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream);
-void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream);
-
-// Which kernel moves the rows (permute_pad_cuda, permute_rows_cuda); outputs are bit-identical either way.
-// classic: thread groups with vector loads and stores. tma: sm_90 bulk copies through shared memory,
-// used only when row_bytes and both x and rows are 16-byte aligned (else classic). auto: tma for rows
-// of at least 14 KiB, where it measured faster, classic below. The default comes from
-// FLOWMOE_PERMUTE_ROWS=auto|classic|tma, read at the first use (a bad value throws, naming it);
-// set_permute_rows_impl overrides it (a value outside these throws).
-// CUDA builds only (kernels/cuda/permute.cu).
-constexpr int kPermuteRowsAuto = 0, kPermuteRowsClassic = 1, kPermuteRowsTma = 2;
-void set_permute_rows_impl(int impl);
-int permute_rows_impl();
+void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream,
+                       PermuteRowKernel row_kernel = PermuteRowKernel::automatic);
 
 // Backward of permute_pad: dtype (of d_rows and d_x) f32 or bf16, fp32 accumulation, j ascending
 // (d_x is unpermute_cuda's gather with weights 1), topk at most 512. d_x and d_rows may be null

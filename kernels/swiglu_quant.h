@@ -36,16 +36,4 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a /*[M, F]*/, const v
                                 float* d_h_scale_inv /*[M, ceil(2F/128)] or null*/, void* d_h /*[M, 2F] or null*/,
                                 float* d_prob /*[M] or null*/, cudaStream_t stream);
 
-// ---- the unfused baseline, for bench/bench_swiglu_quant.cpp only (benches are host-only .cpp) ----
-// out[r,:] = x[r,:] * row_scale[r] (dtype f32 or bf16, fp32 math; out may be x).
-void swiglu_quant_baseline_row_scale_cuda(DType dtype, void* out /*[M, K]*/, const void* x /*[M, K]*/,
-                                          const float* row_scale /*[M]*/, int64_t M, int64_t K, cudaStream_t stream);
-// out[r] = sum_k a[r,k] * b[r,k] in fp32 (dtype f32 or bf16).
-void swiglu_quant_baseline_row_dot_cuda(DType dtype, float* out /*[M]*/, const void* a /*[M, K]*/,
-                                        const void* b /*[M, K]*/, int64_t M, int64_t K, cudaStream_t stream);
-// A plain rowwise 1x128 quantize (one warp per block, scalar loads): what a separate cast kernel costs.
-void swiglu_quant_baseline_quantize_cuda(DType dtype, const void* x /*[M, K]*/, int64_t M, int64_t K,
-                                         uint8_t* q /*[M, K] e4m3*/, float* scale_inv /*[M, ceil(K/128)]*/,
-                                         cudaStream_t stream);
-
 }  // namespace flowmoe

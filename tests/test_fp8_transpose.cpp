@@ -128,12 +128,8 @@ Colwise run_cuda(const Rowwise& x, const std::vector<int64_t>& segs) {
   q = q.to(dev), s = s.to(dev);
   Tensor q_t = Tensor::full({x.K, x.M}, 0xAB, DType::u8, dev);
   Tensor s_t = Tensor::full({num_blocks_of(segs), x.K}, -7.0, DType::f32, dev);
-#ifdef FLOWMOE_WITH_CUDA  // the launcher exists only in CUDA builds; without one this is never reached
   fp8_transpose_cuda(q.data<uint8_t>(), s.data<float>(), x.M, x.K, segs.data(), int64_t(segs.size()),
                      q_t.data<uint8_t>(), s_t.data<float>(), current_stream(0));
-#else
-  throw_no_cuda("fp8_transpose_cuda");
-#endif
   Tensor hq = q_t.to(Device::cpu()), hs = s_t.to(Device::cpu());
   Colwise out{std::vector<uint8_t>(size_t(hq.numel())), std::vector<float>(size_t(hs.numel()))};
   if (hq.numel()) std::memcpy(out.q_t.data(), hq.raw_data(), out.q_t.size());

@@ -256,6 +256,47 @@ struct CudaCase {
   int64_t side_cols;
 };
 
+// permute_pad_cuda with an explicit row kernel, on the buffers the op allocates for cpu's routing
+// (cpu.dims); the rows are allocated first, so a block poisoned just before becomes them.
+PermuteResult permute_with_row_kernel(const PermuteResult& cpu, const Tensor& gx, const Tensor& gidx,
+                                      const Tensor& gprob, const Tensor& gside, float side_pad_value,
+                                      PermuteRowKernel row_kernel) {
+  const RoutingDims& d = cpu.dims;
+  const Device dev = gx.device();
+  PermuteResult r;
+  r.dims = d;
+  Tensor rows = Tensor::empty({d.num_rows, gx.size(1)}, gx.dtype(), dev);
+  Tensor probs = Tensor::empty({d.num_rows}, DType::f32, dev);
+  r.row_map = Tensor::empty(gidx.shape(), DType::i32, dev);
+  r.tokens_per_expert = Tensor::empty({d.num_local_experts}, DType::i32, dev);
+  r.padded_tokens_per_expert = Tensor::empty({d.num_local_experts}, DType::i32, dev);
+  r.segment_starts = Tensor::empty({d.num_local_experts + 1}, DType::i32, dev);
+  Tensor workspace = Tensor::empty({int64_t(permute_workspace_bytes(d))}, DType::u8, dev);
+  PermuteBuffers b;
+  b.topk_idx = gidx.data<int32_t>();
+  b.x = gx.raw_data();
+  b.row_bytes = size_t(gx.size(1)) * dtype_size(gx.dtype());
+  b.topk_prob = gprob.data<float>();
+  b.probs = probs.data<float>();
+  if (gside.defined()) {
+    r.side_rows = Tensor::empty({d.num_rows, gside.size(1)}, DType::f32, dev);
+    b.side = gside.data<float>();
+    b.side_cols = int(gside.size(1));
+    b.side_pad_value = side_pad_value;
+    b.side_rows = r.side_rows.data<float>();
+  }
+  b.rows = rows.raw_data();
+  b.row_map = r.row_map.data<int32_t>();
+  b.tokens_per_expert = r.tokens_per_expert.data<int32_t>();
+  b.padded_tokens_per_expert = r.padded_tokens_per_expert.data<int32_t>();
+  b.segment_starts = r.segment_starts.data<int32_t>();
+  b.workspace = workspace.raw_data();
+  permute_pad_cuda(d, b, current_stream(dev.index), row_kernel);
+  r.rows = Variable(rows);
+  r.probs = Variable(probs);
+  return r;
+}
+
 }  // namespace
 
 TEST(PermuteCuda, BitIdenticalToCpu) {
@@ -350,18 +391,13 @@ TEST(PermuteCuda, BackwardMatchesCpu) {
   }
 }
 
-#ifdef FLOWMOE_WITH_CUDA
-// Both row-move kernels of kernels/permute.h (classic; tma, sm_90 bulk copies), and auto's choice between
+// Both row-move kernels of kernels/permute.h (classic; tma, sm_90 bulk copies), and automatic's choice between
 // them, against the CPU reference, bit for bit, with the device rows poisoned first. The shapes reach
 // every TMA block geometry: 8, 4 and 2 tokens per block, rows cut into 2 and 5 chunks (the stage ring
 // refills), tokens routed to other ranks only, a wide top-k, a side payload, the worst-case tail, zero
 // tokens, and rows that are not a multiple of 16 bytes (tma falls back to classic).
 TEST(PermuteCuda, RowKernelsBitIdentical) {
   FLOWMOE_REQUIRE_CUDA();
-  struct Restore {
-    int impl;
-    ~Restore() { set_permute_rows_impl(impl); }
-  } restore{permute_rows_impl()};
   std::mt19937_64 gen(test_seed());
   Rng rng(test_seed());
   struct RowCase {
@@ -395,12 +431,10 @@ TEST(PermuteCuda, RowKernelsBitIdentical) {
                                     c.num_local, -1, side, 0.5);
     Tensor gx = x.to(Device::cuda()), gidx = idx.to(Device::cuda()), gprob = prob.to(Device::cuda());
     Tensor gside = side.defined() ? side.to(Device::cuda()) : Tensor();
-    for (int impl : {kPermuteRowsClassic, kPermuteRowsTma, kPermuteRowsAuto}) {
-      SCOPED_TRACE(impl == kPermuteRowsTma ? "tma" : impl == kPermuteRowsClassic ? "classic" : "auto");
-      set_permute_rows_impl(impl);
+    for (PermuteRowKernel k : {PermuteRowKernel::classic, PermuteRowKernel::tma, PermuteRowKernel::automatic}) {
+      SCOPED_TRACE(k == PermuteRowKernel::tma ? "tma" : k == PermuteRowKernel::classic ? "classic" : "automatic");
       poison_device_block(cpu.rows.shape(), c.dtype);
-      PermuteResult gpu = permute_pad(Variable(gx), gidx, Variable(gprob), c.num_experts, c.align, c.expert_offset,
-                                      c.num_local, -1, gside, 0.5);
+      PermuteResult gpu = permute_with_row_kernel(cpu, gx, gidx, gprob, gside, 0.5f, k);
       EXPECT_TRUE(bit_equal(gpu.row_map, cpu.row_map));
       EXPECT_TRUE(bit_equal(gpu.rows.data(), cpu.rows.data()));
       EXPECT_TRUE(bit_equal(gpu.probs.data(), cpu.probs.data()));
@@ -410,13 +444,3 @@ TEST(PermuteCuda, RowKernelsBitIdentical) {
     }
   }
 }
-
-TEST(PermuteCuda, RowKernelSelector) {
-  const int saved = permute_rows_impl();
-  set_permute_rows_impl(kPermuteRowsTma);
-  EXPECT_EQ(permute_rows_impl(), kPermuteRowsTma);
-  EXPECT_TRUE(throws_naming<Error>([] { set_permute_rows_impl(7); }, {"7"}));
-  EXPECT_EQ(permute_rows_impl(), kPermuteRowsTma);  // a rejected value changes nothing
-  set_permute_rows_impl(saved);
-}
-#endif

@@ -38,7 +38,6 @@ class CausalAttention : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check_qkv(in[0], in[1], in[2], name());
     Tensor q = in[0].contiguous(), k = in[1].contiguous(), v = in[2].contiguous();
     Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
@@ -47,9 +46,6 @@ class CausalAttention : public Primitive {
     attention_forward_cuda(q.dtype(), out.raw_data(), lse_.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(),
                            s[0], s[1], s[2], s[3], current_stream(q.device().index));
     return {out};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>& outs,
@@ -70,16 +66,12 @@ class CausalAttention : public Primitive {
                                      v.data<scalar_t>(), s[0], s[1], s[2], s[3]));
       return {d_q, d_k, d_v};
     }
-#ifdef FLOWMOE_WITH_CUDA
     Tensor out = outs[0].contiguous();
     Tensor delta = Tensor::empty({s[0], s[2], s[1]}, DType::f32, q.device());
     attention_backward_cuda(q.dtype(), d_q.raw_data(), d_k.raw_data(), d_v.raw_data(), delta.data<float>(),
                             d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(),
                             lse_.data<float>(), s[0], s[1], s[2], s[3], current_stream(q.device().index));
     return {d_q, d_k, d_v};
-#else
-    throw_no_cuda("causal_attention backward");
-#endif
   }
 
  private:

@@ -40,7 +40,6 @@ class CrossEntropyBackward : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Tensor logits = in[1].contiguous(), targets = in[2].contiguous();
     check_dtype(in[0], {DType::f32}, name());  // on the GPU the loss is f32 whatever the logits are
     Tensor d_logits = Tensor::empty(logits.shape(), logits.dtype(), logits.device());
@@ -48,9 +47,6 @@ class CrossEntropyBackward : public BackwardPrimitive {
                                 logits.raw_data(), in[3].data<float>(), targets.data<int32_t>(), logits.size(0),
                                 logits.size(1), ignore_index_, current_stream(logits.device().index));
     return {d_logits};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
 
@@ -78,7 +74,6 @@ class CrossEntropy : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check_inputs(in[0], in[1], name());
     Tensor logits = in[0].contiguous(), targets = in[1].contiguous();
     int64_t N = logits.size(0), V = logits.size(1);
@@ -91,9 +86,6 @@ class CrossEntropy : public Primitive {
                                row_loss.data<float>(), logits.raw_data(), targets.data<int32_t>(), N, V,
                                ignore_index_, current_stream(dev.index));
     return {loss};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,

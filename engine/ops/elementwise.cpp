@@ -32,16 +32,12 @@ class Binary : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check_binary(in[0], in[1], name());
     Tensor a = in[0].contiguous(), b = in[1].contiguous();
     Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
     binary_cuda(op_, a.dtype(), out.raw_data(), a.raw_data(), b.raw_data(), a.numel(),
                 current_stream(a.device().index));
     return {out};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
@@ -66,14 +62,10 @@ class Scale : public Primitive {
     return {out};
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Tensor a = in[0].contiguous();
     Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
     scale_cuda(a.dtype(), out.raw_data(), a.raw_data(), s_, a.numel(), current_stream(a.device().index));
     return {out};
-#else
-    throw_no_cuda(name());
-#endif
   }
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>&) override {

@@ -37,7 +37,6 @@ class EmbeddingBackward : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     int64_t hidden = check(in);
     check_dtype(in[0], {DType::f32, DType::bf16}, name());
     Tensor d_out = in[0].contiguous(), ids = in[1].contiguous();
@@ -47,9 +46,6 @@ class EmbeddingBackward : public BackwardPrimitive {
     embedding_backward_cuda(d_out.dtype(), d_weight.raw_data(), d_out.raw_data(), ids.data<int32_t>(), ids.numel(),
                             vocab_, hidden, workspace.raw_data(), ws_bytes, current_stream(d_out.device().index));
     return {d_weight};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:
@@ -86,7 +82,6 @@ class Embedding : public Primitive {
 
   // Ids are not checked on the host (that would need a synchronisation): a bad id traps on the device.
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check(in);
     check_dtype(in[0], {DType::f32, DType::bf16}, name());
     Tensor weight = in[0].contiguous(), ids = in[1].contiguous();
@@ -95,9 +90,6 @@ class Embedding : public Primitive {
     embedding_forward_cuda(weight.dtype(), out.raw_data(), weight.raw_data(), ids.data<int32_t>(), ids.numel(), vocab,
                            hidden, current_stream(weight.device().index));
     return {out};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,

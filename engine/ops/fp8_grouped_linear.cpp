@@ -44,7 +44,6 @@ class Fp8GroupedGemm : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Dims d = check(in);
     const Device dev = in[0].device();
     Tensor y = Tensor::empty({d.m, d.n}, DType::bf16, dev);
@@ -55,9 +54,6 @@ class Fp8GroupedGemm : public BackwardPrimitive {
                           sw.scale_inv.data<float>(), y.raw_data(), rows_.data(), int64_t(rows_.size()), d.m, d.n, d.k,
                           ws.raw_data(), current_stream(dev.index));
     return {y};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:
@@ -95,7 +91,6 @@ class Fp8GroupedWgrad : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Dims d = check(in);
     const Device dev = in[0].device();
     Tensor dw = Tensor::empty({int64_t(rows_.size()), d.n, d.k}, DType::f32, dev);
@@ -103,9 +98,6 @@ class Fp8GroupedWgrad : public BackwardPrimitive {
                            in[1].fp8_scales()->scale_inv.data<float>(), dw.data<float>(), rows_.data(),
                            int64_t(rows_.size()), d.m, d.n, d.k, false, current_stream(dev.index));
     return {dw};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:

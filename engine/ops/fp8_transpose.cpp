@@ -25,14 +25,10 @@ class Fp8Transpose : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Prepared p = prepare(in[0]);
     fp8_transpose_cuda(p.q.data<uint8_t>(), p.scale_inv.data<float>(), p.m, p.k, rows_.data(), int64_t(rows_.size()),
                        p.q_t.data<uint8_t>(), p.scale_inv_t.data<float>(), current_stream(p.q.device().index));
     return {p.q_t, p.scale_inv_t};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:

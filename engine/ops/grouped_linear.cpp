@@ -40,13 +40,11 @@ Dims check_inputs(const Tensor& x, const Tensor& w, const std::vector<int64_t>& 
   return d;
 }
 
-#ifdef FLOWMOE_WITH_CUDA
 void check_gpu_dtypes(const Tensor& x, const Tensor& w) {
   check_dtype(x, {DType::bf16, DType::f32}, "grouped_linear x on cuda");
   FLOWMOE_CHECK(w.dtype() == DType::f32 || w.dtype() == x.dtype(), DTypeError, "grouped_linear: weight ",
                 w.describe(), " must be f32 or x's dtype (x ", x.describe(), ")");
 }
-#endif
 
 class GroupedLinear : public Primitive {
  public:
@@ -66,7 +64,6 @@ class GroupedLinear : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Dims d = check_inputs(in[0], in[1], rows_);
     check_gpu_dtypes(in[0], in[1]);
     Tensor x = in[0].contiguous();
@@ -75,9 +72,6 @@ class GroupedLinear : public Primitive {
     grouped_linear_forward_cuda(x.dtype(), x.raw_data(), w_compute_.raw_data(), y.raw_data(), rows_.data(),
                                 d.num_experts, d.m_total, d.n, d.k, current_stream(x.device().index));
     return {y};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
@@ -105,7 +99,6 @@ class GroupedLinear : public Primitive {
       });
       return {dx, dw};
     }
-#ifdef FLOWMOE_WITH_CUDA
     const Device dev = x.device();
     if (cuda_current_device() != dev.index) cuda_set_device(dev.index);  // vjps run outside eval()
     cudaStream_t stream = current_stream(dev.index);
@@ -124,9 +117,6 @@ class GroupedLinear : public Primitive {
       dw = dw32.to(w_in.dtype());
     }
     return {dx, dw};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:

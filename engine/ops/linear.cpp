@@ -47,7 +47,6 @@ Tensor gemm_cpu_tensor(const Tensor& a, bool ta, const Tensor& b, bool tb, const
 }
 
 Tensor gemm_gpu_tensor(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& bias) {
-#ifdef FLOWMOE_WITH_CUDA
   int device = a.device().index;
   if (cuda_current_device() != device) cuda_set_device(device);  // vjps run outside eval()
   auto [m, n, k] = gemm_shape(a, ta, b, tb);
@@ -60,9 +59,6 @@ Tensor gemm_gpu_tensor(const Tensor& a, bool ta, const Tensor& b, bool tb, const
             c.raw_data(), std::max<int64_t>(1, n), bias_c.defined() ? bias_c.raw_data() : nullptr, false,
             current_stream(device));
   return c;
-#else
-  throw_no_cuda("matmul/linear");
-#endif
 }
 
 Tensor gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& bias = Tensor()) {
@@ -81,16 +77,12 @@ Tensor bias_grad(const Tensor& dy /*[m,n]*/) {
                                bias_grad_cpu<scalar_t>(out.data<scalar_t>(), d.data<scalar_t>(), m, n));
     return out;
   }
-#ifdef FLOWMOE_WITH_CUDA
   int device = d.device().index;
   if (cuda_current_device() != device) cuda_set_device(device);
   // Freed on return while the kernels may still run: safe, the allocator reuses in stream order.
   Tensor partial = Tensor::empty({bias_grad_num_chunks(m), n}, DType::f32, d.device());
   bias_grad_cuda(d.dtype(), out.raw_data(), d.raw_data(), m, n, partial.data<float>(), current_stream(device));
   return out;
-#else
-  throw_no_cuda("linear bias gradient");
-#endif
 }
 
 void check_matmul(const Tensor& a, const Tensor& b) {

@@ -40,7 +40,6 @@ class PermutePadBackward : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     const Device dev = in[0].device();
     Tensor row_map = in[0].contiguous(), d_rows, d_probs, d_x, d_prob;
     if (in[1].defined()) {
@@ -57,9 +56,6 @@ class PermutePadBackward : public BackwardPrimitive {
                           d_x.defined() ? d_x.raw_data() : nullptr, d_prob.defined() ? d_prob.data<float>() : nullptr,
                           current_stream(dev.index));
     return {d_x, d_prob};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
 
@@ -101,7 +97,6 @@ class PermutePad : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check(in, true);
     const Device dev = in[0].device();
     Tensor x = in[0].contiguous(), idx = in[1].contiguous(), prob, side;
@@ -131,9 +126,6 @@ class PermutePad : public Primitive {
     b.workspace = workspace.raw_data();
     permute_pad_cuda(d_, b, current_stream(dev.index));
     return finish(out);
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
@@ -216,7 +208,6 @@ class DispatchRows : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     const Device dev = in[0].device();
     Tensor x = in[0].contiguous(), side;
     Tensor rows = Tensor::empty({d_.num_rows, x.size(1)}, x.dtype(), dev), side_rows;
@@ -237,9 +228,6 @@ class DispatchRows : public BackwardPrimitive {
     }
     permute_rows_cuda(d_, b, current_stream(dev.index));
     return {rows, side_rows};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:

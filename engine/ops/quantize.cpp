@@ -14,8 +14,7 @@ namespace flowmoe {
 namespace {
 
 // Runs cpu_call on the host, cuda_call (with `stream` bound to t's stream) on a GPU.
-#ifdef FLOWMOE_WITH_CUDA
-#define QUANT_DISPATCH(t, what, cpu_call, cuda_call)              \
+#define QUANT_DISPATCH(t, cpu_call, cuda_call)                    \
   do {                                                            \
     if ((t).device().is_cuda()) {                                 \
       cudaStream_t stream = current_stream((t).device().index);  \
@@ -24,13 +23,6 @@ namespace {
       cpu_call;                                                   \
     }                                                             \
   } while (0)
-#else
-#define QUANT_DISPATCH(t, what, cpu_call, cuda_call) \
-  do {                                               \
-    if ((t).device().is_cuda()) throw_no_cuda(what); \
-    cpu_call;                                        \
-  } while (0)
-#endif
 
 void check_high_precision(const Tensor& t, const std::string& what, const char* name) {
   FLOWMOE_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::bf16, DTypeError, what, ": ", name,
@@ -118,8 +110,7 @@ class QuantizeRowwise : public SharedBodyPrimitive<Primitive> {
     int64_t rows = leading_rows(x), K = x.size(-1);
     Tensor q = Tensor::empty(x.shape(), DType::e4m3, x.device());
     Tensor s = Tensor::empty({rows, fp8_num_blocks(K)}, DType::f32, x.device());
-    QUANT_DISPATCH(x, name(),
-                   quantize_rowwise_cpu(x.dtype(), x.raw_data(), rows, K, q.data<uint8_t>(), s.data<float>()),
+    QUANT_DISPATCH(x, quantize_rowwise_cpu(x.dtype(), x.raw_data(), rows, K, q.data<uint8_t>(), s.data<float>()),
                    quantize_rowwise_cuda(x.dtype(), x.raw_data(), rows, K, q.data<uint8_t>(), s.data<float>(), stream));
     return {q.with_scales(s, ScalingMode::rowwise_1x128)};
   }
@@ -152,8 +143,7 @@ class QuantizeColwise : public SharedBodyPrimitive<BackwardPrimitive> {
     int64_t nb = colwise_num_blocks(seg.data(), int64_t(seg.size()));
     Tensor q = Tensor::empty({K, M}, DType::e4m3, x.device());
     Tensor s = Tensor::empty({nb, K}, DType::f32, x.device());
-    QUANT_DISPATCH(x, name(),
-                   quantize_colwise_cpu(x.dtype(), x.raw_data(), M, K, seg.data(), int64_t(seg.size()),
+    QUANT_DISPATCH(x, quantize_colwise_cpu(x.dtype(), x.raw_data(), M, K, seg.data(), int64_t(seg.size()),
                                         q.data<uint8_t>(), s.data<float>()),
                    quantize_colwise_cuda(x.dtype(), x.raw_data(), M, K, seg.data(), int64_t(seg.size()),
                                          q.data<uint8_t>(), s.data<float>(), stream));
@@ -189,7 +179,7 @@ class Dequantize : public SharedBodyPrimitive<Primitive> {
       case ScalingMode::rowwise_1x128: {
         y = Tensor::empty(q.shape(), dtype_, q.device());
         int64_t rows = leading_rows(q), K = q.size(-1);
-        QUANT_DISPATCH(q, name(), dequantize_rowwise_cpu(dtype_, qd, sd, rows, K, y.raw_data()),
+        QUANT_DISPATCH(q, dequantize_rowwise_cpu(dtype_, qd, sd, rows, K, y.raw_data()),
                        dequantize_rowwise_cuda(dtype_, qd, sd, rows, K, y.raw_data(), stream));
         break;
       }
@@ -198,14 +188,14 @@ class Dequantize : public SharedBodyPrimitive<Primitive> {
         std::vector<int64_t> seg = effective_segments(sc.rows_per_segment, M);
         int64_t n = int64_t(seg.size());
         y = Tensor::empty({M, K}, dtype_, q.device());
-        QUANT_DISPATCH(q, name(), dequantize_colwise_cpu(dtype_, qd, sd, M, K, seg.data(), n, y.raw_data()),
+        QUANT_DISPATCH(q, dequantize_colwise_cpu(dtype_, qd, sd, M, K, seg.data(), n, y.raw_data()),
                        dequantize_colwise_cuda(dtype_, qd, sd, M, K, seg.data(), n, y.raw_data(), stream));
         break;
       }
       case ScalingMode::block_128x128: {
         y = Tensor::empty(q.shape(), dtype_, q.device());
         int64_t B = q.dim() == 3 ? q.size(0) : 1, N = q.size(-2), K = q.size(-1);
-        QUANT_DISPATCH(q, name(), dequantize_block_cpu(dtype_, qd, sd, B, N, K, y.raw_data()),
+        QUANT_DISPATCH(q, dequantize_block_cpu(dtype_, qd, sd, B, N, K, y.raw_data()),
                        dequantize_block_cuda(dtype_, qd, sd, B, N, K, y.raw_data(), stream));
         break;
       }
@@ -239,8 +229,7 @@ class QuantizeWeight : public SharedBodyPrimitive<BackwardPrimitive> {
     Tensor s_t = Tensor::empty(shape(nbk, nbn), DType::f32, w.device());
     auto* qd = q.data<uint8_t>();
     auto* qtd = q_t.data<uint8_t>();
-    QUANT_DISPATCH(w, name(),
-                   quantize_block_cpu(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, s_t.data<float>()),
+    QUANT_DISPATCH(w, quantize_block_cpu(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, s_t.data<float>()),
                    quantize_block_cuda(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, s_t.data<float>(),
                                        stream));
     return {q.with_scales(s, ScalingMode::block_128x128), q_t.with_scales(s_t, ScalingMode::block_128x128)};

@@ -29,16 +29,12 @@ class ReduceBackward : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     FLOWMOE_CHECK(in[0].numel() == 1, ShapeError, name(), ": gradient must have one element, got ", in[0].describe());
     check_dtype(in[0], {DType::f32}, name());  // on the GPU the reduction's output is f32
     Tensor d_x = Tensor::empty(shape_, dtype_, in[0].device());
     reduce_backward_cuda(op_, dtype_, d_x.raw_data(), in[0].data<float>(), d_x.numel(),
                          current_stream(in[0].device().index));
     return {d_x};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
 
@@ -64,7 +60,6 @@ class Reduce : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Tensor x = in[0].contiguous();
     shape_ = x.shape(), dtype_ = x.dtype();
     Tensor out = Tensor::empty({}, DType::f32, x.device());  // f32 for f32 and bf16 input
@@ -72,9 +67,6 @@ class Reduce : public Primitive {
     reduce_cuda(op_, x.dtype(), out.data<float>(), partials.data<float>(), x.raw_data(), x.numel(),
                 current_stream(x.device().index));
     return {out};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,

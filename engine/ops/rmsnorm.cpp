@@ -40,7 +40,6 @@ class RmsnormBackward : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     int64_t hidden = check(in);
     check_dtype(in[1], {DType::f32, DType::bf16}, name());
     Tensor d_y = in[0].contiguous(), x = in[1].contiguous(), w = in[2].contiguous();
@@ -53,9 +52,6 @@ class RmsnormBackward : public BackwardPrimitive {
                           hidden, eps_, static_cast<float*>(workspace.raw_data()), ws_floats,
                           current_stream(x.device().index));
     return {d_x, d_w};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:
@@ -84,7 +80,6 @@ class Rmsnorm : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     int64_t hidden = check_rmsnorm(in[0], in[1], eps_, name());
     check_dtype(in[0], {DType::f32, DType::bf16}, name());
     Tensor x = in[0].contiguous(), w = in[1].contiguous();
@@ -92,9 +87,6 @@ class Rmsnorm : public Primitive {
     rmsnorm_forward_cuda(x.dtype(), y.raw_data(), x.raw_data(), w.raw_data(), rows_of(x, hidden), hidden, eps_,
                          current_stream(x.device().index));
     return {y};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,

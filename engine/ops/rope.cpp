@@ -33,7 +33,6 @@ class Rope : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check(in[0]);
     Tensor x = in[0].contiguous();
     Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
@@ -44,9 +43,6 @@ class Rope : public Primitive {
     else
       rope_forward_cuda(x.dtype(), out.raw_data(), x.raw_data(), s[0], s[1], s[2], s[3], theta_, pos_offset_, stream);
     return {out};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,

@@ -56,16 +56,12 @@ class RouterTopkBackward : public BackwardPrimitive {
     return {d_logits};
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Tensor logits = in[0].contiguous(), idx = in[1].contiguous(), d_prob = in[2].to(DType::f32).contiguous();
     check_logits(logits, p_, name());
     Tensor d_logits = Tensor::empty(logits.shape(), DType::f32, logits.device());
     router_topk_backward_cuda(p_, logits.data<float>(), idx.data<int32_t>(), d_prob.data<float>(), logits.size(0),
                               d_logits.data<float>(), current_stream(logits.device().index));
     return {d_logits};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:
@@ -90,16 +86,12 @@ class RouterTopk : public Primitive {
     return {idx, prob, counts};
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Tensor logits = in[0].contiguous(), bias = in[1].contiguous();
     check_args(logits, bias);
     auto [idx, prob, counts] = make_outputs(logits);
     router_topk_cuda(p_, logits.data<float>(), bias.data<float>(), logits.size(0), idx.data<int32_t>(),
                      prob.data<float>(), counts.data<int32_t>(), current_stream(logits.device().index));
     return {idx, prob, counts};
-#else
-    throw_no_cuda(name());
-#endif
   }
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>& out,
                           const std::vector<Tensor>& d_out, const std::vector<bool>& needs) override {
@@ -140,7 +132,6 @@ class RouterBalanceLossBackward : public BackwardPrimitive {
     return {d_logits};
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Tensor logits = in[0].contiguous(), idx = in[1].contiguous(), d_loss = in[2].to(DType::f32).contiguous();
     check_logits(logits, p_, name());
     const int64_t T = logits.size(0), S = seq_len_ > 0 ? seq_len_ : T;
@@ -150,9 +141,6 @@ class RouterBalanceLossBackward : public BackwardPrimitive {
                                       d_loss.data<float>(), seq_counts.data<int32_t>(), d_logits.data<float>(),
                                       current_stream(logits.device().index));
     return {d_logits};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:
@@ -177,7 +165,6 @@ class RouterBalanceLoss : public Primitive {
     return {loss};
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Tensor logits = in[0].contiguous(), idx = in[1].contiguous();
     check_args(logits, idx);
     const int64_t T = logits.size(0), S = seq_len_ > 0 ? seq_len_ : T;
@@ -188,9 +175,6 @@ class RouterBalanceLoss : public Primitive {
                              seq_counts.data<int32_t>(), token_loss.data<float>(), loss.data<float>(),
                              current_stream(logits.device().index));
     return {loss};
-#else
-    throw_no_cuda(name());
-#endif
   }
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
@@ -213,11 +197,9 @@ class RouterBalanceLoss : public Primitive {
   }
 };
 
-#ifdef FLOWMOE_WITH_CUDA
 void make_current(const Device& d) {  // the in-place updates run outside eval()
   if (cuda_current_device() != d.index) cuda_set_device(d.index);
 }
-#endif
 
 void check_counts(const Tensor& counts, int64_t num_experts, const char* what) {
   check_dtype(counts, {DType::i32}, what);
@@ -307,13 +289,9 @@ void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, do
     expert_bias_update_cpu(expert_bias.data<float>(), tokens_per_expert.data<int32_t>(), int(E), rate, rule);
     return;
   }
-#ifdef FLOWMOE_WITH_CUDA
   make_current(expert_bias.device());
   expert_bias_update_cuda(expert_bias.data<float>(), tokens_per_expert.data<int32_t>(), int(E), rate, rule,
                           current_stream(expert_bias.device().index));
-#else
-  throw_no_cuda("update_expert_bias");
-#endif
 }
 
 void add_tokens_per_expert(Tensor& total, const Tensor& counts) {
@@ -326,12 +304,8 @@ void add_tokens_per_expert(Tensor& total, const Tensor& counts) {
     add_tokens_per_expert_cpu(total.data<int32_t>(), counts.data<int32_t>(), E);
     return;
   }
-#ifdef FLOWMOE_WITH_CUDA
   make_current(total.device());
   add_tokens_per_expert_cuda(total.data<int32_t>(), counts.data<int32_t>(), E, current_stream(total.device().index));
-#else
-  throw_no_cuda("add_tokens_per_expert");
-#endif
 }
 
 LoadStats load_stats(const Tensor& tokens_per_expert) {

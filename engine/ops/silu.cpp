@@ -24,7 +24,6 @@ class SiluBackward : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check(in);
     check_dtype(in[1], {DType::f32, DType::bf16}, name());
     Tensor d_y = in[0].contiguous(), x = in[1].contiguous();
@@ -32,9 +31,6 @@ class SiluBackward : public BackwardPrimitive {
     silu_backward_cuda(x.dtype(), d_x.raw_data(), d_y.raw_data(), x.raw_data(), x.numel(),
                        current_stream(x.device().index));
     return {d_x};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:
@@ -57,15 +53,11 @@ class Silu : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check_dtype(in[0], {DType::f32, DType::bf16}, name());
     Tensor x = in[0].contiguous();
     Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
     silu_forward_cuda(x.dtype(), y.raw_data(), x.raw_data(), x.numel(), current_stream(x.device().index));
     return {y};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,

@@ -34,15 +34,11 @@ class Softmax : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     Tensor x = in[0].contiguous();
     Rows r = rows_of(x, name());
     Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
     softmax_forward_cuda(x.dtype(), y.raw_data(), x.raw_data(), r.rows, r.cols, current_stream(x.device().index));
     return {y};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>& out, const std::vector<Tensor>& d_out,
@@ -66,7 +62,6 @@ class SoftmaxBackward : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check(in);
     Tensor d_y = in[0].contiguous(), y = in[1].contiguous();
     Rows r = rows_of(y, name());
@@ -74,9 +69,6 @@ class SoftmaxBackward : public BackwardPrimitive {
     softmax_backward_cuda(y.dtype(), d_x.raw_data(), d_y.raw_data(), y.raw_data(), r.rows, r.cols,
                           current_stream(y.device().index));
     return {d_x};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
 

@@ -41,7 +41,6 @@ class SwigluBackward : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     int64_t F = check(in);
     check_dtype(in[1], {DType::f32, DType::bf16}, name());
     Tensor d_out = in[0].contiguous(), gate_up = in[1].contiguous();
@@ -50,9 +49,6 @@ class SwigluBackward : public BackwardPrimitive {
     swiglu_backward_cuda(gate_up.dtype(), d_gate_up.raw_data(), d_out.raw_data(), gate_up.raw_data(), rows, F,
                          current_stream(gate_up.device().index));
     return {d_gate_up};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
  private:
@@ -80,7 +76,6 @@ class Swiglu : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     int64_t F = swiglu_width(in[0], name());
     check_dtype(in[0], {DType::f32, DType::bf16}, name());
     Tensor gate_up = in[0].contiguous();
@@ -89,9 +84,6 @@ class Swiglu : public Primitive {
     swiglu_forward_cuda(gate_up.dtype(), out.raw_data(), gate_up.raw_data(), rows, F,
                         current_stream(gate_up.device().index));
     return {out};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,

@@ -64,10 +64,8 @@ class SwigluQuantBackward : public SharedBodyPrimitive<BackwardPrimitive> {
     void* d_h_ptr = d_h.defined() ? d_h.raw_data() : nullptr;
     float* d_prob_ptr = d_prob.defined() ? d_prob.data<float>() : nullptr;
     if (cuda) {
-#ifdef FLOWMOE_WITH_CUDA
       swiglu_quant_backward_cuda(dtype, d_a.raw_data(), h.raw_data(), prob_ptr(prob), M, F, q_ptr, s_ptr, d_h_ptr,
                                  d_prob_ptr, current_stream(dev.index));
-#endif
     } else {
       swiglu_quant_backward_cpu(dtype, d_a.raw_data(), h.raw_data(), prob_ptr(prob), M, F, q_ptr, s_ptr, d_h_ptr,
                                 d_prob_ptr);
@@ -103,10 +101,8 @@ class SwigluQuant : public SharedBodyPrimitive<Primitive> {
     Tensor scale_inv = Tensor::empty({M, fp8_num_blocks(F)}, DType::f32, dev);
     auto* q_ptr = static_cast<uint8_t*>(q.raw_data());
     if (cuda) {
-#ifdef FLOWMOE_WITH_CUDA
       swiglu_quant_forward_cuda(h.dtype(), h.raw_data(), prob_ptr(prob), M, F, q_ptr, scale_inv.data<float>(),
                                 current_stream(dev.index));
-#endif
     } else {
       swiglu_quant_forward_cpu(h.dtype(), h.raw_data(), prob_ptr(prob), M, F, q_ptr, scale_inv.data<float>());
     }

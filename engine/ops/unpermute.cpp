@@ -71,7 +71,6 @@ class UnpermuteBackward : public BackwardPrimitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check_unpermute(in, true, name());
     const Device dev = in[0].device();
     Tensor rows = in[0].contiguous(), row_map = in[2].contiguous(), tokens = in[3].contiguous(),
@@ -93,9 +92,6 @@ class UnpermuteBackward : public BackwardPrimitive {
     a.topk = int(row_map.size(1)), a.num_local_experts = int(tokens.numel()), a.align_size = align_;
     unpermute_backward_cuda(rows.dtype(), a, current_stream(dev.index));
     return {d_rows, d_prob};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
 
@@ -124,7 +120,6 @@ class UnpermuteUnpad : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-#ifdef FLOWMOE_WITH_CUDA
     check_unpermute(in, true, name());
     const Device dev = in[0].device();
     Tensor rows = in[0].contiguous(), row_map = in[2].contiguous(), prob;
@@ -134,9 +129,6 @@ class UnpermuteUnpad : public Primitive {
                    rows.raw_data(), prob.defined() ? prob.data<float>() : nullptr, y.raw_data(),
                    current_stream(dev.index));
     return {y};
-#else
-    throw_no_cuda(name());
-#endif
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,

@@ -69,7 +69,6 @@ double AdamW::grad_norm() {
     }
     return std::sqrt(total);
   }
-#ifdef FLOWMOE_WITH_CUDA
   cudaStream_t stream = current_stream(dev.index);
   norm_slots_.zero_();
   float* slots = norm_slots_.data<float>();
@@ -80,9 +79,6 @@ double AdamW::grad_norm() {
   }
   sum_values_cuda(slots, int64_t(params_.size()), norm_total_.data<float>(), partials_.data<float>(), stream);
   return std::sqrt(double(norm_total_.to_floats()[0]));  // the one host synchronisation
-#else
-  throw_no_cuda("AdamW::grad_norm");
-#endif
 }
 
 void AdamW::step(double lr, double grad_scale) {
@@ -106,11 +102,7 @@ void AdamW::step(double lr, double grad_scale) {
     if (p.device().is_cpu()) {
       adamw_cpu(w, g.data<float>(), m, v, g.numel(), s);
     } else {
-#ifdef FLOWMOE_WITH_CUDA
       adamw_cuda(w, g.data<float>(), m, v, g.numel(), s, current_stream(p.device().index));
-#else
-      throw_no_cuda("AdamW::step");
-#endif
     }
     p.bump_version();  // updated in place: FP8 weight caches must re-quantize
   }

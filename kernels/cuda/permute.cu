@@ -15,7 +15,7 @@
 //      counts, segment starts and the final row_map; when its blocks cannot all be resident it falls back
 //      to route_count + route_scan + route_finalize. Each routing kernel triggers its dependent at once
 //      (start_dependents), so the row kernel becomes resident and loads its first slice of x early.
-//   2. the row move, one of two kernels (permute_rows_impl(), kernels/permute.h):
+//   2. the row move, one of two kernels (PermuteRowKernel, kernels/permute.h):
 //      classic (kernels/cuda/permute_rows.cuh): permute_rows_kernel, one thread group per token, loads
 //      the token's row once (16-byte vectors where the row and pointers allow) and stores it to its k
 //      destination rows; the blocks after the token blocks write the pad rows and the tail.
@@ -32,11 +32,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <string>
 #include <utility>
 
 #include "engine/cuda/cuda_check.h"
@@ -134,18 +132,6 @@ void allow_smem(const void* kernel, size_t smem, bool carveout = false) {
   granted[{kernel, dev}] = smem;
 }
 
-// FLOWMOE_PERMUTE_ROWS=auto|classic|tma, read at the first use unless set_permute_rows_impl came first.
-std::atomic<int> g_rows_impl{-1};
-
-int rows_impl_from_env() {
-  const char* v = std::getenv("FLOWMOE_PERMUTE_ROWS");
-  const std::string s = v ? v : "";
-  if (s.empty() || s == "auto") return kPermuteRowsAuto;
-  if (s == "classic") return kPermuteRowsClassic;
-  if (s == "tma") return kPermuteRowsTma;
-  FLOWMOE_THROW(Error, "FLOWMOE_PERMUTE_ROWS must be auto, classic or tma, got '", s, "'");
-}
-
 void check_permute_args(const RoutingDims& d, const PermuteBuffers& b) {
   check_routing_dims(d);
   FLOWMOE_CHECK(d.num_local_experts <= kMaxLocalExperts, Error, "permute_pad_cuda: at most ", kMaxLocalExperts,
@@ -226,23 +212,20 @@ void launch_rows_tma(const RowArgs& a, int64_t row_bytes, cudaStream_t stream) {
   launch_dependent(permute_rows_tma_kernel, unsigned(blocks), kTmaThreads, smem, stream, ta);
 }
 
-// auto takes the TMA kernel from this row size up: bench_permute's permute_impl lines have shown it
-// ahead on 14 KiB rows (hidden 7168, bf16) in every run on the H100 and the H200, by 0.006-0.028 of
-// copy, and tied or behind on 8 KiB rows and below (docs/PERF.md).
-constexpr size_t kTmaAutoMinRowBytes = 14336;
-
-// The TMA kernel when selected and possible: 16-byte rows and base addresses, and an sm_90 build.
-bool use_tma_rows(const PermuteBuffers& b) {
-  const int impl = permute_rows_impl();
-  if (impl == kPermuteRowsClassic || (impl == kPermuteRowsAuto && b.row_bytes < kTmaAutoMinRowBytes)) return false;
+// The TMA kernel when selected (automatic: from kPermuteTmaMinRowBytes up, kernels/permute.h) and possible:
+// 16-byte rows and base addresses, and an sm_90 build.
+bool use_tma_rows(const PermuteBuffers& b, PermuteRowKernel row_kernel) {
+  if (row_kernel == PermuteRowKernel::classic ||
+      (row_kernel == PermuteRowKernel::automatic && b.row_bytes < kPermuteTmaMinRowBytes))
+    return false;
   return b.row_bytes > 0 && b.row_bytes % 16 == 0 && aligned_to(b.x, 16) && aligned_to(b.rows, 16) &&
          tma_rows_supported();
 }
 
 // Step 2: the row move, after step 1 in the same stream.
-void launch_rows(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream) {
+void launch_rows(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream, PermuteRowKernel row_kernel) {
   if (d.num_tokens == 0 && d.num_rows == 0) return;
-  const bool tma = use_tma_rows(b);
+  const bool tma = use_tma_rows(b, row_kernel);
   const int vb = tma ? 16 : vector_bytes(b.row_bytes, b.x, b.rows);
   RowArgs a{};
   a.x = b.x, a.topk_prob = b.topk_prob, a.side = b.side;
@@ -278,32 +261,16 @@ __global__ void gather_probs_kernel(const int32_t* __restrict__ row_map /*[T*k]*
 
 // ---- public launchers ---------------------------------------------------------------------------
 
-void set_permute_rows_impl(int impl) {
-  FLOWMOE_CHECK(impl == kPermuteRowsAuto || impl == kPermuteRowsClassic || impl == kPermuteRowsTma, Error,
-                "set_permute_rows_impl: ", impl,
-                " is not kPermuteRowsAuto (0), kPermuteRowsClassic (1) or kPermuteRowsTma (2)");
-  g_rows_impl.store(impl);
-}
-
-int permute_rows_impl() {
-  int v = g_rows_impl.load();
-  if (v < 0) {
-    const int from_env = rows_impl_from_env();
-    g_rows_impl.compare_exchange_strong(v, from_env);  // a concurrent set_permute_rows_impl wins
-    v = g_rows_impl.load();
-  }
-  return v;
-}
-
 size_t permute_workspace_bytes(const RoutingDims& d) {
   const int64_t chunks = (d.num_tokens * d.topk + kChunk - 1) / kChunk;
   return size_t(chunks) * size_t(d.num_local_experts) * sizeof(int32_t);
 }
 
-void permute_pad_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream) {
+void permute_pad_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream,
+                      PermuteRowKernel row_kernel) {
   check_permute_args(d, b);
   launch_map(d, b, stream);
-  launch_rows(d, b, stream);
+  launch_rows(d, b, stream, row_kernel);
 }
 
 void permute_map_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream) {
@@ -311,9 +278,10 @@ void permute_map_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_
   launch_map(d, b, stream);
 }
 
-void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream) {
+void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream,
+                       PermuteRowKernel row_kernel) {
   check_permute_args(d, b);
-  launch_rows(d, b, stream);
+  launch_rows(d, b, stream, row_kernel);
 }
 
 void permute_backward_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int topk, int64_t hidden,

@@ -1,5 +1,5 @@
 // permute_pad, step 2 on sm_90: the row move through the bulk-copy (TMA) engine. kernels/cuda/permute.cu
-// includes this and uses it (permute_rows_impl(), kernels/permute.h) when the row length and both base
+// includes this and uses it (PermuteRowKernel, kernels/permute.h) when the row length and both base
 // addresses are multiples of 16 bytes; it writes exactly what permute_rows_kernel (permute_rows.cuh) writes.
 //   Each block owns tokens_per_block consecutive tokens, cut into items (token, chunk of at most
 //   kTmaChunkBytes). Thread 0 loads items into a ring of shared-memory stages (cp.async.bulk global ->

@@ -6,14 +6,16 @@
 //            row stages [d_g | d_u] in shared memory (its 1x128 blocks may straddle the gate/up seam) and a
 //            warp per block quantizes it. d_prob is a fixed-order reduction either way (no atomics).
 // silu / silu' come from kernels/cuda/silu.cuh; products use __fmul_rn in the reference's order.
-// CPU reference: kernels/cpu/swiglu_quant.cpp. Tests: tests/test_swiglu_quant.cpp. The unfused baseline's
-// kernels (prob product, row dot, plain quantize) are here for bench/bench_swiglu_quant.cpp.
+// The quantize building blocks (chunk loads, amax, e4m3 stores) come from kernels/cuda/quantize_rows.cuh.
+// CPU reference: kernels/cpu/swiglu_quant.cpp. Tests: tests/test_swiglu_quant.cpp. The unfused baseline
+// bench/bench_swiglu_quant.cpp measures against lives in bench/baselines/swiglu_quant_baseline.cu.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include "engine/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/packed.cuh"
+#include "kernels/cuda/quantize_rows.cuh"
 #include "kernels/cuda/silu.cuh"
 #include "kernels/fp8.h"
 #include "kernels/swiglu_quant.h"
@@ -24,94 +26,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Elements of T in one 16-byte load.
-template <class T>
-constexpr int vec_elems() {
-  return 16 / int(sizeof(T));
-}
-
 // ---- kernels ----------------------------------------------------------------------------------
-
-// N values of `row` from column j0, zero at columns >= n. kVec: one 16-byte load (the caller
-// guarantees n % N == 0, so j0 < n means the whole chunk is in range).
-template <class T, bool kVec, int N>
-__device__ __forceinline__ void load_chunk(const T* __restrict__ row, int64_t j0, int64_t n, float (&v)[N]) {
-  if constexpr (kVec) {
-    const Packed<T, 16> p = Packed<T, 16>::load(row + j0);
-#pragma unroll
-    for (int e = 0; e < N; ++e) v[e] = p.get(e);
-  } else {
-#pragma unroll
-    for (int e = 0; e < N; ++e) v[e] = j0 + e < n ? to_float(row[j0 + e]) : 0.f;
-  }
-}
-
-__device__ __forceinline__ uint32_t e4m3_bits(float x) {
-  return uint32_t(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
-}
-
-// amax over a group of L lanes (L a power of two <= 32, groups aligned): NaN propagates.
-template <int L>
-__device__ __forceinline__ float group_amax(float amax) {
-#pragma unroll
-  for (int o = L / 2; o > 0; o >>= 1) amax = fp8_amax_update(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  return amax;
-}
-
-// Quantizes N values (columns j0.. of one row) with the group's scale; N bytes stored at out (kVec:
-// as one N-byte store) or fewer at a row's end (only columns < n).
-template <bool kVec, int N>
-__device__ __forceinline__ void store_e4m3(uint8_t* __restrict__ out, const float (&v)[N], float scale, int64_t j0,
-                                           int64_t n) {
-  if constexpr (kVec) {
-    uint32_t w[N / 4];
-#pragma unroll
-    for (int k = 0; k < N / 4; ++k)
-      w[k] = e4m3_bits(__fmul_rn(v[4 * k], scale)) | e4m3_bits(__fmul_rn(v[4 * k + 1], scale)) << 8 |
-             e4m3_bits(__fmul_rn(v[4 * k + 2], scale)) << 16 | e4m3_bits(__fmul_rn(v[4 * k + 3], scale)) << 24;
-    if constexpr (N == 8)
-      *reinterpret_cast<uint2*>(out) = make_uint2(w[0], w[1]);
-    else
-      *reinterpret_cast<uint32_t*>(out) = w[0];
-  } else {
-#pragma unroll
-    for (int e = 0; e < N; ++e)
-      if (j0 + e < n) out[e] = uint8_t(e4m3_bits(__fmul_rn(v[e], scale)));
-  }
-}
-
-// Rowwise 1x128 quantize of M rows of K values made on the fly by produce(r, j0, v) (v[0..N) =
-// columns j0.. of row r). A group of L = 128 / N lanes per (row, block); the loop's trip count is
-// warp-uniform so the shuffles always see the whole warp.
-template <int N, bool kVec, class Produce>
-__device__ __forceinline__ void quantize_rows(int64_t M, int64_t K, uint8_t* __restrict__ q,
-                                              float* __restrict__ scale_inv, Produce produce) {
-  constexpr int L = kFp8BlockSize / N, kGroupsPerWarp = 32 / L;
-  const int64_t nb = fp8_num_blocks(K), num_groups = M * nb;
-  const int sub = (threadIdx.x & 31) % L;
-  const int64_t num_warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; w * kGroupsPerWarp < num_groups;
-       w += num_warps) {
-    const int64_t group = w * kGroupsPerWarp + (threadIdx.x & 31) / L;
-    const bool valid = group < num_groups;
-    const int64_t r = valid ? group / nb : 0, b = valid ? group - r * nb : 0, j0 = b * kFp8BlockSize + sub * N;
-    float v[N];
-    if (valid && j0 < K) {
-      produce(r, j0, v);
-    } else {
-#pragma unroll
-      for (int e = 0; e < N; ++e) v[e] = 0.f;
-    }
-    float amax = 0.f;
-#pragma unroll
-    for (int e = 0; e < N; ++e) amax = fp8_amax_update(amax, v[e]);
-    amax = group_amax<L>(amax);
-    if (!valid || j0 >= K) continue;
-    const float s_inv = fp8_scale_inv(amax);
-    if (sub == 0) scale_inv[r * nb + b] = s_inv;
-    store_e4m3<kVec>(q + r * K + j0, v, fp8_scale_from_inv(s_inv), j0, K);
-  }
-}
 
 // SwiGLU backward of N columns (math in kernels/swiglu_quant.h), adding the d_prob terms to dot in
 // column order; shared by both backward kernels so their products round alike.
@@ -284,35 +199,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- the unfused baseline (bench only) ---------------------------------------------------------
-
-template <class T>
-__global__ void row_scale_kernel(T* out, const T* x, const float* __restrict__ row_scale, int64_t M, int64_t K) {
-  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < K; j += int64_t(gridDim.x) * blockDim.x)
-    for (int64_t r = blockIdx.y; r < M; r += gridDim.y)
-      out[r * K + j] = from_float<T>(to_float(x[r * K + j]) * row_scale[r]);
-}
-
-template <class T>
-__global__ void row_dot_kernel(float* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, int64_t M,
-                               int64_t K) {
-  __shared__ float scratch[32];
-  for (int64_t r = blockIdx.x; r < M; r += gridDim.x) {
-    float s = 0.f;
-    for (int64_t k = threadIdx.x; k < K; k += blockDim.x) s += to_float(a[r * K + k]) * to_float(b[r * K + k]);
-    s = block_sum(s, scratch);
-    if (threadIdx.x == 0) out[r] = s;
-  }
-}
-
-template <class T, bool kVec>
-__global__ void __launch_bounds__(kThreads)
-    quantize_kernel(const T* __restrict__ x, int64_t M, int64_t K, uint8_t* __restrict__ q, float* __restrict__ s) {
-  constexpr int N = vec_elems<T>();
-  quantize_rows<N, kVec>(M, K, q, s,
-                         [&](int64_t r, int64_t j0, float(&v)[N]) { load_chunk<T, kVec>(x + r * K, j0, K, v); });
-}
-
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Blocks for the forward/quantize grid: one group of 128/N lanes per (row, block), grid-stride beyond.
@@ -379,42 +265,6 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, con
     const unsigned grid = unsigned(M < (int64_t(1) << 30) ? M : (int64_t(1) << 30));
     kernel<<<grid, threads, smem, stream>>>(static_cast<const T*>(d_a), static_cast<const T*>(h), prob, M, F, d_h_q,
                                             d_h_scale_inv, static_cast<T*>(d_h), d_prob);
-  });
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void swiglu_quant_baseline_row_scale_cuda(DType dtype, void* out, const void* x, const float* row_scale, int64_t M,
-                                          int64_t K, cudaStream_t stream) {
-  if (M == 0 || K == 0) return;
-  dispatch_cuda_float(dtype, "swiglu_quant_baseline_row_scale_cuda", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const int64_t col_blocks = (K + kThreads - 1) / kThreads;
-    dim3 grid(unsigned(col_blocks < 65536 ? col_blocks : 65536), unsigned(M < 65535 ? M : 65535));
-    row_scale_kernel<<<grid, kThreads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(x), row_scale, M, K);
-  });
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void swiglu_quant_baseline_row_dot_cuda(DType dtype, float* out, const void* a, const void* b, int64_t M, int64_t K,
-                                        cudaStream_t stream) {
-  if (M == 0) return;
-  dispatch_cuda_float(dtype, "swiglu_quant_baseline_row_dot_cuda", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const unsigned grid = unsigned(M < (int64_t(1) << 30) ? M : (int64_t(1) << 30));
-    row_dot_kernel<<<grid, kThreads, 0, stream>>>(out, static_cast<const T*>(a), static_cast<const T*>(b), M, K);
-  });
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void swiglu_quant_baseline_quantize_cuda(DType dtype, const void* x, int64_t M, int64_t K, uint8_t* q, float* s,
-                                         cudaStream_t stream) {
-  if (M == 0 || K == 0) return;
-  dispatch_cuda_float(dtype, "swiglu_quant_baseline_quantize_cuda", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    constexpr int N = vec_elems<T>();
-    const bool vec = K % N == 0 && aligned(x, 16) && aligned(q, N);
-    auto kernel = vec ? quantize_kernel<T, true> : quantize_kernel<T, false>;
-    kernel<<<quantize_grid(M, K, N), kThreads, 0, stream>>>(static_cast<const T*>(x), M, K, q, s);
   });
   MOE_CUDA_CHECK_LAUNCH();
 }
