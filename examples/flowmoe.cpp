@@ -17,7 +17,7 @@
 #include "engine/train/config.h"
 #include "engine/train/data.h"
 #include "engine/train/memory_estimate.h"
-#include "engine/train/metrics.h"
+#include "engine/train/plot.h"
 #include "engine/train/trainer.h"
 
 using namespace flowmoe;

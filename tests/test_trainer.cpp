@@ -14,6 +14,7 @@
 #include "engine/train/checkpoint.h"
 #include "engine/train/metrics.h"
 #include "engine/train/optimizer.h"
+#include "engine/train/plot.h"
 #include "engine/train/trainer.h"
 #include "tests/train_test_util.h"
 

@@ -524,99 +524,16 @@ void apply_override(Config& cfg, const std::string& assignment) {
   set_field(cfg, *f, value, where);
 }
 
+// Each section's own cross-key checks, in a fixed order: the first problem found is the one reported.
 void validate(const Config& c) {
   const KeyReport report(c);
-  auto err = [&](const std::string& key, const std::string& msg) { report.err(key, msg); };
-  auto from = [&](const std::string& key) { return report.from(key); };
-  // Reported at the key the user touched last, naming where the other came from (config_checks.h).
-  auto conflict = [&](const std::string& a, const std::string& b, const std::string& msg) {
-    report.conflict({a, b}, msg);
-  };
-  const ModelConfig& m = c.model;
-
-  auto n = [](auto v) {
-    std::ostringstream os;
-    os << v;
-    return os.str();
-  };
-  if (m.hidden_size % m.num_attention_heads != 0)
-    conflict("model.hidden_size", "model.num_attention_heads",
-             "model.hidden_size = " + n(m.hidden_size) + " is not divisible by model.num_attention_heads = " +
-                 n(m.num_attention_heads));
-  if ((m.hidden_size / m.num_attention_heads) % 2 != 0)
-    conflict("model.num_attention_heads", "model.hidden_size",
-             "the head size model.hidden_size / model.num_attention_heads = " + n(m.hidden_size) + " / " +
-                 n(m.num_attention_heads) + " = " + n(m.hidden_size / m.num_attention_heads) +
-                 " must be even (RoPE rotates pairs)");
-  if (c.data.seq_len > m.max_position_embeddings)
-    conflict("data.seq_len", "model.max_position_embeddings",
-             "data.seq_len = " + n(c.data.seq_len) + " exceeds model.max_position_embeddings = " +
-                 n(m.max_position_embeddings));
-
-  // MoE keys: consistency of the routing (DeepSeek-V3 group-limited top-k).
-  if (m.n_routed_experts > 0) {
-    if (m.n_routed_experts % m.n_group != 0)
-      err("model.n_group", std::to_string(m.n_group) + " does not divide model.n_routed_experts = " +
-                               std::to_string(m.n_routed_experts));
-    if (m.topk_group > m.n_group)
-      err("model.topk_group", std::to_string(m.topk_group) + " exceeds model.n_group = " + std::to_string(m.n_group));
-    if (m.num_experts_per_tok > m.n_routed_experts)
-      conflict("model.num_experts_per_tok", "model.n_routed_experts",
-               "model.num_experts_per_tok = " + n(m.num_experts_per_tok) + " exceeds model.n_routed_experts = " +
-                   n(m.n_routed_experts));
-    if (m.first_k_dense_replace > m.num_hidden_layers)
-      err("model.first_k_dense_replace", std::to_string(m.first_k_dense_replace) +
-                                             " exceeds model.num_hidden_layers = " + std::to_string(m.num_hidden_layers));
-    // The router kernel's limits (kernels/cuda/router.cu), enforced on the CPU too.
-    if (m.n_routed_experts > 256) err("model.n_routed_experts", n(m.n_routed_experts) + " exceeds the router's limit of 256");
-    if (m.num_experts_per_tok > 16) err("model.num_experts_per_tok", n(m.num_experts_per_tok) + " exceeds the router's limit of 16");
-    if (m.n_group > 16) err("model.n_group", n(m.n_group) + " exceeds the router's limit of 16");
-    if (m.n_routed_experts % m.n_group == 0 && m.topk_group <= m.n_group &&
-        m.num_experts_per_tok > m.topk_group * (m.n_routed_experts / m.n_group))
-      report.conflict({"model.num_experts_per_tok", "model.topk_group", "model.n_group", "model.n_routed_experts"},
-                      "num_experts_per_tok = " + n(m.num_experts_per_tok) +
-                          " exceeds the experts in the kept groups (topk_group " + n(m.topk_group) + " x " +
-                          n(m.n_routed_experts / m.n_group) + " experts per group)");
-  }
-
-  const DataConfig& d = c.data;
-  if (d.source == "synthetic") {
-    if (!d.path.empty())
-      err("data.path", "is set, but data.source is synthetic (" + c.origin("data.source") +
-                           "); use source: text or tokens to read files");
-    if (m.vocab_size < 16) err("model.vocab_size", "the synthetic corpus needs vocab_size >= 16");
-    double train_tokens = double(d.synthetic_tokens) * (1 - d.val_fraction);
-    double val_tokens = double(d.synthetic_tokens) * d.val_fraction;
-    if (train_tokens < double(d.seq_len + 1) || (d.val_fraction > 0 && val_tokens < double(d.seq_len + 1)))
-      report.conflict({"data.synthetic_tokens", "data.seq_len", "data.val_fraction"},
-                      "data.synthetic_tokens = " + n(d.synthetic_tokens) +
-                          " tokens are too few for one training and one validation sequence of data.seq_len = " +
-                          n(d.seq_len) + " tokens, with data.val_fraction = " + n(d.val_fraction) + " held out");
-  } else {
-    if (d.path.empty()) err("data.source", d.source + " needs data.path");
-    std::error_code ec;
-    fs::file_status st = fs::status(d.path, ec);
-    if (ec || !fs::exists(st)) err("data.path", "'" + d.path + "' does not exist");
-    if (d.source == "tokens" && !fs::is_regular_file(st))
-      err("data.path", "'" + d.path + "' is not a file (tokens needs a .bin token file)");
-    if (d.source == "text" && m.vocab_size < 256)
-      err("model.vocab_size", std::to_string(m.vocab_size) + " is too small for byte-level text (" +
-                                  from("data.source") + "); use vocab_size >= 256");
-  }
-
-  if (c.optimizer.min_lr > c.optimizer.lr)
-    conflict("optimizer.min_lr", "optimizer.lr",
-             "optimizer.min_lr = " + n(c.optimizer.min_lr) + " exceeds optimizer.lr = " + n(c.optimizer.lr));
-  if (c.optimizer.warmup_steps > c.train.steps)
-    conflict("optimizer.warmup_steps", "train.steps",
-             "optimizer.warmup_steps = " + n(c.optimizer.warmup_steps) + " exceeds train.steps = " + n(c.train.steps));
-
+  check_model_shape(c, report);
+  check_moe_routing(c, report);
+  check_data_source(c, report);
+  check_lr_schedule(c, report);
   check_precision_recipe(c, report);
   check_tensor_sizes(c, report);
-  if (c.parallel.data_parallel_size != 1)
-    err("parallel.data_parallel_size", "data parallelism is not available yet (use 1)");
-  if (c.parallel.expert_parallel_size != 1)
-    err("parallel.expert_parallel_size", "expert parallelism (NCCL dispatch/combine) is not available yet (use 1)");
+  check_parallel(c, report);
 }
 
 Config parse_config(const std::string& yaml_text, const std::string& name, const std::vector<std::string>& overrides) {

@@ -1,13 +1,29 @@
-// The precision-recipe and tensor-size checks of validate() (see config_checks.h).
+// The cross-key checks of validate() (see config_checks.h).
 #include "engine/train/config_checks.h"
 
 #include <cstdint>
+#include <filesystem>
 #include <limits>
+#include <sstream>
 #include <utility>
 
 #include "engine/error.h"
 
 namespace flowmoe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// A value as a stream prints it (doubles with 6 significant digits), for messages.
+template <class T>
+std::string str(T v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+}  // namespace
 
 void KeyReport::err(const std::string& key, const std::string& msg) const {
   throw ConfigError(c_.origin(key) + ": " + key + ": " + msg);
@@ -28,6 +44,105 @@ void KeyReport::conflict(const std::vector<std::string>& keys, const std::string
   for (const std::string& k : keys)
     if (k != key) others += (others.empty() ? "" : "; ") + k + ": " + c_.origin(k);
   err(key, msg + " (" + others + ")");
+}
+
+void check_model_shape(const Config& c, const KeyReport& r) {
+  const ModelConfig& m = c.model;
+  if (m.hidden_size % m.num_attention_heads != 0)
+    r.conflict({"model.hidden_size", "model.num_attention_heads"},
+               "model.hidden_size = " + str(m.hidden_size) + " is not divisible by model.num_attention_heads = " +
+                   str(m.num_attention_heads));
+  if ((m.hidden_size / m.num_attention_heads) % 2 != 0)
+    r.conflict({"model.num_attention_heads", "model.hidden_size"},
+               "the head size model.hidden_size / model.num_attention_heads = " + str(m.hidden_size) + " / " +
+                   str(m.num_attention_heads) + " = " + str(m.hidden_size / m.num_attention_heads) +
+                   " must be even (RoPE rotates pairs)");
+  if (c.data.seq_len > m.max_position_embeddings)
+    r.conflict({"data.seq_len", "model.max_position_embeddings"},
+               "data.seq_len = " + str(c.data.seq_len) + " exceeds model.max_position_embeddings = " +
+                   str(m.max_position_embeddings));
+}
+
+void check_moe_routing(const Config& c, const KeyReport& r) {
+  const ModelConfig& m = c.model;
+  if (m.n_routed_experts == 0) return;
+  if (m.n_routed_experts % m.n_group != 0)
+    r.err("model.n_group", std::to_string(m.n_group) + " does not divide model.n_routed_experts = " +
+                               std::to_string(m.n_routed_experts));
+  if (m.topk_group > m.n_group)
+    r.err("model.topk_group", std::to_string(m.topk_group) + " exceeds model.n_group = " + std::to_string(m.n_group));
+  if (m.num_experts_per_tok > m.n_routed_experts)
+    r.conflict({"model.num_experts_per_tok", "model.n_routed_experts"},
+               "model.num_experts_per_tok = " + str(m.num_experts_per_tok) + " exceeds model.n_routed_experts = " +
+                   str(m.n_routed_experts));
+  if (m.first_k_dense_replace > m.num_hidden_layers)
+    r.err("model.first_k_dense_replace", std::to_string(m.first_k_dense_replace) +
+                                             " exceeds model.num_hidden_layers = " +
+                                             std::to_string(m.num_hidden_layers));
+  // The router kernel's limits (kernels/cuda/router.cu), enforced on the CPU too.
+  if (m.n_routed_experts > 256)
+    r.err("model.n_routed_experts", str(m.n_routed_experts) + " exceeds the router's limit of 256");
+  if (m.num_experts_per_tok > 16)
+    r.err("model.num_experts_per_tok", str(m.num_experts_per_tok) + " exceeds the router's limit of 16");
+  if (m.n_group > 16) r.err("model.n_group", str(m.n_group) + " exceeds the router's limit of 16");
+  // The groups divide the experts evenly here (checked above).
+  if (m.num_experts_per_tok > m.topk_group * (m.n_routed_experts / m.n_group))
+    r.conflict({"model.num_experts_per_tok", "model.topk_group", "model.n_group", "model.n_routed_experts"},
+               "num_experts_per_tok = " + str(m.num_experts_per_tok) +
+                   " exceeds the experts in the kept groups (topk_group " + str(m.topk_group) + " x " +
+                   str(m.n_routed_experts / m.n_group) + " experts per group)");
+}
+
+static void check_synthetic_data(const Config& c, const KeyReport& r) {
+  const DataConfig& d = c.data;
+  if (!d.path.empty())
+    r.err("data.path", "is set, but data.source is synthetic (" + c.origin("data.source") +
+                           "); use source: text or tokens to read files");
+  if (c.model.vocab_size < 16) r.err("model.vocab_size", "the synthetic corpus needs vocab_size >= 16");
+  double train_tokens = double(d.synthetic_tokens) * (1 - d.val_fraction);
+  double val_tokens = double(d.synthetic_tokens) * d.val_fraction;
+  if (train_tokens < double(d.seq_len + 1) || (d.val_fraction > 0 && val_tokens < double(d.seq_len + 1)))
+    r.conflict({"data.synthetic_tokens", "data.seq_len", "data.val_fraction"},
+               "data.synthetic_tokens = " + str(d.synthetic_tokens) +
+                   " tokens are too few for one training and one validation sequence of data.seq_len = " +
+                   str(d.seq_len) + " tokens, with data.val_fraction = " + str(d.val_fraction) + " held out");
+}
+
+static void check_data_files(const Config& c, const KeyReport& r) {
+  const DataConfig& d = c.data;
+  if (d.path.empty()) r.err("data.source", d.source + " needs data.path");
+  std::error_code ec;
+  fs::file_status st = fs::status(d.path, ec);
+  if (ec || !fs::exists(st)) r.err("data.path", "'" + d.path + "' does not exist");
+  if (d.source == "tokens" && !fs::is_regular_file(st))
+    r.err("data.path", "'" + d.path + "' is not a file (tokens needs a .bin token file)");
+  if (d.source == "text" && c.model.vocab_size < 256)
+    r.err("model.vocab_size", std::to_string(c.model.vocab_size) + " is too small for byte-level text (" +
+                                  r.from("data.source") + "); use vocab_size >= 256");
+}
+
+void check_data_source(const Config& c, const KeyReport& r) {
+  if (c.data.source == "synthetic")
+    check_synthetic_data(c, r);
+  else
+    check_data_files(c, r);
+}
+
+void check_lr_schedule(const Config& c, const KeyReport& r) {
+  const OptimizerConfig& o = c.optimizer;
+  if (o.min_lr > o.lr)
+    r.conflict({"optimizer.min_lr", "optimizer.lr"},
+               "optimizer.min_lr = " + str(o.min_lr) + " exceeds optimizer.lr = " + str(o.lr));
+  if (o.warmup_steps > c.train.steps)
+    r.conflict({"optimizer.warmup_steps", "train.steps"},
+               "optimizer.warmup_steps = " + str(o.warmup_steps) + " exceeds train.steps = " + str(c.train.steps));
+}
+
+void check_parallel(const Config& c, const KeyReport& r) {
+  if (c.parallel.data_parallel_size != 1)
+    r.err("parallel.data_parallel_size", "data parallelism is not available yet (use 1)");
+  if (c.parallel.expert_parallel_size != 1)
+    r.err("parallel.expert_parallel_size", "expert parallelism (NCCL dispatch/combine) is not available yet (use 1)");
 }
 
 // The FP8 recipes change only the routed experts' fc1 and fc2 GEMMs (layers/moe.cpp; fp8_flow also

@@ -1,6 +1,5 @@
 // Cross-key checks of a Config that validate() (config.cpp) runs after every key passed its own
-// type and range check: the reporting rules they share, and the checks of the precision recipe and
-// of tensor sizes.
+// type and range check: the reporting rules they share, and one check per concern.
 #pragma once
 #include <string>
 #include <vector>
@@ -25,9 +24,19 @@ class KeyReport {
   int rank(const std::string& key) const;
 };
 
+// Attention heads that divide the width into even head sizes; sequences that fit the positions.
+void check_model_shape(const Config& c, const KeyReport& r);
+// The MoE keys agree with each other and with the router kernel's limits (DeepSeek-V3 group-limited top-k).
+void check_moe_routing(const Config& c, const KeyReport& r);
+// A synthetic corpus big enough for one sequence per split, or a data.path that exists and suits the source.
+void check_data_source(const Config& c, const KeyReport& r);
+// The learning-rate schedule: min_lr below lr, warm-up within the run.
+void check_lr_schedule(const Config& c, const KeyReport& r);
 // An FP8 recipe needs MoE layers to act on, and 128-wide widths for its FP8 blocks.
 void check_precision_recipe(const Config& c, const KeyReport& r);
 // The largest activations of one micro-batch must stay indexable with int64 byte counts.
 void check_tensor_sizes(const Config& c, const KeyReport& r);
+// Data and expert parallelism are not available yet: both sizes must be 1.
+void check_parallel(const Config& c, const KeyReport& r);
 
 }  // namespace flowmoe

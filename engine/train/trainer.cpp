@@ -1,8 +1,8 @@
-// The training loop (see trainer.h).
+// The training run: its set-up, the loop around train_step(), evaluation, checkpoints and the
+// summary (see trainer.h).
 #include "engine/train/trainer.h"
 
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -12,8 +12,8 @@
 #include "engine/cuda_api.h"
 #include "engine/train/checkpoint.h"
 #include "engine/train/memory_estimate.h"
-#include "engine/train/metrics.h"
-#include "engine/train/optimizer.h"
+#include "engine/train/progress.h"
+#include "engine/train/train_step.h"
 
 namespace flowmoe {
 
@@ -113,21 +113,12 @@ static void remove_unfinished_checkpoints(const Config& cfg, std::FILE* out) {
   std::fflush(out);
 }
 
-TrainResult train(const Config& cfg, const TrainOptions& opts) {
-  // A stop requested before this point (a signal during start-up) holds: it is cleared on return.
-  struct ClearStopOnReturn {
-    ~ClearStopOnReturn() { g_stop_requested = false; }
-  } clear_stop;
-  const Device device = resolve_device(cfg);
-  const DType compute = compute_dtype_for(cfg, device);
-  std::string resume_note;
-  const std::string resume_dir = resume_target(cfg, &resume_note);
-  remove_unfinished_checkpoints(cfg, opts.out);
-  const TrainConfig& tc = cfg.train;
-  Progress progress(cfg.logging.progress, tc.steps, cfg.logging.log_every, opts.out);
+// ---- set-up --------------------------------------------------------------------------------------
 
-  // Counted and sized from the config before anything is allocated, so a model that cannot fit is
-  // refused at once instead of allocating until the system kills the process.
+// The opening line (parameters, device, the expected initial loss) and the memory estimate. Counted
+// and sized from the config before anything is allocated, so a model that cannot fit is refused at
+// once instead of allocating until the system kills the process.
+static void check_memory(const Config& cfg, Device device, DType compute, Progress& progress) {
   const MemoryEstimate need = estimate_memory(cfg, device);
   progress.message("flowmoe: " + format_count(double(need.num_parameters)) + " parameters (" +
                    std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
@@ -137,207 +128,210 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
   const double available = available_memory_bytes(device);
   progress.message("memory: " + need.summary() + " of " + format_bytes(available) + " available on " + device.str());
   check_fits(need, available, device.str());
+}
 
-  TrainResult res;
-  res.out_dir = cfg.run_dir();
+// The run directory, with the resolved config written into it.
+static std::string make_run_dir(const Config& cfg) {
+  const std::string dir = cfg.run_dir();
   std::error_code ec;
-  fs::create_directories(res.out_dir, ec);
-  FLOWMOE_CHECK(!ec, IoError, "cannot create the run directory '", res.out_dir, "': ", ec.message());
-  {
-    std::ofstream out(fs::path(res.out_dir) / "config.yaml");
-    out << to_yaml(cfg);
-    FLOWMOE_CHECK(out.good(), IoError, "cannot write '", (fs::path(res.out_dir) / "config.yaml").string(), "'");
-  }
+  fs::create_directories(dir, ec);
+  FLOWMOE_CHECK(!ec, IoError, "cannot create the run directory '", dir, "': ", ec.message());
+  std::ofstream out(fs::path(dir) / "config.yaml");
+  out << to_yaml(cfg);
+  FLOWMOE_CHECK(out.good(), IoError, "cannot write '", (fs::path(dir) / "config.yaml").string(), "'");
+  return dir;
+}
 
-  DataLoader data = DataLoader::from_config(cfg);
-  Transformer model(cfg.model, device, compute, uint64_t(tc.seed), moe_options(cfg));
-  AdamW opt(model.parameters(), cfg.optimizer);
+// What comes before the first allocation: the cleanup of a crash's leftovers, the memory check and
+// the run directory. The result starts with the run directory's path.
+static TrainResult prepare_run(const Config& cfg, Device device, DType compute, std::FILE* out,
+                               Progress& progress) {
+  remove_unfinished_checkpoints(cfg, out);
+  check_memory(cfg, device, compute, progress);
+  TrainResult res;
+  res.out_dir = make_run_dir(cfg);
+  return res;
+}
+
+static void check_router_lr_scale(const Config& cfg, const AdamW& opt) {
   FLOWMOE_CHECK(cfg.optimizer.router_lr_scale == 1.0 || opt.num_router_params() > 0, ConfigError,
                 cfg.origin("optimizer.router_lr_scale"), ": optimizer.router_lr_scale is ",
                 cfg.optimizer.router_lr_scale, " but the model has no MoE router (n_routed_experts is 0 or ",
                 "first_k_dense_replace covers every layer)");
+}
 
-  int64_t step = 0, skipped = 0;
-  if (!resume_dir.empty()) {
-    CheckpointMeta meta = load_checkpoint(resume_dir, model.parameters(), &opt.exp_avg(), &opt.exp_avg_sq(),
-                                          model.buffers());
-    FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
-                  ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
-                  " (a resumed run must keep its data order)");
-    data.set_position(meta.data);
-    step = meta.step;
-    skipped = meta.skipped_steps;
-    opt.set_num_updates(meta.num_updates);
-    resume_note = "resumed from " + resume_dir + " at step " + std::to_string(step);
-  }
+// Loads the weights, optimizer state, buffers and data position of run.resume_dir.
+static void resume_from_checkpoint(TrainRun& run) {
+  const Config& cfg = run.cfg;
+  CheckpointMeta meta = load_checkpoint(run.resume_dir, run.model.parameters(), &run.opt.exp_avg(),
+                                        &run.opt.exp_avg_sq(), run.model.buffers());
+  FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
+                ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
+                " (a resumed run must keep its data order)");
+  run.data.set_position(meta.data);
+  run.step = meta.step;
+  run.skipped = meta.skipped_steps;
+  run.opt.set_num_updates(meta.num_updates);
+  run.resume_note = "resumed from " + run.resume_dir + " at step " + std::to_string(run.step);
+}
+
+// The data line, the resume note and a capped evaluation, before the first step.
+static void announce_data(TrainRun& run) {
+  const Config& cfg = run.cfg;
+  const TrainConfig& tc = cfg.train;
+  const std::string source =
+      cfg.data.source == "synthetic" ? "synthetic (" + cfg.data.synthetic_kind + ")" : cfg.data.source;
+  run.progress.message("data: " + source + ", " + std::to_string(run.data.num_train_windows()) + " train / " +
+                       std::to_string(run.data.num_val_windows()) + " val sequences of " +
+                       std::to_string(cfg.data.seq_len) + " tokens; " + std::to_string(tc.steps) + " steps x " +
+                       std::to_string(run.tokens_per_step) + " tokens; outputs in " + run.res.out_dir);
+  if (!run.resume_note.empty()) run.progress.message(run.resume_note);
+  if (run.val.capped)
+    run.progress.message("evaluation: train.eval_batches = " + std::to_string(tc.eval_batches) + " is more than " +
+                         run.val.describe() + "; using " + std::to_string(run.val.num_batches));
+}
+
+TrainRun::TrainRun(const Config& c, const TrainOptions& o)
+    : cfg(c),
+      opts(o),
+      device(resolve_device(c)),
+      compute(compute_dtype_for(c, device)),
+      resume_dir(resume_target(c, &resume_note)),
+      progress(c.logging.progress, c.train.steps, c.logging.log_every, o.out),
+      res(prepare_run(c, device, compute, o.out, progress)),
+      data(DataLoader::from_config(c)),
+      model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c)),
+      opt(model.parameters(), c.optimizer) {
+  check_router_lr_scale(cfg, opt);
+  if (!resume_dir.empty()) resume_from_checkpoint(*this);
   res.first_step = step + 1;
   res.skipped_steps = skipped;
   res.metrics_file = (fs::path(res.out_dir) / ("metrics." + cfg.logging.metrics_format)).string();
-  MetricsWriter metrics(res.metrics_file, cfg.logging.metrics_format, resume_dir.empty() ? -1 : step);
+  metrics.emplace(res.metrics_file, cfg.logging.metrics_format, resume_dir.empty() ? -1 : step);
 
-  const int64_t tokens_per_step = tc.batch_size * cfg.data.seq_len * tc.grad_accum_steps;
-  const bool have_val = data.num_val_windows() > 0;
-  const ValBatches val = have_val ? whole_val_batches(data, tc.eval_batches, tc.batch_size) : ValBatches{};
-  const std::string source =
-      cfg.data.source == "synthetic" ? "synthetic (" + cfg.data.synthetic_kind + ")" : cfg.data.source;
-  progress.message("data: " + source + ", " + std::to_string(data.num_train_windows()) + " train / " +
-                   std::to_string(data.num_val_windows()) + " val sequences of " + std::to_string(cfg.data.seq_len) +
-                   " tokens; " + std::to_string(tc.steps) + " steps x " + std::to_string(tokens_per_step) +
-                   " tokens; outputs in " + res.out_dir);
-  if (!resume_note.empty()) progress.message(resume_note);
-  if (val.capped)
-    progress.message("evaluation: train.eval_batches = " + std::to_string(tc.eval_batches) + " is more than " +
-                     val.describe() + "; using " + std::to_string(val.num_batches));
-
-  const int64_t end = opts.stop_after >= 0 ? std::min(tc.steps, opts.stop_after) : tc.steps;
-  const std::string ckpt_root = cfg.checkpoint_dir();
-  auto save = [&](int64_t at) {
-    CheckpointMeta meta;
-    meta.step = at;
-    meta.num_updates = opt.num_updates();
-    meta.skipped_steps = skipped;
-    meta.data = data.position();
-    meta.data_seed = uint64_t(cfg.data.seed);
-    meta.init_seed = uint64_t(tc.seed);
-    meta.config_yaml = to_yaml(cfg);
-    res.last_checkpoint = save_checkpoint(ckpt_root, meta, model.parameters(), opt.exp_avg(), opt.exp_avg_sq(),
-                                          cfg.checkpoint.keep_last, model.buffers());
-  };
-
+  const TrainConfig& tc = cfg.train;
+  tokens_per_step = tc.batch_size * cfg.data.seq_len * tc.grad_accum_steps;
+  have_val = data.num_val_windows() > 0;
+  if (have_val) val = whole_val_batches(data, tc.eval_batches, tc.batch_size);
+  announce_data(*this);
+  end = opts.stop_after >= 0 ? std::min(tc.steps, opts.stop_after) : tc.steps;
   // Casts are reported per MoE layer and micro-batch (what one forward + backward of a layer makes).
-  const double cast_divisor = double(model.num_moe_layers() * tc.grad_accum_steps);
-  CastCounts last_casts;
+  cast_divisor = double(model.num_moe_layers() * tc.grad_accum_steps);
+}
 
-  using clock = std::chrono::steady_clock;
-  double train_seconds = 0;
-  int64_t steps_done = 0, last_saved = -1;
-  while (step < end) {
-    const auto t0 = clock::now();
-    const uint64_t syncs_before = num_host_syncs();
-    reset_cast_counts();
-    ++step;
-    StepMetrics m;
-    m.step = step;
-    m.lr = learning_rate(cfg.optimizer, step, tc.steps);
-    opt.zero_grad();
-    double loss_sum = 0, aux_sum = 0;
-    bool has_aux = false;
-    for (int64_t a = 0; a < tc.grad_accum_steps; ++a) {
-      Batch b = data.next_train(tc.batch_size);
-      const Transformer::Losses parts = model.losses(b.inputs, b.targets);
-      const Variable loss = parts.total();
-      loss_sum += double(parts.lm.data().to_floats()[0]);
-      if (parts.aux.defined()) {
-        has_aux = true;
-        aux_sum += double(parts.aux.data().to_floats()[0]);
-      }
-      (tc.grad_accum_steps > 1 ? scale(loss, 1.0 / double(tc.grad_accum_steps)) : loss).backward();
-    }
-    // The LM loss and the balance loss are logged apart; training minimizes their sum.
-    m.loss = loss_sum / double(tc.grad_accum_steps);
-    m.aux_loss = has_aux ? aux_sum / double(tc.grad_accum_steps) : NAN;
-    m.host_syncs = int64_t(num_host_syncs() - syncs_before);  // the model's own; our loss reads are not counted
-    if (cast_divisor > 0) {
-      last_casts = cast_counts();
-      m.moe_casts = double(last_casts.activation_casts()) / cast_divisor;
-    }
-    if (opts.after_backward) opts.after_backward(step, model.parameters());
-    if (opts.after_loss) opts.after_loss(step, &m.loss);
-    m.grad_norm = opt.grad_norm();
-    const double objective = m.loss + (has_aux ? m.aux_loss : 0.0);
-    if (std::isfinite(objective) && std::isfinite(m.grad_norm)) {
-      opt.step(m.lr, clip_scale(m.grad_norm, cfg.optimizer.grad_clip));
-    } else {
-      m.skipped = true;
-      ++skipped;
-      std::string what = "step " + std::to_string(step) + ": non-finite " +
-                         (std::isfinite(objective) ? "gradients (grad norm " + std::to_string(m.grad_norm) + ")"
-                                                   : "loss (" + std::to_string(m.loss) +
-                                                         (has_aux ? ", balance loss " + std::to_string(m.aux_loss) : "") +
-                                                         ")");
-      if (tc.nonfinite == "stop") {
-        // The update was not applied: the checkpoint holds the weights of the last good step, and a
-        // --resume continues after the batch that failed.
-        save(step);
-        FLOWMOE_THROW(Error, what, "; stopping because train.nonfinite is 'stop' (", cfg.origin("train.nonfinite"),
-                      "); the weights before this step are in ", res.last_checkpoint,
-                      ". Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nonfinite: skip");
-      }
-      if (skipped > tc.max_skipped_steps)
-        FLOWMOE_THROW(Error, what, "; ", skipped, " steps skipped so far, more than train.max_skipped_steps = ",
-                      tc.max_skipped_steps, ": the run is diverging. Lower optimizer.lr or raise warmup_steps");
-      progress.message(what + ": update skipped (" + std::to_string(skipped) + " of at most " +
-                       std::to_string(tc.max_skipped_steps) + ")");
-    }
-    opt.zero_grad();
-    // Aux-loss-free balancing: every MoE layer moves its expert bias toward the mean load, by
-    // bias_update_rate, or (schedule lr) by bias_update_rate * lr / optimizer.lr.
-    const double bias_scale = cfg.model.bias_update_schedule != "lr" ? 1.0
-                              : cfg.optimizer.lr > 0                 ? m.lr / cfg.optimizer.lr
-                                                                     : 0.0;
-    // A skipped step moves nothing, the expert bias included (rate 0); its loads are still logged.
-    for (const LoadStats& ls : model.update_moe_bias(m.skipped ? 0.0 : bias_scale))
-      m.moe_max_over_mean.push_back(ls.max_over_mean);
-    const double dt = std::chrono::duration<double>(clock::now() - t0).count();
-    train_seconds += dt;
-    ++steps_done;
-    m.tokens_per_s = double(tokens_per_step) / dt;
-    m.peak_mem_bytes = int64_t(memory_stats(device).peak_bytes);
-    res.losses.push_back(m.loss);
+// ---- evaluation, checkpoints, progress -----------------------------------------------------------
 
-    if (have_val && ((tc.eval_every > 0 && step % tc.eval_every == 0) || step == tc.steps)) {
-      m.val_loss = evaluate(model, data, val.num_batches, val.batch_size);
-      if (std::isnan(res.first_val_loss)) res.first_val_loss = m.val_loss;
-      res.final_val_loss = m.val_loss;
-      progress.message("step " + std::to_string(step) + ": val loss " + fixed(m.val_loss, 4) + " (train loss " +
+// Every `every` steps (0: never) and at the last step of the run.
+static bool due(int64_t step, int64_t every, int64_t last_step) {
+  return (every > 0 && step % every == 0) || step == last_step;
+}
+
+static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
+  if (!run.have_val || !due(m.step, run.cfg.train.eval_every, run.cfg.train.steps)) return;
+  m.val_loss = evaluate(run.model, run.data, run.val.num_batches, run.val.batch_size);
+  if (std::isnan(run.res.first_val_loss)) run.res.first_val_loss = m.val_loss;
+  run.res.final_val_loss = m.val_loss;
+  run.progress.message("step " + std::to_string(m.step) + ": val loss " + fixed(m.val_loss, 4) + " (train loss " +
                        fixed(m.loss, 4) + ")");
-    }
-    metrics.write(m);
-    StepMetrics shown = m;
-    shown.tokens_per_s = double(tokens_per_step * steps_done) / train_seconds;  // smoothed for display
-    progress.update(shown, train_seconds / double(steps_done) * double(tc.steps - step));
+}
 
-    if ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || step == tc.steps) {
-      save(step);
-      last_saved = step;
-      progress.message("step " + std::to_string(step) + ": checkpoint " + res.last_checkpoint);
-    }
-    if (g_stop_requested && step < end) {
-      if (last_saved != step) save(step);
-      progress.message("interrupted at step " + std::to_string(step) + ": checkpoint " + res.last_checkpoint +
-                       " (continue with --resume)");
-      res.interrupted = true;
+void save_run_checkpoint(TrainRun& run, int64_t at) {
+  CheckpointMeta meta;
+  meta.step = at;
+  meta.num_updates = run.opt.num_updates();
+  meta.skipped_steps = run.skipped;
+  meta.data = run.data.position();
+  meta.data_seed = uint64_t(run.cfg.data.seed);
+  meta.init_seed = uint64_t(run.cfg.train.seed);
+  meta.config_yaml = to_yaml(run.cfg);
+  run.res.last_checkpoint = save_checkpoint(run.cfg.checkpoint_dir(), meta, run.model.parameters(), run.opt.exp_avg(),
+                                            run.opt.exp_avg_sq(), run.cfg.checkpoint.keep_last, run.model.buffers());
+}
+
+static void save_if_due(TrainRun& run) {
+  if (!due(run.step, run.cfg.checkpoint.every, run.cfg.train.steps)) return;
+  save_run_checkpoint(run, run.step);
+  run.last_saved = run.step;
+  run.progress.message("step " + std::to_string(run.step) + ": checkpoint " + run.res.last_checkpoint);
+}
+
+// A stop request ends the run after the current step, with a checkpoint to continue from.
+static void stop_with_checkpoint(TrainRun& run) {
+  if (run.last_saved != run.step) save_run_checkpoint(run, run.step);
+  run.progress.message("interrupted at step " + std::to_string(run.step) + ": checkpoint " +
+                       run.res.last_checkpoint + " (continue with --resume)");
+  run.res.interrupted = true;
+}
+
+// The step's metrics row, and the progress display with the run's mean rate so far.
+static void report_step(TrainRun& run, const StepMetrics& m) {
+  run.metrics->write(m);
+  StepMetrics shown = m;
+  shown.tokens_per_s = double(run.tokens_per_step * run.steps_done) / run.train_seconds;  // smoothed for display
+  run.progress.update(shown, run.train_seconds / double(run.steps_done) * double(run.cfg.train.steps - run.step));
+}
+
+// ---- the summary ----------------------------------------------------------------------------------
+
+// Where each explicit cast of the last step happened (DESIGN.md §1: the published flow has 2).
+static void print_cast_summary(TrainRun& run) {
+  const CastCounts& casts = run.last_casts;
+  std::string line = "casts per MoE layer per micro-batch (" + run.cfg.precision.recipe + "): " +
+                     fixed(double(casts.activation_casts()) / run.cast_divisor, 1);
+  for (const auto& [site, n] : casts.by_site)
+    if (site.rfind("weight_quantize", 0) != 0) line += " | " + site + " x" + fixed(double(n) / run.cast_divisor, 1);
+  run.progress.message(line);
+}
+
+static void print_summary(TrainRun& run) {
+  const TrainResult& res = run.res;
+  std::string line = "done: step " + std::to_string(run.step) + "/" + std::to_string(run.cfg.train.steps) + " in " +
+                     format_duration(run.train_seconds) + " | loss " + fixed(res.losses.front(), 4) + " -> " +
+                     fixed(res.losses.back(), 4);
+  if (!std::isnan(res.final_val_loss)) line += " | val loss " + fixed(res.final_val_loss, 4);
+  line += " | " + format_rate(res.tokens_per_s) + " tok/s | peak mem " +
+          fixed(double(memory_stats(run.device).peak_bytes) / (1 << 20), 1) + " MiB";
+  run.progress.message(line);
+  if (run.cast_divisor > 0) print_cast_summary(run);
+  run.progress.message("metrics: " + res.metrics_file +
+                       (res.last_checkpoint.empty() ? "" : " | checkpoint: " + res.last_checkpoint));
+}
+
+// Closes the progress display, completes the result and prints the summary.
+static TrainResult finish_run(TrainRun& run) {
+  run.progress.finish();
+  TrainResult& res = run.res;
+  res.last_step = run.step;
+  res.skipped_steps = run.skipped;
+  res.interrupted = res.interrupted || run.step < run.cfg.train.steps;
+  res.tokens_per_s = run.train_seconds > 0 ? double(run.tokens_per_step * run.steps_done) / run.train_seconds : 0;
+  if (run.steps_done > 0)
+    print_summary(run);
+  else
+    run.progress.message("nothing to do: the run is already at step " + std::to_string(run.step) + " of " +
+                         std::to_string(run.cfg.train.steps));
+  return std::move(res);
+}
+
+// ---- the loop -------------------------------------------------------------------------------------
+
+TrainResult train(const Config& cfg, const TrainOptions& opts) {
+  // A stop requested before this point (a signal during start-up) holds: it is cleared on return.
+  struct ClearStopOnReturn {
+    ~ClearStopOnReturn() { g_stop_requested = false; }
+  } clear_stop;
+  TrainRun run(cfg, opts);
+  while (run.step < run.end) {
+    StepMetrics m = train_step(run);
+    evaluate_if_due(run, m);
+    report_step(run, m);
+    save_if_due(run);
+    if (g_stop_requested && run.step < run.end) {
+      stop_with_checkpoint(run);
       break;
     }
   }
-  progress.finish();
-  res.last_step = step;
-  res.skipped_steps = skipped;
-  res.interrupted = res.interrupted || step < tc.steps;
-  res.tokens_per_s = train_seconds > 0 ? double(tokens_per_step * steps_done) / train_seconds : 0;
-  if (steps_done > 0) {
-    std::string line = "done: step " + std::to_string(step) + "/" + std::to_string(tc.steps) + " in " +
-                       format_duration(train_seconds) + " | loss " + fixed(res.losses.front(), 4) + " -> " +
-                       fixed(res.losses.back(), 4);
-    if (!std::isnan(res.final_val_loss)) line += " | val loss " + fixed(res.final_val_loss, 4);
-    line += " | " + format_rate(res.tokens_per_s) + " tok/s | peak mem " +
-            fixed(double(memory_stats(device).peak_bytes) / (1 << 20), 1) + " MiB";
-    progress.message(line);
-    if (cast_divisor > 0) {
-      // Where each explicit cast of the last step happened (DESIGN.md §1: the published flow has 2).
-      std::string casts = "casts per MoE layer per micro-batch (" + cfg.precision.recipe + "): " +
-                          fixed(double(last_casts.activation_casts()) / cast_divisor, 1);
-      for (const auto& [site, n] : last_casts.by_site)
-        if (site.rfind("weight_quantize", 0) != 0)
-          casts += " | " + site + " x" + fixed(double(n) / cast_divisor, 1);
-      progress.message(casts);
-    }
-    progress.message("metrics: " + res.metrics_file + (res.last_checkpoint.empty() ? "" : " | checkpoint: " + res.last_checkpoint));
-  } else {
-    progress.message("nothing to do: the run is already at step " + std::to_string(step) + " of " +
-                     std::to_string(tc.steps));
-  }
-  return res;
+  return finish_run(run);
 }
 
 }  // namespace flowmoe
