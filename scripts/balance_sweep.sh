@@ -9,7 +9,7 @@
 #   shipped
 #   alpha_0.02   --set model.aux_loss_alpha=0.02
 #   flow         --set precision.recipe=fp8_flow
-# Logs and runs go to $OUT (device tool) or ./out; STEPS (default 500), JOBS (default 4) and CONFIG
+# Logs and runs go to $OUT if set, else ./out; STEPS (default 500), JOBS (default 4) and CONFIG
 # (default configs/gpu_moe.yaml).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Loss parity of the FP8 recipes against bf16 on the GPU toy config (FP8 issue, "Done when"):
+# Loss parity of the FP8 recipes against bf16 on the GPU toy config (docs/PERF.md, FP8 loss parity):
 # trains configs/gpu_moe.yaml as shipped (its warmup and schedule) for STEPS (default 500) steps in
 # each recipe on the same data and seed, compares every recipe's loss curve with bf16's
 # (scripts/compare_runs.py) and prints each run's MoE load balance after warmup (scripts/load_balance.py).
-#   scripts/fp8_parity.sh [build_dir]         logs and runs go to $OUT (device tool) or ./out
+#   scripts/fp8_parity.sh [build_dir]         logs and runs go to $OUT if set, else ./out
 #   STEPS=500 RECIPES="bf16 fp8_blockwise fp8_flow" EXTRA="--set train.recompute=[moe_expert]" scripts/fp8_parity.sh
 #   CONTROL=1 scripts/fp8_parity.sh           also a bf16 run with AdamW eps 2e-8 instead of 1e-8: the
 #                                             run-to-run noise floor the FP8 deviations are read against

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The one command for the GPU machine: build for sm_90a, run every test (GPU tests included), run
-# every benchmark and three GPU training runs (configs/gpu_moe.yaml as shipped: its loss and its load
-# balance after warmup), and end with a summary table.
-#   scripts/gpu_check.sh                 logs go to $OUT (device tool) or ./out
+# The one command for a machine with an H100/H200: build for sm_90a, run every test (GPU tests
+# included), run every benchmark and three GPU training runs (configs/gpu_moe.yaml as shipped: its
+# loss and its load balance after warmup), and end with a summary table.
+#   scripts/gpu_check.sh                 logs go to $OUT if set, else ./out
 #   GPU_CHECK_SKIP_BENCH=1 scripts/gpu_check.sh      tests only
 #   GPU_CHECK_SKIP_TRAIN=1 scripts/gpu_check.sh     tests and benchmarks, no training runs
 #   GPU_CHECK_PARITY=1 scripts/gpu_check.sh          also the 500-step FP8 loss parity (scripts/fp8_parity.sh)
@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/train_run.sh
 . scripts/train_run.sh
-# NVLink multicast stays off (shared hosts: see the device notes).
+# NVLink multicast stays off for NCCL, NVSHMEM and torch symmetric memory.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -104,7 +104,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
   done
   t_train=$(( $(date +%s) - t0 ))
 fi
-# One call of the device tool runs at most 10 minutes: this row says how close the script comes.
+# How long each phase took.
 row "time (s)" "build ${t_build}, tests ${t_tests}, benchmarks ${t_bench}, training ${t_train}"
 
 sanitize_rc=0

@@ -3,7 +3,7 @@
 # One `flowmoe train` run without evaluation or periodic checkpoints, with plain progress every 100
 # steps, writing its metrics and resolved config.yaml to OUT_DIR and its output to LOG. The final
 # checkpoint the trainer always writes is removed, failed run or not: these runs keep only their
-# metrics, and gpu_moe's checkpoint is 1.2 GB (a sweep of them filled the device's disk).
+# metrics, and gpu_moe's checkpoint is 1.2 GB (a sweep of them would fill a disk).
 # Returns the trainer's exit status.
 train_run() {
   local build=$1 config=$2 out_dir=$3 log=$4
