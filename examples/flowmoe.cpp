@@ -234,9 +234,7 @@ int cmd_eval(int argc, char** argv) {
   DataLoader data = DataLoader::from_config(cfg);
   if (data.num_val_windows() == 0) throw UsageError("eval: the config holds out no validation data (data.val_fraction is 0)");
   const ValBatches val = whole_val_batches(data, batches, cfg.train.batch_size);
-  if (val.capped)
-    std::printf("eval: %s%lld is more than %s; using %lld\n", batches_label.c_str(), static_cast<long long>(batches),
-                val.describe().c_str(), static_cast<long long>(val.num_batches));
+  if (val.capped) std::printf("eval: %s\n", val.cap_note(batches_label).c_str());
   batches = val.num_batches;
   const int64_t batch_size = val.batch_size;
   const MemoryEstimate need = estimate_memory(cfg, device, MemoryUse::eval);

@@ -102,12 +102,13 @@ Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const st
   return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), counts, wgrad, "fc2");
 }
 
-// The permuted buffer's rows: the worst case, rounded up to a multiple of 16 for the FP8 GEMMs (their
-// leading dimension over the whole buffer, in wgrad, must be a multiple of 16).
+int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int align_size, MoeRecipe recipe) {
+  const int64_t worst = permute_worst_case_rows(num_tokens, top_k, num_experts, align_size);
+  return recipe == MoeRecipe::bf16 ? worst : (worst + 15) / 16 * 16;
+}
+
 int64_t MoeLayer::permuted_rows(int64_t num_tokens) const {
-  const int64_t worst =
-      permute_worst_case_rows(num_tokens, router_.top_k, int(num_experts_), options_.align_size);
-  return options_.recipe == MoeRecipe::bf16 ? worst : (worst + 15) / 16 * 16;
+  return moe_permuted_rows(num_tokens, router_.top_k, int(num_experts_), options_.align_size, options_.recipe);
 }
 
 Variable MoeLayer::forward(const Variable& x, DType compute) const {

@@ -78,11 +78,23 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
 
 // ---- text ---------------------------------------------------------------------------------------
 
-static void append_file_bytes(const fs::path& p, std::vector<uint16_t>& out) {
+// The bytes of a file, whatever it holds.
+static void read_bytes(const fs::path& p, std::vector<char>& bytes) {
   std::ifstream in(p, std::ios::binary);
   FLOWMOE_CHECK(in.good(), IoError, "cannot open text file '", p.string(), "'");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  FLOWMOE_CHECK(!in.bad(), IoError, "reading '", p.string(), "' failed");
+}
+
+// Byte-level tokens: one token per byte.
+static void append_tokens(const std::vector<char>& bytes, std::vector<uint16_t>& out) {
   for (char c : bytes) out.push_back(uint16_t(static_cast<unsigned char>(c)));
+}
+
+static void append_file_bytes(const fs::path& p, std::vector<uint16_t>& out) {
+  std::vector<char> bytes;
+  read_bytes(p, bytes);
+  append_tokens(bytes, out);
 }
 
 std::vector<uint16_t> read_text_tokens(const std::string& path) {
@@ -119,14 +131,6 @@ bool read_if_text(const fs::path& p, std::vector<char>& bytes) {
   bytes.insert(bytes.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   FLOWMOE_CHECK(!in.bad(), IoError, "prepare-data: reading '", p.string(), "' failed");
   return true;
-}
-
-// The bytes of a file named as an input, whatever it holds.
-void read_whole(const std::string& path, std::vector<char>& bytes) {
-  std::ifstream in(path, std::ios::binary);
-  FLOWMOE_CHECK(in.good(), IoError, "prepare-data: cannot open '", path, "'");
-  bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  FLOWMOE_CHECK(!in.bad(), IoError, "prepare-data: reading '", path, "' failed");
 }
 
 // The regular files below `dir` at any depth, sorted by their path relative to it (byte order).
@@ -184,7 +188,7 @@ int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::st
   std::vector<uint16_t> tokens;
   std::vector<char> bytes;
   auto append = [&](const fs::path& p) {
-    for (char c : bytes) tokens.push_back(uint16_t(static_cast<unsigned char>(c)));
+    append_tokens(bytes, tokens);
     info.files.push_back({p.string(), int64_t(bytes.size())});
   };
   std::error_code out_ec;
@@ -197,7 +201,7 @@ int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::st
   for (const std::string& in : inputs) {
     std::error_code ec;
     if (!fs::is_directory(in, ec)) {
-      read_whole(in, bytes);
+      read_bytes(in, bytes);  // a file named as an input is read whatever it holds
       append(in);
       continue;
     }

@@ -48,6 +48,7 @@
 #include "engine/dtype.h"
 #include "engine/error.h"
 #include "engine/train/trainer.h"
+#include "layers/moe.h"
 
 namespace flowmoe {
 
@@ -175,9 +176,9 @@ std::vector<Tensors> moe_tensors(const Config& cfg, double tokens, double a, boo
   const double k = double(c.num_experts_per_tok);
   const std::string& recipe = cfg.precision.recipe;
   const bool recompute = cfg.train.recomputes("moe_expert");
-  // The permuted buffer's worst case (permute_worst_case_rows), rounded to 16 rows for the FP8 GEMMs.
-  double rows = tokens * k + std::min(E, tokens * k) * double(cfg.precision.align_size - 1);
-  if (recipe != "bf16") rows = std::ceil(rows / 16) * 16;
+  // The permuted buffer, as the layer sizes it.
+  const double rows = double(moe_permuted_rows(int64_t(tokens), int(k), int(E), int(cfg.precision.align_size),
+                                               moe_recipe_from_name(recipe)));
 
   std::vector<Tensors> t = {{1, tokens * E, 4}, {3, tokens * k, 4}};  // logits; ids, probs, row map
   if (gpu) t.push_back({1, tokens * H, 4});                           // the router's f32 copy of x

@@ -38,8 +38,7 @@ struct TrainRun {
   std::optional<MetricsWriter> metrics;  // opened once the step to resume at is known
 
   int64_t tokens_per_step = 0;
-  bool have_val = false;  // the data holds out validation sequences
-  ValBatches val;
+  ValBatches val;  // what an evaluation reads; no batches when the data holds out no validation
   int64_t end = 0;          // the last step this call takes: train.steps, or opts.stop_after
   double cast_divisor = 0;  // MoE layers x micro-batches: casts are reported per layer and micro-batch
   CastCounts last_casts;    // of the last step taken

@@ -58,14 +58,16 @@ ValBatches whole_val_batches(const DataLoader& data, int64_t num_batches, int64_
   v.batch_size = std::min(batch_size, num_windows);
   v.num_windows = num_windows;
   const int64_t whole = num_windows / v.batch_size;
+  v.num_requested = num_batches;
   v.capped = num_batches > whole;
   v.num_batches = std::min(num_batches, whole);
   return v;
 }
 
-std::string ValBatches::describe() const {
-  return "the validation split holds (" + std::to_string(num_windows / batch_size) + " batches of " +
-         std::to_string(batch_size) + ")";
+std::string ValBatches::cap_note(const std::string& key) const {
+  return key + std::to_string(num_requested) + " is more than the validation split holds (" +
+         std::to_string(num_windows / batch_size) + " batches of " + std::to_string(batch_size) + "); using " +
+         std::to_string(num_batches);
 }
 
 static std::string fixed(double v, int digits) {
@@ -186,9 +188,7 @@ static void announce_data(TrainRun& run) {
                        std::to_string(cfg.data.seq_len) + " tokens; " + std::to_string(tc.steps) + " steps x " +
                        std::to_string(run.tokens_per_step) + " tokens; outputs in " + run.res.out_dir);
   if (!run.resume_note.empty()) run.progress.message(run.resume_note);
-  if (run.val.capped)
-    run.progress.message("evaluation: train.eval_batches = " + std::to_string(tc.eval_batches) + " is more than " +
-                         run.val.describe() + "; using " + std::to_string(run.val.num_batches));
+  if (run.val.capped) run.progress.message("evaluation: " + run.val.cap_note("train.eval_batches = "));
 }
 
 TrainRun::TrainRun(const Config& c, const TrainOptions& o)
@@ -211,8 +211,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
 
   const TrainConfig& tc = cfg.train;
   tokens_per_step = tc.batch_size * cfg.data.seq_len * tc.grad_accum_steps;
-  have_val = data.num_val_windows() > 0;
-  if (have_val) val = whole_val_batches(data, tc.eval_batches, tc.batch_size);
+  if (data.num_val_windows() > 0) val = whole_val_batches(data, tc.eval_batches, tc.batch_size);
   announce_data(*this);
   end = opts.stop_after >= 0 ? std::min(tc.steps, opts.stop_after) : tc.steps;
   // Casts are reported per MoE layer and micro-batch (what one forward + backward of a layer makes).
@@ -227,7 +226,7 @@ static bool due(int64_t step, int64_t every, int64_t last_step) {
 }
 
 static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
-  if (!run.have_val || !due(m.step, run.cfg.train.eval_every, run.cfg.train.steps)) return;
+  if (run.val.num_batches == 0 || !due(m.step, run.cfg.train.eval_every, run.cfg.train.steps)) return;
   m.val_loss = evaluate(run.model, run.data, run.val.num_batches, run.val.batch_size);
   if (std::isnan(run.res.first_val_loss)) run.res.first_val_loss = m.val_loss;
   run.res.final_val_loss = m.val_loss;

@@ -27,8 +27,11 @@ DType compute_dtype_for(const Config& cfg, Device device);
 // one batch of all its sequences.
 struct ValBatches {
   int64_t num_batches = 0, batch_size = 0, num_windows = 0;
-  bool capped = false;       // the request was more than the split holds
-  std::string describe() const;  // "the validation split holds (51 batches of 8)"
+  int64_t num_requested = 0;
+  bool capped = false;  // the request was more than the split holds
+  // For a capped request given as `key` ("--batches " or "train.eval_batches = "): "--batches 100 is
+  // more than the validation split holds (51 batches of 8); using 51".
+  std::string cap_note(const std::string& key) const;
 };
 ValBatches whole_val_batches(const DataLoader& data, int64_t num_batches, int64_t batch_size);
 
