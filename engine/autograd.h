@@ -43,19 +43,13 @@ class BackwardPrimitive : public Primitive {
 };
 
 // A Primitive or BackwardPrimitive whose CPU and GPU paths share one body (it picks its kernels from
-// the `cuda` flag or the tensors' device): subclasses implement run(); without CUDA eval_gpu is
-// unreachable (no tensor can live on a device) and throws.
+// the `cuda` flag or the tensors' device): subclasses implement run(). In a CPU-only build no tensor
+// can live on a device, and the CUDA launchers it would reach throw (kernels/cuda_none.cpp).
 template <class Base>
 class SharedBodyPrimitive : public Base {
  public:
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) final { return run(in, false); }
-  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) final {
-#ifdef FLOWMOE_WITH_CUDA
-    return run(in, true);
-#else
-    throw_no_cuda(this->name());
-#endif
-  }
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) final { return run(in, true); }
 
  protected:
   virtual std::vector<Tensor> run(const std::vector<Tensor>& in, bool cuda) = 0;

@@ -7,6 +7,7 @@
 #include "engine/ops/permute.h"
 #include "engine/ops/swiglu_quant.h"
 #include "engine/ops/unpermute.h"
+#include "parallel/dispatch.h"
 
 namespace flowmoe {
 
@@ -24,6 +25,14 @@ const char* moe_recipe_name(MoeRecipe r) {
     case MoeRecipe::fp8_flow: return "fp8_flow";
   }
   return "?";
+}
+
+MoeFlow moe_flow(MoeRecipe r) {
+  MoeFlow f;
+  f.fp8_experts = r != MoeRecipe::bf16;
+  f.quantize_once = f.probs_in_experts = r == MoeRecipe::fp8_flow;
+  f.wgrad = r == MoeRecipe::fp8_flow ? Fp8Wgrad::transpose : Fp8Wgrad::requantize;
+  return f;
 }
 
 MoeOptions moe_options(const Config& cfg) {
@@ -52,6 +61,7 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
       num_experts_(cfg.n_routed_experts),
       intermediate_(cfg.moe_intermediate_size),
       options_(options),
+      flow_(moe_flow(options.recipe)),
       bias_update_rate_(cfg.bias_update_rate),
       bias_update_rule_(bias_update_rule_from_name(cfg.bias_update_rule)) {
   validate_router_config(router_);
@@ -71,35 +81,98 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
   tokens_since_update_ = Tensor::zeros({E}, DType::i32, device);
 }
 
+// Forward, top-down (DESIGN.md §2). The recipe is read once, into flow_ (moe_flow).
+//
+// Backward, in order (each step is the vjp of the op named, in the file named):
+//   8. + shared experts  engine/ops/elementwise.cpp  Binary::vjp: dy to both branches
+//   7. combine           parallel/dispatch.cpp       Combine::vjp: dy as it comes, or (fp8_flow)
+//                                                    quantized once to FP8 and sent to the experts
+//   6. unpermute+unpad   engine/ops/unpermute.cpp    UnpermuteUnpad::vjp: d_rows = prob·dy and
+//                                                    d_prob = rows·dy; fp8_flow: FP8 dy rows moved
+//   5. experts: fc2      engine/ops/fp8_grouped_linear.cpp (grouped_linear.cpp) ::vjp: dgrad, wgrad
+//               (recompute: checkpoint re-runs fc1 → SwiGLU first, engine/autograd.cpp)
+//               SwiGLU   engine/ops/swiglu_quant.cpp SwigluQuant::vjp (fp8_flow, also d_prob) or
+//                        engine/ops/swiglu.cpp Swiglu::vjp
+//               fc1      engine/ops/fp8_grouped_linear.cpp (grouped_linear.cpp) ::vjp
+//   4. permute+pad       engine/ops/permute.cpp      PermutePad::vjp: d_x[t] = Σ_j d_rows[row_map[t,j]]
+//   3. dispatch          parallel/dispatch.cpp       Dispatch::vjp: the gradients as they come (size 1)
+//   2. quantize          engine/ops/quantize.cpp     QuantizeRowwise::vjp: straight through
+//   1. router            engine/ops/router.cpp       RouterTopk::vjp: through the normalized
+//                                                    sigmoid scores into the gate weight and x
+Variable MoeLayer::forward(const Variable& x, DType compute) const {
+  const Shape in_shape = x.shape();
+  Variable x2 = reshape(x, {-1, in_shape.back()});  // [T, H]
+
+  // 1. Router, in fp32 as DeepSeek-V3 does: the top-k choice is sensitive to rounding.
+  RouterOutput r = route_tokens(x2, in_shape);
+
+  // 2. Quantize once (fp8_flow): x becomes e4m3 with 1x128 scales, and stays FP8 until fc1.
+  Variable tokens = flow_.quantize_once ? quantize_rowwise(x2, "dispatch: x") : x2;
+
+  // 3. Dispatch the tokens, their routes and probs to the ranks that own their experts.
+  Variable topk_prob = r.topk_prob;
+  if (x2.device().is_cpu() && topk_prob.dtype() != x2.dtype()) topk_prob = cast(topk_prob, x2.dtype());
+  Dispatched d = dispatch(tokens, r.topk_idx, topk_prob, int(num_experts_));
+
+  // 4. Permute + pad into the expert-major layout. fp8_flow moves the probs with the rows (SwiGLU
+  //    applies them); the other recipes apply them at the unpermute, in fp32.
+  PermuteResult p = permute_pad(d.tokens, d.topk_idx, flow_.probs_in_experts ? d.topk_prob : Variable(),
+                                int(num_experts_), options_.align_size, d.expert_offset, d.num_local_experts,
+                                permuted_rows(d.tokens.size(0)));
+  // THE host synchronisation of this layer: fc1 and fc2 need each expert's M on the host.
+  std::vector<int64_t> counts = read_counts_once(p.padded_tokens_per_expert);
+
+  // 5. The experts: fc1 → SwiGLU (+ quantize) → fc2.
+  Variable out_rows = experts(p.rows, p.probs, counts);
+
+  // 6. Unpermute + unpad: each token sums its k expert rows (× prob unless SwiGLU applied it).
+  Variable y = unpermute_unpad(out_rows, p, flow_.probs_in_experts ? Variable() : d.topk_prob);  // [T, H]
+
+  // 7. Combine: the outputs return to the tokens' rank.
+  y = combine(y, d, flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is);
+
+  // 8. + shared experts, a dense SwiGLU MLP on every token.
+  if (shared_) y = add(y, shared_->forward(x2, compute));
+  return reshape(y, in_shape);
+}
+
+RouterOutput MoeLayer::route_tokens(const Variable& x2, const Shape& in_shape) const {
+  RouterConfig rc = router_;
+  if (in_shape.size() == 3) rc.seq_len = int(in_shape[1]);
+  Variable x_router = x2.dtype() == DType::f32 ? x2 : cast(x2, DType::f32);
+  RouterOutput r = route(x_router, gate_, expert_bias_.data(), rc);
+  add_tokens_per_expert(tokens_since_update_, r.tokens_per_expert);
+  aux_loss_ = r.aux_loss;
+  return r;
+}
+
+// fc1 → SwiGLU → fc2 over the permuted rows. fc1 and SwiGLU (the part recompute re-runs) go through
+// one function so the recomputed and the original forward are the same code.
+Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const std::vector<int64_t>& counts) const {
+  const MoeFlow flow = flow_;
+  const QuantizedWeight* w1q = flow.fp8_experts ? &quantized(fc1_, fc1_cache_) : nullptr;
+  auto fc1_swiglu = [this, flow, w1q, counts](const std::vector<Variable>& in) -> std::vector<Variable> {
+    if (!flow.fp8_experts) return {swiglu(grouped_linear(in[0], fc1_, counts))};
+    // fp8_flow: the rows arrive FP8, and SwiGLU applies the probs and emits FP8 for fc2 in one kernel.
+    // fp8_blockwise: each GEMM quantizes its own input.
+    Variable xq = flow.quantize_once ? in[0] : quantize_rowwise(in[0], "fc1.fprop: x");
+    Variable h = fp8_grouped_linear(xq, fc1_, *w1q, counts, flow.wgrad, "fc1");
+    if (flow.quantize_once) return {swiglu_quant(h, in[1], /*quantize_grad=*/true)};
+    return {quantize_rowwise(swiglu(h), "fc2.fprop: x")};
+  };
+  std::vector<Variable> in = {rows};
+  if (flow.probs_in_experts) in.push_back(probs);
+  Variable a = options_.recompute_expert ? checkpoint(fc1_swiglu, in)[0] : fc1_swiglu(in)[0];
+  if (!flow.fp8_experts) return grouped_linear(a, fc2_, counts);
+  return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), counts, flow.wgrad, "fc2");
+}
+
 const QuantizedWeight& MoeLayer::quantized(const Variable& w, WeightCache& cache) const {
   if (!cache.wq.q.defined() || cache.version != w.version()) {  // set_data and in-place updates bump it
     cache.wq = quantize_weight(w.data(), w.name());
     cache.version = w.version();
   }
   return cache.wq;
-}
-
-// fc1 → SwiGLU → fc2 over the permuted rows. fc1 and SwiGLU (the part recompute re-runs) go through
-// one function so the recomputed and the original forward are the same code.
-Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const std::vector<int64_t>& counts) const {
-  const MoeRecipe recipe = options_.recipe;
-  const Fp8Wgrad wgrad = recipe == MoeRecipe::fp8_flow ? Fp8Wgrad::transpose : Fp8Wgrad::requantize;
-  const QuantizedWeight* w1q = recipe == MoeRecipe::bf16 ? nullptr : &quantized(fc1_, fc1_cache_);
-  auto fc1_swiglu = [this, recipe, wgrad, w1q, counts](const std::vector<Variable>& in) -> std::vector<Variable> {
-    if (recipe == MoeRecipe::bf16) return {swiglu(grouped_linear(in[0], fc1_, counts))};
-    if (recipe == MoeRecipe::fp8_blockwise) {
-      Variable h = fp8_grouped_linear(quantize_rowwise(in[0], "fc1.fprop: x"), fc1_, *w1q, counts, wgrad, "fc1");
-      return {quantize_rowwise(swiglu(h), "fc2.fprop: x")};
-    }
-    // fp8_flow: the rows arrive FP8; SwiGLU applies the probs and emits FP8 for fc2 in one kernel.
-    Variable h = fp8_grouped_linear(in[0], fc1_, *w1q, counts, wgrad, "fc1");
-    return {swiglu_quant(h, in[1], /*quantize_grad=*/true)};
-  };
-  std::vector<Variable> in = {rows};
-  if (recipe == MoeRecipe::fp8_flow) in.push_back(probs);
-  Variable a = options_.recompute_expert ? checkpoint(fc1_swiglu, in)[0] : fc1_swiglu(in)[0];
-  if (recipe == MoeRecipe::bf16) return grouped_linear(a, fc2_, counts);
-  return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), counts, wgrad, "fc2");
 }
 
 int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int align_size, MoeRecipe recipe) {
@@ -109,42 +182,6 @@ int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int al
 
 int64_t MoeLayer::permuted_rows(int64_t num_tokens) const {
   return moe_permuted_rows(num_tokens, router_.top_k, int(num_experts_), options_.align_size, options_.recipe);
-}
-
-Variable MoeLayer::forward(const Variable& x, DType compute) const {
-  const Shape in_shape = x.shape();
-  const int64_t H = in_shape.back();
-  Variable x2 = reshape(x, {-1, H});
-  // Router logits in fp32 as DeepSeek-V3 does: the top-k choice is sensitive to rounding.
-  RouterConfig rc = router_;
-  if (x.data().dim() == 3) rc.seq_len = int(in_shape[1]);
-  Variable x_router = x2.dtype() == DType::f32 ? x2 : cast(x2, DType::f32);
-  RouterOutput r = route(x_router, gate_, expert_bias_.data(), rc);
-  add_tokens_per_expert(tokens_since_update_, r.tokens_per_expert);
-  aux_loss_ = r.aux_loss;
-
-  // unpermute takes f32 probs on the GPU, and probs of the rows' dtype on the CPU (f32 or f64).
-  Variable topk_prob = r.topk_prob;
-  if (x2.device().is_cpu() && topk_prob.dtype() != x2.dtype()) topk_prob = cast(topk_prob, x2.dtype());
-  Variable y;
-  if (options_.recipe == MoeRecipe::fp8_flow) {
-    // Quantize once, before dispatch; the probs travel with the rows and are applied in SwiGLU.
-    Variable xq = quantize_rowwise(x2, "dispatch: x");
-    PermuteResult p = permute_pad(xq, r.topk_idx, topk_prob, int(num_experts_), options_.align_size, 0, -1,
-                                  permuted_rows(x2.size(0)));
-    // THE host synchronisation of this layer: fc1 and fc2 need each expert's M on the host.
-    std::vector<int64_t> counts = read_counts_once(p.padded_tokens_per_expert);
-    y = unpermute_unpad_fp8_grad(experts(p.rows, p.probs, counts), p);
-  } else {
-    // Probabilities are applied once, at the unpermute (fp32 accumulation), not in the permute.
-    PermuteResult p = permute_pad(x2, r.topk_idx, Variable(), int(num_experts_), options_.align_size, 0, -1,
-                                  permuted_rows(x2.size(0)));
-    // THE host synchronisation of this layer: fc1 and fc2 need each expert's M on the host.
-    std::vector<int64_t> counts = read_counts_once(p.padded_tokens_per_expert);
-    y = unpermute_unpad(experts(p.rows, Variable(), counts), p, topk_prob);  // [T, H]
-  }
-  if (shared_) y = add(y, shared_->forward(x2, compute));
-  return reshape(y, in_shape);
 }
 
 LoadStats MoeLayer::update_bias(double rate_scale) {

@@ -1,12 +1,13 @@
-// The DeepSeek-style MoE block (DESIGN.md §2) in three recipes on the same code:
-//   x [T,H] ─ router (fp32 logits, group-limited top-k on score + expert_bias) → topk_idx, topk_prob
-//   bf16:          permute+pad → fc1 [M,H]→[M,2F] → SwiGLU → fc2 → unpermute+unpad × probs
+// The DeepSeek-style MoE block (DESIGN.md §2) in three recipes on the same code. forward reads
+// top-down: router → quantize (fp8_flow) → dispatch → permute+pad → experts (fc1 → SwiGLU → fc2)
+// → unpermute+unpad → combine → + shared experts; moe.cpp lists the backward in order beside it.
+//   bf16:          the rows stay bf16; the probs are applied at the unpermute (fp32 accumulation)
 //   fp8_blockwise: the same, but each expert GEMM quantizes its own bf16 input (1x128) and re-quantizes
 //                  its wgrad operands column-wise from high precision (the classic recipe)
-//   fp8_flow:      quantize x once → permute+pad moves FP8 data, scales and probs → FP8 fc1 →
-//                  SwiGLU×prob+quantize (fused) → FP8 fc2 → unpermute+unpad (no probs); backward
-//                  quantizes dy once, dispatches it in FP8, and takes wgrad operands from the
-//                  scaling-aware transpose. Two activation casts per layer per step in all.
+//   fp8_flow:      x quantized once, before dispatch; permute+pad moves FP8 data, scales and probs;
+//                  FP8 fc1 → SwiGLU×prob+quantize (fused) → FP8 fc2 → unpermute+unpad (no probs);
+//                  combine's backward quantizes dy once and the experts' backward stays FP8, with
+//                  wgrad operands from the scaling-aware transpose. Two activation casts per layer.
 //   + shared experts: a dense bf16 SwiGLU MLP of width n_shared_experts·F on x (every recipe).
 // Expert weights are quantized (128x128 blocks, with their exact transpose) once per optimizer step:
 // the cache follows the parameter's version (Variable::bump_version).
@@ -22,6 +23,7 @@
 #include <memory>
 #include <string>
 
+#include "engine/ops/fp8_grouped_linear.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
 #include "engine/train/config.h"
@@ -39,6 +41,16 @@ struct MoeOptions {
   MoeRecipe recipe = MoeRecipe::bf16;    // precision.recipe
   bool recompute_expert = false;         // train.recompute contains moe_expert
 };
+
+// What a recipe changes in the layer, read from the recipe in one place (moe_flow).
+struct MoeFlow {
+  bool fp8_experts = false;       // FP8 grouped GEMMs for fc1 and fc2 (fp8_blockwise, fp8_flow)
+  bool quantize_once = false;     // fp8_flow: x quantized before dispatch, SwiGLU emits FP8, and
+                                  // combine's backward quantizes dy once
+  bool probs_in_experts = false;  // fp8_flow: probs move with the rows and SwiGLU applies them
+  Fp8Wgrad wgrad = Fp8Wgrad::requantize;  // transpose (fp8_flow) or requantize (fp8_blockwise)
+};
+MoeFlow moe_flow(MoeRecipe r);
 
 // The options a run's config asks for (precision.recipe, precision.align_size, train.recompute).
 MoeOptions moe_options(const Config& cfg);
@@ -63,13 +75,15 @@ class MoeLayer {
     QuantizedWeight wq;
     uint64_t version = 0;
   };
-  const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
+  RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
   Variable experts(const Variable& rows, const Variable& probs, const std::vector<int64_t>& counts) const;
+  const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   int64_t permuted_rows(int64_t num_tokens) const;
 
   RouterConfig router_;
   int64_t num_experts_, intermediate_;
   MoeOptions options_;
+  MoeFlow flow_;
   mutable WeightCache fc1_cache_, fc2_cache_;
   double bias_update_rate_;
   BiasUpdateRule bias_update_rule_;

@@ -310,7 +310,6 @@ TEST(GroupedLinearCuda, NewCountsEveryStepMatchCpu) {
   }
 }
 
-#ifdef FLOWMOE_WITH_CUDA
 namespace {
 // Sets the launchers' stream count for one scope.
 struct ScopedGroupedStreams {
@@ -382,4 +381,3 @@ TEST(GroupedLinearCuda, WgradLauncherAccumulatesIntoFp32) {
       EXPECT_LT(rel_error(got.slice(0, i, i + 1), want.slice(0, i, i + 1)), 1e-5);
   }
 }
-#endif

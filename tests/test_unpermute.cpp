@@ -146,6 +146,18 @@ TEST(Unpermute, Gradcheck) {
   EXPECT_TRUE(gradcheck(g, {x, idx, prob}, 1e-6, 1e-5, {0, 2}));
 }
 
+// Without probs the backward keeps only the routing and moves dy to the rows (routes to other
+// ranks' experts, row_map -1, get nothing).
+TEST(Unpermute, GradcheckWithoutProbs) {
+  std::mt19937_64 gen(test_seed());
+  Rng rng(test_seed());
+  Tensor idx = random_topk(gen, 9, 2, 5);
+  PermuteResult p = route(idx, 5, 16, 1, 3);
+  Tensor rows = random_tensor(rng, {p.rows.size(0), 3}, DType::f64);
+  auto f = [&](const std::vector<Variable>& v) { return unpermute_unpad(v[0], p, Variable()); };
+  EXPECT_TRUE(gradcheck(f, {rows}));
+}
+
 TEST(Unpermute, BadInputThrows) {
   Tensor idx = Tensor::from_ints({0, 1, 2, 3}, {2, 2});
   PermuteResult p = route(idx, 4, 16);

@@ -187,10 +187,10 @@ class PermutePad : public Primitive {
 
 // Inputs: x [T,H'] (any dtype), row_map, tokens_per_expert, segment_starts, side [T,S] f32 (or
 // undefined). Outputs: rows [num_rows, H'] (pad rows zero), side_rows [num_rows, S] (pad rows 1).
-class DispatchRows : public BackwardPrimitive {
+class PermuteRowsLike : public BackwardPrimitive {
  public:
-  explicit DispatchRows(const RoutingDims& d) : d_(d) {}
-  const char* name() const override { return "dispatch_rows"; }
+  explicit PermuteRowsLike(const RoutingDims& d) : d_(d) {}
+  const char* name() const override { return "permute_rows_like"; }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     Tensor x = in[0].contiguous(), row_map = in[1].contiguous();
@@ -277,14 +277,14 @@ PermuteResult permute_pad(const Variable& x, const Tensor& topk_idx, const Varia
   return r;
 }
 
-Tensor dispatch_rows(const Tensor& x, const PermuteResult& routing) {
+Tensor permute_rows_like(const Tensor& x, const PermuteResult& routing) {
   const RoutingDims& d = routing.dims;
-  FLOWMOE_CHECK(x.dim() == 2 && x.size(0) == d.num_tokens, ShapeError, "dispatch_rows: x ", x.describe(),
+  FLOWMOE_CHECK(x.dim() == 2 && x.size(0) == d.num_tokens, ShapeError, "permute_rows_like: x ", x.describe(),
                 " must be [", d.num_tokens, ", H] (the routing's tokens)");
   const auto& scales = x.fp8_scales();
   FLOWMOE_CHECK(!scales || scales->mode == ScalingMode::rowwise_1x128, Error,
-                "dispatch_rows: FP8 x must be rowwise 1x128, got ", scaling_mode_name(scales->mode));
-  DispatchRows op(d);
+                "permute_rows_like: FP8 x must be rowwise 1x128, got ", scaling_mode_name(scales->mode));
+  PermuteRowsLike op(d);
   std::vector<Tensor> in = {x, routing.row_map, routing.tokens_per_expert, routing.segment_starts,
                             scales ? scales->scale_inv : Tensor()};
   std::vector<Tensor> out = eval(op, in);

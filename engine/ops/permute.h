@@ -22,7 +22,7 @@ struct PermuteResult {
   Tensor segment_starts;            // [L+1] i32: exclusive scan of the padded counts
   Tensor side_rows;                 // [num_rows, S] f32 when a side payload was given (pad rows side_pad_value)
   int align_size = 16;
-  RoutingDims dims;                 // the routing it was built with (dispatch_rows reuses it)
+  RoutingDims dims;                 // the routing it was built with (permute_rows_like reuses it)
 };
 
 // x [T,H]: any dtype (rows move as bytes; gradients need f32/f64 on cpu, f32/bf16 on cuda).
@@ -40,6 +40,6 @@ PermuteResult permute_pad(const Variable& x, const Tensor& topk_idx, const Varia
 // Moves the rows of another [T, H'] tensor with the routing of an earlier permute_pad (no gradient):
 // out[row_map[t,j]] = x[t], pad and tail rows zero. An FP8 x with rowwise scales moves its scales too
 // (pad rows scale_inv 1). The fp8_flow backward uses it to dispatch the once-quantized output gradient.
-Tensor dispatch_rows(const Tensor& x, const PermuteResult& routing);
+Tensor permute_rows_like(const Tensor& x, const PermuteResult& routing);
 
 }  // namespace flowmoe

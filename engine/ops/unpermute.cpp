@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "engine/cuda_api.h"
-#include "engine/ops/quantize.h"
 #include "kernels/unpermute.h"
 
 namespace flowmoe {
@@ -101,10 +100,19 @@ class UnpermuteBackward : public BackwardPrimitive {
 };
 
 // Inputs: [rows, topk_prob (or undefined), row_map, tokens_per_expert, segment_starts]. Output: y [T,H].
+// Built from a permute_pad routing, its vjp also takes an FP8 dy (fp8_flow: combine's backward
+// quantized it once): the rows and scales of dy then move with that routing, dequantizing nothing.
 class UnpermuteUnpad : public Primitive {
  public:
-  explicit UnpermuteUnpad(int align_size) : align_(align_size) {}
+  UnpermuteUnpad(int align_size, bool has_prob) : align_(align_size), has_prob_(has_prob) {}
+  UnpermuteUnpad(const PermuteResult& routing, bool has_prob) : UnpermuteUnpad(routing.align_size, has_prob) {
+    routing_ = routing;
+    routing_.rows = routing_.probs = Variable();  // keep the routing, not the permuted activations
+    routing_.side_rows = Tensor();
+  }
   const char* name() const override { return "unpermute_unpad"; }
+  // Without probs, d_rows needs only the routing (and dy): the expert outputs are not kept.
+  bool saves_inputs() const override { return has_prob_ || !routing_.row_map.defined(); }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     check_unpermute(in, false, name());
@@ -133,6 +141,15 @@ class UnpermuteUnpad : public Primitive {
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
+    if (is_fp8(d_out[0].dtype())) {
+      FLOWMOE_CHECK(!has_prob_ && routing_.row_map.defined(), Error, name(),
+                    ": an FP8 output gradient needs the permute_pad routing and no probs");
+      // d_rows[row_map[t,j]] = dy[t]: the FP8 rows and their 1x128 scales move as bytes.
+      return {needs[0] ? permute_rows_like(d_out[0], routing_) : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
+    if (!saves_inputs()) {  // no probs: d_rows = dy moved with the routing (pad rows zero)
+      return {needs[0] ? permute_rows_like(d_out[0], routing_) : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
     UnpermuteBackward backward(align_, needs[0], needs[1]);
     std::vector<Tensor> g = eval(backward, {in[0], in[1], in[2], in[3], in[4], d_out[0]});
     return {g[0], g[1], Tensor(), Tensor(), Tensor()};
@@ -140,48 +157,24 @@ class UnpermuteUnpad : public Primitive {
 
  private:
   int align_;
-};
-
-// The fp8_flow combine: UnpermuteUnpad without probs, whose vjp quantizes dy once and dispatches it.
-class UnpermuteFp8Grad : public UnpermuteUnpad {
- public:
-  explicit UnpermuteFp8Grad(const PermuteResult& routing) : UnpermuteUnpad(routing.align_size), routing_(routing) {
-    routing_.rows = routing_.probs = Variable();  // keep the routing, not the permuted activations
-    routing_.side_rows = Tensor();
-  }
-  const char* name() const override { return "unpermute_unpad_fp8_grad"; }
-  bool saves_inputs() const override { return false; }  // the vjp needs only the routing
-
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
-                          const std::vector<bool>& needs) override {
-    if (!needs[0]) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-    Tensor dq = quantize_rowwise_tensor(d_out[0], "combine backward: dy");
-    return {dispatch_rows(dq, routing_), Tensor(), Tensor(), Tensor(), Tensor()};
-  }
-
- private:
-  PermuteResult routing_;
+  bool has_prob_;
+  PermuteResult routing_;  // row_map undefined when built from plain routing tensors
 };
 
 }  // namespace
-
-Variable unpermute_unpad_fp8_grad(const Variable& rows, const PermuteResult& routing) {
-  const PermuteResult& r = routing;
-  return apply(std::make_shared<UnpermuteFp8Grad>(r), {rows, Variable(), Variable(r.row_map),
-                                                       Variable(r.tokens_per_expert), Variable(r.segment_starts)})[0];
-}
 
 Variable unpermute_unpad(const Variable& rows, const Tensor& row_map, const Tensor& tokens_per_expert,
                          const Tensor& segment_starts, int align_size, const Variable& topk_prob) {
   FLOWMOE_CHECK(align_size == 16 || align_size == 32 || align_size == 64 || align_size == 128, Error,
                 "unpermute_unpad: align_size must be 16, 32, 64 or 128, got ", align_size);
-  return apply(std::make_shared<UnpermuteUnpad>(align_size),
+  return apply(std::make_shared<UnpermuteUnpad>(align_size, topk_prob.defined()),
                {rows, topk_prob, Variable(row_map), Variable(tokens_per_expert), Variable(segment_starts)})[0];
 }
 
 Variable unpermute_unpad(const Variable& rows, const PermuteResult& routing, const Variable& topk_prob) {
-  return unpermute_unpad(rows, routing.row_map, routing.tokens_per_expert, routing.segment_starts,
-                         routing.align_size, topk_prob);
+  const PermuteResult& r = routing;
+  return apply(std::make_shared<UnpermuteUnpad>(r, topk_prob.defined()),
+               {rows, topk_prob, Variable(r.row_map), Variable(r.tokens_per_expert), Variable(r.segment_starts)})[0];
 }
 
 }  // namespace flowmoe

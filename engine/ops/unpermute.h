@@ -16,13 +16,10 @@ namespace flowmoe {
 Variable unpermute_unpad(const Variable& rows, const Tensor& row_map /*[T,k] i32*/,
                          const Tensor& tokens_per_expert /*[L] i32*/, const Tensor& segment_starts /*[L+1] i32*/,
                          int align_size, const Variable& topk_prob);
-// The same, with the routing of a permute_pad call.
+// The same, with the routing of a permute_pad call. topk_prob may be undefined (fp8_flow applies the
+// probs in SwiGLU+quantize); then the backward keeps only the routing, and takes dy in any dtype,
+// FP8 with rowwise 1x128 scales included (fp8_flow: combine's backward quantized it once, and its
+// rows and scales move with permute_rows_like, so d_rows reaches fc2 as FP8 with pad rows zero).
 Variable unpermute_unpad(const Variable& rows, const PermuteResult& routing, const Variable& topk_prob);
-
-// The fp8_flow combine (DESIGN.md §2): y[t] = sum_j rows[row_map[t,j]] with no probs (fp8_flow applies
-// them in SwiGLU+quantize). Its backward is a dispatch of the gradient in FP8: dy [T,H] is quantized
-// once (rowwise 1x128, one counted cast) and its rows and scales move with dispatch_rows, so d_rows
-// arrives at fc2 as FP8 with scales attached (pad rows zero).
-Variable unpermute_unpad_fp8_grad(const Variable& rows, const PermuteResult& routing);
 
 }  // namespace flowmoe
