@@ -1,4 +1,4 @@
-// The flowmoe command: train, eval, prepare-data, plot (and config-reference).
+// The flowmoe command: train, eval, prepare-data, plot, walkthrough (and config-reference).
 // Only main() catches: configuration and usage errors exit 2, other errors exit 1, a training run
 // stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143) after saving a checkpoint.
 #include <unistd.h>
@@ -19,6 +19,7 @@
 #include "engine/train/memory_estimate.h"
 #include "engine/train/plot.h"
 #include "engine/train/trainer.h"
+#include "examples/walkthrough.h"
 
 using namespace flowmoe;
 
@@ -39,6 +40,7 @@ commands:
   prepare-data     text files -> a token file (llm.c .bin format, byte-level tokens)
   plot             loss curves of one or several runs -> PNG
   config-reference print every config key with its type, range and default (Markdown)
+  walkthrough      one small fp8_flow MoE layer, forward and backward, step by step (docs/WALKTHROUGH.md)
 
 Run `flowmoe <command> --help` for the options of a command.
 
@@ -317,6 +319,7 @@ int run(int argc, char** argv) {
   if (cmd == "eval") return cmd_eval(argc, argv);
   if (cmd == "prepare-data") return cmd_prepare(argc, argv);
   if (cmd == "plot") return cmd_plot(argc, argv);
+  if (cmd == "walkthrough") return cmd_walkthrough(argc, argv);
   if (cmd == "config-reference") {
     if (argc > 2) {
       std::fputs("usage: flowmoe config-reference\n\nPrints every config key as Markdown tables.\n", stdout);
@@ -325,7 +328,7 @@ int run(int argc, char** argv) {
     std::fputs(config_reference_markdown().c_str(), stdout);
     return 0;
   }
-  throw UsageError("unknown command '" + cmd + "' (commands: train, eval, prepare-data, plot, config-reference)");
+  throw UsageError("unknown command '" + cmd + "' (commands: train, eval, prepare-data, plot, config-reference, walkthrough)");
 }
 
 }  // namespace

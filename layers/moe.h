@@ -69,6 +69,8 @@ class MoeLayer {
   LoadStats update_bias(double rate_scale = 1.0);
   // Named <prefix>.gate.e_score_correction_bias (as HF); no gradient, saved in checkpoints.
   const Variable& expert_bias() const { return expert_bias_; }
+  // The shared experts' MLP (null when n_shared_experts is 0).
+  const Mlp* shared_experts() const { return shared_.get(); }
 
  private:
   struct WeightCache {  // the FP8 copy of one expert weight, valid for one parameter version
