@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Installs the Debian packages flowmoe builds with. Skips apt entirely when all are present.
 # The CUDA toolkit is not installed here: when nvcc exists (/usr/local/cuda or PATH) it is used.
+# Open MPI (openmpi-bin, libopenmpi-dev) builds the mpi backend of parallel/ and runs its tests under
+# mpirun; flowmoe still builds without it (single process only).
 set -euo pipefail
-pkgs=(build-essential cmake ninja-build pkg-config libeigen3-dev libyaml-cpp-dev libgtest-dev gnuplot-nox)
+pkgs=(build-essential cmake ninja-build pkg-config libeigen3-dev libyaml-cpp-dev libgtest-dev gnuplot-nox
+      openmpi-bin libopenmpi-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

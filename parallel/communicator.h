@@ -1,0 +1,89 @@
+// Communicator: the collectives that expert and data parallelism need, on engine Tensors.
+//
+// One interface, three backends (made by parallel/backends.h): "none" (one process: every collective
+// is an identity or a copy), "mpi" (CPU tensors directly; CUDA tensors staged through host memory, a
+// test transport that lets several ranks share one GPU) and "nccl" (CUDA tensors, on the
+// communicator's stream, bootstrapped through an MPI communicator). The public calls check their
+// arguments here, once, so every backend refuses the same mistakes with the same typed error; the
+// backends only move bytes. Collectives are collective: every rank of the group calls them in the
+// same order, with sizes that agree across ranks.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/cuda_api.h"
+#include "engine/error.h"
+#include "engine/tensor.h"
+
+namespace flowmoe {
+
+// An MPI or NCCL call failed, a backend is missing from the build, or the ranks of a group disagree.
+class CommError : public Error { using Error::Error; };
+
+enum class ReduceOp : uint8_t { sum, max };
+const char* reduce_op_name(ReduceOp op);
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const char* backend_name() const = 0;  // "none", "mpi" or "nccl"
+  // Where this backend's tensors live without staging: cpu (none, mpi) or the nccl communicator's cuda:N.
+  virtual Device native_device() const = 0;
+
+  // Rows to and from every peer. send [sum(send_rows), ...] holds the rows for peer p contiguously,
+  // in peer order, send_rows[p] of them; recv [sum(recv_rows), ...] gets recv_rows[p] rows from each
+  // peer p, in peer order. Rows have any shape and dtype (FP8 bytes, f32 scales) and arrive bit for
+  // bit. recv_rows[p] on this rank must equal send_rows[this rank] on peer p (exchange_counts gives
+  // them); recv is written in place and must not share storage with send.
+  void all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, const Tensor& recv,
+                  const std::vector<int64_t>& recv_rows);
+  // The same into a new tensor. An FP8 send with rowwise_1x128 scales attached moves its scale rows
+  // along, and the result carries them; the in-place form above moves send's bytes only.
+  Tensor all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows);
+  // recv_rows from send_rows: how many rows each peer sends this rank (the counts travel on the host).
+  std::vector<int64_t> exchange_counts(const std::vector<int64_t>& send_rows);
+
+  // t = op over ranks of t, in place. f32, f64, i32, i64.
+  void all_reduce(const Tensor& t, ReduceOp op);
+  // send [n, ...] from every rank -> recv [size() * n, ...], rank r's rows at [r*n, (r+1)*n).
+  void all_gather(const Tensor& send, const Tensor& recv);
+  Tensor all_gather(const Tensor& send);
+  // t on every rank becomes root's t (in place).
+  void broadcast(const Tensor& t, int root);
+  // Every rank has reached this point (nccl: and its enqueued collectives are complete).
+  void barrier();
+  // Blocks the host until this rank's enqueued collectives are complete (only nccl enqueues).
+  void synchronize();
+  // A communicator for each color: the ranks that passed the same color, ordered by key (ties by
+  // rank). Collective over this communicator; color >= 0.
+  std::shared_ptr<Communicator> split(int color, int key);
+
+  // nccl: the stream collectives are enqueued on; nullptr (the default) means the engine's stream of
+  // the communicator's device, so they follow the kernels that produced their inputs and the caching
+  // allocator needs no cross-stream events. A side stream leaves that ordering to the caller.
+  // none and mpi copy on the engine stream and return when done; mpi refuses GPU tensors with a side stream.
+  void set_stream(cudaStream_t stream) { stream_ = stream; }
+  cudaStream_t stream() const { return stream_; }
+
+ protected:
+  // Called with checked arguments: contiguous tensors on one device, counts of size() entries that
+  // add up to the row counts, row_bytes the bytes of one row (the same in send and recv).
+  virtual void do_all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, const Tensor& recv,
+                             const std::vector<int64_t>& recv_rows, size_t row_bytes) = 0;
+  virtual void do_all_reduce(const Tensor& t, ReduceOp op) = 0;
+  virtual void do_all_gather(const Tensor& send, const Tensor& recv, size_t row_bytes) = 0;
+  virtual void do_broadcast(const Tensor& t, int root) = 0;
+  virtual void do_barrier() = 0;
+  virtual void do_synchronize() {}
+  virtual std::shared_ptr<Communicator> do_split(int color, int key) = 0;
+  // Default: an all_to_all of one i64 per peer on native_device().
+  virtual std::vector<int64_t> do_exchange_counts(const std::vector<int64_t>& send_rows);
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace flowmoe

@@ -1,0 +1,162 @@
+// Start-up of a distributed run (see parallel/distributed.h): launcher detection from the environment,
+// the backend choice, the world communicator with this rank's device, and the config agreement check.
+#include "parallel/distributed.h"
+
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <vector>
+
+#include "parallel/backends.h"
+
+namespace flowmoe {
+
+CommBackend parse_comm_backend(const std::string& name) {
+  if (name == "auto") return CommBackend::automatic;
+  if (name == "none") return CommBackend::none;
+  if (name == "mpi") return CommBackend::mpi;
+  if (name == "nccl") return CommBackend::nccl;
+  FLOWMOE_THROW(ConfigError, "unknown communication backend '", name, "' (expected auto, nccl, mpi or none)");
+}
+
+const char* comm_backend_name(CommBackend backend) {
+  switch (backend) {
+    case CommBackend::automatic: return "auto";
+    case CommBackend::none: return "none";
+    case CommBackend::mpi: return "mpi";
+    case CommBackend::nccl: return "nccl";
+  }
+  return "?";
+}
+
+namespace {
+
+// The variable's value as an integer >= min_value; `fallback` when unset.
+int env_int(const EnvLookup& env, const char* name, int min_value, int fallback) {
+  const char* text = env(name);
+  if (!text) return fallback;
+  std::string s(text);
+  int value = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+  FLOWMOE_CHECK(ec == std::errc() && end == s.data() + s.size() && value >= min_value, ConfigError, "environment ",
+                name, "='", s, "' is not an integer >= ", min_value);
+  return value;
+}
+
+}  // namespace
+
+LaunchInfo detect_launch(const EnvLookup& env) {
+  struct Launcher {
+    const char *size, *rank, *local_rank;
+  };
+  static const Launcher kLaunchers[] = {
+      {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"},
+      {"PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID"},
+      {"SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID"},
+      {"SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"},
+  };
+  LaunchInfo info;
+  for (const Launcher& l : kLaunchers) {
+    if (!env(l.size)) continue;
+    info.launcher = l.size;
+    info.world_size = env_int(env, l.size, 1, 1);
+    info.rank = env_int(env, l.rank, 0, 0);
+    info.local_rank = env_int(env, l.local_rank, 0, 0);
+    FLOWMOE_CHECK(info.rank < info.world_size, ConfigError, "environment ", l.rank, "=", info.rank, " is not below ",
+                  l.size, "=", info.world_size);
+    break;
+  }
+  return info;
+}
+
+LaunchInfo detect_launch() {
+  return detect_launch([](const char* name) -> const char* { return std::getenv(name); });
+}
+
+CommBackend resolve_backend(CommBackend requested, int world_size, bool use_cuda, bool have_nccl) {
+  switch (requested) {
+    case CommBackend::automatic:
+      if (world_size == 1) return CommBackend::none;
+      return use_cuda && have_nccl ? CommBackend::nccl : CommBackend::mpi;
+    case CommBackend::none:
+      FLOWMOE_CHECK(world_size == 1, ConfigError, "backend none runs one process, but the launcher started ", world_size,
+                    " (use auto, mpi or nccl)");
+      return requested;
+    case CommBackend::nccl:
+      FLOWMOE_CHECK(use_cuda, ConfigError, "backend nccl moves GPU tensors, but this run is on the CPU (use mpi)");
+      return requested;
+    case CommBackend::mpi:
+      return requested;
+  }
+  FLOWMOE_THROW(ConfigError, "unknown communication backend ", int(requested));
+}
+
+DistributedRuntime init_distributed(const DistributedOptions& options) {
+  DistributedRuntime rt;
+  rt.launch = detect_launch();
+  rt.backend = resolve_backend(options.backend, rt.launch.world_size, options.use_cuda, built_with_nccl());
+  const bool want_mpi = rt.backend == CommBackend::mpi || rt.launch.world_size > 1;
+  FLOWMOE_CHECK(!want_mpi || built_with_mpi(), CommError, "started as ", rt.launch.world_size, " processes (",
+                rt.launch.launcher.empty() ? "backend mpi" : rt.launch.launcher, ") but flowmoe was built without MPI:",
+                " install libopenmpi-dev and rebuild");
+
+  std::shared_ptr<Communicator> host_world = want_mpi ? make_mpi_world_communicator() : make_none_communicator();
+  FLOWMOE_CHECK(!want_mpi || rt.launch.launcher.empty() || host_world->size() == rt.launch.world_size, CommError,
+                "the launcher started ", rt.launch.world_size, " processes (", rt.launch.launcher, ") but MPI sees ",
+                host_world->size(), ": was flowmoe started by the mpirun of another MPI than the one it was built with?");
+  rt.launch.world_size = host_world->size();
+  rt.launch.rank = host_world->rank();
+  if (want_mpi && host_world->size() > 1) rt.launch.local_rank = mpi_node_local_rank();
+
+  rt.device = Device::cpu();
+  if (options.use_cuda) {
+    const int num_gpus = cuda_device_count();
+    FLOWMOE_CHECK(num_gpus > 0, DeviceError, "a CUDA run, but no CUDA device is visible on this host");
+    if (rt.backend == CommBackend::nccl)
+      FLOWMOE_CHECK(rt.launch.local_rank < num_gpus, DeviceError, "nccl needs one GPU per rank, but local rank ",
+                    rt.launch.local_rank, " has only ", num_gpus, " GPUs on its host (backend mpi can share GPUs,",
+                    " staging through host memory: a test transport)");
+    rt.device = Device::cuda(rt.launch.local_rank % num_gpus);
+    cuda_set_device(rt.device.index);
+  }
+  rt.world = rt.backend == CommBackend::nccl ? make_nccl_communicator(host_world, rt.device.index) : host_world;
+  return rt;
+}
+
+uint64_t config_hash(const std::string& text) {
+  uint64_t h = 14695981039346656037ull;  // FNV-1a 64-bit offset basis
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;  // FNV prime
+  }
+  return h;
+}
+
+void check_same_config(Communicator& comm, const std::string& config_text) {
+  const uint64_t mine = config_hash(config_text);
+  Tensor local = Tensor::from_ints({int64_t(mine)}, {1}, DType::i64, comm.native_device());
+  Tensor all = comm.all_gather(local);
+  comm.synchronize();
+  std::vector<int64_t> hashes = all.to_ints();
+  std::map<uint64_t, std::vector<int>> ranks_by_hash;
+  for (size_t r = 0; r < hashes.size(); ++r) ranks_by_hash[uint64_t(hashes[r])].push_back(int(r));
+  if (ranks_by_hash.size() == 1) return;
+  std::string groups;
+  for (const auto& [hash, ranks] : ranks_by_hash) {
+    char hex[24];
+    std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(hash));
+    if (!groups.empty()) groups += "; ";
+    groups += ranks.size() == 1 ? "rank " : "ranks ";
+    for (size_t i = 0; i < ranks.size() && i < 8; ++i) {
+      if (i) groups += ',';
+      groups += std::to_string(ranks[i]);
+    }
+    if (ranks.size() > 8) groups += ",... (" + std::to_string(ranks.size()) + " ranks)";
+    groups += std::string(" hash ") + hex;
+  }
+  FLOWMOE_THROW(ConfigError, "the ranks were given different configs (", groups,
+                "): every rank must read the same config file with the same overrides");
+}
+
+}  // namespace flowmoe

@@ -1,0 +1,192 @@
+// The "nccl" backend (compiled with CUDA when CMake finds nccl.h and libnccl; parallel/nccl_none.cpp
+// otherwise). CUDA tensors on the communicator's device, collectives enqueued on its stream (the
+// engine's stream by default) and asynchronous to the host. The communicator is bootstrapped through
+// a CPU communicator (mpi, or none at world size 1): rank 0 calls ncclGetUniqueId and broadcasts it,
+// every rank calls ncclCommInitRank. The all-to-all with per-peer counts is one NCCL group of
+// ncclSend/ncclRecv pairs. Every NCCL and CUDA return code is checked; failures throw CommError
+// (NCCL) or CudaError (CUDA runtime).
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstring>
+
+#include "engine/cuda/cuda_check.h"
+#include "parallel/backends.h"
+
+namespace flowmoe {
+
+namespace {
+
+void check_nccl(ncclResult_t rc, ncclComm_t comm, const char* call, const char* file, int line) {
+  if (rc == ncclSuccess) return;
+  const char* last = ncclGetLastError(comm);
+  throw CommError(detail::cat(call, " failed: ", ncclGetErrorString(rc), " (", int(rc), ")",
+                              last && *last ? std::string(": ") + last : std::string()),
+                  file, line);
+}
+#define FLOWMOE_NCCL_CHECK(call, comm) check_nccl((call), (comm), #call, __FILE__, __LINE__)
+
+// Makes `device` current for the scope (NCCL calls act on the current device), then restores.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) : prev_(cuda_current_device()) {
+    if (prev_ != device) cuda_set_device(device);
+  }
+  ~DeviceScope() { cudaSetDevice(prev_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int prev_;
+};
+
+ncclDataType_t nccl_type(DType d) {
+  switch (d) {
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+    default: FLOWMOE_THROW(DTypeError, "nccl all_reduce: no NCCL type for ", dtype_name(d));
+  }
+}
+
+// Rank 0's unique id, handed to every rank of `bootstrap`. The first byte says whether rank 0 made
+// one, so a failure there is an error on every rank instead of peers waiting in ncclCommInitRank.
+ncclUniqueId share_unique_id(Communicator& bootstrap) {
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  Tensor msg = Tensor::zeros({int64_t(sizeof(id)) + 1}, DType::u8);
+  std::string failure;
+  if (bootstrap.rank() == 0) {
+    ncclResult_t rc = ncclGetUniqueId(&id);
+    if (rc == ncclSuccess) {
+      msg.data<uint8_t>()[0] = 1;
+      std::memcpy(msg.data<uint8_t>() + 1, &id, sizeof(id));
+    } else {
+      failure = ncclGetErrorString(rc);
+    }
+  }
+  bootstrap.broadcast(msg, 0);
+  FLOWMOE_CHECK(msg.data<uint8_t>()[0] == 1, CommError, "nccl: rank 0 could not make the NCCL unique id",
+                failure.empty() ? std::string() : ": " + failure);
+  std::memcpy(&id, msg.data<uint8_t>() + 1, sizeof(id));
+  return id;
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(std::shared_ptr<Communicator> bootstrap, int device)
+      : bootstrap_(std::move(bootstrap)), device_(device) {
+    FLOWMOE_CHECK(bootstrap_ != nullptr, CommError, "nccl: no bootstrap communicator");
+    FLOWMOE_CHECK(bootstrap_->native_device().is_cpu(), CommError, "nccl bootstraps through a CPU communicator (mpi",
+                  " or none), got ", bootstrap_->backend_name());
+    FLOWMOE_CHECK(device >= 0 && device < cuda_device_count(), DeviceError, "nccl: cuda:", device,
+                  " does not exist (", cuda_device_count(), " CUDA devices visible)");
+    DeviceScope scope(device_);
+    ncclUniqueId id = share_unique_id(*bootstrap_);
+    FLOWMOE_NCCL_CHECK(ncclCommInitRank(&comm_, bootstrap_->size(), id, bootstrap_->rank()), nullptr);
+  }
+  ~NcclCommunicator() override {  // no throwing calls here: a failure to tear down is ignored
+    if (!comm_) return;
+    int prev = -1;
+    if (cudaGetDevice(&prev) == cudaSuccess) cudaSetDevice(device_);
+    ncclCommDestroy(comm_);
+    if (prev >= 0) cudaSetDevice(prev);
+  }
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  int rank() const override { return bootstrap_->rank(); }
+  int size() const override { return bootstrap_->size(); }
+  const char* backend_name() const override { return "nccl"; }
+  Device native_device() const override { return Device::cuda(device_); }
+
+ protected:
+  void do_all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, const Tensor& recv,
+                     const std::vector<int64_t>& recv_rows, size_t row_bytes) override {
+    check_on_device(send, "all_to_all");
+    if (row_bytes == 0) return;
+    DeviceScope scope(device_);
+    const char* send_base = static_cast<const char*>(send.raw_data());
+    char* recv_base = static_cast<char*>(recv.raw_data());
+    FLOWMOE_NCCL_CHECK(ncclGroupStart(), comm_);
+    ncclResult_t rc = ncclSuccess;
+    size_t send_at = 0, recv_at = 0;
+    for (int p = 0; p < size() && rc == ncclSuccess; ++p) {
+      size_t send_bytes = size_t(send_rows[size_t(p)]) * row_bytes, recv_bytes = size_t(recv_rows[size_t(p)]) * row_bytes;
+      if (send_bytes) rc = ncclSend(send_base + send_at, send_bytes, ncclUint8, p, comm_, enqueue_stream());
+      if (recv_bytes && rc == ncclSuccess)
+        rc = ncclRecv(recv_base + recv_at, recv_bytes, ncclUint8, p, comm_, enqueue_stream());
+      send_at += send_bytes;
+      recv_at += recv_bytes;
+    }
+    ncclResult_t end = ncclGroupEnd();  // always closes the group, even after a failed call inside it
+    FLOWMOE_NCCL_CHECK(rc, comm_);
+    FLOWMOE_NCCL_CHECK(end, comm_);
+  }
+
+  void do_all_reduce(const Tensor& t, ReduceOp op) override {
+    check_on_device(t, "all_reduce");
+    if (t.numel() == 0) return;
+    DeviceScope scope(device_);
+    FLOWMOE_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), size_t(t.numel()), nccl_type(t.dtype()),
+                                     op == ReduceOp::sum ? ncclSum : ncclMax, comm_, enqueue_stream()),
+                       comm_);
+  }
+
+  void do_all_gather(const Tensor& send, const Tensor& recv, size_t row_bytes) override {
+    check_on_device(send, "all_gather");
+    if (send.nbytes() == 0) return;
+    DeviceScope scope(device_);
+    FLOWMOE_NCCL_CHECK(ncclAllGather(send.raw_data(), recv.raw_data(), send.nbytes(), ncclUint8, comm_, enqueue_stream()),
+                       comm_);
+  }
+
+  void do_broadcast(const Tensor& t, int root) override {
+    check_on_device(t, "broadcast");
+    if (t.nbytes() == 0) return;
+    DeviceScope scope(device_);
+    FLOWMOE_NCCL_CHECK(ncclBroadcast(t.raw_data(), t.raw_data(), t.nbytes(), ncclUint8, root, comm_, enqueue_stream()),
+                       comm_);
+  }
+
+  void do_barrier() override {
+    do_synchronize();
+    bootstrap_->barrier();
+  }
+
+  void do_synchronize() override {
+    DeviceScope scope(device_);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(enqueue_stream()));
+  }
+
+  std::shared_ptr<Communicator> do_split(int color, int key) override {
+    return std::make_shared<NcclCommunicator>(bootstrap_->split(color, key), device_);
+  }
+
+  // The counts are host values: they travel through the bootstrap communicator, not the GPU.
+  std::vector<int64_t> do_exchange_counts(const std::vector<int64_t>& send_rows) override {
+    return bootstrap_->exchange_counts(send_rows);
+  }
+
+ private:
+  std::shared_ptr<Communicator> bootstrap_;
+  int device_;
+  ncclComm_t comm_ = nullptr;
+
+  cudaStream_t enqueue_stream() const { return stream() ? stream() : current_stream(device_); }
+  void check_on_device(const Tensor& t, const char* call) const {
+    FLOWMOE_CHECK(t.device() == Device::cuda(device_), DeviceError, "nccl ", call, ": the communicator is on cuda:",
+                  device_, " but got ", t.describe(), " (nccl moves GPU tensors of its device; backend mpi moves CPU ones)");
+  }
+};
+
+}  // namespace
+
+bool built_with_nccl() { return true; }
+
+std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> bootstrap, int device) {
+  return std::make_shared<NcclCommunicator>(std::move(bootstrap), device);
+}
+
+}  // namespace flowmoe

@@ -1,0 +1,38 @@
+// Shared by the test_comm files: the world this process was started in (made once by the test main
+// through init_distributed, as a training run makes it) and the row patterns the collective tests
+// send. Every value encodes where it came from, so a row that arrives in the wrong place is named.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "parallel/communicator.h"
+#include "parallel/distributed.h"
+
+namespace flowmoe::test {
+
+DistributedRuntime& test_runtime();
+inline Communicator& test_world() { return *test_runtime().world; }
+
+// Rows that rank src sends rank dst, for a world of n ranks.
+struct CountPattern {
+  std::string name;
+  std::function<int64_t(int src, int dst, int n)> rows;
+};
+// even; skewed; one rank sends nothing and one receives nothing; everyone sends to rank 0 only.
+std::vector<CountPattern> count_patterns();
+std::vector<int64_t> send_counts(const CountPattern& p, int me, int n);
+std::vector<int64_t> recv_counts(const CountPattern& p, int me, int n);
+
+// The f32 value of element (j, col) of the block src sends dst: exact in f32 (24 bits), decodable.
+float row_code(int src, int dst, int64_t j, int64_t col);
+std::string decode_row_code(float v);  // "rank 1's row 3 for rank 0, column 2"
+
+// Every collective test on `comm` with tensors on `device` (CPU, CUDA through staging, or nccl).
+void check_all_to_all_cases(Communicator& comm, Device device);
+void check_all_reduce_cases(Communicator& comm, Device device);
+void check_all_gather_and_broadcast(Communicator& comm, Device device);
+
+}  // namespace flowmoe::test

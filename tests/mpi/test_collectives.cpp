@@ -1,0 +1,119 @@
+// The collectives of parallel/communicator.h on the world this test runs in: alone (backend none)
+// or under mpirun (backend mpi). CPU tensors always; CUDA tensors through the same communicator
+// (mpi stages them through host memory) and through nccl when there is a GPU per rank, skipped
+// cleanly otherwise. Argument errors are raised before any communication, on every rank alike.
+#include "engine/cuda_api.h"
+#include "parallel/backends.h"
+#include "tests/mpi/comm_test_util.h"
+#include "tests/test_util.h"
+
+namespace flowmoe::test {
+namespace {
+
+Device rank_gpu(const Communicator& comm) { return Device::cuda(comm.rank() % cuda_device_count()); }
+
+TEST(Collectives, AllToAllMovesEveryRowToItsPeerBitForBit) { check_all_to_all_cases(test_world(), Device::cpu()); }
+
+TEST(Collectives, AllReduceSumsAndMaxesF32F64AndIntegers) { check_all_reduce_cases(test_world(), Device::cpu()); }
+
+TEST(Collectives, AllGatherAndBroadcastFromEveryRoot) { check_all_gather_and_broadcast(test_world(), Device::cpu()); }
+
+TEST(Collectives, BarrierAndSynchronizeReturn) {
+  for (int i = 0; i < 3; ++i) test_world().barrier();
+  test_world().synchronize();
+}
+
+TEST(Collectives, ZeroRowsEverywhereIsAValidAllToAll) {
+  Communicator& comm = test_world();
+  std::vector<int64_t> none(size_t(comm.size()), 0);
+  Tensor send = Tensor::empty({0, 6}, DType::bf16);
+  Tensor got = comm.all_to_all(send, none, none);
+  EXPECT_EQ(got.shape(), Shape({0, 6}));
+  Tensor gathered = comm.all_gather(Tensor::empty({0, 3}, DType::f32));
+  EXPECT_EQ(gathered.shape(), Shape({0, 3}));
+}
+
+TEST(Collectives, BadArgumentsThrowTypedErrorsOnEveryRank) {
+  Communicator& comm = test_world();
+  const int64_t n = comm.size();
+  std::vector<int64_t> ones(size_t(n), 1);
+  Tensor send = Tensor::zeros({n, 4}, DType::f32);
+  Tensor recv = Tensor::zeros({n, 4}, DType::f32);
+  std::vector<int64_t> short_counts(size_t(n) + 1, 0);
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_to_all(send, short_counts, recv, ones); }, {"send_rows has"}));
+  std::vector<int64_t> negative = ones;
+  negative[0] = -1;
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_to_all(send, negative, recv, ones); }, {"negative"}));
+  std::vector<int64_t> too_many = ones;
+  too_many[0] = 2;
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_to_all(send, too_many, recv, ones); }, {"add up to"}));
+  Tensor wide = Tensor::zeros({n, 5}, DType::f32);
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_to_all(send, ones, wide, ones); }, {"differ"}));
+  Tensor ints = Tensor::zeros({n, 4}, DType::i32);
+  EXPECT_TRUE(throws_naming<DTypeError>([&] { comm.all_to_all(send, ones, ints, ones); }, {"dtype mismatch"}));
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_to_all(send, ones, send, ones); }, {"share storage"}));
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_to_all(Tensor::zeros({}, DType::f32), ones, recv, ones); },
+                                        {"at least one dim"}));
+  EXPECT_TRUE(throws_naming<DTypeError>([&] { comm.all_reduce(Tensor::zeros({4}, DType::bf16), ReduceOp::sum); },
+                                        {"all_reduce"}));
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_reduce(Tensor::zeros({3, 4}, DType::f32).transpose(0, 1), ReduceOp::sum); },
+                                        {"contiguous"}));
+  Tensor too_tall = Tensor::zeros({n * n + 1, 4}, DType::f32);
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_gather(send, too_tall); }, {"should be"}));
+  EXPECT_TRUE(throws_naming<CommError>([&] { comm.broadcast(send, int(n)); }, {"not a rank"}));
+  EXPECT_TRUE(throws_naming<CommError>([&] { comm.split(-1, 0); }, {"color"}));
+  // FP8 scales that are not rowwise cannot travel with their rows.
+  Tensor fp8 = Tensor::zeros({n, 128}, DType::e4m3);
+  Tensor colwise = fp8.with_scales(Tensor::zeros({1, n}, DType::f32), ScalingMode::colwise_1x128);
+  EXPECT_TRUE(throws_naming<DTypeError>([&] { comm.all_to_all(colwise, ones, ones); }, {"colwise_1x128"}));
+  comm.barrier();  // every rank got here without a collective running: nothing is left pending
+}
+
+// CUDA tensors through the world communicator: copies at world size 1, host staging under mpi.
+TEST(CollectivesCuda, GpuTensorsThroughTheWorldCommunicator) {
+  FLOWMOE_REQUIRE_CUDA();
+  Communicator& comm = test_world();
+  check_all_to_all_cases(comm, rank_gpu(comm));
+  check_all_reduce_cases(comm, rank_gpu(comm));
+  check_all_gather_and_broadcast(comm, rank_gpu(comm));
+}
+
+// nccl bootstrapped through the world: at world size 1 (the none backend hands the unique id over),
+// or one GPU per rank under mpirun.
+TEST(CollectivesCuda, NcclCommunicator) {
+  if (!built_with_nccl()) GTEST_SKIP() << "built without NCCL: nccl test skipped";
+  FLOWMOE_REQUIRE_CUDA();
+  Communicator& world = test_world();
+  if (cuda_device_count() < world.size()) GTEST_SKIP() << "nccl needs one GPU per rank: " << world.size()
+                                                       << " ranks, " << cuda_device_count() << " GPUs";
+  std::shared_ptr<Communicator> nccl = make_nccl_communicator(test_runtime().world, world.rank());
+  EXPECT_STREQ(nccl->backend_name(), "nccl");
+  EXPECT_EQ(nccl->rank(), world.rank());
+  EXPECT_EQ(nccl->size(), world.size());
+  const Device gpu = Device::cuda(world.rank());
+  check_all_to_all_cases(*nccl, gpu);
+  check_all_reduce_cases(*nccl, gpu);
+  check_all_gather_and_broadcast(*nccl, gpu);
+  std::shared_ptr<Communicator> half = nccl->split(world.rank() % 2, world.rank());
+  EXPECT_EQ(half->size(), (world.size() + 1 - world.rank() % 2) / 2);
+  check_all_reduce_cases(*half, gpu);
+  nccl->barrier();
+  // A CPU tensor is refused: nccl moves GPU tensors of its own device.
+  EXPECT_TRUE(throws_naming<DeviceError>([&] { nccl->all_reduce(Tensor::zeros({2}, DType::f32), ReduceOp::sum); },
+                                         {"nccl all_reduce", "cpu"}));
+}
+
+TEST(Collectives, MissingBackendsSayWhatToInstall) {
+  if (!built_with_mpi()) {
+    EXPECT_TRUE(throws_naming<CommError>([] { make_mpi_world_communicator(); },
+                                         {"built without MPI", "install libopenmpi-dev"}));
+  }
+  if (!built_with_nccl()) {
+    EXPECT_TRUE(throws_naming<CommError>([] { make_nccl_communicator(make_none_communicator(), 0); },
+                                         {"built without NCCL"}));
+  }
+  if (built_with_mpi() && built_with_nccl()) GTEST_SKIP() << "this build has every backend";
+}
+
+}  // namespace
+}  // namespace flowmoe::test
