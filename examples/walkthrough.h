@@ -16,6 +16,7 @@
 #include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
 #include "layers/moe.h"
+#include "parallel/dispatch.h"
 
 namespace flowmoe {
 
@@ -44,7 +45,8 @@ struct State {
   Variable xq, xq_in, prob_in;
   PermuteResult p;
   std::vector<int64_t> counts;  // padded tokens per expert, on the host
-  Variable rows_in, h, h_in, probs_in, a, a_in, out, out_in, y_routed, y_routed_in, y_shared, y;
+  Dispatched d;  // what dispatch handed to permute+pad
+  Variable rows_in, h, h_in, probs_in, a, a_in, out, out_in, y_routed, y_combined, y_routed_in, y_shared, y;
 
   // backward
   Tensor dx_shared, d_out, d_a, d_h, d_probs, d_rows, dx_routed, d_topk_prob, dx_router, dx;

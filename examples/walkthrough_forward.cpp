@@ -75,8 +75,14 @@ void quantize(State& s, const Printer& out) {
 void dispatch(State& s, const Printer& out) {
   const int64_t H = s.cfg.hidden_size, copies = kTokens * s.router.top_k;
   const int64_t fp8_row = H + 4 * (H / 128);
-  out.line("math   identity: one rank owns all 4 experts (expert-parallel size 1); no op runs");
-  out.line("code   none here; permute_pad's expert_offset / num_local_experts select a rank's experts");
+  s.xq_in = leaf(s.xq.data());
+  s.prob_in = leaf(s.r.topk_prob.data());
+  s.d = dispatch(s.xq_in, s.r.topk_idx, s.prob_in, s.router.num_experts);
+  const bool same = s.d.tokens.data().raw_data() == s.xq_in.data().raw_data() &&
+                    s.d.topk_prob.data().raw_data() == s.prob_in.data().raw_data();
+  out.line("math   one rank owns all 4 experts (expert-parallel size 1): the tokens, routes and probs pass through");
+  out.line("code   parallel/dispatch.cpp::dispatch; the same storage comes back (no copy, no kernel): %s",
+           same ? "yes" : "NO");
   out.line("a row as it would travel: bf16 2H = %lld bytes; e4m3 H + 4·H/128 = %lld + %lld = %lld bytes",
            (long long)(2 * H), (long long)H, (long long)(4 * (H / 128)), (long long)fp8_row);
   out.line("ratio %lld / %lld = %s; the %lld routed copies: %lld bytes in FP8 against %lld in bf16", (long long)fp8_row,
@@ -87,10 +93,9 @@ void dispatch(State& s, const Printer& out) {
 
 void permute(State& s, const Printer& out) {
   const int E = s.router.num_experts, k = s.router.top_k, align = s.options.align_size;
-  s.xq_in = leaf(s.xq.data());
-  s.prob_in = leaf(s.r.topk_prob.data());
   const int64_t num_rows = moe_permuted_rows(kTokens, k, E, align, s.options.recipe);
-  s.p = permute_pad(s.xq_in, s.r.topk_idx, s.prob_in, E, align, 0, -1, num_rows);
+  s.p = permute_pad(s.d.tokens, s.d.topk_idx, s.d.topk_prob, E, align, s.d.expert_offset, s.d.num_local_experts,
+                    num_rows);
   s.counts = read_counts_once(s.p.padded_tokens_per_expert);
   const Tensor& rows = s.p.rows.data();
   out.line("math   rows[row_map[t,j]] = xq[t] with its scales, probs[row_map[t,j]] = p[t,j]; pad rows written");
@@ -199,10 +204,10 @@ void fc2(State& s, const Printer& out) {
 
 void unpermute(State& s, const Printer& out) {
   s.out_in = leaf(s.out.data());
-  s.y_routed = unpermute_unpad_fp8_grad(s.out_in, s.p);
+  s.y_routed = unpermute_unpad(s.out_in, s.p, Variable());
   const std::vector<int64_t> rm = s.p.row_map.to_ints();
   out.line("math   y_routed[t] = Σ_j out[row_map[t,j]] in fp32, j ascending; no probs (SwiGLU applied them)");
-  out.line("code   engine/ops/unpermute.cpp::unpermute_unpad_fp8_grad -> kernels/cpu/unpermute.cpp::unpermute_cpu");
+  out.line("code   engine/ops/unpermute.cpp::unpermute_unpad -> kernels/cpu/unpermute.cpp::unpermute_cpu");
   out.line("out    y_routed %s; pad and tail rows are never read", dims(s.y_routed.data()).c_str());
   out.line("out[%lld,0:4]      %s", (long long)rm[0], values(s.out.data(), rm[0]).c_str());
   out.line("out[%lld,0:4]     %s", (long long)rm[1], values(s.out.data(), rm[1]).c_str());
@@ -211,15 +216,18 @@ void unpermute(State& s, const Printer& out) {
 }
 
 void combine(State& s, const Printer& out) {
-  out.line("math   identity at expert-parallel size 1: every expert output is already on the token's rank");
-  out.line("code   none here; with several ranks the expert outputs travel back to their tokens' ranks");
+  s.y_combined = combine(s.y_routed, s.d, CombineGrad::fp8);
+  const bool same = s.y_combined.data().raw_data() == s.y_routed.data().raw_data();
+  out.line("math   every expert output is already on its token's rank (expert-parallel size 1): y passes through");
+  out.line("code   parallel/dispatch.cpp::combine; the same storage comes back: %s; its backward will quantize dy",
+           same ? "yes" : "NO");
   out.line("casts  %s", cast_summary().c_str());
 }
 
 void shared(State& s, const Printer& out) {
   s.x_shared = leaf(s.x);
   s.y_shared = s.layer->shared_experts()->forward(s.x_shared, DType::f32);
-  s.y_routed_in = leaf(s.y_routed.data());
+  s.y_routed_in = leaf(s.y_combined.data());
   s.y = add(s.y_routed_in, s.y_shared);
   out.line("math   y = y_routed + (silu(x·Wgᵀ)·(x·Wuᵀ))·Wdᵀ, the shared expert in high precision");
   out.line("code   layers/mlp.cpp::Mlp::forward, engine/ops/elementwise.cpp (add)");
