@@ -4,8 +4,8 @@
 #include <unordered_set>
 #include <utility>
 
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe {
 

@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 
 #if defined(__CUDACC__)
 #define FLOWMOE_ROUTER_HD __host__ __device__

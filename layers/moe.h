@@ -24,8 +24,8 @@
 
 #include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
-#include "engine/train/config.h"
 #include "layers/mlp.h"
+#include "train/config.h"
 
 namespace flowmoe {
 

@@ -8,10 +8,10 @@
 #include <memory>
 #include <vector>
 
-#include "engine/train/config.h"
 #include "layers/attention.h"
 #include "layers/mlp.h"
 #include "layers/moe.h"
+#include "train/config.h"
 
 namespace flowmoe {
 

@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "engine/train/config.h"
+#include "train/config.h"
 
 namespace flowmoe::test {
 

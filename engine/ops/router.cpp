@@ -8,8 +8,8 @@
 #include <cmath>
 #include <tuple>
 
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/router.h"
 
 namespace flowmoe {

@@ -5,8 +5,8 @@
 #include <memory>
 #include <vector>
 
-#include "engine/cuda_api.h"
 #include "engine/ops/quantize.h"
+#include "kernels/common/device_api.h"
 #include "kernels/unpermute.h"
 
 namespace flowmoe {

@@ -9,7 +9,7 @@
 // Tests: tests/test_router.cpp.
 #include <climits>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/router.h"
 

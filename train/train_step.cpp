@@ -1,12 +1,12 @@
 // One optimizer step of the training loop (see train_step.h).
-#include "engine/train/train_step.h"
+#include "train/train_step.h"
 
 #include <chrono>
 #include <cmath>
 
 #include "engine/allocator.h"
-#include "engine/cuda_api.h"
-#include "engine/error.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

@@ -1,6 +1,6 @@
 // The training run: its set-up, the loop around train_step(), evaluation, checkpoints and the
 // summary (see trainer.h).
-#include "engine/train/trainer.h"
+#include "train/trainer.h"
 
 #include <atomic>
 #include <cmath>
@@ -9,11 +9,11 @@
 
 #include "engine/allocator.h"
 #include "engine/cast_stats.h"
-#include "engine/cuda_api.h"
-#include "engine/train/checkpoint.h"
-#include "engine/train/memory_estimate.h"
-#include "engine/train/progress.h"
-#include "engine/train/train_step.h"
+#include "kernels/common/device_api.h"
+#include "train/checkpoint.h"
+#include "train/memory_estimate.h"
+#include "train/progress.h"
+#include "train/train_step.h"
 
 namespace flowmoe {
 

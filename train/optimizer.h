@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "engine/autograd.h"
-#include "engine/train/config.h"
+#include "train/config.h"
 
 namespace flowmoe {
 

@@ -1,6 +1,6 @@
 // The few CUDA runtime services the host-side engine needs, behind a header that compiles without
-// CUDA. With FLOWMOE_WITH_CUDA they are implemented in engine/cuda/cuda_api.cpp; without it,
-// engine/cuda_api_none.cpp answers "no device" and throws DeviceError on any use.
+// CUDA. With FLOWMOE_WITH_CUDA they are implemented in kernels/common/device_api_cuda.cpp; without it,
+// kernels/common/device_api_none.cpp answers "no device" and throws DeviceError on any use.
 #pragma once
 #include <cstddef>
 #include <cstdint>

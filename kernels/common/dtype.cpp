@@ -1,10 +1,10 @@
 // Software element conversions for the CPU backend (see dtype.h for the contract).
-#include "engine/dtype.h"
+#include "kernels/common/dtype.h"
 
 #include <cmath>
 #include <cstring>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

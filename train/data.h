@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "engine/tensor.h"
-#include "engine/train/config.h"
+#include "train/config.h"
 
 namespace flowmoe {
 

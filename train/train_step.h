@@ -7,13 +7,13 @@
 
 #include "engine/cast_stats.h"
 #include "engine/device.h"
-#include "engine/train/config.h"
-#include "engine/train/data.h"
-#include "engine/train/metrics.h"
-#include "engine/train/optimizer.h"
-#include "engine/train/progress.h"
-#include "engine/train/trainer.h"
 #include "layers/transformer.h"
+#include "train/config.h"
+#include "train/data.h"
+#include "train/metrics.h"
+#include "train/optimizer.h"
+#include "train/progress.h"
+#include "train/trainer.h"
 
 namespace flowmoe {
 

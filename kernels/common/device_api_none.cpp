@@ -1,8 +1,8 @@
 // CPU-only build: there is no device, and every device service says so clearly.
 #include <cstring>
 
-#include "engine/cuda_api.h"
-#include "engine/error.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

@@ -4,7 +4,7 @@
 #include <cstdio>
 #include <string>
 
-#include "engine/train/metrics.h"
+#include "train/metrics.h"
 
 namespace flowmoe {
 

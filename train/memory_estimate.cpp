@@ -9,7 +9,7 @@
 //                until backward (a tied embedding is cast twice); with the bf16 recipe also 2 P_x,
 //                grouped_linear's bf16 copy of the experts. FP8 recipes (CPU and GPU): 2 P_x + scales,
 //                the cached FP8 expert weights and their transpose.
-//   optimizer    8 P: AdamW's exp_avg and exp_avg_sq, f32 beside every parameter (engine/train/optimizer.cpp).
+//   optimizer    8 P: AdamW's exp_avg and exp_avg_sq, f32 beside every parameter (train/optimizer.cpp).
 //   gradients    4 P: f32, one per parameter. When a gradient is added to one already held
 //                (train.grad_accum_steps > 1, a tied embedding's second use), the sum is a new tensor
 //                beside the held and the incoming one: + 8 x the largest parameter tensor. The GPU's
@@ -31,7 +31,7 @@
 //   Evaluation keeps no graph: weights, and the larger of one block's and the head's tensors.
 // Summed, the terms bound the peak from above: backward frees each block's activations as it
 // allocates that block's gradients, so the activations and the gradients never all coexist.
-#include "engine/train/memory_estimate.h"
+#include "train/memory_estimate.h"
 
 #include <unistd.h>
 
@@ -44,11 +44,11 @@
 #include <vector>
 
 #include "engine/allocator.h"
-#include "engine/cuda_api.h"
-#include "engine/dtype.h"
-#include "engine/error.h"
-#include "engine/train/trainer.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/dtype.h"
+#include "kernels/common/error.h"
 #include "layers/moe.h"
+#include "train/trainer.h"
 
 namespace flowmoe {
 

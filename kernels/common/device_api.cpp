@@ -1,8 +1,8 @@
-// Parts of engine/cuda_api.h that are the same with and without CUDA.
+// Parts of kernels/common/device_api.h that are the same with and without CUDA.
 #include <atomic>
 
-#include "engine/cuda_api.h"
-#include "engine/error.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

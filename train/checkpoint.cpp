@@ -1,5 +1,5 @@
 // safetensors reader/writer and atomic checkpoint directories (see checkpoint.h).
-#include "engine/train/checkpoint.h"
+#include "train/checkpoint.h"
 
 #include <fcntl.h>
 #include <unistd.h>

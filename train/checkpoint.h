@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "engine/autograd.h"
-#include "engine/train/data.h"
+#include "train/data.h"
 
 namespace flowmoe {
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/train/config.h"
+#include "train/config.h"
 
 namespace flowmoe {
 

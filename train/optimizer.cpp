@@ -1,5 +1,5 @@
 // AdamW over a parameter list, LR schedule and clipping (see optimizer.h).
-#include "engine/train/optimizer.h"
+#include "train/optimizer.h"
 
 #include <algorithm>
 #include <cmath>

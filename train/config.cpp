@@ -1,5 +1,5 @@
 // Config schema, strict YAML parsing with line numbers, --set overrides and cross-key validation.
-#include "engine/train/config.h"
+#include "train/config.h"
 
 #include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
@@ -17,8 +17,8 @@
 #include <sstream>
 #include <variant>
 
-#include "engine/error.h"
-#include "engine/train/config_checks.h"
+#include "kernels/common/error.h"
+#include "train/config_checks.h"
 
 namespace flowmoe {
 

@@ -1,5 +1,5 @@
 // The cross-key checks of validate() (see config_checks.h).
-#include "engine/train/config_checks.h"
+#include "train/config_checks.h"
 
 #include <cstdint>
 #include <filesystem>
@@ -7,7 +7,7 @@
 #include <sstream>
 #include <utility>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

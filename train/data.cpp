@@ -1,5 +1,5 @@
 // Token sources and the deterministic batch order (see data.h).
-#include "engine/train/data.h"
+#include "train/data.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -7,8 +7,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "engine/error.h"
 #include "engine/rng.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

@@ -1,11 +1,11 @@
-// CUDA runtime services for the host-side engine (see engine/cuda_api.h).
-#include "engine/cuda_api.h"
+// CUDA runtime services for the host-side engine (see kernels/common/device_api.h).
+#include "kernels/common/device_api.h"
 
 #include <cstring>
 #include <mutex>
 #include <vector>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 
 namespace flowmoe {
 

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "engine/device.h"
-#include "engine/train/config.h"
-#include "engine/train/data.h"
 #include "layers/transformer.h"
+#include "train/config.h"
+#include "train/data.h"
 
 namespace flowmoe {
 

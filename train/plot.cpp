@@ -1,5 +1,5 @@
 // Loss-curve plots through gnuplot or matplotlib (see plot.h).
-#include "engine/train/plot.h"
+#include "train/plot.h"
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,9 +10,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "engine/error.h"
-#include "engine/train/checkpoint.h"
-#include "engine/train/metrics.h"
+#include "kernels/common/error.h"
+#include "train/checkpoint.h"
+#include "train/metrics.h"
 
 namespace flowmoe {
 

@@ -48,7 +48,7 @@ struct DataConfig {
   double val_fraction = 0.05;
   int64_t seed = 1234;
   int64_t synthetic_tokens = 1 << 20;  // size of the generated corpus
-  std::string synthetic_kind = "words";  // words | bigram (engine/train/data.h)
+  std::string synthetic_kind = "words";  // words | bigram (train/data.h)
 };
 
 struct TrainConfig {

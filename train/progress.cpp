@@ -1,5 +1,5 @@
 // The progress display (see progress.h).
-#include "engine/train/progress.h"
+#include "train/progress.h"
 
 #include <unistd.h>
 

@@ -4,7 +4,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 
 #define MOE_CUDA_CHECK(cmd)                                                                       \
   do {                                                                                            \

@@ -1,5 +1,5 @@
 // The metrics file: its writer and reader (see metrics.h).
-#include "engine/train/metrics.h"
+#include "train/metrics.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -10,7 +10,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "engine/device.h"
-#include "engine/train/config.h"
+#include "train/config.h"
 
 namespace flowmoe {
 
