@@ -25,7 +25,7 @@
 #include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
 #include "layers/mlp.h"
-#include "train/config.h"
+#include "layers/model_config.h"
 
 namespace flowmoe {
 
@@ -39,9 +39,6 @@ struct MoeOptions {
   MoeRecipe recipe = MoeRecipe::bf16;    // precision.recipe
   bool recompute_expert = false;         // train.recompute contains moe_expert
 };
-
-// The options a run's config asks for (precision.recipe, precision.align_size, train.recompute).
-MoeOptions moe_options(const Config& cfg);
 
 class MoeLayer {
  public:

@@ -10,8 +10,8 @@
 
 #include "layers/attention.h"
 #include "layers/mlp.h"
+#include "layers/model_config.h"
 #include "layers/moe.h"
-#include "train/config.h"
 
 namespace flowmoe {
 

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "kernels/common/error.h"
+#include "layers/moe.h"
 
 namespace flowmoe {
 
@@ -63,34 +64,23 @@ void check_model_shape(const Config& c, const KeyReport& r) {
                    str(m.max_position_embeddings));
 }
 
+// The router's own check (validate_router_config, the one place its limits are enforced), with its
+// errors reported at this file's key names.
 void check_moe_routing(const Config& c, const KeyReport& r) {
   const ModelConfig& m = c.model;
   if (m.n_routed_experts == 0) return;
-  if (m.n_routed_experts % m.n_group != 0)
-    r.err("model.n_group", std::to_string(m.n_group) + " does not divide model.n_routed_experts = " +
-                               std::to_string(m.n_routed_experts));
-  if (m.topk_group > m.n_group)
-    r.err("model.topk_group", std::to_string(m.topk_group) + " exceeds model.n_group = " + std::to_string(m.n_group));
-  if (m.num_experts_per_tok > m.n_routed_experts)
-    r.conflict({"model.num_experts_per_tok", "model.n_routed_experts"},
-               "model.num_experts_per_tok = " + str(m.num_experts_per_tok) + " exceeds model.n_routed_experts = " +
-                   str(m.n_routed_experts));
+  try {
+    validate_router_config(router_config(m), "model.");
+  } catch (const RouterConfigError& e) {
+    std::vector<std::string> keys;
+    for (const std::string& k : e.keys()) keys.push_back("model." + k);
+    if (keys.size() == 1) r.err(keys.front(), e.detail());
+    r.conflict(keys, e.detail());
+  }
   if (m.first_k_dense_replace > m.num_hidden_layers)
     r.err("model.first_k_dense_replace", std::to_string(m.first_k_dense_replace) +
                                              " exceeds model.num_hidden_layers = " +
                                              std::to_string(m.num_hidden_layers));
-  // The router kernel's limits (kernels/cuda/router.cu), enforced on the CPU too.
-  if (m.n_routed_experts > 256)
-    r.err("model.n_routed_experts", str(m.n_routed_experts) + " exceeds the router's limit of 256");
-  if (m.num_experts_per_tok > 16)
-    r.err("model.num_experts_per_tok", str(m.num_experts_per_tok) + " exceeds the router's limit of 16");
-  if (m.n_group > 16) r.err("model.n_group", str(m.n_group) + " exceeds the router's limit of 16");
-  // The groups divide the experts evenly here (checked above).
-  if (m.num_experts_per_tok > m.topk_group * (m.n_routed_experts / m.n_group))
-    r.conflict({"model.num_experts_per_tok", "model.topk_group", "model.n_group", "model.n_routed_experts"},
-               "num_experts_per_tok = " + str(m.num_experts_per_tok) +
-                   " exceeds the experts in the kept groups (topk_group " + str(m.topk_group) + " x " +
-                   str(m.n_routed_experts / m.n_group) + " experts per group)");
 }
 
 static void check_synthetic_data(const Config& c, const KeyReport& r) {

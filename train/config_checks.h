@@ -26,7 +26,8 @@ class KeyReport {
 
 // Attention heads that divide the width into even head sizes; sequences that fit the positions.
 void check_model_shape(const Config& c, const KeyReport& r);
-// The MoE keys agree with each other and with the router kernel's limits (DeepSeek-V3 group-limited top-k).
+// The MoE keys agree with each other and with the router kernel's limits (DeepSeek-V3 group-limited top-k):
+// the router's own validate_router_config, reported at the model.* keys.
 void check_moe_routing(const Config& c, const KeyReport& r);
 // A synthetic corpus big enough for one sequence per split, or a data.path that exists and suits the source.
 void check_data_source(const Config& c, const KeyReport& r);

@@ -41,6 +41,13 @@ DType compute_dtype_for(const Config& cfg, Device device) {
   return device.is_cuda() ? DType::bf16 : DType::f32;
 }
 
+MoeOptions moe_options(const Config& cfg) {
+  MoeOptions o(int(cfg.precision.align_size));
+  o.recipe = moe_recipe_from_name(cfg.precision.recipe);
+  o.recompute_expert = cfg.train.recomputes("moe_expert");
+  return o;
+}
+
 double evaluate(const Transformer& model, const DataLoader& data, int64_t num_batches, int64_t batch_size) {
   NoGradGuard no_grad;
   double total = 0;

@@ -21,6 +21,8 @@ namespace flowmoe {
 Device resolve_device(const Config& cfg);
 // bf16 on the GPU (every recipe: FP8 is confined to the MoE expert GEMMs), f32 on the CPU.
 DType compute_dtype_for(const Config& cfg, Device device);
+// The MoE layers' options a run's config asks for (precision.recipe, precision.align_size, train.recompute).
+MoeOptions moe_options(const Config& cfg);
 
 // How many validation micro-batches an evaluation reads: at most the whole batches the split holds,
 // since more would wrap around and count sequences twice. A split smaller than one batch is read as
