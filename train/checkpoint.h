@@ -62,7 +62,4 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
                                std::vector<Tensor>* exp_avg = nullptr, std::vector<Tensor>* exp_avg_sq = nullptr,
                                const std::vector<Variable>& buffers = {});
 
-// Small JSON helpers shared with the metrics writer.
-std::string json_escape(const std::string& s);  // with the quotes
-
 }  // namespace flowmoe

@@ -11,7 +11,7 @@
 #include <fstream>
 
 #include "kernels/common/error.h"
-#include "train/checkpoint.h"
+#include "train/file_io.h"
 #include "train/metrics.h"
 
 namespace flowmoe {
