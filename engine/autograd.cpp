@@ -4,6 +4,7 @@
 #include <unordered_set>
 #include <utility>
 
+// Above autograd, but kept: gradients are summed by tensor_add, the add primitive, on their device.
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
 

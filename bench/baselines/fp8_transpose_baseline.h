@@ -1,7 +1,7 @@
 // The "double quantization" baseline that bench/bench_fp8_transpose.cpp measures the scaling-aware FP8
 // transpose of kernels/fp8_transpose.h against: y = bf16(e4m3_to_f32(q) * s_inv), then an ordinary
 // colwise quantize of y over the segments. Kernels: bench/baselines/fp8_transpose_baseline.cu, linked into
-// bench_fp8_transpose only (bench/CMakeLists.txt), never into the engine library.
+// bench_fp8_transpose only (bench/CMakeLists.txt), never into a flowmoe library.
 #pragma once
 #include <cstdint>
 
