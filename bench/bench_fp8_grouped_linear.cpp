@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "engine/cuda/cuda_check.h"
-#include "engine/cuda_api.h"
 #include "engine/tensor.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_grouped_linear.h"
 #include "kernels/grouped_linear.h"

@@ -18,9 +18,9 @@
 
 #include "bench/baselines/fp8_transpose_baseline.h"
 #include "bench/bench_util.h"
-#include "engine/cuda/cuda_check.h"
-#include "engine/cuda_api.h"
-#include "engine/dtype.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/dtype.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_transpose.h"
 

@@ -25,11 +25,11 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "engine/cuda/cuda_check.h"
-#include "engine/cuda_api.h"
 #include "engine/ops/grouped_linear.h"
 #include "engine/rng.h"
 #include "engine/stream.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 #include "kernels/grouped_linear.h"
 #include "kernels/linear.h"
 

@@ -12,8 +12,8 @@
 #include <cstdio>
 #include <vector>
 
-#include "engine/cuda/cuda_check.h"
-#include "engine/cuda_api.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 #include "engine/ops/ops.h"
 #include "engine/rng.h"
 #include "engine/stream.h"

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "engine/allocator.h"
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 #include "engine/stream.h"
 #include "bench/bench_util.h"
 #include "kernels/grouped_linear.h"

@@ -32,8 +32,8 @@
 #include <thread>
 #include <vector>
 
-#include "engine/cuda/cuda_check.h"
-#include "engine/cuda_api.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 #include "engine/rng.h"
 #include "engine/stream.h"
 #include "bench/bench_util.h"

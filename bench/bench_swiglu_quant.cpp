@@ -15,10 +15,10 @@
 
 #include "bench/baselines/swiglu_quant_baseline.h"
 #include "bench/bench_util.h"
-#include "engine/cuda/cuda_check.h"
-#include "engine/cuda_api.h"
 #include "engine/rng.h"
 #include "engine/stream.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/swiglu.h"
 #include "kernels/swiglu_quant.h"

@@ -10,9 +10,9 @@
 #include <exception>
 #include <vector>
 
-#include "engine/cuda/cuda_check.h"
-#include "engine/cuda_api.h"
 #include "engine/stream.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe {
 

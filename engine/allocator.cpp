@@ -4,8 +4,8 @@
 #include <memory>
 #include <vector>
 
-#include "engine/cuda_api.h"
-#include "engine/error.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

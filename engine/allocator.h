@@ -2,7 +2,7 @@
 //
 // CUDA memory goes through a caching allocator: freed blocks are kept in a size-ordered pool and
 // handed out again, so a training step does not call cudaMalloc/cudaFree. All engine work runs on one
-// stream per device (engine/cuda_api.h), so a freed block may be reused at once: any later use is
+// stream per device (kernels/common/device_api.h), so a freed block may be reused at once: any later use is
 // ordered after the last kernel that touched it.
 #pragma once
 #include <cstddef>

@@ -4,8 +4,9 @@
 #include <unordered_set>
 #include <utility>
 
-#include "engine/cuda_api.h"
+// Above autograd, but kept: gradients are summed by tensor_add, the add primitive, on their device.
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe {
 

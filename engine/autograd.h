@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/cuda_api.h"
 #include "engine/tensor.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe {
 

@@ -2,7 +2,7 @@
 // The engine itself runs on one stream per device (current_stream); these are for overlap work
 // (communication streams) and for timing in bench/.
 #pragma once
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 
 typedef struct CUevent_st* cudaEvent_t;
 

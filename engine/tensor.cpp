@@ -4,7 +4,7 @@
 #include <sstream>
 
 #include "engine/allocator.h"
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 #include "kernels/copy.h"
 
 namespace flowmoe {

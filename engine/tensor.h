@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "engine/device.h"
-#include "engine/dtype.h"
-#include "engine/error.h"
+#include "kernels/common/dtype.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

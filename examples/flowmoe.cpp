@@ -12,13 +12,13 @@
 #include <string>
 #include <vector>
 
-#include "engine/error.h"
-#include "engine/train/checkpoint.h"
-#include "engine/train/config.h"
-#include "engine/train/data.h"
-#include "engine/train/memory_estimate.h"
-#include "engine/train/plot.h"
-#include "engine/train/trainer.h"
+#include "kernels/common/error.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/data.h"
+#include "train/memory_estimate.h"
+#include "train/plot.h"
+#include "train/trainer.h"
 #include "examples/walkthrough.h"
 
 using namespace flowmoe;

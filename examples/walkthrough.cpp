@@ -11,7 +11,7 @@
 #include <cstring>
 
 #include "engine/cast_stats.h"
-#include "engine/error.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 namespace walk {

@@ -3,11 +3,11 @@
 //   p = p - lr * (m / bc1 / (sqrt(v / bc2) + eps) + weight_decay * p)      (bc = 1 - beta^t)
 // sum_squares: out = sum_i x[i]^2 (sum_values: sum_i x[i]), deterministic: a fixed two-pass tree,
 // no atomics, so the same input always gives the same bits. CPU reference: kernels/cpu/adamw.cpp;
-// CUDA: kernels/cuda/adamw.cu; optimizer: engine/train/optimizer.cpp; tests: tests/test_adamw.cpp.
+// CUDA: kernels/cuda/adamw.cu; optimizer: train/optimizer.cpp; tests: tests/test_adamw.cpp.
 #pragma once
 #include <cstdint>
 
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe {
 

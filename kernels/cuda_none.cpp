@@ -3,12 +3,12 @@
 // workspaces or tune them. Each throws DeviceError through throw_no_cuda, naming itself.
 // Why they exist: the ops call their launchers in eval_gpu without preprocessor guards, so both builds
 // compile the same op code. In a CPU-only build eval_gpu is unreachable (no tensor can live on a device:
-// engine/cuda_api_none.cpp refuses every device allocation), so none of these ever runs; they only let
+// kernels/common/device_api_none.cpp refuses every device allocation), so none of these ever runs; they only let
 // that code link. Each definition is qualified (flowmoe::name), so a signature that no longer matches
 // its declaration in kernels/*.h is a compile error here rather than a silent overload.
-#include "engine/cuda_api.h"
 #include "kernels/adamw.h"
 #include "kernels/attention.h"
+#include "kernels/common/device_api.h"
 #include "kernels/copy.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/elementwise.h"

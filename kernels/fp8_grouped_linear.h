@@ -11,8 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "engine/cuda_api.h"
-#include "engine/dtype.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/dtype.h"
 
 namespace flowmoe {
 

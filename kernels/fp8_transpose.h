@@ -10,7 +10,7 @@
 #pragma once
 #include <cstdint>
 
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe {
 

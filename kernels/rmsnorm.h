@@ -6,8 +6,8 @@
 #pragma once
 #include <cstdint>
 
-#include "engine/cuda_api.h"
-#include "engine/dtype.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/dtype.h"
 
 namespace flowmoe {
 

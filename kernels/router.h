@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 
 #if defined(__CUDACC__)
 #define FLOWMOE_ROUTER_HD __host__ __device__
@@ -23,7 +23,8 @@ enum class RouterScoring : uint8_t { sigmoid, softmax };
 // How expert_bias moves after a step (model.bias_update_rule).
 enum class BiasUpdateRule : uint8_t { sign, proportional };
 
-// Limits of the CUDA kernel (one warp per token, at most 8 experts per lane).
+// Limits of the CUDA kernel (one warp per token, at most 8 experts per lane). validate_router_config
+// (engine/ops/router.h) enforces them on every backend and for the YAML config.
 constexpr int kRouterMaxExperts = 256;
 constexpr int kRouterMaxTopk = 16;
 constexpr int kRouterMaxGroups = 16;

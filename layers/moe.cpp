@@ -35,13 +35,6 @@ MoeFlow moe_flow(MoeRecipe r) {
   return f;
 }
 
-MoeOptions moe_options(const Config& cfg) {
-  MoeOptions o(int(cfg.precision.align_size));
-  o.recipe = moe_recipe_from_name(cfg.precision.recipe);
-  o.recompute_expert = cfg.train.recomputes("moe_expert");
-  return o;
-}
-
 RouterConfig router_config(const ModelConfig& cfg) {
   RouterConfig r;
   r.num_experts = int(cfg.n_routed_experts);

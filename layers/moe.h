@@ -26,8 +26,8 @@
 #include "engine/ops/fp8_grouped_linear.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
-#include "engine/train/config.h"
 #include "layers/mlp.h"
+#include "layers/model_config.h"
 
 namespace flowmoe {
 
@@ -51,9 +51,6 @@ struct MoeFlow {
   Fp8Wgrad wgrad = Fp8Wgrad::requantize;  // transpose (fp8_flow) or requantize (fp8_blockwise)
 };
 MoeFlow moe_flow(MoeRecipe r);
-
-// The options a run's config asks for (precision.recipe, precision.align_size, train.recompute).
-MoeOptions moe_options(const Config& cfg);
 
 class MoeLayer {
  public:

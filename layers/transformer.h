@@ -8,9 +8,9 @@
 #include <memory>
 #include <vector>
 
-#include "engine/train/config.h"
 #include "layers/attention.h"
 #include "layers/mlp.h"
+#include "layers/model_config.h"
 #include "layers/moe.h"
 
 namespace flowmoe {

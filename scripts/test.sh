@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The test command: install Debian deps, configure (CUDA auto-detected: kernels are compiled when
-# nvcc is present, GPU tests skip without a device), build warning-free, run every test.
+# The test command: check the folders' include order (scripts/check_layers.sh), install Debian deps,
+# configure (CUDA auto-detected: kernels are compiled when nvcc is present, GPU tests skip without a
+# device), build warning-free, run every test.
 #   scripts/test.sh            build dir ./build
 #   BUILD_DIR=/tmp/b scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/check_layers.sh
 scripts/install_deps.sh
 build="${BUILD_DIR:-build}"
 jobs="$(nproc)"

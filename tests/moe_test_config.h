@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "engine/train/config.h"
+#include "layers/model_config.h"
 
 namespace flowmoe::test {
 

@@ -3,9 +3,9 @@
 #include <cmath>
 #include <cstring>
 
-#include "engine/train/optimizer.h"
 #include "kernels/adamw.h"
 #include "tests/test_util.h"
+#include "train/optimizer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

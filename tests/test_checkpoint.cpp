@@ -9,11 +9,11 @@
 #include <fstream>
 #include <sstream>
 
-#include "engine/error.h"
-#include "engine/train/checkpoint.h"
-#include "engine/train/metrics.h"
-#include "engine/train/trainer.h"
+#include "kernels/common/error.h"
 #include "tests/train_test_util.h"
+#include "train/checkpoint.h"
+#include "train/metrics.h"
+#include "train/trainer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

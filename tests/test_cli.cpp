@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 #include "tests/train_test_util.h"
 
 extern char** environ;

@@ -19,9 +19,9 @@
 #include <typeinfo>
 #include <vector>
 
-#include "engine/error.h"
-#include "engine/train/checkpoint.h"
+#include "kernels/common/error.h"
 #include "tests/train_test_util.h"
+#include "train/checkpoint.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -21,9 +21,9 @@
 #include <typeinfo>
 #include <vector>
 
-#include "engine/error.h"
-#include "engine/train/config.h"
+#include "kernels/common/error.h"
 #include "tests/test_util.h"
+#include "train/config.h"
 
 using namespace flowmoe;
 namespace fs = std::filesystem;

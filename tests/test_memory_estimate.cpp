@@ -9,9 +9,9 @@
 #include <limits>
 
 #include "engine/allocator.h"
-#include "engine/error.h"
-#include "engine/train/memory_estimate.h"
+#include "kernels/common/error.h"
 #include "tests/train_test_util.h"
+#include "train/memory_estimate.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

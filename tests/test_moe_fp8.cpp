@@ -6,12 +6,12 @@
 #include <filesystem>
 
 #include "engine/cast_stats.h"
-#include "engine/train/metrics.h"
-#include "engine/train/trainer.h"
 #include "layers/moe.h"
 #include "tests/moe_test_config.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
+#include "train/metrics.h"
+#include "train/trainer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

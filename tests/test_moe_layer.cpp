@@ -8,14 +8,14 @@
 #include <map>
 
 #include "engine/ops/router.h"
-#include "engine/train/checkpoint.h"
-#include "engine/train/metrics.h"
-#include "engine/train/optimizer.h"
-#include "engine/train/trainer.h"
 #include "layers/moe.h"
 #include "tests/moe_test_config.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
+#include "train/checkpoint.h"
+#include "train/metrics.h"
+#include "train/optimizer.h"
+#include "train/trainer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/train/trainer.h"
 #include "tests/train_test_util.h"
+#include "train/trainer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -9,14 +9,14 @@
 #include <map>
 #include <set>
 
-#include "engine/cuda_api.h"
-#include "engine/error.h"
-#include "engine/train/checkpoint.h"
-#include "engine/train/metrics.h"
-#include "engine/train/optimizer.h"
-#include "engine/train/plot.h"
-#include "engine/train/trainer.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/error.h"
 #include "tests/train_test_util.h"
+#include "train/checkpoint.h"
+#include "train/metrics.h"
+#include "train/optimizer.h"
+#include "train/plot.h"
+#include "train/trainer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
 #include "engine/rng.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe::test {
 

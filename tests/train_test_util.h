@@ -4,8 +4,8 @@
 #include <filesystem>
 #include <string>
 
-#include "engine/train/trainer.h"
 #include "tests/test_util.h"
+#include "train/trainer.h"
 
 namespace flowmoe::test {
 

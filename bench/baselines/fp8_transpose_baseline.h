@@ -1,11 +1,11 @@
 // The "double quantization" baseline that bench/bench_fp8_transpose.cpp measures the scaling-aware FP8
 // transpose of kernels/fp8_transpose.h against: y = bf16(e4m3_to_f32(q) * s_inv), then an ordinary
 // colwise quantize of y over the segments. Kernels: bench/baselines/fp8_transpose_baseline.cu, linked into
-// bench_fp8_transpose only (bench/CMakeLists.txt), never into the engine library.
+// bench_fp8_transpose only (bench/CMakeLists.txt), never into a flowmoe library.
 #pragma once
 #include <cstdint>
 
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe {
 

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/quantize_rows.cuh"
 #include "kernels/fp8.h"

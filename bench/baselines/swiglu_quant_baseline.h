@@ -1,12 +1,12 @@
 // The unfused SwiGLU + FP8 quantize that bench/bench_swiglu_quant.cpp measures the fused kernels of
 // kernels/swiglu_quant.h against: the prob product, the d_prob row dot and a plain rowwise quantize as
 // separate launches, each a full pass over memory. Kernels: bench/baselines/swiglu_quant_baseline.cu, linked
-// into bench_swiglu_quant only (bench/CMakeLists.txt), never into the engine library.
+// into bench_swiglu_quant only (bench/CMakeLists.txt), never into a flowmoe library.
 #pragma once
 #include <cstdint>
 
-#include "engine/cuda_api.h"
-#include "engine/dtype.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/dtype.h"
 
 namespace flowmoe {
 

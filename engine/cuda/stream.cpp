@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 
 namespace flowmoe {
 

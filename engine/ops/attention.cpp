@@ -2,9 +2,9 @@
 // the GPU path keeps the forward's per-row logsumexp in the primitive (one primitive per call) and
 // saves the output, as flash-attention's backward needs both.
 // Reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp.
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
 #include "kernels/attention.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe {
 

@@ -1,8 +1,8 @@
 // Fused cross-entropy as an autograd primitive. Forward keeps the per-row logsumexp (and on the GPU
 // the device-side 1/count) on the primitive, which its node owns; the vjp hands them to
 // CrossEntropyBackward. References: kernels/cpu/cross_entropy.cpp. Tests: tests/test_cross_entropy.cpp.
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/cross_entropy.h"
 
 namespace flowmoe {

@@ -1,7 +1,7 @@
 // Elementwise add / mul / scale / cast and reshape as autograd primitives.
 // References: kernels/cpu/elementwise.cpp, kernels/cpu/copy.cpp. Tests: tests/test_elementwise.cpp.
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/elementwise.h"
 
 namespace flowmoe {

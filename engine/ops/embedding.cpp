@@ -1,8 +1,8 @@
 // embedding(weight, ids) as an autograd primitive (ids are not differentiable); its scatter-add
 // backward is a primitive on the same device. Reference: kernels/cpu/embedding.cpp.
 // Tests: tests/test_embedding.cpp.
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/embedding.h"
 
 namespace flowmoe {

@@ -4,8 +4,8 @@
 
 #include <memory>
 
-#include "engine/cuda_api.h"
 #include "engine/ops/fp8_transpose.h"
+#include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_grouped_linear.h"
 #include "kernels/grouped_linear.h"

@@ -4,7 +4,7 @@
 #include "engine/ops/fp8_transpose.h"
 
 #include "engine/autograd.h"
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_transpose.h"
 

@@ -6,7 +6,7 @@
 #include <memory>
 #include <utility>
 
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 #include "kernels/grouped_linear.h"
 
 namespace flowmoe {

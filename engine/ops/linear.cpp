@@ -4,8 +4,8 @@
 // References: kernels/cpu/linear.cpp. CUDA: kernels/cuda/linear.cu. Tests: tests/test_linear.cpp.
 #include <algorithm>
 
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/linear.h"
 
 namespace flowmoe {

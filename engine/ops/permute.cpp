@@ -5,7 +5,7 @@
 #include <memory>
 #include <vector>
 
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe {
 

@@ -5,7 +5,7 @@
 #include "engine/ops/quantize.h"
 
 #include "engine/cast_stats.h"
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"
 

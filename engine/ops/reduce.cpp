@@ -1,8 +1,8 @@
 // sum / mean over all elements as autograd primitives; the vjp broadcasts the scalar gradient back
 // to the input's shape and dtype (ReduceBackward). References: kernels/cpu/reduce.cpp.
 // Tests: tests/test_reduce.cpp.
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/reduce.h"
 
 namespace flowmoe {

@@ -1,8 +1,8 @@
 // rmsnorm(x, weight, eps) over the last dim as an autograd primitive; its backward (dx and d_weight
 // in one pass, rstd recomputed rather than saved) is a primitive on the same device.
 // Reference: kernels/cpu/rmsnorm.cpp. Tests: tests/test_rmsnorm.cpp.
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/rmsnorm.h"
 
 namespace flowmoe {

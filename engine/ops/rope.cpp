@@ -2,8 +2,8 @@
 // other way. Reference: kernels/cpu/rope.cpp. Tests: tests/test_rope.cpp.
 #include <cmath>
 
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/rope.h"
 
 namespace flowmoe {

@@ -7,9 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <utility>
 
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/router.h"
 
 namespace flowmoe {
@@ -209,28 +210,51 @@ void check_counts(const Tensor& counts, int64_t num_experts, const char* what) {
 
 }  // namespace
 
-void validate_router_config(const RouterConfig& c) {
+RouterConfigError::RouterConfigError(std::vector<std::string> keys, const std::string& detail,
+                                     const std::string& key_prefix, const char* file, int line)
+    : ConfigError(keys.size() == 1 ? key_prefix + keys.front() + ": " + detail : detail, file, line),
+      keys_(std::move(keys)),
+      detail_(detail) {}
+
+// Throws RouterConfigError for KEYS, a parenthesized list of HF key names, unless cond holds.
+#define ROUTER_CHECK(cond, KEYS, ...)                                                                    \
+  do {                                                                                                 \
+    if (!(cond))                                                                                       \
+      throw RouterConfigError(std::vector<std::string> KEYS, detail::cat(__VA_ARGS__), key_prefix, \
+                              __FILE__, __LINE__);                                                     \
+  } while (0)
+
+void validate_router_config(const RouterConfig& c, const std::string& key_prefix) {
+  const std::string& p = key_prefix;
   const int E = c.num_experts;
-  FLOWMOE_CHECK(E >= 1 && E <= kRouterMaxExperts, ConfigError, "n_routed_experts = ", E, " must be in [1, ",
-                kRouterMaxExperts, "]");
-  FLOWMOE_CHECK(c.top_k >= 1 && c.top_k <= kRouterMaxTopk && c.top_k <= E, ConfigError, "num_experts_per_tok = ",
-                c.top_k, " must be in [1, min(", kRouterMaxTopk, ", n_routed_experts = ", E, ")]");
-  FLOWMOE_CHECK(c.n_group >= 1 && c.n_group <= kRouterMaxGroups, ConfigError, "n_group = ", c.n_group,
-                " must be in [1, ", kRouterMaxGroups, "]");
-  FLOWMOE_CHECK(E % c.n_group == 0, ConfigError, "n_group = ", c.n_group, " must divide n_routed_experts = ", E);
-  FLOWMOE_CHECK(c.topk_group >= 1 && c.topk_group <= c.n_group, ConfigError, "topk_group = ", c.topk_group,
-                " must be in [1, n_group = ", c.n_group, "]");
-  FLOWMOE_CHECK(c.top_k <= c.topk_group * (E / c.n_group), ConfigError, "num_experts_per_tok = ", c.top_k,
-                " exceeds the experts in the kept groups, topk_group * n_routed_experts / n_group = ",
-                c.topk_group * (E / c.n_group));
-  FLOWMOE_CHECK(c.scoring_func == "sigmoid" || c.scoring_func == "softmax", ConfigError, "scoring_func = '",
-                c.scoring_func, "' must be 'sigmoid' or 'softmax'");
-  FLOWMOE_CHECK(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0, ConfigError,
-                "routed_scaling_factor = ", c.routed_scaling_factor, " must be finite and > 0");
-  FLOWMOE_CHECK(std::isfinite(c.aux_loss_alpha) && c.aux_loss_alpha >= 0, ConfigError, "aux_loss_alpha = ",
-                c.aux_loss_alpha, " must be finite and >= 0");
-  FLOWMOE_CHECK(c.seq_len >= 0, ConfigError, "seq_len = ", c.seq_len, " must be >= 0");
+  ROUTER_CHECK(E >= 1, ({"n_routed_experts"}), E, " must be at least 1");
+  ROUTER_CHECK(c.top_k >= 1, ({"num_experts_per_tok"}), c.top_k, " must be at least 1");
+  ROUTER_CHECK(c.n_group >= 1, ({"n_group"}), c.n_group, " must be at least 1");
+  ROUTER_CHECK(c.topk_group >= 1, ({"topk_group"}), c.topk_group, " must be at least 1");
+  ROUTER_CHECK(E % c.n_group == 0, ({"n_group"}), c.n_group, " does not divide ", p, "n_routed_experts = ", E);
+  ROUTER_CHECK(c.topk_group <= c.n_group, ({"topk_group"}), c.topk_group, " exceeds ", p, "n_group = ", c.n_group);
+  ROUTER_CHECK(c.top_k <= E, ({"num_experts_per_tok", "n_routed_experts"}), p, "num_experts_per_tok = ", c.top_k,
+               " exceeds ", p, "n_routed_experts = ", E);
+  ROUTER_CHECK(E <= kRouterMaxExperts, ({"n_routed_experts"}), E, " exceeds the router's limit of ", kRouterMaxExperts);
+  ROUTER_CHECK(c.top_k <= kRouterMaxTopk, ({"num_experts_per_tok"}), c.top_k, " exceeds the router's limit of ",
+               kRouterMaxTopk);
+  ROUTER_CHECK(c.n_group <= kRouterMaxGroups, ({"n_group"}), c.n_group, " exceeds the router's limit of ",
+               kRouterMaxGroups);
+  // The groups divide the experts evenly here (checked above).
+  ROUTER_CHECK(c.top_k <= c.topk_group * (E / c.n_group),
+               ({"num_experts_per_tok", "topk_group", "n_group", "n_routed_experts"}), "num_experts_per_tok = ",
+               c.top_k, " exceeds the experts in the kept groups (topk_group ", c.topk_group, " x ", E / c.n_group,
+               " experts per group)");
+  ROUTER_CHECK(c.scoring_func == "sigmoid" || c.scoring_func == "softmax", ({"scoring_func"}), "'", c.scoring_func,
+               "' must be 'sigmoid' or 'softmax'");
+  ROUTER_CHECK(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0, ({"routed_scaling_factor"}),
+               c.routed_scaling_factor, " must be finite and > 0");
+  ROUTER_CHECK(std::isfinite(c.aux_loss_alpha) && c.aux_loss_alpha >= 0, ({"aux_loss_alpha"}), c.aux_loss_alpha,
+               " must be finite and >= 0");
+  ROUTER_CHECK(c.seq_len >= 0, ({"seq_len"}), c.seq_len, " must be >= 0");
 }
+
+#undef ROUTER_CHECK
 
 RouterOutput route(const Variable& x, const Variable& weight, const Tensor& expert_bias, const RouterConfig& cfg) {
   validate_router_config(cfg);

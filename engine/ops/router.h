@@ -5,6 +5,7 @@
 // Kernels: kernels/router.h. Tests: tests/test_router.cpp.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "engine/autograd.h"
 #include "kernels/router.h"  // BiasUpdateRule
@@ -23,10 +24,27 @@ struct RouterConfig {
   int seq_len = 0;                         // tokens per sequence for the balance loss; 0: see route()
 };
 
-// Throws ConfigError naming the offending key (HF names) when the config cannot route: E % n_group,
-// topk_group <= n_group, top_k <= topk_group * E / n_group, scoring_func, and the kernel limits
-// (E <= 256, top_k <= 16, n_group <= 16), which hold on CPU too so both backends accept the same configs.
-void validate_router_config(const RouterConfig& cfg);
+// A RouterConfig that cannot route. keys() are the HF names of the keys involved, the one at fault
+// first (several when their values conflict); detail() is the message without the key, so a config
+// file can report it at its own key names. what() is "<key>: <detail>", or detail() for a conflict.
+class RouterConfigError : public ConfigError {
+ public:
+  RouterConfigError(std::vector<std::string> keys, const std::string& detail, const std::string& key_prefix,
+                    const char* file = nullptr, int line = 0);
+  const std::vector<std::string>& keys() const { return keys_; }
+  const std::string& detail() const { return detail_; }
+
+ private:
+  std::vector<std::string> keys_;
+  std::string detail_;
+};
+
+// The one check of a router config: throws RouterConfigError when it cannot route: E % n_group,
+// topk_group <= n_group, top_k <= E and top_k <= topk_group * E / n_group, scoring_func, the scales,
+// and the kernel limits kRouterMaxExperts, kRouterMaxTopk and kRouterMaxGroups (kernels/router.h),
+// which hold on CPU too so both backends accept the same configs. key_prefix goes before the keys a
+// message names ("model." for the YAML config, whose checks call this).
+void validate_router_config(const RouterConfig& cfg, const std::string& key_prefix = "");
 
 struct RouterOutput {
   Tensor topk_idx;           // [T, k] i32, global expert ids, best first (ties: lower id)

@@ -1,7 +1,7 @@
 // silu(x) = x * sigmoid(x) as an autograd primitive; its backward is a primitive too, so the
 // gradient runs on the device of the values. Reference: kernels/cpu/silu.cpp. Tests: tests/test_silu.cpp.
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/silu.h"
 
 namespace flowmoe {

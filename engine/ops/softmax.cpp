@@ -1,7 +1,7 @@
 // Softmax over the last dim as an autograd primitive; its vjp runs SoftmaxBackward on the saved
 // output. References: kernels/cpu/softmax.cpp. Tests: tests/test_softmax.cpp.
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/softmax.h"
 
 namespace flowmoe {

@@ -1,7 +1,7 @@
 // swiglu(gate_up) = silu(gate_up[..., :F]) * gate_up[..., F:] as an autograd primitive, with its
 // backward as a primitive on the same device. Reference: kernels/cpu/swiglu.cpp. Tests: tests/test_swiglu.cpp.
-#include "engine/cuda_api.h"
 #include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
 #include "kernels/swiglu.h"
 
 namespace flowmoe {

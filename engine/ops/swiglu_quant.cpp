@@ -5,7 +5,7 @@
 
 #include <memory>
 
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/swiglu_quant.h"
 

@@ -1,7 +1,7 @@
 // CPU reference for strided copies and casts (see kernels/copy.h).
 #include <cstring>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 #include "kernels/copy.h"
 
 namespace flowmoe {

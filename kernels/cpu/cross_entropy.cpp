@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 #include "kernels/cross_entropy.h"
 
 namespace flowmoe {

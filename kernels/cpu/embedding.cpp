@@ -1,7 +1,7 @@
 // CPU reference for the embedding lookup and its scatter-add backward (see kernels/embedding.h).
 #include "kernels/embedding.h"
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

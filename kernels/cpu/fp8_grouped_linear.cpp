@@ -8,7 +8,7 @@
 #include <array>
 #include <vector>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 #include "kernels/fp8.h"
 #include "kernels/grouped_linear.h"
 #include "kernels/linear.h"

@@ -8,8 +8,8 @@
 #include <array>
 #include <cstring>
 
-#include "engine/dtype.h"
-#include "engine/error.h"
+#include "kernels/common/dtype.h"
+#include "kernels/common/error.h"
 #include "kernels/fp8.h"
 
 namespace flowmoe {

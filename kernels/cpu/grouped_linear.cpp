@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 #include "kernels/linear.h"
 
 namespace flowmoe {

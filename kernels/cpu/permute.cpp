@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

@@ -1,5 +1,5 @@
 // CPU reference for blockwise FP8 quantize / dequantize (kernels/quantize.h), plain loops over the
-// formats of kernels/fp8.h and the software conversions of engine/dtype.h. Only exact operations
+// formats of kernels/fp8.h and the software conversions of kernels/common/dtype.h. Only exact operations
 // (x * power of two, a max) happen in f32, so these equal the CUDA kernels bit for bit.
 // Tests: tests/test_quantize.cpp.
 #include "kernels/quantize.h"
@@ -8,7 +8,7 @@
 #include <cmath>
 #include <vector>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 #include "kernels/fp8.h"
 
 namespace flowmoe {

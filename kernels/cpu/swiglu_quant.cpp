@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 #include "kernels/fp8.h"
 #include "kernels/swiglu.h"
 

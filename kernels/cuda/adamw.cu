@@ -4,8 +4,8 @@
 //                 partials[block]; pass 2 - one block adds the G partials. G depends on n only, and
 //                 no atomics are used, so a given input always gives the same bits.
 // CPU reference: kernels/cpu/adamw.cpp. Tests: tests/test_adamw.cpp.
-#include "engine/cuda/cuda_check.h"
 #include "kernels/adamw.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 
 namespace flowmoe {

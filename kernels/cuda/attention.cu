@@ -12,8 +12,8 @@
 #include <cmath>
 #include <type_traits>
 
-#include "engine/cuda/cuda_check.h"
 #include "kernels/attention.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/attention_tile.cuh"
 #include "kernels/cuda/cuda_utils.cuh"
 

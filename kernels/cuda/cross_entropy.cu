@@ -9,7 +9,7 @@
 #include <climits>
 #include <cstdio>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/softmax.cuh"

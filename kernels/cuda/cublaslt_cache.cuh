@@ -23,8 +23,8 @@
 #include <utility>
 #include <vector>
 
-#include "engine/cuda/cuda_check.h"
-#include "engine/cuda_api.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 
 namespace flowmoe {
 

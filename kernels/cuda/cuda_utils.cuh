@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "engine/dtype.h"
-#include "engine/error.h"
+#include "kernels/common/dtype.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 

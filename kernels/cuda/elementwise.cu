@@ -3,7 +3,7 @@
 // CPU reference: kernels/cpu/elementwise.cpp. Tests: tests/test_elementwise.cpp.
 #include <cuda_bf16.h>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/elementwise.h"
 

@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <cub/device/device_radix_sort.cuh>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/embedding.h"
 

@@ -16,7 +16,7 @@
 #include <mutex>
 #include <optional>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cublaslt_cache.cuh"
 #include "kernels/cuda/stream_fan.cuh"
 #include "kernels/fp8.h"

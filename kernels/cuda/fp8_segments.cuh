@@ -7,7 +7,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "engine/error.h"
+#include "kernels/common/error.h"
 #include "kernels/fp8.h"
 
 namespace flowmoe {

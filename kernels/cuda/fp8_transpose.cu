@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/fp8_segments.cuh"
 #include "kernels/fp8.h"

@@ -17,7 +17,7 @@
 #include <memory>
 #include <vector>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/stream_fan.cuh"
 #include "kernels/grouped_linear.h"
 #include "kernels/linear.h"

@@ -13,7 +13,7 @@
 #include <mutex>
 #include <optional>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cublaslt_cache.cuh"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/linear.h"

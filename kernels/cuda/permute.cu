@@ -37,7 +37,7 @@
 #include <mutex>
 #include <utility>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/permute_route.cuh"
 #include "kernels/cuda/permute_rows.cuh"

@@ -15,7 +15,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/permute_route.cuh"
 #include "kernels/cuda/permute_rows.cuh"
 

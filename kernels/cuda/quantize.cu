@@ -4,12 +4,14 @@
 // colwise [M,K] -> [K,M] over segments, and block 128x128 (+ exact transpose): shared-memory tiles.
 // Only exact f32 operations (x * 2^e, max), so the CPU reference kernels/cpu/quantize.cpp agrees bit
 // for bit. Tests: tests/test_quantize.cpp.
+// One file: the rowwise, colwise and 128x128 quantize kernels and their dequantize twins share the
+// block-scale and packing functions below.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"

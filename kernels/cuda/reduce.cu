@@ -7,7 +7,7 @@
 
 #include <algorithm>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/reduce.h"
 

@@ -6,7 +6,7 @@
 // CPU reference: kernels/cpu/rope.cpp. Tests: tests/test_rope.cpp.
 #include <cuda_bf16.h>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/rope.h"
 

@@ -5,11 +5,12 @@
 //   backward: d_logits from d_topk_prob with the selection fixed. Balance loss: per-token terms, then a
 //             fixed-order block sum (deterministic). Bias update: bias_e += rate * sign(mean - load_e), or
 //             rate * (mean - load_e) / mean (rule proportional).
-// Shapes: logits [T,E] f32, E <= 256, k <= 16, n_group <= 16. CPU reference: kernels/cpu/router.cpp.
+// Shapes: logits [T,E] f32; E, k and n_group within the limits of kernels/router.h (kRouterMax*).
+// CPU reference: kernels/cpu/router.cpp.
 // Tests: tests/test_router.cpp.
 #include <climits>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/router.h"
 

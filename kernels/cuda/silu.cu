@@ -4,7 +4,7 @@
 // CPU reference: kernels/cpu/silu.cpp. Tests: tests/test_silu.cpp.
 #include <cuda_bf16.h>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/silu.cuh"
 #include "kernels/silu.h"

@@ -7,7 +7,7 @@
 
 #include <climits>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/softmax.cuh"
 #include "kernels/softmax.h"

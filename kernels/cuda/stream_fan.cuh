@@ -12,8 +12,8 @@
 #include <memory>
 #include <vector>
 
-#include "engine/cuda/cuda_check.h"
-#include "engine/cuda_api.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 #include "kernels/grouped_linear.h"
 
 namespace flowmoe {

@@ -5,7 +5,7 @@
 // CPU reference: kernels/cpu/swiglu.cpp. Tests: tests/test_swiglu.cpp.
 #include <cuda_bf16.h>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/silu.cuh"
 #include "kernels/swiglu.h"

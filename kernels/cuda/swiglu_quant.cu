@@ -12,7 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/packed.cuh"
 #include "kernels/cuda/quantize_rows.cuh"

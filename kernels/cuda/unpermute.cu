@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/packed.cuh"
 #include "kernels/cuda/pad_rows.cuh"

@@ -10,7 +10,7 @@
 
 #include <cstring>
 
-#include "engine/cuda/cuda_check.h"
+#include "kernels/common/cuda_check.h"
 #include "parallel/backends.h"
 
 namespace flowmoe {

@@ -2,7 +2,7 @@
 // or under mpirun (backend mpi). CPU tensors always; CUDA tensors through the same communicator
 // (mpi stages them through host memory) and through nccl when there is a GPU per rank, skipped
 // cleanly otherwise. Argument errors are raised before any communication, on every rank alike.
-#include "engine/cuda_api.h"
+#include "kernels/common/device_api.h"
 #include "parallel/backends.h"
 #include "tests/mpi/comm_test_util.h"
 #include "tests/test_util.h"

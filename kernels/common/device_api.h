@@ -1,0 +1,39 @@
+// The few CUDA runtime services the host-side engine needs, behind a header that compiles without
+// CUDA. With FLOWMOE_WITH_CUDA they are implemented in kernels/common/device_api_cuda.cpp; without it,
+// kernels/common/device_api_none.cpp answers "no device" and throws DeviceError on any use.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+// Same declaration as cuda_runtime_api.h, so launchers can be declared in host-only headers.
+typedef struct CUstream_st* cudaStream_t;
+
+namespace flowmoe {
+
+bool built_with_cuda();
+// What eval_gpu does in a CPU-only build (it is unreachable there: no tensor can live on a device).
+[[noreturn]] void throw_no_cuda(const char* what);
+int cuda_device_count();  // 0 when not built with CUDA or no device/driver is present
+bool cuda_available();    // cuda_device_count() > 0
+
+void cuda_set_device(int index);
+int cuda_current_device();
+cudaStream_t current_stream(int device);  // the engine's compute stream on that device
+void cuda_synchronize(int device);        // waits for the engine's stream on that device
+
+void* cuda_malloc_raw(size_t nbytes, int device);  // throws CudaError with the size on failure
+void cuda_free_raw(void* ptr, int device);
+// Bytes the driver reports free on the device (cudaMemGetInfo): what new allocations can still get.
+size_t cuda_free_memory(int device);
+
+// Byte copies. kind is inferred from the two pointers' devices; -1 means host.
+void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size_t nbytes);
+void cuda_memset_zero(void* ptr, size_t nbytes, int device);
+
+// Host synchronisations the engine makes on purpose (e.g. reading per-expert counts once per layer
+// so cuBLASLt gets each expert's M). Every such place calls note_host_sync(); the trainer reports
+// the count per step in the metrics.
+void note_host_sync();
+uint64_t num_host_syncs();
+
+}  // namespace flowmoe

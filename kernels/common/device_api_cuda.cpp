@@ -1,0 +1,119 @@
+// CUDA runtime services for the host-side engine (see kernels/common/device_api.h).
+#include "kernels/common/device_api.h"
+
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "kernels/common/cuda_check.h"
+
+namespace flowmoe {
+
+bool built_with_cuda() { return true; }
+
+int cuda_device_count() {
+  static int count = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();  // no driver or no device: clear the sticky error and report none
+      return 0;
+    }
+    return n;
+  }();
+  return count;
+}
+
+bool cuda_available() { return cuda_device_count() > 0; }
+
+static void check_index(int device) {
+  FLOWMOE_CHECK(device >= 0 && device < cuda_device_count(), DeviceError, "cuda:", device,
+                " does not exist (", cuda_device_count(), " CUDA devices visible)");
+}
+
+void cuda_set_device(int index) {
+  check_index(index);
+  MOE_CUDA_CHECK(cudaSetDevice(index));
+}
+
+int cuda_current_device() {
+  int d = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+
+// One non-blocking compute stream per device, created on first use and kept for the process.
+// Everything the engine launches goes to it, so allocator reuse needs no cross-stream events.
+cudaStream_t current_stream(int device) {
+  static std::mutex mu;
+  static std::vector<cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  check_index(device);
+  if (streams.empty()) streams.assign(size_t(cuda_device_count()), nullptr);
+  if (!streams[size_t(device)]) {
+    int prev = cuda_current_device();
+    MOE_CUDA_CHECK(cudaSetDevice(device));
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[size_t(device)], cudaStreamNonBlocking));
+    MOE_CUDA_CHECK(cudaSetDevice(prev));
+  }
+  return streams[size_t(device)];
+}
+
+void cuda_synchronize(int device) { MOE_CUDA_CHECK(cudaStreamSynchronize(current_stream(device))); }
+
+void* cuda_malloc_raw(size_t nbytes, int device) {
+  check_index(device);
+  int prev = cuda_current_device();
+  MOE_CUDA_CHECK(cudaSetDevice(device));
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, nbytes);
+  MOE_CUDA_CHECK(cudaSetDevice(prev));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    FLOWMOE_THROW(CudaError, "cudaMalloc of ", nbytes, " bytes on cuda:", device,
+                  " failed: ", cudaGetErrorString(e));
+  }
+  return p;
+}
+
+void cuda_free_raw(void* ptr, int device) {
+  int prev = cuda_current_device();
+  MOE_CUDA_CHECK(cudaSetDevice(device));
+  MOE_CUDA_CHECK(cudaFree(ptr));
+  MOE_CUDA_CHECK(cudaSetDevice(prev));
+}
+
+size_t cuda_free_memory(int device) {
+  check_index(device);
+  int prev = cuda_current_device();
+  MOE_CUDA_CHECK(cudaSetDevice(device));
+  size_t free_bytes = 0, total_bytes = 0;
+  MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  MOE_CUDA_CHECK(cudaSetDevice(prev));
+  return free_bytes;
+}
+
+// Copies are ordered on the engine stream of the device involved; copies that touch the host
+// synchronise that stream so the host sees (or may reuse) the bytes on return.
+void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size_t nbytes) {
+  if (nbytes == 0) return;
+  if (dst_device < 0 && src_device < 0) {  // plain memcpy: must work on machines with no driver
+    std::memcpy(dst, src, nbytes);
+    return;
+  }
+  int dev = dst_device >= 0 ? dst_device : src_device;
+  cudaStream_t s = current_stream(dev);
+  if (dst_device >= 0 && src_device >= 0 && dst_device != src_device) {
+    cuda_synchronize(src_device);  // the source may still be written on its own stream
+    MOE_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_device, src, src_device, nbytes, s));
+  } else {
+    MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s));
+  }
+  if (dst_device < 0 || src_device < 0) MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void cuda_memset_zero(void* ptr, size_t nbytes, int device) {
+  if (nbytes == 0) return;
+  MOE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, nbytes, current_stream(device)));
+}
+
+}  // namespace flowmoe

@@ -1,0 +1,27 @@
+// CPU-only build: there is no device, and every device service says so clearly.
+#include <cstring>
+
+#include "kernels/common/device_api.h"
+#include "kernels/common/error.h"
+
+namespace flowmoe {
+
+[[noreturn]] static void no_cuda(const char* what) { throw_no_cuda(what); }
+
+bool built_with_cuda() { return false; }
+int cuda_device_count() { return 0; }
+bool cuda_available() { return false; }
+void cuda_set_device(int) { no_cuda("cuda_set_device"); }
+int cuda_current_device() { no_cuda("cuda_current_device"); }
+cudaStream_t current_stream(int) { no_cuda("current_stream"); }
+void cuda_synchronize(int) { no_cuda("cuda_synchronize"); }
+void* cuda_malloc_raw(size_t, int) { no_cuda("cuda_malloc"); }
+void cuda_free_raw(void*, int) { no_cuda("cuda_free"); }
+size_t cuda_free_memory(int) { no_cuda("cuda_free_memory"); }
+void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size_t nbytes) {
+  if (dst_device >= 0 || src_device >= 0) no_cuda("copy to/from a CUDA device");
+  if (nbytes) std::memcpy(dst, src, nbytes);
+}
+void cuda_memset_zero(void*, size_t, int) { no_cuda("cuda_memset"); }
+
+}  // namespace flowmoe

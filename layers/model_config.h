@@ -1,0 +1,38 @@
+// The model's shape and MoE keys as the layers read them, under the Hugging Face DeepSeek-V3 names
+// (DESIGN.md §5). The run configuration's model: section (train/config.h) fills it from YAML; the
+// cross-key checks of routing keys call validate_router_config (engine/ops/router.h) on the same values.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace flowmoe {
+
+struct ModelConfig {
+  int64_t vocab_size = 256;
+  int64_t hidden_size = 128;
+  int64_t num_hidden_layers = 2;
+  int64_t num_attention_heads = 4;
+  int64_t intermediate_size = 384;
+  int64_t max_position_embeddings = 128;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  double initializer_range = 0.02;
+  // MoE (DeepSeek-V3 names). n_routed_experts = 0 builds a dense model; MoE layers come later.
+  int64_t n_routed_experts = 0;
+  int64_t n_shared_experts = 1;
+  int64_t num_experts_per_tok = 2;
+  int64_t moe_intermediate_size = 256;
+  int64_t first_k_dense_replace = 0;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  std::string scoring_func = "sigmoid";
+  bool norm_topk_prob = true;
+  double routed_scaling_factor = 1.0;
+  double aux_loss_alpha = 0.0;
+  double bias_update_rate = 0.001;
+  std::string bias_update_schedule = "constant";  // constant | lr: the step scales with lr(step)/optimizer.lr
+  std::string bias_update_rule = "sign";          // sign (DeepSeek-V3) | proportional to the load error
+};
+
+}  // namespace flowmoe

@@ -1,0 +1,65 @@
+// Checkpoints: weights and optimizer state in the safetensors format, plus meta.json.
+//
+// safetensors (written and read by hand): 8-byte little-endian header length N, N bytes of JSON
+// {"__metadata__": {str: str}, "<name>": {"dtype": "F32", "shape": [..], "data_offsets": [b, e]}, ...}
+// padded with spaces to a multiple of 8, then the raw little-endian tensor bytes, back to back.
+// A checkpoint is a directory <root>/step_00000100/ with model.safetensors (fp32 master weights,
+// Hugging Face names), optimizer.safetensors (<name>.exp_avg, <name>.exp_avg_sq) and meta.json
+// (step, optimizer step count, data position, the resolved config). It is written into a temporary
+// directory, every file fsynced, then renamed into place, so a crash never leaves a half checkpoint.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine/autograd.h"
+#include "train/data.h"
+
+namespace flowmoe {
+
+struct NamedTensor {
+  std::string name;
+  Tensor tensor;  // any device; written from a host copy
+};
+
+// dtype <-> safetensors dtype string ("F32", "BF16", "I64", ...). Unknown strings throw IoError.
+const char* safetensors_dtype(DType t);
+DType dtype_from_safetensors(const std::string& s);
+
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+// Tensors on the CPU in file order. Throws IoError naming the file on any inconsistency; every
+// length, offset and shape is checked against the file's size before memory is allocated.
+std::vector<NamedTensor> read_safetensors(const std::string& path,
+                                          std::map<std::string, std::string>* metadata = nullptr);
+
+struct CheckpointMeta {
+  int64_t step = 0;           // optimizer steps taken (including skipped ones)
+  int64_t num_updates = 0;    // AdamW's t (skipped steps do not count)
+  int64_t skipped_steps = 0;  // steps skipped for non-finite values so far
+  DataPosition data;          // where the batch order continues
+  uint64_t data_seed = 0;     // the seed of that order (checked on resume)
+  uint64_t init_seed = 0;     // train.seed of the weight init (no random numbers are drawn after it)
+  std::string config_yaml;    // the resolved config of the run
+};
+
+// Writes <root>/step_<step>/ atomically and deletes all but the newest keep_last checkpoints.
+// Returns the checkpoint's directory.
+// buffers: model state without gradients or moments (MoE expert biases), stored beside the weights.
+std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta, const std::vector<Variable>& params,
+                            const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq,
+                            int64_t keep_last, const std::vector<Variable>& buffers = {});
+// The newest complete checkpoint under root, or "" when there is none.
+std::string latest_checkpoint(const std::string& root);
+// Deletes the step_N.tmp directories under root that a crash during a save left behind (a run
+// calls it before its first save). Returns their names, sorted; throws IoError if one cannot go.
+std::vector<std::string> remove_stale_checkpoint_tmp(const std::string& root);
+// Fills params (and the moments, when given) from the checkpoint at dir; names, shapes and dtypes
+// must match (IoError names the first that does not). A damaged checkpoint throws IoError, never
+// anything else. Returns its meta.
+CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
+                               std::vector<Tensor>* exp_avg = nullptr, std::vector<Tensor>* exp_avg_sq = nullptr,
+                               const std::vector<Variable>& buffers = {});
+
+}  // namespace flowmoe

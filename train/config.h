@@ -1,0 +1,115 @@
+// The run configuration: one YAML file with sections model, data, train, optimizer, precision,
+// parallel, checkpoint and logging, plus "section.key=value" overrides from the command line.
+//
+// Validation is strict and happens before any work: an unknown key, a wrong type, an out-of-range
+// value or an inconsistent combination throws ConfigError naming the file, the line and the key
+// ("configs/tiny.yaml:7: model.hidden_size: ..."). Overrides go through the same checks and are
+// named "--set key=value". Model keys use the Hugging Face DeepSeek-V3 names (DESIGN.md §5); the
+// model: section fills the layers' ModelConfig (layers/model_config.h).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "layers/model_config.h"
+
+namespace flowmoe {
+
+struct DataConfig {
+  std::string source = "synthetic";  // synthetic | text | tokens
+  std::string path;                  // text: a file or a directory of files; tokens: a .bin file
+  int64_t seq_len = 128;
+  double val_fraction = 0.05;
+  int64_t seed = 1234;
+  int64_t synthetic_tokens = 1 << 20;  // size of the generated corpus
+  std::string synthetic_kind = "words";  // words | bigram (train/data.h)
+};
+
+struct TrainConfig {
+  std::string device = "auto";  // auto | cpu | cuda
+  int64_t steps = 300;
+  int64_t batch_size = 8;  // sequences per micro-batch
+  int64_t grad_accum_steps = 1;
+  int64_t eval_every = 100;  // 0: evaluate only at the end
+  int64_t eval_batches = 4;
+  int64_t seed = 42;
+  std::string nonfinite = "skip";  // skip | stop
+  std::string recompute;           // comma-joined modules recomputed in backward: "" or "moe_expert"
+  bool recomputes(const std::string& module) const;
+  int64_t max_skipped_steps = 10;
+};
+
+struct OptimizerConfig {
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t warmup_steps = 20;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;  // 0 disables clipping
+  double router_lr_scale = 1.0;  // multiplies the learning rate of the MoE routers' gate weights
+};
+
+struct PrecisionConfig {
+  std::string recipe = "bf16";  // bf16 | fp8_blockwise | fp8_flow (the routed experts' GEMMs; DESIGN.md §1)
+  int64_t align_size = 16;      // 16 | 32 | 64 | 128
+};
+
+struct ParallelConfig {
+  int64_t expert_parallel_size = 1;
+  int64_t data_parallel_size = 1;
+};
+
+struct CheckpointConfig {
+  std::string dir;            // empty: <logging.out_dir>/checkpoints
+  int64_t every = 0;          // steps between checkpoints; 0: only the final one
+  int64_t keep_last = 3;
+  std::string resume = "false";  // false | true (latest in dir) | path of a checkpoint directory
+};
+
+struct LoggingConfig {
+  std::string out_dir;  // empty: runs/<config file name without extension>
+  std::string metrics_format = "jsonl";  // jsonl | csv
+  int64_t log_every = 10;
+  std::string progress = "auto";  // auto | bar | plain
+};
+
+struct Config {
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  OptimizerConfig optimizer;
+  PrecisionConfig precision;
+  ParallelConfig parallel;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+
+  std::string file;                            // the YAML file it came from ("" when built in code)
+  std::map<std::string, std::string> origins;  // "section.key" -> "file:line" or "--set ..."
+
+  // Where a key's value came from, for messages: "configs/tiny.yaml:7", "--set k=v" or "default".
+  std::string origin(const std::string& dotted_key) const;
+  std::string run_dir() const;         // logging.out_dir, or runs/<config file name>
+  std::string checkpoint_dir() const;  // checkpoint.dir, or <run_dir()>/checkpoints
+};
+
+// Reads and validates a YAML file, applies the overrides ("section.key=value") and validates the
+// result. Throws ConfigError, also for a path that holds no config: a directory, or a file with no
+// YAML content (empty, only comments or whitespace, a null document, /dev/null).
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from YAML text; `name` stands for the file in messages. Empty text gives every default.
+Config parse_config(const std::string& yaml_text, const std::string& name,
+                    const std::vector<std::string>& overrides = {});
+// One "section.key=value" override, type- and range-checked (call validate() afterwards).
+void apply_override(Config& cfg, const std::string& assignment);
+// The cross-key checks (divisibility, ranges that depend on other keys, unavailable features).
+void validate(const Config& cfg);
+
+// The resolved configuration as YAML, every key included (written beside a run's outputs).
+std::string to_yaml(const Config& cfg);
+// A Markdown table of every key: type, range, default, meaning (docs/TRAINING.md).
+std::string config_reference_markdown();
+
+}  // namespace flowmoe

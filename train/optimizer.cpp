@@ -1,0 +1,119 @@
+// AdamW over a parameter list, LR schedule and clipping (see optimizer.h).
+#include "train/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "kernels/adamw.h"
+
+namespace flowmoe {
+
+double learning_rate(const OptimizerConfig& o, int64_t step, int64_t total_steps) {
+  if (o.warmup_steps > 0 && step <= o.warmup_steps) return o.lr * double(step) / double(o.warmup_steps);
+  int64_t decay_steps = total_steps - o.warmup_steps;
+  if (decay_steps <= 0) return o.lr;
+  double progress = std::min(1.0, double(step - o.warmup_steps) / double(decay_steps));
+  return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+double clip_scale(double norm, double max_norm) {
+  if (max_norm <= 0 || !(norm > max_norm)) return 1.0;
+  return max_norm / norm;
+}
+
+// The MoE router's gate (layers/moe.cpp names it <layer>.mlp.gate.weight); the dense MLP's
+// projections are gate_proj/up_proj/down_proj and do not match.
+static bool is_router_weight(const std::string& name) { return name.ends_with(".mlp.gate.weight"); }
+
+AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg) : params_(std::move(params)), cfg_(cfg) {
+  FLOWMOE_CHECK(!params_.empty(), Error, "AdamW: no parameters");
+  Device dev = params_[0].device();
+  for (const Variable& p : params_) {
+    FLOWMOE_CHECK(p.is_leaf() && p.requires_grad(), Error, "AdamW: parameter '", p.name(),
+                  "' must be a leaf that requires grad");
+    FLOWMOE_CHECK(p.dtype() == DType::f32, DTypeError, "AdamW: parameter '", p.name(), "' is ", p.data().describe(),
+                  "; master weights must be f32");
+    FLOWMOE_CHECK(p.device() == dev, DeviceError, "AdamW: parameter '", p.name(), "' is on ", p.device().str(),
+                  ", the first on ", dev.str());
+    FLOWMOE_CHECK(p.data().is_contiguous(), Error, "AdamW: parameter '", p.name(), "' is not contiguous");
+    exp_avg_.push_back(Tensor::zeros(p.shape(), DType::f32, dev));
+    exp_avg_sq_.push_back(Tensor::zeros(p.shape(), DType::f32, dev));
+    decay_.push_back(p.data().dim() >= 2);
+    router_.push_back(is_router_weight(p.name()));
+  }
+  if (dev.is_cuda()) {
+    norm_slots_ = Tensor::zeros({int64_t(params_.size())}, DType::f32, dev);
+    norm_total_ = Tensor::zeros({1}, DType::f32, dev);
+    partials_ = Tensor::zeros({kReduceMaxBlocks}, DType::f32, dev);
+  }
+}
+
+static const Tensor& checked_grad(const Variable& p) {
+  const Tensor& g = p.grad();
+  FLOWMOE_CHECK(g.dtype() == DType::f32, DTypeError, "AdamW: gradient of '", p.name(), "' is ", g.describe(),
+                ", expected f32");
+  FLOWMOE_CHECK(g.shape() == p.shape() && g.device() == p.device(), Error, "AdamW: gradient of '", p.name(), "' is ",
+                g.describe(), ", the parameter ", p.data().describe());
+  return g;
+}
+
+double AdamW::grad_norm() {
+  Device dev = params_[0].device();
+  if (dev.is_cpu()) {
+    double total = 0;
+    for (const Variable& p : params_) {
+      if (!p.grad().defined()) continue;
+      Tensor g = checked_grad(p).contiguous();
+      total += sum_squares_cpu(g.data<float>(), g.numel());
+    }
+    return std::sqrt(total);
+  }
+  cudaStream_t stream = current_stream(dev.index);
+  norm_slots_.zero_();
+  float* slots = norm_slots_.data<float>();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].grad().defined()) continue;
+    Tensor g = checked_grad(params_[i]).contiguous();
+    sum_squares_cuda(g.data<float>(), g.numel(), slots + i, partials_.data<float>(), stream);
+  }
+  sum_values_cuda(slots, int64_t(params_.size()), norm_total_.data<float>(), partials_.data<float>(), stream);
+  return std::sqrt(double(norm_total_.to_floats()[0]));  // the one host synchronisation
+}
+
+void AdamW::step(double lr, double grad_scale) {
+  ++num_updates_;
+  AdamWStep s;
+  s.beta1 = float(cfg_.beta1);
+  s.beta2 = float(cfg_.beta2);
+  s.eps = float(cfg_.eps);
+  s.grad_scale = float(grad_scale);
+  s.bias_correction1 = float(1.0 - std::pow(cfg_.beta1, double(num_updates_)));
+  s.bias_correction2 = float(1.0 - std::pow(cfg_.beta2, double(num_updates_)));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Variable& p = params_[i];
+    if (!p.grad().defined()) continue;  // unused this step: left as is (as torch does)
+    Tensor g = checked_grad(p).contiguous();
+    s.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
+    s.lr = float(router_[i] ? lr * cfg_.router_lr_scale : lr);
+    float* w = p.data().data<float>();
+    float* m = exp_avg_[i].data<float>();
+    float* v = exp_avg_sq_[i].data<float>();
+    if (p.device().is_cpu()) {
+      adamw_cpu(w, g.data<float>(), m, v, g.numel(), s);
+    } else {
+      adamw_cuda(w, g.data<float>(), m, v, g.numel(), s, current_stream(p.device().index));
+    }
+    p.bump_version();  // updated in place: FP8 weight caches must re-quantize
+  }
+}
+
+int64_t AdamW::num_router_params() const {
+  return std::count(router_.begin(), router_.end(), true);
+}
+
+void AdamW::zero_grad() {
+  for (Variable& p : params_) p.zero_grad();
+}
+
+}  // namespace flowmoe

@@ -1,0 +1,49 @@
+// AdamW on fp32 master weights, with its moments in fp32 beside them, the warmup-then-cosine
+// learning-rate schedule and global-norm gradient clipping. The math is kernels/adamw.h; this
+// class walks the parameters and picks the CPU or CUDA launcher by device.
+#pragma once
+#include <vector>
+
+#include "engine/autograd.h"
+#include "train/config.h"
+
+namespace flowmoe {
+
+// Learning rate for optimizer step `step` (1-based) of `total_steps`: linear warmup from lr/warmup
+// to lr over warmup_steps, then cosine decay to min_lr at total_steps.
+double learning_rate(const OptimizerConfig& o, int64_t step, int64_t total_steps);
+// The factor that brings a gradient of global norm `norm` down to `max_norm` (1 when within it or
+// when max_norm is 0).
+double clip_scale(double norm, double max_norm);
+
+class AdamW {
+ public:
+  // Parameters must be f32 leaves. Weight decay applies to matrices (dim >= 2) only. A parameter
+  // named *.mlp.gate.weight (an MoE router) steps with lr * cfg.router_lr_scale.
+  AdamW(std::vector<Variable> params, const OptimizerConfig& cfg);
+
+  // Global L2 norm of all gradients (a missing gradient counts as zero); NaN or inf when any
+  // gradient is not finite. Deterministic; one host synchronisation.
+  double grad_norm();
+  // One update of every parameter that has a gradient, with g = grad_scale * grad.
+  void step(double lr, double grad_scale);
+  void zero_grad();
+
+  int64_t num_updates() const { return num_updates_; }  // the t of the bias corrections
+  int64_t num_router_params() const;                       // parameters stepped with router_lr_scale
+  void set_num_updates(int64_t t) { num_updates_ = t; }
+  const std::vector<Variable>& params() const { return params_; }
+  std::vector<Tensor>& exp_avg() { return exp_avg_; }        // same shapes and devices as params
+  std::vector<Tensor>& exp_avg_sq() { return exp_avg_sq_; }
+
+ private:
+  std::vector<Variable> params_;
+  std::vector<Tensor> exp_avg_, exp_avg_sq_;
+  std::vector<bool> decay_;
+  std::vector<bool> router_;  // per parameter: an MoE router's gate, stepped with lr * router_lr_scale
+  OptimizerConfig cfg_;
+  int64_t num_updates_ = 0;
+  Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction
+};
+
+}  // namespace flowmoe

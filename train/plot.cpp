@@ -1,0 +1,151 @@
+// Loss-curve plots through gnuplot or matplotlib (see plot.h).
+#include "train/plot.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "kernels/common/error.h"
+#include "train/file_io.h"
+#include "train/metrics.h"
+
+namespace flowmoe {
+
+namespace fs = std::filesystem;
+
+// A loss in the plot's data file: full precision, or NaN (a gap in the curve) where it is missing.
+static std::string data_cell(double v) {
+  if (!std::isfinite(v)) return "NaN";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
+}
+
+static bool have_program(const std::string& name) {
+  return std::system(("command -v " + name + " >/dev/null 2>&1").c_str()) == 0;
+}
+
+static std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// A label for a run: its directory name (or the file's parent directory name).
+static std::string run_label(const std::string& run, const std::string& file) {
+  fs::path p = fs::is_directory(run) ? fs::path(run) : fs::path(file).parent_path();
+  std::string s = fs::absolute(p).lexically_normal().filename().string();
+  if (s.empty()) s = fs::path(file).stem().string();
+  std::string clean;
+  for (char c : s) clean += (c == '"' || c == '\'' || c == '\\') ? '_' : c;
+  return clean;
+}
+
+// A wait status from std::system in words: "exit status 1", "killed by signal 9".
+static std::string describe_status(int status) {
+  if (status == -1) return "could not be started";
+  if (WIFEXITED(status)) return "exit status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
+  return "wait status " + std::to_string(status);
+}
+
+// The last non-empty line a plotting program wrote to `file` (its error message: gnuplot and
+// Python tracebacks both end with it), trimmed; "" when there is none.
+static std::string last_error_line(const fs::path& file) {
+  std::ifstream in(file);
+  std::string line, last;
+  while (std::getline(in, line)) {
+    line.erase(0, line.find_first_not_of(" \t\r"));
+    line.erase(line.find_last_not_of(" \t\r") + 1);
+    if (!line.empty()) last = line;
+  }
+  return last.size() > 300 ? last.substr(0, 300) + "..." : last;
+}
+
+// The image must go into an existing directory, and not onto one: checked before any work.
+static void check_plot_output(const std::string& png_path) {
+  std::error_code ec;
+  FLOWMOE_CHECK(!fs::is_directory(png_path, ec), IoError, "plot: the output '", png_path,
+                "' is a directory; give a file name, e.g. --output ", (fs::path(png_path) / "loss.png").string());
+  const fs::path parent = fs::path(png_path).parent_path();
+  FLOWMOE_CHECK(parent.empty() || fs::is_directory(parent, ec), IoError, "plot: the output directory '",
+                parent.string(), "' does not exist (create it first, or choose another --output)");
+}
+
+void plot_runs(const std::vector<std::string>& runs, const std::string& png_path, const std::string& title) {
+  FLOWMOE_CHECK(!runs.empty(), IoError, "plot: no runs given");
+  check_plot_output(png_path);
+  const fs::path work = fs::temp_directory_path() / ("flowmoe-plot-" + std::to_string(::getpid()));
+  fs::create_directories(work);
+  std::vector<std::pair<std::string, std::string>> series;  // label, data file
+  bool any_val = false;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    std::string file = find_metrics_file(runs[i]);
+    std::vector<StepMetrics> rows = read_metrics(file);
+    FLOWMOE_CHECK(!rows.empty(), IoError, "plot: '", file, "' has no rows");
+    fs::path data = work / ("run" + std::to_string(i) + ".dat");
+    std::ofstream out(data);
+    for (const auto& r : rows) {
+      out << r.step << " " << data_cell(r.loss) << " " << data_cell(r.val_loss) << "\n";
+      any_val = any_val || std::isfinite(r.val_loss);
+    }
+    series.push_back({run_label(runs[i], file), data.string()});
+  }
+  int rc = 0;
+  std::string program;
+  const fs::path errors = work / "stderr.txt";  // the program's messages, reported in one line on failure
+  if (have_program("gnuplot")) {
+    program = "gnuplot";
+    fs::path script = work / "plot.gp";
+    std::ofstream gp(script);
+    gp << "set terminal pngcairo size 1000,600 enhanced font 'Sans,11'\n"
+       << "set output " << json_escape(fs::absolute(png_path).string()) << "\n"
+       << "set title " << json_escape(title) << " noenhanced\n"
+       << "set xlabel 'step'\nset ylabel 'loss (nats)'\nset grid\nset key top right noenhanced\n"
+       << "set datafile missing 'NaN'\nplot ";
+    for (size_t i = 0; i < series.size(); ++i) {
+      gp << (i ? ", " : "") << json_escape(series[i].second) << " using 1:2 with lines lw 2 lc " << i + 1
+         << " title " << json_escape(series[i].first + " train");
+      if (any_val)
+        gp << ", " << json_escape(series[i].second) << " using 1:3 with linespoints pt 7 ps 1 dt 2 lw 2 lc " << i + 1
+           << " title " << json_escape(series[i].first + " val");
+    }
+    gp << "\n";
+    gp.close();
+    rc = std::system(("gnuplot " + shell_quote(script.string()) + " 2>" + shell_quote(errors.string())).c_str());
+  } else if (std::system("python3 -c 'import matplotlib' >/dev/null 2>&1") == 0) {
+    program = "matplotlib (python3)";
+    fs::path script = work / "plot.py";
+    std::ofstream py(script);
+    py << "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\nimport math\n"
+       << "fig, ax = plt.subplots(figsize=(10, 6))\n";
+    for (size_t i = 0; i < series.size(); ++i) {
+      py << "rows = [l.split() for l in open(" << json_escape(series[i].second) << ")]\n"
+         << "s = [int(r[0]) for r in rows]\nt = [float(r[1]) for r in rows]\nv = [float(r[2]) for r in rows]\n"
+         << "line, = ax.plot(s, t, lw=2, label=" << json_escape(series[i].first + " train") << ")\n"
+         << "pts = [(a, b) for a, b in zip(s, v) if not math.isnan(b)]\n"
+         << "if pts: ax.plot(*zip(*pts), 'o--', color=line.get_color(), label="
+         << json_escape(series[i].first + " val") << ")\n";
+    }
+    py << "ax.set_xlabel('step'); ax.set_ylabel('loss (nats)'); ax.set_title(" << json_escape(title) << ")\n"
+       << "ax.grid(True); ax.legend()\nfig.savefig(" << json_escape(fs::absolute(png_path).string())
+       << ", dpi=100)\n";
+    py.close();
+    rc = std::system(("python3 " + shell_quote(script.string()) + " 2>" + shell_quote(errors.string())).c_str());
+  } else {
+    fs::remove_all(work);
+    FLOWMOE_THROW(IoError, "plot needs gnuplot or Python's matplotlib; install one (scripts/quickstart.sh installs gnuplot-nox)");
+  }
+  const std::string message = rc == 0 ? "" : last_error_line(errors);
+  fs::remove_all(work);
+  FLOWMOE_CHECK(rc == 0, IoError, "plot: ", program, " failed (", describe_status(rc), ")",
+                message.empty() ? "" : ": " + message, "; no '", png_path, "' was written");
+  FLOWMOE_CHECK(fs::exists(png_path), IoError, "plot: ", program, " wrote no '", png_path, "'");
+}
+
+}  // namespace flowmoe

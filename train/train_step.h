@@ -1,0 +1,62 @@
+// The state of one training run and one optimizer step over it: trainer.cpp builds the run and
+// drives the loop (evaluation, checkpoints, the summary); train_step.cpp takes the steps.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "engine/cast_stats.h"
+#include "engine/device.h"
+#include "layers/transformer.h"
+#include "train/config.h"
+#include "train/data.h"
+#include "train/metrics.h"
+#include "train/optimizer.h"
+#include "train/progress.h"
+#include "train/trainer.h"
+
+namespace flowmoe {
+
+// Everything a run holds. Members are built in declaration order, which is the order set-up must
+// keep: nothing is allocated for the model before the memory estimate says it fits.
+struct TrainRun {
+  TrainRun(const Config& cfg, const TrainOptions& opts);
+  TrainRun(const TrainRun&) = delete;
+  TrainRun& operator=(const TrainRun&) = delete;
+
+  const Config& cfg;
+  const TrainOptions& opts;
+  const Device device;
+  const DType compute;
+  std::string resume_note;       // the start-up line about the resume; declared first: resume_dir fills it
+  const std::string resume_dir;  // the checkpoint to resume from; "" for a fresh start
+  Progress progress;
+  TrainResult res;  // out_dir exists and holds config.yaml before the data is read
+  DataLoader data;
+  Transformer model;
+  AdamW opt;
+  std::optional<MetricsWriter> metrics;  // opened once the step to resume at is known
+
+  int64_t tokens_per_step = 0;
+  ValBatches val;  // what an evaluation reads; no batches when the data holds out no validation
+  int64_t end = 0;          // the last step this call takes: train.steps, or opts.stop_after
+  double cast_divisor = 0;  // MoE layers x micro-batches: casts are reported per layer and micro-batch
+  CastCounts last_casts;    // of the last step taken
+
+  int64_t step = 0;          // the last step taken (the checkpoint's after a resume)
+  int64_t skipped = 0;       // steps whose update was skipped, over the whole run
+  int64_t steps_done = 0;    // steps taken by this call
+  int64_t last_saved = -1;   // the step of the last checkpoint this call saved
+  double train_seconds = 0;  // spent in steps, evaluation and checkpoints excluded
+};
+
+// One optimizer step: the micro-batches with gradient accumulation, the gradient sync point, the
+// gradient norm, the non-finite policy, the clipped AdamW update and the expert-bias update.
+// Returns the step's metrics; its validation loss is left for the caller to fill.
+StepMetrics train_step(TrainRun& run);
+
+// Saves the run's weights, optimizer state and data position as the checkpoint of step `at`, and
+// records it in run.res.last_checkpoint.
+void save_run_checkpoint(TrainRun& run, int64_t at);
+
+}  // namespace flowmoe

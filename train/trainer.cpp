@@ -1,0 +1,343 @@
+// The training run: its set-up, the loop around train_step(), evaluation, checkpoints and the
+// summary (see trainer.h).
+#include "train/trainer.h"
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "engine/allocator.h"
+#include "engine/cast_stats.h"
+#include "kernels/common/device_api.h"
+#include "train/checkpoint.h"
+#include "train/memory_estimate.h"
+#include "train/progress.h"
+#include "train/train_step.h"
+
+namespace flowmoe {
+
+namespace fs = std::filesystem;
+
+static std::atomic<bool> g_stop_requested{false};
+void request_stop() { g_stop_requested = true; }
+
+Device resolve_device(const Config& cfg) {
+  const std::string& d = cfg.train.device;
+  if (d == "cpu") return Device::cpu();
+  if (d == "cuda") {
+    if (!cuda_available())
+      throw ConfigError(cfg.origin("train.device") + ": train.device: cuda was requested, but " +
+                        (built_with_cuda() ? "no CUDA device is usable" : "this build has no CUDA backend") +
+                        " (use auto or cpu)");
+    return Device::cuda(0);
+  }
+  return cuda_available() ? Device::cuda(0) : Device::cpu();
+}
+
+DType compute_dtype_for(const Config& cfg, Device device) {
+  // Every recipe computes in bf16 on the GPU outside the FP8 expert GEMMs (and fp32 on the CPU).
+  (void)cfg;
+  return device.is_cuda() ? DType::bf16 : DType::f32;
+}
+
+MoeOptions moe_options(const Config& cfg) {
+  MoeOptions o(int(cfg.precision.align_size));
+  o.recipe = moe_recipe_from_name(cfg.precision.recipe);
+  o.recompute_expert = cfg.train.recomputes("moe_expert");
+  return o;
+}
+
+double evaluate(const Transformer& model, const DataLoader& data, int64_t num_batches, int64_t batch_size) {
+  NoGradGuard no_grad;
+  double total = 0;
+  for (int64_t i = 0; i < num_batches; ++i) {
+    Batch b = data.val_batch(i, batch_size);
+    total += double(model.losses(b.inputs, b.targets).lm.data().to_floats()[0]);  // the LM loss alone
+  }
+  return total / double(num_batches);
+}
+
+ValBatches whole_val_batches(const DataLoader& data, int64_t num_batches, int64_t batch_size) {
+  const int64_t num_windows = data.num_val_windows();
+  FLOWMOE_CHECK(num_windows > 0, Error, "the data holds out no validation sequences (data.val_fraction is 0)");
+  ValBatches v;
+  v.batch_size = std::min(batch_size, num_windows);
+  v.num_windows = num_windows;
+  const int64_t whole = num_windows / v.batch_size;
+  v.num_requested = num_batches;
+  v.capped = num_batches > whole;
+  v.num_batches = std::min(num_batches, whole);
+  return v;
+}
+
+std::string ValBatches::cap_note(const std::string& key) const {
+  return key + std::to_string(num_requested) + " is more than the validation split holds (" +
+         std::to_string(num_windows / batch_size) + " batches of " + std::to_string(batch_size) + "); using " +
+         std::to_string(num_batches);
+}
+
+static std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+// Where checkpoint.resume was given, for messages: "--resume DIR" as the user typed it (the
+// command line records that origin), else "<file:line or --set>: checkpoint.resume".
+static std::string resume_origin(const Config& cfg) {
+  const std::string o = cfg.origin("checkpoint.resume");
+  return o.rfind("--resume", 0) == 0 ? o : o + ": checkpoint.resume";
+}
+
+// The checkpoint to resume from: "" for a fresh start. A path is a checkpoint directory or a folder
+// of them (a run's checkpoints/), whose newest complete one is taken. Problems are configuration errors.
+static std::string resume_target(const Config& cfg, std::string* note) {
+  const std::string& r = cfg.checkpoint.resume;
+  if (r == "false") return "";
+  if (r == "true") {
+    std::string latest = latest_checkpoint(cfg.checkpoint_dir());
+    if (latest.empty()) *note = "no checkpoint in " + cfg.checkpoint_dir() + " yet: starting from step 0";
+    return latest;
+  }
+  std::error_code ec;
+  if (fs::exists(fs::path(r) / "meta.json", ec)) return r;
+  if (!fs::exists(r, ec)) throw ConfigError(resume_origin(cfg) + ": '" + r + "' does not exist");
+  if (!fs::is_directory(r, ec))
+    throw ConfigError(resume_origin(cfg) + ": '" + r + "' is not a checkpoint directory (it has no meta.json)");
+  std::string latest = latest_checkpoint(r);
+  if (latest.empty())
+    throw ConfigError(resume_origin(cfg) + ": '" + r + "' holds no complete checkpoint (no step_N/meta.json)");
+  return latest;  // train() reports "resumed from <it>"
+}
+
+// Removes the unfinished step_N.tmp directories a crash left in the checkpoint directory, saying so.
+static void remove_unfinished_checkpoints(const Config& cfg, std::FILE* out) {
+  const std::vector<std::string> removed = remove_stale_checkpoint_tmp(cfg.checkpoint_dir());
+  if (removed.empty() || !out) return;
+  std::string names;
+  for (const std::string& n : removed) names += (names.empty() ? "" : ", ") + n;
+  std::fprintf(out, "removed %zu unfinished checkpoint director%s from a previous run: %s\n", removed.size(),
+               removed.size() == 1 ? "y" : "ies", names.c_str());
+  std::fflush(out);
+}
+
+// ---- set-up --------------------------------------------------------------------------------------
+
+// The opening line (parameters, device, the expected initial loss) and the memory estimate. Counted
+// and sized from the config before anything is allocated, so a model that cannot fit is refused at
+// once instead of allocating until the system kills the process.
+static void check_memory(const Config& cfg, Device device, DType compute, Progress& progress) {
+  const MemoryEstimate need = estimate_memory(cfg, device);
+  progress.message("flowmoe: " + format_count(double(need.num_parameters)) + " parameters (" +
+                   std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
+                   std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) +
+                   ") on " + device.str() + ", " + dtype_name(compute) + " compute; initial loss ~ ln(vocab) = " +
+                   fixed(std::log(double(cfg.model.vocab_size)), 3));
+  const double available = available_memory_bytes(device);
+  progress.message("memory: " + need.summary() + " of " + format_bytes(available) + " available on " + device.str());
+  check_fits(need, available, device.str());
+}
+
+// The run directory, with the resolved config written into it.
+static std::string make_run_dir(const Config& cfg) {
+  const std::string dir = cfg.run_dir();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  FLOWMOE_CHECK(!ec, IoError, "cannot create the run directory '", dir, "': ", ec.message());
+  std::ofstream out(fs::path(dir) / "config.yaml");
+  out << to_yaml(cfg);
+  FLOWMOE_CHECK(out.good(), IoError, "cannot write '", (fs::path(dir) / "config.yaml").string(), "'");
+  return dir;
+}
+
+// What comes before the first allocation: the cleanup of a crash's leftovers, the memory check and
+// the run directory. The result starts with the run directory's path.
+static TrainResult prepare_run(const Config& cfg, Device device, DType compute, std::FILE* out,
+                               Progress& progress) {
+  remove_unfinished_checkpoints(cfg, out);
+  check_memory(cfg, device, compute, progress);
+  TrainResult res;
+  res.out_dir = make_run_dir(cfg);
+  return res;
+}
+
+static void check_router_lr_scale(const Config& cfg, const AdamW& opt) {
+  FLOWMOE_CHECK(cfg.optimizer.router_lr_scale == 1.0 || opt.num_router_params() > 0, ConfigError,
+                cfg.origin("optimizer.router_lr_scale"), ": optimizer.router_lr_scale is ",
+                cfg.optimizer.router_lr_scale, " but the model has no MoE router (n_routed_experts is 0 or ",
+                "first_k_dense_replace covers every layer)");
+}
+
+// Loads the weights, optimizer state, buffers and data position of run.resume_dir.
+static void resume_from_checkpoint(TrainRun& run) {
+  const Config& cfg = run.cfg;
+  CheckpointMeta meta = load_checkpoint(run.resume_dir, run.model.parameters(), &run.opt.exp_avg(),
+                                        &run.opt.exp_avg_sq(), run.model.buffers());
+  FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
+                ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
+                " (a resumed run must keep its data order)");
+  run.data.set_position(meta.data);
+  run.step = meta.step;
+  run.skipped = meta.skipped_steps;
+  run.opt.set_num_updates(meta.num_updates);
+  run.resume_note = "resumed from " + run.resume_dir + " at step " + std::to_string(run.step);
+}
+
+// The data line, the resume note and a capped evaluation, before the first step.
+static void announce_data(TrainRun& run) {
+  const Config& cfg = run.cfg;
+  const TrainConfig& tc = cfg.train;
+  const std::string source =
+      cfg.data.source == "synthetic" ? "synthetic (" + cfg.data.synthetic_kind + ")" : cfg.data.source;
+  run.progress.message("data: " + source + ", " + std::to_string(run.data.num_train_windows()) + " train / " +
+                       std::to_string(run.data.num_val_windows()) + " val sequences of " +
+                       std::to_string(cfg.data.seq_len) + " tokens; " + std::to_string(tc.steps) + " steps x " +
+                       std::to_string(run.tokens_per_step) + " tokens; outputs in " + run.res.out_dir);
+  if (!run.resume_note.empty()) run.progress.message(run.resume_note);
+  if (run.val.capped) run.progress.message("evaluation: " + run.val.cap_note("train.eval_batches = "));
+}
+
+TrainRun::TrainRun(const Config& c, const TrainOptions& o)
+    : cfg(c),
+      opts(o),
+      device(resolve_device(c)),
+      compute(compute_dtype_for(c, device)),
+      resume_dir(resume_target(c, &resume_note)),
+      progress(c.logging.progress, c.train.steps, c.logging.log_every, o.out),
+      res(prepare_run(c, device, compute, o.out, progress)),
+      data(DataLoader::from_config(c)),
+      model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c)),
+      opt(model.parameters(), c.optimizer) {
+  check_router_lr_scale(cfg, opt);
+  if (!resume_dir.empty()) resume_from_checkpoint(*this);
+  res.first_step = step + 1;
+  res.skipped_steps = skipped;
+  res.metrics_file = (fs::path(res.out_dir) / ("metrics." + cfg.logging.metrics_format)).string();
+  metrics.emplace(res.metrics_file, cfg.logging.metrics_format, resume_dir.empty() ? -1 : step);
+
+  const TrainConfig& tc = cfg.train;
+  tokens_per_step = tc.batch_size * cfg.data.seq_len * tc.grad_accum_steps;
+  if (data.num_val_windows() > 0) val = whole_val_batches(data, tc.eval_batches, tc.batch_size);
+  announce_data(*this);
+  end = opts.stop_after >= 0 ? std::min(tc.steps, opts.stop_after) : tc.steps;
+  // Casts are reported per MoE layer and micro-batch (what one forward + backward of a layer makes).
+  cast_divisor = double(model.num_moe_layers() * tc.grad_accum_steps);
+}
+
+// ---- evaluation, checkpoints, progress -----------------------------------------------------------
+
+// Every `every` steps (0: never) and at the last step of the run.
+static bool due(int64_t step, int64_t every, int64_t last_step) {
+  return (every > 0 && step % every == 0) || step == last_step;
+}
+
+static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
+  if (run.val.num_batches == 0 || !due(m.step, run.cfg.train.eval_every, run.cfg.train.steps)) return;
+  m.val_loss = evaluate(run.model, run.data, run.val.num_batches, run.val.batch_size);
+  if (std::isnan(run.res.first_val_loss)) run.res.first_val_loss = m.val_loss;
+  run.res.final_val_loss = m.val_loss;
+  run.progress.message("step " + std::to_string(m.step) + ": val loss " + fixed(m.val_loss, 4) + " (train loss " +
+                       fixed(m.loss, 4) + ")");
+}
+
+void save_run_checkpoint(TrainRun& run, int64_t at) {
+  CheckpointMeta meta;
+  meta.step = at;
+  meta.num_updates = run.opt.num_updates();
+  meta.skipped_steps = run.skipped;
+  meta.data = run.data.position();
+  meta.data_seed = uint64_t(run.cfg.data.seed);
+  meta.init_seed = uint64_t(run.cfg.train.seed);
+  meta.config_yaml = to_yaml(run.cfg);
+  run.res.last_checkpoint = save_checkpoint(run.cfg.checkpoint_dir(), meta, run.model.parameters(), run.opt.exp_avg(),
+                                            run.opt.exp_avg_sq(), run.cfg.checkpoint.keep_last, run.model.buffers());
+}
+
+static void save_if_due(TrainRun& run) {
+  if (!due(run.step, run.cfg.checkpoint.every, run.cfg.train.steps)) return;
+  save_run_checkpoint(run, run.step);
+  run.last_saved = run.step;
+  run.progress.message("step " + std::to_string(run.step) + ": checkpoint " + run.res.last_checkpoint);
+}
+
+// A stop request ends the run after the current step, with a checkpoint to continue from.
+static void stop_with_checkpoint(TrainRun& run) {
+  if (run.last_saved != run.step) save_run_checkpoint(run, run.step);
+  run.progress.message("interrupted at step " + std::to_string(run.step) + ": checkpoint " +
+                       run.res.last_checkpoint + " (continue with --resume)");
+  run.res.interrupted = true;
+}
+
+// The step's metrics row, and the progress display with the run's mean rate so far.
+static void report_step(TrainRun& run, const StepMetrics& m) {
+  run.metrics->write(m);
+  StepMetrics shown = m;
+  shown.tokens_per_s = double(run.tokens_per_step * run.steps_done) / run.train_seconds;  // smoothed for display
+  run.progress.update(shown, run.train_seconds / double(run.steps_done) * double(run.cfg.train.steps - run.step));
+}
+
+// ---- the summary ----------------------------------------------------------------------------------
+
+// Where each explicit cast of the last step happened (DESIGN.md §1: the published flow has 2).
+static void print_cast_summary(TrainRun& run) {
+  const CastCounts& casts = run.last_casts;
+  std::string line = "casts per MoE layer per micro-batch (" + run.cfg.precision.recipe + "): " +
+                     fixed(double(casts.activation_casts()) / run.cast_divisor, 1);
+  for (const auto& [site, n] : casts.by_site)
+    if (site.rfind("weight_quantize", 0) != 0) line += " | " + site + " x" + fixed(double(n) / run.cast_divisor, 1);
+  run.progress.message(line);
+}
+
+static void print_summary(TrainRun& run) {
+  const TrainResult& res = run.res;
+  std::string line = "done: step " + std::to_string(run.step) + "/" + std::to_string(run.cfg.train.steps) + " in " +
+                     format_duration(run.train_seconds) + " | loss " + fixed(res.losses.front(), 4) + " -> " +
+                     fixed(res.losses.back(), 4);
+  if (!std::isnan(res.final_val_loss)) line += " | val loss " + fixed(res.final_val_loss, 4);
+  line += " | " + format_rate(res.tokens_per_s) + " tok/s | peak mem " +
+          fixed(double(memory_stats(run.device).peak_bytes) / (1 << 20), 1) + " MiB";
+  run.progress.message(line);
+  if (run.cast_divisor > 0) print_cast_summary(run);
+  run.progress.message("metrics: " + res.metrics_file +
+                       (res.last_checkpoint.empty() ? "" : " | checkpoint: " + res.last_checkpoint));
+}
+
+// Closes the progress display, completes the result and prints the summary.
+static TrainResult finish_run(TrainRun& run) {
+  run.progress.finish();
+  TrainResult& res = run.res;
+  res.last_step = run.step;
+  res.skipped_steps = run.skipped;
+  res.interrupted = res.interrupted || run.step < run.cfg.train.steps;
+  res.tokens_per_s = run.train_seconds > 0 ? double(run.tokens_per_step * run.steps_done) / run.train_seconds : 0;
+  if (run.steps_done > 0)
+    print_summary(run);
+  else
+    run.progress.message("nothing to do: the run is already at step " + std::to_string(run.step) + " of " +
+                         std::to_string(run.cfg.train.steps));
+  return std::move(res);
+}
+
+// ---- the loop -------------------------------------------------------------------------------------
+
+TrainResult train(const Config& cfg, const TrainOptions& opts) {
+  // A stop requested before this point (a signal during start-up) holds: it is cleared on return.
+  struct ClearStopOnReturn {
+    ~ClearStopOnReturn() { g_stop_requested = false; }
+  } clear_stop;
+  TrainRun run(cfg, opts);
+  while (run.step < run.end) {
+    StepMetrics m = train_step(run);
+    evaluate_if_due(run, m);
+    report_step(run, m);
+    save_if_due(run);
+    if (g_stop_requested && run.step < run.end) {
+      stop_with_checkpoint(run);
+      break;
+    }
+  }
+  return finish_run(run);
+}
+
+}  // namespace flowmoe

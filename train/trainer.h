@@ -1,0 +1,71 @@
+// The training loop: micro-batches with gradient accumulation, global-norm clipping, AdamW on the
+// fp32 master weights, the non-finite policy, periodic validation, checkpoints and resume.
+// On the CPU every op is deterministic, so a resumed run repeats the uninterrupted loss sequence
+// bit for bit (tests/test_checkpoint.cpp).
+#pragma once
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "engine/device.h"
+#include "layers/transformer.h"
+#include "train/config.h"
+#include "train/data.h"
+
+namespace flowmoe {
+
+// train.device resolved: auto picks cuda:0 when a GPU is usable. Throws ConfigError naming
+// train.device when cuda is asked for and not available.
+Device resolve_device(const Config& cfg);
+// bf16 on the GPU (every recipe: FP8 is confined to the MoE expert GEMMs), f32 on the CPU.
+DType compute_dtype_for(const Config& cfg, Device device);
+// The MoE layers' options a run's config asks for (precision.recipe, precision.align_size, train.recompute).
+MoeOptions moe_options(const Config& cfg);
+
+// How many validation micro-batches an evaluation reads: at most the whole batches the split holds,
+// since more would wrap around and count sequences twice. A split smaller than one batch is read as
+// one batch of all its sequences.
+struct ValBatches {
+  int64_t num_batches = 0, batch_size = 0, num_windows = 0;
+  int64_t num_requested = 0;
+  bool capped = false;  // the request was more than the split holds
+  // For a capped request given as `key` ("--batches " or "train.eval_batches = "): "--batches 100 is
+  // more than the validation split holds (51 batches of 8); using 51".
+  std::string cap_note(const std::string& key) const;
+};
+ValBatches whole_val_batches(const DataLoader& data, int64_t num_batches, int64_t batch_size);
+
+// Mean loss over `num_batches` validation micro-batches (no graph is recorded).
+double evaluate(const Transformer& model, const DataLoader& data, int64_t num_batches, int64_t batch_size);
+
+struct TrainOptions {
+  std::FILE* out = stdout;  // progress and messages; nullptr: silent
+  int64_t stop_after = -1;  // stop after this step as if interrupted (tests); -1: run to train.steps
+  // Called after a step's backward, before its gradient norm (tests inject faults here).
+  std::function<void(int64_t step, const std::vector<Variable>& params)> after_backward;
+  // Called with the step's measured LM loss before the non-finite check (tests plant a NaN here).
+  std::function<void(int64_t step, double* loss)> after_loss;
+};
+
+struct TrainResult {
+  int64_t first_step = 1;       // the step the run started at (after a resume: checkpoint + 1)
+  int64_t last_step = 0;        // the last step taken
+  std::vector<double> losses;   // training loss of each step taken, first_step..last_step
+  double first_val_loss = NAN;  // validation loss at the first evaluation (NaN: none)
+  double final_val_loss = NAN;  // at the end (NaN: no validation data)
+  double tokens_per_s = 0;      // over the whole run
+  int64_t skipped_steps = 0;
+  bool interrupted = false;     // stopped by request_stop() or stop_after before train.steps
+  std::string out_dir, metrics_file, last_checkpoint;
+};
+
+// Asks a running train() to finish its current step, save a checkpoint and return (SIGINT).
+void request_stop();
+
+// Runs the configured training. Writes <out_dir>/config.yaml (the resolved config) and the metrics
+// file; checkpoints go to cfg.checkpoint_dir().
+TrainResult train(const Config& cfg, const TrainOptions& opts = {});
+
+}  // namespace flowmoe
