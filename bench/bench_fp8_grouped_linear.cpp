@@ -35,9 +35,9 @@ Tensor device_fill(const std::vector<T>& chunk, const Shape& shape, DType dtype,
   std::copy(chunk.begin(), chunk.end(), static_cast<T*>(src.raw_data()));
   src = src.to(Device::cuda(0));
   for (int64_t off = 0; off < n; off += c)
-    MOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<T*>(out.raw_data()) + off, src.raw_data(),
-                                   size_t(std::min(c, n - off)) * sizeof(T), cudaMemcpyDeviceToDevice, stream));
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<T*>(out.raw_data()) + off, src.raw_data(),
+                                       size_t(std::min(c, n - off)) * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return out;
 }
 
@@ -64,7 +64,7 @@ Chunks make_chunks() {
 
 struct Case {
   const char* name;
-  int64_t num_experts, rows_per_expert, k, n;
+  int64_t num_experts, padded_tokens_per_expert, k, n;
   bool fprop_only;
 };
 
@@ -74,8 +74,8 @@ struct Result {
 };
 
 Result bench_case(const Case& c, const Chunks& ch, cudaStream_t stream) {
-  const int64_t e = c.num_experts, m = e * c.rows_per_expert, n = c.n, k = c.k;
-  const std::vector<int64_t> rows(size_t(e), c.rows_per_expert);
+  const int64_t e = c.num_experts, m = e * c.padded_tokens_per_expert, n = c.n, k = c.k;
+  const std::vector<int64_t> rows(size_t(e), c.padded_tokens_per_expert);
   Result r{c, 0, 0, 0, 0, 0, 0};
   const Device dev = Device::cuda(0);
   {  // FP8
@@ -104,7 +104,7 @@ Result bench_case(const Case& c, const Chunks& ch, cudaStream_t stream) {
                                   w_ts.data<float>(), dx.raw_data(), rows.data(), e, m, k, n, work.raw_data(), stream);
           },
           stream);
-      const int64_t num_blocks = e * fp8_num_blocks(c.rows_per_expert);
+      const int64_t num_blocks = e * fp8_num_blocks(c.padded_tokens_per_expert);
       Tensor dy_t = device_fill(ch.fp8, {n, m}, DType::e4m3, stream),
              dy_ts = device_fill(ch.scales, {num_blocks, n}, DType::f32, stream);
       Tensor x_t = device_fill(ch.fp8, {k, m}, DType::e4m3, stream),
@@ -145,12 +145,13 @@ Result bench_case(const Case& c, const Chunks& ch, cudaStream_t stream) {
           stream);
     }
   }
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return r;
 }
 
 double tflops(const Case& c, int num_gemms, double ms) {
-  return 2.0 * num_gemms * double(c.num_experts * c.rows_per_expert) * double(c.n) * double(c.k) / (ms * 1e-3) / 1e12;
+  return 2.0 * num_gemms * double(c.num_experts * c.padded_tokens_per_expert) * double(c.n) * double(c.k) /
+         (ms * 1e-3) / 1e12;
 }
 
 }  // namespace
@@ -166,7 +167,7 @@ int main() {
     std::vector<Result> results;
     for (const Case& c : cases) {
       std::printf("  %-13s E %3lld  rows/expert %5lld  K %5lld  N %5lld ...\n", c.name, (long long)c.num_experts,
-                  (long long)c.rows_per_expert, (long long)c.k, (long long)c.n);
+                  (long long)c.padded_tokens_per_expert, (long long)c.k, (long long)c.n);
       std::fflush(stdout);
       results.push_back(bench_case(c, ch, stream));
     }
@@ -184,10 +185,10 @@ int main() {
       auto line = [&](const char* pass, double fp8_ms, double bf16_ms) {
         const double tf = tflops(c, 1, fp8_ms);
         std::printf(
-            "BENCH fp8_grouped_linear case=%s pass=%s E=%lld rows_per_expert=%lld K=%lld N=%lld fp8_ms=%.4f "
+            "BENCH fp8_grouped_linear case=%s pass=%s E=%lld padded_tokens_per_expert=%lld K=%lld N=%lld fp8_ms=%.4f "
             "fp8_tflops=%.1f frac_1275_ceiling=%.4f bf16_ms=%.4f bf16_tflops=%.1f ratio_bf16_fp8=%.4f\n",
-            c.name, pass, (long long)c.num_experts, (long long)c.rows_per_expert, (long long)c.k, (long long)c.n,
-            fp8_ms, tf, tf / kCeilingTflops, bf16_ms, tflops(c, 1, bf16_ms), bf16_ms / fp8_ms);
+            c.name, pass, (long long)c.num_experts, (long long)c.padded_tokens_per_expert, (long long)c.k,
+            (long long)c.n, fp8_ms, tf, tf / kCeilingTflops, bf16_ms, tflops(c, 1, bf16_ms), bf16_ms / fp8_ms);
       };
       line("fprop", r.fp8_fwd, r.bf16_fwd);
       if (!c.fprop_only) {
@@ -201,6 +202,6 @@ int main() {
             c.name, (long long)c.num_experts, fp8, tf, tf / kCeilingTflops, bf, tflops(c, 3, bf), bf / fp8);
       }
     }
-    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
   });
 }

@@ -107,8 +107,8 @@ int main() {
     uint8_t* q = static_cast<uint8_t*>(cuda_malloc_raw(size_t(kM * kK), 0));
     float* s = static_cast<float*>(cuda_malloc_raw(size_t(kM * nb) * 4, 0));
     for (int64_t t = 0; t < kM / kHostRows; ++t) {
-      MOE_CUDA_CHECK(cudaMemcpy(q + t * kHostRows * kK, hq.data(), hq.size(), cudaMemcpyHostToDevice));
-      MOE_CUDA_CHECK(cudaMemcpy(s + t * kHostRows * nb, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+      FLOWMOE_CUDA_CHECK(cudaMemcpy(q + t * kHostRows * kK, hq.data(), hq.size(), cudaMemcpyHostToDevice));
+      FLOWMOE_CUDA_CHECK(cudaMemcpy(s + t * kHostRows * nb, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
     }
     const int64_t max_blocks = kM / 128 + kSegments;
     uint8_t* q_t = static_cast<uint8_t*>(cuda_malloc_raw(size_t(kK * kM), 0));
@@ -161,11 +161,11 @@ int main() {
       if (c.segs.size() == 1) {  // error study on the host block: the first 4096 rows, 32 whole blocks
         std::vector<uint8_t> a(size_t(kK * kHostRows)), b(a.size());
         std::vector<float> sa(size_t(kHostRows / 128 * kK)), sb(sa.size());
-        MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-        MOE_CUDA_CHECK(cudaMemcpy2D(a.data(), kHostRows, q_t, kM, kHostRows, kK, cudaMemcpyDeviceToHost));
-        MOE_CUDA_CHECK(cudaMemcpy2D(b.data(), kHostRows, q_t_base, kM, kHostRows, kK, cudaMemcpyDeviceToHost));
-        MOE_CUDA_CHECK(cudaMemcpy(sa.data(), s_t, sa.size() * 4, cudaMemcpyDeviceToHost));
-        MOE_CUDA_CHECK(cudaMemcpy(sb.data(), s_t_base, sb.size() * 4, cudaMemcpyDeviceToHost));
+        FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+        FLOWMOE_CUDA_CHECK(cudaMemcpy2D(a.data(), kHostRows, q_t, kM, kHostRows, kK, cudaMemcpyDeviceToHost));
+        FLOWMOE_CUDA_CHECK(cudaMemcpy2D(b.data(), kHostRows, q_t_base, kM, kHostRows, kK, cudaMemcpyDeviceToHost));
+        FLOWMOE_CUDA_CHECK(cudaMemcpy(sa.data(), s_t, sa.size() * 4, cudaMemcpyDeviceToHost));
+        FLOWMOE_CUDA_CHECK(cudaMemcpy(sb.data(), s_t_base, sb.size() * 4, cudaMemcpyDeviceToHost));
         // (c): colwise quantization of x itself, on the host.
         std::vector<uint8_t> cq(a.size());
         std::vector<float> cs(sa.size());
@@ -186,7 +186,7 @@ int main() {
     }
     for (const std::string& l : bench_lines) std::printf("%s\n", l.c_str());
     std::fflush(stdout);
-    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
     for (void* p : std::initializer_list<void*>{q, s, q_t, q_t_base, s_t, s_t_base, y}) cuda_free_raw(p, 0);
   });
 }

@@ -76,9 +76,9 @@ Tensor random_device(Rng& rng, const Shape& shape, DType dtype, cudaStream_t str
   Tensor src = rng.uniform({chunk}, -1.0, 1.0, DType::f32).to(dtype).to(dev);
   const size_t es = dtype_size(dtype);
   for (int64_t off = 0; off < n; off += chunk)
-    MOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out.raw_data()) + size_t(off) * es, src.raw_data(),
-                                   size_t(std::min(chunk, n - off)) * es, cudaMemcpyDeviceToDevice, stream));
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out.raw_data()) + size_t(off) * es, src.raw_data(),
+                                       size_t(std::min(chunk, n - off)) * es, cudaMemcpyDeviceToDevice, stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return out;
 }
 
@@ -103,7 +103,7 @@ std::vector<int64_t> fresh_counts(std::mt19937_64& gen, int64_t num_experts, int
 
 struct Case {
   const char* name;
-  int64_t num_experts, rows_per_expert, k, n;
+  int64_t num_experts, padded_tokens_per_expert, k, n;
 };
 
 struct Result {
@@ -117,8 +117,8 @@ struct Result {
 Result bench_case(const Case& c, Rng& rng) {
   const Device dev = Device::cuda(0);
   cudaStream_t stream = current_stream(0);
-  const int64_t e = c.num_experts, m = e * c.rows_per_expert, n = c.n, k = c.k;
-  std::vector<int64_t> rows(size_t(e), c.rows_per_expert);
+  const int64_t e = c.num_experts, m = e * c.padded_tokens_per_expert, n = c.n, k = c.k;
+  std::vector<int64_t> rows(size_t(e), c.padded_tokens_per_expert);
   Tensor x = random_device(rng, {m, k}, DType::bf16, stream), dy = random_device(rng, {m, n}, DType::bf16, stream);
   Tensor w32 = random_device(rng, {e, n, k}, DType::f32, stream), w = w32.to(DType::bf16);
   Tensor y = Tensor::empty({m, n}, DType::bf16, dev), dx = Tensor::empty({m, k}, DType::bf16, dev);
@@ -220,13 +220,13 @@ Result bench_case(const Case& c, Rng& rng) {
     res.fresh_median_ms = times[times.size() / 2];
     res.distinct_m = distinct.size();
   }
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return res;
 }
 
 double tflops(const Result& r, double ms) {
   const Case& c = r.c;
-  return 6.0 * double(c.num_experts * c.rows_per_expert) * double(c.n) * double(c.k) / (ms * 1e-3) / 1e12;
+  return 6.0 * double(c.num_experts * c.padded_tokens_per_expert) * double(c.n) * double(c.k) / (ms * 1e-3) / 1e12;
 }
 
 }  // namespace
@@ -237,7 +237,7 @@ int main() {
                 "median of %d reps\n",
                 prop.name, kReps);
     Rng rng(2026);
-    // The DESIGN §6 shape, then the MoE layer benchmark's fc1/fc2 (T·topk/E rows per expert).
+    // The DESIGN §6 shape, then the MoE layer benchmark's fc1/fc2 (T·top_k/E rows per expert).
     const Case cases[] = {
         {"dsv3_32x1024", 32, 1024, 7168, 4096},
         {"fc1_E64", 64, 16384 * 6 / 64, 2048, 2 * 1408},
@@ -248,7 +248,7 @@ int main() {
     std::vector<Result> results;
     for (const Case& c : cases) {
       std::printf("  %-13s E %3lld  rows/expert %5lld  K %5lld  N %5lld ...\n", c.name, (long long)c.num_experts,
-                  (long long)c.rows_per_expert, (long long)c.k, (long long)c.n);
+                  (long long)c.padded_tokens_per_expert, (long long)c.k, (long long)c.n);
       std::fflush(stdout);
       results.push_back(bench_case(c, rng));
     }
@@ -264,14 +264,14 @@ int main() {
     }
     for (const Result& r : results) {
       double tf = tflops(r, r.grouped_ms);
-      std::printf("BENCH grouped_linear case=%s dtype=bf16 E=%lld rows_per_expert=%lld K=%lld N=%lld "
-                  "fwd_ms=%.4f dgrad_ms=%.4f wgrad_ms=%.4f grouped_ms=%.4f grouped_tflops=%.1f "
-                  "frac_679_ceiling=%.4f dense_ms=%.4f dense_tflops=%.1f ratio_grouped_dense=%.4f op_ms=%.4f "
-                  "host_issue_ms=%.4f fresh_first_ms=%.4f fresh_median_ms=%.4f\n",
-                  r.c.name, (long long)r.c.num_experts, (long long)r.c.rows_per_expert, (long long)r.c.k,
-                  (long long)r.c.n, r.fwd_ms, r.dgrad_ms, r.wgrad_ms, r.grouped_ms, tf, tf / kCeilingTflops, r.dense_ms,
-                  tflops(r, r.dense_ms), r.grouped_ms / r.dense_ms, r.op_ms, r.host_ms, r.fresh_first_ms,
-                  r.fresh_median_ms);
+      std::printf(
+          "BENCH grouped_linear case=%s dtype=bf16 E=%lld padded_tokens_per_expert=%lld K=%lld N=%lld "
+          "fwd_ms=%.4f dgrad_ms=%.4f wgrad_ms=%.4f grouped_ms=%.4f grouped_tflops=%.1f "
+          "frac_679_ceiling=%.4f dense_ms=%.4f dense_tflops=%.1f ratio_grouped_dense=%.4f op_ms=%.4f "
+          "host_issue_ms=%.4f fresh_first_ms=%.4f fresh_median_ms=%.4f\n",
+          r.c.name, (long long)r.c.num_experts, (long long)r.c.padded_tokens_per_expert, (long long)r.c.k,
+          (long long)r.c.n, r.fwd_ms, r.dgrad_ms, r.wgrad_ms, r.grouped_ms, tf, tf / kCeilingTflops, r.dense_ms,
+          tflops(r, r.dense_ms), r.grouped_ms / r.dense_ms, r.op_ms, r.host_ms, r.fresh_first_ms, r.fresh_median_ms);
     }
     std::printf("\n%-13s %8s %10s %11s %8s %8s %8s %10s %10s %6s\n", "case", "us/gemm", "fresh1 hst", "fresh plans",
                 "queries", "rejects", "new M", "4str ms", "4str host", "x");
@@ -294,6 +294,6 @@ int main() {
                   (unsigned long long)r.fresh_stats.bucket_rejects, r.distinct_m, r.streams4_ms, tf4,
                   tf4 / kCeilingTflops, r.streams4_host_ms, r.grouped_ms / r.streams4_ms);
     }
-    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
   });
 }

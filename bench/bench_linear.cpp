@@ -58,18 +58,18 @@ struct LtProblem {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulPreference_t pref = nullptr;
   explicit LtProblem(const Gemm& g) {
-    MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cublasOperation_t op_a = g.tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = g.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
     uint64_t m = uint64_t(g.m), n = uint64_t(g.n), k = uint64_t(g.k);
-    MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, g.tb ? k : n, g.tb ? n : k, g.ldb()));
-    MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, g.ta ? m : k, g.ta ? k : m, g.lda()));
-    MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d, CUDA_R_16BF, n, m, g.n));
-    MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, g.tb ? k : n, g.tb ? n : k, g.ldb()));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, g.ta ? m : k, g.ta ? k : m, g.lda()));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d, CUDA_R_16BF, n, m, g.n));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     uint64_t ws = kWorkspaceBytes;
-    MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                          sizeof(ws)));
+    FLOWMOE_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   }
   ~LtProblem() {
     cublasLtMatmulPreferenceDestroy(pref);
@@ -86,8 +86,8 @@ double best_cublaslt_ms(cublasLtHandle_t handle, const Gemm& g, void* workspace,
   LtProblem p(g);
   cublasLtMatmulHeuristicResult_t results[kNumAlgos] = {};
   int num_results = 0;
-  MOE_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, p.op, p.a, p.b, p.d, p.d, p.pref, kNumAlgos, results,
-                                                  &num_results));
+  FLOWMOE_CUBLAS_CHECK(
+      cublasLtMatmulAlgoGetHeuristic(handle, p.op, p.a, p.b, p.d, p.d, p.pref, kNumAlgos, results, &num_results));
   const float alpha = 1.f, beta = 0.f;
   double best = INFINITY;
   for (int i = 0; i < num_results; ++i) {
@@ -97,7 +97,7 @@ double best_cublaslt_ms(cublasLtHandle_t handle, const Gemm& g, void* workspace,
                             workspace, kWorkspaceBytes, stream);
     };
     if (call() != CUBLAS_STATUS_SUCCESS) continue;  // an algorithm may still refuse at launch
-    best = std::min(best, median_ms([&] { MOE_CUBLAS_CHECK(call()); }, stream));
+    best = std::min(best, median_ms([&] { FLOWMOE_CUBLAS_CHECK(call()); }, stream));
   }
   FLOWMOE_CHECK(std::isfinite(best), CudaError, "no cuBLASLt algorithm ran for ", g.name, " m=", g.m, " n=", g.n,
                 " k=", g.k);
@@ -135,7 +135,7 @@ Result bench_shape(int64_t m, int64_t n, int64_t k, cublasLtHandle_t handle, voi
         linear(vx, vw).backward(dy);
       },
       stream);
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return r;
 }
 
@@ -146,7 +146,7 @@ int main() {
     std::printf("bench_linear on %s: bf16 linear fwd + bwd (fprop, dgrad, wgrad), median of %d reps\n", prop.name,
                 kReps);
     cublasLtHandle_t handle = nullptr;
-    MOE_CUBLAS_CHECK(cublasLtCreate(&handle));
+    FLOWMOE_CUBLAS_CHECK(cublasLtCreate(&handle));
     void* workspace = cuda_malloc_raw(kWorkspaceBytes, 0);
     Rng rng(2026);
 
@@ -177,7 +177,7 @@ int main() {
                   tflops / kBf16CeilingTflops, r.engine_ms / r.best_ms);
     }
     cuda_free_raw(workspace, 0);
-    MOE_CUBLAS_CHECK(cublasLtDestroy(handle));
-    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    FLOWMOE_CUBLAS_CHECK(cublasLtDestroy(handle));
+    FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
   });
 }

@@ -57,7 +57,7 @@ struct Config {
   int64_t tokens;
   int experts;
   int64_t hidden;
-  int topk;
+  int top_k;
 };
 const Config kConfigs[] = {{4096, 64, 7168, 8}, {8192, 128, 4096, 8}, {16384, 32, 2048, 4}, {4096, 8, 1024, 2}};
 const int kAligns[] = {16, 128};
@@ -65,11 +65,11 @@ const int kAligns[] = {16, 128};
 // Distinct experts per token, uniform: what a balanced router produces.
 std::vector<int64_t> random_routing(std::mt19937_64& gen, const Config& c) {
   std::vector<int64_t> idx;
-  idx.reserve(size_t(c.tokens * c.topk));
+  idx.reserve(size_t(c.tokens * c.top_k));
   std::vector<int> pool(size_t(c.experts));
   for (int64_t t = 0; t < c.tokens; ++t) {
     std::iota(pool.begin(), pool.end(), 0);
-    for (int j = 0; j < c.topk; ++j) {
+    for (int j = 0; j < c.top_k; ++j) {
       std::uniform_int_distribution<size_t> pick(size_t(j), pool.size() - 1);
       std::swap(pool[size_t(j)], pool[pick(gen)]);
       idx.push_back(pool[size_t(j)]);
@@ -91,15 +91,15 @@ struct Setup {
   Setup(const Config& cfg, int al, std::mt19937_64& gen, Rng& rng, cudaStream_t stream) : c(cfg), align(al) {
     const Device dev = Device::cuda(0);
     const int64_t esize = 2;  // bf16
-    idx = Tensor::from_ints(random_routing(gen, c), {c.tokens, c.topk}, DType::i32, dev);
+    idx = Tensor::from_ints(random_routing(gen, c), {c.tokens, c.top_k}, DType::i32, dev);
     x = rng.uniform({c.tokens, c.hidden}, -1, 1, DType::bf16, dev);
-    prob = rng.uniform({c.tokens, c.topk}, 0, 1, DType::f32, dev);
-    d.num_tokens = c.tokens, d.topk = c.topk, d.num_experts = c.experts, d.expert_offset = 0;
+    prob = rng.uniform({c.tokens, c.top_k}, 0, 1, DType::f32, dev);
+    d.num_tokens = c.tokens, d.top_k = c.top_k, d.num_experts = c.experts, d.expert_offset = 0;
     d.num_local_experts = c.experts, d.align_size = align;
-    d.num_rows = permute_worst_case_rows(c.tokens, c.topk, c.experts, align);
+    d.num_rows = permute_worst_case_rows(c.tokens, c.top_k, c.experts, align);
     rows = Tensor::empty({d.num_rows, c.hidden}, DType::bf16, dev);
     probs = Tensor::empty({d.num_rows}, DType::f32, dev);
-    row_map = Tensor::empty({c.tokens, c.topk}, DType::i32, dev);
+    row_map = Tensor::empty({c.tokens, c.top_k}, DType::i32, dev);
     counts = Tensor::empty({3 * int64_t(c.experts) + 1}, DType::i32, dev);  // tokens, padded, starts
     workspace = Tensor::empty({int64_t(permute_workspace_bytes(d))}, DType::u8, dev);
     y = Tensor::empty({c.tokens, c.hidden}, DType::bf16, dev);
@@ -112,15 +112,16 @@ struct Setup {
 
     // The host reads the counts once, outside the timing, as a layer that sizes its buffers would.
     permute_pad_cuda(d, b, stream);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     std::vector<int64_t> host_counts = counts.to_ints();
     padded_rows = host_counts.back();
     for (int e = 0; e < c.experts; ++e) routed += host_counts[size_t(e)];
     exact = d;
     exact.num_rows = padded_rows;
-    const double side_bytes = double(c.tokens * c.topk) * 4 * 3 + double(padded_rows) * 4;  // idx, prob, row_map; probs
+    const double side_bytes =
+        double(c.tokens * c.top_k) * 4 * 3 + double(padded_rows) * 4;  // idx, prob, row_map; probs
     permute_bytes = double(c.tokens + padded_rows) * double(c.hidden * esize) + side_bytes;
-    unpermute_bytes = double(routed + c.tokens) * double(c.hidden * esize) + double(c.tokens * c.topk) * 8;
+    unpermute_bytes = double(routed + c.tokens) * double(c.hidden * esize) + double(c.tokens * c.top_k) * 8;
   }
 };
 
@@ -142,7 +143,7 @@ Result bench(Setup& s, cudaStream_t stream) {
   r.worst_ms = median_ms([&] { permute_pad_cuda(s.d, s.b, stream); }, stream);
   r.memset_ms = median_ms(
       [&] {
-        MOE_CUDA_CHECK(cudaMemsetAsync(s.b.rows, 0, size_t(s.d.num_rows) * s.b.row_bytes, stream));
+        FLOWMOE_CUDA_CHECK(cudaMemsetAsync(s.b.rows, 0, size_t(s.d.num_rows) * s.b.row_bytes, stream));
         permute_pad_cuda(s.d, s.b, stream);
       },
       stream);
@@ -155,11 +156,11 @@ Result bench(Setup& s, cudaStream_t stream) {
   r.same_copy_gbps = copy_gbps(stream, true, size_t(s.permute_bytes / 2)).gpu_only;
   r.unpermute_ms = median_ms(
       [&] {
-        unpermute_cuda(DType::bf16, s.row_map.data<int32_t>(), c.tokens, c.topk, c.hidden, s.rows.raw_data(),
+        unpermute_cuda(DType::bf16, s.row_map.data<int32_t>(), c.tokens, c.top_k, c.hidden, s.rows.raw_data(),
                        s.prob.data<float>(), s.y.raw_data(), stream);
       },
       stream);
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return r;
 }
 
@@ -170,7 +171,7 @@ void print_results(const std::vector<Result>& results, double copy, double copy_
   for (const Result& r : results) {
     char cfg[64];
     std::snprintf(cfg, sizeof(cfg), "%lld,%d,%lld,%d", (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden,
-                  r.c.topk);
+                  r.c.top_k);
     const double pe = gbps(r.permute_bytes, r.exact_ms), pw = gbps(r.permute_bytes, r.worst_ms);
     const double pg = gbps(r.permute_bytes, r.gpu_ms), pr = gbps(r.permute_bytes, r.rows_gpu_ms);
     const double u = gbps(r.unpermute_bytes, r.unpermute_ms);
@@ -183,21 +184,23 @@ void print_results(const std::vector<Result>& results, double copy, double copy_
   for (const Result& r : results) {
     const double pe = gbps(r.permute_bytes, r.exact_ms), pw = gbps(r.permute_bytes, r.worst_ms);
     const double pg = gbps(r.permute_bytes, r.gpu_ms), pr = gbps(r.permute_bytes, r.rows_gpu_ms);
-    std::printf("BENCH permute T=%lld E=%d H=%lld k=%d align=%d dtype=bf16 rows=%lld worst_rows=%lld ms=%.4f "
-                "gbps=%.1f frac_copy=%.4f frac_h200=%.4f worst_ms=%.4f worst_gbps=%.1f worst_frac_copy=%.4f "
-                "memset_first_ms=%.4f copy_gbps=%.1f gpu_ms=%.4f gpu_frac_copy=%.4f map_gpu_ms=%.4f "
-                "rows_gpu_ms=%.4f rows_frac_copy=%.4f copy_gpu_gbps=%.1f same_bytes_copy_frac=%.4f\n",
-                (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden, r.c.topk, r.align,
-                (long long)r.padded_rows, (long long)r.worst_rows, r.exact_ms, pe, pe / copy, pe / kH200CopyGbps,
-                r.worst_ms, pw, pw / copy, r.memset_ms, copy, r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms,
-                pr / copy_gpu, copy_gpu, r.same_copy_gbps / copy_gpu);
+    std::printf(
+        "BENCH permute T=%lld E=%d H=%lld k=%d align=%d dtype=bf16 rows=%lld worst_rows=%lld ms=%.4f "
+        "gbps=%.1f frac_copy=%.4f frac_h200=%.4f worst_ms=%.4f worst_gbps=%.1f worst_frac_copy=%.4f "
+        "memset_first_ms=%.4f copy_gbps=%.1f gpu_ms=%.4f gpu_frac_copy=%.4f map_gpu_ms=%.4f "
+        "rows_gpu_ms=%.4f rows_frac_copy=%.4f copy_gpu_gbps=%.1f same_bytes_copy_frac=%.4f\n",
+        (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden, r.c.top_k, r.align, (long long)r.padded_rows,
+        (long long)r.worst_rows, r.exact_ms, pe, pe / copy, pe / kH200CopyGbps, r.worst_ms, pw, pw / copy, r.memset_ms,
+        copy, r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms, pr / copy_gpu, copy_gpu,
+        r.same_copy_gbps / copy_gpu);
   }
   for (const Result& r : results) {
     const double u = gbps(r.unpermute_bytes, r.unpermute_ms);
-    std::printf("BENCH unpermute T=%lld E=%d H=%lld k=%d align=%d dtype=bf16 ms=%.4f gbps=%.1f frac_copy=%.4f "
-                "frac_h200=%.4f copy_gbps=%.1f\n",
-                (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden, r.c.topk, r.align, r.unpermute_ms, u,
-                u / copy, u / kH200CopyGbps, copy);
+    std::printf(
+        "BENCH unpermute T=%lld E=%d H=%lld k=%d align=%d dtype=bf16 ms=%.4f gbps=%.1f frac_copy=%.4f "
+        "frac_h200=%.4f copy_gbps=%.1f\n",
+        (long long)r.c.tokens, r.c.experts, (long long)r.c.hidden, r.c.top_k, r.align, r.unpermute_ms, u, u / copy,
+        u / kH200CopyGbps, copy);
   }
   std::fflush(stdout);
 }
@@ -215,20 +218,20 @@ ImplTimes time_impl(Setup& s, PermuteRowKernel row_kernel, cudaStream_t stream) 
   t.whole_ms = median_ms(exact, stream);
   t.gpu_ms = median_gpu_ms([] {}, exact, stream);
   t.rows_ms = median_gpu_ms(map, [&] { permute_rows_cuda(s.exact, s.b, stream, row_kernel); }, stream);
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return t;
 }
 
 // The exact-size rows and probs after one permute with `row_kernel`, the device buffers poisoned first.
 std::vector<unsigned char> impl_output(Setup& s, PermuteRowKernel row_kernel, cudaStream_t stream) {
   const size_t row_bytes = size_t(s.padded_rows) * s.b.row_bytes, prob_bytes = size_t(s.padded_rows) * 4;
-  MOE_CUDA_CHECK(cudaMemsetAsync(s.b.rows, 0xff, row_bytes, stream));
-  MOE_CUDA_CHECK(cudaMemsetAsync(s.b.probs, 0xff, prob_bytes, stream));
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(s.b.rows, 0xff, row_bytes, stream));
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(s.b.probs, 0xff, prob_bytes, stream));
   permute_pad_cuda(s.exact, s.b, stream, row_kernel);
   std::vector<unsigned char> out(row_bytes + prob_bytes);
-  MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), s.b.rows, row_bytes, cudaMemcpyDeviceToHost, stream));
-  MOE_CUDA_CHECK(cudaMemcpyAsync(out.data() + row_bytes, s.b.probs, prob_bytes, cudaMemcpyDeviceToHost, stream));
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), s.b.rows, row_bytes, cudaMemcpyDeviceToHost, stream));
+  FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(out.data() + row_bytes, s.b.probs, prob_bytes, cudaMemcpyDeviceToHost, stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return out;
 }
 
@@ -250,7 +253,7 @@ void run_watched(Setup& s, PermuteRowKernel row_kernel, cudaStream_t stream) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  MOE_CUDA_CHECK(st);
+  FLOWMOE_CUDA_CHECK(st);
 }
 
 // Classic then TMA on one config; prints its BENCH permute_impl line. Returns false when the TMA path
@@ -273,13 +276,14 @@ bool compare_impls(Setup& s, double copy, double copy_gpu, cudaStream_t stream) 
   const bool eligible = s.b.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(s.b.x) % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(s.b.rows) % 16 == 0;
   auto frac = [&](double ms, double ceiling) { return ms > 0 ? gbps(s.permute_bytes, ms) / ceiling : -1.0; };
-  std::printf("BENCH permute_impl T=%lld E=%d H=%lld k=%d align=%d dtype=bf16 classic_whole=%.4f tma_whole=%.4f "
-              "classic_gpu=%.4f tma_gpu=%.4f classic_rows=%.4f tma_rows=%.4f classic_ms=%.4f tma_ms=%.4f "
-              "classic_rows_ms=%.4f tma_rows_ms=%.4f tma_eligible=%d identical=%d copy_gbps=%.1f copy_gpu_gbps=%.1f\n",
-              (long long)s.c.tokens, s.c.experts, (long long)s.c.hidden, s.c.topk, s.align,
-              frac(classic.whole_ms, copy), frac(tma.whole_ms, copy), frac(classic.gpu_ms, copy_gpu),
-              frac(tma.gpu_ms, copy_gpu), frac(classic.rows_ms, copy_gpu), frac(tma.rows_ms, copy_gpu),
-              classic.whole_ms, tma.whole_ms, classic.rows_ms, tma.rows_ms, int(eligible), identical, copy, copy_gpu);
+  std::printf(
+      "BENCH permute_impl T=%lld E=%d H=%lld k=%d align=%d dtype=bf16 classic_whole=%.4f tma_whole=%.4f "
+      "classic_gpu=%.4f tma_gpu=%.4f classic_rows=%.4f tma_rows=%.4f classic_ms=%.4f tma_ms=%.4f "
+      "classic_rows_ms=%.4f tma_rows_ms=%.4f tma_eligible=%d identical=%d copy_gbps=%.1f copy_gpu_gbps=%.1f\n",
+      (long long)s.c.tokens, s.c.experts, (long long)s.c.hidden, s.c.top_k, s.align, frac(classic.whole_ms, copy),
+      frac(tma.whole_ms, copy), frac(classic.gpu_ms, copy_gpu), frac(tma.gpu_ms, copy_gpu),
+      frac(classic.rows_ms, copy_gpu), frac(tma.rows_ms, copy_gpu), classic.whole_ms, tma.whole_ms, classic.rows_ms,
+      tma.rows_ms, int(eligible), identical, copy, copy_gpu);
   std::fflush(stdout);
   return ok;
 }
@@ -315,6 +319,6 @@ int main() {
           tma_ok = compare_impls(s, copy, copy_gpu, stream);
         }
     if (!tma_ok) std::printf("bench_permute: stopped comparing after the TMA row move failed\n");
-    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
   });
 }

@@ -42,9 +42,9 @@ Tensor random_device(Rng& rng, const Shape& shape, double lo, double hi, DType d
   Tensor t = Tensor::empty(shape, dtype, Device::cuda(0)), src = rng.uniform({tile}, lo, hi, dtype, Device::cuda(0));
   const size_t es = dtype_size(dtype);
   for (int64_t off = 0; off < n; off += tile)
-    MOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(t.raw_data()) + size_t(off) * es, src.raw_data(),
-                                   size_t(std::min(tile, n - off)) * es, cudaMemcpyDeviceToDevice, stream));
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(t.raw_data()) + size_t(off) * es, src.raw_data(),
+                                       size_t(std::min(tile, n - off)) * es, cudaMemcpyDeviceToDevice, stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return t;
 }
 
@@ -103,7 +103,7 @@ Result bench(const Config& c, Rng& rng, cudaStream_t stream) {
         swiglu_quant_baseline_quantize_cuda(DType::bf16, d_h.raw_data(), M, 2 * F, q2p, s2.data<float>(), stream);
       },
       stream);
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return r;
 }
 
@@ -142,6 +142,6 @@ int main() {
     std::vector<Result> results;
     for (const Config& c : kConfigs) results.push_back(bench(c, rng, stream));
     print_results(results, copy);
-    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
   });
 }

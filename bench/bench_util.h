@@ -40,7 +40,7 @@ double median_gpu_ms(P&& prelude, F&& run, cudaStream_t stream, bool gpu_only, i
   Event start(true), stop(true);
   std::vector<float> times;
   for (int i = 0; i < reps; ++i) {
-    if (busy.ptr) MOE_CUDA_CHECK(cudaMemsetAsync(busy.ptr, 0, busy.bytes, stream));
+    if (busy.ptr) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(busy.ptr, 0, busy.bytes, stream));
     prelude();
     start.record(stream);
     run();
@@ -71,8 +71,8 @@ struct CopyGbps {
 inline CopyGbps copy_gbps(cudaStream_t stream, bool gpu_only = false, size_t copy_bytes = size_t(1) << 30) {
   void* src = cuda_malloc_raw(copy_bytes, 0);
   void* dst = cuda_malloc_raw(copy_bytes, 0);
-  MOE_CUDA_CHECK(cudaMemsetAsync(src, 1, copy_bytes, stream));
-  auto copy = [&] { MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, stream)); };
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(src, 1, copy_bytes, stream));
+  auto copy = [&] { FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, stream)); };
   CopyGbps r;
   r.queued = gbps(2.0 * double(copy_bytes), median_ms(copy, stream));
   if (gpu_only) r.gpu_only = gbps(2.0 * double(copy_bytes), median_gpu_ms([] {}, copy, stream, true));
@@ -93,7 +93,7 @@ int bench_main(const char* name, F&& body) {
   try {
     cuda_set_device(0);
     cudaDeviceProp prop{};
-    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    FLOWMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     body(static_cast<const cudaDeviceProp&>(prop), current_stream(0));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s failed: %s\n", name, e.what());

@@ -2,8 +2,8 @@
 //   fprop  y[off_e : off_e+r_e] = x[off_e : off_e+r_e] · w[e]ᵀ   x 1x128 rowwise, w 128x128 blocks -> bf16/f32 y
 //   dgrad  the same call with dy rowwise [m_total, n] and the transposed weight w_t [E, k, n] (block transpose)
 //   wgrad  dw[e] (+)= dy_eᵀ · x_e, a sum over the expert's r_e rows; both operands colwise 1x128 over
-//          segments = rows_per_expert (the scaling-aware transpose's output)
-// Expert e owns rows [off_e, off_e + r_e), off = exclusive prefix sum of rows_per_expert (host values, read
+//          segments = padded_tokens_per_expert (the scaling-aware transpose's output)
+// Expert e owns rows [off_e, off_e + r_e), off = exclusive prefix sum of padded_tokens_per_expert (host values, read
 // once per layer by the caller). CPU reference: kernels/cpu/fp8_grouped_linear.cpp (dequantize, f32 GEMM).
 // CUDA: kernels/cuda/fp8_grouped_linear.cu (one cuBLASLt VEC128 / BLK128x128 call per expert).
 // Tests: tests/test_fp8_grouped_linear.cpp. Benchmark: bench/bench_fp8_grouped_linear.cpp.
@@ -25,18 +25,18 @@ size_t fp8_grouped_gemm_workspace_bytes(int64_t m_total, int64_t k, int64_t num_
 // ---- CPU reference ----------------------------------------------------------------------------
 // Dequantizes each expert's operands (e4m3_to_f32(q) · scale_inv) to f32 and runs gemm_cpu (fp32
 // accumulation); bf16 output is rounded to nearest even once. Any n, k >= 0 (partial blocks allowed) and
-// any row counts; rows past sum(rows_per_expert) are written as zeros. out_dtype: bf16 or f32.
+// any row counts; rows past sum(padded_tokens_per_expert) are written as zeros. out_dtype: bf16 or f32.
 void fp8_grouped_gemm_cpu(DType out_dtype, const uint8_t* x /*[m_total, k] e4m3*/,
                           const float* x_scale_inv /*[m_total, ceil(k/128)]*/, const uint8_t* w /*[E, n, k] e4m3*/,
                           const float* w_scale_inv /*[E, ceil(n/128), ceil(k/128)]*/, void* y /*[m_total, n]*/,
-                          const int64_t* rows_per_expert /*[E] host*/, int64_t num_experts, int64_t m_total, int64_t n,
-                          int64_t k);
+                          const int64_t* padded_tokens_per_expert /*[E] host*/, int64_t num_experts, int64_t m_total,
+                          int64_t n, int64_t k);
 // dw f32; accumulate adds into dw (an expert with no rows then keeps dw[e]), otherwise it overwrites (an
 // expert with no rows gets 0). num_blocks = Σ_e ceil(rows_e / 128).
 void fp8_grouped_wgrad_cpu(const uint8_t* dy_t /*[n, m_total] e4m3*/, const float* dy_t_scale_inv /*[num_blocks, n]*/,
                            const uint8_t* x_t /*[k, m_total] e4m3*/, const float* x_t_scale_inv /*[num_blocks, k]*/,
-                           float* dw /*[E, n, k]*/, const int64_t* rows_per_expert /*[E] host*/, int64_t num_experts,
-                           int64_t m_total, int64_t n, int64_t k, bool accumulate);
+                           float* dw /*[E, n, k]*/, const int64_t* padded_tokens_per_expert /*[E] host*/,
+                           int64_t num_experts, int64_t m_total, int64_t n, int64_t k, bool accumulate);
 
 // ---- CUDA launchers ---------------------------------------------------------------------------
 // One cuBLASLt block-scaled GEMM per expert with rows, in expert order on `stream`, no host sync.
@@ -49,13 +49,14 @@ void fp8_grouped_wgrad_cpu(const uint8_t* dy_t /*[n, m_total] e4m3*/, const floa
 void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x /*[m_total, k] e4m3*/,
                            const float* x_scale_inv /*[m_total, k/128]*/, const uint8_t* w /*[E, n, k] e4m3*/,
                            const float* w_scale_inv /*[E, n/128, k/128]*/, void* y /*[m_total, n]*/,
-                           const int64_t* rows_per_expert /*[E] host*/, int64_t num_experts, int64_t m_total, int64_t n,
-                           int64_t k, void* workspace, cudaStream_t stream);
+                           const int64_t* padded_tokens_per_expert /*[E] host*/, int64_t num_experts, int64_t m_total,
+                           int64_t n, int64_t k, void* workspace, cudaStream_t stream);
 // The inner dimension of each expert's GEMM is its row count r_e (a multiple of 16, not necessarily of
 // 128: the last 1x128 block is partial). If cuBLASLt refuses such a shape it throws CudaError saying so.
 void fp8_grouped_wgrad_cuda(const uint8_t* dy_t /*[n, m_total] e4m3*/, const float* dy_t_scale_inv /*[num_blocks, n]*/,
                             const uint8_t* x_t /*[k, m_total] e4m3*/, const float* x_t_scale_inv /*[num_blocks, k]*/,
-                            float* dw /*[E, n, k]*/, const int64_t* rows_per_expert /*[E] host*/, int64_t num_experts,
-                            int64_t m_total, int64_t n, int64_t k, bool accumulate, cudaStream_t stream);
+                            float* dw /*[E, n, k]*/, const int64_t* padded_tokens_per_expert /*[E] host*/,
+                            int64_t num_experts, int64_t m_total, int64_t n, int64_t k, bool accumulate,
+                            cudaStream_t stream);
 
 }  // namespace flowmoe

@@ -18,24 +18,24 @@ namespace flowmoe {
 
 // Throws ShapeError unless every count is >= 0 and they sum to at most m_total (naming the values).
 // Returns the sum.
-int64_t check_grouped_rows(const int64_t* rows_per_expert /*[E] host*/, int64_t num_experts, int64_t m_total,
+int64_t check_grouped_rows(const int64_t* padded_tokens_per_expert /*[E] host*/, int64_t num_experts, int64_t m_total,
                            const char* what);
 
 // ---- CPU reference ----------------------------------------------------------------------------
 
 template <class T>
 void grouped_linear_forward_cpu(const T* x /*[m_total,k]*/, const T* w /*[E,n,k]*/, T* y /*[m_total,n]*/,
-                                const int64_t* rows_per_expert /*[E]*/, int64_t num_experts, int64_t m_total,
+                                const int64_t* padded_tokens_per_expert /*[E]*/, int64_t num_experts, int64_t m_total,
                                 int64_t n, int64_t k);
 template <class T>
 void grouped_linear_dgrad_cpu(const T* dy /*[m_total,n]*/, const T* w /*[E,n,k]*/, T* dx /*[m_total,k]*/,
-                              const int64_t* rows_per_expert /*[E]*/, int64_t num_experts, int64_t m_total,
+                              const int64_t* padded_tokens_per_expert /*[E]*/, int64_t num_experts, int64_t m_total,
                               int64_t n, int64_t k);
 // accumulate: dw += (instead of =) the per-expert products; an expert with no rows then keeps dw[e].
 template <class T>
 void grouped_linear_wgrad_cpu(const T* x /*[m_total,k]*/, const T* dy /*[m_total,n]*/, T* dw /*[E,n,k]*/,
-                              const int64_t* rows_per_expert /*[E]*/, int64_t num_experts, int64_t n, int64_t k,
-                              bool accumulate);
+                              const int64_t* padded_tokens_per_expert /*[E]*/, int64_t num_experts, int64_t n,
+                              int64_t k, bool accumulate);
 
 // ---- CUDA launchers ---------------------------------------------------------------------------
 // One gemm_cuda (cuBLASLt, fp32 compute) per expert with rows, in expert order on `stream`, no host
@@ -51,15 +51,15 @@ void set_grouped_linear_streams(int num_streams);
 int grouped_linear_streams();
 
 void grouped_linear_forward_cuda(DType dtype, const void* x /*[m_total,k]*/, const void* w /*[E,n,k]*/,
-                                 void* y /*[m_total,n]*/, const int64_t* rows_per_expert /*[E] host*/,
+                                 void* y /*[m_total,n]*/, const int64_t* padded_tokens_per_expert /*[E] host*/,
                                  int64_t num_experts, int64_t m_total, int64_t n, int64_t k, cudaStream_t stream);
 void grouped_linear_dgrad_cuda(DType dtype, const void* dy /*[m_total,n]*/, const void* w /*[E,n,k]*/,
-                               void* dx /*[m_total,k]*/, const int64_t* rows_per_expert /*[E] host*/,
+                               void* dx /*[m_total,k]*/, const int64_t* padded_tokens_per_expert /*[E] host*/,
                                int64_t num_experts, int64_t m_total, int64_t n, int64_t k, cudaStream_t stream);
 // dw is always fp32 (bf16 operands, fp32 output): with accumulate it adds into an existing fp32 main
 // grad (cuBLASLt beta = 1), otherwise it overwrites (and zero-fills the experts with no rows).
 void grouped_linear_wgrad_cuda(DType dtype, const void* x /*[m_total,k]*/, const void* dy /*[m_total,n]*/,
-                               float* dw /*[E,n,k]*/, const int64_t* rows_per_expert /*[E] host*/,
+                               float* dw /*[E,n,k]*/, const int64_t* padded_tokens_per_expert /*[E] host*/,
                                int64_t num_experts, int64_t m_total, int64_t n, int64_t k, bool accumulate,
                                cudaStream_t stream);
 

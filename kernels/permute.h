@@ -20,7 +20,7 @@ namespace flowmoe {
 
 struct RoutingDims {
   int64_t num_tokens = 0;     // T
-  int topk = 0;               // k
+  int top_k = 0;              // k
   int num_experts = 0;        // E: every id in topk_idx must lie in [0, E)
   int expert_offset = 0;      // first expert this rank owns
   int num_local_experts = 0;  // L
@@ -29,7 +29,7 @@ struct RoutingDims {
 };
 
 // T*k + min(L, T*k)*(align_size-1): no expert segment can need more (an expert with no token has 0 rows).
-int64_t permute_worst_case_rows(int64_t num_tokens, int topk, int num_local_experts, int align_size);
+int64_t permute_worst_case_rows(int64_t num_tokens, int top_k, int num_local_experts, int align_size);
 // Throws (naming the bad value) unless the dims are consistent and every row index fits in int32.
 void check_routing_dims(const RoutingDims& d);
 
@@ -51,7 +51,7 @@ void permute_probs_cpu(const RoutingDims& d, const int32_t* row_map /*[T,k]*/, c
 // Backward: d_x[t] = sum over routed j (ascending) of d_rows[row_map[t,j]]; d_topk_prob[t,j] =
 // d_probs[row_map[t,j]], 0 where not routed. Either output may be null (not wanted).
 template <class T>
-void permute_backward_cpu(const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int topk, int64_t hidden,
+void permute_backward_cpu(const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int top_k, int64_t hidden,
                           const T* d_rows /*[num_rows, hidden]*/, const T* d_probs /*[num_rows]*/,
                           T* d_x /*[T, hidden]*/, T* d_topk_prob /*[T,k]*/);
 
@@ -99,11 +99,10 @@ void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream
                        PermuteRowKernel row_kernel = PermuteRowKernel::automatic);
 
 // Backward of permute_pad: dtype (of d_rows and d_x) f32 or bf16, fp32 accumulation, j ascending
-// (d_x is unpermute_cuda's gather with weights 1), topk at most 512. d_x and d_rows may be null
+// (d_x is unpermute_cuda's gather with weights 1), top_k at most 512. d_x and d_rows may be null
 // together; d_topk_prob and d_probs (f32) likewise.
-void permute_backward_cuda(DType dtype, const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int topk,
-                           int64_t hidden, const void* d_rows /*[num_rows, hidden]*/,
-                           const float* d_probs /*[num_rows]*/, void* d_x /*[T, hidden]*/,
-                           float* d_topk_prob /*[T,k]*/, cudaStream_t stream);
+void permute_backward_cuda(DType dtype, const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int top_k, int64_t hidden,
+                           const void* d_rows /*[num_rows, hidden]*/, const float* d_probs /*[num_rows]*/,
+                           void* d_x /*[T, hidden]*/, float* d_topk_prob /*[T,k]*/, cudaStream_t stream);
 
 }  // namespace flowmoe

@@ -17,24 +17,23 @@ namespace flowmoe {
 // ---- CPU reference (T = float or double; prob has the rows' type) -------------------------------
 
 template <class T>
-void unpermute_cpu(const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int topk, int64_t hidden,
+void unpermute_cpu(const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int top_k, int64_t hidden,
                    const T* rows /*[num_rows, hidden]*/, const T* topk_prob /*[T,k]*/, T* y /*[T, hidden]*/);
 // Either output may be null (not wanted); rows is only read for d_topk_prob.
 template <class T>
-void unpermute_backward_cpu(const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int topk, int64_t hidden,
+void unpermute_backward_cpu(const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int top_k, int64_t hidden,
                             int64_t num_rows, const T* rows /*[num_rows, hidden]*/, const T* topk_prob /*[T,k]*/,
-                            const T* dy /*[T, hidden]*/, T* d_rows /*[num_rows, hidden]*/,
-                            T* d_topk_prob /*[T,k]*/);
+                            const T* dy /*[T, hidden]*/, T* d_rows /*[num_rows, hidden]*/, T* d_topk_prob /*[T,k]*/);
 
 // ---- CUDA: dtype (rows, y, dy, d_rows) f32 or bf16; probs f32; fp32 math ------------------------
 
-// Largest topk the CUDA kernels take: shared memory holds [groups, k] rows and probs and [8 warps, k]
+// Largest top_k the CUDA kernels take: shared memory holds [groups, k] rows and probs and [8 warps, k]
 // partials. permute's CUDA path takes the same bound, since its backward runs unpermute_cuda.
 constexpr int kUnpermuteMaxTopk = 512;
 
-void unpermute_cuda(DType dtype, const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int topk, int64_t hidden,
-                    const void* rows /*[num_rows, hidden]*/, const float* topk_prob /*[T,k]*/,
-                    void* y /*[T, hidden]*/, cudaStream_t stream);
+void unpermute_cuda(DType dtype, const int32_t* row_map /*[T,k]*/, int64_t num_tokens, int top_k, int64_t hidden,
+                    const void* rows /*[num_rows, hidden]*/, const float* topk_prob /*[T,k]*/, void* y /*[T, hidden]*/,
+                    cudaStream_t stream);
 
 struct UnpermuteBackwardArgs {  // device pointers and dims of one unpermute_backward_cuda call
   const int32_t* row_map = nullptr;            // [T,k]
@@ -46,7 +45,7 @@ struct UnpermuteBackwardArgs {  // device pointers and dims of one unpermute_bac
   void* d_rows = nullptr;                      // [num_rows, hidden], or null: not wanted
   float* d_topk_prob = nullptr;                // [T,k], or null: not wanted
   int64_t num_tokens = 0, hidden = 0, num_rows = 0;
-  int topk = 0, num_local_experts = 0, align_size = 16;
+  int top_k = 0, num_local_experts = 0, align_size = 16;
 };
 // One launch: token groups scatter prob*dy and reduce the dot products; the other groups zero the
 // pad and tail rows of d_rows (nothing is memset first).

@@ -113,10 +113,10 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
                                 int(num_experts_), options_.align_size, d.expert_offset, d.num_local_experts,
                                 permuted_rows(d.tokens.size(0)));
   // THE host synchronisation of this layer: fc1 and fc2 need each expert's M on the host.
-  std::vector<int64_t> counts = read_counts_once(p.padded_tokens_per_expert);
+  std::vector<int64_t> padded_tokens_per_expert = read_counts_once(p.padded_tokens_per_expert);
 
   // 5. The experts: fc1 → SwiGLU (+ quantize) → fc2.
-  Variable out_rows = experts(p.rows, p.probs, counts);
+  Variable out_rows = experts(p.rows, p.probs, padded_tokens_per_expert);
 
   // 6. Unpermute + unpad: each token sums its k expert rows (× prob unless SwiGLU applied it).
   Variable y = unpermute_unpad(out_rows, p, flow_.probs_in_experts ? Variable() : d.topk_prob);  // [T, H]
@@ -141,23 +141,25 @@ RouterOutput MoeLayer::route_tokens(const Variable& x2, const Shape& in_shape) c
 
 // fc1 → SwiGLU → fc2 over the permuted rows. fc1 and SwiGLU (the part recompute re-runs) go through
 // one function so the recomputed and the original forward are the same code.
-Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const std::vector<int64_t>& counts) const {
+Variable MoeLayer::experts(const Variable& rows, const Variable& probs,
+                           const std::vector<int64_t>& padded_tokens_per_expert) const {
   const MoeFlow flow = flow_;
   const QuantizedWeight* w1q = flow.fp8_experts ? &quantized(fc1_, fc1_cache_) : nullptr;
-  auto fc1_swiglu = [this, flow, w1q, counts](const std::vector<Variable>& in) -> std::vector<Variable> {
-    if (!flow.fp8_experts) return {swiglu(grouped_linear(in[0], fc1_, counts))};
+  auto fc1_swiglu = [this, flow, w1q,
+                     padded_tokens_per_expert](const std::vector<Variable>& in) -> std::vector<Variable> {
+    if (!flow.fp8_experts) return {swiglu(grouped_linear(in[0], fc1_, padded_tokens_per_expert))};
     // fp8_flow: the rows arrive FP8, and SwiGLU applies the probs and emits FP8 for fc2 in one kernel.
     // fp8_blockwise: each GEMM quantizes its own input.
     Variable xq = flow.quantize_once ? in[0] : quantize_rowwise(in[0], "fc1.fprop: x");
-    Variable h = fp8_grouped_linear(xq, fc1_, *w1q, counts, flow.wgrad, "fc1");
+    Variable h = fp8_grouped_linear(xq, fc1_, *w1q, padded_tokens_per_expert, flow.wgrad, "fc1");
     if (flow.quantize_once) return {swiglu_quant(h, in[1], /*quantize_grad=*/true)};
     return {quantize_rowwise(swiglu(h), "fc2.fprop: x")};
   };
   std::vector<Variable> in = {rows};
   if (flow.probs_in_experts) in.push_back(probs);
   Variable a = options_.recompute_expert ? checkpoint(fc1_swiglu, in)[0] : fc1_swiglu(in)[0];
-  if (!flow.fp8_experts) return grouped_linear(a, fc2_, counts);
-  return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), counts, flow.wgrad, "fc2");
+  if (!flow.fp8_experts) return grouped_linear(a, fc2_, padded_tokens_per_expert);
+  return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), padded_tokens_per_expert, flow.wgrad, "fc2");
 }
 
 const QuantizedWeight& MoeLayer::quantized(const Variable& w, WeightCache& cache) const {

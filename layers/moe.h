@@ -75,7 +75,8 @@ class MoeLayer {
     uint64_t version = 0;
   };
   RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
-  Variable experts(const Variable& rows, const Variable& probs, const std::vector<int64_t>& counts) const;
+  Variable experts(const Variable& rows, const Variable& probs,
+                   const std::vector<int64_t>& padded_tokens_per_expert /*[L] host*/) const;
   const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   int64_t permuted_rows(int64_t num_tokens) const;
 

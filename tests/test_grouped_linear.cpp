@@ -157,14 +157,14 @@ TEST(GroupedLinearCpu, OnPermutePadBuffer) {
   Rng rng(test_seed());
   std::mt19937_64 gen(test_seed());
   const int64_t num_tokens = 37, hidden = 12, n = 10;
-  const int topk = 3, num_experts = 6, align = 16;
+  const int top_k = 3, num_experts = 6, align = 16;
   std::vector<int64_t> idx;
   for (int64_t t = 0; t < num_tokens; ++t) {
     std::vector<int> pool = {0, 1, 2, 3, 5};  // expert 4 gets no token
     std::shuffle(pool.begin(), pool.end(), gen);
-    for (int j = 0; j < topk; ++j) idx.push_back(pool[size_t(j)]);
+    for (int j = 0; j < top_k; ++j) idx.push_back(pool[size_t(j)]);
   }
-  Tensor topk_idx = Tensor::from_ints(idx, {num_tokens, topk});
+  Tensor topk_idx = Tensor::from_ints(idx, {num_tokens, top_k});
   Tensor x = random_tensor(rng, {num_tokens, hidden}), w = random_tensor(rng, {num_experts, n, hidden});
   PermuteResult p = permute_pad(Variable(x), topk_idx, Variable(), num_experts, align);  // worst-case rows: a tail
   const uint64_t syncs_before = num_host_syncs();
@@ -179,8 +179,8 @@ TEST(GroupedLinearCpu, OnPermutePadBuffer) {
   for (int e = 0; e < num_experts; ++e) EXPECT_EQ(seg[size_t(e) + 1] - seg[size_t(e)], rows[size_t(e)]) << e;
   std::vector<bool> routed(size_t(y.size(0)), false);
   for (int64_t t = 0; t < num_tokens; ++t)
-    for (int j = 0; j < topk; ++j) {
-      int64_t e = idx[size_t(t * topk + j)], row = row_map[size_t(t * topk + j)];
+    for (int j = 0; j < top_k; ++j) {
+      int64_t e = idx[size_t(t * top_k + j)], row = row_map[size_t(t * top_k + j)];
       routed[size_t(row)] = true;
       Tensor want = linear(Variable(x.slice(0, t, t + 1)), Variable(w.slice(0, e, e + 1).reshape({n, hidden}))).data();
       EXPECT_TRUE(all_close(y.slice(0, row, row + 1), want, 1e-5, 1e-5)) << "token " << t << " slot " << j;

@@ -63,7 +63,7 @@ RefRouting reference_routing(const Tensor& topk_idx, int expert_offset, int num_
 // Checks every output of a permute of token_payload(T,H) against the reference, naming wrong rows.
 ::testing::AssertionResult matches_reference(const PermuteResult& p, const Tensor& topk_idx, const Tensor& prob,
                                              int expert_offset, int num_local, int align, int64_t hidden) {
-  const int64_t num_rows = p.rows.size(0), topk = topk_idx.size(1);
+  const int64_t num_rows = p.rows.size(0), top_k = topk_idx.size(1);
   RefRouting ref = reference_routing(topk_idx, expert_offset, num_local, align, num_rows);
   for (auto r : {ints_equal(p.row_map, ref.row_map, "row_map"), ints_equal(p.tokens_per_expert, ref.tokens, "tokens"),
                  ints_equal(p.padded_tokens_per_expert, ref.padded, "padded"),
@@ -73,7 +73,7 @@ RefRouting reference_routing(const Tensor& topk_idx, int expert_offset, int num_
     return ::testing::AssertionFailure() << "buffer of " << num_rows << " rows for " << ref.seg.back() << " padded";
   std::vector<float> rows = p.rows.data().to_floats(), probs = p.probs.data().to_floats(), pr = prob.to_floats();
   for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t entry = ref.src_entry[size_t(r)], want_token = entry >= 0 ? entry / topk : -1;
+    const int64_t entry = ref.src_entry[size_t(r)], want_token = entry >= 0 ? entry / top_k : -1;
     for (int64_t h = 0; h < hidden; ++h) {
       const float got = rows[size_t(r * hidden + h)];
       const float want = entry >= 0 ? float(want_token * 1024 + h % 1024) : 0.f;
@@ -92,18 +92,18 @@ RefRouting reference_routing(const Tensor& topk_idx, int expert_offset, int num_
 
 struct Case {
   int64_t num_tokens;
-  int topk, num_experts, expert_offset, num_local, align;
+  int top_k, num_experts, expert_offset, num_local, align;
   int64_t hidden;
 };
 
 void run_reference_case(std::mt19937_64& gen, Rng& rng, const Case& c, std::vector<int> allowed = {}) {
-  SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.topk << " E " << c.num_experts << " local ["
+  SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.top_k << " E " << c.num_experts << " local ["
                                     << c.expert_offset << ", +" << c.num_local << ") align " << c.align << " H "
                                     << c.hidden);
-  Tensor idx = random_topk(gen, c.num_tokens, c.topk, c.num_experts, allowed);
-  Tensor x = token_payload(c.num_tokens, c.hidden), prob = random_tensor(rng, {c.num_tokens, c.topk});
+  Tensor idx = random_topk(gen, c.num_tokens, c.top_k, c.num_experts, allowed);
+  Tensor x = token_payload(c.num_tokens, c.hidden), prob = random_tensor(rng, {c.num_tokens, c.top_k});
   PermuteResult p = permute_pad(Variable(x), idx, Variable(prob), c.num_experts, c.align, c.expert_offset, c.num_local);
-  EXPECT_EQ(p.rows.size(0), permute_worst_case_rows(c.num_tokens, c.topk, c.num_local, c.align));
+  EXPECT_EQ(p.rows.size(0), permute_worst_case_rows(c.num_tokens, c.top_k, c.num_local, c.align));
   EXPECT_TRUE(matches_reference(p, idx, prob, c.expert_offset, c.num_local, c.align, c.hidden));
 }
 
@@ -205,9 +205,9 @@ TEST(Permute, BackwardMatchesLoop) {
   std::mt19937_64 gen(test_seed());
   Rng rng(test_seed());
   const int64_t num_tokens = 29, hidden = 6;
-  const int topk = 3, num_experts = 7;
-  Tensor idx = random_topk(gen, num_tokens, topk, num_experts, {0, 1, 2, 4, 5, 6});
-  Variable x(random_tensor(rng, {num_tokens, hidden}), true), prob(random_tensor(rng, {num_tokens, topk}), true);
+  const int top_k = 3, num_experts = 7;
+  Tensor idx = random_topk(gen, num_tokens, top_k, num_experts, {0, 1, 2, 4, 5, 6});
+  Variable x(random_tensor(rng, {num_tokens, hidden}), true), prob(random_tensor(rng, {num_tokens, top_k}), true);
   PermuteResult p = permute_pad(x, idx, prob, num_experts, 16, 2, 4);  // experts [2, 6): some slots go elsewhere
   Tensor d_rows = random_tensor(rng, p.rows.shape()), d_probs = random_tensor(rng, p.probs.shape());
   backward({p.rows, p.probs}, {d_rows, d_probs});
@@ -216,14 +216,15 @@ TEST(Permute, BackwardMatchesLoop) {
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t h = 0; h < hidden; ++h) {
       float s = 0;
-      for (int j = 0; j < topk; ++j)
-        if (rm[size_t(t * topk + j)] >= 0) s += dr[size_t(rm[size_t(t * topk + j)] * hidden + h)];
+      for (int j = 0; j < top_k; ++j)
+        if (rm[size_t(t * top_k + j)] >= 0) s += dr[size_t(rm[size_t(t * top_k + j)] * hidden + h)];
       want_x.push_back(s);
     }
-    for (int j = 0; j < topk; ++j) want_p.push_back(rm[size_t(t * topk + j)] >= 0 ? dp[size_t(rm[size_t(t * topk + j)])] : 0.f);
+    for (int j = 0; j < top_k; ++j)
+      want_p.push_back(rm[size_t(t * top_k + j)] >= 0 ? dp[size_t(rm[size_t(t * top_k + j)])] : 0.f);
   }
   EXPECT_TRUE(bit_equal(x.grad(), Tensor::from_floats(want_x, {num_tokens, hidden})));
-  EXPECT_TRUE(bit_equal(prob.grad(), Tensor::from_floats(want_p, {num_tokens, topk})));
+  EXPECT_TRUE(bit_equal(prob.grad(), Tensor::from_floats(want_p, {num_tokens, top_k})));
 }
 
 TEST(Permute, Gradcheck) {
@@ -250,7 +251,7 @@ void poison_device_block(const Shape& shape, DType dtype) {
 
 struct CudaCase {
   int64_t num_tokens;
-  int topk, num_experts, expert_offset, num_local, align;
+  int top_k, num_experts, expert_offset, num_local, align;
   int64_t hidden;
   DType dtype;
   int64_t side_cols;
@@ -324,10 +325,11 @@ TEST(PermuteCuda, BitIdenticalToCpu) {
       {76800, 8, 4096, 0, 4096, 16, 8, DType::f32, 1},
   };
   for (const CudaCase& c : cases) {
-    SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.topk << " E " << c.num_experts
-                                      << " align " << c.align << " H " << c.hidden << " " << dtype_name(c.dtype));
-    Tensor idx = random_topk(gen, c.num_tokens, c.topk, c.num_experts);
-    Tensor x = random_tensor(rng, {c.num_tokens, c.hidden}).to(c.dtype), prob = random_tensor(rng, {c.num_tokens, c.topk});
+    SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.top_k << " E " << c.num_experts << " align "
+                                      << c.align << " H " << c.hidden << " " << dtype_name(c.dtype));
+    Tensor idx = random_topk(gen, c.num_tokens, c.top_k, c.num_experts);
+    Tensor x = random_tensor(rng, {c.num_tokens, c.hidden}).to(c.dtype),
+           prob = random_tensor(rng, {c.num_tokens, c.top_k});
     Tensor side = c.side_cols ? random_tensor(rng, {c.num_tokens, c.side_cols}) : Tensor();
     PermuteResult cpu = permute_pad(Variable(x), idx, Variable(prob), c.num_experts, c.align, c.expert_offset,
                                     c.num_local, -1, side, 0.5);
@@ -421,11 +423,12 @@ TEST(PermuteCuda, RowKernelsBitIdentical) {
   };
   for (const RowCase& rc : cases) {
     const CudaCase& c = rc.c;
-    SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.topk << " E " << c.num_experts
-                                      << " local [" << c.expert_offset << ", +" << c.num_local << ") align "
-                                      << c.align << " H " << c.hidden << " " << dtype_name(c.dtype));
-    Tensor idx = random_topk(gen, c.num_tokens, c.topk, c.num_experts, rc.allowed);
-    Tensor x = random_tensor(rng, {c.num_tokens, c.hidden}).to(c.dtype), prob = random_tensor(rng, {c.num_tokens, c.topk});
+    SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.top_k << " E " << c.num_experts
+                                      << " local [" << c.expert_offset << ", +" << c.num_local << ") align " << c.align
+                                      << " H " << c.hidden << " " << dtype_name(c.dtype));
+    Tensor idx = random_topk(gen, c.num_tokens, c.top_k, c.num_experts, rc.allowed);
+    Tensor x = random_tensor(rng, {c.num_tokens, c.hidden}).to(c.dtype),
+           prob = random_tensor(rng, {c.num_tokens, c.top_k});
     Tensor side = c.side_cols ? random_tensor(rng, {c.num_tokens, c.side_cols}) : Tensor();
     PermuteResult cpu = permute_pad(Variable(x), idx, Variable(prob), c.num_experts, c.align, c.expert_offset,
                                     c.num_local, -1, side, 0.5);

@@ -34,15 +34,15 @@ Tensor rows_with_nan_pads(Rng& rng, const PermuteResult& p, int64_t hidden, DTyp
 
 // y[t] = sum_j prob[t,j] * rows[row_map[t,j]], in double.
 Tensor reference_unpermute(const Tensor& rows, const Tensor& row_map, const Tensor& prob) {
-  const int64_t num_tokens = row_map.size(0), topk = row_map.size(1), hidden = rows.size(1);
+  const int64_t num_tokens = row_map.size(0), top_k = row_map.size(1), hidden = rows.size(1);
   std::vector<double> r = rows.to_doubles(), p = prob.defined() ? prob.to_doubles() : std::vector<double>(),
                       y(size_t(num_tokens * hidden), 0.0);
   std::vector<int64_t> rm = row_map.to_ints();
   for (int64_t t = 0; t < num_tokens; ++t)
-    for (int64_t j = 0; j < topk; ++j) {
-      const int64_t row = rm[size_t(t * topk + j)];
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int64_t row = rm[size_t(t * top_k + j)];
       if (row < 0) continue;
-      const double w = prob.defined() ? p[size_t(t * topk + j)] : 1.0;
+      const double w = prob.defined() ? p[size_t(t * top_k + j)] : 1.0;
       for (int64_t h = 0; h < hidden; ++h) y[size_t(t * hidden + h)] += w * r[size_t(row * hidden + h)];
     }
   return Tensor::from_doubles(y, {num_tokens, hidden});
@@ -50,7 +50,7 @@ Tensor reference_unpermute(const Tensor& rows, const Tensor& row_map, const Tens
 
 struct Case {
   int64_t num_tokens;
-  int topk, num_experts, expert_offset, num_local, align;
+  int top_k, num_experts, expert_offset, num_local, align;
   int64_t hidden;
 };
 
@@ -62,11 +62,11 @@ TEST(Unpermute, MatchesLoopAndNeverReadsPads) {
   for (Case c : {Case{37, 2, 5, 0, 5, 16, 24}, Case{100, 4, 8, 0, 8, 32, 130}, Case{64, 8, 16, 0, 16, 128, 64},
                  Case{90, 4, 12, 4, 4, 16, 8}, Case{0, 2, 4, 0, 4, 16, 8}, Case{77, 1, 8, 0, 8, 16, 16},
                  Case{13, 3, 5, 0, 5, 16, 200}}) {
-    SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.topk << " align " << c.align << " H "
+    SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.top_k << " align " << c.align << " H "
                                       << c.hidden);
-    Tensor idx = random_topk(gen, c.num_tokens, c.topk, c.num_experts);
+    Tensor idx = random_topk(gen, c.num_tokens, c.top_k, c.num_experts);
     PermuteResult p = route(idx, c.num_experts, c.align, c.expert_offset, c.num_local);
-    Tensor rows = rows_with_nan_pads(rng, p, c.hidden, DType::f32), prob = random_tensor(rng, {c.num_tokens, c.topk});
+    Tensor rows = rows_with_nan_pads(rng, p, c.hidden, DType::f32), prob = random_tensor(rng, {c.num_tokens, c.top_k});
     Variable y = unpermute_unpad(Variable(rows), p, Variable(prob));
     EXPECT_TRUE(all_close(y.data(), reference_unpermute(rows, p.row_map, prob), 1e-5, 1e-6));
     Variable y1 = unpermute_unpad(Variable(rows), p, Variable());  // no probs: weights 1
@@ -97,9 +97,9 @@ TEST(Unpermute, EdgeCases) {
                         Edge{{300, 1, 4, 0, 4, 32, 8}, {3}},             // all tokens on one expert
                         Edge{{20, 2, 12, 0, 4, 16, 8}, {5, 6, 7, 8}}}) {  // nothing routed here: y = 0
     const Case& c = e.c;
-    Tensor idx = random_topk(gen, c.num_tokens, c.topk, c.num_experts, e.allowed);
+    Tensor idx = random_topk(gen, c.num_tokens, c.top_k, c.num_experts, e.allowed);
     PermuteResult p = route(idx, c.num_experts, c.align, c.expert_offset, c.num_local);
-    Tensor rows = rows_with_nan_pads(rng, p, c.hidden, DType::f32), prob = random_tensor(rng, {c.num_tokens, c.topk});
+    Tensor rows = rows_with_nan_pads(rng, p, c.hidden, DType::f32), prob = random_tensor(rng, {c.num_tokens, c.top_k});
     EXPECT_TRUE(all_close(unpermute_unpad(Variable(rows), p, Variable(prob)).data(),
                           reference_unpermute(rows, p.row_map, prob), 1e-5, 1e-6));
   }
@@ -179,14 +179,14 @@ TEST(UnpermuteCuda, MatchesCpu) {
                  Case{5000, 1, 3, 0, 3, 64, 33}, Case{1000, 6, 64, 16, 16, 128, 7}, Case{2048, 8, 64, 0, 64, 128, 384},
                  Case{512, 8, 32, 0, 32, 16, 2048}, Case{64, 4, 8, 0, 8, 16, 4100}}) {
     for (DType dt : {DType::f32, DType::bf16}) {
-      SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.topk << " align " << c.align << " H "
+      SCOPED_TRACE(::testing::Message() << "T " << c.num_tokens << " k " << c.top_k << " align " << c.align << " H "
                                         << c.hidden << " " << dtype_name(dt));
-      Tensor idx = random_topk(gen, c.num_tokens, c.topk, c.num_experts);
+      Tensor idx = random_topk(gen, c.num_tokens, c.top_k, c.num_experts);
       PermuteResult p = route(idx, c.num_experts, c.align, c.expert_offset, c.num_local);
       PermuteResult gp = route(idx, c.num_experts, c.align, c.expert_offset, c.num_local, Device::cuda());
       // Values representable in dt, so the CPU (f32) sees exactly what the GPU reads.
       Tensor rows = rows_with_nan_pads(rng, p, c.hidden, DType::f32).to(dt).to(DType::f32);
-      Tensor prob = random_tensor(rng, {c.num_tokens, c.topk});
+      Tensor prob = random_tensor(rng, {c.num_tokens, c.top_k});
       Tensor dy = random_tensor(rng, {c.num_tokens, c.hidden}).to(dt).to(DType::f32);
 
       Variable cr(rows, true), cp(prob, true);

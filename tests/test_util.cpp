@@ -119,7 +119,7 @@ double rel_error(const Tensor& got, const Tensor& ref) {
   return ::testing::AssertionSuccess();
 }
 
-Tensor random_topk(std::mt19937_64& gen, int64_t num_tokens, int topk, int num_experts, std::vector<int> allowed) {
+Tensor random_topk(std::mt19937_64& gen, int64_t num_tokens, int top_k, int num_experts, std::vector<int> allowed) {
   if (allowed.empty()) {
     allowed.resize(size_t(num_experts));
     std::iota(allowed.begin(), allowed.end(), 0);
@@ -127,13 +127,13 @@ Tensor random_topk(std::mt19937_64& gen, int64_t num_tokens, int topk, int num_e
   std::vector<int64_t> idx;
   for (int64_t t = 0; t < num_tokens; ++t) {
     std::vector<int> pool = allowed;
-    for (int j = 0; j < topk; ++j) {  // partial Fisher-Yates: distinct experts per token
+    for (int j = 0; j < top_k; ++j) {  // partial Fisher-Yates: distinct experts per token
       std::uniform_int_distribution<size_t> pick(size_t(j), pool.size() - 1);
       std::swap(pool[size_t(j)], pool[pick(gen)]);
       idx.push_back(pool[size_t(j)]);
     }
   }
-  return Tensor::from_ints(idx, {num_tokens, topk});
+  return Tensor::from_ints(idx, {num_tokens, top_k});
 }
 
 }  // namespace flowmoe::test

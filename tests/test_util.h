@@ -68,6 +68,6 @@ template <class E, class F>
 }
 
 // topk_idx [T,k] i32: each token picks k distinct experts from `allowed` (all of [0, E) when empty).
-Tensor random_topk(std::mt19937_64& gen, int64_t num_tokens, int topk, int num_experts, std::vector<int> allowed = {});
+Tensor random_topk(std::mt19937_64& gen, int64_t num_tokens, int top_k, int num_experts, std::vector<int> allowed = {});
 
 }  // namespace flowmoe::test

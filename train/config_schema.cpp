@@ -19,7 +19,7 @@ namespace {
 
 const double kInf = INFINITY;
 
-#define FM_REF(member) [](Config& c) -> FieldRef { return &c.member; }
+#define FLOWMOE_CONFIG_REF(member) [](Config& c) -> FieldRef { return &c.member; }
 
 Field integer(const char* s, const char* k, std::function<FieldRef(Config&)> r, double lo, double hi, const char* doc) {
   return Field{s, k, Kind::integer, lo, hi, false, false, {}, doc, std::move(r)};
@@ -94,79 +94,160 @@ const std::vector<Field>& schema() {
   static const std::vector<Field> fields = [] {
     std::vector<Field> f;
     // model: Hugging Face DeepSeek-V3 names
-    f.push_back(integer("model", "vocab_size", FM_REF(model.vocab_size), 2, 65536, "tokens in the vocabulary (token files hold uint16)"));
-    f.push_back(integer("model", "hidden_size", FM_REF(model.hidden_size), 1, 65536, "width of the residual stream"));
-    f.push_back(integer("model", "num_hidden_layers", FM_REF(model.num_hidden_layers), 1, 1024, "transformer blocks"));
-    f.push_back(integer("model", "num_attention_heads", FM_REF(model.num_attention_heads), 1, 1024, "attention heads; must divide hidden_size, head size even (RoPE)"));
-    f.push_back(integer("model", "intermediate_size", FM_REF(model.intermediate_size), 1, 1 << 20, "width of the dense SwiGLU MLP"));
-    f.push_back(integer("model", "max_position_embeddings", FM_REF(model.max_position_embeddings), 1, 1 << 20, "longest sequence; data.seq_len must not exceed it"));
-    f.push_back(number("model", "rms_norm_eps", FM_REF(model.rms_norm_eps), 0, true, 1, true, "RMSNorm epsilon"));
-    f.push_back(number("model", "rope_theta", FM_REF(model.rope_theta), 0, true, kInf, false, "RoPE base"));
-    f.push_back(boolean("model", "tie_word_embeddings", FM_REF(model.tie_word_embeddings), "the LM head reuses the token embedding"));
-    f.push_back(number("model", "initializer_range", FM_REF(model.initializer_range), 0, true, 1, false, "std of the normal weight init"));
-    f.push_back(integer("model", "n_routed_experts", FM_REF(model.n_routed_experts), 0, 4096, "routed experts per MoE layer; 0 = dense model"));
-    f.push_back(integer("model", "n_shared_experts", FM_REF(model.n_shared_experts), 0, 64, "shared experts per MoE layer"));
-    f.push_back(integer("model", "num_experts_per_tok", FM_REF(model.num_experts_per_tok), 1, 256, "routed experts per token (top-k)"));
-    f.push_back(integer("model", "moe_intermediate_size", FM_REF(model.moe_intermediate_size), 1, 1 << 20, "width of each expert's SwiGLU MLP"));
-    f.push_back(integer("model", "first_k_dense_replace", FM_REF(model.first_k_dense_replace), 0, 1024, "the first k blocks keep a dense MLP"));
-    f.push_back(integer("model", "n_group", FM_REF(model.n_group), 1, 4096, "expert groups for group-limited routing"));
-    f.push_back(integer("model", "topk_group", FM_REF(model.topk_group), 1, 4096, "groups a token may route to"));
-    f.push_back(choice("model", "scoring_func", FM_REF(model.scoring_func), {"sigmoid", "softmax"}, "router score function"));
-    f.push_back(boolean("model", "norm_topk_prob", FM_REF(model.norm_topk_prob), "normalise the top-k probabilities"));
-    f.push_back(number("model", "routed_scaling_factor", FM_REF(model.routed_scaling_factor), 0, true, kInf, false, "scale of the routed experts' output"));
-    f.push_back(number("model", "aux_loss_alpha", FM_REF(model.aux_loss_alpha), 0, false, kInf, false, "weight of the sequence-wise balance loss"));
-    f.push_back(number("model", "bias_update_rate", FM_REF(model.bias_update_rate), 0, false, kInf, false, "aux-loss-free balancing: expert_bias step"));
-    f.push_back(choice("model", "bias_update_schedule", FM_REF(model.bias_update_schedule), {"constant", "lr"}, "constant: every step moves expert_bias by bias_update_rate (DeepSeek-V3); lr: by bias_update_rate * lr(step) / optimizer.lr, so the bias step follows the learning-rate schedule"));
-    f.push_back(choice("model", "bias_update_rule", FM_REF(model.bias_update_rule), {"sign", "proportional"}, "sign: each step moves expert_bias by the bias step toward the mean load (DeepSeek-V3); proportional: by the bias step * (mean - load) / mean, so near-balanced experts barely move and overloaded ones move more"));
+    f.push_back(integer("model", "vocab_size", FLOWMOE_CONFIG_REF(model.vocab_size), 2, 65536,
+                        "tokens in the vocabulary (token files hold uint16)"));
+    f.push_back(integer("model", "hidden_size", FLOWMOE_CONFIG_REF(model.hidden_size), 1, 65536,
+                        "width of the residual stream"));
+    f.push_back(integer("model", "num_hidden_layers", FLOWMOE_CONFIG_REF(model.num_hidden_layers), 1, 1024,
+                        "transformer blocks"));
+    f.push_back(integer("model", "num_attention_heads", FLOWMOE_CONFIG_REF(model.num_attention_heads), 1, 1024,
+                        "attention heads; must divide hidden_size, head size even (RoPE)"));
+    f.push_back(integer("model", "intermediate_size", FLOWMOE_CONFIG_REF(model.intermediate_size), 1, 1 << 20,
+                        "width of the dense SwiGLU MLP"));
+    f.push_back(integer("model", "max_position_embeddings", FLOWMOE_CONFIG_REF(model.max_position_embeddings), 1,
+                        1 << 20, "longest sequence; data.seq_len must not exceed it"));
+    f.push_back(
+        number("model", "rms_norm_eps", FLOWMOE_CONFIG_REF(model.rms_norm_eps), 0, true, 1, true, "RMSNorm epsilon"));
+    f.push_back(number("model", "rope_theta", FLOWMOE_CONFIG_REF(model.rope_theta), 0, true, kInf, false, "RoPE base"));
+    f.push_back(boolean("model", "tie_word_embeddings", FLOWMOE_CONFIG_REF(model.tie_word_embeddings),
+                        "the LM head reuses the token embedding"));
+    f.push_back(number("model", "initializer_range", FLOWMOE_CONFIG_REF(model.initializer_range), 0, true, 1, false,
+                       "std of the normal weight init"));
+    f.push_back(integer("model", "n_routed_experts", FLOWMOE_CONFIG_REF(model.n_routed_experts), 0, 4096,
+                        "routed experts per MoE layer; 0 = dense model"));
+    f.push_back(integer("model", "n_shared_experts", FLOWMOE_CONFIG_REF(model.n_shared_experts), 0, 64,
+                        "shared experts per MoE layer"));
+    f.push_back(integer("model", "num_experts_per_tok", FLOWMOE_CONFIG_REF(model.num_experts_per_tok), 1, 256,
+                        "routed experts per token (top-k)"));
+    f.push_back(integer("model", "moe_intermediate_size", FLOWMOE_CONFIG_REF(model.moe_intermediate_size), 1, 1 << 20,
+                        "width of each expert's SwiGLU MLP"));
+    f.push_back(integer("model", "first_k_dense_replace", FLOWMOE_CONFIG_REF(model.first_k_dense_replace), 0, 1024,
+                        "the first k blocks keep a dense MLP"));
+    f.push_back(integer("model", "n_group", FLOWMOE_CONFIG_REF(model.n_group), 1, 4096,
+                        "expert groups for group-limited routing"));
+    f.push_back(
+        integer("model", "topk_group", FLOWMOE_CONFIG_REF(model.topk_group), 1, 4096, "groups a token may route to"));
+    f.push_back(choice("model", "scoring_func", FLOWMOE_CONFIG_REF(model.scoring_func), {"sigmoid", "softmax"},
+                       "router score function"));
+    f.push_back(boolean("model", "norm_topk_prob", FLOWMOE_CONFIG_REF(model.norm_topk_prob),
+                        "normalise the top-k probabilities"));
+    f.push_back(number("model", "routed_scaling_factor", FLOWMOE_CONFIG_REF(model.routed_scaling_factor), 0, true, kInf,
+                       false, "scale of the routed experts' output"));
+    f.push_back(number("model", "aux_loss_alpha", FLOWMOE_CONFIG_REF(model.aux_loss_alpha), 0, false, kInf, false,
+                       "weight of the sequence-wise balance loss"));
+    f.push_back(number("model", "bias_update_rate", FLOWMOE_CONFIG_REF(model.bias_update_rate), 0, false, kInf, false,
+                       "aux-loss-free balancing: expert_bias step"));
+    f.push_back(
+        choice("model", "bias_update_schedule", FLOWMOE_CONFIG_REF(model.bias_update_schedule), {"constant", "lr"},
+               "constant: every step moves expert_bias by bias_update_rate (DeepSeek-V3); lr: by bias_update_rate * "
+               "lr(step) / optimizer.lr, so the bias step follows the learning-rate schedule"));
+    f.push_back(choice(
+        "model", "bias_update_rule", FLOWMOE_CONFIG_REF(model.bias_update_rule), {"sign", "proportional"},
+        "sign: each step moves expert_bias by the bias step toward the mean load (DeepSeek-V3); proportional: by the "
+        "bias step * (mean - load) / mean, so near-balanced experts barely move and overloaded ones move more"));
     // data
-    f.push_back(choice("data", "source", FM_REF(data.source), {"synthetic", "text", "tokens"}, "synthetic (built in, no download), text (bytes of files), tokens (llm.c .bin file)"));
-    f.push_back(string("data", "path", FM_REF(data.path), "text: a file or a directory of files; tokens: a .bin token file (relative paths: from the working directory)"));
-    f.push_back(integer("data", "seq_len", FM_REF(data.seq_len), 2, 1 << 20, "tokens per training sequence"));
-    f.push_back(number("data", "val_fraction", FM_REF(data.val_fraction), 0, false, 0.5, false, "tail of the corpus held out for validation; 0 disables evaluation"));
-    f.push_back(integer("data", "seed", FM_REF(data.seed), 0, 9.0e15, "seed of the synthetic corpus and of the batch order"));
-    f.push_back(integer("data", "synthetic_tokens", FM_REF(data.synthetic_tokens), 1024, 1 << 30, "size of the synthetic corpus"));
-    f.push_back(choice("data", "synthetic_kind", FM_REF(data.synthetic_kind), {"words", "bigram"}, "which synthetic corpus: words (a low-entropy word chain, fast convergence checks) or bigram (BPE-like token statistics: MoE load balance and precision parity)"));
+    f.push_back(choice("data", "source", FLOWMOE_CONFIG_REF(data.source), {"synthetic", "text", "tokens"},
+                       "synthetic (built in, no download), text (bytes of files), tokens (llm.c .bin file)"));
+    f.push_back(string("data", "path", FLOWMOE_CONFIG_REF(data.path),
+                       "text: a file or a directory of files; tokens: a .bin token file (relative paths: from the "
+                       "working directory)"));
+    f.push_back(
+        integer("data", "seq_len", FLOWMOE_CONFIG_REF(data.seq_len), 2, 1 << 20, "tokens per training sequence"));
+    f.push_back(number("data", "val_fraction", FLOWMOE_CONFIG_REF(data.val_fraction), 0, false, 0.5, false,
+                       "tail of the corpus held out for validation; 0 disables evaluation"));
+    f.push_back(integer("data", "seed", FLOWMOE_CONFIG_REF(data.seed), 0, 9.0e15,
+                        "seed of the synthetic corpus and of the batch order"));
+    f.push_back(integer("data", "synthetic_tokens", FLOWMOE_CONFIG_REF(data.synthetic_tokens), 1024, 1 << 30,
+                        "size of the synthetic corpus"));
+    f.push_back(choice("data", "synthetic_kind", FLOWMOE_CONFIG_REF(data.synthetic_kind), {"words", "bigram"},
+                       "which synthetic corpus: words (a low-entropy word chain, fast convergence checks) or bigram "
+                       "(BPE-like token statistics: MoE load balance and precision parity)"));
     // train
-    f.push_back(choice("train", "device", FM_REF(train.device), {"auto", "cpu", "cuda"}, "auto: the GPU when one is present, else the CPU"));
-    f.push_back(integer("train", "steps", FM_REF(train.steps), 1, 1e12, "optimizer steps"));
-    f.push_back(integer("train", "batch_size", FM_REF(train.batch_size), 1, 1 << 20, "sequences per micro-batch"));
-    f.push_back(integer("train", "grad_accum_steps", FM_REF(train.grad_accum_steps), 1, 1 << 20, "micro-batches per optimizer step"));
-    f.push_back(integer("train", "eval_every", FM_REF(train.eval_every), 0, 1e12, "steps between validation passes; 0: only at the end"));
-    f.push_back(integer("train", "eval_batches", FM_REF(train.eval_batches), 1, 1 << 20, "micro-batches per validation pass"));
-    f.push_back(integer("train", "seed", FM_REF(train.seed), 0, 9.0e15, "seed of the weight init"));
-    f.push_back(choice("train", "nonfinite", FM_REF(train.nonfinite), {"skip", "stop"}, "on a non-finite loss or gradient: skip the step, or stop with an error"));
-    f.push_back(choice_list("train", "recompute", FM_REF(train.recompute), {"moe_expert"}, "modules recomputed in backward: moe_expert keeps only the expert input (FP8 in fp8_flow) and recomputes fc1 and SwiGLU"));
-    f.push_back(integer("train", "max_skipped_steps", FM_REF(train.max_skipped_steps), 0, 1e12, "with nonfinite: skip, stop after this many skipped steps"));
+    f.push_back(choice("train", "device", FLOWMOE_CONFIG_REF(train.device), {"auto", "cpu", "cuda"},
+                       "auto: the GPU when one is present, else the CPU"));
+    f.push_back(integer("train", "steps", FLOWMOE_CONFIG_REF(train.steps), 1, 1e12, "optimizer steps"));
+    f.push_back(
+        integer("train", "batch_size", FLOWMOE_CONFIG_REF(train.batch_size), 1, 1 << 20, "sequences per micro-batch"));
+    f.push_back(integer("train", "grad_accum_steps", FLOWMOE_CONFIG_REF(train.grad_accum_steps), 1, 1 << 20,
+                        "micro-batches per optimizer step"));
+    f.push_back(integer("train", "eval_every", FLOWMOE_CONFIG_REF(train.eval_every), 0, 1e12,
+                        "steps between validation passes; 0: only at the end"));
+    f.push_back(integer("train", "eval_batches", FLOWMOE_CONFIG_REF(train.eval_batches), 1, 1 << 20,
+                        "micro-batches per validation pass"));
+    f.push_back(integer("train", "seed", FLOWMOE_CONFIG_REF(train.seed), 0, 9.0e15, "seed of the weight init"));
+    f.push_back(choice("train", "nonfinite", FLOWMOE_CONFIG_REF(train.nonfinite), {"skip", "stop"},
+                       "on a non-finite loss or gradient: skip the step, or stop with an error"));
+    f.push_back(choice_list("train", "recompute", FLOWMOE_CONFIG_REF(train.recompute), {"moe_expert"},
+                            "modules recomputed in backward: moe_expert keeps only the expert input (FP8 in fp8_flow) "
+                            "and recomputes fc1 and SwiGLU"));
+    f.push_back(integer("train", "max_skipped_steps", FLOWMOE_CONFIG_REF(train.max_skipped_steps), 0, 1e12,
+                        "with nonfinite: skip, stop after this many skipped steps"));
     // optimizer (AdamW, warmup then cosine)
-    f.push_back(number("optimizer", "lr", FM_REF(optimizer.lr), 0, true, 10, false, "peak learning rate"));
-    f.push_back(number("optimizer", "min_lr", FM_REF(optimizer.min_lr), 0, false, 10, false, "learning rate at the end of the cosine decay"));
-    f.push_back(integer("optimizer", "warmup_steps", FM_REF(optimizer.warmup_steps), 0, 1e12, "linear warmup steps"));
-    f.push_back(number("optimizer", "weight_decay", FM_REF(optimizer.weight_decay), 0, false, 10, false, "decoupled weight decay on matrices"));
-    f.push_back(number("optimizer", "beta1", FM_REF(optimizer.beta1), 0, false, 1, true, "AdamW beta1"));
-    f.push_back(number("optimizer", "beta2", FM_REF(optimizer.beta2), 0, false, 1, true, "AdamW beta2"));
-    f.push_back(number("optimizer", "eps", FM_REF(optimizer.eps), 0, true, 1, false, "AdamW epsilon"));
-    f.push_back(number("optimizer", "grad_clip", FM_REF(optimizer.grad_clip), 0, false, kInf, false, "max global gradient norm; 0 disables clipping"));
-    f.push_back(number("optimizer", "router_lr_scale", FM_REF(optimizer.router_lr_scale), 0, false, 10, false, "multiplies the learning rate of the MoE routers' gate weights (*.mlp.gate.weight); 1 trains them like every other matrix"));
+    f.push_back(number("optimizer", "lr", FLOWMOE_CONFIG_REF(optimizer.lr), 0, true, 10, false, "peak learning rate"));
+    f.push_back(number("optimizer", "min_lr", FLOWMOE_CONFIG_REF(optimizer.min_lr), 0, false, 10, false,
+                       "learning rate at the end of the cosine decay"));
+    f.push_back(integer("optimizer", "warmup_steps", FLOWMOE_CONFIG_REF(optimizer.warmup_steps), 0, 1e12,
+                        "linear warmup steps"));
+    f.push_back(number("optimizer", "weight_decay", FLOWMOE_CONFIG_REF(optimizer.weight_decay), 0, false, 10, false,
+                       "decoupled weight decay on matrices"));
+    f.push_back(number("optimizer", "beta1", FLOWMOE_CONFIG_REF(optimizer.beta1), 0, false, 1, true, "AdamW beta1"));
+    f.push_back(number("optimizer", "beta2", FLOWMOE_CONFIG_REF(optimizer.beta2), 0, false, 1, true, "AdamW beta2"));
+    f.push_back(number("optimizer", "eps", FLOWMOE_CONFIG_REF(optimizer.eps), 0, true, 1, false, "AdamW epsilon"));
+    f.push_back(number("optimizer", "grad_clip", FLOWMOE_CONFIG_REF(optimizer.grad_clip), 0, false, kInf, false,
+                       "max global gradient norm; 0 disables clipping"));
+    f.push_back(number("optimizer", "router_lr_scale", FLOWMOE_CONFIG_REF(optimizer.router_lr_scale), 0, false, 10,
+                       false,
+                       "multiplies the learning rate of the MoE routers' gate weights (*.mlp.gate.weight); 1 trains "
+                       "them like every other matrix"));
     // precision
-    f.push_back(choice("precision", "recipe", FM_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow"}, "routed-expert GEMM precision: bf16 (fp32 on CPU); fp8_blockwise (FP8 GEMMs, each quantizing its own inputs); fp8_flow (quantize once before dispatch, FP8 through the experts). FP8 needs MoE layers and hidden_size, moe_intermediate_size multiples of 128. Master weights and gradients stay fp32"));
-    Field align{"precision", "align_size", Kind::int_choice, 0, 0, false, false, {"16", "32", "64", "128"},
-                "row alignment of each expert's segment", FM_REF(precision.align_size)};
+    f.push_back(
+        choice("precision", "recipe", FLOWMOE_CONFIG_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow"},
+               "routed-expert GEMM precision: bf16 (fp32 on CPU); fp8_blockwise (FP8 GEMMs, each quantizing its own "
+               "inputs); fp8_flow (quantize once before dispatch, FP8 through the experts). FP8 needs MoE layers and "
+               "hidden_size, moe_intermediate_size multiples of 128. Master weights and gradients stay fp32"));
+    Field align{"precision",
+                "align_size",
+                Kind::int_choice,
+                0,
+                0,
+                false,
+                false,
+                {"16", "32", "64", "128"},
+                "row alignment of each expert's segment",
+                FLOWMOE_CONFIG_REF(precision.align_size)};
     f.push_back(align);
     // parallel
-    f.push_back(integer("parallel", "expert_parallel_size", FM_REF(parallel.expert_parallel_size), 1, 4096, "ranks per expert-parallel group (1 only for now)"));
-    f.push_back(integer("parallel", "data_parallel_size", FM_REF(parallel.data_parallel_size), 1, 4096, "data-parallel replicas (1 only for now)"));
+    f.push_back(integer("parallel", "expert_parallel_size", FLOWMOE_CONFIG_REF(parallel.expert_parallel_size), 1, 4096,
+                        "ranks per expert-parallel group (1 only for now)"));
+    f.push_back(integer("parallel", "data_parallel_size", FLOWMOE_CONFIG_REF(parallel.data_parallel_size), 1, 4096,
+                        "data-parallel replicas (1 only for now)"));
     // checkpoint
-    f.push_back(string("checkpoint", "dir", FM_REF(checkpoint.dir), "where checkpoints go; empty: <logging.out_dir>/checkpoints"));
-    f.push_back(integer("checkpoint", "every", FM_REF(checkpoint.every), 0, 1e12, "steps between checkpoints; 0: only the final one"));
-    f.push_back(integer("checkpoint", "keep_last", FM_REF(checkpoint.keep_last), 1, 1e6, "checkpoints kept; older ones are deleted"));
-    Field resume{"checkpoint", "resume", Kind::bool_or_path, 0, 0, false, false, {},
-                 "false, true (the latest checkpoint in dir) or the path of a checkpoint directory", FM_REF(checkpoint.resume)};
+    f.push_back(string("checkpoint", "dir", FLOWMOE_CONFIG_REF(checkpoint.dir),
+                       "where checkpoints go; empty: <logging.out_dir>/checkpoints"));
+    f.push_back(integer("checkpoint", "every", FLOWMOE_CONFIG_REF(checkpoint.every), 0, 1e12,
+                        "steps between checkpoints; 0: only the final one"));
+    f.push_back(integer("checkpoint", "keep_last", FLOWMOE_CONFIG_REF(checkpoint.keep_last), 1, 1e6,
+                        "checkpoints kept; older ones are deleted"));
+    Field resume{"checkpoint",
+                 "resume",
+                 Kind::bool_or_path,
+                 0,
+                 0,
+                 false,
+                 false,
+                 {},
+                 "false, true (the latest checkpoint in dir) or the path of a checkpoint directory",
+                 FLOWMOE_CONFIG_REF(checkpoint.resume)};
     f.push_back(resume);
     // logging
-    f.push_back(string("logging", "out_dir", FM_REF(logging.out_dir), "run outputs (resolved config, metrics); empty: runs/<config file name>"));
-    f.push_back(choice("logging", "metrics_format", FM_REF(logging.metrics_format), {"jsonl", "csv"}, "metrics file format"));
-    f.push_back(integer("logging", "log_every", FM_REF(logging.log_every), 1, 1e12, "steps between plain progress lines"));
-    f.push_back(choice("logging", "progress", FM_REF(logging.progress), {"auto", "bar", "plain"}, "auto: a progress bar on a terminal, plain lines otherwise"));
+    f.push_back(string("logging", "out_dir", FLOWMOE_CONFIG_REF(logging.out_dir),
+                       "run outputs (resolved config, metrics); empty: runs/<config file name>"));
+    f.push_back(choice("logging", "metrics_format", FLOWMOE_CONFIG_REF(logging.metrics_format), {"jsonl", "csv"},
+                       "metrics file format"));
+    f.push_back(integer("logging", "log_every", FLOWMOE_CONFIG_REF(logging.log_every), 1, 1e12,
+                        "steps between plain progress lines"));
+    f.push_back(choice("logging", "progress", FLOWMOE_CONFIG_REF(logging.progress), {"auto", "bar", "plain"},
+                       "auto: a progress bar on a terminal, plain lines otherwise"));
     return f;
   }();
   return fields;

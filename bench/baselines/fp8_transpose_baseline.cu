@@ -100,7 +100,7 @@ void fp8_transpose_baseline_dequantize_cuda(const uint8_t* q, const float* scale
   if (M == 0 || K == 0) return;
   baseline_dequantize_kernel<<<grid_size(M * K / 8, kThreads), kThreads, 0, stream>>>(
       q, scale_inv, M, K, reinterpret_cast<__nv_bfloat16*>(y));
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void fp8_transpose_baseline_quantize_colwise_cuda(const uint16_t* y, int64_t M, int64_t K,
@@ -116,9 +116,9 @@ void fp8_transpose_baseline_quantize_colwise_cuda(const uint16_t* y, int64_t M, 
       for_each_chunk(rows_per_segment, num_segments, num_col_tiles, what, [&](const SegmentChunk& c, unsigned grid) {
         baseline_quantize_colwise_kernel<<<grid, kThreads, 0, stream>>>(
             reinterpret_cast<const __nv_bfloat16*>(y), M, K, q_t, scale_inv_t, int(num_col_tiles), vec_out, c);
-        MOE_CUDA_CHECK_LAUNCH();
+        FLOWMOE_CUDA_CHECK_LAUNCH();
       });
-  if (total < M) MOE_CUDA_CHECK(cudaMemset2DAsync(q_t + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
+  if (total < M) FLOWMOE_CUDA_CHECK(cudaMemset2DAsync(q_t + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
 }
 
 }  // namespace flowmoe

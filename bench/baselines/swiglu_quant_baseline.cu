@@ -68,7 +68,7 @@ void swiglu_quant_baseline_row_scale_cuda(DType dtype, void* out, const void* x,
     dim3 grid(unsigned(col_blocks < 65536 ? col_blocks : 65536), unsigned(M < 65535 ? M : 65535));
     row_scale_kernel<<<grid, kThreads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(x), row_scale, M, K);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void swiglu_quant_baseline_row_dot_cuda(DType dtype, float* out, const void* a, const void* b, int64_t M, int64_t K,
@@ -79,7 +79,7 @@ void swiglu_quant_baseline_row_dot_cuda(DType dtype, float* out, const void* a, 
     const unsigned grid = unsigned(M < (int64_t(1) << 30) ? M : (int64_t(1) << 30));
     row_dot_kernel<<<grid, kThreads, 0, stream>>>(out, static_cast<const T*>(a), static_cast<const T*>(b), M, K);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void swiglu_quant_baseline_quantize_cuda(DType dtype, const void* x, int64_t M, int64_t K, uint8_t* q, float* s,
@@ -92,7 +92,7 @@ void swiglu_quant_baseline_quantize_cuda(DType dtype, const void* x, int64_t M, 
     auto kernel = vec ? quantize_kernel<T, true> : quantize_kernel<T, false>;
     kernel<<<quantize_grid(M, K, N), kThreads, 0, stream>>>(static_cast<const T*>(x), M, K, q, s);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

@@ -9,7 +9,7 @@ namespace flowmoe {
 Stream::Stream(int device) : device_(device) {
   int prev = cuda_current_device();
   cuda_set_device(device);
-  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   cuda_set_device(prev);
 }
 Stream::~Stream() {
@@ -24,10 +24,10 @@ Stream& Stream::operator=(Stream&& o) noexcept {
   }
   return *this;
 }
-void Stream::synchronize() const { MOE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void Stream::synchronize() const { FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
 Event::Event(bool enable_timing) {
-  MOE_CUDA_CHECK(cudaEventCreateWithFlags(&event_, enable_timing ? cudaEventDefault : cudaEventDisableTiming));
+  FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event_, enable_timing ? cudaEventDefault : cudaEventDisableTiming));
 }
 Event::~Event() {
   if (event_) cudaEventDestroy(event_);
@@ -40,12 +40,12 @@ Event& Event::operator=(Event&& o) noexcept {
   }
   return *this;
 }
-void Event::record(cudaStream_t stream) { MOE_CUDA_CHECK(cudaEventRecord(event_, stream)); }
-void Event::wait(cudaStream_t stream) const { MOE_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0)); }
-void Event::synchronize() const { MOE_CUDA_CHECK(cudaEventSynchronize(event_)); }
+void Event::record(cudaStream_t stream) { FLOWMOE_CUDA_CHECK(cudaEventRecord(event_, stream)); }
+void Event::wait(cudaStream_t stream) const { FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0)); }
+void Event::synchronize() const { FLOWMOE_CUDA_CHECK(cudaEventSynchronize(event_)); }
 float Event::elapsed_ms(const Event& end) const {
   float ms = 0;
-  MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, event_, end.event_));
+  FLOWMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, event_, end.event_));
   return ms;
 }
 

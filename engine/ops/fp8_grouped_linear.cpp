@@ -170,14 +170,15 @@ class Fp8GroupedLinear : public Primitive {
 }  // namespace
 
 Variable fp8_grouped_linear(const Variable& x, const Variable& weight, const QuantizedWeight& wq,
-                            const std::vector<int64_t>& rows_per_expert, Fp8Wgrad wgrad, const std::string& site) {
+                            const std::vector<int64_t>& padded_tokens_per_expert, Fp8Wgrad wgrad,
+                            const std::string& site) {
   scales_of(x.data(), ScalingMode::rowwise_1x128, "fp8_grouped_linear x");
   FLOWMOE_CHECK(weight.dtype() == DType::f32 && weight.data().dim() == 3, DTypeError,
                 "fp8_grouped_linear: weight must be the f32 master [E, N, K], got ", weight.data().describe());
   FLOWMOE_CHECK(wq.q.shape() == weight.shape(), ShapeError, "fp8_grouped_linear: quantized weight ", wq.q.describe(),
                 " does not match the master ", weight.data().describe());
   check_same_device(x.data(), weight.data(), "fp8_grouped_linear");
-  return apply(std::make_shared<Fp8GroupedLinear>(wq, rows_per_expert, wgrad, site), {x, weight})[0];
+  return apply(std::make_shared<Fp8GroupedLinear>(wq, padded_tokens_per_expert, wgrad, site), {x, weight})[0];
 }
 
 }  // namespace flowmoe

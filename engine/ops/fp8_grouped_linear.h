@@ -20,11 +20,12 @@ namespace flowmoe {
 enum class Fp8Wgrad { transpose, requantize };
 
 // x [M_total, K] e4m3 with rowwise scales; weight [E, N, K] the f32 master (it receives dW in f32);
-// wq = quantize_weight(weight) for this optimizer step. rows_per_expert: host counts (padded, as for
+// wq = quantize_weight(weight) for this optimizer step. padded_tokens_per_expert: host counts (padded, as for
 // grouped_linear), each a multiple of 16. y [M_total, N] is bf16 on cuda, f32 on cpu; tail rows zero.
 // The gradient arriving at y may be FP8 rowwise (fp8_flow: used as is) or bf16/f32 (then quantized
 // here, a counted cast). `site` names the layer in the cast counts ("fc1", "fc2").
 Variable fp8_grouped_linear(const Variable& x, const Variable& weight, const QuantizedWeight& wq,
-                            const std::vector<int64_t>& rows_per_expert, Fp8Wgrad wgrad, const std::string& site);
+                            const std::vector<int64_t>& padded_tokens_per_expert, Fp8Wgrad wgrad,
+                            const std::string& site);
 
 }  // namespace flowmoe

@@ -33,8 +33,8 @@ Dims check_inputs(const Tensor& x, const Tensor& w, const std::vector<int64_t>& 
                 shape_str(w.shape()), ": x must be [M_total, K] and weight [E, N, K]");
   FLOWMOE_CHECK(x.size(1) == w.size(2), ShapeError, "grouped_linear: x ", shape_str(x.shape()), " and weight ",
                 shape_str(w.shape()), " disagree on in-features K (", x.size(1), " vs ", w.size(2), ")");
-  FLOWMOE_CHECK(int64_t(rows.size()) == w.size(0), ShapeError, "grouped_linear: rows_per_expert has ", rows.size(),
-                " entries but weight ", shape_str(w.shape()), " has ", w.size(0), " experts");
+  FLOWMOE_CHECK(int64_t(rows.size()) == w.size(0), ShapeError, "grouped_linear: padded_tokens_per_expert has ",
+                rows.size(), " entries but weight ", shape_str(w.shape()), " has ", w.size(0), " experts");
   Dims d{w.size(0), x.size(0), w.size(1), w.size(2)};
   check_grouped_rows(rows.data(), d.num_experts, d.m_total, "grouped_linear");
   return d;
@@ -126,8 +126,9 @@ class GroupedLinear : public Primitive {
 
 }  // namespace
 
-Variable grouped_linear(const Variable& x, const Variable& weight, const std::vector<int64_t>& rows_per_expert) {
-  return apply(std::make_shared<GroupedLinear>(rows_per_expert), {x, weight})[0];
+Variable grouped_linear(const Variable& x, const Variable& weight,
+                        const std::vector<int64_t>& padded_tokens_per_expert) {
+  return apply(std::make_shared<GroupedLinear>(padded_tokens_per_expert), {x, weight})[0];
 }
 
 }  // namespace flowmoe

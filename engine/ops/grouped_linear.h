@@ -1,12 +1,12 @@
 // GroupedLinear: a linear layer per local expert over the expert-major permuted buffer
 // (permute_pad's rows, engine/ops/permute.h). Kernels and shapes: kernels/grouped_linear.h.
 //
-// Expert e owns rows [off_e, off_e + rows_per_expert[e]) of x, off_e = sum of the earlier counts, so
-// rows_per_expert is permute_pad's padded_tokens_per_expert (each segment then starts at a multiple
+// Expert e owns rows [off_e, off_e + padded_tokens_per_expert[e]) of x, off_e = sum of the earlier counts, so
+// padded_tokens_per_expert is permute_pad's padded_tokens_per_expert (each segment then starts at a multiple
 // of align_size, pad rows are zeros and give zero outputs). The counts must be on the host because
 // each expert's cuBLASLt call needs its M: read them with read_counts_once, ONCE per MoE layer, and
 // pass the same vector to fc1 and fc2 (and nothing else in the layer may read counts back).
-// sum(rows_per_expert) <= M_total: rows past the last segment (a worst-case sized buffer) get zero
+// sum(padded_tokens_per_expert) <= M_total: rows past the last segment (a worst-case sized buffer) get zero
 // outputs and zero input gradients.
 #pragma once
 #include <cstdint>
@@ -23,12 +23,13 @@ namespace flowmoe {
 std::vector<int64_t> read_counts_once(const Tensor& padded_tokens_per_expert);
 
 // y [M_total, N] = per expert e: x[rows of e] · weight[e]ᵀ.
-//   x [M_total, K]; weight [E, N, K] (E = rows_per_expert.size()).
+//   x [M_total, K]; weight [E, N, K] (E = padded_tokens_per_expert.size()).
 //   CPU: x and weight both f32 or both f64. CUDA: x bf16 (or f32) and weight the f32 master (or x's
 //   dtype); a weight of another dtype than x is cast to x's dtype once per call, and that copy is
 //   reused by the backward (caching it per optimizer step would save the cast: a later optimisation).
 //   y and d_x have x's dtype. d_weight is computed in fp32 (bf16 operands, fp32 output) and returned
 //   in the weight's dtype, so an f32 master accumulates its gradient in fp32.
-Variable grouped_linear(const Variable& x, const Variable& weight, const std::vector<int64_t>& rows_per_expert);
+Variable grouped_linear(const Variable& x, const Variable& weight,
+                        const std::vector<int64_t>& padded_tokens_per_expert);
 
 }  // namespace flowmoe

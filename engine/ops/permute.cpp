@@ -15,7 +15,8 @@ namespace {
 // Outputs: d_x [T,H] and d_topk_prob [T,k], each undefined when its cotangent is.
 class PermutePadBackward : public BackwardPrimitive {
  public:
-  PermutePadBackward(int64_t num_tokens, int topk, int64_t hidden) : num_tokens_(num_tokens), topk_(topk), hidden_(hidden) {}
+  PermutePadBackward(int64_t num_tokens, int top_k, int64_t hidden)
+      : num_tokens_(num_tokens), topk_(top_k), hidden_(hidden) {}
   const char* name() const override { return "permute_pad_backward"; }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
@@ -130,7 +131,7 @@ class PermutePad : public Primitive {
 
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
-    PermutePadBackward backward(d_.num_tokens, d_.topk, hidden_);
+    PermutePadBackward backward(d_.num_tokens, d_.top_k, hidden_);
     std::vector<Tensor> g = eval(backward, {row_map_, needs[0] ? d_out[0] : Tensor(), needs[2] ? d_out[1] : Tensor()});
     return {g[0], Tensor(), g[1], Tensor()};
   }
@@ -153,7 +154,7 @@ class PermutePad : public Primitive {
   void check(const std::vector<Tensor>& in, bool cuda) const {
     const Tensor &x = in[0], &idx = in[1], &prob = in[2], &side = in[3];
     FLOWMOE_CHECK(x.dim() == 2, ShapeError, "permute_pad: x must be [tokens, hidden], got ", x.describe());
-    FLOWMOE_CHECK(idx.dim() == 2 && idx.size(0) == x.size(0) && idx.size(0) == d_.num_tokens && idx.size(1) == d_.topk,
+    FLOWMOE_CHECK(idx.dim() == 2 && idx.size(0) == x.size(0) && idx.size(0) == d_.num_tokens && idx.size(1) == d_.top_k,
                   ShapeError, "permute_pad: topk_idx ", idx.describe(), " does not match x ", x.describe());
     check_dtype(idx, {DType::i32}, "permute_pad topk_idx");
     if (prob.defined()) {
@@ -177,7 +178,7 @@ class PermutePad : public Primitive {
     const int64_t num_local = d_.num_local_experts;
     return {Tensor::empty({d_.num_rows, hidden_}, x.dtype(), dev),
             prob.defined() ? Tensor::empty({d_.num_rows}, prob.dtype(), dev) : Tensor(),
-            Tensor::empty({d_.num_tokens, d_.topk}, DType::i32, dev),
+            Tensor::empty({d_.num_tokens, d_.top_k}, DType::i32, dev),
             Tensor::empty({num_local}, DType::i32, dev),
             Tensor::empty({num_local}, DType::i32, dev),
             Tensor::empty({num_local + 1}, DType::i32, dev),
@@ -243,13 +244,14 @@ PermuteResult permute_pad(const Variable& x, const Tensor& topk_idx, const Varia
                 topk_idx.describe());
   RoutingDims d;
   d.num_tokens = topk_idx.size(0);
-  d.topk = int(topk_idx.size(1));
+  d.top_k = int(topk_idx.size(1));
   d.num_experts = num_experts;
   d.expert_offset = expert_offset;
   d.num_local_experts = num_local_experts < 0 ? num_experts - expert_offset : num_local_experts;
   d.align_size = align_size;
   check_routing_dims(d);  // align_size and expert range first: the worst case below relies on them
-  d.num_rows = num_rows < 0 ? permute_worst_case_rows(d.num_tokens, d.topk, d.num_local_experts, align_size) : num_rows;
+  d.num_rows =
+      num_rows < 0 ? permute_worst_case_rows(d.num_tokens, d.top_k, d.num_local_experts, align_size) : num_rows;
   check_routing_dims(d);
 
   Tensor side_payload = side;

@@ -88,7 +88,7 @@ class UnpermuteBackward : public BackwardPrimitive {
     a.d_rows = want_rows_ ? d_rows.raw_data() : nullptr;
     a.d_topk_prob = want_prob_ ? d_prob.data<float>() : nullptr;
     a.num_tokens = row_map.size(0), a.hidden = rows.size(1), a.num_rows = rows.size(0);
-    a.topk = int(row_map.size(1)), a.num_local_experts = int(tokens.numel()), a.align_size = align_;
+    a.top_k = int(row_map.size(1)), a.num_local_experts = int(tokens.numel()), a.align_size = align_;
     unpermute_backward_cuda(rows.dtype(), a, current_stream(dev.index));
     return {d_rows, d_prob};
   }

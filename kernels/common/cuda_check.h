@@ -6,20 +6,18 @@
 
 #include "kernels/common/error.h"
 
-#define MOE_CUDA_CHECK(cmd)                                                                       \
-  do {                                                                                            \
-    cudaError_t e_ = (cmd);                                                                       \
-    if (e_ != cudaSuccess)                                                                        \
-      FLOWMOE_THROW(::flowmoe::CudaError, #cmd, " failed: ", cudaGetErrorString(e_));             \
+#define FLOWMOE_CUDA_CHECK(cmd)                                                                            \
+  do {                                                                                                     \
+    cudaError_t e_ = (cmd);                                                                                \
+    if (e_ != cudaSuccess) FLOWMOE_THROW(::flowmoe::CudaError, #cmd, " failed: ", cudaGetErrorString(e_)); \
   } while (0)
 
-#define MOE_CUBLAS_CHECK(cmd)                                                                     \
-  do {                                                                                            \
-    cublasStatus_t s_ = (cmd);                                                                    \
-    if (s_ != CUBLAS_STATUS_SUCCESS)                                                              \
-      FLOWMOE_THROW(::flowmoe::CudaError, #cmd, " failed: ", cublasLtGetStatusString(s_), " (",     \
-                    int(s_), ")");                                                                \
+#define FLOWMOE_CUBLAS_CHECK(cmd)                                                                              \
+  do {                                                                                                         \
+    cublasStatus_t s_ = (cmd);                                                                                 \
+    if (s_ != CUBLAS_STATUS_SUCCESS)                                                                           \
+      FLOWMOE_THROW(::flowmoe::CudaError, #cmd, " failed: ", cublasLtGetStatusString(s_), " (", int(s_), ")"); \
   } while (0)
 
 // After a kernel launch: catches bad launch configurations immediately (no synchronisation).
-#define MOE_CUDA_CHECK_LAUNCH() MOE_CUDA_CHECK(cudaGetLastError())
+#define FLOWMOE_CUDA_CHECK_LAUNCH() FLOWMOE_CUDA_CHECK(cudaGetLastError())

@@ -32,12 +32,12 @@ static void check_index(int device) {
 
 void cuda_set_device(int index) {
   check_index(index);
-  MOE_CUDA_CHECK(cudaSetDevice(index));
+  FLOWMOE_CUDA_CHECK(cudaSetDevice(index));
 }
 
 int cuda_current_device() {
   int d = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&d));
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&d));
   return d;
 }
 
@@ -51,22 +51,22 @@ cudaStream_t current_stream(int device) {
   if (streams.empty()) streams.assign(size_t(cuda_device_count()), nullptr);
   if (!streams[size_t(device)]) {
     int prev = cuda_current_device();
-    MOE_CUDA_CHECK(cudaSetDevice(device));
-    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[size_t(device)], cudaStreamNonBlocking));
-    MOE_CUDA_CHECK(cudaSetDevice(prev));
+    FLOWMOE_CUDA_CHECK(cudaSetDevice(device));
+    FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[size_t(device)], cudaStreamNonBlocking));
+    FLOWMOE_CUDA_CHECK(cudaSetDevice(prev));
   }
   return streams[size_t(device)];
 }
 
-void cuda_synchronize(int device) { MOE_CUDA_CHECK(cudaStreamSynchronize(current_stream(device))); }
+void cuda_synchronize(int device) { FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(current_stream(device))); }
 
 void* cuda_malloc_raw(size_t nbytes, int device) {
   check_index(device);
   int prev = cuda_current_device();
-  MOE_CUDA_CHECK(cudaSetDevice(device));
+  FLOWMOE_CUDA_CHECK(cudaSetDevice(device));
   void* p = nullptr;
   cudaError_t e = cudaMalloc(&p, nbytes);
-  MOE_CUDA_CHECK(cudaSetDevice(prev));
+  FLOWMOE_CUDA_CHECK(cudaSetDevice(prev));
   if (e != cudaSuccess) {
     cudaGetLastError();
     FLOWMOE_THROW(CudaError, "cudaMalloc of ", nbytes, " bytes on cuda:", device,
@@ -77,18 +77,18 @@ void* cuda_malloc_raw(size_t nbytes, int device) {
 
 void cuda_free_raw(void* ptr, int device) {
   int prev = cuda_current_device();
-  MOE_CUDA_CHECK(cudaSetDevice(device));
-  MOE_CUDA_CHECK(cudaFree(ptr));
-  MOE_CUDA_CHECK(cudaSetDevice(prev));
+  FLOWMOE_CUDA_CHECK(cudaSetDevice(device));
+  FLOWMOE_CUDA_CHECK(cudaFree(ptr));
+  FLOWMOE_CUDA_CHECK(cudaSetDevice(prev));
 }
 
 size_t cuda_free_memory(int device) {
   check_index(device);
   int prev = cuda_current_device();
-  MOE_CUDA_CHECK(cudaSetDevice(device));
+  FLOWMOE_CUDA_CHECK(cudaSetDevice(device));
   size_t free_bytes = 0, total_bytes = 0;
-  MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  MOE_CUDA_CHECK(cudaSetDevice(prev));
+  FLOWMOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  FLOWMOE_CUDA_CHECK(cudaSetDevice(prev));
   return free_bytes;
 }
 
@@ -104,16 +104,16 @@ void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size
   cudaStream_t s = current_stream(dev);
   if (dst_device >= 0 && src_device >= 0 && dst_device != src_device) {
     cuda_synchronize(src_device);  // the source may still be written on its own stream
-    MOE_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_device, src, src_device, nbytes, s));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_device, src, src_device, nbytes, s));
   } else {
-    MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s));
   }
-  if (dst_device < 0 || src_device < 0) MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (dst_device < 0 || src_device < 0) FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 void cuda_memset_zero(void* ptr, size_t nbytes, int device) {
   if (nbytes == 0) return;
-  MOE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, nbytes, current_stream(device)));
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, nbytes, current_stream(device)));
 }
 
 }  // namespace flowmoe

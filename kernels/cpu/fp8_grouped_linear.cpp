@@ -43,19 +43,19 @@ size_t fp8_grouped_gemm_workspace_bytes(int64_t m_total, int64_t k, int64_t num_
 }
 
 void fp8_grouped_gemm_cpu(DType out_dtype, const uint8_t* x, const float* x_scale_inv, const uint8_t* w,
-                          const float* w_scale_inv, void* y, const int64_t* rows_per_expert, int64_t num_experts,
-                          int64_t m_total, int64_t n, int64_t k) {
+                          const float* w_scale_inv, void* y, const int64_t* padded_tokens_per_expert,
+                          int64_t num_experts, int64_t m_total, int64_t n, int64_t k) {
   const char* what = "fp8_grouped_gemm_cpu";
   FLOWMOE_CHECK(out_dtype == DType::bf16 || out_dtype == DType::f32, DTypeError, what,
                 ": the output must be bf16 or f32, got ", dtype_name(out_dtype));
   check_sizes(num_experts, m_total, n, k, what);
-  const int64_t total = check_grouped_rows(rows_per_expert, num_experts, m_total, what);
+  const int64_t total = check_grouped_rows(padded_tokens_per_expert, num_experts, m_total, what);
   const auto& lut = e4m3_table();
   const int64_t kb = fp8_num_blocks(k), nb = fp8_num_blocks(n);
   std::vector<float> xf, wf, yf;
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t rows = rows_per_expert[e];
+    const int64_t rows = padded_tokens_per_expert[e];
     if (rows == 0) continue;
     xf.resize(size_t(rows * k));
     for (int64_t i = 0; i < rows; ++i) {
@@ -85,11 +85,11 @@ void fp8_grouped_gemm_cpu(DType out_dtype, const uint8_t* x, const float* x_scal
 }
 
 void fp8_grouped_wgrad_cpu(const uint8_t* dy_t, const float* dy_t_scale_inv, const uint8_t* x_t,
-                           const float* x_t_scale_inv, float* dw, const int64_t* rows_per_expert, int64_t num_experts,
-                           int64_t m_total, int64_t n, int64_t k, bool accumulate) {
+                           const float* x_t_scale_inv, float* dw, const int64_t* padded_tokens_per_expert,
+                           int64_t num_experts, int64_t m_total, int64_t n, int64_t k, bool accumulate) {
   const char* what = "fp8_grouped_wgrad_cpu";
   check_sizes(num_experts, m_total, n, k, what);
-  check_grouped_rows(rows_per_expert, num_experts, m_total, what);
+  check_grouped_rows(padded_tokens_per_expert, num_experts, m_total, what);
   const auto& lut = e4m3_table();
   // A colwise operand [cols, m_total] of this segment as f32 [cols, rows]; the segment's scales are
   // the packed [ceil(rows/128), cols] slice starting at block row `blk`.
@@ -103,7 +103,7 @@ void fp8_grouped_wgrad_cpu(const uint8_t* dy_t, const float* dy_t_scale_inv, con
   std::vector<float> dyf, xf;
   int64_t off = 0, blk = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t rows = rows_per_expert[e];
+    const int64_t rows = padded_tokens_per_expert[e];
     float* dw_e = dw + e * n * k;
     if (rows == 0) {
       if (!accumulate) std::fill(dw_e, dw_e + n * k, 0.f);  // no tokens: an empty sum

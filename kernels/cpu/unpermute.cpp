@@ -7,15 +7,15 @@
 namespace flowmoe {
 
 template <class T>
-void unpermute_cpu(const int32_t* row_map, int64_t num_tokens, int topk, int64_t hidden, const T* rows,
+void unpermute_cpu(const int32_t* row_map, int64_t num_tokens, int top_k, int64_t hidden, const T* rows,
                    const T* topk_prob, T* y) {
   for (int64_t t = 0; t < num_tokens; ++t) {
     T* out = y + t * hidden;
     std::fill(out, out + hidden, T(0));
-    for (int j = 0; j < topk; ++j) {
-      const int32_t r = row_map[t * topk + j];
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t r = row_map[t * top_k + j];
       if (r < 0) continue;
-      const T p = topk_prob ? topk_prob[t * topk + j] : T(1);
+      const T p = topk_prob ? topk_prob[t * top_k + j] : T(1);
       const T* src = rows + int64_t(r) * hidden;
       for (int64_t h = 0; h < hidden; ++h) out[h] = std::fma(p, src[h], out[h]);  // the GPU's fmaf
     }
@@ -23,13 +23,13 @@ void unpermute_cpu(const int32_t* row_map, int64_t num_tokens, int topk, int64_t
 }
 
 template <class T>
-void unpermute_backward_cpu(const int32_t* row_map, int64_t num_tokens, int topk, int64_t hidden, int64_t num_rows,
+void unpermute_backward_cpu(const int32_t* row_map, int64_t num_tokens, int top_k, int64_t hidden, int64_t num_rows,
                             const T* rows, const T* topk_prob, const T* dy, T* d_rows, T* d_topk_prob) {
   if (d_rows) std::fill(d_rows, d_rows + num_rows * hidden, T(0));  // pad and tail rows get no gradient
   for (int64_t t = 0; t < num_tokens; ++t) {
     const T* g = dy + t * hidden;
-    for (int j = 0; j < topk; ++j) {
-      const int64_t i = t * topk + j;
+    for (int j = 0; j < top_k; ++j) {
+      const int64_t i = t * top_k + j;
       const int32_t r = row_map[i];
       if (r < 0) {
         if (d_topk_prob) d_topk_prob[i] = T(0);

@@ -55,7 +55,7 @@ void adamw_cuda(float* param, const float* grad, float* exp_avg, float* exp_avg_
   FLOWMOE_CHECK(param && grad && exp_avg && exp_avg_sq, Error, "adamw_cuda: null buffer for ", n, " elements");
   const int threads = 256;
   adamw_kernel<<<grid_size(n, threads), threads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, s);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 template <bool kSquare>
@@ -67,10 +67,10 @@ static void reduce_cuda(const float* x, int64_t n, float* out, float* partials, 
   int blocks = int(want < kReduceMaxBlocks ? want : kReduceMaxBlocks);
   if (blocks > 0) {
     reduce_partials_kernel<kSquare><<<blocks, threads, 0, stream>>>(x, n, partials);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   }
   reduce_final_kernel<<<1, kReduceMaxBlocks, 0, stream>>>(partials, blocks, out);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void sum_squares_cuda(const float* x, int64_t n, float* out, float* partials, cudaStream_t stream) {

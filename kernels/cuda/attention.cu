@@ -296,7 +296,7 @@ void dispatch_head_dim(int head_dim, F&& f) {
 // From HD = 64 on the kernels need more than the default 48 KiB of shared memory; opt in for each.
 template <class Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
 }  // namespace
@@ -315,7 +315,7 @@ void attention_forward_cuda(DType dtype, void* out, float* lse, const void* q, c
       attention_forward_kernel<T, HD><<<num_tile_blocks(dims), kThreads, smem, stream>>>(
           static_cast<T*>(out), lse, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
           dims);
-      MOE_CUDA_CHECK_LAUNCH();
+      FLOWMOE_CUDA_CHECK_LAUNCH();
     });
   });
 }
@@ -332,7 +332,7 @@ void attention_backward_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float
     const int delta_threads = 256;
     attention_delta_kernel<<<unsigned((num_rows * 32 + delta_threads - 1) / delta_threads), delta_threads, 0,
                              stream>>>(delta, static_cast<const T*>(d_out), static_cast<const T*>(out), dims);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
     dispatch_head_dim(dims.head_dim, [&](auto hd_tag) {
       constexpr int HD = decltype(hd_tag)::value;
       const size_t dkdv_smem =
@@ -341,13 +341,13 @@ void attention_backward_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float
       attention_backward_dkdv_kernel<T, HD><<<num_tile_blocks(dims), kThreads, dkdv_smem, stream>>>(
           static_cast<T*>(d_k), static_cast<T*>(d_v), static_cast<const T*>(q), static_cast<const T*>(k),
           static_cast<const T*>(v), static_cast<const T*>(d_out), lse, delta, dims);
-      MOE_CUDA_CHECK_LAUNCH();
+      FLOWMOE_CUDA_CHECK_LAUNCH();
       const size_t dq_smem = (4 * kTile * TileShape<HD>::stride + kTile * kProbStride) * sizeof(float);
       allow_smem(attention_backward_dq_kernel<T, HD>, dq_smem);
       attention_backward_dq_kernel<T, HD><<<num_tile_blocks(dims), kThreads, dq_smem, stream>>>(
           static_cast<T*>(d_q), static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
           static_cast<const T*>(d_out), lse, delta, dims);
-      MOE_CUDA_CHECK_LAUNCH();
+      FLOWMOE_CUDA_CHECK_LAUNCH();
     });
   });
 }

@@ -103,7 +103,7 @@ void strided_copy_cuda(void* dst, const void* src, size_t elem_size, const Strid
     case 8: strided_copy_kernel<<<grid_size(n, threads), threads, 0, stream>>>((uint64_t*)dst, (const uint64_t*)src, L, n); break;
     default: FLOWMOE_THROW(DTypeError, "strided_copy: element size ", elem_size, " not supported");
   }
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 // Calls f with a typed null pointer for the CUDA element type of `t` (f64 is CPU-only).
@@ -124,18 +124,18 @@ static void with_cuda_type(DType t, const char* what, F&& f) {
 void cast_cuda(void* dst, DType dst_type, const void* src, DType src_type, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   if (dst_type == src_type) {
-    MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(n) * dtype_size(dst_type), cudaMemcpyDeviceToDevice, stream));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(n) * dtype_size(dst_type), cudaMemcpyDeviceToDevice, stream));
     return;
   }
   const int threads = 256;
   if (dst_type == DType::i32 && src_type == DType::i64) {
     int_cast_kernel<<<grid_size(n, threads), threads, 0, stream>>>((int32_t*)dst, (const int64_t*)src, n);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
     return;
   }
   if (dst_type == DType::i64 && src_type == DType::i32) {
     int_cast_kernel<<<grid_size(n, threads), threads, 0, stream>>>((int64_t*)dst, (const int32_t*)src, n);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
     return;
   }
   with_cuda_type(dst_type, "cast", [&](auto* d) {
@@ -145,7 +145,7 @@ void cast_cuda(void* dst, DType dst_type, const void* src, DType src_type, int64
       cast_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<D*>(dst), static_cast<const S*>(src), n);
     });
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void fill_cuda(void* dst, DType type, double value, int64_t n, cudaStream_t stream) {
@@ -155,7 +155,7 @@ void fill_cuda(void* dst, DType type, double value, int64_t n, cudaStream_t stre
     using D = std::remove_pointer_t<decltype(d)>;
     fill_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<D*>(dst), float(value), n);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

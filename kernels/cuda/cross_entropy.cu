@@ -107,12 +107,12 @@ void cross_entropy_forward_cuda(DType dtype, float* loss, float* inv_count, floa
     if (N > 0) {
       cross_entropy_rows_kernel<<<unsigned(N), row_block_threads(V), 0, stream>>>(
           lse, row_loss, static_cast<const T*>(logits), targets, V, ignore_index);
-      MOE_CUDA_CHECK_LAUNCH();
+      FLOWMOE_CUDA_CHECK_LAUNCH();
     }
   });
   // Runs for N == 0 too: it writes loss = 0 and inv_count = 0.
   cross_entropy_mean_kernel<<<1, 1024, 0, stream>>>(loss, inv_count, row_loss, targets, N, ignore_index);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void cross_entropy_backward_cuda(DType dtype, void* d_logits, const float* d_loss, const float* inv_count,
@@ -124,7 +124,7 @@ void cross_entropy_backward_cuda(DType dtype, void* d_logits, const float* d_los
     if (N == 0) return;
     cross_entropy_backward_kernel<<<unsigned(N), row_block_threads(V), 0, stream>>>(
         static_cast<T*>(d_logits), d_loss, inv_count, static_cast<const T*>(logits), lse, targets, V, ignore_index);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   });
 }
 

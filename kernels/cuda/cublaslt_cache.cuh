@@ -76,7 +76,7 @@ struct LtCache {
     auto& dev = devices[size_t(device)];
     if (!dev) {
       auto fresh = std::make_unique<Shared>();
-      MOE_CUBLAS_CHECK(cublasLtCreate(&fresh->handle));
+      FLOWMOE_CUBLAS_CHECK(cublasLtCreate(&fresh->handle));
       dev = std::move(fresh);
     }
     return *dev;

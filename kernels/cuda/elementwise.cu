@@ -36,7 +36,7 @@ void binary_cuda(BinaryOp op, DType dtype, void* out, const void* a, const void*
     binary_kernel<<<grid_size(n, threads), threads, 0, stream>>>(op, static_cast<T*>(out), static_cast<const T*>(a),
                                                                   static_cast<const T*>(b), n);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void scale_cuda(DType dtype, void* out, const void* a, double s, int64_t n, cudaStream_t stream) {
@@ -47,7 +47,7 @@ void scale_cuda(DType dtype, void* out, const void* a, double s, int64_t n, cuda
     scale_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(a),
                                                                  float(s), n);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

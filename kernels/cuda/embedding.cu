@@ -109,7 +109,7 @@ void embedding_forward_cuda(DType dtype, void* out, const void* weight, const in
     launch_gather<uint32_t>(out, weight, ids, num_ids, vocab, hidden, stream);
   else
     launch_gather<uint16_t>(out, weight, ids, num_ids, vocab, hidden, stream);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 // Workspace: sorted ids, positions, sorted positions (each 256-byte aligned), then CUB's scratch.
@@ -117,9 +117,9 @@ static size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 static size_t sort_scratch_bytes(int64_t num_ids) {
   size_t bytes = 0;
-  MOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int32_t*>(nullptr),
-                                                 static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
-                                                 static_cast<int32_t*>(nullptr), int(num_ids)));
+  FLOWMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), int(num_ids)));
   return bytes;
 }
 
@@ -137,7 +137,7 @@ void embedding_backward_cuda(DType dtype, void* d_weight, const void* d_out, con
                 " bytes, need ", need);
   if (vocab == 0 || hidden == 0) return;
   // Rows of ids that never occur stay zero; every other row is written exactly once below.
-  MOE_CUDA_CHECK(cudaMemsetAsync(d_weight, 0, size_t(vocab) * size_t(hidden) * dtype_size(dtype), stream));
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(d_weight, 0, size_t(vocab) * size_t(hidden) * dtype_size(dtype), stream));
   if (num_ids == 0) return;
 
   size_t slot = align256(size_t(num_ids) * sizeof(int32_t));
@@ -147,10 +147,10 @@ void embedding_backward_cuda(DType dtype, void* d_weight, const void* d_out, con
   auto* sorted_pos = reinterpret_cast<int32_t*>(base + 2 * slot);
   size_t scratch_bytes = need - 3 * slot;
   iota_kernel<<<grid_size(num_ids, 256), 256, 0, stream>>>(positions, num_ids);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
   // Stable, so equal ids keep ascending positions. All 32 key bits: negative ids sort first and trap.
-  MOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + 3 * slot, scratch_bytes, ids, sorted_ids, positions,
-                                                 sorted_pos, int(num_ids), 0, 32, stream));
+  FLOWMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + 3 * slot, scratch_bytes, ids, sorted_ids, positions,
+                                                     sorted_pos, int(num_ids), 0, 32, stream));
 
   int threads = threads_for(hidden);
   int64_t col_blocks = (hidden + threads - 1) / threads;
@@ -160,7 +160,7 @@ void embedding_backward_cuda(DType dtype, void* d_weight, const void* d_out, con
     embedding_backward_kernel<<<grid, threads, 0, stream>>>(static_cast<T*>(d_weight), static_cast<const T*>(d_out),
                                                             sorted_ids, sorted_pos, num_ids, vocab, hidden);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

@@ -105,28 +105,28 @@ struct Layouts {
   cublasLtMatrixLayoutOpaque_t a, b, d;  // C = D
 };
 void init_layouts(Layouts& l, const PlanKey& key) {
-  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.a, CUDA_R_8F_E4M3, uint64_t(key.k), uint64_t(key.m), key.lda));
-  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.b, CUDA_R_8F_E4M3, uint64_t(key.k), uint64_t(key.n), key.ldb));
-  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.d, key.d_dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF, uint64_t(key.m),
-                                            uint64_t(key.n), key.ldd));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.a, CUDA_R_8F_E4M3, uint64_t(key.k), uint64_t(key.m), key.lda));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.b, CUDA_R_8F_E4M3, uint64_t(key.k), uint64_t(key.n), key.ldb));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.d, key.d_dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF,
+                                                uint64_t(key.m), uint64_t(key.n), key.ldd));
 }
 void set_scales(cublasLtMatmulDescOpaque_t& op, const float* a_scale, const float* b_scale) {
-  MOE_CUBLAS_CHECK(
+  FLOWMOE_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof(a_scale)));
-  MOE_CUBLAS_CHECK(
+  FLOWMOE_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof(b_scale)));
 }
 // The heuristic refuses block-scaled problems (status 7) while the scale pointers are null: set them here.
 void init_op(cublasLtMatmulDescOpaque_t& op, const PlanKey& key, const float* a_scale, const float* b_scale) {
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescInit(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescInit(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
   const int32_t mode_a =
       key.wgrad ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
   const int32_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)));
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)));
   set_scales(op, a_scale, b_scale);
 }
 
@@ -137,23 +137,23 @@ std::optional<cublasLtMatmulAlgo_t> query_heuristic(cublasLtHandle_t handle, con
   cublasLtMatmulDescOpaque_t op;
   init_op(op, key, a_scale, b_scale);
   cublasLtMatmulPreferenceOpaque_t pref;
-  MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
   uint64_t ws_bytes = kLtWorkspaceBytes;
-  MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                                        sizeof(ws_bytes)));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                            sizeof(ws_bytes)));
   const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_d},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_d}};
   for (const auto& [attr, value] : aligns)
-    MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, attr, &value, sizeof(value)));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, attr, &value, sizeof(value)));
   cublasLtMatmulHeuristicResult_t result{};
   int num_results = 0;
   cublasStatus_t s =
       cublasLtMatmulAlgoGetHeuristic(handle, &op, &l.a, &l.b, &l.d, &l.d, &pref, 1, &result, &num_results);
   if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && num_results == 0)) return std::nullopt;
-  MOE_CUBLAS_CHECK(s);
+  FLOWMOE_CUBLAS_CHECK(s);
   return result.algo;
 }
 
@@ -231,8 +231,8 @@ void run_gemm(const PlanKey& key, const void* a, const float* a_scale, const voi
                 " k=", key.k, " out ", dtype_name(key.d_dtype));
 }
 
-// Shared argument checks; returns sum(rows_per_expert).
-int64_t check_args(const int64_t* rows_per_expert, int64_t num_experts, int64_t m_total, int64_t n, int64_t k,
+// Shared argument checks; returns sum(padded_tokens_per_expert).
+int64_t check_args(const int64_t* padded_tokens_per_expert, int64_t num_experts, int64_t m_total, int64_t n, int64_t k,
                    const char* what) {
   FLOWMOE_CHECK(num_experts >= 0 && m_total >= 0 && n >= 0 && k >= 0, ShapeError, what,
                 ": negative size E=", num_experts, " M_total=", m_total, " N=", n, " K=", k);
@@ -240,10 +240,10 @@ int64_t check_args(const int64_t* rows_per_expert, int64_t num_experts, int64_t 
                 " must be multiples of 128 (128x128 weight blocks)");
   FLOWMOE_CHECK(m_total % 16 == 0, ShapeError, what, ": M_total=", m_total,
                 " must be a multiple of 16 (cuBLASLt FP8 leading dimension)");
-  const int64_t total = check_grouped_rows(rows_per_expert, num_experts, m_total, what);
+  const int64_t total = check_grouped_rows(padded_tokens_per_expert, num_experts, m_total, what);
   for (int64_t e = 0; e < num_experts; ++e)
-    FLOWMOE_CHECK(rows_per_expert[e] % 16 == 0, ShapeError, what, ": expert ", e, " has ", rows_per_expert[e],
-                  " rows, not a multiple of 16 (permute_pad with align_size >= 16)");
+    FLOWMOE_CHECK(padded_tokens_per_expert[e] % 16 == 0, ShapeError, what, ": expert ", e, " has ",
+                  padded_tokens_per_expert[e], " rows, not a multiple of 16 (permute_pad with align_size >= 16)");
   return total;
 }
 
@@ -252,19 +252,20 @@ int64_t check_args(const int64_t* rows_per_expert, int64_t num_experts, int64_t 
 // ---- launchers --------------------------------------------------------------------------------
 
 void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x, const float* x_scale_inv, const uint8_t* w,
-                           const float* w_scale_inv, void* y, const int64_t* rows_per_expert, int64_t num_experts,
-                           int64_t m_total, int64_t n, int64_t k, void* workspace, cudaStream_t stream) {
+                           const float* w_scale_inv, void* y, const int64_t* padded_tokens_per_expert,
+                           int64_t num_experts, int64_t m_total, int64_t n, int64_t k, void* workspace,
+                           cudaStream_t stream) {
   const char* what = "fp8_grouped_gemm_cuda";
   FLOWMOE_CHECK(out_dtype == DType::bf16 || out_dtype == DType::f32, DTypeError, what,
                 ": the output must be bf16 or f32, got ", dtype_name(out_dtype));
-  const int64_t total = check_args(rows_per_expert, num_experts, m_total, n, k, what);
+  const int64_t total = check_args(padded_tokens_per_expert, num_experts, m_total, n, k, what);
   const size_t es = dtype_size(out_dtype);
   if (total < m_total && n > 0)  // tail rows past the last segment
-    MOE_CUDA_CHECK(
+    FLOWMOE_CUDA_CHECK(
         cudaMemsetAsync(static_cast<char*>(y) + size_t(total * n) * es, 0, size_t((m_total - total) * n) * es, stream));
   if (total == 0 || n == 0) return;
   if (k == 0) {  // an empty sum
-    MOE_CUDA_CHECK(cudaMemsetAsync(y, 0, size_t(total * n) * es, stream));
+    FLOWMOE_CUDA_CHECK(cudaMemsetAsync(y, 0, size_t(total * n) * es, stream));
     return;
   }
   FLOWMOE_CHECK(x && x_scale_inv && w && w_scale_inv && y && workspace, Error, what,
@@ -277,14 +278,14 @@ void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x, const float* x_sca
     int64_t max_rows = 0;
     chunk.off[0] = off0;
     for (int64_t i = 0; i < count; ++i) {
-      chunk.off[i + 1] = chunk.off[i] + rows_per_expert[e0 + i];
-      max_rows = std::max(max_rows, rows_per_expert[e0 + i]);
+      chunk.off[i + 1] = chunk.off[i] + padded_tokens_per_expert[e0 + i];
+      max_rows = std::max(max_rows, padded_tokens_per_expert[e0 + i]);
     }
     off0 = chunk.off[count];
     if (max_rows == 0) continue;
     dim3 grid(unsigned(std::min<int64_t>((max_rows + 31) / 32, 1024)), unsigned((kb + 31) / 32), unsigned(count));
     scale_relayout_kernel<<<grid, dim3(32, 8), 0, stream>>>(ws, x_scale_inv, chunk, kb);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   }
   const int64_t kb4 = (kb + 3) / 4 * 4;
   float* w_scales = ws + (m_total * kb + 63) / 64 * 64;
@@ -292,12 +293,12 @@ void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x, const float* x_sca
     const int64_t num = num_experts * nb * kb4;
     weight_scale_pad_kernel<<<unsigned(std::min<int64_t>((num + 255) / 256, 4096)), 256, 0, stream>>>(
         w_scales, w_scale_inv, num_experts * nb, kb, kb4);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   }
-  StreamFan fan(stream, experts_with_rows(rows_per_expert, num_experts));
+  StreamFan fan(stream, experts_with_rows(padded_tokens_per_expert, num_experts));
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t rows = rows_per_expert[e];
+    const int64_t rows = padded_tokens_per_expert[e];
     if (rows > 0) {
       const uint8_t* a = w + e * n * k;
       const uint8_t* b = x + off * k;
@@ -312,19 +313,21 @@ void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x, const float* x_sca
 }
 
 void fp8_grouped_wgrad_cuda(const uint8_t* dy_t, const float* dy_t_scale_inv, const uint8_t* x_t,
-                            const float* x_t_scale_inv, float* dw, const int64_t* rows_per_expert, int64_t num_experts,
-                            int64_t m_total, int64_t n, int64_t k, bool accumulate, cudaStream_t stream) {
+                            const float* x_t_scale_inv, float* dw, const int64_t* padded_tokens_per_expert,
+                            int64_t num_experts, int64_t m_total, int64_t n, int64_t k, bool accumulate,
+                            cudaStream_t stream) {
   const char* what = "fp8_grouped_wgrad_cuda";
-  check_args(rows_per_expert, num_experts, m_total, n, k, what);
+  check_args(padded_tokens_per_expert, num_experts, m_total, n, k, what);
   const size_t expert_bytes = size_t(n * k) * sizeof(float);
   if (expert_bytes == 0) return;
   FLOWMOE_CHECK(dw != nullptr, Error, what, ": null dw");
   for (int64_t e = 0; e < num_experts; ++e)  // an empty sum, on `main` before the fan forks
-    if (rows_per_expert[e] == 0 && !accumulate) MOE_CUDA_CHECK(cudaMemsetAsync(dw + e * n * k, 0, expert_bytes, stream));
-  StreamFan fan(stream, experts_with_rows(rows_per_expert, num_experts));
+    if (padded_tokens_per_expert[e] == 0 && !accumulate)
+      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw + e * n * k, 0, expert_bytes, stream));
+  StreamFan fan(stream, experts_with_rows(padded_tokens_per_expert, num_experts));
   int64_t off = 0, blk = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t rows = rows_per_expert[e];
+    const int64_t rows = padded_tokens_per_expert[e];
     float* d = dw + e * n * k;
     if (rows == 0) continue;
     FLOWMOE_CHECK(dy_t && dy_t_scale_inv && x_t && x_t_scale_inv, Error, what, ": null operand for expert ", e);

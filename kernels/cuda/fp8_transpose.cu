@@ -166,9 +166,9 @@ void fp8_transpose_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int
                                          fp8_transpose_kernel<<<grid, kThreads, 0, stream>>>(
                                              q, scale_inv, M, K, q_t, scale_inv_t, int(num_col_tiles), vec_in,
                                              vec_out, c);
-                                         MOE_CUDA_CHECK_LAUNCH();
+                                         FLOWMOE_CUDA_CHECK_LAUNCH();
                                        });
-  if (total < M) MOE_CUDA_CHECK(cudaMemset2DAsync(q_t + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
+  if (total < M) FLOWMOE_CUDA_CHECK(cudaMemset2DAsync(q_t + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
 }
 
 }  // namespace flowmoe

@@ -43,8 +43,8 @@ char* at_row(void* base, int64_t row, int64_t cols, size_t elem) {
 // Rows [first_row, m_total) of out [m_total, cols] become zeros (0 has all-zero bits in f32 and bf16).
 void zero_tail(void* out, int64_t first_row, int64_t m_total, int64_t cols, size_t elem, cudaStream_t stream) {
   if (first_row >= m_total || cols == 0) return;
-  MOE_CUDA_CHECK(cudaMemsetAsync(at_row(out, first_row, cols, elem), 0, size_t(m_total - first_row) * size_t(cols) * elem,
-                                 stream));
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(at_row(out, first_row, cols, elem), 0,
+                                     size_t(m_total - first_row) * size_t(cols) * elem, stream));
 }
 
 // ---- side streams: kernels/cuda/stream_fan.cuh ---------------------------------------------------
@@ -63,17 +63,18 @@ int grouped_linear_streams() { return g_num_streams.load(std::memory_order_relax
 
 // ---- launchers --------------------------------------------------------------------------------
 
-void grouped_linear_forward_cuda(DType dtype, const void* x, const void* w, void* y, const int64_t* rows_per_expert,
-                                 int64_t num_experts, int64_t m_total, int64_t n, int64_t k, cudaStream_t stream) {
+void grouped_linear_forward_cuda(DType dtype, const void* x, const void* w, void* y,
+                                 const int64_t* padded_tokens_per_expert, int64_t num_experts, int64_t m_total,
+                                 int64_t n, int64_t k, cudaStream_t stream) {
   check_args(dtype, num_experts, m_total, n, k, "grouped_linear_forward_cuda");
-  int64_t total = check_grouped_rows(rows_per_expert, num_experts, m_total, "grouped_linear_forward_cuda");
+  int64_t total = check_grouped_rows(padded_tokens_per_expert, num_experts, m_total, "grouped_linear_forward_cuda");
   const size_t es = dtype_size(dtype);
   zero_tail(y, total, m_total, n, es, stream);
   if (n == 0) return;
-  StreamFan fan(stream, experts_with_rows(rows_per_expert, num_experts));
+  StreamFan fan(stream, experts_with_rows(padded_tokens_per_expert, num_experts));
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
-    int64_t rows = rows_per_expert[e];
+    int64_t rows = padded_tokens_per_expert[e];
     if (rows > 0)
       gemm_cuda(false, true, rows, n, k, dtype, at_row(x, off, k, es), std::max<int64_t>(1, k),
                 at_row(w, e * n, k, es), std::max<int64_t>(1, k), dtype, at_row(y, off, n, es), n, nullptr, false,
@@ -83,17 +84,18 @@ void grouped_linear_forward_cuda(DType dtype, const void* x, const void* w, void
   fan.join();
 }
 
-void grouped_linear_dgrad_cuda(DType dtype, const void* dy, const void* w, void* dx, const int64_t* rows_per_expert,
-                               int64_t num_experts, int64_t m_total, int64_t n, int64_t k, cudaStream_t stream) {
+void grouped_linear_dgrad_cuda(DType dtype, const void* dy, const void* w, void* dx,
+                               const int64_t* padded_tokens_per_expert, int64_t num_experts, int64_t m_total, int64_t n,
+                               int64_t k, cudaStream_t stream) {
   check_args(dtype, num_experts, m_total, n, k, "grouped_linear_dgrad_cuda");
-  int64_t total = check_grouped_rows(rows_per_expert, num_experts, m_total, "grouped_linear_dgrad_cuda");
+  int64_t total = check_grouped_rows(padded_tokens_per_expert, num_experts, m_total, "grouped_linear_dgrad_cuda");
   const size_t es = dtype_size(dtype);
   zero_tail(dx, total, m_total, k, es, stream);
   if (k == 0) return;
-  StreamFan fan(stream, experts_with_rows(rows_per_expert, num_experts));
+  StreamFan fan(stream, experts_with_rows(padded_tokens_per_expert, num_experts));
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
-    int64_t rows = rows_per_expert[e];
+    int64_t rows = padded_tokens_per_expert[e];
     if (rows > 0)
       gemm_cuda(false, false, rows, k, n, dtype, at_row(dy, off, n, es), std::max<int64_t>(1, n),
                 at_row(w, e * n, k, es), k, dtype, at_row(dx, off, k, es), k, nullptr, false, fan.next());
@@ -102,20 +104,20 @@ void grouped_linear_dgrad_cuda(DType dtype, const void* dy, const void* w, void*
   fan.join();
 }
 
-void grouped_linear_wgrad_cuda(DType dtype, const void* x, const void* dy, float* dw, const int64_t* rows_per_expert,
-                               int64_t num_experts, int64_t m_total, int64_t n, int64_t k, bool accumulate,
-                               cudaStream_t stream) {
+void grouped_linear_wgrad_cuda(DType dtype, const void* x, const void* dy, float* dw,
+                               const int64_t* padded_tokens_per_expert, int64_t num_experts, int64_t m_total, int64_t n,
+                               int64_t k, bool accumulate, cudaStream_t stream) {
   check_args(dtype, num_experts, m_total, n, k, "grouped_linear_wgrad_cuda");
-  check_grouped_rows(rows_per_expert, num_experts, m_total, "grouped_linear_wgrad_cuda");
+  check_grouped_rows(padded_tokens_per_expert, num_experts, m_total, "grouped_linear_wgrad_cuda");
   const size_t es = dtype_size(dtype), expert_bytes = size_t(n) * size_t(k) * sizeof(float);
   if (expert_bytes == 0) return;
   for (int64_t e = 0; e < num_experts; ++e)  // no tokens: the gradient is an empty sum
-    if (rows_per_expert[e] == 0 && !accumulate)
-      MOE_CUDA_CHECK(cudaMemsetAsync(dw + e * n * k, 0, expert_bytes, stream));
-  StreamFan fan(stream, experts_with_rows(rows_per_expert, num_experts));
+    if (padded_tokens_per_expert[e] == 0 && !accumulate)
+      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw + e * n * k, 0, expert_bytes, stream));
+  StreamFan fan(stream, experts_with_rows(padded_tokens_per_expert, num_experts));
   int64_t off = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
-    int64_t rows = rows_per_expert[e];
+    int64_t rows = padded_tokens_per_expert[e];
     if (rows > 0)
       gemm_cuda(true, false, n, k, rows, dtype, at_row(dy, off, n, es), n, at_row(x, off, k, es), k, DType::f32,
                 dw + e * n * k, k, nullptr, accumulate, fan.next());

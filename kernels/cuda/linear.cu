@@ -125,23 +125,24 @@ struct Layouts {
 // buffer with row stride ld is the column-major [c, r] matrix with leading dimension ld.
 void init_layouts(Layouts& l, const PlanKey& key) {
   const uint64_t m = uint64_t(key.m), n = uint64_t(key.n), k = uint64_t(key.k);
-  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.a, cuda_type(key.ab_dtype), key.trans_b ? k : n, key.trans_b ? n : k,
-                                            key.ldb));
-  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.b, cuda_type(key.ab_dtype), key.trans_a ? m : k, key.trans_a ? k : m,
-                                            key.lda));
-  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.d, cuda_type(key.c_dtype), n, m, key.ldc));
+  FLOWMOE_CUBLAS_CHECK(
+      cublasLtMatrixLayoutInit(&l.a, cuda_type(key.ab_dtype), key.trans_b ? k : n, key.trans_b ? n : k, key.ldb));
+  FLOWMOE_CUBLAS_CHECK(
+      cublasLtMatrixLayoutInit(&l.b, cuda_type(key.ab_dtype), key.trans_a ? m : k, key.trans_a ? k : m, key.lda));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatrixLayoutInit(&l.d, cuda_type(key.c_dtype), n, m, key.ldc));
 }
 
 void init_op(cublasLtMatmulDescOpaque_t& op, const PlanKey& key, const void* bias, bool fuse_bias) {
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescInit(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescInit(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t op_a = key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t op_b = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   if (fuse_bias) {  // the bias has D's dtype, which is cuBLASLt's default bias type
     cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    FLOWMOE_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   }
 }
 
@@ -154,17 +155,17 @@ std::optional<Choice> query_heuristic(cublasLtHandle_t handle, const PlanKey& ke
   Layouts l;
   init_layouts(l, key);
   cublasLtMatmulPreferenceOpaque_t pref;
-  MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
   uint64_t ws_bytes = kLtWorkspaceBytes;
-  MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                                        sizeof(ws_bytes)));
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                            sizeof(ws_bytes)));
   const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b},  // swapped operands
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}};
   for (const auto& [attr, value] : aligns)
-    MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, attr, &value, sizeof(value)));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, attr, &value, sizeof(value)));
   for (bool fuse : {true, false}) {
     if (fuse && !key.has_bias) continue;
     cublasLtMatmulDescOpaque_t op;
@@ -174,7 +175,7 @@ std::optional<Choice> query_heuristic(cublasLtHandle_t handle, const PlanKey& ke
     cublasStatus_t s =
         cublasLtMatmulAlgoGetHeuristic(handle, &op, &l.a, &l.b, &l.d, &l.d, &pref, 1, &result, &num_results);
     if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && num_results == 0)) continue;
-    MOE_CUBLAS_CHECK(s);
+    FLOWMOE_CUBLAS_CHECK(s);
     return Choice{result.algo, fuse};
   }
   return std::nullopt;
@@ -222,7 +223,7 @@ void build_plan(Cache::Thread& td, Plan& p, const PlanKey& key, const void* bias
 cublasStatus_t run_plan(Cache::Thread& td, Plan& p, const void* a, const void* b, void* c, const void* bias,
                         bool accumulate, void* workspace, cudaStream_t stream) {
   if (p.choice.fused_bias)  // the cached descriptor still holds the previous call's bias
-    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   return cublasLtMatmul(td.handle, &p.op, &alpha, b, &p.layouts.a, a, &p.layouts.b, &beta, c, &p.layouts.d, c,
                         &p.layouts.d, &p.choice.algo, workspace, kLtWorkspaceBytes, stream);
@@ -235,7 +236,7 @@ void launch_add_bias(DType dtype, void* c, const void* bias, int64_t m, int64_t 
     add_bias_kernel<<<grid_size(m * n, threads), threads, 0, stream>>>(static_cast<T*>(c), static_cast<const T*>(bias),
                                                                        m, n, ldc);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -261,7 +262,7 @@ void gemm_cuda(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, DTyp
 
   if (k == 0) {  // an empty sum: cuBLASLt layouts cannot have zero columns, so write it directly
     size_t es = dtype_size(c_dtype);
-    if (!accumulate) MOE_CUDA_CHECK(cudaMemset2DAsync(c, size_t(ldc) * es, 0, size_t(n) * es, size_t(m), stream));
+    if (!accumulate) FLOWMOE_CUDA_CHECK(cudaMemset2DAsync(c, size_t(ldc) * es, 0, size_t(n) * es, size_t(m), stream));
     if (bias) launch_add_bias(c_dtype, c, bias, m, n, ldc, stream);
     return;
   }
@@ -304,7 +305,7 @@ void bias_grad_cuda(DType dtype, void* d_bias, const void* dy, int64_t m, int64_
   if (n == 0) return;
   FLOWMOE_CHECK(d_bias != nullptr, Error, "bias_grad_cuda: null d_bias");
   if (m == 0) {  // no rows: the gradient is zero (0 has all-zero bits in f32 and bf16)
-    MOE_CUDA_CHECK(cudaMemsetAsync(d_bias, 0, size_t(n) * dtype_size(dtype), stream));
+    FLOWMOE_CUDA_CHECK(cudaMemsetAsync(d_bias, 0, size_t(n) * dtype_size(dtype), stream));
     return;
   }
   FLOWMOE_CHECK(dy != nullptr && partial != nullptr, Error, "bias_grad_cuda: null dy or partial");
@@ -316,11 +317,11 @@ void bias_grad_cuda(DType dtype, void* d_bias, const void* dy, int64_t m, int64_
   dispatch_cuda_float(dtype, "bias_grad_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     bias_grad_partial_kernel<<<grid, block, 0, stream>>>(partial, static_cast<const T*>(dy), m, n);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
     bias_grad_finish_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<T*>(d_bias), partial,
                                                                             num_chunks, n);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

@@ -91,7 +91,7 @@ void launch_ex(void (*kernel)(Params...), unsigned blocks, int threads, size_t s
   }
   cfg.attrs = attr;
   cfg.numAttrs = unsigned(num_attrs);
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  FLOWMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
 template <class... Params, class... Args>
@@ -104,10 +104,10 @@ void launch_dependent(void (*kernel)(Params...), unsigned blocks, int threads, s
 int sm_count() {
   static std::atomic<int> cached[64] = {};
   int dev = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
   int n = dev < 64 ? cached[dev].load(std::memory_order_relaxed) : 0;
   if (n == 0) {
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     if (dev < 64) cached[dev].store(n, std::memory_order_relaxed);
   }
   return n;
@@ -120,15 +120,15 @@ void allow_smem(const void* kernel, size_t smem, bool carveout = false) {
   static std::mutex mu;
   static std::map<std::pair<const void*, int>, size_t> granted;  // (kernel, device) -> bytes allowed
   int dev = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(mu);
   auto it = granted.find({kernel, dev});
   if (it != granted.end() && it->second >= smem) return;
   if (carveout && it == granted.end())
-    MOE_CUDA_CHECK(
+    FLOWMOE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   if (smem > 48 * 1024)
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   granted[{kernel, dev}] = smem;
 }
 
@@ -136,7 +136,7 @@ void check_permute_args(const RoutingDims& d, const PermuteBuffers& b) {
   check_routing_dims(d);
   FLOWMOE_CHECK(d.num_local_experts <= kMaxLocalExperts, Error, "permute_pad_cuda: at most ", kMaxLocalExperts,
                 " local experts, got ", d.num_local_experts);
-  FLOWMOE_CHECK(d.topk <= kMaxTopk, Error, "permute_pad_cuda: topk at most ", kMaxTopk, ", got ", d.topk);
+  FLOWMOE_CHECK(d.top_k <= kMaxTopk, Error, "permute_pad_cuda: top_k at most ", kMaxTopk, ", got ", d.top_k);
   FLOWMOE_CHECK(b.row_bytes == 0 || (b.x && b.rows) || (d.num_tokens == 0 && d.num_rows == 0), Error,
                 "permute_pad_cuda: null x or rows");
   FLOWMOE_CHECK(!b.side || b.side_rows, Error, "permute_pad_cuda: a side payload needs side_rows");
@@ -148,7 +148,7 @@ bool route_map_fits(int num_chunks, int num_local, size_t smem) {
   if (int64_t(num_chunks) * num_local >= INT32_MAX) return false;
   if (num_chunks <= sm_count()) return true;
   int per_sm = 0;
-  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, route_map_kernel, kCountThreads, smem));
+  FLOWMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, route_map_kernel, kCountThreads, smem));
   return int64_t(per_sm) * sm_count() >= num_chunks;
 }
 
@@ -158,7 +158,7 @@ bool route_map_fits(int num_chunks, int num_local, size_t smem) {
 // route_map, [L, chunks] for the fallback.
 void launch_map(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream) {
   const int num_local = d.num_local_experts;
-  const int64_t n = d.num_tokens * d.topk;
+  const int64_t n = d.num_tokens * d.top_k;
   const int num_chunks = int((n + kChunk - 1) / kChunk);
   auto* chunk_counts = static_cast<int32_t*>(b.workspace);
   auto scan = [&] {  // with no entries, route_scan alone writes the zero counts
@@ -174,15 +174,15 @@ void launch_map(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stre
   allow_smem(reinterpret_cast<const void*>(route_map_kernel), map_smem);
   if (route_map_fits(num_chunks, num_local, map_smem)) {
     launch_ex(route_map_kernel, unsigned(num_chunks), kCountThreads, map_smem, stream, false, true, b.topk_idx, n,
-              d.topk, d.num_experts, d.expert_offset, num_local, num_chunks, d.align_size, d.num_rows, b.row_map,
+              d.top_k, d.num_experts, d.expert_offset, num_local, num_chunks, d.align_size, d.num_rows, b.row_map,
               chunk_counts, b.tokens_per_expert, b.padded_tokens_per_expert, b.segment_starts);
     return;
   }
   const size_t count_smem = size_t(kCountWarps) * num_local * sizeof(int32_t);
   allow_smem(reinterpret_cast<const void*>(route_count_kernel), count_smem);
   route_count_kernel<<<num_chunks, kCountThreads, count_smem, stream>>>(
-      b.topk_idx, n, d.topk, d.num_experts, d.expert_offset, num_local, num_chunks, b.row_map, chunk_counts);
-  MOE_CUDA_CHECK_LAUNCH();
+      b.topk_idx, n, d.top_k, d.num_experts, d.expert_offset, num_local, num_chunks, b.row_map, chunk_counts);
+  FLOWMOE_CUDA_CHECK_LAUNCH();
   scan();
   launch_dependent(route_finalize_kernel, unsigned((n + kFinalizeThreads - 1) / kFinalizeThreads), kFinalizeThreads,
                    0, stream, b.topk_idx, n, d.expert_offset, num_local, num_chunks,
@@ -193,7 +193,7 @@ void launch_map(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stre
 template <int VB>
 void launch_rows_vb(const RowArgs& a, cudaStream_t stream) {
   const int64_t pad_blocks = (a.num_pad_items + kRowThreads / 32 - 1) / (kRowThreads / 32);
-  const size_t smem = size_t(kRowThreads / a.group) * a.topk * sizeof(int32_t);
+  const size_t smem = size_t(kRowThreads / a.group) * a.top_k * sizeof(int32_t);
   launch_dependent(permute_rows_kernel<VB>, unsigned(a.token_blocks + pad_blocks), kRowThreads, smem, stream, a);
 }
 
@@ -235,7 +235,7 @@ void launch_rows(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t str
   a.group = group_for(a.nvec);
   a.token_blocks = (d.num_tokens + kRowThreads / a.group - 1) / (kRowThreads / a.group);
   a.num_pad_items = pad_item_count(d.num_local_experts, d.align_size, d.num_rows);
-  a.topk = d.topk, a.num_local = d.num_local_experts, a.align = d.align_size;
+  a.top_k = d.top_k, a.num_local = d.num_local_experts, a.align = d.align_size;
   a.side_cols = b.side ? b.side_cols : 0, a.side_pad_value = b.side_pad_value;
   if (tma) return launch_rows_tma(a, int64_t(b.row_bytes), stream);
   switch (vb) {
@@ -262,7 +262,7 @@ __global__ void gather_probs_kernel(const int32_t* __restrict__ row_map /*[T*k]*
 // ---- public launchers ---------------------------------------------------------------------------
 
 size_t permute_workspace_bytes(const RoutingDims& d) {
-  const int64_t chunks = (d.num_tokens * d.topk + kChunk - 1) / kChunk;
+  const int64_t chunks = (d.num_tokens * d.top_k + kChunk - 1) / kChunk;
   return size_t(chunks) * size_t(d.num_local_experts) * sizeof(int32_t);
 }
 
@@ -284,20 +284,20 @@ void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream
   launch_rows(d, b, stream, row_kernel);
 }
 
-void permute_backward_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int topk, int64_t hidden,
+void permute_backward_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int top_k, int64_t hidden,
                            const void* d_rows, const float* d_probs, void* d_x, float* d_topk_prob,
                            cudaStream_t stream) {
   FLOWMOE_CHECK(bool(d_x) == bool(d_rows) && bool(d_topk_prob) == bool(d_probs), Error,
                 "permute_backward_cuda: d_x and d_rows (and d_topk_prob and d_probs) go together");
-  FLOWMOE_CHECK(topk >= 1 && topk <= kMaxTopk, Error, "permute_backward_cuda: topk must be in [1, ", kMaxTopk,
-                "], got ", topk);
+  FLOWMOE_CHECK(top_k >= 1 && top_k <= kMaxTopk, Error, "permute_backward_cuda: top_k must be in [1, ", kMaxTopk,
+                "], got ", top_k);
   if (num_tokens == 0) return;
-  if (d_x) unpermute_cuda(dtype, row_map, num_tokens, topk, hidden, d_rows, nullptr, d_x, stream);
+  if (d_x) unpermute_cuda(dtype, row_map, num_tokens, top_k, hidden, d_rows, nullptr, d_x, stream);
   if (d_topk_prob) {
-    const int64_t n = num_tokens * topk;
+    const int64_t n = num_tokens * top_k;
     gather_probs_kernel<<<unsigned((n + kRowThreads - 1) / kRowThreads), kRowThreads, 0, stream>>>(row_map, n, d_probs,
                                                                                                    d_topk_prob);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   }
 }
 

@@ -79,7 +79,7 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int* scratch) {
 // counts[e * stride_e + chunk * stride_c]. expert[r] gets the local expert of this thread's entry of
 // round r (-1: not routed here), rank[r] its rank among its warp's copies of that expert. An id outside
 // [0, num_experts) prints the culprit and traps.
-__device__ __forceinline__ void count_chunk(int chunk, const int32_t* __restrict__ topk_idx, int64_t n, int topk,
+__device__ __forceinline__ void count_chunk(int chunk, const int32_t* __restrict__ topk_idx, int64_t n, int top_k,
                                             int num_experts, int expert_offset, int num_local, int32_t* s_hist,
                                             int32_t* __restrict__ counts, int64_t stride_e, int64_t stride_c,
                                             int (&expert)[kCountRounds], int (&rank)[kCountRounds]) {
@@ -102,7 +102,7 @@ __device__ __forceinline__ void count_chunk(int chunk, const int32_t* __restrict
     if (i < n) {
       if (id[r] < 0 || id[r] >= num_experts) {
         printf("permute_pad: topk_idx[%lld, %d] = %d (token %lld) is not an expert id in [0, %d)\n",
-               (long long)(i / topk), int(i % topk), id[r], (long long)(i / topk), num_experts);
+               (long long)(i / top_k), int(i % top_k), id[r], (long long)(i / top_k), num_experts);
         __trap();
       }
       e = id[r] - expert_offset;
@@ -196,7 +196,7 @@ __device__ __forceinline__ void scan_padded_totals(const int32_t* s_total, int n
 
 // Cooperative launch, one block per chunk. Shared memory: [8, L] histogram, [L] totals, [L] bases.
 __global__ void __launch_bounds__(kCountThreads)
-    route_map_kernel(const int32_t* __restrict__ topk_idx /*[n]*/, int64_t n, int topk, int num_experts,
+    route_map_kernel(const int32_t* __restrict__ topk_idx /*[n]*/, int64_t n, int top_k, int num_experts,
                      int expert_offset, int num_local, int num_chunks, int align, int64_t num_rows,
                      int32_t* __restrict__ row_map /*[n]*/, int32_t* __restrict__ chunk_counts /*[num_chunks, L]*/,
                      int32_t* __restrict__ tokens_per_expert /*[L]*/,
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kCountThreads)
   int32_t* s_base = s_total + num_local;               // [L]
   start_dependents();
   int expert[kCountRounds], rank[kCountRounds];
-  count_chunk(int(blockIdx.x), topk_idx, n, topk, num_experts, expert_offset, num_local, s_hist, chunk_counts, 1,
+  count_chunk(int(blockIdx.x), topk_idx, n, top_k, num_experts, expert_offset, num_local, s_hist, chunk_counts, 1,
               num_local, expert, rank);
   for (int e = threadIdx.x; e < num_local; e += blockDim.x) s_total[e] = s_base[e] = 0;
   cooperative_groups::this_grid().sync();  // every chunk's counts are written (and visible)
@@ -231,13 +231,13 @@ __global__ void __launch_bounds__(kCountThreads)
 
 // One block per chunk. row_map gets each routed entry's rank inside its chunk, -1 elsewhere.
 __global__ void __launch_bounds__(kCountThreads)
-    route_count_kernel(const int32_t* __restrict__ topk_idx /*[n]*/, int64_t n, int topk, int num_experts,
+    route_count_kernel(const int32_t* __restrict__ topk_idx /*[n]*/, int64_t n, int top_k, int num_experts,
                        int expert_offset, int num_local, int num_chunks, int32_t* __restrict__ row_map /*[n]*/,
                        int32_t* __restrict__ chunk_counts /*[L, num_chunks]*/) {
   extern __shared__ int32_t s_hist[];  // [kCountWarps, L]
   start_dependents();
   int expert[kCountRounds], rank[kCountRounds];
-  count_chunk(int(blockIdx.x), topk_idx, n, topk, num_experts, expert_offset, num_local, s_hist, chunk_counts,
+  count_chunk(int(blockIdx.x), topk_idx, n, top_k, num_experts, expert_offset, num_local, s_hist, chunk_counts,
               num_chunks, 1, expert, rank);
   const int64_t base = chunk_entry_base(int(blockIdx.x));
   const int32_t* my_hist = s_hist + (threadIdx.x >> 5) * num_local;

@@ -39,7 +39,7 @@ struct RowArgs {
   int64_t num_tokens, nvec, num_rows;
   int64_t token_blocks;      // blocks [0, token_blocks) move tokens, the rest write pad rows
   int64_t num_pad_items;     // pad warps
-  int topk, num_local, align, group, side_cols;
+  int top_k, num_local, align, group, side_cols;
   float side_pad_value;
 };
 
@@ -85,20 +85,20 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocks) permute_rows_kerne
   // x is an input, not an output of step 1: its first pass is read while the routing map finishes.
   if (is_token) load_pass(0);
   wait_for_previous_kernel();
-  int32_t* dest = s_dest + g * a.topk;
+  int32_t* dest = s_dest + g * a.top_k;
   if (is_token)
-    for (int j = lane; j < a.topk; j += a.group) {
-      const int32_t r = a.row_map[t * a.topk + j];
+    for (int j = lane; j < a.top_k; j += a.group) {
+      const int32_t r = a.row_map[t * a.top_k + j];
       dest[j] = r;
-      if (a.probs && r >= 0) a.probs[r] = a.topk_prob[t * a.topk + j];
+      if (a.probs && r >= 0) a.probs[r] = a.topk_prob[t * a.top_k + j];
     }
   __syncthreads();
   if (!is_token) return;
   bool routed = false;
-  for (int j = 0; j < a.topk; ++j) routed |= dest[j] >= 0;
+  for (int j = 0; j < a.top_k; ++j) routed |= dest[j] >= 0;
   if (!routed) return;
   for (int64_t v0 = 0;;) {
-    for (int j = 0; j < a.topk; ++j) {
+    for (int j = 0; j < a.top_k; ++j) {
       if (dest[j] < 0) continue;
       Vec* out = static_cast<Vec*>(a.rows) + int64_t(dest[j]) * a.nvec;
 #pragma unroll
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocks) permute_rows_kerne
     load_pass(v0);
   }
   if (a.side)
-    for (int j = 0; j < a.topk; ++j)
+    for (int j = 0; j < a.top_k; ++j)
       if (dest[j] >= 0)
         for (int c = lane; c < a.side_cols; c += a.group)
           a.side_rows[int64_t(dest[j]) * a.side_cols + c] = a.side[t * a.side_cols + c];

@@ -59,7 +59,7 @@ inline void tma_geometry(TmaRowArgs& ta, int64_t row_bytes) {
 // Dynamic shared memory: [stages, stage_stride] bytes, [stages] mbarriers, [tokens_per_block, k] destinations.
 inline size_t tma_smem_bytes(const TmaRowArgs& ta) {
   return size_t(ta.stages) * size_t(ta.stage_stride) + size_t(ta.stages) * sizeof(uint64_t) +
-         size_t(ta.tokens_per_block) * size_t(ta.a.topk) * sizeof(int32_t);
+         size_t(ta.tokens_per_block) * size_t(ta.a.top_k) * sizeof(int32_t);
 }
 
 // ---- bulk-copy primitives (PTX ISA 8.0, sm_90) --------------------------------------------------
@@ -144,8 +144,8 @@ __global__ void __launch_bounds__(kTmaThreads) permute_rows_tma_kernel(const Tma
     for (int i = 0; i < num_preload; ++i) load_item(i);  // x is an input: read while the map finishes
   }
   wait_for_previous_kernel();
-  for (int i = threadIdx.x; i < num_tok * a.topk; i += blockDim.x) {
-    const int64_t entry = t0 * a.topk + i;
+  for (int i = threadIdx.x; i < num_tok * a.top_k; i += blockDim.x) {
+    const int64_t entry = t0 * a.top_k + i;
     const int32_t r = a.row_map[entry];
     s_dest[i] = r;
     if (a.probs && r >= 0) a.probs[r] = a.topk_prob[entry];
@@ -154,8 +154,8 @@ __global__ void __launch_bounds__(kTmaThreads) permute_rows_tma_kernel(const Tma
   if (threadIdx.x == 0) {
     uint32_t routed = 0;  // bit lt: local token lt has a destination here
     for (int lt = 0; lt < num_tok; ++lt)
-      for (int j = 0; j < a.topk; ++j)
-        if (s_dest[lt * a.topk + j] >= 0) routed |= 1u << lt;
+      for (int j = 0; j < a.top_k; ++j)
+        if (s_dest[lt * a.top_k + j] >= 0) routed |= 1u << lt;
     uint32_t phase = 0;  // bit s: parity of stage s's next completion
     for (int i = 0; i < num_items; ++i) {
       const int s = i % ta.stages, lt = i / cpr;
@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(kTmaThreads) permute_rows_tma_kernel(const Tma
         const unsigned char* buf = s_stage + int64_t(s) * ta.stage_stride;
         const int64_t off = item_offset(i);
         const uint32_t bytes = item_bytes(i);
-        for (int j = 0; j < a.topk; ++j) {
-          const int32_t r = s_dest[lt * a.topk + j];
+        for (int j = 0; j < a.top_k; ++j) {
+          const int32_t r = s_dest[lt * a.top_k + j];
           if (r >= 0) bulk_store(static_cast<unsigned char*>(a.rows) + int64_t(r) * ta.row_bytes + off, buf, bytes);
         }
         bulk_commit();
@@ -191,11 +191,11 @@ __global__ void __launch_bounds__(kTmaThreads) permute_rows_tma_kernel(const Tma
   } else if (threadIdx.x >= 32) {
     const int helper = int(threadIdx.x) - 32, num_helpers = int(blockDim.x) - 32;
     if (a.side_rows) {
-      const int n = num_tok * a.topk * a.side_cols;
+      const int n = num_tok * a.top_k * a.side_cols;
       for (int i = helper; i < n; i += num_helpers) {
         const int dj = i / a.side_cols, c = i - dj * a.side_cols;
         const int32_t r = s_dest[dj];
-        if (r >= 0) a.side_rows[int64_t(r) * a.side_cols + c] = a.side[(t0 + dj / a.topk) * a.side_cols + c];
+        if (r >= 0) a.side_rows[int64_t(r) * a.side_cols + c] = a.side[(t0 + dj / a.top_k) * a.side_cols + c];
       }
     }
     const int64_t first = int64_t(blockIdx.x) * kTmaPadWarps + (helper >> 5);
@@ -212,13 +212,13 @@ __global__ void __launch_bounds__(kTmaThreads) permute_rows_tma_kernel(const Tma
 bool tma_rows_supported() {
   static std::atomic<int> cached[64] = {};  // 0 unknown, 1 no, 2 yes
   int dev = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
   int v = dev < 64 ? cached[dev].load(std::memory_order_relaxed) : 0;
   if (v == 0) {
     int major = 0;
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     cudaFuncAttributes attr{};
-    MOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, permute_rows_tma_kernel));
+    FLOWMOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, permute_rows_tma_kernel));
     v = major >= 9 && attr.binaryVersion >= 90 ? 2 : 1;
     if (dev < 64) cached[dev].store(v, std::memory_order_relaxed);
   }

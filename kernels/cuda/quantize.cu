@@ -384,7 +384,7 @@ void quantize_rowwise_cuda(DType dtype, const void* x, int64_t M, int64_t K, uin
     else
       quantize_rowwise_kernel<T, false><<<grid, kThreads, 0, stream>>>(xt, M, K, q, scale_inv);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void dequantize_rowwise_cuda(DType out_dtype, const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
@@ -399,7 +399,7 @@ void dequantize_rowwise_cuda(DType out_dtype, const uint8_t* q, const float* sca
     else
       dequantize_rows_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, 1, static_cast<T*>(y));
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void quantize_colwise_cuda(DType dtype, const void* x, int64_t M, int64_t K, const int64_t* rows_per_segment,
@@ -417,12 +417,12 @@ void quantize_colwise_cuda(DType dtype, const void* x, int64_t M, int64_t K, con
         quantize_colwise_kernel<T, true><<<grid, kThreads, 0, stream>>>(xt, M, K, c, first, q, scale_inv);
       else
         quantize_colwise_kernel<T, false><<<grid, kThreads, 0, stream>>>(xt, M, K, c, first, q, scale_inv);
-      MOE_CUDA_CHECK_LAUNCH();
+      FLOWMOE_CUDA_CHECK_LAUNCH();
     });
   });
   int64_t total = colwise_total_rows(rows_per_segment, num_segments);
   if (total < M && K > 0)  // columns past the segments (a worst-case sized buffer) are zero
-    MOE_CUDA_CHECK(cudaMemset2DAsync(q + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
+    FLOWMOE_CUDA_CHECK(cudaMemset2DAsync(q + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
 }
 
 void dequantize_colwise_cuda(DType out_dtype, const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
@@ -442,13 +442,13 @@ void dequantize_colwise_cuda(DType out_dtype, const uint8_t* q, const float* sca
         dequantize_colwise_kernel<T, true><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, c, first, yt);
       else
         dequantize_colwise_kernel<T, false><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, c, first, yt);
-      MOE_CUDA_CHECK_LAUNCH();
+      FLOWMOE_CUDA_CHECK_LAUNCH();
     });
   });
   int64_t total = colwise_total_rows(rows_per_segment, num_segments);
   if (total < M && K > 0)  // rows past the segments are zero
-    MOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(y) + size_t(total * K) * elem, 0, size_t((M - total) * K) * elem,
-                                   stream));
+    FLOWMOE_CUDA_CHECK(
+        cudaMemsetAsync(static_cast<char*>(y) + size_t(total * K) * elem, 0, size_t((M - total) * K) * elem, stream));
 }
 
 void quantize_block_cuda(DType dtype, const void* w, int64_t B, int64_t N, int64_t K, uint8_t* q, float* scale_inv,
@@ -468,7 +468,7 @@ void quantize_block_cuda(DType dtype, const void* w, int64_t B, int64_t N, int64
     else
       quantize_block_kernel<T, false><<<grid, kThreads, 0, stream>>>(wt, N, K, q, scale_inv, q_t, scale_inv_t);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void dequantize_block_cuda(DType out_dtype, const uint8_t* q, const float* scale_inv, int64_t B, int64_t N, int64_t K,
@@ -485,7 +485,7 @@ void dequantize_block_cuda(DType out_dtype, const uint8_t* q, const float* scale
     else
       dequantize_rows_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(q, scale_inv, B * N, K, N, yt);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

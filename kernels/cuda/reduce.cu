@@ -55,11 +55,11 @@ void reduce_cuda(ReduceOp op, DType dtype, float* out, float* partials, const vo
     using T = std::remove_pointer_t<decltype(tag)>;
     if (num_partials == 0) return;
     reduce_partials_kernel<<<num_partials, threads, 0, stream>>>(partials, static_cast<const T*>(x), n);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   });
   // Runs for n == 0 too (no partials): it writes 0.
   reduce_final_kernel<<<1, 1024, 0, stream>>>(out, partials, num_partials, op == ReduceOp::mean ? n : 1);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void reduce_backward_cuda(ReduceOp op, DType dtype, void* d_x, const float* d_out, int64_t n, cudaStream_t stream) {
@@ -70,7 +70,7 @@ void reduce_backward_cuda(ReduceOp op, DType dtype, void* d_x, const float* d_ou
     if (n == 0) return;
     fill_from_scalar_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<T*>(d_x), d_out,
                                                                            op == ReduceOp::mean ? n : 1, n);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   });
 }
 

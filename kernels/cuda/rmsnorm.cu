@@ -110,7 +110,7 @@ void rmsnorm_forward_cuda(DType dtype, void* y, const void* x, const void* weigh
     rmsnorm_forward_kernel<<<unsigned(rows), threads, 0, stream>>>(
         static_cast<T*>(y), static_cast<const T*>(x), static_cast<const T*>(weight), rows, hidden, float(eps));
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 int64_t rmsnorm_backward_workspace_floats(int64_t rows, int64_t hidden) {
@@ -126,7 +126,7 @@ void rmsnorm_backward_cuda(DType dtype, void* d_x, void* d_weight, const void* d
                 rmsnorm_backward_workspace_floats(rows, hidden));
   if (hidden == 0) return;
   if (rows == 0) {  // no rows: d_weight is an empty sum
-    MOE_CUDA_CHECK(cudaMemsetAsync(d_weight, 0, size_t(hidden) * dtype_size(dtype), stream));
+    FLOWMOE_CUDA_CHECK(cudaMemsetAsync(d_weight, 0, size_t(hidden) * dtype_size(dtype), stream));
     return;
   }
   int64_t num_partials = rows < kRmsnormPartials ? rows : kRmsnormPartials;
@@ -136,11 +136,11 @@ void rmsnorm_backward_cuda(DType dtype, void* d_x, void* d_weight, const void* d
     rmsnorm_backward_kernel<<<unsigned(num_partials), threads, 0, stream>>>(
         static_cast<T*>(d_x), workspace, static_cast<const T*>(d_y), static_cast<const T*>(x),
         static_cast<const T*>(weight), rows, hidden, float(eps));
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
     rmsnorm_dweight_kernel<<<unsigned((hidden + 31) / 32), dim3(32, 32), 0, stream>>>(
         static_cast<T*>(d_weight), workspace, num_partials, hidden);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

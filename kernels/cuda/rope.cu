@@ -59,7 +59,7 @@ static void rope_launch(DType dtype, void* out, const void* x, int64_t batch, in
                                                              int(seq_len), int(num_heads), int(head_dim), theta,
                                                              pos_offset, direction);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void rope_forward_cuda(DType dtype, void* out, const void* x, int64_t batch, int64_t seq_len, int64_t num_heads,

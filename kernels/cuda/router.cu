@@ -311,12 +311,12 @@ unsigned token_blocks(int64_t num_tokens) { return unsigned((num_tokens + kWarps
 void router_topk_cuda(const RouterParams& p, const float* logits, const float* expert_bias, int64_t num_tokens,
                       int32_t* topk_idx, float* topk_prob, int32_t* tokens_per_expert, cudaStream_t stream) {
   check_params(p, "router_topk_cuda");
-  MOE_CUDA_CHECK(cudaMemsetAsync(tokens_per_expert, 0, sizeof(int32_t) * size_t(p.num_experts), stream));
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(tokens_per_expert, 0, sizeof(int32_t) * size_t(p.num_experts), stream));
   if (num_tokens == 0) return;
   size_t smem = sizeof(float) * size_t(kWarpsPerBlock) * size_t(p.num_experts);
   router_topk_kernel<<<token_blocks(num_tokens), kWarpsPerBlock * 32, smem, stream>>>(
       p, float(p.routed_scaling_factor), logits, expert_bias, num_tokens, topk_idx, topk_prob, tokens_per_expert);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void router_topk_backward_cuda(const RouterParams& p, const float* logits, const int32_t* topk_idx,
@@ -325,7 +325,7 @@ void router_topk_backward_cuda(const RouterParams& p, const float* logits, const
   if (num_tokens == 0) return;
   router_topk_backward_kernel<<<token_blocks(num_tokens), kWarpsPerBlock * 32, 0, stream>>>(
       p, double(float(p.routed_scaling_factor)), logits, topk_idx, d_topk_prob, num_tokens, d_logits);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 // Loss = sum over tokens of alpha / B * E / (k S^2) * sum_e count[b(t), e] * s'_{t,e}.
@@ -342,16 +342,17 @@ void router_balance_loss_cuda(const RouterParams& p, const float* logits, const 
   FLOWMOE_CHECK(S == 0 || num_tokens % S == 0, ShapeError, "router_balance_loss_cuda: ", num_tokens,
                 " tokens are not whole sequences of ", S);
   if (num_tokens > 0) {
-    MOE_CUDA_CHECK(cudaMemsetAsync(seq_counts, 0, sizeof(int32_t) * size_t(num_tokens / S * p.num_experts), stream));
+    FLOWMOE_CUDA_CHECK(
+        cudaMemsetAsync(seq_counts, 0, sizeof(int32_t) * size_t(num_tokens / S * p.num_experts), stream));
     seq_counts_kernel<<<grid_size(num_tokens * p.top_k, 256), 256, 0, stream>>>(topk_idx, num_tokens, p.top_k, S,
                                                                                 p.num_experts, seq_counts);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
     balance_token_kernel<<<token_blocks(num_tokens), kWarpsPerBlock * 32, 0, stream>>>(
         p, balance_coef(p, num_tokens, S, alpha), logits, num_tokens, S, seq_counts, token_loss);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   }
   sum_tokens_kernel<<<1, 1024, 0, stream>>>(token_loss, num_tokens, loss);  // writes 0 for no tokens
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void router_balance_loss_backward_cuda(const RouterParams& p, const float* logits, const int32_t* topk_idx,
@@ -362,26 +363,26 @@ void router_balance_loss_backward_cuda(const RouterParams& p, const float* logit
   FLOWMOE_CHECK(S == 0 || num_tokens % S == 0, ShapeError, "router_balance_loss_backward_cuda: ", num_tokens,
                 " tokens are not whole sequences of ", S);
   if (num_tokens == 0) return;
-  MOE_CUDA_CHECK(cudaMemsetAsync(seq_counts, 0, sizeof(int32_t) * size_t(num_tokens / S * p.num_experts), stream));
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(seq_counts, 0, sizeof(int32_t) * size_t(num_tokens / S * p.num_experts), stream));
   seq_counts_kernel<<<grid_size(num_tokens * p.top_k, 256), 256, 0, stream>>>(topk_idx, num_tokens, p.top_k, S,
                                                                               p.num_experts, seq_counts);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
   balance_backward_kernel<<<token_blocks(num_tokens), kWarpsPerBlock * 32, 0, stream>>>(
       p, balance_coef(p, num_tokens, S, alpha), logits, num_tokens, S, seq_counts, d_loss, d_logits);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void expert_bias_update_cuda(float* expert_bias, const int32_t* tokens_per_expert, int num_experts, double rate,
                              BiasUpdateRule rule, cudaStream_t stream) {
   if (num_experts == 0) return;
   expert_bias_update_kernel<<<1, 256, 0, stream>>>(expert_bias, tokens_per_expert, num_experts, rate, rule);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void add_tokens_per_expert_cuda(int32_t* total, const int32_t* counts, int num_experts, cudaStream_t stream) {
   if (num_experts == 0) return;
   add_counts_kernel<<<grid_size(num_experts, 256), 256, 0, stream>>>(total, counts, num_experts);
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

@@ -37,7 +37,7 @@ void silu_forward_cuda(DType dtype, void* y, const void* x, int64_t n, cudaStrea
     silu_forward_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<T*>(y), static_cast<const T*>(x),
                                                                         n);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void silu_backward_cuda(DType dtype, void* d_x, const void* d_y, const void* x, int64_t n, cudaStream_t stream) {
@@ -49,7 +49,7 @@ void silu_backward_cuda(DType dtype, void* d_x, const void* d_y, const void* x, 
     silu_backward_kernel<<<grid_size(n, threads), threads, 0, stream>>>(
         static_cast<T*>(d_x), static_cast<const T*>(d_y), static_cast<const T*>(x), n);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

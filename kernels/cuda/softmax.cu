@@ -52,7 +52,7 @@ void softmax_forward_cuda(DType dtype, void* y, const void* x, int64_t rows, int
     if (rows == 0 || cols == 0) return;
     softmax_forward_kernel<<<unsigned(rows), row_block_threads(cols), 0, stream>>>(static_cast<T*>(y),
                                                                                    static_cast<const T*>(x), cols);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   });
 }
 
@@ -64,7 +64,7 @@ void softmax_backward_cuda(DType dtype, void* d_x, const void* d_y, const void* 
     if (rows == 0 || cols == 0) return;
     softmax_backward_kernel<<<unsigned(rows), row_block_threads(cols), 0, stream>>>(
         static_cast<T*>(d_x), static_cast<const T*>(d_y), static_cast<const T*>(y), cols);
-    MOE_CUDA_CHECK_LAUNCH();
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   });
 }
 

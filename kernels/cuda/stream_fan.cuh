@@ -32,22 +32,23 @@ inline SideStreams& side_streams(int device, size_t count) {
   auto& s = per_device[size_t(device)];
   if (!s) {
     s = std::make_unique<SideStreams>();
-    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming));
+    FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming));
   }
   while (s->streams.size() < count) {
     cudaStream_t st = nullptr;
     cudaEvent_t ev = nullptr;
-    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     s->streams.push_back(st);
-    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     s->done.push_back(ev);
   }
   return *s;
 }
 
 // The GEMMs a grouped call issues: one per expert that has rows (the fan's num_gemms).
-inline int64_t experts_with_rows(const int64_t* rows_per_expert, int64_t num_experts) {
-  return std::count_if(rows_per_expert, rows_per_expert + num_experts, [](int64_t r) { return r > 0; });
+inline int64_t experts_with_rows(const int64_t* padded_tokens_per_expert, int64_t num_experts) {
+  return std::count_if(padded_tokens_per_expert, padded_tokens_per_expert + num_experts,
+                       [](int64_t r) { return r > 0; });
 }
 
 class StreamFan {
@@ -57,8 +58,9 @@ class StreamFan {
     if (n <= 1) return;
     side_ = &side_streams(cuda_current_device(), size_t(n - 1));
     num_side_ = int(n - 1);
-    MOE_CUDA_CHECK(cudaEventRecord(side_->fork, main_));
-    for (int i = 0; i < num_side_; ++i) MOE_CUDA_CHECK(cudaStreamWaitEvent(side_->streams[size_t(i)], side_->fork, 0));
+    FLOWMOE_CUDA_CHECK(cudaEventRecord(side_->fork, main_));
+    for (int i = 0; i < num_side_; ++i)
+      FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(side_->streams[size_t(i)], side_->fork, 0));
   }
   StreamFan(const StreamFan&) = delete;
   StreamFan& operator=(const StreamFan&) = delete;
@@ -78,7 +80,7 @@ class StreamFan {
     for (int i = 0; i < num_side_; ++i) {
       cudaError_t e = cudaEventRecord(side_->done[size_t(i)], side_->streams[size_t(i)]);
       if (e == cudaSuccess) e = cudaStreamWaitEvent(main_, side_->done[size_t(i)], 0);
-      if (check) MOE_CUDA_CHECK(e);
+      if (check) FLOWMOE_CUDA_CHECK(e);
     }
     num_side_ = 0;
   }

@@ -52,7 +52,7 @@ void swiglu_forward_cuda(DType dtype, void* out, const void* gate_up, int64_t ro
     swiglu_forward_kernel<<<swiglu_grid(rows, F, threads), threads, 0, stream>>>(
         static_cast<T*>(out), static_cast<const T*>(gate_up), rows, F);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void swiglu_backward_cuda(DType dtype, void* d_gate_up, const void* d_out, const void* gate_up, int64_t rows,
@@ -65,7 +65,7 @@ void swiglu_backward_cuda(DType dtype, void* d_gate_up, const void* d_out, const
     swiglu_backward_kernel<<<swiglu_grid(rows, F, threads), threads, 0, stream>>>(
         static_cast<T*>(d_gate_up), static_cast<const T*>(d_out), static_cast<const T*>(gate_up), rows, F);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

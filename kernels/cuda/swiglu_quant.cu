@@ -222,7 +222,7 @@ void swiglu_quant_forward_cuda(DType dtype, const void* h, const float* prob, in
     auto kernel = vec ? swiglu_quant_forward_kernel<T, true> : swiglu_quant_forward_kernel<T, false>;
     kernel<<<quantize_grid(M, F, N), kThreads, 0, stream>>>(static_cast<const T*>(h), prob, M, F, q, scale_inv);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, const float* prob, int64_t M, int64_t F,
@@ -232,7 +232,7 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, con
                 "swiglu_quant_backward_cuda: d_h_q and d_h_scale_inv come together (one of them is null)");
   if (M == 0) return;
   if (F == 0) {  // no columns: d_prob is an empty sum
-    if (d_prob) MOE_CUDA_CHECK(cudaMemsetAsync(d_prob, 0, size_t(M) * sizeof(float), stream));
+    if (d_prob) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(d_prob, 0, size_t(M) * sizeof(float), stream));
     return;
   }
   FLOWMOE_CHECK(d_a && h, Error, "swiglu_quant_backward_cuda: null d_a or h (M ", M, ", F ", F, ")");
@@ -241,8 +241,8 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, con
   const bool big_smem = smem + 32 * sizeof(float) > 48 * 1024;  // past the default: opt in (F > ~6000)
   if (big_smem) {
     int dev = 0, smem_optin = 0;
-    MOE_CUDA_CHECK(cudaGetDevice(&dev));
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
+    FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     FLOWMOE_CHECK(smem + 32 * sizeof(float) <= size_t(smem_optin), ShapeError, "swiglu_quant_backward_cuda: F ", F,
                   " needs ", smem, " bytes of shared memory for a row of d_h, the device allows ", smem_optin);
   }
@@ -259,14 +259,14 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, con
     }
     auto kernel = vec ? swiglu_quant_backward_kernel<T, true> : swiglu_quant_backward_kernel<T, false>;
     if (big_smem)
-      MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     const int64_t chunks = (F + N - 1) / N;
     const int threads = int(chunks < 64 ? 64 : (chunks > 1024 ? 1024 : (chunks + 31) / 32 * 32));
     const unsigned grid = unsigned(M < (int64_t(1) << 30) ? M : (int64_t(1) << 30));
     kernel<<<grid, threads, smem, stream>>>(static_cast<const T*>(d_a), static_cast<const T*>(h), prob, M, F, d_h_q,
                                             d_h_scale_inv, static_cast<T*>(d_h), d_prob);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

@@ -35,7 +35,7 @@ constexpr int kMaxTopk = kUnpermuteMaxTopk;  // kernels/unpermute.h
 // where two vectors of two rows reached 0.85-0.92 (bench/bench_permute.cpp, docs/PERF.md).
 template <class T, int VB>
 __global__ void __launch_bounds__(kThreads)
-    unpermute_kernel(const int32_t* __restrict__ row_map /*[T,k]*/, int64_t num_tokens, int topk, int64_t nvec,
+    unpermute_kernel(const int32_t* __restrict__ row_map /*[T,k]*/, int64_t num_tokens, int top_k, int64_t nvec,
                      int group, const T* __restrict__ rows /*[num_rows, nvec*n]*/,
                      const float* __restrict__ topk_prob /*[T,k]*/, T* __restrict__ y /*[T, nvec*n]*/) {
   using P = Packed<T, VB>;
@@ -43,18 +43,18 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ unsigned char s_raw[];
   __shared__ int s_count[kWarps];  // routed slots per group
   const int groups = blockDim.x / group, g = threadIdx.x / group, lane = threadIdx.x % group;
-  int32_t* s_row = reinterpret_cast<int32_t*>(s_raw) + g * topk;                    // [groups, k]
-  float* s_prob = reinterpret_cast<float*>(s_raw) + (groups + g) * int64_t(topk);  // [groups, k]
+  int32_t* s_row = reinterpret_cast<int32_t*>(s_raw) + g * top_k;                   // [groups, k]
+  float* s_prob = reinterpret_cast<float*>(s_raw) + (groups + g) * int64_t(top_k);  // [groups, k]
   const int64_t t = int64_t(blockIdx.x) * groups + g;
   if (t < num_tokens)
-    for (int j = lane; j < topk; j += group) {
-      s_row[j] = row_map[t * topk + j];
-      s_prob[j] = topk_prob ? topk_prob[t * topk + j] : 1.f;
+    for (int j = lane; j < top_k; j += group) {
+      s_row[j] = row_map[t * top_k + j];
+      s_prob[j] = topk_prob ? topk_prob[t * top_k + j] : 1.f;
     }
   __syncthreads();
   if (t < num_tokens && lane == 0) {  // routed slots first, j ascending: the loop below needs no branch
     int count = 0;
-    for (int j = 0; j < topk; ++j)
+    for (int j = 0; j < top_k; ++j)
       if (s_row[j] >= 0) {
         s_row[count] = s_row[j];
         s_prob[count] = s_prob[j];
@@ -111,7 +111,7 @@ struct BackwardArgs {
   const float* topk_prob;  // [T,k] or null (weights 1)
   float* d_topk_prob;      // [T,k] or null
   int64_t num_tokens, nvec, num_rows, token_blocks, num_pad_items;
-  int topk, num_local, align, group;
+  int top_k, num_local, align, group;
 };
 
 // Blocks [0, token_blocks) hold 256 / group tokens each. The blocks after them hold 8 pad warps each:
@@ -137,17 +137,17 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int groups = blockDim.x / a.group, g = threadIdx.x / a.group, lane = threadIdx.x % a.group;
   const int warp = threadIdx.x >> 5, warps_per_group = a.group >> 5;
-  int32_t* s_row = reinterpret_cast<int32_t*>(s_raw) + g * a.topk;                         // [groups, k]
-  float* s_prob = reinterpret_cast<float*>(s_raw) + (groups + g) * int64_t(a.topk);       // [groups, k]
-  float* s_dot = reinterpret_cast<float*>(s_raw) + 2 * groups * int64_t(a.topk);          // [warps, k]
+  int32_t* s_row = reinterpret_cast<int32_t*>(s_raw) + g * a.top_k;                   // [groups, k]
+  float* s_prob = reinterpret_cast<float*>(s_raw) + (groups + g) * int64_t(a.top_k);  // [groups, k]
+  float* s_dot = reinterpret_cast<float*>(s_raw) + 2 * groups * int64_t(a.top_k);     // [warps, k]
   const int64_t item = int64_t(blockIdx.x) * groups + g;
   const bool is_token = item < a.num_tokens;
   if (is_token)
-    for (int j = lane; j < a.topk; j += a.group) {
-      s_row[j] = a.row_map[item * a.topk + j];
-      s_prob[j] = a.topk_prob ? a.topk_prob[item * a.topk + j] : 1.f;
+    for (int j = lane; j < a.top_k; j += a.group) {
+      s_row[j] = a.row_map[item * a.top_k + j];
+      s_prob[j] = a.topk_prob ? a.topk_prob[item * a.top_k + j] : 1.f;
     }
-  for (int i = threadIdx.x; i < kWarps * a.topk; i += blockDim.x) s_dot[i] = 0.f;
+  for (int i = threadIdx.x; i < kWarps * a.top_k; i += blockDim.x) s_dot[i] = 0.f;
   __syncthreads();
 
   if (is_token) {
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kThreads)
           for (int e = 0; e < P::n; ++e) g_in[u][e] = in.get(e);
         }
       }
-      for (int j = 0; j < a.topk; ++j) {
+      for (int j = 0; j < a.top_k; ++j) {
         const int32_t r = s_row[j];
         if (r < 0) continue;
         if (d_rows) {
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads)
             }
           }
           part = warp_sum(part);  // the whole warp is in this group and takes the same branch
-          if ((threadIdx.x & 31) == 0) s_dot[warp * a.topk + j] += part;
+          if ((threadIdx.x & 31) == 0) s_dot[warp * a.top_k + j] += part;
         }
       }
     }
@@ -199,10 +199,10 @@ __global__ void __launch_bounds__(kThreads)
   if (!a.d_topk_prob) return;
   __syncthreads();
   if (is_token)
-    for (int j = lane; j < a.topk; j += a.group) {
+    for (int j = lane; j < a.top_k; j += a.group) {
       float dot = 0.f;  // the group's warps in order: a fixed reduction tree
-      for (int w = g * warps_per_group; w < (g + 1) * warps_per_group; ++w) dot += s_dot[w * a.topk + j];
-      a.d_topk_prob[item * a.topk + j] = s_row[j] >= 0 ? dot : 0.f;
+      for (int w = g * warps_per_group; w < (g + 1) * warps_per_group; ++w) dot += s_dot[w * a.top_k + j];
+      a.d_topk_prob[item * a.top_k + j] = s_row[j] >= 0 ? dot : 0.f;
     }
 }
 
@@ -220,10 +220,10 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 // ---- launchers --------------------------------------------------------------------------------
 
-void unpermute_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int topk, int64_t hidden,
+void unpermute_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int top_k, int64_t hidden,
                     const void* rows, const float* topk_prob, void* y, cudaStream_t stream) {
-  FLOWMOE_CHECK(topk >= 1 && topk <= kMaxTopk, Error, "unpermute_cuda: topk must be in [1, ", kMaxTopk, "], got ",
-                topk);
+  FLOWMOE_CHECK(top_k >= 1 && top_k <= kMaxTopk, Error, "unpermute_cuda: top_k must be in [1, ", kMaxTopk, "], got ",
+                top_k);
   if (num_tokens == 0 || hidden == 0) return;
   dispatch_cuda_float(dtype, "unpermute_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -232,8 +232,8 @@ void unpermute_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int
       const int64_t nvec = hidden / elems_per_vec;
       const int group = group_for(nvec, kForwardUnroll), groups = kThreads / group;
       const unsigned blocks = unsigned((num_tokens + groups - 1) / groups);
-      const size_t smem = size_t(2 * groups) * topk * 4;
-      kernel<<<blocks, kThreads, smem, stream>>>(row_map, num_tokens, topk, nvec, group, static_cast<const T*>(rows),
+      const size_t smem = size_t(2 * groups) * top_k * 4;
+      kernel<<<blocks, kThreads, smem, stream>>>(row_map, num_tokens, top_k, nvec, group, static_cast<const T*>(rows),
                                                  topk_prob, static_cast<T*>(y));
     };
     if (wide)
@@ -241,12 +241,12 @@ void unpermute_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int
     else
       launch(unpermute_kernel<T, int(sizeof(T))>, 1);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void unpermute_backward_cuda(DType dtype, const UnpermuteBackwardArgs& in, cudaStream_t stream) {
-  FLOWMOE_CHECK(in.topk >= 1 && in.topk <= kMaxTopk, Error, "unpermute_backward_cuda: topk must be in [1, ", kMaxTopk,
-                "], got ", in.topk);
+  FLOWMOE_CHECK(in.top_k >= 1 && in.top_k <= kMaxTopk, Error, "unpermute_backward_cuda: top_k must be in [1, ",
+                kMaxTopk, "], got ", in.top_k);
   FLOWMOE_CHECK(in.num_local_experts >= 1 && (in.align_size == 16 || in.align_size == 32 || in.align_size == 64 ||
                                               in.align_size == 128),
                 Error, "unpermute_backward_cuda: need >= 1 local expert and align_size 16/32/64/128, got ",
@@ -256,7 +256,7 @@ void unpermute_backward_cuda(DType dtype, const UnpermuteBackwardArgs& in, cudaS
   BackwardArgs a{};
   a.row_map = in.row_map, a.tokens = in.tokens_per_expert, a.seg = in.segment_starts, a.topk_prob = in.topk_prob;
   a.d_topk_prob = in.d_topk_prob;
-  a.num_tokens = in.num_tokens, a.num_rows = in.num_rows, a.topk = in.topk, a.num_local = in.num_local_experts;
+  a.num_tokens = in.num_tokens, a.num_rows = in.num_rows, a.top_k = in.top_k, a.num_local = in.num_local_experts;
   a.align = in.align_size;
   a.num_pad_items = in.d_rows ? pad_item_count(a.num_local, a.align, a.num_rows) : 0;
   if (a.num_tokens == 0 && a.num_pad_items == 0) return;
@@ -270,7 +270,7 @@ void unpermute_backward_cuda(DType dtype, const UnpermuteBackwardArgs& in, cudaS
       const int groups = kThreads / a.group;
       a.token_blocks = (a.num_tokens + groups - 1) / groups;
       const unsigned blocks = unsigned(a.token_blocks + (a.num_pad_items + kWarps - 1) / kWarps);
-      const size_t smem = size_t(2 * groups + kWarps) * a.topk * 4;
+      const size_t smem = size_t(2 * groups + kWarps) * a.top_k * 4;
       kernel<<<blocks, kThreads, smem, stream>>>(a, static_cast<const T*>(in.rows), static_cast<const T*>(in.dy),
                                                  static_cast<T*>(in.d_rows));
     };
@@ -279,7 +279,7 @@ void unpermute_backward_cuda(DType dtype, const UnpermuteBackwardArgs& in, cudaS
     else
       launch(unpermute_backward_kernel<T, int(sizeof(T))>, 1);
   });
-  MOE_CUDA_CHECK_LAUNCH();
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flowmoe

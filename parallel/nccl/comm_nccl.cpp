@@ -157,7 +157,7 @@ class NcclCommunicator final : public Communicator {
 
   void do_synchronize() override {
     DeviceScope scope(device_);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(enqueue_stream()));
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(enqueue_stream()));
   }
 
   std::shared_ptr<Communicator> do_split(int color, int key) override {
