@@ -72,10 +72,14 @@ TEST(MoeFp8, CloseToTheF32Layer) {
       }
       EXPECT_LT(rel_error(got.y, ref.y), 0.06);
       EXPECT_LT(rel_error(got.dx, ref.dx), 0.08);
-      // Parameter 0 is the router gate: with one token its gradient is a difference of a few FP8 dot
-      // products (the probs are normalized) that nearly cancel, so only larger T compare it.
-      for (size_t i = T == 1 ? 1 : 0; i < ref.grads.size(); ++i)
-        EXPECT_LT(rel_error(got.grads[i], ref.grads[i]), T == 1 ? 0.2 : 0.1) << "parameter " << i;
+      // Parameter 0 is the router gate: its gradient is a sum of differences of FP8 dot products
+      // (the probs are normalized) that nearly cancel, so its relative error shrinks only as T grows:
+      // with one token it is not compared; at T=37 it measured up to 0.107 over 550 seeds (0.15
+      // allowed), at T=200 below 0.1. A wrong scale or block gives errors of order 1.
+      for (size_t i = T == 1 ? 1 : 0; i < ref.grads.size(); ++i) {
+        const double bound = T == 1 ? 0.2 : (i == 0 && T < 100 ? 0.15 : 0.1);
+        EXPECT_LT(rel_error(got.grads[i], ref.grads[i]), bound) << "parameter " << i;
+      }
     }
   }
 }
