@@ -60,8 +60,9 @@ class MoeLayer {
 
   // The balance loss of the last forward (undefined when aux_loss_alpha == 0).
   const Variable& aux_loss() const { return aux_loss_; }
-  // After an optimizer step: move expert_bias toward balance using the counts of every forward
-  // since the last call, and return their load statistics (reads the counts: one host sync).
+  // After an optimizer step: move expert_bias toward balance using the counts of every training
+  // forward (grad enabled: evaluations do not count) since the last call, and return their load
+  // statistics (reads the counts: one host sync).
   // rate_scale multiplies bias_update_rate for this update (model.bias_update_schedule: lr).
   LoadStats update_bias(double rate_scale = 1.0);
   // Named <prefix>.gate.e_score_correction_bias (as HF); no gradient, saved in checkpoints.
