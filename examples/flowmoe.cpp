@@ -1,6 +1,7 @@
 // The flowmoe command: train, eval, prepare-data, plot, walkthrough (and config-reference).
 // Only main() catches: configuration and usage errors exit 2, other errors exit 1, a training run
 // stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143) after saving a checkpoint.
+// Under mpirun or srun, train and eval run data-parallel on every process (launch.h); rank 0 prints.
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include "train/memory_estimate.h"
 #include "train/plot.h"
 #include "train/trainer.h"
+#include "examples/launch.h"
 #include "examples/walkthrough.h"
 
 using namespace flowmoe;
@@ -64,6 +66,9 @@ options:
 Ctrl-C (SIGINT) or SIGTERM (timeout, Slurm, Kubernetes) finishes the current step, saves a
 checkpoint and exits with status 130 or 143; --resume continues from it. A second signal stops
 at once, without a checkpoint.
+
+Several processes (mpirun -np N or srun -n N in front of the command) train data-parallel:
+train.batch_size is the global batch, split evenly over the processes; rank 0 prints and writes.
 )";
 
 const char* kEvalHelp = R"(usage: flowmoe eval --config FILE --checkpoint DIR [--set section.key=value ...] [--batches N]
@@ -147,6 +152,7 @@ class Args {
 };
 
 volatile std::sig_atomic_t g_stop_signal = 0;  // the signal that asked training to stop
+bool g_quiet_signals = false;                   // a rank other than 0: rank 0 says it for all
 
 // SIGINT / SIGTERM: finish the step and save (train() polls the request). Either signal again
 // ends the process at once, as the default action does.
@@ -156,6 +162,7 @@ void on_stop_signal(int sig) {
   std::signal(SIGINT, SIG_DFL);
   std::signal(SIGTERM, SIG_DFL);
   const char msg[] = "flowmoe: stopping after this step and saving a checkpoint (signal again to stop at once)\n";
+  if (g_quiet_signals) return;
   ssize_t ignored = ::write(STDERR_FILENO, msg, sizeof msg - 1);  // write() is async-signal-safe
   (void)ignored;
 }
@@ -195,12 +202,18 @@ int cmd_train(int argc, char** argv) {
   if (!resume_set.empty() && cfg.origin("checkpoint.resume") == "--set " + resume_set)
     cfg.origins["checkpoint.resume"] = resume_label;  // unless a later --set replaced it
   if (print_only) {
-    std::fputs(to_yaml(cfg).c_str(), stdout);
+    if (is_root_rank()) std::fputs(to_yaml(cfg).c_str(), stdout);
     return 0;
   }
+  g_quiet_signals = !is_root_rank();
   install_stop_handlers();
-  TrainResult r = train(cfg);
+  const DistributedRuntime ranks = start_ranks(cfg);
+  TrainOptions opts;
+  opts.world = ranks.world;
+  opts.device = ranks.device;
+  TrainResult r = train(cfg, opts);
   if (!r.interrupted || r.last_step >= cfg.train.steps || g_stop_signal == 0) return 0;
+  if (g_quiet_signals) return 128 + int(g_stop_signal);
   std::fprintf(stderr, "flowmoe: stopped by %s; exit status %d\n", g_stop_signal == SIGTERM ? "SIGTERM" : "SIGINT",
                128 + int(g_stop_signal));
   return 128 + int(g_stop_signal);
@@ -232,11 +245,13 @@ int cmd_eval(int argc, char** argv) {
     batches = cfg.train.eval_batches;
     batches_label = "train.eval_batches = ";
   }
-  Device device = resolve_device(cfg);
+  const DistributedRuntime ranks = start_ranks(cfg);
+  const bool root = ranks.world->rank() == 0;
+  const Device device = ranks.device;
   DataLoader data = DataLoader::from_config(cfg);
   if (data.num_val_windows() == 0) throw UsageError("eval: the config holds out no validation data (data.val_fraction is 0)");
   const ValBatches val = whole_val_batches(data, batches, cfg.train.batch_size);
-  if (val.capped) std::printf("eval: %s\n", val.cap_note(batches_label).c_str());
+  if (val.capped && root) std::printf("eval: %s\n", val.cap_note(batches_label).c_str());
   batches = val.num_batches;
   const int64_t batch_size = val.batch_size;
   const MemoryEstimate need = estimate_memory(cfg, device, MemoryUse::eval);
@@ -244,7 +259,8 @@ int cmd_eval(int argc, char** argv) {
   Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed),
                     moe_options(cfg));
   CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers());
-  double loss = evaluate(model, data, batches, batch_size);
+  double loss = evaluate(model, data, batches, batch_size, ranks.world.get());
+  if (!root) return 0;
   std::printf("checkpoint %s (step %lld) on %s: val loss %.4f | perplexity %.3f | %lld sequences of %lld tokens\n",
               checkpoint.c_str(), static_cast<long long>(meta.step), device.str().c_str(), loss, std::exp(loss),
               static_cast<long long>(batches * batch_size), static_cast<long long>(cfg.data.seq_len));
@@ -297,12 +313,23 @@ bool debug_requested(std::vector<char*>& args) {
   return debug;
 }
 
-// "flowmoe: error: <message>" on one line, plus " (at file:line)" in debug mode.
+// "flowmoe: error: <message>" on one line, plus " (at file:line)" in debug mode; "[rank R] " before
+// it on a rank other than 0 of a multi-process run.
 void print_error(const std::exception& e, bool debug) {
   std::string line = detail::one_line(e.what());
   if (const auto* fe = dynamic_cast<const Error*>(&e); debug && fe && fe->file())
     line += " (at " + fe->location() + ")";
-  std::fprintf(stderr, "flowmoe: error: %s\n", line.c_str());
+  const int rank = launch_rank();
+  const std::string prefix = rank == 0 ? "" : "[rank " + std::to_string(rank) + "] ";
+  std::fprintf(stderr, "%sflowmoe: error: %s\n", prefix.c_str(), line.c_str());
+  std::fflush(stderr);
+}
+
+// The error's exit status; with several processes the others are ended too, so none waits forever.
+int fail(const std::exception& e, bool debug, int status) {
+  print_error(e, debug);
+  end_other_ranks_after(e, status);
+  return status;
 }
 
 int run(int argc, char** argv) {
@@ -342,10 +369,8 @@ int main(int argc, char** argv) {
   } catch (const HelpShown&) {
     return 0;
   } catch (const ConfigError& e) {
-    print_error(e, debug);
-    return 2;
+    return fail(e, debug, 2);
   } catch (const std::exception& e) {
-    print_error(e, debug);
-    return 1;
+    return fail(e, debug, 1);
   }
 }

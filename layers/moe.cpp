@@ -134,7 +134,9 @@ RouterOutput MoeLayer::route_tokens(const Variable& x2, const Shape& in_shape) c
   if (in_shape.size() == 3) rc.seq_len = int(in_shape[1]);
   Variable x_router = x2.dtype() == DType::f32 ? x2 : cast(x2, DType::f32);
   RouterOutput r = route(x_router, gate_, expert_bias_.data(), rc);
-  add_tokens_per_expert(tokens_since_update_, r.tokens_per_expert);
+  // Only training forwards steer the bias: an evaluation (no grad) must not, or a run resumed past
+  // one would move its biases differently from the run that did not stop.
+  if (grad_enabled()) add_tokens_per_expert(tokens_since_update_, r.tokens_per_expert);
   aux_loss_ = r.aux_loss;
   return r;
 }

@@ -60,10 +60,14 @@ class MoeLayer {
 
   // The balance loss of the last forward (undefined when aux_loss_alpha == 0).
   const Variable& aux_loss() const { return aux_loss_; }
-  // After an optimizer step: move expert_bias toward balance using the counts of every forward
-  // since the last call, and return their load statistics (reads the counts: one host sync).
+  // After an optimizer step: move expert_bias toward balance using the counts of every training
+  // forward (grad enabled: evaluations do not count) since the last call, and return their load
+  // statistics (reads the counts: one host sync).
   // rate_scale multiplies bias_update_rate for this update (model.bias_update_schedule: lr).
   LoadStats update_bias(double rate_scale = 1.0);
+  // The per-expert counts update_bias() will use ([E] i32, shared storage): data parallelism sums
+  // them over the ranks in place first, so every rank moves its bias by the global load.
+  const Tensor& load_counts() const { return tokens_since_update_; }
   // Named <prefix>.gate.e_score_correction_bias (as HF); no gradient, saved in checkpoints.
   const Variable& expert_bias() const { return expert_bias_; }
   // The shared experts' MLP (null when n_shared_experts is 0).

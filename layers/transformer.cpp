@@ -87,6 +87,13 @@ int64_t Transformer::num_moe_layers() const {
   return std::count_if(layers_.begin(), layers_.end(), [](const auto& l) { return l->moe() != nullptr; });
 }
 
+std::vector<Tensor> Transformer::moe_load_counts() const {
+  std::vector<Tensor> counts;
+  for (const auto& layer : layers_)
+    if (layer->moe()) counts.push_back(layer->moe()->load_counts());
+  return counts;
+}
+
 std::vector<LoadStats> Transformer::update_moe_bias(double rate_scale) {
   std::vector<LoadStats> stats;
   for (const auto& layer : layers_)

@@ -52,6 +52,8 @@ class Transformer {
   // After an optimizer step: aux-loss-free bias update of every MoE layer, with each layer's load
   // statistics since the last call (empty for a dense model).
   std::vector<LoadStats> update_moe_bias(double rate_scale = 1.0);
+  // Every MoE layer's counts since the last update_moe_bias (MoeLayer::load_counts), in layer order.
+  std::vector<Tensor> moe_load_counts() const;
   int64_t num_moe_layers() const;
 
   const std::vector<Variable>& parameters() const { return params_; }  // fixed order

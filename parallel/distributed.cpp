@@ -155,7 +155,7 @@ void check_same_config(Communicator& comm, const std::string& config_text) {
     if (ranks.size() > 8) groups += ",... (" + std::to_string(ranks.size()) + " ranks)";
     groups += std::string(" hash ") + hex;
   }
-  FLOWMOE_THROW(ConfigError, "the ranks were given different configs (", groups,
+  FLOWMOE_THROW(AllRanksConfigError, "the ranks were given different configs (", groups,
                 "): every rank must read the same config file with the same overrides");
 }
 

@@ -13,6 +13,11 @@
 
 namespace flowmoe {
 
+// A configuration error that every rank raises at the same point, from values the ranks agree on
+// (check_same_config, a batch that does not split over the ranks): no rank is left waiting in a
+// collective, so each may print it and exit on its own instead of aborting the others.
+class AllRanksConfigError : public ConfigError { using ConfigError::ConfigError; };
+
 // auto: none for world size 1; nccl for a CUDA run when the build has NCCL; mpi otherwise.
 enum class CommBackend : uint8_t { automatic, none, mpi, nccl };
 CommBackend parse_comm_backend(const std::string& name);  // "auto", "nccl", "mpi", "none"; ConfigError otherwise
@@ -54,7 +59,7 @@ DistributedRuntime init_distributed(const DistributedOptions& options = {});
 // 64-bit FNV-1a of the text.
 uint64_t config_hash(const std::string& text);
 // Every rank all-gathers the hash of its config text; if they differ, every rank throws the same
-// ConfigError naming which ranks had which hash (so no rank goes on alone and hangs its peers).
+// AllRanksConfigError naming which ranks had which hash (so no rank goes on alone and hangs its peers).
 void check_same_config(Communicator& comm, const std::string& config_text);
 
 }  // namespace flowmoe

@@ -156,15 +156,24 @@ TEST(Checkpoint, AtomicDirectoriesAndKeepLast) {
 
 // The resume guarantee: run 12 steps straight; run 6, stop, resume to 12. Every loss, the final
 // weights and the metrics file agree bit for bit.
-TEST(Checkpoint, ResumeRepeatsTheLossSequenceBitForBit) {
-  fs::path d = fresh_dir("ckpt_resume");
+namespace {
 
-  Config straight = tiny_config(d / "straight");
+// Trains 12 steps straight, and 6 + 6 with a resume between, from `extra` overrides of tiny_config.
+void expect_resume_repeats_bit_for_bit(const std::string& name, const std::vector<std::string>& extra) {
+  fs::path d = fresh_dir(name);
+  const auto config = [&](const fs::path& out) {
+    Config c = tiny_config(out);
+    for (const std::string& o : extra) apply_override(c, o);
+    validate(c);
+    return c;
+  };
+
+  Config straight = config(d / "straight");
   TrainResult a = train(straight, quiet());
   ASSERT_EQ(a.losses.size(), 12u);
   EXPECT_FALSE(a.interrupted);
 
-  Config split = tiny_config(d / "split");
+  Config split = config(d / "split");
   TrainOptions stop6 = quiet();
   stop6.stop_after = 6;
   TrainResult b = train(split, stop6);
@@ -200,6 +209,18 @@ TEST(Checkpoint, ResumeRepeatsTheLossSequenceBitForBit) {
   EXPECT_TRUE(again.losses.empty());
   EXPECT_EQ(again.last_step, 12);
   fs::remove_all(d);
+}
+
+}  // namespace
+
+TEST(Checkpoint, ResumeRepeatsTheLossSequenceBitForBit) { expect_resume_repeats_bit_for_bit("ckpt_resume", {}); }
+
+// An evaluation at the step of the checkpoint runs in the interrupted run and in the straight one,
+// but not in the resumed one: it must leave the expert biases' load counts alone.
+TEST(Checkpoint, ResumeOfAnMoeModelRepeatsTheLossSequenceBitForBit) {
+  expect_resume_repeats_bit_for_bit(
+      "ckpt_resume_moe", {"model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.first_k_dense_replace=1",
+                          "model.moe_intermediate_size=32", "model.bias_update_rule=proportional", "train.eval_every=3"});
 }
 
 TEST(Checkpoint, ResumeFromAMissingPathIsAConfigError) {

@@ -168,10 +168,27 @@ TEST(Config, UnavailableFeaturesAreRejected) {
   EXPECT_HAS(m, "fp8_flow");
   m = parse_error("model:\n  n_routed_experts: 8\n  hidden_size: 256\n  moe_intermediate_size: 200\nprecision:\n  recipe: fp8_blockwise\n");
   EXPECT_HAS(m, "model.moe_intermediate_size");
-  m = parse_error("parallel:\n  data_parallel_size: 2\n");
-  EXPECT_HAS(m, "parallel.data_parallel_size");
   m = parse_error("parallel:\n  expert_parallel_size: 4\n");
   EXPECT_HAS(m, "parallel.expert_parallel_size");
+  EXPECT_HAS(m, "expert parallelism across ranks is not available yet");
+}
+
+TEST(Config, TheDataParallelSizeIsTheNumberOfProcesses) {
+  // The removed key says what replaced it, in the file and as an override.
+  for (const char* v : {"1", "2"}) {
+    std::string m = parse_error(std::string("parallel:\n  data_parallel_size: ") + v + "\n");
+    EXPECT_HAS(m, "bad.yaml:2");
+    EXPECT_HAS(m, "parallel.data_parallel_size");
+    EXPECT_HAS(m, "the data-parallel size is the number of launched processes");
+  }
+  const std::string set = parse_error("", {"parallel.data_parallel_size=2"});
+  EXPECT_HAS(set, "--set parallel.data_parallel_size=2");
+  EXPECT_HAS(set, "number of launched processes");
+  for (const char* b : {"auto", "nccl", "mpi", "none"})
+    EXPECT_EQ(parse_config(std::string("parallel:\n  backend: ") + b + "\n", "ok.yaml").parallel.backend, b);
+  std::string m = parse_error("parallel:\n  backend: gloo\n");
+  EXPECT_HAS(m, "parallel.backend");
+  EXPECT_HAS(m, "auto, nccl, mpi, none");
 }
 
 TEST(Config, RecomputeIsAListOfModules) {

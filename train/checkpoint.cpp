@@ -189,6 +189,10 @@ static std::string step_dir_name(int64_t step) {
   return buf;
 }
 
+std::string checkpoint_path(const std::string& root, int64_t step) {
+  return (fs::path(root) / step_dir_name(step)).string();
+}
+
 // Step number of a finished checkpoint directory name ("step_00000100"), or -1.
 static int64_t parse_step_dir(const std::string& name) {
   if (name.rfind("step_", 0) != 0 || name.size() == 5 || name.size() > 5 + 18) return -1;  // 18 digits fit int64

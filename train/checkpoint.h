@@ -50,6 +50,8 @@ struct CheckpointMeta {
 std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta, const std::vector<Variable>& params,
                             const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq,
                             int64_t keep_last, const std::vector<Variable>& buffers = {});
+// The directory save_checkpoint(root, meta with this step, ...) writes and returns.
+std::string checkpoint_path(const std::string& root, int64_t step);
 // The newest complete checkpoint under root, or "" when there is none.
 std::string latest_checkpoint(const std::string& root);
 // Deletes the step_N.tmp directories under root that a crash during a save left behind (a run

@@ -50,6 +50,23 @@ std::string stem_of(const std::string& path) {
   return stem.empty() ? "run" : stem;
 }
 
+// Keys that were removed, with what replaces them: an old config gets the reason, not "unknown key".
+const char* retired_key_note(const std::string& dotted) {
+  if (dotted == "parallel.data_parallel_size")
+    return "this key was removed: the data-parallel size is the number of launched processes "
+           "(mpirun -np N, srun -n N); delete the line";
+  return nullptr;
+}
+
+[[noreturn]] void fail_unknown_key(const std::string& where, const std::string& section, const std::string& key) {
+  const std::string dotted = section + "." + key;
+  if (const char* note = retired_key_note(dotted)) fail(where, dotted, note);
+  std::vector<std::string> keys;
+  for (const Field& g : schema())
+    if (g.section == section) keys.push_back(g.key);
+  fail(where, dotted, "unknown key in section '" + section + "'" + suggestion(key, keys));
+}
+
 // ---- YAML walking -------------------------------------------------------------------------------
 
 std::string at(const std::string& name, const YAML::Node& n) {
@@ -77,12 +94,7 @@ void read_yaml(Config& cfg, const YAML::Node& root, const std::string& name) {
       if (!kn.IsScalar()) fail(at(name, kn), section, "keys must be plain words");
       std::string key = kn.Scalar();
       const Field* f = find_field(section, key);
-      if (!f) {
-        std::vector<std::string> keys;
-        for (const Field& g : schema())
-          if (g.section == section) keys.push_back(g.key);
-        fail(at(name, kn), section + "." + key, "unknown key in section '" + section + "'" + suggestion(key, keys));
-      }
+      if (!f) fail_unknown_key(at(name, kn), section, key);
       if (!seen_keys.insert(key).second) fail(at(name, kn), f->dotted(), "key given twice");
       YAML::Node v = kv->second;
       if (v.IsNull() && f->kind != Kind::string) fail(at(name, kn), f->dotted(), "missing value (expected " + describe_type(*f) + ")");
@@ -202,12 +214,7 @@ void apply_override(Config& cfg, const std::string& assignment) {
   if (std::find(sections().begin(), sections().end(), section) == sections().end())
     fail(where, "", "unknown section '" + section + "'" + suggestion(section, sections()));
   const Field* f = find_field(section, key);
-  if (!f) {
-    std::vector<std::string> keys;
-    for (const Field& g : schema())
-      if (g.section == section) keys.push_back(g.key);
-    fail(where, dotted, "unknown key in section '" + section + "'" + suggestion(key, keys));
-  }
+  if (!f) fail_unknown_key(where, section, key);
   set_field(cfg, *f, value, where);
 }
 

@@ -57,9 +57,10 @@ struct PrecisionConfig {
   int64_t align_size = 16;      // 16 | 32 | 64 | 128
 };
 
+// The data-parallel size is not a key: it is the number of processes the launcher started.
 struct ParallelConfig {
   int64_t expert_parallel_size = 1;
-  int64_t data_parallel_size = 1;
+  std::string backend = "auto";  // auto | nccl | mpi | none (parallel/distributed.h)
 };
 
 struct CheckpointConfig {

@@ -129,10 +129,10 @@ void check_lr_schedule(const Config& c, const KeyReport& r) {
 }
 
 void check_parallel(const Config& c, const KeyReport& r) {
-  if (c.parallel.data_parallel_size != 1)
-    r.err("parallel.data_parallel_size", "data parallelism is not available yet (use 1)");
   if (c.parallel.expert_parallel_size != 1)
-    r.err("parallel.expert_parallel_size", "expert parallelism (NCCL dispatch/combine) is not available yet (use 1)");
+    r.err("parallel.expert_parallel_size",
+          "expert parallelism across ranks is not available yet (use 1: every rank holds every expert, and the "
+          "ranks train data-parallel)");
 }
 
 // The FP8 recipes change only the routed experts' fc1 and fc2 GEMMs (layers/moe.cpp; fp8_flow also

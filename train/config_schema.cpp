@@ -166,8 +166,8 @@ const std::vector<Field>& schema() {
     f.push_back(choice("train", "device", FLOWMOE_CONFIG_REF(train.device), {"auto", "cpu", "cuda"},
                        "auto: the GPU when one is present, else the CPU"));
     f.push_back(integer("train", "steps", FLOWMOE_CONFIG_REF(train.steps), 1, 1e12, "optimizer steps"));
-    f.push_back(
-        integer("train", "batch_size", FLOWMOE_CONFIG_REF(train.batch_size), 1, 1 << 20, "sequences per micro-batch"));
+    f.push_back(integer("train", "batch_size", FLOWMOE_CONFIG_REF(train.batch_size), 1, 1 << 20,
+                        "sequences per micro-batch over all processes; each reads batch_size / processes"));
     f.push_back(integer("train", "grad_accum_steps", FLOWMOE_CONFIG_REF(train.grad_accum_steps), 1, 1 << 20,
                         "micro-batches per optimizer step"));
     f.push_back(integer("train", "eval_every", FLOWMOE_CONFIG_REF(train.eval_every), 0, 1e12,
@@ -219,8 +219,8 @@ const std::vector<Field>& schema() {
     // parallel
     f.push_back(integer("parallel", "expert_parallel_size", FLOWMOE_CONFIG_REF(parallel.expert_parallel_size), 1, 4096,
                         "ranks per expert-parallel group (1 only for now)"));
-    f.push_back(integer("parallel", "data_parallel_size", FLOWMOE_CONFIG_REF(parallel.data_parallel_size), 1, 4096,
-                        "data-parallel replicas (1 only for now)"));
+    f.push_back(choice("parallel", "backend", FLOWMOE_CONFIG_REF(parallel.backend), {"auto", "nccl", "mpi", "none"},
+                       "collectives between ranks; auto: none for one process, nccl on GPUs, mpi on the CPU"));
     // checkpoint
     f.push_back(string("checkpoint", "dir", FLOWMOE_CONFIG_REF(checkpoint.dir),
                        "where checkpoints go; empty: <logging.out_dir>/checkpoints"));

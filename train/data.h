@@ -81,8 +81,11 @@ class DataLoader {
              std::string name);
   static DataLoader from_config(const Config& cfg);
 
-  Batch next_train(int64_t batch_size);                      // advances the position
-  Batch val_batch(int64_t batch_idx, int64_t batch_size) const;  // fixed windows, in order, wrapping
+  // Data parallelism: of each batch, part p of `parts` reads sequences [p*B/parts, (p+1)*B/parts);
+  // the position advances by the whole batch, so it is the same on every rank and for any world size.
+  Batch next_train(int64_t batch_size, int64_t part = 0, int64_t parts = 1);  // advances the position
+  // Fixed windows, in order, wrapping; the same slicing.
+  Batch val_batch(int64_t batch_idx, int64_t batch_size, int64_t part = 0, int64_t parts = 1) const;
 
   int64_t num_train_windows() const { return num_train_; }
   int64_t num_val_windows() const { return num_val_; }

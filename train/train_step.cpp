@@ -7,6 +7,7 @@
 #include "engine/allocator.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
+#include "train/data_parallel.h"
 
 namespace flowmoe {
 
@@ -19,13 +20,14 @@ struct StepLosses {
   bool has_aux = false;  // kept apart from aux: a balance loss that went non-finite is still one
 };
 
-// Forward and backward over the step's micro-batches; the gradients accumulate in the parameters.
+// Forward and backward over this rank's slices of the step's micro-batches; the gradients accumulate
+// in the parameters. Each micro-batch's loss is the mean over its tokens, weighted 1/grad_accum_steps.
 StepLosses run_micro_batches(TrainRun& run) {
   const int64_t num_micro_batches = run.cfg.train.grad_accum_steps;
   StepLosses out;
   double loss_sum = 0, aux_sum = 0;
   for (int64_t a = 0; a < num_micro_batches; ++a) {
-    Batch b = run.data.next_train(run.cfg.train.batch_size);
+    Batch b = run.data.next_train(run.cfg.train.batch_size, run.rank, run.world_size);
     const Transformer::Losses parts = run.model.losses(b.inputs, b.targets);
     const Variable loss = parts.total();
     loss_sum += double(parts.lm.data().to_floats()[0]);
@@ -41,8 +43,24 @@ StepLosses run_micro_batches(TrainRun& run) {
   return out;
 }
 
-// Data parallelism all-reduces the gradients here; at world size 1 they are already complete.
-void sync_gradients(Transformer& /*model*/) {}
+// The gradient sync point: the ranks' gradients become the global batch's (data_parallel.h); at world
+// size 1 they are already complete.
+void sync_gradients(TrainRun& run) {
+  if (run.world_size > 1) all_reduce_gradients(*run.world, run.model.parameters());
+}
+
+// The step's losses as the means over the ranks (each slice holds as many tokens) and whether any
+// rank saw a non-finite objective or gradient norm: all ranks then skip (or stop) together.
+bool agree_on_losses(TrainRun& run, StepMetrics& m, bool has_aux) {
+  const double objective = m.loss + (has_aux ? m.aux_loss : 0.0);
+  const bool finite = std::isfinite(objective) && std::isfinite(m.grad_norm);
+  if (run.world_size == 1) return finite;
+  const std::vector<double> sums =
+      all_reduce_values(*run.world, {m.loss, has_aux ? m.aux_loss : 0.0, finite ? 0.0 : 1.0}, ReduceOp::sum);
+  m.loss = sums[0] / double(run.world_size);
+  if (has_aux) m.aux_loss = sums[1] / double(run.world_size);
+  return sums[2] == 0;
+}
 
 // "step 7: non-finite loss (nan, balance loss 0.01)" or "step 7: non-finite gradients (grad norm inf)".
 std::string describe_non_finite(const StepMetrics& m, bool has_aux, double objective) {
@@ -71,10 +89,10 @@ void apply_non_finite_policy(TrainRun& run, const std::string& what) {
                        std::to_string(tc.max_skipped_steps) + ")");
 }
 
-// The clipped AdamW update, applied only when the loss and the gradients are finite.
-void update_weights(TrainRun& run, StepMetrics& m, bool has_aux) {
+// The clipped AdamW update, applied only when the loss and the gradients are finite on every rank.
+void update_weights(TrainRun& run, StepMetrics& m, bool has_aux, bool all_finite) {
   const double objective = m.loss + (has_aux ? m.aux_loss : 0.0);
-  if (std::isfinite(objective) && std::isfinite(m.grad_norm)) {
+  if (all_finite) {
     run.opt.step(m.lr, clip_scale(m.grad_norm, run.cfg.optimizer.grad_clip));
     return;
   }
@@ -90,6 +108,8 @@ void update_expert_bias(TrainRun& run, StepMetrics& m) {
   const double bias_scale = cfg.model.bias_update_schedule != "lr" ? 1.0
                             : cfg.optimizer.lr > 0                 ? m.lr / cfg.optimizer.lr
                                                                    : 0.0;
+  // Every rank moves its bias by the loads of the global batch.
+  if (run.world_size > 1) all_reduce_flat(*run.world, run.model.moe_load_counts(), ReduceOp::sum);
   // A skipped step moves nothing, the expert bias included (rate 0); its loads are still logged.
   for (const LoadStats& ls : run.model.update_moe_bias(m.skipped ? 0.0 : bias_scale))
     m.moe_max_over_mean.push_back(ls.max_over_mean);
@@ -114,11 +134,12 @@ StepMetrics train_step(TrainRun& run) {
     run.last_casts = cast_counts();
     m.moe_casts = double(run.last_casts.activation_casts()) / run.cast_divisor;
   }
-  sync_gradients(run.model);
+  sync_gradients(run);
   if (run.opts.after_backward) run.opts.after_backward(m.step, run.model.parameters());
   if (run.opts.after_loss) run.opts.after_loss(m.step, &m.loss);
-  m.grad_norm = run.opt.grad_norm();
-  update_weights(run, m, losses.has_aux);
+  m.grad_norm = run.opt.grad_norm();  // of the synced gradients: the global norm, the same on every rank
+  const bool all_finite = agree_on_losses(run, m, losses.has_aux);
+  update_weights(run, m, losses.has_aux, all_finite);
   run.opt.zero_grad();
   update_expert_bias(run, m);
 

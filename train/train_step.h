@@ -2,12 +2,14 @@
 // drives the loop (evaluation, checkpoints, the summary); train_step.cpp takes the steps.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "engine/cast_stats.h"
 #include "engine/device.h"
 #include "layers/transformer.h"
+#include "parallel/communicator.h"
 #include "train/config.h"
 #include "train/data.h"
 #include "train/metrics.h"
@@ -26,6 +28,9 @@ struct TrainRun {
 
   const Config& cfg;
   const TrainOptions& opts;
+  const std::shared_ptr<Communicator> world;  // opts.world, or a world of this process alone
+  const int rank, world_size;                 // this rank's slice of each batch; the data-parallel size
+  const bool is_root;                         // rank 0: prints, writes the metrics and the checkpoints
   const Device device;
   const DType compute;
   std::string resume_note;       // the start-up line about the resume; declared first: resume_dir fills it
@@ -56,7 +61,8 @@ struct TrainRun {
 StepMetrics train_step(TrainRun& run);
 
 // Saves the run's weights, optimizer state and data position as the checkpoint of step `at`, and
-// records it in run.res.last_checkpoint.
+// records it in run.res.last_checkpoint. Collective: rank 0 writes (every rank holds the same state)
+// while the others wait at a barrier, so the checkpoint is complete when any rank goes on.
 void save_run_checkpoint(TrainRun& run, int64_t at);
 
 }  // namespace flowmoe

@@ -10,7 +10,10 @@
 #include "engine/allocator.h"
 #include "engine/cast_stats.h"
 #include "kernels/common/device_api.h"
+#include "parallel/backends.h"
+#include "parallel/distributed.h"
 #include "train/checkpoint.h"
+#include "train/data_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/progress.h"
 #include "train/train_step.h"
@@ -46,35 +49,6 @@ MoeOptions moe_options(const Config& cfg) {
   o.recipe = moe_recipe_from_name(cfg.precision.recipe);
   o.recompute_expert = cfg.train.recomputes("moe_expert");
   return o;
-}
-
-double evaluate(const Transformer& model, const DataLoader& data, int64_t num_batches, int64_t batch_size) {
-  NoGradGuard no_grad;
-  double total = 0;
-  for (int64_t i = 0; i < num_batches; ++i) {
-    Batch b = data.val_batch(i, batch_size);
-    total += double(model.losses(b.inputs, b.targets).lm.data().to_floats()[0]);  // the LM loss alone
-  }
-  return total / double(num_batches);
-}
-
-ValBatches whole_val_batches(const DataLoader& data, int64_t num_batches, int64_t batch_size) {
-  const int64_t num_windows = data.num_val_windows();
-  FLOWMOE_CHECK(num_windows > 0, Error, "the data holds out no validation sequences (data.val_fraction is 0)");
-  ValBatches v;
-  v.batch_size = std::min(batch_size, num_windows);
-  v.num_windows = num_windows;
-  const int64_t whole = num_windows / v.batch_size;
-  v.num_requested = num_batches;
-  v.capped = num_batches > whole;
-  v.num_batches = std::min(num_batches, whole);
-  return v;
-}
-
-std::string ValBatches::cap_note(const std::string& key) const {
-  return key + std::to_string(num_requested) + " is more than the validation split holds (" +
-         std::to_string(num_windows / batch_size) + " batches of " + std::to_string(batch_size) + "); using " +
-         std::to_string(num_batches);
 }
 
 static std::string fixed(double v, int digits) {
@@ -127,15 +101,18 @@ static void remove_unfinished_checkpoints(const Config& cfg, std::FILE* out) {
 // The opening line (parameters, device, the expected initial loss) and the memory estimate. Counted
 // and sized from the config before anything is allocated, so a model that cannot fit is refused at
 // once instead of allocating until the system kills the process.
-static void check_memory(const Config& cfg, Device device, DType compute, Progress& progress) {
-  const MemoryEstimate need = estimate_memory(cfg, device);
+static void check_memory(const Config& cfg, Device device, DType compute, int world_size, Progress& progress) {
+  Config per_rank = cfg;  // each rank runs its slice of every micro-batch
+  per_rank.train.batch_size = cfg.train.batch_size / world_size;
+  const MemoryEstimate need = estimate_memory(per_rank, device);
   progress.message("flowmoe: " + format_count(double(need.num_parameters)) + " parameters (" +
                    std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
                    std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) +
                    ") on " + device.str() + ", " + dtype_name(compute) + " compute; initial loss ~ ln(vocab) = " +
                    fixed(std::log(double(cfg.model.vocab_size)), 3));
   const double available = available_memory_bytes(device);
-  progress.message("memory: " + need.summary() + " of " + format_bytes(available) + " available on " + device.str());
+  progress.message("memory: " + need.summary() + " of " + format_bytes(available) + " available on " + device.str() +
+                   (world_size > 1 ? " (per rank)" : ""));
   check_fits(need, available, device.str());
 }
 
@@ -152,14 +129,30 @@ static std::string make_run_dir(const Config& cfg) {
 }
 
 // What comes before the first allocation: the cleanup of a crash's leftovers, the memory check and
-// the run directory. The result starts with the run directory's path.
-static TrainResult prepare_run(const Config& cfg, Device device, DType compute, std::FILE* out,
-                               Progress& progress) {
-  remove_unfinished_checkpoints(cfg, out);
-  check_memory(cfg, device, compute, progress);
+// the run directory (rank 0 alone touches the files; the others wait until it has). The result
+// starts with the run directory's path.
+static TrainResult prepare_run(const Config& cfg, Device device, DType compute, std::FILE* out, Progress& progress,
+                               Communicator& world) {
+  if (world.rank() == 0) remove_unfinished_checkpoints(cfg, out);
+  check_memory(cfg, device, compute, world.size(), progress);
   TrainResult res;
-  res.out_dir = make_run_dir(cfg);
+  res.out_dir = world.rank() == 0 ? make_run_dir(cfg) : cfg.run_dir();
+  res.world_size = world.size();
+  if (world.size() > 1) world.barrier();
   return res;
+}
+
+// train.batch_size is the global batch: it must split evenly over the ranks. Checked on every rank
+// alike, so all of them stop together.
+static int checked_world_size(const Config& cfg, const Communicator& world) {
+  const int n = world.size();
+  if (cfg.train.batch_size % n != 0)
+    throw AllRanksConfigError(cfg.origin("train.batch_size") + ": train.batch_size: " +
+                              std::to_string(cfg.train.batch_size) + " sequences do not split evenly over " +
+                              std::to_string(n) + " processes (the batch is global: each rank reads batch_size / " +
+                              "processes of it); use a multiple of " + std::to_string(n) +
+                              ", or a number of processes that divides " + std::to_string(cfg.train.batch_size));
+  return n;
 }
 
 static void check_router_lr_scale(const Config& cfg, const AdamW& opt) {
@@ -194,6 +187,10 @@ static void announce_data(TrainRun& run) {
                        std::to_string(run.data.num_val_windows()) + " val sequences of " +
                        std::to_string(cfg.data.seq_len) + " tokens; " + std::to_string(tc.steps) + " steps x " +
                        std::to_string(run.tokens_per_step) + " tokens; outputs in " + run.res.out_dir);
+  if (run.world_size > 1)
+    run.progress.message("data-parallel: " + std::to_string(run.world_size) + " ranks (backend " +
+                         run.world->backend_name() + "), each reads " + std::to_string(tc.batch_size / run.world_size) +
+                         " of every batch of " + std::to_string(tc.batch_size) + " sequences");
   if (!run.resume_note.empty()) run.progress.message(run.resume_note);
   if (run.val.capped) run.progress.message("evaluation: " + run.val.cap_note("train.eval_batches = "));
 }
@@ -201,11 +198,15 @@ static void announce_data(TrainRun& run) {
 TrainRun::TrainRun(const Config& c, const TrainOptions& o)
     : cfg(c),
       opts(o),
-      device(resolve_device(c)),
+      world(o.world ? o.world : make_none_communicator()),
+      rank(world->rank()),
+      world_size(checked_world_size(c, *world)),
+      is_root(rank == 0),
+      device(o.device ? *o.device : resolve_device(c)),
       compute(compute_dtype_for(c, device)),
       resume_dir(resume_target(c, &resume_note)),
-      progress(c.logging.progress, c.train.steps, c.logging.log_every, o.out),
-      res(prepare_run(c, device, compute, o.out, progress)),
+      progress(c.logging.progress, c.train.steps, c.logging.log_every, is_root ? o.out : nullptr),
+      res(prepare_run(c, device, compute, is_root ? o.out : nullptr, progress, *world)),
       data(DataLoader::from_config(c)),
       model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c)),
       opt(model.parameters(), c.optimizer) {
@@ -214,7 +215,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
   res.first_step = step + 1;
   res.skipped_steps = skipped;
   res.metrics_file = (fs::path(res.out_dir) / ("metrics." + cfg.logging.metrics_format)).string();
-  metrics.emplace(res.metrics_file, cfg.logging.metrics_format, resume_dir.empty() ? -1 : step);
+  if (is_root) metrics.emplace(res.metrics_file, cfg.logging.metrics_format, resume_dir.empty() ? -1 : step);
 
   const TrainConfig& tc = cfg.train;
   tokens_per_step = tc.batch_size * cfg.data.seq_len * tc.grad_accum_steps;
@@ -234,7 +235,7 @@ static bool due(int64_t step, int64_t every, int64_t last_step) {
 
 static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
   if (run.val.num_batches == 0 || !due(m.step, run.cfg.train.eval_every, run.cfg.train.steps)) return;
-  m.val_loss = evaluate(run.model, run.data, run.val.num_batches, run.val.batch_size);
+  m.val_loss = evaluate(run.model, run.data, run.val.num_batches, run.val.batch_size, run.world.get());
   if (std::isnan(run.res.first_val_loss)) run.res.first_val_loss = m.val_loss;
   run.res.final_val_loss = m.val_loss;
   run.progress.message("step " + std::to_string(m.step) + ": val loss " + fixed(m.val_loss, 4) + " (train loss " +
@@ -250,8 +251,15 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   meta.data_seed = uint64_t(run.cfg.data.seed);
   meta.init_seed = uint64_t(run.cfg.train.seed);
   meta.config_yaml = to_yaml(run.cfg);
-  run.res.last_checkpoint = save_checkpoint(run.cfg.checkpoint_dir(), meta, run.model.parameters(), run.opt.exp_avg(),
-                                            run.opt.exp_avg_sq(), run.cfg.checkpoint.keep_last, run.model.buffers());
+  // At expert-parallel size 1 every rank holds the same state: rank 0's checkpoint is the run's, and
+  // it does not depend on the world size (the data position counts global batches).
+  if (run.is_root)
+    run.res.last_checkpoint = save_checkpoint(run.cfg.checkpoint_dir(), meta, run.model.parameters(),
+                                              run.opt.exp_avg(), run.opt.exp_avg_sq(), run.cfg.checkpoint.keep_last,
+                                              run.model.buffers());
+  else
+    run.res.last_checkpoint = checkpoint_path(run.cfg.checkpoint_dir(), at);
+  if (run.world_size > 1) run.world->barrier();
 }
 
 static void save_if_due(TrainRun& run) {
@@ -271,7 +279,7 @@ static void stop_with_checkpoint(TrainRun& run) {
 
 // The step's metrics row, and the progress display with the run's mean rate so far.
 static void report_step(TrainRun& run, const StepMetrics& m) {
-  run.metrics->write(m);
+  if (run.metrics) run.metrics->write(m);  // rank 0's alone
   StepMetrics shown = m;
   shown.tokens_per_s = double(run.tokens_per_step * run.steps_done) / run.train_seconds;  // smoothed for display
   run.progress.update(shown, run.train_seconds / double(run.steps_done) * double(run.cfg.train.steps - run.step));
@@ -289,14 +297,15 @@ static void print_cast_summary(TrainRun& run) {
   run.progress.message(line);
 }
 
-static void print_summary(TrainRun& run) {
+static void print_summary(TrainRun& run, double peak_mem_bytes) {
   const TrainResult& res = run.res;
   std::string line = "done: step " + std::to_string(run.step) + "/" + std::to_string(run.cfg.train.steps) + " in " +
                      format_duration(run.train_seconds) + " | loss " + fixed(res.losses.front(), 4) + " -> " +
                      fixed(res.losses.back(), 4);
   if (!std::isnan(res.final_val_loss)) line += " | val loss " + fixed(res.final_val_loss, 4);
   line += " | " + format_rate(res.tokens_per_s) + " tok/s | peak mem " +
-          fixed(double(memory_stats(run.device).peak_bytes) / (1 << 20), 1) + " MiB";
+          fixed(peak_mem_bytes / (1 << 20), 1) + " MiB";
+  if (run.world_size > 1) line += " (max over ranks) | " + std::to_string(run.world_size) + " ranks";
   run.progress.message(line);
   if (run.cast_divisor > 0) print_cast_summary(run);
   run.progress.message("metrics: " + res.metrics_file +
@@ -311,8 +320,10 @@ static TrainResult finish_run(TrainRun& run) {
   res.skipped_steps = run.skipped;
   res.interrupted = res.interrupted || run.step < run.cfg.train.steps;
   res.tokens_per_s = run.train_seconds > 0 ? double(run.tokens_per_step * run.steps_done) / run.train_seconds : 0;
+  // Collective: every rank reaches the end of the run together.
+  const double peak = all_reduce_values(*run.world, {double(memory_stats(run.device).peak_bytes)}, ReduceOp::max)[0];
   if (run.steps_done > 0)
-    print_summary(run);
+    print_summary(run, peak);
   else
     run.progress.message("nothing to do: the run is already at step " + std::to_string(run.step) + " of " +
                          std::to_string(run.cfg.train.steps));
@@ -320,6 +331,17 @@ static TrainResult finish_run(TrainRun& run) {
 }
 
 // ---- the loop -------------------------------------------------------------------------------------
+
+// The peak memory of the step as the most any rank used, and whether any rank was asked to stop (a
+// launcher delivers a signal to the ranks at slightly different times): all of them stop after the same step.
+static bool agree_after_step(TrainRun& run, StepMetrics& m) {
+  const bool stop = g_stop_requested;
+  if (run.world_size == 1) return stop;
+  const std::vector<double> most =
+      all_reduce_values(*run.world, {double(m.peak_mem_bytes), stop ? 1.0 : 0.0}, ReduceOp::max);
+  m.peak_mem_bytes = int64_t(most[0]);
+  return most[1] > 0;
+}
 
 TrainResult train(const Config& cfg, const TrainOptions& opts) {
   // A stop requested before this point (a signal during start-up) holds: it is cleared on return.
@@ -329,10 +351,11 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
   TrainRun run(cfg, opts);
   while (run.step < run.end) {
     StepMetrics m = train_step(run);
+    const bool stop = agree_after_step(run, m);
     evaluate_if_due(run, m);
     report_step(run, m);
     save_if_due(run);
-    if (g_stop_requested && run.step < run.end) {
+    if (stop && run.step < run.end) {
       stop_with_checkpoint(run);
       break;
     }

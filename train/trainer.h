@@ -6,11 +6,14 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "engine/device.h"
 #include "layers/transformer.h"
+#include "parallel/communicator.h"
 #include "train/config.h"
 #include "train/data.h"
 
@@ -37,11 +40,18 @@ struct ValBatches {
 };
 ValBatches whole_val_batches(const DataLoader& data, int64_t num_batches, int64_t batch_size);
 
-// Mean loss over `num_batches` validation micro-batches (no graph is recorded).
-double evaluate(const Transformer& model, const DataLoader& data, int64_t num_batches, int64_t batch_size);
+// Mean loss over `num_batches` validation micro-batches (no graph is recorded). With a communicator of
+// several ranks, each evaluates its slice of every batch and the token-weighted sums are all-reduced:
+// every rank returns the loss of the whole batches, equal to one process's up to the order of the sums.
+double evaluate(const Transformer& model, const DataLoader& data, int64_t num_batches, int64_t batch_size,
+                Communicator* comm = nullptr);
 
 struct TrainOptions {
-  std::FILE* out = stdout;  // progress and messages; nullptr: silent
+  std::FILE* out = stdout;  // progress and messages (rank 0's only); nullptr: silent
+  // The data-parallel ranks (parallel/distributed.h's world); null: this process alone. Every rank
+  // calls train() with the same config; train.batch_size is the global batch, split over the ranks.
+  std::shared_ptr<Communicator> world;
+  std::optional<Device> device;  // this rank's device, as init_distributed chose it; unset: resolve_device(cfg)
   int64_t stop_after = -1;  // stop after this step as if interrupted (tests); -1: run to train.steps
   // Called after a step's backward, before its gradient norm (tests inject faults here).
   std::function<void(int64_t step, const std::vector<Variable>& params)> after_backward;
@@ -58,6 +68,7 @@ struct TrainResult {
   double tokens_per_s = 0;      // over the whole run
   int64_t skipped_steps = 0;
   bool interrupted = false;     // stopped by request_stop() or stop_after before train.steps
+  int world_size = 1;           // the data-parallel ranks that trained
   std::string out_dir, metrics_file, last_checkpoint;
 };
 

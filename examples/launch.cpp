@@ -1,0 +1,47 @@
+// Start-up and error ending of a run on several processes (see launch.h).
+#include "examples/launch.h"
+
+#include "parallel/backends.h"
+#include "train/trainer.h"
+
+namespace flowmoe {
+
+DistributedRuntime start_ranks(const Config& cfg) {
+  DistributedOptions options;
+  options.backend = parse_comm_backend(cfg.parallel.backend);
+  options.use_cuda = resolve_device(cfg).is_cuda();
+  DistributedRuntime rt = init_distributed(options);
+  check_same_config(*rt.world, to_yaml(cfg));
+  return rt;
+}
+
+int launch_rank() {
+  try {
+    return detect_launch().rank;
+  } catch (const std::exception&) {
+    return 0;  // a malformed launcher variable is reported where the run starts
+  }
+}
+
+bool is_root_rank() { return launch_rank() == 0; }
+
+void end_other_ranks_after(const std::exception& e, int status) {
+  if (dynamic_cast<const AllRanksConfigError*>(&e)) return;
+  int world_size = 1;
+  try {
+    world_size = detect_launch().world_size;
+  } catch (const std::exception&) {
+    return;
+  }
+  if (world_size <= 1 || !built_with_mpi()) return;
+  try {
+    // A rank that failed before MPI started (a config its peers did not share) starts it now: the
+    // peers are waiting in MPI's start-up or in a collective, and MPI_Abort reaches them only then.
+    make_mpi_world_communicator();
+  } catch (const std::exception&) {
+    return;
+  }
+  mpi_abort_world(status);
+}
+
+}  // namespace flowmoe

@@ -1,0 +1,29 @@
+// How `flowmoe train` and `flowmoe eval` start on one process or on several (mpirun -np N, srun -n N):
+// the world communicator, this rank's device, the agreement on the config, who prints, and how an
+// error on one rank ends the others instead of leaving them waiting in a collective.
+#pragma once
+#include <exception>
+#include <string>
+
+#include "parallel/distributed.h"
+#include "train/config.h"
+
+namespace flowmoe {
+
+// Called once per process with the loaded config: init_distributed with parallel.backend and the
+// device train.device resolves to (cuda:<local rank> for a CUDA run), then check_same_config over
+// the resolved config text, so ranks given different configs all fail instead of hanging. A plain
+// run gets the none backend and initializes no MPI.
+DistributedRuntime start_ranks(const Config& cfg);
+
+// This process's rank as the launcher set it (0 for a plain run, or when the environment is unreadable):
+// known before MPI starts, for messages.
+int launch_rank();
+bool is_root_rank();
+
+// Main's error path, after the message is printed: in a run of several processes, ends every rank
+// (MPI_Abort with `status`), starting MPI first if this rank failed before it did. An
+// AllRanksConfigError returns instead: every rank raised it, so each exits on its own.
+void end_other_ranks_after(const std::exception& e, int status);
+
+}  // namespace flowmoe
