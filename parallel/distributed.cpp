@@ -2,10 +2,10 @@
 // the backend choice, the world communicator with this rank's device, and the config agreement check.
 #include "parallel/distributed.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <vector>
 
 #include "parallel/backends.h"
@@ -139,8 +139,14 @@ void check_same_config(Communicator& comm, const std::string& config_text) {
   Tensor all = comm.all_gather(local);
   comm.synchronize();
   std::vector<int64_t> hashes = all.to_ints();
-  std::map<uint64_t, std::vector<int>> ranks_by_hash;
-  for (size_t r = 0; r < hashes.size(); ++r) ranks_by_hash[uint64_t(hashes[r])].push_back(int(r));
+  // The groups in the order of their first rank (rank 0's first), whatever the hash values.
+  std::vector<std::pair<uint64_t, std::vector<int>>> ranks_by_hash;
+  for (size_t r = 0; r < hashes.size(); ++r) {
+    const uint64_t h = uint64_t(hashes[r]);
+    auto it = std::find_if(ranks_by_hash.begin(), ranks_by_hash.end(), [h](const auto& g) { return g.first == h; });
+    if (it == ranks_by_hash.end()) it = ranks_by_hash.insert(ranks_by_hash.end(), {h, {}});
+    it->second.push_back(int(r));
+  }
   if (ranks_by_hash.size() == 1) return;
   std::string groups;
   for (const auto& [hash, ranks] : ranks_by_hash) {
