@@ -141,15 +141,11 @@ class UnpermuteUnpad : public Primitive {
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
-    if (is_fp8(d_out[0].dtype())) {
-      FLOWMOE_CHECK(!has_prob_ && routing_.row_map.defined(), Error, name(),
-                    ": an FP8 output gradient needs the permute_pad routing and no probs");
-      // d_rows[row_map[t,j]] = dy[t]: the FP8 rows and their 1x128 scales move as bytes.
+    if (!saves_inputs()) {  // no probs: d_rows[row_map[t,j]] = dy[t]; an FP8 dy moves with its scales
       return {needs[0] ? permute_rows_like(d_out[0], routing_) : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
-    if (!saves_inputs()) {  // no probs: d_rows = dy moved with the routing (pad rows zero)
-      return {needs[0] ? permute_rows_like(d_out[0], routing_) : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-    }
+    FLOWMOE_CHECK(!is_fp8(d_out[0].dtype()), Error, name(),
+                  ": an FP8 output gradient needs the permute_pad routing and no probs");
     UnpermuteBackward backward(align_, needs[0], needs[1]);
     std::vector<Tensor> g = eval(backward, {in[0], in[1], in[2], in[3], in[4], d_out[0]});
     return {g[0], g[1], Tensor(), Tensor(), Tensor()};
