@@ -63,10 +63,17 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
     FLOWMOE_CHECK(H % 128 == 0 && F % 128 == 0, ShapeError, prefix, ": the ", moe_recipe_name(options.recipe),
                   " recipe needs hidden_size (", H, ") and moe_intermediate_size (", F,
                   ") to be multiples of 128 (FP8 blocks are 128 wide)");
+  const Communicator* ep = options.expert_parallel.get();
+  const int64_t ep_size = ep ? ep->size() : 1;
+  FLOWMOE_CHECK(E % ep_size == 0, ConfigError, prefix, ": n_routed_experts (", E,
+                ") must be a multiple of the expert-parallel size (", ep_size, ")");
+  num_local_experts_ = E / ep_size;
+  expert_offset_ = ep ? ep->rank() * num_local_experts_ : 0;
   const double out_std = cfg.initializer_range / std::sqrt(2.0 * double(cfg.num_hidden_layers));
   gate_ = f.normal(prefix + ".gate.weight", {E, H}, cfg.initializer_range);
-  fc1_ = f.normal(prefix + ".experts.fc1.weight", {E, 2 * F, H}, cfg.initializer_range);
-  fc2_ = f.normal(prefix + ".experts.fc2.weight", {E, H, F}, out_std);
+  fc1_ = f.expert_normal(prefix + ".experts.fc1.weight", {E, 2 * F, H}, cfg.initializer_range, expert_offset_,
+                         num_local_experts_);
+  fc2_ = f.expert_normal(prefix + ".experts.fc2.weight", {E, H, F}, out_std, expert_offset_, num_local_experts_);
   if (cfg.n_shared_experts > 0)
     shared_ = std::make_unique<Mlp>(f, prefix + ".shared_experts", H, F * cfg.n_shared_experts,
                                     cfg.initializer_range, out_std);

@@ -28,6 +28,7 @@
 #include "engine/ops/router.h"
 #include "layers/mlp.h"
 #include "layers/model_config.h"
+#include "parallel/communicator.h"
 
 namespace flowmoe {
 
@@ -40,6 +41,10 @@ struct MoeOptions {
   int align_size = 16;                   // precision.align_size
   MoeRecipe recipe = MoeRecipe::bf16;    // precision.recipe
   bool recompute_expert = false;         // train.recompute contains moe_expert
+  // The expert-parallel group (parallel/process_group.h): its rank r holds experts
+  // [r·E/n, (r+1)·E/n) and tokens travel to them through dispatch and combine. Null or one rank: every
+  // expert is local.
+  std::shared_ptr<Communicator> expert_parallel;
 };
 
 // What a recipe changes in the layer, read from the recipe in one place (moe_flow).
@@ -86,6 +91,7 @@ class MoeLayer {
 
   RouterConfig router_;
   int64_t num_experts_, intermediate_;
+  int64_t num_local_experts_, expert_offset_;  // this rank's experts: [offset, offset + num_local)
   MoeOptions options_;
   MoeFlow flow_;
   mutable WeightCache fc1_cache_, fc2_cache_;

@@ -1,6 +1,7 @@
 // Creating named parameters with a seeded init, and casting master weights to the compute dtype.
 // Values are drawn on the host from one Rng in creation order and copied to the device, so a seed
-// gives the same weights on the CPU and the GPU.
+// gives the same weights on the CPU and the GPU, and on every rank: an expert-sharded parameter draws
+// the full tensor and keeps this rank's rows, so its values do not depend on the expert-parallel size.
 #pragma once
 #include <string>
 #include <vector>
@@ -10,24 +11,43 @@
 
 namespace flowmoe {
 
+// Where a parameter's rows sit in the full tensor. Expert weights are sharded along dim 0 (the
+// expert) over the expert-parallel group; every other parameter is whole on every rank.
+struct ParamShard {
+  bool expert = false;    // an expert weight: its gradient is reduced over the expert-data-parallel group
+  int64_t offset = 0;     // the full tensor's dim-0 row this rank's row 0 is
+  int64_t full_rows = 0;  // the full tensor's dim 0 (== the local dim 0 when not sharded)
+  bool sharded(const Variable& p) const { return full_rows != p.size(0); }
+};
+
 class ParamFactory {
  public:
   ParamFactory(uint64_t seed, Device device) : rng_(seed), device_(device) {}
   // f32 leaf requiring grad, N(0, std^2).
   Variable normal(const std::string& name, const Shape& shape, double std) {
-    return add(Variable(rng_.normal(shape, 0.0, std, DType::f32, device_), true, name));
+    return add(Variable(rng_.normal(shape, 0.0, std, DType::f32, device_), true, name), {false, 0, shape[0]});
+  }
+  // An expert weight [E, ...] of which this rank holds rows [offset, offset + rows): the full tensor
+  // is drawn (the Rng advances as for a whole one) and the slice kept.
+  Variable expert_normal(const std::string& name, const Shape& full_shape, double std, int64_t offset, int64_t rows) {
+    Tensor full = rng_.normal(full_shape, 0.0, std, DType::f32, Device::cpu());
+    Tensor mine = rows == full_shape[0] ? full : full.slice(0, offset, offset + rows).contiguous();
+    return add(Variable(mine.to(device_), true, name), {true, offset, full_shape[0]});
   }
   Variable ones(const std::string& name, const Shape& shape) {
-    return add(Variable(Tensor::full(shape, 1.0, DType::f32, device_), true, name));
+    return add(Variable(Tensor::full(shape, 1.0, DType::f32, device_), true, name), {false, 0, shape[0]});
   }
   std::vector<Variable>& params() { return params_; }
+  std::vector<ParamShard>& shards() { return shards_; }  // one per parameter, in the same order
 
  private:
   Rng rng_;
   Device device_;
   std::vector<Variable> params_;
-  Variable add(Variable v) {
+  std::vector<ParamShard> shards_;
+  Variable add(Variable v, ParamShard shard) {
     params_.push_back(v);
+    shards_.push_back(shard);
     return v;
   }
 };

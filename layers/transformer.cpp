@@ -45,6 +45,7 @@ Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, u
                  ? embed_tokens_
                  : f.normal("lm_head.weight", {cfg.vocab_size, cfg.hidden_size}, cfg.initializer_range);
   params_ = f.params();
+  shards_ = f.shards();
 }
 
 int64_t Transformer::num_parameters() const {

@@ -57,6 +57,9 @@ class Transformer {
   int64_t num_moe_layers() const;
 
   const std::vector<Variable>& parameters() const { return params_; }  // fixed order
+  // Where each parameter's rows sit in the full tensor, in parameters()' order: expert weights are
+  // sharded over the expert-parallel group (MoeOptions::expert_parallel), the rest are whole.
+  const std::vector<ParamShard>& parameter_shards() const { return shards_; }
   int64_t num_parameters() const;
   const ModelConfig& config() const { return cfg_; }
   Device device() const { return device_; }
@@ -67,6 +70,7 @@ class Transformer {
   Device device_;
   DType compute_;
   std::vector<Variable> params_, buffers_;
+  std::vector<ParamShard> shards_;
   Variable embed_tokens_, norm_, lm_head_;
   std::vector<std::unique_ptr<TransformerBlock>> layers_;
 };
