@@ -27,16 +27,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <numeric>
 #include <random>
 #include <thread>
 #include <vector>
 
-#include "kernels/common/cuda_check.h"
-#include "kernels/common/device_api.h"
+#include "bench/bench_routing.h"
+#include "bench/bench_util.h"
 #include "engine/rng.h"
 #include "engine/stream.h"
-#include "bench/bench_util.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 #include "kernels/permute.h"
 #include "kernels/unpermute.h"
 
@@ -62,22 +62,6 @@ struct Config {
 const Config kConfigs[] = {{4096, 64, 7168, 8}, {8192, 128, 4096, 8}, {16384, 32, 2048, 4}, {4096, 8, 1024, 2}};
 const int kAligns[] = {16, 128};
 
-// Distinct experts per token, uniform: what a balanced router produces.
-std::vector<int64_t> random_routing(std::mt19937_64& gen, const Config& c) {
-  std::vector<int64_t> idx;
-  idx.reserve(size_t(c.tokens * c.top_k));
-  std::vector<int> pool(size_t(c.experts));
-  for (int64_t t = 0; t < c.tokens; ++t) {
-    std::iota(pool.begin(), pool.end(), 0);
-    for (int j = 0; j < c.top_k; ++j) {
-      std::uniform_int_distribution<size_t> pick(size_t(j), pool.size() - 1);
-      std::swap(pool[size_t(j)], pool[pick(gen)]);
-      idx.push_back(pool[size_t(j)]);
-    }
-  }
-  return idx;
-}
-
 // One config's inputs and outputs on the device.
 struct Setup {
   Config c;
@@ -91,7 +75,8 @@ struct Setup {
   Setup(const Config& cfg, int al, std::mt19937_64& gen, Rng& rng, cudaStream_t stream) : c(cfg), align(al) {
     const Device dev = Device::cuda(0);
     const int64_t esize = 2;  // bf16
-    idx = Tensor::from_ints(random_routing(gen, c), {c.tokens, c.top_k}, DType::i32, dev);
+    const std::vector<int64_t> routing = random_topk_experts(gen, c.tokens, c.top_k, c.experts);
+    idx = Tensor::from_ints(routing, {c.tokens, c.top_k}, DType::i32, dev);
     x = rng.uniform({c.tokens, c.hidden}, -1, 1, DType::bf16, dev);
     prob = rng.uniform({c.tokens, c.top_k}, 0, 1, DType::f32, dev);
     d.num_tokens = c.tokens, d.top_k = c.top_k, d.num_experts = c.experts, d.expert_offset = 0;
