@@ -66,6 +66,32 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       tail -20 "$out/$name.log"
     fi
   done
+  # bench_dispatch across processes (the loop above ran it as one): 2 ranks sharing GPU 0 through the
+  # mpi backend's host staging (toy shape, 10 reps: staging is slow), and one rank per GPU on nccl when
+  # there are 2 or more. Open MPI needs these variables as root in a container (tests/mpi/CMakeLists.txt).
+  # ep_bench LABEL LOG NP COMMAND...: one mpirun, its BENCH lines (or its skip line) as summary rows.
+  ep_bench() {
+    local label=$1 log="$out/$2.log" rc
+    shift 2
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none \
+      timeout 90 mpirun --oversubscribe -np "$@" >"$log" 2>&1
+    rc=$?
+    if [ $rc -eq 0 ]; then
+      grep -q '^BENCH' "$log" || row "$label" "$(tail -1 "$log")"
+      grep '^BENCH' "$log" | while read -r line; do row "$label" "${line#BENCH }"; done
+    else
+      bench_rc=1
+      row "$label" "FAILED$([ $rc -eq 124 ] && echo ' (over 90 s)') (see $(basename "$log"))"
+      tail -20 "$log"
+    fi
+  }
+  if [ -x "$build/bench/bench_dispatch" ] && command -v mpirun >/dev/null; then
+    ep_bench "bench_dispatch np2 mpi" bench_dispatch_np2_mpi 2 env CUDA_VISIBLE_DEVICES=0 \
+      "$build/bench/bench_dispatch" --backend mpi --shapes toy --reps 10 --warmup 1
+    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    [ "$ngpu" -ge 2 ] && ep_bench "bench_dispatch np$ngpu nccl" "bench_dispatch_np${ngpu}_nccl" "$ngpu" \
+      "$build/bench/bench_dispatch" --backend nccl
+  fi
   t_bench=$(( $(date +%s) - t0 ))
   t0=$(date +%s)
   # Short GPU training runs (scripts/train_run.sh): tokens/s, loss and (MoE) load balance for
