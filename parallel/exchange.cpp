@@ -68,25 +68,24 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> exchange_counts_once(Commu
 
 namespace {
 
+int64_t sum_tokens(const ExchangePlan& p) {
+  int64_t n = 0;
+  for (int64_t c : p.tokens_per_expert) n += c;
+  return n;
+}
+
 // One tensor's rows along the plan; `pad` fills the padded side's uncovered rows.
 Tensor move_rows(const Tensor& src, const ExchangePlan& p, ExchangeDirection dir, double pad) {
   const bool to_experts = dir == ExchangeDirection::to_experts;
   Shape shape = src.shape();
   shape[0] = to_experts ? p.num_padded_rows : p.num_sorted_rows;
-  Tensor dst = Tensor::empty(shape, src.dtype(), src.device());
-  if (to_experts) {  // pad rows: the end of each expert's segment, and the tail
-    auto fill = [&](int64_t begin, int64_t end) {
-      if (begin == end) return;
-      Tensor rows = dst.slice(0, begin, end);
-      if (pad == 0)
-        rows.zero_();
-      else
-        rows.copy_(Tensor::full(rows.shape(), pad, rows.dtype(), rows.device()));
-    };
-    for (int e = 0; e < p.num_local_experts; ++e)
-      fill(p.segment_starts[size_t(e)] + p.tokens_per_expert[size_t(e)], p.segment_starts[size_t(e) + 1]);
-    fill(p.segment_starts.back(), p.num_padded_rows);
-  }
+  const bool has_pad_rows = to_experts && p.num_padded_rows > sum_tokens(p);
+  // The padded side's uncovered rows (each expert's pad rows and the tail) take the pad value: one
+  // fill of the whole buffer, which the exchange then overwrites, costs one extra write but a
+  // constant number of launches, where a fill per expert would cost one launch each (hundreds at 256).
+  Tensor dst = !has_pad_rows ? Tensor::empty(shape, src.dtype(), src.device())
+               : pad == 0    ? Tensor::zeros(shape, src.dtype(), src.device())  // any dtype, FP8 bytes included
+                             : Tensor::full(shape, pad, src.dtype(), src.device());
   p.comm->all_to_all_chunks(src, to_experts ? p.sorted_chunks : p.padded_chunks, dst,
                             to_experts ? p.padded_chunks : p.sorted_chunks);
   return dst;
