@@ -113,10 +113,17 @@ DistributedRuntime init_distributed(const DistributedOptions& options) {
   if (options.use_cuda) {
     const int num_gpus = cuda_device_count();
     FLOWMOE_CHECK(num_gpus > 0, DeviceError, "a CUDA run, but no CUDA device is visible on this host");
-    if (rt.backend == CommBackend::nccl)
-      FLOWMOE_CHECK(rt.launch.local_rank < num_gpus, DeviceError, "nccl needs one GPU per rank, but local rank ",
-                    rt.launch.local_rank, " has only ", num_gpus, " GPUs on its host (backend mpi can share GPUs,",
-                    " staging through host memory: a test transport)");
+    // One visible GPU with several local ranks is what `srun --gpus-per-task 1` gives each task (its
+    // own); if the ranks do share it, NCCL's start-up says so.
+    const bool own_gpu = rt.launch.local_rank < num_gpus || num_gpus == 1;
+    if (rt.backend == CommBackend::nccl) {
+      // Decided by every rank together: one that gave up alone would leave the others waiting in NCCL.
+      Tensor short_of_gpus = Tensor::from_ints({own_gpu ? 0 : 1}, {1}, DType::i32);
+      host_world->all_reduce(short_of_gpus, ReduceOp::max);
+      FLOWMOE_CHECK(short_of_gpus.to_ints()[0] == 0, DeviceError, "nccl needs one GPU per rank, but a host runs more",
+                    " ranks than it has GPUs (this rank: local rank ", rt.launch.local_rank, ", ", num_gpus,
+                    " GPUs); backend mpi can share GPUs, staging through host memory: a test transport");
+    }
     rt.device = Device::cuda(rt.launch.local_rank % num_gpus);
     cuda_set_device(rt.device.index);
   }
