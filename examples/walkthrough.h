@@ -45,7 +45,7 @@ struct State {
   Variable xq, xq_in, prob_in;
   PermuteResult p;
   std::vector<int64_t> counts;  // padded tokens per expert, on the host
-  Dispatched d;  // what dispatch handed to permute+pad
+  Dispatched d;                 // what dispatch handed to the experts (its routing is p)
   Variable rows_in, h, h_in, probs_in, a, a_in, out, out_in, y_routed, y_combined, y_routed_in, y_shared, y;
 
   // backward

@@ -73,16 +73,19 @@ void quantize(State& s, const Printer& out) {
 }
 
 void dispatch(State& s, const Printer& out) {
-  const int64_t H = s.cfg.hidden_size, copies = kTokens * s.router.top_k;
+  const int E = s.router.num_experts, k = s.router.top_k, align = s.options.align_size;
+  const int64_t H = s.cfg.hidden_size, copies = kTokens * k;
   const int64_t fp8_row = H + 4 * (H / 128);
   s.xq_in = leaf(s.xq.data());
   s.prob_in = leaf(s.r.topk_prob.data());
-  s.d = dispatch(s.xq_in, s.r.topk_idx, s.prob_in, s.router.num_experts);
-  const bool same = s.d.tokens.data().raw_data() == s.xq_in.data().raw_data() &&
-                    s.d.topk_prob.data().raw_data() == s.prob_in.data().raw_data();
-  out.line("math   one rank owns all 4 experts (expert-parallel size 1): the tokens, routes and probs pass through");
-  out.line("code   parallel/dispatch.cpp::dispatch; the same storage comes back (no copy, no kernel): %s",
-           same ? "yes" : "NO");
+  DispatchOptions o;
+  o.num_experts = E;
+  o.align_size = align;
+  o.num_rows = moe_permuted_rows(kTokens, k, E, align, s.options.recipe);
+  s.d = dispatch(s.xq_in, s.r.topk_idx, s.prob_in, o);
+  out.line("math   one rank owns all 4 experts (expert-parallel size 1): nothing travels, and dispatch is the");
+  out.line("       permute + pad of the next step; across ranks each (peer, expert) segment would travel");
+  out.line("code   parallel/dispatch.cpp::dispatch -> engine/ops/permute.cpp::permute_pad");
   out.line("a row as it would travel: bf16 2H = %lld bytes; e4m3 H + 4·H/128 = %lld + %lld = %lld bytes",
            (long long)(2 * H), (long long)H, (long long)(4 * (H / 128)), (long long)fp8_row);
   out.line("ratio %lld / %lld = %s; the %lld routed copies: %lld bytes in FP8 against %lld in bf16", (long long)fp8_row,
@@ -94,9 +97,8 @@ void dispatch(State& s, const Printer& out) {
 void permute(State& s, const Printer& out) {
   const int E = s.router.num_experts, k = s.router.top_k, align = s.options.align_size;
   const int64_t num_rows = moe_permuted_rows(kTokens, k, E, align, s.options.recipe);
-  s.p = permute_pad(s.d.tokens, s.d.topk_idx, s.d.topk_prob, E, align, s.d.expert_offset, s.d.num_local_experts,
-                    num_rows);
-  s.counts = read_counts_once(s.p.padded_tokens_per_expert);
+  s.p = s.d.routing;
+  s.counts = s.d.padded_tokens_per_expert;
   const Tensor& rows = s.p.rows.data();
   out.line("math   rows[row_map[t,j]] = xq[t] with its scales, probs[row_map[t,j]] = p[t,j]; pad rows written");
   out.line("code   engine/ops/permute.cpp::permute_pad -> kernels/cpu/permute.cpp::permute_map_cpu, permute_rows_cpu");
@@ -133,7 +135,7 @@ void permute(State& s, const Printer& out) {
            scales_of_row(rows, pad).c_str(), values(s.p.probs.data().view({num_rows, 1}), pad, 0, 1).c_str());
   std::string c;
   for (int64_t v : s.counts) append(c, " ", std::to_string(v));
-  out.line("host counts (engine/ops/grouped_linear.cpp::read_counts_once, once per forward): %s", c.c_str());
+  out.line("host counts (parallel/dispatch.cpp::dispatch -> read_counts_once, once per forward): %s", c.c_str());
   out.line("casts  %s", cast_summary().c_str());
 }
 
@@ -204,10 +206,11 @@ void fc2(State& s, const Printer& out) {
 
 void unpermute(State& s, const Printer& out) {
   s.out_in = leaf(s.out.data());
-  s.y_routed = unpermute_unpad(s.out_in, s.p, Variable());
+  s.y_routed = combine(s.out_in, s.d, Variable(), CombineGrad::fp8);
   const std::vector<int64_t> rm = s.p.row_map.to_ints();
   out.line("math   y_routed[t] = Σ_j out[row_map[t,j]] in fp32, j ascending; no probs (SwiGLU applied them)");
-  out.line("code   engine/ops/unpermute.cpp::unpermute_unpad -> kernels/cpu/unpermute.cpp::unpermute_cpu");
+  out.line("code   parallel/dispatch.cpp::combine -> engine/ops/unpermute.cpp::unpermute_unpad ->");
+  out.line("       kernels/cpu/unpermute.cpp::unpermute_cpu");
   out.line("out    y_routed %s; pad and tail rows are never read", dims(s.y_routed.data()).c_str());
   out.line("out[%lld,0:4]      %s", (long long)rm[0], values(s.out.data(), rm[0]).c_str());
   out.line("out[%lld,0:4]     %s", (long long)rm[1], values(s.out.data(), rm[1]).c_str());
@@ -216,11 +219,10 @@ void unpermute(State& s, const Printer& out) {
 }
 
 void combine(State& s, const Printer& out) {
-  s.y_combined = combine(s.y_routed, s.d, CombineGrad::fp8);
-  const bool same = s.y_combined.data().raw_data() == s.y_routed.data().raw_data();
-  out.line("math   every expert output is already on its token's rank (expert-parallel size 1): y passes through");
-  out.line("code   parallel/dispatch.cpp::combine; the same storage comes back: %s; its backward will quantize dy",
-           same ? "yes" : "NO");
+  s.y_combined = s.y_routed;
+  out.line("math   every expert output is already on its token's rank (expert-parallel size 1): combine is the");
+  out.line("       unpermute + unpad of the last step; across ranks the rows first travel back to their tokens");
+  out.line("code   parallel/dispatch.cpp::combine; its backward will quantize dy once (CombineGradToFp8)");
   out.line("casts  %s", cast_summary().c_str());
 }
 

@@ -4,10 +4,7 @@
 
 #include "engine/ops/fp8_grouped_linear.h"
 #include "engine/ops/grouped_linear.h"
-#include "engine/ops/permute.h"
 #include "engine/ops/swiglu_quant.h"
-#include "engine/ops/unpermute.h"
-#include "parallel/dispatch.h"
 
 namespace flowmoe {
 
@@ -84,21 +81,22 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
 // Forward, top-down (DESIGN.md §2). The recipe is read once, into flow_ (moe_flow).
 //
 // Backward, in order (each step is the vjp of the op named, in the file named):
-//   8. + shared experts  engine/ops/elementwise.cpp  Binary::vjp: dy to both branches
-//   7. combine           parallel/dispatch.cpp       Combine::vjp: dy as it comes, or (fp8_flow)
-//                                                    quantized once to FP8 and sent to the experts
-//   6. unpermute+unpad   engine/ops/unpermute.cpp    UnpermuteUnpad::vjp: d_rows = prob·dy and
-//                                                    d_prob = rows·dy; fp8_flow: FP8 dy rows moved
-//   5. experts: fc2      engine/ops/fp8_grouped_linear.cpp (grouped_linear.cpp) ::vjp: dgrad, wgrad
+//   6. + shared experts  engine/ops/elementwise.cpp  Binary::vjp: dy to both branches
+//   5. combine           parallel/dispatch.cpp       CombineGradToFp8::vjp (fp8_flow): dy quantized once;
+//                        engine/ops/unpermute.cpp    UnpermuteUnpad::vjp: d_rows = prob·dy and
+//                                                    d_prob = rows·dy; fp8_flow: FP8 dy rows moved;
+//                        parallel/exchange.cpp       Exchange::vjp (several ranks): d_rows to the experts
+//   4. experts: fc2      engine/ops/fp8_grouped_linear.cpp (grouped_linear.cpp) ::vjp: dgrad, wgrad
 //               (recompute: checkpoint re-runs fc1 → SwiGLU first, engine/autograd.cpp)
 //               SwiGLU   engine/ops/swiglu_quant.cpp SwigluQuant::vjp (fp8_flow, also d_prob) or
 //                        engine/ops/swiglu.cpp Swiglu::vjp
 //               fc1      engine/ops/fp8_grouped_linear.cpp (grouped_linear.cpp) ::vjp
-//   4. permute+pad       engine/ops/permute.cpp      PermutePad::vjp: d_x[t] = Σ_j d_rows[row_map[t,j]]
-//   3. dispatch          parallel/dispatch.cpp       Dispatch::vjp: the gradients as they come (size 1)
+//   3. dispatch          parallel/exchange.cpp       Exchange::vjp (several ranks): d_rows, d_probs home
+//                        engine/ops/permute.cpp      PermutePad::vjp: d_x[t] = Σ_j d_rows[row_map[t,j]]
 //   2. quantize          engine/ops/quantize.cpp     QuantizeRowwise::vjp: straight through
 //   1. router            engine/ops/router.cpp       RouterTopk::vjp: through the normalized
 //                                                    sigmoid scores into the gate weight and x
+// The backward reads nothing to the host: the GEMMs and exchanges reuse the forward's counts.
 Variable MoeLayer::forward(const Variable& x, DType compute) const {
   const Shape in_shape = x.shape();
   Variable x2 = reshape(x, {-1, in_shape.back()});  // [T, H]
@@ -109,33 +107,27 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   // 2. Quantize once (fp8_flow): x becomes e4m3 with 1x128 scales, and stays FP8 until fc1.
   Variable tokens = flow_.quantize_once ? quantize_rowwise(x2, "dispatch: x") : x2;
 
-  // 3. Dispatch the tokens, their routes and probs to the ranks that own their experts.
+  // 3. Dispatch: each routed copy goes to the rank that owns its expert, into that rank's expert-major
+  //    buffer padded to align_size (permute+pad; across ranks, an exchange straight into place).
+  //    fp8_flow moves the probs with the rows (SwiGLU applies them); the other recipes apply them at
+  //    combine, in fp32. Its one host read of the counts sizes the expert GEMMs (cuBLASLt needs each M).
   Variable topk_prob = r.topk_prob;
   if (x2.device().is_cpu() && topk_prob.dtype() != x2.dtype()) topk_prob = cast(topk_prob, x2.dtype());
-  Dispatched d = dispatch(tokens, r.topk_idx, topk_prob, int(num_experts_));
+  Dispatched d =
+      dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), dispatch_options(tokens.size(0)));
 
-  // 4. Permute + pad into the expert-major layout. fp8_flow moves the probs with the rows (SwiGLU
-  //    applies them); the other recipes apply them at the unpermute, in fp32.
-  PermuteResult p = permute_pad(d.tokens, d.topk_idx, flow_.probs_in_experts ? d.topk_prob : Variable(),
-                                int(num_experts_), options_.align_size, d.expert_offset, d.num_local_experts,
-                                permuted_rows(d.tokens.size(0)));
-  // THE host synchronisation of this layer: fc1 and fc2 need each expert's M on the host.
-  std::vector<int64_t> padded_tokens_per_expert = read_counts_once(p.padded_tokens_per_expert);
+  // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2.
+  Variable out_rows = experts(d.rows, d.probs, d.padded_tokens_per_expert);
 
-  // 5. The experts: fc1 → SwiGLU (+ quantize) → fc2.
-  Variable out_rows = experts(p.rows, p.probs, padded_tokens_per_expert);
+  // 5. Combine: the rows return to their tokens' rank, and each token sums its k expert rows (× prob
+  //    unless SwiGLU applied it): unpermute+unpad.
+  Variable y = combine(out_rows, d, flow_.probs_in_experts ? Variable() : topk_prob,
+                       flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is);  // [T, H]
 
-  // 6. Unpermute + unpad: each token sums its k expert rows (× prob unless SwiGLU applied it).
-  Variable y = unpermute_unpad(out_rows, p, flow_.probs_in_experts ? Variable() : d.topk_prob);  // [T, H]
-
-  // 7. Combine: the outputs return to the tokens' rank.
-  y = combine(y, d, flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is);
-
-  // 8. + shared experts, a dense SwiGLU MLP on every token.
+  // 6. + shared experts, a dense SwiGLU MLP on every token.
   if (shared_) y = add(y, shared_->forward(x2, compute));
   return reshape(y, in_shape);
 }
-
 RouterOutput MoeLayer::route_tokens(const Variable& x2, const Shape& in_shape) const {
   RouterConfig rc = router_;
   if (in_shape.size() == 3) rc.seq_len = int(in_shape[1]);
@@ -184,8 +176,14 @@ int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int al
   return recipe == MoeRecipe::bf16 ? worst : (worst + 15) / 16 * 16;
 }
 
-int64_t MoeLayer::permuted_rows(int64_t num_tokens) const {
-  return moe_permuted_rows(num_tokens, router_.top_k, int(num_experts_), options_.align_size, options_.recipe);
+DispatchOptions MoeLayer::dispatch_options(int64_t num_tokens) const {
+  DispatchOptions o;
+  o.num_experts = int(num_experts_);
+  o.align_size = options_.align_size;
+  o.num_rows = moe_permuted_rows(num_tokens, router_.top_k, int(num_experts_), options_.align_size, options_.recipe);
+  o.row_multiple = flow_.fp8_experts ? 16 : 1;  // as moe_permuted_rows rounds the one-rank buffer
+  if (options_.expert_parallel && options_.expert_parallel->size() > 1) o.expert_parallel = options_.expert_parallel;
+  return o;
 }
 
 LoadStats MoeLayer::update_bias(double rate_scale) {

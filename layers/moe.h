@@ -1,6 +1,7 @@
 // The DeepSeek-style MoE block (DESIGN.md §2) in three recipes on the same code. forward reads
-// top-down: router → quantize (fp8_flow) → dispatch → permute+pad → experts (fc1 → SwiGLU → fc2)
-// → unpermute+unpad → combine → + shared experts; moe.cpp lists the backward in order beside it.
+// top-down: router → quantize (fp8_flow) → dispatch (permute+pad; across ranks when the experts are
+// sharded) → experts (fc1 → SwiGLU → fc2) → combine (back across ranks; unpermute+unpad) → + shared
+// experts; moe.cpp lists the backward in order beside it.
 //   bf16:          the rows stay bf16; the probs are applied at the unpermute (fp32 accumulation)
 //   fp8_blockwise: the same, but each expert GEMM quantizes its own bf16 input (1x128) and re-quantizes
 //                  its wgrad operands column-wise from high precision (the classic recipe)
@@ -13,12 +14,13 @@
 // the cache follows the parameter's version (Variable::bump_version).
 // recompute (moe_expert): fc1 → SwiGLU(+quantize) runs inside checkpoint(): forward keeps only the
 // permuted expert input (FP8 with its scales in fp8_flow) and the routing; fc2 keeps its own input.
-// The layer reads the per-expert counts to the host once per forward (read_counts_once): cuBLASLt
-// needs each expert's M. expert_bias is a buffer, not a parameter: after each optimizer step
-// update_bias() moves it by ±bias_update_rate toward the mean load (aux-loss-free balancing; or by
+// The layer reads the per-expert counts to the host once per forward, in dispatch: cuBLASLt needs
+// each expert's M, and across ranks the transfers need their sizes. expert_bias is a buffer, not a parameter: after
+// each optimizer step update_bias() moves it by ±bias_update_rate toward the mean load (aux-loss-free balancing; or by
 // bias_update_rate times the relative load error, model.bias_update_rule: proportional).
 // Parameters (HF names): <prefix>.gate.weight [E,H], <prefix>.experts.fc1.weight [E,2F,H] (gate rows
-// first, then up), <prefix>.experts.fc2.weight [E,H,F], <prefix>.shared_experts.{gate,up,down}_proj.
+// first, then up), <prefix>.experts.fc2.weight [E,H,F] (this rank's [L,...] rows when sharded),
+// <prefix>.shared_experts.{gate,up,down}_proj.
 #pragma once
 #include <memory>
 #include <string>
@@ -28,7 +30,7 @@
 #include "engine/ops/router.h"
 #include "layers/mlp.h"
 #include "layers/model_config.h"
-#include "parallel/communicator.h"
+#include "parallel/dispatch.h"
 
 namespace flowmoe {
 
@@ -87,7 +89,7 @@ class MoeLayer {
   Variable experts(const Variable& rows, const Variable& probs,
                    const std::vector<int64_t>& padded_tokens_per_expert /*[L] host*/) const;
   const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
-  int64_t permuted_rows(int64_t num_tokens) const;
+  DispatchOptions dispatch_options(int64_t num_tokens) const;
 
   RouterConfig router_;
   int64_t num_experts_, intermediate_;

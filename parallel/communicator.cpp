@@ -3,7 +3,9 @@
 // backends receive only checked arguments and move bytes.
 #include "parallel/communicator.h"
 
+#include <algorithm>
 #include <numeric>
+#include <string>
 
 namespace flowmoe {
 
@@ -36,7 +38,65 @@ void check_output(const Tensor& out, const Tensor& in, const char* call, const c
   FLOWMOE_CHECK(!out.shares_storage_with(in), ShapeError, call, ": ", what, " must not share storage with its input");
 }
 
+void check_chunks(const std::vector<Communicator::RowChunk>& chunks, const Tensor& t, int size, const char* what) {
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const Communicator::RowChunk& c = chunks[i];
+    FLOWMOE_CHECK(c.peer >= 0 && c.peer < size, CommError, "all_to_all_chunks: ", what, "[", i, "].peer = ", c.peer,
+                  " is not a rank of this ", size, "-rank communicator");
+    FLOWMOE_CHECK(c.offset >= 0 && c.rows >= 0, ShapeError, "all_to_all_chunks: ", what, "[", i, "] has offset ",
+                  c.offset, " and rows ", c.rows, ": neither may be negative");
+    FLOWMOE_CHECK(c.offset <= t.size(0) && c.rows <= t.size(0) - c.offset, ShapeError, "all_to_all_chunks: ", what, "[",
+                  i, "] = rows [", c.offset, ", ", c.offset + c.rows, ") runs past the end of ", t.describe());
+  }
+}
+
+// Each row of recv is written by at most one chunk: two writers would make the result depend on timing.
+void check_disjoint(const std::vector<Communicator::RowChunk>& chunks) {
+  std::vector<size_t> order;
+  for (size_t i = 0; i < chunks.size(); ++i)
+    if (chunks[i].rows > 0) order.push_back(i);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return chunks[a].offset < chunks[b].offset; });
+  for (size_t k = 1; k < order.size(); ++k) {
+    const Communicator::RowChunk &a = chunks[order[k - 1]], &b = chunks[order[k]];
+    FLOWMOE_CHECK(a.offset + a.rows <= b.offset, ShapeError, "all_to_all_chunks: recv_chunks[", order[k - 1],
+                  "] = rows [", a.offset, ", ", a.offset + a.rows, ") and recv_chunks[", order[k], "] = rows [",
+                  b.offset, ", ", b.offset + b.rows, ") overlap");
+  }
+}
+
+// The non-empty row counts of the chunks with this peer, in list order: what the two sides must agree on.
+std::vector<int64_t> rows_with(const std::vector<Communicator::RowChunk>& chunks, int peer) {
+  std::vector<int64_t> rows;
+  for (const Communicator::RowChunk& c : chunks)
+    if (c.peer == peer && c.rows > 0) rows.push_back(c.rows);
+  return rows;
+}
+
+std::string join(const std::vector<int64_t>& v) {
+  std::string out;
+  for (int64_t x : v) out += (out.empty() ? "" : ", ") + std::to_string(x);
+  return out.empty() ? "none" : out;
+}
+
 }  // namespace
+
+void Communicator::all_to_all_chunks(const Tensor& send_in, const std::vector<RowChunk>& send_chunks,
+                                     const Tensor& recv, const std::vector<RowChunk>& recv_chunks) {
+  check_rows_tensor(send_in, "all_to_all_chunks", "send");
+  check_rows_tensor(recv, "all_to_all_chunks", "recv");
+  FLOWMOE_CHECK(row_shape(send_in) == row_shape(recv), ShapeError, "all_to_all_chunks: send rows ",
+                shape_str(row_shape(send_in)), " and recv rows ", shape_str(row_shape(recv)), " differ");
+  check_output(recv, send_in, "all_to_all_chunks", "recv");
+  check_chunks(send_chunks, send_in, size(), "send_chunks");
+  check_chunks(recv_chunks, recv, size(), "recv_chunks");
+  check_disjoint(recv_chunks);
+  // The chunks to itself are the one pairing a rank can check alone; a mismatch would stall or truncate.
+  std::vector<int64_t> to_self = rows_with(send_chunks, rank()), from_self = rows_with(recv_chunks, rank());
+  FLOWMOE_CHECK(to_self == from_self, ShapeError, "all_to_all_chunks: rank ", rank(), " sends itself chunks of ",
+                join(to_self), " rows but receives from itself chunks of ", join(from_self), " rows");
+  Tensor send = send_in.contiguous();
+  do_all_to_all_chunks(send, send_chunks, recv, recv_chunks, row_bytes_of(send));
+}
 
 void Communicator::all_to_all(const Tensor& send_in, const std::vector<int64_t>& send_rows, const Tensor& recv,
                               const std::vector<int64_t>& recv_rows) {

@@ -43,6 +43,21 @@ class Communicator {
   // The same into a new tensor. An FP8 send with rowwise_1x128 scales attached moves its scale rows
   // along, and the result carries them; the in-place form above moves send's bytes only.
   Tensor all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows);
+  // A run of rows exchanged with one peer: rows [offset, offset + rows) of the tensor.
+  struct RowChunk {
+    int peer = 0;
+    int64_t offset = 0;
+    int64_t rows = 0;
+  };
+  // Rows between chunks. For each peer q, the chunks of send_chunks with peer q (in list order) are
+  // matched one to one, in order, with the chunks q lists in its recv_chunks for this rank; matched
+  // chunks hold equal row counts (callers derive both sides from the same exchanged counts). A chunk of
+  // 0 rows is allowed (both sides skip it). Chunks to and from this rank itself are local copies.
+  // Rows of recv that no chunk covers keep their contents. Rows have any shape and dtype and arrive
+  // bit for bit; recv must not share storage with send. Expert-parallel dispatch uses it to land rows
+  // straight in an expert-major padded layout.
+  void all_to_all_chunks(const Tensor& send, const std::vector<RowChunk>& send_chunks, const Tensor& recv,
+                         const std::vector<RowChunk>& recv_chunks);
   // recv_rows from send_rows: how many rows each peer sends this rank (the counts travel on the host).
   std::vector<int64_t> exchange_counts(const std::vector<int64_t>& send_rows);
 
@@ -73,6 +88,10 @@ class Communicator {
   // add up to the row counts, row_bytes the bytes of one row (the same in send and recv).
   virtual void do_all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, const Tensor& recv,
                              const std::vector<int64_t>& recv_rows, size_t row_bytes) = 0;
+  // Called with checked arguments: contiguous tensors on one device, chunks inside their tensors, recv
+  // chunks disjoint, and this rank's chunks to itself matched (non-empty ones in order, equal rows).
+  virtual void do_all_to_all_chunks(const Tensor& send, const std::vector<RowChunk>& send_chunks, const Tensor& recv,
+                                    const std::vector<RowChunk>& recv_chunks, size_t row_bytes) = 0;
   virtual void do_all_reduce(const Tensor& t, ReduceOp op) = 0;
   virtual void do_all_gather(const Tensor& send, const Tensor& recv, size_t row_bytes) = 0;
   virtual void do_broadcast(const Tensor& t, int root) = 0;

@@ -1,70 +1,79 @@
-// dispatch and combine (see parallel/dispatch.h). At expert-parallel size 1 each forward hands its
-// inputs back and each backward is the other op's forward; the only work is fp8_flow's once-only
-// quantize of the output gradient in combine's backward.
+// dispatch and combine (see parallel/dispatch.h): permute+pad and unpermute+unpad on the tokens'
+// rank, with the exchange of parallel/exchange.h between them and the experts when there are several.
 #include "parallel/dispatch.h"
 
-#include <memory>
-
+#include "engine/ops/grouped_linear.h"
 #include "engine/ops/quantize.h"
+#include "engine/ops/unpermute.h"
 
 namespace flowmoe {
 
 namespace {
 
-// Inputs: [tokens, topk_prob (or undefined)]. Outputs: the same tensors.
-class Dispatch : public Primitive {
- public:
-  const char* name() const override { return "dispatch"; }
-  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return in; }
-  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return in; }
-  bool saves_inputs() const override { return false; }
-  // d_tokens = combine(d_rows), d_prob = combine(d_prob): at size 1, the gradients as they come.
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
-                          const std::vector<bool>& needs) override {
-    return {needs[0] ? d_out[0] : Tensor(), needs[1] ? d_out[1] : Tensor()};
-  }
-};
+// The sender's permute groups copies by global expert. Its segments only need to be contiguous, but
+// permute_pad pads them to a multiple of 16; the pad rows never travel.
+constexpr int kSortedAlign = 16;
 
-// Inputs: [y]. Output: y.
-class Combine : public Primitive {
+// Input: [y]. Output: y. Its vjp quantizes dy once (rowwise 1x128): the fp8_flow cast "combine backward: dy".
+class CombineGradToFp8 : public Primitive {
  public:
-  explicit Combine(CombineGrad grad) : grad_(grad) {}
   const char* name() const override { return "combine"; }
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return in; }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return in; }
   bool saves_inputs() const override { return false; }
-  // d_y = dispatch(dy): dy quantized first when the experts take an FP8 gradient.
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
     if (!needs[0]) return {Tensor()};
-    if (grad_ == CombineGrad::fp8) return {quantize_rowwise_tensor(d_out[0], "combine backward: dy")};
-    return {d_out[0]};
+    return {quantize_rowwise_tensor(d_out[0], "combine backward: dy")};
   }
-
- private:
-  CombineGrad grad_;
 };
+
+std::vector<int64_t> padded_starts(const std::vector<int64_t>& counts, int align) {
+  std::vector<int64_t> starts(counts.size() + 1, 0);
+  for (size_t g = 0; g < counts.size(); ++g) starts[g + 1] = starts[g] + (counts[g] + align - 1) / align * align;
+  return starts;
+}
 
 }  // namespace
 
-Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variable& topk_prob, int num_experts) {
+Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variable& probs, const DispatchOptions& o) {
   FLOWMOE_CHECK(tokens.data().dim() == 2, ShapeError, "dispatch: tokens must be [T, H], got ",
                 tokens.data().describe());
   FLOWMOE_CHECK(topk_idx.dim() == 2 && topk_idx.size(0) == tokens.size(0), ShapeError, "dispatch: topk_idx ",
                 topk_idx.describe(), " must be [", tokens.size(0), ", k]");
-  FLOWMOE_CHECK(num_experts >= 1, Error, "dispatch: num_experts must be at least 1, got ", num_experts);
-  std::vector<Variable> out = apply(std::make_shared<Dispatch>(), {tokens, topk_prob});
+  FLOWMOE_CHECK(o.num_experts >= 1, Error, "dispatch: num_experts must be at least 1, got ", o.num_experts);
   Dispatched d;
-  d.tokens = out[0];
-  d.topk_idx = topk_idx;
-  if (topk_prob.defined()) d.topk_prob = out[1];
+  if (!o.expert_parallel) {
+    d.routing = permute_pad(tokens, topk_idx, probs, o.num_experts, o.align_size, 0, -1, o.num_rows);
+    d.rows = d.routing.rows;
+    d.probs = d.routing.probs;
+    d.tokens_per_expert = d.routing.tokens_per_expert;
+    d.padded_tokens_per_expert = read_counts_once(d.routing.padded_tokens_per_expert);  // THE host sync
+    return d;
+  }
+  Communicator& comm = *o.expert_parallel;
+  FLOWMOE_CHECK(o.num_experts % comm.size() == 0, ConfigError, "dispatch: ", o.num_experts,
+                " experts do not split over an expert-parallel group of ", comm.size(), " ranks");
+  d.routing = permute_pad(tokens, topk_idx, probs, o.num_experts, kSortedAlign);
+  auto [send_counts, recv_counts] = exchange_counts_once(comm, d.routing.tokens_per_expert);  // THE host sync
+  auto plan = std::make_shared<ExchangePlan>(make_exchange_plan(o.expert_parallel, send_counts, recv_counts,
+                                                                padded_starts(send_counts, kSortedAlign),
+                                                                d.routing.rows.size(0), o.align_size, o.row_multiple));
+  std::vector<Variable> moved = exchange(d.routing.rows, d.routing.probs, plan, ExchangeDirection::to_experts);
+  d.rows = moved[0];
+  d.probs = moved[1];
+  d.padded_tokens_per_expert = plan->padded_tokens_per_expert;
+  d.tokens_per_expert = Tensor::from_ints(plan->tokens_per_expert, {int64_t(plan->tokens_per_expert.size())});
+  d.plan = std::move(plan);
   return d;
 }
 
-Variable combine(const Variable& y, const Dispatched& from, CombineGrad grad) {
-  FLOWMOE_CHECK(y.data().dim() == 2 && y.size(0) == from.tokens.size(0), ShapeError, "combine: y ",
-                y.data().describe(), " must be [", from.tokens.size(0), ", H] (the dispatched tokens)");
-  return apply(std::make_shared<Combine>(grad), {y})[0];
+Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob, CombineGrad grad) {
+  FLOWMOE_CHECK(rows.data().dim() == 2 && rows.size(0) == from.rows.size(0), ShapeError, "combine: rows ",
+                rows.data().describe(), " must be [", from.rows.size(0), ", H] (the dispatched rows)");
+  Variable sorted = from.plan ? exchange(rows, Variable(), from.plan, ExchangeDirection::to_tokens)[0] : rows;
+  Variable y = unpermute_unpad(sorted, from.routing, topk_prob);
+  return grad == CombineGrad::fp8 ? apply(std::make_shared<CombineGradToFp8>(), {y})[0] : y;
 }
 
 }  // namespace flowmoe

@@ -102,6 +102,10 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       tail -20 "$out/train_$name.log"
     fi
   done
+  # Multi-process paths on this one GPU (scripts/parallel_runs.sh): the nccl backend at world size 1
+  # against the default, and expert parallelism through the mpi backend's host staging against one process.
+  [ -z "${GPU_CHECK_SKIP_TRAIN:-}" ] && { scripts/parallel_runs.sh "$build" "$out" | while read -r line; do
+    row "${line%%:*}" "${line#*: }"; done; [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1; }
   t_train=$(( $(date +%s) - t0 ))
 fi
 # How long each phase took.

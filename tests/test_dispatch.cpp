@@ -1,7 +1,8 @@
-// dispatch and combine (parallel/dispatch.h) at expert-parallel size 1: they hand their tensors back
-// without a copy, their backward passes gradients through, and combine's FP8 backward quantizes dy
-// once (one counted cast) into rowwise 1x128 FP8 that unpermute's backward moves as bytes. Rows hold
-// their token id, so a wrong row is named.
+// dispatch and combine (parallel/dispatch.h) in one process. Without a group they are permute+pad and
+// unpermute+unpad with one counted host read; with a group of one rank (the none communicator) the
+// exchange path runs against itself, and must give the same rows, outputs and gradients bit for bit,
+// pass a finite-difference check, and keep fp8_flow's backward at one cast. Rows hold their token id,
+// so a wrong row is named. The same path across ranks: tests/mpi/test_exchange.cpp.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -11,17 +12,20 @@
 #include "engine/ops/permute.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/unpermute.h"
+#include "kernels/common/device_api.h"
+#include "parallel/backends.h"
 #include "parallel/dispatch.h"
 #include "test_util.h"
 
 namespace flowmoe {
 namespace {
 
-using test::all_close;
 using test::bit_equal;
 using test::random_tensor;
 using test::random_topk;
 using test::test_seed;
+
+constexpr int kExperts = 4, kTopK = 2;
 
 // x[t, h] = t + h / 1000: each row names its token.
 Tensor token_rows(int64_t num_tokens, int64_t hidden, DType dtype, Device device) {
@@ -31,76 +35,148 @@ Tensor token_rows(int64_t num_tokens, int64_t hidden, DType dtype, Device device
   return Tensor::from_floats(v, {num_tokens, hidden}, dtype).to(device);
 }
 
-void check_pass_through(Device device) {
+DispatchOptions options(bool exchange, int64_t num_rows = -1) {
+  DispatchOptions o;
+  o.num_experts = kExperts;
+  o.num_rows = num_rows;
+  if (exchange) o.expert_parallel = make_none_communicator();
+  return o;
+}
+
+// The routings of the edge cases: random, one hot expert, an expert with none, 0 tokens.
+std::vector<std::pair<std::string, Tensor>> routings(std::mt19937_64& gen) {
+  return {{"random 37", random_topk(gen, 37, kTopK, kExperts)},
+          {"hot experts 0 and 1", random_topk(gen, 21, kTopK, kExperts, {0, 1})},
+          {"expert 2 empty", random_topk(gen, 45, kTopK, kExperts, {0, 1, 3})},
+          {"one token", random_topk(gen, 1, kTopK, kExperts)},
+          {"no tokens", Tensor::zeros({0, kTopK}, DType::i32)}};
+}
+
+Tensor host(const Tensor& t) { return t.to(Device::cpu()); }
+
+// rows [R,H] · probs [R] per row (probs [R,1] · ones [1,H] broadcasts them): fp8_flow's prob weighting.
+Variable times_probs(const Variable& rows, const Variable& probs) {
+  Variable ones(Tensor::full({1, rows.size(1)}, 1.0, rows.dtype(), rows.device()));
+  return mul(rows, matmul(reshape(probs, {-1, 1}), ones));
+}
+
+// One rank: dispatch is permute_pad, combine is unpermute_unpad, one host read on a GPU.
+void check_one_rank(Device device) {
   std::mt19937_64 gen(test_seed());
   Rng rng(test_seed());
-  for (int64_t num_tokens : {0, 1, 37}) {
-    SCOPED_TRACE("tokens " + std::to_string(num_tokens));
-    Variable x(token_rows(num_tokens, 256, DType::f32, device), true);
-    Tensor idx = random_topk(gen, num_tokens, 2, 4).to(device);
-    Variable prob(random_tensor(rng, {num_tokens, 2}, DType::f32, device), true);
-    Dispatched d = dispatch(x, idx, prob, 4);
-    EXPECT_EQ(d.tokens.data().raw_data(), x.data().raw_data()) << "dispatch copied the tokens";
-    EXPECT_EQ(d.topk_prob.data().raw_data(), prob.data().raw_data()) << "dispatch copied the probs";
-    EXPECT_EQ(d.topk_idx.raw_data(), idx.raw_data());
-    EXPECT_EQ(d.expert_offset, 0);
-    EXPECT_EQ(d.num_local_experts, -1);
-    Variable y = combine(d.tokens, d, CombineGrad::as_is);
-    EXPECT_EQ(y.data().raw_data(), x.data().raw_data()) << "combine copied its input";
-    // Backward: the gradients come back as they went in.
-    Tensor dy = random_tensor(rng, {num_tokens, 256}, DType::f32, device);
-    Tensor dp = random_tensor(rng, {num_tokens, 2}, DType::f32, device);
-    backward({y, d.topk_prob}, {dy, dp});
-    EXPECT_TRUE(bit_equal(x.grad().to(Device::cpu()), dy.to(Device::cpu())));
-    EXPECT_TRUE(bit_equal(prob.grad().to(Device::cpu()), dp.to(Device::cpu())));
+  for (auto& [name, idx_cpu] : routings(gen)) {
+    SCOPED_TRACE(name);
+    const int64_t T = idx_cpu.size(0);
+    Tensor idx = idx_cpu.to(device);
+    Variable x(token_rows(T, 64, DType::f32, device));
+    Variable prob(random_tensor(rng, {T, kTopK}, DType::f32, device));
+    const uint64_t syncs = num_host_syncs();
+    Dispatched d = dispatch(x, idx, prob, options(false));
+    EXPECT_EQ(num_host_syncs() - syncs, device.is_cuda() ? 1u : 0u);
+    PermuteResult p = permute_pad(x, idx, prob, kExperts, 16);
+    EXPECT_TRUE(bit_equal(host(d.rows.data()), host(p.rows.data())));
+    EXPECT_TRUE(bit_equal(host(d.probs.data()), host(p.probs.data())));
+    EXPECT_EQ(d.padded_tokens_per_expert, p.padded_tokens_per_expert.to_ints());
+    EXPECT_TRUE(d.plan == nullptr);
+    Variable y = combine(d.rows, d, prob, CombineGrad::as_is);
+    EXPECT_TRUE(bit_equal(host(y.data()), host(unpermute_unpad(p.rows, p, prob).data())));
   }
 }
 
-TEST(Dispatch, PassesThroughAtSizeOne) { check_pass_through(Device::cpu()); }
+TEST(Dispatch, OneRankIsPermutePadAndUnpermuteUnpad) { check_one_rank(Device::cpu()); }
 
-TEST(Dispatch, WithoutProbsGivesNone) {
-  Variable x(token_rows(5, 8, DType::f32, Device::cpu()));
-  Dispatched d = dispatch(x, Tensor::zeros({5, 1}, DType::i32), Variable(), 2);
-  EXPECT_FALSE(d.topk_prob.defined());
-}
-
-TEST(Dispatch, BadShapesThrowNamingThem) {
-  Variable x(token_rows(5, 8, DType::f32, Device::cpu()));
-  EXPECT_TRUE(test::throws_naming<ShapeError>([&] { dispatch(x, Tensor::zeros({4, 2}, DType::i32), Variable(), 4); },
-                                              {"topk_idx", "[5, k]"}));
-  Dispatched d = dispatch(x, Tensor::zeros({5, 2}, DType::i32), Variable(), 4);
-  Variable wrong(token_rows(6, 8, DType::f32, Device::cpu()));
-  EXPECT_TRUE(test::throws_naming<ShapeError>([&] { combine(wrong, d, CombineGrad::as_is); }, {"combine", "[5, H]"}));
-}
-
-TEST(Dispatch, Gradcheck) {
-  Rng rng(test_seed());
-  Tensor idx = Tensor::from_ints({0, 1, 1, 2, 2, 0}, {3, 2});
-  auto f = [&](const std::vector<Variable>& v) {
-    Dispatched d = dispatch(v[0], idx, v[1], 3);
-    return combine(mul(d.tokens, d.tokens), d, CombineGrad::as_is);
-  };
-  EXPECT_TRUE(test::gradcheck(f, {random_tensor(rng, {3, 4}, DType::f64), random_tensor(rng, {3, 2}, DType::f64)},
-                              1e-6, 1e-5, {0}));
-}
-
-// fp8_flow's backward: combine quantizes dy once; unpermute (no probs) moves the FP8 rows and scales
-// to the expert rows with the permute routing: d_rows[row_map[t,j]] = q(dy)[t], pad rows zero.
-void check_fp8_grad(Device device) {
+// The exchange with a group of one against the one-rank path: the same rows (the exchange sizes its
+// buffer exactly, so compare the padded total), the same outputs and gradients, bit for bit.
+void check_exchange_matches_one_rank(Device device, bool probs_with_rows) {
   std::mt19937_64 gen(test_seed());
   Rng rng(test_seed());
-  for (int64_t num_tokens : {0, 1, 45}) {
-    SCOPED_TRACE("tokens " + std::to_string(num_tokens));
-    const int64_t hidden = 384;
-    Tensor idx = random_topk(gen, num_tokens, 2, 4).to(device);
-    Variable xq(quantize_rowwise_tensor(token_rows(num_tokens, hidden, DType::f32, device), ""));
-    Dispatched d = dispatch(xq, idx, Variable(), 4);
-    PermuteResult p = permute_pad(d.tokens, d.topk_idx, Variable(), 4, 16);
+  for (auto& [name, idx_cpu] : routings(gen)) {
+    SCOPED_TRACE(name + (probs_with_rows ? ", probs with the rows" : ", probs at combine"));
+    const int64_t T = idx_cpu.size(0), H = 64;
+    Tensor idx = idx_cpu.to(device), x0 = token_rows(T, H, DType::f32, device);
+    Tensor p0 = random_tensor(rng, {T, kTopK}, DType::f32, device);
+    Tensor dy = random_tensor(rng, {T, H}, DType::f32, device);
+    std::vector<Tensor> out, dx, dp;
+    std::vector<Dispatched> ds;
+    for (bool exchange : {false, true}) {
+      Variable x(x0, true), prob(p0, true);
+      Dispatched d = dispatch(x, idx, probs_with_rows ? prob : Variable(), options(exchange));
+      Variable rows = mul(d.rows, d.rows);  // a nonlinear "expert", the same for every row
+      if (probs_with_rows) rows = times_probs(rows, d.probs);
+      Variable y = combine(rows, d, probs_with_rows ? Variable() : prob, CombineGrad::as_is);
+      y.backward(dy);
+      out.push_back(host(y.data()));
+      dx.push_back(host(x.grad()));
+      dp.push_back(host(prob.grad()));
+      ds.push_back(d);
+    }
+    const int64_t used = ds[0].routing.segment_starts.to_ints().back();
+    EXPECT_EQ(ds[1].rows.size(0), used) << "the exchanged buffer holds exactly the padded segments";
+    EXPECT_TRUE(bit_equal(host(ds[1].rows.data()), host(ds[0].rows.data()).slice(0, 0, used).contiguous()));
+    EXPECT_EQ(ds[1].padded_tokens_per_expert, ds[0].padded_tokens_per_expert);
+    EXPECT_EQ(ds[1].tokens_per_expert.to_ints(), ds[0].tokens_per_expert.to_ints());
+    EXPECT_TRUE(bit_equal(out[1], out[0]));
+    EXPECT_TRUE(bit_equal(dx[1], dx[0]));
+    EXPECT_TRUE(bit_equal(dp[1], dp[0]));
+  }
+}
+
+TEST(Dispatch, ExchangeWithItselfMatchesOneRank) {
+  check_exchange_matches_one_rank(Device::cpu(), false);
+  check_exchange_matches_one_rank(Device::cpu(), true);
+}
+
+// FP8 tokens arrive byte for byte with their scales; pad rows are zero with scale_inv 1.
+void check_fp8_payload(Device device) {
+  std::mt19937_64 gen(test_seed());
+  for (auto& [name, idx_cpu] : routings(gen)) {
+    SCOPED_TRACE(name);
+    const int64_t T = idx_cpu.size(0);
+    Variable xq(quantize_rowwise_tensor(token_rows(T, 256, DType::f32, device), ""));
+    Dispatched one = dispatch(xq, idx_cpu.to(device), Variable(), options(false));
+    Dispatched ex = dispatch(xq, idx_cpu.to(device), Variable(), options(true));
+    const int64_t used = ex.rows.size(0);
+    ASSERT_TRUE(ex.rows.data().fp8_scales() != nullptr) << "the exchanged rows lost their scales";
+    EXPECT_TRUE(bit_equal(host(ex.rows.data()), host(one.rows.data()).slice(0, 0, used).contiguous()));
+    EXPECT_TRUE(bit_equal(host(ex.rows.data().fp8_scales()->scale_inv),
+                          host(one.rows.data().fp8_scales()->scale_inv).slice(0, 0, used).contiguous()));
+  }
+}
+
+TEST(Dispatch, Fp8PayloadArrivesBitIdentical) { check_fp8_payload(Device::cpu()); }
+
+TEST(Dispatch, GradcheckThroughTheExchange) {
+  Rng rng(test_seed());
+  Tensor idx = Tensor::from_ints({0, 1, 1, 3, 3, 0}, {3, 2});
+  for (bool probs_with_rows : {false, true}) {
+    SCOPED_TRACE(probs_with_rows ? "probs with the rows" : "probs at combine");
+    auto f = [&](const std::vector<Variable>& v) {
+      Dispatched d = dispatch(v[0], idx, probs_with_rows ? v[1] : Variable(), options(true));
+      Variable rows = mul(d.rows, d.rows);
+      if (probs_with_rows) rows = times_probs(rows, d.probs);
+      return combine(rows, d, probs_with_rows ? Variable() : v[1], CombineGrad::as_is);
+    };
+    EXPECT_TRUE(test::gradcheck(f, {random_tensor(rng, {3, 4}, DType::f64), random_tensor(rng, {3, 2}, DType::f64)},
+                                1e-6, 1e-5));
+  }
+}
+
+// fp8_flow's backward: combine quantizes dy once, and the FP8 rows and scales reach the experts'
+// rows (d_rows[row of (t,j)] = q(dy)[t], pad rows zero) through unpermute and, with a group, the exchange.
+void check_fp8_grad(Device device, bool exchange) {
+  std::mt19937_64 gen(test_seed());
+  Rng rng(test_seed());
+  for (auto& [name, idx_cpu] : routings(gen)) {
+    SCOPED_TRACE(name + (exchange ? ", exchange" : ", one rank"));
+    const int64_t T = idx_cpu.size(0), hidden = 384;
+    Tensor idx = idx_cpu.to(device);
+    Variable xq(quantize_rowwise_tensor(token_rows(T, hidden, DType::f32, device), ""));
+    Dispatched d = dispatch(xq, idx, Variable(), options(exchange));
     // The expert rows: bf16 on the GPU, f32 on the CPU (the dtypes each unpermute backend takes).
     const DType rows_dtype = device.is_cpu() ? DType::f32 : DType::bf16;
-    Variable rows(Tensor::zeros({p.rows.size(0), hidden}, rows_dtype, device), true);
-    Variable y = combine(unpermute_unpad(rows, p, Variable()), d, CombineGrad::fp8);
-    Tensor dy = random_tensor(rng, {num_tokens, hidden}, rows_dtype, device);
+    Variable rows(Tensor::zeros({d.rows.size(0), hidden}, rows_dtype, device), true);
+    Variable y = combine(rows, d, Variable(), CombineGrad::fp8);
+    Tensor dy = random_tensor(rng, {T, hidden}, rows_dtype, device);
     reset_cast_counts();
     y.backward(dy);
     CastCounts n = cast_counts();
@@ -109,22 +185,53 @@ void check_fp8_grad(Device device) {
     const Tensor& g = rows.grad();
     ASSERT_EQ(g.dtype(), DType::e4m3) << "the expert rows' gradient is not FP8";
     ASSERT_TRUE(g.fp8_scales() != nullptr);
+    PermuteResult p = permute_pad(xq, idx, Variable(), kExperts, 16);
     Tensor want = permute_rows_like(quantize_rowwise_tensor(dy, ""), p);
-    EXPECT_TRUE(bit_equal(g.to(Device::cpu()), want.to(Device::cpu())));
-    EXPECT_TRUE(bit_equal(g.fp8_scales()->scale_inv.to(Device::cpu()), want.fp8_scales()->scale_inv.to(Device::cpu())));
+    const int64_t used = g.size(0);
+    EXPECT_TRUE(bit_equal(host(g), host(want).slice(0, 0, used).contiguous()));
+    EXPECT_TRUE(
+        bit_equal(host(g.fp8_scales()->scale_inv), host(want.fp8_scales()->scale_inv).slice(0, 0, used).contiguous()));
   }
 }
 
-TEST(Dispatch, CombineFp8GradIsOneCast) { check_fp8_grad(Device::cpu()); }
+TEST(Dispatch, CombineFp8GradIsOneCast) {
+  check_fp8_grad(Device::cpu(), false);
+  check_fp8_grad(Device::cpu(), true);
+}
 
-TEST(DispatchCuda, PassesThroughAtSizeOne) {
+TEST(Dispatch, BadShapesThrowNamingThem) {
+  Variable x(token_rows(5, 8, DType::f32, Device::cpu()));
+  EXPECT_TRUE(test::throws_naming<ShapeError>(
+      [&] {
+        dispatch(x, Tensor::zeros({4, 2}, DType::i32), Variable(), options(false));
+      },
+      {"topk_idx", "[5, k]"}));
+  Dispatched d = dispatch(x, Tensor::zeros({5, 2}, DType::i32), Variable(), options(false));
+  Variable wrong(Tensor::zeros({d.rows.size(0) + 1, 8}, DType::f32));
+  EXPECT_TRUE(test::throws_naming<ShapeError>([&] { combine(wrong, d, Variable(), CombineGrad::as_is); },
+                                              {"combine", "dispatched rows"}));
+}
+
+TEST(DispatchCuda, OneRankIsPermutePadAndUnpermuteUnpad) {
   FLOWMOE_REQUIRE_CUDA();
-  check_pass_through(Device::cuda(0));
+  check_one_rank(Device::cuda(0));
+}
+
+TEST(DispatchCuda, ExchangeWithItselfMatchesOneRank) {
+  FLOWMOE_REQUIRE_CUDA();
+  check_exchange_matches_one_rank(Device::cuda(0), false);
+  check_exchange_matches_one_rank(Device::cuda(0), true);
+}
+
+TEST(DispatchCuda, Fp8PayloadArrivesBitIdentical) {
+  FLOWMOE_REQUIRE_CUDA();
+  check_fp8_payload(Device::cuda(0));
 }
 
 TEST(DispatchCuda, CombineFp8GradIsOneCast) {
   FLOWMOE_REQUIRE_CUDA();
-  check_fp8_grad(Device::cuda(0));
+  check_fp8_grad(Device::cuda(0), false);
+  check_fp8_grad(Device::cuda(0), true);
 }
 
 }  // namespace

@@ -27,6 +27,10 @@ void check_mpi(int rc, const char* call, const char* file, int line) {
 }
 #define FLOWMOE_MPI_CHECK(call) check_mpi((call), #call, __FILE__, __LINE__)
 
+// The tag of all_to_all_chunks' messages, the only point-to-point traffic on these communicators
+// (collectives have a context of their own).
+constexpr int kChunkTag = 1;
+
 // MPI counts and displacements are ints.
 int to_mpi_int(int64_t v, const char* what) {
   FLOWMOE_CHECK(v >= 0 && v <= INT_MAX, ShapeError, "mpi: ", what, " = ", v, " does not fit MPI's int counts");
@@ -144,6 +148,35 @@ class MpiCommunicator final : public Communicator {
     HostBytes s(send, true, stream()), r(recv, false, stream());
     FLOWMOE_MPI_CHECK(MPI_Alltoallv(s.data(), send_counts.data(), send_displs.data(), row.get(), r.data(),
                                     recv_counts.data(), recv_displs.data(), row.get(), comm_));
+    r.store();
+  }
+
+  // One message per non-empty chunk, self included. MPI matches messages of one (source, tag, comm)
+  // in the order they were posted, which pairs each peer's chunks in list order.
+  void do_all_to_all_chunks(const Tensor& send, const std::vector<RowChunk>& send_chunks, const Tensor& recv,
+                            const std::vector<RowChunk>& recv_chunks, size_t row_bytes) override {
+    if (row_bytes == 0) return;  // rows of zero width: nothing moves
+    // Every count is checked before the first message is posted.
+    for (const std::vector<RowChunk>* chunks : {&send_chunks, &recv_chunks})
+      for (const RowChunk& c : *chunks) to_mpi_int(c.rows, "rows in one chunk");
+    RowType row(row_bytes);
+    // recv is loaded as well, so the rows no chunk covers are stored back unchanged.
+    HostBytes s(send, true, stream()), r(recv, true, stream());
+    std::vector<MPI_Request> requests;
+    requests.reserve(send_chunks.size() + recv_chunks.size());
+    auto post = [&](const std::vector<RowChunk>& chunks, HostBytes& bytes, bool sending) {
+      for (const RowChunk& c : chunks) {
+        if (c.rows == 0) continue;
+        char* at = static_cast<char*>(bytes.data()) + size_t(c.offset) * row_bytes;
+        requests.push_back(MPI_REQUEST_NULL);
+        FLOWMOE_MPI_CHECK(sending ? MPI_Isend(at, int(c.rows), row.get(), c.peer, kChunkTag, comm_, &requests.back())
+                                  : MPI_Irecv(at, int(c.rows), row.get(), c.peer, kChunkTag, comm_, &requests.back()));
+      }
+    };
+    // Receives first: a peer's early message then lands in place instead of MPI's unexpected queue.
+    post(recv_chunks, r, false);
+    post(send_chunks, s, true);
+    FLOWMOE_MPI_CHECK(MPI_Waitall(int(requests.size()), requests.data(), MPI_STATUSES_IGNORE));
     r.store();
   }
 

@@ -2,9 +2,9 @@
 // otherwise). CUDA tensors on the communicator's device, collectives enqueued on its stream (the
 // engine's stream by default) and asynchronous to the host. The communicator is bootstrapped through
 // a CPU communicator (mpi, or none at world size 1): rank 0 calls ncclGetUniqueId and broadcasts it,
-// every rank calls ncclCommInitRank. The all-to-all with per-peer counts is one NCCL group of
-// ncclSend/ncclRecv pairs. Every NCCL and CUDA return code is checked; failures throw CommError
-// (NCCL) or CudaError (CUDA runtime).
+// every rank calls ncclCommInitRank. The all-to-all with per-peer counts, and the one between row
+// chunks, are each one NCCL group of ncclSend/ncclRecv calls. Every NCCL and CUDA return code is
+// checked; failures throw CommError (NCCL) or CudaError (CUDA runtime).
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -102,27 +102,23 @@ class NcclCommunicator final : public Communicator {
   Device native_device() const override { return Device::cuda(device_); }
 
  protected:
+  // Rank-major blocks are one chunk per peer, in peer order.
   void do_all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, const Tensor& recv,
                      const std::vector<int64_t>& recv_rows, size_t row_bytes) override {
-    check_on_device(send, "all_to_all");
-    if (row_bytes == 0) return;
-    DeviceScope scope(device_);
-    const char* send_base = static_cast<const char*>(send.raw_data());
-    char* recv_base = static_cast<char*>(recv.raw_data());
-    FLOWMOE_NCCL_CHECK(ncclGroupStart(), comm_);
-    ncclResult_t rc = ncclSuccess;
-    size_t send_at = 0, recv_at = 0;
-    for (int p = 0; p < size() && rc == ncclSuccess; ++p) {
-      size_t send_bytes = size_t(send_rows[size_t(p)]) * row_bytes, recv_bytes = size_t(recv_rows[size_t(p)]) * row_bytes;
-      if (send_bytes) rc = ncclSend(send_base + send_at, send_bytes, ncclUint8, p, comm_, enqueue_stream());
-      if (recv_bytes && rc == ncclSuccess)
-        rc = ncclRecv(recv_base + recv_at, recv_bytes, ncclUint8, p, comm_, enqueue_stream());
-      send_at += send_bytes;
-      recv_at += recv_bytes;
+    std::vector<RowChunk> send_chunks, recv_chunks;
+    int64_t send_at = 0, recv_at = 0;
+    for (int p = 0; p < size(); ++p) {
+      send_chunks.push_back({p, send_at, send_rows[size_t(p)]});
+      recv_chunks.push_back({p, recv_at, recv_rows[size_t(p)]});
+      send_at += send_rows[size_t(p)];
+      recv_at += recv_rows[size_t(p)];
     }
-    ncclResult_t end = ncclGroupEnd();  // always closes the group, even after a failed call inside it
-    FLOWMOE_NCCL_CHECK(rc, comm_);
-    FLOWMOE_NCCL_CHECK(end, comm_);
+    send_recv_chunks(send, send_chunks, recv, recv_chunks, row_bytes, "all_to_all");
+  }
+
+  void do_all_to_all_chunks(const Tensor& send, const std::vector<RowChunk>& send_chunks, const Tensor& recv,
+                            const std::vector<RowChunk>& recv_chunks, size_t row_bytes) override {
+    send_recv_chunks(send, send_chunks, recv, recv_chunks, row_bytes, "all_to_all_chunks");
   }
 
   void do_all_reduce(const Tensor& t, ReduceOp op) override {
@@ -173,6 +169,30 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Communicator> bootstrap_;
   int device_;
   ncclComm_t comm_ = nullptr;
+
+  // One group of ncclSend/ncclRecv, one per non-empty chunk, self included: NCCL runs the calls of a
+  // group that target the same peer in order, which pairs each peer's chunks in list order.
+  void send_recv_chunks(const Tensor& send, const std::vector<RowChunk>& send_chunks, const Tensor& recv,
+                        const std::vector<RowChunk>& recv_chunks, size_t row_bytes, const char* call) {
+    check_on_device(send, call);
+    if (row_bytes == 0) return;
+    DeviceScope scope(device_);
+    const char* send_base = static_cast<const char*>(send.raw_data());
+    char* recv_base = static_cast<char*>(recv.raw_data());
+    FLOWMOE_NCCL_CHECK(ncclGroupStart(), comm_);
+    ncclResult_t rc = ncclSuccess;
+    for (const RowChunk& c : send_chunks)
+      if (c.rows > 0 && rc == ncclSuccess)
+        rc = ncclSend(send_base + size_t(c.offset) * row_bytes, size_t(c.rows) * row_bytes, ncclUint8, c.peer, comm_,
+                      enqueue_stream());
+    for (const RowChunk& c : recv_chunks)
+      if (c.rows > 0 && rc == ncclSuccess)
+        rc = ncclRecv(recv_base + size_t(c.offset) * row_bytes, size_t(c.rows) * row_bytes, ncclUint8, c.peer, comm_,
+                      enqueue_stream());
+    ncclResult_t end = ncclGroupEnd();  // always closes the group, even after a failed call inside it
+    FLOWMOE_NCCL_CHECK(rc, comm_);
+    FLOWMOE_NCCL_CHECK(end, comm_);
+  }
 
   cudaStream_t enqueue_stream() const { return stream() ? stream() : current_stream(device_); }
   void check_on_device(const Tensor& t, const char* call) const {

@@ -32,6 +32,8 @@ std::string decode_row_code(float v);  // "rank 1's row 3 for rank 0, column 2"
 
 // Every collective test on `comm` with tensors on `device` (CPU, CUDA through staging, or nccl).
 void check_all_to_all_cases(Communicator& comm, Device device);
+// all_to_all_chunks into an expert-major padded layout, rows of `row` elements of `dtype`.
+void check_all_to_all_chunks_cases(Communicator& comm, Device device, DType dtype, const Shape& row);
 void check_all_reduce_cases(Communicator& comm, Device device);
 void check_all_gather_and_broadcast(Communicator& comm, Device device);
 

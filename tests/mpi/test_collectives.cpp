@@ -14,6 +14,15 @@ Device rank_gpu(const Communicator& comm) { return Device::cuda(comm.rank() % cu
 
 TEST(Collectives, AllToAllMovesEveryRowToItsPeerBitForBit) { check_all_to_all_cases(test_world(), Device::cpu()); }
 
+TEST(Collectives, AllToAllChunksLandsRowsInAnExpertMajorPaddedLayout) {
+  check_all_to_all_chunks_cases(test_world(), Device::cpu(), DType::f32, {3});
+  check_all_to_all_chunks_cases(test_world(), Device::cpu(), DType::bf16, {2, 2});
+}
+
+TEST(Collectives, AllToAllChunksMovesFp8BytesBitForBit) {
+  check_all_to_all_chunks_cases(test_world(), Device::cpu(), DType::e4m3, {128});
+}
+
 TEST(Collectives, AllReduceSumsAndMaxesF32F64AndIntegers) { check_all_reduce_cases(test_world(), Device::cpu()); }
 
 TEST(Collectives, AllGatherAndBroadcastFromEveryRoot) { check_all_gather_and_broadcast(test_world(), Device::cpu()); }
@@ -69,11 +78,37 @@ TEST(Collectives, BadArgumentsThrowTypedErrorsOnEveryRank) {
   comm.barrier();  // every rank got here without a collective running: nothing is left pending
 }
 
+TEST(Collectives, AllToAllChunksBadArgumentsThrowTypedErrorsOnEveryRank) {
+  using Chunks = std::vector<Communicator::RowChunk>;
+  Communicator& comm = test_world();
+  const int me = comm.rank(), n = comm.size();
+  Tensor send = Tensor::zeros({4, 2}, DType::f32);
+  Tensor recv = Tensor::zeros({4, 2}, DType::f32);
+  auto chunks = [&](const Chunks& s, const Chunks& r, const Tensor& to = Tensor()) {
+    return [&comm, &send, &recv, s, r, to] { comm.all_to_all_chunks(send, s, to.defined() ? to : recv, r); };
+  };
+  EXPECT_TRUE(throws_naming<ShapeError>(chunks({{me, 3, 2}}, {{me, 0, 2}}), {"send_chunks[0]", "past the end"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(chunks({}, {{me, 2, 3}}), {"recv_chunks[0]", "past the end"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(chunks({{me, -1, 1}}, {}), {"send_chunks[0]", "negative"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(chunks({}, {{0, 0, 2}, {0, 3, 1}, {0, 1, 2}}),
+                                        {"recv_chunks[2] = rows [1, 3)", "recv_chunks[0] = rows [0, 2)", "overlap"}));
+  EXPECT_TRUE(throws_naming<CommError>(chunks({{n, 0, 1}}, {}), {"send_chunks[0].peer", "not a rank"}));
+  EXPECT_TRUE(throws_naming<CommError>(chunks({}, {{-1, 0, 1}}), {"recv_chunks[0].peer", "not a rank"}));
+  EXPECT_TRUE(throws_naming<DTypeError>(chunks({}, {}, Tensor::zeros({4, 2}, DType::i32)), {"dtype mismatch"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(chunks({}, {}, Tensor::zeros({4, 3}, DType::f32)), {"differ"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(chunks({}, {}, send), {"share storage"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(chunks({{me, 0, 2}}, {{me, 0, 1}}),
+                                        {"sends itself chunks of 2 rows", "receives from itself chunks of 1 rows"}));
+  comm.barrier();  // every rank got here without a collective running: nothing is left pending
+}
+
 // CUDA tensors through the world communicator: copies at world size 1, host staging under mpi.
 TEST(CollectivesCuda, GpuTensorsThroughTheWorldCommunicator) {
   FLOWMOE_REQUIRE_CUDA();
   Communicator& comm = test_world();
   check_all_to_all_cases(comm, rank_gpu(comm));
+  check_all_to_all_chunks_cases(comm, rank_gpu(comm), DType::f32, {3});
+  check_all_to_all_chunks_cases(comm, rank_gpu(comm), DType::e4m3, {128});
   check_all_reduce_cases(comm, rank_gpu(comm));
   check_all_gather_and_broadcast(comm, rank_gpu(comm));
 }
@@ -92,6 +127,8 @@ TEST(CollectivesCuda, NcclCommunicator) {
   EXPECT_EQ(nccl->size(), world.size());
   const Device gpu = Device::cuda(world.rank());
   check_all_to_all_cases(*nccl, gpu);
+  check_all_to_all_chunks_cases(*nccl, gpu, DType::f32, {3});
+  check_all_to_all_chunks_cases(*nccl, gpu, DType::e4m3, {128});
   check_all_reduce_cases(*nccl, gpu);
   check_all_gather_and_broadcast(*nccl, gpu);
   std::shared_ptr<Communicator> half = nccl->split(world.rank() % 2, world.rank());

@@ -1,0 +1,160 @@
+// The exchange plan and the row exchange as an autograd op (see parallel/exchange.h). The bytes move
+// in Communicator::all_to_all_chunks; here are only the offsets, the pad rows and the gradient's way back.
+#include "parallel/exchange.h"
+
+#include "kernels/common/device_api.h"
+
+namespace flowmoe {
+
+ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::vector<int64_t>& send_counts,
+                                const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& sorted_starts,
+                                int64_t num_sorted_rows, int align_size, int row_multiple) {
+  const int n = comm->size();
+  FLOWMOE_CHECK(n >= 1 && send_counts.size() % size_t(n) == 0 && recv_counts.size() == send_counts.size() &&
+                    sorted_starts.size() == send_counts.size() + 1,
+                ShapeError, "make_exchange_plan: ", send_counts.size(), " send counts, ", recv_counts.size(),
+                " receive counts and ", sorted_starts.size(), " segment starts for ", n, " ranks");
+  ExchangePlan p;
+  p.comm = std::move(comm);
+  const int L = int(send_counts.size()) / n;
+  p.num_local_experts = L;
+  p.align_size = align_size;
+  p.send_counts = send_counts;
+  p.recv_counts = recv_counts;
+  p.num_sorted_rows = num_sorted_rows;
+  p.tokens_per_expert.assign(size_t(L), 0);
+  for (int q = 0; q < n; ++q)
+    for (int e = 0; e < L; ++e) p.tokens_per_expert[size_t(e)] += recv_counts[size_t(q * L + e)];
+  p.segment_starts.assign(size_t(L) + 1, 0);
+  for (int e = 0; e < L; ++e) {
+    const int64_t padded = (p.tokens_per_expert[size_t(e)] + align_size - 1) / align_size * align_size;
+    p.padded_tokens_per_expert.push_back(padded);
+    p.segment_starts[size_t(e) + 1] = p.segment_starts[size_t(e)] + padded;
+  }
+  p.num_padded_rows = (p.segment_starts.back() + row_multiple - 1) / row_multiple * row_multiple;
+  // Peer q owns global experts [q·L, (q+1)·L): the sender's segments for them, in expert order.
+  for (int q = 0; q < n; ++q)
+    for (int e = 0; e < L; ++e) {
+      const size_t g = size_t(q * L + e);
+      p.sorted_chunks.push_back({q, sorted_starts[g], send_counts[g]});
+    }
+  // From peer q, expert e's copies follow those of peers 0..q-1 in e's segment.
+  std::vector<int64_t> next(p.segment_starts.begin(), p.segment_starts.end() - 1);
+  for (int q = 0; q < n; ++q)
+    for (int e = 0; e < L; ++e) {
+      const int64_t rows = recv_counts[size_t(q * L + e)];
+      p.padded_chunks.push_back({q, next[size_t(e)], rows});
+      next[size_t(e)] += rows;
+    }
+  return p;
+}
+
+std::pair<std::vector<int64_t>, std::vector<int64_t>> exchange_counts_once(Communicator& comm,
+                                                                           const Tensor& send_counts) {
+  const int n = comm.size();
+  FLOWMOE_CHECK(send_counts.dim() == 1 && send_counts.numel() % n == 0 && send_counts.dtype() == DType::i32, ShapeError,
+                "exchange_counts_once: counts ", send_counts.describe(), " must be [n·L] i32 for ", n, " ranks");
+  const int64_t L = send_counts.numel() / n;
+  // Both directions in one tensor, so one copy to the host reads them: row 0 sent, row 1 received.
+  Tensor both = Tensor::empty({2, n, L}, DType::i32, send_counts.device());
+  both.slice(0, 0, 1).copy_(send_counts.view({1, n, L}));
+  const std::vector<int64_t> ones(size_t(n), 1);
+  comm.all_to_all(send_counts.view({n, L}), ones, both.slice(0, 1, 2).view({n, L}), ones);
+  if (both.device().is_cuda()) note_host_sync();
+  const std::vector<int64_t> all = both.to_ints();
+  const auto half = all.begin() + n * L;
+  return {std::vector<int64_t>(all.begin(), half), std::vector<int64_t>(half, all.end())};
+}
+
+namespace {
+
+// One tensor's rows along the plan; `pad` fills the padded side's uncovered rows.
+Tensor move_rows(const Tensor& src, const ExchangePlan& p, ExchangeDirection dir, double pad) {
+  const bool to_experts = dir == ExchangeDirection::to_experts;
+  Shape shape = src.shape();
+  shape[0] = to_experts ? p.num_padded_rows : p.num_sorted_rows;
+  Tensor dst = Tensor::empty(shape, src.dtype(), src.device());
+  if (to_experts) {  // pad rows: the end of each expert's segment, and the tail
+    auto fill = [&](int64_t begin, int64_t end) {
+      if (begin == end) return;
+      Tensor rows = dst.slice(0, begin, end);
+      if (pad == 0)
+        rows.zero_();
+      else
+        rows.copy_(Tensor::full(rows.shape(), pad, rows.dtype(), rows.device()));
+    };
+    for (int e = 0; e < p.num_local_experts; ++e)
+      fill(p.segment_starts[size_t(e)] + p.tokens_per_expert[size_t(e)], p.segment_starts[size_t(e) + 1]);
+    fill(p.segment_starts.back(), p.num_padded_rows);
+  }
+  p.comm->all_to_all_chunks(src, to_experts ? p.sorted_chunks : p.padded_chunks, dst,
+                            to_experts ? p.padded_chunks : p.sorted_chunks);
+  return dst;
+}
+
+// Rows (with their FP8 scales) and probs along the plan.
+std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, ExchangeDirection dir) {
+  const Tensor& rows = in[0];
+  FLOWMOE_CHECK(
+      rows.dim() == 2 && rows.size(0) == (dir == ExchangeDirection::to_experts ? p.num_sorted_rows : p.num_padded_rows),
+      ShapeError, "exchange: rows ", rows.describe(), " do not have the plan's ",
+      dir == ExchangeDirection::to_experts ? p.num_sorted_rows : p.num_padded_rows, " rows");
+  Tensor out = move_rows(rows.contiguous(), p, dir, 0.0);
+  if (const auto& s = rows.fp8_scales()) {
+    FLOWMOE_CHECK(s->mode == ScalingMode::rowwise_1x128, DTypeError, "exchange: FP8 rows must carry rowwise 1x128 ",
+                  "scales, got ", scaling_mode_name(s->mode));
+    out = out.with_scales(move_rows(s->scale_inv.contiguous(), p, dir, 1.0), ScalingMode::rowwise_1x128);
+  }
+  Tensor probs = in[1].defined() ? move_rows(in[1].contiguous(), p, dir, 0.0) : Tensor();
+  return {out, probs};
+}
+
+// Inputs: [rows, probs (or undefined)]. Outputs: the same, moved. Linear, so its vjp is the move back.
+class Exchange : public SharedBodyPrimitive<Primitive> {
+ public:
+  Exchange(std::shared_ptr<const ExchangePlan> plan, ExchangeDirection dir) : plan_(std::move(plan)), dir_(dir) {}
+  const char* name() const override { return "exchange"; }
+  bool saves_inputs() const override { return false; }
+
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>& needs) override {
+    const ExchangeDirection back =
+        dir_ == ExchangeDirection::to_experts ? ExchangeDirection::to_tokens : ExchangeDirection::to_experts;
+    // Collective: every rank must move its cotangents, so a missing one is an error, not a skip. The
+    // rows always feed the experts (or unpermute), so their cotangent exists; probs get zeros if unused.
+    FLOWMOE_CHECK(d_out[0].defined(), Error, "exchange backward: the moved rows received no gradient");
+    Tensor d_probs =
+        has_probs_ ? (d_out[1].defined() ? d_out[1] : Tensor::zeros(probs_shape_, probs_dtype_, device_)) : Tensor();
+    std::vector<Tensor> g = move({d_out[0], d_probs}, *plan_, back);
+    return {needs[0] ? g[0] : Tensor(), has_probs_ && needs[1] ? g[1] : Tensor()};
+  }
+
+ protected:
+  std::vector<Tensor> run(const std::vector<Tensor>& in, bool) override {
+    has_probs_ = in[1].defined();
+    device_ = in[0].device();
+    std::vector<Tensor> out = move(in, *plan_, dir_);
+    if (has_probs_) probs_shape_ = out[1].shape(), probs_dtype_ = out[1].dtype();
+    return out;
+  }
+
+ private:
+  std::shared_ptr<const ExchangePlan> plan_;
+  ExchangeDirection dir_;
+  bool has_probs_ = false;
+  Shape probs_shape_;
+  DType probs_dtype_ = DType::f32;
+  Device device_;
+};
+
+}  // namespace
+
+std::vector<Variable> exchange(const Variable& rows, const Variable& probs, std::shared_ptr<const ExchangePlan> plan,
+                               ExchangeDirection direction) {
+  FLOWMOE_CHECK(plan != nullptr && plan->comm != nullptr, Error, "exchange: no plan");
+  std::vector<Variable> out = apply(std::make_shared<Exchange>(std::move(plan), direction), {rows, probs});
+  if (!probs.defined()) out[1] = Variable();
+  return out;
+}
+
+}  // namespace flowmoe

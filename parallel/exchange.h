@@ -1,0 +1,60 @@
+// The token exchange of expert parallelism: rows between each rank's expert-sorted send buffer and the
+// expert-major padded buffer of the experts' owners (DESIGN.md §2).
+//
+// With n ranks of L experts each, rank s permutes its routed copies by global expert g (permute_pad
+// over all E = n·L experts: the "sorted" buffer, segment g at sorted_starts[g]). Rank r receives, for
+// its local expert e, the copies of every peer p in peer order, then pad rows up to align_size:
+//   padded row = segment_starts[e] + sum_{p' < p} counts[p'][e] + i       (i-th copy from peer p)
+// so each (peer, expert) segment lands at its final place and no rank-major → expert-major regroup
+// follows. The plan is made once per forward from the exchanged counts (one host read) and reused by
+// every backward exchange. Tests: tests/mpi/test_exchange.cpp (round trips under mpiexec), and
+// tests/test_dispatch.cpp (the same path at world size 1, with a gradient check).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/autograd.h"
+#include "parallel/communicator.h"
+
+namespace flowmoe {
+
+struct ExchangePlan {
+  std::shared_ptr<Communicator> comm;  // the expert-parallel group
+  int num_local_experts = 0;           // L
+  int align_size = 16;
+  std::vector<int64_t> send_counts;               // [n·L] this rank's copies per global expert
+  std::vector<int64_t> recv_counts;               // [n·L] counts[p][e]: copies peer p sends to local expert e
+  std::vector<int64_t> tokens_per_expert;         // [L] received copies per local expert
+  std::vector<int64_t> padded_tokens_per_expert;  // [L] rounded up to align_size
+  std::vector<int64_t> segment_starts;            // [L+1] in the padded buffer
+  int64_t num_sorted_rows = 0;                    // rows of the send buffer (the sender's permute_pad output)
+  int64_t num_padded_rows = 0;  // rows of the receive buffer: the padded total rounded up to row_multiple
+  std::vector<Communicator::RowChunk>
+      sorted_chunks;  // per peer, in local-expert order: where the copies leave / return
+  std::vector<Communicator::RowChunk> padded_chunks;  // per peer, in local-expert order: where they arrive / leave
+};
+
+// The plan from this rank's per-expert counts and those its peers send it (exchange_counts_once).
+// sorted_starts [n·L+1]: the segment starts of the sender's permute (its align_size, 16).
+ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::vector<int64_t>& send_counts,
+                                const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& sorted_starts,
+                                int64_t num_sorted_rows, int align_size, int row_multiple);
+
+// send_counts: tokens_per_expert [n·L] i32 of the sender's permute (any device). Sends each peer its L
+// counts and reads both directions to the host in one read: THE host synchronisation of a dispatch
+// (counted by note_host_sync on a GPU). Returns {send_counts, recv_counts}, each [n·L].
+std::pair<std::vector<int64_t>, std::vector<int64_t>> exchange_counts_once(Communicator& comm,
+                                                                           const Tensor& send_counts);
+
+enum class ExchangeDirection { to_experts, to_tokens };
+
+// Moves rows [num_sorted_rows, ...] to the owners' padded layout (to_experts) or back (to_tokens), with
+// probs [rows] alongside when defined. The padded side's pad rows are zero (probs 0); an FP8 tensor
+// with rowwise 1x128 scales moves its scales too (pad rows scale_inv 1). The sorted side's pad rows
+// are left unwritten: unpermute and permute's backward never read them. Differentiable: the
+// gradient goes back the other way, with the same plan.
+std::vector<Variable> exchange(const Variable& rows, const Variable& probs, std::shared_ptr<const ExchangePlan> plan,
+                               ExchangeDirection direction);
+
+}  // namespace flowmoe

@@ -1,0 +1,287 @@
+// Expert-parallel dispatch and combine across the ranks of test_comm's world (parallel/dispatch.h,
+// parallel/exchange.h), on CPU tensors and, with a GPU, CUDA tensors (staged by the mpi backend).
+// Every rank draws every rank's tokens and routes from one shared seed, so it can build the exact
+// buffer it must receive: each row value names its source rank and token, and a wrong row is named.
+// Routings: random, skewed to one expert, all to one rank, a rank with no tokens, an expert with none.
+// Then the MoE layer itself at expert-parallel size n against one process on the whole batch.
+#include <random>
+
+#include "engine/ops/ops.h"
+#include "engine/ops/quantize.h"
+#include "kernels/common/device_api.h"
+#include "layers/moe.h"
+#include "tests/moe_test_config.h"
+#include "tests/mpi/comm_test_util.h"
+#include "tests/test_util.h"
+
+namespace flowmoe::test {
+namespace {
+
+constexpr int kLocalExperts = 3, kTopK = 2, kAlign = 16;
+
+// One seed for every rank (test_seed() differs per process unless FLOWMOE_TEST_SEED fixes it): rank 0's.
+uint64_t shared_seed() {
+  Tensor seed = Tensor::from_ints({int64_t(test_seed() >> 1)}, {1}, DType::i64, test_world().native_device());
+  test_world().broadcast(seed, 0);
+  return uint64_t(seed.to_ints()[0]);
+}
+
+struct Routing {
+  std::string name;
+  std::function<int64_t(int rank, int n)> num_tokens;
+  std::function<std::vector<int>(int n)> allowed;  // the experts tokens may pick (empty: all)
+};
+
+std::vector<Routing> routings() {
+  auto all = [](int) { return std::vector<int>{}; };
+  return {
+      {"random", [](int r, int) { return int64_t(5 + 7 * r); }, all},
+      {"skewed to experts 0 and 1", [](int r, int) { return int64_t(9 + r); },
+       [](int) {
+         return std::vector<int>{0, 1};
+       }},
+      {"all to the last rank", [](int r, int) { return int64_t(4 + 3 * r); },
+       [](int n) {
+         return std::vector<int>{(n - 1) * kLocalExperts, (n - 1) * kLocalExperts + 1};
+       }},
+      {"rank 1 sends nothing", [](int r, int) { return r == 1 ? int64_t(0) : int64_t(6); }, all},
+      {"expert 2 gets none", [](int r, int) { return int64_t(8 + r); },
+       [](int n) {
+         std::vector<int> a;
+         for (int g = 0; g < n * kLocalExperts; ++g)
+           if (g != 2) a.push_back(g);
+         return a;
+       }},
+  };
+}
+
+// x[t, h] = rank·1000 + t + h/256: exact in f32 and bf16-free, decodable.
+float token_code(int rank, int64_t t, int64_t h) { return float(rank * 1000 + t) + float(h % 256) / 256.f; }
+std::string decode_token(float v) {
+  const int64_t whole = int64_t(std::floor(v));
+  return "rank " + std::to_string(whole / 1000) + "'s token " + std::to_string(whole % 1000);
+}
+
+struct RankData {
+  Tensor x;    // [T, H] f32 on the CPU
+  Tensor idx;  // [T, k] i32
+};
+
+RankData rank_data(const Routing& r, int rank, int n, int64_t hidden, uint64_t seed) {
+  std::mt19937_64 gen(seed + uint64_t(rank) * 7919);
+  const int64_t T = r.num_tokens(rank, n);
+  std::vector<float> v(size_t(T * hidden));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < hidden; ++h) v[size_t(t * hidden + h)] = token_code(rank, t, h);
+  return {Tensor::from_floats(v, {T, hidden}), random_topk(gen, T, kTopK, n * kLocalExperts, r.allowed(n))};
+}
+
+// The rows rank `me` must receive: for each local expert, each peer's copies in token order, then
+// zero pad rows up to kAlign. Entries are (rank, token), (-1, -1) for a pad row.
+std::vector<std::pair<int, int64_t>> expected_rows(const std::vector<RankData>& all, int me) {
+  std::vector<std::pair<int, int64_t>> rows;
+  for (int e = 0; e < kLocalExperts; ++e) {
+    const int g = me * kLocalExperts + e;
+    const size_t start = rows.size();
+    for (size_t p = 0; p < all.size(); ++p) {
+      const std::vector<int64_t> idx = all[p].idx.to_ints();
+      for (int64_t t = 0; t < all[p].idx.size(0); ++t)
+        for (int j = 0; j < kTopK; ++j)
+          if (idx[size_t(t * kTopK + j)] == g) rows.push_back({int(p), t});
+    }
+    while ((rows.size() - start) % kAlign) rows.push_back({-1, -1});
+  }
+  return rows;
+}
+
+DispatchOptions group_options(int n) {
+  DispatchOptions o;
+  o.num_experts = n * kLocalExperts;
+  o.align_size = kAlign;
+  o.expert_parallel = test_runtime().world;
+  return o;
+}
+
+// Dispatch, then combine of the rows as they came (y = Σ_j row = k·x): every received row is named.
+void check_round_trip(Device device) {
+  Communicator& world = test_world();
+  const int me = world.rank(), n = world.size();
+  const int64_t H = 256;
+  const uint64_t seed = shared_seed();
+  for (const Routing& r : routings()) {
+    SCOPED_TRACE(r.name + " on " + device.str());
+    std::vector<RankData> all;
+    for (int p = 0; p < n; ++p) all.push_back(rank_data(r, p, n, H, seed));
+    const auto want = expected_rows(all, me);
+    const uint64_t syncs = num_host_syncs();
+    Dispatched d =
+        dispatch(Variable(all[size_t(me)].x.to(device)), all[size_t(me)].idx.to(device), Variable(), group_options(n));
+    EXPECT_EQ(num_host_syncs() - syncs, device.is_cuda() ? 1u : 0u) << "dispatch reads the counts once";
+    const std::vector<float> got = d.rows.data().to_floats();
+    EXPECT_EQ(d.rows.size(0), int64_t(want.size()));
+    for (size_t i = 0; i < std::min(want.size(), size_t(d.rows.size(0))); ++i) {
+      const auto [p, t] = want[i];
+      const float v = got[i * size_t(H) + 1];
+      const float w = p < 0 ? 0.f : token_code(p, t, 1);
+      EXPECT_EQ(v, w) << "rank " << me << " row " << i << ": expected " << (p < 0 ? "a zero pad row" : decode_token(w))
+                      << ", got " << decode_token(v);
+      if (v != w) break;
+    }
+    Variable y = combine(d.rows, d, Variable(), CombineGrad::as_is);
+    EXPECT_TRUE(all_close(y.data().to(Device::cpu()), tensor_scale(all[size_t(me)].x, double(kTopK)), 0, 0))
+        << "combine did not bring every copy home";
+  }
+}
+
+TEST(Exchange, RoundTripNamesEveryRow) { check_round_trip(Device::cpu()); }
+TEST(Exchange, RoundTripNamesEveryRowCuda) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  check_round_trip(Device::cuda(0));
+}
+
+// FP8 rows and their scales arrive bit for bit: the received buffer equals the one built from every
+// peer's quantized tokens.
+void check_fp8_bits(Device device) {
+  Communicator& world = test_world();
+  const int me = world.rank(), n = world.size();
+  const int64_t H = 384;
+  const uint64_t seed = shared_seed();
+  for (const Routing& r : routings()) {
+    SCOPED_TRACE(r.name + " on " + device.str());
+    std::vector<RankData> all;
+    std::vector<Tensor> q;
+    for (int p = 0; p < n; ++p) {
+      all.push_back(rank_data(r, p, n, H, seed + 1));
+      q.push_back(quantize_rowwise_tensor(all.back().x, ""));
+    }
+    Dispatched d = dispatch(Variable(q[size_t(me)].to(device).with_scales(
+                                q[size_t(me)].fp8_scales()->scale_inv.to(device), ScalingMode::rowwise_1x128)),
+                            all[size_t(me)].idx.to(device), Variable(), group_options(n));
+    const Tensor rows = d.rows.data().to(Device::cpu());
+    const auto& scales = d.rows.data().fp8_scales();
+    EXPECT_TRUE(scales != nullptr) << "the FP8 rows arrived without scales";
+    if (!scales) continue;
+    const Tensor s = scales->scale_inv.to(Device::cpu());
+    const auto want = expected_rows(all, me);
+    const int64_t cols = s.size(1);
+    for (size_t i = 0; i < std::min(want.size(), size_t(rows.size(0))); ++i) {
+      const auto [p, t] = want[i];
+      const auto* a = static_cast<const uint8_t*>(rows.raw_data()) + i * size_t(H);
+      const float* sa = s.data<float>() + i * size_t(cols);
+      bool same = true;
+      for (int64_t h = 0; h < H; ++h)
+        same = same && a[h] == (p < 0 ? 0 : static_cast<const uint8_t*>(q[size_t(p)].raw_data())[t * H + h]);
+      for (int64_t c = 0; c < cols; ++c)
+        same = same && sa[c] == (p < 0 ? 1.f : q[size_t(p)].fp8_scales()->scale_inv.data<float>()[t * cols + c]);
+      EXPECT_TRUE(same) << "rank " << me << " row " << i << ": the FP8 bytes or scales of "
+                        << (p < 0 ? "a pad row" : "rank " + std::to_string(p) + "'s token " + std::to_string(t))
+                        << " differ";
+      if (!same) break;
+    }
+  }
+}
+
+TEST(Exchange, Fp8PayloadIsBitIdentical) { check_fp8_bits(Device::cpu()); }
+TEST(Exchange, Fp8PayloadIsBitIdenticalCuda) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  check_fp8_bits(Device::cuda(0));
+}
+
+// dispatch → a row-wise "expert" → combine across ranks equals the same on this rank alone, values
+// and gradients, with the probs applied at combine and with the probs moving with the rows.
+void check_gradients(Device device) {
+  Communicator& world = test_world();
+  const int me = world.rank(), n = world.size();
+  const int64_t H = 128;
+  const uint64_t seed = shared_seed();
+  Rng rng(seed + uint64_t(me));
+  for (const Routing& r : routings())
+    for (bool probs_with_rows : {false, true}) {
+      SCOPED_TRACE(r.name + (probs_with_rows ? ", probs with the rows" : ", probs at combine"));
+      RankData data = rank_data(r, me, n, H, seed + 2);
+      const int64_t T = data.x.size(0);
+      Tensor x0 = tensor_scale(data.x, 1e-3).to(device), p0 = random_tensor(rng, {T, kTopK}, DType::f32, device);
+      Tensor dy = random_tensor(rng, {T, H}, DType::f32, device);
+      std::vector<Tensor> got;
+      for (bool across : {false, true}) {
+        Variable x(x0, true), prob(p0, true);
+        DispatchOptions o = group_options(n);
+        if (!across) o.expert_parallel = nullptr;
+        Dispatched d = dispatch(x, data.idx.to(device), probs_with_rows ? prob : Variable(), o);
+        Variable rows = mul(d.rows, d.rows);
+        if (probs_with_rows) {
+          Variable ones(Tensor::full({1, H}, 1.0, DType::f32, device));
+          rows = mul(rows, matmul(reshape(d.probs, {-1, 1}), ones));
+        }
+        const uint64_t syncs = num_host_syncs();
+        Variable y = combine(rows, d, probs_with_rows ? Variable() : prob, CombineGrad::as_is);
+        y.backward(dy);
+        EXPECT_EQ(num_host_syncs(), syncs) << "combine and the backward read nothing to the host";
+        for (const Tensor& t : {y.data(), x.grad(), prob.grad()}) got.push_back(t.to(Device::cpu()));
+      }
+      EXPECT_TRUE(bit_equal(got[3], got[0])) << "y";
+      EXPECT_TRUE(bit_equal(got[4], got[1])) << "d x";
+      EXPECT_TRUE(bit_equal(got[5], got[2])) << "d prob";
+    }
+}
+
+TEST(Exchange, GradientsMatchOneRank) { check_gradients(Device::cpu()); }
+TEST(Exchange, GradientsMatchOneRankCuda) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  check_gradients(Device::cuda(0));
+}
+
+// The MoE layer with its experts sharded over the world against one process holding every expert on
+// the whole batch (every rank builds that reference itself), for each recipe: the output rows, d x,
+// the expert weights' gradients (this rank's rows) and the dense gradients (summed over the ranks).
+// Tolerance: the expert GEMMs see the same rows in the same order, but the dense gradients add the
+// ranks' partial sums in another order, and CPU GEMM blocking may follow the row count: 1e-5 relative.
+void check_layer(MoeRecipe recipe, Device device) {
+  Communicator& world = test_world();
+  const int me = world.rank(), n = world.size();
+  const int64_t H = 128, F = 128, T = 12;
+  const ModelConfig cfg = moe_test_config(4 * n, 2, H, F, 1, 0.05);
+  Rng rng(shared_seed());  // the same draws on every rank: the global batch and its output gradient
+  Tensor x_all = random_tensor(rng, {n * T, H}, DType::f32, Device::cpu());
+  Tensor dy_all = random_tensor(rng, {n * T, H}, DType::f32, Device::cpu());
+  const DType compute = device.is_cuda() ? DType::bf16 : DType::f32;
+  auto run = [&](bool sharded, const Tensor& x0, const Tensor& dy) {
+    MoeOptions o(16);
+    o.recipe = recipe;
+    if (sharded) o.expert_parallel = test_runtime().world;
+    ParamFactory f(7, device);
+    MoeLayer layer(f, cfg, "mlp", o, device);
+    Variable x(x0.to(device).to(compute), true);
+    Variable y = layer.forward(x, compute);
+    y.backward(dy.to(device).to(compute));
+    std::vector<Tensor> out = {y.data().to(Device::cpu()).to(DType::f32), x.grad().to(Device::cpu()).to(DType::f32)};
+    for (const Variable& p : f.params()) out.push_back(p.grad().to(Device::cpu()));
+    return std::make_pair(out, f.shards());
+  };
+  auto [ref, ref_shards] = run(false, x_all, dy_all);
+  auto [ep, shards] =
+      run(true, x_all.slice(0, me * T, (me + 1) * T).contiguous(), dy_all.slice(0, me * T, (me + 1) * T).contiguous());
+  const double tol = compute == DType::f32 ? 1e-5 : 2e-2;
+  EXPECT_TRUE(all_close(ep[0], ref[0].slice(0, me * T, (me + 1) * T).contiguous(), tol, tol)) << "y";
+  EXPECT_TRUE(all_close(ep[1], ref[1].slice(0, me * T, (me + 1) * T).contiguous(), tol, tol)) << "d x";
+  for (size_t i = 0; i < shards.size(); ++i) {
+    Tensor g = ep[i + 2];
+    if (!shards[i].expert) world.all_reduce(g, ReduceOp::sum);  // a dense weight saw only this rank's tokens
+    Tensor want = ref[i + 2].slice(0, shards[i].offset, shards[i].offset + g.size(0)).contiguous();
+    EXPECT_TRUE(all_close(g, want, tol, tol * 10)) << "gradient of parameter " << i;
+  }
+}
+
+TEST(Exchange, MoeLayerMatchesOneProcessBf16) { check_layer(MoeRecipe::bf16, Device::cpu()); }
+TEST(Exchange, MoeLayerMatchesOneProcessFp8Blockwise) { check_layer(MoeRecipe::fp8_blockwise, Device::cpu()); }
+TEST(Exchange, MoeLayerMatchesOneProcessFp8Flow) { check_layer(MoeRecipe::fp8_flow, Device::cpu()); }
+TEST(Exchange, MoeLayerMatchesOneProcessCuda) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow}) {
+    SCOPED_TRACE(moe_recipe_name(r));
+    check_layer(r, Device::cuda(0));
+  }
+}
+
+}  // namespace
+}  // namespace flowmoe::test
