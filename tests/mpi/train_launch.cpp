@@ -99,6 +99,40 @@ double printed_val_loss(const std::string& out) {
   return at == std::string::npos ? NAN : std::atof(out.substr(at + 9).c_str());
 }
 
+std::vector<StepMetrics> train_and_compare(const fs::path& dir, const std::vector<StepMetrics>& ref, int np,
+                                           const std::string& name, const std::string& extra, double rel_tol,
+                                           Launch* launch) {
+  const std::vector<StepMetrics> got = train_run(dir, np, name, extra, launch);
+  EXPECT_EQ(got.size(), 20u) << name;
+  if (got.empty()) return got;
+  compare(ref, got, rel_tol, name + " vs one process");
+  EXPECT_EQ(count(launch->out, "done: step 20/20"), 1u) << launch->out;
+  EXPECT_EQ(count(launch->out, "step 10: val loss"), 1u) << launch->out;
+  return got;
+}
+
+void resume_and_compare(const fs::path& dir, const std::vector<StepMetrics>& ref, const std::string& from, int np,
+                        const std::string& name, const std::string& extra) {
+  const std::vector<StepMetrics> got =
+      train_run(dir, np, name, extra + " --resume " + (dir / from / "checkpoints" / "step_00000010").string());
+  ASSERT_EQ(got.size(), 10u) << name;
+  EXPECT_EQ(got.front().step, 11) << name;
+  compare(ref, got, kF32Rel, name + ": saved by " + from + ", resumed, vs " + from);
+}
+
+void expect_same_eval(const fs::path& dir, const std::string& run, int np, const std::string& extra,
+                      const std::string& extra_np) {
+  const std::string eval = "eval --config " + kConfig + " --set train.device=cpu --set data.seq_len=64" +
+                           " --set data.synthetic_tokens=200000 --checkpoint " +
+                           (dir / run / "checkpoints" / "step_00000020").string() + " " + extra;
+  const Launch one = run_shell(dir, kBinary + " " + eval),
+               many = run_shell(dir, launcher(np) + kBinary + " " + eval + extra_np);
+  ASSERT_EQ(one.status, 0) << one.err;
+  ASSERT_EQ(many.status, 0) << many.err;
+  EXPECT_EQ(count(many.out, "val loss"), 1u) << many.out;  // rank 0 alone prints
+  EXPECT_NEAR(printed_val_loss(one.out), printed_val_loss(many.out), 1.5e-4) << one.out << many.out;
+}
+
 Agreement compare(const std::vector<StepMetrics>& ref, const std::vector<StepMetrics>& got, double rel_tol,
                   const std::string& what) {
   Agreement a;

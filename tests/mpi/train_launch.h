@@ -42,6 +42,20 @@ std::vector<StepMetrics> train_run(const std::filesystem::path& dir, int np, con
 // The validation loss an `flowmoe eval` printed.
 double printed_val_loss(const std::string& out);
 
+// Trains like train_run and compares the 20 steps with `ref` within rel_tol; rank 0 alone prints the
+// summary and the evaluation at step 10. The launch's output is left in *launch.
+std::vector<StepMetrics> train_and_compare(const std::filesystem::path& dir, const std::vector<StepMetrics>& ref,
+                                           int np, const std::string& name, const std::string& extra, double rel_tol,
+                                           Launch* launch);
+// Resumes <dir>/<from>'s step-10 checkpoint with np processes, as run `name`, and compares its 10 steps
+// with `ref` (the uninterrupted run) within kF32Rel.
+void resume_and_compare(const std::filesystem::path& dir, const std::vector<StepMetrics>& ref, const std::string& from,
+                        int np, const std::string& name, const std::string& extra);
+// `flowmoe eval` of <dir>/<run>'s step-20 checkpoint by one process and by np (with extra_np): the
+// printed validation losses agree to their printed digits. extra: for both.
+void expect_same_eval(const std::filesystem::path& dir, const std::string& run, int np, const std::string& extra,
+                      const std::string& extra_np);
+
 // A precision recipe and the keys its runs set.
 struct Recipe {
   const char* name;
