@@ -17,6 +17,7 @@
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/data.h"
+#include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/plot.h"
 #include "train/trainer.h"
@@ -69,6 +70,7 @@ at once, without a checkpoint.
 
 Several processes (mpirun -np N or srun -n N in front of the command) train data-parallel:
 train.batch_size is the global batch, split evenly over the processes; rank 0 prints and writes.
+--set parallel.expert_parallel_size=E shares the routed experts out over groups of E processes.
 )";
 
 const char* kEvalHelp = R"(usage: flowmoe eval --config FILE --checkpoint DIR [--set section.key=value ...] [--batches N]
@@ -246,6 +248,8 @@ int cmd_eval(int argc, char** argv) {
     batches_label = "train.eval_batches = ";
   }
   const DistributedRuntime ranks = start_ranks(cfg);
+  // An expert-parallel run's checkpoint is evaluated under the same launch: the ranks share the experts out again.
+  const ParallelState groups = run_parallel_state(cfg, ranks.world);
   const bool root = ranks.world->rank() == 0;
   const Device device = ranks.device;
   DataLoader data = DataLoader::from_config(cfg);
@@ -257,8 +261,9 @@ int cmd_eval(int argc, char** argv) {
   const MemoryEstimate need = estimate_memory(cfg, device, MemoryUse::eval);
   check_fits(need, device);
   Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed),
-                    moe_options(cfg));
-  CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers());
+                    moe_options(cfg, groups));
+  CheckpointMeta meta =
+      load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers(), model.parameter_shards());
   double loss = evaluate(model, data, batches, batch_size, ranks.world.get());
   if (!root) return 0;
   std::printf("checkpoint %s (step %lld) on %s: val loss %.4f | perplexity %.3f | %lld sequences of %lld tokens\n",

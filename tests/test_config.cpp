@@ -158,9 +158,6 @@ TEST(Config, UnavailableFeaturesAreRejected) {
   EXPECT_HAS(m, "kept groups");
   m = parse_error("model:\n  n_routed_experts: 300\n");
   EXPECT_HAS(m, "limit of 256");
-  m = parse_error("parallel:\n  expert_parallel_size: 2\n");
-  EXPECT_HAS(m, "parallel.expert_parallel_size");
-  EXPECT_HAS(m, "not available yet");
   // FP8 recipes need 128-wide blocks: a hidden size or expert width FP8 cannot serve is named.
   m = parse_error("model:\n  n_routed_experts: 8\n  hidden_size: 192\n  num_attention_heads: 4\nprecision:\n  recipe: fp8_flow\n");
   EXPECT_HAS(m, "model.hidden_size");
@@ -168,9 +165,21 @@ TEST(Config, UnavailableFeaturesAreRejected) {
   EXPECT_HAS(m, "fp8_flow");
   m = parse_error("model:\n  n_routed_experts: 8\n  hidden_size: 256\n  moe_intermediate_size: 200\nprecision:\n  recipe: fp8_blockwise\n");
   EXPECT_HAS(m, "model.moe_intermediate_size");
-  m = parse_error("parallel:\n  expert_parallel_size: 4\n");
-  EXPECT_HAS(m, "parallel.expert_parallel_size");
-  EXPECT_HAS(m, "expert parallelism across ranks is not available yet");
+}
+
+TEST(Config, ExpertParallelismNeedsRoutedExperts) {
+  // A dense model has no experts to share out; whether the size fits the launch is checked at start-up.
+  std::string m = parse_error("parallel:\n  expert_parallel_size: 2\n");
+  EXPECT_HAS(m, "bad.yaml:2: parallel.expert_parallel_size: 2 needs routed experts");
+  EXPECT_HAS(m, "model.n_routed_experts (default) is 0: a dense model");
+  m = parse_error("model:\n  n_routed_experts: 8\n", {"parallel.expert_parallel_size=4", "model.n_routed_experts=0"});
+  EXPECT_HAS(m, "--set parallel.expert_parallel_size=4: parallel.expert_parallel_size: 4 needs routed experts");
+  const Config c = parse_config("model:\n  n_routed_experts: 8\nparallel:\n  expert_parallel_size: 4\n", "ep.yaml");
+  EXPECT_EQ(c.parallel.expert_parallel_size, 4);
+  // 3 does not divide 8 experts, nor most launches: refused at start-up, with the launch's world size.
+  EXPECT_EQ(parse_config("model:\n  n_routed_experts: 8\n", "ep.yaml", {"parallel.expert_parallel_size=3"})
+                .parallel.expert_parallel_size,
+            3);
 }
 
 TEST(Config, TheDataParallelSizeIsTheNumberOfProcesses) {

@@ -292,39 +292,51 @@ std::string latest_checkpoint(const std::string& root) {
   return all.empty() ? "" : all.back().second.string();
 }
 
-// Copies a host tensor read from `file` into `dst`, after checking it is the one expected.
+// Copies a host tensor read from `file` into `dst`, after checking it is the one expected: rows
+// [offset, offset + rows) of it for a shard of a larger tensor.
 static void fill_from(Tensor& dst, const std::map<std::string, Tensor>& found, const std::string& name,
-                      const std::string& file) {
+                      const std::string& file, const ParamShard* shard = nullptr) {
   auto it = found.find(name);
   FLOWMOE_CHECK(it != found.end(), IoError, "'", file, "' has no tensor '", name, "'");
   const Tensor& src = it->second;
-  FLOWMOE_CHECK(src.shape() == dst.shape() && src.dtype() == dst.dtype(), IoError, "'", file, "': tensor '", name,
-                "' is ", src.describe(), ", the model expects ", dtype_name(dst.dtype()), shape_str(dst.shape()),
+  const bool sharded = shard && dst.dim() > 0 && shard->full_rows != dst.size(0);
+  Shape want = dst.shape();
+  if (sharded) want[0] = shard->full_rows;
+  FLOWMOE_CHECK(src.shape() == want && src.dtype() == dst.dtype(), IoError, "'", file, "': tensor '", name, "' is ",
+                src.describe(), ", the model expects ", dtype_name(dst.dtype()), shape_str(want),
                 " (was the checkpoint made with another model config?)");
-  dst.copy_(src);
+  dst.copy_(sharded ? src.slice(0, shard->offset, shard->offset + dst.size(0)) : src);
 }
 
-CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params, std::vector<Tensor>* exp_avg,
-                               std::vector<Tensor>* exp_avg_sq, const std::vector<Variable>& buffers) {
+CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
+                               std::vector<Tensor>* exp_avg, std::vector<Tensor>* exp_avg_sq,
+                               const std::vector<Variable>& buffers, const std::vector<ParamShard>& shards) {
+  FLOWMOE_CHECK(shards.empty() || shards.size() == params.size(), Error, "load_checkpoint: ", params.size(),
+                " parameters but ", shards.size(), " shards");
+  const auto shard = [&](size_t i) { return shards.empty() ? nullptr : &shards[i]; };
   const fs::path d(dir);
   std::error_code ec;
   FLOWMOE_CHECK(fs::exists(d / "meta.json", ec), IoError, "'", dir, "' is not a checkpoint (no meta.json)");
   std::string model_file = (d / "model.safetensors").string();
   std::map<std::string, Tensor> model;
   for (auto& nt : read_safetensors(model_file)) model[nt.name] = nt.tensor;
-  for (const std::vector<Variable>* list : {&params, &buffers})
-    for (const Variable& p : *list) {
-      Tensor dst = p.data();
-      fill_from(dst, model, p.name(), model_file);
-      p.bump_version();  // loaded in place
-    }
+  for (size_t i = 0; i < params.size(); ++i) {
+    Tensor dst = params[i].data();
+    fill_from(dst, model, params[i].name(), model_file, shard(i));
+    params[i].bump_version();  // loaded in place
+  }
+  for (const Variable& b : buffers) {
+    Tensor dst = b.data();
+    fill_from(dst, model, b.name(), model_file);
+    b.bump_version();
+  }
   if (exp_avg || exp_avg_sq) {
     std::string optim_file = (d / "optimizer.safetensors").string();
     std::map<std::string, Tensor> optim;
     for (auto& nt : read_safetensors(optim_file)) optim[nt.name] = nt.tensor;
     for (size_t i = 0; i < params.size(); ++i) {
-      if (exp_avg) fill_from((*exp_avg)[i], optim, params[i].name() + ".exp_avg", optim_file);
-      if (exp_avg_sq) fill_from((*exp_avg_sq)[i], optim, params[i].name() + ".exp_avg_sq", optim_file);
+      if (exp_avg) fill_from((*exp_avg)[i], optim, params[i].name() + ".exp_avg", optim_file, shard(i));
+      if (exp_avg_sq) fill_from((*exp_avg_sq)[i], optim, params[i].name() + ".exp_avg_sq", optim_file, shard(i));
     }
   }
   std::string meta_file = (d / "meta.json").string();

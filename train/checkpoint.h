@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/autograd.h"
+#include "layers/param.h"
 #include "train/data.h"
 
 namespace flowmoe {
@@ -60,8 +61,11 @@ std::vector<std::string> remove_stale_checkpoint_tmp(const std::string& root);
 // Fills params (and the moments, when given) from the checkpoint at dir; names, shapes and dtypes
 // must match (IoError names the first that does not). A damaged checkpoint throws IoError, never
 // anything else. Returns its meta.
+// shards (one per parameter, or empty: all whole): a sharded parameter and its moments take their rows
+// [offset, offset + rows) of the file's tensor, which must have the full shape. A checkpoint holds
+// full tensors, so it loads at any expert-parallel size.
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
                                std::vector<Tensor>* exp_avg = nullptr, std::vector<Tensor>* exp_avg_sq = nullptr,
-                               const std::vector<Variable>& buffers = {});
+                               const std::vector<Variable>& buffers = {}, const std::vector<ParamShard>& shards = {});
 
 }  // namespace flowmoe

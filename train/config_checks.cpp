@@ -128,11 +128,14 @@ void check_lr_schedule(const Config& c, const KeyReport& r) {
                "optimizer.warmup_steps = " + str(o.warmup_steps) + " exceeds train.steps = " + str(c.train.steps));
 }
 
+// Whether the size divides the ranks and the experts depends on the launch: checked at start-up
+// (run_parallel_state). A dense model has no experts to share out at any launch.
 void check_parallel(const Config& c, const KeyReport& r) {
-  if (c.parallel.expert_parallel_size != 1)
+  const int64_t e = c.parallel.expert_parallel_size;
+  if (e > 1 && c.model.n_routed_experts == 0)
     r.err("parallel.expert_parallel_size",
-          "expert parallelism across ranks is not available yet (use 1: every rank holds every expert, and the "
-          "ranks train data-parallel)");
+          std::to_string(e) + " needs routed experts to share out over the ranks, but " +
+              r.from("model.n_routed_experts") + " is 0: a dense model (use 1: the ranks then train data-parallel)");
 }
 
 // The FP8 recipes change only the routed experts' fc1 and fc2 GEMMs (layers/moe.cpp; fp8_flow also

@@ -37,7 +37,7 @@ void check_lr_schedule(const Config& c, const KeyReport& r);
 void check_precision_recipe(const Config& c, const KeyReport& r);
 // The largest activations of one micro-batch must stay indexable with int64 byte counts.
 void check_tensor_sizes(const Config& c, const KeyReport& r);
-// Expert parallelism across ranks is not available yet: expert_parallel_size must be 1.
+// Expert parallelism needs routed experts (the launch's part is checked at start-up).
 void check_parallel(const Config& c, const KeyReport& r);
 
 }  // namespace flowmoe

@@ -218,7 +218,8 @@ const std::vector<Field>& schema() {
     f.push_back(align);
     // parallel
     f.push_back(integer("parallel", "expert_parallel_size", FLOWMOE_CONFIG_REF(parallel.expert_parallel_size), 1, 4096,
-                        "ranks per expert-parallel group (1 only for now)"));
+                        "ranks per expert-parallel group, each holding n_routed_experts / this of the routed experts; "
+                        "must divide the number of processes"));
     f.push_back(choice("parallel", "backend", FLOWMOE_CONFIG_REF(parallel.backend), {"auto", "nccl", "mpi", "none"},
                        "collectives between ranks; auto: none for one process, nccl on GPUs, mpi on the CPU"));
     // checkpoint

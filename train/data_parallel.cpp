@@ -1,6 +1,8 @@
 // The reductions of data-parallel training (see data_parallel.h).
 #include "train/data_parallel.h"
 
+#include <cmath>
+
 #include "engine/ops/ops.h"
 #include "kernels/common/error.h"
 
@@ -57,8 +59,19 @@ void all_reduce_flat(Communicator& comm, const std::vector<Tensor>& tensors, Red
   }
 }
 
-void all_reduce_gradients(Communicator& comm, const std::vector<Variable>& params, size_t bucket_bytes) {
-  if (comm.size() == 1 || params.empty()) return;
+void all_reduce_gradients(Communicator& comm, const std::vector<Variable>& params, size_t bucket_bytes,
+                          int64_t divisor) {
+  if (params.empty()) return;
+  const double scale = 1.0 / double(divisor > 0 ? divisor : comm.size());
+  if (comm.size() == 1) {  // nothing to sum; an expert shard held by one rank still takes the world's mean
+    if (scale == 1.0) return;
+    for (const Variable& p : params) {
+      if (!p.grad().defined()) continue;
+      Tensor g = p.grad();
+      g.copy_(tensor_scale(g, scale));
+    }
+    return;
+  }
   std::vector<Tensor> grads;
   std::vector<float> present;
   grads.reserve(params.size() + 1);
@@ -70,12 +83,34 @@ void all_reduce_gradients(Communicator& comm, const std::vector<Variable>& param
   // Which parameters have a gradient anywhere travels in the last bucket: after the sum it is > 0.
   Tensor any = Tensor::from_floats(present, {int64_t(present.size())}, DType::f32).to(params[0].device());
   grads.push_back(any);
-  all_reduce_flat(comm, grads, ReduceOp::sum, 1.0 / double(comm.size()), bucket_bytes);
+  all_reduce_flat(comm, grads, ReduceOp::sum, scale, bucket_bytes);
   const std::vector<float> anywhere = any.to_floats();
   for (size_t i = 0; i < params.size(); ++i) {
     Variable p = params[i];
     if (!p.grad().defined() && anywhere[i] > 0) p.set_grad(grads[i]);
   }
+}
+
+void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& params,
+                          const std::vector<ParamShard>& shards, size_t bucket_bytes) {
+  FLOWMOE_CHECK(shards.size() == params.size(), Error, "all_reduce_gradients: ", params.size(), " parameters but ",
+                shards.size(), " shards");
+  Communicator& world = *ps.world;
+  if (ps.expert_parallel_size == 1) return all_reduce_gradients(world, params, bucket_bytes);
+  std::vector<Variable> dense, expert;
+  for (size_t i = 0; i < params.size(); ++i) (shards[i].expert ? expert : dense).push_back(params[i]);
+  // The world's buckets first, then the group's: every rank issues the collectives in this order.
+  all_reduce_gradients(world, dense, bucket_bytes, world.size());
+  all_reduce_gradients(*ps.expert_data_parallel, expert, bucket_bytes, world.size());
+}
+
+double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards) {
+  if (ps.expert_parallel_size == 1) return opt.grad_norm();
+  std::vector<bool> expert;
+  for (const ParamShard& s : shards) expert.push_back(s.expert);
+  const auto [dense, local_experts] = opt.grad_square_sums(expert);
+  const double experts = all_reduce_values(*ps.expert_parallel, {local_experts}, ReduceOp::sum)[0];
+  return std::sqrt(dense + experts);
 }
 
 std::vector<double> all_reduce_values(Communicator& comm, const std::vector<double>& values, ReduceOp op) {

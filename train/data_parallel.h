@@ -1,13 +1,17 @@
-// Data parallelism over the world communicator (expert-parallel size 1): every rank holds the same
-// weights and optimizer state and reads its own slice of each global batch (DataLoader's parts);
-// what the ranks must agree on after a backward is reduced here, so that every rank takes the same
-// update the single-process run takes on the whole batch, up to the order of the float sums.
+// Data parallelism over the world communicator: every rank reads its own slice of each global batch
+// (DataLoader's parts) and holds the same dense weights; with expert parallelism the ranks of an
+// expert-data-parallel group hold the same expert shards. What the ranks must agree on after a
+// backward is reduced here, so that every rank takes the update the single-process run takes on the
+// whole batch, up to the order of the float sums.
 #pragma once
 #include <cstddef>
 #include <vector>
 
 #include "engine/autograd.h"
+#include "layers/param.h"
 #include "parallel/communicator.h"
+#include "parallel/process_group.h"
+#include "train/optimizer.h"
 
 namespace flowmoe {
 
@@ -23,11 +27,25 @@ void all_reduce_flat(Communicator& comm, const std::vector<Tensor>& tensors, Red
 // The gradient of the global batch from each rank's gradient of its slice: every slice holds B/N
 // sequences of the same length and each rank's loss is the mean over its slice's tokens, so the
 // global mean loss is the mean of the ranks' losses and its gradient the mean of their gradients.
-// Sums every parameter's gradient over the ranks and divides by the world size. A gradient missing
-// on a rank counts as zero there; a parameter gets a gradient on every rank when any rank had one,
-// and keeps none when no rank had one (AdamW then leaves it alone, as in a single process).
+// Sums every parameter's gradient over the ranks of comm and divides by `divisor` (0: comm.size()). A
+// gradient missing on a rank counts as zero there; a parameter gets a gradient on every rank when any
+// rank had one, and keeps none when no rank had one (AdamW then leaves it alone, as in a single process).
 void all_reduce_gradients(Communicator& comm, const std::vector<Variable>& params,
-                          size_t bucket_bytes = kGradientBucketBytes);
+                          size_t bucket_bytes = kGradientBucketBytes, int64_t divisor = 0);
+
+// The same with expert parallelism: dense parameters over the world, expert weights (shards[i].expert)
+// over the expert-data-parallel group, each in buckets of its own, both divided by the world size W.
+// An expert's gradient already holds its expert-parallel peers' tokens (dispatch's backward brought
+// them), and every rank's loss is the mean over its own slice: the sum over the W / E replicas of the
+// expert, divided by W, is the global batch's gradient. At expert-parallel size 1 this is
+// all_reduce_gradients(*ps.world, params), bit for bit.
+void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& params,
+                          const std::vector<ParamShard>& shards, size_t bucket_bytes = kGradientBucketBytes);
+
+// The global norm of the synced gradients, the same on every rank: opt.grad_norm() at expert-parallel
+// size 1 (bit for bit). With expert parallelism a rank's expert gradients are its share of the experts:
+// their squares are summed over the expert-parallel group, the dense ones (whole everywhere) counted once.
+double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards);
 
 // A few host values reduced over the ranks (a step's losses, flags, peak memory); blocks until done.
 std::vector<double> all_reduce_values(Communicator& comm, const std::vector<double>& values, ReduceOp op);

@@ -4,6 +4,7 @@
 
 #include "kernels/common/error.h"
 #include "train/data_parallel.h"
+#include "train/expert_parallel.h"
 #include "train/trainer.h"
 
 namespace flowmoe {
@@ -21,12 +22,16 @@ double evaluate(const Transformer& model, const DataLoader& data, int64_t num_ba
     return total / double(num_batches);
   }
   // Each slice's mean times its sequences: slices differ in size where the ranks do not divide the batch.
+  // An expert-parallel forward is collective over its group (tokens travel to their experts' ranks), so
+  // there a rank with an empty slice still runs it, with no sequences, and counts nothing.
+  const bool collective_forward = holds_expert_shards(model.parameters(), model.parameter_shards());
   double weighted = 0;
   for (int64_t i = 0; i < num_batches; ++i) {
     Batch b = data.val_batch(i, batch_size, part, parts);
     const int64_t sequences = b.inputs.size(0);
-    if (sequences == 0) continue;
-    weighted += double(model.losses(b.inputs, b.targets).lm.data().to_floats()[0]) * double(sequences);
+    if (sequences == 0 && !collective_forward) continue;
+    const Variable lm = model.losses(b.inputs, b.targets).lm;
+    if (sequences > 0) weighted += double(lm.data().to_floats()[0]) * double(sequences);
   }
   const double total = all_reduce_values(*comm, {weighted}, ReduceOp::sum)[0];
   return total / double(num_batches * batch_size);

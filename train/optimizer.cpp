@@ -43,8 +43,8 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg) : params_
     router_.push_back(is_router_weight(p.name()));
   }
   if (dev.is_cuda()) {
-    norm_slots_ = Tensor::zeros({int64_t(params_.size())}, DType::f32, dev);
-    norm_total_ = Tensor::zeros({1}, DType::f32, dev);
+    norm_slots_ = Tensor::zeros({2 * int64_t(params_.size())}, DType::f32, dev);
+    norm_total_ = Tensor::zeros({2}, DType::f32, dev);
     partials_ = Tensor::zeros({kReduceMaxBlocks}, DType::f32, dev);
   }
 }
@@ -59,26 +59,38 @@ static const Tensor& checked_grad(const Variable& p) {
 }
 
 double AdamW::grad_norm() {
+  const auto [sum, none] = grad_square_sums({});
+  return std::sqrt(sum + none);  // none is 0: the norm of every gradient
+}
+
+std::pair<double, double> AdamW::grad_square_sums(const std::vector<bool>& flagged) {
+  FLOWMOE_CHECK(flagged.empty() || flagged.size() == params_.size(), Error, "AdamW: ", flagged.size(), " flags for ",
+                params_.size(), " parameters");
+  const auto second = [&](size_t i) { return !flagged.empty() && flagged[i]; };
   Device dev = params_[0].device();
   if (dev.is_cpu()) {
-    double total = 0;
-    for (const Variable& p : params_) {
-      if (!p.grad().defined()) continue;
-      Tensor g = checked_grad(p).contiguous();
-      total += sum_squares_cpu(g.data<float>(), g.numel());
+    double total[2] = {0, 0};
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].grad().defined()) continue;
+      Tensor g = checked_grad(params_[i]).contiguous();
+      total[second(i)] += sum_squares_cpu(g.data<float>(), g.numel());
     }
-    return std::sqrt(total);
+    return {total[0], total[1]};
   }
   cudaStream_t stream = current_stream(dev.index);
+  const int64_t n = int64_t(params_.size());
   norm_slots_.zero_();
   float* slots = norm_slots_.data<float>();
+  float* totals = norm_total_.data<float>();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].grad().defined()) continue;
     Tensor g = checked_grad(params_[i]).contiguous();
-    sum_squares_cuda(g.data<float>(), g.numel(), slots + i, partials_.data<float>(), stream);
+    sum_squares_cuda(g.data<float>(), g.numel(), slots + (second(i) ? n : 0) + i, partials_.data<float>(), stream);
   }
-  sum_values_cuda(slots, int64_t(params_.size()), norm_total_.data<float>(), partials_.data<float>(), stream);
-  return std::sqrt(double(norm_total_.to_floats()[0]));  // the one host synchronisation
+  sum_values_cuda(slots, n, totals, partials_.data<float>(), stream);
+  sum_values_cuda(slots + n, n, totals + 1, partials_.data<float>(), stream);
+  const std::vector<float> sums = norm_total_.to_floats();  // the one host synchronisation
+  return {double(sums[0]), double(sums[1])};
 }
 
 void AdamW::step(double lr, double grad_scale) {

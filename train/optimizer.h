@@ -2,6 +2,7 @@
 // learning-rate schedule and global-norm gradient clipping. The math is kernels/adamw.h; this
 // class walks the parameters and picks the CPU or CUDA launcher by device.
 #pragma once
+#include <utility>
 #include <vector>
 
 #include "engine/autograd.h"
@@ -25,6 +26,10 @@ class AdamW {
   // Global L2 norm of all gradients (a missing gradient counts as zero); NaN or inf when any
   // gradient is not finite. Deterministic; one host synchronisation.
   double grad_norm();
+  // The squared norms of two classes of gradients: {unflagged, flagged} by one flag per parameter
+  // (empty: none flagged), each summed in parameter order; the same host synchronisation. Expert
+  // parallelism adds the flagged class over the expert-parallel group before the square root.
+  std::pair<double, double> grad_square_sums(const std::vector<bool>& flagged);
   // One update of every parameter that has a gradient, with g = grad_scale * grad.
   void step(double lr, double grad_scale);
   void zero_grad();
@@ -43,7 +48,7 @@ class AdamW {
   std::vector<bool> router_;  // per parameter: an MoE router's gate, stepped with lr * router_lr_scale
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;
-  Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction
+  Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction: two classes of slots, two totals
 };
 
 }  // namespace flowmoe

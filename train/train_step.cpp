@@ -46,7 +46,7 @@ StepLosses run_micro_batches(TrainRun& run) {
 // The gradient sync point: the ranks' gradients become the global batch's (data_parallel.h); at world
 // size 1 they are already complete.
 void sync_gradients(TrainRun& run) {
-  if (run.world_size > 1) all_reduce_gradients(*run.world, run.model.parameters());
+  if (run.world_size > 1) all_reduce_gradients(run.parallel, run.model.parameters(), run.model.parameter_shards());
 }
 
 // The step's losses as the means over the ranks (each slice holds as many tokens) and whether any
@@ -137,7 +137,7 @@ StepMetrics train_step(TrainRun& run) {
   sync_gradients(run);
   if (run.opts.after_backward) run.opts.after_backward(m.step, run.model.parameters());
   if (run.opts.after_loss) run.opts.after_loss(m.step, &m.loss);
-  m.grad_norm = run.opt.grad_norm();  // of the synced gradients: the global norm, the same on every rank
+  m.grad_norm = global_grad_norm(run.parallel, run.opt, run.model.parameter_shards());  // of the synced gradients
   const bool all_finite = agree_on_losses(run, m, losses.has_aux);
   update_weights(run, m, losses.has_aux, all_finite);
   run.opt.zero_grad();

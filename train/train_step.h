@@ -10,6 +10,7 @@
 #include "engine/device.h"
 #include "layers/transformer.h"
 #include "parallel/communicator.h"
+#include "parallel/process_group.h"
 #include "train/config.h"
 #include "train/data.h"
 #include "train/metrics.h"
@@ -30,6 +31,7 @@ struct TrainRun {
   const TrainOptions& opts;
   const std::shared_ptr<Communicator> world;  // opts.world, or a world of this process alone
   const int rank, world_size;                 // this rank's slice of each batch; the data-parallel size
+  const ParallelState parallel;               // the expert-parallel and expert-data-parallel groups
   const bool is_root;                         // rank 0: prints, writes the metrics and the checkpoints
   const Device device;
   const DType compute;
@@ -61,8 +63,9 @@ struct TrainRun {
 StepMetrics train_step(TrainRun& run);
 
 // Saves the run's weights, optimizer state and data position as the checkpoint of step `at`, and
-// records it in run.res.last_checkpoint. Collective: rank 0 writes (every rank holds the same state)
-// while the others wait at a barrier, so the checkpoint is complete when any rank goes on.
+// records it in run.res.last_checkpoint. Collective: the first expert-parallel group gathers the
+// expert shards, rank 0 writes the full state while the others wait at a barrier, so the checkpoint
+// is complete when any rank goes on.
 void save_run_checkpoint(TrainRun& run, int64_t at);
 
 }  // namespace flowmoe

@@ -14,6 +14,7 @@
 #include "parallel/distributed.h"
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
+#include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/progress.h"
 #include "train/train_step.h"
@@ -48,6 +49,12 @@ MoeOptions moe_options(const Config& cfg) {
   MoeOptions o(int(cfg.precision.align_size));
   o.recipe = moe_recipe_from_name(cfg.precision.recipe);
   o.recompute_expert = cfg.train.recomputes("moe_expert");
+  return o;
+}
+
+MoeOptions moe_options(const Config& cfg, const ParallelState& ps) {
+  MoeOptions o = moe_options(cfg);
+  if (ps.expert_parallel_size > 1) o.expert_parallel = ps.expert_parallel;
   return o;
 }
 
@@ -165,8 +172,9 @@ static void check_router_lr_scale(const Config& cfg, const AdamW& opt) {
 // Loads the weights, optimizer state, buffers and data position of run.resume_dir.
 static void resume_from_checkpoint(TrainRun& run) {
   const Config& cfg = run.cfg;
+  // Every rank reads the full tensors and keeps its rows of each expert shard.
   CheckpointMeta meta = load_checkpoint(run.resume_dir, run.model.parameters(), &run.opt.exp_avg(),
-                                        &run.opt.exp_avg_sq(), run.model.buffers());
+                                        &run.opt.exp_avg_sq(), run.model.buffers(), run.model.parameter_shards());
   FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
                 ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
                 " (a resumed run must keep its data order)");
@@ -187,10 +195,7 @@ static void announce_data(TrainRun& run) {
                        std::to_string(run.data.num_val_windows()) + " val sequences of " +
                        std::to_string(cfg.data.seq_len) + " tokens; " + std::to_string(tc.steps) + " steps x " +
                        std::to_string(run.tokens_per_step) + " tokens; outputs in " + run.res.out_dir);
-  if (run.world_size > 1)
-    run.progress.message("data-parallel: " + std::to_string(run.world_size) + " ranks (backend " +
-                         run.world->backend_name() + "), each reads " + std::to_string(tc.batch_size / run.world_size) +
-                         " of every batch of " + std::to_string(tc.batch_size) + " sequences");
+  if (run.world_size > 1) run.progress.message(describe_ranks(run.parallel, cfg));
   if (!run.resume_note.empty()) run.progress.message(run.resume_note);
   if (run.val.capped) run.progress.message("evaluation: " + run.val.cap_note("train.eval_batches = "));
 }
@@ -201,6 +206,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       world(o.world ? o.world : make_none_communicator()),
       rank(world->rank()),
       world_size(checked_world_size(c, *world)),
+      parallel(run_parallel_state(c, world)),
       is_root(rank == 0),
       device(o.device ? *o.device : resolve_device(c)),
       compute(compute_dtype_for(c, device)),
@@ -208,7 +214,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       progress(c.logging.progress, c.train.steps, c.logging.log_every, is_root ? o.out : nullptr),
       res(prepare_run(c, device, compute, is_root ? o.out : nullptr, progress, *world)),
       data(DataLoader::from_config(c)),
-      model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c)),
+      model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c, parallel)),
       opt(model.parameters(), c.optimizer) {
   check_router_lr_scale(cfg, opt);
   if (!resume_dir.empty()) resume_from_checkpoint(*this);
@@ -251,12 +257,17 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   meta.data_seed = uint64_t(run.cfg.data.seed);
   meta.init_seed = uint64_t(run.cfg.train.seed);
   meta.config_yaml = to_yaml(run.cfg);
-  // At expert-parallel size 1 every rank holds the same state: rank 0's checkpoint is the run's, and
-  // it does not depend on the world size (the data position counts global batches).
+  // Rank 0 writes what one process would: the expert shards gathered over its expert-parallel group
+  // (the other groups hold copies of the same state), the rest as every rank holds it. The data
+  // position counts global batches, so the files depend on neither the world nor the group size.
+  const int64_t group_size = run.parallel.expert_parallel_size;
+  FullState full;
+  if (run.rank < group_size)
+    full = gather_full_state(*run.parallel.expert_parallel, run.model.parameters(), run.model.parameter_shards(),
+                             run.opt.exp_avg(), run.opt.exp_avg_sq(), run.is_root);
   if (run.is_root)
-    run.res.last_checkpoint = save_checkpoint(run.cfg.checkpoint_dir(), meta, run.model.parameters(),
-                                              run.opt.exp_avg(), run.opt.exp_avg_sq(), run.cfg.checkpoint.keep_last,
-                                              run.model.buffers());
+    run.res.last_checkpoint = save_checkpoint(run.cfg.checkpoint_dir(), meta, full.params, full.exp_avg,
+                                              full.exp_avg_sq, run.cfg.checkpoint.keep_last, run.model.buffers());
   else
     run.res.last_checkpoint = checkpoint_path(run.cfg.checkpoint_dir(), at);
   if (run.world_size > 1) run.world->barrier();

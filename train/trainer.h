@@ -14,6 +14,7 @@
 #include "engine/device.h"
 #include "layers/transformer.h"
 #include "parallel/communicator.h"
+#include "parallel/process_group.h"
 #include "train/config.h"
 #include "train/data.h"
 
@@ -26,6 +27,8 @@ Device resolve_device(const Config& cfg);
 DType compute_dtype_for(const Config& cfg, Device device);
 // The MoE layers' options a run's config asks for (precision.recipe, precision.align_size, train.recompute).
 MoeOptions moe_options(const Config& cfg);
+// The same on the ranks of `ps`: with expert-parallel size > 1, the layers hold this rank's experts.
+MoeOptions moe_options(const Config& cfg, const ParallelState& ps);
 
 // How many validation micro-batches an evaluation reads: at most the whole batches the split holds,
 // since more would wrap around and count sequences twice. A split smaller than one batch is read as

@@ -1,0 +1,126 @@
+// Expert-parallel training through the built command, as a user launches it: `mpirun -np N flowmoe
+// train --set parallel.expert_parallel_size=E` against the plain single-process run on the same global
+// batch, for each recipe; checkpoints that resume at another expert-parallel size; evaluation with
+// empty slices; and the start-up errors of a size that does not fit the launch, which every rank must
+// report without leaving a peer waiting.
+//
+// Tolerance: the data-parallel ones (test_dp_train.cpp says why), for the same reasons. Every rank
+// still runs its B/N sequences through the dense layers and sums the dense gradients over the world.
+// An expert now multiplies the rows of its whole expert-parallel group in one GEMM and sums their
+// weight gradient in that GEMM, where one process (or data parallelism) sums the same products in
+// another order and blocking: f32 roundings in another order (bf16 on the CPU computes in f32), and in
+// the FP8 recipes 1x128 column blocks of the wgrad operands that hold other rows. Neither grows with E.
+// Measured: bf16 at most 5e-8 relative (within kF32Rel = 2e-5), FP8 at most 1.2e-3 (kFp8Rel = 5e-3).
+// The bf16 bound is the one that catches a wrong reduction: expert gradients divided by the group
+// size instead of the world size move the losses by 4e-4 to 2e-3.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tests/mpi/train_launch.h"
+#include "train/checkpoint.h"
+
+using namespace flowmoe;
+using namespace flowmoe::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+class ExpertParallel : public ::testing::TestWithParam<Recipe> {};
+
+std::string ep(int size) { return " --set parallel.expert_parallel_size=" + std::to_string(size); }
+
+// Every one of the np ranks stops at start-up with `message` as its one error line, exit status 2.
+void expect_error_on_every_rank(const Launch& r, int np, const std::string& message) {
+  EXPECT_EQ(r.status, 2) << r.out << r.err;
+  EXPECT_EQ(count(r.err, message), size_t(np)) << r.err;
+  EXPECT_EQ(lines_starting(r.err, "flowmoe: error: "), 1u) << r.err;
+  for (int rank = 1; rank < np; ++rank)
+    EXPECT_EQ(lines_starting(r.err, "[rank " + std::to_string(rank) + "] flowmoe: error: "), 1u) << r.err;
+}
+
+// Rank 0's start-up line for np ranks at expert-parallel size e, 8 experts and batches of 8.
+std::string ranks_line(int np, int e) {
+  const std::string k = std::to_string(8 / e);
+  return "expert-parallel " + std::to_string(e) + " x data-parallel " + std::to_string(np / e) + ": " +
+         std::to_string(np) + " ranks (backend mpi), each reads " + std::to_string(8 / np) +
+         " of every batch of 8 sequences and holds " + k + " of the 8 routed experts: rank r the experts [" + k +
+         "p, " + k + "p + " + k + ") with p = r mod " + std::to_string(e);
+}
+
+}  // namespace
+
+TEST_P(ExpertParallel, LossesMatchOneProcessOnTheSameGlobalBatch) {
+  const Recipe& recipe = GetParam();
+  const fs::path d = fresh_dir(std::string("ep_losses_") + recipe.name);
+  const std::vector<StepMetrics> one = train_run(d, 0, "np1", recipe.sets);
+  ASSERT_EQ(one.size(), 20u);
+  // Every expert on its own rank, then experts and data both split (bf16 alone, to keep CI short).
+  std::vector<std::pair<int, int>> layouts = {{2, 2}, {4, 4}};
+  if (recipe.rel_tol == kF32Rel) layouts.push_back({4, 2});
+  for (const auto& [np, e] : layouts) {
+    const std::string name = std::string(recipe.name) + "_np" + std::to_string(np) + "_ep" + std::to_string(e);
+    Launch launch;
+    train_and_compare(d, one, np, name, std::string(recipe.sets) + ep(e), recipe.rel_tol, &launch);
+    EXPECT_EQ(count(launch.out, ranks_line(np, e)), 1u) << launch.out;  // rank 0 alone prints
+  }
+  fs::remove_all(d);
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, ExpertParallel, ::testing::ValuesIn(kRecipes),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// A checkpoint holds the full expert tensors, as one process writes them: a run saved at expert-
+// parallel size 4 continues under one process, and one process's run continues at size 2, on the
+// losses of the run that did not stop. Its evaluation at size 4 matches one process's, with validation
+// batches of 2 sequences, so that 2 of the 4 ranks hold empty slices and still take part in every forward.
+TEST(ExpertParallelResume, CheckpointsDoNotDependOnTheExpertParallelSize) {
+  const fs::path d = fresh_dir("ep_resume");
+  const std::string sets = kRecipes[0].sets;
+  const std::vector<StepMetrics> one = train_run(d, 0, "np1", sets), four = train_run(d, 4, "np4_ep4", sets + ep(4));
+  ASSERT_EQ(one.size(), 20u);
+  ASSERT_EQ(four.size(), 20u);
+  const std::string step10 = "/checkpoints/step_00000010";
+  for (const char* file : {"/model.safetensors", "/optimizer.safetensors"}) {
+    const std::vector<NamedTensor> a = read_safetensors((d / "np1").string() + step10 + file),
+                                   b = read_safetensors((d / "np4_ep4").string() + step10 + file);
+    ASSERT_EQ(a.size(), b.size()) << file;
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].name, b[i].name) << file;
+      EXPECT_EQ(a[i].tensor.shape(), b[i].tensor.shape()) << a[i].name;
+    }
+  }
+  resume_and_compare(d, four, "np4_ep4", 0, "ep4_np1", sets);
+  resume_and_compare(d, one, "np1", 2, "np1_ep2", sets + ep(2));
+  expect_same_eval(d, "np4_ep4", 4, "--set train.batch_size=2", ep(4));
+  fs::remove_all(d);
+}
+
+TEST(ExpertParallelErrors, SizesThatDoNotFitTheLaunchFailOnEveryRank) {
+  const fs::path d = fresh_dir("ep_errors");
+  // Every rank checks before any collective, so the run ends at once (the time limit would say 124).
+  const Launch ranks = run_shell(d, launcher(4) + kBinary + " " + train_args(d / "run", ep(3)), 120);
+  expect_error_on_every_rank(
+      ranks, 4, "--set parallel.expert_parallel_size=3: parallel.expert_parallel_size: 3 does not divide the 4 ranks");
+  const Launch experts =
+      run_shell(d, launcher(4) + kBinary + " " + train_args(d / "run", ep(4) + " --set model.n_routed_experts=6"), 120);
+  expect_error_on_every_rank(experts, 4, "parallel.expert_parallel_size: 4 does not divide model.n_routed_experts 6");
+  const Launch alone = run_shell(d, kBinary + " " + train_args(d / "run", ep(2)), 60);
+  expect_error_on_every_rank(alone, 1, "parallel.expert_parallel_size: 2 does not divide the 1 ranks");
+  // A dense model has no experts to share out: the config itself is refused, on every rank.
+  const Launch dense =
+      run_shell(d, launcher(2) + kBinary + " " + train_args(d / "run", ep(2) + " --set model.n_routed_experts=0"), 120);
+  EXPECT_NE(dense.status, 0);
+  EXPECT_NE(dense.status, 124) << "the ranks hung";
+  EXPECT_EQ(count(dense.err,
+                  "--set parallel.expert_parallel_size=2: parallel.expert_parallel_size: 2 needs routed "
+                  "experts to share out over the ranks, but model.n_routed_experts (--set "
+                  "model.n_routed_experts=0) is 0"),
+            2u)
+      << dense.err;
+  EXPECT_FALSE(fs::exists(d / "run" / "metrics.jsonl"));
+  fs::remove_all(d);
+}
