@@ -202,6 +202,15 @@ TEST(MemoryEstimate, GpuAndFp8TermsFollowWhatTheyKeep) {
   const Config recompute = run_config(kFp8Moe, d, {"precision.recipe=fp8_flow", "train.recompute=moe_expert"});
   EXPECT_LT(estimate_memory(recompute, Device::cpu()).activation_bytes,
             estimate_memory(fp8, Device::cpu()).activation_bytes);
+  // Expert parallelism 2: each rank holds half the routed experts' masters and moments (4 + 8 bytes
+  // each; their gradients too, and a smaller largest tensor), and still reports the whole model's
+  // parameter count.
+  const Config ep2 = run_config(kFp8Moe, d, {"parallel.expert_parallel_size=2"});
+  const MemoryEstimate whole = estimate_memory(bf16, Device::cpu()), half = estimate_memory(ep2, Device::cpu());
+  const double held = whole.weight_bytes + whole.optimizer_bytes - (half.weight_bytes + half.optimizer_bytes);
+  EXPECT_NEAR(held, 12 * expert_weights / 2, 0.01 * 12 * expert_weights);
+  EXPECT_LT(half.gradient_bytes, whole.gradient_bytes);
+  EXPECT_EQ(half.num_parameters, whole.num_parameters);
   fs::remove_all(d);
 }
 

@@ -292,14 +292,18 @@ std::string MemoryEstimate::summary() const { return "about " + format_bytes(tot
 
 MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use) {
   const ModelConfig& c = cfg.model;
-  const std::vector<ParamGroup> groups = parameter_groups(c);
+  // What this rank holds: its share of the routed experts under expert parallelism.
+  std::vector<ParamGroup> groups = parameter_groups(c);
+  const double expert_share = 1.0 / double(std::max<int64_t>(1, cfg.parallel.expert_parallel_size));
+  for (ParamGroup& g : groups)
+    if (g.role == Role::routed_expert) g.elements *= expert_share;
   const bool gpu = device.is_cuda();
   const double a = double(dtype_size(compute_dtype_for(cfg, device)));
   const double tokens = double(cfg.train.batch_size) * double(cfg.data.seq_len);
   const double moe_layers = num_moe_layers(c), dense_layers = double(c.num_hidden_layers) - moe_layers;
 
   MemoryEstimate e;
-  e.num_parameters = saturate(total_elements(groups));
+  e.num_parameters = count_parameters(c);  // the whole model's, whatever this rank holds
   e.weight_bytes = weight_bytes(cfg, groups, gpu, use);
 
   const double attention = allocated_bytes(attention_tensors(c, tokens, a, gpu), gpu);
