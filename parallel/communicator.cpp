@@ -4,6 +4,7 @@
 #include "parallel/communicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 #include <string>
 
@@ -80,6 +81,22 @@ std::string join(const std::vector<int64_t>& v) {
 
 }  // namespace
 
+template <class F>
+void Communicator::timed_exchange(F&& move) {
+  const auto start = std::chrono::steady_clock::now();
+  exchange_started();
+  move();
+  exchange_finished();
+  exchange_host_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+double Communicator::take_exchange_ms() {
+  const double device_ms = take_device_ms();
+  const double ms = device_ms >= 0 ? device_ms : exchange_host_ms_;
+  exchange_host_ms_ = 0;
+  return ms;
+}
+
 void Communicator::all_to_all_chunks(const Tensor& send_in, const std::vector<RowChunk>& send_chunks,
                                      const Tensor& recv, const std::vector<RowChunk>& recv_chunks) {
   check_rows_tensor(send_in, "all_to_all_chunks", "send");
@@ -95,7 +112,7 @@ void Communicator::all_to_all_chunks(const Tensor& send_in, const std::vector<Ro
   FLOWMOE_CHECK(to_self == from_self, ShapeError, "all_to_all_chunks: rank ", rank(), " sends itself chunks of ",
                 join(to_self), " rows but receives from itself chunks of ", join(from_self), " rows");
   Tensor send = send_in.contiguous();
-  do_all_to_all_chunks(send, send_chunks, recv, recv_chunks, row_bytes_of(send));
+  timed_exchange([&] { do_all_to_all_chunks(send, send_chunks, recv, recv_chunks, row_bytes_of(send)); });
 }
 
 void Communicator::all_to_all(const Tensor& send_in, const std::vector<int64_t>& send_rows, const Tensor& recv,
@@ -112,7 +129,7 @@ void Communicator::all_to_all(const Tensor& send_in, const std::vector<int64_t>&
                 shape_str(row_shape(send_in)), " and recv rows ", shape_str(row_shape(recv)), " differ");
   check_output(recv, send_in, "all_to_all", "recv");
   Tensor send = send_in.contiguous();
-  do_all_to_all(send, send_rows, recv, recv_rows, row_bytes_of(send));
+  timed_exchange([&] { do_all_to_all(send, send_rows, recv, recv_rows, row_bytes_of(send)); });
 }
 
 Tensor Communicator::all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows,

@@ -76,6 +76,12 @@ class Communicator {
   // rank). Collective over this communicator; color >= 0.
   std::shared_ptr<Communicator> split(int color, int key);
 
+  // Milliseconds this rank spent in all_to_all and all_to_all_chunks (expert parallelism's token
+  // exchange, counts included) since the last call, and resets the sum: host time where the backend
+  // returns when done (none, mpi), GPU time between events around each call on the stream for nccl,
+  // which waits for those events.
+  double take_exchange_ms();
+
   // nccl: the stream collectives are enqueued on; nullptr (the default) means the engine's stream of
   // the communicator's device, so they follow the kernels that produced their inputs and the caching
   // allocator needs no cross-stream events. A side stream leaves that ordering to the caller.
@@ -98,11 +104,20 @@ class Communicator {
   virtual void do_barrier() = 0;
   virtual void do_synchronize() {}
   virtual std::shared_ptr<Communicator> do_split(int color, int key) = 0;
+  // Around each all-to-all: an asynchronous backend (nccl) records events here and sums their elapsed
+  // GPU time in take_device_ms; the others keep the host time the base class measures (-1 below).
+  virtual void exchange_started() {}
+  virtual void exchange_finished() {}
+  virtual double take_device_ms() { return -1; }
   // Default: an all_to_all of one i64 per peer on native_device().
   virtual std::vector<int64_t> do_exchange_counts(const std::vector<int64_t>& send_rows);
 
  private:
   cudaStream_t stream_ = nullptr;
+  double exchange_host_ms_ = 0;
+
+  template <class F>
+  void timed_exchange(F&& move);
 };
 
 }  // namespace flowmoe

@@ -16,7 +16,9 @@ namespace flowmoe {
 
 namespace fs = std::filesystem;
 
-static const char* kCsvHeader = "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,moe_casts,skipped,moe_max_over_mean,aux_loss";
+static const char* kCsvHeader =
+    "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,moe_casts,skipped,moe_max_over_mean,aux_"
+    "loss,exchange_ms";
 // Columns added later go last: the rows an older run wrote are padded with empty cells on resume.
 
 // Per-MoE-layer max/mean load: "1.02;1.10" in CSV, [1.02, 1.10] in JSON; empty for a dense model.
@@ -40,19 +42,23 @@ static std::string num(double v, const char* fmt, bool json) {
 static std::string row_text(const StepMetrics& m, bool csv) {
   std::ostringstream os;
   if (csv) {
-    os << m.step << "," << num(m.loss, "%.9g", false) << "," << (std::isnan(m.val_loss) ? "" : num(m.val_loss, "%.9g", false))
-       << "," << num(m.lr, "%.6g", false) << "," << num(m.grad_norm, "%.6g", false) << ","
-       << num(m.tokens_per_s, "%.1f", false) << "," << m.peak_mem_bytes << "," << m.host_syncs << ","
-       << (std::isnan(m.moe_casts) ? "" : num(m.moe_casts, "%.6g", false)) << "," << (m.skipped ? 1 : 0) << "," << layer_list(m.moe_max_over_mean, false) << ","
-       << (std::isnan(m.aux_loss) ? "" : num(m.aux_loss, "%.9g", false));
+    os << m.step << "," << num(m.loss, "%.9g", false) << ","
+       << (std::isnan(m.val_loss) ? "" : num(m.val_loss, "%.9g", false)) << "," << num(m.lr, "%.6g", false) << ","
+       << num(m.grad_norm, "%.6g", false) << "," << num(m.tokens_per_s, "%.1f", false) << "," << m.peak_mem_bytes << ","
+       << m.host_syncs << "," << (std::isnan(m.moe_casts) ? "" : num(m.moe_casts, "%.6g", false)) << ","
+       << (m.skipped ? 1 : 0) << "," << layer_list(m.moe_max_over_mean, false) << ","
+       << (std::isnan(m.aux_loss) ? "" : num(m.aux_loss, "%.9g", false)) << ","
+       << (std::isnan(m.exchange_ms) ? "" : num(m.exchange_ms, "%.4f", false));
   } else {
     os << "{\"step\": " << m.step << ", \"loss\": " << num(m.loss, "%.9g", true)
        << ", \"val_loss\": " << num(m.val_loss, "%.9g", true) << ", \"lr\": " << num(m.lr, "%.6g", true)
-       << ", \"grad_norm\": " << num(m.grad_norm, "%.6g", true) << ", \"tokens_per_s\": " << num(m.tokens_per_s, "%.1f", true)
-       << ", \"peak_mem_bytes\": " << m.peak_mem_bytes << ", \"host_syncs\": " << m.host_syncs
-       << ", \"moe_casts\": " << num(m.moe_casts, "%.6g", true) << ", \"skipped\": " << (m.skipped ? "true" : "false")
+       << ", \"grad_norm\": " << num(m.grad_norm, "%.6g", true)
+       << ", \"tokens_per_s\": " << num(m.tokens_per_s, "%.1f", true) << ", \"peak_mem_bytes\": " << m.peak_mem_bytes
+       << ", \"host_syncs\": " << m.host_syncs << ", \"moe_casts\": " << num(m.moe_casts, "%.6g", true)
+       << ", \"skipped\": " << (m.skipped ? "true" : "false")
        << ", \"moe_max_over_mean\": " << layer_list(m.moe_max_over_mean, true)
-       << ", \"aux_loss\": " << num(m.aux_loss, "%.9g", true) << "}";
+       << ", \"aux_loss\": " << num(m.aux_loss, "%.9g", true)
+       << ", \"exchange_ms\": " << num(m.exchange_ms, "%.4f", true) << "}";
   }
   return os.str();
 }
@@ -142,6 +148,8 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
         else if (c == "moe_casts") m.moe_casts = cells[i].empty() ? NAN : field_double(cells[i]);
         else if (c == "skipped") m.skipped = cells[i] == "1";
         else if (c == "aux_loss") m.aux_loss = field_double(cells[i]);
+        else if (c == "exchange_ms")
+          m.exchange_ms = cells[i].empty() ? NAN : field_double(cells[i]);
         else if (c == "moe_max_over_mean") {
           std::stringstream layers(cells[i]);
           for (std::string v; std::getline(layers, v, ';');) m.moe_max_over_mean.push_back(field_double(v));
@@ -166,6 +174,7 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
       m.host_syncs = j["host_syncs"] ? j["host_syncs"].as<int64_t>() : 0;
       m.moe_casts = get("moe_casts");
       m.aux_loss = get("aux_loss");
+      m.exchange_ms = get("exchange_ms");
       m.skipped = j["skipped"] && j["skipped"].Scalar() == "true";
       if (j["moe_max_over_mean"] && j["moe_max_over_mean"].IsSequence())
         for (const YAML::Node& v : j["moe_max_over_mean"]) m.moe_max_over_mean.push_back(field_double(v.Scalar()));

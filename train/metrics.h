@@ -24,6 +24,9 @@ struct StepMetrics {
                                // included); NaN: dense
   bool skipped = false;        // non-finite loss or gradient: no update
   std::vector<double> moe_max_over_mean;  // per MoE layer: max load / mean load this step (1 = balanced)
+  double exchange_ms = NAN;               // expert parallelism: the step's time in token exchanges (dispatch and
+                                          // combine, forward and backward; Communicator::take_exchange_ms), the
+                                          // slowest rank's; NaN: no expert-parallel group
 };
 
 // Appends rows to <path>. With keep_up_to_step >= 0 (a resumed run) the rows of later steps an

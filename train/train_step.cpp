@@ -122,6 +122,8 @@ StepMetrics train_step(TrainRun& run) {
   const auto t0 = clock::now();
   const uint64_t syncs_before = num_host_syncs();
   reset_cast_counts();
+  Communicator* exchanges = run.parallel.expert_parallel_size > 1 ? run.parallel.expert_parallel.get() : nullptr;
+  if (exchanges) exchanges->take_exchange_ms();  // an evaluation's exchanges are not this step's
   StepMetrics m;
   m.step = ++run.step;
   m.lr = learning_rate(run.cfg.optimizer, m.step, run.cfg.train.steps);
@@ -148,6 +150,7 @@ StepMetrics train_step(TrainRun& run) {
   ++run.steps_done;
   m.tokens_per_s = double(run.tokens_per_step) / dt;
   m.peak_mem_bytes = int64_t(memory_stats(run.device).peak_bytes);
+  if (exchanges) m.exchange_ms = exchanges->take_exchange_ms();
   run.res.losses.push_back(m.loss);
   return m;
 }

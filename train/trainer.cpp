@@ -343,14 +343,17 @@ static TrainResult finish_run(TrainRun& run) {
 
 // ---- the loop -------------------------------------------------------------------------------------
 
-// The peak memory of the step as the most any rank used, and whether any rank was asked to stop (a
-// launcher delivers a signal to the ranks at slightly different times): all of them stop after the same step.
+// The peak memory and exchange time of the step as the most any rank used, and whether any rank was
+// asked to stop (a launcher delivers a signal to the ranks at slightly different times): all of them
+// stop after the same step.
 static bool agree_after_step(TrainRun& run, StepMetrics& m) {
   const bool stop = g_stop_requested;
   if (run.world_size == 1) return stop;
-  const std::vector<double> most =
-      all_reduce_values(*run.world, {double(m.peak_mem_bytes), stop ? 1.0 : 0.0}, ReduceOp::max);
+  const bool exchanged = !std::isnan(m.exchange_ms);  // the same on every rank: an expert-parallel run
+  const std::vector<double> most = all_reduce_values(
+      *run.world, {double(m.peak_mem_bytes), stop ? 1.0 : 0.0, exchanged ? m.exchange_ms : 0.0}, ReduceOp::max);
   m.peak_mem_bytes = int64_t(most[0]);
+  if (exchanged) m.exchange_ms = most[2];
   return most[1] > 0;
 }
 

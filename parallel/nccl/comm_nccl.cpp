@@ -87,6 +87,7 @@ class NcclCommunicator final : public Communicator {
     FLOWMOE_NCCL_CHECK(ncclCommInitRank(&comm_, bootstrap_->size(), id, bootstrap_->rank()), nullptr);
   }
   ~NcclCommunicator() override {  // no throwing calls here: a failure to tear down is ignored
+    for (auto& [start, end] : exchange_events_) cudaEventDestroy(start), cudaEventDestroy(end);
     if (!comm_) return;
     int prev = -1;
     if (cudaGetDevice(&prev) == cudaSuccess) cudaSetDevice(device_);
@@ -160,6 +161,41 @@ class NcclCommunicator final : public Communicator {
     return std::make_shared<NcclCommunicator>(bootstrap_->split(color, key), device_);
   }
 
+  // The exchanges run asynchronously: events on the stream around each one time it on the GPU.
+  void exchange_started() override {
+    DeviceScope scope(device_);
+    if (exchange_events_.size() >= 1024) folded_ms_ += release_events();  // nobody asked for a while: bound them
+    cudaEvent_t start = nullptr, end = nullptr;
+    FLOWMOE_CUDA_CHECK(cudaEventCreate(&start));
+    FLOWMOE_CUDA_CHECK(cudaEventCreate(&end));
+    exchange_events_.push_back({start, end});
+    FLOWMOE_CUDA_CHECK(cudaEventRecord(start, enqueue_stream()));
+  }
+  void exchange_finished() override {
+    DeviceScope scope(device_);
+    FLOWMOE_CUDA_CHECK(cudaEventRecord(exchange_events_.back().second, enqueue_stream()));
+  }
+  double take_device_ms() override {
+    DeviceScope scope(device_);
+    const double total = folded_ms_ + release_events();
+    folded_ms_ = 0;
+    return total;
+  }
+  // Waits for the recorded exchanges and returns their summed GPU time.
+  double release_events() {
+    double total = 0;
+    for (auto& [start, end] : exchange_events_) {
+      float ms = 0;
+      FLOWMOE_CUDA_CHECK(cudaEventSynchronize(end));
+      FLOWMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
+      total += ms;
+      cudaEventDestroy(start);
+      cudaEventDestroy(end);
+    }
+    exchange_events_.clear();
+    return total;
+  }
+
   // The counts are host values: they travel through the bootstrap communicator, not the GPU.
   std::vector<int64_t> do_exchange_counts(const std::vector<int64_t>& send_rows) override {
     return bootstrap_->exchange_counts(send_rows);
@@ -169,6 +205,8 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Communicator> bootstrap_;
   int device_;
   ncclComm_t comm_ = nullptr;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exchange_events_;  // since the last take_device_ms
+  double folded_ms_ = 0;
 
   // One group of ncclSend/ncclRecv, one per non-empty chunk, self included: NCCL runs the calls of a
   // group that target the same peer in order, which pairs each peer's chunks in list order.

@@ -23,6 +23,15 @@ TEST(Collectives, AllToAllChunksMovesFp8BytesBitForBit) {
   check_all_to_all_chunks_cases(test_world(), Device::cpu(), DType::e4m3, {128});
 }
 
+// The host-timed backends (none, mpi) sum the time of every all-to-all until it is taken.
+TEST(Collectives, ExchangeTimeIsSummedUntilTaken) {
+  Communicator& world = test_world();
+  world.take_exchange_ms();
+  check_all_to_all_cases(world, Device::cpu());
+  EXPECT_GT(world.take_exchange_ms(), 0.0);
+  EXPECT_EQ(world.take_exchange_ms(), 0.0);
+}
+
 TEST(Collectives, AllReduceSumsAndMaxesF32F64AndIntegers) { check_all_reduce_cases(test_world(), Device::cpu()); }
 
 TEST(Collectives, AllGatherAndBroadcastFromEveryRoot) { check_all_gather_and_broadcast(test_world(), Device::cpu()); }
@@ -129,6 +138,9 @@ TEST(CollectivesCuda, NcclCommunicator) {
   check_all_to_all_cases(*nccl, gpu);
   check_all_to_all_chunks_cases(*nccl, gpu, DType::f32, {3});
   check_all_to_all_chunks_cases(*nccl, gpu, DType::e4m3, {128});
+  // The exchanges were timed on the GPU by events; taking the time releases them and restarts the sum.
+  EXPECT_GT(nccl->take_exchange_ms(), 0.0);
+  EXPECT_EQ(nccl->take_exchange_ms(), 0.0);
   check_all_reduce_cases(*nccl, gpu);
   check_all_gather_and_broadcast(*nccl, gpu);
   std::shared_ptr<Communicator> half = nccl->split(world.rank() % 2, world.rank());

@@ -15,6 +15,7 @@
 // size instead of the world size move the losses by 4e-4 to 2e-3.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <string>
 #include <utility>
@@ -58,13 +59,16 @@ TEST_P(ExpertParallel, LossesMatchOneProcessOnTheSameGlobalBatch) {
   const fs::path d = fresh_dir(std::string("ep_losses_") + recipe.name);
   const std::vector<StepMetrics> one = train_run(d, 0, "np1", recipe.sets);
   ASSERT_EQ(one.size(), 20u);
+  for (const StepMetrics& m : one) EXPECT_TRUE(std::isnan(m.exchange_ms)) << "one process exchanges nothing";
   // Every expert on its own rank, then experts and data both split (bf16 alone, to keep CI short).
   std::vector<std::pair<int, int>> layouts = {{2, 2}, {4, 4}};
   if (recipe.rel_tol == kF32Rel) layouts.push_back({4, 2});
   for (const auto& [np, e] : layouts) {
     const std::string name = std::string(recipe.name) + "_np" + std::to_string(np) + "_ep" + std::to_string(e);
     Launch launch;
-    train_and_compare(d, one, np, name, std::string(recipe.sets) + ep(e), recipe.rel_tol, &launch);
+    const std::vector<StepMetrics> rows =
+        train_and_compare(d, one, np, name, std::string(recipe.sets) + ep(e), recipe.rel_tol, &launch);
+    for (const StepMetrics& m : rows) EXPECT_GT(m.exchange_ms, 0.0) << "step " << m.step << " of " << name;
     EXPECT_EQ(count(launch.out, ranks_line(np, e)), 1u) << launch.out;  // rank 0 alone prints
   }
   fs::remove_all(d);
