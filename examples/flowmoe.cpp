@@ -1,18 +1,22 @@
-// The flowmoe command: train, eval, prepare-data, plot, walkthrough (and config-reference).
+// The flowmoe command: train, eval, prepare-data, plot, parity, walkthrough (and config-reference).
 // Only main() catches: configuration and usage errors exit 2, other errors exit 1, a training run
 // stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143) after saving a checkpoint.
 // Under mpirun or srun, train and eval run data-parallel on every process (launch.h); rank 0 prints.
 #include <unistd.h>
 
 #include <algorithm>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "examples/args.h"
+#include "examples/launch.h"
+#include "examples/parity.h"
+#include "examples/walkthrough.h"
 #include "kernels/common/error.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -21,17 +25,10 @@
 #include "train/memory_estimate.h"
 #include "train/plot.h"
 #include "train/trainer.h"
-#include "examples/launch.h"
-#include "examples/walkthrough.h"
 
 using namespace flowmoe;
 
 namespace {
-
-class UsageError : public ConfigError {
-  using ConfigError::ConfigError;
-};
-struct HelpShown {};  // --help: the text is printed, exit 0
 
 const char* kMainHelp = R"(usage: flowmoe <command> [options]
 
@@ -42,6 +39,7 @@ commands:
   eval             validation loss of a checkpoint
   prepare-data     text files -> a token file (llm.c .bin format, byte-level tokens)
   plot             loss curves of one or several runs -> PNG
+  parity           loss parity of precision recipes: one run each, a JSON report and a plot
   config-reference print every config key with its type, range and default (Markdown)
   walkthrough      one small fp8_flow MoE layer, forward and backward, step by step (docs/WALKTHROUGH.md)
 
@@ -109,49 +107,6 @@ options:
   --title TEXT    the plot title (default "flowmoe loss")
   -h, --help      this text
 )";
-
-// A tiny argument reader: --opt VALUE, --opt=VALUE, flags and positionals.
-class Args {
- public:
-  Args(int argc, char** argv, int first, const char* help) : help_(help) {
-    for (int i = first; i < argc; ++i) items_.push_back(argv[i]);
-  }
-  bool done() const { return pos_ >= items_.size(); }
-  // The next item; a "--x=y" item is split so that value() returns y.
-  std::string next() {
-    std::string a = items_[pos_++];
-    pending_.clear();
-    has_pending_ = false;
-    size_t eq = a.find('=');
-    if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
-      pending_ = a.substr(eq + 1);
-      has_pending_ = true;
-      a = a.substr(0, eq);
-    }
-    if (a == "-h" || a == "--help") {
-      std::fputs(help_, stdout);
-      throw HelpShown{};
-    }
-    return a;
-  }
-  std::string value(const std::string& opt) {
-    if (has_pending_) {
-      has_pending_ = false;
-      return pending_;
-    }
-    if (done()) throw UsageError(opt + " needs a value");
-    return items_[pos_++];
-  }
-  // An optional value: the next item unless it is another option.
-  bool has_optional_value() const { return has_pending_ || (!done() && items_[pos_].rfind("-", 0) != 0); }
-
- private:
-  const char* help_;
-  std::vector<std::string> items_;
-  size_t pos_ = 0;
-  std::string pending_;
-  bool has_pending_ = false;
-};
 
 volatile std::sig_atomic_t g_stop_signal = 0;  // the signal that asked training to stop
 bool g_quiet_signals = false;                   // a rank other than 0: rank 0 says it for all
@@ -351,6 +306,7 @@ int run(int argc, char** argv) {
   if (cmd == "eval") return cmd_eval(argc, argv);
   if (cmd == "prepare-data") return cmd_prepare(argc, argv);
   if (cmd == "plot") return cmd_plot(argc, argv);
+  if (cmd == "parity") return cmd_parity(argc, argv);
   if (cmd == "walkthrough") return cmd_walkthrough(argc, argv);
   if (cmd == "config-reference") {
     if (argc > 2) {
@@ -360,7 +316,8 @@ int run(int argc, char** argv) {
     std::fputs(config_reference_markdown().c_str(), stdout);
     return 0;
   }
-  throw UsageError("unknown command '" + cmd + "' (commands: train, eval, prepare-data, plot, config-reference, walkthrough)");
+  throw UsageError("unknown command '" + cmd +
+                   "' (commands: train, eval, prepare-data, plot, parity, config-reference, walkthrough)");
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu_check.sh, fp8_parity.sh and balance_sweep.sh: the one way they train.
+# Sourced by scripts/gpu_check.sh and balance_sweep.sh: the one way they train.
 #   train_run BUILD_DIR CONFIG OUT_DIR LOG [--set key=value ...]
 # One `flowmoe train` run without evaluation or periodic checkpoints, with plain progress every 100
 # steps, writing its metrics and resolved config.yaml to OUT_DIR and its output to LOG. The final

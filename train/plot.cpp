@@ -77,6 +77,16 @@ static void check_plot_output(const std::string& png_path) {
                 parent.string(), "' does not exist (create it first, or choose another --output)");
 }
 
+// After the plotting program ran: removes its work directory, and throws IoError with its last
+// message when it failed or wrote no image.
+static void finish_plot(const fs::path& work, const std::string& program, int rc, const std::string& png_path) {
+  const std::string message = rc == 0 ? "" : last_error_line(work / "stderr.txt");
+  fs::remove_all(work);
+  FLOWMOE_CHECK(rc == 0, IoError, "plot: ", program, " failed (", describe_status(rc), ")",
+                message.empty() ? "" : ": " + message, "; no '", png_path, "' was written");
+  FLOWMOE_CHECK(fs::exists(png_path), IoError, "plot: ", program, " wrote no '", png_path, "'");
+}
+
 void plot_runs(const std::vector<std::string>& runs, const std::string& png_path, const std::string& title) {
   FLOWMOE_CHECK(!runs.empty(), IoError, "plot: no runs given");
   check_plot_output(png_path);
@@ -141,11 +151,75 @@ void plot_runs(const std::vector<std::string>& runs, const std::string& png_path
     fs::remove_all(work);
     FLOWMOE_THROW(IoError, "plot needs gnuplot or Python's matplotlib; install one (scripts/quickstart.sh installs gnuplot-nox)");
   }
-  const std::string message = rc == 0 ? "" : last_error_line(errors);
-  fs::remove_all(work);
-  FLOWMOE_CHECK(rc == 0, IoError, "plot: ", program, " failed (", describe_status(rc), ")",
-                message.empty() ? "" : ": " + message, "; no '", png_path, "' was written");
-  FLOWMOE_CHECK(fs::exists(png_path), IoError, "plot: ", program, " wrote no '", png_path, "'");
+  finish_plot(work, program, rc, png_path);
+}
+
+bool plot_two_panels(const TwoPanelPlot& p, const std::string& png_path) {
+  check_plot_output(png_path);
+  const bool gnuplot = have_program("gnuplot");
+  if (!gnuplot && std::system("python3 -c 'import matplotlib' >/dev/null 2>&1") != 0) return false;
+  const fs::path work = fs::temp_directory_path() / ("flowmoe-plot2-" + std::to_string(::getpid()));
+  fs::create_directories(work);
+  const fs::path data = work / "series.dat";  // columns: x, the top series, the bottom series
+  {
+    std::ofstream out(data);
+    for (size_t i = 0; i < p.x.size(); ++i) {
+      out << data_cell(p.x[i]);
+      for (const auto* panel : {&p.top, &p.bottom})
+        for (const PlotSeries& s : *panel) out << " " << data_cell(i < s.y.size() ? s.y[i] : NAN);
+      out << "\n";
+    }
+  }
+  const fs::path errors = work / "stderr.txt";
+  const std::string png = json_escape(fs::absolute(png_path).string());
+  std::string command;
+  if (gnuplot) {
+    const fs::path script = work / "plot.gp";
+    std::ofstream gp(script);
+    gp << "set terminal pngcairo size 1000,900 enhanced font 'Sans,11'\nset output " << png << "\n"
+       << "set datafile missing 'NaN'\nset grid\nset key top right noenhanced\n"
+       << "set multiplot layout 2,1 title " << json_escape(p.title) << " noenhanced\n";
+    size_t column = 2;
+    for (const auto* panel : {&p.top, &p.bottom}) {
+      const bool bottom = panel == &p.bottom;
+      gp << "set xlabel 'step'\nset ylabel " << json_escape(bottom ? p.bottom_ylabel : p.top_ylabel)
+         << " noenhanced\nplot ";
+      for (size_t i = 0; i < panel->size(); ++i, ++column)
+        gp << (i ? ", " : "") << json_escape(data.string()) << " using 1:" << column << " with lines lw 2 lc "
+           << i + 1 + (bottom ? 1 : 0) << " title " << json_escape((*panel)[i].label);
+      if (bottom && std::isfinite(p.bottom_line))
+        gp << (panel->empty() ? "" : ", ") << data_cell(p.bottom_line) << " with lines dt 2 lc rgb 'black' title "
+           << json_escape(p.bottom_line_label);
+      gp << "\n";
+    }
+    gp << "unset multiplot\n";
+    command = "gnuplot " + shell_quote(script.string());
+  } else {
+    const fs::path script = work / "plot.py";
+    std::ofstream py(script);
+    py << "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+       << "cols = list(zip(*[[float(v) for v in l.split()] for l in open(" << json_escape(data.string()) << ")]))\n"
+       << "fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 9), sharex=True)\n";
+    size_t column = 1;
+    for (const auto* panel : {&p.top, &p.bottom}) {
+      const bool bottom = panel == &p.bottom;
+      const char* ax = bottom ? "bottom" : "top";
+      for (size_t i = 0; i < panel->size(); ++i, ++column)
+        py << ax << ".plot(cols[0], cols[" << column << "], lw=2, color='C" << i + (bottom ? 1 : 0)
+           << "', label=" << json_escape((*panel)[i].label) << ")\n";
+      if (bottom && std::isfinite(p.bottom_line))
+        py << "bottom.axhline(" << data_cell(p.bottom_line)
+           << ", ls='--', color='k', label=" << json_escape(p.bottom_line_label) << ")\n";
+      py << ax << ".set_ylabel(" << json_escape(bottom ? p.bottom_ylabel : p.top_ylabel) << "); " << ax
+         << ".grid(True); " << ax << ".legend()\n";
+    }
+    py << "bottom.set_xlabel('step'); fig.suptitle(" << json_escape(p.title) << ")\nfig.savefig(" << png
+       << ", dpi=100)\n";
+    command = "python3 " + shell_quote(script.string());
+  }
+  const int rc = std::system((command + " 2>" + shell_quote(errors.string())).c_str());
+  finish_plot(work, gnuplot ? "gnuplot" : "matplotlib (python3)", rc, png_path);
+  return true;
 }
 
 }  // namespace flowmoe

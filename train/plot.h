@@ -1,5 +1,6 @@
 // Loss-curve plots of one or several training runs.
 #pragma once
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -8,5 +9,21 @@ namespace flowmoe {
 // Renders the loss (and validation loss) curves of the runs into a PNG, with gnuplot when it is
 // installed, else Python's matplotlib. Each run is a run directory or a metrics file.
 void plot_runs(const std::vector<std::string>& runs, const std::string& png_path, const std::string& title);
+
+struct PlotSeries {
+  std::string label;
+  std::vector<double> y;  // one value per x; NaN leaves a gap
+};
+// Two panels over one x axis, e.g. loss curves above and their deviations below; bottom_line (unless
+// NaN) is drawn across the lower panel, e.g. a threshold.
+struct TwoPanelPlot {
+  std::string title, top_ylabel, bottom_ylabel, bottom_line_label;
+  std::vector<double> x;
+  std::vector<PlotSeries> top, bottom;
+  double bottom_line = NAN;
+};
+// Draws it into a PNG with gnuplot or matplotlib. Returns false, drawing nothing, when neither is
+// installed (callers for whom the image is a by-product go on without it); throws IoError when one fails.
+bool plot_two_panels(const TwoPanelPlot& plot, const std::string& png_path);
 
 }  // namespace flowmoe

@@ -113,3 +113,18 @@ TEST(DataParallelErrors, BatchThatDoesNotSplitOverTheRanks) {
     EXPECT_EQ(lines_starting(r.err, who), 1u) << who << "\n" << r.err;
   fs::remove_all(d);
 }
+// `flowmoe parity` under mpiexec: every run trains on both ranks, and rank 0 alone writes the report.
+TEST(DataParallelParity, EveryRunOnBothRanksOneReport) {
+  const fs::path d = fresh_dir("dp_parity");
+  const Launch r = run_shell(d,
+                             launcher(2) + kBinary + " parity --config " + kConfig + " --out " + (d / "p").string() +
+                                 " --recipes bf16,fp8_flow --steps 4 --threshold 1 --set train.device=cpu"
+                                 " --set train.eval_every=0 --set data.seq_len=32 --set data.synthetic_tokens=20000"
+                                 " --set train.batch_size=4 --set optimizer.warmup_steps=1",
+                             240);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_EQ(count(r.out, "fp8_flow vs bf16: max EMA rel err"), 1u) << r.out;
+  EXPECT_EQ(count(r.out, "data-parallel: 2 ranks"), 2u) << r.out;  // one start-up line per run
+  EXPECT_EQ(count(read_text(d / "p" / "parity.json"), "\"world_size\": 2,"), 1u);
+  fs::remove_all(d);
+}

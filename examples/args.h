@@ -1,0 +1,59 @@
+// The command line's option reader and its usage errors, shared by the flowmoe subcommands.
+#pragma once
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "kernels/common/error.h"
+
+namespace flowmoe {
+
+class UsageError : public ConfigError {
+  using ConfigError::ConfigError;
+};
+struct HelpShown {};  // --help: the text is printed, exit 0
+
+// A tiny argument reader: --opt VALUE, --opt=VALUE, flags and positionals.
+class Args {
+ public:
+  Args(int argc, char** argv, int first, const char* help) : help_(help) {
+    for (int i = first; i < argc; ++i) items_.push_back(argv[i]);
+  }
+  bool done() const { return pos_ >= items_.size(); }
+  // The next item; a "--x=y" item is split so that value() returns y.
+  std::string next() {
+    std::string a = items_[pos_++];
+    pending_.clear();
+    has_pending_ = false;
+    size_t eq = a.find('=');
+    if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      pending_ = a.substr(eq + 1);
+      has_pending_ = true;
+      a = a.substr(0, eq);
+    }
+    if (a == "-h" || a == "--help") {
+      std::fputs(help_, stdout);
+      throw HelpShown{};
+    }
+    return a;
+  }
+  std::string value(const std::string& opt) {
+    if (has_pending_) {
+      has_pending_ = false;
+      return pending_;
+    }
+    if (done()) throw UsageError(opt + " needs a value");
+    return items_[pos_++];
+  }
+  // An optional value: the next item unless it is another option.
+  bool has_optional_value() const { return has_pending_ || (!done() && items_[pos_].rfind("-", 0) != 0); }
+
+ private:
+  const char* help_;
+  std::vector<std::string> items_;
+  size_t pos_ = 0;
+  std::string pending_;
+  bool has_pending_ = false;
+};
+
+}  // namespace flowmoe

@@ -1,0 +1,251 @@
+// `flowmoe parity` (see parity.h): the runs, one after another in this process, then the report.
+#include "examples/parity.h"
+
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "examples/args.h"
+#include "examples/launch.h"
+#include "train/checkpoint.h"
+#include "train/data_parallel.h"
+#include "train/parity.h"
+#include "train/trainer.h"
+
+namespace flowmoe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* kParityHelp =
+    R"(usage: flowmoe parity --config FILE --out DIR [--recipes bf16,fp8_blockwise,fp8_flow] [--steps N]
+                      [--set section.key=value ...] [--control eps|seed] [--threshold 0.0025]
+                      [--warmup-steps W] [--resume]
+
+Trains the config once per precision recipe, on the same data, seed and config otherwise, and
+compares each candidate's loss curve (an EMA, alpha 0.9) with the reference's, the first recipe.
+A candidate passes when its largest relative EMA error after warmup is at most the threshold and
+no step had a non-finite loss. Writes DIR/<recipe>/ (each run), DIR/parity.json (the report) and
+DIR/parity.png (the curves, when gnuplot or matplotlib is installed). Exit status 0: every
+candidate passed; 1: one failed; 2: a usage or config error.
+
+options:
+  --config FILE            the YAML config
+  --out DIR                where the runs and the report go
+  --recipes LIST           comma-separated precision.recipe values, the reference first
+                           (default bf16,fp8_blockwise,fp8_flow)
+  --steps N                train.steps of every run (default: the config's)
+  --set section.key=value  override one key of every run (repeatable)
+  --control eps|seed       also a run of the reference recipe with optimizer.eps doubled (eps) or
+                           train.seed + 1 (seed), into DIR/control: the noise floor, reported like a
+                           candidate but not judged
+  --threshold X            the largest relative EMA error that passes (default 0.0025, 0.25%)
+  --warmup-steps W         compare steps after W only (default: optimizer.warmup_steps)
+  --resume                 keep the runs of DIR that finished (metrics up to the last step and its
+                           checkpoint); continue an interrupted one from its newest checkpoint
+  -h, --help               this text
+
+Under mpirun or srun every run trains on all the processes, as `flowmoe train` does; rank 0 writes
+the report.
+)";
+
+struct ParityOptions {
+  std::string config, out, control;
+  std::vector<std::string> recipes = {"bf16", "fp8_blockwise", "fp8_flow"};
+  std::vector<std::string> sets;
+  int64_t steps = -1, warmup_steps = -1;
+  double threshold = 0.0025;
+  bool resume = false;
+};
+
+// One run of the study: its name (the directory under --out) and its --set list.
+struct PlannedRun {
+  std::string name, recipe;
+  bool control = false;
+  std::vector<std::string> sets;
+  Config cfg;
+};
+
+double parse_number(const std::string& opt, const std::string& v, bool integer) {
+  char* end = nullptr;
+  const double x = integer ? double(std::strtoll(v.c_str(), &end, 10)) : std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !std::isfinite(x) || x < 0)
+    throw UsageError("parity: " + opt + " needs a non-negative " + (integer ? "integer" : "number") + ", got '" + v +
+                     "'");
+  return x;
+}
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = std::min(s.find(',', start), s.size());
+    if (comma > start) out.push_back(s.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+ParityOptions parse(int argc, char** argv) {
+  Args args(argc, argv, 2, kParityHelp);
+  ParityOptions o;
+  while (!args.done()) {
+    const std::string a = args.next();
+    if (a == "--config")
+      o.config = args.value(a);
+    else if (a == "--out")
+      o.out = args.value(a);
+    else if (a == "--recipes")
+      o.recipes = split_list(args.value(a));
+    else if (a == "--steps")
+      o.steps = int64_t(parse_number(a, args.value(a), true));
+    else if (a == "--set")
+      o.sets.push_back(args.value(a));
+    else if (a == "--control")
+      o.control = args.value(a);
+    else if (a == "--threshold")
+      o.threshold = parse_number(a, args.value(a), false);
+    else if (a == "--warmup-steps")
+      o.warmup_steps = int64_t(parse_number(a, args.value(a), true));
+    else if (a == "--resume")
+      o.resume = true;
+    else
+      throw UsageError("parity: unknown argument '" + a + "' (see flowmoe parity --help)");
+  }
+  if (o.config.empty() || o.out.empty()) throw UsageError("parity: --config FILE and --out DIR are required");
+  if (o.recipes.size() < 2) throw UsageError("parity: --recipes needs the reference and at least one candidate");
+  if (std::set<std::string>(o.recipes.begin(), o.recipes.end()).size() != o.recipes.size())
+    throw UsageError("parity: --recipes names a recipe twice");
+  if (!o.control.empty() && o.control != "eps" && o.control != "seed")
+    throw UsageError("parity: --control is eps or seed, got '" + o.control + "'");
+  if (o.steps == 0) throw UsageError("parity: --steps needs at least 1");
+  return o;
+}
+
+std::string format_g(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+// The runs, each config loaded (and so validated) before any trains.
+std::vector<PlannedRun> plan_runs(const ParityOptions& o) {
+  std::vector<std::string> common = o.sets;
+  if (o.steps > 0) common.push_back("train.steps=" + std::to_string(o.steps));
+  std::vector<PlannedRun> plan;
+  auto add = [&](const std::string& name, const std::string& recipe, bool control, std::vector<std::string> extra) {
+    PlannedRun p{name, recipe, control, common, {}};
+    const std::string dir = (fs::path(o.out) / name).string();
+    p.sets.push_back("precision.recipe=" + recipe);
+    p.sets.push_back("logging.out_dir=" + dir);
+    p.sets.push_back("checkpoint.dir=" + (fs::path(dir) / "checkpoints").string());
+    p.sets.insert(p.sets.end(), extra.begin(), extra.end());
+    p.cfg = load_config(o.config, p.sets);
+    plan.push_back(std::move(p));
+  };
+  for (const std::string& r : o.recipes) add(r, r, false, {});
+  if (o.control == "eps")
+    add("control", o.recipes.front(), true, {"optimizer.eps=" + format_g(2 * plan.front().cfg.optimizer.eps)});
+  else if (o.control == "seed")
+    add("control", o.recipes.front(), true, {"train.seed=" + std::to_string(plan.front().cfg.train.seed + 1)});
+  return plan;
+}
+
+// A run directory that holds a finished run: metrics up to the last step and that step's checkpoint.
+bool finished(const Config& cfg) {
+  std::error_code ec;
+  if (!fs::is_directory(cfg.run_dir(), ec)) return false;
+  try {
+    const std::vector<StepMetrics> rows = read_metrics(find_metrics_file(cfg.run_dir()));
+    if (rows.empty() || rows.back().step != cfg.train.steps) return false;
+  } catch (const IoError&) {
+    return false;
+  }
+  return fs::exists(fs::path(checkpoint_path(cfg.checkpoint_dir(), cfg.train.steps)) / "meta.json", ec);
+}
+
+// The run's report entry from its metrics file, and from its TrainResult when it trained from step 1 now.
+ParityRun collect(const PlannedRun& p, const TrainResult* trained) {
+  ParityRun run;
+  run.name = p.name;
+  run.recipe = p.recipe;
+  run.control = p.control;
+  run.rows = read_metrics(find_metrics_file(p.cfg.run_dir()));
+  char hash[32];
+  std::snprintf(hash, sizeof hash, "%016" PRIx64, config_hash(to_yaml(p.cfg)));
+  run.config_hash = hash;
+  for (const StepMetrics& m : run.rows)
+    if (std::isfinite(m.val_loss)) run.final_val_loss = m.val_loss;
+  if (trained && trained->first_step == 1) {
+    run.tokens_per_s = trained->tokens_per_s;
+  } else {
+    // The mean of the rows' rates: the run was kept or resumed, so no single TrainResult covers it.
+    double sum = 0;
+    for (const StepMetrics& m : run.rows) sum += m.tokens_per_s;
+    run.tokens_per_s = run.rows.empty() ? 0 : sum / double(run.rows.size());
+  }
+  return run;
+}
+
+}  // namespace
+
+int cmd_parity(int argc, char** argv) {
+  const ParityOptions o = parse(argc, argv);
+  std::vector<PlannedRun> plan = plan_runs(o);
+  const DistributedRuntime ranks = start_ranks(plan.front().cfg);
+  const bool root = ranks.world->rank() == 0;
+  const int world_size = ranks.world->size();
+  if (root) fs::create_directories(o.out);
+  std::vector<ParityRun> runs;
+  for (PlannedRun& p : plan) {
+    // Rank 0 looks at the files; every rank must take the same decision, or one would train alone.
+    double keep = o.resume && root && finished(p.cfg) ? 1 : 0;
+    if (world_size > 1) keep = all_reduce_values(*ranks.world, {keep}, ReduceOp::max)[0];
+    TrainResult result;
+    if (keep > 0) {
+      if (root) std::printf("parity: %s: kept the finished run in %s\n", p.name.c_str(), p.cfg.run_dir().c_str());
+    } else {
+      if (root) std::printf("parity: %s: training %s\n", p.name.c_str(), p.cfg.run_dir().c_str());
+      std::fflush(stdout);
+      if (o.resume) {
+        p.sets.push_back("checkpoint.resume=true");
+        p.cfg = load_config(o.config, p.sets);
+      }
+      TrainOptions opts;
+      opts.world = ranks.world;
+      opts.device = ranks.device;
+      result = train(p.cfg, opts);
+      FLOWMOE_CHECK(!result.interrupted, Error, "parity: the ", p.name, " run stopped at step ", result.last_step,
+                    "; continue with --resume");
+    }
+    if (root) runs.push_back(collect(p, keep > 0 ? nullptr : &result));
+  }
+  int status = 0;
+  if (root) {
+    const int64_t warmup = o.warmup_steps >= 0 ? o.warmup_steps : plan.front().cfg.optimizer.warmup_steps;
+    ParityReport report = make_parity_report(std::move(runs), o.threshold, warmup);
+    report.config = o.config;
+    report.world_size = world_size;
+    report.expert_parallel_size = int(plan.front().cfg.parallel.expert_parallel_size);
+    const std::string json_path = (fs::path(o.out) / "parity.json").string();
+    std::ofstream(json_path) << parity_json(report);
+    const std::string png = (fs::path(o.out) / "parity.png").string();
+    if (plot_parity(report, png))
+      std::printf("parity: wrote %s and %s\n", json_path.c_str(), png.c_str());
+    else
+      std::printf("parity: wrote %s (no parity.png: neither gnuplot nor matplotlib is installed)\n", json_path.c_str());
+    for (const ParityCandidate& c : report.candidates) std::printf("%s\n", parity_summary_line(report, c).c_str());
+    status = report.passed() ? 0 : 1;
+  }
+  if (world_size > 1) status = int(all_reduce_values(*ranks.world, {double(status)}, ReduceOp::max)[0]);
+  return status;
+}
+
+}  // namespace flowmoe

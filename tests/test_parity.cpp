@@ -1,0 +1,166 @@
+// `flowmoe parity`: the report math on synthetic metrics (EMA, relative error, the warmup cut, the
+// verdict, non-finite steps), and the command end to end on configs/tiny_moe.yaml (a few CPU steps).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "tests/train_test_util.h"
+#include "train/parity.h"
+
+using namespace flowmoe;
+using namespace flowmoe::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+ParityRun synthetic_run(const std::string& name, const std::vector<double>& losses) {
+  ParityRun r;
+  r.name = r.recipe = name;
+  for (size_t i = 0; i < losses.size(); ++i) {
+    StepMetrics m;
+    m.step = int64_t(i) + 1;
+    m.loss = losses[i];
+    m.skipped = !std::isfinite(losses[i]);
+    r.rows.push_back(m);
+  }
+  return r;
+}
+
+}  // namespace
+
+TEST(Parity, EmaStartsAtTheFirstLossAndHoldsOverNonFiniteOnes) {
+  const std::vector<double> e = loss_ema({NAN, 2.0, 4.0, INFINITY, 4.0});
+  EXPECT_TRUE(std::isnan(e[0]));
+  EXPECT_DOUBLE_EQ(e[1], 2.0);
+  EXPECT_DOUBLE_EQ(e[2], 0.9 * 2.0 + 0.1 * 4.0);
+  EXPECT_DOUBLE_EQ(e[3], e[2]);
+  EXPECT_DOUBLE_EQ(e[4], 0.9 * e[2] + 0.1 * 4.0);
+}
+
+TEST(Parity, RelativeErrorIsNanWithoutAFiniteNonZeroReference) {
+  EXPECT_NEAR(relative_error(2.2, 2.0), 0.1, 1e-12);
+  EXPECT_NEAR(relative_error(1.8, 2.0), 0.1, 1e-12);
+  EXPECT_TRUE(std::isnan(relative_error(1.0, 0.0)));
+  EXPECT_TRUE(std::isnan(relative_error(NAN, 2.0)));
+}
+
+TEST(Parity, TheVerdictReadsOnlyTheStepsAfterWarmup) {
+  // The candidate is 100% off during the 2 warmup steps; after them its EMA comes back towards the
+  // reference's, so the largest error that counts is step 3's, below the warmup's.
+  const std::vector<double> ref = {4, 4, 3, 3, 3, 3}, cand = {8, 8, 3, 3, 3, 3};
+  ParityReport r = make_parity_report({synthetic_run("bf16", ref), synthetic_run("fp8", cand)}, 0.95, 2);
+  ASSERT_EQ(r.candidates.size(), 1u);
+  const ParityCandidate& c = r.candidates[0];
+  EXPECT_EQ(c.compared_steps, 4);
+  const std::vector<double> a = loss_ema(ref), b = loss_ema(cand);
+  EXPECT_DOUBLE_EQ(c.max_rel_err, relative_error(b[2], a[2]));
+  EXPECT_LT(c.max_rel_err, 0.95);
+  EXPECT_GT(c.max_rel_err, c.mean_rel_err);
+  EXPECT_TRUE(c.pass);
+  EXPECT_TRUE(r.passed());
+  r = make_parity_report({synthetic_run("bf16", ref), synthetic_run("fp8", cand)}, 0.9, 2);
+  EXPECT_FALSE(r.candidates[0].pass);
+  EXPECT_FALSE(r.passed());
+  EXPECT_EQ(r.candidates[0].reason, "max EMA relative error above the threshold");
+}
+
+TEST(Parity, ANonFiniteStepFailsAndTheControlIsNotJudged) {
+  ParityRun control = synthetic_run("control", {4, 5, 6, 7});
+  control.control = true;
+  const ParityReport r =
+      make_parity_report({synthetic_run("bf16", {4, 4, 4, 4}), synthetic_run("fp8", {4, NAN, 4, 4}), control}, 1.0, 0);
+  ASSERT_EQ(r.candidates.size(), 2u);
+  EXPECT_FALSE(r.candidates[0].pass);
+  EXPECT_EQ(r.candidates[0].nonfinite_steps, std::vector<int64_t>{2});
+  EXPECT_DOUBLE_EQ(r.candidates[0].max_rel_err, 0.0);  // the EMA held over the bad step
+  EXPECT_TRUE(r.candidates[1].control);
+  EXPECT_FALSE(r.passed());
+  const std::string line = parity_summary_line(r, r.candidates[1]);
+  EXPECT_NE(line.find("control vs bf16: max EMA rel err"), std::string::npos) << line;
+  EXPECT_NE(line.find("not judged"), std::string::npos) << line;
+}
+
+TEST(Parity, NoStepAfterWarmupFailsAndTheJsonParses) {
+  const ParityReport r =
+      make_parity_report({synthetic_run("bf16", {4, 3}), synthetic_run("fp8_flow", {4, 3})}, 0.0025, 5);
+  EXPECT_FALSE(r.candidates[0].pass);
+  EXPECT_EQ(parity_summary_line(r, r.candidates[0]),
+            "fp8_flow vs bf16: max EMA rel err n/a after warmup (mean n/a), final loss 3.0000 vs 3.0000: FAIL "
+            "(threshold 0.25%): no step after warmup (step 5) to compare");
+  const YAML::Node j = YAML::Load(parity_json(r));
+  EXPECT_EQ(j["runs"].size(), 2u);
+  EXPECT_EQ(j["steps"].size(), 2u);
+  EXPECT_NEAR(j["steps"][1]["ema"]["fp8_flow"].as<double>(), 0.9 * 4 + 0.1 * 3, 1e-9);
+  EXPECT_TRUE(j["candidates"][0]["max_rel_err"].IsNull());
+  EXPECT_EQ(j["candidates"][0]["verdict"].as<std::string>(), "fail");
+}
+
+// ---- the command ---------------------------------------------------------------------------------
+
+namespace {
+
+struct Ran {
+  int exit_code = -1;
+  std::string out;
+};
+
+Ran run_parity(const fs::path& dir, const std::string& args) {
+  const fs::path log = dir / "out.txt";
+  const std::string cmd = std::string(FLOWMOE_BINARY_DIR) + "/flowmoe parity --config " + FLOWMOE_SOURCE_DIR +
+                          "/configs/tiny_moe.yaml --out " + (dir / "parity").string() +
+                          " --steps 6 --warmup-steps 2 --set train.device=cpu --set train.eval_every=0"
+                          " --set data.seq_len=32 --set data.synthetic_tokens=20000 --set train.batch_size=4"
+                          " --set optimizer.warmup_steps=2 --set logging.progress=plain " +
+                          args + " >" + log.string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  Ran r;
+  if (status != -1 && WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+  std::ifstream in(log);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.out = ss.str();
+  return r;
+}
+
+}  // namespace
+
+TEST(ParityCommand, ThreeRecipesThenAResumeThatKeepsThemAndAZeroThreshold) {
+  const fs::path d = fresh_dir("parity_cmd");
+  const Ran first = run_parity(d, "--threshold 1");
+  ASSERT_EQ(first.exit_code, 0) << first.out;
+  const YAML::Node j = YAML::LoadFile((d / "parity" / "parity.json").string());
+  ASSERT_EQ(j["runs"].size(), 3u);
+  EXPECT_EQ(j["runs"][0]["name"].as<std::string>(), "bf16");
+  EXPECT_EQ(j["runs"][2]["name"].as<std::string>(), "fp8_flow");
+  EXPECT_EQ(j["steps"].size(), 6u);
+  ASSERT_EQ(j["candidates"].size(), 2u);
+  EXPECT_TRUE(j["pass"].as<bool>());
+  EXPECT_EQ(j["candidates"][1]["compared_steps"].as<int>(), 4);
+  EXPECT_NE(first.out.find("fp8_flow vs bf16: max EMA rel err"), std::string::npos) << first.out;
+  const fs::path metrics = d / "parity" / "fp8_flow" / "metrics.jsonl";
+  const auto written = fs::last_write_time(metrics);
+
+  // The finished runs are kept; with threshold 0 the FP8 curves fail wherever they differ from bf16's.
+  const Ran again = run_parity(d, "--threshold 0 --resume");
+  EXPECT_EQ(fs::last_write_time(metrics), written);
+  EXPECT_NE(again.out.find("fp8_flow: kept the finished run"), std::string::npos) << again.out;
+  EXPECT_EQ(again.out.find("parity: bf16: training"), std::string::npos) << again.out;
+  const YAML::Node k = YAML::LoadFile((d / "parity" / "parity.json").string());
+  const bool differ =
+      k["candidates"][0]["max_rel_err"].as<double>() > 0 || k["candidates"][1]["max_rel_err"].as<double>() > 0;
+  EXPECT_TRUE(differ);
+  EXPECT_EQ(again.exit_code, differ ? 1 : 0) << again.out;
+  fs::remove_all(d);
+}
+
+TEST(ParityCommand, UsageErrorsExitTwo) {
+  const fs::path d = fresh_dir("parity_usage");
+  EXPECT_EQ(run_parity(d, "--control noise").exit_code, 2);
+  EXPECT_EQ(run_parity(d, "--recipes bf16").exit_code, 2);
+  fs::remove_all(d);
+}
