@@ -306,7 +306,13 @@ int run(int argc, char** argv) {
   if (cmd == "eval") return cmd_eval(argc, argv);
   if (cmd == "prepare-data") return cmd_prepare(argc, argv);
   if (cmd == "plot") return cmd_plot(argc, argv);
-  if (cmd == "parity") return cmd_parity(argc, argv);
+  if (cmd == "parity") {
+    g_quiet_signals = !is_root_rank();
+    install_stop_handlers();  // a run stops after its step and checkpoint, as under `flowmoe train`
+    const int status = cmd_parity(argc, argv);
+    if (status != kParityInterrupted) return status;
+    return g_stop_signal == 0 ? 1 : 128 + int(g_stop_signal);
+  }
   if (cmd == "walkthrough") return cmd_walkthrough(argc, argv);
   if (cmd == "config-reference") {
     if (argc > 2) {

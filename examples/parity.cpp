@@ -53,7 +53,8 @@ options:
   -h, --help               this text
 
 Under mpirun or srun every run trains on all the processes, as `flowmoe train` does; rank 0 writes
-the report.
+the report. Ctrl-C (SIGINT) or SIGTERM stops the current run after its step with a checkpoint and
+exits with status 130 or 143; --resume continues it.
 )";
 
 struct ParityOptions {
@@ -222,8 +223,12 @@ int cmd_parity(int argc, char** argv) {
       opts.world = ranks.world;
       opts.device = ranks.device;
       result = train(p.cfg, opts);
-      FLOWMOE_CHECK(!result.interrupted, Error, "parity: the ", p.name, " run stopped at step ", result.last_step,
-                    "; continue with --resume");
+      if (result.interrupted) {  // every rank stops after the same step
+        if (root)
+          std::printf("parity: the %s run stopped at step %lld; the same command with --resume continues it\n",
+                      p.name.c_str(), static_cast<long long>(result.last_step));
+        return kParityInterrupted;
+      }
     }
     if (root) runs.push_back(collect(p, keep > 0 ? nullptr : &result));
   }
@@ -237,6 +242,7 @@ int cmd_parity(int argc, char** argv) {
     const std::string json_path = (fs::path(o.out) / "parity.json").string();
     std::ofstream(json_path) << parity_json(report);
     const std::string png = (fs::path(o.out) / "parity.png").string();
+    fs::remove(png);  // an earlier report's image would not match this one where no plotter draws it
     if (plot_parity(report, png))
       std::printf("parity: wrote %s and %s\n", json_path.c_str(), png.c_str());
     else

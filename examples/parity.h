@@ -4,7 +4,12 @@
 
 namespace flowmoe {
 
-// Exit status: 0 every candidate passed, 1 one failed; usage and config errors throw ConfigError (2).
+// What cmd_parity returns when a stop request (SIGINT, SIGTERM: the handlers flowmoe's main installs)
+// ended a run after its checkpoint; main turns it into 128 + the signal number, as `flowmoe train` exits.
+constexpr int kParityInterrupted = -1;
+
+// Exit status: 0 every candidate passed, 1 one failed, or kParityInterrupted; usage and config errors
+// throw ConfigError (2).
 int cmd_parity(int argc, char** argv);
 
 }  // namespace flowmoe

@@ -80,6 +80,9 @@ TEST(Parity, ANonFiniteStepFailsAndTheControlIsNotJudged) {
   EXPECT_DOUBLE_EQ(r.candidates[0].max_rel_err, 0.0);  // the EMA held over the bad step
   EXPECT_TRUE(r.candidates[1].control);
   EXPECT_FALSE(r.passed());
+  const ParityReport bad_reference =
+      make_parity_report({synthetic_run("bf16", {4, NAN, 4, 4}), synthetic_run("fp8", {4, 4, 4, 4})}, 1.0, 0);
+  EXPECT_EQ(bad_reference.candidates[0].reason, "the reference run has non-finite or skipped steps");
   const std::string line = parity_summary_line(r, r.candidates[1]);
   EXPECT_NE(line.find("control vs bf16: max EMA rel err"), std::string::npos) << line;
   EXPECT_NE(line.find("not judged"), std::string::npos) << line;
@@ -109,10 +112,11 @@ struct Ran {
   std::string out;
 };
 
-Ran run_parity(const fs::path& dir, const std::string& args) {
+// `env` (NAME=value ...) goes before the command.
+Ran run_parity(const fs::path& dir, const std::string& args, const std::string& env = "") {
   const fs::path log = dir / "out.txt";
-  const std::string cmd = std::string(FLOWMOE_BINARY_DIR) + "/flowmoe parity --config " + FLOWMOE_SOURCE_DIR +
-                          "/configs/tiny_moe.yaml --out " + (dir / "parity").string() +
+  const std::string cmd = env + " " + std::string(FLOWMOE_BINARY_DIR) + "/flowmoe parity --config " +
+                          FLOWMOE_SOURCE_DIR + "/configs/tiny_moe.yaml --out " + (dir / "parity").string() +
                           " --steps 6 --warmup-steps 2 --set train.device=cpu --set train.eval_every=0"
                           " --set data.seq_len=32 --set data.synthetic_tokens=20000 --set train.batch_size=4"
                           " --set optimizer.warmup_steps=2 --set logging.progress=plain " +
@@ -142,11 +146,16 @@ TEST(ParityCommand, ThreeRecipesThenAResumeThatKeepsThemAndAZeroThreshold) {
   EXPECT_TRUE(j["pass"].as<bool>());
   EXPECT_EQ(j["candidates"][1]["compared_steps"].as<int>(), 4);
   EXPECT_NE(first.out.find("fp8_flow vs bf16: max EMA rel err"), std::string::npos) << first.out;
+  EXPECT_EQ(fs::exists(d / "parity" / "parity.png"), first.out.find("parity.png:") == std::string::npos) << first.out;
   const fs::path metrics = d / "parity" / "fp8_flow" / "metrics.jsonl";
   const auto written = fs::last_write_time(metrics);
 
   // The finished runs are kept; with threshold 0 the FP8 curves fail wherever they differ from bf16's.
-  const Ran again = run_parity(d, "--threshold 0 --resume");
+  // No plotter on the PATH: the report is written without its image.
+  const Ran again = run_parity(d, "--threshold 0 --resume", "PATH=" + (d / "empty").string());
+  EXPECT_NE(again.out.find("(no parity.png: neither gnuplot nor matplotlib is installed)"), std::string::npos)
+      << again.out;
+  EXPECT_FALSE(fs::exists(d / "parity" / "parity.png"));
   EXPECT_EQ(fs::last_write_time(metrics), written);
   EXPECT_NE(again.out.find("fp8_flow: kept the finished run"), std::string::npos) << again.out;
   EXPECT_EQ(again.out.find("parity: bf16: training"), std::string::npos) << again.out;
@@ -162,5 +171,19 @@ TEST(ParityCommand, UsageErrorsExitTwo) {
   const fs::path d = fresh_dir("parity_usage");
   EXPECT_EQ(run_parity(d, "--control noise").exit_code, 2);
   EXPECT_EQ(run_parity(d, "--recipes bf16").exit_code, 2);
+  fs::remove_all(d);
+}
+
+TEST(ParityCommand, ResumeContinuesRunsThatStoppedEarlier) {
+  const fs::path d = fresh_dir("parity_resume");
+  const std::string args = " --recipes bf16,fp8_flow --threshold 1";
+  ASSERT_EQ(run_parity(d, args + " --steps 3").exit_code, 0);  // after the usual --steps 6, so it wins
+  const Ran resumed = run_parity(d, args + " --resume");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.out;
+  EXPECT_NE(resumed.out.find("resumed from " + (d / "parity" / "fp8_flow" / "checkpoints" / "step_00000003").string()),
+            std::string::npos)
+      << resumed.out;
+  const YAML::Node j = YAML::LoadFile((d / "parity" / "parity.json").string());
+  EXPECT_EQ(j["steps"].size(), 6u);
   fs::remove_all(d);
 }

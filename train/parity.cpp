@@ -2,7 +2,6 @@
 #include "train/parity.h"
 
 #include <algorithm>
-#include <cinttypes>
 #include <cstdio>
 #include <map>
 #include <sstream>
@@ -57,6 +56,9 @@ ParityCandidate judge(const ParityReport& r, size_t run_index) {
   if (!c.nonfinite_steps.empty())
     c.reason = std::to_string(c.nonfinite_steps.size()) + " non-finite or skipped step(s), the first at step " +
                std::to_string(c.nonfinite_steps.front());
+  else if (std::any_of(r.runs[0].rows.begin(), r.runs[0].rows.end(),
+                       [](const StepMetrics& m) { return m.skipped || !std::isfinite(m.loss); }))
+    c.reason = "the reference run has non-finite or skipped steps";  // nothing sound to compare with
   else if (c.compared_steps == 0)
     c.reason = "no step after warmup (step " + std::to_string(r.warmup_steps) + ") to compare";
   else if (missing > 0)
