@@ -28,12 +28,6 @@ class CombineGradToFp8 : public Primitive {
   }
 };
 
-std::vector<int64_t> padded_starts(const std::vector<int64_t>& counts, int align) {
-  std::vector<int64_t> starts(counts.size() + 1, 0);
-  for (size_t g = 0; g < counts.size(); ++g) starts[g + 1] = starts[g] + (counts[g] + align - 1) / align * align;
-  return starts;
-}
-
 }  // namespace
 
 Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variable& probs, const DispatchOptions& o) {
@@ -57,8 +51,8 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
   d.routing = permute_pad(tokens, topk_idx, probs, o.num_experts, kSortedAlign);
   auto [send_counts, recv_counts] = exchange_counts_once(comm, d.routing.tokens_per_expert);  // THE host sync
   auto plan = std::make_shared<ExchangePlan>(make_exchange_plan(o.expert_parallel, send_counts, recv_counts,
-                                                                padded_starts(send_counts, kSortedAlign),
-                                                                d.routing.rows.size(0), o.align_size, o.row_multiple));
+                                                                kSortedAlign, d.routing.rows.size(0), o.align_size,
+                                                                o.row_multiple));
   std::vector<Variable> moved = exchange(d.routing.rows, d.routing.probs, plan, ExchangeDirection::to_experts);
   d.rows = moved[0];
   d.probs = moved[1];

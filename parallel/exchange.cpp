@@ -6,14 +6,20 @@
 
 namespace flowmoe {
 
+std::vector<int64_t> padded_segment_starts(const std::vector<int64_t>& counts, int align) {
+  std::vector<int64_t> starts(counts.size() + 1, 0);
+  for (size_t g = 0; g < counts.size(); ++g) starts[g + 1] = starts[g] + (counts[g] + align - 1) / align * align;
+  return starts;
+}
+
 ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::vector<int64_t>& send_counts,
-                                const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& sorted_starts,
-                                int64_t num_sorted_rows, int align_size, int row_multiple) {
+                                const std::vector<int64_t>& recv_counts, int sorted_align, int64_t num_sorted_rows,
+                                int align_size, int row_multiple) {
   const int n = comm->size();
-  FLOWMOE_CHECK(n >= 1 && send_counts.size() % size_t(n) == 0 && recv_counts.size() == send_counts.size() &&
-                    sorted_starts.size() == send_counts.size() + 1,
-                ShapeError, "make_exchange_plan: ", send_counts.size(), " send counts, ", recv_counts.size(),
-                " receive counts and ", sorted_starts.size(), " segment starts for ", n, " ranks");
+  FLOWMOE_CHECK(n >= 1 && send_counts.size() % size_t(n) == 0 && recv_counts.size() == send_counts.size(),
+                ShapeError, "make_exchange_plan: ", send_counts.size(), " send counts and ", recv_counts.size(),
+                " receive counts for ", n, " ranks");
+  const std::vector<int64_t> sorted_starts = padded_segment_starts(send_counts, sorted_align);
   ExchangePlan p;
   p.comm = std::move(comm);
   const int L = int(send_counts.size()) / n;
@@ -25,12 +31,9 @@ ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::v
   p.tokens_per_expert.assign(size_t(L), 0);
   for (int q = 0; q < n; ++q)
     for (int e = 0; e < L; ++e) p.tokens_per_expert[size_t(e)] += recv_counts[size_t(q * L + e)];
-  p.segment_starts.assign(size_t(L) + 1, 0);
-  for (int e = 0; e < L; ++e) {
-    const int64_t padded = (p.tokens_per_expert[size_t(e)] + align_size - 1) / align_size * align_size;
-    p.padded_tokens_per_expert.push_back(padded);
-    p.segment_starts[size_t(e) + 1] = p.segment_starts[size_t(e)] + padded;
-  }
+  p.segment_starts = padded_segment_starts(p.tokens_per_expert, align_size);
+  for (int e = 0; e < L; ++e)
+    p.padded_tokens_per_expert.push_back(p.segment_starts[size_t(e) + 1] - p.segment_starts[size_t(e)]);
   p.num_padded_rows = (p.segment_starts.back() + row_multiple - 1) / row_multiple * row_multiple;
   // Peer q owns global experts [q·L, (q+1)·L): the sender's segments for them, in expert order.
   for (int q = 0; q < n; ++q)

@@ -35,11 +35,15 @@ struct ExchangePlan {
   std::vector<Communicator::RowChunk> padded_chunks;  // per peer, in local-expert order: where they arrive / leave
 };
 
+// [counts.size()+1]: the exclusive scan of the counts, each rounded up to a multiple of align (the
+// segment starts permute_pad computes on the device, here from host counts).
+std::vector<int64_t> padded_segment_starts(const std::vector<int64_t>& counts, int align);
+
 // The plan from this rank's per-expert counts and those its peers send it (exchange_counts_once).
-// sorted_starts [n·L+1]: the segment starts of the sender's permute (its align_size, 16).
+// sorted_align: the align_size of the sender's permute, whose segments the copies leave from.
 ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::vector<int64_t>& send_counts,
-                                const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& sorted_starts,
-                                int64_t num_sorted_rows, int align_size, int row_multiple);
+                                const std::vector<int64_t>& recv_counts, int sorted_align, int64_t num_sorted_rows,
+                                int align_size, int row_multiple);
 
 // send_counts: tokens_per_expert [n·L] i32 of the sender's permute (any device). Sends each peer its L
 // counts and reads both directions to the host in one read: THE host synchronisation of a dispatch
