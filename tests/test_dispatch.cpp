@@ -24,6 +24,7 @@ using test::bit_equal;
 using test::random_tensor;
 using test::random_topk;
 using test::test_seed;
+using test::times_probs;
 
 constexpr int kExperts = 4, kTopK = 2;
 
@@ -53,12 +54,6 @@ std::vector<std::pair<std::string, Tensor>> routings(std::mt19937_64& gen) {
 }
 
 Tensor host(const Tensor& t) { return t.to(Device::cpu()); }
-
-// rows [R,H] · probs [R] per row (probs [R,1] · ones [1,H] broadcasts them): fp8_flow's prob weighting.
-Variable times_probs(const Variable& rows, const Variable& probs) {
-  Variable ones(Tensor::full({1, rows.size(1)}, 1.0, rows.dtype(), rows.device()));
-  return mul(rows, matmul(reshape(probs, {-1, 1}), ones));
-}
 
 // One rank: dispatch is permute_pad, combine is unpermute_unpad, one host read on a GPU.
 void check_one_rank(Device device) {

@@ -136,4 +136,9 @@ Tensor random_topk(std::mt19937_64& gen, int64_t num_tokens, int top_k, int num_
   return Tensor::from_ints(idx, {num_tokens, top_k});
 }
 
+Variable times_probs(const Variable& rows, const Variable& probs) {
+  Variable ones(Tensor::full({1, rows.size(1)}, 1.0, rows.dtype(), rows.device()));
+  return mul(rows, matmul(reshape(probs, {-1, 1}), ones));
+}
+
 }  // namespace flowmoe::test

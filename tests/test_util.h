@@ -67,6 +67,10 @@ template <class E, class F>
   return ::testing::AssertionFailure() << "did not throw";
 }
 
+// rows [R,H] times probs [R], row by row (probs [R,1] · ones [1,H] broadcasts them): fp8_flow's prob
+// weighting as a differentiable composition of engine ops, for tests of the layouts that move probs.
+Variable times_probs(const Variable& rows, const Variable& probs);
+
 // topk_idx [T,k] i32: each token picks k distinct experts from `allowed` (all of [0, E) when empty).
 Tensor random_topk(std::mt19937_64& gen, int64_t num_tokens, int top_k, int num_experts, std::vector<int> allowed = {});
 

@@ -209,10 +209,7 @@ void check_gradients(Device device) {
         if (!across) o.expert_parallel = nullptr;
         Dispatched d = dispatch(x, data.idx.to(device), probs_with_rows ? prob : Variable(), o);
         Variable rows = mul(d.rows, d.rows);
-        if (probs_with_rows) {
-          Variable ones(Tensor::full({1, H}, 1.0, DType::f32, device));
-          rows = mul(rows, matmul(reshape(d.probs, {-1, 1}), ones));
-        }
+        if (probs_with_rows) rows = times_probs(rows, d.probs);
         const uint64_t syncs = num_host_syncs();
         Variable y = combine(rows, d, probs_with_rows ? Variable() : prob, CombineGrad::as_is);
         y.backward(dy);
