@@ -1,10 +1,12 @@
-// The flowmoe command: train, eval, prepare-data, plot, parity, walkthrough (and config-reference).
+// The flowmoe command: train, eval, prepare-data, plot, parity, fp8-error, walkthrough (and config-reference).
 // Only main() catches: configuration and usage errors exit 2, other errors exit 1, a training run
 // stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143) after saving a checkpoint.
 // Under mpirun or srun, train and eval run data-parallel on every process (launch.h); rank 0 prints.
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "examples/args.h"
+#include "examples/fp8_error.h"
 #include "examples/launch.h"
 #include "examples/parity.h"
 #include "examples/walkthrough.h"
@@ -37,9 +40,10 @@ Trains DeepSeek-style decoder-only transformers described by a YAML config.
 commands:
   train            train a model:          flowmoe train --config configs/tiny.yaml
   eval             validation loss of a checkpoint
-  prepare-data     text files -> a token file (llm.c .bin format, byte-level tokens)
+  prepare-data     text files -> a token file (llm.c .bin format; byte-level or BPE tokens)
   plot             loss curves of one or several runs -> PNG
   parity           loss parity of precision recipes: one run each, a JSON report and a plot
+  fp8-error        FP8 error of the expert GEMMs' weight gradients on a checkpoint's activations
   config-reference print every config key with its type, range and default (Markdown)
   walkthrough      one small fp8_flow MoE layer, forward and backward, step by step (docs/WALKTHROUGH.md)
 
@@ -85,16 +89,26 @@ options:
   -h, --help               this text
 )";
 
-const char* kPrepareHelp = R"(usage: flowmoe prepare-data --output FILE INPUT [INPUT ...]
+const char* kPrepareHelp = R"(usage: flowmoe prepare-data --output FILE [--bpe-vocab N | --tokenizer BPE]
+                            [--exclude PATTERN ...] INPUT [INPUT ...]
 
-Reads text files as bytes and writes them, one token per byte, as an llm.c-style token file: a
-256 x int32 header (magic 20240520, version 1, token count), then uint16 tokens. A directory is
-read recursively, its files in path order; binary files (a NUL byte in the first 8 KiB) and the
-output file are skipped. Train on it with data.source: tokens, data.path: FILE.
+Reads text files and writes their tokens as an llm.c-style token file: a 256 x int32 header (magic
+20240520, version 1, token count), then uint16 tokens. By default a token is a byte (vocab 256);
+--bpe-vocab trains a byte-level BPE tokenizer on the inputs and encodes them with it. A directory
+is read recursively, its files in path order; binary files (a NUL byte in the first 8 KiB), the
+output file and its tokenizer are skipped. Each file is encoded on its own. Train on the result
+with data.source: tokens, data.path: FILE and model.vocab_size at least the vocab printed.
 
 options:
-  --output FILE   the token file to write (written to FILE.tmp, then renamed)
-  -h, --help      this text
+  --output FILE        the token file to write (written to FILE.tmp, then renamed)
+  --bpe-vocab N        train a BPE tokenizer of N tokens (257..65536: the 256 bytes, then one per
+                       merge; fewer when no pair of tokens repeats) and save it beside the output
+                       with the extension .bpe (data/books.bin -> data/books.bpe)
+  --tokenizer BPE      encode with a tokenizer an earlier --bpe-vocab run saved
+  --exclude PATTERN    skip the files below an input directory whose path relative to it, or one
+                       of whose folders, matches the glob (* also matches /), e.g.
+                       --exclude 'translations/*' (repeatable)
+  -h, --help           this text
 )";
 
 const char* kPlotHelp = R"(usage: flowmoe plot RUN [RUN ...] [--output PNG] [--title TEXT]
@@ -227,21 +241,52 @@ int cmd_eval(int argc, char** argv) {
   return 0;
 }
 
+// --bpe-vocab's value: a whole number from 257 to 65536 (0 must not pass for "no BPE").
+int64_t parse_bpe_vocab(const std::string& v) {
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || errno == ERANGE || n <= 256 || n > 65536)
+    throw UsageError("prepare-data: --bpe-vocab needs a whole number from 257 to 65536 (the 256 bytes, then one "
+                     "token per merge; token files hold uint16 tokens), got '" + v + "'");
+  return n;
+}
+
 int cmd_prepare(int argc, char** argv) {
   Args args(argc, argv, 2, kPrepareHelp);
   std::string output;
   std::vector<std::string> inputs;
+  PrepareOptions opts;
   while (!args.done()) {
     std::string a = args.next();
     if (a == "--output" || a == "-o") output = args.value(a);
+    else if (a == "--bpe-vocab") opts.bpe_vocab = parse_bpe_vocab(args.value(a));
+    else if (a == "--tokenizer") opts.tokenizer = args.value(a);
+    else if (a == "--exclude") opts.exclude.push_back(args.value(a));
     else if (a.rfind("-", 0) == 0) throw UsageError("prepare-data: unknown option '" + a + "' (see flowmoe prepare-data --help)");
     else inputs.push_back(a);
   }
   if (output.empty() || inputs.empty()) throw UsageError("prepare-data: --output FILE and at least one input are required");
+  const auto start = std::chrono::steady_clock::now();
   PreparedInputs read;
-  int64_t n = prepare_token_file(inputs, output, &read);
+  int64_t n = prepare_token_file(inputs, output, &read, opts);
   std::printf("%s\n", read.summary().c_str());
-  std::printf("wrote %lld tokens (byte-level, vocab 256) to %s\n", static_cast<long long>(n), output.c_str());
+  if (read.tokenizer.empty()) {
+    std::printf("wrote %lld tokens (byte-level, vocab 256) to %s\n", static_cast<long long>(n), output.c_str());
+    return 0;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (opts.bpe_vocab > 0)
+    std::printf("trained a BPE tokenizer of vocab %lld%s on %lld words (%lld unique); wrote %s\n",
+                static_cast<long long>(read.vocab_size),
+                read.vocab_size < opts.bpe_vocab ? " (fewer than asked: no pair of tokens repeats)" : "",
+                static_cast<long long>(read.num_words), static_cast<long long>(read.num_unique_words),
+                read.tokenizer.c_str());
+  std::printf("wrote %lld tokens (BPE, vocab %lld, %.2f bytes per token) to %s in %.1f s; train with "
+              "model.vocab_size >= %lld\n",
+              static_cast<long long>(n), static_cast<long long>(read.vocab_size),
+              n ? double(read.bytes()) / double(n) : 0.0, output.c_str(), seconds,
+              static_cast<long long>(read.vocab_size));
   return 0;
 }
 
@@ -313,6 +358,7 @@ int run(int argc, char** argv) {
     if (status != kParityInterrupted) return status;
     return g_stop_signal == 0 ? 1 : 128 + int(g_stop_signal);
   }
+  if (cmd == "fp8-error") return cmd_fp8_error(argc, argv);
   if (cmd == "walkthrough") return cmd_walkthrough(argc, argv);
   if (cmd == "config-reference") {
     if (argc > 2) {
@@ -323,7 +369,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   throw UsageError("unknown command '" + cmd +
-                   "' (commands: train, eval, prepare-data, plot, parity, config-reference, walkthrough)");
+                   "' (commands: train, eval, prepare-data, plot, parity, fp8-error, config-reference, walkthrough)");
 }
 
 }  // namespace

@@ -28,8 +28,8 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
 // each (data.source: text).
 std::vector<uint16_t> read_text_tokens(const std::string& path);
 
-// What prepare_token_file read: the files whose bytes it wrote, in that order, and the files of
-// its input directories it left out as binary.
+// What prepare_token_file read and wrote: the files whose bytes it encoded, in that order, the files
+// of its input directories it left out as binary or by an exclude pattern, and the tokens.
 struct PreparedInputs {
   struct File {
     std::string path;
@@ -37,19 +37,39 @@ struct PreparedInputs {
   };
   std::vector<File> files;
   std::vector<std::string> skipped_binary;
+  std::vector<std::string> excluded;
+  int64_t vocab_size = 256;  // of the tokens written
+  std::string tokenizer;     // the BPE tokenizer written or read; "" for byte-level tokens
+  int64_t num_words = 0, num_unique_words = 0;  // of the corpus a BPE tokenizer was trained on
 
   int64_t bytes() const;
-  // One line: "read 12 files (3.4 MB), skipped 2 binary files: data/a.bin, data/b.png".
+  // One line: "read 12 files (3.4 MB), skipped 2 binary files: data/a.bin, data/b.png; excluded
+  // 1 file: data/translations/x.txt".
   std::string summary() const;
 };
 
-// prepare-data: byte-level tokens of the inputs, in order, written as one token file. A directory
-// is read recursively, its files in byte order of their path below it ("a.txt" before "a/b.txt");
-// a file there with a NUL byte in its first 8 KiB is binary and skipped, and so is the output file.
-// A file named as an input is read whatever it holds. Returns the number of tokens written; `read`,
-// when given, receives what was read and skipped.
+// prepare-data's choices beyond the inputs and the output.
+struct PrepareOptions {
+  // Glob patterns (fnmatch, where * also matches /) over the path of a file below an input
+  // directory, relative to it; a file matches when its path or one of its folders' does.
+  std::vector<std::string> exclude;
+  int64_t bpe_vocab = 0;  // > 0: train a BPE tokenizer of this vocab on the inputs and encode with it
+  std::string tokenizer;  // encode with this saved BPE tokenizer (train/bpe.h)
+};
+
+// Where prepare-data writes the BPE tokenizer of a token file: its path with the extension replaced
+// by ".bpe" (data/books.bin -> data/books.bpe).
+std::string bpe_tokenizer_path(const std::string& token_file);
+
+// prepare-data: the tokens of the inputs, in order, written as one token file; byte-level, or BPE
+// with opts.bpe_vocab (the tokenizer is saved at bpe_tokenizer_path(output)) or opts.tokenizer.
+// Each file is encoded on its own, so no BPE word spans two files. A directory is read recursively,
+// its files in byte order of their path below it ("a.txt" before "a/b.txt"); a file there with a
+// NUL byte in its first 8 KiB is binary and skipped, and so are the output file, its tokenizer and
+// the files opts.exclude matches. A file named as an input is read whatever it holds. Returns the
+// number of tokens written; `read`, when given, receives what was read, skipped and written.
 int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::string& output,
-                           PreparedInputs* read = nullptr);
+                           PreparedInputs* read = nullptr, const PrepareOptions& opts = {});
 
 // A seeded "language": a few dozen words (3-8 random tokens each, separated by token 0) that follow
 // each other by a sparse Markov chain. A bigram model already gets well under ln(vocab)/2, and

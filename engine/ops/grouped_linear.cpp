@@ -6,6 +6,7 @@
 #include <memory>
 #include <utility>
 
+#include "engine/tap.h"
 #include "kernels/common/device_api.h"
 #include "kernels/grouped_linear.h"
 
@@ -48,7 +49,8 @@ void check_gpu_dtypes(const Tensor& x, const Tensor& w) {
 
 class GroupedLinear : public Primitive {
  public:
-  explicit GroupedLinear(std::vector<int64_t> rows) : rows_(std::move(rows)) {}
+  GroupedLinear(std::vector<int64_t> rows, std::string weight_name)
+      : rows_(std::move(rows)), weight_name_(std::move(weight_name)) {}
   const char* name() const override { return "grouped_linear"; }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
@@ -82,6 +84,7 @@ class GroupedLinear : public Primitive {
     FLOWMOE_CHECK(d_out[0].shape() == (Shape{d.m_total, d.n}), ShapeError, "grouped_linear backward: d_y ",
                   d_out[0].describe(), " does not match y [", d.m_total, ", ", d.n, "]");
     Tensor x = x_in.contiguous(), dy = d_out[0].contiguous();
+    if (needs[1] && tap_enabled()) tap(weight_name_ + " wgrad", {x, dy}, rows_);  // the wgrad operands
     Tensor dx, dw;
     if (x.device().is_cpu()) {
       Tensor w = w_in.contiguous();
@@ -121,6 +124,7 @@ class GroupedLinear : public Primitive {
 
  private:
   std::vector<int64_t> rows_;  // host counts, read once per layer by the caller
+  std::string weight_name_;    // names the tap site
   Tensor w_compute_;           // GPU: the weight in x's dtype, from the forward to the backward
 };
 
@@ -128,7 +132,7 @@ class GroupedLinear : public Primitive {
 
 Variable grouped_linear(const Variable& x, const Variable& weight,
                         const std::vector<int64_t>& padded_tokens_per_expert) {
-  return apply(std::make_shared<GroupedLinear>(padded_tokens_per_expert), {x, weight})[0];
+  return apply(std::make_shared<GroupedLinear>(padded_tokens_per_expert, weight.name()), {x, weight})[0];
 }
 
 }  // namespace flowmoe

@@ -14,8 +14,10 @@
 // The bf16 bound is the one that catches a wrong reduction: expert gradients divided by the group
 // size instead of the world size move the losses by 4e-4 to 2e-3.
 #include <gtest/gtest.h>
+#include <yaml-cpp/yaml.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <utility>
@@ -126,5 +128,73 @@ TEST(ExpertParallelErrors, SizesThatDoNotFitTheLaunchFailOnEveryRank) {
             2u)
       << dense.err;
   EXPECT_FALSE(fs::exists(d / "run" / "metrics.jsonl"));
+  fs::remove_all(d);
+}
+
+// A short loss-parity study under the launcher at expert-parallel size 2 (`mpirun -np 2 flowmoe parity`,
+// tiny_moe for 30 steps): the report has every field, the figures are finite and below a loose bound,
+// and the plot is a PNG. The bound checks the harness, not FP8: the verdict comes from the GPU runs
+// (docs/PARITY.md).
+TEST(ExpertParallelParity, ThreeRecipesAndAControlUnderTheLauncher) {
+  const fs::path d = fresh_dir("ep_parity");
+  const Launch r = run_shell(d,
+                             launcher(2) + kBinary + " parity --config " + kConfig + " --out " + (d / "p").string() +
+                                 " --steps 30 --warmup-steps 10 --control eps --threshold 0.05" + ep(2) +
+                                 " --set train.device=cpu --set train.eval_every=15 --set train.eval_batches=2"
+                                 " --set data.seq_len=64 --set data.synthetic_tokens=40000 --set train.batch_size=8"
+                                 " --set optimizer.warmup_steps=10 --set checkpoint.every=0",
+                             420);
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const YAML::Node j = YAML::LoadFile((d / "p" / "parity.json").string());
+  for (const char* key : {"config", "reference", "threshold", "warmup_steps", "ema_alpha", "world_size",
+                          "expert_parallel_size", "pass", "runs", "candidates", "steps"})
+    EXPECT_TRUE(j[key].IsDefined()) << key;
+  EXPECT_EQ(j["world_size"].as<int>(), 2);
+  EXPECT_EQ(j["expert_parallel_size"].as<int>(), 2);
+  EXPECT_TRUE(j["pass"].as<bool>());
+  ASSERT_EQ(j["runs"].size(), 4u);  // bf16, fp8_blockwise, fp8_flow, control
+  for (const YAML::Node& run : j["runs"]) {
+    for (const char* key : {"name", "recipe", "role", "config_hash", "steps", "final_loss", "final_val_loss",
+                            "tokens_per_s", "peak_mem_bytes", "moe_casts", "host_syncs"})
+      EXPECT_TRUE(run[key].IsDefined() && !run[key].IsNull()) << run["name"] << " " << key;
+    EXPECT_EQ(run["steps"].as<int>(), 30);
+    const double loss = run["final_loss"].as<double>(), val = run["final_val_loss"].as<double>();
+    EXPECT_TRUE(std::isfinite(loss) && loss > 0 && loss < std::log(256.0)) << run["name"];
+    EXPECT_TRUE(std::isfinite(val) && val > 0 && val < std::log(256.0)) << run["name"];
+    EXPECT_GT(run["tokens_per_s"].as<double>(), 0);
+  }
+  EXPECT_EQ(j["runs"][3]["role"].as<std::string>(), "control");
+  EXPECT_EQ(j["runs"][2]["moe_casts"].as<double>(), 2);   // fp8_flow
+  EXPECT_EQ(j["runs"][1]["moe_casts"].as<double>(), 10);  // fp8_blockwise
+  ASSERT_EQ(j["candidates"].size(), 3u);
+  for (const YAML::Node& c : j["candidates"]) {
+    EXPECT_EQ(c["compared_steps"].as<int>(), 20) << c["name"];
+    const double max_err = c["max_rel_err"].as<double>(), mean_err = c["mean_rel_err"].as<double>();
+    EXPECT_TRUE(std::isfinite(max_err) && max_err < 0.05 && mean_err <= max_err) << c["name"] << " " << max_err;
+    EXPECT_EQ(c["nonfinite_steps"].size(), 0u) << c["name"];
+    EXPECT_EQ(c["verdict"].as<std::string>(), "pass") << c["name"];
+  }
+  ASSERT_EQ(j["steps"].size(), 30u);
+  for (const YAML::Node& s : j["steps"]) {
+    EXPECT_EQ(s["loss"].size(), 4u);
+    EXPECT_EQ(s["ema"].size(), 4u);
+    EXPECT_EQ(s["rel_err"].size(), 3u);
+  }
+  EXPECT_EQ(count(r.out, " vs bf16: max EMA rel err"), 3u) << r.out;
+  // A PNG: its 8-byte signature, then the IHDR chunk with a picture of some size. The test command
+  // installs gnuplot; elsewhere the report may come without its image, and then says so.
+  const bool no_plotter = std::system("command -v gnuplot >/dev/null 2>&1") != 0 && count(r.out, "(no parity.png:") == 1;
+  const std::string png = no_plotter ? std::string() : read_text(d / "p" / "parity.png");
+  if (!no_plotter) {
+    ASSERT_GT(png.size(), 1000u) << "parity.png missing or empty\n" << r.out;
+    EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+    EXPECT_EQ(png.substr(12, 4), "IHDR");
+    const auto be32 = [&](size_t at) {
+      return (uint32_t(uint8_t(png[at])) << 24) | (uint32_t(uint8_t(png[at + 1])) << 16) |
+             (uint32_t(uint8_t(png[at + 2])) << 8) | uint32_t(uint8_t(png[at + 3]));
+    };
+    EXPECT_GE(be32(16), 400u);  // width
+    EXPECT_GE(be32(20), 300u);  // height
+  }
   fs::remove_all(d);
 }

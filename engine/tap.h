@@ -1,0 +1,37 @@
+// Tensor taps: a study (flowmoe fp8-error) asks an op to hand over the tensors it uses at one named
+// place, e.g. the operands of an expert GEMM's weight gradient, without the op knowing the study.
+// Off by default; an op pays one check of a thread-local pointer per call. The tap runs on the
+// thread that runs the op (the autograd backward runs on the caller's thread), synchronously.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "engine/tensor.h"
+
+namespace flowmoe {
+
+// site: what the tensors are ("<weight name> wgrad"); tensors: the op's own, valid for the call only
+// (copy what you keep); segments: the op's row counts per group (per expert), or empty.
+using TapFn = std::function<void(const std::string& site, const std::vector<Tensor>& tensors,
+                                 const std::vector<int64_t>& segments)>;
+
+// Installs `fn` on this thread for the guard's lifetime; the previous tap comes back after it.
+class ScopedTap {
+ public:
+  explicit ScopedTap(TapFn fn);
+  ~ScopedTap();
+  ScopedTap(const ScopedTap&) = delete;
+  ScopedTap& operator=(const ScopedTap&) = delete;
+
+ private:
+  TapFn fn_;
+  const TapFn* previous_;
+};
+
+bool tap_enabled();
+// Calls the installed tap, if any.
+void tap(const std::string& site, const std::vector<Tensor>& tensors, const std::vector<int64_t>& segments = {});
+
+}  // namespace flowmoe

@@ -1,0 +1,89 @@
+// `flowmoe fp8-error` (see fp8_error.h): options, the study, its table and JSON file.
+#include "examples/fp8_error.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "examples/args.h"
+#include "train/fp8_error.h"
+
+namespace flowmoe {
+
+namespace {
+
+const char* kFp8ErrorHelp =
+    R"(usage: flowmoe fp8-error --config FILE --checkpoint DIR [--batches N | --train-step S]
+                        [--set section.key=value ...] [--json FILE]
+
+Measures where FP8 error enters every routed expert GEMM, y[e] = x[e]·W[e]ᵀ, on the activations and
+gradients of a trained model. Runs N batches (the validation split, else the first training windows)
+forward and backward through the checkpoint's weights in bf16, takes each expert GEMM's x and dy as
+they enter its weight gradient, and compares FP8 products with f64 ones (relative Frobenius error):
+fprop and dgrad (dx[e] = dy[e]·W[e]) from rowwise 1x128 x and dy and 128x128 blocks of W, and the
+weight gradient dW[e] = dy[e]ᵀ·x[e] from three colwise FP8 versions of x and dy:
+  transpose   rowwise 1x128 quantize, then the scaling-aware transpose (the fp8_flow recipe)
+  requantize  rowwise quantize, dequantize, colwise quantize (double quantization, fp8_blockwise)
+  colwise     one colwise quantize of the bf16 operands (a floor: no recipe can skip the rowwise copy)
+The table also gives x's and dy's rowwise quantization errors and the ratio requantize/transpose.
+Last, the LM loss of the same batches through the same weights in each recipe: a loss gap between
+two runs that this does not show came from their weights drifting apart, not from one step's
+arithmetic. One process; the device is train.device.
+
+options:
+  --config FILE            the YAML config of the run
+  --checkpoint DIR         a checkpoint directory (e.g. runs/x/checkpoints/step_00002000)
+  --batches N              batches to run (default 1)
+  --train-step S           instead, the batch the run trained on at step S (its data order), e.g. a
+                           step where a parity study saw a loss spike; with the checkpoint of step
+                           S - 1 it is that step as it ran
+  --set section.key=value  override one key (repeatable), e.g. --set train.batch_size=4
+  --json FILE              also write the figures as JSON
+  -h, --help               this text
+)";
+
+int64_t positive(const std::string& opt, const std::string& v) {
+  char* end = nullptr;
+  const long long n = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || n < 1) throw UsageError("fp8-error: " + opt + " needs a positive integer, got '" + v + "'");
+  return n;
+}
+
+}  // namespace
+
+int cmd_fp8_error(int argc, char** argv) {
+  Args args(argc, argv, 2, kFp8ErrorHelp);
+  std::string config, checkpoint, json;
+  std::vector<std::string> sets;
+  int64_t batches = 1, train_step = 0;
+  while (!args.done()) {
+    const std::string a = args.next();
+    if (a == "--config") config = args.value(a);
+    else if (a == "--checkpoint") checkpoint = args.value(a);
+    else if (a == "--set") sets.push_back(args.value(a));
+    else if (a == "--json") json = args.value(a);
+    else if (a == "--batches") batches = positive(a, args.value(a));
+    else if (a == "--train-step") train_step = positive(a, args.value(a));
+    else {
+      throw UsageError("fp8-error: unknown argument '" + a + "' (see flowmoe fp8-error --help)");
+    }
+  }
+  if (config.empty() || checkpoint.empty())
+    throw UsageError("fp8-error: --config FILE and --checkpoint DIR are required");
+  const Fp8ErrorStudy s = fp8_error_study(load_config(config, sets), checkpoint, batches, train_step);
+  std::printf("fp8-error: checkpoint %s (step %lld), %lld %s batch(es), %lld tokens; errors relative to f64\n",
+              s.checkpoint.c_str(), static_cast<long long>(s.step), static_cast<long long>(s.num_batches),
+              s.split.c_str(), static_cast<long long>(s.num_tokens));
+  std::fputs(fp8_error_table(s).c_str(), stdout);
+  if (!json.empty()) {
+    std::ofstream out(json);
+    out << fp8_error_json(s);
+    if (!out.good()) throw IoError("fp8-error: cannot write '" + json + "'");
+    std::printf("wrote %s\n", json.c_str());
+  }
+  return 0;
+}
+
+}  // namespace flowmoe

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The FP8 loss-parity study of docs/PARITY.md on one GPU, on configs/parity_text.yaml (real text;
+# scripts/prepare_text_corpus.sh writes its token file). Each part is one `flowmoe parity` (or
+# `flowmoe fp8-error`) and writes under $OUT (default out/parity_text):
+#   main       bf16 (reference), fp8_blockwise, fp8_flow and a bf16 control (AdamW eps doubled: the
+#              noise floor), STEPS steps (default: the config's 2000)
+#   recompute  the same recipes with train.recompute=[moe_expert]; each curve must equal its run in
+#              main bit for bit (recompute re-runs fc1 -> SwiGLU exactly): checked when main is there,
+#              else by the part check once it is (the two may run at once, on two GPUs)
+#   fp8error   flowmoe fp8-error on fp8_flow's final checkpoint: the wgrad error of the scaling-aware
+#              transpose against double quantization, on the run's own activations and gradients
+#   ep         the study under mpirun -np 2 at expert-parallel size 2, both ranks on this one GPU
+#              through the mpi backend's host staging (slow: EP_STEPS steps of EP_BATCH sequences),
+#              and the same settings in one process: the verdicts must agree
+#   ep4        the whole study under mpirun -np 4 at expert-parallel size 4 over nccl: four GPUs
+#   scripts/parity_text.sh BUILD_DIR [main] [recompute] [fp8error] [ep] [ep4] [check]  (default: the first four)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+build=${1:?usage: scripts/parity_text.sh BUILD_DIR [main] [recompute] [fp8error] [ep] [ep4] [check]}
+shift
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(main recompute fp8error ep)
+out="${OUT:-out/parity_text}"
+config=configs/parity_text.yaml
+mkdir -p "$out"
+steps=()
+[ -n "${STEPS:-}" ] && steps=(--steps "$STEPS")
+rc=0
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+export NCCL_NVLS_ENABLE=0  # no NVLink multicast
+# parity NAME NP [args...]: one study into $out/NAME, by NP processes under mpirun (1: the plain
+# command), its summary lines printed; a study under mpirun that runs past TIMEOUT s (default 3000) fails.
+parity() {
+  local name=$1 np=$2 launch=()
+  shift 2
+  [ "$np" -gt 1 ] && launch=(timeout "${TIMEOUT:-3000}" mpirun --oversubscribe -np "$np")
+  "${launch[@]}" "$build/flowmoe" parity --config "$config" --out "$out/$name" --set logging.progress=plain "$@" \
+    >"$out/$name.log" 2>&1
+  local r=$?
+  echo "== $name ($np process(es), exit $r)"
+  grep -E '^(parity:|.* vs .*: max EMA rel err|casts per MoE layer)' "$out/$name.log"
+  [ $r -gt 1 ] && tail -20 "$out/$name.log"
+  [ $r -gt 1 ] && rc=1
+  return 0
+}
+same_losses() {  # same_losses DIR_A DIR_B: every logged loss bit for bit
+  python3 - "$1/metrics.jsonl" "$2/metrics.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.strip()] for p in sys.argv[1:3])
+print("identical (%d steps)" % len(a) if a == b and a else "DIFFERENT (%d vs %d steps)" % (len(a), len(b)))
+PY
+}
+for part in "${parts[@]}"; do
+  case $part in
+    main) parity main 1 "${steps[@]}" --control eps ;;
+    recompute)
+      parity recompute 1 "${steps[@]}" --set 'train.recompute=[moe_expert]'
+      rm -rf "$out"/recompute/*/checkpoints
+      [ -s "$out/main/parity.json" ] && { scripts/parity_text.sh "$build" check || rc=1; } ;;
+    check)
+      for r in bf16 fp8_blockwise fp8_flow; do
+        verdict=$(same_losses "$out/main/$r" "$out/recompute/$r")
+        echo "recompute $r vs no recompute: $verdict"
+        case $verdict in identical*) ;; *) rc=1 ;; esac
+      done ;;
+    fp8error)
+      ckpt=$(ls -d "$out"/main/fp8_flow/checkpoints/step_* 2>/dev/null | tail -1)
+      if [ -z "$ckpt" ]; then echo "fp8-error: no fp8_flow checkpoint under $out/main"; rc=1; continue; fi
+      "$build/flowmoe" fp8-error --config "$config" --checkpoint "$ckpt" --batches "${FP8_ERROR_BATCHES:-2}" \
+        --json "$out/fp8_error.json" | tee "$out/fp8_error.txt" || rc=1 ;;
+    ep)
+      ep_sets=(--steps "${EP_STEPS:-150}" --warmup-steps 30 --set train.batch_size="${EP_BATCH:-4}"
+               --set optimizer.warmup_steps=30 --set train.eval_every=0 --set checkpoint.every=0 --set logging.log_every=10)
+      parity ep_np1 1 "${ep_sets[@]}"
+      parity ep_np2 2 "${ep_sets[@]}" --set parallel.backend=mpi --set parallel.expert_parallel_size=2 ;;
+    ep4) parity ep4 4 "${steps[@]}" --set parallel.backend=nccl --set parallel.expert_parallel_size=4 ;;
+    *) echo "unknown part '$part' (main, recompute, fp8error, ep, ep4, check)"; exit 2 ;;
+  esac
+done
+exit $rc
