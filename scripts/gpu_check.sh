@@ -2,7 +2,8 @@
 # The one command for a machine with an H100/H200: build for sm_90a, run every test (GPU tests
 # included), run every benchmark and three GPU training runs (configs/gpu_moe.yaml as shipped: its
 # loss and its load balance after warmup), the multi-process runs one GPU allows
-# (scripts/parallel_runs.sh), and end with a summary table.
+# (scripts/parallel_runs.sh), with several GPUs the nccl expert-parallel runs (scripts/multi_gpu_runs.sh),
+# and end with a summary table.
 #   scripts/gpu_check.sh                 logs go to $OUT if set, else ./out
 #   GPU_CHECK_SKIP_BENCH=1 scripts/gpu_check.sh      tests only
 #   GPU_CHECK_SKIP_TRAIN=1 scripts/gpu_check.sh     tests and benchmarks, no training runs
@@ -96,9 +97,17 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
   if [ -x "$build/bench/bench_dispatch" ] && command -v mpirun >/dev/null; then
     ep_bench "bench_dispatch np2 mpi" bench_dispatch_np2_mpi 2 env CUDA_VISIBLE_DEVICES=0 \
       "$build/bench/bench_dispatch" --backend mpi --shapes toy --reps 10 --warmup 1
-    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-    [ "$ngpu" -ge 2 ] && ep_bench "bench_dispatch np$ngpu nccl" "bench_dispatch_np${ngpu}_nccl" "$ngpu" \
-      "$build/bench/bench_dispatch" --backend nccl
+  fi
+  # Several GPUs: expert parallelism over nccl, a GPU per rank (scripts/multi_gpu_runs.sh: EP = N against
+  # one process for each recipe, resume across EP sizes, bench_dispatch on 2 and 4 GPUs). ctest's
+  # test_comm_np2/np4 above already ran every dispatch/combine check through nccl.
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  if [ "$ngpu" -ge 2 ]; then
+    scripts/multi_gpu_runs.sh "$build" "$out/multi_gpu" equality resume bench >"$out/multi_gpu.txt" 2>&1 || bench_rc=1
+    grep -v '^bench_dispatch' "$out/multi_gpu.txt" | while read -r line; do row "${line%%:*}" "${line#*: }"; done
+    grep '^bench_dispatch' "$out/multi_gpu.txt" | grep -E 'op=(dispatch|combine) ' |
+      sed -E 's/^(bench_dispatch np[0-9]+ nccl): .*shape=([a-z]+).*payload=([a-z0-9]+) op=([a-z.]+).* gbps=([0-9.]+).*frac_ceiling=([0-9.]+).*/\1 \2 \3 \4: \5 GB\/s, \6 of all-to-all/' |
+      while read -r line; do row "${line%%:*}" "${line#*: }"; done
   fi
   t_bench=$(( $(date +%s) - t0 ))
   t0=$(date +%s)

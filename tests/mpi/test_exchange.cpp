@@ -1,5 +1,6 @@
 // Expert-parallel dispatch and combine across the ranks of test_comm's world (parallel/dispatch.h,
-// parallel/exchange.h), on CPU tensors and, with a GPU, CUDA tensors (staged by the mpi backend).
+// parallel/exchange.h), on CPU tensors and, with a GPU, CUDA tensors (staged by the mpi backend); with
+// a GPU per rank, every check again through an nccl communicator, each rank on its own GPU.
 // Every rank draws every rank's tokens and routes from one shared seed, so it can build the exact
 // buffer it must receive: each row value names its source rank and token, and a wrong row is named.
 // Routings: random, skewed to one expert, all to one rank, a rank with no tokens, an expert with none.
@@ -10,6 +11,7 @@
 #include "engine/ops/quantize.h"
 #include "kernels/common/device_api.h"
 #include "layers/moe.h"
+#include "parallel/backends.h"
 #include "tests/moe_test_config.h"
 #include "tests/mpi/comm_test_util.h"
 #include "tests/test_util.h"
@@ -94,16 +96,26 @@ std::vector<std::pair<int, int64_t>> expected_rows(const std::vector<RankData>& 
   return rows;
 }
 
-DispatchOptions group_options(int n) {
+// Where a check runs: the expert-parallel group and this rank's device. The world moves CPU tensors,
+// and CUDA ones through host staging (every rank on cuda:0); nccl moves those of each rank's own GPU.
+struct Ranks {
+  std::shared_ptr<Communicator> comm;
+  Device device;
+};
+Ranks on_cpu() { return {test_runtime().world, Device::cpu()}; }
+Ranks on_staged_gpu() { return {test_runtime().world, Device::cuda(0)}; }
+
+DispatchOptions group_options(const Ranks& ranks) {
   DispatchOptions o;
-  o.num_experts = n * kLocalExperts;
+  o.num_experts = ranks.comm->size() * kLocalExperts;
   o.align_size = kAlign;
-  o.expert_parallel = test_runtime().world;
+  o.expert_parallel = ranks.comm;
   return o;
 }
 
 // Dispatch, then combine of the rows as they came (y = Σ_j row = k·x): every received row is named.
-void check_round_trip(Device device) {
+void check_round_trip(const Ranks& ranks) {
+  const Device device = ranks.device;
   Communicator& world = test_world();
   const int me = world.rank(), n = world.size();
   const int64_t H = 256;
@@ -115,7 +127,7 @@ void check_round_trip(Device device) {
     const auto want = expected_rows(all, me);
     const uint64_t syncs = num_host_syncs();
     Dispatched d =
-        dispatch(Variable(all[size_t(me)].x.to(device)), all[size_t(me)].idx.to(device), Variable(), group_options(n));
+        dispatch(Variable(all[size_t(me)].x.to(device)), all[size_t(me)].idx.to(device), Variable(), group_options(ranks));
     EXPECT_EQ(num_host_syncs() - syncs, device.is_cuda() ? 1u : 0u) << "dispatch reads the counts once";
     const std::vector<float> got = d.rows.data().to_floats();
     EXPECT_EQ(d.rows.size(0), int64_t(want.size()));
@@ -133,15 +145,16 @@ void check_round_trip(Device device) {
   }
 }
 
-TEST(Exchange, RoundTripNamesEveryRow) { check_round_trip(Device::cpu()); }
+TEST(Exchange, RoundTripNamesEveryRow) { check_round_trip(on_cpu()); }
 TEST(Exchange, RoundTripNamesEveryRowCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  check_round_trip(Device::cuda(0));
+  check_round_trip(on_staged_gpu());
 }
 
 // FP8 rows and their scales arrive bit for bit: the received buffer equals the one built from every
 // peer's quantized tokens.
-void check_fp8_bits(Device device) {
+void check_fp8_bits(const Ranks& ranks) {
+  const Device device = ranks.device;
   Communicator& world = test_world();
   const int me = world.rank(), n = world.size();
   const int64_t H = 384;
@@ -156,7 +169,7 @@ void check_fp8_bits(Device device) {
     }
     Dispatched d = dispatch(Variable(q[size_t(me)].to(device).with_scales(
                                 q[size_t(me)].fp8_scales()->scale_inv.to(device), ScalingMode::rowwise_1x128)),
-                            all[size_t(me)].idx.to(device), Variable(), group_options(n));
+                            all[size_t(me)].idx.to(device), Variable(), group_options(ranks));
     const Tensor rows = d.rows.data().to(Device::cpu());
     const auto& scales = d.rows.data().fp8_scales();
     EXPECT_TRUE(scales != nullptr) << "the FP8 rows arrived without scales";
@@ -181,15 +194,16 @@ void check_fp8_bits(Device device) {
   }
 }
 
-TEST(Exchange, Fp8PayloadIsBitIdentical) { check_fp8_bits(Device::cpu()); }
+TEST(Exchange, Fp8PayloadIsBitIdentical) { check_fp8_bits(on_cpu()); }
 TEST(Exchange, Fp8PayloadIsBitIdenticalCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  check_fp8_bits(Device::cuda(0));
+  check_fp8_bits(on_staged_gpu());
 }
 
 // dispatch → a row-wise "expert" → combine across ranks equals the same on this rank alone, values
 // and gradients, with the probs applied at combine and with the probs moving with the rows.
-void check_gradients(Device device) {
+void check_gradients(const Ranks& ranks) {
+  const Device device = ranks.device;
   Communicator& world = test_world();
   const int me = world.rank(), n = world.size();
   const int64_t H = 128;
@@ -205,7 +219,7 @@ void check_gradients(Device device) {
       std::vector<Tensor> got;
       for (bool across : {false, true}) {
         Variable x(x0, true), prob(p0, true);
-        DispatchOptions o = group_options(n);
+        DispatchOptions o = group_options(ranks);
         if (!across) o.expert_parallel = nullptr;
         Dispatched d = dispatch(x, data.idx.to(device), probs_with_rows ? prob : Variable(), o);
         Variable rows = mul(d.rows, d.rows);
@@ -222,10 +236,10 @@ void check_gradients(Device device) {
     }
 }
 
-TEST(Exchange, GradientsMatchOneRank) { check_gradients(Device::cpu()); }
+TEST(Exchange, GradientsMatchOneRank) { check_gradients(on_cpu()); }
 TEST(Exchange, GradientsMatchOneRankCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  check_gradients(Device::cuda(0));
+  check_gradients(on_staged_gpu());
 }
 
 // The MoE layer with its experts sharded over the world against one process holding every expert on
@@ -233,7 +247,8 @@ TEST(Exchange, GradientsMatchOneRankCuda) {
 // the expert weights' gradients (this rank's rows) and the dense gradients (summed over the ranks).
 // Tolerance: the expert GEMMs see the same rows in the same order, but the dense gradients add the
 // ranks' partial sums in another order, and CPU GEMM blocking may follow the row count: 1e-5 relative.
-void check_layer(MoeRecipe recipe, Device device) {
+void check_layer(MoeRecipe recipe, const Ranks& ranks) {
+  const Device device = ranks.device;
   Communicator& world = test_world();
   const int me = world.rank(), n = world.size();
   const int64_t H = 128, F = 128, T = 12;
@@ -245,7 +260,7 @@ void check_layer(MoeRecipe recipe, Device device) {
   auto run = [&](bool sharded, const Tensor& x0, const Tensor& dy) {
     MoeOptions o(16);
     o.recipe = recipe;
-    if (sharded) o.expert_parallel = test_runtime().world;
+    if (sharded) o.expert_parallel = ranks.comm;
     ParamFactory f(7, device);
     MoeLayer layer(f, cfg, "mlp", o, device);
     Variable x(x0.to(device).to(compute), true);
@@ -269,15 +284,36 @@ void check_layer(MoeRecipe recipe, Device device) {
   }
 }
 
-TEST(Exchange, MoeLayerMatchesOneProcessBf16) { check_layer(MoeRecipe::bf16, Device::cpu()); }
-TEST(Exchange, MoeLayerMatchesOneProcessFp8Blockwise) { check_layer(MoeRecipe::fp8_blockwise, Device::cpu()); }
-TEST(Exchange, MoeLayerMatchesOneProcessFp8Flow) { check_layer(MoeRecipe::fp8_flow, Device::cpu()); }
+TEST(Exchange, MoeLayerMatchesOneProcessBf16) { check_layer(MoeRecipe::bf16, on_cpu()); }
+TEST(Exchange, MoeLayerMatchesOneProcessFp8Blockwise) { check_layer(MoeRecipe::fp8_blockwise, on_cpu()); }
+TEST(Exchange, MoeLayerMatchesOneProcessFp8Flow) { check_layer(MoeRecipe::fp8_flow, on_cpu()); }
 TEST(Exchange, MoeLayerMatchesOneProcessCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow}) {
     SCOPED_TRACE(moe_recipe_name(r));
-    check_layer(r, Device::cuda(0));
+    check_layer(r, on_staged_gpu());
   }
+}
+
+// Every check above through nccl, each rank on its own GPU: ctest's test_comm_np2 and test_comm_np4
+// run it on a machine with as many GPUs (one GPU, or one rank: skipped).
+TEST(Exchange, EveryCheckThroughNcclOnAGpuPerRank) {
+  if (!built_with_nccl()) GTEST_SKIP() << "built without NCCL";
+  const int me = test_world().rank(), n = test_world().size();
+  if (n < 2 || cuda_device_count() < n)
+    GTEST_SKIP() << "nccl needs a GPU per rank and several ranks: " << n << " ranks, " << cuda_device_count()
+                 << " GPUs";
+  const Ranks ranks{make_nccl_communicator(test_runtime().world, me), Device::cuda(me)};
+  cuda_set_device(me);
+  check_round_trip(ranks);
+  check_fp8_bits(ranks);
+  check_gradients(ranks);
+  for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow}) {
+    SCOPED_TRACE(moe_recipe_name(r));
+    check_layer(r, ranks);
+  }
+  ranks.comm->barrier();
+  cuda_set_device(0);
 }
 
 }  // namespace

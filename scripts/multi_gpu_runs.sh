@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Expert parallelism on a machine with several GPUs, one rank per GPU through NCCL (docs/PERF.md,
+# Several GPUs; docs/PARITY.md for the parity part). Prints "name: result" lines (scripts/gpu_check.sh
+# puts them in its summary) and exits nonzero on a failure. Every mpirun has a time limit: a hang fails.
+#   scripts/multi_gpu_runs.sh BUILD_DIR OUT_DIR [tests] [equality] [resume] [speed] [bench] [twonode] [parity]
+#   (default: tests equality resume speed bench twonode; parity, 2000 steps of each recipe, only by name)
+# tests     test_comm under mpirun on 2 and 4 GPUs: the collectives and every dispatch/combine check
+#           through nccl, each rank on its own GPU (rank- and token-encoded rows; skewed, empty-rank,
+#           one-rank and empty-expert routings; FP8 bytes; gradients; the MoE layer in each recipe)
+# equality  configs/gpu_moe.yaml (small corpus) at EP = N on N GPUs against one process, for each
+#           recipe (RECIPES): the largest relative loss difference over the first EQ_STEPS steps, within
+#           5e-3 (bf16 GEMMs over another split of the batch round otherwise; the CPU tests hold f32 to
+#           2e-5, tests/mpi/test_ep_train.cpp)
+# resume    EP 4's step-4 checkpoint resumed at EP 2: its steps 5 to EQ_STEPS against EP 4's own
+# speed     gpu_moe as shipped (batch 32 in all), 30 steps, bf16 and fp8_flow at EP 1, 2, 4: tokens/s
+#           per GPU and peak memory per GPU
+# bench     bench_dispatch on 2 and 4 GPUs (toy and DeepEP shapes) against nccl all-to-all of the same bytes
+# twonode   the EP 4 equality run and bench_dispatch with NCCL's peer-to-peer and shared-memory
+#           transports off (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): the network path two nodes would take
+# parity    flowmoe parity on configs/parity_text.yaml under mpirun -np 4 at EP 4 (scripts/parity_text.sh
+#           ep4; STEPS sets the steps, default the config's 2000)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+build=${1:?usage: scripts/multi_gpu_runs.sh BUILD_DIR OUT_DIR [parts...]}
+out=${2:?usage: scripts/multi_gpu_runs.sh BUILD_DIR OUT_DIR [parts...]}
+shift 2
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests equality resume speed bench twonode)
+mkdir -p "$out"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+export NCCL_NVLS_ENABLE=0  # no NVLink multicast
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$ngpu" -lt 2 ]; then
+  echo "multi-GPU runs: skipped ($ngpu GPU found, 2 or more needed)"
+  exit 0
+fi
+sizes=(2 4)
+[ "$ngpu" -ge 8 ] && sizes+=(8)
+rc=0
+config=configs/gpu_moe.yaml
+# The toy model's loss spikes from about step 10 on at these rates, in one process too, and a spike
+# turns rounding differences into different trajectories: the runs take 20 steps, and equality and
+# resume compare the steps before the spikes (EQ_STEPS, default 9).
+eq_steps=${EQ_STEPS:-9}
+small=(--set data.synthetic_tokens=1000000 --set train.steps=20 --set optimizer.warmup_steps=20 --set logging.log_every=1
+       --set train.eval_every=0 --set logging.progress=plain)
+
+# launch NP TIMEOUT LOG COMMAND...: one mpirun of NP ranks, a GPU each.
+launch() {
+  local np=$1 limit=$2 log=$3
+  shift 3
+  timeout "$limit" mpirun --oversubscribe -np "$np" "$@" >"$log" 2>&1
+}
+# train_ep NP EP NAME [--set ...]: gpu_moe trained by NP ranks at expert-parallel size EP (NP 1: one process).
+train_ep() {
+  local np=$1 ep=$2 name=$3
+  shift 3
+  local cmd=("$build/flowmoe" train --config "$config" --set logging.out_dir="$out/$name" "$@")
+  if [ "$np" -eq 1 ]; then
+    timeout 300 "${cmd[@]}" >"$out/$name.log" 2>&1
+  else
+    launch "$np" 300 "$out/$name.log" "${cmd[@]}" --set parallel.backend=nccl --set parallel.expert_parallel_size="$ep"
+  fi
+}
+losses() { python3 -c 'import json,sys; print(" ".join(repr(json.loads(l)["loss"]) for l in open(sys.argv[1]) if l.strip()))' "$1/metrics.jsonl" 2>/dev/null; }
+# compare "A" "B" LIMIT: the largest relative difference of two loss lists, and ok/FAIL against LIMIT.
+compare() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import sys
+a = [float(v) for v in sys.argv[1].split()]; b = [float(v) for v in sys.argv[2].split()]; limit = float(sys.argv[3])
+if not a or len(a) != len(b):
+    print("FAIL (%d vs %d steps)" % (len(a), len(b))); sys.exit(1)
+d = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+print("max rel diff %.2e over %d steps: %s" % (d, len(a), "ok" if d <= limit else "FAIL (limit %g)" % limit))
+sys.exit(0 if d <= limit else 1)
+PY
+}
+max_syncs() { python3 -c 'import json,sys; print(max(json.loads(l)["host_syncs"] for l in open(sys.argv[1]) if l.strip()))' "$1/metrics.jsonl" 2>/dev/null; }
+
+for part in "${parts[@]}"; do
+  case $part in
+    tests)
+      for np in "${sizes[@]}"; do
+        if launch "$np" 300 "$out/test_comm_np$np.log" "$build/tests/mpi/test_comm" --gtest_color=no; then
+          if grep -q 'OK \] Exchange.EveryCheckThroughNcclOnAGpuPerRank' "$out/test_comm_np$np.log" &&
+             grep -q 'OK \] CollectivesCuda.NcclCommunicator' "$out/test_comm_np$np.log"; then
+            echo "test_comm np$np: $(grep -E '^\[  PASSED  \]' "$out/test_comm_np$np.log" | head -1), the nccl checks among them"
+          else
+            echo "test_comm np$np: the nccl checks did not run (see test_comm_np$np.log)"; rc=1
+          fi
+        else
+          echo "test_comm np$np: FAILED (exit $?, see test_comm_np$np.log)"; rc=1
+          grep -E 'FAILED|Failure' "$out/test_comm_np$np.log" | head -10
+        fi
+      done ;;
+    equality)
+      for r in ${RECIPES:-bf16 fp8_blockwise fp8_flow}; do
+        train_ep 1 1 "eq_${r}_np1" "${small[@]}" --set precision.recipe=$r || { echo "equality $r: one process FAILED"; rc=1; continue; }
+        ref=$(losses "$out/eq_${r}_np1" | cut -d' ' -f1-"$eq_steps")
+        for np in "${sizes[@]}"; do
+          train_ep "$np" "$np" "eq_${r}_ep$np" "${small[@]}" --set precision.recipe=$r ||
+            { echo "equality $r EP $np: FAILED (exit $?, see eq_${r}_ep$np.log)"; rc=1; continue; }
+          got=$(losses "$out/eq_${r}_ep$np" | cut -d' ' -f1-"$eq_steps")
+          echo "equality $r EP $np vs one process: $(compare "$got" "$ref" 5e-3 || echo); host syncs per step $(max_syncs "$out/eq_${r}_ep$np")"
+          compare "$got" "$ref" 5e-3 >/dev/null || rc=1
+        done
+      done ;;
+    resume)
+      train_ep 4 4 res_ep4 "${small[@]}" --set checkpoint.every=4 --set checkpoint.keep_last=10 &&
+        train_ep 2 2 res_ep2 "${small[@]}" --resume "$out/res_ep4/checkpoints/step_00000004"
+      if [ -s "$out/res_ep2/metrics.jsonl" ]; then
+        want=$(losses "$out/res_ep4" | cut -d' ' -f5-"$eq_steps")
+        got=$(losses "$out/res_ep2" | cut -d' ' -f1-$((eq_steps - 4)))
+        echo "resume EP 4 -> EP 2 at step 4: $(compare "$got" "$want" 5e-3 || { rc=1; echo; })"
+      else
+        echo "resume EP 4 -> EP 2: FAILED (see res_ep4.log, res_ep2.log)"; rc=1
+      fi ;;
+    speed)
+      for r in bf16 fp8_flow; do
+        for np in 1 "${sizes[@]}"; do
+          train_ep "$np" "$np" "speed_${r}_ep$np" --set train.steps=30 --set optimizer.warmup_steps=3 --set train.eval_every=0 \
+            --set checkpoint.every=0 --set logging.progress=plain --set logging.log_every=10 --set precision.recipe=$r ||
+            { echo "speed $r EP $np: FAILED"; rc=1; continue; }
+          python3 - "$out/speed_${r}_ep$np/metrics.jsonl" "$np" "$r" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+np_, r = int(sys.argv[2]), sys.argv[3]
+late = rows[len(rows) // 3:]  # past the first steps' warm-up
+tps = sum(x["tokens_per_s"] for x in late) / len(late)
+print("speed gpu_moe %s EP %d: %.1fk tok/s per GPU (%.1fk in all), peak %.2f GiB per GPU, exchange %s ms per step"
+      % (r, np_, tps / np_ / 1e3, tps / 1e3, max(x["peak_mem_bytes"] for x in rows) / 2**30,
+         "%.1f" % (sum(x["exchange_ms"] for x in late) / len(late)) if late[0].get("exchange_ms") is not None else "-"))
+PY
+        done
+      done ;;
+    bench)
+      for np in "${sizes[@]}"; do
+        if launch "$np" 300 "$out/bench_dispatch_np$np.log" "$build/bench/bench_dispatch" --backend nccl; then
+          grep '^BENCH' "$out/bench_dispatch_np$np.log" | sed "s/^BENCH/bench_dispatch np$np nccl:/"
+        else
+          echo "bench_dispatch np$np: FAILED (see bench_dispatch_np$np.log)"; rc=1
+        fi
+      done ;;
+    twonode)
+      export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
+      train_ep 4 4 net_ep4 "${small[@]}" --set precision.recipe=fp8_flow ||
+        { echo "two nodes simulated: EP 4 FAILED (see net_ep4.log)"; rc=1; }
+      [ -s "$out/eq_fp8_flow_ep4/metrics.jsonl" ] &&
+        echo "two nodes simulated (no P2P, no SHM): fp8_flow EP 4 vs the same over NVLink:"\
+" $(compare "$(losses "$out/net_ep4" | cut -d' ' -f1-"$eq_steps")" "$(losses "$out/eq_fp8_flow_ep4" | cut -d' ' -f1-"$eq_steps")" 5e-3 || echo)"\
+"; $(python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][5:]; print("%.1fk tok/s, exchange %.0f ms per step" % (sum(x["tokens_per_s"] for x in r) / len(r) / 1e3, sum(x["exchange_ms"] for x in r) / len(r)))' "$out/net_ep4/metrics.jsonl" 2>/dev/null)"
+      if launch 4 300 "$out/bench_dispatch_net.log" "$build/bench/bench_dispatch" --backend nccl --reps 10; then
+        grep '^BENCH' "$out/bench_dispatch_net.log" | sed 's/^BENCH/bench_dispatch np4 nccl, no P2P or SHM:/'
+      else
+        echo "bench_dispatch, no P2P or SHM: FAILED"; rc=1
+      fi
+      unset NCCL_P2P_DISABLE NCCL_SHM_DISABLE ;;
+    parity) OUT="$out/parity_text" scripts/parity_text.sh "$build" ep4 || rc=1 ;;
+    *) echo "unknown part '$part'"; exit 2 ;;
+  esac
+done
+exit $rc
