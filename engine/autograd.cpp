@@ -6,6 +6,7 @@
 
 // Above autograd, but kept: gradients are summed by tensor_add, the add primitive, on their device.
 #include "engine/ops/ops.h"
+#include "engine/profiler.h"
 #include "kernels/common/device_api.h"
 
 namespace flowmoe {
@@ -23,9 +24,13 @@ std::vector<Tensor> eval(Primitive& p, const std::vector<Tensor>& inputs) {
                     first->device().str(), " vs ", t.device().str(), ")");
   }
   FLOWMOE_CHECK(first != nullptr, Error, p.name(), ": no defined input");
-  if (first->device().is_cpu()) return p.eval_cpu(inputs);
-  if (cuda_current_device() != first->device().index) cuda_set_device(first->device().index);
-  return p.eval_gpu(inputs);
+  const Device device = first->device();
+  if (device.is_cuda() && cuda_current_device() != device.index) cuda_set_device(device.index);
+  if (!profiling()) return device.is_cpu() ? p.eval_cpu(inputs) : p.eval_gpu(inputs);
+  OpTimer timer(p.name(), forward_phase(), profile_scope(), device, p.flops(inputs), tensor_bytes(inputs));
+  std::vector<Tensor> outs = device.is_cpu() ? p.eval_cpu(inputs) : p.eval_gpu(inputs);
+  timer.add_bytes(tensor_bytes(outs));
+  return outs;
 }
 
 // ---- grad mode --------------------------------------------------------------------------------
@@ -80,12 +85,18 @@ struct PrimitiveNode : Node {
   std::shared_ptr<Primitive> prim;
   std::vector<Tensor> saved_inputs, saved_outputs;
   std::vector<bool> needs_grad;
+  std::string scope;  // the profiler's scope when the op was recorded (kept only while profiling)
   bool released = false;
   std::string name() const override { return prim->name(); }
   std::vector<Tensor> backward(std::vector<Tensor> d_outputs) override {
     FLOWMOE_CHECK(!released, Error, "backward through ", prim->name(),
                   " a second time: its saved tensors were freed (pass retain_graph = true)");
-    return prim->vjp(saved_inputs, saved_outputs, d_outputs, needs_grad);
+    if (!profiling()) return prim->vjp(saved_inputs, saved_outputs, d_outputs, needs_grad);
+    OpTimer timer(prim->name(), OpPhase::backward, scope, device, prim->vjp_flops(saved_inputs),
+                  tensor_bytes(saved_inputs) + tensor_bytes(d_outputs));
+    std::vector<Tensor> d_in = prim->vjp(saved_inputs, saved_outputs, d_outputs, needs_grad);
+    timer.add_bytes(tensor_bytes(d_in));
+    return d_in;
   }
   void release() override {
     saved_inputs.clear();
@@ -143,6 +154,7 @@ std::vector<Variable> apply(std::shared_ptr<Primitive> p, const std::vector<Vari
   }
   if (p->saves_inputs()) node->saved_inputs = in;
   if (p->saves_outputs()) node->saved_outputs = outs;
+  if (profiling()) node->scope = profile_scope();
   for (const Tensor& t : in)
     if (t.defined()) {
       node->device = t.device();
@@ -157,6 +169,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
   FLOWMOE_CHECK(outputs.size() == d_outputs.size(), Error, "backward: ", outputs.size(), " outputs but ",
                 d_outputs.size(), " gradients");
   NoGradGuard no_grad;  // gradients are values, not new graph
+  EvalPhaseGuard phase(OpPhase::backward);  // the profiler charges the walk's own ops (gradient sums) to it
   std::unordered_map<Node*, std::vector<Tensor>> grads;  // per node: one slot per output
   std::unordered_map<Node*, int> deps;                   // incoming edges from unfinished nodes
   std::vector<std::shared_ptr<Node>> roots;
@@ -250,6 +263,7 @@ struct CheckpointNode : Node {
   CheckpointFn fn;
   std::vector<Tensor> saved_inputs;
   std::vector<bool> input_requires_grad;
+  std::string scope;  // the profiler's scope of the forward, for the recompute's ops
   bool released = false;
   std::string name() const override { return "checkpoint"; }
   std::vector<Tensor> backward(std::vector<Tensor> d_outputs) override {
@@ -258,7 +272,12 @@ struct CheckpointNode : Node {
     std::vector<Variable> fresh;
     for (size_t i = 0; i < saved_inputs.size(); ++i)
       fresh.push_back(saved_inputs[i].defined() ? Variable(saved_inputs[i], input_requires_grad[i]) : Variable());
-    std::vector<Variable> outs = fn(fresh);
+    std::vector<Variable> outs;
+    {
+      ProfileScope in_scope(scope, /*nested=*/false);
+      EvalPhaseGuard phase(OpPhase::recompute);
+      outs = fn(fresh);
+    }
     FLOWMOE_CHECK(outs.size() == d_outputs.size(), Error, "checkpoint: recompute gave ", outs.size(),
                   " outputs, forward gave ", d_outputs.size());
     flowmoe::backward(std::move(outs), std::move(d_outputs), false);
@@ -282,6 +301,7 @@ std::vector<Variable> checkpoint(CheckpointFn fn, const std::vector<Variable>& i
   // Recorded even when no input requires grad: fn may use parameters that do.
   auto node = std::make_shared<CheckpointNode>();
   node->fn = std::move(fn);
+  if (profiling()) node->scope = profile_scope();
   for (const Variable& v : inputs) {
     node->next.push_back(edge_of(v));
     node->saved_inputs.push_back(v.defined() ? v.data() : Tensor());

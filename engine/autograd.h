@@ -30,6 +30,11 @@ class Primitive {
                                   const std::vector<Tensor>& d_outputs, const std::vector<bool>& needs_grad) = 0;
   virtual bool saves_inputs() const { return true; }
   virtual bool saves_outputs() const { return false; }
+  // Floating-point operations of one call on these inputs, for the step profiler's TFLOP/s
+  // (engine/profiler.h); 0 where an op does not count them. Its vjp's: by default twice the
+  // forward's, a GEMM's dgrad and wgrad. Either may be asked with no inputs (a vjp that saves none).
+  virtual double flops(const std::vector<Tensor>& inputs) const { return 0; }
+  virtual double vjp_flops(const std::vector<Tensor>& inputs) const { return 2 * flops(inputs); }
 };
 
 // A primitive that computes another op's gradient (e.g. rmsnorm_backward): run through eval() so

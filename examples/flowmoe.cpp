@@ -53,6 +53,7 @@ Run `flowmoe <command> --help` for the options of a command.
 )";
 
 const char* kTrainHelp = R"(usage: flowmoe train --config FILE [--set section.key=value ...] [--resume [DIR]] [--print-config]
+                     [--profile N]
 
 Trains the model of the config. Outputs go to logging.out_dir (default runs/<config name>):
 config.yaml (the resolved config), metrics.jsonl or metrics.csv, checkpoints/step_NNNNNNNN/.
@@ -64,6 +65,9 @@ options:
   --resume [DIR]           continue from the newest checkpoint in checkpoint.dir, or from DIR:
                            a checkpoint (checkpoints/step_NNNNNNNN) or a folder of them (its newest)
   --print-config           print the resolved config and exit
+  --profile N              time step N op by op (forward, backward, optimizer) and print where the
+                           step's time goes, by part, layer and op (also <out_dir>/profile.txt);
+                           take a step after the first few, whose GEMM plans are still being made
   -h, --help               this text
 
 Ctrl-C (SIGINT) or SIGTERM (timeout, Slurm, Kubernetes) finishes the current step, saves a
@@ -152,9 +156,17 @@ int cmd_train(int argc, char** argv) {
   std::vector<std::string> sets;
   std::string resume_set, resume_label;  // --resume becomes a --set; messages name it as typed
   bool print_only = false;
+  int64_t profile_step = 0;
   while (!args.done()) {
     std::string a = args.next();
     if (a == "--config") config = args.value(a);
+    else if (a == "--profile") {
+      const std::string v = args.value(a);
+      char* end = nullptr;
+      profile_step = std::strtoll(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || profile_step < 1)
+        throw UsageError("train: --profile needs a step number (1 or more), got '" + v + "'");
+    }
     else if (a == "--set") sets.push_back(args.value(a));
     else if (a == "--resume") {
       std::string dir;
@@ -176,12 +188,16 @@ int cmd_train(int argc, char** argv) {
     if (is_root_rank()) std::fputs(to_yaml(cfg).c_str(), stdout);
     return 0;
   }
+  if (profile_step > cfg.train.steps)
+    throw UsageError("train: --profile " + std::to_string(profile_step) + " is past the run's last step (train.steps = " +
+                     std::to_string(cfg.train.steps) + ")");
   g_quiet_signals = !is_root_rank();
   install_stop_handlers();
   const DistributedRuntime ranks = start_ranks(cfg);
   TrainOptions opts;
   opts.world = ranks.world;
   opts.device = ranks.device;
+  opts.profile_step = profile_step;
   TrainResult r = train(cfg, opts);
   if (!r.interrupted || r.last_step >= cfg.train.steps || g_stop_signal == 0) return 0;
   if (g_quiet_signals) return 128 + int(g_stop_signal);

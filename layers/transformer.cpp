@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "engine/profiler.h"
+
 namespace flowmoe {
 
 static std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i); }
@@ -12,6 +14,7 @@ static double out_std(const ModelConfig& c) { return c.initializer_range / std::
 
 TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i, const MoeOptions& moe, Device device)
     : eps_(c.rms_norm_eps),
+      scope_("layers." + std::to_string(i)),
       input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})),
       self_attn_(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads, c.rope_theta,
                  c.initializer_range, out_std(c)) {
@@ -23,8 +26,15 @@ TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_
   post_attention_layernorm_ = f.ones(layer_prefix(i) + ".post_attention_layernorm.weight", {c.hidden_size});
 }
 
+// The profiler's scopes (engine/profiler.h): "layers.3.attention", then "layers.3.moe" or ".mlp".
 Variable TransformerBlock::forward(const Variable& x, DType compute) const {
-  Variable h = add(x, self_attn_.forward(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute));
+  ProfileScope layer(scope_);
+  Variable h;
+  {
+    ProfileScope part("attention");
+    h = add(x, self_attn_.forward(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute));
+  }
+  ProfileScope part(moe_ ? "moe" : "mlp");
   Variable n = rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_);
   return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
 }
@@ -59,8 +69,13 @@ Variable Transformer::forward(const Tensor& ids) const {
                 ", expected [B, T] i32");
   FLOWMOE_CHECK(ids.size(1) <= cfg_.max_position_embeddings, ShapeError, "Transformer: sequence of ", ids.size(1),
                 " tokens exceeds max_position_embeddings ", cfg_.max_position_embeddings);
-  Variable h = embedding(compute_weight(embed_tokens_, compute_), ids.to(device_));
+  Variable h;
+  {
+    ProfileScope scope("embed");
+    h = embedding(compute_weight(embed_tokens_, compute_), ids.to(device_));
+  }
   for (const auto& layer : layers_) h = layer->forward(h, compute_);
+  ProfileScope scope("head");
   h = rmsnorm(h, compute_weight(norm_, compute_), cfg_.rms_norm_eps);
   // A tied head casts the embedding again, so each use's gradient returns to f32 before they are added.
   return linear(h, compute_weight(lm_head_, compute_));
@@ -73,6 +88,7 @@ Transformer::Losses Transformer::losses(const Tensor& ids, const Tensor& targets
                 " vs ids ", ids.describe());
   Variable logits = forward(ids);
   const int64_t n = ids.numel();
+  ProfileScope scope("head");
   Losses out;
   out.lm = cross_entropy(reshape(logits, {n, cfg_.vocab_size}), targets.to(device_).reshape({n}));
   for (const auto& layer : layers_) {

@@ -6,6 +6,7 @@
 // cast per use and its gradient returns to f32. Init is seeded and identical on every device.
 #pragma once
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "layers/attention.h"
@@ -24,6 +25,7 @@ class TransformerBlock {
 
  private:
   double eps_;
+  std::string scope_;  // "layers.<i>", the profiler's name for the block
   Variable input_layernorm_, post_attention_layernorm_;
   Attention self_attn_;
   std::unique_ptr<Mlp> mlp_;

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "engine/allocator.h"
+#include "engine/profiler.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
 #include "train/data_parallel.h"
@@ -136,14 +137,26 @@ StepMetrics train_step(TrainRun& run) {
     run.last_casts = cast_counts();
     m.moe_casts = double(run.last_casts.activation_casts()) / run.cast_divisor;
   }
-  sync_gradients(run);
+  {
+    OpTimer timer("gradient sync", OpPhase::step, "optimizer", run.device, 0, 0);
+    sync_gradients(run);
+  }
   if (run.opts.after_backward) run.opts.after_backward(m.step, run.model.parameters());
   if (run.opts.after_loss) run.opts.after_loss(m.step, &m.loss);
-  m.grad_norm = global_grad_norm(run.parallel, run.opt, run.model.parameter_shards());  // of the synced gradients
+  {
+    OpTimer timer("gradient norm", OpPhase::step, "optimizer", run.device, 0, 0);
+    m.grad_norm = global_grad_norm(run.parallel, run.opt, run.model.parameter_shards());  // of the synced gradients
+  }
   const bool all_finite = agree_on_losses(run, m, losses.has_aux);
-  update_weights(run, m, losses.has_aux, all_finite);
-  run.opt.zero_grad();
-  update_expert_bias(run, m);
+  {
+    OpTimer timer("adamw", OpPhase::step, "optimizer", run.device, 0, 0);
+    update_weights(run, m, losses.has_aux, all_finite);
+    run.opt.zero_grad();
+  }
+  {
+    OpTimer timer("expert bias", OpPhase::step, "optimizer", run.device, 0, 0);
+    update_expert_bias(run, m);
+  }
 
   const double dt = std::chrono::duration<double>(clock::now() - t0).count();
   run.train_seconds += dt;

@@ -17,6 +17,7 @@
 #include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/progress.h"
+#include "train/step_profile.h"
 #include "train/train_step.h"
 
 namespace flowmoe {
@@ -364,7 +365,7 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
   } clear_stop;
   TrainRun run(cfg, opts);
   while (run.step < run.end) {
-    StepMetrics m = train_step(run);
+    StepMetrics m = run.step + 1 == run.opts.profile_step ? profiled_train_step(run) : train_step(run);
     const bool stop = agree_after_step(run, m);
     evaluate_if_due(run, m);
     report_step(run, m);

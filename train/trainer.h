@@ -56,6 +56,7 @@ struct TrainOptions {
   std::shared_ptr<Communicator> world;
   std::optional<Device> device;  // this rank's device, as init_distributed chose it; unset: resolve_device(cfg)
   int64_t stop_after = -1;  // stop after this step as if interrupted (tests); -1: run to train.steps
+  int64_t profile_step = 0;  // time this step op by op (train/step_profile.h); 0: none
   // Called after a step's backward, before its gradient norm (tests inject faults here).
   std::function<void(int64_t step, const std::vector<Variable>& params)> after_backward;
   // Called with the step's measured LM loss before the non-finite check (tests plant a NaN here).

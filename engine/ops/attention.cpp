@@ -23,6 +23,14 @@ void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const char* wh
 class CausalAttention : public Primitive {
  public:
   const char* name() const override { return "causal_attention"; }
+  // q·kᵀ and p·v over the causal half: 2·B·nh·T²·hd; the backward's four GEMMs and one recomputed
+  // product, 2.5 times that (flash attention's count).
+  double flops(const std::vector<Tensor>& in) const override {
+    if (in.empty() || in[0].dim() != 4) return 0;
+    const double B = double(in[0].size(0)), T = double(in[0].size(1)), nh = double(in[0].size(2));
+    return 2.0 * B * nh * T * T * double(in[0].size(3));
+  }
+  double vjp_flops(const std::vector<Tensor>& in) const override { return 2.5 * flops(in); }
   bool saves_outputs() const override { return true; }  // the GPU backward reads o (delta = dO·o)
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {

@@ -52,6 +52,12 @@ class GroupedLinear : public Primitive {
   GroupedLinear(std::vector<int64_t> rows, std::string weight_name)
       : rows_(std::move(rows)), weight_name_(std::move(weight_name)) {}
   const char* name() const override { return "grouped_linear"; }
+  double flops(const std::vector<Tensor>& in) const override {  // 2·rows·N·K over the experts' rows
+    if (in.size() < 2 || in[1].dim() != 3) return 0;
+    double rows = 0;
+    for (int64_t r : rows_) rows += double(r);
+    return 2.0 * rows * double(in[1].size(1)) * double(in[1].size(2));
+  }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     Dims d = check_inputs(in[0], in[1], rows_);

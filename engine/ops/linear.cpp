@@ -97,6 +97,11 @@ void check_matmul(const Tensor& a, const Tensor& b) {
 class MatMul : public Primitive {
  public:
   const char* name() const override { return "matmul"; }
+  double flops(const std::vector<Tensor>& in) const override {
+    return in.size() < 2 || in[0].dim() != 2 || in[1].dim() != 2
+               ? 0
+               : 2.0 * double(in[0].size(0)) * double(in[0].size(1)) * double(in[1].size(1));
+  }
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     check_matmul(in[0], in[1]);
     return {gemm_cpu_tensor(in[0], false, in[1], false, Tensor())};
@@ -140,6 +145,9 @@ void check_linear(const std::vector<Tensor>& in) {
 class Linear : public SharedBodyPrimitive<Primitive> {
  public:
   const char* name() const override { return "linear"; }
+  double flops(const std::vector<Tensor>& in) const override {
+    return in.size() < 2 ? 0 : 2.0 * double(leading_rows(in[0])) * double(in[1].size(0)) * double(in[1].size(1));
+  }
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
     const Tensor &x = in[0], &w = in[1];

@@ -20,6 +20,12 @@ void cuda_set_device(int index);
 int cuda_current_device();
 cudaStream_t current_stream(int device);  // the engine's compute stream on that device
 void cuda_synchronize(int device);        // waits for the engine's stream on that device
+// Timing events on the engine's stream (the step profiler, engine/profiler.h): one recorded now on
+// that device's stream; the milliseconds between two, waiting for the later one; freeing one.
+using TimingEvent = void*;
+TimingEvent cuda_record_timing_event(int device);
+float cuda_elapsed_ms(TimingEvent start, TimingEvent end);
+void cuda_destroy_timing_event(TimingEvent event);
 
 void* cuda_malloc_raw(size_t nbytes, int device);  // throws CudaError with the size on failure
 void cuda_free_raw(void* ptr, int device);

@@ -60,6 +60,24 @@ cudaStream_t current_stream(int device) {
 
 void cuda_synchronize(int device) { FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(current_stream(device))); }
 
+TimingEvent cuda_record_timing_event(int device) {
+  cudaEvent_t e = nullptr;
+  FLOWMOE_CUDA_CHECK(cudaEventCreate(&e));
+  FLOWMOE_CUDA_CHECK(cudaEventRecord(e, current_stream(device)));
+  return e;
+}
+
+float cuda_elapsed_ms(TimingEvent start, TimingEvent end) {
+  float ms = 0;
+  FLOWMOE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(end)));
+  FLOWMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(end)));
+  return ms;
+}
+
+void cuda_destroy_timing_event(TimingEvent event) {
+  if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
 void* cuda_malloc_raw(size_t nbytes, int device) {
   check_index(device);
   int prev = cuda_current_device();

@@ -15,6 +15,9 @@ void cuda_set_device(int) { no_cuda("cuda_set_device"); }
 int cuda_current_device() { no_cuda("cuda_current_device"); }
 cudaStream_t current_stream(int) { no_cuda("current_stream"); }
 void cuda_synchronize(int) { no_cuda("cuda_synchronize"); }
+TimingEvent cuda_record_timing_event(int) { no_cuda("cuda_record_timing_event"); }
+float cuda_elapsed_ms(TimingEvent, TimingEvent) { no_cuda("cuda_elapsed_ms"); }
+void cuda_destroy_timing_event(TimingEvent) {}
 void* cuda_malloc_raw(size_t, int) { no_cuda("cuda_malloc"); }
 void cuda_free_raw(void*, int) { no_cuda("cuda_free"); }
 size_t cuda_free_memory(int) { no_cuda("cuda_free_memory"); }
