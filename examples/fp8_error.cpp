@@ -73,9 +73,12 @@ int cmd_fp8_error(int argc, char** argv) {
   if (config.empty() || checkpoint.empty())
     throw UsageError("fp8-error: --config FILE and --checkpoint DIR are required");
   const Fp8ErrorStudy s = fp8_error_study(load_config(config, sets), checkpoint, batches, train_step);
-  std::printf("fp8-error: checkpoint %s (step %lld), %lld %s batch(es), %lld tokens; errors relative to f64\n",
-              s.checkpoint.c_str(), static_cast<long long>(s.step), static_cast<long long>(s.num_batches),
-              s.split.c_str(), static_cast<long long>(s.num_tokens));
+  const std::string n = std::to_string(s.num_batches);
+  const std::string batches_read = s.split.rfind("step ", 0) == 0
+                                       ? s.split + " batch" + (s.num_batches > 1 ? " (" + n + " micro-batches)" : "")
+                                       : n + " " + s.split + (s.num_batches > 1 ? " batches" : " batch");
+  std::printf("fp8-error: checkpoint %s (step %lld), %s, %lld tokens; errors relative to f64\n", s.checkpoint.c_str(),
+              static_cast<long long>(s.step), batches_read.c_str(), static_cast<long long>(s.num_tokens));
   std::fputs(fp8_error_table(s).c_str(), stdout);
   if (!json.empty()) {
     std::ofstream out(json);
