@@ -14,7 +14,8 @@
 # resume    EP 4's step-4 checkpoint resumed at EP 2: its steps 5 to EQ_STEPS against EP 4's own
 # speed     gpu_moe as shipped (batch 32 in all), 30 steps, bf16 and fp8_flow at EP 1, 2, 4: tokens/s
 #           per GPU and peak memory per GPU
-# bench     bench_dispatch on 2 and 4 GPUs (toy and DeepEP shapes) against nccl all-to-all of the same bytes
+# bench     bench_dispatch on 2 and 4 GPUs (toy and DeepEP shapes, or BENCH_SHAPES) against nccl all-to-all
+#           of the same bytes
 # twonode   the EP 4 equality run and bench_dispatch with NCCL's peer-to-peer and shared-memory
 #           transports off (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): the network path two nodes would take
 # parity    flowmoe parity on configs/parity_text.yaml under mpirun -np 4 at EP 4 (scripts/parity_text.sh
@@ -135,7 +136,8 @@ PY
       done ;;
     bench)
       for np in "${sizes[@]}"; do
-        if launch "$np" 300 "$out/bench_dispatch_np$np.log" "$build/bench/bench_dispatch" --backend nccl; then
+        if launch "$np" 300 "$out/bench_dispatch_np$np.log" "$build/bench/bench_dispatch" --backend nccl \
+             ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"}; then
           grep '^BENCH' "$out/bench_dispatch_np$np.log" | sed "s/^BENCH/bench_dispatch np$np nccl:/"
         else
           echo "bench_dispatch np$np: FAILED (see bench_dispatch_np$np.log)"; rc=1
