@@ -1,6 +1,8 @@
 // The command line's option reader and its usage errors, shared by the flowmoe subcommands.
 #pragma once
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -55,5 +57,15 @@ class Args {
   std::string pending_;
   bool has_pending_ = false;
 };
+
+// An option's value as a whole number of at least 1, or a UsageError:
+// "<command>: <opt> needs <what>, got '<value>'".
+inline int64_t positive_integer(const std::string& command, const std::string& opt, const std::string& value,
+                                const std::string& what = "a positive integer") {
+  char* end = nullptr;
+  const long long n = std::strtoll(value.c_str(), &end, 10);
+  if (value.empty() || *end != '\0' || n < 1) throw UsageError(command + ": " + opt + " needs " + what + ", got '" + value + "'");
+  return n;
+}
 
 }  // namespace flowmoe

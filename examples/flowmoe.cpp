@@ -160,13 +160,7 @@ int cmd_train(int argc, char** argv) {
   while (!args.done()) {
     std::string a = args.next();
     if (a == "--config") config = args.value(a);
-    else if (a == "--profile") {
-      const std::string v = args.value(a);
-      char* end = nullptr;
-      profile_step = std::strtoll(v.c_str(), &end, 10);
-      if (v.empty() || *end != '\0' || profile_step < 1)
-        throw UsageError("train: --profile needs a step number (1 or more), got '" + v + "'");
-    }
+    else if (a == "--profile") profile_step = positive_integer("train", a, args.value(a), "a step number (1 or more)");
     else if (a == "--set") sets.push_back(args.value(a));
     else if (a == "--resume") {
       std::string dir;
@@ -217,14 +211,8 @@ int cmd_eval(int argc, char** argv) {
     if (a == "--config") config = args.value(a);
     else if (a == "--checkpoint") checkpoint = args.value(a);
     else if (a == "--set") sets.push_back(args.value(a));
-    else if (a == "--batches") {
-      std::string v = args.value(a);
-      char* end = nullptr;
-      batches = std::strtoll(v.c_str(), &end, 10);
-      if (v.empty() || *end != '\0' || batches < 1) throw UsageError("eval: --batches needs a positive integer, got '" + v + "'");
-    } else {
-      throw UsageError("eval: unknown argument '" + a + "' (see flowmoe eval --help)");
-    }
+    else if (a == "--batches") batches = positive_integer("eval", a, args.value(a));
+    else throw UsageError("eval: unknown argument '" + a + "' (see flowmoe eval --help)");
   }
   if (config.empty() || checkpoint.empty()) throw UsageError("eval: --config FILE and --checkpoint DIR are required");
   Config cfg = load_config(config, sets);

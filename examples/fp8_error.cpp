@@ -2,7 +2,6 @@
 #include "examples/fp8_error.h"
 
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -44,13 +43,6 @@ options:
   -h, --help               this text
 )";
 
-int64_t positive(const std::string& opt, const std::string& v) {
-  char* end = nullptr;
-  const long long n = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || n < 1) throw UsageError("fp8-error: " + opt + " needs a positive integer, got '" + v + "'");
-  return n;
-}
-
 }  // namespace
 
 int cmd_fp8_error(int argc, char** argv) {
@@ -64,11 +56,9 @@ int cmd_fp8_error(int argc, char** argv) {
     else if (a == "--checkpoint") checkpoint = args.value(a);
     else if (a == "--set") sets.push_back(args.value(a));
     else if (a == "--json") json = args.value(a);
-    else if (a == "--batches") batches = positive(a, args.value(a));
-    else if (a == "--train-step") train_step = positive(a, args.value(a));
-    else {
-      throw UsageError("fp8-error: unknown argument '" + a + "' (see flowmoe fp8-error --help)");
-    }
+    else if (a == "--batches") batches = positive_integer("fp8-error", a, args.value(a));
+    else if (a == "--train-step") train_step = positive_integer("fp8-error", a, args.value(a));
+    else throw UsageError("fp8-error: unknown argument '" + a + "' (see flowmoe fp8-error --help)");
   }
   if (config.empty() || checkpoint.empty())
     throw UsageError("fp8-error: --config FILE and --checkpoint DIR are required");

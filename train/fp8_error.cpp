@@ -186,12 +186,16 @@ std::vector<Batch> study_batches(const Config& cfg, DataLoader& data, int64_t nu
   return batches;
 }
 
-// The mean LM loss of `batches` through the checkpoint's weights under `recipe` (no graph).
-double recipe_loss(Config cfg, const std::string& recipe, const std::string& checkpoint, Device device,
-                   const std::vector<Batch>& batches) {
+// The mean LM loss of `batches` under `recipe` through the weights and buffers of `loaded`, the same
+// model in another recipe (no graph; the checkpoint is not read again).
+double recipe_loss(Config cfg, const std::string& recipe, const Transformer& loaded, const std::vector<Batch>& batches) {
   cfg.precision.recipe = recipe;
-  Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed), moe_options(cfg));
-  load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers());
+  Transformer model(cfg.model, loaded.device(), loaded.compute_dtype(), uint64_t(cfg.train.seed), moe_options(cfg));
+  auto take = [](const std::vector<Variable>& to, const std::vector<Variable>& from) {
+    for (size_t i = 0; i < to.size(); ++i) Variable(to[i]).set_data(from[i].data());  // handles share the value
+  };
+  take(model.parameters(), loaded.parameters());
+  take(model.buffers(), loaded.buffers());
   NoGradGuard no_grad;
   double sum = 0;
   for (const Batch& b : batches) sum += double(model.losses(b.inputs, b.targets).lm.data().to_floats()[0]);
@@ -223,6 +227,7 @@ Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t
   std::map<std::string, Tensor> weights;  // the expert weights by name
   for (const Variable& p : model.parameters()) weights[p.name()] = p.data();
   std::map<std::string, GemmErrorSums> by_weight;
+  double bf16_loss = 0;
   std::vector<std::string> seen;  // backward order: the last layer first, fc2 before fc1
   {
     ScopedTap guard([&](const std::string& site, const std::vector<Tensor>& t, const std::vector<int64_t>& segments) {
@@ -233,7 +238,9 @@ Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t
     });
     for (const Batch& b : batches) {
       study.num_tokens += b.inputs.numel();
-      model.loss(b.inputs, b.targets).backward();
+      const Transformer::Losses parts = model.losses(b.inputs, b.targets);
+      bf16_loss += double(parts.lm.data().to_floats()[0]) / double(batches.size());
+      parts.total().backward();
     }
   }
   for (auto it = seen.rbegin(); it != seen.rend(); ++it) {
@@ -241,8 +248,9 @@ Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t
     study.pooled.sums.add(by_weight[*it]);
   }
   study.pooled.weight = "all";
-  for (const char* recipe : {"bf16", "fp8_blockwise", "fp8_flow"})
-    study.recipe_losses.push_back({recipe, recipe_loss(cfg, recipe, checkpoint, device, batches)});
+  study.recipe_losses.push_back({"bf16", bf16_loss});  // the tapped pass is the bf16 forward
+  for (const char* recipe : {"fp8_blockwise", "fp8_flow"})
+    study.recipe_losses.push_back({recipe, recipe_loss(cfg, recipe, model, batches)});
   return study;
 }
 

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "engine/ops/fp8_transpose.h"
+#include "engine/ops/grouped_linear.h"
 #include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_grouped_linear.h"
@@ -121,12 +122,7 @@ class Fp8GroupedLinear : public Primitive {
   Fp8GroupedLinear(const QuantizedWeight& wq, std::vector<int64_t> rows, Fp8Wgrad wgrad, std::string site)
       : wq_(wq), rows_(std::move(rows)), wgrad_(wgrad), site_(std::move(site)) {}
   const char* name() const override { return "fp8_grouped_linear"; }
-  double flops(const std::vector<Tensor>& in) const override {  // 2·rows·N·K over the experts' rows
-    if (in.size() < 2 || in[1].dim() != 3) return 0;
-    double rows = 0;
-    for (int64_t r : rows_) rows += double(r);
-    return 2.0 * rows * double(in[1].size(1)) * double(in[1].size(2));
-  }
+  double flops(const std::vector<Tensor>& in) const override { return in.size() < 2 ? 0 : grouped_gemm_flops(rows_, in[1]); }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return fprop().eval_cpu({in[0], wq_.q}); }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return fprop().eval_gpu({in[0], wq_.q}); }

@@ -22,6 +22,13 @@ std::vector<int64_t> read_counts_once(const Tensor& padded_tokens_per_expert) {
   return host;
 }
 
+double grouped_gemm_flops(const std::vector<int64_t>& padded_tokens_per_expert, const Tensor& weight) {
+  if (weight.dim() != 3) return 0;
+  double rows = 0;
+  for (int64_t r : padded_tokens_per_expert) rows += double(r);
+  return 2.0 * rows * double(weight.size(1)) * double(weight.size(2));
+}
+
 namespace {
 
 struct Dims {
@@ -52,12 +59,7 @@ class GroupedLinear : public Primitive {
   GroupedLinear(std::vector<int64_t> rows, std::string weight_name)
       : rows_(std::move(rows)), weight_name_(std::move(weight_name)) {}
   const char* name() const override { return "grouped_linear"; }
-  double flops(const std::vector<Tensor>& in) const override {  // 2·rows·N·K over the experts' rows
-    if (in.size() < 2 || in[1].dim() != 3) return 0;
-    double rows = 0;
-    for (int64_t r : rows_) rows += double(r);
-    return 2.0 * rows * double(in[1].size(1)) * double(in[1].size(2));
-  }
+  double flops(const std::vector<Tensor>& in) const override { return in.size() < 2 ? 0 : grouped_gemm_flops(rows_, in[1]); }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     Dims d = check_inputs(in[0], in[1], rows_);

@@ -22,6 +22,10 @@ namespace flowmoe {
 // is not counted.
 std::vector<int64_t> read_counts_once(const Tensor& padded_tokens_per_expert);
 
+// 2·rows·N·K over the experts' rows, for weight [E, N, K]: the FLOPs of one grouped GEMM, the FP8 one
+// too (the step profiler's Primitive::flops); 0 when weight is not 3-D.
+double grouped_gemm_flops(const std::vector<int64_t>& padded_tokens_per_expert, const Tensor& weight);
+
 // y [M_total, N] = per expert e: x[rows of e] · weight[e]ᵀ.
 //   x [M_total, K]; weight [E, N, K] (E = padded_tokens_per_expert.size()).
 //   CPU: x and weight both f32 or both f64. CUDA: x bf16 (or f32) and weight the f32 master (or x's
