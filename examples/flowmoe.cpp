@@ -43,7 +43,7 @@ commands:
   prepare-data     text files -> a token file (llm.c .bin format; byte-level or BPE tokens)
   plot             loss curves of one or several runs -> PNG
   parity           loss parity of precision recipes: one run each, a JSON report and a plot
-  fp8-error        FP8 error of the expert GEMMs' weight gradients on a checkpoint's activations
+  fp8-error        where FP8 error enters each expert GEMM, on a checkpoint's activations
   config-reference print every config key with its type, range and default (Markdown)
   walkthrough      one small fp8_flow MoE layer, forward and backward, step by step (docs/WALKTHROUGH.md)
 
