@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/common/device_api.h"
+#include "kernels/step_control.h"
 
 namespace flowmoe {
 
@@ -16,6 +17,16 @@ struct AdamWStep {
   float grad_scale = 1;  // clipping factor applied to the gradient
   float bias_correction1 = 1, bias_correction2 = 1;  // 1 - beta1^t, 1 - beta2^t
 };
+
+// The update of a scheduled step (kernels/step_control.h): base's betas, eps and weight decay with the
+// step's lr × lr_multiplier, clip factor and bias corrections, as the host would convert them to float.
+FLOWMOE_HOST_DEVICE inline AdamWStep scheduled_adamw_step(AdamWStep base, const StepScalars& c, double lr_multiplier) {
+  base.lr = float(c.lr * lr_multiplier);
+  base.grad_scale = float(c.grad_scale);
+  base.bias_correction1 = c.bias_correction1;
+  base.bias_correction2 = c.bias_correction2;
+  return base;
+}
 
 void adamw_cpu(float* param /*[n]*/, const float* grad /*[n]*/, float* exp_avg /*[n]*/, float* exp_avg_sq /*[n]*/,
                int64_t n, const AdamWStep& s);
@@ -27,6 +38,11 @@ constexpr int kReduceMaxBlocks = 1024;
 
 void adamw_cuda(float* param /*[n]*/, const float* grad /*[n]*/, float* exp_avg /*[n]*/, float* exp_avg_sq /*[n]*/,
                 int64_t n, const AdamWStep& s, cudaStream_t stream);
+// The same with the step's scalars read on the device: nothing changes unless control->apply, else
+// scheduled_adamw_step(base, *control, lr_multiplier). No host synchronisation.
+void adamw_scheduled_cuda(float* param /*[n]*/, const float* grad /*[n]*/, float* exp_avg /*[n]*/,
+                          float* exp_avg_sq /*[n]*/, int64_t n, const AdamWStep& base,
+                          const StepScalars* control /*[1] device*/, double lr_multiplier, cudaStream_t stream);
 // *out (one device float) = sum of x[i]^2; partials: device scratch of kReduceMaxBlocks floats.
 void sum_squares_cuda(const float* x /*[n]*/, int64_t n, float* out /*[1]*/, float* partials /*[kReduceMaxBlocks]*/,
                       cudaStream_t stream);

@@ -2,8 +2,16 @@
 // q, k, v, o are [batch, seq_len, num_heads, head_dim]. Backward, with dS_ij = P_ij (dO_i·v_j - dO_i·o_i):
 //   dv_j = sum_i P_ij dO_i,   dq_i = sum_j dS_ij k_j / sqrt(hd),   dk_j = sum_i dS_ij q_i / sqrt(hd).
 // CPU reference: kernels/cpu/attention.cpp (f32, f64; naive O(T^2) with explicit probabilities).
-// CUDA: kernels/cuda/attention.cu (f32, bf16, fp32 math; flash-attention style with a saved logsumexp).
-// Node: engine/ops/attention.cpp. Tests: tests/test_attention.cpp.
+// CUDA, two kernel families sharing one contract (a saved natural-log logsumexp, a delta scratch):
+//   flash: kernels/cuda/flash_attention.cu (forward) and flash_attention_backward.cu, bf16 on tensor cores
+//          (mma.sync, FlashAttention-2 style; P and dS are rounded to bf16 before their products).
+//          bf16 with head_dim % 8 == 0.
+//   simt:  kernels/cuda/attention.cu, fp32 math on CUDA cores, f32 or bf16, any head_dim <= 128; the GPU
+//          reference of flash, and the f32 path.
+// attention_*_cuda pick flash for bf16 when head_dim % 8 == 0 and every pointer is 16-byte aligned, and
+// simt otherwise; the *_flash_cuda / *_simt_cuda launchers run one family. The lse of either forward
+// feeds either backward. Node: engine/ops/attention.cpp. Tests: tests/test_attention.cpp.
+// Benchmark: bench/bench_attention.cpp.
 #pragma once
 #include <cstdint>
 
@@ -40,5 +48,36 @@ void attention_backward_cuda(DType dtype, void* d_q /*[batch, seq_len, num_heads
                              const void* k /*[same]*/, const void* v /*[same]*/, const void* out /*[same]*/,
                              const float* lse /*[batch, num_heads, seq_len]*/, int64_t batch, int64_t seq_len,
                              int64_t num_heads, int64_t head_dim, cudaStream_t stream);
+
+// The fp32 CUDA-core kernels (same arguments and contract; f32 or bf16).
+void attention_forward_simt_cuda(DType dtype, void* out /*[batch, seq_len, num_heads, head_dim]*/,
+                                 float* lse /*[batch, num_heads, seq_len]*/,
+                                 const void* q /*[batch, seq_len, num_heads, head_dim]*/, const void* k /*[same]*/,
+                                 const void* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
+                                 int64_t head_dim, cudaStream_t stream);
+void attention_backward_simt_cuda(DType dtype, void* d_q /*[batch, seq_len, num_heads, head_dim]*/,
+                                  void* d_k /*[same]*/, void* d_v /*[same]*/,
+                                  float* delta /*[batch, num_heads, seq_len] scratch*/,
+                                  const void* d_out /*[batch, seq_len, num_heads, head_dim]*/,
+                                  const void* q /*[same]*/, const void* k /*[same]*/, const void* v /*[same]*/,
+                                  const void* out /*[same]*/, const float* lse /*[batch, num_heads, seq_len]*/,
+                                  int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                                  cudaStream_t stream);
+
+// The tensor-core kernels (same arguments and contract). dtype must be bf16 (DTypeError), head_dim a
+// multiple of 8 up to 128 (ShapeError), and every tensor pointer 16-byte aligned (Error).
+void attention_forward_flash_cuda(DType dtype, void* out /*[batch, seq_len, num_heads, head_dim]*/,
+                                  float* lse /*[batch, num_heads, seq_len]*/,
+                                  const void* q /*[batch, seq_len, num_heads, head_dim]*/, const void* k /*[same]*/,
+                                  const void* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
+                                  int64_t head_dim, cudaStream_t stream);
+void attention_backward_flash_cuda(DType dtype, void* d_q /*[batch, seq_len, num_heads, head_dim]*/,
+                                   void* d_k /*[same]*/, void* d_v /*[same]*/,
+                                   float* delta /*[batch, num_heads, seq_len] scratch*/,
+                                   const void* d_out /*[batch, seq_len, num_heads, head_dim]*/,
+                                   const void* q /*[same]*/, const void* k /*[same]*/, const void* v /*[same]*/,
+                                   const void* out /*[same]*/, const float* lse /*[batch, num_heads, seq_len]*/,
+                                   int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                                   cudaStream_t stream);
 
 }  // namespace flowmoe

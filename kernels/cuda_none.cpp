@@ -35,6 +35,11 @@
 
 // kernels/adamw.h
 FLOWMOE_NO_CUDA(void, adamw_cuda, (float*, const float*, float*, float*, int64_t, const AdamWStep&, cudaStream_t))
+FLOWMOE_NO_CUDA(void, adamw_scheduled_cuda,
+                (float*, const float*, float*, float*, int64_t, const AdamWStep&, const StepScalars*, double,
+                 cudaStream_t))
+FLOWMOE_NO_CUDA(void, advance_step_cuda,
+                (StepScalars*, const StepSchedule&, const float*, const float*, const float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_squares_cuda, (const float*, int64_t, float*, float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_values_cuda, (const float*, int64_t, float*, float*, cudaStream_t))
 
@@ -44,6 +49,16 @@ FLOWMOE_NO_CUDA(void, attention_forward_cuda, (DType, void*, float*, const void*
 FLOWMOE_NO_CUDA(void, attention_backward_cuda, (DType, void*, void*, void*, float*, const void*, const void*,
                                                 const void*, const void*, const void*, const float*, int64_t, int64_t,
                                                 int64_t, int64_t, cudaStream_t))
+FLOWMOE_NO_CUDA(void, attention_forward_simt_cuda, (DType, void*, float*, const void*, const void*, const void*,
+                                                    int64_t, int64_t, int64_t, int64_t, cudaStream_t))
+FLOWMOE_NO_CUDA(void, attention_backward_simt_cuda, (DType, void*, void*, void*, float*, const void*, const void*,
+                                                     const void*, const void*, const void*, const float*, int64_t,
+                                                     int64_t, int64_t, int64_t, cudaStream_t))
+FLOWMOE_NO_CUDA(void, attention_forward_flash_cuda, (DType, void*, float*, const void*, const void*, const void*,
+                                                     int64_t, int64_t, int64_t, int64_t, cudaStream_t))
+FLOWMOE_NO_CUDA(void, attention_backward_flash_cuda, (DType, void*, void*, void*, float*, const void*, const void*,
+                                                      const void*, const void*, const void*, const float*, int64_t,
+                                                      int64_t, int64_t, int64_t, cudaStream_t))
 
 // kernels/copy.h
 FLOWMOE_NO_CUDA(void, strided_copy_cuda, (void*, const void*, size_t, const StridedLayout&, cudaStream_t))
@@ -142,6 +157,8 @@ FLOWMOE_NO_CUDA(void, router_balance_loss_backward_cuda, (const RouterParams&, c
                                                           int64_t, double, const float*, int32_t*, float*,
                                                           cudaStream_t))
 FLOWMOE_NO_CUDA(void, expert_bias_update_cuda, (float*, const int32_t*, int, double, BiasUpdateRule, cudaStream_t))
+FLOWMOE_NO_CUDA(void, expert_bias_update_scheduled_cuda,
+                (float*, const int32_t*, int, double, BiasUpdateRule, const StepScalars*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, add_tokens_per_expert_cuda, (int32_t*, const int32_t*, int, cudaStream_t))
 
 // kernels/silu.h

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels/common/device_api.h"
+#include "kernels/step_control.h"
 
 #if defined(__CUDACC__)
 #define FLOWMOE_ROUTER_HD __host__ __device__
@@ -117,6 +118,10 @@ void router_balance_loss_backward_cuda(const RouterParams& p, const float* logit
                                        int32_t* seq_counts, float* d_logits /*[num_tokens, E]*/, cudaStream_t stream);
 void expert_bias_update_cuda(float* expert_bias /*[E]*/, const int32_t* tokens_per_expert /*[E]*/, int num_experts,
                              double rate, BiasUpdateRule rule, cudaStream_t stream);
+// The same at rate × control->bias_rate_scale, read on the device (0 on a skipped step: nothing moves).
+void expert_bias_update_scheduled_cuda(float* expert_bias /*[E]*/, const int32_t* tokens_per_expert /*[E]*/,
+                                       int num_experts, double rate, BiasUpdateRule rule,
+                                       const StepScalars* control /*[1] device*/, cudaStream_t stream);
 void add_tokens_per_expert_cuda(int32_t* total /*[E]*/, const int32_t* counts /*[E]*/, int num_experts,
                                 cudaStream_t stream);
 

@@ -194,4 +194,14 @@ LoadStats MoeLayer::update_bias(double rate_scale) {
   return s;
 }
 
+Tensor MoeLayer::update_bias(const StepScalars* control) {
+  Tensor bias = expert_bias_.data();  // shares storage: the kernel updates the buffer in place
+  update_expert_bias(bias, tokens_since_update_, bias_update_rate_, bias_update_rule_, control);
+  // A copy for the metrics to read a step later; the counts restart in place, so a captured step
+  // (CUDA graph) that replays these kernels finds them at the same address.
+  Tensor loads = tokens_since_update_.clone();
+  tokens_since_update_.zero_();
+  return loads;
+}
+
 }  // namespace flowmoe

@@ -72,6 +72,9 @@ class MoeLayer {
   // statistics (reads the counts: one host sync).
   // rate_scale multiplies bias_update_rate for this update (model.bias_update_schedule: lr).
   LoadStats update_bias(double rate_scale = 1.0);
+  // The same at the rate the optimizer step's scalars give (on the layer's device, no host sync: 0 on a
+  // skipped step); returns the loads it used ([E] i32, the layer's device) for the metrics to read later.
+  Tensor update_bias(const StepScalars* control);
   // The per-expert counts update_bias() will use ([E] i32, shared storage): data parallelism sums
   // them over the ranks in place first, so every rank moves its bias by the global load.
   const Tensor& load_counts() const { return tokens_since_update_; }

@@ -111,6 +111,13 @@ std::vector<Tensor> Transformer::moe_load_counts() const {
   return counts;
 }
 
+std::vector<Tensor> Transformer::update_moe_bias(const StepScalars* control) {
+  std::vector<Tensor> loads;
+  for (const auto& layer : layers_)
+    if (layer->moe()) loads.push_back(layer->moe()->update_bias(control));
+  return loads;
+}
+
 std::vector<LoadStats> Transformer::update_moe_bias(double rate_scale) {
   std::vector<LoadStats> stats;
   for (const auto& layer : layers_)

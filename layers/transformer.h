@@ -54,6 +54,9 @@ class Transformer {
   // After an optimizer step: aux-loss-free bias update of every MoE layer, with each layer's load
   // statistics since the last call (empty for a dense model).
   std::vector<LoadStats> update_moe_bias(double rate_scale = 1.0);
+  // The same at the optimizer step's scheduled rate (MoeLayer::update_bias(control)); returns each MoE
+  // layer's loads, in layer order, still on the device.
+  std::vector<Tensor> update_moe_bias(const StepScalars* control);
   // Every MoE layer's counts since the last update_moe_bias (MoeLayer::load_counts), in layer order.
   std::vector<Tensor> moe_load_counts() const;
   int64_t num_moe_layers() const;

@@ -289,3 +289,45 @@ TEST(TrainerCuda, CpuAndGpuLossCurvesAgree) {
   EXPECT_LT(gpu.losses.back(), gpu.losses.front());
   fs::remove_all(d);
 }
+
+// On one GPU a step's scalars (loss, norm, clip, skip, lr) stay on the device and the host reads them
+// a step later; a run with a loss hook computes them on the host instead. The two agree bit for bit,
+// a skipped step included, and the device path still counts and logs the skip.
+TEST(TrainerCuda, DeviceStepScalarsMatchTheHostPath) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped";
+  fs::path d = fresh_dir("trainer_device_scalars");
+  auto run = [&](bool host_path) {
+    Config c = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny_moe.yaml",
+                           {"train.device=cuda", "train.steps=12", "optimizer.warmup_steps=3", "checkpoint.every=0",
+                            "train.eval_every=6", "logging.out_dir=" + (d / (host_path ? "host" : "device")).string()});
+    TrainOptions o = quiet();
+    o.after_backward = [](int64_t step, const std::vector<Variable>& params) {
+      const float nan = NAN;
+      if (step == 4) copy_bytes(params[1].grad().raw_data(), params[1].device().index, &nan, -1, sizeof(float));
+    };
+    if (host_path) o.after_loss = [](int64_t, double*) {};
+    TrainResult r = train(c, o);
+    return std::make_pair(r, read_metrics(r.metrics_file));
+  };
+  const auto [dev, dev_rows] = run(false);
+  const auto [host, host_rows] = run(true);
+  ASSERT_EQ(dev.losses.size(), 12u);
+  ASSERT_EQ(dev_rows.size(), host_rows.size());
+  EXPECT_EQ(dev.skipped_steps, 1);
+  EXPECT_EQ(host.skipped_steps, 1);
+  for (size_t i = 0; i < dev_rows.size(); ++i) {
+    SCOPED_TRACE("step " + std::to_string(i + 1));
+    EXPECT_EQ(dev_rows[i].loss, host_rows[i].loss);
+    EXPECT_EQ(dev_rows[i].skipped, host_rows[i].skipped);
+    EXPECT_EQ(dev_rows[i].skipped, i == 3);
+    if (i != 3) {
+      EXPECT_EQ(dev_rows[i].grad_norm, host_rows[i].grad_norm);
+    }
+    EXPECT_EQ(dev_rows[i].moe_max_over_mean, host_rows[i].moe_max_over_mean);
+    EXPECT_EQ(std::isnan(dev_rows[i].val_loss), std::isnan(host_rows[i].val_loss));
+    if (!std::isnan(dev_rows[i].val_loss)) {
+      EXPECT_EQ(dev_rows[i].val_loss, host_rows[i].val_loss) << "evaluation sees the same weights";
+    }
+  }
+  fs::remove_all(d);
+}

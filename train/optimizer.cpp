@@ -9,18 +9,23 @@
 
 namespace flowmoe {
 
-double learning_rate(const OptimizerConfig& o, int64_t step, int64_t total_steps) {
-  if (o.warmup_steps > 0 && step <= o.warmup_steps) return o.lr * double(step) / double(o.warmup_steps);
-  int64_t decay_steps = total_steps - o.warmup_steps;
-  if (decay_steps <= 0) return o.lr;
-  double progress = std::min(1.0, double(step - o.warmup_steps) / double(decay_steps));
-  return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + std::cos(M_PI * progress));
+StepSchedule step_schedule(const OptimizerConfig& o, int64_t total_steps) {
+  StepSchedule p;
+  p.lr = o.lr;
+  p.min_lr = o.min_lr;
+  p.warmup_steps = o.warmup_steps;
+  p.total_steps = total_steps;
+  p.beta1 = o.beta1;
+  p.beta2 = o.beta2;
+  p.grad_clip = o.grad_clip;
+  return p;
 }
 
-double clip_scale(double norm, double max_norm) {
-  if (max_norm <= 0 || !(norm > max_norm)) return 1.0;
-  return max_norm / norm;
+double learning_rate(const OptimizerConfig& o, int64_t step, int64_t total_steps) {
+  return scheduled_lr(step_schedule(o, total_steps), step);
 }
+
+double clip_scale(double norm, double max_norm) { return clip_factor(norm, max_norm); }
 
 // The MoE router's gate (layers/moe.cpp names it <layer>.mlp.gate.weight); the dense MLP's
 // projections are gate_proj/up_proj/down_proj and do not match.
@@ -77,6 +82,17 @@ std::pair<double, double> AdamW::grad_square_sums(const std::vector<bool>& flagg
     }
     return {total[0], total[1]};
   }
+  grad_square_sums_device(flagged);
+  const std::vector<float> host = norm_total_.to_floats();  // the one host synchronisation
+  return {double(host[0]), double(host[1])};
+}
+
+const float* AdamW::grad_square_sums_device(const std::vector<bool>& flagged) {
+  FLOWMOE_CHECK(flagged.empty() || flagged.size() == params_.size(), Error, "AdamW: ", flagged.size(), " flags for ",
+                params_.size(), " parameters");
+  FLOWMOE_CHECK(norm_total_.defined(), DeviceError, "AdamW: grad_square_sums_device needs CUDA parameters");
+  const auto second = [&](size_t i) { return !flagged.empty() && flagged[i]; };
+  Device dev = params_[0].device();
   cudaStream_t stream = current_stream(dev.index);
   const int64_t n = int64_t(params_.size());
   norm_slots_.zero_();
@@ -89,8 +105,7 @@ std::pair<double, double> AdamW::grad_square_sums(const std::vector<bool>& flagg
   }
   sum_values_cuda(slots, n, totals, partials_.data<float>(), stream);
   sum_values_cuda(slots + n, n, totals + 1, partials_.data<float>(), stream);
-  const std::vector<float> sums = norm_total_.to_floats();  // the one host synchronisation
-  return {double(sums[0]), double(sums[1])};
+  return totals;
 }
 
 void AdamW::step(double lr, double grad_scale) {
@@ -117,6 +132,33 @@ void AdamW::step(double lr, double grad_scale) {
       adamw_cuda(w, g.data<float>(), m, v, g.numel(), s, current_stream(p.device().index));
     }
     p.bump_version();  // updated in place: FP8 weight caches must re-quantize
+  }
+}
+
+void AdamW::step(const StepScalars* control) {
+  FLOWMOE_CHECK(control, Error, "AdamW: null step scalars");
+  // CPU parameters: control is host memory, so the host makes the decision the CUDA kernel makes.
+  if (params_[0].device().is_cpu() && !control->apply) return;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Variable& p = params_[i];
+    if (!p.grad().defined()) continue;
+    Tensor g = checked_grad(p).contiguous();
+    AdamWStep base;
+    base.beta1 = float(cfg_.beta1);
+    base.beta2 = float(cfg_.beta2);
+    base.eps = float(cfg_.eps);
+    base.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
+    const double lr_multiplier = router_[i] ? cfg_.router_lr_scale : 1.0;
+    float* w = p.data().data<float>();
+    float* m = exp_avg_[i].data<float>();
+    float* v = exp_avg_sq_[i].data<float>();
+    if (p.device().is_cpu()) {
+      adamw_cpu(w, g.data<float>(), m, v, g.numel(), scheduled_adamw_step(base, *control, lr_multiplier));
+    } else {
+      adamw_scheduled_cuda(w, g.data<float>(), m, v, g.numel(), base, control, lr_multiplier,
+                           current_stream(p.device().index));
+    }
+    p.bump_version();  // maybe updated in place: FP8 weight caches must re-quantize
   }
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/autograd.h"
+#include "kernels/step_control.h"
 #include "train/config.h"
 
 namespace flowmoe {
@@ -13,6 +14,9 @@ namespace flowmoe {
 // Learning rate for optimizer step `step` (1-based) of `total_steps`: linear warmup from lr/warmup
 // to lr over warmup_steps, then cosine decay to min_lr at total_steps.
 double learning_rate(const OptimizerConfig& o, int64_t step, int64_t total_steps);
+// The schedule, clipping and betas of kernels/step_control.h from the optimizer config (the trainer adds
+// the micro-batch count, the balance loss and the expert-bias schedule).
+StepSchedule step_schedule(const OptimizerConfig& o, int64_t total_steps);
 // The factor that brings a gradient of global norm `norm` down to `max_norm` (1 when within it or
 // when max_norm is 0).
 double clip_scale(double norm, double max_norm);
@@ -30,8 +34,15 @@ class AdamW {
   // (empty: none flagged), each summed in parameter order; the same host synchronisation. Expert
   // parallelism adds the flagged class over the expert-parallel group before the square root.
   std::pair<double, double> grad_square_sums(const std::vector<bool>& flagged);
+  // The same two sums left on the device (CUDA parameters only): a pointer to two floats that are
+  // valid once the engine stream reaches them; no host synchronisation.
+  const float* grad_square_sums_device(const std::vector<bool>& flagged);
   // One update of every parameter that has a gradient, with g = grad_scale * grad.
   void step(double lr, double grad_scale);
+  // One update with the step's scalars (kernels/step_control.h) as the parameters' device sees them
+  // (device memory for CUDA parameters, host memory for CPU ones): nothing moves unless control->apply.
+  // The host's num_updates() is not advanced: the caller sets it once it has read the scalars.
+  void step(const StepScalars* control);
   void zero_grad();
 
   int64_t num_updates() const { return num_updates_; }  // the t of the bias corrections

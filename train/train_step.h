@@ -1,7 +1,9 @@
 // The state of one training run and one optimizer step over it: trainer.cpp builds the run and
 // drives the loop (evaluation, checkpoints, the summary); train_step.cpp takes the steps.
 #pragma once
+#include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -16,9 +18,18 @@
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
+#include "train/step_state.h"
 #include "train/trainer.h"
 
 namespace flowmoe {
+
+// What the host knows of a step once it is queued; the rest comes with its StepReadout.
+struct IssuedStep {
+  int64_t host_syncs = 0;
+  double moe_casts = NAN;
+  double exchange_ms = NAN;
+  bool has_aux = false;
+};
 
 // Everything a run holds. Members are built in declaration order, which is the order set-up must
 // keep: nothing is allocated for the model before the memory estimate says it fits.
@@ -43,6 +54,7 @@ struct TrainRun {
   Transformer model;
   AdamW opt;
   std::optional<MetricsWriter> metrics;  // opened once the step to resume at is known
+  StepState state;  // the optimizer step's scalars where the weights live, and their readout
 
   int64_t tokens_per_step = 0;
   ValBatches val;  // what an evaluation reads; no batches when the data holds out no validation
@@ -50,17 +62,27 @@ struct TrainRun {
   double cast_divisor = 0;  // MoE layers x micro-batches: casts are reported per layer and micro-batch
   CastCounts last_casts;    // of the last step taken
 
-  int64_t step = 0;          // the last step taken (the checkpoint's after a resume)
+  int64_t step = 0;          // the last step taken or queued (the checkpoint's after a resume)
   int64_t skipped = 0;       // steps whose update was skipped, over the whole run
   int64_t steps_done = 0;    // steps taken by this call
   int64_t last_saved = -1;   // the step of the last checkpoint this call saved
   double train_seconds = 0;  // spent in steps, evaluation and checkpoints excluded
+  std::deque<IssuedStep> issued;  // queued steps whose metrics are not read yet, oldest first
+  std::chrono::steady_clock::time_point step_clock;  // when the oldest queued step's time began
 };
 
 // One optimizer step: the micro-batches with gradient accumulation, the gradient sync point, the
 // gradient norm, the non-finite policy, the clipped AdamW update and the expert-bias update.
 // Returns the step's metrics; its validation loss is left for the caller to fill.
 StepMetrics train_step(TrainRun& run);
+// train_step in two halves. issue_step queues step run.step + 1 (on one GPU without reading anything
+// back: the scalars stay on the device, step_state.h); complete_step waits for the oldest queued step,
+// returns its metrics and applies the non-finite policy. Between them the host may queue the next step.
+void issue_step(TrainRun& run);
+StepMetrics complete_step(TrainRun& run);
+// Whether the run's steps compute their scalars on the device (one GPU, one rank, no loss hook), so
+// that a step may be queued before the previous one is read.
+bool step_scalars_on_device(const TrainRun& run);
 
 // Saves the run's weights, optimizer state and data position as the checkpoint of step `at`, and
 // records it in run.res.last_checkpoint. Collective: the first expert-parallel group gathers the

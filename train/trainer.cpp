@@ -201,6 +201,15 @@ static void announce_data(TrainRun& run) {
   if (run.val.capped) run.progress.message("evaluation: " + run.val.cap_note("train.eval_batches = "));
 }
 
+// The constants of the optimizer step's scalars (kernels/step_control.h).
+static StepSchedule run_step_schedule(const Config& c) {
+  StepSchedule p = step_schedule(c.optimizer, c.train.steps);
+  p.num_micro_batches = int32_t(c.train.grad_accum_steps);
+  p.bias_follows_lr = c.model.bias_update_schedule == "lr";
+  p.stop_on_nonfinite = c.train.nonfinite == "stop";
+  return p;
+}
+
 TrainRun::TrainRun(const Config& c, const TrainOptions& o)
     : cfg(c),
       opts(o),
@@ -216,9 +225,11 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       res(prepare_run(c, device, compute, is_root ? o.out : nullptr, progress, *world)),
       data(DataLoader::from_config(c)),
       model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c, parallel)),
-      opt(model.parameters(), c.optimizer) {
+      opt(model.parameters(), c.optimizer),
+      state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
   if (!resume_dir.empty()) resume_from_checkpoint(*this);
+  state.reset(step, opt.num_updates());
   res.first_step = step + 1;
   res.skipped_steps = skipped;
   res.metrics_file = (fs::path(res.out_dir) / ("metrics." + cfg.logging.metrics_format)).string();
@@ -358,23 +369,46 @@ static bool agree_after_step(TrainRun& run, StepMetrics& m) {
   return most[1] > 0;
 }
 
+// After a step's metrics are read: its evaluation, metrics row and checkpoint. Returns whether the run
+// must stop (a signal on any rank).
+static bool finish_step(TrainRun& run, StepMetrics m) {
+  const bool stop = agree_after_step(run, m);
+  evaluate_if_due(run, m);
+  report_step(run, m);
+  save_if_due(run);
+  run.step_clock = std::chrono::steady_clock::now();  // evaluation and checkpoints are not training time
+  return stop;
+}
+
+// Whether the step just queued may stay unread while the next one is queued: only when its scalars are
+// on the device, nothing reads the weights after it (evaluation, checkpoint, the run's end), the next
+// step is not the profiled one, and a non-finite step need not stop the run exactly there.
+static bool may_run_ahead(const TrainRun& run) {
+  const TrainConfig& tc = run.cfg.train;
+  return step_scalars_on_device(run) && run.step < run.end && run.step + 1 != run.opts.profile_step &&
+         tc.nonfinite != "stop" && !due(run.step, tc.eval_every, tc.steps) &&
+         !due(run.step, run.cfg.checkpoint.every, tc.steps);
+}
+
 TrainResult train(const Config& cfg, const TrainOptions& opts) {
   // A stop requested before this point (a signal during start-up) holds: it is cleared on return.
   struct ClearStopOnReturn {
     ~ClearStopOnReturn() { g_stop_requested = false; }
   } clear_stop;
   TrainRun run(cfg, opts);
-  while (run.step < run.end) {
-    StepMetrics m = run.step + 1 == run.opts.profile_step ? profiled_train_step(run) : train_step(run);
-    const bool stop = agree_after_step(run, m);
-    evaluate_if_due(run, m);
-    report_step(run, m);
-    save_if_due(run);
-    if (stop && run.step < run.end) {
-      stop_with_checkpoint(run);
-      break;
+  bool stop = false;
+  while (run.step < run.end && !stop) {
+    if (run.step + 1 == run.opts.profile_step) {
+      stop = finish_step(run, profiled_train_step(run));
+      continue;
     }
+    issue_step(run);
+    // On one GPU the host queues step N + 1 before it reads step N's loss: the GPU never waits for it.
+    const int64_t keep = may_run_ahead(run) ? 1 : 0;
+    while (run.state.num_pending() > keep && !stop) stop = finish_step(run, complete_step(run));
   }
+  while (run.state.num_pending() > 0) finish_step(run, complete_step(run));  // a step queued before a stop
+  if (stop && run.step < run.end) stop_with_checkpoint(run);
   return finish_run(run);
 }
 

@@ -332,10 +332,33 @@ void add_tokens_per_expert(Tensor& total, const Tensor& counts) {
   add_tokens_per_expert_cuda(total.data<int32_t>(), counts.data<int32_t>(), E, current_stream(total.device().index));
 }
 
+void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, double rate, BiasUpdateRule rule,
+                        const StepScalars* control) {
+  FLOWMOE_CHECK(control, Error, "update_expert_bias: null step scalars");
+  if (expert_bias.device().is_cpu()) {
+    update_expert_bias(expert_bias, tokens_per_expert, rate * control->bias_rate_scale, rule);
+    return;
+  }
+  check_dtype(expert_bias, {DType::f32}, "update_expert_bias (expert_bias)");
+  FLOWMOE_CHECK(expert_bias.dim() == 1 && expert_bias.is_contiguous(), ShapeError,
+                "update_expert_bias: expert_bias must be a contiguous [E], got ", expert_bias.describe());
+  check_counts(tokens_per_expert, expert_bias.size(0), "update_expert_bias");
+  check_same_device(expert_bias, tokens_per_expert, "update_expert_bias");
+  FLOWMOE_CHECK(std::isfinite(rate) && rate >= 0, ConfigError, "bias_update_rate = ", rate, " must be finite and >= 0");
+  make_current(expert_bias.device());
+  expert_bias_update_scheduled_cuda(expert_bias.data<float>(), tokens_per_expert.data<int32_t>(),
+                                    int(expert_bias.size(0)), rate, rule, control,
+                                    current_stream(expert_bias.device().index));
+}
+
 LoadStats load_stats(const Tensor& tokens_per_expert) {
   FLOWMOE_CHECK(tokens_per_expert.dim() == 1 && tokens_per_expert.size(0) > 0, ShapeError,
                 "load_stats: tokens_per_expert must be a non-empty [E], got ", tokens_per_expert.describe());
-  std::vector<int64_t> c = tokens_per_expert.to_ints();  // device -> host copy: synchronises
+  return load_stats(tokens_per_expert.to_ints());  // device -> host copy: synchronises
+}
+
+LoadStats load_stats(const std::vector<int64_t>& c) {
+  FLOWMOE_CHECK(!c.empty(), ShapeError, "load_stats: no experts");
   LoadStats s;
   s.max_load = *std::max_element(c.begin(), c.end());
   s.min_load = *std::min_element(c.begin(), c.end());

@@ -70,6 +70,11 @@ Variable router_balance_loss(const Variable& logits /*[T,E]*/, const Tensor& top
 // rate * (mean_load - load_e) / mean_load. tokens_per_expert i32 [E]; no tokens: nothing moves.
 void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, double rate,
                         BiasUpdateRule rule = BiasUpdateRule::sign);
+// The same at rate × control->bias_rate_scale, read where the bias lives (control points to that
+// device's memory; host memory for a CPU bias): the optimizer step's scalars (kernels/step_control.h),
+// so a skipped step moves nothing and the host need not know yet.
+void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, double rate, BiasUpdateRule rule,
+                        const StepScalars* control);
 // model.bias_update_rule ("sign" | "proportional"); throws ConfigError otherwise.
 BiasUpdateRule bias_update_rule_from_name(const std::string& name);
 // total += counts (i32 [E], same device): sums the counts of several micro-batches before one update.
@@ -85,5 +90,7 @@ struct LoadStats {
 // Reads tokens_per_expert to the host: this synchronises with the device. Call it once per layer per
 // logged step, where the metrics are written, never inside the forward.
 LoadStats load_stats(const Tensor& tokens_per_expert);
+// The same from counts already on the host.
+LoadStats load_stats(const std::vector<int64_t>& tokens_per_expert);
 
 }  // namespace flowmoe

@@ -26,6 +26,8 @@ using TimingEvent = void*;
 TimingEvent cuda_record_timing_event(int device);
 float cuda_elapsed_ms(TimingEvent start, TimingEvent end);
 void cuda_destroy_timing_event(TimingEvent event);
+// Waits on the host until the work before the event is done (a completion marker, not a timer).
+void cuda_wait_event(TimingEvent event);
 
 void* cuda_malloc_raw(size_t nbytes, int device);  // throws CudaError with the size on failure
 void cuda_free_raw(void* ptr, int device);
@@ -35,6 +37,15 @@ size_t cuda_free_memory(int device);
 // Byte copies. kind is inferred from the two pointers' devices; -1 means host.
 void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size_t nbytes);
 void cuda_memset_zero(void* ptr, size_t nbytes, int device);
+// Page-locked host memory, which copies_to_host_async needs to stay asynchronous.
+void* cuda_host_alloc(size_t nbytes);
+void cuda_host_free(void* ptr);
+// Queues a device -> pinned host copy on the device's engine stream and returns at once: read dst only
+// after an event recorded later on that stream has completed (cuda_wait_event).
+void copy_bytes_to_host_async(void* dst_pinned, const void* src, int src_device, size_t nbytes);
+// The other way: a pinned host -> device copy queued on the device's engine stream; src must stay
+// unchanged until the stream has passed it.
+void copy_bytes_to_device_async(void* dst, int dst_device, const void* src_pinned, size_t nbytes);
 
 // Host synchronisations the engine makes on purpose (e.g. reading per-expert counts once per layer
 // so cuBLASLt gets each expert's M). Every such place calls note_host_sync(); the trainer reports

@@ -78,6 +78,8 @@ void cuda_destroy_timing_event(TimingEvent event) {
   if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
 }
 
+void cuda_wait_event(TimingEvent event) { FLOWMOE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event))); }
+
 void* cuda_malloc_raw(size_t nbytes, int device) {
   check_index(device);
   int prev = cuda_current_device();
@@ -132,6 +134,26 @@ void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size
 void cuda_memset_zero(void* ptr, size_t nbytes, int device) {
   if (nbytes == 0) return;
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, nbytes, current_stream(device)));
+}
+
+void* cuda_host_alloc(size_t nbytes) {
+  void* p = nullptr;
+  FLOWMOE_CUDA_CHECK(cudaMallocHost(&p, nbytes == 0 ? 1 : nbytes));
+  return p;
+}
+
+void cuda_host_free(void* ptr) {
+  if (ptr) cudaFreeHost(ptr);
+}
+
+void copy_bytes_to_device_async(void* dst, int dst_device, const void* src_pinned, size_t nbytes) {
+  if (nbytes == 0) return;
+  FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src_pinned, nbytes, cudaMemcpyHostToDevice, current_stream(dst_device)));
+}
+
+void copy_bytes_to_host_async(void* dst_pinned, const void* src, int src_device, size_t nbytes) {
+  if (nbytes == 0) return;
+  FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(dst_pinned, src, nbytes, cudaMemcpyDeviceToHost, current_stream(src_device)));
 }
 
 }  // namespace flowmoe

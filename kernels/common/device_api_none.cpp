@@ -18,6 +18,7 @@ void cuda_synchronize(int) { no_cuda("cuda_synchronize"); }
 TimingEvent cuda_record_timing_event(int) { no_cuda("cuda_record_timing_event"); }
 float cuda_elapsed_ms(TimingEvent, TimingEvent) { no_cuda("cuda_elapsed_ms"); }
 void cuda_destroy_timing_event(TimingEvent) {}
+void cuda_wait_event(TimingEvent) { no_cuda("cuda_wait_event"); }
 void* cuda_malloc_raw(size_t, int) { no_cuda("cuda_malloc"); }
 void cuda_free_raw(void*, int) { no_cuda("cuda_free"); }
 size_t cuda_free_memory(int) { no_cuda("cuda_free_memory"); }
@@ -26,5 +27,9 @@ void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size
   if (nbytes) std::memcpy(dst, src, nbytes);
 }
 void cuda_memset_zero(void*, size_t, int) { no_cuda("cuda_memset"); }
+void* cuda_host_alloc(size_t) { no_cuda("cuda_host_alloc"); }
+void cuda_host_free(void*) {}
+void copy_bytes_to_host_async(void*, const void*, int, size_t) { no_cuda("copy_bytes_to_host_async"); }
+void copy_bytes_to_device_async(void*, int, const void*, size_t) { no_cuda("copy_bytes_to_device_async"); }
 
 }  // namespace flowmoe

@@ -12,8 +12,14 @@ namespace flowmoe {
 
 // ---- kernels ----------------------------------------------------------------------------------
 
+// control: null for a step given by value, else the step's scalars on the device (kernels/step_control.h).
 __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
-                             float* __restrict__ exp_avg_sq, int64_t n, AdamWStep s) {
+                             float* __restrict__ exp_avg_sq, int64_t n, AdamWStep s,
+                             const StepScalars* __restrict__ control, double lr_multiplier) {
+  if (control) {
+    if (!control->apply) return;  // a skipped step: parameters and moments stay as they are
+    s = scheduled_adamw_step(s, *control, lr_multiplier);
+  }
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float g = s.grad_scale * grad[i];
     float m = s.beta1 * exp_avg[i] + (1.0f - s.beta1) * g;
@@ -54,7 +60,20 @@ void adamw_cuda(float* param, const float* grad, float* exp_avg, float* exp_avg_
   if (n == 0) return;
   FLOWMOE_CHECK(param && grad && exp_avg && exp_avg_sq, Error, "adamw_cuda: null buffer for ", n, " elements");
   const int threads = 256;
-  adamw_kernel<<<grid_size(n, threads), threads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, s);
+  adamw_kernel<<<grid_size(n, threads), threads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, s, nullptr, 1.0);
+  FLOWMOE_CUDA_CHECK_LAUNCH();
+}
+
+void adamw_scheduled_cuda(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+                          const AdamWStep& base, const StepScalars* control, double lr_multiplier,
+                          cudaStream_t stream) {
+  FLOWMOE_CHECK(n >= 0, Error, "adamw_scheduled_cuda: negative size ", n);
+  if (n == 0) return;
+  FLOWMOE_CHECK(param && grad && exp_avg && exp_avg_sq && control, Error,
+                "adamw_scheduled_cuda: null buffer or step scalars for ", n, " elements");
+  const int threads = 256;
+  adamw_kernel<<<grid_size(n, threads), threads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, base, control,
+                                                              lr_multiplier);
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 

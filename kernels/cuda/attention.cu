@@ -1,4 +1,6 @@
-// Causal attention on the GPU, flash-attention style, fp32 math on f32 or bf16 data.
+// Causal attention on the GPU, flash-attention style, fp32 math on CUDA cores, f32 or bf16 data (the
+// *_simt_cuda launchers), and attention_forward_cuda / attention_backward_cuda, which send bf16 to the
+// tensor-core kernels (kernels/cuda/flash_attention.cu) where they apply and everything else here.
 //   forward:  one block per (batch, head, 64-query tile) walks the 64-key tiles up to the diagonal with an
 //             online softmax and writes o and lse_i = log sum_{j<=i} exp(s_ij), s = q·kᵀ/sqrt(hd).
 //   backward: delta_i = dO_i·o_i; then P = exp(s - lse) is recomputed twice: by one block per key tile
@@ -10,6 +12,8 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "kernels/attention.h"
@@ -301,12 +305,12 @@ void allow_smem(Kernel kernel, size_t bytes) {
 
 }  // namespace
 
-void attention_forward_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
-                            int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                            cudaStream_t stream) {
+void attention_forward_simt_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
+                                 int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                                 cudaStream_t stream) {
   AttnDims dims{};
-  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, "attention_forward_cuda")) return;
-  dispatch_cuda_float(dtype, "attention_forward_cuda", [&](auto* tag) {
+  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, "attention_forward_simt_cuda")) return;
+  dispatch_cuda_float(dtype, "attention_forward_simt_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     dispatch_head_dim(dims.head_dim, [&](auto hd_tag) {
       constexpr int HD = decltype(hd_tag)::value;
@@ -320,13 +324,13 @@ void attention_forward_cuda(DType dtype, void* out, float* lse, const void* q, c
   });
 }
 
-void attention_backward_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
-                             const void* q, const void* k, const void* v, const void* out, const float* lse,
-                             int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                             cudaStream_t stream) {
+void attention_backward_simt_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
+                                  const void* q, const void* k, const void* v, const void* out, const float* lse,
+                                  int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                                  cudaStream_t stream) {
   AttnDims dims{};
-  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, "attention_backward_cuda")) return;
-  dispatch_cuda_float(dtype, "attention_backward_cuda", [&](auto* tag) {
+  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, "attention_backward_simt_cuda")) return;
+  dispatch_cuda_float(dtype, "attention_backward_simt_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int64_t num_rows = batch * seq_len * num_heads;
     const int delta_threads = 256;
@@ -350,6 +354,39 @@ void attention_backward_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float
       FLOWMOE_CUDA_CHECK_LAUNCH();
     });
   });
+}
+
+namespace {
+
+// The tensor-core kernels take bf16 rows of whole 16-byte chunks: head_dim % 8 == 0, aligned pointers.
+bool use_flash(DType dtype, int64_t head_dim, std::initializer_list<const void*> ptrs) {
+  if (dtype != DType::bf16 || head_dim % 8 != 0) return false;
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+}  // namespace
+
+void attention_forward_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
+                            int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                            cudaStream_t stream) {
+  if (use_flash(dtype, head_dim, {out, q, k, v}))
+    attention_forward_flash_cuda(dtype, out, lse, q, k, v, batch, seq_len, num_heads, head_dim, stream);
+  else
+    attention_forward_simt_cuda(dtype, out, lse, q, k, v, batch, seq_len, num_heads, head_dim, stream);
+}
+
+void attention_backward_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
+                             const void* q, const void* k, const void* v, const void* out, const float* lse,
+                             int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                             cudaStream_t stream) {
+  if (use_flash(dtype, head_dim, {d_q, d_k, d_v, d_out, q, k, v, out}))
+    attention_backward_flash_cuda(dtype, d_q, d_k, d_v, delta, d_out, q, k, v, out, lse, batch, seq_len, num_heads,
+                                  head_dim, stream);
+  else
+    attention_backward_simt_cuda(dtype, d_q, d_k, d_v, delta, d_out, q, k, v, out, lse, batch, seq_len, num_heads,
+                                 head_dim, stream);
 }
 
 }  // namespace flowmoe

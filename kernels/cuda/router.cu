@@ -266,8 +266,10 @@ __global__ void balance_backward_kernel(RouterParams p, double coef, const float
   write_d_logits(p.scoring, s, d_s, E, lane, d_logits + t * E);
 }
 
+// control: null for a rate given by value, else the rate is scaled by the step's bias_rate_scale.
 __global__ void expert_bias_update_kernel(float* __restrict__ bias, const int32_t* __restrict__ counts, int E,
-                                          double rate, BiasUpdateRule rule) {
+                                          double rate, BiasUpdateRule rule, const StepScalars* __restrict__ control) {
+  if (control) rate *= control->bias_rate_scale;
   __shared__ unsigned long long total;
   if (threadIdx.x == 0) total = 0;
   __syncthreads();
@@ -375,7 +377,18 @@ void router_balance_loss_backward_cuda(const RouterParams& p, const float* logit
 void expert_bias_update_cuda(float* expert_bias, const int32_t* tokens_per_expert, int num_experts, double rate,
                              BiasUpdateRule rule, cudaStream_t stream) {
   if (num_experts == 0) return;
-  expert_bias_update_kernel<<<1, 256, 0, stream>>>(expert_bias, tokens_per_expert, num_experts, rate, rule);
+  expert_bias_update_kernel<<<1, 256, 0, stream>>>(expert_bias, tokens_per_expert, num_experts, rate, rule,
+                                                  nullptr);
+  FLOWMOE_CUDA_CHECK_LAUNCH();
+}
+
+void expert_bias_update_scheduled_cuda(float* expert_bias, const int32_t* tokens_per_expert, int num_experts,
+                                       double rate, BiasUpdateRule rule, const StepScalars* control,
+                                       cudaStream_t stream) {
+  FLOWMOE_CHECK(control, Error, "expert_bias_update_scheduled_cuda: null step scalars");
+  if (num_experts == 0) return;
+  expert_bias_update_kernel<<<1, 256, 0, stream>>>(expert_bias, tokens_per_expert, num_experts, rate, rule,
+                                                  control);
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 

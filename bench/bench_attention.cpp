@@ -1,0 +1,154 @@
+// bench_attention: causal attention on bf16, forward and backward, through the launchers of
+// kernels/attention.h: the tensor-core kernels (kernels/cuda/flash_attention.cu, what the engine runs for
+// bf16) against the fp32 CUDA-core kernels (kernels/cuda/attention.cu) timed in the same run.
+// FLOPs as engine/ops/attention.cpp counts them: forward 2·B·nh·T²·hd (q·kᵀ and p·v over the causal
+// half), backward 2.5 times that. The ceiling is a bf16 8192³ GEMM through gemm_cuda (kernels/linear.h),
+// timed in this run (707 TFLOP/s on the H200, DESIGN.md §6). Each time is the median of kReps event-timed
+// runs after kWarmup. rel_diff is the largest normwise difference between the two kernel families' o,
+// d_q, d_k and d_v (a few 1e-3: P and dS in bf16), a check that the timed kernels agree. No GPU: prints a
+// skip line and exits 0.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <utility>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "engine/ops/ops.h"
+#include "engine/rng.h"
+#include "kernels/attention.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
+#include "kernels/linear.h"
+
+using namespace flowmoe;
+
+namespace {
+
+constexpr int kWarmup = 3;
+constexpr int kReps = 20;
+constexpr int64_t kCeilingSize = 8192;
+
+struct AttnShape {
+  int64_t batch, seq_len, num_heads, head_dim;
+};
+
+// One kernel family's buffers for a shape, all on the GPU.
+struct Buffers {
+  Tensor out, lse, delta, d_q, d_k, d_v;
+  Buffers(const AttnShape& s, Device dev)
+      : out(Tensor::empty({s.batch, s.seq_len, s.num_heads, s.head_dim}, DType::bf16, dev)),
+        lse(Tensor::empty({s.batch, s.num_heads, s.seq_len}, DType::f32, dev)),
+        delta(Tensor::empty({s.batch, s.num_heads, s.seq_len}, DType::f32, dev)),
+        d_q(Tensor::empty(out.shape(), DType::bf16, dev)),
+        d_k(Tensor::empty(out.shape(), DType::bf16, dev)),
+        d_v(Tensor::empty(out.shape(), DType::bf16, dev)) {}
+};
+
+struct Times {
+  double fwd_ms = 0, bwd_ms = 0, fwdbwd_ms = 0;
+};
+
+using ForwardFn = void (*)(DType, void*, float*, const void*, const void*, const void*, int64_t, int64_t, int64_t,
+                           int64_t, cudaStream_t);
+using BackwardFn = void (*)(DType, void*, void*, void*, float*, const void*, const void*, const void*, const void*,
+                            const void*, const float*, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+
+Times time_family(ForwardFn forward, BackwardFn backward, const AttnShape& s, Buffers& b, const Tensor& q,
+                  const Tensor& k, const Tensor& v, const Tensor& d_out, cudaStream_t stream) {
+  auto fwd = [&] {
+    forward(DType::bf16, b.out.raw_data(), b.lse.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(), s.batch,
+            s.seq_len, s.num_heads, s.head_dim, stream);
+  };
+  auto bwd = [&] {
+    backward(DType::bf16, b.d_q.raw_data(), b.d_k.raw_data(), b.d_v.raw_data(), b.delta.data<float>(),
+             d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), b.out.raw_data(), b.lse.data<float>(),
+             s.batch, s.seq_len, s.num_heads, s.head_dim, stream);
+  };
+  Times t;
+  t.fwd_ms = median_ms(fwd, stream, kWarmup, kReps);
+  t.bwd_ms = median_ms(bwd, stream, kWarmup, kReps);  // reads the o and lse the forward left
+  t.fwdbwd_ms = median_ms(
+      [&] {
+        fwd();
+        bwd();
+      },
+      stream, kWarmup, kReps);
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return t;
+}
+
+double tflops(double flops, double ms) { return flops / (ms * 1e-3) / 1e12; }
+
+// The bf16 GEMM ceiling of this device, measured now: c[n,n] = a[n,n]·b[n,n]ᵀ.
+double gemm_ceiling_tflops(Rng& rng, cudaStream_t stream) {
+  const int64_t n = kCeilingSize;
+  const Device dev = Device::cuda(0);
+  Tensor a = rng.uniform({n, n}, -1.0, 1.0, DType::f32).to(DType::bf16).to(dev);
+  Tensor b = rng.uniform({n, n}, -1.0, 1.0, DType::f32).to(DType::bf16).to(dev);
+  Tensor c = Tensor::empty({n, n}, DType::bf16, dev);
+  const double ms = median_ms(
+      [&] {
+        gemm_cuda(false, true, n, n, n, DType::bf16, a.raw_data(), n, b.raw_data(), n, DType::bf16, c.raw_data(), n,
+                  nullptr, false, stream);
+      },
+      stream, kWarmup, kReps);
+  return tflops(2.0 * double(n) * double(n) * double(n), ms);
+}
+
+}  // namespace
+
+int main() {
+  return bench_main("bench_attention", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
+    std::printf("bench_attention on %s: causal attention, bf16, tensor-core (flash) vs CUDA-core (simt) kernels, "
+                "median of %d reps\n",
+                prop.name, kReps);
+    Rng rng(2026);
+    const double ceiling = gemm_ceiling_tflops(rng, stream);
+    std::printf("  bf16 GEMM %lld^3 ceiling: %.1f TFLOP/s\n", (long long)kCeilingSize, ceiling);
+
+    const AttnShape shapes[] = {{32, 512, 8, 128}, {4, 2048, 16, 128}};
+    std::printf("\n%-22s %-6s %9s %9s %9s %9s %9s %9s %8s\n", "B x T x nh x hd", "kernel", "fwd ms", "bwd ms",
+                "f+b ms", "fwd TF/s", "bwd TF/s", "f+b TF/s", "of ceil");
+    for (const AttnShape& s : shapes) {
+      const Device dev = Device::cuda(0);
+      const Shape shape{s.batch, s.seq_len, s.num_heads, s.head_dim};
+      // Random, not zero: data-dependent power draw changes clocks.
+      auto draw = [&] { return rng.uniform(shape, -1.0, 1.0, DType::f32).to(DType::bf16).to(dev); };
+      Tensor q = draw(), k = draw(), v = draw(), d_out = draw();
+      Buffers flash(s, dev), simt(s, dev);
+      const Times tf = time_family(&attention_forward_flash_cuda, &attention_backward_flash_cuda, s, flash, q, k, v,
+                                   d_out, stream);
+      const Times ts = time_family(&attention_forward_simt_cuda, &attention_backward_simt_cuda, s, simt, q, k, v,
+                                   d_out, stream);
+      double rel_diff = 0;
+      for (auto [a, b] : {std::pair{&flash.out, &simt.out}, std::pair{&flash.d_q, &simt.d_q},
+                          std::pair{&flash.d_k, &simt.d_k}, std::pair{&flash.d_v, &simt.d_v}}) {
+        const std::vector<double> x = a->to_doubles(), y = b->to_doubles();
+        double num = 0, den = 0;
+        for (size_t i = 0; i < x.size(); ++i) num += (x[i] - y[i]) * (x[i] - y[i]), den += y[i] * y[i];
+        rel_diff = std::max(rel_diff, den > 0 ? std::sqrt(num / den) : 0.0);
+      }
+
+      const double fwd_flops = 2.0 * double(s.batch) * double(s.num_heads) * double(s.seq_len) *
+                               double(s.seq_len) * double(s.head_dim);
+      const double bwd_flops = 2.5 * fwd_flops, all_flops = fwd_flops + bwd_flops;
+      char name[64];
+      std::snprintf(name, sizeof(name), "%lldx%lldx%lldx%lld", (long long)s.batch, (long long)s.seq_len,
+                    (long long)s.num_heads, (long long)s.head_dim);
+      for (const auto& [label, t] : {std::pair{"flash", tf}, std::pair{"simt", ts}})
+        std::printf("%-22s %-6s %9.3f %9.3f %9.3f %9.1f %9.1f %9.1f %8.3f\n", name, label, t.fwd_ms, t.bwd_ms,
+                    t.fwdbwd_ms, tflops(fwd_flops, t.fwd_ms), tflops(bwd_flops, t.bwd_ms),
+                    tflops(all_flops, t.fwdbwd_ms), tflops(all_flops, t.fwdbwd_ms) / ceiling);
+      std::printf("BENCH attention dtype=bf16 B=%lld T=%lld nh=%lld hd=%lld fwd_ms=%.4f bwd_ms=%.4f fwdbwd_ms=%.4f "
+                  "fwd_tflops=%.1f bwd_tflops=%.1f fwdbwd_tflops=%.1f ceiling_tflops=%.1f frac_ceiling=%.4f "
+                  "simt_fwdbwd_ms=%.4f speedup_vs_simt=%.2f fwd_speedup_vs_simt=%.2f bwd_speedup_vs_simt=%.2f "
+                  "rel_diff=%.2e\n",
+                  (long long)s.batch, (long long)s.seq_len, (long long)s.num_heads, (long long)s.head_dim, tf.fwd_ms,
+                  tf.bwd_ms, tf.fwdbwd_ms, tflops(fwd_flops, tf.fwd_ms), tflops(bwd_flops, tf.bwd_ms),
+                  tflops(all_flops, tf.fwdbwd_ms), ceiling, tflops(all_flops, tf.fwdbwd_ms) / ceiling, ts.fwdbwd_ms,
+                  ts.fwdbwd_ms / tf.fwdbwd_ms, ts.fwd_ms / tf.fwd_ms, ts.bwd_ms / tf.bwd_ms, rel_diff);
+    }
+    FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  });
+}

@@ -1,0 +1,269 @@
+// Causal attention backward on bf16 with tensor cores, FlashAttention-2 style (math in kernels/attention.h),
+// deterministic: two kernels, each CTA owning its output rows (no atomics). 4 warps x 16 rows, 64-row tiles.
+//   dq:   one CTA per 64-query tile: delta_i = dO_i·o_i first (written for the next kernel), then over the key
+//         tiles up to the diagonal P = exp(s - lse), dS = P∘(dO·Vᵀ - delta), dQ += dS·K/sqrt(hd).
+//   dk/dv: one CTA per 64-key tile, over the query tiles from the diagonal on, transposed (rows are keys):
+//         Pᵀ = exp(K·Qᵀ - lse), dSᵀ = Pᵀ∘(V·dOᵀ - delta), dV += Pᵀ·dO, dK += dSᵀ·Q/sqrt(hd).
+// P and dS enter their products as bf16 straight from the accumulators (no shared-memory round trip).
+// Forward and shapes: flash_attention.cu; tiles, fragments: flash_attention.cuh. CPU reference:
+// kernels/cpu/attention.cpp; GPU reference: the fp32 kernels of attention.cu. Tests: tests/test_attention.cpp.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/attention.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/cuda/flash_attention.cuh"
+
+namespace flowmoe {
+
+namespace {
+
+using namespace flash;
+
+constexpr int kBwdTile = 64;  // queries and keys per tile: 4 warps x 16 rows
+constexpr int kBwdThreads = 128;
+
+template <int HD>
+constexpr size_t kDqSmem = size_t(6 * kBwdTile) * kStride<HD> * sizeof(Bf16);  // Q, dO, 2 x (K, V)
+template <int HD>
+constexpr size_t kDkdvSmem = kDqSmem<HD> + 4 * kBwdTile * sizeof(float);  // K, V, 2 x (Q, dO, lse, delta)
+
+// ---- dq (and delta) -----------------------------------------------------------------------------
+
+template <int HD>
+__global__ void __launch_bounds__(kBwdThreads, 2)
+    flash_backward_dq_kernel(Bf16* __restrict__ d_q /*[B, T, nh, hd]*/, float* __restrict__ delta /*[B, nh, T]*/,
+                             const Bf16* __restrict__ q /*[B, T, nh, hd]*/, const Bf16* __restrict__ k /*[same]*/,
+                             const Bf16* __restrict__ v /*[same]*/, const Bf16* __restrict__ d_out /*[same]*/,
+                             const Bf16* __restrict__ out /*[same]*/, const float* __restrict__ lse /*[B, nh, T]*/,
+                             FlashDims dims) {
+  constexpr int S = kStride<HD>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Bf16* q_s = reinterpret_cast<Bf16*>(smem);  // [64, S]
+  Bf16* do_s = q_s + kBwdTile * S;            // [64, S]
+  Bf16* k_s = do_s + kBwdTile * S;            // [2][64, S]; buffer 1 holds the o tile until delta is made
+  Bf16* v_s = k_s + 2 * kBwdTile * S;         // [2][64, S]
+  const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kBwdTile - 1) / kBwdTile;
+  const int q_tile = num_tiles - 1 - int(blockIdx.x) / num_bh;
+  const int bh = int(blockIdx.x) % num_bh, b = bh / dims.num_heads, h = bh % dims.num_heads;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
+  const int q0 = q_tile * kBwdTile, row0 = 16 * warp;  // the warp's rows: q0 + row0 + {g, g+8}
+  const int64_t stride = dims.row_stride(), off = dims.slice_offset(b, h);
+  const float scale_log2 = dims.scale * kLog2e;
+
+  load_tile<kBwdTile, HD, kBwdThreads>(q_s, q + off, stride, q0, dims.seq_len, dims.head_dim);
+  load_tile<kBwdTile, HD, kBwdThreads>(do_s, d_out + off, stride, q0, dims.seq_len, dims.head_dim);
+  load_tile<kBwdTile, HD, kBwdThreads>(k_s, k + off, stride, 0, dims.seq_len, dims.head_dim);
+  load_tile<kBwdTile, HD, kBwdThreads>(v_s, v + off, stride, 0, dims.seq_len, dims.head_dim);
+  load_tile<kBwdTile, HD, kBwdThreads>(k_s + kBwdTile * S, out + off, stride, q0, dims.seq_len, dims.head_dim);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // delta = dO·o in fp32 from the bf16 tiles: lane l sums half (l % 2) of row row0 + l / 2.
+  float row_delta[2], row_lse[2];
+  {
+    const int r = row0 + lane / 2, c0 = (lane % 2) * (HD / 2);
+    const Bf16* o_s = k_s + kBwdTile * S;
+    float sum = 0.f;
+#pragma unroll
+    for (int c = c0; c < c0 + HD / 2; c += 2) {
+      const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(do_s + r * S + c));
+      const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o_s + r * S + c));
+      sum = fmaf(x.x, y.x, fmaf(x.y, y.y, sum));
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (lane % 2 == 0 && q0 + r < dims.seq_len) delta[int64_t(bh) * dims.seq_len + q0 + r] = sum;
+    row_delta[0] = __shfl_sync(0xffffffffu, sum, 2 * g);       // row row0 + g
+    row_delta[1] = __shfl_sync(0xffffffffu, sum, 2 * g + 16);  // row row0 + g + 8
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const int row = q0 + row0 + g + 8 * r2;
+      row_lse[r2] = row < dims.seq_len ? lse[int64_t(bh) * dims.seq_len + row] * kLog2e : 0.f;
+    }
+  }
+  __syncthreads();  // the o tile is read: K/V buffer 1 takes the next tile
+
+  float dq[HD / 8][4] = {};
+  for (int n = 0; n <= q_tile; ++n) {  // key tiles up to the diagonal (all start before seq_len)
+    const int k0 = n * kBwdTile, buf = n & 1;
+    if (n < q_tile) {
+      load_tile<kBwdTile, HD, kBwdThreads>(k_s + (buf ^ 1) * kBwdTile * S, k + off, stride, k0 + kBwdTile,
+                                           dims.seq_len, dims.head_dim);
+      load_tile<kBwdTile, HD, kBwdThreads>(v_s + (buf ^ 1) * kBwdTile * S, v + off, stride, k0 + kBwdTile,
+                                           dims.seq_len, dims.head_dim);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const Bf16* kb = k_s + buf * kBwdTile * S;
+    const Bf16* vb = v_s + buf * kBwdTile * S;
+    float s[kBwdTile / 8][4] = {}, dp[kBwdTile / 8][4] = {};  // S = Q·Kᵀ, dP = dO·Vᵀ for the warp's 16 rows
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t aq[4], ado[4];
+      load_a<HD>(aq, q_s, row0, 16 * kk, lane);
+      load_a<HD>(ado, do_s, row0, 16 * kk, lane);
+#pragma unroll
+      for (int jj = 0; jj < kBwdTile / 16; ++jj) {
+        uint32_t bk[4], bv[4];
+        load_b<HD>(bk, kb, 16 * jj, 16 * kk, lane);
+        load_b<HD>(bv, vb, 16 * jj, 16 * kk, lane);
+        mma_bf16(s[2 * jj], aq, bk[0], bk[1]);
+        mma_bf16(s[2 * jj + 1], aq, bk[2], bk[3]);
+        mma_bf16(dp[2 * jj], ado, bv[0], bv[1]);
+        mma_bf16(dp[2 * jj + 1], ado, bv[2], bv[3]);
+      }
+    }
+    const bool diagonal = n == q_tile;
+#pragma unroll
+    for (int j = 0; j < kBwdTile / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool hidden = diagonal && k0 + 8 * j + 2 * t + (e & 1) > q0 + row0 + g + 8 * (e >> 1);
+        const float p = hidden ? 0.f : exp2_ftz(fmaf(s[j][e], scale_log2, -row_lse[e >> 1]));
+        s[j][e] = p * (dp[j][e] - row_delta[e >> 1]);  // dS
+      }
+#pragma unroll
+    for (int kk = 0; kk < kBwdTile / 16; ++kk) {  // dQ += dS·K
+      uint32_t a[4];
+      pack_a(a, s, kk);
+      mma_rows_trans<HD>(dq, a, kb, 16 * kk, lane);
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  stage_rows<HD>(q_s, row0, dq, dims.scale, dims.scale, lane);  // the warp's own Q rows
+  __syncwarp();
+  store_rows<16, HD>(d_q + off, stride, q_s, row0, q0, dims.seq_len, dims.head_dim, lane);
+}
+
+// ---- dk, dv -------------------------------------------------------------------------------------
+
+template <int HD>
+__global__ void __launch_bounds__(kBwdThreads, 2)
+    flash_backward_dkdv_kernel(Bf16* __restrict__ d_k /*[B, T, nh, hd]*/, Bf16* __restrict__ d_v /*[same]*/,
+                               const Bf16* __restrict__ q /*[B, T, nh, hd]*/, const Bf16* __restrict__ k /*[same]*/,
+                               const Bf16* __restrict__ v /*[same]*/, const Bf16* __restrict__ d_out /*[same]*/,
+                               const float* __restrict__ lse /*[B, nh, T]*/,
+                               const float* __restrict__ delta /*[B, nh, T]*/, FlashDims dims) {
+  constexpr int S = kStride<HD>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Bf16* k_s = reinterpret_cast<Bf16*>(smem);              // [64, S]
+  Bf16* v_s = k_s + kBwdTile * S;                         // [64, S]
+  Bf16* q_s = v_s + kBwdTile * S;                         // [2][64, S]
+  Bf16* do_s = q_s + 2 * kBwdTile * S;                    // [2][64, S]
+  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kBwdTile * S);  // [2][64]
+  float* delta_s = lse_s + 2 * kBwdTile;                  // [2][64]
+  const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kBwdTile - 1) / kBwdTile;
+  const int k_tile = int(blockIdx.x) / num_bh;  // low key tiles see the most queries and start first
+  const int bh = int(blockIdx.x) % num_bh, b = bh / dims.num_heads, h = bh % dims.num_heads;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
+  const int k0 = k_tile * kBwdTile, row0 = 16 * warp;  // the warp's keys: k0 + row0 + {g, g+8}
+  const int64_t stride = dims.row_stride(), off = dims.slice_offset(b, h);
+  const float* lse_bh = lse + int64_t(bh) * dims.seq_len;
+  const float* delta_bh = delta + int64_t(bh) * dims.seq_len;
+  const float scale_log2 = dims.scale * kLog2e;
+
+  auto load_queries = [&](int q_tile, int buf) {
+    const int q0 = q_tile * kBwdTile;
+    load_tile<kBwdTile, HD, kBwdThreads>(q_s + buf * kBwdTile * S, q + off, stride, q0, dims.seq_len, dims.head_dim);
+    load_tile<kBwdTile, HD, kBwdThreads>(do_s + buf * kBwdTile * S, d_out + off, stride, q0, dims.seq_len,
+                                         dims.head_dim);
+    load_row_values<kBwdTile, kBwdThreads>(lse_s + buf * kBwdTile, lse_bh, q0, dims.seq_len);
+    load_row_values<kBwdTile, kBwdThreads>(delta_s + buf * kBwdTile, delta_bh, q0, dims.seq_len);
+  };
+  load_tile<kBwdTile, HD, kBwdThreads>(k_s, k + off, stride, k0, dims.seq_len, dims.head_dim);
+  load_tile<kBwdTile, HD, kBwdThreads>(v_s, v + off, stride, k0, dims.seq_len, dims.head_dim);
+  load_queries(k_tile, 0);
+  cp_async_commit();
+
+  float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};
+  for (int q_tile = k_tile; q_tile < num_tiles; ++q_tile) {  // query tiles from the diagonal on
+    const int q0 = q_tile * kBwdTile, buf = (q_tile - k_tile) & 1;
+    if (q_tile + 1 < num_tiles) load_queries(q_tile + 1, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const Bf16* qb = q_s + buf * kBwdTile * S;
+    const Bf16* dob = do_s + buf * kBwdTile * S;
+    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the warp's 16 keys.
+    float st[kBwdTile / 8][4] = {}, dpt[kBwdTile / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t ak[4], av[4];
+      load_a<HD>(ak, k_s, row0, 16 * kk, lane);
+      load_a<HD>(av, v_s, row0, 16 * kk, lane);
+#pragma unroll
+      for (int jj = 0; jj < kBwdTile / 16; ++jj) {
+        uint32_t bq[4], bdo[4];
+        load_b<HD>(bq, qb, 16 * jj, 16 * kk, lane);
+        load_b<HD>(bdo, dob, 16 * jj, 16 * kk, lane);
+        mma_bf16(st[2 * jj], ak, bq[0], bq[1]);
+        mma_bf16(st[2 * jj + 1], ak, bq[2], bq[3]);
+        mma_bf16(dpt[2 * jj], av, bdo[0], bdo[1]);
+        mma_bf16(dpt[2 * jj + 1], av, bdo[2], bdo[3]);
+      }
+    }
+    // The diagonal tile hides queries before the key; the last tile hides queries past seq_len (their
+    // lse and delta read as 0). Keys past seq_len are then hidden from every query.
+    const bool masked = q_tile == k_tile || q0 + kBwdTile > dims.seq_len;
+#pragma unroll
+    for (int j = 0; j < kBwdTile / 8; ++j) {
+      const int col = 8 * j + 2 * t;  // columns col, col + 1 (queries q0 + col, + 1)
+      const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + buf * kBwdTile + col);
+      const float2 delta2 = *reinterpret_cast<const float2*>(delta_s + buf * kBwdTile + col);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int query = q0 + col + (e & 1), key = k0 + row0 + g + 8 * (e >> 1);
+        const bool hidden = masked && (query < key || query >= dims.seq_len);
+        const float p = hidden ? 0.f : exp2_ftz(fmaf(st[j][e], scale_log2, -(e & 1 ? lse2.y : lse2.x) * kLog2e));
+        st[j][e] = p;                                               // Pᵀ
+        dpt[j][e] = p * (dpt[j][e] - (e & 1 ? delta2.y : delta2.x));  // dSᵀ
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBwdTile / 16; ++kk) {  // dV += Pᵀ·dO, dK += dSᵀ·Q over queries 16kk..16kk+15
+      uint32_t a[4];
+      pack_a(a, st, kk);
+      mma_rows_trans<HD>(dv, a, dob, 16 * kk, lane);
+      pack_a(a, dpt, kk);
+      mma_rows_trans<HD>(dk, a, qb, 16 * kk, lane);
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  stage_rows<HD>(k_s, row0, dk, dims.scale, dims.scale, lane);  // the warp's own K and V rows
+  stage_rows<HD>(v_s, row0, dv, 1.f, 1.f, lane);
+  __syncwarp();
+  store_rows<16, HD>(d_k + off, stride, k_s, row0, k0, dims.seq_len, dims.head_dim, lane);
+  store_rows<16, HD>(d_v + off, stride, v_s, row0, k0, dims.seq_len, dims.head_dim, lane);
+}
+
+}  // namespace
+
+void attention_backward_flash_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
+                                   const void* q, const void* k, const void* v, const void* out, const float* lse,
+                                   int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                                   cudaStream_t stream) {
+  FlashDims dims{};
+  if (!make_flash_dims(dims, dtype, batch, seq_len, num_heads, head_dim, "attention_backward_flash_cuda")) return;
+  check_flash_aligned({d_q, d_k, d_v, d_out, q, k, v, out}, "attention_backward_flash_cuda");
+  const unsigned num_blocks = unsigned(batch * num_heads * ((seq_len + kBwdTile - 1) / kBwdTile));
+  dispatch_flash_head_dim(dims.head_dim, [&](auto hd_tag) {
+    constexpr int HD = decltype(hd_tag)::value;
+    allow_flash_smem(flash_backward_dq_kernel<HD>, kDqSmem<HD>);
+    flash_backward_dq_kernel<HD><<<num_blocks, kBwdThreads, kDqSmem<HD>, stream>>>(
+        static_cast<Bf16*>(d_q), delta, static_cast<const Bf16*>(q), static_cast<const Bf16*>(k),
+        static_cast<const Bf16*>(v), static_cast<const Bf16*>(d_out), static_cast<const Bf16*>(out), lse, dims);
+    FLOWMOE_CUDA_CHECK_LAUNCH();
+    allow_flash_smem(flash_backward_dkdv_kernel<HD>, kDkdvSmem<HD>);
+    flash_backward_dkdv_kernel<HD><<<num_blocks, kBwdThreads, kDkdvSmem<HD>, stream>>>(
+        static_cast<Bf16*>(d_k), static_cast<Bf16*>(d_v), static_cast<const Bf16*>(q), static_cast<const Bf16*>(k),
+        static_cast<const Bf16*>(v), static_cast<const Bf16*>(d_out), lse, delta, dims);
+    FLOWMOE_CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace flowmoe

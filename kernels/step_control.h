@@ -1,0 +1,115 @@
+// The optimizer step's scalars, computed where the gradients live so that the host never waits for them:
+//   loss = Σ_a lm_a / A,  aux = Σ_a aux_a / A (A micro-batches),  norm = sqrt(sq_sums[0] + sq_sums[1])
+//   finite = isfinite(loss + aux) && isfinite(norm);  apply = finite && !halted (halted: sticky, set by a
+//   non-finite step when the run stops on one);  t += apply;  lr = schedule(step);  grad_scale = clip(norm)
+//   bias_correction_i = 1 - beta_i^t;  bias_rate_scale = apply ? (lr / peak lr, or 1) : 0
+// AdamW (kernels/adamw.h) and the expert-bias update (kernels/router.h) read the result on the device;
+// the trainer copies it to the host a step later. The math is one __host__ __device__ function below (the
+// CPU path and the reference), so the CUDA path agrees bit for bit. CUDA: kernels/cuda/step_control.cu.
+// Tests: tests/test_step_control.cpp.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/common/device_api.h"
+
+#if defined(__CUDACC__)
+#define FLOWMOE_HOST_DEVICE __host__ __device__
+#else
+#define FLOWMOE_HOST_DEVICE
+#endif
+
+namespace flowmoe {
+
+// The run's constants, passed by value.
+struct StepSchedule {
+  double lr = 0, min_lr = 0;  // peak and final learning rate
+  int64_t warmup_steps = 0, total_steps = 0;
+  double beta1 = 0.9, beta2 = 0.999;
+  double grad_clip = 0;    // max global norm; 0: no clipping
+  int32_t bias_follows_lr = 0;  // the expert-bias rate scales with lr / (peak) lr; 0: constant
+  int32_t num_micro_batches = 1;
+  int32_t has_aux = 0;            // the model has a balance loss (aux inputs are read)
+  int32_t stop_on_nonfinite = 0;  // a non-finite step halts every later update
+  // Tables computed once by the host, [total_steps + 1] each, indexed by step (lr) and by applied
+  // updates (bias corrections), in the memory of whoever advances the step: the device's cos and pow
+  // may differ from the host's in the last bit, and the tables keep the two paths bit-identical. Null:
+  // computed here (scheduled_lr, pow).
+  const double* lr_by_step = nullptr;
+  const float* bias_correction1_by_update = nullptr;
+  const float* bias_correction2_by_update = nullptr;
+};
+
+// One step's scalars. step, num_updates and halted carry over from the previous step.
+struct StepScalars {
+  int64_t step = 0;         // 1-based, the step these scalars are for
+  int64_t num_updates = 0;  // applied updates so far, this step's included
+  double lr = 0, loss = NAN, aux_loss = NAN, grad_norm = NAN;
+  double grad_scale = 1, bias_rate_scale = 0;
+  float bias_correction1 = 1, bias_correction2 = 1;
+  int32_t apply = 0, halted = 0;
+};
+
+// isfinite for host and device alike: x - x is 0 for a finite x and NaN for inf or NaN.
+FLOWMOE_HOST_DEVICE inline bool is_finite_value(double x) { return x - x == 0; }
+
+// Warmup from lr/warmup to lr over warmup_steps, then cosine decay to min_lr at total_steps.
+FLOWMOE_HOST_DEVICE inline double scheduled_lr(const StepSchedule& p, int64_t step) {
+  if (p.warmup_steps > 0 && step <= p.warmup_steps) return p.lr * double(step) / double(p.warmup_steps);
+  const int64_t decay_steps = p.total_steps - p.warmup_steps;
+  if (decay_steps <= 0) return p.lr;
+  const double progress = fmin(1.0, double(step - p.warmup_steps) / double(decay_steps));
+  return p.min_lr + 0.5 * (p.lr - p.min_lr) * (1.0 + cos(M_PI * progress));
+}
+
+// The factor that brings a gradient of global norm `norm` down to max_norm (1 within it or at max_norm 0).
+FLOWMOE_HOST_DEVICE inline double clip_factor(double norm, double max_norm) {
+  if (max_norm <= 0 || !(norm > max_norm)) return 1.0;
+  return max_norm / norm;
+}
+
+// Advances s to the next step, given that step's loss, balance loss (NaN: none), norm and whether every
+// rank found them finite (one process: their own finiteness).
+FLOWMOE_HOST_DEVICE inline void advance_step(StepScalars& s, const StepSchedule& p, double loss, double aux,
+                                             double norm, bool all_finite) {
+  s.step += 1;
+  s.loss = loss;
+  s.aux_loss = aux;
+  s.grad_norm = norm;
+  const int64_t step = s.step < p.total_steps ? s.step : p.total_steps;  // the tables' last entry past the end
+  s.lr = p.lr_by_step ? p.lr_by_step[step] : scheduled_lr(p, s.step);
+  if (!all_finite && p.stop_on_nonfinite) s.halted = 1;
+  s.apply = all_finite && !s.halted;
+  s.num_updates += s.apply;
+  s.grad_scale = clip_factor(norm, p.grad_clip);
+  const int64_t t = s.num_updates < p.total_steps ? s.num_updates : p.total_steps;
+  s.bias_correction1 = p.bias_correction1_by_update ? p.bias_correction1_by_update[t]
+                                                    : float(1.0 - pow(p.beta1, double(s.num_updates)));
+  s.bias_correction2 = p.bias_correction2_by_update ? p.bias_correction2_by_update[t]
+                                                    : float(1.0 - pow(p.beta2, double(s.num_updates)));
+  s.bias_rate_scale = !s.apply ? 0.0 : !p.bias_follows_lr ? 1.0 : p.lr > 0 ? s.lr / p.lr : 0.0;
+}
+
+// From the step's own values: lm/aux one float per micro-batch (aux unread without p.has_aux), sq_sums
+// the two squared-norm classes of AdamW::grad_square_sums.
+FLOWMOE_HOST_DEVICE inline void advance_step_from_sums(StepScalars& s, const StepSchedule& p,
+                                                       const float* lm /*[A]*/, const float* aux /*[A]*/,
+                                                       const float* sq_sums /*[2]*/) {
+  double lm_sum = 0, aux_sum = 0;
+  for (int a = 0; a < p.num_micro_batches; ++a) {
+    lm_sum += double(lm[a]);
+    if (p.has_aux) aux_sum += double(aux[a]);
+  }
+  const double loss = lm_sum / double(p.num_micro_batches);
+  const double aux_loss = p.has_aux ? aux_sum / double(p.num_micro_batches) : NAN;
+  const double norm = sqrt(double(sq_sums[0]) + double(sq_sums[1]));
+  const double objective = loss + (p.has_aux ? aux_loss : 0.0);
+  advance_step(s, p, loss, aux_loss, norm, is_finite_value(objective) && is_finite_value(norm));
+}
+
+// The same on the device, in one thread: s, lm, aux and sq_sums are device pointers.
+void advance_step_cuda(StepScalars* s /*[1] device*/, const StepSchedule& p, const float* lm /*[A] device*/,
+                       const float* aux /*[A] device, or null without p.has_aux*/,
+                       const float* sq_sums /*[2] device*/, cudaStream_t stream);
+
+}  // namespace flowmoe

@@ -1,0 +1,186 @@
+// The optimizer step's scalars (kernels/step_control.h): the host function against the trainer's
+// schedule and clipping, skips and the sticky halt; the CUDA kernel bit for bit against the host
+// function; AdamW and the expert-bias update reading them on the device against their by-value forms.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "engine/ops/router.h"
+#include "kernels/adamw.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/step_control.h"
+#include "tests/test_util.h"
+#include "train/optimizer.h"
+
+using namespace flowmoe;
+using namespace flowmoe::test;
+
+namespace {
+
+StepSchedule test_schedule() {
+  StepSchedule p;
+  p.lr = 3e-3;
+  p.min_lr = 3e-4;
+  p.warmup_steps = 3;
+  p.total_steps = 10;
+  p.beta1 = 0.9;
+  p.beta2 = 0.95;
+  p.grad_clip = 1.0;
+  p.num_micro_batches = 2;
+  p.has_aux = 1;
+  p.bias_follows_lr = 1;
+  return p;
+}
+
+// Per step: two micro-batch losses, two aux losses, two squared-norm sums.
+struct StepInputs {
+  float lm[2], aux[2], sq[2];
+};
+
+std::vector<StepInputs> test_steps() {
+  return {{{2.5f, 2.25f}, {0.01f, 0.02f}, {0.25f, 0.5f}},   // norm 0.87: no clipping
+          {{2.0f, 1.75f}, {0.01f, 0.01f}, {3.0f, 1.0f}},    // norm 2: clipped by half
+          {{NAN, 1.5f}, {0.01f, 0.01f}, {1.0f, 0.0f}},      // non-finite loss: skipped
+          {{1.5f, 1.25f}, {0.02f, 0.0f}, {INFINITY, 0.f}},  // non-finite norm: skipped
+          {{1.25f, 1.0f}, {0.0f, 0.0f}, {0.5f, 0.25f}}};
+}
+
+bool same_bits(const StepScalars& a, const StepScalars& b) { return std::memcmp(&a, &b, sizeof(StepScalars)) == 0; }
+
+}  // namespace
+
+TEST(StepControl, FollowsTheTrainersScheduleClipAndSkips) {
+  const StepSchedule p = test_schedule();
+  OptimizerConfig o;
+  o.lr = p.lr, o.min_lr = p.min_lr, o.warmup_steps = p.warmup_steps;
+  StepScalars s;
+  s.step = 0;
+  int64_t applied = 0;
+  for (const StepInputs& in : test_steps()) {
+    advance_step_from_sums(s, p, in.lm, in.aux, in.sq);
+    const double loss = (double(in.lm[0]) + double(in.lm[1])) / 2, aux = (double(in.aux[0]) + double(in.aux[1])) / 2;
+    const double norm = std::sqrt(double(in.sq[0]) + double(in.sq[1]));
+    const bool finite = std::isfinite(loss + aux) && std::isfinite(norm);
+    applied += finite;
+    SCOPED_TRACE("step " + std::to_string(s.step));
+    EXPECT_EQ(s.lr, learning_rate(o, s.step, p.total_steps));
+    EXPECT_EQ(s.apply, finite ? 1 : 0);
+    EXPECT_EQ(s.num_updates, applied);
+    EXPECT_EQ(s.halted, 0) << "a skip does not halt";
+    if (finite) {
+      EXPECT_EQ(s.loss, loss);
+      EXPECT_EQ(s.aux_loss, aux);
+      EXPECT_EQ(s.grad_norm, norm);
+      EXPECT_EQ(s.grad_scale, clip_scale(norm, p.grad_clip));
+      EXPECT_EQ(s.bias_correction1, float(1.0 - std::pow(p.beta1, double(applied))));
+      EXPECT_EQ(s.bias_rate_scale, s.lr / p.lr);
+    } else {
+      EXPECT_EQ(s.bias_rate_scale, 0.0) << "a skipped step moves no bias";
+    }
+  }
+  EXPECT_EQ(s.step, 5);
+}
+
+TEST(StepControl, StopHaltsEveryLaterUpdate) {
+  StepSchedule p = test_schedule();
+  p.stop_on_nonfinite = 1;
+  p.bias_follows_lr = 0;
+  StepScalars s;
+  const std::vector<StepInputs> steps = test_steps();
+  advance_step_from_sums(s, p, steps[0].lm, steps[0].aux, steps[0].sq);
+  EXPECT_EQ(s.apply, 1);
+  EXPECT_EQ(s.bias_rate_scale, 1.0) << "a constant bias rate";
+  advance_step_from_sums(s, p, steps[2].lm, steps[2].aux, steps[2].sq);
+  EXPECT_EQ(s.halted, 1);
+  advance_step_from_sums(s, p, steps[4].lm, steps[4].aux, steps[4].sq);
+  EXPECT_EQ(s.apply, 0) << "finite, but after a halt";
+  EXPECT_EQ(s.num_updates, 1);
+}
+
+TEST(StepControl, NoBalanceLossReadsNoAux) {
+  StepSchedule p = test_schedule();
+  p.has_aux = 0;
+  StepScalars s;
+  const float lm[2] = {1.f, 2.f}, aux[2] = {NAN, NAN}, sq[2] = {1.f, 0.f};
+  advance_step_from_sums(s, p, lm, aux, sq);
+  EXPECT_EQ(s.apply, 1);
+  EXPECT_TRUE(std::isnan(s.aux_loss));
+  EXPECT_EQ(s.loss, 1.5);
+}
+
+// With the host's tables (as the trainer gives them: the device's cos and pow may round differently).
+TEST(StepControlCuda, KernelMatchesTheHostBitForBit) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped";
+  StepSchedule p = test_schedule(), p_dev = p;
+  const int64_t n = p.total_steps + 1;
+  std::vector<double> lr(static_cast<size_t>(n));
+  std::vector<float> bc(static_cast<size_t>(2 * n));
+  for (int64_t i = 0; i < n; ++i) {
+    lr[size_t(i)] = scheduled_lr(p, i);
+    bc[size_t(i)] = float(1.0 - std::pow(p.beta1, double(i)));
+    bc[size_t(n + i)] = float(1.0 - std::pow(p.beta2, double(i)));
+  }
+  p.lr_by_step = lr.data(), p.bias_correction1_by_update = bc.data(), p.bias_correction2_by_update = bc.data() + n;
+  Tensor lr_dev = Tensor::from_doubles(lr, {n}, DType::f64, Device::cuda(0));
+  Tensor bc_dev = Tensor::zeros({2 * n}, DType::f32, Device::cuda(0));
+  copy_bytes(bc_dev.raw_data(), 0, bc.data(), -1, bc.size() * sizeof(float));
+  p_dev.lr_by_step = lr_dev.data<double>(), p_dev.bias_correction1_by_update = bc_dev.data<float>();
+  p_dev.bias_correction2_by_update = bc_dev.data<float>() + n;
+  Tensor dev = Tensor::zeros({int64_t(sizeof(StepScalars))}, DType::u8, Device::cuda(0));
+  Tensor inputs = Tensor::zeros({6}, DType::f32, Device::cuda(0));
+  StepScalars host;
+  for (const StepInputs& in : test_steps()) {
+    advance_step_from_sums(host, p, in.lm, in.aux, in.sq);
+    const float flat[6] = {in.lm[0], in.lm[1], in.aux[0], in.aux[1], in.sq[0], in.sq[1]};
+    copy_bytes(inputs.raw_data(), 0, flat, -1, sizeof(flat));
+    const float* d = inputs.data<float>();
+    advance_step_cuda(static_cast<StepScalars*>(dev.raw_data()), p_dev, d, d + 2, d + 4, current_stream(0));
+    StepScalars got;
+    copy_bytes(&got, -1, dev.raw_data(), 0, sizeof(StepScalars));
+    EXPECT_TRUE(same_bits(got, host)) << "step " << host.step << ": lr " << got.lr << " vs " << host.lr;
+  }
+}
+
+// A scheduled AdamW step equals the by-value step it describes, and a skipped one changes nothing.
+TEST(StepControlCuda, AdamWAndExpertBiasReadTheScalars) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped";
+  Rng rng(test_seed());
+  const int64_t n = 3000;
+  const Device gpu = Device::cuda(0);
+  StepScalars c;
+  c.step = 4, c.num_updates = 3, c.lr = 2e-3, c.grad_scale = 0.5, c.apply = 1;
+  c.bias_correction1 = 0.271f, c.bias_correction2 = 0.142625f, c.bias_rate_scale = 0.25;
+  Tensor control = Tensor::zeros({int64_t(sizeof(StepScalars))}, DType::u8, gpu);
+  const auto upload = [&](const StepScalars& s) { copy_bytes(control.raw_data(), 0, &s, -1, sizeof(s)); };
+  const auto* ctrl = static_cast<const StepScalars*>(control.raw_data());
+  for (int apply : {1, 0}) {
+    SCOPED_TRACE(apply ? "applied" : "skipped");
+    c.apply = apply;
+    upload(c);
+    Tensor p0 = random_tensor(rng, {n}, DType::f32, gpu), g = random_tensor(rng, {n}, DType::f32, gpu);
+    Tensor m0 = random_tensor(rng, {n}, DType::f32, gpu), v0 = random_tensor(rng, {n}, DType::f32, gpu, 0, 1);
+    Tensor p1 = p0.clone(), m1 = m0.clone(), v1 = v0.clone();
+    AdamWStep base;
+    base.beta1 = 0.9f, base.beta2 = 0.95f, base.eps = 1e-8f, base.weight_decay = 0.1f;
+    adamw_scheduled_cuda(p1.data<float>(), g.data<float>(), m1.data<float>(), v1.data<float>(), n, base, ctrl, 0.5,
+                         current_stream(0));
+    Tensor p2 = p0.clone(), m2 = m0.clone(), v2 = v0.clone();
+    if (apply)
+      adamw_cuda(p2.data<float>(), g.data<float>(), m2.data<float>(), v2.data<float>(), n,
+                 scheduled_adamw_step(base, c, 0.5), current_stream(0));
+    EXPECT_TRUE(bit_equal(p1, p2));
+    EXPECT_TRUE(bit_equal(m1, m2));
+    EXPECT_TRUE(bit_equal(v1, v2));
+
+    // The expert bias moves by rate × bias_rate_scale; the CPU reference gives the expected bits.
+    c.bias_rate_scale = apply ? 0.25 : 0.0;
+    upload(c);
+    const std::vector<int64_t> loads = {5, 0, 9, 2, 7, 1, 0, 8};
+    Tensor counts_cpu = Tensor::from_ints(loads, {8}, DType::i32, Device::cpu());
+    Tensor bias_cpu = random_tensor(rng, {8});
+    Tensor bias_gpu = bias_cpu.to(gpu);
+    update_expert_bias(bias_gpu, counts_cpu.to(gpu), 0.1, BiasUpdateRule::proportional, ctrl);
+    update_expert_bias(bias_cpu, counts_cpu, 0.1 * c.bias_rate_scale, BiasUpdateRule::proportional);
+    EXPECT_TRUE(bit_equal(bias_gpu.to(Device::cpu()), bias_cpu));
+  }
+}

@@ -1,0 +1,79 @@
+// The optimizer step's scalars where the weights live (kernels/step_control.h), and their way back to the
+// host a step later. On one GPU the loss, the gradient norm, the clip factor, the skip decision, the
+// learning rate and the expert-bias rate never visit the host during a step: AdamW and the bias update
+// read them on the device, and the host reads them (with the MoE loads) from pinned memory once a later
+// step is queued. On the CPU, under several ranks or with test hooks, the host computes them instead.
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "engine/device.h"
+#include "engine/tensor.h"
+#include "kernels/common/device_api.h"
+#include "kernels/step_control.h"
+
+namespace flowmoe {
+
+// A step's scalars and its MoE layers' loads, as the host reads them.
+struct StepReadout {
+  StepScalars scalars;
+  std::vector<std::vector<int64_t>> loads;  // per MoE layer, [E]
+};
+
+class StepState {
+ public:
+  StepState(Device device, const StepSchedule& schedule);
+  ~StepState();
+  StepState(const StepState&) = delete;
+  StepState& operator=(const StepState&) = delete;
+
+  // The next step is `last_step + 1`, after `num_updates` applied updates (a start, or a resume).
+  void reset(int64_t last_step, int64_t num_updates);
+  // Where the parameters' device reads the scalars: device memory on a GPU, host memory on the CPU.
+  const StepScalars* scalars() const;
+
+  // The device path. Micro-batch a's losses (f32 scalars on the device; aux undefined without a
+  // balance loss) go to the step's slots; advance_on_device then computes the scalars from them and
+  // the gradients' squared-norm sums ([2] on the device).
+  void record_losses(int64_t micro_batch, const Tensor& lm, const Tensor& aux);
+  void advance_on_device(const float* sq_sums /*[2] device*/);
+  // The host path: from values the host has (several ranks agreed on them, or the CPU computed them);
+  // aux is NaN without a balance loss.
+  void advance_on_host(double loss, double aux, double norm, bool all_finite);
+
+  // The device path's inputs: a device copy of `host` (a CPU tensor), queued from pinned memory that
+  // belongs to the step being issued, so the host does not wait for the device to take it.
+  Tensor upload(const Tensor& host);
+
+  // Queues the copy of the scalars and the loads to the host, after the step's last kernel.
+  void snapshot(const std::vector<Tensor>& loads);
+  int64_t num_pending() const { return int64_t(pending_.size()); }
+  // Waits for the oldest snapshot and returns it.
+  StepReadout complete();
+
+ private:
+  struct Slot {
+    StepScalars* scalars = nullptr;  // pinned host memory on a GPU
+    int32_t* loads = nullptr;        // pinned, [num_layers, E]
+    size_t loads_capacity = 0;       // int32s
+    std::vector<int64_t> layer_sizes;
+    TimingEvent done = nullptr;
+    std::vector<std::pair<void*, size_t>> staging;  // pinned input buffers and their bytes, by upload
+    size_t num_uploads = 0;                         // used by the step being issued
+  };
+  Device device_;
+  StepSchedule schedule_;         // with the host's tables
+  StepSchedule device_schedule_;  // with the device's copies of them
+  std::vector<double> lr_by_step_;
+  std::vector<float> bias_corrections_;  // [2, total_steps + 1]
+  Tensor device_tables_;                 // u8: the lr table, then the bias corrections
+  StepScalars host_;       // the CPU's scalars, or the last ones the host path computed
+  Tensor device_scalars_;  // u8 [sizeof(StepScalars)] on a GPU
+  Tensor loss_slots_;      // f32 [2 * micro-batches] on a GPU: lm then aux
+  std::vector<Slot> slots_;
+  std::deque<size_t> pending_;  // slot indices, oldest first
+  size_t next_slot_ = 0;
+};
+
+}  // namespace flowmoe
