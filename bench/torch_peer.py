@@ -124,6 +124,7 @@ DEFAULTS = {
         "nonfinite": "skip",
         "recompute": [],
         "max_skipped_steps": 10,
+        "cuda_graph": "auto",
     },
     "optimizer": {
         "lr": 3e-3,

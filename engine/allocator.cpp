@@ -1,6 +1,7 @@
 #include "engine/allocator.h"
 
 #include <cstdlib>
+#include <iterator>
 #include <memory>
 #include <vector>
 
@@ -34,12 +35,13 @@ void* CachingAllocator::allocate(size_t nbytes) {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.num_allocs++;
   void* ptr = nullptr;
-  // Best fit among cached blocks, wasting at most 1/8 of the request.
-  auto it = free_blocks_.lower_bound(size);
-  if (it != free_blocks_.end() && it->first <= size + size / 8) {
+  // Best fit among cached blocks (the open pool's alone, if one is), wasting at most 1/8 of the request.
+  auto& blocks = open_pool_ ? pool_free_[open_pool_] : free_blocks_;
+  auto it = blocks.lower_bound(size);
+  if (it != blocks.end() && it->first <= size + size / 8) {
     size = it->first;
     ptr = it->second;
-    free_blocks_.erase(it);
+    blocks.erase(it);
   } else {
     try {
       ptr = raw_alloc_(size);
@@ -52,6 +54,7 @@ void* CachingAllocator::allocate(size_t nbytes) {
     stats_.reserved_bytes += size;
   }
   live_blocks_[ptr] = size;
+  if (open_pool_) pool_of_[ptr] = open_pool_;
   stats_.live_bytes += size;
   if (stats_.live_bytes > stats_.peak_bytes) stats_.peak_bytes = stats_.live_bytes;
   return ptr;
@@ -63,8 +66,35 @@ void CachingAllocator::release(void* ptr) {
   auto it = live_blocks_.find(ptr);
   FLOWMOE_CHECK(it != live_blocks_.end(), Error, "release of a pointer this allocator did not hand out");
   stats_.live_bytes -= it->second;
-  free_blocks_.emplace(it->second, ptr);
+  auto pool = pool_of_.find(ptr);
+  (pool != pool_of_.end() ? pool_free_[pool->second] : free_blocks_).emplace(it->second, ptr);
   live_blocks_.erase(it);
+}
+
+int CachingAllocator::open_pool() {
+  std::lock_guard<std::mutex> lock(mu_);
+  FLOWMOE_CHECK(open_pool_ == 0, Error, "a private memory pool is already open");
+  open_pool_ = ++num_pools_;
+  return open_pool_;
+}
+
+void CachingAllocator::close_pool() {
+  std::lock_guard<std::mutex> lock(mu_);
+  open_pool_ = 0;
+}
+
+void CachingAllocator::release_pool(int pool) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FLOWMOE_CHECK(pool != open_pool_, Error, "release of the open memory pool ", pool);
+  auto free = pool_free_.find(pool);
+  if (free != pool_free_.end()) {
+    for (auto& [size, ptr] : free->second) {
+      free_blocks_.emplace(size, ptr);
+      pool_of_.erase(ptr);
+    }
+    pool_free_.erase(free);
+  }
+  for (auto it = pool_of_.begin(); it != pool_of_.end();) it = it->second == pool ? pool_of_.erase(it) : std::next(it);
 }
 
 void CachingAllocator::empty_cache_locked() {
@@ -169,6 +199,19 @@ void reset_peak_memory(Device device) {
 
 void empty_cache(Device device) {
   if (device.is_cuda()) cuda_allocator(device.index).empty_cache();
+}
+
+int open_memory_pool(Device device) {
+  FLOWMOE_CHECK(device.is_cuda(), DeviceError, "memory pools are for CUDA devices, not ", device.str());
+  return cuda_allocator(device.index).open_pool();
+}
+
+void close_memory_pool(Device device) {
+  if (device.is_cuda()) cuda_allocator(device.index).close_pool();
+}
+
+void release_memory_pool(Device device, int pool) {
+  if (device.is_cuda()) cuda_allocator(device.index).release_pool(pool);
 }
 
 }  // namespace flowmoe

@@ -40,12 +40,24 @@ class CachingAllocator {
   void reset_peak();
   static size_t round_size(size_t nbytes);
 
+  // A private pool (CUDA graphs, engine/cuda_graph.h): while one is open, allocations come from it
+  // alone, and its blocks return to it whenever they are freed, so a captured graph keeps its
+  // addresses for every replay and no other tensor is ever handed one of them. release_pool gives
+  // the pool's free blocks to the cache once the graph is gone (blocks still live join it when freed).
+  int open_pool();
+  void close_pool();
+  void release_pool(int pool);
+
  private:
   RawAlloc raw_alloc_;
   RawFree raw_free_;
   mutable std::mutex mu_;
   std::multimap<size_t, void*> free_blocks_;  // size -> block
   std::map<void*, size_t> live_blocks_;       // block -> size
+  int open_pool_ = 0;                                       // 0: none open
+  int num_pools_ = 0;
+  std::map<void*, int> pool_of_;                            // block -> its private pool
+  std::map<int, std::multimap<size_t, void*>> pool_free_;  // pool -> its free blocks
   MemoryStats stats_;
   void empty_cache_locked();
 };
@@ -56,5 +68,9 @@ void device_release(void* ptr, Device device);
 MemoryStats memory_stats(Device device);
 void reset_peak_memory(Device device);
 void empty_cache(Device device);
+// CachingAllocator::open_pool and its kin on a CUDA device.
+int open_memory_pool(Device device);
+void close_memory_pool(Device device);
+void release_memory_pool(Device device, int pool);
 
 }  // namespace flowmoe

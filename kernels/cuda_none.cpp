@@ -15,6 +15,7 @@
 #include "kernels/embedding.h"
 #include "kernels/fp8_grouped_linear.h"
 #include "kernels/fp8_transpose.h"
+#include "kernels/grouped_gemm_device.h"
 #include "kernels/grouped_linear.h"
 #include "kernels/linear.h"
 #include "kernels/permute.h"
@@ -91,6 +92,22 @@ FLOWMOE_NO_CUDA(void, fp8_grouped_wgrad_cuda, (const uint8_t*, const float*, con
 // kernels/fp8_transpose.h
 FLOWMOE_NO_CUDA(void, fp8_transpose_cuda, (const uint8_t*, const float*, int64_t, int64_t, const int64_t*, int64_t,
                                            uint8_t*, float*, cudaStream_t))
+
+// kernels/grouped_gemm_device.h
+FLOWMOE_NO_CUDA(size_t, grouped_gemm_device_workspace_bytes, (int64_t))
+FLOWMOE_NO_CUDA(void, grouped_gemm_fprop_device_cuda, (DType, const void*, const void*, void*, const int32_t*, int64_t,
+                                                       int64_t, int64_t, int64_t, void*, size_t, cudaStream_t))
+FLOWMOE_NO_CUDA(void, grouped_gemm_dgrad_device_cuda, (DType, const void*, const void*, void*, const int32_t*, int64_t,
+                                                       int64_t, int64_t, int64_t, void*, size_t, cudaStream_t))
+FLOWMOE_NO_CUDA(void, grouped_gemm_wgrad_device_cuda, (DType, const void*, const void*, float*, const int32_t*,
+                                                       int64_t, int64_t, int64_t, int64_t, bool, void*, size_t,
+                                                       cudaStream_t))
+FLOWMOE_NO_CUDA(void, fp8_grouped_gemm_device_cuda, (DType, const uint8_t*, const float*, const uint8_t*, const float*,
+                                                     void*, const int32_t*, int64_t, int64_t, int64_t, int64_t, void*,
+                                                     size_t, cudaStream_t))
+FLOWMOE_NO_CUDA(void, fp8_grouped_wgrad_device_cuda, (const uint8_t*, const float*, const uint8_t*, const float*,
+                                                      float*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                                                      bool, void*, size_t, cudaStream_t))
 
 // kernels/grouped_linear.h
 FLOWMOE_NO_CUDA(void, set_grouped_linear_streams, (int))

@@ -110,14 +110,17 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   // 3. Dispatch: each routed copy goes to the rank that owns its expert, into that rank's expert-major
   //    buffer padded to align_size (permute+pad; across ranks, an exchange straight into place).
   //    fp8_flow moves the probs with the rows (SwiGLU applies them); the other recipes apply them at
-  //    combine, in fp32. Its one host read of the counts sizes the expert GEMMs (cuBLASLt needs each M).
+  //    combine, in fp32. The counts stay on the device where the expert GEMMs read them there (bf16 on
+  //    one GPU); elsewhere one host read sizes the GEMMs (cuBLASLt needs each M).
   Variable topk_prob = r.topk_prob;
   if (x2.device().is_cpu() && topk_prob.dtype() != x2.dtype()) topk_prob = cast(topk_prob, x2.dtype());
-  Dispatched d =
-      dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), dispatch_options(tokens.size(0)));
+  DispatchOptions o = dispatch_options(tokens.size(0));
+  o.read_counts = !(options_.device_counts && !flow_.fp8_experts && !o.expert_parallel &&
+                    grouped_linear_takes_device_counts(tokens.data()));
+  Dispatched d = dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), o);
 
   // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2.
-  Variable out_rows = experts(d.rows, d.probs, d.padded_tokens_per_expert);
+  Variable out_rows = experts(d.rows, d.probs, d.expert_counts());
 
   // 5. Combine: the rows return to their tokens' rank, and each token sums its k expert rows (× prob
   //    unless SwiGLU applied it): unpermute+unpad.
@@ -143,12 +146,13 @@ RouterOutput MoeLayer::route_tokens(const Variable& x2, const Shape& in_shape) c
 // fc1 → SwiGLU → fc2 over the permuted rows. fc1 and SwiGLU (the part recompute re-runs) go through
 // one function so the recomputed and the original forward are the same code.
 Variable MoeLayer::experts(const Variable& rows, const Variable& probs,
-                           const std::vector<int64_t>& padded_tokens_per_expert) const {
+                           const ExpertCounts& counts) const {
   const MoeFlow flow = flow_;
   const QuantizedWeight* w1q = flow.fp8_experts ? &quantized(fc1_, fc1_cache_) : nullptr;
   auto fc1_swiglu = [this, flow, w1q,
-                     padded_tokens_per_expert](const std::vector<Variable>& in) -> std::vector<Variable> {
-    if (!flow.fp8_experts) return {swiglu(grouped_linear(in[0], fc1_, padded_tokens_per_expert))};
+                     counts](const std::vector<Variable>& in) -> std::vector<Variable> {
+    if (!flow.fp8_experts) return {swiglu(grouped_linear(in[0], fc1_, counts))};
+    const std::vector<int64_t>& padded_tokens_per_expert = counts.host;  // FP8: read to the host
     // fp8_flow: the rows arrive FP8, and SwiGLU applies the probs and emits FP8 for fc2 in one kernel.
     // fp8_blockwise: each GEMM quantizes its own input.
     Variable xq = flow.quantize_once ? in[0] : quantize_rowwise(in[0], "fc1.fprop: x");
@@ -159,8 +163,8 @@ Variable MoeLayer::experts(const Variable& rows, const Variable& probs,
   std::vector<Variable> in = {rows};
   if (flow.probs_in_experts) in.push_back(probs);
   Variable a = options_.recompute_expert ? checkpoint(fc1_swiglu, in)[0] : fc1_swiglu(in)[0];
-  if (!flow.fp8_experts) return grouped_linear(a, fc2_, padded_tokens_per_expert);
-  return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), padded_tokens_per_expert, flow.wgrad, "fc2");
+  if (!flow.fp8_experts) return grouped_linear(a, fc2_, counts);
+  return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), counts.host, flow.wgrad, "fc2");
 }
 
 const QuantizedWeight& MoeLayer::quantized(const Variable& w, WeightCache& cache) const {

@@ -43,6 +43,9 @@ struct MoeOptions {
   int align_size = 16;                   // precision.align_size
   MoeRecipe recipe = MoeRecipe::bf16;    // precision.recipe
   bool recompute_expert = false;         // train.recompute contains moe_expert
+  // One rank, bf16 experts on a GPU: the expert GEMMs read the counts on the device (one launch each,
+  // no host sync). false: read them to the host once per layer (per-expert cuBLASLt calls).
+  bool device_counts = true;
   // The expert-parallel group (parallel/process_group.h): its rank r holds experts
   // [r·E/n, (r+1)·E/n) and tokens travel to them through dispatch and combine. Null or one rank: every
   // expert is local.
@@ -90,7 +93,7 @@ class MoeLayer {
   };
   RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
   Variable experts(const Variable& rows, const Variable& probs,
-                   const std::vector<int64_t>& padded_tokens_per_expert /*[L] host*/) const;
+                   const ExpertCounts& padded_tokens_per_expert) const;
   const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   DispatchOptions dispatch_options(int64_t num_tokens) const;
 

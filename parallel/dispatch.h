@@ -17,6 +17,7 @@
 
 #include "engine/autograd.h"
 #include "engine/ops/permute.h"
+#include "engine/ops/grouped_linear.h"
 #include "parallel/exchange.h"
 
 namespace flowmoe {
@@ -26,6 +27,9 @@ struct DispatchOptions {
   int align_size = 16;    // each expert's segment is a multiple of it (16, 32, 64 or 128)
   int64_t num_rows = -1;  // one rank: the buffer's rows (-1: the worst case, permute_worst_case_rows)
   int row_multiple = 1;   // several ranks: the received buffer's rows round up to it (FP8 GEMMs: 16)
+  // One rank: read the counts to the host (one sync), or leave them on the device for GEMMs that read
+  // them there (ExpertCounts, engine/ops/grouped_linear.h). Several ranks always read them.
+  bool read_counts = true;
   // The expert-parallel group: rank r holds experts [r·L, (r+1)·L), L = E / size. Null: every expert
   // is here and nothing moves between ranks. (A group of one rank still exchanges, with itself.)
   std::shared_ptr<Communicator> expert_parallel;
@@ -34,7 +38,10 @@ struct DispatchOptions {
 struct Dispatched {
   Variable rows;   // [R, H] this rank's experts' copies in the tokens' dtype (FP8 keeps its scales attached)
   Variable probs;  // [R] the probs moved with the rows (0 on pad rows); undefined when none were given
-  std::vector<int64_t> padded_tokens_per_expert;  // [L] on the host: each expert GEMM's M
+  std::vector<int64_t> padded_tokens_per_expert;  // [L] on the host: each expert GEMM's M (empty: not read)
+  Tensor device_counts;  // one rank: the same, i32 [L] on the rows' device, when they were not read
+  // The counts the expert GEMMs take: the host values, or the device ones when they were not read.
+  ExpertCounts expert_counts() const { return {padded_tokens_per_expert, device_counts}; }
   // [L] i32, the real copies: on the rows' device with one rank; on the host across ranks, where the
   // plan holds them (an upload would wait for the stream, a second host sync).
   Tensor tokens_per_expert;

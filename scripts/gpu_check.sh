@@ -147,6 +147,37 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       tail -20 "$out/train_$name.log"
     fi
   done
+  # flowmoe's training speed against the PyTorch peer (bench/peer_compare.sh: the same model compiled),
+  # one after the other on this GPU: gpu_moe in bf16 against the compiled peer (fp8_flow's step: the
+  # profile rows below).
+  if [ -z "${GPU_CHECK_SKIP_TRAIN:-}" ] && python3 -c 'import torch' 2>/dev/null; then
+    if PEER_MODES=compiled CHECKPOINT_DIR="${TMPDIR:-/tmp}/flowmoe_peer_ck" OUT="$out" \
+        bench/peer_compare.sh "$build" configs/gpu_moe.yaml bf16 >"$out/peer_compare.log" 2>&1; then
+      # "flowmoe bf16: 326793.7 tok/s, 12.418 GiB, 0.922 of the compiled peer"
+      grep '^BENCH' "$out/peer_compare.log" | awk '{
+          for (i = 2; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
+          line = f["peer"] " " (f["recipe"] != "" ? f["recipe"] : f["mode"]) ": " f["tokens_per_s"] " tok/s, " f["peak_gib"] " GiB"
+          if (f["ratio_vs_peer_compiled"] != "") line = line ", " f["ratio_vs_peer_compiled"] " of the compiled peer"
+          print line; delete f }' |
+        while read -r line; do row "peer ${line%%:*}" "${line#*: }"; done
+    else
+      bench_rc=1
+      row "peer_compare" "FAILED (see peer_compare.log)"
+      tail -20 "$out/peer_compare.log"
+    fi
+  fi
+  # Where a step's time goes (flowmoe train --profile), gpu_moe in each recipe: the profile's first line.
+  if [ -z "${GPU_CHECK_SKIP_TRAIN:-}" ]; then
+    for recipe in bf16 fp8_flow; do
+      if train_run "$build" configs/gpu_moe.yaml "$out/run_profile_$recipe" "$out/profile_$recipe.log" \
+          --set precision.recipe=$recipe --set train.steps=30 --set optimizer.warmup_steps=10 --profile 25; then
+        row "profile gpu_moe $recipe" "$(grep -E '^profile of step' "$out/profile_$recipe.log" | sed 's/^profile of //')"
+      else
+        bench_rc=1
+        row "profile gpu_moe $recipe" "FAILED (see profile_$recipe.log)"
+      fi
+    done
+  fi
   # The nccl backend at world size 1 against the default backend: the same losses, and tokens/s.
   if [ -z "${GPU_CHECK_SKIP_TRAIN:-}" ]; then
     scripts/parallel_runs.sh "$build" "$out" nccl >"$out/parallel_nccl.txt" 2>&1 || bench_rc=1

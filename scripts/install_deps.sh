@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages flowmoe builds with. Skips apt entirely when all are present.
-# The CUDA toolkit is not installed here: when nvcc exists (/usr/local/cuda or PATH) it is used.
+# The CUDA toolkit is not installed here: when nvcc exists (/usr/local/cuda or PATH) it is used, and
+# scripts/install_cutlass.sh then puts the pinned CUTLASS headers into .deps/cutlass (the CUDA backend's
+# grouped GEMMs build on them; it skips when they are already there).
 # Open MPI (openmpi-bin, libopenmpi-dev) builds the mpi backend of parallel/ and runs its tests under
 # mpirun; flowmoe still builds without it (single process only).
 set -euo pipefail
@@ -12,11 +14,14 @@ for p in "${pkgs[@]}"; do
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "[deps] all present: ${pkgs[*]}"
-  exit 0
+else
+  echo "[deps] installing: ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-echo "[deps] installing: ${missing[*]}"
-sudo=""
-[ "$(id -u)" -ne 0 ] && sudo="sudo"
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  "$(dirname "$0")/install_cutlass.sh"
+fi

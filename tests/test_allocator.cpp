@@ -34,6 +34,36 @@ TEST(CachingAllocator, AccountsLivePeakAndReuses) {
   EXPECT_THROW(a.release(&x), Error);
 }
 
+// A private pool (CUDA graphs): its blocks return to it whenever they are freed, only its own
+// allocations reuse them, and releasing it gives its free blocks to the cache.
+TEST(CachingAllocator, PrivatePoolKeepsItsBlocks) {
+  CachingAllocator a([](size_t n) { return std::malloc(n); }, [](void* p) { std::free(p); });
+  void* outside = a.allocate(1000);
+  a.release(outside);  // cached, but not the pool's
+  const int pool = a.open_pool();
+  void* in_pool = a.allocate(1000);
+  EXPECT_NE(in_pool, outside) << "a pool does not take the cache's blocks";
+  void* kept = a.allocate(4096);
+  a.release(in_pool);
+  EXPECT_EQ(a.allocate(1000), in_pool) << "the pool reuses its own block";
+  a.close_pool();
+  a.release(in_pool);
+  a.release(kept);  // freed after the capture: still the pool's
+  void* later = a.allocate(1000);
+  EXPECT_EQ(later, outside) << "outside the pool only the cache's block is handed out";
+  void* later2 = a.allocate(1000);
+  EXPECT_NE(later2, in_pool);
+  const int second = a.open_pool();
+  EXPECT_THROW(a.open_pool(), Error) << "one pool open at a time";
+  a.close_pool();
+  a.release_pool(second);
+  a.release_pool(pool);
+  a.release(later2);
+  void* after = a.allocate(4096);
+  EXPECT_EQ(after, kept) << "a released pool's blocks join the cache";
+  for (void* p : {later, after}) a.release(p);
+}
+
 TEST(CachingAllocator, DoesNotHandOutFarLargerBlocks) {
   CachingAllocator a([](size_t n) { return std::malloc(n); }, [](void* p) { std::free(p); });
   void* big = a.allocate(64 << 20);

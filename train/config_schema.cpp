@@ -182,6 +182,9 @@ const std::vector<Field>& schema() {
                             "and recomputes fc1 and SwiGLU"));
     f.push_back(integer("train", "max_skipped_steps", FLOWMOE_CONFIG_REF(train.max_skipped_steps), 0, 1e12,
                         "with nonfinite: skip, stop after this many skipped steps"));
+    f.push_back(choice("train", "cuda_graph", FLOWMOE_CONFIG_REF(train.cuda_graph), {"auto", "on", "off"},
+                       "capture the training step once as a CUDA graph and replay it: auto where the step "
+                       "makes no host synchronisation (one GPU, one process, bf16 experts), on requires it"));
     // optimizer (AdamW, warmup then cosine)
     f.push_back(number("optimizer", "lr", FLOWMOE_CONFIG_REF(optimizer.lr), 0, true, 10, false, "peak learning rate"));
     f.push_back(number("optimizer", "min_lr", FLOWMOE_CONFIG_REF(optimizer.min_lr), 0, false, 10, false,

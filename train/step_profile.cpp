@@ -123,7 +123,7 @@ StepMetrics profiled_train_step(TrainRun& run) {
   profile_begin();
   StepMetrics m;
   try {
-    m = train_step(run);
+    m = train_step(run, /*profiled=*/true);
     drain();
   } catch (...) {
     profile_end();

@@ -101,8 +101,15 @@ void StepState::advance_on_host(double loss, double aux, double norm, bool all_f
 }
 
 Tensor StepState::upload(const Tensor& host) {
-  FLOWMOE_CHECK(device_.is_cuda() && host.device().is_cpu(), Error, "StepState::upload: ", host.describe(), " to ",
-                device_.str());
+  Tensor out = Tensor::empty(host.shape(), host.dtype(), device_);
+  upload_into(host, out);
+  return out;
+}
+
+void StepState::upload_into(const Tensor& host, Tensor& out) {
+  FLOWMOE_CHECK(device_.is_cuda() && host.device().is_cpu() && out.device() == device_ &&
+                    out.shape() == host.shape() && out.dtype() == host.dtype() && out.is_contiguous(),
+                Error, "StepState::upload: ", host.describe(), " into ", out.describe());
   FLOWMOE_CHECK(pending_.size() < slots_.size(), Error, "StepState: ", pending_.size(), " steps already pending");
   // This slot's previous step was read back (complete()) before this one was issued: its copies are done.
   Slot& s = slots_[next_slot_];
@@ -116,9 +123,7 @@ Tensor StepState::upload(const Tensor& host) {
     capacity = bytes;
   }
   std::memcpy(buf, src.raw_data(), bytes);
-  Tensor out = Tensor::empty(src.shape(), src.dtype(), device_);
   copy_bytes_to_device_async(out.raw_data(), device_.index, buf, bytes);
-  return out;
 }
 
 void StepState::snapshot(const std::vector<Tensor>& loads) {

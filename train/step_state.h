@@ -45,6 +45,8 @@ class StepState {
   // The device path's inputs: a device copy of `host` (a CPU tensor), queued from pinned memory that
   // belongs to the step being issued, so the host does not wait for the device to take it.
   Tensor upload(const Tensor& host);
+  // The same into an existing device tensor of host's shape and dtype (a captured step's static inputs).
+  void upload_into(const Tensor& host, Tensor& device_tensor);
 
   // Queues the copy of the scalars and the loads to the host, after the step's last kernel.
   void snapshot(const std::vector<Tensor>& loads);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/allocator.h"
+#include "engine/cuda_graph.h"
 #include "engine/profiler.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
@@ -24,20 +25,23 @@ struct StepLosses {
   bool has_aux = false;  // kept apart from aux: a balance loss that went non-finite is still one
 };
 
-// Forward and backward over this rank's slices of the step's micro-batches; the gradients accumulate
-// in the parameters. Each micro-batch's loss is the mean over its tokens, weighted 1/grad_accum_steps.
-// On the device path the losses stay on the device (StepState::record_losses); otherwise they are read.
-StepLosses run_micro_batches(TrainRun& run, bool on_device) {
-  const int64_t num_micro_batches = run.cfg.train.grad_accum_steps;
+// This rank's slices of the step's micro-batches, on the host.
+std::vector<Batch> next_batches(TrainRun& run) {
+  std::vector<Batch> batches;
+  for (int64_t a = 0; a < run.cfg.train.grad_accum_steps; ++a)
+    batches.push_back(run.data.next_train(run.cfg.train.batch_size, run.rank, run.world_size));
+  return batches;
+}
+
+// Forward and backward over the step's micro-batches; the gradients accumulate in the parameters. Each
+// micro-batch's loss is the mean over its tokens, weighted 1/grad_accum_steps. On the device path the
+// losses stay on the device (StepState::record_losses); otherwise they are read.
+StepLosses run_micro_batches(TrainRun& run, const std::vector<Batch>& batches, bool on_device) {
+  const int64_t num_micro_batches = int64_t(batches.size());
   StepLosses out;
   double loss_sum = 0, aux_sum = 0;
   for (int64_t a = 0; a < num_micro_batches; ++a) {
-    Batch b = run.data.next_train(run.cfg.train.batch_size, run.rank, run.world_size);
-    if (on_device) {  // a plain copy to the device would wait for the previous step to finish
-      b.inputs = run.state.upload(b.inputs);
-      b.targets = run.state.upload(b.targets);
-    }
-    const Transformer::Losses parts = run.model.losses(b.inputs, b.targets);
+    const Transformer::Losses parts = run.model.losses(batches[size_t(a)].inputs, batches[size_t(a)].targets);
     const Variable loss = parts.total();
     out.has_aux = parts.aux.defined();
     if (on_device) {
@@ -121,24 +125,13 @@ void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
   run.state.advance_on_host(losses.lm, losses.aux, norm, all_finite);
 }
 
-}  // namespace
-
-bool step_scalars_on_device(const TrainRun& run) {
-  return run.device.is_cuda() && run.world_size == 1 && !run.opts.after_loss;
-}
-
-void issue_step(TrainRun& run) {
-  using clock = std::chrono::steady_clock;
-  if (run.state.num_pending() == 0) run.step_clock = clock::now();
+// The step on the device, from the batches (on the device for the device path) to the expert-bias
+// update: what a CUDA graph captures. Returns the MoE layers' loads for the readout.
+std::vector<Tensor> step_body(TrainRun& run, const std::vector<Batch>& batches, bool on_device, IssuedStep& issued) {
   const uint64_t syncs_before = num_host_syncs();
   reset_cast_counts();
-  Communicator* exchanges = run.parallel.expert_parallel_size > 1 ? run.parallel.expert_parallel.get() : nullptr;
-  if (exchanges) exchanges->take_exchange_ms();  // an evaluation's exchanges are not this step's
-  const bool on_device = step_scalars_on_device(run);
-  ++run.step;
   run.opt.zero_grad();
-  StepLosses losses = run_micro_batches(run, on_device);
-  IssuedStep issued;
+  StepLosses losses = run_micro_batches(run, batches, on_device);
   issued.has_aux = losses.has_aux;
   issued.host_syncs = int64_t(num_host_syncs() - syncs_before);  // the model's own; our loss reads are not counted
   if (run.cast_divisor > 0) {
@@ -156,12 +149,88 @@ void issue_step(TrainRun& run) {
     run.opt.step(run.state.scalars());  // a skipped step changes nothing (step_control.h: apply)
     run.opt.zero_grad();
   }
+  OpTimer timer("expert bias", OpPhase::step, "optimizer", run.device, 0, 0);
+  // Every rank moves its bias by the loads of the global batch.
+  if (run.world_size > 1) all_reduce_flat(*run.world, run.model.moe_load_counts(), ReduceOp::sum);
+  return run.model.update_moe_bias(run.state.scalars());  // a skipped step moves nothing; loads still logged
+}
+
+// train.cuda_graph: whether this step replays (or first captures) the graph. auto takes it once an eager
+// step of this run made no host synchronisation; on insists, and says why when it cannot.
+bool use_graph(TrainRun& run, bool profiled) {
+  const std::string& mode = run.cfg.train.cuda_graph;
+  if (mode == "off" || run.graph_failed || profiled) return false;
+  if (run.graph && run.graph->captured()) return true;
+  const bool possible = step_scalars_on_device(run) && !run.opts.after_backward;
+  if (mode == "on")
+    FLOWMOE_CHECK(possible, ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
+                  ") needs one process on a GPU and no test hooks");
+  // The first step of a run is eager: it creates the cuBLASLt plans and tells whether the step syncs.
+  return possible && run.eager_steps > 0 && run.last_eager_host_syncs == 0;
+}
+
+// The graph step: the batches go into the captured step's static inputs, then one launch runs it all.
+std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches, IssuedStep& issued) {
+  if (!run.graph) {
+    run.graph = std::make_unique<CudaGraphCapture>(run.device);
+    run.graph_inputs.clear();
+    for (const Batch& b : batches)
+      run.graph_inputs.push_back({Tensor::empty(b.inputs.shape(), b.inputs.dtype(), run.device),
+                                  Tensor::empty(b.targets.shape(), b.targets.dtype(), run.device)});
+  }
+  for (size_t a = 0; a < batches.size(); ++a) {
+    run.state.upload_into(batches[a].inputs, run.graph_inputs[a].inputs);
+    run.state.upload_into(batches[a].targets, run.graph_inputs[a].targets);
+  }
+  if (!run.graph->captured()) {
+    try {
+      run.graph->capture([&] { return step_body(run, run.graph_inputs, true, run.graph_issued); });
+    } catch (const Error& e) {
+      // Nothing of the capture ran; FP8 weight caches made during it are dropped (their versions move).
+      for (const Variable& p : run.model.parameters()) p.bump_version();
+      run.graph.reset();
+      if (run.cfg.train.cuda_graph == "on") throw;
+      run.graph_failed = true;
+      run.progress.message(std::string("train.cuda_graph: the step could not be captured, so it runs eagerly (") +
+                           e.what() + ")");
+      return step_body(run, run.graph_inputs, true, issued);
+    }
+    run.graph_casts = run.last_casts;
+    run.progress.message("train.cuda_graph: step " + std::to_string(run.step) + " captured; it and later steps replay it");
+  }
+  run.graph->replay();
+  // What the captured host code did once, each replay does on the device; the versions move as an
+  // eager AdamW step moves them (FP8 weight caches then re-quantize in evaluation).
+  for (const Variable& p : run.model.parameters()) p.bump_version();
+  issued = run.graph_issued;
+  run.last_casts = run.graph_casts;
+  return run.graph->outputs();
+}
+
+}  // namespace
+
+bool step_scalars_on_device(const TrainRun& run) {
+  return run.device.is_cuda() && run.world_size == 1 && !run.opts.after_loss;
+}
+
+void issue_step(TrainRun& run, bool profiled) {
+  using clock = std::chrono::steady_clock;
+  if (run.state.num_pending() == 0) run.step_clock = clock::now();
+  Communicator* exchanges = run.parallel.expert_parallel_size > 1 ? run.parallel.expert_parallel.get() : nullptr;
+  if (exchanges) exchanges->take_exchange_ms();  // an evaluation's exchanges are not this step's
+  const bool on_device = step_scalars_on_device(run);
+  ++run.step;
+  std::vector<Batch> batches = next_batches(run);
+  IssuedStep issued;
   std::vector<Tensor> loads;
-  {
-    OpTimer timer("expert bias", OpPhase::step, "optimizer", run.device, 0, 0);
-    // Every rank moves its bias by the loads of the global batch.
-    if (run.world_size > 1) all_reduce_flat(*run.world, run.model.moe_load_counts(), ReduceOp::sum);
-    loads = run.model.update_moe_bias(run.state.scalars());  // a skipped step moves nothing; loads still logged
+  if (use_graph(run, profiled)) {
+    loads = graph_step(run, batches, issued);
+  } else {
+    if (on_device)  // a plain copy to the device would wait for the previous step to finish
+      for (Batch& b : batches) b = {run.state.upload(b.inputs), run.state.upload(b.targets)};
+    loads = step_body(run, batches, on_device, issued);
+    ++run.eager_steps;
+    run.last_eager_host_syncs = issued.host_syncs;
   }
   if (exchanges) issued.exchange_ms = exchanges->take_exchange_ms();
   run.state.snapshot(loads);
@@ -201,8 +270,8 @@ StepMetrics complete_step(TrainRun& run) {
   return m;
 }
 
-StepMetrics train_step(TrainRun& run) {
-  issue_step(run);
+StepMetrics train_step(TrainRun& run, bool profiled) {
+  issue_step(run, profiled);
   return complete_step(run);
 }
 

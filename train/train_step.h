@@ -9,6 +9,7 @@
 #include <string>
 
 #include "engine/cast_stats.h"
+#include "engine/cuda_graph.h"
 #include "engine/device.h"
 #include "layers/transformer.h"
 #include "parallel/communicator.h"
@@ -68,17 +69,26 @@ struct TrainRun {
   int64_t last_saved = -1;   // the step of the last checkpoint this call saved
   double train_seconds = 0;  // spent in steps, evaluation and checkpoints excluded
   std::deque<IssuedStep> issued;  // queued steps whose metrics are not read yet, oldest first
+  // train.cuda_graph: the captured step, its static inputs, and what its capture's host code knew.
+  std::unique_ptr<CudaGraphCapture> graph;
+  std::vector<Batch> graph_inputs;
+  IssuedStep graph_issued;
+  CastCounts graph_casts;
+  bool graph_failed = false;           // a capture failed under auto: eager from then on
+  int64_t eager_steps = 0;             // steps this call ran without the graph
+  int64_t last_eager_host_syncs = -1;  // the host synchronisations the last of them made
   std::chrono::steady_clock::time_point step_clock;  // when the oldest queued step's time began
 };
 
 // One optimizer step: the micro-batches with gradient accumulation, the gradient sync point, the
 // gradient norm, the non-finite policy, the clipped AdamW update and the expert-bias update.
 // Returns the step's metrics; its validation loss is left for the caller to fill.
-StepMetrics train_step(TrainRun& run);
+StepMetrics train_step(TrainRun& run, bool profiled = false);
 // train_step in two halves. issue_step queues step run.step + 1 (on one GPU without reading anything
 // back: the scalars stay on the device, step_state.h); complete_step waits for the oldest queued step,
 // returns its metrics and applies the non-finite policy. Between them the host may queue the next step.
-void issue_step(TrainRun& run);
+// `profiled`: the step the step profiler times, always eager (train.cuda_graph is not used for it).
+void issue_step(TrainRun& run, bool profiled = false);
 StepMetrics complete_step(TrainRun& run);
 // Whether the run's steps compute their scalars on the device (one GPU, one rank, no loss hook), so
 // that a step may be queued before the previous one is read.

@@ -285,8 +285,11 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   if (run.world_size > 1) run.world->barrier();
 }
 
-static void save_if_due(TrainRun& run) {
-  if (!due(run.step, run.cfg.checkpoint.every, run.cfg.train.steps)) return;
+// `step` is the step just read back; a step due for a checkpoint is never run ahead of (may_run_ahead),
+// so it is also the last one queued and the weights are its own.
+static void save_if_due(TrainRun& run, int64_t step) {
+  if (!due(step, run.cfg.checkpoint.every, run.cfg.train.steps)) return;
+  FLOWMOE_CHECK(step == run.step, Error, "checkpoint of step ", step, " while step ", run.step, " is queued");
   save_run_checkpoint(run, run.step);
   run.last_saved = run.step;
   run.progress.message("step " + std::to_string(run.step) + ": checkpoint " + run.res.last_checkpoint);
@@ -375,7 +378,7 @@ static bool finish_step(TrainRun& run, StepMetrics m) {
   const bool stop = agree_after_step(run, m);
   evaluate_if_due(run, m);
   report_step(run, m);
-  save_if_due(run);
+  save_if_due(run, m.step);
   run.step_clock = std::chrono::steady_clock::now();  // evaluation and checkpoints are not training time
   return stop;
 }

@@ -8,6 +8,7 @@
 
 #include "engine/tap.h"
 #include "kernels/common/device_api.h"
+#include "kernels/grouped_gemm_device.h"
 #include "kernels/grouped_linear.h"
 
 namespace flowmoe {
@@ -54,12 +55,22 @@ void check_gpu_dtypes(const Tensor& x, const Tensor& w) {
                 w.describe(), " must be f32 or x's dtype (x ", x.describe(), ")");
 }
 
+// The one-launch GEMMs' scratch (kernels/grouped_gemm_device.h) for E experts on x's device.
+Tensor device_workspace(const Tensor& x, int64_t num_experts) {
+  return Tensor::empty({int64_t(grouped_gemm_device_workspace_bytes(num_experts))}, DType::u8, x.device());
+}
+
 class GroupedLinear : public Primitive {
  public:
-  GroupedLinear(std::vector<int64_t> rows, std::string weight_name)
-      : rows_(std::move(rows)), weight_name_(std::move(weight_name)) {}
+  GroupedLinear(ExpertCounts counts, std::string weight_name)
+      : rows_(std::move(counts.host)), device_counts_(std::move(counts.device)), weight_name_(std::move(weight_name)) {}
   const char* name() const override { return "grouped_linear"; }
-  double flops(const std::vector<Tensor>& in) const override { return in.size() < 2 ? 0 : grouped_gemm_flops(rows_, in[1]); }
+  // With device counts the host does not know the rows: every row of x counts (the padded worst case).
+  double flops(const std::vector<Tensor>& in) const override {
+    if (in.size() < 2) return 0;
+    if (!device_counts_.defined()) return grouped_gemm_flops(rows_, in[1]);
+    return in[1].dim() == 3 ? 2.0 * double(in[0].size(0)) * double(in[1].size(1)) * double(in[1].size(2)) : 0;
+  }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     Dims d = check_inputs(in[0], in[1], rows_);
@@ -74,6 +85,7 @@ class GroupedLinear : public Primitive {
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
+    if (device_counts_.defined()) return eval_gpu_device_counts(in);
     Dims d = check_inputs(in[0], in[1], rows_);
     check_gpu_dtypes(in[0], in[1]);
     Tensor x = in[0].contiguous();
@@ -86,6 +98,7 @@ class GroupedLinear : public Primitive {
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
+    if (device_counts_.defined()) return vjp_device_counts(in, d_out, needs);
     const Tensor &x_in = in[0], &w_in = in[1];
     Dims d = check_inputs(x_in, w_in, rows_);
     check_same_dtype(d_out[0], x_in, "grouped_linear backward (d_y vs x)");
@@ -131,16 +144,80 @@ class GroupedLinear : public Primitive {
   }
 
  private:
-  std::vector<int64_t> rows_;  // host counts, read once per layer by the caller
+  // The one-launch GEMMs on the device counts: the host never learns the rows.
+  std::vector<Tensor> eval_gpu_device_counts(const std::vector<Tensor>& in) {
+    const Dims d = check_device_counts(in[0], in[1]);
+    Tensor x = in[0].contiguous();
+    w_compute_ = in[1].to(x.dtype()).contiguous();
+    Tensor y = Tensor::empty({d.m_total, d.n}, x.dtype(), x.device());
+    Tensor ws = device_workspace(x, d.num_experts);
+    grouped_gemm_fprop_device_cuda(x.dtype(), x.raw_data(), w_compute_.raw_data(), y.raw_data(),
+                                   device_counts_.data<int32_t>(), d.num_experts, d.m_total, d.n, d.k, ws.raw_data(),
+                                   size_t(ws.numel()), current_stream(x.device().index));
+    return {y};
+  }
+
+  std::vector<Tensor> vjp_device_counts(const std::vector<Tensor>& in, const std::vector<Tensor>& d_out,
+                                        const std::vector<bool>& needs) {
+    const Dims d = check_device_counts(in[0], in[1]);
+    check_same_dtype(d_out[0], in[0], "grouped_linear backward (d_y vs x)");
+    FLOWMOE_CHECK(d_out[0].shape() == (Shape{d.m_total, d.n}), ShapeError, "grouped_linear backward: d_y ",
+                  d_out[0].describe(), " does not match y [", d.m_total, ", ", d.n, "]");
+    const Device dev = in[0].device();
+    if (cuda_current_device() != dev.index) cuda_set_device(dev.index);  // vjps run outside eval()
+    cudaStream_t stream = current_stream(dev.index);
+    Tensor x = in[0].contiguous(), dy = d_out[0].contiguous();
+    Tensor w = w_compute_.defined() ? std::exchange(w_compute_, Tensor()) : in[1].to(x.dtype()).contiguous();
+    Tensor ws = device_workspace(x, d.num_experts);
+    const int32_t* counts = device_counts_.data<int32_t>();
+    Tensor dx, dw;
+    if (needs[0]) {
+      dx = Tensor::empty(x.shape(), x.dtype(), dev);
+      grouped_gemm_dgrad_device_cuda(x.dtype(), dy.raw_data(), w.raw_data(), dx.raw_data(), counts, d.num_experts,
+                                     d.m_total, d.n, d.k, ws.raw_data(), size_t(ws.numel()), stream);
+    }
+    if (needs[1]) {
+      Tensor dw32 = Tensor::empty(in[1].shape(), DType::f32, dev);
+      grouped_gemm_wgrad_device_cuda(x.dtype(), x.raw_data(), dy.raw_data(), dw32.data<float>(), counts,
+                                     d.num_experts, d.m_total, d.n, d.k, false, ws.raw_data(), size_t(ws.numel()),
+                                     stream);
+      dw = dw32.to(in[1].dtype());
+    }
+    return {dx, dw};
+  }
+
+  Dims check_device_counts(const Tensor& x, const Tensor& w) const {
+    FLOWMOE_CHECK(grouped_linear_takes_device_counts(x), DTypeError, "grouped_linear: device counts need a bf16 x on ",
+                  "a GPU of a CUDA build, got x ", x.describe());
+    FLOWMOE_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), ShapeError, "grouped_linear: x ",
+                  shape_str(x.shape()), " and weight ", shape_str(w.shape()), " must be [M_total, K] and [E, N, K]");
+    FLOWMOE_CHECK(device_counts_.dim() == 1 && device_counts_.size(0) == w.size(0) &&
+                      device_counts_.dtype() == DType::i32 && device_counts_.device() == x.device(),
+                  ShapeError, "grouped_linear: device counts ", device_counts_.describe(), " must be [", w.size(0),
+                  "] i32 on ", x.device().str());
+    check_gpu_dtypes(x, w);
+    return {w.size(0), x.size(0), w.size(1), w.size(2)};
+  }
+
+  std::vector<int64_t> rows_;  // host counts, read once per layer by the caller (empty with device counts)
+  Tensor device_counts_;       // [E] i32 on x's device, or undefined
   std::string weight_name_;    // names the tap site
   Tensor w_compute_;           // GPU: the weight in x's dtype, from the forward to the backward
 };
 
 }  // namespace
 
+bool grouped_linear_takes_device_counts(const Tensor& x) {
+  return built_with_cuda() && x.device().is_cuda() && x.dtype() == DType::bf16;
+}
+
 Variable grouped_linear(const Variable& x, const Variable& weight,
                         const std::vector<int64_t>& padded_tokens_per_expert) {
-  return apply(std::make_shared<GroupedLinear>(padded_tokens_per_expert, weight.name()), {x, weight})[0];
+  return grouped_linear(x, weight, ExpertCounts{padded_tokens_per_expert, Tensor()});
+}
+
+Variable grouped_linear(const Variable& x, const Variable& weight, const ExpertCounts& counts) {
+  return apply(std::make_shared<GroupedLinear>(counts, weight.name()), {x, weight})[0];
 }
 
 }  // namespace flowmoe

@@ -26,6 +26,19 @@ std::vector<int64_t> read_counts_once(const Tensor& padded_tokens_per_expert);
 // too (the step profiler's Primitive::flops); 0 when weight is not 3-D.
 double grouped_gemm_flops(const std::vector<int64_t>& padded_tokens_per_expert, const Tensor& weight);
 
+// An MoE layer's per-expert row counts, in one of two places: host values (read_counts_once, one sync)
+// or left on the device, i32 [E] as permute_pad wrote them, for the one-launch grouped GEMMs of
+// kernels/grouped_gemm_device.h, which read them there (nothing then synchronises the host).
+struct ExpertCounts {
+  std::vector<int64_t> host;
+  Tensor device;  // defined: the device counts are the ones to use
+  bool on_device() const { return device.defined(); }
+};
+
+// Whether grouped_linear can take device counts for x: a bf16 x on a GPU of a build with the one-launch
+// grouped GEMMs.
+bool grouped_linear_takes_device_counts(const Tensor& x);
+
 // y [M_total, N] = per expert e: x[rows of e] · weight[e]ᵀ.
 //   x [M_total, K]; weight [E, N, K] (E = padded_tokens_per_expert.size()).
 //   CPU: x and weight both f32 or both f64. CUDA: x bf16 (or f32) and weight the f32 master (or x's
@@ -35,5 +48,7 @@ double grouped_gemm_flops(const std::vector<int64_t>& padded_tokens_per_expert, 
 //   in the weight's dtype, so an f32 master accumulates its gradient in fp32.
 Variable grouped_linear(const Variable& x, const Variable& weight,
                         const std::vector<int64_t>& padded_tokens_per_expert);
+// The same with either kind of counts; device counts need grouped_linear_takes_device_counts(x).
+Variable grouped_linear(const Variable& x, const Variable& weight, const ExpertCounts& counts);
 
 }  // namespace flowmoe

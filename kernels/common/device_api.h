@@ -47,6 +47,17 @@ void copy_bytes_to_host_async(void* dst_pinned, const void* src, int src_device,
 // unchanged until the stream has passed it.
 void copy_bytes_to_device_async(void* dst, int dst_device, const void* src_pinned, size_t nbytes);
 
+// CUDA graphs of the engine stream: begin_capture records (relaxed mode: this thread may still
+// allocate) instead of running; end_capture returns the instantiated graph, or throws CudaError with the
+// reason when something in between could not be captured (a host synchronisation, say). abort_capture
+// ends a capture that threw, leaving the stream usable.
+using CudaGraph = void*;
+void cuda_begin_capture(int device);
+CudaGraph cuda_end_capture(int device);
+void cuda_abort_capture(int device);
+void cuda_graph_launch(CudaGraph graph, int device);
+void cuda_graph_destroy(CudaGraph graph);
+
 // Host synchronisations the engine makes on purpose (e.g. reading per-expert counts once per layer
 // so cuBLASLt gets each expert's M). Every such place calls note_host_sync(); the trainer reports
 // the count per step in the metrics.

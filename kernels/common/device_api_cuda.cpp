@@ -156,4 +156,36 @@ void copy_bytes_to_host_async(void* dst_pinned, const void* src, int src_device,
   FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(dst_pinned, src, nbytes, cudaMemcpyDeviceToHost, current_stream(src_device)));
 }
 
+void cuda_begin_capture(int device) {
+  FLOWMOE_CUDA_CHECK(cudaStreamBeginCapture(current_stream(device), cudaStreamCaptureModeRelaxed));
+}
+
+CudaGraph cuda_end_capture(int device) {
+  cudaGraph_t graph = nullptr;
+  FLOWMOE_CUDA_CHECK(cudaStreamEndCapture(current_stream(device), &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  FLOWMOE_CUDA_CHECK(e);
+  return exec;
+}
+
+void cuda_abort_capture(int device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(current_stream(device), &status) != cudaSuccess) return;
+  if (status == cudaStreamCaptureStatusNone) return;
+  cudaGraph_t graph = nullptr;
+  cudaStreamEndCapture(current_stream(device), &graph);  // invalidated captures end with an error: ignored
+  if (graph) cudaGraphDestroy(graph);
+  cudaGetLastError();
+}
+
+void cuda_graph_launch(CudaGraph graph, int device) {
+  FLOWMOE_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), current_stream(device)));
+}
+
+void cuda_graph_destroy(CudaGraph graph) {
+  if (graph) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph));
+}
+
 }  // namespace flowmoe

@@ -27,6 +27,11 @@ void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size
   if (nbytes) std::memcpy(dst, src, nbytes);
 }
 void cuda_memset_zero(void*, size_t, int) { no_cuda("cuda_memset"); }
+void cuda_begin_capture(int) { no_cuda("cuda_begin_capture"); }
+CudaGraph cuda_end_capture(int) { no_cuda("cuda_end_capture"); }
+void cuda_abort_capture(int) {}
+void cuda_graph_launch(CudaGraph, int) { no_cuda("cuda_graph_launch"); }
+void cuda_graph_destroy(CudaGraph) {}
 void* cuda_host_alloc(size_t) { no_cuda("cuda_host_alloc"); }
 void cuda_host_free(void*) {}
 void copy_bytes_to_host_async(void*, const void*, int, size_t) { no_cuda("copy_bytes_to_host_async"); }

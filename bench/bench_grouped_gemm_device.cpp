@@ -1,0 +1,256 @@
+// bench_grouped_gemm_device: the one-launch grouped GEMMs with device row counts (kernels/grouped_gemm_device.h,
+// CUTLASS) against the per-expert cuBLASLt launchers they replace (kernels/grouped_linear.h,
+// kernels/fp8_grouped_linear.h, host counts), same shapes, same run:
+//   "dsv3"     32 experts x 1024 rows, K 7168, N 4096 (the DESIGN.md §6 shape);
+//   "fc1"/"fc2" the small MoE layer (T 8192, H 1024, F 512, E 32, top-4: 1024 rows per expert),
+//              fc1 N 1024 (2F) K 1024, fc2 N 1024 K 512;
+// each for bf16 and FP8 (1x128 activations x 128x128 weights; wgrad 1x128 x 1x128 along the tokens) and
+// each pass: fprop (bf16 out), dgrad (bf16 out; FP8: the fprop kernel on w_t), wgrad (fp32 out).
+// "ms": median of 30 runs with the host's queueing (median_ms, what a step sees); "gpu": GPU time only
+// (median_gpu_ms). The one-launch times include its setup kernel (and the FP8 per-expert ones the scale
+// re-layout). FLOPs 2·M·N·K; frac_ceiling against the DESIGN.md §6 ceilings (bf16 grouped 679 TFLOP/s,
+// blockwise FP8 1275); speedup = per-expert ms / one-launch ms. Data random. No GPU: skip, exit 0.
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "engine/tensor.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
+#include "kernels/fp8.h"
+#include "kernels/fp8_grouped_linear.h"
+#include "kernels/grouped_gemm_device.h"
+#include "kernels/grouped_linear.h"
+
+using namespace flowmoe;
+
+namespace {
+
+constexpr double kBf16CeilingTflops = 679.0;
+constexpr double kFp8CeilingTflops = 1275.0;
+
+// A random host chunk tiled over the device buffer (random data, not zeros: power draw changes clocks).
+template <class T>
+Tensor device_fill(const std::vector<T>& chunk, const Shape& shape, DType dtype, cudaStream_t stream) {
+  Tensor out = Tensor::empty(shape, dtype, Device::cuda(0));
+  const int64_t n = out.numel(), c = int64_t(chunk.size());
+  Tensor src = Tensor::empty({c}, dtype);
+  std::copy(chunk.begin(), chunk.end(), static_cast<T*>(src.raw_data()));
+  src = src.to(Device::cuda(0));
+  for (int64_t off = 0; off < n; off += c)
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<T*>(out.raw_data()) + off, src.raw_data(),
+                                       size_t(std::min(c, n - off)) * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return out;
+}
+
+struct Chunks {
+  std::vector<uint8_t> fp8;    // e4m3 codes, NaN codes (S.1111.111) excluded
+  std::vector<float> scales;   // powers of two 2^-10..2^-6
+  std::vector<uint16_t> bf16;  // bf16 bits of uniform(-1, 1)
+};
+Chunks make_chunks() {
+  std::mt19937_64 gen(2026);
+  Chunks c;
+  c.fp8.resize(size_t(1) << 22);
+  for (auto& b : c.fp8) {
+    b = uint8_t(gen());
+    if ((b & 0x7F) == 0x7F) b ^= 1;
+  }
+  c.scales.resize(4096);
+  for (auto& s : c.scales) s = fp8_pow2(-6 - int(gen() % 5));
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  c.bf16.resize(size_t(1) << 22);
+  for (auto& v : c.bf16) v = f32_to_bf16_bits(u(gen));
+  return c;
+}
+
+struct Case {
+  const char* name;
+  int64_t num_experts, rows_per_expert, k, n;
+};
+
+struct Timing {
+  double ms = 0, gpu_ms = 0;
+};
+template <class F>
+Timing time_both(F&& run, cudaStream_t stream) {
+  return {median_ms(run, stream), median_gpu_ms([] {}, run, stream, true)};
+}
+
+struct Line {
+  std::string name, dtype, pass;
+  Case c;
+  Timing per_expert, one_launch;
+};
+
+double tflops(const Case& c, double ms) {
+  return 2.0 * double(c.num_experts * c.rows_per_expert) * double(c.n) * double(c.k) / (ms * 1e-3) / 1e12;
+}
+
+void bench_bf16(const Case& c, const Chunks& ch, cudaStream_t stream, std::vector<Line>& out) {
+  const int64_t e = c.num_experts, m = e * c.rows_per_expert, n = c.n, k = c.k;
+  const std::vector<int64_t> rows(size_t(e), c.rows_per_expert);
+  const Device dev = Device::cuda(0);
+  Tensor counts = Tensor::from_ints(rows, {e}, DType::i32, dev);
+  Tensor ws = Tensor::empty({int64_t(grouped_gemm_device_workspace_bytes(e))}, DType::u8, dev);
+  const size_t ws_bytes = ws.nbytes();
+  Tensor x = device_fill(ch.bf16, {m, k}, DType::bf16, stream),
+         w = device_fill(ch.bf16, {e, n, k}, DType::bf16, stream);
+  Tensor dy = device_fill(ch.bf16, {m, n}, DType::bf16, stream);
+  Tensor y = Tensor::empty({m, n}, DType::bf16, dev), dx = Tensor::empty({m, k}, DType::bf16, dev);
+  Tensor dw = Tensor::empty({e, n, k}, DType::f32, dev);
+  const int32_t* cnt = counts.data<int32_t>();
+  auto add = [&](const char* pass, auto&& per_expert, auto&& one_launch) {
+    out.push_back({c.name, "bf16", pass, c, time_both(per_expert, stream), time_both(one_launch, stream)});
+  };
+  add(
+      "fprop",
+      [&] {
+        grouped_linear_forward_cuda(DType::bf16, x.raw_data(), w.raw_data(), y.raw_data(), rows.data(), e, m, n, k,
+                                    stream);
+      },
+      [&] {
+        grouped_gemm_fprop_device_cuda(DType::bf16, x.raw_data(), w.raw_data(), y.raw_data(), cnt, e, m, n, k,
+                                       ws.raw_data(), ws_bytes, stream);
+      });
+  add(
+      "dgrad",
+      [&] {
+        grouped_linear_dgrad_cuda(DType::bf16, dy.raw_data(), w.raw_data(), dx.raw_data(), rows.data(), e, m, n, k,
+                                  stream);
+      },
+      [&] {
+        grouped_gemm_dgrad_device_cuda(DType::bf16, dy.raw_data(), w.raw_data(), dx.raw_data(), cnt, e, m, n, k,
+                                       ws.raw_data(), ws_bytes, stream);
+      });
+  add(
+      "wgrad",
+      [&] {
+        grouped_linear_wgrad_cuda(DType::bf16, x.raw_data(), dy.raw_data(), dw.data<float>(), rows.data(), e, m, n, k,
+                                  false, stream);
+      },
+      [&] {
+        grouped_gemm_wgrad_device_cuda(DType::bf16, x.raw_data(), dy.raw_data(), dw.data<float>(), cnt, e, m, n, k,
+                                       false, ws.raw_data(), ws_bytes, stream);
+      });
+}
+
+void bench_fp8(const Case& c, const Chunks& ch, cudaStream_t stream, std::vector<Line>& out) {
+  const int64_t e = c.num_experts, m = e * c.rows_per_expert, n = c.n, k = c.k;
+  const std::vector<int64_t> rows(size_t(e), c.rows_per_expert);
+  const Device dev = Device::cuda(0);
+  Tensor counts = Tensor::from_ints(rows, {e}, DType::i32, dev);
+  Tensor ws = Tensor::empty({int64_t(grouped_gemm_device_workspace_bytes(e))}, DType::u8, dev);
+  const size_t ws_bytes = ws.nbytes();
+  const int32_t* cnt = counts.data<int32_t>();
+  const size_t lt_bytes =
+      std::max(fp8_grouped_gemm_workspace_bytes(m, k, e, n), fp8_grouped_gemm_workspace_bytes(m, n, e, k));
+  Tensor lt_ws = Tensor::empty({int64_t(lt_bytes)}, DType::u8, dev);
+  auto add = [&](const char* pass, auto&& per_expert, auto&& one_launch) {
+    out.push_back({c.name, "fp8", pass, c, time_both(per_expert, stream), time_both(one_launch, stream)});
+  };
+  {  // fprop: x rowwise [m, k], w [e, n, k] in 128x128 blocks
+    Tensor x = device_fill(ch.fp8, {m, k}, DType::e4m3, stream),
+           xs = device_fill(ch.scales, {m, k / 128}, DType::f32, stream);
+    Tensor w = device_fill(ch.fp8, {e, n, k}, DType::e4m3, stream);
+    Tensor wsc = device_fill(ch.scales, {e, n / 128, k / 128}, DType::f32, stream);
+    Tensor y = Tensor::empty({m, n}, DType::bf16, dev);
+    add(
+        "fprop",
+        [&] {
+          fp8_grouped_gemm_cuda(DType::bf16, x.data<uint8_t>(), xs.data<float>(), w.data<uint8_t>(), wsc.data<float>(),
+                                y.raw_data(), rows.data(), e, m, n, k, lt_ws.raw_data(), stream);
+        },
+        [&] {
+          fp8_grouped_gemm_device_cuda(DType::bf16, x.data<uint8_t>(), xs.data<float>(), w.data<uint8_t>(),
+                                       wsc.data<float>(), y.raw_data(), cnt, e, m, n, k, ws.raw_data(), ws_bytes,
+                                       stream);
+        });
+  }
+  {  // dgrad: dy rowwise [m, n], w_t [e, k, n]: the fprop kernel with n and k swapped
+    Tensor dy = device_fill(ch.fp8, {m, n}, DType::e4m3, stream),
+           dys = device_fill(ch.scales, {m, n / 128}, DType::f32, stream);
+    Tensor wt = device_fill(ch.fp8, {e, k, n}, DType::e4m3, stream);
+    Tensor wts = device_fill(ch.scales, {e, k / 128, n / 128}, DType::f32, stream);
+    Tensor dx = Tensor::empty({m, k}, DType::bf16, dev);
+    add(
+        "dgrad",
+        [&] {
+          fp8_grouped_gemm_cuda(DType::bf16, dy.data<uint8_t>(), dys.data<float>(), wt.data<uint8_t>(),
+                                wts.data<float>(), dx.raw_data(), rows.data(), e, m, k, n, lt_ws.raw_data(), stream);
+        },
+        [&] {
+          fp8_grouped_gemm_device_cuda(DType::bf16, dy.data<uint8_t>(), dys.data<float>(), wt.data<uint8_t>(),
+                                       wts.data<float>(), dx.raw_data(), cnt, e, m, k, n, ws.raw_data(), ws_bytes,
+                                       stream);
+        });
+  }
+  {  // wgrad: colwise dy_t [n, m], x_t [k, m], scales [num_blocks, n | k]
+    const int64_t num_blocks = e * fp8_num_blocks(c.rows_per_expert);
+    Tensor dyt = device_fill(ch.fp8, {n, m}, DType::e4m3, stream),
+           dyts = device_fill(ch.scales, {num_blocks, n}, DType::f32, stream);
+    Tensor xt = device_fill(ch.fp8, {k, m}, DType::e4m3, stream),
+           xts = device_fill(ch.scales, {num_blocks, k}, DType::f32, stream);
+    Tensor dw = Tensor::empty({e, n, k}, DType::f32, dev);
+    add(
+        "wgrad",
+        [&] {
+          fp8_grouped_wgrad_cuda(dyt.data<uint8_t>(), dyts.data<float>(), xt.data<uint8_t>(), xts.data<float>(),
+                                 dw.data<float>(), rows.data(), e, m, n, k, false, stream);
+        },
+        [&] {
+          fp8_grouped_wgrad_device_cuda(dyt.data<uint8_t>(), dyts.data<float>(), xt.data<uint8_t>(), xts.data<float>(),
+                                        dw.data<float>(), cnt, e, m, n, k, false, ws.raw_data(), ws_bytes, stream);
+        });
+  }
+}
+
+}  // namespace
+
+int main() {
+  return bench_main("bench_grouped_gemm_device", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
+    std::printf(
+        "bench_grouped_gemm_device on %s: one-launch grouped GEMMs (device counts, CUTLASS) vs per-expert "
+        "cuBLASLt, median of 30\n",
+        prop.name);
+    const Chunks ch = make_chunks();
+    const Case cases[] = {{"dsv3_32x1024", 32, 1024, 7168, 4096},
+                          {"fc1_T8192_E32", 32, 1024, 1024, 1024},
+                          {"fc2_T8192_E32", 32, 1024, 512, 1024}};
+    std::vector<Line> lines;
+    for (const Case& c : cases) {
+      std::printf("  %-14s E %3lld  rows/expert %5lld  K %5lld  N %5lld ...\n", c.name, (long long)c.num_experts,
+                  (long long)c.rows_per_expert, (long long)c.k, (long long)c.n);
+      std::fflush(stdout);
+      bench_bf16(c, ch, stream, lines);
+      bench_fp8(c, ch, stream, lines);
+    }
+    std::printf("\n%-14s %-5s %-6s %10s %8s %10s %10s %8s %10s %7s %8s\n", "case", "dtype", "pass", "expert ms", "TF/s",
+                "gpu ms", "1-launch", "TF/s", "gpu ms", "of ceil", "speedup");
+    for (const Line& l : lines) {
+      const double ceiling = l.dtype == "fp8" ? kFp8CeilingTflops : kBf16CeilingTflops;
+      const double tf = tflops(l.c, l.one_launch.ms);
+      std::printf("%-14s %-5s %-6s %10.4f %8.1f %10.4f %10.4f %8.1f %10.4f %7.3f %8.3f\n", l.name.c_str(),
+                  l.dtype.c_str(), l.pass.c_str(), l.per_expert.ms, tflops(l.c, l.per_expert.ms), l.per_expert.gpu_ms,
+                  l.one_launch.ms, tf, l.one_launch.gpu_ms, tf / ceiling, l.per_expert.ms / l.one_launch.ms);
+    }
+    for (const Line& l : lines) {
+      const double ceiling = l.dtype == "fp8" ? kFp8CeilingTflops : kBf16CeilingTflops;
+      const double tf = tflops(l.c, l.one_launch.ms);
+      std::printf(
+          "BENCH grouped_gemm_device case=%s dtype=%s pass=%s E=%lld rows_per_expert=%lld K=%lld N=%lld "
+          "per_expert_ms=%.4f per_expert_tflops=%.1f per_expert_gpu_ms=%.4f one_launch_ms=%.4f "
+          "one_launch_tflops=%.1f one_launch_gpu_ms=%.4f one_launch_gpu_tflops=%.1f ceiling_tflops=%.0f "
+          "frac_ceiling=%.4f speedup=%.4f gpu_speedup=%.4f\n",
+          l.name.c_str(), l.dtype.c_str(), l.pass.c_str(), (long long)l.c.num_experts, (long long)l.c.rows_per_expert,
+          (long long)l.c.k, (long long)l.c.n, l.per_expert.ms, tflops(l.c, l.per_expert.ms), l.per_expert.gpu_ms,
+          l.one_launch.ms, tf, l.one_launch.gpu_ms, tflops(l.c, l.one_launch.gpu_ms), ceiling, tf / ceiling,
+          l.per_expert.ms / l.one_launch.ms, l.per_expert.gpu_ms / l.one_launch.gpu_ms);
+    }
+    FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  });
+}

@@ -1,0 +1,47 @@
+// bf16 grouped dgrad in one launch (kernels/grouped_gemm_device.h): dx[off_e : off_e+r_e] = dy_e · w[e] with
+// the row counts read on the device. CUTLASS GEMM per expert: (M, N, K) = (r_e, k, n), A = dy_e [r_e, n]
+// row-major (K-major), B = w[e] [n, k] read as N x K with N contiguous (MN-major: wgmma transposes 16-bit
+// operands in shared memory), D = dx_e [r_e, k] row-major bf16, fp32 accumulation; the setup kernel zeroes
+// rows [sum(r), m_total). Tile 128x256x64, cluster 1x2 (dy's tile multicast), cooperative. CPU reference:
+// grouped_linear_dgrad_cpu (kernels/cpu/grouped_linear.cpp); tests: tests/test_grouped_gemm_device.cpp.
+#include "kernels/cuda/grouped_gemm_sm90.cuh"
+
+namespace flowmoe::grouped_gemm {
+
+namespace {
+
+using Bf16 = cutlass::bfloat16_t;
+using Gemm =
+    GroupedGemm<Bf16, cutlass::layout::RowMajor*, Bf16, cutlass::layout::RowMajor*, void, Bf16,
+                cute::Shape<cute::_128, cute::_256, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>>::Gemm;
+using T = GemmTypes<Gemm>;
+
+struct Fill {
+  const Bf16* dy;  // [m_total, n]
+  const Bf16* w;   // [E, n, k]
+  Bf16* dx;        // [m_total, k]
+  int64_t n, k;
+  __device__ static const char* name() { return "grouped_gemm_dgrad_device_cuda"; }
+  __device__ void operator()(const Arrays<Gemm>& a, int e, long long rows, long long off, long long) const {
+    a.shapes[e] = rows > 0 ? cute::make_shape(int(rows), int(k), int(n)) : cute::make_shape(0, 0, 0);
+    a.a[e] = dy + off * n;
+    a.b[e] = w + e * n * k;
+    a.d[e] = dx + off * k;
+    a.stride_a[e] = ld_stride<T::StrideA>(n);
+    a.stride_b[e] = ld_stride<T::StrideB>(k);  // B(j, i) = w[e][i][j]: step k along the reduction dim
+    a.stride_d[e] = ld_stride<T::StrideD>(k);
+  }
+};
+
+}  // namespace
+
+void bf16_dgrad_run(const Call& c) {
+  const Fill fill{static_cast<const Bf16*>(c.a), static_cast<const Bf16*>(c.b), static_cast<Bf16*>(c.d), c.n, c.k};
+  run_grouped<Gemm>(c, fill, 1, 0.f, ZeroMode::tail_rows, c.k * 2, "grouped_gemm_dgrad_device_cuda");
+}
+
+size_t bf16_dgrad_workspace_bytes(int64_t num_experts, int sm_count) {
+  return workspace_bytes<Gemm>(num_experts, sm_count);
+}
+
+}  // namespace flowmoe::grouped_gemm
