@@ -120,7 +120,12 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   Dispatched d = dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), o);
 
   // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2.
-  Variable out_rows = experts(d.rows, d.probs, d.expert_counts());
+  // FP8 experts on one GPU read the counts on the host (their transposes need them) and also take the
+  // device copy, so their GEMMs run in one launch each.
+  ExpertCounts counts = d.expert_counts();
+  if (flow_.fp8_experts && !o.expert_parallel && options_.device_counts && tokens.data().device().is_cuda())
+    counts.device = d.routing.padded_tokens_per_expert;
+  Variable out_rows = experts(d.rows, d.probs, counts);
 
   // 5. Combine: the rows return to their tokens' rank, and each token sums its k expert rows (× prob
   //    unless SwiGLU applied it): unpermute+unpad.
@@ -152,11 +157,10 @@ Variable MoeLayer::experts(const Variable& rows, const Variable& probs,
   auto fc1_swiglu = [this, flow, w1q,
                      counts](const std::vector<Variable>& in) -> std::vector<Variable> {
     if (!flow.fp8_experts) return {swiglu(grouped_linear(in[0], fc1_, counts))};
-    const std::vector<int64_t>& padded_tokens_per_expert = counts.host;  // FP8: read to the host
     // fp8_flow: the rows arrive FP8, and SwiGLU applies the probs and emits FP8 for fc2 in one kernel.
     // fp8_blockwise: each GEMM quantizes its own input.
     Variable xq = flow.quantize_once ? in[0] : quantize_rowwise(in[0], "fc1.fprop: x");
-    Variable h = fp8_grouped_linear(xq, fc1_, *w1q, padded_tokens_per_expert, flow.wgrad, "fc1");
+    Variable h = fp8_grouped_linear(xq, fc1_, *w1q, counts, flow.wgrad, "fc1");
     if (flow.quantize_once) return {swiglu_quant(h, in[1], /*quantize_grad=*/true)};
     return {quantize_rowwise(swiglu(h), "fc2.fprop: x")};
   };
@@ -164,7 +168,7 @@ Variable MoeLayer::experts(const Variable& rows, const Variable& probs,
   if (flow.probs_in_experts) in.push_back(probs);
   Variable a = options_.recompute_expert ? checkpoint(fc1_swiglu, in)[0] : fc1_swiglu(in)[0];
   if (!flow.fp8_experts) return grouped_linear(a, fc2_, counts);
-  return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), counts.host, flow.wgrad, "fc2");
+  return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), counts, flow.wgrad, "fc2");
 }
 
 const QuantizedWeight& MoeLayer::quantized(const Variable& w, WeightCache& cache) const {

@@ -9,6 +9,7 @@
 #include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_grouped_linear.h"
+#include "kernels/grouped_gemm_device.h"
 #include "kernels/grouped_linear.h"
 
 namespace flowmoe {
@@ -28,11 +29,18 @@ struct Dims {
   int64_t m, n, k;
 };
 
+// The one-launch GEMMs' scratch (kernels/grouped_gemm_device.h) for E experts on t's device.
+Tensor one_launch_workspace(const Tensor& t, int64_t num_experts) {
+  return Tensor::empty({int64_t(grouped_gemm_device_workspace_bytes(num_experts))}, DType::u8, t.device());
+}
+
 // y [M_total, N] = per expert a[rows of e] · w[e]ᵀ, a rowwise FP8 [M_total, K], w block FP8 [E, N, K].
-// fprop (a = x, w = Wq) and dgrad (a = dy, w = Wqᵀ) are the same GEMM.
+// fprop (a = x, w = Wq) and dgrad (a = dy, w = Wqᵀ) are the same GEMM. With the counts also on the
+// device (one rank) the GPU runs it in one launch; otherwise one cuBLASLt call per expert.
 class Fp8GroupedGemm : public BackwardPrimitive {
  public:
-  Fp8GroupedGemm(std::vector<int64_t> rows, const char* what) : rows_(std::move(rows)), what_(what) {}
+  Fp8GroupedGemm(std::vector<int64_t> rows, Tensor device_counts, const char* what)
+      : rows_(std::move(rows)), device_counts_(std::move(device_counts)), what_(what) {}
   const char* name() const override { return what_; }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
@@ -48,9 +56,17 @@ class Fp8GroupedGemm : public BackwardPrimitive {
     Dims d = check(in);
     const Device dev = in[0].device();
     Tensor y = Tensor::empty({d.m, d.n}, DType::bf16, dev);
+    const Fp8Scales &sa = *in[0].fp8_scales(), &sw = *in[1].fp8_scales();
+    if (device_counts_.defined()) {
+      Tensor ws = one_launch_workspace(in[0], int64_t(rows_.size()));
+      fp8_grouped_gemm_device_cuda(DType::bf16, in[0].data<uint8_t>(), sa.scale_inv.data<float>(),
+                                   in[1].data<uint8_t>(), sw.scale_inv.data<float>(), y.raw_data(),
+                                   device_counts_.data<int32_t>(), int64_t(rows_.size()), d.m, d.n, d.k,
+                                   ws.raw_data(), size_t(ws.numel()), current_stream(dev.index));
+      return {y};
+    }
     const size_t ws_bytes = fp8_grouped_gemm_workspace_bytes(d.m, d.k, int64_t(rows_.size()), d.n);
     Tensor ws = Tensor::empty({int64_t(ws_bytes)}, DType::u8, dev);
-    const Fp8Scales &sa = *in[0].fp8_scales(), &sw = *in[1].fp8_scales();
     fp8_grouped_gemm_cuda(DType::bf16, in[0].data<uint8_t>(), sa.scale_inv.data<float>(), in[1].data<uint8_t>(),
                           sw.scale_inv.data<float>(), y.raw_data(), rows_.data(), int64_t(rows_.size()), d.m, d.n, d.k,
                           ws.raw_data(), current_stream(dev.index));
@@ -59,6 +75,7 @@ class Fp8GroupedGemm : public BackwardPrimitive {
 
  private:
   std::vector<int64_t> rows_;
+  Tensor device_counts_;  // [E] i32 on the GPU, the same values as rows_; undefined: per-expert calls
   const char* what_;
 
   Dims check(const std::vector<Tensor>& in) const {
@@ -79,7 +96,8 @@ class Fp8GroupedGemm : public BackwardPrimitive {
 // experts' segments (dyᶜᵒˡ [N, M_total], xᶜᵒˡ [K, M_total]).
 class Fp8GroupedWgrad : public BackwardPrimitive {
  public:
-  explicit Fp8GroupedWgrad(std::vector<int64_t> rows) : rows_(std::move(rows)) {}
+  Fp8GroupedWgrad(std::vector<int64_t> rows, Tensor device_counts)
+      : rows_(std::move(rows)), device_counts_(std::move(device_counts)) {}
   const char* name() const override { return "fp8_grouped_linear_wgrad"; }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
@@ -95,6 +113,14 @@ class Fp8GroupedWgrad : public BackwardPrimitive {
     Dims d = check(in);
     const Device dev = in[0].device();
     Tensor dw = Tensor::empty({int64_t(rows_.size()), d.n, d.k}, DType::f32, dev);
+    if (device_counts_.defined()) {
+      Tensor ws = one_launch_workspace(in[0], int64_t(rows_.size()));
+      fp8_grouped_wgrad_device_cuda(in[0].data<uint8_t>(), in[0].fp8_scales()->scale_inv.data<float>(),
+                                    in[1].data<uint8_t>(), in[1].fp8_scales()->scale_inv.data<float>(),
+                                    dw.data<float>(), device_counts_.data<int32_t>(), int64_t(rows_.size()), d.m,
+                                    d.n, d.k, false, ws.raw_data(), size_t(ws.numel()), current_stream(dev.index));
+      return {dw};
+    }
     fp8_grouped_wgrad_cuda(in[0].data<uint8_t>(), in[0].fp8_scales()->scale_inv.data<float>(), in[1].data<uint8_t>(),
                            in[1].fp8_scales()->scale_inv.data<float>(), dw.data<float>(), rows_.data(),
                            int64_t(rows_.size()), d.m, d.n, d.k, false, current_stream(dev.index));
@@ -103,6 +129,7 @@ class Fp8GroupedWgrad : public BackwardPrimitive {
 
  private:
   std::vector<int64_t> rows_;
+  Tensor device_counts_;  // as Fp8GroupedGemm's
 
   Dims check(const std::vector<Tensor>& in) const {
     const Tensor &dy_t = in[0], &x_t = in[1];
@@ -119,8 +146,9 @@ class Fp8GroupedWgrad : public BackwardPrimitive {
 // Inputs: x (FP8 rowwise [M, K]), weight (the f32 master [E, N, K]). Output: y [M, N].
 class Fp8GroupedLinear : public Primitive {
  public:
-  Fp8GroupedLinear(const QuantizedWeight& wq, std::vector<int64_t> rows, Fp8Wgrad wgrad, std::string site)
-      : wq_(wq), rows_(std::move(rows)), wgrad_(wgrad), site_(std::move(site)) {}
+  Fp8GroupedLinear(const QuantizedWeight& wq, ExpertCounts counts, Fp8Wgrad wgrad, std::string site)
+      : wq_(wq), rows_(std::move(counts.host)), device_counts_(std::move(counts.device)), wgrad_(wgrad),
+        site_(std::move(site)) {}
   const char* name() const override { return "fp8_grouped_linear"; }
   double flops(const std::vector<Tensor>& in) const override { return in.size() < 2 ? 0 : grouped_gemm_flops(rows_, in[1]); }
 
@@ -151,11 +179,11 @@ class Fp8GroupedLinear : public Primitive {
                                                           site_ + ".wgrad: x"),
                                         rows_, site_ + ".wgrad: x colwise");
       }
-      Fp8GroupedWgrad wgrad(rows_);
+      Fp8GroupedWgrad wgrad(rows_, device_counts_);
       dw = eval(wgrad, {dy_col, x_col})[0];
     }
     if (needs[0]) {
-      Fp8GroupedGemm dgrad(rows_, "fp8_grouped_linear_dgrad");
+      Fp8GroupedGemm dgrad(rows_, device_counts_, "fp8_grouped_linear_dgrad");
       dx = eval(dgrad, {dy_row, wq_.q_t})[0];
     }
     return {dx, dw};
@@ -164,9 +192,10 @@ class Fp8GroupedLinear : public Primitive {
  private:
   QuantizedWeight wq_;
   std::vector<int64_t> rows_;
+  Tensor device_counts_;  // optional: the GEMMs then run in one launch (Fp8GroupedGemm)
   Fp8Wgrad wgrad_;
   std::string site_;
-  Fp8GroupedGemm fprop() const { return Fp8GroupedGemm(rows_, "fp8_grouped_linear"); }
+  Fp8GroupedGemm fprop() const { return Fp8GroupedGemm(rows_, device_counts_, "fp8_grouped_linear"); }
 };
 
 }  // namespace
@@ -174,13 +203,23 @@ class Fp8GroupedLinear : public Primitive {
 Variable fp8_grouped_linear(const Variable& x, const Variable& weight, const QuantizedWeight& wq,
                             const std::vector<int64_t>& padded_tokens_per_expert, Fp8Wgrad wgrad,
                             const std::string& site) {
+  return fp8_grouped_linear(x, weight, wq, ExpertCounts{padded_tokens_per_expert, Tensor()}, wgrad, site);
+}
+
+Variable fp8_grouped_linear(const Variable& x, const Variable& weight, const QuantizedWeight& wq,
+                            const ExpertCounts& counts, Fp8Wgrad wgrad, const std::string& site) {
   scales_of(x.data(), ScalingMode::rowwise_1x128, "fp8_grouped_linear x");
   FLOWMOE_CHECK(weight.dtype() == DType::f32 && weight.data().dim() == 3, DTypeError,
                 "fp8_grouped_linear: weight must be the f32 master [E, N, K], got ", weight.data().describe());
   FLOWMOE_CHECK(wq.q.shape() == weight.shape(), ShapeError, "fp8_grouped_linear: quantized weight ", wq.q.describe(),
                 " does not match the master ", weight.data().describe());
   check_same_device(x.data(), weight.data(), "fp8_grouped_linear");
-  return apply(std::make_shared<Fp8GroupedLinear>(wq, padded_tokens_per_expert, wgrad, site), {x, weight})[0];
+  if (counts.device.defined())  // the host counts stay the reference: the transposes' segment tables
+    FLOWMOE_CHECK(counts.device.dtype() == DType::i32 && counts.device.numel() == int64_t(counts.host.size()) &&
+                      counts.device.device() == x.data().device() && x.data().device().is_cuda(),
+                  ShapeError, "fp8_grouped_linear: device counts ", counts.device.describe(), " must be [",
+                  counts.host.size(), "] i32 on ", x.data().device().str(), " beside the host counts");
+  return apply(std::make_shared<Fp8GroupedLinear>(wq, counts, wgrad, site), {x, weight})[0];
 }
 
 }  // namespace flowmoe

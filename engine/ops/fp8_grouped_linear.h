@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/autograd.h"
+#include "engine/ops/grouped_linear.h"
 #include "engine/ops/quantize.h"
 
 namespace flowmoe {
@@ -27,5 +28,10 @@ enum class Fp8Wgrad { transpose, requantize };
 Variable fp8_grouped_linear(const Variable& x, const Variable& weight, const QuantizedWeight& wq,
                             const std::vector<int64_t>& padded_tokens_per_expert, Fp8Wgrad wgrad,
                             const std::string& site);
+// The same with the counts on the host (always: the transposes' segment tables) and, on a GPU, also
+// on the device (i32 [E]): the fprop, dgrad and wgrad GEMMs then run in one launch each
+// (kernels/grouped_gemm_device.h) instead of one cuBLASLt call per expert.
+Variable fp8_grouped_linear(const Variable& x, const Variable& weight, const QuantizedWeight& wq,
+                            const ExpertCounts& counts, Fp8Wgrad wgrad, const std::string& site);
 
 }  // namespace flowmoe
