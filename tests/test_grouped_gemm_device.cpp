@@ -33,6 +33,7 @@
 #include "kernels/fp8_grouped_linear.h"
 #include "kernels/grouped_gemm_device.h"
 #include "kernels/grouped_linear.h"
+#include "tests/fp8_test_data.h"
 #include "tests/test_util.h"
 
 using namespace flowmoe;
@@ -179,83 +180,7 @@ void check_bf16(const Bf16Problem& p) {
 }
 
 // ---- FP8 ----------------------------------------------------------------------------------------
-// Inputs u·2^(a_i + b_j) (u uniform in [-1, 1), a_i, b_j in [-3, 3] per row / column, so neighbouring blocks
-// get different power-of-two scales and a wrong scale layout shows), quantized with the scalar fp8.h code.
-
-std::vector<float> make_values(std::mt19937_64& gen, int64_t rows, int64_t cols, int64_t live_rows) {
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  std::uniform_int_distribution<int> ex(-3, 3);
-  std::vector<int> a(static_cast<size_t>(rows)), b(static_cast<size_t>(cols));
-  for (auto& v : a) v = ex(gen);
-  for (auto& v : b) v = ex(gen);
-  std::vector<float> v(size_t(rows * cols), 0.f);
-  for (int64_t i = 0; i < live_rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) v[size_t(i * cols + j)] = u(gen) * fp8_pow2(a[size_t(i)] + b[size_t(j)]);
-  return v;
-}
-
-struct Quantized {
-  std::vector<uint8_t> q;
-  std::vector<float> s;
-};
-
-// The block's scale_inv from its amax, then every element of the block quantized with it.
-template <class Index>
-void quantize_block(const std::vector<float>& v, const std::vector<size_t>& idx, Index&& out_index, Quantized& out,
-                    size_t scale_at) {
-  float amax = 0.f;
-  for (size_t i : idx) amax = fp8_amax_update(amax, v[i]);
-  const float s = out.s[scale_at] = fp8_scale_inv(amax);
-  for (size_t i : idx) out.q[out_index(i)] = f32_to_e4m3(v[i] * fp8_scale_from_inv(s));
-}
-
-Quantized quantize_rowwise(const std::vector<float>& v, int64_t rows, int64_t cols) {
-  const int64_t cb = cols / 128;
-  Quantized out{std::vector<uint8_t>(v.size()), std::vector<float>(size_t(rows * cb))};
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t b = 0; b < cb; ++b) {
-      std::vector<size_t> idx;
-      for (int64_t j = b * 128; j < (b + 1) * 128; ++j) idx.push_back(size_t(i * cols + j));
-      quantize_block(
-          v, idx, [](size_t t) { return t; }, out, size_t(i * cb + b));
-    }
-  return out;
-}
-
-// num_mats matrices [n, k] in 128x128 blocks, scale_inv [num_mats, n/128, k/128].
-Quantized quantize_blocks(const std::vector<float>& v, int64_t num_mats, int64_t n, int64_t k) {
-  const int64_t nb = n / 128, kb = k / 128;
-  Quantized out{std::vector<uint8_t>(v.size()), std::vector<float>(size_t(num_mats * nb * kb))};
-  for (int64_t e = 0; e < num_mats; ++e)
-    for (int64_t bi = 0; bi < nb; ++bi)
-      for (int64_t bj = 0; bj < kb; ++bj) {
-        std::vector<size_t> idx;
-        for (int64_t i = bi * 128; i < (bi + 1) * 128; ++i)
-          for (int64_t j = bj * 128; j < (bj + 1) * 128; ++j) idx.push_back(size_t((e * n + i) * k + j));
-        quantize_block(
-            v, idx, [](size_t t) { return t; }, out, size_t((e * nb + bi) * kb + bj));
-      }
-  return out;
-}
-
-// v [m_total, cols] -> colwise over segments: q_t [cols, m_total] (tail columns 0), s [num_blocks, cols].
-Quantized quantize_colwise(const std::vector<float>& v, const Rows& rows, int64_t m_total, int64_t cols) {
-  int64_t num_blocks = 0;
-  for (int64_t r : rows) num_blocks += fp8_num_blocks(r);
-  Quantized out{std::vector<uint8_t>(size_t(cols * m_total), 0), std::vector<float>(size_t(num_blocks * cols))};
-  int64_t off = 0, blk = 0;
-  for (int64_t r : rows) {
-    for (int64_t b = 0; b < fp8_num_blocks(r); ++b, ++blk)
-      for (int64_t c = 0; c < cols; ++c) {
-        std::vector<size_t> idx;
-        for (int64_t i = off + b * 128; i < off + std::min(r, (b + 1) * 128); ++i) idx.push_back(size_t(i * cols + c));
-        quantize_block(
-            v, idx, [&](size_t t) { return size_t(c * m_total) + t / size_t(cols); }, out, size_t(blk * cols + c));
-      }
-    off += r;
-  }
-  return out;
-}
+// Inputs and their quantized forms: tests/fp8_test_data.h.
 
 template <class T>
 Tensor host_tensor(const std::vector<T>& v, DType dtype) {
