@@ -110,21 +110,19 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   // 3. Dispatch: each routed copy goes to the rank that owns its expert, into that rank's expert-major
   //    buffer padded to align_size (permute+pad; across ranks, an exchange straight into place).
   //    fp8_flow moves the probs with the rows (SwiGLU applies them); the other recipes apply them at
-  //    combine, in fp32. The counts stay on the device where the expert GEMMs read them there (bf16 on
-  //    one GPU); elsewhere one host read sizes the GEMMs (cuBLASLt needs each M).
+  //    combine, in fp32. On one GPU the expert GEMMs run in one launch on the device counts: bf16
+  //    needs nothing else and reads nothing; FP8 still reads them once, because its transposes'
+  //    segment tables are host values. Elsewhere one host read sizes the GEMMs (cuBLASLt needs each M).
   Variable topk_prob = r.topk_prob;
   if (x2.device().is_cpu() && topk_prob.dtype() != x2.dtype()) topk_prob = cast(topk_prob, x2.dtype());
   DispatchOptions o = dispatch_options(tokens.size(0));
-  o.read_counts = !(options_.device_counts && !flow_.fp8_experts && !o.expert_parallel &&
-                    grouped_linear_takes_device_counts(tokens.data()));
+  const bool one_launch = options_.device_counts && !o.expert_parallel && tokens.data().device().is_cuda() &&
+                          (flow_.fp8_experts || grouped_linear_takes_device_counts(tokens.data()));
+  o.read_counts = !one_launch || flow_.fp8_experts;
   Dispatched d = dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), o);
+  const ExpertCounts counts{d.padded_tokens_per_expert, one_launch ? d.routing.padded_tokens_per_expert : Tensor()};
 
   // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2.
-  // FP8 experts on one GPU read the counts on the host (their transposes need them) and also take the
-  // device copy, so their GEMMs run in one launch each.
-  ExpertCounts counts = d.expert_counts();
-  if (flow_.fp8_experts && !o.expert_parallel && options_.device_counts && tokens.data().device().is_cuda())
-    counts.device = d.routing.padded_tokens_per_expert;
   Variable out_rows = experts(d.rows, d.probs, counts);
 
   // 5. Combine: the rows return to their tokens' rank, and each token sums its k expert rows (× prob
@@ -192,14 +190,6 @@ DispatchOptions MoeLayer::dispatch_options(int64_t num_tokens) const {
   o.row_multiple = flow_.fp8_experts ? 16 : 1;  // as moe_permuted_rows rounds the one-rank buffer
   if (options_.expert_parallel && options_.expert_parallel->size() > 1) o.expert_parallel = options_.expert_parallel;
   return o;
-}
-
-LoadStats MoeLayer::update_bias(double rate_scale) {
-  Tensor bias = expert_bias_.data();  // shares storage: the kernel updates the buffer in place
-  update_expert_bias(bias, tokens_since_update_, bias_update_rate_ * rate_scale, bias_update_rule_);
-  LoadStats s = load_stats(tokens_since_update_);
-  tokens_since_update_.zero_();
-  return s;
 }
 
 Tensor MoeLayer::update_bias(const StepScalars* control) {

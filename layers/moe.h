@@ -26,6 +26,7 @@
 #include <string>
 
 #include "engine/ops/fp8_grouped_linear.h"
+#include "engine/ops/grouped_linear.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
 #include "layers/mlp.h"
@@ -71,12 +72,10 @@ class MoeLayer {
   // The balance loss of the last forward (undefined when aux_loss_alpha == 0).
   const Variable& aux_loss() const { return aux_loss_; }
   // After an optimizer step: move expert_bias toward balance using the counts of every training
-  // forward (grad enabled: evaluations do not count) since the last call, and return their load
-  // statistics (reads the counts: one host sync).
-  // rate_scale multiplies bias_update_rate for this update (model.bias_update_schedule: lr).
-  LoadStats update_bias(double rate_scale = 1.0);
-  // The same at the rate the optimizer step's scalars give (on the layer's device, no host sync: 0 on a
-  // skipped step); returns the loads it used ([E] i32, the layer's device) for the metrics to read later.
+  // forward (grad enabled: evaluations do not count) since the last call, at bias_update_rate times the
+  // rate scale the optimizer step's scalars give (on the layer's device, no host sync: 0 on a skipped
+  // step, lr / peak lr under model.bias_update_schedule: lr). Returns the loads it used ([E] i32, the
+  // layer's device) for the metrics to read later.
   Tensor update_bias(const StepScalars* control);
   // The per-expert counts update_bias() will use ([E] i32, shared storage): data parallelism sums
   // them over the ranks in place first, so every rank moves its bias by the global load.

@@ -118,11 +118,4 @@ std::vector<Tensor> Transformer::update_moe_bias(const StepScalars* control) {
   return loads;
 }
 
-std::vector<LoadStats> Transformer::update_moe_bias(double rate_scale) {
-  std::vector<LoadStats> stats;
-  for (const auto& layer : layers_)
-    if (layer->moe()) stats.push_back(layer->moe()->update_bias(rate_scale));
-  return stats;
-}
-
 }  // namespace flowmoe

@@ -51,11 +51,9 @@ class Transformer {
 
   // State that is not trained but belongs to the model (the MoE expert biases); saved in checkpoints.
   const std::vector<Variable>& buffers() const { return buffers_; }
-  // After an optimizer step: aux-loss-free bias update of every MoE layer, with each layer's load
-  // statistics since the last call (empty for a dense model).
-  std::vector<LoadStats> update_moe_bias(double rate_scale = 1.0);
-  // The same at the optimizer step's scheduled rate (MoeLayer::update_bias(control)); returns each MoE
-  // layer's loads, in layer order, still on the device.
+  // After an optimizer step: aux-loss-free bias update of every MoE layer at the step's scheduled rate
+  // (MoeLayer::update_bias); returns each MoE layer's loads since the last call, in layer order, still on
+  // the device (empty for a dense model).
   std::vector<Tensor> update_moe_bias(const StepScalars* control);
   // Every MoE layer's counts since the last update_moe_bias (MoeLayer::load_counts), in layer order.
   std::vector<Tensor> moe_load_counts() const;

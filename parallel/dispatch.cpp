@@ -42,10 +42,7 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
     d.rows = d.routing.rows;
     d.probs = d.routing.probs;
     d.tokens_per_expert = d.routing.tokens_per_expert;
-    if (o.read_counts)
-      d.padded_tokens_per_expert = read_counts_once(d.routing.padded_tokens_per_expert);  // THE host sync
-    else
-      d.device_counts = d.routing.padded_tokens_per_expert;
+    if (o.read_counts) d.padded_tokens_per_expert = read_counts_once(d.routing.padded_tokens_per_expert);  // THE host sync
     return d;
   }
   Communicator& comm = *o.expert_parallel;

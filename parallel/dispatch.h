@@ -17,7 +17,6 @@
 
 #include "engine/autograd.h"
 #include "engine/ops/permute.h"
-#include "engine/ops/grouped_linear.h"
 #include "parallel/exchange.h"
 
 namespace flowmoe {
@@ -38,10 +37,9 @@ struct DispatchOptions {
 struct Dispatched {
   Variable rows;   // [R, H] this rank's experts' copies in the tokens' dtype (FP8 keeps its scales attached)
   Variable probs;  // [R] the probs moved with the rows (0 on pad rows); undefined when none were given
-  std::vector<int64_t> padded_tokens_per_expert;  // [L] on the host: each expert GEMM's M (empty: not read)
-  Tensor device_counts;  // one rank: the same, i32 [L] on the rows' device, when they were not read
-  // The counts the expert GEMMs take: the host values, or the device ones when they were not read.
-  ExpertCounts expert_counts() const { return {padded_tokens_per_expert, device_counts}; }
+  // [L] on the host: each expert GEMM's M. Empty when not read; on one rank the device copy is
+  // routing.padded_tokens_per_expert.
+  std::vector<int64_t> padded_tokens_per_expert;
   // [L] i32, the real copies: on the rows' device with one rank; on the host across ranks, where the
   // plan holds them (an upload would wait for the stream, a second host sync).
   Tensor tokens_per_expert;

@@ -108,40 +108,11 @@ const float* AdamW::grad_square_sums_device(const std::vector<bool>& flagged) {
   return totals;
 }
 
-void AdamW::step(double lr, double grad_scale) {
-  ++num_updates_;
-  AdamWStep s;
-  s.beta1 = float(cfg_.beta1);
-  s.beta2 = float(cfg_.beta2);
-  s.eps = float(cfg_.eps);
-  s.grad_scale = float(grad_scale);
-  s.bias_correction1 = float(1.0 - std::pow(cfg_.beta1, double(num_updates_)));
-  s.bias_correction2 = float(1.0 - std::pow(cfg_.beta2, double(num_updates_)));
+template <class F>
+void AdamW::update_each(F&& update) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const Variable& p = params_[i];
     if (!p.grad().defined()) continue;  // unused this step: left as is (as torch does)
-    Tensor g = checked_grad(p).contiguous();
-    s.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
-    s.lr = float(router_[i] ? lr * cfg_.router_lr_scale : lr);
-    float* w = p.data().data<float>();
-    float* m = exp_avg_[i].data<float>();
-    float* v = exp_avg_sq_[i].data<float>();
-    if (p.device().is_cpu()) {
-      adamw_cpu(w, g.data<float>(), m, v, g.numel(), s);
-    } else {
-      adamw_cuda(w, g.data<float>(), m, v, g.numel(), s, current_stream(p.device().index));
-    }
-    p.bump_version();  // updated in place: FP8 weight caches must re-quantize
-  }
-}
-
-void AdamW::step(const StepScalars* control) {
-  FLOWMOE_CHECK(control, Error, "AdamW: null step scalars");
-  // CPU parameters: control is host memory, so the host makes the decision the CUDA kernel makes.
-  if (params_[0].device().is_cpu() && !control->apply) return;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Variable& p = params_[i];
-    if (!p.grad().defined()) continue;
     Tensor g = checked_grad(p).contiguous();
     AdamWStep base;
     base.beta1 = float(cfg_.beta1);
@@ -149,17 +120,40 @@ void AdamW::step(const StepScalars* control) {
     base.eps = float(cfg_.eps);
     base.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
     const double lr_multiplier = router_[i] ? cfg_.router_lr_scale : 1.0;
-    float* w = p.data().data<float>();
-    float* m = exp_avg_[i].data<float>();
-    float* v = exp_avg_sq_[i].data<float>();
-    if (p.device().is_cpu()) {
-      adamw_cpu(w, g.data<float>(), m, v, g.numel(), scheduled_adamw_step(base, *control, lr_multiplier));
-    } else {
-      adamw_scheduled_cuda(w, g.data<float>(), m, v, g.numel(), base, control, lr_multiplier,
-                           current_stream(p.device().index));
-    }
-    p.bump_version();  // maybe updated in place: FP8 weight caches must re-quantize
+    update(p.device(), base, lr_multiplier, p.data().data<float>(), g.data<float>(), exp_avg_[i].data<float>(),
+           exp_avg_sq_[i].data<float>(), g.numel());
+    p.bump_version();  // updated in place: FP8 weight caches must re-quantize
   }
+}
+
+void AdamW::step(double lr, double grad_scale) {
+  ++num_updates_;
+  const float bias_correction1 = float(1.0 - std::pow(cfg_.beta1, double(num_updates_)));
+  const float bias_correction2 = float(1.0 - std::pow(cfg_.beta2, double(num_updates_)));
+  update_each([&](Device dev, AdamWStep s, double lr_multiplier, float* w, const float* g, float* m, float* v,
+                  int64_t n) {
+    s.lr = float(lr * lr_multiplier);
+    s.grad_scale = float(grad_scale);
+    s.bias_correction1 = bias_correction1;
+    s.bias_correction2 = bias_correction2;
+    if (dev.is_cpu())
+      adamw_cpu(w, g, m, v, n, s);
+    else
+      adamw_cuda(w, g, m, v, n, s, current_stream(dev.index));
+  });
+}
+
+void AdamW::step(const StepScalars* control) {
+  FLOWMOE_CHECK(control, Error, "AdamW: null step scalars");
+  // CPU parameters: control is host memory, so the host makes the decision the CUDA kernel makes.
+  if (params_[0].device().is_cpu() && !control->apply) return;
+  update_each([&](Device dev, const AdamWStep& base, double lr_multiplier, float* w, const float* g, float* m,
+                  float* v, int64_t n) {
+    if (dev.is_cpu())
+      adamw_cpu(w, g, m, v, n, scheduled_adamw_step(base, *control, lr_multiplier));
+    else
+      adamw_scheduled_cuda(w, g, m, v, n, base, control, lr_multiplier, current_stream(dev.index));
+  });
 }
 
 int64_t AdamW::num_router_params() const {

@@ -60,6 +60,10 @@ class AdamW {
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;
   Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction: two classes of slots, two totals
+  // Walks the parameters that have a gradient, giving update(device, base step (betas, eps, weight decay),
+  // lr multiplier, param, grad, exp_avg, exp_avg_sq, numel) each, then bumps the parameter's version.
+  template <class F>
+  void update_each(F&& update);
 };
 
 }  // namespace flowmoe

@@ -29,11 +29,6 @@ struct Dims {
   int64_t m, n, k;
 };
 
-// The one-launch GEMMs' scratch (kernels/grouped_gemm_device.h) for E experts on t's device.
-Tensor one_launch_workspace(const Tensor& t, int64_t num_experts) {
-  return Tensor::empty({int64_t(grouped_gemm_device_workspace_bytes(num_experts))}, DType::u8, t.device());
-}
-
 // y [M_total, N] = per expert a[rows of e] · w[e]ᵀ, a rowwise FP8 [M_total, K], w block FP8 [E, N, K].
 // fprop (a = x, w = Wq) and dgrad (a = dy, w = Wqᵀ) are the same GEMM. With the counts also on the
 // device (one rank) the GPU runs it in one launch; otherwise one cuBLASLt call per expert.
@@ -58,7 +53,7 @@ class Fp8GroupedGemm : public BackwardPrimitive {
     Tensor y = Tensor::empty({d.m, d.n}, DType::bf16, dev);
     const Fp8Scales &sa = *in[0].fp8_scales(), &sw = *in[1].fp8_scales();
     if (device_counts_.defined()) {
-      Tensor ws = one_launch_workspace(in[0], int64_t(rows_.size()));
+      Tensor ws = grouped_gemm_device_workspace(in[0], int64_t(rows_.size()));
       fp8_grouped_gemm_device_cuda(DType::bf16, in[0].data<uint8_t>(), sa.scale_inv.data<float>(),
                                    in[1].data<uint8_t>(), sw.scale_inv.data<float>(), y.raw_data(),
                                    device_counts_.data<int32_t>(), int64_t(rows_.size()), d.m, d.n, d.k,
@@ -114,7 +109,7 @@ class Fp8GroupedWgrad : public BackwardPrimitive {
     const Device dev = in[0].device();
     Tensor dw = Tensor::empty({int64_t(rows_.size()), d.n, d.k}, DType::f32, dev);
     if (device_counts_.defined()) {
-      Tensor ws = one_launch_workspace(in[0], int64_t(rows_.size()));
+      Tensor ws = grouped_gemm_device_workspace(in[0], int64_t(rows_.size()));
       fp8_grouped_wgrad_device_cuda(in[0].data<uint8_t>(), in[0].fp8_scales()->scale_inv.data<float>(),
                                     in[1].data<uint8_t>(), in[1].fp8_scales()->scale_inv.data<float>(),
                                     dw.data<float>(), device_counts_.data<int32_t>(), int64_t(rows_.size()), d.m,

@@ -55,11 +55,6 @@ void check_gpu_dtypes(const Tensor& x, const Tensor& w) {
                 w.describe(), " must be f32 or x's dtype (x ", x.describe(), ")");
 }
 
-// The one-launch GEMMs' scratch (kernels/grouped_gemm_device.h) for E experts on x's device.
-Tensor device_workspace(const Tensor& x, int64_t num_experts) {
-  return Tensor::empty({int64_t(grouped_gemm_device_workspace_bytes(num_experts))}, DType::u8, x.device());
-}
-
 class GroupedLinear : public Primitive {
  public:
   GroupedLinear(ExpertCounts counts, std::string weight_name)
@@ -150,7 +145,7 @@ class GroupedLinear : public Primitive {
     Tensor x = in[0].contiguous();
     w_compute_ = in[1].to(x.dtype()).contiguous();
     Tensor y = Tensor::empty({d.m_total, d.n}, x.dtype(), x.device());
-    Tensor ws = device_workspace(x, d.num_experts);
+    Tensor ws = grouped_gemm_device_workspace(x, d.num_experts);
     grouped_gemm_fprop_device_cuda(x.dtype(), x.raw_data(), w_compute_.raw_data(), y.raw_data(),
                                    device_counts_.data<int32_t>(), d.num_experts, d.m_total, d.n, d.k, ws.raw_data(),
                                    size_t(ws.numel()), current_stream(x.device().index));
@@ -168,7 +163,7 @@ class GroupedLinear : public Primitive {
     cudaStream_t stream = current_stream(dev.index);
     Tensor x = in[0].contiguous(), dy = d_out[0].contiguous();
     Tensor w = w_compute_.defined() ? std::exchange(w_compute_, Tensor()) : in[1].to(x.dtype()).contiguous();
-    Tensor ws = device_workspace(x, d.num_experts);
+    Tensor ws = grouped_gemm_device_workspace(x, d.num_experts);
     const int32_t* counts = device_counts_.data<int32_t>();
     Tensor dx, dw;
     if (needs[0]) {
@@ -206,6 +201,10 @@ class GroupedLinear : public Primitive {
 };
 
 }  // namespace
+
+Tensor grouped_gemm_device_workspace(const Tensor& like, int64_t num_experts) {
+  return Tensor::empty({int64_t(grouped_gemm_device_workspace_bytes(num_experts))}, DType::u8, like.device());
+}
 
 bool grouped_linear_takes_device_counts(const Tensor& x) {
   return built_with_cuda() && x.device().is_cuda() && x.dtype() == DType::bf16;

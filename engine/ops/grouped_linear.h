@@ -35,6 +35,10 @@ struct ExpertCounts {
   bool on_device() const { return device.defined(); }
 };
 
+// Scratch for the one-launch grouped GEMMs of num_experts experts (kernels/grouped_gemm_device.h), on
+// like's device: what grouped_linear and fp8_grouped_linear hand them.
+Tensor grouped_gemm_device_workspace(const Tensor& like, int64_t num_experts);
+
 // Whether grouped_linear can take device counts for x: a bf16 x on a GPU of a build with the one-launch
 // grouped GEMMs.
 bool grouped_linear_takes_device_counts(const Tensor& x);
