@@ -49,21 +49,16 @@ struct Times {
   double fwd_ms = 0, bwd_ms = 0, fwdbwd_ms = 0;
 };
 
-using ForwardFn = void (*)(DType, void*, float*, const void*, const void*, const void*, int64_t, int64_t, int64_t,
-                           int64_t, cudaStream_t);
-using BackwardFn = void (*)(DType, void*, void*, void*, float*, const void*, const void*, const void*, const void*,
-                            const void*, const float*, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
-
-Times time_family(ForwardFn forward, BackwardFn backward, const AttnShape& s, Buffers& b, const Tensor& q,
-                  const Tensor& k, const Tensor& v, const Tensor& d_out, cudaStream_t stream) {
+Times time_family(AttentionKernel kernel, const AttnShape& s, Buffers& b, const Tensor& q, const Tensor& k,
+                  const Tensor& v, const Tensor& d_out, cudaStream_t stream) {
   auto fwd = [&] {
-    forward(DType::bf16, b.out.raw_data(), b.lse.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(), s.batch,
-            s.seq_len, s.num_heads, s.head_dim, stream);
+    attention_forward_cuda(DType::bf16, b.out.raw_data(), b.lse.data<float>(), q.raw_data(), k.raw_data(),
+                           v.raw_data(), s.batch, s.seq_len, s.num_heads, s.head_dim, stream, kernel);
   };
   auto bwd = [&] {
-    backward(DType::bf16, b.d_q.raw_data(), b.d_k.raw_data(), b.d_v.raw_data(), b.delta.data<float>(),
-             d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), b.out.raw_data(), b.lse.data<float>(),
-             s.batch, s.seq_len, s.num_heads, s.head_dim, stream);
+    attention_backward_cuda(DType::bf16, b.d_q.raw_data(), b.d_k.raw_data(), b.d_v.raw_data(), b.delta.data<float>(),
+                            d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), b.out.raw_data(),
+                            b.lse.data<float>(), s.batch, s.seq_len, s.num_heads, s.head_dim, stream, kernel);
   };
   Times t;
   t.fwd_ms = median_ms(fwd, stream, kWarmup, kReps);
@@ -117,10 +112,8 @@ int main() {
       auto draw = [&] { return rng.uniform(shape, -1.0, 1.0, DType::f32).to(DType::bf16).to(dev); };
       Tensor q = draw(), k = draw(), v = draw(), d_out = draw();
       Buffers flash(s, dev), simt(s, dev);
-      const Times tf = time_family(&attention_forward_flash_cuda, &attention_backward_flash_cuda, s, flash, q, k, v,
-                                   d_out, stream);
-      const Times ts = time_family(&attention_forward_simt_cuda, &attention_backward_simt_cuda, s, simt, q, k, v,
-                                   d_out, stream);
+      const Times tf = time_family(AttentionKernel::flash, s, flash, q, k, v, d_out, stream);
+      const Times ts = time_family(AttentionKernel::simt, s, simt, q, k, v, d_out, stream);
       double rel_diff = 0;
       for (auto [a, b] : {std::pair{&flash.out, &simt.out}, std::pair{&flash.d_q, &simt.d_q},
                           std::pair{&flash.d_k, &simt.d_k}, std::pair{&flash.d_v, &simt.d_v}}) {

@@ -9,7 +9,7 @@
 //   simt:  kernels/cuda/attention.cu, fp32 math on CUDA cores, f32 or bf16, any head_dim <= 128; the GPU
 //          reference of flash, and the f32 path.
 // attention_*_cuda pick flash for bf16 when head_dim % 8 == 0 and every pointer is 16-byte aligned, and
-// simt otherwise; the *_flash_cuda / *_simt_cuda launchers run one family. The lse of either forward
+// simt otherwise; AttentionKernel names one family instead. The lse of either forward
 // feeds either backward. Node: engine/ops/attention.cpp. Tests: tests/test_attention.cpp.
 // Benchmark: bench/bench_attention.cpp.
 #pragma once
@@ -33,13 +33,19 @@ void attention_backward_cpu(T* d_q /*[batch, seq_len, num_heads, head_dim]*/, T*
 
 constexpr int64_t kAttentionMaxHeadDimCuda = 128;
 
+// Which CUDA family runs: automatic picks flash where it can (below), else simt. flash insists: a dtype
+// other than bf16 is a DTypeError, a head_dim not a multiple of 8 a ShapeError, and a tensor pointer not
+// 16-byte aligned an Error. simt takes f32 or bf16 and any head_dim <= 128.
+enum class AttentionKernel : uint8_t { automatic, flash, simt };
+
 // dtype f32 or bf16; 1 <= head_dim <= 128. lse receives the natural-log softmax normaliser of every
 // query row, log(sum_{j<=i} exp(q_i·k_j / sqrt(hd))), which the backward needs.
 void attention_forward_cuda(DType dtype, void* out /*[batch, seq_len, num_heads, head_dim]*/,
                             float* lse /*[batch, num_heads, seq_len]*/,
                             const void* q /*[batch, seq_len, num_heads, head_dim]*/, const void* k /*[same]*/,
                             const void* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
-                            int64_t head_dim, cudaStream_t stream);
+                            int64_t head_dim, cudaStream_t stream,
+                            AttentionKernel kernel = AttentionKernel::automatic);
 // delta is scratch for dO_i·o_i. Deterministic: dq and dk/dv come from two kernels (one per query tile,
 // one per key tile) that each own their output rows, so no atomics.
 void attention_backward_cuda(DType dtype, void* d_q /*[batch, seq_len, num_heads, head_dim]*/, void* d_k /*[same]*/,
@@ -47,37 +53,7 @@ void attention_backward_cuda(DType dtype, void* d_q /*[batch, seq_len, num_heads
                              const void* d_out /*[batch, seq_len, num_heads, head_dim]*/, const void* q /*[same]*/,
                              const void* k /*[same]*/, const void* v /*[same]*/, const void* out /*[same]*/,
                              const float* lse /*[batch, num_heads, seq_len]*/, int64_t batch, int64_t seq_len,
-                             int64_t num_heads, int64_t head_dim, cudaStream_t stream);
-
-// The fp32 CUDA-core kernels (same arguments and contract; f32 or bf16).
-void attention_forward_simt_cuda(DType dtype, void* out /*[batch, seq_len, num_heads, head_dim]*/,
-                                 float* lse /*[batch, num_heads, seq_len]*/,
-                                 const void* q /*[batch, seq_len, num_heads, head_dim]*/, const void* k /*[same]*/,
-                                 const void* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
-                                 int64_t head_dim, cudaStream_t stream);
-void attention_backward_simt_cuda(DType dtype, void* d_q /*[batch, seq_len, num_heads, head_dim]*/,
-                                  void* d_k /*[same]*/, void* d_v /*[same]*/,
-                                  float* delta /*[batch, num_heads, seq_len] scratch*/,
-                                  const void* d_out /*[batch, seq_len, num_heads, head_dim]*/,
-                                  const void* q /*[same]*/, const void* k /*[same]*/, const void* v /*[same]*/,
-                                  const void* out /*[same]*/, const float* lse /*[batch, num_heads, seq_len]*/,
-                                  int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                                  cudaStream_t stream);
-
-// The tensor-core kernels (same arguments and contract). dtype must be bf16 (DTypeError), head_dim a
-// multiple of 8 up to 128 (ShapeError), and every tensor pointer 16-byte aligned (Error).
-void attention_forward_flash_cuda(DType dtype, void* out /*[batch, seq_len, num_heads, head_dim]*/,
-                                  float* lse /*[batch, num_heads, seq_len]*/,
-                                  const void* q /*[batch, seq_len, num_heads, head_dim]*/, const void* k /*[same]*/,
-                                  const void* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
-                                  int64_t head_dim, cudaStream_t stream);
-void attention_backward_flash_cuda(DType dtype, void* d_q /*[batch, seq_len, num_heads, head_dim]*/,
-                                   void* d_k /*[same]*/, void* d_v /*[same]*/,
-                                   float* delta /*[batch, num_heads, seq_len] scratch*/,
-                                   const void* d_out /*[batch, seq_len, num_heads, head_dim]*/,
-                                   const void* q /*[same]*/, const void* k /*[same]*/, const void* v /*[same]*/,
-                                   const void* out /*[same]*/, const float* lse /*[batch, num_heads, seq_len]*/,
-                                   int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                                   cudaStream_t stream);
+                             int64_t num_heads, int64_t head_dim, cudaStream_t stream,
+                             AttentionKernel kernel = AttentionKernel::automatic);
 
 }  // namespace flowmoe

@@ -13,6 +13,7 @@
 #include "kernels/cross_entropy.h"
 #include "kernels/elementwise.h"
 #include "kernels/embedding.h"
+#include "kernels/ep_layout.h"
 #include "kernels/fp8_grouped_linear.h"
 #include "kernels/fp8_transpose.h"
 #include "kernels/grouped_gemm_device.h"
@@ -46,20 +47,10 @@ FLOWMOE_NO_CUDA(void, sum_values_cuda, (const float*, int64_t, float*, float*, c
 
 // kernels/attention.h
 FLOWMOE_NO_CUDA(void, attention_forward_cuda, (DType, void*, float*, const void*, const void*, const void*, int64_t,
-                                               int64_t, int64_t, int64_t, cudaStream_t))
+                                               int64_t, int64_t, int64_t, cudaStream_t, AttentionKernel))
 FLOWMOE_NO_CUDA(void, attention_backward_cuda, (DType, void*, void*, void*, float*, const void*, const void*,
                                                 const void*, const void*, const void*, const float*, int64_t, int64_t,
-                                                int64_t, int64_t, cudaStream_t))
-FLOWMOE_NO_CUDA(void, attention_forward_simt_cuda, (DType, void*, float*, const void*, const void*, const void*,
-                                                    int64_t, int64_t, int64_t, int64_t, cudaStream_t))
-FLOWMOE_NO_CUDA(void, attention_backward_simt_cuda, (DType, void*, void*, void*, float*, const void*, const void*,
-                                                     const void*, const void*, const void*, const float*, int64_t,
-                                                     int64_t, int64_t, int64_t, cudaStream_t))
-FLOWMOE_NO_CUDA(void, attention_forward_flash_cuda, (DType, void*, float*, const void*, const void*, const void*,
-                                                     int64_t, int64_t, int64_t, int64_t, cudaStream_t))
-FLOWMOE_NO_CUDA(void, attention_backward_flash_cuda, (DType, void*, void*, void*, float*, const void*, const void*,
-                                                      const void*, const void*, const void*, const float*, int64_t,
-                                                      int64_t, int64_t, int64_t, cudaStream_t))
+                                                int64_t, int64_t, cudaStream_t, AttentionKernel))
 
 // kernels/copy.h
 FLOWMOE_NO_CUDA(void, strided_copy_cuda, (void*, const void*, size_t, const StridedLayout&, cudaStream_t))
@@ -124,6 +115,9 @@ FLOWMOE_NO_CUDA(void, gemm_cuda, (bool, bool, int64_t, int64_t, int64_t, DType, 
                                   int64_t, DType, void*, int64_t, const void*, bool, cudaStream_t))
 FLOWMOE_NO_CUDA(GemmPlanStats, gemm_cuda_plan_stats, ())
 FLOWMOE_NO_CUDA(void, bias_grad_cuda, (DType, void*, const void*, int64_t, int64_t, float*, cudaStream_t))
+
+// kernels/ep_layout.h
+FLOWMOE_NO_CUDA(void, ep_layout_cuda, (const EpLayoutDims&, const int32_t*, int32_t*, cudaStream_t))
 
 // kernels/permute.h
 FLOWMOE_NO_CUDA(size_t, permute_workspace_bytes, (const RoutingDims&))

@@ -55,7 +55,7 @@ double max_abs(const Tensor& t) {
 // top of the bf16 outputs: elementwise 2e-2 relative + 1e-2 * max|ref|, normwise 1e-2 (expected: 2e-3 to 4e-3).
 constexpr double kFlashRtol = 2e-2, kFlashAtolFrac = 1e-2, kFlashMaxRel = 1e-2;
 
-enum class Kernel { flash, simt };
+using Kernel = AttentionKernel;
 
 struct KernelResult {
   Tensor out, lse, d_q, d_k, d_v;  // on the GPU; lse [B, nh, T] f32
@@ -71,17 +71,15 @@ KernelResult run_kernels(Kernel fwd, Kernel bwd, const Tensor& q, const Tensor& 
   KernelResult r;
   r.out = Tensor::empty(s, q.dtype(), dev);
   r.lse = Tensor::empty({s[0], s[2], s[1]}, DType::f32, dev);
-  auto* forward = fwd == Kernel::flash ? &attention_forward_flash_cuda : &attention_forward_simt_cuda;
-  forward(q.dtype(), r.out.raw_data(), r.lse.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(), s[0], s[1],
-          s[2], s[3], stream);
+  attention_forward_cuda(q.dtype(), r.out.raw_data(), r.lse.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(),
+                         s[0], s[1], s[2], s[3], stream, fwd);
   Tensor delta = Tensor::empty({s[0], s[2], s[1]}, DType::f32, dev);
   r.d_q = Tensor::empty(s, q.dtype(), dev);
   r.d_k = Tensor::empty(s, q.dtype(), dev);
   r.d_v = Tensor::empty(s, q.dtype(), dev);
-  auto* backward = bwd == Kernel::flash ? &attention_backward_flash_cuda : &attention_backward_simt_cuda;
-  backward(q.dtype(), r.d_q.raw_data(), r.d_k.raw_data(), r.d_v.raw_data(), delta.data<float>(), d_out.raw_data(),
-           q.raw_data(), k.raw_data(), v.raw_data(), r.out.raw_data(), r.lse.data<float>(), s[0], s[1], s[2], s[3],
-           stream);
+  attention_backward_cuda(q.dtype(), r.d_q.raw_data(), r.d_k.raw_data(), r.d_v.raw_data(), delta.data<float>(),
+                          d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), r.out.raw_data(),
+                          r.lse.data<float>(), s[0], s[1], s[2], s[3], stream, bwd);
   cuda_synchronize(dev.index);
   return r;
 }
@@ -384,8 +382,8 @@ TEST(AttentionCuda, FlashZeroQueriesAverageThePast) {
     Tensor out = Tensor::empty(s, DType::bf16, Device::cuda());
     Tensor lse = Tensor::empty({B, nh, T}, DType::f32, Device::cuda());
     Tensor vg = v.to(Device::cuda());
-    attention_forward_flash_cuda(DType::bf16, out.raw_data(), lse.data<float>(), q.raw_data(), k.raw_data(),
-                                 vg.raw_data(), B, T, nh, hd, current_stream(0));
+    attention_forward_cuda(DType::bf16, out.raw_data(), lse.data<float>(), q.raw_data(), k.raw_data(), vg.raw_data(),
+                           B, T, nh, hd, current_stream(0), Kernel::flash);
     const std::vector<double> vs = v.to_doubles(), got = out.to_doubles(), got_lse = lse.to_doubles();
     int64_t bad = 0;
     for (int64_t b = 0; b < B; ++b)
@@ -413,19 +411,16 @@ TEST(AttentionCuda, FlashErrors) {
   float lse = 0;
   int64_t dummy[4] = {};
   cudaStream_t stream = current_stream(0);
-  EXPECT_THROW(attention_forward_flash_cuda(DType::f32, dummy, &lse, dummy, dummy, dummy, 1, 4, 1, 64, stream),
-               DTypeError);
-  EXPECT_THROW(attention_forward_flash_cuda(DType::bf16, dummy, &lse, dummy, dummy, dummy, 1, 4, 1, 12, stream),
-               ShapeError);  // head_dim not a multiple of 8
-  EXPECT_THROW(attention_forward_flash_cuda(DType::bf16, dummy, &lse, dummy, dummy, dummy, 1, 4, 1, 136, stream),
-               ShapeError);  // head_dim > 128
-  EXPECT_THROW(attention_backward_flash_cuda(DType::f32, dummy, dummy, dummy, &lse, dummy, dummy, dummy, dummy, dummy,
-                                             &lse, 1, 4, 1, 64, stream),
+  auto forward = [&](DType dtype, void* out, const void* q, int64_t seq_len, int64_t head_dim) {
+    attention_forward_cuda(dtype, out, &lse, q, dummy, dummy, 1, seq_len, 1, head_dim, stream, Kernel::flash);
+  };
+  EXPECT_THROW(forward(DType::f32, dummy, dummy, 4, 64), DTypeError);
+  EXPECT_THROW(forward(DType::bf16, dummy, dummy, 4, 12), ShapeError);   // head_dim not a multiple of 8
+  EXPECT_THROW(forward(DType::bf16, dummy, dummy, 4, 136), ShapeError);  // head_dim > 128
+  EXPECT_THROW(attention_backward_cuda(DType::f32, dummy, dummy, dummy, &lse, dummy, dummy, dummy, dummy, dummy, &lse,
+                                       1, 4, 1, 64, stream, Kernel::flash),
                DTypeError);
   Tensor x = Tensor::zeros({1, 4, 1, 72}, DType::bf16, Device::cuda());
-  Tensor l = Tensor::zeros({1, 1, 4}, DType::f32, Device::cuda());
   const char* base = static_cast<const char*>(x.raw_data());
-  EXPECT_THROW(attention_forward_flash_cuda(DType::bf16, x.raw_data(), l.data<float>(), base + 2, x.raw_data(),
-                                            x.raw_data(), 1, 2, 1, 64, stream),
-               Error);  // misaligned q
+  EXPECT_THROW(forward(DType::bf16, x.raw_data(), base + 2, 2, 64), Error);  // misaligned q
 }

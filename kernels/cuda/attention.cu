@@ -19,6 +19,7 @@
 #include "kernels/attention.h"
 #include "kernels/common/cuda_check.h"
 #include "kernels/cuda/attention_tile.cuh"
+#include "kernels/cuda/flash_attention.cuh"
 #include "kernels/cuda/cuda_utils.cuh"
 
 namespace flowmoe {
@@ -303,8 +304,6 @@ void allow_smem(Kernel kernel, size_t bytes) {
   FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
-}  // namespace
-
 void attention_forward_simt_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
                                  int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
                                  cudaStream_t stream) {
@@ -356,10 +355,9 @@ void attention_backward_simt_cuda(DType dtype, void* d_q, void* d_k, void* d_v, 
   });
 }
 
-namespace {
-
 // The tensor-core kernels take bf16 rows of whole 16-byte chunks: head_dim % 8 == 0, aligned pointers.
-bool use_flash(DType dtype, int64_t head_dim, std::initializer_list<const void*> ptrs) {
+bool use_flash(AttentionKernel kernel, DType dtype, int64_t head_dim, std::initializer_list<const void*> ptrs) {
+  if (kernel != AttentionKernel::automatic) return kernel == AttentionKernel::flash;
   if (dtype != DType::bf16 || head_dim % 8 != 0) return false;
   for (const void* p : ptrs)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
@@ -370,8 +368,8 @@ bool use_flash(DType dtype, int64_t head_dim, std::initializer_list<const void*>
 
 void attention_forward_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
                             int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                            cudaStream_t stream) {
-  if (use_flash(dtype, head_dim, {out, q, k, v}))
+                            cudaStream_t stream, AttentionKernel kernel) {
+  if (use_flash(kernel, dtype, head_dim, {out, q, k, v}))
     attention_forward_flash_cuda(dtype, out, lse, q, k, v, batch, seq_len, num_heads, head_dim, stream);
   else
     attention_forward_simt_cuda(dtype, out, lse, q, k, v, batch, seq_len, num_heads, head_dim, stream);
@@ -380,8 +378,8 @@ void attention_forward_cuda(DType dtype, void* out, float* lse, const void* q, c
 void attention_backward_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
                              const void* q, const void* k, const void* v, const void* out, const float* lse,
                              int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                             cudaStream_t stream) {
-  if (use_flash(dtype, head_dim, {d_q, d_k, d_v, d_out, q, k, v, out}))
+                             cudaStream_t stream, AttentionKernel kernel) {
+  if (use_flash(kernel, dtype, head_dim, {d_q, d_k, d_v, d_out, q, k, v, out}))
     attention_backward_flash_cuda(dtype, d_q, d_k, d_v, delta, d_out, q, k, v, out, lse, batch, seq_len, num_heads,
                                   head_dim, stream);
   else

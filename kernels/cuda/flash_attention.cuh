@@ -7,7 +7,7 @@
 // A register holds two bf16, the lower column (or k) in its low half. The C fragments of two adjacent
 // n8 tiles are therefore exactly the A fragment of a 16x16 product operand (P·V, dS·K, Pᵀ·dO, dSᵀ·Q)
 // once rounded to bf16: pack_a builds it without touching shared memory. The launchers' shared checks
-// (make_flash_dims, check_flash_aligned) close the file.
+// (make_flash_dims, check_flash_aligned) and the launchers' declarations close the file.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -252,3 +252,15 @@ void allow_flash_smem(Kernel kernel, size_t bytes) {
 }
 
 }  // namespace flowmoe::flash
+
+namespace flowmoe {
+// The flash family's launchers (kernels/cuda/flash_attention.cu, flash_attention_backward.cu), with the
+// arguments of attention_forward_cuda / attention_backward_cuda; kernels/cuda/attention.cu picks them.
+void attention_forward_flash_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
+                                  int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                                  cudaStream_t stream);
+void attention_backward_flash_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
+                                   const void* q, const void* k, const void* v, const void* out, const float* lse,
+                                   int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
+                                   cudaStream_t stream);
+}  // namespace flowmoe
