@@ -181,6 +181,30 @@ __device__ __forceinline__ void mma_rows_trans(float (&acc)[HD / 8][4], const ui
   }
 }
 
+// Two products of the warp's 16 rows at once, over HD: c1[j] = A1·B1[8j..8j+7]ᵀ and c2[j] = A2·B2[..]ᵀ
+// for the N columns of two [n, k] tiles (rows of the A tiles from m0). The backward's first step: S and
+// dP (query tile) or Sᵀ and dPᵀ (key tile) share their loop over k.
+template <int HD, int N>
+__device__ __forceinline__ void mma_two_nt(float (&c1)[N / 8][4], float (&c2)[N / 8][4], const Bf16* a1,
+                                           const Bf16* a2, int m0, const Bf16* b1, const Bf16* b2, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    uint32_t x1[4], x2[4];
+    load_a<HD>(x1, a1, m0, 16 * kk, lane);
+    load_a<HD>(x2, a2, m0, 16 * kk, lane);
+#pragma unroll
+    for (int jj = 0; jj < N / 16; ++jj) {
+      uint32_t y1[4], y2[4];
+      load_b<HD>(y1, b1, 16 * jj, 16 * kk, lane);
+      load_b<HD>(y2, b2, 16 * jj, 16 * kk, lane);
+      mma_bf16(c1[2 * jj], x1, y1[0], y1[1]);
+      mma_bf16(c1[2 * jj + 1], x1, y1[2], y1[3]);
+      mma_bf16(c2[2 * jj], x2, y2[0], y2[1]);
+      mma_bf16(c2[2 * jj + 1], x2, y2[2], y2[3]);
+    }
+  }
+}
+
 // Writes 16 rows of a warp's fp32 accumulator (acc[j]: rows g, g+8 of columns 8j + 2t, +1) as bf16 into
 // rows m0..m0+15 of a tile, row g scaled by scale_lo and row g+8 by scale_hi. The caller makes sure no
 // other warp reads those rows.

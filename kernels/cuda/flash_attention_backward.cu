@@ -100,22 +100,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
     const Bf16* kb = k_s + buf * kBwdTile * S;
     const Bf16* vb = v_s + buf * kBwdTile * S;
     float s[kBwdTile / 8][4] = {}, dp[kBwdTile / 8][4] = {};  // S = Q·Kᵀ, dP = dO·Vᵀ for the warp's 16 rows
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      uint32_t aq[4], ado[4];
-      load_a<HD>(aq, q_s, row0, 16 * kk, lane);
-      load_a<HD>(ado, do_s, row0, 16 * kk, lane);
-#pragma unroll
-      for (int jj = 0; jj < kBwdTile / 16; ++jj) {
-        uint32_t bk[4], bv[4];
-        load_b<HD>(bk, kb, 16 * jj, 16 * kk, lane);
-        load_b<HD>(bv, vb, 16 * jj, 16 * kk, lane);
-        mma_bf16(s[2 * jj], aq, bk[0], bk[1]);
-        mma_bf16(s[2 * jj + 1], aq, bk[2], bk[3]);
-        mma_bf16(dp[2 * jj], ado, bv[0], bv[1]);
-        mma_bf16(dp[2 * jj + 1], ado, bv[2], bv[3]);
-      }
-    }
+    mma_two_nt<HD, kBwdTile>(s, dp, q_s, do_s, row0, kb, vb, lane);
     const bool diagonal = n == q_tile;
 #pragma unroll
     for (int j = 0; j < kBwdTile / 8; ++j)
@@ -190,22 +175,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
     const Bf16* dob = do_s + buf * kBwdTile * S;
     // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the warp's 16 keys.
     float st[kBwdTile / 8][4] = {}, dpt[kBwdTile / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      uint32_t ak[4], av[4];
-      load_a<HD>(ak, k_s, row0, 16 * kk, lane);
-      load_a<HD>(av, v_s, row0, 16 * kk, lane);
-#pragma unroll
-      for (int jj = 0; jj < kBwdTile / 16; ++jj) {
-        uint32_t bq[4], bdo[4];
-        load_b<HD>(bq, qb, 16 * jj, 16 * kk, lane);
-        load_b<HD>(bdo, dob, 16 * jj, 16 * kk, lane);
-        mma_bf16(st[2 * jj], ak, bq[0], bq[1]);
-        mma_bf16(st[2 * jj + 1], ak, bq[2], bq[3]);
-        mma_bf16(dpt[2 * jj], av, bdo[0], bdo[1]);
-        mma_bf16(dpt[2 * jj + 1], av, bdo[2], bdo[3]);
-      }
-    }
+    mma_two_nt<HD, kBwdTile>(st, dpt, k_s, v_s, row0, qb, dob, lane);
     // The diagonal tile hides queries before the key; the last tile hides queries past seq_len (their
     // lse and delta read as 0). Keys past seq_len are then hidden from every query.
     const bool masked = q_tile == k_tile || q0 + kBwdTile > dims.seq_len;
