@@ -10,7 +10,12 @@
 //   dispatch.bwd     the gradient rows (and probs) back to the tokens, after an untimed forward
 //   combine.bwd      dy (FP8 in fp8_flow) to the experts' layout, after an untimed forward
 //   dispatch.nogroup one process only: what the layer runs without an expert-parallel group (permute+pad)
-// "syncs" is num_host_syncs() over one call: the syncs the engine makes on purpose.
+// Each op runs in two modes (the field mode=): "sync", the one-sync exchange (the counts read to the
+// host, a buffer of the exact padded rows, grouped send/recv per (peer, expert) chunk), and
+// "zero_sync" (DispatchOptions::zero_sync: counts all-gathered and laid out on the device, a worst-case
+// buffer, and on nccl the rows written into the peers' GPUs by one kernel, then copied out of the window).
+// "syncs" is num_host_syncs() over one call: the syncs the engine makes on purpose (zero_sync on nccl
+// between reachable GPUs: 0; on mpi with GPUs the tables are read to the host, a test transport).
 // Shapes, tokens per rank × hidden, top-k of E (E rounds up to a multiple of the ranks), random top-k
 // routing with distinct experts per token (fixed seed per rank):
 //   toy     8192 × 1024, top-4 of 32   (configs/gpu_moe.yaml's MoE layers)
@@ -161,63 +166,67 @@ class ShapeBench {
     const Tensor xq = quantize_rowwise_tensor(x, "bench_dispatch: tokens");
     const Tensor dy = rng.uniform({s_.tokens, s_.hidden}, -1, 1, act, dev);
     const int64_t H = s_.hidden, act_row = H * int64_t(dtype_size(act)), fp8_row = H + 4 * ((H + 127) / 128);
-    for (const bool fp8 : {false, true}) {
-      const char* payload = fp8 ? "fp8" : dtype_name(act);
-      DispatchOptions opt;
-      opt.num_experts = experts_;
-      opt.row_multiple = fp8 ? 16 : 1;  // as the layer rounds the FP8 GEMMs' rows
-      opt.expert_parallel = w_.comm;
-      Variable tokens(fp8 ? xq : x, true);
-      Variable probs = fp8 ? Variable(prob, true) : Variable();  // fp8_flow: the probs travel with the rows
-      Variable merge = fp8 ? Variable() : Variable(prob, true);  // bf16: combine applies them
-      const CombineGrad grad = fp8 ? CombineGrad::fp8 : CombineGrad::as_is;
-      const Dispatched d0 = dispatch(tokens, idx, probs, opt);
-      const Traffic tr = traffic(*d0.plan, w_.host());
-      const int64_t R = d0.rows.size(0);
-      Variable out_rows(rng.uniform({R, H}, -1, 1, act, dev), true);  // what fc2 would return
-      const Tensor d_rows = rng.uniform({R, H}, -1, 1, act, dev);
-      const Tensor d_probs = fp8 ? rng.uniform({R}, -1, 1, DType::f32, dev) : Tensor();
-      std::optional<Dispatched> held;
-      Variable y;
-      auto clear = [&] { held.reset(), y = Variable(); };  // results die outside the timed region
-      std::vector<Run> runs = {
-          {"dispatch", fp8 ? fp8_row + 4 : act_row, clear, [&] { held = dispatch(tokens, idx, probs, opt); }},
-          {"combine", act_row, clear, [&] { y = combine(out_rows, d0, merge, grad); }}};
-      if (o_.backward) {
-        runs.push_back({"dispatch.bwd", act_row + (fp8 ? 4 : 0),
-                        [&] {
-                          clear();
-                          tokens.zero_grad();
-                          if (probs.defined()) probs.zero_grad();
-                          held = dispatch(tokens, idx, probs, opt);
-                        },
-                        [&] {
-                          backward({held->rows, held->probs}, {d_rows, d_probs});
-                        }});
-        runs.push_back({"combine.bwd", fp8 ? fp8_row : act_row,
-                        [&] {
-                          clear();
-                          out_rows.zero_grad();
-                          if (merge.defined()) merge.zero_grad();
-                          y = combine(out_rows, d0, merge, grad);
-                        },
-                        [&] { y.backward(dy); }});
+    for (const bool fp8 : {false, true})
+      for (const bool zero_sync : {false, true}) {
+        const char* payload = fp8 ? "fp8" : dtype_name(act);
+        DispatchOptions opt;
+        opt.num_experts = experts_;
+        opt.row_multiple = fp8 ? 16 : 1;  // as the layer rounds the FP8 GEMMs' rows
+        opt.expert_parallel = w_.comm;
+        Variable tokens(fp8 ? xq : x, true);
+        Variable probs = fp8 ? Variable(prob, true) : Variable();  // fp8_flow: the probs travel with the rows
+        Variable merge = fp8 ? Variable() : Variable(prob, true);  // bf16: combine applies them
+        const CombineGrad grad = fp8 ? CombineGrad::fp8 : CombineGrad::as_is;
+        // The traffic is the routing's: read from a sync plan, whose counts are on the host.
+        const Traffic tr = traffic(*dispatch(tokens, idx, probs, opt).plan, w_.host());
+        opt.zero_sync = zero_sync;
+        opt.tokens_per_rank = s_.tokens;
+        const Dispatched d0 = dispatch(tokens, idx, probs, opt);
+        const int64_t R = d0.rows.size(0);
+        Variable out_rows(rng.uniform({R, H}, -1, 1, act, dev), true);  // what fc2 would return
+        const Tensor d_rows = rng.uniform({R, H}, -1, 1, act, dev);
+        const Tensor d_probs = fp8 ? rng.uniform({R}, -1, 1, DType::f32, dev) : Tensor();
+        std::optional<Dispatched> held;
+        Variable y;
+        auto clear = [&] { held.reset(), y = Variable(); };  // results die outside the timed region
+        std::vector<Run> runs = {
+            {"dispatch", fp8 ? fp8_row + 4 : act_row, clear, [&] { held = dispatch(tokens, idx, probs, opt); }},
+            {"combine", act_row, clear, [&] { y = combine(out_rows, d0, merge, grad); }}};
+        if (o_.backward) {
+          runs.push_back({"dispatch.bwd", act_row + (fp8 ? 4 : 0),
+                          [&] {
+                            clear();
+                            tokens.zero_grad();
+                            if (probs.defined()) probs.zero_grad();
+                            held = dispatch(tokens, idx, probs, opt);
+                          },
+                          [&] {
+                            backward({held->rows, held->probs}, {d_rows, d_probs});
+                          }});
+          runs.push_back({"combine.bwd", fp8 ? fp8_row : act_row,
+                          [&] {
+                            clear();
+                            out_rows.zero_grad();
+                            if (merge.defined()) merge.zero_grad();
+                            y = combine(out_rows, d0, merge, grad);
+                          },
+                          [&] { y.backward(dy); }});
+        }
+        if (n_ == 1 && !zero_sync) {  // the layer's own one-rank path, no exchange: what the exchange costs over it
+          DispatchOptions alone = opt;
+          alone.expert_parallel = nullptr;
+          runs.push_back({"dispatch.nogroup", fp8 ? fp8_row + 4 : act_row, clear,
+                          [&held, &tokens, &idx, &probs, alone] { held = dispatch(tokens, idx, probs, alone); }});
+        }
+        const int64_t rows_per_peer = int64_t(std::ceil((tr.out + tr.local) / n_));
+        for (const Run& r : runs) {
+          const RankTiming t = time_across_ranks(w_, *w_.comm, o_.warmup, o_.reps, r.op_fn, r.prep);
+          clear();
+          const double ceiling = cached(ceiling_, *w_.comm, rows_per_peer, r.row_bytes);
+          const double nccl = w_.nccl_ceiling ? cached(nccl_, *w_.nccl_ceiling, rows_per_peer, r.row_bytes) : 0;
+          report(payload, zero_sync ? "zero_sync" : "sync", r, tr, t, ceiling, nccl);
+        }
       }
-      if (n_ == 1) {  // the layer's own one-rank path, no exchange: what the exchange costs over it
-        DispatchOptions alone = opt;
-        alone.expert_parallel = nullptr;
-        runs.push_back({"dispatch.nogroup", fp8 ? fp8_row + 4 : act_row, clear,
-                        [&held, &tokens, &idx, &probs, alone] { held = dispatch(tokens, idx, probs, alone); }});
-      }
-      const int64_t rows_per_peer = int64_t(std::ceil((tr.out + tr.local) / n_));
-      for (const Run& r : runs) {
-        const RankTiming t = time_across_ranks(w_, *w_.comm, o_.warmup, o_.reps, r.op_fn, r.prep);
-        clear();
-        const double ceiling = cached(ceiling_, *w_.comm, rows_per_peer, r.row_bytes);
-        const double nccl = w_.nccl_ceiling ? cached(nccl_, *w_.nccl_ceiling, rows_per_peer, r.row_bytes) : 0;
-        report(payload, r, tr, t, ceiling, nccl);
-      }
-    }
   }
 
  private:
@@ -236,7 +245,8 @@ class ShapeBench {
     return it->second;
   }
 
-  void report(const char* payload, const Run& r, const Traffic& tr, const RankTiming& t, double ceiling, double nccl) {
+  void report(const char* payload, const char* mode, const Run& r, const Traffic& tr, const RankTiming& t,
+              double ceiling, double nccl) {
     if (w_.host().rank() != 0) return;
     const double rows = tr.out + tr.local, bytes = (n_ > 1 ? tr.out : tr.local) * double(r.row_bytes);
     const double g = gbps(bytes, t.ms), local = rows > 0 ? tr.local / rows : 0;
@@ -245,17 +255,17 @@ class ShapeBench {
       std::snprintf(nccl_cols, sizeof nccl_cols, " %9.2f %7.3f |", nccl, g / nccl);
       std::snprintf(nccl_fields, sizeof nccl_fields, " nccl_gbps=%.2f frac_nccl=%.4f", nccl, g / nccl);
     }
-    std::printf("%-7s %-7s %-16s %9.0f %6lld %9.2f %6.3f | %9.3f %9.2f | %9.2f %7.3f |%s %5llu\n", s_.name.c_str(),
-                payload, r.op, rows, (long long)r.row_bytes, bytes / 1e6, local, t.ms, g, ceiling, g / ceiling,
-                nccl_cols, (unsigned long long)t.host_syncs);
+    std::printf("%-7s %-7s %-16s %-9s %9.0f %6lld %9.2f %6.3f | %9.3f %9.2f | %9.2f %7.3f |%s %5llu\n",
+                s_.name.c_str(), payload, r.op, mode, rows, (long long)r.row_bytes, bytes / 1e6, local, t.ms, g, ceiling,
+                g / ceiling, nccl_cols, (unsigned long long)t.host_syncs);
     std::fflush(stdout);
     char line[640];
     std::snprintf(line, sizeof line,
                   "BENCH dispatch shape=%s T=%lld H=%lld k=%d E=%d ranks=%d backend=%s device=%s payload=%s op=%s "
-                  "rows=%.0f row_bytes=%lld bytes=%.0f local_frac=%.4f ms=%.4f gbps=%.2f ceiling=%s "
+                  "mode=%s rows=%.0f row_bytes=%lld bytes=%.0f local_frac=%.4f ms=%.4f gbps=%.2f ceiling=%s "
                   "ceiling_gbps=%.2f frac_ceiling=%.4f host_syncs=%llu%s",
                   s_.name.c_str(), (long long)s_.tokens, (long long)s_.hidden, s_.top_k, experts_, n_,
-                  w_.comm->backend_name(), w_.rt.device.is_cuda() ? "cuda" : "cpu", payload, r.op, rows,
+                  w_.comm->backend_name(), w_.rt.device.is_cuda() ? "cuda" : "cpu", payload, r.op, mode, rows,
                   (long long)r.row_bytes, bytes, local, t.ms, g, n_ > 1 ? "all_to_all" : "copy", ceiling, g / ceiling,
                   (unsigned long long)t.host_syncs, nccl_fields);
     lines_.push_back(line);
@@ -281,7 +291,8 @@ void print_header(const BenchWorld& w, const Options& o) {
         "  one process: the exchange is a local copy; bytes: the rows copied x row bytes; ceiling: a %s copy "
         "of the same bytes\n",
         cpu ? "host" : "device-to-device");
-  std::printf("\n%-7s %-7s %-16s %9s %6s %9s %6s | %9s %9s | %9s %7s |%s %5s\n", "shape", "payload", "op", "rows",
+  std::printf("\n%-7s %-7s %-16s %-9s %9s %6s %9s %6s | %9s %9s | %9s %7s |%s %5s\n", "shape", "payload", "op",
+              "mode", "rows",
               "B/row", n > 1 ? "MB out" : "MB copied", "local", "ms", "GB/s", "ceil GB/s", "of ceil",
               w.nccl_ceiling ? " nccl GB/s of nccl |" : "", "syncs");
 }

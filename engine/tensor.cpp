@@ -244,7 +244,11 @@ Tensor Tensor::to(Device device) const {
   Tensor src = contiguous();
   Tensor out = empty(shape_, dtype_, device);
   out.copy_(src);
-  if (fp8_) out.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{fp8_->scale_inv.to(device), fp8_->mode, fp8_->rows_per_segment});
+  if (fp8_) {
+    const Tensor& counts = fp8_->segment_counts;
+    out.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{fp8_->scale_inv.to(device), fp8_->mode, fp8_->rows_per_segment,
+                                                     counts.defined() ? counts.to(device) : Tensor()});
+  }
   return out;
 }
 
@@ -308,7 +312,16 @@ Tensor Tensor::with_scales(const Tensor& scale_inv, ScalingMode mode, std::vecto
   Tensor t = *this;
   FLOWMOE_CHECK(rows_per_segment.empty() || mode == ScalingMode::colwise_1x128, Error,
                 "with_scales: segments apply to colwise_1x128 only, got ", scaling_mode_name(mode));
-  t.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{scale_inv, mode, std::move(rows_per_segment)});
+  t.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{scale_inv, mode, std::move(rows_per_segment), Tensor()});
+  return t;
+}
+
+Tensor Tensor::with_segment_counts(const Tensor& scale_inv, const Tensor& segment_counts) const {
+  FLOWMOE_CHECK(segment_counts.dtype() == DType::i32 && segment_counts.dim() == 1, DTypeError,
+                "with_segment_counts: the counts must be [E] i32, got ", segment_counts.describe());
+  check_same_device(*this, segment_counts, "with_segment_counts");
+  Tensor t = with_scales(scale_inv, ScalingMode::colwise_1x128);
+  t.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{scale_inv, ScalingMode::colwise_1x128, {}, segment_counts});
   return t;
 }
 

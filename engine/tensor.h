@@ -104,6 +104,9 @@ class Tensor {
   // rows_per_segment: colwise_1x128 only, the segments (experts) its 128-row blocks follow
   // (kernels/fp8.h); empty means one segment of all rows.
   Tensor with_scales(const Tensor& scale_inv, ScalingMode mode, std::vector<int64_t> rows_per_segment = {}) const;
+  // colwise_1x128 whose segments are per-expert counts the host does not know: segment_counts [E] i32 on
+  // this tensor's device, scale_inv sized for the worst case [fp8_colwise_max_blocks(M, E), K] (kernels/fp8.h).
+  Tensor with_segment_counts(const Tensor& scale_inv, const Tensor& segment_counts) const;
 
   bool shares_storage_with(const Tensor& o) const { return storage_ && storage_ == o.storage_; }
   // No other Tensor (view or copy) refers to this storage: handing it over cannot alias anything.
@@ -126,6 +129,7 @@ struct Fp8Scales {
   Tensor scale_inv;  // f32, layout given by mode (kernels/fp8.h has the exact shapes)
   ScalingMode mode;
   std::vector<int64_t> rows_per_segment;  // colwise_1x128: its segments (empty: one segment of all rows)
+  Tensor segment_counts;  // colwise_1x128 over device counts ([E] i32; rows_per_segment then empty), or undefined
 };
 
 // Checks that raise ShapeError / DTypeError / DeviceError naming both sides.

@@ -83,6 +83,8 @@ FLOWMOE_NO_CUDA(void, fp8_grouped_wgrad_cuda, (const uint8_t*, const float*, con
 // kernels/fp8_transpose.h
 FLOWMOE_NO_CUDA(void, fp8_transpose_cuda, (const uint8_t*, const float*, int64_t, int64_t, const int64_t*, int64_t,
                                            uint8_t*, float*, cudaStream_t))
+FLOWMOE_NO_CUDA(void, fp8_transpose_device_cuda, (const uint8_t*, const float*, int64_t, int64_t, const int32_t*,
+                                                  int64_t, uint8_t*, float*, cudaStream_t))
 
 // kernels/grouped_gemm_device.h
 FLOWMOE_NO_CUDA(size_t, grouped_gemm_device_workspace_bytes, (int64_t))
@@ -133,6 +135,8 @@ FLOWMOE_NO_CUDA(void, dequantize_rowwise_cuda, (DType, const uint8_t*, const flo
                                                 cudaStream_t))
 FLOWMOE_NO_CUDA(void, quantize_colwise_cuda, (DType, const void*, int64_t, int64_t, const int64_t*, int64_t, uint8_t*,
                                               float*, cudaStream_t))
+FLOWMOE_NO_CUDA(void, quantize_colwise_device_cuda, (DType, const void*, int64_t, int64_t, const int32_t*, int64_t,
+                                                     uint8_t*, float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, dequantize_colwise_cuda, (DType, const uint8_t*, const float*, int64_t, int64_t, const int64_t*,
                                                 int64_t, void*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, quantize_block_cuda, (DType, const void*, int64_t, int64_t, int64_t, uint8_t*, float*, uint8_t*,

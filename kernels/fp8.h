@@ -13,6 +13,9 @@
 //                  scale_inv [num_blocks, K] row-major, num_blocks = sum_s ceil(rows_s / 128), so one
 //                  segment's scales are a packed [blocks_s, K] slice (cuBLASLt's VEC128 order).
 //                  Columns of data past the segments' total (a worst-case sized buffer) are zero.
+//                  With the segments as device counts (E experts, the host not knowing them), scale_inv
+//                  is sized for the worst case, [fp8_colwise_max_blocks(M, E), K]: its first num_blocks
+//                  rows are the layout above, the rows past them 1.0f (what zero data quantizes to).
 //   block 128x128  data [N,K] (or [E,N,K]), scale_inv [ceil(N/128), ceil(K/128)] per matrix.
 //                  Its transpose is exact: transpose the bytes and the scale grid.
 #pragma once
@@ -31,6 +34,8 @@ constexpr int kFp8BlockSize = 128;
 constexpr float kFp8E4m3Max = 448.0f;
 
 FLOWMOE_HD int64_t fp8_num_blocks(int64_t n) { return (n + kFp8BlockSize - 1) / kFp8BlockSize; }
+// An upper bound of sum_e ceil(r_e / 128) over E segments with sum_e r_e <= M (each ceil adds under 1).
+FLOWMOE_HD int64_t fp8_colwise_max_blocks(int64_t M, int64_t E) { return fp8_num_blocks(M) + E; }
 
 FLOWMOE_HD uint32_t fp8_f32_bits(float x) {
   uint32_t b;

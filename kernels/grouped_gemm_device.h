@@ -59,7 +59,9 @@ void fp8_grouped_gemm_device_cuda(DType out_dtype, const uint8_t* x /*[m_total, 
 // blk_e = Σ_{i<e} ceil(r_i/128); num_blocks = blk_E): m_total and every row count must be multiples of 16
 // (the operands' rows then start 16-byte aligned; a count that is not traps). The reduction over an
 // expert's r_e columns may end in a partial 1x128 block: TMA reads the columns past r_e as zeros. The scale
-// arrays may be null when num_blocks is 0 (every count 0): only an expert's own blocks are read.
+// arrays may be null when num_blocks is 0 (every count 0): only an expert's own blocks are read, so the
+// worst-case sized layouts of fp8_transpose_device_cuda / quantize_colwise_device_cuda (kernels/fp8.h) serve
+// as they are, on the same counts.
 void fp8_grouped_wgrad_device_cuda(const uint8_t* dy_t /*[n, m_total] e4m3*/,
                                    const float* dy_t_scale_inv /*[num_blocks, n]*/,
                                    const uint8_t* x_t /*[k, m_total] e4m3*/,

@@ -3,7 +3,7 @@
 //   dequantize: y = e4m3_to_f32(q) * scale_inv  (then rounded to the output dtype; NaN is 0x7FFFFFFF)
 // x / y are f32 or bf16 (raw bits) on both backends; q is e4m3 bytes, scale_inv f32. The CPU
 // (kernels/cpu/quantize.cpp) and CUDA (kernels/cuda/quantize.cu) backends agree bit for bit on every
-// output. Autograd ops: engine/ops/quantize.h. Tests: tests/test_quantize.cpp.
+// output. Autograd ops: engine/ops/quantize.h. Tests: tests/test_quantize.cpp, tests/test_fp8_colwise_device.cpp.
 #pragma once
 #include <cstdint>
 
@@ -35,6 +35,17 @@ void quantize_colwise_cpu(DType dtype, const void* x /*[M,K]*/, int64_t M, int64
 void quantize_colwise_cuda(DType dtype, const void* x /*[M,K]*/, int64_t M, int64_t K,
                            const int64_t* rows_per_segment /*[num_segments]*/, int64_t num_segments,
                            uint8_t* q /*[K,M]*/, float* scale_inv /*[num_blocks, K]*/, cudaStream_t stream);
+// The same quantize with the segments as per-expert counts [E] (E <= 256): int32 on the device for the
+// CUDA launcher (no host synchronisation: it can be captured in a CUDA graph), on the host for the CPU
+// reference. scale_inv is sized for the worst case, max_blocks = fp8_colwise_max_blocks(M, E) rows (kernels/fp8.h):
+// rows [0, num_blocks) as above, rows past them 1.0f; columns of q past sum(r) zero. A count < 0 or a
+// sum > M traps on the device (ShapeError on the CPU). CPU: kernels/cpu/fp8_colwise_device.cpp.
+void quantize_colwise_device_cpu(DType dtype, const void* x /*[M,K]*/, int64_t M, int64_t K,
+                                 const int32_t* counts /*[E] host*/, int64_t num_experts, uint8_t* q /*[K,M]*/,
+                                 float* scale_inv /*[max_blocks, K]*/);
+void quantize_colwise_device_cuda(DType dtype, const void* x /*[M,K]*/, int64_t M, int64_t K,
+                                  const int32_t* counts /*[E] device*/, int64_t num_experts, uint8_t* q /*[K,M]*/,
+                                  float* scale_inv /*[max_blocks, K]*/, cudaStream_t stream);
 void dequantize_colwise_cpu(DType out_dtype, const uint8_t* q /*[K,M]*/, const float* scale_inv /*[num_blocks, K]*/,
                             int64_t M, int64_t K, const int64_t* rows_per_segment /*[num_segments]*/,
                             int64_t num_segments, void* y /*[M,K]*/);

@@ -110,17 +110,20 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   // 3. Dispatch: each routed copy goes to the rank that owns its expert, into that rank's expert-major
   //    buffer padded to align_size (permute+pad; across ranks, an exchange straight into place).
   //    fp8_flow moves the probs with the rows (SwiGLU applies them); the other recipes apply them at
-  //    combine, in fp32. On one GPU the expert GEMMs run in one launch on the device counts: bf16
-  //    needs nothing else and reads nothing; FP8 still reads them once, because its transposes'
-  //    segment tables are host values. Elsewhere one host read sizes the GEMMs (cuBLASLt needs each M).
+  //    combine, in fp32. On one GPU the counts stay on the device and nothing reads them: the expert
+  //    GEMMs run in one launch each on the device counts, and in the FP8 recipes the wgrad operands'
+  //    colwise layouts (transpose or re-quantize) follow the same counts into worst-case sized scales.
+  //    Elsewhere one host read sizes the GEMMs (cuBLASLt needs each M) and the transfers.
   Variable topk_prob = r.topk_prob;
   if (x2.device().is_cpu() && topk_prob.dtype() != x2.dtype()) topk_prob = cast(topk_prob, x2.dtype());
   DispatchOptions o = dispatch_options(tokens.size(0));
   const bool one_launch = options_.device_counts && !o.expert_parallel && tokens.data().device().is_cuda() &&
                           (flow_.fp8_experts || grouped_linear_takes_device_counts(tokens.data()));
-  o.read_counts = !one_launch || flow_.fp8_experts;
+  o.read_counts = !one_launch;
   Dispatched d = dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), o);
-  const ExpertCounts counts{d.padded_tokens_per_expert, one_launch ? d.routing.padded_tokens_per_expert : Tensor()};
+  ExpertCounts counts = one_launch ? ExpertCounts{{}, d.routing.padded_tokens_per_expert}
+                                   : ExpertCounts{d.padded_tokens_per_expert, Tensor()};
+  if (o.zero_sync) counts = zero_sync_expert_counts(d, flow_.fp8_experts);
 
   // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2.
   Variable out_rows = experts(d.rows, d.probs, counts);
@@ -188,7 +191,13 @@ DispatchOptions MoeLayer::dispatch_options(int64_t num_tokens) const {
   o.align_size = options_.align_size;
   o.num_rows = moe_permuted_rows(num_tokens, router_.top_k, int(num_experts_), options_.align_size, options_.recipe);
   o.row_multiple = flow_.fp8_experts ? 16 : 1;  // as moe_permuted_rows rounds the one-rank buffer
-  if (options_.expert_parallel && options_.expert_parallel->size() > 1) o.expert_parallel = options_.expert_parallel;
+  if (options_.expert_parallel && options_.expert_parallel->size() > 1) {
+    o.expert_parallel = options_.expert_parallel;
+    // Training batches have the same shape on every rank, as the worst-case buffers need; an
+    // evaluation may give a rank fewer (or no) tokens, so it takes the sync path (the same on all ranks).
+    o.zero_sync = grad_enabled() && resolve_ep_dispatch(options_.ep_dispatch, o.expert_parallel.get());
+    o.tokens_per_rank = num_tokens;
+  }
   return o;
 }
 

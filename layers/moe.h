@@ -15,7 +15,9 @@
 // recompute (moe_expert): fc1 → SwiGLU(+quantize) runs inside checkpoint(): forward keeps only the
 // permuted expert input (FP8 with its scales in fp8_flow) and the routing; fc2 keeps its own input.
 // The layer reads the per-expert counts to the host once per forward, in dispatch: cuBLASLt needs
-// each expert's M, and across ranks the transfers need their sizes. expert_bias is a buffer, not a parameter: after
+// each expert's M, and across ranks the transfers need their sizes. Not at all on one GPU (any recipe:
+// the one-launch GEMMs and the FP8 wgrad operands' colwise layouts read the counts on the device), nor
+// across ranks on GPUs with ep_dispatch zero_sync. expert_bias is a buffer, not a parameter: after
 // each optimizer step update_bias() moves it by ±bias_update_rate toward the mean load (aux-loss-free balancing; or by
 // bias_update_rate times the relative load error, model.bias_update_rule: proportional).
 // Parameters (HF names): <prefix>.gate.weight [E,H], <prefix>.experts.fc1.weight [E,2F,H] (gate rows
@@ -44,9 +46,13 @@ struct MoeOptions {
   int align_size = 16;                   // precision.align_size
   MoeRecipe recipe = MoeRecipe::bf16;    // precision.recipe
   bool recompute_expert = false;         // train.recompute contains moe_expert
-  // One rank, bf16 experts on a GPU: the expert GEMMs read the counts on the device (one launch each,
-  // no host sync). false: read them to the host once per layer (per-expert cuBLASLt calls).
+  // One rank on a GPU: the expert GEMMs (one launch each) and, in the FP8 recipes, the wgrad operands'
+  // colwise layouts read the counts on the device (no host sync). false: read them to the host once
+  // per layer (per-expert cuBLASLt calls).
   bool device_counts = true;
+  // parallel.ep_dispatch: across ranks, the one-sync exchange or the zero-sync one (parallel/dispatch.h);
+  // auto resolves in resolve_ep_dispatch.
+  EpDispatch ep_dispatch = EpDispatch::automatic;
   // The expert-parallel group (parallel/process_group.h): its rank r holds experts
   // [r·E/n, (r+1)·E/n) and tokens travel to them through dispatch and combine. Null or one rank: every
   // expert is local.

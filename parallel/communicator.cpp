@@ -79,6 +79,18 @@ std::string join(const std::vector<int64_t>& v) {
   return out.empty() ? "none" : out;
 }
 
+// The chunk lists of one exchange: inside their tensors, recv chunks disjoint, the chunks to this rank
+// itself matched (the one pairing a rank can check alone; a mismatch would stall or truncate).
+void check_chunk_lists(const Tensor& send, const std::vector<Communicator::RowChunk>& send_chunks, const Tensor& recv,
+                       const std::vector<Communicator::RowChunk>& recv_chunks, int rank, int size) {
+  check_chunks(send_chunks, send, size, "send_chunks");
+  check_chunks(recv_chunks, recv, size, "recv_chunks");
+  check_disjoint(recv_chunks);
+  std::vector<int64_t> to_self = rows_with(send_chunks, rank), from_self = rows_with(recv_chunks, rank);
+  FLOWMOE_CHECK(to_self == from_self, ShapeError, "all_to_all_chunks: rank ", rank, " sends itself chunks of ",
+                join(to_self), " rows but receives from itself chunks of ", join(from_self), " rows");
+}
+
 }  // namespace
 
 template <class F>
@@ -104,13 +116,7 @@ void Communicator::all_to_all_chunks(const Tensor& send_in, const std::vector<Ro
   FLOWMOE_CHECK(row_shape(send_in) == row_shape(recv), ShapeError, "all_to_all_chunks: send rows ",
                 shape_str(row_shape(send_in)), " and recv rows ", shape_str(row_shape(recv)), " differ");
   check_output(recv, send_in, "all_to_all_chunks", "recv");
-  check_chunks(send_chunks, send_in, size(), "send_chunks");
-  check_chunks(recv_chunks, recv, size(), "recv_chunks");
-  check_disjoint(recv_chunks);
-  // The chunks to itself are the one pairing a rank can check alone; a mismatch would stall or truncate.
-  std::vector<int64_t> to_self = rows_with(send_chunks, rank()), from_self = rows_with(recv_chunks, rank());
-  FLOWMOE_CHECK(to_self == from_self, ShapeError, "all_to_all_chunks: rank ", rank(), " sends itself chunks of ",
-                join(to_self), " rows but receives from itself chunks of ", join(from_self), " rows");
+  check_chunk_lists(send_in, send_chunks, recv, recv_chunks, rank(), size());
   Tensor send = send_in.contiguous();
   timed_exchange([&] { do_all_to_all_chunks(send, send_chunks, recv, recv_chunks, row_bytes_of(send)); });
 }
@@ -150,6 +156,56 @@ Tensor Communicator::all_to_all(const Tensor& send, const std::vector<int64_t>& 
   all_to_all(send, send_rows, recv, recv_rows);
   if (!scales) return recv;
   return recv.with_scales(all_to_all(scales->scale_inv, send_rows, recv_rows), ScalingMode::rowwise_1x128);
+}
+
+namespace {
+
+void check_put_table(const Tensor& t, const Tensor& rows, int size, const char* what) {
+  FLOWMOE_CHECK(t.defined() && t.dtype() == DType::i32 && t.dim() == 3 && t.size(0) == size && t.size(2) == 3 &&
+                    t.is_contiguous(),
+                ShapeError, "put_rows: ", what, " ", t.defined() ? t.describe() : std::string("(undefined)"),
+                " must be a contiguous [", size, ", C, 3] i32 table");
+  FLOWMOE_CHECK(t.device() == rows.device() || t.device().is_cpu(), DeviceError, "put_rows: ", what, " ",
+                t.describe(), " must be on the CPU or beside ", rows.describe());
+}
+
+// Each table entry (row, peer's row, rows) as a chunk of this rank's buffer with the entry's peer.
+std::vector<Communicator::RowChunk> table_chunks(const std::vector<int64_t>& v, int64_t C) {
+  std::vector<Communicator::RowChunk> chunks;
+  for (size_t i = 0; i < v.size() / 3; ++i) chunks.push_back({int(int64_t(i) / C), v[3 * i], v[3 * i + 2]});
+  return chunks;
+}
+
+}  // namespace
+
+void Communicator::put_rows(const Tensor& send_in, const Tensor& out_table, const Tensor& recv,
+                            const Tensor& in_table, double fill) {
+  check_rows_tensor(send_in, "put_rows", "send");
+  check_rows_tensor(recv, "put_rows", "recv");
+  FLOWMOE_CHECK(row_shape(send_in) == row_shape(recv), ShapeError, "put_rows: send rows ",
+                shape_str(row_shape(send_in)), " and recv rows ", shape_str(row_shape(recv)), " differ");
+  check_output(recv, send_in, "put_rows", "recv");
+  check_put_table(out_table, send_in, size(), "out_table");
+  check_put_table(in_table, send_in, size(), "in_table");
+  FLOWMOE_CHECK(out_table.size(1) == in_table.size(1), ShapeError, "put_rows: out_table ", out_table.describe(),
+                " and in_table ", in_table.describe(), " list different chunks per peer");
+  Tensor send = send_in.contiguous();
+  timed_exchange([&] { do_put_rows(send, out_table, recv, in_table, fill, row_bytes_of(send)); });
+}
+
+void Communicator::do_put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
+                               double fill, size_t row_bytes) {
+  if (out_table.device().is_cuda() || in_table.device().is_cuda()) note_host_sync();  // both tables, one wait
+  const int64_t C = out_table.size(1);
+  const std::vector<RowChunk> send_chunks = table_chunks(out_table.to_ints(), C);
+  const std::vector<RowChunk> recv_chunks = table_chunks(in_table.to_ints(), C);
+  check_chunk_lists(send, send_chunks, recv, recv_chunks, rank(), size());
+  Tensor out = recv;  // a handle on the same storage
+  if (fill == 0)
+    out.zero_();  // any dtype, FP8 bytes included
+  else
+    out.copy_(Tensor::full(recv.shape(), fill, recv.dtype(), recv.device()));
+  do_all_to_all_chunks(send, send_chunks, recv, recv_chunks, row_bytes);
 }
 
 std::vector<int64_t> Communicator::exchange_counts(const std::vector<int64_t>& send_rows) {

@@ -58,6 +58,18 @@ class Communicator {
   // straight in an expert-major padded layout.
   void all_to_all_chunks(const Tensor& send, const std::vector<RowChunk>& send_chunks, const Tensor& recv,
                          const std::vector<RowChunk>& recv_chunks);
+  // Rows into the peers' buffers along tables that stay where they were computed (the device), for an
+  // exchange whose sizes the host never reads (DESIGN.md §2, zero-sync dispatch). Collective.
+  //   out_table [n, C, 3] i32: for peer q and chunk c, (first row in send, first row in q's recv, rows)
+  //   in_table  [n, C, 3] i32: for peer p and chunk c, (first row in recv, first row in p's send, rows):
+  //             the chunks p's out_table lists for this rank, in the same order
+  //   recv [R, ...]: written whole; rows no chunk covers become `fill` (0: zero bytes, any dtype).
+  // nccl on load/store-reachable GPUs writes the rows into the peers' memory from a kernel that reads
+  // out_table on the device (parallel/nccl/lsa_put.h): no host read, and recv must have the same shape
+  // on every rank (a worst-case size). Elsewhere (none, mpi, nccl without NVLink/P2P reach) the tables
+  // are read to the host (one counted sync for device tables) and the rows move by all_to_all_chunks.
+  // A chunk that runs past either buffer is an error (checked on the host paths; skipped on the device).
+  void put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table, double fill);
   // recv_rows from send_rows: how many rows each peer sends this rank (the counts travel on the host).
   std::vector<int64_t> exchange_counts(const std::vector<int64_t>& send_rows);
 
@@ -98,6 +110,10 @@ class Communicator {
   // chunks disjoint, and this rank's chunks to itself matched (non-empty ones in order, equal rows).
   virtual void do_all_to_all_chunks(const Tensor& send, const std::vector<RowChunk>& send_chunks, const Tensor& recv,
                                     const std::vector<RowChunk>& recv_chunks, size_t row_bytes) = 0;
+  // Called with checked arguments (tables [n, C, 3] i32, recv contiguous with send's row shape). The
+  // default reads the tables to the host and calls do_all_to_all_chunks after filling recv.
+  virtual void do_put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
+                           double fill, size_t row_bytes);
   virtual void do_all_reduce(const Tensor& t, ReduceOp op) = 0;
   virtual void do_all_gather(const Tensor& send, const Tensor& recv, size_t row_bytes) = 0;
   virtual void do_broadcast(const Tensor& t, int root) = 0;

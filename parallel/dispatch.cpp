@@ -42,12 +42,32 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
     d.rows = d.routing.rows;
     d.probs = d.routing.probs;
     d.tokens_per_expert = d.routing.tokens_per_expert;
+    d.device_padded_tokens_per_expert = d.routing.padded_tokens_per_expert;
     if (o.read_counts) d.padded_tokens_per_expert = read_counts_once(d.routing.padded_tokens_per_expert);  // THE host sync
     return d;
   }
   Communicator& comm = *o.expert_parallel;
   FLOWMOE_CHECK(o.num_experts % comm.size() == 0, ConfigError, "dispatch: ", o.num_experts,
                 " experts do not split over an expert-parallel group of ", comm.size(), " ranks");
+  if (o.zero_sync) {
+    const int L = o.num_experts / comm.size(), k = int(topk_idx.size(1));
+    const int64_t T = o.tokens_per_rank >= 0 ? o.tokens_per_rank : tokens.size(0);
+    FLOWMOE_CHECK(tokens.size(0) <= T, ShapeError, "dispatch: ", tokens.size(0), " tokens on rank ", comm.rank(),
+                  " but zero_sync buffers are sized for tokens_per_rank = ", T);
+    // Both buffers sized from T alone, so every rank's has the same shape (the device puts need it).
+    d.routing = permute_pad(tokens, topk_idx, probs, o.num_experts, kSortedAlign, 0, -1,
+                            permute_worst_case_rows(T, k, o.num_experts, kSortedAlign));
+    const int64_t rows = zero_sync_padded_rows(comm.size(), T, k, L, o.align_size, o.row_multiple);
+    auto plan = std::make_shared<ExchangePlan>(make_device_exchange_plan(
+        o.expert_parallel, d.routing.tokens_per_expert, kSortedAlign, d.routing.rows.size(0), o.align_size, rows));
+    std::vector<Variable> moved = exchange(d.routing.rows, d.routing.probs, plan, ExchangeDirection::to_experts);
+    d.rows = moved[0];
+    d.probs = moved[1];
+    d.tokens_per_expert = plan->device_tokens_per_expert;
+    d.device_padded_tokens_per_expert = plan->device_padded_tokens_per_expert;
+    d.plan = std::move(plan);
+    return d;
+  }
   d.routing = permute_pad(tokens, topk_idx, probs, o.num_experts, kSortedAlign);
   auto [send_counts, recv_counts] = exchange_counts_once(comm, d.routing.tokens_per_expert);  // THE host sync
   auto plan = std::make_shared<ExchangePlan>(make_exchange_plan(o.expert_parallel, send_counts, recv_counts,
@@ -60,6 +80,37 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
   d.tokens_per_expert = Tensor::from_ints(plan->tokens_per_expert, {int64_t(plan->tokens_per_expert.size())});
   d.plan = std::move(plan);
   return d;
+}
+
+ExpertCounts zero_sync_expert_counts(const Dispatched& d, bool fp8_experts) {
+  const Tensor& c = d.device_padded_tokens_per_expert;
+  FLOWMOE_CHECK(c.defined(), Error, "zero_sync_expert_counts: the dispatch left no device counts");
+  // On a GPU the one-launch GEMMs (and, FP8, the wgrad operands' colwise layouts) read them there.
+  if (c.device().is_cuda() && (fp8_experts || grouped_linear_takes_device_counts(d.rows.data()))) return {{}, c};
+  return {read_counts_once(c), Tensor()};
+}
+
+EpDispatch ep_dispatch_from_name(const std::string& name) {
+  if (name == "auto") return EpDispatch::automatic;
+  if (name == "sync") return EpDispatch::sync;
+  if (name == "zero_sync") return EpDispatch::zero_sync;
+  FLOWMOE_THROW(ConfigError, "parallel.ep_dispatch: unknown mode '", name, "' (auto, sync, zero_sync)");
+}
+
+const char* ep_dispatch_name(EpDispatch mode) {
+  switch (mode) {
+    case EpDispatch::automatic: return "auto";
+    case EpDispatch::sync: return "sync";
+    case EpDispatch::zero_sync: return "zero_sync";
+  }
+  return "?";
+}
+
+bool resolve_ep_dispatch(EpDispatch mode, const Communicator* group) {
+  if (!group || group->size() <= 1) return false;
+  // auto stays on the one-sync path until zero_sync is measured faster on the hardware it runs on
+  // (bench/bench_dispatch.cpp times both); this is the one place that choice is made.
+  return mode == EpDispatch::zero_sync;
 }
 
 Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob, CombineGrad grad) {

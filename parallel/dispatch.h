@@ -6,16 +6,24 @@
 // One rank (no expert-parallel group): dispatch is permute+pad and combine is unpermute+unpad.
 // Several ranks: dispatch permutes by global expert, exchanges the counts and moves each (peer,
 // expert) segment straight to its place in the owner's padded buffer (parallel/exchange.h); combine
-// moves the rows back and unpermutes them where the tokens live.
+// moves the rows back and unpermutes them where the tokens live. Two ways to do it across ranks:
+//   sync (default): the counts are read to the host once and the buffer has exactly the padded rows;
+//   zero_sync: the counts are all-gathered and laid out on the device, the buffer has the worst-case
+//     rows (zero_sync_padded_rows; the tail is pad rows) and the GEMMs take the counts on the device;
+//     nccl writes the rows into the owners' memory from a kernel (NVLink/P2P; else it falls back to a
+//     host read of the tables, and says so once).
 // Backward: each op's backward is the other's forward. combine's backward can quantize dy once to
 // FP8 (fp8_flow): its rows and scales then travel as FP8 all the way to fc2's dgrad.
-// Host syncs: one per dispatch, to size the GEMMs (and, across ranks, the transfers); none in backward.
+// Host syncs: one per dispatch, to size the GEMMs (and, across ranks, the transfers), none with
+// zero_sync on nccl between NVLink-reachable GPUs; none in backward.
 // Tests: tests/test_dispatch.cpp (one process), tests/mpi/test_exchange.cpp (under mpiexec).
 #pragma once
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/autograd.h"
+#include "engine/ops/grouped_linear.h"
 #include "engine/ops/permute.h"
 #include "parallel/exchange.h"
 
@@ -29,6 +37,10 @@ struct DispatchOptions {
   // One rank: read the counts to the host (one sync), or leave them on the device for GEMMs that read
   // them there (ExpertCounts, engine/ops/grouped_linear.h). Several ranks always read them.
   bool read_counts = true;
+  // Several ranks: no host read (see above). The receive buffer's rows follow tokens_per_rank, the tokens
+  // every rank dispatches (the same on every rank; -1: this rank's T).
+  bool zero_sync = false;
+  int64_t tokens_per_rank = -1;
   // The expert-parallel group: rank r holds experts [r·L, (r+1)·L), L = E / size. Null: every expert
   // is here and nothing moves between ranks. (A group of one rank still exchanges, with itself.)
   std::shared_ptr<Communicator> expert_parallel;
@@ -37,19 +49,34 @@ struct DispatchOptions {
 struct Dispatched {
   Variable rows;   // [R, H] this rank's experts' copies in the tokens' dtype (FP8 keeps its scales attached)
   Variable probs;  // [R] the probs moved with the rows (0 on pad rows); undefined when none were given
-  // [L] on the host: each expert GEMM's M. Empty when not read; on one rank the device copy is
-  // routing.padded_tokens_per_expert.
+  // [L] on the host: each expert GEMM's M. Empty when not read (one rank without read_counts, zero_sync).
   std::vector<int64_t> padded_tokens_per_expert;
-  // [L] i32, the real copies: on the rows' device with one rank; on the host across ranks, where the
-  // plan holds them (an upload would wait for the stream, a second host sync).
+  // [L] i32 on the rows' device: the same counts where the host has not read them (one rank:
+  // routing.padded_tokens_per_expert; zero_sync: the plan's). Undefined after a sync exchange.
+  Tensor device_padded_tokens_per_expert;
+  // [L] i32, the real copies: on the rows' device with one rank and with zero_sync; on the host after a
+  // sync exchange, where the plan holds them (an upload would wait for the stream, a second host sync).
   Tensor tokens_per_expert;
   PermuteResult routing;                     // the permute+pad on the tokens' rank (combine undoes it)
   std::shared_ptr<const ExchangePlan> plan;  // several ranks: the segments; null on one rank
 };
 
+// How an MoE layer exchanges across ranks (parallel.ep_dispatch): sync, zero_sync, or auto, which picks
+// zero_sync only where it is implemented and measured faster (resolve_ep_dispatch).
+enum class EpDispatch { automatic, sync, zero_sync };
+EpDispatch ep_dispatch_from_name(const std::string& name);  // auto, sync, zero_sync; throws ConfigError
+const char* ep_dispatch_name(EpDispatch mode);
+// Whether a layer with this mode exchanges without host syncs over `group` (null or one rank: false).
+bool resolve_ep_dispatch(EpDispatch mode, const Communicator* group);
+
 // tokens [T,H] any dtype; topk_idx [T,k] i32 in [0, E); probs [T,k] or undefined.
 Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variable& probs,
                     const DispatchOptions& options);
+
+// The GEMMs' counts after a zero_sync dispatch: on a GPU the device counts, for the one-launch GEMMs
+// (bf16 where grouped_linear_takes_device_counts; FP8 always, its colwise layouts following them);
+// read to the host otherwise (CPU: no sync).
+ExpertCounts zero_sync_expert_counts(const Dispatched& d, bool fp8_experts);
 
 // The format of combine's backward: the gradient as it comes, or quantized once to FP8 (rowwise
 // 1x128, counted as one cast at "combine backward: dy").

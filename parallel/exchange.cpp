@@ -2,7 +2,10 @@
 // in Communicator::all_to_all_chunks; here are only the offsets, the pad rows and the gradient's way back.
 #include "parallel/exchange.h"
 
+#include <algorithm>
+
 #include "kernels/common/device_api.h"
+#include "kernels/ep_layout.h"
 
 namespace flowmoe {
 
@@ -52,6 +55,50 @@ ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::v
   return p;
 }
 
+int64_t zero_sync_padded_rows(int num_ranks, int64_t tokens_per_rank, int top_k, int num_local_experts, int align_size,
+                              int row_multiple) {
+  FLOWMOE_CHECK(num_ranks >= 1 && tokens_per_rank >= 0 && top_k >= 1 && num_local_experts >= 1 && align_size >= 1 &&
+                    row_multiple >= 1,
+                ShapeError, "zero_sync_padded_rows: ", num_ranks, " ranks, ", tokens_per_rank, " tokens, top-", top_k,
+                ", ", num_local_experts, " local experts, align ", align_size, ", row multiple ", row_multiple);
+  const int64_t rows = int64_t(num_ranks) * tokens_per_rank * std::min(top_k, num_local_experts) +
+                       int64_t(num_local_experts) * (align_size - 1);
+  return (rows + row_multiple - 1) / row_multiple * row_multiple;
+}
+
+ExchangePlan make_device_exchange_plan(std::shared_ptr<Communicator> comm, const Tensor& send_counts, int sorted_align,
+                                       int64_t num_sorted_rows, int align_size, int64_t num_padded_rows) {
+  const int n = comm->size();
+  FLOWMOE_CHECK(send_counts.dim() == 1 && send_counts.numel() % n == 0 && send_counts.dtype() == DType::i32, ShapeError,
+                "make_device_exchange_plan: counts ", send_counts.describe(), " must be [n·L] i32 for ", n, " ranks");
+  const int L = int(send_counts.numel() / n);
+  const Device dev = send_counts.device();
+  // [n, n·L]: row p holds rank p's counts; the all-gather is enqueued, not waited for (nccl).
+  const Tensor all_counts = comm->all_gather(send_counts.contiguous().view({1, int64_t(n) * L}));
+  const EpLayoutDims dims{n, L, comm->rank(), sorted_align, align_size};
+  Tensor layout = Tensor::empty({ep_layout_size(n, L)}, DType::i32, dev);
+  if (dev.is_cpu())
+    ep_layout_cpu(dims, all_counts.data<int32_t>(), layout.data<int32_t>());
+  else
+    ep_layout_cuda(dims, all_counts.data<int32_t>(), layout.data<int32_t>(), current_stream(dev.index));
+  ExchangePlan p;
+  p.comm = std::move(comm);
+  p.num_local_experts = L;
+  p.align_size = align_size;
+  p.num_sorted_rows = num_sorted_rows;
+  p.num_padded_rows = num_padded_rows;
+  p.on_device = true;
+  p.device_tokens_per_expert = layout.slice(0, 0, L);
+  p.device_padded_tokens_per_expert = layout.slice(0, ep_layout_padded_offset(n, L), ep_layout_padded_offset(n, L) + L);
+  p.device_segment_starts = layout.slice(0, ep_layout_starts_offset(n, L), ep_layout_starts_offset(n, L) + L + 1);
+  const int64_t table = 3 * int64_t(n) * L;
+  p.to_experts_table = layout.slice(0, ep_layout_to_experts_offset(n, L), ep_layout_to_experts_offset(n, L) + table)
+                           .view({n, L, 3});
+  p.to_tokens_table =
+      layout.slice(0, ep_layout_to_tokens_offset(n, L), ep_layout_to_tokens_offset(n, L) + table).view({n, L, 3});
+  return p;
+}
+
 std::pair<std::vector<int64_t>, std::vector<int64_t>> exchange_counts_once(Communicator& comm,
                                                                            const Tensor& send_counts) {
   const int n = comm.size();
@@ -82,6 +129,12 @@ Tensor move_rows(const Tensor& src, const ExchangePlan& p, ExchangeDirection dir
   const bool to_experts = dir == ExchangeDirection::to_experts;
   Shape shape = src.shape();
   shape[0] = to_experts ? p.num_padded_rows : p.num_sorted_rows;
+  if (p.on_device) {  // put_rows writes every row: the chunks, and `pad` elsewhere
+    Tensor dst = Tensor::empty(shape, src.dtype(), src.device());
+    p.comm->put_rows(src, to_experts ? p.to_experts_table : p.to_tokens_table, dst,
+                     to_experts ? p.to_tokens_table : p.to_experts_table, pad);
+    return dst;
+  }
   const bool has_pad_rows = to_experts && p.num_padded_rows > sum_tokens(p);
   // The padded side's uncovered rows (each expert's pad rows and the tail) take the pad value: one
   // fill of the whole buffer, which the exchange then overwrites, costs one extra write but a

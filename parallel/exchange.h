@@ -6,8 +6,14 @@
 // its local expert e, the copies of every peer p in peer order, then pad rows up to align_size:
 //   padded row = segment_starts[e] + sum_{p' < p} counts[p'][e] + i       (i-th copy from peer p)
 // so each (peer, expert) segment lands at its final place and no rank-major → expert-major regroup
-// follows. The plan is made once per forward from the exchanged counts (one host read) and reused by
-// every backward exchange. Tests: tests/mpi/test_exchange.cpp (round trips under mpiexec), and
+// follows. The plan is made once per forward and reused by every backward exchange, in one of two kinds:
+//   host plan (make_exchange_plan): from the exchanged counts, read to the host once; the rows move by
+//     all_to_all_chunks into a buffer of exactly the padded total (rounded up to row_multiple);
+//   device plan (make_device_exchange_plan, zero-sync): the counts are all-gathered on the stream and the
+//     layout (kernels/ep_layout.h, the same offsets) stays on the device; the rows move by put_rows into
+//     a worst-case buffer (zero_sync_padded_rows) whose rows past the padded total are pad rows too.
+// Tests: tests/mpi/test_exchange.cpp (round trips under mpiexec, both kinds), tests/test_ep_layout.cpp
+// (the device layout against make_exchange_plan), and
 // tests/test_dispatch.cpp (the same path at world size 1, with a gradient check).
 #pragma once
 #include <cstdint>
@@ -33,6 +39,15 @@ struct ExchangePlan {
   std::vector<Communicator::RowChunk>
       sorted_chunks;  // per peer, in local-expert order: where the copies leave / return
   std::vector<Communicator::RowChunk> padded_chunks;  // per peer, in local-expert order: where they arrive / leave
+
+  // A device plan: the vectors above are empty and these views of one i32 layout tensor
+  // (kernels/ep_layout.h) on the rows' device hold the same values.
+  bool on_device = false;
+  Tensor device_tokens_per_expert;         // [L] i32
+  Tensor device_padded_tokens_per_expert;  // [L] i32
+  Tensor device_segment_starts;            // [L+1] i32
+  Tensor to_experts_table;  // [n, L, 3] i32: per peer q, q's expert e: (sorted row here, padded row on q, rows)
+  Tensor to_tokens_table;   // [n, L, 3] i32: per peer p, my expert e: (padded row here, sorted row on p, rows)
 };
 
 // [counts.size()+1]: the exclusive scan of the counts, each rounded up to a multiple of align (the
@@ -45,6 +60,18 @@ ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::v
                                 const std::vector<int64_t>& recv_counts, int sorted_align, int64_t num_sorted_rows,
                                 int align_size, int row_multiple);
 
+// The rows of a zero-sync receive buffer: every rank sends every copy it routes to this rank's L experts
+// (tokens_per_rank·min(top_k, L) from each of n ranks; top-k experts are distinct), plus align_size−1
+// pad rows per expert, rounded up to row_multiple. The same on every rank when tokens_per_rank is.
+int64_t zero_sync_padded_rows(int num_ranks, int64_t tokens_per_rank, int top_k, int num_local_experts, int align_size,
+                              int row_multiple);
+
+// The device plan: send_counts [n·L] i32 (the sender's permute counts by global expert, on the rows'
+// device) are all-gathered on the stream and the layout computed there (ep_layout_cuda; ep_layout_cpu on
+// the CPU). Nothing reads the host. num_padded_rows: zero_sync_padded_rows, equal on every rank.
+ExchangePlan make_device_exchange_plan(std::shared_ptr<Communicator> comm, const Tensor& send_counts, int sorted_align,
+                                       int64_t num_sorted_rows, int align_size, int64_t num_padded_rows);
+
 // send_counts: tokens_per_expert [n·L] i32 of the sender's permute (any device). Sends each peer its L
 // counts and reads both directions to the host in one read: THE host synchronisation of a dispatch
 // (counted by note_host_sync on a GPU). Returns {send_counts, recv_counts}, each [n·L].
@@ -56,7 +83,8 @@ enum class ExchangeDirection { to_experts, to_tokens };
 // Moves rows [num_sorted_rows, ...] to the owners' padded layout (to_experts) or back (to_tokens), with
 // probs [rows] alongside when defined. The padded side's pad rows are zero (probs 0); an FP8 tensor
 // with rowwise 1x128 scales moves its scales too (pad rows scale_inv 1). The sorted side's pad rows
-// are left unwritten: unpermute and permute's backward never read them. Differentiable: the
+// are left unwritten by a host plan (unpermute and permute's backward never read them) and zero under
+// a device plan, which moves the rows with Communicator::put_rows. Differentiable: the
 // gradient goes back the other way, with the same plan.
 std::vector<Variable> exchange(const Variable& rows, const Variable& probs, std::shared_ptr<const ExchangePlan> plan,
                                ExchangeDirection direction);

@@ -119,7 +119,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       bench_rc=1
     grep -v '^bench_dispatch' "$out/multi_gpu.txt" | while read -r line; do row "${line%%:*}" "${line#*: }"; done
     grep '^bench_dispatch' "$out/multi_gpu.txt" | grep -E 'op=(dispatch|combine) ' |
-      sed -E 's/^(bench_dispatch np[0-9]+ nccl): .*shape=([a-z]+).*payload=([a-z0-9]+) op=([a-z.]+).* gbps=([0-9.]+).*frac_ceiling=([0-9.]+).*/\1 \2 \3 \4: \5 GB\/s, \6 of all-to-all/' |
+      sed -E 's/^(bench_dispatch np[0-9]+ nccl): .*shape=([a-z]+).*payload=([a-z0-9]+) op=([a-z.]+) mode=([a-z_]+).* gbps=([0-9.]+).*frac_ceiling=([0-9.]+).*host_syncs=([0-9]+).*/\1 \2 \3 \4 \5: \6 GB\/s, \7 of all-to-all, \8 host syncs/' |
       while read -r line; do row "${line%%:*}" "${line#*: }"; done
   fi
   t_bench=$(( $(date +%s) - t0 ))

@@ -12,8 +12,9 @@
 #           5e-3 (bf16 GEMMs over another split of the batch round otherwise; the CPU tests hold f32 to
 #           2e-5, tests/mpi/test_ep_train.cpp)
 # resume    EP 4's step-4 checkpoint resumed at EP 2: its steps 5 to EQ_STEPS against EP 4's own
-# speed     gpu_moe as shipped (batch 32 in all), 30 steps, bf16 and fp8_flow at EP 1, 2, 4: tokens/s
-#           per GPU and peak memory per GPU
+# speed     gpu_moe as shipped (batch 32 in all), 30 steps, bf16 and fp8_flow at EP 1, 2, 4, each EP size
+#           with the one-sync and the zero-sync dispatch (EP_DISPATCH, default "sync zero_sync"):
+#           tokens/s per GPU, peak memory per GPU and host syncs per step
 # bench     bench_dispatch on 2 and 4 GPUs (toy and DeepEP shapes, or BENCH_SHAPES) against nccl all-to-all
 #           of the same bytes
 # twonode   the EP 4 equality run and bench_dispatch with NCCL's peer-to-peer and shared-memory
@@ -119,19 +120,26 @@ for part in "${parts[@]}"; do
     speed)
       for r in bf16 fp8_flow; do
         for np in 1 "${sizes[@]}"; do
-          train_ep "$np" "$np" "speed_${r}_ep$np" --set train.steps=30 --set optimizer.warmup_steps=3 --set train.eval_every=0 \
-            --set checkpoint.every=0 --set logging.progress=plain --set logging.log_every=10 --set precision.recipe=$r ||
-            { echo "speed $r EP $np: FAILED"; rc=1; continue; }
-          python3 - "$out/speed_${r}_ep$np/metrics.jsonl" "$np" "$r" <<'PY'
+          for mode in ${EP_DISPATCH:-sync zero_sync}; do
+            [ "$np" -eq 1 ] && [ "$mode" != sync ] && continue  # one process never exchanges
+            name="speed_${r}_ep${np}_${mode}"
+            train_ep "$np" "$np" "$name" --set train.steps=30 --set optimizer.warmup_steps=3 --set train.eval_every=0 \
+              --set checkpoint.every=0 --set logging.progress=plain --set logging.log_every=10 --set precision.recipe=$r \
+              --set parallel.ep_dispatch=$mode || { echo "speed $r EP $np $mode: FAILED"; rc=1; continue; }
+            python3 - "$out/$name/metrics.jsonl" "$np" "$r" "$mode" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-np_, r = int(sys.argv[2]), sys.argv[3]
+np_, r, mode = int(sys.argv[2]), sys.argv[3], sys.argv[4]
 late = rows[len(rows) // 3:]  # past the first steps' warm-up
 tps = sum(x["tokens_per_s"] for x in late) / len(late)
-print("speed gpu_moe %s EP %d: %.1fk tok/s per GPU (%.1fk in all), peak %.2f GiB per GPU, exchange %s ms per step"
-      % (r, np_, tps / np_ / 1e3, tps / 1e3, max(x["peak_mem_bytes"] for x in rows) / 2**30,
-         "%.1f" % (sum(x["exchange_ms"] for x in late) / len(late)) if late[0].get("exchange_ms") is not None else "-"))
+print("speed gpu_moe %s EP %d%s: %.1fk tok/s per GPU (%.1fk in all), peak %.2f GiB per GPU, exchange %s ms per step, "
+      "host syncs per step %d"
+      % (r, np_, "" if np_ == 1 else " " + mode, tps / np_ / 1e3, tps / 1e3,
+         max(x["peak_mem_bytes"] for x in rows) / 2**30,
+         "%.1f" % (sum(x["exchange_ms"] for x in late) / len(late)) if late[0].get("exchange_ms") is not None else "-",
+         max(x["host_syncs"] for x in late)))
 PY
+          done
         done
       done ;;
     bench)

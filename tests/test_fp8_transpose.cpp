@@ -24,6 +24,8 @@ using namespace flowmoe::test;
 
 namespace {
 
+const std::vector<int64_t> kAllRows;  // no segments given: one segment of all rows
+
 struct Rowwise {  // q [M,K] e4m3 bytes, s [M, ceil(K/128)]
   int64_t M = 0, K = 0;
   std::vector<uint8_t> q;
@@ -402,13 +404,13 @@ TEST(Fp8Transpose, Errors) {
   EXPECT_TRUE(throws_naming<ShapeError>([&] { run(negative); }, {"rows_per_segment[1]", "-2"}));
   EXPECT_TRUE(throws_naming<ShapeError>([&] { run(too_many); }, {"M = 8", "segment 1", "4 rows"}));
   Tensor f = Tensor::zeros({4, 8}, DType::f32);
-  EXPECT_TRUE(throws_naming<DTypeError>([&] { fp8_transpose(f, {}); }, {"rowwise_1x128", "f32[4, 8]"}));
+  EXPECT_TRUE(throws_naming<DTypeError>([&] { fp8_transpose(f, kAllRows); }, {"rowwise_1x128", "f32[4, 8]"}));
   Tensor e = Tensor::zeros({4, 8}, DType::e4m3);
-  EXPECT_TRUE(throws_naming<DTypeError>([&] { fp8_transpose(e, {}); }, {"without scales"}));
+  EXPECT_TRUE(throws_naming<DTypeError>([&] { fp8_transpose(e, kAllRows); }, {"without scales"}));
   Tensor colwise = e.with_scales(Tensor::zeros({1, 4}, DType::f32), ScalingMode::colwise_1x128);
-  EXPECT_TRUE(throws_naming<DTypeError>([&] { fp8_transpose(colwise, {}); }, {"with colwise_1x128 scales"}));
+  EXPECT_TRUE(throws_naming<DTypeError>([&] { fp8_transpose(colwise, kAllRows); }, {"with colwise_1x128 scales"}));
   Tensor three_d = Tensor::zeros({2, 4, 8}, DType::e4m3);
-  EXPECT_TRUE(throws_naming<ShapeError>([&] { fp8_transpose(three_d, {}); }, {"[M, K]", "[2, 4, 8]"}));
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { fp8_transpose(three_d, kAllRows); }, {"[M, K]", "[2, 4, 8]"}));
 }
 
 // The op: shapes, the scales attached with the segments, no cast counted, CPU and CUDA alike.
@@ -442,7 +444,7 @@ TEST(Fp8Transpose, TensorOp) {
     }
     EXPECT_EQ(cast_counts().activation_casts(), 0);
     Tensor bad_scales = q.to(dev).with_scales(Tensor::zeros({x.M, 1}, DType::f32, dev), ScalingMode::rowwise_1x128);
-    EXPECT_TRUE(throws_naming<ShapeError>([&] { fp8_transpose(bad_scales, {}); }, {"scale_inv", "[300, 2]"}));
+    EXPECT_TRUE(throws_naming<ShapeError>([&] { fp8_transpose(bad_scales, kAllRows); }, {"scale_inv", "[300, 2]"}));
     EXPECT_TRUE(throws_naming<ShapeError>([&] { fp8_transpose(qr, {200, 200}); }, {"M = 300"}));
   }
 }

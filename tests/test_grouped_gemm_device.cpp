@@ -33,6 +33,7 @@
 #include "kernels/fp8_grouped_linear.h"
 #include "kernels/grouped_gemm_device.h"
 #include "kernels/grouped_linear.h"
+#include "tests/cuda_graph_test.h"
 #include "tests/fp8_test_data.h"
 #include "tests/test_util.h"
 
@@ -429,8 +430,8 @@ TEST(GroupedGemmDeviceCuda, CapturedInAGraphAndReplayedWithNewCounts) {
   Tensor qw = device_tensor(fp.w.q, DType::e4m3), qws = device_tensor(fp.w.s, DType::f32);
   Tensor qy = Tensor::full({m, n}, kNaN, DType::f32, gpu);
   Tensor counts = device_counts(first), ws = device_workspace(e);
-  cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  CapturedGraph g;
+  cudaStream_t s = g.stream();
   auto launch_all = [&] {
     const int32_t* c = counts.data<int32_t>();
     grouped_gemm_fprop_device_cuda(DType::bf16, x.raw_data(), w.raw_data(), y.raw_data(), c, e, m, n, k, ws.raw_data(),
@@ -442,28 +443,14 @@ TEST(GroupedGemmDeviceCuda, CapturedInAGraphAndReplayedWithNewCounts) {
     fp8_grouped_gemm_device_cuda(DType::f32, qx.data<uint8_t>(), qxs.data<float>(), qw.data<uint8_t>(),
                                  qws.data<float>(), qy.raw_data(), c, e, m, n, k, ws.raw_data(), bytes_of(ws), s);
   };
-  cuda_synchronize(0);  // inputs written on the engine's stream
-  launch_all();         // module loading and CUTLASS's lazy driver lookups stay out of the capture
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  try {
-    launch_all();
-  } catch (const std::exception& ex) {
-    cudaStreamEndCapture(s, &graph);
-    FAIL() << "a launcher failed under stream capture (a host synchronisation?): " << ex.what();
-  }
-  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess) << "capture was invalidated by a synchronising call";
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_TRUE(g.capture(launch_all));
   Tensor y_before;
   Rows rows_before;
   for (const Rows& rows : {first, second, second}) {
     SCOPED_TRACE(::testing::Message() << "replay with rows " << ::testing::PrintToString(rows));
     const std::vector<int32_t> c32(rows.begin(), rows.end());
     ASSERT_EQ(cudaMemcpyAsync(counts.raw_data(), c32.data(), c32.size() * 4, cudaMemcpyHostToDevice, s), cudaSuccess);
-    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    ASSERT_TRUE(g.replay());
     Bf16Problem p = bp;
     p.rows = rows;
     const Bf16Results cpu = bf16_cpu(p);
@@ -480,8 +467,5 @@ TEST(GroupedGemmDeviceCuda, CapturedInAGraphAndReplayedWithNewCounts) {
     y_before = yh;
     rows_before = rows;
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
 }
 #endif

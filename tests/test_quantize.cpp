@@ -17,6 +17,8 @@ using namespace flowmoe::test;
 
 namespace {
 
+const std::vector<int64_t> kAllRows;  // no segments given: one segment of all rows
+
 const float kNaN = std::nanf("");
 
 bool same_float(float a, float b) {  // bit equality, any NaN equal to any NaN
@@ -354,7 +356,7 @@ TEST(QuantizeOps, StraightThroughGradientAndCounts) {
   // segment of all rows.
   reset_cast_counts();
   Tensor xt = random_tensor(rng, {20, 8});
-  Tensor qc = quantize_colwise_tensor(xt, {}, "t.col");
+  Tensor qc = quantize_colwise_tensor(xt, kAllRows, "t.col");
   EXPECT_TRUE(bit_equal(qc, quantize_colwise_tensor(xt, {20}, "t.col")));
   dequantize_tensor(qc, DType::bf16, "t.deq");
   dequantize_tensor(qc, DType::bf16, "");
@@ -377,7 +379,7 @@ TEST(QuantizeOps, Errors) {
   EXPECT_TRUE(throws_naming<ShapeError>([&] { quantize_colwise_tensor(x, negative, "s"); },
                                         {"rows_per_segment[1] = -1", "negative"}));
   Tensor x3 = Tensor::zeros({2, 3, 4}, DType::f32);
-  EXPECT_TRUE(throws_naming<ShapeError>([&] { quantize_colwise_tensor(x3, {}, "s"); }, {"f32[2, 3, 4] on cpu"}));
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { quantize_colwise_tensor(x3, kAllRows, "s"); }, {"f32[2, 3, 4] on cpu"}));
   // The raw kernels check the same.
   std::vector<uint8_t> q(40);
   std::vector<float> s(40);

@@ -333,36 +333,42 @@ TEST(TrainerCuda, DeviceStepScalarsMatchTheHostPath) {
 }
 
 // train.cuda_graph: the step captured once and replayed gives the eager step's losses, norms, loads and
-// final weights bit for bit, and its rows count no host synchronisation (bf16 experts on one GPU read
-// their counts on the device).
+// final weights bit for bit, and its rows count no host synchronisation, in every recipe (on one GPU the
+// expert GEMMs and the FP8 recipes' colwise wgrad layouts read their counts on the device).
 TEST(TrainerCuda, GraphReplayMatchesEagerBitForBit) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped";
   fs::path d = fresh_dir("trainer_cuda_graph");
-  auto run = [&](const std::string& mode) {
-    Config c = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny_moe.yaml",
-                           {"train.device=cuda", "train.steps=10", "optimizer.warmup_steps=3", "checkpoint.every=0",
-                            "train.eval_every=5", "train.cuda_graph=" + mode,
-                            "logging.out_dir=" + (d / mode).string()});
-    TrainResult r = train(c, quiet());
-    return std::make_pair(r, read_metrics(r.metrics_file));
-  };
-  const auto [graph, graph_rows] = run("on");
-  const auto [eager, eager_rows] = run("off");
-  ASSERT_EQ(graph_rows.size(), 10u);
-  ASSERT_EQ(eager_rows.size(), 10u);
-  for (size_t i = 0; i < graph_rows.size(); ++i) {
-    SCOPED_TRACE("step " + std::to_string(i + 1));
-    EXPECT_EQ(graph_rows[i].loss, eager_rows[i].loss);
-    EXPECT_EQ(graph_rows[i].grad_norm, eager_rows[i].grad_norm);
-    EXPECT_EQ(graph_rows[i].moe_max_over_mean, eager_rows[i].moe_max_over_mean);
-    EXPECT_EQ(graph_rows[i].host_syncs, 0);
-    if (!std::isnan(eager_rows[i].val_loss)) {
-      EXPECT_EQ(graph_rows[i].val_loss, eager_rows[i].val_loss);
+  for (const std::string recipe : {"bf16", "fp8_flow", "fp8_blockwise"}) {
+    SCOPED_TRACE("precision.recipe " + recipe);
+    auto run = [&](const std::string& mode) {
+      Config c = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny_moe.yaml",
+                             {"train.device=cuda", "train.steps=10", "optimizer.warmup_steps=3", "checkpoint.every=0",
+                              "train.eval_every=5", "train.cuda_graph=" + mode, "precision.recipe=" + recipe,
+                              "logging.out_dir=" + (d / recipe / mode).string()});
+      TrainResult r = train(c, quiet());
+      return std::make_pair(r, read_metrics(r.metrics_file));
+    };
+    const auto [graph, graph_rows] = run("on");
+    const auto [eager, eager_rows] = run("off");
+    ASSERT_EQ(graph_rows.size(), 10u);
+    ASSERT_EQ(eager_rows.size(), 10u);
+    for (size_t i = 0; i < graph_rows.size(); ++i) {
+      SCOPED_TRACE("step " + std::to_string(i + 1));
+      EXPECT_EQ(graph_rows[i].loss, eager_rows[i].loss);
+      EXPECT_EQ(graph_rows[i].grad_norm, eager_rows[i].grad_norm);
+      EXPECT_EQ(graph_rows[i].moe_max_over_mean, eager_rows[i].moe_max_over_mean);
+      EXPECT_TRUE(std::isnan(eager_rows[i].moe_casts) ? std::isnan(graph_rows[i].moe_casts)
+                                                      : graph_rows[i].moe_casts == eager_rows[i].moe_casts);
+      EXPECT_EQ(graph_rows[i].host_syncs, 0);
+      EXPECT_EQ(eager_rows[i].host_syncs, 0);
+      if (!std::isnan(eager_rows[i].val_loss)) {
+        EXPECT_EQ(graph_rows[i].val_loss, eager_rows[i].val_loss);
+      }
     }
+    const std::vector<NamedTensor> a = read_safetensors(graph.last_checkpoint + "/model.safetensors");
+    const std::vector<NamedTensor> b = read_safetensors(eager.last_checkpoint + "/model.safetensors");
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bit_equal(a[i].tensor, b[i].tensor)) << a[i].name;
   }
-  const auto weights = [](const TrainResult& r) { return read_safetensors(r.last_checkpoint + "/model.safetensors"); };
-  const std::vector<NamedTensor> a = weights(graph), b = weights(eager);
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bit_equal(a[i].tensor, b[i].tensor)) << a[i].name;
   fs::remove_all(d);
 }

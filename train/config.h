@@ -62,6 +62,7 @@ struct PrecisionConfig {
 struct ParallelConfig {
   int64_t expert_parallel_size = 1;
   std::string backend = "auto";  // auto | nccl | mpi | none (parallel/distributed.h)
+  std::string ep_dispatch = "auto";  // auto | sync | zero_sync (parallel/dispatch.h EpDispatch)
 };
 
 struct CheckpointConfig {

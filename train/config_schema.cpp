@@ -184,7 +184,7 @@ const std::vector<Field>& schema() {
                         "with nonfinite: skip, stop after this many skipped steps"));
     f.push_back(choice("train", "cuda_graph", FLOWMOE_CONFIG_REF(train.cuda_graph), {"auto", "on", "off"},
                        "capture the training step once as a CUDA graph and replay it: auto where the step "
-                       "makes no host synchronisation (one GPU, one process, bf16 experts), on requires it"));
+                       "makes no host synchronisation (one GPU, one process, any recipe), on requires it"));
     // optimizer (AdamW, warmup then cosine)
     f.push_back(number("optimizer", "lr", FLOWMOE_CONFIG_REF(optimizer.lr), 0, true, 10, false, "peak learning rate"));
     f.push_back(number("optimizer", "min_lr", FLOWMOE_CONFIG_REF(optimizer.min_lr), 0, false, 10, false,
@@ -225,6 +225,11 @@ const std::vector<Field>& schema() {
                         "must divide the number of processes"));
     f.push_back(choice("parallel", "backend", FLOWMOE_CONFIG_REF(parallel.backend), {"auto", "nccl", "mpi", "none"},
                        "collectives between ranks; auto: none for one process, nccl on GPUs, mpi on the CPU"));
+    f.push_back(choice("parallel", "ep_dispatch", FLOWMOE_CONFIG_REF(parallel.ep_dispatch),
+                       {"auto", "sync", "zero_sync"},
+                       "the expert-parallel token exchange: sync reads the per-expert counts to the host once per "
+                       "MoE layer; zero_sync keeps them on the device (worst-case receive buffers; nccl writes rows "
+                       "into the peers' GPUs); auto: sync for now"));
     // checkpoint
     f.push_back(string("checkpoint", "dir", FLOWMOE_CONFIG_REF(checkpoint.dir),
                        "where checkpoints go; empty: <logging.out_dir>/checkpoints"));

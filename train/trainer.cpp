@@ -50,6 +50,7 @@ MoeOptions moe_options(const Config& cfg) {
   MoeOptions o(int(cfg.precision.align_size));
   o.recipe = moe_recipe_from_name(cfg.precision.recipe);
   o.recompute_expert = cfg.train.recomputes("moe_expert");
+  o.ep_dispatch = ep_dispatch_from_name(cfg.parallel.ep_dispatch);
   return o;
 }
 

@@ -7,7 +7,8 @@
 // (Fp8Wgrad::transpose, the fp8_flow recipe), or by dequantizing and re-quantizing them column-wise
 // (Fp8Wgrad::requantize, the classic fp8_blockwise recipe; each is a counted cast, engine/cast_stats.h).
 // x must already be FP8 (quantize it with quantize_rowwise first: that cast is the caller's to count).
-// Kernels: kernels/fp8_grouped_linear.h. Tests: tests/test_fp8_grouped_linear.cpp, tests/test_moe_layer.cpp.
+// Kernels: kernels/fp8_grouped_linear.h, kernels/grouped_gemm_device.h. Tests: tests/test_fp8_grouped_linear.cpp,
+// tests/test_moe_layer.cpp, tests/test_fp8_device_counts.cpp.
 #pragma once
 #include <string>
 #include <vector>
@@ -28,9 +29,13 @@ enum class Fp8Wgrad { transpose, requantize };
 Variable fp8_grouped_linear(const Variable& x, const Variable& weight, const QuantizedWeight& wq,
                             const std::vector<int64_t>& padded_tokens_per_expert, Fp8Wgrad wgrad,
                             const std::string& site);
-// The same with the counts on the host (always: the transposes' segment tables) and, on a GPU, also
-// on the device (i32 [E]): the fprop, dgrad and wgrad GEMMs then run in one launch each
-// (kernels/grouped_gemm_device.h) instead of one cuBLASLt call per expert.
+// The same with either kind of counts (ExpertCounts). Device counts (i32 [E] on x's device, E <= 256):
+// on a GPU the fprop, dgrad and wgrad GEMMs run in one launch each (kernels/grouped_gemm_device.h)
+// instead of one cuBLASLt call per expert, and with no host counts beside them the wgrad operands'
+// colwise layouts follow the device counts too (fp8_transpose / quantize_colwise_tensor over
+// ExpertCounts): nothing in forward or backward reads the counts on the host. On the CPU a CPU i32
+// tensor takes their place and the references read it. With both kinds, the colwise layouts follow
+// the host counts (the same bytes, host-known shapes).
 Variable fp8_grouped_linear(const Variable& x, const Variable& weight, const QuantizedWeight& wq,
                             const ExpertCounts& counts, Fp8Wgrad wgrad, const std::string& site);
 

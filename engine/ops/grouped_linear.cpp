@@ -30,6 +30,17 @@ double grouped_gemm_flops(const std::vector<int64_t>& padded_tokens_per_expert, 
   return 2.0 * rows * double(weight.size(1)) * double(weight.size(2));
 }
 
+void check_device_counts(const Tensor& counts, const Tensor& x, const std::string& what) {
+  FLOWMOE_CHECK(counts.dtype() == DType::i32 && counts.dim() == 1 && counts.is_contiguous(), DTypeError, what,
+                ": the expert counts must be a contiguous [E] i32, got ", counts.describe());
+  check_same_device(x, counts, (what + " (data vs expert counts)").c_str());
+}
+
+double grouped_gemm_flops(const ExpertCounts& counts, const Tensor& x, const Tensor& weight) {
+  if (counts.host_known()) return grouped_gemm_flops(counts.host, weight);
+  return grouped_gemm_flops(std::vector<int64_t>{x.dim() >= 1 ? x.size(0) : 0}, weight);
+}
+
 namespace {
 
 struct Dims {
@@ -60,11 +71,8 @@ class GroupedLinear : public Primitive {
   GroupedLinear(ExpertCounts counts, std::string weight_name)
       : rows_(std::move(counts.host)), device_counts_(std::move(counts.device)), weight_name_(std::move(weight_name)) {}
   const char* name() const override { return "grouped_linear"; }
-  // With device counts the host does not know the rows: every row of x counts (the padded worst case).
   double flops(const std::vector<Tensor>& in) const override {
-    if (in.size() < 2) return 0;
-    if (!device_counts_.defined()) return grouped_gemm_flops(rows_, in[1]);
-    return in[1].dim() == 3 ? 2.0 * double(in[0].size(0)) * double(in[1].size(1)) * double(in[1].size(2)) : 0;
+    return in.size() < 2 ? 0 : grouped_gemm_flops(ExpertCounts{rows_, device_counts_}, in[0], in[1]);
   }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {

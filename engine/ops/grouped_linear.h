@@ -10,6 +10,7 @@
 // outputs and zero input gradients.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "engine/autograd.h"
@@ -28,12 +29,29 @@ double grouped_gemm_flops(const std::vector<int64_t>& padded_tokens_per_expert, 
 
 // An MoE layer's per-expert row counts, in one of two places: host values (read_counts_once, one sync)
 // or left on the device, i32 [E] as permute_pad wrote them, for the one-launch grouped GEMMs of
-// kernels/grouped_gemm_device.h, which read them there (nothing then synchronises the host).
+// kernels/grouped_gemm_device.h and the colwise FP8 layouts over device counts (fp8_transpose,
+// quantize_colwise_tensor), which read them there (nothing then synchronises the host). On the CPU
+// backend a CPU i32 tensor stands in for them (the CPU references read it without a sync), so both
+// backends run the same op path.
+// With both, the GEMMs read the device counts and the colwise layouts follow the host values.
 struct ExpertCounts {
   std::vector<int64_t> host;
-  Tensor device;  // defined: the device counts are the ones to use
+  Tensor device;  // defined: the GEMMs read these
   bool on_device() const { return device.defined(); }
+  // The host holds the counts: the colwise FP8 layouts follow them (host-known shapes). Otherwise they
+  // follow the device counts (worst-case scale shapes) and the profiler counts every row.
+  bool host_known() const { return !on_device() || !host.empty(); }
+  int64_t num_experts() const { return on_device() ? device.numel() : int64_t(host.size()); }
 };
+
+// Checks that counts can serve as the device counts of x: a contiguous [E] i32 on x's device (a CPU tensor
+// for a CPU x). Throws DTypeError / DeviceError starting with `what`.
+void check_device_counts(const Tensor& counts, const Tensor& x, const std::string& what);
+
+// The step profiler's FLOPs of a grouped GEMM over x [M_total, ..] and weight [E, N, K]: grouped_gemm_flops of
+// the host counts or, with device counts (the host does not know the rows), of every row of x, the padded
+// worst case; 0 when weight is not 3-D.
+double grouped_gemm_flops(const ExpertCounts& counts, const Tensor& x, const Tensor& weight);
 
 // Scratch for the one-launch grouped GEMMs of num_experts experts (kernels/grouped_gemm_device.h), on
 // like's device: what grouped_linear and fp8_grouped_linear hand them.

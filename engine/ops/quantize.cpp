@@ -66,6 +66,10 @@ Tensor checked_scales(const Tensor& q, const std::string& what) {
     }
     case ScalingMode::colwise_1x128: {
       FLOWMOE_CHECK(q.dim() == 2, ShapeError, what, ": colwise q must be [K, M], got ", q.describe());
+      if (s->segment_counts.defined()) {  // over device counts: sized for the worst case
+        want = {fp8_colwise_max_blocks(q.size(1), s->segment_counts.numel()), q.size(0)};
+        break;
+      }
       std::vector<int64_t> seg = effective_segments(s->rows_per_segment, q.size(1));
       want = {colwise_num_blocks(seg.data(), int64_t(seg.size())), q.size(0)};
       break;
@@ -116,15 +120,16 @@ class QuantizeRowwise : public SharedBodyPrimitive<Primitive> {
   }
 };
 
-// x [M,K] -> e4m3 [K,M] with colwise scales over segments (no gradient).
+// x [M,K] -> e4m3 [K,M] with colwise scales over segments: host segments, or device counts (no gradient).
 class QuantizeColwise : public SharedBodyPrimitive<BackwardPrimitive> {
  public:
-  QuantizeColwise(std::vector<int64_t> segments, const std::string& site)
-      : segments_(std::move(segments)), what_("quantize_colwise at '" + site + "'") {}
+  QuantizeColwise(std::vector<int64_t> segments, Tensor counts, const std::string& site)
+      : segments_(std::move(segments)), counts_(std::move(counts)), what_("quantize_colwise at '" + site + "'") {}
   const char* name() const override { return "quantize_colwise"; }
 
  private:
   std::vector<int64_t> segments_;
+  Tensor counts_;  // defined: the segments as counts [E] i32 on x's device (segments_ unused)
   std::string what_;
 
   std::vector<Tensor> run(const std::vector<Tensor>& in, bool) override {  // QUANT_DISPATCH picks the device
@@ -133,6 +138,7 @@ class QuantizeColwise : public SharedBodyPrimitive<BackwardPrimitive> {
     FLOWMOE_CHECK(x_in.dim() == 2, ShapeError, what_, ": x must be [M, K], got ", x_in.describe());
     Tensor x = x_in.contiguous();
     int64_t M = x.size(0), K = x.size(1);
+    if (counts_.defined()) return run_device_counts(x, M, K);
     std::vector<int64_t> seg = effective_segments(segments_, M);
     for (size_t i = 0; i < seg.size(); ++i)
       FLOWMOE_CHECK(seg[i] >= 0, ShapeError, what_, ": rows_per_segment[", i, "] = ", seg[i], " is negative (x ",
@@ -148,6 +154,20 @@ class QuantizeColwise : public SharedBodyPrimitive<BackwardPrimitive> {
                    quantize_colwise_cuda(x.dtype(), x.raw_data(), M, K, seg.data(), int64_t(seg.size()),
                                          q.data<uint8_t>(), s.data<float>(), stream));
     return {q.with_scales(s, ScalingMode::colwise_1x128, segments_)};
+  }
+
+  // The counts stay where they are; the scales are sized for the worst case (kernels/fp8.h).
+  std::vector<Tensor> run_device_counts(const Tensor& x, int64_t M, int64_t K) const {
+    check_device_counts(counts_, x, what_);
+    const int64_t E = counts_.numel();
+    Tensor q = Tensor::empty({K, M}, DType::e4m3, x.device());
+    Tensor s = Tensor::empty({fp8_colwise_max_blocks(M, E), K}, DType::f32, x.device());
+    const int32_t* c = counts_.data<int32_t>();
+    QUANT_DISPATCH(x, quantize_colwise_device_cpu(x.dtype(), x.raw_data(), M, K, c, E, q.data<uint8_t>(),
+                                               s.data<float>()),
+                   quantize_colwise_device_cuda(x.dtype(), x.raw_data(), M, K, c, E, q.data<uint8_t>(),
+                                                s.data<float>(), stream));
+    return {q.with_segment_counts(s, counts_)};
   }
 };
 
@@ -185,7 +205,10 @@ class Dequantize : public SharedBodyPrimitive<Primitive> {
       }
       case ScalingMode::colwise_1x128: {
         int64_t K = q.size(0), M = q.size(1);
-        std::vector<int64_t> seg = effective_segments(sc.rows_per_segment, M);
+        FLOWMOE_CHECK(!sc.segment_counts.defined() || q.device().is_cpu(), Error, what_, ": q ", q.describe(),
+                      " is colwise over device counts, which only the CPU dequantizes (it would read them)");
+        std::vector<int64_t> seg = sc.segment_counts.defined() ? sc.segment_counts.to_ints()
+                                                                 : effective_segments(sc.rows_per_segment, M);
         int64_t n = int64_t(seg.size());
         y = Tensor::empty({M, K}, dtype_, q.device());
         QUANT_DISPATCH(q, dequantize_colwise_cpu(dtype_, qd, sd, M, K, seg.data(), n, y.raw_data()),
@@ -261,7 +284,15 @@ Tensor quantize_rowwise_tensor(const Tensor& x, const std::string& site) {
 }
 
 Tensor quantize_colwise_tensor(const Tensor& x, const std::vector<int64_t>& rows_per_segment, const std::string& site) {
-  QuantizeColwise op(rows_per_segment, site);
+  QuantizeColwise op(rows_per_segment, Tensor(), site);
+  Tensor q = eval(op, {x})[0];
+  note_cast(CastKind::quantize, site);
+  return q;
+}
+
+Tensor quantize_colwise_tensor(const Tensor& x, const ExpertCounts& counts, const std::string& site) {
+  if (counts.host_known()) return quantize_colwise_tensor(x, counts.host, site);
+  QuantizeColwise op({}, counts.device, site);
   Tensor q = eval(op, {x})[0];
   note_cast(CastKind::quantize, site);
   return q;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "engine/autograd.h"
+#include "engine/ops/grouped_linear.h"
 
 namespace flowmoe {
 
@@ -28,6 +29,11 @@ Tensor quantize_rowwise_tensor(const Tensor& x, const std::string& site);
 // (an empty rows_per_segment means one segment of M rows; segments may sum to less than M, and the
 // columns of the data past their sum are zero). Counts one quantize.
 Tensor quantize_colwise_tensor(const Tensor& x, const std::vector<int64_t>& rows_per_segment, const std::string& site);
+// The same over an MoE layer's expert counts: host counts as above; device counts (i32 [E] on x's device,
+// E <= 256; a CPU tensor on the CPU) are read only by the kernel (no host synchronisation): scale_inv is
+// then the worst case [fp8_colwise_max_blocks(M, E), K], its rows past the real blocks 1.0f, and the counts
+// are attached as Fp8Scales::segment_counts (dequantize_tensor reads them on the CPU only). Counts one quantize.
+Tensor quantize_colwise_tensor(const Tensor& x, const ExpertCounts& counts, const std::string& site);
 // Any of the three forms -> dtype (f32 or bf16); colwise [K,M] gives [M,K] (rows past the segments
 // zero). Counts one dequantize unless `site` is empty.
 Tensor dequantize_tensor(const Tensor& q, DType dtype, const std::string& site);

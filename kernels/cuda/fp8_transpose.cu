@@ -3,9 +3,11 @@
 // 16-byte loads of the q tile into registers, the block's S from its 128 row scales, each row's bytes
 // re-encoded at S (e4m3 -> half, times 2^-k, -> e4m3 RNE: exact in half wherever the e4m3 result is not
 // zero), a row-swizzled shared tile, a 4x4 byte transpose in registers, 16-byte stores of q_t.
-// The segment table of a launch comes from kernels/cuda/fp8_segments.cuh. The dequantize -> requantize
+// The tile's rows come from kernels/cuda/fp8_segments.cuh: a host segment table in the launch parameters,
+// or the device counts (every CTA scans them; the grid covers the worst case and the CTAs past the real
+// blocks write the zero columns and the scale rows 1.0f of the unused tail). The dequantize -> requantize
 // baseline of bench/bench_fp8_transpose.cpp lives in bench/baselines/fp8_transpose_baseline.cu.
-// Tests: tests/test_fp8_transpose.cpp.
+// Tests: tests/test_fp8_transpose.cpp, tests/test_fp8_colwise_device.cpp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -23,6 +25,7 @@ namespace flowmoe {
 namespace {
 
 constexpr int kThreads = 256;
+static_assert(kThreads == kCountScanThreads, "a CTA scans the device counts, one thread per expert");
 constexpr int kHalfMaxShift = 24;  // 2^-24 is the smallest half; 448 * 2^-24 rounds to zero in e4m3
 constexpr uint32_t kNanBits = 0x7FC00000u;
 
@@ -45,17 +48,19 @@ __device__ __forceinline__ uint32_t canonical_nans(uint32_t out, uint32_t in) {
   return (out & ~nan) | (0x7F7F7F7Fu & nan);
 }
 
-// Grid: 1D over (block of the chunk) x (column tile), column tiles fastest so neighbours share the
-// sectors of the scale gather. Thread t loads 16-byte group t%8 of rows t/8 + 32*it.
+// Grid: 1D over (128-row block) x (column tile), column tiles fastest so neighbours share the sectors of
+// the scale gather. Thread t loads 16-byte group t%8 of rows t/8 + 32*it. Segments: SegmentChunk or
+// CountSegments (fp8_segments.cuh); a fill tile reads nothing, so its rows are zeros and its S is 1.
+template <class Segments>
 __global__ void __launch_bounds__(kThreads) fp8_transpose_kernel(
     const uint8_t* __restrict__ q, const float* __restrict__ scale_inv, int64_t M, int64_t K,
     uint8_t* __restrict__ q_t, float* __restrict__ scale_inv_t, int num_col_tiles, bool vec_in, bool vec_out,
-    const __grid_constant__ SegmentChunk chunk) {
+    const __grid_constant__ Segments segments) {
   __shared__ __align__(16) uint32_t tile[kTile * kTile / 4];  // [row][32 words]; 16-byte group g at g ^ (row/16)
   __shared__ int32_t warp_max[kThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, group = tid & 7;
   const int col_tile = int(blockIdx.x % unsigned(num_col_tiles));
-  const TileRows tr = find_tile_rows(chunk, int(blockIdx.x / unsigned(num_col_tiles)));
+  const TileRows tr = find_tile_rows(segments, int(blockIdx.x / unsigned(num_col_tiles)));
   const int64_t col0 = int64_t(col_tile) * kTile;
   const int num_cols = int(K - col0 < kTile ? K - col0 : kTile);
 
@@ -67,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) fp8_transpose_kernel(
     const int r = (tid >> 3) + 32 * it;
     v[it] = make_uint4(0, 0, 0, 0);
     s[it] = 1.f;
-    if (r < tr.num_rows) {
+    if (r < tr.num_rows && !tr.fill) {
       const int64_t row = tr.first_row + r;
       s[it] = scale_inv[row * num_col_tiles + col_tile];
       const uint8_t* src = q + row * K + col0 + 16 * group;
@@ -151,6 +156,16 @@ __global__ void __launch_bounds__(kThreads) fp8_transpose_kernel(
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// One launch of the kernel over `grid` CTAs with these segments.
+template <class Segments>
+void launch_transpose(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K, uint8_t* q_t,
+                      float* scale_inv_t, const Segments& segments, unsigned grid, cudaStream_t stream) {
+  const bool vec_in = K % 16 == 0 && aligned16(q), vec_out = M % 16 == 0 && aligned16(q_t);
+  fp8_transpose_kernel<Segments><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, q_t, scale_inv_t,
+                                                                int(fp8_num_blocks(K)), vec_in, vec_out, segments);
+  FLOWMOE_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 void fp8_transpose_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
@@ -159,16 +174,21 @@ void fp8_transpose_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int
   FLOWMOE_CHECK(K >= 0, ShapeError, "fp8_transpose_cuda: bad K ", K);
   fp8_transpose_num_blocks(rows_per_segment, num_segments, M);
   if (M == 0 || K == 0) return;
-  const int64_t num_col_tiles = fp8_num_blocks(K);
-  const bool vec_in = K % 16 == 0 && aligned16(q), vec_out = M % 16 == 0 && aligned16(q_t);
-  const int64_t total = for_each_chunk(rows_per_segment, num_segments, num_col_tiles, "fp8_transpose_cuda",
+  const int64_t total = for_each_chunk(rows_per_segment, num_segments, fp8_num_blocks(K), "fp8_transpose_cuda",
                                        [&](const SegmentChunk& c, unsigned grid) {
-                                         fp8_transpose_kernel<<<grid, kThreads, 0, stream>>>(
-                                             q, scale_inv, M, K, q_t, scale_inv_t, int(num_col_tiles), vec_in,
-                                             vec_out, c);
-                                         FLOWMOE_CUDA_CHECK_LAUNCH();
+                                         launch_transpose(q, scale_inv, M, K, q_t, scale_inv_t, c, grid, stream);
                                        });
   if (total < M) FLOWMOE_CUDA_CHECK(cudaMemset2DAsync(q_t + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
+}
+
+void fp8_transpose_device_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
+                               const int32_t* counts, int64_t num_experts, uint8_t* q_t, float* scale_inv_t,
+                               cudaStream_t stream) {
+  const char* what = "fp8_transpose_device_cuda";
+  const int64_t max_blocks = fp8_colwise_device_check(what, M, K, counts, num_experts);
+  if (K == 0 || max_blocks == 0) return;
+  launch_transpose(q, scale_inv, M, K, q_t, scale_inv_t, CountSegments{counts, int(num_experts), M},
+                   unsigned(max_blocks * fp8_num_blocks(K)), stream);
 }
 
 }  // namespace flowmoe

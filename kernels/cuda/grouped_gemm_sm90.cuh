@@ -27,6 +27,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "kernels/common/cuda_check.h"
+#include "kernels/cuda/count_scan.cuh"
 #include "kernels/cuda/grouped_gemm_kernels.cuh"
 #include "kernels/grouped_gemm_device.h"
 
@@ -35,8 +36,7 @@ namespace flowmoe::grouped_gemm {
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
 using GroupShape = ProblemShape::UnderlyingProblemShape;
 
-constexpr int kSetupThreads = 256;
-static_assert(kSetupThreads == kGroupedGemmMaxExperts, "one scan thread per expert");
+constexpr int kSetupThreads = kCountScanThreads;  // scan_counts: one thread per expert
 constexpr size_t kWorkspaceAlign = 256;  // CUTLASS keeps TMA descriptors in its workspace (64-byte aligned)
 
 // ---- the types of one CUTLASS grouped GEMM ----------------------------------------------------------
@@ -181,38 +181,6 @@ size_t workspace_bytes(int64_t num_experts, int sm_count) {
 }
 
 // ---- the setup kernel ---------------------------------------------------------------------------------
-
-// off[e] = Σ_{i<e} r_i and blk[e] = Σ_{i<e} ceil(r_i / 128) for e in [0, E], in shared memory (blockDim.x
-// == kSetupThreads). A count below 0 or not a multiple of row_multiple, or a total past m_total, would give
-// wrong results silently: it prints the culprit (block 0) and traps.
-__device__ inline void scan_counts(const int32_t* counts, int num_experts, int row_multiple, long long m_total,
-                                   long long* off, long long* blk, const char* what) {
-  __shared__ long long warp_rows[kSetupThreads / 32], warp_blocks[kSetupThreads / 32];
-  const int t = int(threadIdx.x), lane = t % 32, warp = t / 32;
-  const long long r = t < num_experts ? counts[t] : 0;
-  if (r < 0 || r % row_multiple != 0) {
-    if (blockIdx.x == 0)
-      printf("%s: expert %d has %lld rows (must be >= 0 and a multiple of %d)\n", what, t, r, row_multiple);
-    __trap();
-  }
-  long long rows = r, blocks = (r + 127) / 128;
-  for (int d = 1; d < 32; d *= 2) {  // inclusive scan within the warp
-    const long long up_rows = __shfl_up_sync(0xffffffffu, rows, d), up_blocks = __shfl_up_sync(0xffffffffu, blocks, d);
-    if (lane >= d) rows += up_rows, blocks += up_blocks;
-  }
-  if (lane == 31) warp_rows[warp] = rows, warp_blocks[warp] = blocks;
-  __syncthreads();
-  for (int w = 0; w < warp; ++w) rows += warp_rows[w], blocks += warp_blocks[w];
-  off[t + 1] = rows, blk[t + 1] = blocks;
-  if (t == 0) off[0] = 0, blk[0] = 0;
-  __syncthreads();
-  if (off[num_experts] > m_total) {
-    if (blockIdx.x == 0 && t == 0)
-      printf("%s: the %d experts' counts sum to %lld rows, beyond M_total = %lld\n", what, num_experts,
-             off[num_experts], m_total);
-    __trap();
-  }
-}
 
 // Zeroes `bytes` bytes at p with the whole grid (p 16-byte aligned, bytes a multiple of 16: the launchers
 // check the output's alignment and row size).

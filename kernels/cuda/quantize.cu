@@ -2,8 +2,10 @@
 //   scale_inv = fp8_scale_inv(amax of the block), q = cvt.rn.satfinite.e4m3(x * scale), y = e4m3(q) * scale_inv
 // rowwise [M,K] 1x128: a group of 128/V lanes per block (V elements per 16-byte access), shuffle amax.
 // colwise [M,K] -> [K,M] over segments, and block 128x128 (+ exact transpose): shared-memory tiles.
+// The colwise segments come from kernels/cuda/fp8_segments.cuh: a host table in the launch parameters,
+// or device counts (the grid then covers the worst case; fill tiles quantize zeros: data 0, scale 1).
 // Only exact f32 operations (x * 2^e, max), so the CPU reference kernels/cpu/quantize.cpp agrees bit
-// for bit. Tests: tests/test_quantize.cpp.
+// for bit. Tests: tests/test_quantize.cpp, tests/test_fp8_colwise_device.cpp.
 // One file: the rowwise, colwise and 128x128 quantize kernels and their dequantize twins share the
 // block-scale and packing functions below.
 #include <cuda_bf16.h>
@@ -13,6 +15,7 @@
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
+#include "kernels/cuda/fp8_segments.cuh"
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"
 
@@ -22,8 +25,9 @@ namespace {
 
 constexpr int kBlk = kFp8BlockSize;  // 128
 constexpr int kThreads = 256, kWarps = kThreads / 32;
+static_assert(kThreads == kCountScanThreads, "a CTA scans the device counts, one thread per expert");
 constexpr int kColTile = 64;        // columns per colwise CTA (one 128-row block of a segment)
-constexpr int kChunkSegments = 128; // segments per colwise launch, passed by value (~2 KB of parameters)
+static_assert(kTile == kBlk, "a colwise CTA covers one scaling block of rows");
 
 // ---- kernels ----------------------------------------------------------------------------------
 
@@ -167,42 +171,26 @@ __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q, const floa
   }
 }
 
-// The segments of one colwise launch: CTA x finds its segment by binary search over block_start.
-struct SegmentChunk {
-  int num_segments;
-  int64_t row_start[kChunkSegments + 1];    // absolute first row of each segment, then the end
-  int64_t block_start[kChunkSegments + 1];  // first 128-row block, relative to the chunk's first
-};
-__device__ __forceinline__ void chunk_block(const SegmentChunk& c, int64_t bx, int64_t& row0, int& num_rows) {
-  int lo = 0, hi = c.num_segments - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (c.block_start[mid] <= bx) lo = mid;
-    else hi = mid - 1;
-  }
-  row0 = c.row_start[lo] + (bx - c.block_start[lo]) * kBlk;
-  num_rows = int(min(int64_t(kBlk), c.row_start[lo + 1] - row0));
-}
-
 // Colwise quantize of one 128-row block x 64 columns: stage in shared memory (f32), then a warp per
-// column: amax over the block's rows, convert, and a 4-byte-per-lane store of q's row.
-template <class T, bool kAligned>
+// column: amax over the block's rows, convert, and a 4-byte-per-lane store of q's row. Segments:
+// SegmentChunk or CountSegments; a fill tile reads nothing (zeros: q 0, scale_inv 1).
+template <class T, bool kAligned, class Segments>
 __global__ void quantize_colwise_kernel(const T* __restrict__ x, int64_t M, int64_t K,
-                                        __grid_constant__ const SegmentChunk chunk, int64_t first_block,
-                                        uint8_t* __restrict__ q, float* __restrict__ scale_inv) {
+                                        __grid_constant__ const Segments segments, uint8_t* __restrict__ q,
+                                        float* __restrict__ scale_inv) {
   constexpr int V = kVec<T>, VPR = kColTile / V;
   __shared__ float tile[kBlk][kColTile + 1];  // +1: a column read is conflict-free
-  int64_t row0, k0 = int64_t(blockIdx.y) * kColTile;
-  int num_rows;
-  chunk_block(chunk, blockIdx.x, row0, num_rows);
+  const TileRows tr = find_tile_rows(segments, int(blockIdx.x));
+  const int64_t row0 = tr.first_row, k0 = int64_t(blockIdx.y) * kColTile;
+  const int num_rows = tr.num_rows, read_rows = tr.fill ? 0 : num_rows;
   for (int idx = threadIdx.x; idx < kBlk * VPR; idx += kThreads) {
     int i = idx / VPR, c = (idx % VPR) * V;
     float v[V];
-    if (kAligned && i < num_rows && k0 + c < K) load_vec(x + (row0 + i) * K + k0 + c, v);
+    if (kAligned && i < read_rows && k0 + c < K) load_vec(x + (row0 + i) * K + k0 + c, v);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      if (!kAligned) v[j] = i < num_rows && k0 + c + j < K ? to_float(x[(row0 + i) * K + k0 + c + j]) : 0.f;
-      else if (!(i < num_rows && k0 + c < K)) v[j] = 0.f;
+      if (!kAligned) v[j] = i < read_rows && k0 + c + j < K ? to_float(x[(row0 + i) * K + k0 + c + j]) : 0.f;
+      else if (!(i < read_rows && k0 + c < K)) v[j] = 0.f;
       tile[i][c + j] = v[j];
     }
   }
@@ -214,7 +202,7 @@ __global__ void quantize_colwise_kernel(const T* __restrict__ x, int64_t M, int6
     for (int m = 0; m < 4; ++m) amax = fp8_amax_update(amax, v[m] = tile[lane + 32 * m][c]);
     amax = warp_amax(amax, 32);
     float s_inv = fp8_scale_inv(amax), scale = fp8_scale_from_inv(s_inv);
-    if (lane == 0) scale_inv[(first_block + blockIdx.x) * K + k0 + c] = s_inv;
+    if (lane == 0) scale_inv[tr.block * K + k0 + c] = s_inv;
     uint32_t word = quant2(v[0], v[1], scale) | quant2(v[2], v[3], scale) << 16;
     uint32_t packed = rows_strided_to_packed(word, lane);
     uint8_t* dst = q + (k0 + c) * M + row0;
@@ -230,12 +218,12 @@ __global__ void quantize_colwise_kernel(const T* __restrict__ x, int64_t M, int6
 template <class T, bool kAligned>
 __global__ void dequantize_colwise_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale_inv,
                                           int64_t M, int64_t K, __grid_constant__ const SegmentChunk chunk,
-                                          int64_t first_block, T* __restrict__ y) {
+                                          T* __restrict__ y) {
   constexpr int V = kVec<T>, VPR = kColTile / V;
   __shared__ float tile[kBlk][kColTile + 1];
-  int64_t row0, k0 = int64_t(blockIdx.y) * kColTile;
-  int num_rows;
-  chunk_block(chunk, blockIdx.x, row0, num_rows);
+  const TileRows tr = find_tile_rows(chunk, int(blockIdx.x));
+  const int64_t row0 = tr.first_row, k0 = int64_t(blockIdx.y) * kColTile;
+  const int num_rows = tr.num_rows;
   int lane = threadIdx.x & 31, i0 = 4 * lane;
   bool vec_load = ((reinterpret_cast<uintptr_t>(q) | uint64_t(M) | uint64_t(row0)) & 3) == 0;
   for (int c = threadIdx.x >> 5; c < kColTile && k0 + c < K; c += kWarps) {
@@ -245,7 +233,7 @@ __global__ void dequantize_colwise_kernel(const uint8_t* __restrict__ q, const f
     else
       for (int j = 0; j < 4 && i0 + j < num_rows; ++j) word |= uint32_t(src[i0 + j]) << (8 * j);
     uint32_t strided = rows_packed_to_strided(word, lane);
-    float s_inv = scale_inv[(first_block + blockIdx.x) * K + k0 + c];
+    float s_inv = scale_inv[tr.block * K + k0 + c];
     for (int m = 0; m < 4; ++m) tile[lane + 32 * m][c] = dequant(strided >> (8 * m), s_inv);
   }
   __syncthreads();
@@ -346,27 +334,35 @@ unsigned rows_grid(const char* what, int64_t M, int64_t K) {
   return unsigned(ctas);
 }
 
-// Calls launch(chunk, first_block, num_blocks) for each run of up to kChunkSegments segments with blocks.
+dim3 colwise_grid(const char* what, int64_t K) {
+  FLOWMOE_CHECK((K + kColTile - 1) / kColTile < 65536, ShapeError, what, ": K = ", K, " is too large for one launch");
+  return dim3(1, unsigned((K + kColTile - 1) / kColTile));
+}
+
+// Calls launch(chunk, num_blocks) for each run of up to kChunkSegments segments with blocks
+// (fp8_segments.cuh); returns the segments' total.
 template <class F>
-void for_each_chunk(const char* what, int64_t M, int64_t K, const int64_t* rows_per_segment, int64_t num_segments,
-                    F&& launch) {
+int64_t for_each_colwise_chunk(const char* what, int64_t M, int64_t K, const int64_t* rows_per_segment,
+                               int64_t num_segments, F&& launch) {
   int64_t total = colwise_total_rows(rows_per_segment, num_segments);
   FLOWMOE_CHECK(total <= M, ShapeError, what, ": rows_per_segment sum to ", total, " rows but the tensor has M = ", M);
-  FLOWMOE_CHECK((K + kColTile - 1) / kColTile < 65536, ShapeError, what, ": K = ", K, " is too large for one launch");
-  SegmentChunk chunk;
-  int64_t row = 0, first_block = 0;
-  for (int64_t s0 = 0; s0 < num_segments; s0 += kChunkSegments) {
-    int n = int(std::min<int64_t>(kChunkSegments, num_segments - s0));
-    int64_t nb = 0;
-    chunk.num_segments = n;
-    for (int i = 0; i < n; ++i) {
-      chunk.row_start[i] = row, chunk.block_start[i] = nb;
-      row += rows_per_segment[s0 + i], nb += fp8_num_blocks(rows_per_segment[s0 + i]);
-    }
-    chunk.row_start[n] = row, chunk.block_start[n] = nb;
-    if (nb > 0 && K > 0) launch(chunk, first_block, nb);
-    first_block += nb;
-  }
+  if (K > 0) for_each_chunk(rows_per_segment, num_segments, 1, what, launch);
+  return total;
+}
+
+// The colwise quantize over `grid` (grid.x row blocks) with these segments.
+template <class Segments>
+void launch_quantize_colwise(const char* what, DType dtype, const void* x, int64_t M, int64_t K,
+                             const Segments& segments, dim3 grid, uint8_t* q, float* scale_inv, cudaStream_t stream) {
+  dispatch_cuda_float(dtype, what, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    auto* xt = static_cast<const T*>(x);
+    if (K % kVec<T> == 0 && aligned16(x))
+      quantize_colwise_kernel<T, true, Segments><<<grid, kThreads, 0, stream>>>(xt, M, K, segments, q, scale_inv);
+    else
+      quantize_colwise_kernel<T, false, Segments><<<grid, kThreads, 0, stream>>>(xt, M, K, segments, q, scale_inv);
+  });
+  FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -406,23 +402,25 @@ void quantize_colwise_cuda(DType dtype, const void* x, int64_t M, int64_t K, con
                            int64_t num_segments, uint8_t* q, float* scale_inv, cudaStream_t stream) {
   const char* what = "quantize_colwise_cuda";
   check_sizes(what, M, K);
-  dispatch_cuda_float(dtype, what, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    auto* xt = static_cast<const T*>(x);
-    bool vec = K % kVec<T> == 0 && aligned16(x);
-    dim3 grid(1, unsigned((K + kColTile - 1) / kColTile));
-    for_each_chunk(what, M, K, rows_per_segment, num_segments, [&](const SegmentChunk& c, int64_t first, int64_t nb) {
-      grid.x = unsigned(nb);
-      if (vec)
-        quantize_colwise_kernel<T, true><<<grid, kThreads, 0, stream>>>(xt, M, K, c, first, q, scale_inv);
-      else
-        quantize_colwise_kernel<T, false><<<grid, kThreads, 0, stream>>>(xt, M, K, c, first, q, scale_inv);
-      FLOWMOE_CUDA_CHECK_LAUNCH();
-    });
-  });
-  int64_t total = colwise_total_rows(rows_per_segment, num_segments);
+  dim3 grid = colwise_grid(what, K);
+  int64_t total = for_each_colwise_chunk(what, M, K, rows_per_segment, num_segments,
+                                         [&](const SegmentChunk& c, unsigned nb) {
+                                           grid.x = nb;
+                                           launch_quantize_colwise(what, dtype, x, M, K, c, grid, q, scale_inv, stream);
+                                         });
   if (total < M && K > 0)  // columns past the segments (a worst-case sized buffer) are zero
     FLOWMOE_CUDA_CHECK(cudaMemset2DAsync(q + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
+}
+
+void quantize_colwise_device_cuda(DType dtype, const void* x, int64_t M, int64_t K, const int32_t* counts,
+                                  int64_t num_experts, uint8_t* q, float* scale_inv, cudaStream_t stream) {
+  const char* what = "quantize_colwise_device_cuda";
+  const int64_t max_blocks = fp8_colwise_device_check(what, M, K, counts, num_experts);
+  dim3 grid = colwise_grid(what, K);
+  if (K == 0 || max_blocks == 0) return;
+  grid.x = unsigned(max_blocks);
+  launch_quantize_colwise(what, dtype, x, M, K, CountSegments{counts, int(num_experts), M}, grid, q, scale_inv,
+                          stream);
 }
 
 void dequantize_colwise_cuda(DType out_dtype, const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
@@ -435,13 +433,13 @@ void dequantize_colwise_cuda(DType out_dtype, const uint8_t* q, const float* sca
     elem = sizeof(T);
     auto* yt = static_cast<T*>(y);
     bool vec = K % kVec<T> == 0 && aligned16(y);
-    dim3 grid(1, unsigned((K + kColTile - 1) / kColTile));
-    for_each_chunk(what, M, K, rows_per_segment, num_segments, [&](const SegmentChunk& c, int64_t first, int64_t nb) {
-      grid.x = unsigned(nb);
+    dim3 grid = colwise_grid(what, K);
+    for_each_colwise_chunk(what, M, K, rows_per_segment, num_segments, [&](const SegmentChunk& c, unsigned nb) {
+      grid.x = nb;
       if (vec)
-        dequantize_colwise_kernel<T, true><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, c, first, yt);
+        dequantize_colwise_kernel<T, true><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, c, yt);
       else
-        dequantize_colwise_kernel<T, false><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, c, first, yt);
+        dequantize_colwise_kernel<T, false><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, c, yt);
       FLOWMOE_CUDA_CHECK_LAUNCH();
     });
   });

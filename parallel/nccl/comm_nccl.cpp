@@ -3,28 +3,24 @@
 // engine's stream by default) and asynchronous to the host. The communicator is bootstrapped through
 // a CPU communicator (mpi, or none at world size 1): rank 0 calls ncclGetUniqueId and broadcasts it,
 // every rank calls ncclCommInitRank. The all-to-all with per-peer counts, and the one between row
-// chunks, are each one NCCL group of ncclSend/ncclRecv calls. Every NCCL and CUDA return code is
-// checked; failures throw CommError (NCCL) or CudaError (CUDA runtime).
+// chunks, are each one NCCL group of ncclSend/ncclRecv calls. put_rows (zero-sync dispatch) writes rows
+// into the peers' memory from a kernel (parallel/nccl/lsa_put.h) when every rank is load/store
+// reachable, and otherwise takes the base class's host path, saying so once. Every NCCL and CUDA
+// return code is checked; failures throw CommError (NCCL) or CudaError (CUDA runtime).
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cstdio>
 #include <cstring>
 
 #include "kernels/common/cuda_check.h"
 #include "parallel/backends.h"
+#include "parallel/nccl/lsa_put.h"
+#include "parallel/nccl/nccl_check.h"
 
 namespace flowmoe {
 
 namespace {
-
-void check_nccl(ncclResult_t rc, ncclComm_t comm, const char* call, const char* file, int line) {
-  if (rc == ncclSuccess) return;
-  const char* last = ncclGetLastError(comm);
-  throw CommError(detail::cat(call, " failed: ", ncclGetErrorString(rc), " (", int(rc), ")",
-                              last && *last ? std::string(": ") + last : std::string()),
-                  file, line);
-}
-#define FLOWMOE_NCCL_CHECK(call, comm) check_nccl((call), (comm), #call, __FILE__, __LINE__)
 
 // Makes `device` current for the scope (NCCL calls act on the current device), then restores.
 class DeviceScope {
@@ -91,6 +87,7 @@ class NcclCommunicator final : public Communicator {
     if (!comm_) return;
     int prev = -1;
     if (cudaGetDevice(&prev) == cudaSuccess) cudaSetDevice(device_);
+    lsa_.reset();  // its window and device communicator belong to comm_
     ncclCommDestroy(comm_);
     if (prev >= 0) cudaSetDevice(prev);
   }
@@ -120,6 +117,26 @@ class NcclCommunicator final : public Communicator {
   void do_all_to_all_chunks(const Tensor& send, const std::vector<RowChunk>& send_chunks, const Tensor& recv,
                             const std::vector<RowChunk>& recv_chunks, size_t row_bytes) override {
     send_recv_chunks(send, send_chunks, recv, recv_chunks, row_bytes, "all_to_all_chunks");
+  }
+
+  void do_put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
+                   double fill, size_t row_bytes) override {
+    check_on_device(send, "put_rows");
+    if (!lsa_tried_) {  // collective, and every rank reaches its first put_rows together
+      lsa_tried_ = true;
+      std::string why_not;
+      DeviceScope scope(device_);
+      lsa_ = LsaPut::create(comm_, size(), &why_not);
+      if (!lsa_ && rank() == 0)
+        std::fprintf(stderr, "flowmoe: nccl put_rows (zero-sync dispatch) reads its row tables to the host: %s\n",
+                     why_not.c_str());
+    }
+    if (!lsa_ || out_table.device().is_cpu() || row_bytes == 0) {
+      Communicator::do_put_rows(send, out_table, recv, in_table, fill, row_bytes);
+      return;
+    }
+    DeviceScope scope(device_);
+    lsa_->put(send, out_table, recv, in_table, fill, enqueue_stream());
   }
 
   void do_all_reduce(const Tensor& t, ReduceOp op) override {
@@ -205,6 +222,8 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Communicator> bootstrap_;
   int device_;
   ncclComm_t comm_ = nullptr;
+  std::unique_ptr<LsaPut> lsa_;  // put_rows' device path; null until the first put_rows, or unreachable
+  bool lsa_tried_ = false;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exchange_events_;  // since the last take_device_ms
   double folded_ms_ = 0;
 

@@ -1,6 +1,6 @@
 // Expert-parallel training through the built command, as a user launches it: `mpirun -np N flowmoe
 // train --set parallel.expert_parallel_size=E` against the plain single-process run on the same global
-// batch, for each recipe; checkpoints that resume at another expert-parallel size; evaluation with
+// batch, for each recipe (bf16 also with parallel.ep_dispatch: zero_sync); checkpoints that resume at another expert-parallel size; evaluation with
 // empty slices; and the start-up errors of a size that does not fit the launch, which every rank must
 // report without leaving a peer waiting.
 //
@@ -72,6 +72,13 @@ TEST_P(ExpertParallel, LossesMatchOneProcessOnTheSameGlobalBatch) {
         train_and_compare(d, one, np, name, std::string(recipe.sets) + ep(e), recipe.rel_tol, &launch);
     for (const StepMetrics& m : rows) EXPECT_GT(m.exchange_ms, 0.0) << "step " << m.step << " of " << name;
     EXPECT_EQ(count(launch.out, ranks_line(np, e)), 1u) << launch.out;  // rank 0 alone prints
+  }
+  if (recipe.rel_tol == kF32Rel) {  // the zero-sync exchange (worst-case buffers, device layout): the same losses
+    Launch launch;
+    const std::vector<StepMetrics> rows = train_and_compare(
+        d, one, 2, std::string(recipe.name) + "_np2_ep2_zero_sync",
+        std::string(recipe.sets) + ep(2) + " --set parallel.ep_dispatch=zero_sync", recipe.rel_tol, &launch);
+    for (const StepMetrics& m : rows) EXPECT_GT(m.exchange_ms, 0.0) << "step " << m.step << " of zero_sync";
   }
   fs::remove_all(d);
 }

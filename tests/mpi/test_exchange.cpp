@@ -4,6 +4,8 @@
 // Every rank draws every rank's tokens and routes from one shared seed, so it can build the exact
 // buffer it must receive: each row value names its source rank and token, and a wrong row is named.
 // Routings: random, skewed to one expert, all to one rank, a rank with no tokens, an expert with none.
+// Each check runs on the one-sync path and on the zero-sync one (DispatchOptions::zero_sync), whose
+// worst-case buffer must hold the same rows as the sync buffer, then pad rows to its end.
 // Then the MoE layer itself at expert-parallel size n against one process on the whole batch.
 #include <random>
 
@@ -101,16 +103,56 @@ std::vector<std::pair<int, int64_t>> expected_rows(const std::vector<RankData>& 
 struct Ranks {
   std::shared_ptr<Communicator> comm;
   Device device;
+  bool zero_sync = false;
 };
-Ranks on_cpu() { return {test_runtime().world, Device::cpu()}; }
-Ranks on_staged_gpu() { return {test_runtime().world, Device::cuda(0)}; }
+Ranks on_cpu(bool zero_sync = false) { return {test_runtime().world, Device::cpu(), zero_sync}; }
+Ranks on_staged_gpu(bool zero_sync = false) { return {test_runtime().world, Device::cuda(0), zero_sync}; }
 
-DispatchOptions group_options(const Ranks& ranks) {
+// The host syncs a dispatch makes: one on the sync path with a GPU; none with zero_sync where the
+// tables stay on the device (CPU, nccl between reachable GPUs); -1 where it is not promised (staged mpi).
+int dispatch_syncs(const Ranks& ranks) {
+  if (!ranks.device.is_cuda()) return 0;
+  if (!ranks.zero_sync) return 1;
+  return std::string(ranks.comm->backend_name()) == "nccl" ? 0 : -1;
+}
+
+// Every rank's zero-sync buffer holds the most tokens any rank routes.
+int64_t max_tokens(const Routing& r, int n) {
+  int64_t most = 0;
+  for (int p = 0; p < n; ++p) most = std::max(most, r.num_tokens(p, n));
+  return most;
+}
+
+DispatchOptions group_options(const Ranks& ranks, const Routing& r) {
   DispatchOptions o;
   o.num_experts = ranks.comm->size() * kLocalExperts;
   o.align_size = kAlign;
   o.expert_parallel = ranks.comm;
+  o.zero_sync = ranks.zero_sync;
+  o.tokens_per_rank = max_tokens(r, ranks.comm->size());
   return o;
+}
+
+// The rows a dispatch must return: the sync buffer's, or the zero-sync worst case.
+int64_t dispatched_rows(const Ranks& ranks, const Routing& r, size_t sync_rows) {
+  if (!ranks.zero_sync) return int64_t(sync_rows);
+  return zero_sync_padded_rows(ranks.comm->size(), max_tokens(r, ranks.comm->size()), kTopK, kLocalExperts, kAlign, 1);
+}
+
+// A zero-sync dispatch against the sync one on the same tokens: the device counts equal the host ones,
+// and the first rows (every expert segment) are the sync buffer's, bit for bit.
+void check_counts_match_sync(const Dispatched& z, const RankData& mine, const Ranks& ranks, const Routing& r) {
+  Ranks sync = ranks;
+  sync.zero_sync = false;
+  Dispatched s = dispatch(Variable(mine.x.to(ranks.device)), mine.idx.to(ranks.device), Variable(),
+                          group_options(sync, r));
+  EXPECT_EQ(z.tokens_per_expert.to_ints(), s.tokens_per_expert.to_ints()) << "tokens_per_expert";
+  EXPECT_EQ(z.device_padded_tokens_per_expert.to_ints(), s.padded_tokens_per_expert) << "padded_tokens_per_expert";
+  EXPECT_TRUE(z.padded_tokens_per_expert.empty()) << "zero_sync read the counts to the host";
+  const int64_t rows = s.rows.size(0);
+  EXPECT_TRUE(bit_equal(z.rows.data().slice(0, 0, rows).to(Device::cpu()).contiguous(),
+                        s.rows.data().to(Device::cpu())))
+      << "the zero-sync buffer's segments differ from the sync buffer";
 }
 
 // Dispatch, then combine of the rows as they came (y = Σ_j row = k·x): every received row is named.
@@ -126,19 +168,22 @@ void check_round_trip(const Ranks& ranks) {
     for (int p = 0; p < n; ++p) all.push_back(rank_data(r, p, n, H, seed));
     const auto want = expected_rows(all, me);
     const uint64_t syncs = num_host_syncs();
-    Dispatched d =
-        dispatch(Variable(all[size_t(me)].x.to(device)), all[size_t(me)].idx.to(device), Variable(), group_options(ranks));
-    EXPECT_EQ(num_host_syncs() - syncs, device.is_cuda() ? 1u : 0u) << "dispatch reads the counts once";
+    Dispatched d = dispatch(Variable(all[size_t(me)].x.to(device)), all[size_t(me)].idx.to(device), Variable(),
+                            group_options(ranks, r));
+    if (dispatch_syncs(ranks) >= 0) {
+      EXPECT_EQ(num_host_syncs() - syncs, uint64_t(dispatch_syncs(ranks))) << "host syncs of one dispatch";
+    }
     const std::vector<float> got = d.rows.data().to_floats();
-    EXPECT_EQ(d.rows.size(0), int64_t(want.size()));
-    for (size_t i = 0; i < std::min(want.size(), size_t(d.rows.size(0))); ++i) {
-      const auto [p, t] = want[i];
+    EXPECT_EQ(d.rows.size(0), dispatched_rows(ranks, r, want.size()));
+    for (size_t i = 0; i < size_t(d.rows.size(0)); ++i) {
+      const auto [p, t] = i < want.size() ? want[i] : std::pair<int, int64_t>{-1, -1};
       const float v = got[i * size_t(H) + 1];
       const float w = p < 0 ? 0.f : token_code(p, t, 1);
       EXPECT_EQ(v, w) << "rank " << me << " row " << i << ": expected " << (p < 0 ? "a zero pad row" : decode_token(w))
                       << ", got " << decode_token(v);
       if (v != w) break;
     }
+    if (ranks.zero_sync) check_counts_match_sync(d, all[size_t(me)], ranks, r);
     Variable y = combine(d.rows, d, Variable(), CombineGrad::as_is);
     EXPECT_TRUE(all_close(y.data().to(Device::cpu()), tensor_scale(all[size_t(me)].x, double(kTopK)), 0, 0))
         << "combine did not bring every copy home";
@@ -146,9 +191,11 @@ void check_round_trip(const Ranks& ranks) {
 }
 
 TEST(Exchange, RoundTripNamesEveryRow) { check_round_trip(on_cpu()); }
+TEST(Exchange, ZeroSyncRoundTripNamesEveryRow) { check_round_trip(on_cpu(true)); }
 TEST(Exchange, RoundTripNamesEveryRowCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   check_round_trip(on_staged_gpu());
+  check_round_trip(on_staged_gpu(true));
 }
 
 // FP8 rows and their scales arrive bit for bit: the received buffer equals the one built from every
@@ -169,7 +216,7 @@ void check_fp8_bits(const Ranks& ranks) {
     }
     Dispatched d = dispatch(Variable(q[size_t(me)].to(device).with_scales(
                                 q[size_t(me)].fp8_scales()->scale_inv.to(device), ScalingMode::rowwise_1x128)),
-                            all[size_t(me)].idx.to(device), Variable(), group_options(ranks));
+                            all[size_t(me)].idx.to(device), Variable(), group_options(ranks, r));
     const Tensor rows = d.rows.data().to(Device::cpu());
     const auto& scales = d.rows.data().fp8_scales();
     EXPECT_TRUE(scales != nullptr) << "the FP8 rows arrived without scales";
@@ -177,8 +224,9 @@ void check_fp8_bits(const Ranks& ranks) {
     const Tensor s = scales->scale_inv.to(Device::cpu());
     const auto want = expected_rows(all, me);
     const int64_t cols = s.size(1);
-    for (size_t i = 0; i < std::min(want.size(), size_t(rows.size(0))); ++i) {
-      const auto [p, t] = want[i];
+    EXPECT_EQ(rows.size(0), dispatched_rows(ranks, r, want.size()));
+    for (size_t i = 0; i < size_t(rows.size(0)); ++i) {  // past want: the zero-sync tail, pad rows
+      const auto [p, t] = i < want.size() ? want[i] : std::pair<int, int64_t>{-1, -1};
       const auto* a = static_cast<const uint8_t*>(rows.raw_data()) + i * size_t(H);
       const float* sa = s.data<float>() + i * size_t(cols);
       bool same = true;
@@ -195,9 +243,11 @@ void check_fp8_bits(const Ranks& ranks) {
 }
 
 TEST(Exchange, Fp8PayloadIsBitIdentical) { check_fp8_bits(on_cpu()); }
+TEST(Exchange, ZeroSyncFp8PayloadIsBitIdentical) { check_fp8_bits(on_cpu(true)); }
 TEST(Exchange, Fp8PayloadIsBitIdenticalCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   check_fp8_bits(on_staged_gpu());
+  check_fp8_bits(on_staged_gpu(true));
 }
 
 // dispatch → a row-wise "expert" → combine across ranks equals the same on this rank alone, values
@@ -219,7 +269,7 @@ void check_gradients(const Ranks& ranks) {
       std::vector<Tensor> got;
       for (bool across : {false, true}) {
         Variable x(x0, true), prob(p0, true);
-        DispatchOptions o = group_options(ranks);
+        DispatchOptions o = group_options(ranks, r);
         if (!across) o.expert_parallel = nullptr;
         Dispatched d = dispatch(x, data.idx.to(device), probs_with_rows ? prob : Variable(), o);
         Variable rows = mul(d.rows, d.rows);
@@ -227,7 +277,9 @@ void check_gradients(const Ranks& ranks) {
         const uint64_t syncs = num_host_syncs();
         Variable y = combine(rows, d, probs_with_rows ? Variable() : prob, CombineGrad::as_is);
         y.backward(dy);
-        EXPECT_EQ(num_host_syncs(), syncs) << "combine and the backward read nothing to the host";
+        if (dispatch_syncs(ranks) >= 0) {
+          EXPECT_EQ(num_host_syncs(), syncs) << "combine and the backward read nothing to the host";
+        }
         for (const Tensor& t : {y.data(), x.grad(), prob.grad()}) got.push_back(t.to(Device::cpu()));
       }
       EXPECT_TRUE(bit_equal(got[3], got[0])) << "y";
@@ -237,9 +289,11 @@ void check_gradients(const Ranks& ranks) {
 }
 
 TEST(Exchange, GradientsMatchOneRank) { check_gradients(on_cpu()); }
+TEST(Exchange, ZeroSyncGradientsMatchOneRank) { check_gradients(on_cpu(true)); }
 TEST(Exchange, GradientsMatchOneRankCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   check_gradients(on_staged_gpu());
+  check_gradients(on_staged_gpu(true));
 }
 
 // The MoE layer with its experts sharded over the world against one process holding every expert on
@@ -261,11 +315,17 @@ void check_layer(MoeRecipe recipe, const Ranks& ranks) {
     MoeOptions o(16);
     o.recipe = recipe;
     if (sharded) o.expert_parallel = ranks.comm;
+    o.ep_dispatch = ranks.zero_sync ? EpDispatch::zero_sync : EpDispatch::sync;
     ParamFactory f(7, device);
     MoeLayer layer(f, cfg, "mlp", o, device);
     Variable x(x0.to(device).to(compute), true);
+    const uint64_t syncs = num_host_syncs();
     Variable y = layer.forward(x, compute);
     y.backward(dy.to(device).to(compute));
+    // bf16 experts take the device counts: a zero-sync step on GPUs that reach each other reads nothing.
+    if (sharded && ranks.zero_sync && recipe == MoeRecipe::bf16 && dispatch_syncs(ranks) == 0) {
+      EXPECT_EQ(num_host_syncs(), syncs) << "a bf16 zero-sync forward and backward read the host";
+    }
     std::vector<Tensor> out = {y.data().to(Device::cpu()).to(DType::f32), x.grad().to(Device::cpu()).to(DType::f32)};
     for (const Variable& p : f.params()) out.push_back(p.grad().to(Device::cpu()));
     return std::make_pair(out, f.shards());
@@ -287,12 +347,19 @@ void check_layer(MoeRecipe recipe, const Ranks& ranks) {
 TEST(Exchange, MoeLayerMatchesOneProcessBf16) { check_layer(MoeRecipe::bf16, on_cpu()); }
 TEST(Exchange, MoeLayerMatchesOneProcessFp8Blockwise) { check_layer(MoeRecipe::fp8_blockwise, on_cpu()); }
 TEST(Exchange, MoeLayerMatchesOneProcessFp8Flow) { check_layer(MoeRecipe::fp8_flow, on_cpu()); }
+TEST(Exchange, ZeroSyncMoeLayerMatchesOneProcess) {
+  for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_flow}) {
+    SCOPED_TRACE(moe_recipe_name(r));
+    check_layer(r, on_cpu(true));
+  }
+}
 TEST(Exchange, MoeLayerMatchesOneProcessCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow}) {
-    SCOPED_TRACE(moe_recipe_name(r));
-    check_layer(r, on_staged_gpu());
-  }
+  for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
+    for (bool zero_sync : {false, true}) {
+      SCOPED_TRACE(std::string(moe_recipe_name(r)) + (zero_sync ? ", zero_sync" : ""));
+      check_layer(r, on_staged_gpu(zero_sync));
+    }
 }
 
 // Every check above through nccl, each rank on its own GPU: ctest's test_comm_np2 and test_comm_np4
@@ -303,14 +370,18 @@ TEST(Exchange, EveryCheckThroughNcclOnAGpuPerRank) {
   if (n < 2 || cuda_device_count() < n)
     GTEST_SKIP() << "nccl needs a GPU per rank and several ranks: " << n << " ranks, " << cuda_device_count()
                  << " GPUs";
-  const Ranks ranks{make_nccl_communicator(test_runtime().world, me), Device::cuda(me)};
   cuda_set_device(me);
-  check_round_trip(ranks);
-  check_fp8_bits(ranks);
-  check_gradients(ranks);
-  for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow}) {
-    SCOPED_TRACE(moe_recipe_name(r));
-    check_layer(r, ranks);
+  Ranks ranks{make_nccl_communicator(test_runtime().world, me), Device::cuda(me)};
+  for (bool zero_sync : {false, true}) {  // zero_sync: rows written into the peers' GPUs (parallel/nccl/lsa_put.h)
+    SCOPED_TRACE(zero_sync ? "zero_sync" : "sync");
+    ranks.zero_sync = zero_sync;
+    check_round_trip(ranks);
+    check_fp8_bits(ranks);
+    check_gradients(ranks);
+    for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow}) {
+      SCOPED_TRACE(moe_recipe_name(r));
+      check_layer(r, ranks);
+    }
   }
   ranks.comm->barrier();
   cuda_set_device(0);

@@ -1,0 +1,171 @@
+// Device-initiated row puts over load/store-reachable GPUs (parallel/nccl/lsa_put.h), NCCL >= 2.28.
+//   window: ncclMemAlloc'd, registered NCCL_WIN_COLL_SYMMETRIC, the same bytes on every rank (the
+//           receive buffers are worst-case sized, so their shapes agree); grown collectively, never shrunk
+//   put:    fill recv → kernel: LSA barrier; each chunk of out_table copied as one contiguous block (rows
+//           are consecutive on both sides) into the peer's window with 16/4/1-byte stores spread over
+//           every thread of the grid; LSA barrier (release/acquire) → copy the chunks of in_table (the
+//           rows the peers wrote) from the own window into recv: the worst-case rest is never read
+// Why the barriers suffice: every rank launches the same kCtas CTAs, and CTA b's barrier b covers CTA b
+// of every rank, so after the kernel every peer's stores into this window have landed. The first
+// barrier orders this rank's previous copy-out (an earlier launch on the stream) before any peer's
+// store of this put. Tests: tests/mpi/test_exchange.cpp (nccl, a GPU per rank).
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include "kernels/common/cuda_check.h"
+#include "kernels/copy.h"
+#include "parallel/nccl/lsa_put.h"
+#include "parallel/nccl/nccl_check.h"
+
+namespace flowmoe {
+
+namespace {
+
+constexpr int kCtas = 32;       // = the LSA barriers asked of ncclDevCommCreate
+constexpr int kThreads = 512;
+
+// One chunk of `units` store units from `from` to `to`, spread over every thread of the grid; `base`
+// carries where the previous chunk left the threads, so back-to-back chunks keep every thread busy.
+template <class U>
+__device__ __forceinline__ void copy_spread(U* __restrict__ to, const U* __restrict__ from, int64_t units,
+                                            int64_t& base) {
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x, tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t u = ((tid - base) % threads + threads) % threads; u < units; u += threads) to[u] = from[u];
+  base = (base + units) % threads;
+}
+
+// A chunk's rows, or false for one outside either buffer (a routing the worst case did not allow): it is
+// skipped, not written.
+__device__ __forceinline__ bool chunk_rows(const int32_t* table, int i, int64_t src_rows, int64_t dst_rows,
+                                           int64_t& src, int64_t& dst, int64_t& rows) {
+  src = table[3 * i], dst = table[3 * i + 1], rows = table[3 * i + 2];
+  return rows > 0 && src >= 0 && dst >= 0 && src + rows <= src_rows && dst + rows <= dst_rows;
+}
+
+// send [send_rows, row_bytes] (this rank); out_table [n, C, 3] i32 (row in send, row in the peer's
+// window, rows); window: recv_rows rows on every rank. U: the store unit, dividing row_bytes and the
+// send address.
+template <class U>
+__global__ void lsa_put_kernel(ncclDevComm comm, ncclWindow_t window, const char* __restrict__ send,
+                               const int32_t* __restrict__ out_table, int num_peers, int chunks_per_peer,
+                               int64_t send_rows, int64_t recv_rows, int64_t row_bytes) {
+  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), comm, ncclTeamTagLsa{}, blockIdx.x};
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every peer has read the last put out of its window
+  const int64_t units_per_row = row_bytes / int64_t(sizeof(U));
+  int64_t base = 0, src = 0, dst = 0, rows = 0;
+  for (int i = 0; i < num_peers * chunks_per_peer; ++i) {
+    if (!chunk_rows(out_table, i, send_rows, recv_rows, src, dst, rows)) continue;
+    U* to = static_cast<U*>(ncclGetPeerPointer(window, size_t(dst * row_bytes), i / chunks_per_peer));
+    copy_spread(to, reinterpret_cast<const U*>(send + src * row_bytes), rows * units_per_row, base);
+  }
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every rank's stores into every window have landed
+}
+
+// recv [recv_rows, row_bytes] gets the rows the peers put into this rank's window: in_table [n, C, 3]
+// i32 (row in recv = row in the window, row in the peer's send, rows). Only those rows are read; the
+// rest of recv keeps the fill written before.
+template <class U>
+__global__ void lsa_copy_out_kernel(char* __restrict__ recv, const char* __restrict__ window,
+                                    const int32_t* __restrict__ in_table, int num_chunks, int64_t recv_rows,
+                                    int64_t row_bytes) {
+  const int64_t units_per_row = row_bytes / int64_t(sizeof(U));
+  int64_t base = 0, row = 0, peer_row = 0, rows = 0;
+  for (int i = 0; i < num_chunks; ++i) {
+    if (!chunk_rows(in_table, i, recv_rows, INT64_MAX, row, peer_row, rows)) continue;
+    copy_spread(reinterpret_cast<U*>(recv + row * row_bytes), reinterpret_cast<const U*>(window + row * row_bytes),
+                rows * units_per_row, base);
+  }
+}
+
+class LsaPutImpl final : public LsaPut {
+ public:
+  LsaPutImpl(ncclComm_t comm, const ncclDevComm& dev) : comm_(comm), dev_(dev) {
+    int device = 0;
+    FLOWMOE_CUDA_CHECK(cudaGetDevice(&device));
+    FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&copy_ctas_, cudaDevAttrMultiProcessorCount, device));
+  }
+  ~LsaPutImpl() override {  // no throwing calls: a failure to tear down is ignored
+    cudaDeviceSynchronize();  // on the communicator's device (its destructor makes it current)
+    release_window();
+    ncclDevCommDestroy(comm_, &dev_);
+  }
+
+  void put(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table, double fill,
+           cudaStream_t stream) override {
+    const size_t bytes = recv.nbytes();
+    if (bytes == 0) return;  // the same on every rank: the shapes agree
+    ensure_window(bytes, stream);
+    // The fill goes to recv, not the window: the copy-out reads only the rows peers wrote.
+    if (fill == 0)
+      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(recv.raw_data(), 0, bytes, stream));
+    else
+      fill_cuda(recv.raw_data(), recv.dtype(), fill, recv.numel(), stream);
+    const int64_t row_bytes = int64_t(bytes / size_t(recv.size(0)));
+    const int n = int(out_table.size(0)), C = int(out_table.size(1));
+    const auto* send_bytes = static_cast<const char*>(send.raw_data());
+    auto* recv_bytes = static_cast<char*>(recv.raw_data());
+    const auto* window = static_cast<const char*>(buffer_);
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(send_bytes) | reinterpret_cast<uintptr_t>(recv_bytes);
+    auto launch = [&](auto unit) {
+      using U = decltype(unit);
+      lsa_put_kernel<U><<<kCtas, kThreads, 0, stream>>>(dev_, window_, send_bytes, out_table.data<int32_t>(), n, C,
+                                                        send.size(0), recv.size(0), row_bytes);
+      FLOWMOE_CUDA_CHECK_LAUNCH();
+      lsa_copy_out_kernel<U><<<copy_ctas_, kThreads, 0, stream>>>(recv_bytes, window, in_table.data<int32_t>(),
+                                                                  int(in_table.numel() / 3), recv.size(0), row_bytes);
+      FLOWMOE_CUDA_CHECK_LAUNCH();
+    };
+    if (row_bytes % 16 == 0 && addr % 16 == 0)
+      launch(uint4{});
+    else if (row_bytes % 4 == 0 && addr % 4 == 0)
+      launch(uint32_t{});
+    else
+      launch(uint8_t{});
+  }
+
+ private:
+  ncclComm_t comm_;
+  ncclDevComm dev_;
+  void* buffer_ = nullptr;
+  size_t bytes_ = 0;
+  ncclWindow_t window_ = nullptr;
+  int copy_ctas_ = 0;  // the local copy-out: one CTA per SM
+
+  // Every rank asks for the same bytes at the same call (the exchanges' shapes are static), so the
+  // collective registration lines up. Grows to a power of two so a dispatch's rows, scales and probs
+  // and a combine's wider rows settle on one window after the first step.
+  void ensure_window(size_t bytes, cudaStream_t stream) {
+    if (bytes <= bytes_) return;
+    size_t want = size_t(1) << 20;
+    while (want < bytes) want *= 2;
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old window's last put is done (only on growth)
+    release_window();
+    FLOWMOE_NCCL_CHECK(ncclMemAlloc(&buffer_, want), comm_);
+    FLOWMOE_NCCL_CHECK(ncclCommWindowRegister(comm_, buffer_, want, &window_, NCCL_WIN_COLL_SYMMETRIC), comm_);
+    bytes_ = want;
+  }
+  void release_window() {
+    if (window_) ncclCommWindowDeregister(comm_, window_);
+    if (buffer_) ncclMemFree(buffer_);
+    window_ = nullptr, buffer_ = nullptr, bytes_ = 0;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<LsaPut> LsaPut::create(ncclComm_t comm, int num_ranks, std::string* why_not) {
+  const ncclTeam_t lsa = ncclTeamLsa(comm);
+  if (lsa.nRanks < num_ranks) {
+    if (why_not)
+      *why_not = detail::cat("only ", lsa.nRanks, " of ", num_ranks,
+                             " ranks are load/store reachable (NVLink or PCIe P2P on one host)");
+    return nullptr;
+  }
+  ncclDevCommRequirements reqs{};  // no multimem: NVLink SHARP stays off
+  reqs.lsaBarrierCount = kCtas;
+  ncclDevComm dev{};
+  FLOWMOE_NCCL_CHECK(ncclDevCommCreate(comm, &reqs, &dev), comm);
+  return std::make_unique<LsaPutImpl>(comm, dev);
+}
+
+}  // namespace flowmoe

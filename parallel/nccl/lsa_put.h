@@ -1,0 +1,36 @@
+// Device-initiated row puts for the nccl backend's Communicator::put_rows (DESIGN.md §2, zero-sync
+// dispatch): each rank's kernel writes its rows straight into the peers' receive windows over NVLink
+// or PCIe P2P, reading the row table on the device, so no count or offset ever reaches the host.
+// Built on NCCL's device API (NCCL >= 2.28: ncclMemAlloc + ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC),
+// ncclDevCommCreate with one LSA barrier per CTA); lsa_put.cu implements it, lsa_none.cpp stands in
+// when the build's NCCL lacks the device headers. No multimem/NVLink SHARP is requested.
+// Tests: tests/mpi/test_exchange.cpp (EveryCheckThroughNcclOnAGpuPerRank, zero-sync cases).
+#pragma once
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <memory>
+#include <string>
+
+#include "engine/tensor.h"
+
+namespace flowmoe {
+
+class LsaPut {
+ public:
+  // Collective over comm (every rank calls it, with comm's device current). Null, with *why_not saying why, when
+  // some rank is not load/store reachable (the LSA team is smaller than the communicator: several
+  // hosts, NCCL_P2P_DISABLE=1) or the build has no device API.
+  static std::unique_ptr<LsaPut> create(ncclComm_t comm, int num_ranks, std::string* why_not);
+  virtual ~LsaPut() = default;
+
+  // Collective; recv has the same shape on every rank. recv is filled with `fill`, every rank's kernel
+  // writes its out_table chunks (out_table [n, C, 3] i32 on the device: row in send, row in the peer's
+  // recv, rows) into the peers' windows (grown collectively to recv's bytes when smaller) between two
+  // LSA barriers, and the in_table chunks (the same rows as the peers list them for this rank) are
+  // copied from this rank's window into recv. All on `stream`.
+  virtual void put(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
+                   double fill, cudaStream_t stream) = 0;
+};
+
+}  // namespace flowmoe

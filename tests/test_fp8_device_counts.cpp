@@ -1,0 +1,192 @@
+// The FP8 ops over an MoE layer's device counts (ExpertCounts with no host values): fp8_transpose and
+// quantize_colwise_tensor give the host-count layouts' bytes in worst-case sized scales with the counts
+// attached, and fp8_grouped_linear (both wgrad recipes) gives bit for bit the outputs and gradients of the
+// host-count path. On the CPU a CPU i32 tensor stands in for the device counts and the references read it;
+// on the GPU the comparison is with host + device counts (the same one-launch GEMMs, host-table layouts),
+// no host synchronisation is counted, and the FP8 MoE layer on one GPU reads no counts and stays close to
+// the layer that reads them (per-expert cuBLASLt GEMMs).
+#include <string>
+#include <vector>
+
+#include "engine/cast_stats.h"
+#include "engine/ops/fp8_grouped_linear.h"
+#include "engine/ops/fp8_transpose.h"
+#include "kernels/fp8.h"
+#include "layers/moe.h"
+#include "tests/moe_test_config.h"
+#include "tests/test_util.h"
+
+using namespace flowmoe;
+using namespace flowmoe::test;
+
+namespace {
+
+using Rows = std::vector<int64_t>;
+
+Tensor counts_tensor(const Rows& rows, Device dev) {
+  return Tensor::from_ints(rows, {int64_t(rows.size())}, DType::i32, dev);
+}
+
+// The colwise result `dev` (over device counts) against `host` (over the same counts on the host): the
+// same data bytes, the same first num_blocks scale rows, then rows of 1.0f up to the worst case.
+void expect_same_layout(const Tensor& dev, const Tensor& host, const Tensor& counts) {
+  ASSERT_TRUE(dev.fp8_scales() && host.fp8_scales());
+  const Fp8Scales &d = *dev.fp8_scales(), &h = *host.fp8_scales();
+  EXPECT_EQ(d.mode, ScalingMode::colwise_1x128);
+  EXPECT_TRUE(d.rows_per_segment.empty());
+  ASSERT_TRUE(d.segment_counts.defined());
+  EXPECT_EQ(d.segment_counts.raw_data(), counts.raw_data()) << "the counts tensor itself is attached";
+  const int64_t M = dev.size(1), K = dev.size(0), nb = h.scale_inv.size(0);
+  ASSERT_EQ(d.scale_inv.shape(), (Shape{fp8_colwise_max_blocks(M, counts.numel()), K}));
+  EXPECT_TRUE(bit_equal(dev.to(Device::cpu()), host.to(Device::cpu())));
+  const Tensor ds = d.scale_inv.to(Device::cpu());
+  EXPECT_TRUE(bit_equal(ds.slice(0, 0, nb).contiguous(), h.scale_inv.to(Device::cpu())));
+  const Tensor ones = Tensor::full({ds.size(0) - nb, K}, 1.0, DType::f32);
+  EXPECT_TRUE(bit_equal(ds.slice(0, nb, ds.size(0)).contiguous(), ones));
+}
+
+struct Case {
+  const char* what;
+  int64_t m;
+  Rows rows;
+};
+const Case kCases[] = {
+    {"0 tokens", 64, {0, 0, 0}},
+    {"an empty expert, partial blocks, a tail", 240, {32, 0, 144, 16}},
+    {"one hot expert", 256, {0, 256, 0}},
+    {"E = 1 with a tail", 80, {48}},
+};
+
+struct Run {
+  Tensor y, dx, dw;
+};
+
+// One forward + backward of fp8_grouped_linear over `counts`, on the inputs' device; dy in y's dtype.
+Run run_grouped(const Tensor& x_in, const Tensor& w_in, const Tensor& dy_in, const ExpertCounts& counts,
+                Fp8Wgrad wgrad) {
+  Variable x(x_in, true), w(w_in, true, "w");
+  QuantizedWeight wq = quantize_weight(w_in, "w");
+  Variable y = fp8_grouped_linear(quantize_rowwise(x, "x"), w, wq, counts, wgrad, "fc");
+  y.backward(dy_in.to(y.dtype()));
+  return {y.data().to(Device::cpu()), x.grad().to(Device::cpu()), w.grad().to(Device::cpu())};
+}
+
+// fp8_grouped_linear over device-only counts against `reference` counts, bit for bit, per case and recipe.
+void check_grouped(Device dev, DType act, bool with_host_reference) {
+  Rng rng(test_seed());
+  const int64_t N = 256, K = 128;
+  for (const Case& c : kCases)
+    for (Fp8Wgrad wgrad : {Fp8Wgrad::transpose, Fp8Wgrad::requantize}) {
+      SCOPED_TRACE(std::string(c.what) + (wgrad == Fp8Wgrad::transpose ? ", transpose" : ", requantize"));
+      const int64_t E = int64_t(c.rows.size());
+      Tensor x = random_tensor(rng, {c.m, K}, act, dev), dy = random_tensor(rng, {c.m, N}, act, dev);
+      Tensor w = random_tensor(rng, {E, N, K}, DType::f32, dev, -0.1, 0.1);
+      const Tensor counts = counts_tensor(c.rows, dev);
+      const ExpertCounts reference{c.rows, with_host_reference ? counts : Tensor()};
+      const Run want = run_grouped(x, w, dy, reference, wgrad);
+      const uint64_t syncs = num_host_syncs();
+      const Run got = run_grouped(x, w, dy, ExpertCounts{{}, counts}, wgrad);
+      EXPECT_EQ(num_host_syncs(), syncs) << "the device-count path read something to the host";
+      EXPECT_TRUE(bit_equal(got.y, want.y)) << "y";
+      EXPECT_TRUE(bit_equal(got.dx, want.dx)) << "dx";
+      EXPECT_TRUE(bit_equal(got.dw, want.dw)) << "dW";
+    }
+}
+
+}  // namespace
+
+TEST(Fp8DeviceCounts, TransposeAndQuantizeOpsOverCpuCounts) {
+  Rng rng(test_seed());
+  const Rows rows = {32, 0, 150, 7};
+  const int64_t M = 230, K = 200;
+  const Tensor counts = counts_tensor(rows, Device::cpu());
+  Tensor x = random_tensor(rng, {M, K});
+  Tensor q = quantize_rowwise_tensor(x, "x");
+  expect_same_layout(fp8_transpose(q, ExpertCounts{{}, counts}), fp8_transpose(q, rows), counts);
+  reset_cast_counts();
+  Tensor qc = quantize_colwise_tensor(x, ExpertCounts{{}, counts}, "x colwise");
+  EXPECT_EQ(cast_counts().quantize, 1);
+  const Tensor qc_host = quantize_colwise_tensor(x, rows, "x colwise");
+  expect_same_layout(qc, qc_host, counts);
+  // The CPU dequantizes a device-count layout through its counts: the host layout's values.
+  EXPECT_TRUE(bit_equal(dequantize_tensor(qc, DType::f32, ""), dequantize_tensor(qc_host, DType::f32, "")));
+  // With host counts beside them, the layouts keep the host-known shapes.
+  const Tensor both = fp8_transpose(q, ExpertCounts{rows, counts});
+  EXPECT_EQ(both.fp8_scales()->rows_per_segment, rows);
+  EXPECT_FALSE(both.fp8_scales()->segment_counts.defined());
+  EXPECT_TRUE(throws_naming<DTypeError>([&] { fp8_transpose(q, ExpertCounts{{}, counts.to(DType::i64)}); },
+                                        {"fp8_transpose", "[E] i32", "i64"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] { quantize_colwise_tensor(x, ExpertCounts{{}, counts_tensor({200, 31}, Device::cpu())}, "s"); },
+      {"sum to 231", "M = 230"}));
+}
+
+// The step profiler's FLOPs: the host counts' rows, or with device counts every row of x.
+TEST(Fp8DeviceCounts, ProfilerFlops) {
+  const Tensor x = Tensor::zeros({96, 128}, DType::f32), w = Tensor::zeros({3, 256, 128}, DType::f32);
+  EXPECT_EQ(grouped_gemm_flops(ExpertCounts{{16, 0, 32}, Tensor()}, x, w), 2.0 * 48 * 256 * 128);
+  EXPECT_EQ(grouped_gemm_flops(ExpertCounts{{}, counts_tensor({16, 0, 32}, Device::cpu())}, x, w),
+            2.0 * 96 * 256 * 128);
+}
+
+TEST(Fp8DeviceCounts, GroupedLinearCpuMatchesHostCounts) { check_grouped(Device::cpu(), DType::f32, false); }
+
+TEST(Fp8DeviceCounts, GroupedLinearChecksTheCounts) {
+  Rng rng(test_seed());
+  Tensor x = random_tensor(rng, {64, 128});
+  Variable w(random_tensor(rng, {2, 128, 128}), true, "w");
+  const QuantizedWeight wq = quantize_weight(w.data(), "w");
+  Variable xq = quantize_rowwise(Variable(x), "x");
+  auto run = [&](const ExpertCounts& counts) { fp8_grouped_linear(xq, w, wq, counts, Fp8Wgrad::transpose, "fc"); };
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { run(ExpertCounts{{}, counts_tensor({16, 32, 0}, Device::cpu())}); },
+                                        {"device counts", "i32[3]", "must be [2] i32"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] { run(ExpertCounts{{}, counts_tensor({16, 32}, Device::cpu()).to(DType::i64)}); }, {"i64[2]"}));
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { run(ExpertCounts{{16, 32, 0}, Tensor()}); }, {"3 host counts"}));
+}
+
+// ---- CUDA ---------------------------------------------------------------------------------------
+
+TEST(Fp8DeviceCountsCuda, GroupedLinearMatchesHostLayoutsBitForBit) {
+  FLOWMOE_REQUIRE_CUDA();
+  check_grouped(Device::cuda(), DType::bf16, true);
+}
+
+// The FP8 MoE layer on one GPU: forward and backward read no counts (host_syncs 0 for the whole step),
+// and follow the layer that reads them (per-expert cuBLASLt GEMMs: other summation orders, hence a
+// tolerance here; the bit-for-bit comparison of the device-count layouts is the test above).
+TEST(Fp8DeviceCountsCuda, MoeLayerReadsNoCounts) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  const ModelConfig c = moe_test_config(8, 2, 256, 128, 1, 0.05);
+  for (int64_t T : {0, 1, 300})
+    for (MoeRecipe recipe : {MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow}) {
+      SCOPED_TRACE(std::string(moe_recipe_name(recipe)) + " T=" + std::to_string(T));
+      Tensor x = random_tensor(rng, {T, 256}, DType::bf16, Device::cuda());
+      Tensor dy = random_tensor(rng, {T, 256}, DType::bf16, Device::cuda());
+      std::vector<std::vector<Tensor>> out;
+      for (bool device_counts : {true, false}) {
+        MoeOptions o(16);
+        o.recipe = recipe;
+        o.device_counts = device_counts;
+        ParamFactory f(5, Device::cuda());
+        MoeLayer layer(f, c, "mlp", o, Device::cuda());
+        Variable xv(x, true);
+        const uint64_t syncs = num_host_syncs();
+        Variable y = layer.forward(xv, DType::bf16);
+        y.backward(dy);
+        if (device_counts) EXPECT_EQ(num_host_syncs(), syncs) << "the one-GPU FP8 layer read its counts";
+        else EXPECT_EQ(num_host_syncs(), syncs + 1) << "the host path reads its counts once";
+        std::vector<Tensor> r = {y.data().to(DType::f32).to(Device::cpu()),
+                                 xv.grad().to(DType::f32).to(Device::cpu())};
+        for (const Variable& p : f.params()) r.push_back(p.grad().to(Device::cpu()));
+        out.push_back(r);
+      }
+      if (T == 0) continue;
+      // Output 2 is the router gate's gradient, ill-conditioned with one token (tests/test_moe_fp8.cpp).
+      for (size_t i = 0; i < out[0].size(); ++i)
+        if (!(T == 1 && i == 2)) {
+          EXPECT_LT(rel_error(out[0][i], out[1][i]), 2e-2) << "output " << i << " (y, dx, then the gradients)";
+        }
+    }
+}
