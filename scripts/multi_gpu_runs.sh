@@ -3,7 +3,8 @@
 # Several GPUs; docs/PARITY.md for the parity part). Prints "name: result" lines (scripts/gpu_check.sh
 # puts them in its summary) and exits nonzero on a failure. Every mpirun has a time limit: a hang fails.
 #   scripts/multi_gpu_runs.sh BUILD_DIR OUT_DIR [tests] [equality] [resume] [speed] [bench] [twonode] [parity]
-#   (default: tests equality resume speed bench twonode; parity, 2000 steps of each recipe, only by name)
+#   (default: tests equality resume speed bench twonode; parity, 2000 steps of each recipe, only by name;
+#   EP_SIZES, e.g. "4", limits the expert-parallel sizes, 2 and 4 by default, and 8 with 8 GPUs)
 # tests     test_comm under mpirun on 2 and 4 GPUs: the collectives and every dispatch/combine check
 #           through nccl, each rank on its own GPU (rank- and token-encoded rows; skewed, empty-rank,
 #           one-rank and empty-expert routings; FP8 bytes; gradients; the MoE layer in each recipe)
@@ -38,6 +39,7 @@ if [ "$ngpu" -lt 2 ]; then
 fi
 sizes=(2 4)
 [ "$ngpu" -ge 8 ] && sizes+=(8)
+[ -n "${EP_SIZES:-}" ] && read -r -a sizes <<<"$EP_SIZES"  # e.g. EP_SIZES=4: only those sizes
 rc=0
 config=configs/gpu_moe.yaml
 # The toy model's loss spikes from about step 10 on at these rates, in one process too, and a spike

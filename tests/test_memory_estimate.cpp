@@ -3,7 +3,6 @@
 // evaluation), and a model that cannot fit is refused by train() at once, before any allocation.
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <limits>
@@ -243,11 +242,10 @@ TEST(MemoryEstimate, TrainRefusesAnAbsurdModelAtOnceWithoutAllocating) {
   o.out = std::tmpfile();
   ASSERT_NE(o.out, nullptr);
   const size_t allocs_before = memory_stats(Device::cpu()).num_allocs;
-  const auto t0 = std::chrono::steady_clock::now();
+  // "At once" is what the counts below show: nothing was allocated or written before the refusal (a
+  // wall-clock bound would measure the machine's load, not the code).
   EXPECT_TRUE(throws_naming<ConfigError>(
       [&] { train(c, o); }, {"the model needs about ", "TiB (weights ", "available; reduce model.hidden_size"}));
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_LT(seconds, 0.5);
   EXPECT_EQ(memory_stats(Device::cpu()).num_allocs, allocs_before) << "no tensor may be allocated before the refusal";
   EXPECT_FALSE(fs::exists(d / "run")) << "a refused run writes nothing";
   // The parameter count and the estimate were printed before the refusal.

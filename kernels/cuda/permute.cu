@@ -137,7 +137,8 @@ void check_permute_args(const RoutingDims& d, const PermuteBuffers& b) {
   FLOWMOE_CHECK(d.num_local_experts <= kMaxLocalExperts, Error, "permute_pad_cuda: at most ", kMaxLocalExperts,
                 " local experts, got ", d.num_local_experts);
   FLOWMOE_CHECK(d.top_k <= kMaxTopk, Error, "permute_pad_cuda: top_k at most ", kMaxTopk, ", got ", d.top_k);
-  FLOWMOE_CHECK(b.row_bytes == 0 || (b.x && b.rows) || (d.num_tokens == 0 && d.num_rows == 0), Error,
+  // No tokens need no x: a buffer of pad rows alone (a rank with nothing to send) is still written.
+  FLOWMOE_CHECK(b.row_bytes == 0 || ((b.x || d.num_tokens == 0) && (b.rows || d.num_rows == 0)), Error,
                 "permute_pad_cuda: null x or rows");
   FLOWMOE_CHECK(!b.side || b.side_rows, Error, "permute_pad_cuda: a side payload needs side_rows");
 }
@@ -218,7 +219,7 @@ bool use_tma_rows(const PermuteBuffers& b, PermuteRowKernel row_kernel) {
   if (row_kernel == PermuteRowKernel::classic ||
       (row_kernel == PermuteRowKernel::automatic && b.row_bytes < kPermuteTmaMinRowBytes))
     return false;
-  return b.row_bytes > 0 && b.row_bytes % 16 == 0 && aligned_to(b.x, 16) && aligned_to(b.rows, 16) &&
+  return b.x && b.row_bytes > 0 && b.row_bytes % 16 == 0 && aligned_to(b.x, 16) && aligned_to(b.rows, 16) &&
          tma_rows_supported();
 }
 

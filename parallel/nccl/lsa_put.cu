@@ -21,16 +21,27 @@ namespace flowmoe {
 
 namespace {
 
-constexpr int kCtas = 32;       // = the LSA barriers asked of ncclDevCommCreate
+constexpr int kCtas = 64;       // = the LSA barriers asked of ncclDevCommCreate
 constexpr int kThreads = 512;
 
 // One chunk of `units` store units from `from` to `to`, spread over every thread of the grid; `base`
-// carries where the previous chunk left the threads, so back-to-back chunks keep every thread busy.
+// carries where the previous chunk left the threads, so back-to-back chunks keep every thread busy. Each
+// thread keeps kUnroll loads in flight before its stores: a remote store is posted, so the copy's rate
+// is the local loads in flight over their latency.
+constexpr int kUnroll = 4;
 template <class U>
 __device__ __forceinline__ void copy_spread(U* __restrict__ to, const U* __restrict__ from, int64_t units,
                                             int64_t& base) {
   const int64_t threads = int64_t(gridDim.x) * blockDim.x, tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t u = ((tid - base) % threads + threads) % threads; u < units; u += threads) to[u] = from[u];
+  for (int64_t u = ((tid - base) % threads + threads) % threads; u < units; u += kUnroll * threads) {
+    U v[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j)
+      if (u + j * threads < units) v[j] = from[u + j * threads];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j)
+      if (u + j * threads < units) to[u + j * threads] = v[j];
+  }
   base = (base + units) % threads;
 }
 
