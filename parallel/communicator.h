@@ -70,6 +70,10 @@ class Communicator {
   // are read to the host (one counted sync for device tables) and the rows move by all_to_all_chunks.
   // A chunk that runs past either buffer is an error (checked on the host paths; skipped on the device).
   void put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table, double fill);
+  // Whether put_rows writes into the peers' memory from the device (nccl, every rank load/store
+  // reachable), so that it reads nothing to the host. Collective the first time (nccl sets up its window
+  // machinery then): every rank asks at the same point.
+  bool device_puts() { return do_device_puts(); }
   // recv_rows from send_rows: how many rows each peer sends this rank (the counts travel on the host).
   std::vector<int64_t> exchange_counts(const std::vector<int64_t>& send_rows);
 
@@ -114,6 +118,7 @@ class Communicator {
   // default reads the tables to the host and calls do_all_to_all_chunks after filling recv.
   virtual void do_put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
                            double fill, size_t row_bytes);
+  virtual bool do_device_puts() { return false; }
   virtual void do_all_reduce(const Tensor& t, ReduceOp op) = 0;
   virtual void do_all_gather(const Tensor& send, const Tensor& recv, size_t row_bytes) = 0;
   virtual void do_broadcast(const Tensor& t, int root) = 0;

@@ -106,11 +106,13 @@ const char* ep_dispatch_name(EpDispatch mode) {
   return "?";
 }
 
-bool resolve_ep_dispatch(EpDispatch mode, const Communicator* group) {
-  if (!group || group->size() <= 1) return false;
-  // auto stays on the one-sync path until zero_sync is measured faster on the hardware it runs on
-  // (bench/bench_dispatch.cpp times both); this is the one place that choice is made.
-  return mode == EpDispatch::zero_sync;
+bool resolve_ep_dispatch(EpDispatch mode, Communicator* group) {
+  if (!group || group->size() <= 1 || mode == EpDispatch::sync) return false;
+  if (mode == EpDispatch::zero_sync) return true;
+  // auto, from bench/bench_dispatch on 2 and 4 H100s (docs/PERF.md): with 2 ranks the device puts beat
+  // the one-sync exchange in every row; with 4 the fill of a worst-case buffer twice as large costs what
+  // they save. Without device puts (several hosts) zero_sync would read its tables to the host.
+  return group->size() == 2 && group->device_puts();
 }
 
 Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob, CombineGrad grad) {

@@ -67,7 +67,7 @@ enum class EpDispatch { automatic, sync, zero_sync };
 EpDispatch ep_dispatch_from_name(const std::string& name);  // auto, sync, zero_sync; throws ConfigError
 const char* ep_dispatch_name(EpDispatch mode);
 // Whether a layer with this mode exchanges without host syncs over `group` (null or one rank: false).
-bool resolve_ep_dispatch(EpDispatch mode, const Communicator* group);
+bool resolve_ep_dispatch(EpDispatch mode, Communicator* group);
 
 // tokens [T,H] any dtype; topk_idx [T,k] i32 in [0, E); probs [T,k] or undefined.
 Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variable& probs,

@@ -229,7 +229,7 @@ const std::vector<Field>& schema() {
                        {"auto", "sync", "zero_sync"},
                        "the expert-parallel token exchange: sync reads the per-expert counts to the host once per "
                        "MoE layer; zero_sync keeps them on the device (worst-case receive buffers; nccl writes rows "
-                       "into the peers' GPUs); auto: sync for now"));
+                       "into the peers' GPUs); auto: zero_sync for a group of 2 load/store-reachable GPUs, sync otherwise"));
     // checkpoint
     f.push_back(string("checkpoint", "dir", FLOWMOE_CONFIG_REF(checkpoint.dir),
                        "where checkpoints go; empty: <logging.out_dir>/checkpoints"));

@@ -288,11 +288,11 @@ void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream
 void permute_backward_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int top_k, int64_t hidden,
                            const void* d_rows, const float* d_probs, void* d_x, float* d_topk_prob,
                            cudaStream_t stream) {
-  FLOWMOE_CHECK(bool(d_x) == bool(d_rows) && bool(d_topk_prob) == bool(d_probs), Error,
-                "permute_backward_cuda: d_x and d_rows (and d_topk_prob and d_probs) go together");
   FLOWMOE_CHECK(top_k >= 1 && top_k <= kMaxTopk, Error, "permute_backward_cuda: top_k must be in [1, ", kMaxTopk,
                 "], got ", top_k);
-  if (num_tokens == 0) return;
+  if (num_tokens == 0) return;  // no token gets a gradient (an empty d_x may be null beside a worst-case d_rows)
+  FLOWMOE_CHECK(bool(d_x) == bool(d_rows) && bool(d_topk_prob) == bool(d_probs), Error,
+                "permute_backward_cuda: d_x and d_rows (and d_topk_prob and d_probs) go together");
   if (d_x) unpermute_cuda(dtype, row_map, num_tokens, top_k, hidden, d_rows, nullptr, d_x, stream);
   if (d_topk_prob) {
     const int64_t n = num_tokens * top_k;

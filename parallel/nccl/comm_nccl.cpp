@@ -122,7 +122,16 @@ class NcclCommunicator final : public Communicator {
   void do_put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
                    double fill, size_t row_bytes) override {
     check_on_device(send, "put_rows");
-    if (!lsa_tried_) {  // collective, and every rank reaches its first put_rows together
+    if (!do_device_puts() || out_table.device().is_cpu() || row_bytes == 0) {
+      Communicator::do_put_rows(send, out_table, recv, in_table, fill, row_bytes);
+      return;
+    }
+    DeviceScope scope(device_);
+    lsa_->put(send, out_table, recv, in_table, fill, enqueue_stream());
+  }
+
+  bool do_device_puts() override {
+    if (!lsa_tried_) {  // collective, and every rank asks at the same point
       lsa_tried_ = true;
       std::string why_not;
       DeviceScope scope(device_);
@@ -131,12 +140,7 @@ class NcclCommunicator final : public Communicator {
         std::fprintf(stderr, "flowmoe: nccl put_rows (zero-sync dispatch) reads its row tables to the host: %s\n",
                      why_not.c_str());
     }
-    if (!lsa_ || out_table.device().is_cpu() || row_bytes == 0) {
-      Communicator::do_put_rows(send, out_table, recv, in_table, fill, row_bytes);
-      return;
-    }
-    DeviceScope scope(device_);
-    lsa_->put(send, out_table, recv, in_table, fill, enqueue_stream());
+    return lsa_ != nullptr;
   }
 
   void do_all_reduce(const Tensor& t, ReduceOp op) override {
