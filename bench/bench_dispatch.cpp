@@ -32,8 +32,8 @@
 // to every rank, bytes to other ranks / time. One process: the none backend's all_to_all, a device copy
 // of the same bytes. An mpi run on GPUs where every rank has its own GPU and the build has NCCL also
 // times that all-to-all through an nccl communicator ("nccl" columns).
-// Run (options: --backend auto|nccl|mpi|none, --shapes toy,deepep, --reps N, --warmup N, --quick, --cpu,
-// --no-backward):
+// Run (options: --backend auto|nccl|mpi|none, --shapes toy,deepep, --modes sync,zero_sync, --reps N,
+// --warmup N, --quick, --cpu, --no-backward):
 //   build/bench/bench_dispatch                                      one process
 //   mpirun -np 8 build/bench/bench_dispatch                         one host, a GPU per rank: nccl
 //   mpirun -np 16 --hostfile hosts build/bench/bench_dispatch       several hosts
@@ -64,6 +64,7 @@ namespace {
 struct Options {
   CommBackend backend = CommBackend::automatic;
   std::vector<std::string> shapes{"toy", "deepep"};
+  std::vector<bool> zero_sync{false, true};  // --modes: sync, zero_sync
   int reps = 20, warmup = 3;
   bool quick = false, cpu = false, backward = true;
 };
@@ -78,6 +79,17 @@ BenchShape bench_shape(const std::string& name, bool small) {
   if (name == "toy") return small ? BenchShape{name, 512, 256, 4, 32} : BenchShape{name, 8192, 1024, 4, 32};
   if (name == "deepep") return small ? BenchShape{name, 256, 1024, 8, 256} : BenchShape{name, 4096, 7168, 8, 256};
   FLOWMOE_THROW(ConfigError, "bench_dispatch: unknown shape '", name, "' (toy, deepep)");
+}
+
+// "a,b,c" -> {"a", "b", "c"}.
+std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at <= list.size();) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    out.push_back(list.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
 }
 
 Options parse_options(int argc, char** argv) {
@@ -97,13 +109,14 @@ Options parse_options(int argc, char** argv) {
     if (a == "--backend") {
       o.backend = parse_comm_backend(value());
     } else if (a == "--shapes") {
-      o.shapes.clear();
-      std::string list = value();
-      for (size_t at = 0; at <= list.size();) {
-        const size_t comma = std::min(list.find(',', at), list.size());
-        o.shapes.push_back(list.substr(at, comma - at));
-        bench_shape(o.shapes.back(), true);  // an unknown name fails here, before any rank starts
-        at = comma + 1;
+      o.shapes = split_list(value());
+      for (const std::string& s : o.shapes) bench_shape(s, true);  // an unknown name fails here, before any rank starts
+    } else if (a == "--modes") {
+      o.zero_sync.clear();
+      for (const std::string& m : split_list(value())) {
+        FLOWMOE_CHECK(m == "sync" || m == "zero_sync", ConfigError, "bench_dispatch: unknown mode '", m,
+                      "' (sync, zero_sync)");
+        o.zero_sync.push_back(m == "zero_sync");
       }
     } else if (a == "--reps") {
       o.reps = count(1), reps_given = true;
@@ -167,7 +180,7 @@ class ShapeBench {
     const Tensor dy = rng.uniform({s_.tokens, s_.hidden}, -1, 1, act, dev);
     const int64_t H = s_.hidden, act_row = H * int64_t(dtype_size(act)), fp8_row = H + 4 * ((H + 127) / 128);
     for (const bool fp8 : {false, true})
-      for (const bool zero_sync : {false, true}) {
+      for (const bool zero_sync : o_.zero_sync) {
         const char* payload = fp8 ? "fp8" : dtype_name(act);
         DispatchOptions opt;
         opt.num_experts = experts_;

@@ -88,7 +88,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     fi
   done
   # bench_dispatch across processes (the loop above ran it as one): 2 ranks sharing GPU 0 through the
-  # mpi backend's host staging (toy shape, 10 reps: staging is slow), and one rank per GPU on nccl when
+  # mpi backend's host staging (toy shape, the sync exchange, 10 reps: staging is slow), and one rank per GPU on nccl when
   # there are 2 or more. Open MPI needs these variables as root in a container (tests/mpi/CMakeLists.txt).
   # ep_bench LABEL LOG NP COMMAND...: one mpirun, its BENCH lines (or its skip line) as summary rows.
   ep_bench() {
@@ -108,7 +108,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
   }
   if [ -x "$build/bench/bench_dispatch" ] && command -v mpirun >/dev/null; then
     ep_bench "bench_dispatch np2 mpi" bench_dispatch_np2_mpi 2 env CUDA_VISIBLE_DEVICES=0 \
-      "$build/bench/bench_dispatch" --backend mpi --shapes toy --reps 10 --warmup 1
+      "$build/bench/bench_dispatch" --backend mpi --shapes toy --modes sync --reps 10 --warmup 1
   fi
   # Several GPUs: expert parallelism over nccl, a GPU per rank (scripts/multi_gpu_runs.sh: EP = N against
   # one process for each recipe, resume across EP sizes, bench_dispatch on 2 and 4 GPUs). ctest's
