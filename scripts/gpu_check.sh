@@ -11,6 +11,10 @@
 #                                                    (by default they give way to the multi-GPU runs,
 #                                                    which keeps the check within 10 minutes)
 #   GPU_CHECK_PARITY=1 scripts/gpu_check.sh          also the 500-step FP8 loss parity (scripts/fp8_parity.sh)
+#   GPU_CHECK_PEER=1 scripts/gpu_check.sh            also flowmoe against the compiled PyTorch peer
+#                                                    (bench/peer_compare.sh: about 1.5 minutes, most of
+#                                                    it torch.compile; left out by default to keep a cold
+#                                                    run within 10 minutes)
 #   GPU_CHECK_SANITIZE=1 scripts/gpu_check.sh        also compute-sanitizer over the CUDA tests
 #                                                    (scripts/sanitize_cuda_tests.sh)
 set -uo pipefail
@@ -161,7 +165,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
   # flowmoe's training speed against the PyTorch peer (bench/peer_compare.sh: the same model compiled),
   # one after the other on this GPU: gpu_moe in bf16 against the compiled peer (fp8_flow's step: the
   # profile rows below).
-  if [ -z "${GPU_CHECK_SKIP_TRAIN:-}" ] && python3 -c 'import torch' 2>/dev/null; then
+  if [ -z "${GPU_CHECK_SKIP_TRAIN:-}" ] && [ -n "${GPU_CHECK_PEER:-}" ] && python3 -c 'import torch' 2>/dev/null; then
     if PEER_MODES=compiled CHECKPOINT_DIR="${TMPDIR:-/tmp}/flowmoe_peer_ck" OUT="$out" \
         bench/peer_compare.sh "$build" configs/gpu_moe.yaml bf16 >"$out/peer_compare.log" 2>&1; then
       # "flowmoe bf16: 326793.7 tok/s, 12.418 GiB, 0.922 of the compiled peer"
