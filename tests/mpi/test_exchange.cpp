@@ -364,6 +364,21 @@ TEST(Exchange, MoeLayerMatchesOneProcessCuda) {
 
 // Every check above through nccl, each rank on its own GPU: ctest's test_comm_np2 and test_comm_np4
 // run it on a machine with as many GPUs (one GPU, or one rank: skipped).
+// auto takes zero_sync only where the exchange writes into the peers' memory from the device (nccl,
+// every rank reachable) and with 2 ranks, where it was measured faster; the mpi backend never does.
+TEST(Exchange, AutoTakesZeroSyncOnlyWithDevicePutsOnTwoRanks) {
+  Communicator& world = *test_runtime().world;
+  EXPECT_FALSE(world.device_puts());
+  const bool several = world.size() > 1;
+  EXPECT_FALSE(resolve_ep_dispatch(EpDispatch::automatic, &world));
+  EXPECT_FALSE(resolve_ep_dispatch(EpDispatch::sync, &world));
+  EXPECT_EQ(resolve_ep_dispatch(EpDispatch::zero_sync, &world), several);  // one rank never exchanges
+  EXPECT_FALSE(resolve_ep_dispatch(EpDispatch::zero_sync, nullptr));
+  EXPECT_EQ(ep_dispatch_from_name("zero_sync"), EpDispatch::zero_sync);
+  EXPECT_STREQ(ep_dispatch_name(EpDispatch::automatic), "auto");
+  EXPECT_THROW(ep_dispatch_from_name("eager"), ConfigError);
+}
+
 TEST(Exchange, EveryCheckThroughNcclOnAGpuPerRank) {
   if (!built_with_nccl()) GTEST_SKIP() << "built without NCCL";
   const int me = test_world().rank(), n = test_world().size();
@@ -372,6 +387,10 @@ TEST(Exchange, EveryCheckThroughNcclOnAGpuPerRank) {
                  << " GPUs";
   cuda_set_device(me);
   Ranks ranks{make_nccl_communicator(test_runtime().world, me), Device::cuda(me)};
+  // With device puts (GPUs that reach each other: NVLink or PCIe P2P), auto takes zero_sync exactly
+  // at 2 ranks; without them never.
+  const bool puts = ranks.comm->device_puts();  // collective the first time: every rank asks here
+  EXPECT_EQ(resolve_ep_dispatch(EpDispatch::automatic, ranks.comm.get()), puts && n == 2);
   for (bool zero_sync : {false, true}) {  // zero_sync: rows written into the peers' GPUs (parallel/nccl/lsa_put.h)
     SCOPED_TRACE(zero_sync ? "zero_sync" : "sync");
     ranks.zero_sync = zero_sync;
