@@ -89,12 +89,7 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
 
 Tensor Tensor::full(const Shape& shape, double value, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
-  if (device.is_cuda()) {
-    fill_cuda(t.raw_data(), dtype, value, t.numel(), current_stream(device.index));
-  } else {
-    std::vector<double> v(size_t(t.numel()), value);
-    cast_cpu(t.raw_data(), dtype, v.data(), DType::f64, t.numel());
-  }
+  t.fill_(value);
   return t;
 }
 
@@ -272,6 +267,17 @@ void Tensor::copy_(const Tensor& src) {
   Tensor s = src.contiguous();
   copy_bytes(raw_data(), device_.is_cuda() ? device_.index : -1, s.raw_data(),
              s.device_.is_cuda() ? s.device_.index : -1, nbytes());
+}
+
+void Tensor::fill_(double value) {
+  FLOWMOE_CHECK(is_contiguous(), ShapeError, "fill_ of a non-contiguous ", describe());
+  if (numel() == 0) return;
+  if (device_.is_cuda()) {
+    fill_cuda(raw_data(), dtype_, value, numel(), current_stream(device_.index));
+  } else {
+    std::vector<double> v(size_t(numel()), value);
+    cast_cpu(raw_data(), dtype_, v.data(), DType::f64, numel());
+  }
 }
 
 void Tensor::zero_() {

@@ -94,6 +94,7 @@ class Tensor {
   Tensor to(DType dtype) const;              // cast (self if already that dtype)
   void copy_(const Tensor& src);             // same shape and dtype; any devices
   void zero_();
+  void fill_(double value);  // every element = value rounded to the dtype (contiguous tensors)
 
   std::vector<float> to_floats() const;    // host copy, every element converted to float
   std::vector<double> to_doubles() const;  // host copy, converted to double

@@ -204,7 +204,7 @@ void Communicator::do_put_rows(const Tensor& send, const Tensor& out_table, cons
   if (fill == 0)
     out.zero_();  // any dtype, FP8 bytes included
   else
-    out.copy_(Tensor::full(recv.shape(), fill, recv.dtype(), recv.device()));
+    out.fill_(fill);
   do_all_to_all_chunks(send, send_chunks, recv, recv_chunks, row_bytes);
 }
 
