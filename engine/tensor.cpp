@@ -311,14 +311,21 @@ std::vector<int64_t> Tensor::to_ints() const {
   return out;
 }
 
-Tensor Tensor::with_scales(const Tensor& scale_inv, ScalingMode mode, std::vector<int64_t> rows_per_segment) const {
+Tensor Tensor::with_fp8_scales(Fp8Scales scales) const {
   FLOWMOE_CHECK(is_fp8(dtype_), DTypeError, "with_scales on a ", describe(), " (FP8 data expected)");
-  FLOWMOE_CHECK(scale_inv.dtype() == DType::f32, DTypeError, "scale_inv must be f32, got ", scale_inv.describe());
-  check_same_device(*this, scale_inv, "with_scales");
+  FLOWMOE_CHECK(scales.scale_inv.dtype() == DType::f32, DTypeError, "scale_inv must be f32, got ",
+                scales.scale_inv.describe());
+  check_same_device(*this, scales.scale_inv, "with_scales");
   Tensor t = *this;
-  FLOWMOE_CHECK(rows_per_segment.empty() || mode == ScalingMode::colwise_1x128, Error,
+  t.fp8_ = std::make_shared<Fp8Scales>(std::move(scales));
+  return t;
+}
+
+Tensor Tensor::with_scales(const Tensor& scale_inv, ScalingMode mode, std::vector<int64_t> rows_per_segment) const {
+  const bool segmented = !rows_per_segment.empty();
+  Tensor t = with_fp8_scales(Fp8Scales{scale_inv, mode, std::move(rows_per_segment), Tensor()});
+  FLOWMOE_CHECK(!segmented || mode == ScalingMode::colwise_1x128, Error,
                 "with_scales: segments apply to colwise_1x128 only, got ", scaling_mode_name(mode));
-  t.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{scale_inv, mode, std::move(rows_per_segment), Tensor()});
   return t;
 }
 
@@ -326,9 +333,7 @@ Tensor Tensor::with_segment_counts(const Tensor& scale_inv, const Tensor& segmen
   FLOWMOE_CHECK(segment_counts.dtype() == DType::i32 && segment_counts.dim() == 1, DTypeError,
                 "with_segment_counts: the counts must be [E] i32, got ", segment_counts.describe());
   check_same_device(*this, segment_counts, "with_segment_counts");
-  Tensor t = with_scales(scale_inv, ScalingMode::colwise_1x128);
-  t.fp8_ = std::make_shared<Fp8Scales>(Fp8Scales{scale_inv, ScalingMode::colwise_1x128, {}, segment_counts});
-  return t;
+  return with_fp8_scales(Fp8Scales{scale_inv, ScalingMode::colwise_1x128, {}, segment_counts});
 }
 
 // ---- checks -----------------------------------------------------------------------------------

@@ -123,6 +123,8 @@ class Tensor {
   std::shared_ptr<const Fp8Scales> fp8_;
 
   void check_elem_type(DType requested) const;
+  // A copy with `scales` attached, after the checks every FP8 form shares (FP8 data, f32 scales beside it).
+  Tensor with_fp8_scales(Fp8Scales scales) const;
   static Shape contiguous_strides(const Shape& s);
 };
 
