@@ -138,7 +138,7 @@ DEFAULTS = {
         "router_lr_scale": 1.0,
     },
     "precision": {"recipe": "bf16", "align_size": 16},
-    "parallel": {"expert_parallel_size": 1, "backend": "auto"},
+    "parallel": {"expert_parallel_size": 1, "backend": "auto", "ep_dispatch": "auto"},
     "checkpoint": {"dir": "", "every": 0, "keep_last": 3, "resume": "false"},
     "logging": {"out_dir": "", "metrics_format": "jsonl", "log_every": 10, "progress": "auto"},
 }

@@ -4,7 +4,7 @@
 # puts them in its summary) and exits nonzero on a failure. Every mpirun has a time limit: a hang fails.
 #   scripts/multi_gpu_runs.sh BUILD_DIR OUT_DIR [tests] [equality] [resume] [speed] [bench] [twonode] [parity]
 #   (default: tests equality resume speed bench twonode; parity, 2000 steps of each recipe, only by name;
-#   EP_SIZES, e.g. "4", limits the expert-parallel sizes, 2 and 4 by default, and 8 with 8 GPUs)
+#   EP_SIZES, e.g. "4", limits the expert-parallel sizes: by default 2, 4 and 8, those the GPUs allow)
 # tests     test_comm under mpirun on 2 and 4 GPUs: the collectives and every dispatch/combine check
 #           through nccl, each rank on its own GPU (rank- and token-encoded rows; skewed, empty-rank,
 #           one-rank and empty-expert routings; FP8 bytes; gradients; the MoE layer in each recipe)
@@ -12,13 +12,14 @@
 #           recipe (RECIPES): the largest relative loss difference over the first EQ_STEPS steps, within
 #           5e-3 (bf16 GEMMs over another split of the batch round otherwise; the CPU tests hold f32 to
 #           2e-5, tests/mpi/test_ep_train.cpp)
-# resume    EP 4's step-4 checkpoint resumed at EP 2: its steps 5 to EQ_STEPS against EP 4's own
+# resume    the largest EP size's step-4 checkpoint resumed at the next smaller size (EP 4 -> EP 2; on 2 GPUs
+#           EP 2 -> one process): its steps 5 to EQ_STEPS against the first run's own
 # speed     gpu_moe as shipped (batch 32 in all), 30 steps, bf16 and fp8_flow at EP 1, 2, 4, each EP size
 #           with the one-sync and the zero-sync dispatch (EP_DISPATCH, default "sync zero_sync"):
 #           tokens/s per GPU, peak memory per GPU and host syncs per step
 # bench     bench_dispatch on 2 and 4 GPUs (toy and DeepEP shapes, or BENCH_SHAPES) against nccl all-to-all
 #           of the same bytes
-# twonode   the EP 4 equality run and bench_dispatch with NCCL's peer-to-peer and shared-memory
+# twonode   the largest EP size's fp8_flow equality run and bench_dispatch with NCCL's peer-to-peer and shared-memory
 #           transports off (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): the network path two nodes would take
 # parity    flowmoe parity on configs/parity_text.yaml under mpirun -np 4 at EP 4 (scripts/parity_text.sh
 #           ep4; STEPS sets the steps, default the config's 2000)
@@ -37,9 +38,13 @@ if [ "$ngpu" -lt 2 ]; then
   echo "multi-GPU runs: skipped ($ngpu GPU found, 2 or more needed)"
   exit 0
 fi
-sizes=(2 4)
-[ "$ngpu" -ge 8 ] && sizes+=(8)
+# One rank per GPU: nccl refuses two ranks on one GPU, so the sizes stop at the GPU count.
+sizes=()
+for n in 2 4 8; do [ "$n" -le "$ngpu" ] && sizes+=("$n"); done
 [ -n "${EP_SIZES:-}" ] && read -r -a sizes <<<"$EP_SIZES"  # e.g. EP_SIZES=4: only those sizes
+big=${sizes[-1]}                                          # resume and twonode run at the largest size
+smaller=1
+for n in "${sizes[@]}"; do [ "$n" -lt "$big" ] && smaller=$n; done
 rc=0
 config=configs/gpu_moe.yaml
 # The toy model's loss spikes from about step 10 on at these rates, in one process too, and a spike
@@ -110,14 +115,14 @@ for part in "${parts[@]}"; do
         done
       done ;;
     resume)
-      train_ep 4 4 res_ep4 "${small[@]}" --set checkpoint.every=4 --set checkpoint.keep_last=10 &&
-        train_ep 2 2 res_ep2 "${small[@]}" --resume "$out/res_ep4/checkpoints/step_00000004"
-      if [ -s "$out/res_ep2/metrics.jsonl" ]; then
-        want=$(losses "$out/res_ep4" | cut -d' ' -f5-"$eq_steps")
-        got=$(losses "$out/res_ep2" | cut -d' ' -f1-$((eq_steps - 4)))
-        echo "resume EP 4 -> EP 2 at step 4: $(compare "$got" "$want" 5e-3 || { rc=1; echo; })"
+      train_ep "$big" "$big" "res_ep$big" "${small[@]}" --set checkpoint.every=4 --set checkpoint.keep_last=10 &&
+        train_ep "$smaller" "$smaller" "res_ep$smaller" "${small[@]}" --resume "$out/res_ep$big/checkpoints/step_00000004"
+      if [ -s "$out/res_ep$smaller/metrics.jsonl" ]; then
+        want=$(losses "$out/res_ep$big" | cut -d' ' -f5-"$eq_steps")
+        got=$(losses "$out/res_ep$smaller" | cut -d' ' -f1-$((eq_steps - 4)))
+        echo "resume EP $big -> EP $smaller at step 4: $(compare "$got" "$want" 5e-3 || { rc=1; echo; })"
       else
-        echo "resume EP 4 -> EP 2: FAILED (see res_ep4.log, res_ep2.log)"; rc=1
+        echo "resume EP $big -> EP $smaller: FAILED (see res_ep$big.log, res_ep$smaller.log)"; rc=1
       fi ;;
     speed)
       for r in bf16 fp8_flow; do
@@ -155,14 +160,14 @@ PY
       done ;;
     twonode)
       export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
-      train_ep 4 4 net_ep4 "${small[@]}" --set precision.recipe=fp8_flow ||
-        { echo "two nodes simulated: EP 4 FAILED (see net_ep4.log)"; rc=1; }
-      [ -s "$out/eq_fp8_flow_ep4/metrics.jsonl" ] &&
-        echo "two nodes simulated (no P2P, no SHM): fp8_flow EP 4 vs the same over NVLink:"\
-" $(compare "$(losses "$out/net_ep4" | cut -d' ' -f1-"$eq_steps")" "$(losses "$out/eq_fp8_flow_ep4" | cut -d' ' -f1-"$eq_steps")" 5e-3 || echo)"\
-"; $(python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][5:]; print("%.1fk tok/s, exchange %.0f ms per step" % (sum(x["tokens_per_s"] for x in r) / len(r) / 1e3, sum(x["exchange_ms"] for x in r) / len(r)))' "$out/net_ep4/metrics.jsonl" 2>/dev/null)"
-      if launch 4 300 "$out/bench_dispatch_net.log" "$build/bench/bench_dispatch" --backend nccl --reps 10; then
-        grep '^BENCH' "$out/bench_dispatch_net.log" | sed 's/^BENCH/bench_dispatch np4 nccl, no P2P or SHM:/'
+      train_ep "$big" "$big" "net_ep$big" "${small[@]}" --set precision.recipe=fp8_flow ||
+        { echo "two nodes simulated: EP $big FAILED (see net_ep$big.log)"; rc=1; }
+      [ -s "$out/eq_fp8_flow_ep$big/metrics.jsonl" ] &&
+        echo "two nodes simulated (no P2P, no SHM): fp8_flow EP $big vs the same over NVLink:"\
+" $(compare "$(losses "$out/net_ep$big" | cut -d' ' -f1-"$eq_steps")" "$(losses "$out/eq_fp8_flow_ep$big" | cut -d' ' -f1-"$eq_steps")" 5e-3 || echo)"\
+"; $(python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][5:]; print("%.1fk tok/s, exchange %.0f ms per step" % (sum(x["tokens_per_s"] for x in r) / len(r) / 1e3, sum(x["exchange_ms"] for x in r) / len(r)))' "$out/net_ep$big/metrics.jsonl" 2>/dev/null)"
+      if launch "$big" 300 "$out/bench_dispatch_net.log" "$build/bench/bench_dispatch" --backend nccl --reps 10; then
+        grep '^BENCH' "$out/bench_dispatch_net.log" | sed "s/^BENCH/bench_dispatch np$big nccl, no P2P or SHM:/"
       else
         echo "bench_dispatch, no P2P or SHM: FAILED"; rc=1
       fi

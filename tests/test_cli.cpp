@@ -376,3 +376,17 @@ TEST(Cli, PlotFailuresAreOneLineWithTheRealExitStatus) {
                         "output not changed; no '" + (d / "loss.png").string() + "' was written\n");
   fs::remove_all(d);
 }
+
+// bench/torch_peer.py reads the config.yaml a run writes (bench/peer_compare.sh takes the tokens per
+// step from it), so its key table must know every key flowmoe writes there. Skipped without python3.
+TEST(Cli, ThePytorchPeerReadsEveryKeyOfARunsConfig) {
+  if (std::system("python3 -c 'import sys' >/dev/null 2>&1") != 0) GTEST_SKIP() << "no python3 on PATH";
+  const fs::path d = fresh_dir("cli_peer_config");
+  Result r = run(d, {"train", "--config", write_config(d).string(), "--set", "train.steps=1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const fs::path err = d / "peer_err.txt";
+  const std::string cmd = "python3 '" + std::string(FLOWMOE_SOURCE_DIR) + "/bench/torch_peer.py' --yaml builtin --config '" +
+                          (d / "run" / "config.yaml").string() + "' --print-config >/dev/null 2>'" + err.string() + "'";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << read_text(err);
+  fs::remove_all(d);
+}
