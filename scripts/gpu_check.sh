@@ -117,8 +117,8 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
       "$build/bench/bench_dispatch" --backend mpi --shapes toy --modes sync --reps 10 --warmup 1
   fi
   # Several GPUs: expert parallelism over nccl, a GPU per rank (scripts/multi_gpu_runs.sh: EP = N against
-  # one process for each recipe, resume across EP sizes, bench_dispatch on 2 and 4 GPUs). ctest's
-  # test_comm_np2/np4 above already ran every dispatch/combine check through nccl.
+  # one process, resume across EP sizes, bench_dispatch at each size the GPUs allow). ctest's
+  # test_comm_np2/np4 above already ran every dispatch/combine check through nccl where each rank has a GPU.
   if [ "$ngpu" -ge 2 ]; then
     # To keep the check within 10 minutes: the toy shape only (the DeepEP shape: multi_gpu_runs.sh bench),
     # and equality for bf16 and fp8_flow (each EP run starts NCCL, builds the model and writes a
