@@ -187,8 +187,10 @@ int cmd_train(int argc, char** argv) {
                      std::to_string(cfg.train.steps) + ")");
   g_quiet_signals = !is_root_rank();
   install_stop_handlers();
+  const auto started = std::chrono::steady_clock::now();  // the summary's time line counts the ranks' start
   const DistributedRuntime ranks = start_ranks(cfg);
   TrainOptions opts;
+  opts.started = started;
   opts.world = ranks.world;
   opts.device = ranks.device;
   opts.profile_step = profile_step;

@@ -154,6 +154,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     [ -x "$build/flowmoe" ] && [ -f "$cfg" ] || continue
     if train_run "$build" "$cfg" "$out/run_$name" "$out/train_$name.log" "${extra[@]}"; then
       row "train $name ($label)" "$(grep -E '^done:' "$out/train_$name.log" | tail -1)"
+      row "  time $name" "$(grep -E '^time:' "$out/train_$name.log" | tail -1 | sed 's/^time: //')"
       # Load balance (scripts/load_balance.py): after the warmup for a run as shipped, else over the
       # last quarter of the steps.
       after=()

@@ -390,3 +390,34 @@ TEST(Cli, ThePytorchPeerReadsEveryKeyOfARunsConfig) {
   EXPECT_EQ(std::system(cmd.c_str()), 0) << read_text(err);
   fs::remove_all(d);
 }
+
+// The summary's last line splits the run's wall time into parts that add up to it (each printed to
+// 0.1 s), and names the set-up parts that took 0.05 s or more.
+TEST(Cli, TheTimeLineAddsUpToTheWholeRun) {
+  const fs::path d = fresh_dir("cli_time_line");
+  // Long enough (about a second) for the parts to be more than their rounding.
+  Result r = run(d, {"train", "--config", write_config(d).string(), "--set", "train.steps=400", "--set",
+                     "checkpoint.every=200", "--set", "train.eval_every=100"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::smatch m;
+  const std::regex line(R"(\ntime: ([0-9.]+) s in all: set-up ([0-9.]+) s(?: \(([^)]*)\))?, training ([0-9.]+) s, )"
+                        R"(evaluation ([0-9.]+) s, checkpoints ([0-9.]+) s, other ([0-9.]+) s\n$)");
+  ASSERT_TRUE(std::regex_search(r.out, m, line)) << r.out;
+  const double total = std::stod(m[1]), setup = std::stod(m[2]);
+  double parts = 0;
+  for (int i : {4, 5, 6, 7}) parts += std::stod(m[i]);
+  EXPECT_NEAR(setup + parts, total, 0.26) << m[0];
+  EXPECT_GT(std::stod(m[4]), 0.0) << "400 steps take some training time: " << m[0];
+  const std::string named = m[3];
+  const std::regex part(R"(([a-z -]+) ([0-9.]+))");
+  double named_sum = 0;
+  for (auto it = std::sregex_iterator(named.begin(), named.end(), part); it != std::sregex_iterator(); ++it) {
+    const std::string name = (*it)[1].str();
+    EXPECT_TRUE(name == "start-up" || name == "device and memory check" || name == "data" || name == "model" ||
+                name == "optimizer" || name == "checkpoint load" || name == "rest")
+        << "unknown set-up part '" << name << "' in " << m[0];
+    named_sum += std::stod((*it)[2]);
+  }
+  EXPECT_LE(named_sum, setup + 0.05 * 7 + 1e-9) << m[0];
+  fs::remove_all(d);
+}

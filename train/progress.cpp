@@ -21,6 +21,12 @@ std::string format_duration(double s) {
   return buf;
 }
 
+std::string format_fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
 std::string format_rate(double v) {
   char buf[32];
   if (v >= 1e6)

@@ -28,5 +28,6 @@ class Progress {
 
 std::string format_duration(double seconds);  // "1h02m", "3m07s", "12s"
 std::string format_rate(double per_s);        // "12.3k"
+std::string format_fixed(double v, int digits);  // "%.*f": format_fixed(2.46241, 4) == "2.4624"
 
 }  // namespace flowmoe

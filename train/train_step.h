@@ -7,6 +7,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/cast_stats.h"
 #include "engine/cuda_graph.h"
@@ -32,6 +34,30 @@ struct IssuedStep {
   bool has_aux = false;
 };
 
+// Where a run's wall time goes: the summary's "time:" line. Set-up is split into parts by laps.
+struct RunClock {
+  using Clock = std::chrono::steady_clock;
+  // `started`: when the command began; the time until now is the part "start-up" (the ranks' start).
+  explicit RunClock(std::optional<Clock::time_point> started) : start(started.value_or(Clock::now())), last(start) {
+    if (started) lap("start-up");
+  }
+  // Ends the set-up part `name` now: its time is the time since the previous lap.
+  void lap(const std::string& name) {
+    const Clock::time_point now = Clock::now();
+    setup.emplace_back(name, std::chrono::duration<double>(now - last).count());
+    last = now;
+  }
+  double seconds_since_start() const { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+  Clock::time_point start, last;
+  std::vector<std::pair<std::string, double>> setup;  // (part, seconds) in order
+  double evaluation_seconds = 0, checkpoint_seconds = 0;
+};
+// A lap as a member: placed between TrainRun's members, it times the one built before it.
+struct SetupLap {
+  SetupLap(RunClock& clock, const char* name) { clock.lap(name); }
+};
+
 // Everything a run holds. Members are built in declaration order, which is the order set-up must
 // keep: nothing is allocated for the model before the memory estimate says it fits.
 struct TrainRun {
@@ -39,6 +65,7 @@ struct TrainRun {
   TrainRun(const TrainRun&) = delete;
   TrainRun& operator=(const TrainRun&) = delete;
 
+  RunClock clock;  // first: set-up begins with the first member (or earlier, opts.started)
   const Config& cfg;
   const TrainOptions& opts;
   const std::shared_ptr<Communicator> world;  // opts.world, or a world of this process alone
@@ -51,9 +78,13 @@ struct TrainRun {
   const std::string resume_dir;  // the checkpoint to resume from; "" for a fresh start
   Progress progress;
   TrainResult res;  // out_dir exists and holds config.yaml before the data is read
+  SetupLap device_lap{clock, "device and memory check"};
   DataLoader data;
+  SetupLap data_lap{clock, "data"};
   Transformer model;
+  SetupLap model_lap{clock, "model"};
   AdamW opt;
+  SetupLap optimizer_lap{clock, "optimizer"};
   std::optional<MetricsWriter> metrics;  // opened once the step to resume at is known
   StepState state;  // the optimizer step's scalars where the weights live, and their readout
 
@@ -93,6 +124,10 @@ StepMetrics complete_step(TrainRun& run);
 // Whether the run's steps compute their scalars on the device (one GPU, one rank, no loss hook), so
 // that a step may be queued before the previous one is read.
 bool step_scalars_on_device(const TrainRun& run);
+
+// Closes the progress display, completes the result and prints the summary, its last line the run's
+// time by part (run_summary.cpp). Collective: every rank reaches the end of the run together.
+TrainResult finish_run(TrainRun& run);
 
 // Saves the run's weights, optimizer state and data position as the checkpoint of step `at`, and
 // records it in run.res.last_checkpoint. Collective: the first expert-parallel group gathers the

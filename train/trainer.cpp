@@ -60,12 +60,6 @@ MoeOptions moe_options(const Config& cfg, const ParallelState& ps) {
   return o;
 }
 
-static std::string fixed(double v, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
-  return buf;
-}
-
 // Where checkpoint.resume was given, for messages: "--resume DIR" as the user typed it (the
 // command line records that origin), else "<file:line or --set>: checkpoint.resume".
 static std::string resume_origin(const Config& cfg) {
@@ -118,7 +112,7 @@ static void check_memory(const Config& cfg, Device device, DType compute, int wo
                    std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
                    std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) +
                    ") on " + device.str() + ", " + dtype_name(compute) + " compute; initial loss ~ ln(vocab) = " +
-                   fixed(std::log(double(cfg.model.vocab_size)), 3));
+                   format_fixed(std::log(double(cfg.model.vocab_size)), 3));
   const double available = available_memory_bytes(device);
   progress.message("memory: " + need.summary() + " of " + format_bytes(available) + " available on " + device.str() +
                    (world_size > 1 ? " (per rank)" : ""));
@@ -212,7 +206,8 @@ static StepSchedule run_step_schedule(const Config& c) {
 }
 
 TrainRun::TrainRun(const Config& c, const TrainOptions& o)
-    : cfg(c),
+    : clock(o.started),
+      cfg(c),
       opts(o),
       world(o.world ? o.world : make_none_communicator()),
       rank(world->rank()),
@@ -229,7 +224,10 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       opt(model.parameters(), c.optimizer),
       state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
-  if (!resume_dir.empty()) resume_from_checkpoint(*this);
+  if (!resume_dir.empty()) {
+    resume_from_checkpoint(*this);
+    clock.lap("checkpoint load");
+  }
   state.reset(step, opt.num_updates());
   res.first_step = step + 1;
   res.skipped_steps = skipped;
@@ -243,6 +241,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
   end = opts.stop_after >= 0 ? std::min(tc.steps, opts.stop_after) : tc.steps;
   // Casts are reported per MoE layer and micro-batch (what one forward + backward of a layer makes).
   cast_divisor = double(model.num_moe_layers() * tc.grad_accum_steps);
+  clock.lap("rest");
 }
 
 // ---- evaluation, checkpoints, progress -----------------------------------------------------------
@@ -254,14 +253,17 @@ static bool due(int64_t step, int64_t every, int64_t last_step) {
 
 static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
   if (run.val.num_batches == 0 || !due(m.step, run.cfg.train.eval_every, run.cfg.train.steps)) return;
+  const RunClock::Clock::time_point t0 = RunClock::Clock::now();
   m.val_loss = evaluate(run.model, run.data, run.val.num_batches, run.val.batch_size, run.world.get());
+  run.clock.evaluation_seconds += std::chrono::duration<double>(RunClock::Clock::now() - t0).count();
   if (std::isnan(run.res.first_val_loss)) run.res.first_val_loss = m.val_loss;
   run.res.final_val_loss = m.val_loss;
-  run.progress.message("step " + std::to_string(m.step) + ": val loss " + fixed(m.val_loss, 4) + " (train loss " +
-                       fixed(m.loss, 4) + ")");
+  run.progress.message("step " + std::to_string(m.step) + ": val loss " + format_fixed(m.val_loss, 4) + " (train loss " +
+                       format_fixed(m.loss, 4) + ")");
 }
 
 void save_run_checkpoint(TrainRun& run, int64_t at) {
+  const RunClock::Clock::time_point t0 = RunClock::Clock::now();
   CheckpointMeta meta;
   meta.step = at;
   meta.num_updates = run.opt.num_updates();
@@ -284,6 +286,7 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   else
     run.res.last_checkpoint = checkpoint_path(run.cfg.checkpoint_dir(), at);
   if (run.world_size > 1) run.world->barrier();
+  run.clock.checkpoint_seconds += std::chrono::duration<double>(RunClock::Clock::now() - t0).count();
 }
 
 // `step` is the step just read back; a step due for a checkpoint is never run ahead of (may_run_ahead),
@@ -310,51 +313,6 @@ static void report_step(TrainRun& run, const StepMetrics& m) {
   StepMetrics shown = m;
   shown.tokens_per_s = double(run.tokens_per_step * run.steps_done) / run.train_seconds;  // smoothed for display
   run.progress.update(shown, run.train_seconds / double(run.steps_done) * double(run.cfg.train.steps - run.step));
-}
-
-// ---- the summary ----------------------------------------------------------------------------------
-
-// Where each explicit cast of the last step happened (DESIGN.md §1: the published flow has 2).
-static void print_cast_summary(TrainRun& run) {
-  const CastCounts& casts = run.last_casts;
-  std::string line = "casts per MoE layer per micro-batch (" + run.cfg.precision.recipe + "): " +
-                     fixed(double(casts.activation_casts()) / run.cast_divisor, 1);
-  for (const auto& [site, n] : casts.by_site)
-    if (site.rfind("weight_quantize", 0) != 0) line += " | " + site + " x" + fixed(double(n) / run.cast_divisor, 1);
-  run.progress.message(line);
-}
-
-static void print_summary(TrainRun& run, double peak_mem_bytes) {
-  const TrainResult& res = run.res;
-  std::string line = "done: step " + std::to_string(run.step) + "/" + std::to_string(run.cfg.train.steps) + " in " +
-                     format_duration(run.train_seconds) + " | loss " + fixed(res.losses.front(), 4) + " -> " +
-                     fixed(res.losses.back(), 4);
-  if (!std::isnan(res.final_val_loss)) line += " | val loss " + fixed(res.final_val_loss, 4);
-  line += " | " + format_rate(res.tokens_per_s) + " tok/s | peak mem " +
-          fixed(peak_mem_bytes / (1 << 20), 1) + " MiB";
-  if (run.world_size > 1) line += " (max over ranks) | " + std::to_string(run.world_size) + " ranks";
-  run.progress.message(line);
-  if (run.cast_divisor > 0) print_cast_summary(run);
-  run.progress.message("metrics: " + res.metrics_file +
-                       (res.last_checkpoint.empty() ? "" : " | checkpoint: " + res.last_checkpoint));
-}
-
-// Closes the progress display, completes the result and prints the summary.
-static TrainResult finish_run(TrainRun& run) {
-  run.progress.finish();
-  TrainResult& res = run.res;
-  res.last_step = run.step;
-  res.skipped_steps = run.skipped;
-  res.interrupted = res.interrupted || run.step < run.cfg.train.steps;
-  res.tokens_per_s = run.train_seconds > 0 ? double(run.tokens_per_step * run.steps_done) / run.train_seconds : 0;
-  // Collective: every rank reaches the end of the run together.
-  const double peak = all_reduce_values(*run.world, {double(memory_stats(run.device).peak_bytes)}, ReduceOp::max)[0];
-  if (run.steps_done > 0)
-    print_summary(run, peak);
-  else
-    run.progress.message("nothing to do: the run is already at step " + std::to_string(run.step) + " of " +
-                         std::to_string(run.cfg.train.steps));
-  return std::move(res);
 }
 
 // ---- the loop -------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 // On the CPU every op is deterministic, so a resumed run repeats the uninterrupted loss sequence
 // bit for bit (tests/test_checkpoint.cpp).
 #pragma once
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -57,6 +58,9 @@ struct TrainOptions {
   std::optional<Device> device;  // this rank's device, as init_distributed chose it; unset: resolve_device(cfg)
   int64_t stop_after = -1;  // stop after this step as if interrupted (tests); -1: run to train.steps
   int64_t profile_step = 0;  // time this step op by op (train/step_profile.h); 0: none
+  // When the command began (before the ranks started): the summary's time line counts from here,
+  // so the ranks' start-up shows as its first part. Unset: from train()'s call.
+  std::optional<std::chrono::steady_clock::time_point> started;
   // Called after a step's backward, before its gradient norm (tests inject faults here).
   std::function<void(int64_t step, const std::vector<Variable>& params)> after_backward;
   // Called with the step's measured LM loss before the non-finite check (tests plant a NaN here).
