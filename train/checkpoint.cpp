@@ -57,8 +57,10 @@ DType dtype_from_safetensors(const std::string& s) {
   return t;
 }
 
-static std::string safetensors_bytes(const std::vector<NamedTensor>& tensors,
-                                     const std::map<std::string, std::string>& metadata, std::string& body) {
+// The 8-byte length and the JSON header of a safetensors file: names, dtypes, shapes and offsets,
+// which the tensors' shapes alone give. The tensors' bytes follow it in the same order.
+static std::string safetensors_header(const std::vector<NamedTensor>& tensors,
+                                      const std::map<std::string, std::string>& metadata) {
   std::ostringstream h;
   h << "{";
   bool first = true;
@@ -73,14 +75,12 @@ static std::string safetensors_bytes(const std::vector<NamedTensor>& tensors,
   for (const NamedTensor& nt : tensors) {
     FLOWMOE_CHECK(nt.name != "__metadata__" && !nt.name.empty(), IoError, "safetensors: bad tensor name '", nt.name,
                   "'");
-    Tensor host = nt.tensor.to(Device::cpu()).contiguous();
-    h << (first ? "" : ",") << json_escape(nt.name) << ":{\"dtype\":\"" << safetensors_dtype(host.dtype())
+    h << (first ? "" : ",") << json_escape(nt.name) << ":{\"dtype\":\"" << safetensors_dtype(nt.tensor.dtype())
       << "\",\"shape\":[";
-    for (int d = 0; d < host.dim(); ++d) h << (d ? "," : "") << host.size(d);
-    h << "],\"data_offsets\":[" << offset << "," << offset + host.nbytes() << "]}";
+    for (int d = 0; d < nt.tensor.dim(); ++d) h << (d ? "," : "") << nt.tensor.size(d);
+    h << "],\"data_offsets\":[" << offset << "," << offset + nt.tensor.nbytes() << "]}";
     first = false;
-    if (host.nbytes() > 0) body.append(static_cast<const char*>(host.raw_data()), host.nbytes());
-    offset += host.nbytes();
+    offset += nt.tensor.nbytes();
   }
   h << "}";
   std::string header = h.str();
@@ -91,11 +91,19 @@ static std::string safetensors_bytes(const std::vector<NamedTensor>& tensors,
   return prefix + header;
 }
 
+// Each tensor goes to the file as it comes to the host: the host holds one tensor at a time, not
+// the whole file.
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                        const std::map<std::string, std::string>& metadata) {
-  std::string body;
-  std::string head = safetensors_bytes(tensors, metadata, body);
-  write_file_synced(path, {&head, &body});
+  const std::string head = safetensors_header(tensors, metadata);
+  SyncedFile f(path);
+  f.write(head.data(), head.size());
+  for (const NamedTensor& nt : tensors) {
+    if (nt.tensor.numel() == 0) continue;
+    const Tensor host = nt.tensor.to(Device::cpu()).contiguous();
+    f.write(host.raw_data(), host.nbytes());
+  }
+  f.close();
 }
 
 // A non-negative integer of a safetensors header (a dimension or an offset).
@@ -146,15 +154,20 @@ static EntryLayout read_entry(const YAML::Node& e, const std::string& path, cons
   return l;
 }
 
+// The header first, checked; then each tensor read from the file straight into its memory.
 std::vector<NamedTensor> read_safetensors(const std::string& path, std::map<std::string, std::string>* metadata) {
-  std::string bytes = read_file(path);
-  FLOWMOE_CHECK(bytes.size() >= 8, IoError, "'", path, "' is too short for a safetensors file");
+  const FileReader file(path);
+  FLOWMOE_CHECK(file.size() >= 8, IoError, "'", path, "' is too short for a safetensors file");
+  unsigned char length[8];
+  file.read_at(0, length, 8);
   uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= uint64_t(static_cast<unsigned char>(bytes[size_t(i)])) << (8 * i);
-  FLOWMOE_CHECK(n <= bytes.size() - 8, IoError, "'", path, "': header length ", n, " exceeds the file");
-  const YAML::Node header = parse_json(bytes.substr(8, n), path);
+  for (int i = 0; i < 8; ++i) n |= uint64_t(length[i]) << (8 * i);
+  FLOWMOE_CHECK(n <= file.size() - 8, IoError, "'", path, "': header length ", n, " exceeds the file");
+  std::string header_text(n, '\0');
+  file.read_at(8, header_text.data(), n);
+  const YAML::Node header = parse_json(header_text, path);
   FLOWMOE_CHECK(header.IsMap(), IoError, "'", path, "': the header is not a JSON object");
-  const uint64_t data_start = 8 + n, data_size = bytes.size() - data_start;
+  const uint64_t data_start = 8 + n, data_size = file.size() - data_start;
   std::vector<std::pair<uint64_t, NamedTensor>> found;
   try {
     for (auto it = header.begin(); it != header.end(); ++it) {
@@ -169,7 +182,7 @@ std::vector<NamedTensor> read_safetensors(const std::string& path, std::map<std:
       }
       const EntryLayout l = read_entry(it->second, path, name, data_size);
       Tensor t = Tensor::empty(l.shape, l.dtype);
-      if (t.nbytes() > 0) std::memcpy(t.raw_data(), bytes.data() + data_start + l.begin, t.nbytes());
+      if (t.nbytes() > 0) file.read_at(data_start + l.begin, t.raw_data(), t.nbytes());
       found.push_back({l.begin, NamedTensor{name, t}});
     }
   } catch (const YAML::Exception& e) {  // a value of the wrong JSON type
