@@ -146,6 +146,8 @@ print("speed gpu_moe %s EP %d%s: %.1fk tok/s per GPU (%.1fk in all), peak %.2f G
          "%.1f" % (sum(x["exchange_ms"] for x in late) / len(late)) if late[0].get("exchange_ms") is not None else "-",
          max(x["host_syncs"] for x in late)))
 PY
+            # Where the run's wall time went (set-up by part, checkpoints): the summary's time line.
+            echo "time gpu_moe $r EP $np$([ "$np" -eq 1 ] || echo " $mode"): $(grep -E '^time:' "$out/$name.log" | tail -1 | sed 's/^time: //')"
           done
         done
       done ;;
