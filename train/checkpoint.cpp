@@ -154,43 +154,87 @@ static EntryLayout read_entry(const YAML::Node& e, const std::string& path, cons
   return l;
 }
 
-// The header first, checked; then each tensor read from the file straight into its memory.
-std::vector<NamedTensor> read_safetensors(const std::string& path, std::map<std::string, std::string>* metadata) {
-  const FileReader file(path);
-  FLOWMOE_CHECK(file.size() >= 8, IoError, "'", path, "' is too short for a safetensors file");
-  unsigned char length[8];
-  file.read_at(0, length, 8);
-  uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= uint64_t(length[i]) << (8 * i);
-  FLOWMOE_CHECK(n <= file.size() - 8, IoError, "'", path, "': header length ", n, " exceeds the file");
-  std::string header_text(n, '\0');
-  file.read_at(8, header_text.data(), n);
-  const YAML::Node header = parse_json(header_text, path);
-  FLOWMOE_CHECK(header.IsMap(), IoError, "'", path, "': the header is not a JSON object");
-  const uint64_t data_start = 8 + n, data_size = file.size() - data_start;
-  std::vector<std::pair<uint64_t, NamedTensor>> found;
-  try {
-    for (auto it = header.begin(); it != header.end(); ++it) {
-      FLOWMOE_CHECK(it->first.IsScalar(), IoError, "'", path, "': the header has a key that is not a string");
-      const std::string name = it->first.Scalar();
-      if (name == "__metadata__") {
-        FLOWMOE_CHECK(it->second.IsMap(), IoError, "'", path, "': __metadata__ is not a JSON object");
-        if (metadata)
-          for (auto m = it->second.begin(); m != it->second.end(); ++m)
-            (*metadata)[m->first.as<std::string>()] = m->second.as<std::string>();
-        continue;
+// A safetensors file's header, read and checked against the file's size; its tensors are read on
+// request, each straight from the file into host memory, so a reader holds one tensor at a time and
+// an expert-parallel rank reads only its rows of a sharded tensor.
+class SafetensorsIndex {
+ public:
+  SafetensorsIndex(const std::string& path, std::map<std::string, std::string>* metadata) : path_(path), file_(path) {
+    FLOWMOE_CHECK(file_.size() >= 8, IoError, "'", path, "' is too short for a safetensors file");
+    unsigned char length[8];
+    file_.read_at(0, length, 8);
+    uint64_t n = 0;
+    for (int i = 0; i < 8; ++i) n |= uint64_t(length[i]) << (8 * i);
+    FLOWMOE_CHECK(n <= file_.size() - 8, IoError, "'", path, "': header length ", n, " exceeds the file");
+    std::string header_text(n, '\0');
+    file_.read_at(8, header_text.data(), n);
+    const YAML::Node header = parse_json(header_text, path);
+    FLOWMOE_CHECK(header.IsMap(), IoError, "'", path, "': the header is not a JSON object");
+    data_start_ = 8 + n;
+    try {
+      for (auto it = header.begin(); it != header.end(); ++it) {
+        FLOWMOE_CHECK(it->first.IsScalar(), IoError, "'", path, "': the header has a key that is not a string");
+        const std::string name = it->first.Scalar();
+        if (name == "__metadata__") {
+          FLOWMOE_CHECK(it->second.IsMap(), IoError, "'", path, "': __metadata__ is not a JSON object");
+          if (metadata)
+            for (auto m = it->second.begin(); m != it->second.end(); ++m)
+              (*metadata)[m->first.as<std::string>()] = m->second.as<std::string>();
+          continue;
+        }
+        entries_[name] = read_entry(it->second, path, name, file_.size() - data_start_);
       }
-      const EntryLayout l = read_entry(it->second, path, name, data_size);
-      Tensor t = Tensor::empty(l.shape, l.dtype);
-      if (t.nbytes() > 0) file.read_at(data_start + l.begin, t.raw_data(), t.nbytes());
-      found.push_back({l.begin, NamedTensor{name, t}});
+    } catch (const YAML::Exception& e) {  // a value of the wrong JSON type
+      FLOWMOE_THROW(IoError, "'", path, "': malformed header (", e.msg, ")");
     }
-  } catch (const YAML::Exception& e) {  // a value of the wrong JSON type
-    FLOWMOE_THROW(IoError, "'", path, "': malformed header (", e.msg, ")");
   }
-  std::stable_sort(found.begin(), found.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+
+  // The names in the order of their bytes in the file.
+  std::vector<std::string> names_in_file_order() const {
+    std::vector<std::pair<uint64_t, std::string>> order;
+    for (const auto& [name, l] : entries_) order.push_back({l.begin, name});
+    std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    std::vector<std::string> out;
+    for (auto& o : order) out.push_back(std::move(o.second));
+    return out;
+  }
+
+  const EntryLayout& entry(const std::string& name) const {
+    auto it = entries_.find(name);
+    FLOWMOE_CHECK(it != entries_.end(), IoError, "'", path_, "' has no tensor '", name, "'");
+    return it->second;
+  }
+
+  // Rows [row_begin, row_begin + num_rows) along dim 0 of tensor `name` (all of it: 0, its rows), on the CPU.
+  Tensor read_rows(const std::string& name, int64_t row_begin, int64_t num_rows) const {
+    const EntryLayout& l = entry(name);
+    Shape shape = l.shape;
+    uint64_t row_bytes = l.end - l.begin;
+    if (!shape.empty()) {
+      row_bytes = shape[0] > 0 ? row_bytes / uint64_t(shape[0]) : 0;
+      shape[0] = num_rows;
+    }
+    Tensor t = Tensor::empty(shape, l.dtype);
+    if (t.nbytes() > 0) file_.read_at(data_start_ + l.begin + uint64_t(row_begin) * row_bytes, t.raw_data(), t.nbytes());
+    return t;
+  }
+  Tensor read(const std::string& name) const {
+    const Shape& shape = entry(name).shape;
+    return read_rows(name, 0, shape.empty() ? 1 : shape[0]);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  FileReader file_;
+  uint64_t data_start_ = 0;
+  std::map<std::string, EntryLayout> entries_;
+};
+
+std::vector<NamedTensor> read_safetensors(const std::string& path, std::map<std::string, std::string>* metadata) {
+  const SafetensorsIndex index(path, metadata);
   std::vector<NamedTensor> out;
-  for (auto& f : found) out.push_back(std::move(f.second));
+  for (const std::string& name : index.names_in_file_order()) out.push_back({name, index.read(name)});
   return out;
 }
 
@@ -305,20 +349,18 @@ std::string latest_checkpoint(const std::string& root) {
   return all.empty() ? "" : all.back().second.string();
 }
 
-// Copies a host tensor read from `file` into `dst`, after checking it is the one expected: rows
-// [offset, offset + rows) of it for a shard of a larger tensor.
-static void fill_from(Tensor& dst, const std::map<std::string, Tensor>& found, const std::string& name,
-                      const std::string& file, const ParamShard* shard = nullptr) {
-  auto it = found.find(name);
-  FLOWMOE_CHECK(it != found.end(), IoError, "'", file, "' has no tensor '", name, "'");
-  const Tensor& src = it->second;
+// Reads tensor `name` of `file` into `dst`, after checking it is the one expected: rows [offset,
+// offset + rows) of it for a shard of a larger tensor, which are all that is read.
+static void fill_from(Tensor& dst, const SafetensorsIndex& file, const std::string& name,
+                      const ParamShard* shard = nullptr) {
+  const EntryLayout& src = file.entry(name);
   const bool sharded = shard && dst.dim() > 0 && shard->full_rows != dst.size(0);
   Shape want = dst.shape();
   if (sharded) want[0] = shard->full_rows;
-  FLOWMOE_CHECK(src.shape() == want && src.dtype() == dst.dtype(), IoError, "'", file, "': tensor '", name, "' is ",
-                src.describe(), ", the model expects ", dtype_name(dst.dtype()), shape_str(want),
-                " (was the checkpoint made with another model config?)");
-  dst.copy_(sharded ? src.slice(0, shard->offset, shard->offset + dst.size(0)) : src);
+  FLOWMOE_CHECK(src.shape == want && src.dtype == dst.dtype(), IoError, "'", file.path(), "': tensor '", name, "' is ",
+                dtype_name(src.dtype), shape_str(src.shape), " on cpu, the model expects ", dtype_name(dst.dtype()),
+                shape_str(want), " (was the checkpoint made with another model config?)");
+  dst.copy_(sharded ? file.read_rows(name, shard->offset, dst.size(0)) : file.read(name));
 }
 
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
@@ -330,26 +372,22 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
   const fs::path d(dir);
   std::error_code ec;
   FLOWMOE_CHECK(fs::exists(d / "meta.json", ec), IoError, "'", dir, "' is not a checkpoint (no meta.json)");
-  std::string model_file = (d / "model.safetensors").string();
-  std::map<std::string, Tensor> model;
-  for (auto& nt : read_safetensors(model_file)) model[nt.name] = nt.tensor;
+  const SafetensorsIndex model((d / "model.safetensors").string(), nullptr);
   for (size_t i = 0; i < params.size(); ++i) {
     Tensor dst = params[i].data();
-    fill_from(dst, model, params[i].name(), model_file, shard(i));
+    fill_from(dst, model, params[i].name(), shard(i));
     params[i].bump_version();  // loaded in place
   }
   for (const Variable& b : buffers) {
     Tensor dst = b.data();
-    fill_from(dst, model, b.name(), model_file);
+    fill_from(dst, model, b.name());
     b.bump_version();
   }
   if (exp_avg || exp_avg_sq) {
-    std::string optim_file = (d / "optimizer.safetensors").string();
-    std::map<std::string, Tensor> optim;
-    for (auto& nt : read_safetensors(optim_file)) optim[nt.name] = nt.tensor;
+    const SafetensorsIndex optim((d / "optimizer.safetensors").string(), nullptr);
     for (size_t i = 0; i < params.size(); ++i) {
-      if (exp_avg) fill_from((*exp_avg)[i], optim, params[i].name() + ".exp_avg", optim_file, shard(i));
-      if (exp_avg_sq) fill_from((*exp_avg_sq)[i], optim, params[i].name() + ".exp_avg_sq", optim_file, shard(i));
+      if (exp_avg) fill_from((*exp_avg)[i], optim, params[i].name() + ".exp_avg", shard(i));
+      if (exp_avg_sq) fill_from((*exp_avg_sq)[i], optim, params[i].name() + ".exp_avg_sq", shard(i));
     }
   }
   std::string meta_file = (d / "meta.json").string();

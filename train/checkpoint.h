@@ -62,8 +62,9 @@ std::vector<std::string> remove_stale_checkpoint_tmp(const std::string& root);
 // must match (IoError names the first that does not). A damaged checkpoint throws IoError, never
 // anything else. Returns its meta.
 // shards (one per parameter, or empty: all whole): a sharded parameter and its moments take their rows
-// [offset, offset + rows) of the file's tensor, which must have the full shape. A checkpoint holds
-// full tensors, so it loads at any expert-parallel size.
+// [offset, offset + rows) of the file's tensor, which must have the full shape, and only those rows
+// are read. A checkpoint holds full tensors, so it loads at any expert-parallel size. Each tensor goes
+// from the file to its parameter through a host copy of its own: the host never holds the file.
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
                                std::vector<Tensor>* exp_avg = nullptr, std::vector<Tensor>* exp_avg_sq = nullptr,
                                const std::vector<Variable>& buffers = {}, const std::vector<ParamShard>& shards = {});
