@@ -1,8 +1,4 @@
-// Checkpoints: weights and optimizer state in the safetensors format, plus meta.json.
-//
-// safetensors (written and read by hand): 8-byte little-endian header length N, N bytes of JSON
-// {"__metadata__": {str: str}, "<name>": {"dtype": "F32", "shape": [..], "data_offsets": [b, e]}, ...}
-// padded with spaces to a multiple of 8, then the raw little-endian tensor bytes, back to back.
+// Checkpoints: weights and optimizer state in the safetensors format (safetensors.h), plus meta.json.
 // A checkpoint is a directory <root>/step_00000100/ with model.safetensors (fp32 master weights,
 // Hugging Face names), optimizer.safetensors (<name>.exp_avg, <name>.exp_avg_sq) and meta.json
 // (step, optimizer step count, data position, the resolved config). It is written into a temporary
@@ -16,24 +12,9 @@
 #include "engine/autograd.h"
 #include "layers/param.h"
 #include "train/data.h"
+#include "train/safetensors.h"
 
 namespace flowmoe {
-
-struct NamedTensor {
-  std::string name;
-  Tensor tensor;  // any device; written from a host copy
-};
-
-// dtype <-> safetensors dtype string ("F32", "BF16", "I64", ...). Unknown strings throw IoError.
-const char* safetensors_dtype(DType t);
-DType dtype_from_safetensors(const std::string& s);
-
-void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
-// Tensors on the CPU in file order. Throws IoError naming the file on any inconsistency; every
-// length, offset and shape is checked against the file's size before memory is allocated.
-std::vector<NamedTensor> read_safetensors(const std::string& path,
-                                          std::map<std::string, std::string>* metadata = nullptr);
 
 struct CheckpointMeta {
   int64_t step = 0;           // optimizer steps taken (including skipped ones)
