@@ -179,19 +179,20 @@ class ShapeBench {
     const Tensor xq = quantize_rowwise_tensor(x, "bench_dispatch: tokens");
     const Tensor dy = rng.uniform({s_.tokens, s_.hidden}, -1, 1, act, dev);
     const int64_t H = s_.hidden, act_row = H * int64_t(dtype_size(act)), fp8_row = H + 4 * ((H + 127) / 128);
-    for (const bool fp8 : {false, true})
+    for (const bool fp8 : {false, true}) {
+      const char* payload = fp8 ? "fp8" : dtype_name(act);
+      DispatchOptions sync_opt;
+      sync_opt.num_experts = experts_;
+      sync_opt.row_multiple = fp8 ? 16 : 1;  // as the layer rounds the FP8 GEMMs' rows
+      sync_opt.expert_parallel = w_.comm;
+      Variable tokens(fp8 ? xq : x, true);
+      Variable probs = fp8 ? Variable(prob, true) : Variable();  // fp8_flow: the probs travel with the rows
+      Variable merge = fp8 ? Variable() : Variable(prob, true);  // bf16: combine applies them
+      const CombineGrad grad = fp8 ? CombineGrad::fp8 : CombineGrad::as_is;
+      // The traffic is the routing's, the same in both modes: read from a sync plan, whose counts are on the host.
+      const Traffic tr = traffic(*dispatch(tokens, idx, probs, sync_opt).plan, w_.host());
       for (const bool zero_sync : o_.zero_sync) {
-        const char* payload = fp8 ? "fp8" : dtype_name(act);
-        DispatchOptions opt;
-        opt.num_experts = experts_;
-        opt.row_multiple = fp8 ? 16 : 1;  // as the layer rounds the FP8 GEMMs' rows
-        opt.expert_parallel = w_.comm;
-        Variable tokens(fp8 ? xq : x, true);
-        Variable probs = fp8 ? Variable(prob, true) : Variable();  // fp8_flow: the probs travel with the rows
-        Variable merge = fp8 ? Variable() : Variable(prob, true);  // bf16: combine applies them
-        const CombineGrad grad = fp8 ? CombineGrad::fp8 : CombineGrad::as_is;
-        // The traffic is the routing's: read from a sync plan, whose counts are on the host.
-        const Traffic tr = traffic(*dispatch(tokens, idx, probs, opt).plan, w_.host());
+        DispatchOptions opt = sync_opt;
         opt.zero_sync = zero_sync;
         opt.tokens_per_rank = s_.tokens;
         const Dispatched d0 = dispatch(tokens, idx, probs, opt);
@@ -240,6 +241,7 @@ class ShapeBench {
           report(payload, zero_sync ? "zero_sync" : "sync", r, tr, t, ceiling, nccl);
         }
       }
+    }
   }
 
  private:
@@ -269,8 +271,8 @@ class ShapeBench {
       std::snprintf(nccl_fields, sizeof nccl_fields, " nccl_gbps=%.2f frac_nccl=%.4f", nccl, g / nccl);
     }
     std::printf("%-7s %-7s %-16s %-9s %9.0f %6lld %9.2f %6.3f | %9.3f %9.2f | %9.2f %7.3f |%s %5llu\n",
-                s_.name.c_str(), payload, r.op, mode, rows, (long long)r.row_bytes, bytes / 1e6, local, t.ms, g, ceiling,
-                g / ceiling, nccl_cols, (unsigned long long)t.host_syncs);
+                s_.name.c_str(), payload, r.op, mode, rows, (long long)r.row_bytes, bytes / 1e6, local, t.ms, g,
+                ceiling, g / ceiling, nccl_cols, (unsigned long long)t.host_syncs);
     std::fflush(stdout);
     char line[640];
     std::snprintf(line, sizeof line,
