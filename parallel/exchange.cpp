@@ -88,14 +88,13 @@ ExchangePlan make_device_exchange_plan(std::shared_ptr<Communicator> comm, const
   p.num_sorted_rows = num_sorted_rows;
   p.num_padded_rows = num_padded_rows;
   p.on_device = true;
-  p.device_tokens_per_expert = layout.slice(0, 0, L);
-  p.device_padded_tokens_per_expert = layout.slice(0, ep_layout_padded_offset(n, L), ep_layout_padded_offset(n, L) + L);
-  p.device_segment_starts = layout.slice(0, ep_layout_starts_offset(n, L), ep_layout_starts_offset(n, L) + L + 1);
+  const auto part = [&](int64_t offset, int64_t length) { return layout.slice(0, offset, offset + length); };
+  p.device_tokens_per_expert = part(0, L);
+  p.device_padded_tokens_per_expert = part(ep_layout_padded_offset(n, L), L);
+  p.device_segment_starts = part(ep_layout_starts_offset(n, L), L + 1);
   const int64_t table = 3 * int64_t(n) * L;
-  p.to_experts_table = layout.slice(0, ep_layout_to_experts_offset(n, L), ep_layout_to_experts_offset(n, L) + table)
-                           .view({n, L, 3});
-  p.to_tokens_table =
-      layout.slice(0, ep_layout_to_tokens_offset(n, L), ep_layout_to_tokens_offset(n, L) + table).view({n, L, 3});
+  p.to_experts_table = part(ep_layout_to_experts_offset(n, L), table).view({n, L, 3});
+  p.to_tokens_table = part(ep_layout_to_tokens_offset(n, L), table).view({n, L, 3});
   return p;
 }
 
