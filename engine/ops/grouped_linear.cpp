@@ -69,46 +69,46 @@ void check_gpu_dtypes(const Tensor& x, const Tensor& w) {
 class GroupedLinear : public Primitive {
  public:
   GroupedLinear(ExpertCounts counts, std::string weight_name)
-      : rows_(std::move(counts.host)), device_counts_(std::move(counts.device)), weight_name_(std::move(weight_name)) {}
+      : counts_(std::move(counts)), weight_name_(std::move(weight_name)) {}
   const char* name() const override { return "grouped_linear"; }
   double flops(const std::vector<Tensor>& in) const override {
-    return in.size() < 2 ? 0 : grouped_gemm_flops(ExpertCounts{rows_, device_counts_}, in[0], in[1]);
+    return in.size() < 2 ? 0 : grouped_gemm_flops(counts_, in[0], in[1]);
   }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
-    Dims d = check_inputs(in[0], in[1], rows_);
+    Dims d = check_inputs(in[0], in[1], counts_.host);
     check_same_dtype(in[0], in[1], "grouped_linear (x vs weight)");
     Tensor x = in[0].contiguous(), w = in[1].contiguous();
     Tensor y = Tensor::empty({d.m_total, d.n}, x.dtype(), x.device());
     FLOWMOE_DISPATCH_CPU_FLOAT(x.dtype(), name(),
                                grouped_linear_forward_cpu<scalar_t>(x.data<scalar_t>(), w.data<scalar_t>(),
-                                                                    y.data<scalar_t>(), rows_.data(), d.num_experts,
-                                                                    d.m_total, d.n, d.k));
+                                                                    y.data<scalar_t>(), counts_.host.data(),
+                                                                    d.num_experts, d.m_total, d.n, d.k));
     return {y};
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
-    if (device_counts_.defined()) return eval_gpu_device_counts(in);
-    Dims d = check_inputs(in[0], in[1], rows_);
+    if (counts_.on_device()) return eval_gpu_device_counts(in);
+    Dims d = check_inputs(in[0], in[1], counts_.host);
     check_gpu_dtypes(in[0], in[1]);
     Tensor x = in[0].contiguous();
     w_compute_ = in[1].to(x.dtype()).contiguous();  // the one cast of this call; the vjp reuses it
     Tensor y = Tensor::empty({d.m_total, d.n}, x.dtype(), x.device());
-    grouped_linear_forward_cuda(x.dtype(), x.raw_data(), w_compute_.raw_data(), y.raw_data(), rows_.data(),
+    grouped_linear_forward_cuda(x.dtype(), x.raw_data(), w_compute_.raw_data(), y.raw_data(), counts_.host.data(),
                                 d.num_experts, d.m_total, d.n, d.k, current_stream(x.device().index));
     return {y};
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
-    if (device_counts_.defined()) return vjp_device_counts(in, d_out, needs);
+    if (counts_.on_device()) return vjp_device_counts(in, d_out, needs);
     const Tensor &x_in = in[0], &w_in = in[1];
-    Dims d = check_inputs(x_in, w_in, rows_);
+    Dims d = check_inputs(x_in, w_in, counts_.host);
     check_same_dtype(d_out[0], x_in, "grouped_linear backward (d_y vs x)");
     FLOWMOE_CHECK(d_out[0].shape() == (Shape{d.m_total, d.n}), ShapeError, "grouped_linear backward: d_y ",
                   d_out[0].describe(), " does not match y [", d.m_total, ", ", d.n, "]");
     Tensor x = x_in.contiguous(), dy = d_out[0].contiguous();
-    if (needs[1] && tap_enabled()) tap(weight_name_ + " wgrad", {x, dy}, rows_);  // the wgrad operands
+    if (needs[1] && tap_enabled()) tap(weight_name_ + " wgrad", {x, dy}, counts_.host);  // the wgrad operands
     Tensor dx, dw;
     if (x.device().is_cpu()) {
       Tensor w = w_in.contiguous();
@@ -116,12 +116,12 @@ class GroupedLinear : public Primitive {
         if (needs[0]) {
           dx = Tensor::empty(x.shape(), x.dtype());
           grouped_linear_dgrad_cpu<scalar_t>(dy.data<scalar_t>(), w.data<scalar_t>(), dx.data<scalar_t>(),
-                                             rows_.data(), d.num_experts, d.m_total, d.n, d.k);
+                                             counts_.host.data(), d.num_experts, d.m_total, d.n, d.k);
         }
         if (needs[1]) {
           dw = Tensor::empty(w.shape(), w.dtype());
           grouped_linear_wgrad_cpu<scalar_t>(x.data<scalar_t>(), dy.data<scalar_t>(), dw.data<scalar_t>(),
-                                             rows_.data(), d.num_experts, d.n, d.k, false);
+                                             counts_.host.data(), d.num_experts, d.n, d.k, false);
         }
       });
       return {dx, dw};
@@ -133,13 +133,13 @@ class GroupedLinear : public Primitive {
     Tensor w = w_compute_.defined() ? std::exchange(w_compute_, Tensor()) : w_in.to(x.dtype()).contiguous();
     if (needs[0]) {
       dx = Tensor::empty(x.shape(), x.dtype(), dev);
-      grouped_linear_dgrad_cuda(x.dtype(), dy.raw_data(), w.raw_data(), dx.raw_data(), rows_.data(), d.num_experts,
-                                d.m_total, d.n, d.k, stream);
+      grouped_linear_dgrad_cuda(x.dtype(), dy.raw_data(), w.raw_data(), dx.raw_data(), counts_.host.data(),
+                                d.num_experts, d.m_total, d.n, d.k, stream);
     }
     if (needs[1]) {
       // fp32 straight from the GEMM epilogue; only a non-f32 weight gets a cast of the result.
       Tensor dw32 = Tensor::empty(w_in.shape(), DType::f32, dev);
-      grouped_linear_wgrad_cuda(x.dtype(), x.raw_data(), dy.raw_data(), dw32.data<float>(), rows_.data(),
+      grouped_linear_wgrad_cuda(x.dtype(), x.raw_data(), dy.raw_data(), dw32.data<float>(), counts_.host.data(),
                                 d.num_experts, d.m_total, d.n, d.k, false, stream);
       dw = dw32.to(w_in.dtype());
     }
@@ -155,7 +155,7 @@ class GroupedLinear : public Primitive {
     Tensor y = Tensor::empty({d.m_total, d.n}, x.dtype(), x.device());
     Tensor ws = grouped_gemm_device_workspace(x, d.num_experts);
     grouped_gemm_fprop_device_cuda(x.dtype(), x.raw_data(), w_compute_.raw_data(), y.raw_data(),
-                                   device_counts_.data<int32_t>(), d.num_experts, d.m_total, d.n, d.k, ws.raw_data(),
+                                   counts_.device.data<int32_t>(), d.num_experts, d.m_total, d.n, d.k, ws.raw_data(),
                                    size_t(ws.numel()), current_stream(x.device().index));
     return {y};
   }
@@ -172,7 +172,7 @@ class GroupedLinear : public Primitive {
     Tensor x = in[0].contiguous(), dy = d_out[0].contiguous();
     Tensor w = w_compute_.defined() ? std::exchange(w_compute_, Tensor()) : in[1].to(x.dtype()).contiguous();
     Tensor ws = grouped_gemm_device_workspace(x, d.num_experts);
-    const int32_t* counts = device_counts_.data<int32_t>();
+    const int32_t* counts = counts_.device.data<int32_t>();
     Tensor dx, dw;
     if (needs[0]) {
       dx = Tensor::empty(x.shape(), x.dtype(), dev);
@@ -194,16 +194,15 @@ class GroupedLinear : public Primitive {
                   "a GPU of a CUDA build, got x ", x.describe());
     FLOWMOE_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), ShapeError, "grouped_linear: x ",
                   shape_str(x.shape()), " and weight ", shape_str(w.shape()), " must be [M_total, K] and [E, N, K]");
-    FLOWMOE_CHECK(device_counts_.dim() == 1 && device_counts_.size(0) == w.size(0) &&
-                      device_counts_.dtype() == DType::i32 && device_counts_.device() == x.device(),
-                  ShapeError, "grouped_linear: device counts ", device_counts_.describe(), " must be [", w.size(0),
+    FLOWMOE_CHECK(counts_.device.dim() == 1 && counts_.device.size(0) == w.size(0) &&
+                      counts_.device.dtype() == DType::i32 && counts_.device.device() == x.device(),
+                  ShapeError, "grouped_linear: device counts ", counts_.device.describe(), " must be [", w.size(0),
                   "] i32 on ", x.device().str());
     check_gpu_dtypes(x, w);
     return {w.size(0), x.size(0), w.size(1), w.size(2)};
   }
 
-  std::vector<int64_t> rows_;  // host counts, read once per layer by the caller (empty with device counts)
-  Tensor device_counts_;       // [E] i32 on x's device, or undefined
+  ExpertCounts counts_;  // host counts, read once per layer by the caller, or device counts [E] i32 on x's device
   std::string weight_name_;    // names the tap site
   Tensor w_compute_;           // GPU: the weight in x's dtype, from the forward to the backward
 };
