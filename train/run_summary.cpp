@@ -36,8 +36,8 @@ static void print_times(TrainRun& run) {
   }
   const double other = total - setup - run.train_seconds - c.evaluation_seconds - c.checkpoint_seconds;
   run.progress.message("time: " + format_fixed(total, 1) + " s in all: set-up " + format_fixed(setup, 1) + " s" +
-                       (parts.empty() ? "" : " (" + parts + ")") + ", training " + format_fixed(run.train_seconds, 1) + " s, evaluation " +
-                       format_fixed(c.evaluation_seconds, 1) + " s, checkpoints " +
+                       (parts.empty() ? "" : " (" + parts + ")") + ", training " + format_fixed(run.train_seconds, 1) +
+                       " s, evaluation " + format_fixed(c.evaluation_seconds, 1) + " s, checkpoints " +
                        format_fixed(c.checkpoint_seconds, 1) + " s, other " + format_fixed(std::max(other, 0.0), 1) +
                        " s");
 }

@@ -47,7 +47,8 @@ struct RunClock {
     setup.emplace_back(name, std::chrono::duration<double>(now - last).count());
     last = now;
   }
-  double seconds_since_start() const { return std::chrono::duration<double>(Clock::now() - start).count(); }
+  static double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+  double seconds_since_start() const { return seconds_since(start); }
 
   Clock::time_point start, last;
   std::vector<std::pair<std::string, double>> setup;  // (part, seconds) in order

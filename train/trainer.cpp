@@ -255,11 +255,11 @@ static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
   if (run.val.num_batches == 0 || !due(m.step, run.cfg.train.eval_every, run.cfg.train.steps)) return;
   const RunClock::Clock::time_point t0 = RunClock::Clock::now();
   m.val_loss = evaluate(run.model, run.data, run.val.num_batches, run.val.batch_size, run.world.get());
-  run.clock.evaluation_seconds += std::chrono::duration<double>(RunClock::Clock::now() - t0).count();
+  run.clock.evaluation_seconds += RunClock::seconds_since(t0);
   if (std::isnan(run.res.first_val_loss)) run.res.first_val_loss = m.val_loss;
   run.res.final_val_loss = m.val_loss;
-  run.progress.message("step " + std::to_string(m.step) + ": val loss " + format_fixed(m.val_loss, 4) + " (train loss " +
-                       format_fixed(m.loss, 4) + ")");
+  run.progress.message("step " + std::to_string(m.step) + ": val loss " + format_fixed(m.val_loss, 4) +
+                       " (train loss " + format_fixed(m.loss, 4) + ")");
 }
 
 void save_run_checkpoint(TrainRun& run, int64_t at) {
@@ -286,7 +286,7 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   else
     run.res.last_checkpoint = checkpoint_path(run.cfg.checkpoint_dir(), at);
   if (run.world_size > 1) run.world->barrier();
-  run.clock.checkpoint_seconds += std::chrono::duration<double>(RunClock::Clock::now() - t0).count();
+  run.clock.checkpoint_seconds += RunClock::seconds_since(t0);
 }
 
 // `step` is the step just read back; a step due for a checkpoint is never run ahead of (may_run_ahead),
