@@ -280,13 +280,15 @@ void Tensor::fill_(double value) {
   }
 }
 
-void Tensor::zero_() {
-  FLOWMOE_CHECK(is_contiguous(), ShapeError, "zero_ of a non-contiguous ", describe());
+void Tensor::zero_() { fill_bytes_(0); }
+
+void Tensor::fill_bytes_(uint8_t byte) {
+  FLOWMOE_CHECK(is_contiguous(), ShapeError, "fill_bytes_ of a non-contiguous ", describe());
   if (numel() == 0) return;
   if (device_.is_cuda())
-    cuda_memset_zero(raw_data(), nbytes(), device_.index);
+    cuda_memset(raw_data(), byte, nbytes(), device_.index);
   else
-    std::memset(raw_data(), 0, nbytes());
+    std::memset(raw_data(), byte, nbytes());
 }
 
 std::vector<double> Tensor::to_doubles() const {

@@ -94,6 +94,7 @@ class Tensor {
   Tensor to(DType dtype) const;              // cast (self if already that dtype)
   void copy_(const Tensor& src);             // same shape and dtype; any devices
   void zero_();
+  void fill_bytes_(uint8_t byte);  // every byte (contiguous tensors): 0xFF is NaN in every float dtype
   void fill_(double value);  // every element = value rounded to the dtype (contiguous tensors)
 
   std::vector<float> to_floats() const;    // host copy, every element converted to float

@@ -179,7 +179,7 @@ std::vector<Communicator::RowChunk> table_chunks(const std::vector<int64_t>& v, 
 }  // namespace
 
 void Communicator::put_rows(const Tensor& send_in, const Tensor& out_table, const Tensor& recv,
-                            const Tensor& in_table, double fill) {
+                            const Tensor& in_table, const PadRows& pad) {
   check_rows_tensor(send_in, "put_rows", "send");
   check_rows_tensor(recv, "put_rows", "recv");
   FLOWMOE_CHECK(row_shape(send_in) == row_shape(recv), ShapeError, "put_rows: send rows ",
@@ -189,22 +189,40 @@ void Communicator::put_rows(const Tensor& send_in, const Tensor& out_table, cons
   check_put_table(in_table, send_in, size(), "in_table");
   FLOWMOE_CHECK(out_table.size(1) == in_table.size(1), ShapeError, "put_rows: out_table ", out_table.describe(),
                 " and in_table ", in_table.describe(), " list different chunks per peer");
+  if (pad.segment_starts.defined()) {
+    const Tensor& s = pad.segment_starts;
+    const Tensor& c = pad.covered_rows;
+    FLOWMOE_CHECK(s.dim() == 1 && s.numel() >= 1 && s.dtype() == DType::i32 && s.is_contiguous() && c.defined() &&
+                      c.dim() == 1 && c.numel() == s.numel() - 1 && c.dtype() == DType::i32 && c.is_contiguous() &&
+                      s.device() == in_table.device() && c.device() == in_table.device(),
+                  ShapeError, "put_rows: pad segment_starts ", s.describe(), " and covered_rows ",
+                  c.defined() ? c.describe() : std::string("(undefined)"),
+                  " must be contiguous [S+1] and [S] i32 beside in_table ", in_table.describe());
+  }
   Tensor send = send_in.contiguous();
-  timed_exchange([&] { do_put_rows(send, out_table, recv, in_table, fill, row_bytes_of(send)); });
+  timed_exchange([&] { do_put_rows(send, out_table, recv, in_table, pad, row_bytes_of(send)); });
 }
 
 void Communicator::do_put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
-                               double fill, size_t row_bytes) {
-  if (out_table.device().is_cuda() || in_table.device().is_cuda()) note_host_sync();  // both tables, one wait
+                               const PadRows& pad, size_t row_bytes) {
+  if (out_table.device().is_cuda() || in_table.device().is_cuda()) note_host_sync();  // one wait for every read
   const int64_t C = out_table.size(1);
   const std::vector<RowChunk> send_chunks = table_chunks(out_table.to_ints(), C);
   const std::vector<RowChunk> recv_chunks = table_chunks(in_table.to_ints(), C);
   check_chunk_lists(send, send_chunks, recv, recv_chunks, rank(), size());
   Tensor out = recv;  // a handle on the same storage
-  if (fill == 0)
-    out.zero_();  // any dtype, FP8 bytes included
-  else
-    out.fill_(fill);
+  out.fill_bytes_(0xFF);  // the unspecified rows: NaN in every float dtype
+  if (pad.segment_starts.defined()) {
+    // The value over every segment, pad rows and covered rows alike (the chunks overwrite the latter).
+    const std::vector<int64_t> starts = pad.segment_starts.to_ints();
+    FLOWMOE_CHECK(starts.front() >= 0 && starts.front() <= starts.back() && starts.back() <= recv.size(0), ShapeError,
+                  "put_rows: pad segments [", starts.front(), ", ", starts.back(), ") run past recv ", recv.describe());
+    Tensor segments = out.slice(0, starts.front(), starts.back());
+    if (pad.value == 0)
+      segments.zero_();  // any dtype, FP8 bytes included
+    else
+      segments.fill_(pad.value);
+  }
   do_all_to_all_chunks(send, send_chunks, recv, recv_chunks, row_bytes);
 }
 

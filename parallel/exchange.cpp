@@ -128,10 +128,14 @@ Tensor move_rows(const Tensor& src, const ExchangePlan& p, ExchangeDirection dir
   const bool to_experts = dir == ExchangeDirection::to_experts;
   Shape shape = src.shape();
   shape[0] = to_experts ? p.num_padded_rows : p.num_sorted_rows;
-  if (p.on_device) {  // put_rows writes every row: the chunks, and `pad` elsewhere
+  if (p.on_device) {
+    // Toward the experts each segment's pad rows take `pad` (the GEMMs read them); nothing reads the
+    // worst-case tail, nor the sender's pad rows on the way back (unpermute reads the routed rows only).
+    Communicator::PadRows pad_rows;
+    if (to_experts) pad_rows = {p.device_segment_starts, p.device_tokens_per_expert, pad};
     Tensor dst = Tensor::empty(shape, src.dtype(), src.device());
     p.comm->put_rows(src, to_experts ? p.to_experts_table : p.to_tokens_table, dst,
-                     to_experts ? p.to_tokens_table : p.to_experts_table, pad);
+                     to_experts ? p.to_tokens_table : p.to_experts_table, pad_rows);
     return dst;
   }
   const bool has_pad_rows = to_experts && p.num_padded_rows > sum_tokens(p);

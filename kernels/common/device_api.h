@@ -36,7 +36,7 @@ size_t cuda_free_memory(int device);
 
 // Byte copies. kind is inferred from the two pointers' devices; -1 means host.
 void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size_t nbytes);
-void cuda_memset_zero(void* ptr, size_t nbytes, int device);
+void cuda_memset(void* ptr, uint8_t byte, size_t nbytes, int device);  // every byte = byte
 // Page-locked host memory, which copies_to_host_async needs to stay asynchronous.
 void* cuda_host_alloc(size_t nbytes);
 void cuda_host_free(void* ptr);

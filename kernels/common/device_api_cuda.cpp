@@ -131,9 +131,9 @@ void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size
   if (dst_device < 0 || src_device < 0) FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
-void cuda_memset_zero(void* ptr, size_t nbytes, int device) {
+void cuda_memset(void* ptr, uint8_t byte, size_t nbytes, int device) {
   if (nbytes == 0) return;
-  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, nbytes, current_stream(device)));
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ptr, byte, nbytes, current_stream(device)));
 }
 
 void* cuda_host_alloc(size_t nbytes) {

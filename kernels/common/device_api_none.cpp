@@ -26,7 +26,7 @@ void copy_bytes(void* dst, int dst_device, const void* src, int src_device, size
   if (dst_device >= 0 || src_device >= 0) no_cuda("copy to/from a CUDA device");
   if (nbytes) std::memcpy(dst, src, nbytes);
 }
-void cuda_memset_zero(void*, size_t, int) { no_cuda("cuda_memset"); }
+void cuda_memset(void*, uint8_t, size_t, int) { no_cuda("cuda_memset"); }
 void cuda_begin_capture(int) { no_cuda("cuda_begin_capture"); }
 CudaGraph cuda_end_capture(int) { no_cuda("cuda_end_capture"); }
 void cuda_abort_capture(int) {}

@@ -120,14 +120,14 @@ class NcclCommunicator final : public Communicator {
   }
 
   void do_put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
-                   double fill, size_t row_bytes) override {
+                   const PadRows& pad, size_t row_bytes) override {
     check_on_device(send, "put_rows");
     if (!do_device_puts() || out_table.device().is_cpu() || row_bytes == 0) {
-      Communicator::do_put_rows(send, out_table, recv, in_table, fill, row_bytes);
+      Communicator::do_put_rows(send, out_table, recv, in_table, pad, row_bytes);
       return;
     }
     DeviceScope scope(device_);
-    lsa_->put(send, out_table, recv, in_table, fill, enqueue_stream());
+    lsa_->put(send, out_table, recv, in_table, pad, enqueue_stream());
   }
 
   bool do_device_puts() override {

@@ -1,10 +1,12 @@
 // Device-initiated row puts over load/store-reachable GPUs (parallel/nccl/lsa_put.h), NCCL >= 2.28.
 //   window: ncclMemAlloc'd, registered NCCL_WIN_COLL_SYMMETRIC, the same bytes on every rank (the
 //           receive buffers are worst-case sized, so their shapes agree); grown collectively, never shrunk
-//   put:    fill recv → kernel: LSA barrier; each chunk of out_table copied as one contiguous block (rows
-//           are consecutive on both sides) into the peer's window with 16/4/1-byte stores spread over
-//           every thread of the grid; LSA barrier (release/acquire) → copy the chunks of in_table (the
-//           rows the peers wrote) from the own window into recv: the worst-case rest is never read
+//   put:    kernel: LSA barrier; each chunk of out_table copied as one contiguous block (rows are
+//           consecutive on both sides) into the peer's window (its own chunks straight into recv) with
+//           16/4/1-byte stores spread over every thread of the grid; LSA barrier (release/acquire) →
+//           kernel: the peers' chunks of in_table copied from the own window into recv, then the pad
+//           rows of each segment set to the pad value. No other row is written: not the worst-case
+//           tail, whose fill would cost more than the rows themselves at 4 ranks.
 // Why the barriers suffice: every rank launches the same kCtas CTAs, and CTA b's barrier b covers CTA b
 // of every rank, so after the kernel every peer's stores into this window have landed. The first
 // barrier orders this rank's previous copy-out (an earlier launch on the stream) before any peer's
@@ -12,8 +14,9 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <cstring>
+
 #include "kernels/common/cuda_check.h"
-#include "kernels/copy.h"
 #include "parallel/nccl/lsa_put.h"
 #include "parallel/nccl/nccl_check.h"
 
@@ -45,6 +48,21 @@ __device__ __forceinline__ void copy_spread(U* __restrict__ to, const U* __restr
   base = (base + units) % threads;
 }
 
+// `units` store units of the 16-byte pattern from `to`, spread as copy_spread's; `to_byte` is to's
+// offset in a buffer whose start is element aligned, so the pattern (one element repeated) lines up.
+template <class U>
+__device__ __forceinline__ void fill_spread(U* __restrict__ to, int64_t to_byte, int64_t units, const uint4& pattern,
+                                            int64_t& base) {
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x, tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const auto* bytes = reinterpret_cast<const unsigned char*>(&pattern);
+  for (int64_t u = ((tid - base) % threads + threads) % threads; u < units; u += threads) {
+    U v;
+    memcpy(&v, bytes + (to_byte + u * int64_t(sizeof(U))) % 16, sizeof(U));
+    to[u] = v;
+  }
+  base = (base + units) % threads;
+}
+
 // A chunk's rows, or false for one outside either buffer (a routing the worst case did not allow): it is
 // skipped, not written.
 __device__ __forceinline__ bool chunk_rows(const int32_t* table, int i, int64_t src_rows, int64_t dst_rows,
@@ -53,44 +71,62 @@ __device__ __forceinline__ bool chunk_rows(const int32_t* table, int i, int64_t 
   return rows > 0 && src >= 0 && dst >= 0 && src + rows <= src_rows && dst + rows <= dst_rows;
 }
 
-// send [send_rows, row_bytes] (this rank); out_table [n, C, 3] i32 (row in send, row in the peer's
-// window, rows); window: recv_rows rows on every rank. U: the store unit, dividing row_bytes and the
-// send address.
+// send [send_rows, row_bytes] (this rank `me`); out_table [n, C, 3] i32 (row in send, row in the
+// peer's window, rows); window and recv: recv_rows rows on every rank. U: the store unit, dividing
+// row_bytes and the send and recv addresses.
 template <class U>
 __global__ void lsa_put_kernel(ncclDevComm comm, ncclWindow_t window, const char* __restrict__ send,
-                               const int32_t* __restrict__ out_table, int num_peers, int chunks_per_peer,
-                               int64_t send_rows, int64_t recv_rows, int64_t row_bytes) {
+                               char* __restrict__ recv, const int32_t* __restrict__ out_table, int me, int num_peers,
+                               int chunks_per_peer, int64_t send_rows, int64_t recv_rows, int64_t row_bytes) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), comm, ncclTeamTagLsa{}, blockIdx.x};
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every peer has read the last put out of its window
   const int64_t units_per_row = row_bytes / int64_t(sizeof(U));
   int64_t base = 0, src = 0, dst = 0, rows = 0;
   for (int i = 0; i < num_peers * chunks_per_peer; ++i) {
     if (!chunk_rows(out_table, i, send_rows, recv_rows, src, dst, rows)) continue;
-    U* to = static_cast<U*>(ncclGetPeerPointer(window, size_t(dst * row_bytes), i / chunks_per_peer));
-    copy_spread(to, reinterpret_cast<const U*>(send + src * row_bytes), rows * units_per_row, base);
+    const int peer = i / chunks_per_peer;
+    void* to = peer == me ? recv + dst * row_bytes : ncclGetPeerPointer(window, size_t(dst * row_bytes), peer);
+    copy_spread(static_cast<U*>(to), reinterpret_cast<const U*>(send + src * row_bytes), rows * units_per_row, base);
   }
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every rank's stores into every window have landed
 }
 
 // recv [recv_rows, row_bytes] gets the rows the peers put into this rank's window: in_table [n, C, 3]
-// i32 (row in recv = row in the window, row in the peer's send, rows). Only those rows are read; the
-// rest of recv keeps the fill written before.
+// i32 (row in recv = row in the window, row in the peer's send, rows), skipping this rank's own chunks
+// (already in recv). Then the pad rows [seg[s] + covered[s], seg[s+1]) of each of num_segments segments
+// (seg [S+1], covered [S] i32; none when seg is null) take the pattern. No other row is read or written.
 template <class U>
 __global__ void lsa_copy_out_kernel(char* __restrict__ recv, const char* __restrict__ window,
-                                    const int32_t* __restrict__ in_table, int num_chunks, int64_t recv_rows,
-                                    int64_t row_bytes) {
+                                    const int32_t* __restrict__ in_table, int me, int chunks_per_peer, int num_chunks,
+                                    int64_t recv_rows, int64_t row_bytes, const int32_t* __restrict__ seg,
+                                    const int32_t* __restrict__ covered, int num_segments, uint4 pattern) {
   const int64_t units_per_row = row_bytes / int64_t(sizeof(U));
   int64_t base = 0, row = 0, peer_row = 0, rows = 0;
   for (int i = 0; i < num_chunks; ++i) {
-    if (!chunk_rows(in_table, i, recv_rows, INT64_MAX, row, peer_row, rows)) continue;
+    if (i / chunks_per_peer == me || !chunk_rows(in_table, i, recv_rows, INT64_MAX, row, peer_row, rows)) continue;
     copy_spread(reinterpret_cast<U*>(recv + row * row_bytes), reinterpret_cast<const U*>(window + row * row_bytes),
                 rows * units_per_row, base);
   }
+  for (int s = 0; seg && s < num_segments; ++s) {
+    const int64_t first = int64_t(seg[s]) + covered[s], end = min(int64_t(seg[s + 1]), recv_rows);
+    if (first < 0 || first >= end) continue;
+    fill_spread(reinterpret_cast<U*>(recv + first * row_bytes), first * row_bytes, (end - first) * units_per_row,
+                pattern, base);
+  }
+}
+
+// The 16 bytes of `value` in dtype repeated (0: zero bytes): the pad rows' fill, one element period.
+uint4 fill_pattern(double value, DType dtype) {
+  uint4 pattern{0, 0, 0, 0};
+  if (value == 0) return pattern;
+  const Tensor one = Tensor::full({int64_t(16 / dtype_size(dtype))}, value, dtype, Device::cpu());
+  std::memcpy(&pattern, one.raw_data(), sizeof(pattern));
+  return pattern;
 }
 
 class LsaPutImpl final : public LsaPut {
  public:
-  LsaPutImpl(ncclComm_t comm, const ncclDevComm& dev) : comm_(comm), dev_(dev) {
+  LsaPutImpl(ncclComm_t comm, const ncclDevComm& dev, int rank) : comm_(comm), dev_(dev), rank_(rank) {
     int device = 0;
     FLOWMOE_CUDA_CHECK(cudaGetDevice(&device));
     FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&copy_ctas_, cudaDevAttrMultiProcessorCount, device));
@@ -101,29 +137,31 @@ class LsaPutImpl final : public LsaPut {
     ncclDevCommDestroy(comm_, &dev_);
   }
 
-  void put(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table, double fill,
-           cudaStream_t stream) override {
+  void put(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
+           const Communicator::PadRows& pad, cudaStream_t stream) override {
     const size_t bytes = recv.nbytes();
     if (bytes == 0) return;  // the same on every rank: the shapes agree
     ensure_window(bytes, stream);
-    // The fill goes to recv, not the window: the copy-out reads only the rows peers wrote.
-    if (fill == 0)
-      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(recv.raw_data(), 0, bytes, stream));
-    else
-      fill_cuda(recv.raw_data(), recv.dtype(), fill, recv.numel(), stream);
     const int64_t row_bytes = int64_t(bytes / size_t(recv.size(0)));
     const int n = int(out_table.size(0)), C = int(out_table.size(1));
     const auto* send_bytes = static_cast<const char*>(send.raw_data());
     auto* recv_bytes = static_cast<char*>(recv.raw_data());
     const auto* window = static_cast<const char*>(buffer_);
     const uintptr_t addr = reinterpret_cast<uintptr_t>(send_bytes) | reinterpret_cast<uintptr_t>(recv_bytes);
+    const bool has_pad = pad.segment_starts.defined();
+    const int32_t* seg = has_pad ? pad.segment_starts.data<int32_t>() : nullptr;
+    const int32_t* covered = has_pad ? pad.covered_rows.data<int32_t>() : nullptr;
+    const int num_segments = has_pad ? int(pad.covered_rows.numel()) : 0;
+    const uint4 pattern = fill_pattern(pad.value, recv.dtype());
     auto launch = [&](auto unit) {
       using U = decltype(unit);
-      lsa_put_kernel<U><<<kCtas, kThreads, 0, stream>>>(dev_, window_, send_bytes, out_table.data<int32_t>(), n, C,
-                                                        send.size(0), recv.size(0), row_bytes);
+      lsa_put_kernel<U><<<kCtas, kThreads, 0, stream>>>(dev_, window_, send_bytes, recv_bytes,
+                                                        out_table.data<int32_t>(), rank_, n, C, send.size(0),
+                                                        recv.size(0), row_bytes);
       FLOWMOE_CUDA_CHECK_LAUNCH();
-      lsa_copy_out_kernel<U><<<copy_ctas_, kThreads, 0, stream>>>(recv_bytes, window, in_table.data<int32_t>(),
-                                                                  int(in_table.numel() / 3), recv.size(0), row_bytes);
+      lsa_copy_out_kernel<U><<<copy_ctas_, kThreads, 0, stream>>>(
+          recv_bytes, window, in_table.data<int32_t>(), rank_, C, int(in_table.numel() / 3), recv.size(0), row_bytes,
+          seg, covered, num_segments, pattern);
       FLOWMOE_CUDA_CHECK_LAUNCH();
     };
     if (row_bytes % 16 == 0 && addr % 16 == 0)
@@ -137,6 +175,7 @@ class LsaPutImpl final : public LsaPut {
  private:
   ncclComm_t comm_;
   ncclDevComm dev_;
+  int rank_;  // in comm (= in its LSA team: every rank is reachable)
   void* buffer_ = nullptr;
   size_t bytes_ = 0;
   ncclWindow_t window_ = nullptr;
@@ -176,7 +215,9 @@ std::unique_ptr<LsaPut> LsaPut::create(ncclComm_t comm, int num_ranks, std::stri
   reqs.lsaBarrierCount = kCtas;
   ncclDevComm dev{};
   FLOWMOE_NCCL_CHECK(ncclDevCommCreate(comm, &reqs, &dev), comm);
-  return std::make_unique<LsaPutImpl>(comm, dev);
+  int rank = 0;
+  FLOWMOE_NCCL_CHECK(ncclCommUserRank(comm, &rank), comm);
+  return std::make_unique<LsaPutImpl>(comm, dev, rank);
 }
 
 }  // namespace flowmoe

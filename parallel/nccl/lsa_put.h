@@ -12,7 +12,7 @@
 #include <memory>
 #include <string>
 
-#include "engine/tensor.h"
+#include "parallel/communicator.h"
 
 namespace flowmoe {
 
@@ -24,13 +24,14 @@ class LsaPut {
   static std::unique_ptr<LsaPut> create(ncclComm_t comm, int num_ranks, std::string* why_not);
   virtual ~LsaPut() = default;
 
-  // Collective; recv has the same shape on every rank. recv is filled with `fill`, every rank's kernel
-  // writes its out_table chunks (out_table [n, C, 3] i32 on the device: row in send, row in the peer's
-  // recv, rows) into the peers' windows (grown collectively to recv's bytes when smaller) between two
-  // LSA barriers, and the in_table chunks (the same rows as the peers list them for this rank) are
-  // copied from this rank's window into recv. All on `stream`.
+  // Collective; recv has the same shape on every rank. Every rank's kernel writes its out_table chunks
+  // (out_table [n, C, 3] i32 on the device: row in send, row in the peer's recv, rows) into the peers'
+  // windows (grown collectively to recv's bytes when smaller), and its own into recv, between two LSA
+  // barriers; then the in_table chunks (the same rows as the peers list them for this rank) are copied
+  // from this rank's window into recv and pad's rows set (Communicator::PadRows, on the device). Rows
+  // of recv that neither covers are not written. All on `stream`.
   virtual void put(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
-                   double fill, cudaStream_t stream) = 0;
+                   const Communicator::PadRows& pad, cudaStream_t stream) = 0;
 };
 
 }  // namespace flowmoe

@@ -5,8 +5,10 @@
 // buffer it must receive: each row value names its source rank and token, and a wrong row is named.
 // Routings: random, skewed to one expert, all to one rank, a rank with no tokens, an expert with none.
 // Each check runs on the one-sync path and on the zero-sync one (DispatchOptions::zero_sync), whose
-// worst-case buffer must hold the same rows as the sync buffer, then pad rows to its end.
+// worst-case buffer must hold the same rows as the sync buffer; its tail is unspecified, and NaN bytes
+// wherever the rows moved through the host (so that a reader of the tail fails these tests).
 // Then the MoE layer itself at expert-parallel size n against one process on the whole batch.
+#include <cmath>
 #include <random>
 
 #include "engine/ops/ops.h"
@@ -155,6 +157,15 @@ void check_counts_match_sync(const Dispatched& z, const RankData& mine, const Ra
       << "the zero-sync buffer's segments differ from the sync buffer";
 }
 
+// Past the sync buffer's rows, a zero-sync buffer's tail: NaN where the rows moved through the host
+// (every backend but nccl's device puts, which leave it unwritten).
+void check_tail(const std::vector<float>& got, size_t first, const Ranks& ranks) {
+  if (!ranks.zero_sync || std::string(ranks.comm->backend_name()) == "nccl") return;
+  size_t finite = 0;
+  for (size_t i = first; i < got.size(); ++i) finite += std::isfinite(got[i]) ? 1 : 0;
+  EXPECT_EQ(finite, size_t(0)) << "of the " << got.size() - first << " values of the zero-sync tail";
+}
+
 // Dispatch, then combine of the rows as they came (y = Σ_j row = k·x): every received row is named.
 void check_round_trip(const Ranks& ranks) {
   const Device device = ranks.device;
@@ -175,8 +186,9 @@ void check_round_trip(const Ranks& ranks) {
     }
     const std::vector<float> got = d.rows.data().to_floats();
     EXPECT_EQ(d.rows.size(0), dispatched_rows(ranks, r, want.size()));
-    for (size_t i = 0; i < size_t(d.rows.size(0)); ++i) {
-      const auto [p, t] = i < want.size() ? want[i] : std::pair<int, int64_t>{-1, -1};
+    check_tail(got, want.size() * size_t(H), ranks);
+    for (size_t i = 0; i < want.size(); ++i) {
+      const auto [p, t] = want[i];
       const float v = got[i * size_t(H) + 1];
       const float w = p < 0 ? 0.f : token_code(p, t, 1);
       EXPECT_EQ(v, w) << "rank " << me << " row " << i << ": expected " << (p < 0 ? "a zero pad row" : decode_token(w))
@@ -225,8 +237,9 @@ void check_fp8_bits(const Ranks& ranks) {
     const auto want = expected_rows(all, me);
     const int64_t cols = s.size(1);
     EXPECT_EQ(rows.size(0), dispatched_rows(ranks, r, want.size()));
-    for (size_t i = 0; i < size_t(rows.size(0)); ++i) {  // past want: the zero-sync tail, pad rows
-      const auto [p, t] = i < want.size() ? want[i] : std::pair<int, int64_t>{-1, -1};
+    check_tail(s.to_floats(), want.size() * size_t(cols), ranks);
+    for (size_t i = 0; i < want.size(); ++i) {
+      const auto [p, t] = want[i];
       const auto* a = static_cast<const uint8_t*>(rows.raw_data()) + i * size_t(H);
       const float* sa = s.data<float>() + i * size_t(cols);
       bool same = true;
