@@ -178,52 +178,66 @@ std::vector<Communicator::RowChunk> table_chunks(const std::vector<int64_t>& v, 
 
 }  // namespace
 
-void Communicator::put_rows(const Tensor& send_in, const Tensor& out_table, const Tensor& recv,
-                            const Tensor& in_table, const PadRows& pad) {
-  check_rows_tensor(send_in, "put_rows", "send");
-  check_rows_tensor(recv, "put_rows", "recv");
-  FLOWMOE_CHECK(row_shape(send_in) == row_shape(recv), ShapeError, "put_rows: send rows ",
-                shape_str(row_shape(send_in)), " and recv rows ", shape_str(row_shape(recv)), " differ");
-  check_output(recv, send_in, "put_rows", "recv");
-  check_put_table(out_table, send_in, size(), "out_table");
-  check_put_table(in_table, send_in, size(), "in_table");
+void Communicator::put_rows(const std::vector<RowPut>& tensors_in, const Tensor& out_table, const Tensor& in_table,
+                            const PadSegments& pad) {
+  FLOWMOE_CHECK(!tensors_in.empty(), ShapeError, "put_rows: no tensors to move");
+  std::vector<RowPut> tensors = tensors_in;
+  for (RowPut& t : tensors) {
+    check_rows_tensor(t.send, "put_rows", "send");
+    check_rows_tensor(t.recv, "put_rows", "recv");
+    FLOWMOE_CHECK(row_shape(t.send) == row_shape(t.recv), ShapeError, "put_rows: send rows ",
+                  shape_str(row_shape(t.send)), " and recv rows ", shape_str(row_shape(t.recv)), " differ");
+    check_output(t.recv, t.send, "put_rows", "recv");
+    const RowPut& first = tensors.front();
+    FLOWMOE_CHECK(t.send.size(0) == first.send.size(0) && t.recv.size(0) == first.recv.size(0), ShapeError,
+                  "put_rows: ", t.send.describe(), " → ", t.recv.describe(), " and ", first.send.describe(), " → ",
+                  first.recv.describe(), " move along one table but have different rows");
+    t.send = t.send.contiguous();
+  }
+  const Tensor& send0 = tensors.front().send;
+  check_put_table(out_table, send0, size(), "out_table");
+  check_put_table(in_table, send0, size(), "in_table");
   FLOWMOE_CHECK(out_table.size(1) == in_table.size(1), ShapeError, "put_rows: out_table ", out_table.describe(),
                 " and in_table ", in_table.describe(), " list different chunks per peer");
-  if (pad.segment_starts.defined()) {
-    const Tensor& s = pad.segment_starts;
-    const Tensor& c = pad.covered_rows;
+  if (pad.starts.defined()) {
+    const Tensor& s = pad.starts;
+    const Tensor& c = pad.covered;
     FLOWMOE_CHECK(s.dim() == 1 && s.numel() >= 1 && s.dtype() == DType::i32 && s.is_contiguous() && c.defined() &&
                       c.dim() == 1 && c.numel() == s.numel() - 1 && c.dtype() == DType::i32 && c.is_contiguous() &&
                       s.device() == in_table.device() && c.device() == in_table.device(),
-                  ShapeError, "put_rows: pad segment_starts ", s.describe(), " and covered_rows ",
+                  ShapeError, "put_rows: pad starts ", s.describe(), " and covered ",
                   c.defined() ? c.describe() : std::string("(undefined)"),
                   " must be contiguous [S+1] and [S] i32 beside in_table ", in_table.describe());
   }
-  Tensor send = send_in.contiguous();
-  timed_exchange([&] { do_put_rows(send, out_table, recv, in_table, pad, row_bytes_of(send)); });
+  timed_exchange([&] { do_put_rows(tensors, out_table, in_table, pad); });
 }
 
-void Communicator::do_put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
-                               const PadRows& pad, size_t row_bytes) {
+void Communicator::do_put_rows(const std::vector<RowPut>& tensors, const Tensor& out_table, const Tensor& in_table,
+                               const PadSegments& pad) {
   if (out_table.device().is_cuda() || in_table.device().is_cuda()) note_host_sync();  // one wait for every read
   const int64_t C = out_table.size(1);
   const std::vector<RowChunk> send_chunks = table_chunks(out_table.to_ints(), C);
   const std::vector<RowChunk> recv_chunks = table_chunks(in_table.to_ints(), C);
-  check_chunk_lists(send, send_chunks, recv, recv_chunks, rank(), size());
-  Tensor out = recv;  // a handle on the same storage
-  out.fill_bytes_(0xFF);  // the unspecified rows: NaN in every float dtype
-  if (pad.segment_starts.defined()) {
-    // The value over every segment, pad rows and covered rows alike (the chunks overwrite the latter).
-    const std::vector<int64_t> starts = pad.segment_starts.to_ints();
-    FLOWMOE_CHECK(starts.front() >= 0 && starts.front() <= starts.back() && starts.back() <= recv.size(0), ShapeError,
-                  "put_rows: pad segments [", starts.front(), ", ", starts.back(), ") run past recv ", recv.describe());
-    Tensor segments = out.slice(0, starts.front(), starts.back());
-    if (pad.value == 0)
+  const RowPut& first = tensors.front();
+  check_chunk_lists(first.send, send_chunks, first.recv, recv_chunks, rank(), size());
+  int64_t segments_begin = 0, segments_end = 0;  // the value goes over every segment, pad rows and covered alike
+  if (pad.starts.defined()) {
+    const std::vector<int64_t> starts = pad.starts.to_ints();
+    segments_begin = starts.front(), segments_end = starts.back();
+    FLOWMOE_CHECK(segments_begin >= 0 && segments_begin <= segments_end && segments_end <= first.recv.size(0),
+                  ShapeError, "put_rows: pad segments [", segments_begin, ", ", segments_end, ") run past recv ",
+                  first.recv.describe());
+  }
+  for (const RowPut& t : tensors) {
+    Tensor out = t.recv;  // a handle on the same storage
+    out.fill_bytes_(0xFF);  // the unspecified rows: NaN in every float dtype
+    Tensor segments = out.slice(0, segments_begin, segments_end);
+    if (t.pad_value == 0)
       segments.zero_();  // any dtype, FP8 bytes included
     else
-      segments.fill_(pad.value);
+      segments.fill_(t.pad_value);
+    do_all_to_all_chunks(t.send, send_chunks, t.recv, recv_chunks, row_bytes_of(t.send));  // the chunks overwrite
   }
-  do_all_to_all_chunks(send, send_chunks, recv, recv_chunks, row_bytes);
 }
 
 std::vector<int64_t> Communicator::exchange_counts(const std::vector<int64_t>& send_rows) {

@@ -58,29 +58,39 @@ class Communicator {
   // straight in an expert-major padded layout.
   void all_to_all_chunks(const Tensor& send, const std::vector<RowChunk>& send_chunks, const Tensor& recv,
                          const std::vector<RowChunk>& recv_chunks);
-  // The rows of put_rows' recv that take a value though no chunk covers them: in segment s, the rows
-  // [starts[s] + covered[s], starts[s+1]), an expert's pad rows, which its GEMMs read. Rows past
-  // starts[S] (a worst-case buffer's tail) and any others no chunk covers are left unspecified.
-  struct PadRows {
-    Tensor segment_starts;  // [S+1] i32 beside the tables; undefined: no row takes a value
-    Tensor covered_rows;    // [S] i32: the rows the chunks fill at the start of each segment
-    double value = 0;       // 0: zero bytes, any dtype
+  // One tensor of a put_rows: send [S, ...] to recv [R, ...] (the same row shape, recv not sharing
+  // send's storage), and the value recv's pad rows take (0: zero bytes, any dtype).
+  struct RowPut {
+    Tensor send;
+    Tensor recv;
+    double pad_value = 0;
+  };
+  // The rows of put_rows' recv tensors that take their pad value though no chunk covers them: in
+  // segment s, the rows [starts[s] + covered[s], starts[s+1]), an expert's pad rows, which its GEMMs
+  // read. Rows past starts[S] (a worst-case buffer's tail) and any others no chunk covers are left
+  // unspecified.
+  struct PadSegments {
+    Tensor starts;   // [S+1] i32 beside the tables; undefined: no row takes a value
+    Tensor covered;  // [S] i32: the rows the chunks fill at the start of each segment
   };
   // Rows into the peers' buffers along tables that stay where they were computed (the device), for an
   // exchange whose sizes the host never reads (DESIGN.md §2, zero-sync dispatch). Collective.
+  //   tensors: moved along the same tables (rows, their FP8 scales, their probs), every send with S
+  //            rows and every recv with R
   //   out_table [n, C, 3] i32: for peer q and chunk c, (first row in send, first row in q's recv, rows)
   //   in_table  [n, C, 3] i32: for peer p and chunk c, (first row in recv, first row in p's send, rows):
   //             the chunks p's out_table lists for this rank, in the same order
-  //   recv [R, ...]: the chunks' rows, and pad's rows set to pad.value; every other row is unspecified.
-  // nccl on load/store-reachable GPUs writes the rows into the peers' memory from a kernel that reads
-  // out_table on the device (parallel/nccl/lsa_put.h): no host read, and recv must have the same shape
-  // on every rank (a worst-case size). Elsewhere (none, mpi, nccl without NVLink/P2P reach) the tables
-  // are read to the host (one counted sync for device tables) and the rows move by all_to_all_chunks.
-  // A chunk that runs past either buffer is an error (checked on the host paths; skipped on the device).
-  // The host paths write the unspecified rows with NaN bytes (0xFF), so that a reader of them fails
-  // loudly in tests; the device path leaves them as they were, which is the write it saves.
-  void put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
-                const PadRows& pad);
+  //   each recv: the chunks' rows, and pad's rows set to its pad_value; every other row is unspecified.
+  // nccl on load/store-reachable GPUs writes the rows of every tensor into the peers' memory from one
+  // kernel that reads out_table on the device (parallel/nccl/lsa_put.h): no host read, and each recv
+  // must have the same shape on every rank (a worst-case size). Elsewhere (none, mpi, nccl without
+  // NVLink/P2P reach) the tables are read to the host (one counted sync for device tables) and the rows
+  // move by all_to_all_chunks. A chunk that runs past either buffer is an error (checked on the host
+  // paths; skipped on the device). The host paths write the unspecified rows with NaN bytes (0xFF), so
+  // that a reader of them fails loudly in tests; the device path leaves them as they were, which is
+  // the write it saves.
+  void put_rows(const std::vector<RowPut>& tensors, const Tensor& out_table, const Tensor& in_table,
+                const PadSegments& pad);
   // Whether put_rows writes into the peers' memory from the device (nccl, every rank load/store
   // reachable), so that it reads nothing to the host. Collective the first time (nccl sets up its window
   // machinery then): every rank asks at the same point.
@@ -125,11 +135,12 @@ class Communicator {
   // chunks disjoint, and this rank's chunks to itself matched (non-empty ones in order, equal rows).
   virtual void do_all_to_all_chunks(const Tensor& send, const std::vector<RowChunk>& send_chunks, const Tensor& recv,
                                     const std::vector<RowChunk>& recv_chunks, size_t row_bytes) = 0;
-  // Called with checked arguments (tables [n, C, 3] i32, recv contiguous with send's row shape, pad's
-  // tensors i32 of one length). The default reads the tables and pad's tensors to the host, writes
-  // recv's rows (NaN bytes, then pad.value over the segments) and calls do_all_to_all_chunks.
-  virtual void do_put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
-                           const PadRows& pad, size_t row_bytes);
+  // Called with checked arguments (tables [n, C, 3] i32; each send contiguous, each recv contiguous
+  // with its send's row shape; pad's tensors [S+1] and [S] i32). The default reads the tables and pad's
+  // starts to the host, writes each recv's rows (NaN bytes, then its pad_value over the segments) and
+  // calls do_all_to_all_chunks for each tensor.
+  virtual void do_put_rows(const std::vector<RowPut>& tensors, const Tensor& out_table, const Tensor& in_table,
+                           const PadSegments& pad);
   virtual bool do_device_puts() { return false; }
   virtual void do_all_reduce(const Tensor& t, ReduceOp op) = 0;
   virtual void do_all_gather(const Tensor& send, const Tensor& recv, size_t row_bytes) = 0;

@@ -123,21 +123,28 @@ int64_t sum_tokens(const ExchangePlan& p) {
   return n;
 }
 
-// One tensor's rows along the plan; `pad` fills the padded side's uncovered rows.
+// The shape of src's rows on the other side of the plan.
+Shape moved_shape(const Tensor& src, const ExchangePlan& p, ExchangeDirection dir) {
+  Shape shape = src.shape();
+  shape[0] = dir == ExchangeDirection::to_experts ? p.num_padded_rows : p.num_sorted_rows;
+  return shape;
+}
+
+// Every tensor's rows along a device plan in one put_rows. Toward the experts each segment's pad rows
+// take their pad value (the GEMMs read them); nothing reads the worst-case tail, nor the sender's pad
+// rows on the way back (unpermute reads the routed rows only).
+void put_rows_on_device(const std::vector<Communicator::RowPut>& tensors, const ExchangePlan& p, ExchangeDirection dir) {
+  const bool to_experts = dir == ExchangeDirection::to_experts;
+  Communicator::PadSegments pad;
+  if (to_experts) pad = {p.device_segment_starts, p.device_tokens_per_expert};
+  p.comm->put_rows(tensors, to_experts ? p.to_experts_table : p.to_tokens_table,
+                   to_experts ? p.to_tokens_table : p.to_experts_table, pad);
+}
+
+// One tensor's rows along a host plan; `pad` fills the padded side's uncovered rows.
 Tensor move_rows(const Tensor& src, const ExchangePlan& p, ExchangeDirection dir, double pad) {
   const bool to_experts = dir == ExchangeDirection::to_experts;
-  Shape shape = src.shape();
-  shape[0] = to_experts ? p.num_padded_rows : p.num_sorted_rows;
-  if (p.on_device) {
-    // Toward the experts each segment's pad rows take `pad` (the GEMMs read them); nothing reads the
-    // worst-case tail, nor the sender's pad rows on the way back (unpermute reads the routed rows only).
-    Communicator::PadRows pad_rows;
-    if (to_experts) pad_rows = {p.device_segment_starts, p.device_tokens_per_expert, pad};
-    Tensor dst = Tensor::empty(shape, src.dtype(), src.device());
-    p.comm->put_rows(src, to_experts ? p.to_experts_table : p.to_tokens_table, dst,
-                     to_experts ? p.to_tokens_table : p.to_experts_table, pad_rows);
-    return dst;
-  }
+  const Shape shape = moved_shape(src, p, dir);
   const bool has_pad_rows = to_experts && p.num_padded_rows > sum_tokens(p);
   // The padded side's uncovered rows (each expert's pad rows and the tail) take the pad value: one
   // fill of the whole buffer, which the exchange then overwrites, costs one extra write but a
@@ -157,14 +164,22 @@ std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, E
       rows.dim() == 2 && rows.size(0) == (dir == ExchangeDirection::to_experts ? p.num_sorted_rows : p.num_padded_rows),
       ShapeError, "exchange: rows ", rows.describe(), " do not have the plan's ",
       dir == ExchangeDirection::to_experts ? p.num_sorted_rows : p.num_padded_rows, " rows");
-  Tensor out = move_rows(rows.contiguous(), p, dir, 0.0);
-  if (const auto& s = rows.fp8_scales()) {
-    FLOWMOE_CHECK(s->mode == ScalingMode::rowwise_1x128, DTypeError, "exchange: FP8 rows must carry rowwise 1x128 ",
-                  "scales, got ", scaling_mode_name(s->mode));
-    out = out.with_scales(move_rows(s->scale_inv.contiguous(), p, dir, 1.0), ScalingMode::rowwise_1x128);
+  const auto& scales = rows.fp8_scales();
+  FLOWMOE_CHECK(!scales || scales->mode == ScalingMode::rowwise_1x128, DTypeError,
+                "exchange: FP8 rows must carry rowwise 1x128 scales, got ", scaling_mode_name(scales->mode));
+  // What moves, with the value of its pad rows: the rows (zero), their scales (1.0), the probs (zero).
+  std::vector<Communicator::RowPut> tensors = {{rows.contiguous(), Tensor(), 0.0}};
+  if (scales) tensors.push_back({scales->scale_inv.contiguous(), Tensor(), 1.0});
+  if (in[1].defined()) tensors.push_back({in[1].contiguous(), Tensor(), 0.0});
+  if (p.on_device) {
+    for (auto& t : tensors) t.recv = Tensor::empty(moved_shape(t.send, p, dir), t.send.dtype(), t.send.device());
+    put_rows_on_device(tensors, p, dir);
+  } else {
+    for (auto& t : tensors) t.recv = move_rows(t.send, p, dir, t.pad_value);
   }
-  Tensor probs = in[1].defined() ? move_rows(in[1].contiguous(), p, dir, 0.0) : Tensor();
-  return {out, probs};
+  Tensor out = tensors[0].recv;
+  if (scales) out = out.with_scales(tensors[1].recv, ScalingMode::rowwise_1x128);
+  return {out, in[1].defined() ? tensors.back().recv : Tensor()};
 }
 
 // Inputs: [rows, probs (or undefined)]. Outputs: the same, moved. Linear, so its vjp is the move back.

@@ -119,15 +119,15 @@ class NcclCommunicator final : public Communicator {
     send_recv_chunks(send, send_chunks, recv, recv_chunks, row_bytes, "all_to_all_chunks");
   }
 
-  void do_put_rows(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
-                   const PadRows& pad, size_t row_bytes) override {
-    check_on_device(send, "put_rows");
-    if (!do_device_puts() || out_table.device().is_cpu() || row_bytes == 0) {
-      Communicator::do_put_rows(send, out_table, recv, in_table, pad, row_bytes);
+  void do_put_rows(const std::vector<RowPut>& tensors, const Tensor& out_table, const Tensor& in_table,
+                   const PadSegments& pad) override {
+    for (const RowPut& t : tensors) check_on_device(t.send, "put_rows");
+    if (!do_device_puts() || out_table.device().is_cpu()) {
+      Communicator::do_put_rows(tensors, out_table, in_table, pad);
       return;
     }
     DeviceScope scope(device_);
-    lsa_->put(send, out_table, recv, in_table, pad, enqueue_stream());
+    lsa_->put(tensors, out_table, in_table, pad, enqueue_stream());
   }
 
   bool do_device_puts() override {

@@ -1,12 +1,14 @@
 // Device-initiated row puts over load/store-reachable GPUs (parallel/nccl/lsa_put.h), NCCL >= 2.28.
 //   window: ncclMemAlloc'd, registered NCCL_WIN_COLL_SYMMETRIC, the same bytes on every rank (the
-//           receive buffers are worst-case sized, so their shapes agree); grown collectively, never shrunk
-//   put:    kernel: LSA barrier; each chunk of out_table copied as one contiguous block (rows are
-//           consecutive on both sides) into the peer's window (its own chunks straight into recv) with
-//           16/4/1-byte stores spread over every thread of the grid; LSA barrier (release/acquire) →
-//           kernel: the peers' chunks of in_table copied from the own window into recv, then the pad
-//           rows of each segment set to the pad value. No other row is written: not the worst-case
-//           tail, whose fill would cost more than the rows themselves at 4 ranks.
+//           receive buffers are worst-case sized, so their shapes agree), each tensor of a put at its
+//           own offset; grown collectively, never shrunk
+//   put:    kernel: LSA barrier; each chunk of out_table copied, for every tensor (rows, FP8 scales,
+//           probs: one put), as one contiguous block (rows are consecutive on both sides) into the
+//           peer's window (its own chunks straight into recv) with 16/4/1-byte stores spread over every
+//           thread of the grid; LSA barrier (release/acquire) → kernel: the peers' chunks of in_table
+//           copied from the own window into the recvs, then the pad rows of each segment set to each
+//           tensor's pad value. No other row is written: not the worst-case tail, whose fill would
+//           cost more than the rows themselves at 4 ranks.
 // Why the barriers suffice: every rank launches the same kCtas CTAs, and CTA b's barrier b covers CTA b
 // of every rank, so after the kernel every peer's stores into this window have landed. The first
 // barrier orders this rank's previous copy-out (an earlier launch on the stream) before any peer's
@@ -71,47 +73,89 @@ __device__ __forceinline__ bool chunk_rows(const int32_t* table, int i, int64_t 
   return rows > 0 && src >= 0 && dst >= 0 && src + rows <= src_rows && dst + rows <= dst_rows;
 }
 
-// send [send_rows, row_bytes] (this rank `me`); out_table [n, C, 3] i32 (row in send, row in the
-// peer's window, rows); window and recv: recv_rows rows on every rank. U: the store unit, dividing
-// row_bytes and the send and recv addresses.
-template <class U>
-__global__ void lsa_put_kernel(ncclDevComm comm, ncclWindow_t window, const char* __restrict__ send,
-                               char* __restrict__ recv, const int32_t* __restrict__ out_table, int me, int num_peers,
-                               int chunks_per_peer, int64_t send_rows, int64_t recv_rows, int64_t row_bytes) {
+// One tensor of a put: its rows' bytes on both sides, where its rows sit in the window, its store unit
+// (16, 4 or 1 bytes: dividing row_bytes and both addresses) and its pad rows' 16-byte pattern.
+struct PutTensor {
+  const char* send;  // [send_rows, row_bytes]
+  char* recv;        // [recv_rows, row_bytes]
+  int64_t window_offset;
+  int64_t row_bytes;
+  int unit;
+  uint4 pattern;
+};
+struct PutTensors {
+  PutTensor t[LsaPut::kMaxTensors];
+  int count;
+  int64_t send_rows, recv_rows;
+};
+
+// f(U{}) with the store unit of `unit` bytes.
+template <class F>
+__device__ __forceinline__ void with_unit(int unit, F&& f) {
+  if (unit == 16)
+    f(uint4{});
+  else if (unit == 4)
+    f(uint32_t{});
+  else
+    f(uint8_t{});
+}
+
+// out_table [n, C, 3] i32 (row in send, row in the peer's recv, rows), shared by every tensor; the
+// window holds each tensor's recv_rows rows at its window_offset, on every rank. This rank is `me`.
+__global__ void lsa_put_kernel(ncclDevComm comm, ncclWindow_t window, PutTensors ts,
+                               const int32_t* __restrict__ out_table, int me, int num_peers, int chunks_per_peer) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), comm, ncclTeamTagLsa{}, blockIdx.x};
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every peer has read the last put out of its window
-  const int64_t units_per_row = row_bytes / int64_t(sizeof(U));
   int64_t base = 0, src = 0, dst = 0, rows = 0;
   for (int i = 0; i < num_peers * chunks_per_peer; ++i) {
-    if (!chunk_rows(out_table, i, send_rows, recv_rows, src, dst, rows)) continue;
+    if (!chunk_rows(out_table, i, ts.send_rows, ts.recv_rows, src, dst, rows)) continue;
     const int peer = i / chunks_per_peer;
-    void* to = peer == me ? recv + dst * row_bytes : ncclGetPeerPointer(window, size_t(dst * row_bytes), peer);
-    copy_spread(static_cast<U*>(to), reinterpret_cast<const U*>(send + src * row_bytes), rows * units_per_row, base);
+    for (int k = 0; k < ts.count; ++k) {
+      const PutTensor& t = ts.t[k];
+      const int64_t at = dst * t.row_bytes;
+      void* to = peer == me ? t.recv + at : ncclGetPeerPointer(window, size_t(t.window_offset + at), peer);
+      with_unit(t.unit, [&](auto unit) {
+        using U = decltype(unit);
+        copy_spread(static_cast<U*>(to), reinterpret_cast<const U*>(t.send + src * t.row_bytes),
+                    rows * (t.row_bytes / int64_t(sizeof(U))), base);
+      });
+    }
   }
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every rank's stores into every window have landed
 }
 
-// recv [recv_rows, row_bytes] gets the rows the peers put into this rank's window: in_table [n, C, 3]
-// i32 (row in recv = row in the window, row in the peer's send, rows), skipping this rank's own chunks
-// (already in recv). Then the pad rows [seg[s] + covered[s], seg[s+1]) of each of num_segments segments
-// (seg [S+1], covered [S] i32; none when seg is null) take the pattern. No other row is read or written.
-template <class U>
-__global__ void lsa_copy_out_kernel(char* __restrict__ recv, const char* __restrict__ window,
+// Each recv gets the rows the peers put into this rank's window: in_table [n, C, 3] i32 (row in recv =
+// row in the window, row in the peer's send, rows), skipping this rank's own chunks (already in recv).
+// Then the pad rows [seg[s] + covered[s], seg[s+1]) of each of num_segments segments (seg [S+1],
+// covered [S] i32; none when seg is null) take each tensor's pattern. No other row is read or written.
+__global__ void lsa_copy_out_kernel(PutTensors ts, const char* __restrict__ window,
                                     const int32_t* __restrict__ in_table, int me, int chunks_per_peer, int num_chunks,
-                                    int64_t recv_rows, int64_t row_bytes, const int32_t* __restrict__ seg,
-                                    const int32_t* __restrict__ covered, int num_segments, uint4 pattern) {
-  const int64_t units_per_row = row_bytes / int64_t(sizeof(U));
+                                    const int32_t* __restrict__ seg, const int32_t* __restrict__ covered,
+                                    int num_segments) {
   int64_t base = 0, row = 0, peer_row = 0, rows = 0;
   for (int i = 0; i < num_chunks; ++i) {
-    if (i / chunks_per_peer == me || !chunk_rows(in_table, i, recv_rows, INT64_MAX, row, peer_row, rows)) continue;
-    copy_spread(reinterpret_cast<U*>(recv + row * row_bytes), reinterpret_cast<const U*>(window + row * row_bytes),
-                rows * units_per_row, base);
+    if (i / chunks_per_peer == me || !chunk_rows(in_table, i, ts.recv_rows, INT64_MAX, row, peer_row, rows)) continue;
+    for (int k = 0; k < ts.count; ++k) {
+      const PutTensor& t = ts.t[k];
+      const int64_t at = row * t.row_bytes;
+      with_unit(t.unit, [&](auto unit) {
+        using U = decltype(unit);
+        copy_spread(reinterpret_cast<U*>(t.recv + at), reinterpret_cast<const U*>(window + t.window_offset + at),
+                    rows * (t.row_bytes / int64_t(sizeof(U))), base);
+      });
+    }
   }
   for (int s = 0; seg && s < num_segments; ++s) {
-    const int64_t first = int64_t(seg[s]) + covered[s], end = min(int64_t(seg[s + 1]), recv_rows);
+    const int64_t first = int64_t(seg[s]) + covered[s], end = min(int64_t(seg[s + 1]), ts.recv_rows);
     if (first < 0 || first >= end) continue;
-    fill_spread(reinterpret_cast<U*>(recv + first * row_bytes), first * row_bytes, (end - first) * units_per_row,
-                pattern, base);
+    for (int k = 0; k < ts.count; ++k) {
+      const PutTensor& t = ts.t[k];
+      with_unit(t.unit, [&](auto unit) {
+        using U = decltype(unit);
+        fill_spread(reinterpret_cast<U*>(t.recv + first * t.row_bytes), first * t.row_bytes,
+                    (end - first) * (t.row_bytes / int64_t(sizeof(U))), t.pattern, base);
+      });
+    }
   }
 }
 
@@ -122,6 +166,14 @@ uint4 fill_pattern(double value, DType dtype) {
   const Tensor one = Tensor::full({int64_t(16 / dtype_size(dtype))}, value, dtype, Device::cpu());
   std::memcpy(&pattern, one.raw_data(), sizeof(pattern));
   return pattern;
+}
+
+// The widest store unit that divides the row bytes and both addresses.
+int store_unit(int64_t row_bytes, const void* send, const void* recv) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(send) | reinterpret_cast<uintptr_t>(recv);
+  for (int unit : {16, 4})
+    if (row_bytes % unit == 0 && addr % uintptr_t(unit) == 0) return unit;
+  return 1;
 }
 
 class LsaPutImpl final : public LsaPut {
@@ -137,39 +189,37 @@ class LsaPutImpl final : public LsaPut {
     ncclDevCommDestroy(comm_, &dev_);
   }
 
-  void put(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
-           const Communicator::PadRows& pad, cudaStream_t stream) override {
-    const size_t bytes = recv.nbytes();
+  void put(const std::vector<Communicator::RowPut>& tensors, const Tensor& out_table, const Tensor& in_table,
+           const Communicator::PadSegments& pad, cudaStream_t stream) override {
+    FLOWMOE_CHECK(!tensors.empty() && tensors.size() <= size_t(kMaxTensors), ShapeError, "put_rows: ",
+                  tensors.size(), " tensors; the device put moves 1 to ", kMaxTensors);
+    PutTensors ts{};
+    ts.count = int(tensors.size());
+    ts.send_rows = tensors.front().send.size(0);
+    ts.recv_rows = tensors.front().recv.size(0);
+    size_t bytes = 0;  // the window: each tensor's rows, 256-byte aligned, one after the other
+    for (int k = 0; k < ts.count; ++k) {
+      const Communicator::RowPut& r = tensors[size_t(k)];
+      PutTensor& t = ts.t[k];
+      t.send = static_cast<const char*>(r.send.raw_data());
+      t.recv = static_cast<char*>(r.recv.raw_data());
+      t.row_bytes = ts.recv_rows == 0 ? 0 : int64_t(r.recv.nbytes() / size_t(ts.recv_rows));
+      t.window_offset = int64_t(bytes);
+      t.unit = store_unit(t.row_bytes, t.send, t.recv);
+      t.pattern = fill_pattern(r.pad_value, r.recv.dtype());
+      bytes += (r.recv.nbytes() + 255) / 256 * 256;
+    }
     if (bytes == 0) return;  // the same on every rank: the shapes agree
     ensure_window(bytes, stream);
-    const int64_t row_bytes = int64_t(bytes / size_t(recv.size(0)));
     const int n = int(out_table.size(0)), C = int(out_table.size(1));
-    const auto* send_bytes = static_cast<const char*>(send.raw_data());
-    auto* recv_bytes = static_cast<char*>(recv.raw_data());
-    const auto* window = static_cast<const char*>(buffer_);
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(send_bytes) | reinterpret_cast<uintptr_t>(recv_bytes);
-    const bool has_pad = pad.segment_starts.defined();
-    const int32_t* seg = has_pad ? pad.segment_starts.data<int32_t>() : nullptr;
-    const int32_t* covered = has_pad ? pad.covered_rows.data<int32_t>() : nullptr;
-    const int num_segments = has_pad ? int(pad.covered_rows.numel()) : 0;
-    const uint4 pattern = fill_pattern(pad.value, recv.dtype());
-    auto launch = [&](auto unit) {
-      using U = decltype(unit);
-      lsa_put_kernel<U><<<kCtas, kThreads, 0, stream>>>(dev_, window_, send_bytes, recv_bytes,
-                                                        out_table.data<int32_t>(), rank_, n, C, send.size(0),
-                                                        recv.size(0), row_bytes);
-      FLOWMOE_CUDA_CHECK_LAUNCH();
-      lsa_copy_out_kernel<U><<<copy_ctas_, kThreads, 0, stream>>>(
-          recv_bytes, window, in_table.data<int32_t>(), rank_, C, int(in_table.numel() / 3), recv.size(0), row_bytes,
-          seg, covered, num_segments, pattern);
-      FLOWMOE_CUDA_CHECK_LAUNCH();
-    };
-    if (row_bytes % 16 == 0 && addr % 16 == 0)
-      launch(uint4{});
-    else if (row_bytes % 4 == 0 && addr % 4 == 0)
-      launch(uint32_t{});
-    else
-      launch(uint8_t{});
+    const bool has_pad = pad.starts.defined();
+    lsa_put_kernel<<<kCtas, kThreads, 0, stream>>>(dev_, window_, ts, out_table.data<int32_t>(), rank_, n, C);
+    FLOWMOE_CUDA_CHECK_LAUNCH();
+    lsa_copy_out_kernel<<<copy_ctas_, kThreads, 0, stream>>>(
+        ts, static_cast<const char*>(buffer_), in_table.data<int32_t>(), rank_, C, int(in_table.numel() / 3),
+        has_pad ? pad.starts.data<int32_t>() : nullptr, has_pad ? pad.covered.data<int32_t>() : nullptr,
+        has_pad ? int(pad.covered.numel()) : 0);
+    FLOWMOE_CUDA_CHECK_LAUNCH();
   }
 
  private:

@@ -24,14 +24,16 @@ class LsaPut {
   static std::unique_ptr<LsaPut> create(ncclComm_t comm, int num_ranks, std::string* why_not);
   virtual ~LsaPut() = default;
 
-  // Collective; recv has the same shape on every rank. Every rank's kernel writes its out_table chunks
-  // (out_table [n, C, 3] i32 on the device: row in send, row in the peer's recv, rows) into the peers'
-  // windows (grown collectively to recv's bytes when smaller), and its own into recv, between two LSA
-  // barriers; then the in_table chunks (the same rows as the peers list them for this rank) are copied
-  // from this rank's window into recv and pad's rows set (Communicator::PadRows, on the device). Rows
-  // of recv that neither covers are not written. All on `stream`.
-  virtual void put(const Tensor& send, const Tensor& out_table, const Tensor& recv, const Tensor& in_table,
-                   const Communicator::PadRows& pad, cudaStream_t stream) = 0;
+  // Collective; each recv has the same shape on every rank. One kernel on every rank writes its
+  // out_table chunks (out_table [n, C, 3] i32 on the device: row in send, row in the peer's recv, rows)
+  // of every tensor into the peers' windows (one window, grown collectively to the recvs' bytes when
+  // smaller), and its own chunks into the recvs, between two LSA barriers; then a second kernel copies
+  // the in_table chunks (the same rows as the peers list them for this rank) from this rank's window
+  // into the recvs and sets pad's rows (Communicator::PadSegments, on the device). Rows that neither
+  // covers are not written. All on `stream`; at most kMaxTensors tensors.
+  static constexpr int kMaxTensors = 4;
+  virtual void put(const std::vector<Communicator::RowPut>& tensors, const Tensor& out_table, const Tensor& in_table,
+                   const Communicator::PadSegments& pad, cudaStream_t stream) = 0;
 };
 
 }  // namespace flowmoe
