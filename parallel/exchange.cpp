@@ -133,7 +133,8 @@ Shape moved_shape(const Tensor& src, const ExchangePlan& p, ExchangeDirection di
 // Every tensor's rows along a device plan in one put_rows. Toward the experts each segment's pad rows
 // take their pad value (the GEMMs read them); nothing reads the worst-case tail, nor the sender's pad
 // rows on the way back (unpermute reads the routed rows only).
-void put_rows_on_device(const std::vector<Communicator::RowPut>& tensors, const ExchangePlan& p, ExchangeDirection dir) {
+void put_rows_on_device(const std::vector<Communicator::RowPut>& tensors, const ExchangePlan& p,
+                        ExchangeDirection dir) {
   const bool to_experts = dir == ExchangeDirection::to_experts;
   Communicator::PadSegments pad;
   if (to_experts) pad = {p.device_segment_starts, p.device_tokens_per_expert};
