@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/host_threads.h"
 #include "kernels/copy.h"
 
 namespace flowmoe {
@@ -45,8 +46,7 @@ static Tensor generate(const Shape& shape, DType dtype, Device device, const F& 
       cast_cpu(out + size_t(begin) * esize, dtype, buf.data(), DType::f64, m);
     }
   };
-  const int64_t num_threads =
-      std::min<int64_t>(num_chunks / 4, std::max<int64_t>(1, std::thread::hardware_concurrency()));
+  const int64_t num_threads = std::min<int64_t>(num_chunks / 4, usable_cpu_count());
   if (num_threads <= 1) {
     fill(0, num_chunks);
     return host.to(device);

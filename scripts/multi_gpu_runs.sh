@@ -58,7 +58,7 @@ small=(--set data.synthetic_tokens=1000000 --set train.steps=20 --set optimizer.
 launch() {
   local np=$1 limit=$2 log=$3
   shift 3
-  timeout "$limit" mpirun --oversubscribe -np "$np" "$@" >"$log" 2>&1
+  timeout "$limit" mpirun --oversubscribe --bind-to none -np "$np" "$@" >"$log" 2>&1
 }
 # train_ep NP EP NAME [--set ...]: gpu_moe trained by NP ranks at expert-parallel size EP (NP 1: one process).
 train_ep() {

@@ -9,6 +9,7 @@
 #include <map>
 #include <thread>
 
+#include "engine/host_threads.h"
 #include "engine/tap.h"
 #include "kernels/common/error.h"
 #include "kernels/fp8.h"
@@ -138,8 +139,8 @@ GemmErrorSums gemm_error_sums(const Tensor& x_in, const Tensor& dy_in, const Ten
   std::vector<float> w_scale(size_t(E * fp8_num_blocks(N) * fp8_num_blocks(K))), wq(wq8.size());
   quantize_block_cpu(DType::f32, w.data<float>(), E, N, K, wq8.data(), w_scale.data(), nullptr, nullptr);
   dequantize_block_cpu(DType::f32, wq8.data(), w_scale.data(), E, N, K, wq.data());
-  const size_t workers = std::clamp<size_t>(num_threads > 0 ? size_t(num_threads) : std::thread::hardware_concurrency(),
-                                            1, std::max<size_t>(1, segments.size()));
+  const size_t workers = std::clamp<size_t>(num_threads > 0 ? size_t(num_threads) : size_t(usable_cpu_count()), 1,
+                                            std::max<size_t>(1, segments.size()));
   std::vector<GemmErrorSums> parts(workers);
   std::vector<std::thread> threads;
   for (size_t i = 0; i < workers; ++i)
