@@ -110,8 +110,9 @@ bool resolve_ep_dispatch(EpDispatch mode, Communicator* group) {
   if (!group || group->size() <= 1 || mode == EpDispatch::sync) return false;
   if (mode == EpDispatch::zero_sync) return true;
   // auto, from bench/bench_dispatch on 2 and 4 H100s (docs/PERF.md): with 2 ranks the device puts beat
-  // the one-sync exchange in every row; with 4 the fill of a worst-case buffer twice as large costs what
-  // they save. Without device puts (several hosts) zero_sync would read its tables to the host.
+  // the one-sync exchange in every row; with 4 they tied or lost while the whole worst-case buffer was
+  // filled, and have not been measured since it is not. Without device puts (several hosts) zero_sync
+  // would read its tables to the host.
   return group->size() == 2 && group->device_puts();
 }
 
