@@ -29,16 +29,21 @@ namespace {
 constexpr int kCtas = 64;       // = the LSA barriers asked of ncclDevCommCreate
 constexpr int kThreads = 512;
 
-// One chunk of `units` store units from `from` to `to`, spread over every thread of the grid; `base`
-// carries where the previous chunk left the threads, so back-to-back chunks keep every thread busy. Each
-// thread keeps kUnroll loads in flight before its stores: a remote store is posted, so the copy's rate
-// is the local loads in flight over their latency.
+// One chunk of `units` store units from `from` to `to`, spread over every thread of the grid as one
+// sequence that runs on across chunks, so back-to-back chunks keep every thread busy: `next` is this
+// thread's first unit of the chunk (its thread index at the first) and becomes its first of the next
+// chunk, by additions alone (every thread walks every chunk, so a division per chunk would cost about
+// as much as a small chunk's copy). Each thread keeps kUnroll loads in flight before its stores: a
+// remote store is posted, so the copy's rate is the local loads in flight over their latency.
 constexpr int kUnroll = 4;
+__device__ __forceinline__ int64_t first_thread_unit() { return int64_t(blockIdx.x) * blockDim.x + threadIdx.x; }
+
 template <class U>
 __device__ __forceinline__ void copy_spread(U* __restrict__ to, const U* __restrict__ from, int64_t units,
-                                            int64_t& base) {
-  const int64_t threads = int64_t(gridDim.x) * blockDim.x, tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t u = ((tid - base) % threads + threads) % threads; u < units; u += kUnroll * threads) {
+                                            int64_t& next) {
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  int64_t u = next;
+  for (; u < units; u += kUnroll * threads) {
     U v[kUnroll];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j)
@@ -47,22 +52,27 @@ __device__ __forceinline__ void copy_spread(U* __restrict__ to, const U* __restr
     for (int j = 0; j < kUnroll; ++j)
       if (u + j * threads < units) to[u + j * threads] = v[j];
   }
-  base = (base + units) % threads;
+  if (u != next) {  // this thread's first unit past the chunk is inside its last batch of kUnroll
+    u -= kUnroll * threads;
+    while (u < units) u += threads;
+  }
+  next = u - units;
 }
 
 // `units` store units of the 16-byte pattern from `to`, spread as copy_spread's; `to_byte` is to's
 // offset in a buffer whose start is element aligned, so the pattern (one element repeated) lines up.
 template <class U>
 __device__ __forceinline__ void fill_spread(U* __restrict__ to, int64_t to_byte, int64_t units, const uint4& pattern,
-                                            int64_t& base) {
-  const int64_t threads = int64_t(gridDim.x) * blockDim.x, tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+                                            int64_t& next) {
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
   const auto* bytes = reinterpret_cast<const unsigned char*>(&pattern);
-  for (int64_t u = ((tid - base) % threads + threads) % threads; u < units; u += threads) {
+  int64_t u = next;
+  for (; u < units; u += threads) {
     U v;
-    memcpy(&v, bytes + (to_byte + u * int64_t(sizeof(U))) % 16, sizeof(U));
+    memcpy(&v, bytes + ((to_byte + u * int64_t(sizeof(U))) & 15), sizeof(U));
     to[u] = v;
   }
-  base = (base + units) % threads;
+  next = u - units;
 }
 
 // A chunk's rows, or false for one outside either buffer (a routing the worst case did not allow): it is
@@ -106,21 +116,21 @@ __global__ void lsa_put_kernel(ncclDevComm comm, ncclWindow_t window, PutTensors
                                const int32_t* __restrict__ out_table, int me, int num_peers, int chunks_per_peer) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), comm, ncclTeamTagLsa{}, blockIdx.x};
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every peer has read the last put out of its window
-  int64_t base = 0, src = 0, dst = 0, rows = 0;
-  for (int i = 0; i < num_peers * chunks_per_peer; ++i) {
-    if (!chunk_rows(out_table, i, ts.send_rows, ts.recv_rows, src, dst, rows)) continue;
-    const int peer = i / chunks_per_peer;
-    for (int k = 0; k < ts.count; ++k) {
-      const PutTensor& t = ts.t[k];
-      const int64_t at = dst * t.row_bytes;
-      void* to = peer == me ? t.recv + at : ncclGetPeerPointer(window, size_t(t.window_offset + at), peer);
-      with_unit(t.unit, [&](auto unit) {
-        using U = decltype(unit);
-        copy_spread(static_cast<U*>(to), reinterpret_cast<const U*>(t.send + src * t.row_bytes),
-                    rows * (t.row_bytes / int64_t(sizeof(U))), base);
-      });
+  int64_t next = first_thread_unit(), src = 0, dst = 0, rows = 0;
+  for (int i = 0, peer = 0; peer < num_peers; ++peer)
+    for (int c = 0; c < chunks_per_peer; ++c, ++i) {
+      if (!chunk_rows(out_table, i, ts.send_rows, ts.recv_rows, src, dst, rows)) continue;
+      for (int k = 0; k < ts.count; ++k) {
+        const PutTensor& t = ts.t[k];
+        const int64_t at = dst * t.row_bytes;
+        void* to = peer == me ? t.recv + at : ncclGetPeerPointer(window, size_t(t.window_offset + at), peer);
+        with_unit(t.unit, [&](auto unit) {
+          using U = decltype(unit);
+          copy_spread(static_cast<U*>(to), reinterpret_cast<const U*>(t.send + src * t.row_bytes),
+                      rows * (t.row_bytes / int64_t(sizeof(U))), next);
+        });
+      }
     }
-  }
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every rank's stores into every window have landed
 }
 
@@ -132,16 +142,18 @@ __global__ void lsa_copy_out_kernel(PutTensors ts, const char* __restrict__ wind
                                     const int32_t* __restrict__ in_table, int me, int chunks_per_peer, int num_chunks,
                                     const int32_t* __restrict__ seg, const int32_t* __restrict__ covered,
                                     int num_segments) {
-  int64_t base = 0, row = 0, peer_row = 0, rows = 0;
+  int64_t next = first_thread_unit(), row = 0, peer_row = 0, rows = 0;
+  const int own_first = me * chunks_per_peer, own_end = own_first + chunks_per_peer;
   for (int i = 0; i < num_chunks; ++i) {
-    if (i / chunks_per_peer == me || !chunk_rows(in_table, i, ts.recv_rows, INT64_MAX, row, peer_row, rows)) continue;
+    if ((i >= own_first && i < own_end) || !chunk_rows(in_table, i, ts.recv_rows, INT64_MAX, row, peer_row, rows))
+      continue;
     for (int k = 0; k < ts.count; ++k) {
       const PutTensor& t = ts.t[k];
       const int64_t at = row * t.row_bytes;
       with_unit(t.unit, [&](auto unit) {
         using U = decltype(unit);
         copy_spread(reinterpret_cast<U*>(t.recv + at), reinterpret_cast<const U*>(window + t.window_offset + at),
-                    rows * (t.row_bytes / int64_t(sizeof(U))), base);
+                    rows * (t.row_bytes / int64_t(sizeof(U))), next);
       });
     }
   }
@@ -153,7 +165,7 @@ __global__ void lsa_copy_out_kernel(PutTensors ts, const char* __restrict__ wind
       with_unit(t.unit, [&](auto unit) {
         using U = decltype(unit);
         fill_spread(reinterpret_cast<U*>(t.recv + first * t.row_bytes), first * t.row_bytes,
-                    (end - first) * (t.row_bytes / int64_t(sizeof(U))), t.pattern, base);
+                    (end - first) * (t.row_bytes / int64_t(sizeof(U))), t.pattern, next);
       });
     }
   }
