@@ -40,8 +40,6 @@ std::string decode_row_code(float v) {
          std::to_string((c >> 16) & 0xF) + ", column " + std::to_string(c & 0xFF);
 }
 
-namespace {
-
 // The bytes element (j, col) of block src -> dst holds, for a dtype of `size` bytes: the f32 code, or a
 // mix of it folded to 2 (bf16) or 1 (FP8) bytes, bit patterns that are not valid numbers included.
 void encode(void* dst_bytes, size_t size, int src, int dst, int64_t j, int64_t col) {
@@ -56,6 +54,19 @@ void encode(void* dst_bytes, size_t size, int src, int dst, int64_t j, int64_t c
   }
   if (size == 1) *static_cast<uint8_t*>(dst_bytes) = uint8_t(mixed ^ (mixed >> 8));
 }
+
+// An element's bits as hex (little-endian bytes read as one number), e.g. "0x3f80".
+std::string hex_bits(const uint8_t* p, size_t size) {
+  static const char digits[] = "0123456789abcdef";
+  std::string out = "0x";
+  for (size_t i = size; i-- > 0;) {
+    out += digits[p[i] >> 4];
+    out += digits[p[i] & 15];
+  }
+  return out;
+}
+
+namespace {
 
 // Rows [count, width...] of blocks (peer, me) or (me, peer) laid out peer after peer, on the CPU.
 Tensor make_rows(const std::vector<int64_t>& counts, const Shape& row, DType dtype, int me, bool outgoing) {
@@ -73,17 +84,6 @@ Tensor make_rows(const std::vector<int64_t>& counts, const Shape& row, DType dty
       for (int64_t col = 0; col < width; ++col)
         encode(base + size_t(at * width + col) * size, size, outgoing ? me : peer, outgoing ? peer : me, j, col);
   return t;
-}
-
-// An element's bits as hex (little-endian bytes read as one number), e.g. "0x3f80".
-std::string hex_bits(const uint8_t* p, size_t size) {
-  static const char digits[] = "0123456789abcdef";
-  std::string out = "0x";
-  for (size_t i = size; i-- > 0;) {
-    out += digits[p[i] >> 4];
-    out += digits[p[i] & 15];
-  }
-  return out;
 }
 
 // Bitwise comparison naming the first element that differs, by where it should have come from.
@@ -115,131 +115,7 @@ std::string hex_bits(const uint8_t* p, size_t size) {
   return ::testing::AssertionSuccess();
 }
 
-// all_to_all_chunks into an expert-major layout: every rank hosts kLocalExperts experts, and a
-// pattern says how many rows rank src sends for expert e of rank dst (zero-row chunks included).
-constexpr int kLocalExperts = 3;
-constexpr uint8_t kSentinel = 0xA5;  // every byte of a row no chunk covers
-
-struct ChunkPattern {
-  std::string name;
-  std::function<int64_t(int src, int dst, int e, int n)> rows;
-};
-
-std::vector<ChunkPattern> chunk_patterns() {
-  return {
-      {"varied", [](int s, int d, int e, int) -> int64_t { return (s * 5 + d * 3 + e * 2) % 4; }},
-      {"everything to rank 0", [](int s, int d, int e, int) -> int64_t { return d == 0 ? s + e + 1 : 0; }},
-      {"the last rank sends nothing",
-       [](int s, int d, int e, int n) -> int64_t { return s == n - 1 ? 0 : (s + d + e) % 3 + 1; }},
-  };
-}
-
-// Where rank src's rows for (dst, e) start in its send tensor, at [dst * kLocalExperts + e], and the
-// total rows last: one spare row, then peers from the last down, so offsets do not follow the list order.
-std::vector<int64_t> send_offsets(const ChunkPattern& p, int src, int n) {
-  std::vector<int64_t> at(size_t(n) * kLocalExperts + 1);
-  int64_t next = 1;
-  for (int dst = n - 1; dst >= 0; --dst)
-    for (int e = 0; e < kLocalExperts; ++e) {
-      at[size_t(dst * kLocalExperts + e)] = next;
-      next += p.rows(src, dst, e, n);
-    }
-  at.back() = next;
-  return at;
-}
-
-Tensor sentinel_rows(int64_t rows, const Shape& row, DType dtype) {
-  Shape shape = row;
-  shape.insert(shape.begin(), rows);
-  Tensor t = Tensor::empty(shape, dtype);
-  if (t.nbytes()) std::memset(t.raw_data(), kSentinel, t.nbytes());
-  return t;
-}
-
-// Fills `rows` rows of t from row `at`: rank src's rows from `src_row` on, for rank dst.
-void encode_rows(const Tensor& t, int64_t at, int64_t rows, int src, int dst, int64_t src_row) {
-  const int64_t width = t.size(0) ? t.numel() / t.size(0) : 0;
-  const size_t size = dtype_size(t.dtype());
-  auto* base = static_cast<uint8_t*>(t.raw_data());
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t col = 0; col < width; ++col)
-      encode(base + size_t((at + i) * width + col) * size, size, src, dst, src_row + i, col);
-}
-
-// Bitwise comparison naming the first element that differs and what its row should hold.
-::testing::AssertionResult chunk_rows_equal(const Tensor& got_any, const Tensor& want,
-                                            const std::vector<std::string>& should_hold, int me) {
-  Tensor got = got_any.to(Device::cpu());
-  const size_t size = dtype_size(want.dtype());
-  const int64_t width = want.size(0) ? want.numel() / want.size(0) : 0;
-  const auto* g = static_cast<const uint8_t*>(got.raw_data());
-  const auto* w = static_cast<const uint8_t*>(want.raw_data());
-  for (int64_t at = 0; at < want.size(0); ++at)
-    for (int64_t col = 0; col < width; ++col) {
-      size_t off = size_t(at * width + col) * size;
-      if (std::memcmp(g + off, w + off, size) == 0) continue;
-      auto fail = ::testing::AssertionFailure();
-      fail << "rank " << me << " recv row " << at << " should hold " << should_hold[size_t(at)] << "; column " << col
-           << " of " << dtype_name(want.dtype()) << ": ";
-      if (size == 4) {
-        float gv, wv;
-        std::memcpy(&gv, g + off, 4);
-        std::memcpy(&wv, w + off, 4);
-        return fail << "got " << gv << " (" << decode_row_code(gv) << "), want " << wv << " (" << decode_row_code(wv)
-                    << ")";
-      }
-      return fail << "got bits " << hex_bits(g + off, size) << ", want " << hex_bits(w + off, size);
-    }
-  return ::testing::AssertionSuccess();
-}
-
 }  // namespace
-
-void check_all_to_all_chunks_cases(Communicator& comm, Device device, DType dtype, const Shape& row) {
-  const int me = comm.rank(), n = comm.size(), L = kLocalExperts;
-  for (const ChunkPattern& p : chunk_patterns()) {
-    SCOPED_TRACE("chunk pattern " + p.name + ", rows " + dtype_name(dtype) + shape_str(row));
-    // Sender: its chunks listed expert by expert, peers interleaved; each peer sees its experts in order.
-    std::vector<int64_t> mine = send_offsets(p, me, n);
-    Tensor send = sentinel_rows(mine.back(), row, dtype);
-    std::vector<Communicator::RowChunk> send_chunks;
-    for (int e = 0; e < L; ++e)
-      for (int q = 0; q < n; ++q) {
-        int64_t at = mine[size_t(q * L + e)], rows = p.rows(me, q, e, n);
-        send_chunks.push_back({q, at, rows});
-        encode_rows(send, at, rows, me, q, at);
-      }
-    // Receiver: expert e's rows from peer p at pad_start[e] + the rows of peers before p; each expert's
-    // block is padded to a multiple of 4 with at least one pad row, which must keep the sentinel.
-    std::vector<int64_t> pad_start(size_t(L) + 1, 0);
-    for (int e = 0; e < L; ++e) {
-      int64_t total = 0;
-      for (int src = 0; src < n; ++src) total += p.rows(src, me, e, n);
-      pad_start[size_t(e) + 1] = pad_start[size_t(e)] + (total + 4) / 4 * 4;
-    }
-    Tensor want = sentinel_rows(pad_start.back(), row, dtype);
-    std::vector<std::string> should_hold(size_t(pad_start.back()), "the sentinel (a pad row)");
-    std::vector<Communicator::RowChunk> recv_chunks;
-    std::vector<int64_t> filled(pad_start.begin(), pad_start.end() - 1);
-    for (int src = 0; src < n; ++src) {
-      std::vector<int64_t> theirs = send_offsets(p, src, n);
-      for (int e = 0; e < L; ++e) {
-        int64_t rows = p.rows(src, me, e, n), src_row = theirs[size_t(me * L + e)];
-        recv_chunks.push_back({src, filled[size_t(e)], rows});
-        encode_rows(want, filled[size_t(e)], rows, src, me, src_row);
-        for (int64_t i = 0; i < rows; ++i) {
-          std::string what = "rank " + std::to_string(src) + "'s row " + std::to_string(src_row + i);
-          should_hold[size_t(filled[size_t(e)] + i)] = what + " (expert " + std::to_string(e) + ")";
-        }
-        filled[size_t(e)] += rows;
-      }
-    }
-    Tensor recv = sentinel_rows(pad_start.back(), row, dtype).to(device);
-    comm.all_to_all_chunks(send.to(device), send_chunks, recv, recv_chunks);
-    comm.synchronize();
-    EXPECT_TRUE(chunk_rows_equal(recv, want, should_hold, me));
-  }
-}
 
 void check_all_to_all_cases(Communicator& comm, Device device) {
   const int me = comm.rank(), n = comm.size();

@@ -29,11 +29,19 @@ std::vector<int64_t> recv_counts(const CountPattern& p, int me, int n);
 // The f32 value of element (j, col) of the block src sends dst: exact in f32 (24 bits), decodable.
 float row_code(int src, int dst, int64_t j, int64_t col);
 std::string decode_row_code(float v);  // "rank 1's row 3 for rank 0, column 2"
+// Writes element (j, col) of block src -> dst in `size` bytes: row_code's f32 bits (size 4), or a
+// mix of them folded to 2 or 1 bytes, bit patterns that are not valid numbers included.
+void encode(void* dst_bytes, size_t size, int src, int dst, int64_t j, int64_t col);
+std::string hex_bits(const uint8_t* p, size_t size);  // an element's bytes as one little-endian number
 
 // Every collective test on `comm` with tensors on `device` (CPU, CUDA through staging, or nccl).
 void check_all_to_all_cases(Communicator& comm, Device device);
-// all_to_all_chunks into an expert-major padded layout, rows of `row` elements of `dtype`.
+// all_to_all_chunks into an expert-major padded layout, rows of `row` elements of `dtype` (chunk_cases.cpp).
 void check_all_to_all_chunks_cases(Communicator& comm, Device device, DType dtype, const Shape& row);
+// put_rows of four tensors (f32, bf16, i32 and FP8 rows, each with its pad value) along one pair of
+// row tables into that layout with a tail: the chunks, the pad rows, and NaN bytes in the tail where
+// the rows moved through the host (chunk_cases.cpp).
+void check_put_rows_cases(Communicator& comm, Device device);
 void check_all_reduce_cases(Communicator& comm, Device device);
 void check_all_gather_and_broadcast(Communicator& comm, Device device);
 

@@ -19,6 +19,10 @@ TEST(Collectives, AllToAllChunksLandsRowsInAnExpertMajorPaddedLayout) {
   check_all_to_all_chunks_cases(test_world(), Device::cpu(), DType::bf16, {2, 2});
 }
 
+TEST(Collectives, PutRowsMovesSeveralTensorsAlongOneTableAndSetsOnlyThePadRows) {
+  check_put_rows_cases(test_world(), Device::cpu());
+}
+
 TEST(Collectives, AllToAllChunksMovesFp8BytesBitForBit) {
   check_all_to_all_chunks_cases(test_world(), Device::cpu(), DType::e4m3, {128});
 }
@@ -111,6 +115,26 @@ TEST(Collectives, AllToAllChunksBadArgumentsThrowTypedErrorsOnEveryRank) {
   comm.barrier();  // every rank got here without a collective running: nothing is left pending
 }
 
+TEST(Collectives, PutRowsBadArgumentsThrowTypedErrorsOnEveryRank) {
+  Communicator& comm = test_world();
+  const int n = comm.size();
+  const Tensor table = Tensor::zeros({n, 1, 3}, DType::i32);
+  const Tensor send = Tensor::zeros({4, 2}, DType::f32), recv = Tensor::zeros({6, 2}, DType::f32);
+  auto put = [&](const std::vector<Communicator::RowPut>& tensors, const Communicator::PadSegments& pad) {
+    return [&comm, tensors, table, pad] { comm.put_rows(tensors, table, table, pad); };
+  };
+  EXPECT_TRUE(throws_naming<ShapeError>(put({}, {}), {"no tensors"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      put({{send, recv, 0.0}, {Tensor::zeros({3}, DType::i32), Tensor::zeros({6}, DType::i32), 0.0}}, {}),
+      {"move along one table", "different rows"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(put({{send, Tensor::zeros({6, 3}, DType::f32), 0.0}}, {}), {"differ"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      put({{send, recv, 0.0}}, {Tensor::zeros({2}, DType::i32), Tensor::zeros({2}, DType::i32)}),
+      {"pad starts", "[S+1] and [S]"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(put({{send, send, 0.0}}, {}), {"share storage"}));
+  comm.barrier();  // every rank got here without a collective running: nothing is left pending
+}
+
 // CUDA tensors through the world communicator: copies at world size 1, host staging under mpi.
 TEST(CollectivesCuda, GpuTensorsThroughTheWorldCommunicator) {
   FLOWMOE_REQUIRE_CUDA();
@@ -118,6 +142,7 @@ TEST(CollectivesCuda, GpuTensorsThroughTheWorldCommunicator) {
   check_all_to_all_cases(comm, rank_gpu(comm));
   check_all_to_all_chunks_cases(comm, rank_gpu(comm), DType::f32, {3});
   check_all_to_all_chunks_cases(comm, rank_gpu(comm), DType::e4m3, {128});
+  check_put_rows_cases(comm, rank_gpu(comm));
   check_all_reduce_cases(comm, rank_gpu(comm));
   check_all_gather_and_broadcast(comm, rank_gpu(comm));
 }
@@ -138,6 +163,7 @@ TEST(CollectivesCuda, NcclCommunicator) {
   check_all_to_all_cases(*nccl, gpu);
   check_all_to_all_chunks_cases(*nccl, gpu, DType::f32, {3});
   check_all_to_all_chunks_cases(*nccl, gpu, DType::e4m3, {128});
+  check_put_rows_cases(*nccl, gpu);  // on GPUs that reach each other: the device put
   // The exchanges were timed on the GPU by events; taking the time releases them and restarts the sum.
   EXPECT_GT(nccl->take_exchange_ms(), 0.0);
   EXPECT_EQ(nccl->take_exchange_ms(), 0.0);
