@@ -52,7 +52,7 @@ config=configs/gpu_moe.yaml
 # resume compare the steps before the spikes (EQ_STEPS, default 9).
 eq_steps=${EQ_STEPS:-9}
 small=(--set data.synthetic_tokens=1000000 --set train.steps=20 --set optimizer.warmup_steps=20 --set logging.log_every=1
-       --set train.eval_every=0 --set logging.progress=plain)
+       --set train.eval_every=0 --set logging.progress=plain --set checkpoint.final=false)
 
 # launch NP TIMEOUT LOG COMMAND...: one mpirun of NP ranks, a GPU each.
 launch() {
@@ -131,7 +131,7 @@ for part in "${parts[@]}"; do
             [ "$np" -eq 1 ] && [ "$mode" != sync ] && continue  # one process never exchanges
             name="speed_${r}_ep${np}_${mode}"
             train_ep "$np" "$np" "$name" --set train.steps=30 --set optimizer.warmup_steps=3 --set train.eval_every=0 \
-              --set checkpoint.every=0 --set logging.progress=plain --set logging.log_every=10 --set precision.recipe=$r \
+              --set checkpoint.every=0 --set checkpoint.final=false --set logging.progress=plain --set logging.log_every=10 --set precision.recipe=$r \
               --set parallel.ep_dispatch=$mode || { echo "speed $r EP $np $mode: FAILED"; rc=1; continue; }
             python3 - "$out/$name/metrics.jsonl" "$np" "$r" "$mode" <<'PY'
 import json, sys

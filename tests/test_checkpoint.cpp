@@ -304,6 +304,29 @@ TEST(Checkpoint, TrainingRemovesUnfinishedCheckpointDirectories) {
   fs::remove_all(d);
 }
 
+// checkpoint.final: false leaves out the checkpoint at the last step (a timing run), not the periodic
+// ones: every 3 of 4 steps saves step 3 alone; with every 0 nothing is written.
+TEST(Checkpoint, FinalFalseLeavesOutOnlyTheLastStepsCheckpoint) {
+  fs::path d = fresh_dir("ckpt_final");
+  for (int64_t every : {3, 0}) {
+    Config c = tiny_config(d / ("every" + std::to_string(every)));
+    c.train.steps = 4;
+    c.optimizer.warmup_steps = 1;
+    c.checkpoint.every = every;
+    c.checkpoint.final = false;
+    TrainOptions opts;
+    const TrainResult r = train(c, opts);
+    EXPECT_EQ(r.last_checkpoint, every ? checkpoint_path(c.checkpoint_dir(), 3) : "");
+    EXPECT_EQ(latest_checkpoint(c.checkpoint_dir()), every ? checkpoint_path(c.checkpoint_dir(), 3) : "");
+  }
+  Config c = tiny_config(d / "default");  // and by default the last step's checkpoint is there
+  c.train.steps = 4;
+  c.optimizer.warmup_steps = 1;
+  TrainOptions opts;
+  EXPECT_EQ(train(c, opts).last_checkpoint, checkpoint_path(c.checkpoint_dir(), 4));
+  fs::remove_all(d);
+}
+
 // Directory names that look like checkpoints but are not are skipped, whatever their digits.
 TEST(Checkpoint, OddDirectoryNamesAreNotCheckpoints) {
   fs::path d = fresh_dir("ckpt_odd_names");

@@ -68,6 +68,7 @@ struct ParallelConfig {
 struct CheckpointConfig {
   std::string dir;            // empty: <logging.out_dir>/checkpoints
   int64_t every = 0;          // steps between checkpoints; 0: only the final one
+  bool final = true;          // a checkpoint at train.steps (false: timing runs skip writing it)
   int64_t keep_last = 3;
   std::string resume = "false";  // false | true (latest in dir) | path of a checkpoint directory
 };

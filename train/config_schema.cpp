@@ -235,6 +235,8 @@ const std::vector<Field>& schema() {
                        "where checkpoints go; empty: <logging.out_dir>/checkpoints"));
     f.push_back(integer("checkpoint", "every", FLOWMOE_CONFIG_REF(checkpoint.every), 0, 1e12,
                         "steps between checkpoints; 0: only the final one"));
+    f.push_back(boolean("checkpoint", "final", FLOWMOE_CONFIG_REF(checkpoint.final),
+                        "a checkpoint at the last step; false leaves it out (a timing run), not a stop's"));
     f.push_back(integer("checkpoint", "keep_last", FLOWMOE_CONFIG_REF(checkpoint.keep_last), 1, 1e6,
                         "checkpoints kept; older ones are deleted"));
     Field resume{"checkpoint",

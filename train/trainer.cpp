@@ -296,10 +296,16 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   run.clock.checkpoint_seconds += RunClock::seconds_since(t0);
 }
 
+// Every checkpoint.every steps, and at train.steps unless checkpoint.final is false.
+static bool checkpoint_due(const TrainRun& run, int64_t step) {
+  const CheckpointConfig& c = run.cfg.checkpoint;
+  return due(step, c.every, c.final ? run.cfg.train.steps : -1);
+}
+
 // `step` is the step just read back; a step due for a checkpoint is never run ahead of (may_run_ahead),
 // so it is also the last one queued and the weights are its own.
 static void save_if_due(TrainRun& run, int64_t step) {
-  if (!due(step, run.cfg.checkpoint.every, run.cfg.train.steps)) return;
+  if (!checkpoint_due(run, step)) return;
   FLOWMOE_CHECK(step == run.step, Error, "checkpoint of step ", step, " while step ", run.step, " is queued");
   save_run_checkpoint(run, run.step);
   run.last_saved = run.step;
@@ -356,7 +362,7 @@ static bool may_run_ahead(const TrainRun& run) {
   const TrainConfig& tc = run.cfg.train;
   return step_scalars_on_device(run) && run.step < run.end && run.step + 1 != run.opts.profile_step &&
          tc.nonfinite != "stop" && !due(run.step, tc.eval_every, tc.steps) &&
-         !due(run.step, run.cfg.checkpoint.every, tc.steps);
+         !checkpoint_due(run, run.step);
 }
 
 TrainResult train(const Config& cfg, const TrainOptions& opts) {
