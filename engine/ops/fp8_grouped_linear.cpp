@@ -227,11 +227,7 @@ Variable fp8_grouped_linear(const Variable& x, const Variable& weight, const Qua
                 " does not match the master ", weight.data().describe());
   check_same_device(x.data(), weight.data(), "fp8_grouped_linear");
   const int64_t E = weight.data().size(0);
-  if (counts.on_device())
-    FLOWMOE_CHECK(counts.device.dtype() == DType::i32 && counts.device.dim() == 1 && counts.device.numel() == E &&
-                      counts.device.is_contiguous() && counts.device.device() == x.data().device(),
-                  ShapeError, "fp8_grouped_linear: device counts ", counts.device.describe(), " must be [", E,
-                  "] i32 on ", x.data().device().str());
+  if (counts.on_device()) check_device_counts(counts.device, x.data(), "fp8_grouped_linear", E);
   if (counts.host_known())
     FLOWMOE_CHECK(int64_t(counts.host.size()) == E, ShapeError, "fp8_grouped_linear: ", counts.host.size(),
                   " host counts for weight ", weight.data().describe(), " of ", E, " experts");

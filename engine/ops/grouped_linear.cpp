@@ -30,9 +30,12 @@ double grouped_gemm_flops(const std::vector<int64_t>& padded_tokens_per_expert, 
   return 2.0 * rows * double(weight.size(1)) * double(weight.size(2));
 }
 
-void check_device_counts(const Tensor& counts, const Tensor& x, const std::string& what) {
-  FLOWMOE_CHECK(counts.dtype() == DType::i32 && counts.dim() == 1 && counts.is_contiguous(), DTypeError, what,
-                ": the expert counts must be a contiguous [E] i32, got ", counts.describe());
+void check_device_counts(const Tensor& counts, const Tensor& x, const std::string& what, int64_t num_experts) {
+  const std::string want = num_experts < 0 ? "E" : std::to_string(num_experts);
+  FLOWMOE_CHECK(counts.dtype() == DType::i32, DTypeError, what, ": the device counts ", counts.describe(),
+                " must be a contiguous [", want, "] i32");
+  FLOWMOE_CHECK(counts.dim() == 1 && counts.is_contiguous() && (num_experts < 0 || counts.numel() == num_experts),
+                ShapeError, what, ": the device counts ", counts.describe(), " must be a contiguous [", want, "] i32");
   check_same_device(x, counts, (what + " (data vs expert counts)").c_str());
 }
 

@@ -44,9 +44,10 @@ struct ExpertCounts {
   int64_t num_experts() const { return on_device() ? device.numel() : int64_t(host.size()); }
 };
 
-// Checks that counts can serve as the device counts of x: a contiguous [E] i32 on x's device (a CPU tensor
-// for a CPU x). Throws DTypeError / DeviceError starting with `what`.
-void check_device_counts(const Tensor& counts, const Tensor& x, const std::string& what);
+// Checks that counts can serve as the device counts of x: a contiguous [E] i32 (E = num_experts when
+// given) on x's device (a CPU tensor for a CPU x). Throws DTypeError / ShapeError / DeviceError
+// starting with `what`.
+void check_device_counts(const Tensor& counts, const Tensor& x, const std::string& what, int64_t num_experts = -1);
 
 // The step profiler's FLOPs of a grouped GEMM over x [M_total, ..] and weight [E, N, K]: grouped_gemm_flops of
 // the host counts or, with device counts (the host does not know the rows), of every row of x, the padded
