@@ -29,6 +29,10 @@ std::vector<int64_t> recv_counts(const CountPattern& p, int me, int n) {
   return c;
 }
 
+bool put_rows_through_host(Communicator& comm) {
+  return std::string(comm.backend_name()) != "nccl" || !comm.device_puts();
+}
+
 float row_code(int src, int dst, int64_t j, int64_t col) {
   return float((int64_t(src) << 20) | (int64_t(dst) << 16) | ((j & 0xFF) << 8) | (col & 0xFF));
 }
