@@ -121,8 +121,8 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
   # test_comm_np2/np4 above already ran every dispatch/combine check through nccl where each rank has a GPU.
   if [ "$ngpu" -ge 2 ]; then
     # To keep the check within 10 minutes: the toy shape only (the DeepEP shape: multi_gpu_runs.sh bench),
-    # and equality for bf16 and fp8_flow (each EP run starts NCCL, builds the model and writes a
-    # checkpoint: about 40 s; fp8_blockwise: multi_gpu_runs.sh equality).
+    # and equality for bf16 and fp8_flow (each equality pair starts NCCL and builds the model twice;
+    # fp8_blockwise: multi_gpu_runs.sh equality).
     RECIPES="bf16 fp8_flow" BENCH_SHAPES=toy scripts/multi_gpu_runs.sh "$build" "$out/multi_gpu" equality resume bench >"$out/multi_gpu.txt" 2>&1 ||
       bench_rc=1
     grep -v '^bench_dispatch' "$out/multi_gpu.txt" | while read -r line; do row "${line%%:*}" "${line#*: }"; done

@@ -131,8 +131,9 @@ for part in "${parts[@]}"; do
             [ "$np" -eq 1 ] && [ "$mode" != sync ] && continue  # one process never exchanges
             name="speed_${r}_ep${np}_${mode}"
             train_ep "$np" "$np" "$name" --set train.steps=30 --set optimizer.warmup_steps=3 --set train.eval_every=0 \
-              --set checkpoint.every=0 --set checkpoint.final=false --set logging.progress=plain --set logging.log_every=10 --set precision.recipe=$r \
-              --set parallel.ep_dispatch=$mode || { echo "speed $r EP $np $mode: FAILED"; rc=1; continue; }
+              --set checkpoint.every=0 --set checkpoint.final=false --set logging.progress=plain \
+              --set logging.log_every=10 --set precision.recipe=$r --set parallel.ep_dispatch=$mode ||
+              { echo "speed $r EP $np $mode: FAILED"; rc=1; continue; }
             python3 - "$out/$name/metrics.jsonl" "$np" "$r" "$mode" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]

@@ -9,7 +9,8 @@ train_run() {
   local build=$1 config=$2 out_dir=$3 log=$4
   shift 4
   "$build/flowmoe" train --config "$config" --set train.eval_every=0 --set checkpoint.every=0 \
-    --set checkpoint.final=false --set logging.progress=plain --set logging.log_every=100 --set logging.out_dir="$out_dir" "$@" >"$log" 2>&1
+    --set checkpoint.final=false --set logging.progress=plain --set logging.log_every=100 \
+    --set logging.out_dir="$out_dir" "$@" >"$log" 2>&1
   local rc=$?
   rm -rf "$out_dir/checkpoints"
   return $rc
