@@ -67,7 +67,7 @@ inline BenchWorld make_bench_world(CommBackend requested, bool cpu, const std::s
   const CommBackend host = want != CommBackend::nccl ? want
                            : launch.world_size > 1   ? CommBackend::mpi
                                                      : CommBackend::none;
-  w.rt = init_distributed({host, use_cuda});
+  w.rt = init_distributed({host, use_cuda, ""});
   w.comm = w.rt.world;
   const bool shared = use_cuda && w.host().size() > 1 && ranks_share_a_gpu(w.host(), w.rt.device.index);
   if (want == CommBackend::nccl && shared) {

@@ -128,6 +128,7 @@ options:
 
 volatile std::sig_atomic_t g_stop_signal = 0;  // the signal that asked training to stop
 bool g_quiet_signals = false;                   // a rank other than 0: rank 0 says it for all
+bool g_several_ranks = false;                   // a launcher started more than one process
 
 // SIGINT / SIGTERM: finish the step and save (train() polls the request). Either signal again
 // ends the process at once, as the default action does.
@@ -136,13 +137,22 @@ void on_stop_signal(int sig) {
   request_stop();
   std::signal(SIGINT, SIG_DFL);
   std::signal(SIGTERM, SIG_DFL);
-  const char msg[] = "flowmoe: stopping after this step and saving a checkpoint (signal again to stop at once)\n";
+  // With several ranks the checkpoint needs every rank to finish the step: a launcher also signals
+  // the survivors when a rank dies, and then none is written, so the message does not promise one.
+  const char one[] = "flowmoe: stopping after this step and saving a checkpoint (signal again to stop at once)\n";
+  const char several[] =
+      "flowmoe: stopping after this step; its checkpoint is written once every rank has finished the step "
+      "(none if a rank died: the last one stands; signal again to stop at once)\n";
   if (g_quiet_signals) return;
-  ssize_t ignored = ::write(STDERR_FILENO, msg, sizeof msg - 1);  // write() is async-signal-safe
+  const char* msg = g_several_ranks ? several : one;
+  const size_t len = g_several_ranks ? sizeof several - 1 : sizeof one - 1;
+  ssize_t ignored = ::write(STDERR_FILENO, msg, len);  // write() is async-signal-safe
   (void)ignored;
 }
 
 void install_stop_handlers() {
+  g_quiet_signals = !is_root_rank();
+  g_several_ranks = launch_world_size() > 1;
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
@@ -185,10 +195,9 @@ int cmd_train(int argc, char** argv) {
   if (profile_step > cfg.train.steps)
     throw UsageError("train: --profile " + std::to_string(profile_step) + " is past the run's last step (train.steps = " +
                      std::to_string(cfg.train.steps) + ")");
-  g_quiet_signals = !is_root_rank();
   install_stop_handlers();
   const auto started = std::chrono::steady_clock::now();  // the summary's time line counts the ranks' start
-  const DistributedRuntime ranks = start_ranks(cfg);
+  const DistributedRuntime ranks = start_ranks(cfg, "train");
   TrainOptions opts;
   opts.started = started;
   opts.world = ranks.world;
@@ -222,10 +231,20 @@ int cmd_eval(int argc, char** argv) {
     batches = cfg.train.eval_batches;
     batches_label = "train.eval_batches = ";
   }
-  const DistributedRuntime ranks = start_ranks(cfg);
-  // An expert-parallel run's checkpoint is evaluated under the same launch: the ranks share the experts out again.
-  const ParallelState groups = run_parallel_state(cfg, ranks.world);
+  const DistributedRuntime ranks = start_ranks(cfg, "eval");
   const bool root = ranks.world->rank() == 0;
+  // An expert-parallel run's checkpoint is evaluated under the same launch: the ranks share the experts
+  // out again. It holds whole expert tensors, so any other number of processes evaluates it with every
+  // rank holding all experts (a run's own config.yaml, evaluated in one process).
+  const int64_t ep = cfg.parallel.expert_parallel_size;
+  if (ep > 1 && ranks.world->size() % ep != 0) {
+    if (root)
+      std::printf("eval: parallel.expert_parallel_size = %lld does not divide the %d rank%s; evaluating with "
+                  "expert_parallel_size 1 (the checkpoint holds whole expert tensors)\n",
+                  static_cast<long long>(ep), ranks.world->size(), ranks.world->size() == 1 ? "" : "s");
+    cfg.parallel.expert_parallel_size = 1;
+  }
+  const ParallelState groups = run_parallel_state(cfg, ranks.world);
   const Device device = ranks.device;
   DataLoader data = DataLoader::from_config(cfg);
   if (data.num_val_windows() == 0) throw UsageError("eval: the config holds out no validation data (data.val_fraction is 0)");
@@ -237,8 +256,9 @@ int cmd_eval(int argc, char** argv) {
   check_fits(need, device);
   Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed),
                     moe_options(cfg, groups));
-  CheckpointMeta meta =
-      load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers(), model.parameter_shards());
+  const CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers(),
+                                              model.parameter_shards(), checkpoint_load_options(cfg));
+  if (root && !meta.unused_tensors.empty()) std::printf("eval: %s\n", partial_load_note(meta).substr(2).c_str());
   double loss = evaluate(model, data, batches, batch_size, ranks.world.get());
   if (!root) return 0;
   std::printf("checkpoint %s (step %lld) on %s: val loss %.4f | perplexity %.3f | %lld sequences of %lld tokens\n",
@@ -273,6 +293,10 @@ int cmd_prepare(int argc, char** argv) {
     else inputs.push_back(a);
   }
   if (output.empty() || inputs.empty()) throw UsageError("prepare-data: --output FILE and at least one input are required");
+  // Checked before anything is read: writing over an input loses its text, and an output that cannot
+  // be written loses the work.
+  const std::string problem = prepare_output_problem(inputs, output, opts);
+  if (!problem.empty()) throw UsageError(problem);
   const auto start = std::chrono::steady_clock::now();
   PreparedInputs read;
   int64_t n = prepare_token_file(inputs, output, &read, opts);
@@ -358,7 +382,6 @@ int run(int argc, char** argv) {
   if (cmd == "prepare-data") return cmd_prepare(argc, argv);
   if (cmd == "plot") return cmd_plot(argc, argv);
   if (cmd == "parity") {
-    g_quiet_signals = !is_root_rank();
     install_stop_handlers();  // a run stops after its step and checkpoint, as under `flowmoe train`
     const int status = cmd_parity(argc, argv);
     if (status != kParityInterrupted) return status;
@@ -378,6 +401,22 @@ int run(int argc, char** argv) {
                    "' (commands: train, eval, prepare-data, plot, parity, fp8-error, config-reference, walkthrough)");
 }
 
+// Runs the command; one that ended without starting the ranks meets its peers under a launcher
+// (leave_together), named by how it ended: "train --print-config", "plot --help", "prepare-data".
+int run_and_leave_together(int argc, char** argv) {
+  std::string what = argc > 1 ? argv[1] : "";
+  int status = 0;
+  try {
+    status = run(argc, argv);
+    for (int i = 2; i < argc; ++i)
+      if (std::strcmp(argv[i], "--print-config") == 0) what += " --print-config";
+  } catch (const HelpShown&) {
+    what += " --help";
+  }
+  leave_together(what);
+  return status;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -385,9 +424,7 @@ int main(int argc, char** argv) {
   const bool debug = debug_requested(args);
   args.push_back(nullptr);  // argv's terminator
   try {
-    return run(int(args.size()) - 1, args.data());
-  } catch (const HelpShown&) {
-    return 0;
+    return run_and_leave_together(int(args.size()) - 1, args.data());
   } catch (const ConfigError& e) {
     return fail(e, debug, 2);
   } catch (const std::exception& e) {

@@ -62,7 +62,12 @@ int cmd_fp8_error(int argc, char** argv) {
   }
   if (config.empty() || checkpoint.empty())
     throw UsageError("fp8-error: --config FILE and --checkpoint DIR are required");
-  const Fp8ErrorStudy s = fp8_error_study(load_config(config, sets), checkpoint, batches, train_step);
+  const Config cfg = load_config(config, sets);
+  // The study runs in one process; a checkpoint holds whole expert tensors, so any run's config serves.
+  if (cfg.parallel.expert_parallel_size > 1)
+    std::printf("fp8-error: parallel.expert_parallel_size = %lld taken as 1: the study runs in one process\n",
+                static_cast<long long>(cfg.parallel.expert_parallel_size));
+  const Fp8ErrorStudy s = fp8_error_study(cfg, checkpoint, batches, train_step);
   const std::string n = std::to_string(s.num_batches);
   const std::string batches_read = s.split.rfind("step ", 0) == 0
                                        ? s.split + " batch" + (s.num_batches > 1 ? " (" + n + " micro-batches)" : "")

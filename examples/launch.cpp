@@ -6,13 +6,25 @@
 
 namespace flowmoe {
 
-DistributedRuntime start_ranks(const Config& cfg) {
+namespace {
+bool g_ranks_started = false;
+}
+
+DistributedRuntime start_ranks(const Config& cfg, const std::string& command) {
   DistributedOptions options;
   options.backend = parse_comm_backend(cfg.parallel.backend);
   options.use_cuda = resolve_device(cfg).is_cuda();
-  DistributedRuntime rt = init_distributed(options);
-  check_same_config(*rt.world, to_yaml(cfg));
-  return rt;
+  options.config_text = "command: " + command + "\n" + to_yaml(cfg);
+  g_ranks_started = true;
+  return init_distributed(options);
+}
+
+bool ranks_started() { return g_ranks_started; }
+
+void leave_together(const std::string& what) {
+  if (g_ranks_started || launch_world_size() <= 1 || !built_with_mpi()) return;
+  g_ranks_started = true;
+  check_same_config(*make_mpi_world_communicator(), "command: " + what + " (ends without a run)\n");
 }
 
 int launch_rank() {
@@ -25,15 +37,17 @@ int launch_rank() {
 
 bool is_root_rank() { return launch_rank() == 0; }
 
+int launch_world_size() {
+  try {
+    return detect_launch().world_size;
+  } catch (const std::exception&) {
+    return 1;
+  }
+}
+
 void end_other_ranks_after(const std::exception& e, int status) {
   if (dynamic_cast<const AllRanksConfigError*>(&e)) return;
-  int world_size = 1;
-  try {
-    world_size = detect_launch().world_size;
-  } catch (const std::exception&) {
-    return;
-  }
-  if (world_size <= 1 || !built_with_mpi()) return;
+  if (launch_world_size() <= 1 || !built_with_mpi()) return;
   try {
     // A rank that failed before MPI started (a config its peers did not share) starts it now: the
     // peers are waiting in MPI's start-up or in a collective, and MPI_Abort reaches them only then.

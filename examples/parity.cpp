@@ -15,6 +15,7 @@
 #include "examples/launch.h"
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
+#include "train/file_io.h"
 #include "train/parity.h"
 #include "train/trainer.h"
 
@@ -49,7 +50,9 @@ options:
   --threshold X            the largest relative EMA error that passes (default 0.0025, 0.25%)
   --warmup-steps W         compare steps after W only (default: optimizer.warmup_steps)
   --resume                 keep the runs of DIR that finished (metrics up to the last step and its
-                           checkpoint); continue an interrupted one from its newest checkpoint
+                           checkpoint); continue an interrupted one from its newest checkpoint.
+                           Refused when a run's config.yaml differs from the config it would get
+                           now (another --set, --steps or config file), naming the first key
   -h, --help               this text
 
 Under mpirun or srun every run trains on all the processes, as `flowmoe train` does; rank 0 writes
@@ -172,6 +175,29 @@ bool finished(const Config& cfg) {
   return fs::exists(fs::path(checkpoint_path(cfg.checkpoint_dir(), cfg.train.steps)) / "meta.json", ec);
 }
 
+// The keys that place a run rather than shape it: parity sets them itself, and --resume adds checkpoint.resume.
+// The earlier run's folder is found through them, so a moved or differently spelled --out is the same study.
+const std::vector<std::string> kPlacementKeys = {"logging.out_dir", "checkpoint.dir", "checkpoint.resume"};
+
+// Under --resume, a run in DIR made with another config (another --set, --steps or config file) would
+// be kept or continued and judged as if it were this study's: refused, naming the first key that differs.
+// Every run writes its resolved config.yaml before its first step, so a finished and an interrupted run
+// both have one; a folder without it holds no steps to reuse.
+void check_earlier_config(const PlannedRun& p) {
+  const fs::path file = fs::path(p.cfg.run_dir()) / "config.yaml";
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return;
+  std::string diff;
+  try {
+    diff = first_changed_key(read_file(file.string()), to_yaml(p.cfg), kPlacementKeys);
+  } catch (const ConfigError& e) {
+    FLOWMOE_THROW(ConfigError, "parity: --resume: ", file.string(), ": ", e.what());
+  }
+  FLOWMOE_CHECK(diff.empty(), ConfigError, "parity: --resume: the ", p.name, " run in ", p.cfg.run_dir(),
+                " was made with another config (", diff, "); give a new --out folder, or run without --resume to ",
+                "train every run again");
+}
+
 // The run's report entry from its metrics file, and from its TrainResult when it trained from step 1 now.
 ParityRun collect(const PlannedRun& p, const TrainResult* trained) {
   ParityRun run;
@@ -200,10 +226,14 @@ ParityRun collect(const PlannedRun& p, const TrainResult* trained) {
 int cmd_parity(int argc, char** argv) {
   const ParityOptions o = parse(argc, argv);
   std::vector<PlannedRun> plan = plan_runs(o);
-  const DistributedRuntime ranks = start_ranks(plan.front().cfg);
+  const DistributedRuntime ranks = start_ranks(plan.front().cfg, "parity");
   const bool root = ranks.world->rank() == 0;
   const int world_size = ranks.world->size();
   if (root) fs::create_directories(o.out);
+  // Before any run trains: a refusal after the first recipes would leave the study half redone.
+  // An error on rank 0 ends the other ranks (main's error path).
+  if (root && o.resume)
+    for (const PlannedRun& p : plan) check_earlier_config(p);
   std::vector<ParityRun> runs;
   for (PlannedRun& p : plan) {
     // Rank 0 looks at the files; every rank must take the same decision, or one would train alone.
@@ -215,14 +245,18 @@ int cmd_parity(int argc, char** argv) {
     } else {
       if (root) std::printf("parity: %s: training %s\n", p.name.c_str(), p.cfg.run_dir().c_str());
       std::fflush(stdout);
+      // p.cfg stays the planned config: the report's hash then names the same config whether the run
+      // was trained now, continued or kept.
+      Config cfg = p.cfg;
       if (o.resume) {
-        p.sets.push_back("checkpoint.resume=true");
-        p.cfg = load_config(o.config, p.sets);
+        std::vector<std::string> sets = p.sets;
+        sets.push_back("checkpoint.resume=true");
+        cfg = load_config(o.config, sets);
       }
       TrainOptions opts;
       opts.world = ranks.world;
       opts.device = ranks.device;
-      result = train(p.cfg, opts);
+      result = train(cfg, opts);
       if (result.interrupted) {  // every rank stops after the same step
         if (root)
           std::printf("parity: the %s run stopped at step %lld; the same command with --resume continues it\n",

@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "parallel/backends.h"
@@ -107,6 +108,9 @@ DistributedRuntime init_distributed(const DistributedOptions& options) {
                 host_world->size(), ": was flowmoe started by the mpirun of another MPI than the one it was built with?");
   rt.launch.world_size = host_world->size();
   rt.launch.rank = host_world->rank();
+  // The first collective of every rank: a rank given another config or command fails here with the
+  // others, before they diverge into collectives it would never join.
+  if (host_world->size() > 1) check_same_config(*host_world, options.config_text);
   if (want_mpi && host_world->size() > 1) rt.launch.local_rank = mpi_node_local_rank();
 
   rt.device = Device::cpu();
@@ -140,6 +144,80 @@ uint64_t config_hash(const std::string& text) {
   return h;
 }
 
+namespace {
+
+struct YamlLine {
+  std::string path, value;  // "train.steps", "200"; a line opening a map has an empty value
+};
+
+// Each key line of a config text as to_yaml writes it (two-space nesting, "key: value", "key:" opening
+// a map) with its dotted path. Not a YAML parser: parallel/ has none, and the texts are the engine's own.
+std::vector<YamlLine> yaml_lines(const std::string& text) {
+  std::vector<YamlLine> out;
+  std::vector<std::pair<size_t, std::string>> open;  // the maps the line is inside: indent, key
+  size_t begin = 0;
+  while (begin < text.size()) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(begin, end - begin);
+    begin = end + 1;
+    const size_t indent = line.find_first_not_of(' ');
+    if (indent == std::string::npos || line[indent] == '#') continue;
+    const std::string body = line.substr(indent);
+    size_t colon = body.find(": ");
+    if (colon == std::string::npos && body.ends_with(':')) colon = body.size() - 1;
+    const std::string key = colon == std::string::npos ? body : body.substr(0, colon);
+    const std::string value = colon == std::string::npos ? "" : body.substr(std::min(colon + 2, body.size()));
+    while (!open.empty() && open.back().first >= indent) open.pop_back();
+    std::string path;
+    for (const auto& [i, k] : open) path += k + ".";
+    path += key;
+    if (colon != std::string::npos && value.empty()) open.push_back({indent, key});
+    out.push_back({path, value});
+  }
+  return out;
+}
+
+std::string quoted(const YamlLine* l) {
+  if (!l) return "nothing";
+  return "'" + l->path + (l->value.empty() ? "" : ": " + l->value) + "'";
+}
+
+}  // namespace
+
+std::string first_config_difference(const std::string& a, int rank_a, const std::string& b, int rank_b) {
+  const std::vector<YamlLine> la = yaml_lines(a), lb = yaml_lines(b);
+  for (size_t i = 0; i < std::max(la.size(), lb.size()); ++i) {
+    const YamlLine* x = i < la.size() ? &la[i] : nullptr;
+    const YamlLine* y = i < lb.size() ? &lb[i] : nullptr;
+    if (x && y && x->path == y->path && x->value == y->value) continue;
+    if (x && y && x->path == y->path)
+      return x->path + " is " + x->value + " on rank " + std::to_string(rank_a) + " and " + y->value + " on rank " +
+             std::to_string(rank_b);
+    return "rank " + std::to_string(rank_a) + " has " + quoted(x) + " where rank " + std::to_string(rank_b) +
+           " has " + quoted(y);
+  }
+  return "the texts differ only in spacing or comments";
+}
+
+// The config text of every rank (a collective): lengths first, then the texts padded to the longest.
+static std::vector<std::string> gather_texts(Communicator& comm, const std::string& text) {
+  const Tensor len = Tensor::from_ints({int64_t(text.size())}, {1}, DType::i64, comm.native_device());
+  const std::vector<int64_t> lens = comm.all_gather(len).to_ints();
+  const int64_t longest = *std::max_element(lens.begin(), lens.end());
+  Tensor mine = Tensor::zeros({std::max<int64_t>(longest, 1)}, DType::u8);
+  std::copy(text.begin(), text.end(), mine.data<uint8_t>());
+  const Tensor all = comm.all_gather(mine.to(comm.native_device())).to(Device::cpu());
+  comm.synchronize();
+  std::vector<std::string> out;
+  const auto* bytes = all.data<uint8_t>();
+  for (size_t r = 0; r < lens.size(); ++r) {
+    const char* row = reinterpret_cast<const char*>(bytes) + r * size_t(std::max<int64_t>(longest, 1));
+    out.emplace_back(row, size_t(lens[r]));
+  }
+  return out;
+}
+
 void check_same_config(Communicator& comm, const std::string& config_text) {
   const uint64_t mine = config_hash(config_text);
   Tensor local = Tensor::from_ints({int64_t(mine)}, {1}, DType::i64, comm.native_device());
@@ -168,8 +246,12 @@ void check_same_config(Communicator& comm, const std::string& config_text) {
     if (ranks.size() > 8) groups += ",... (" + std::to_string(ranks.size()) + " ranks)";
     groups += std::string(" hash ") + hex;
   }
-  FLOWMOE_THROW(AllRanksConfigError, "the ranks were given different configs (", groups,
-                "): every rank must read the same config file with the same overrides");
+  // Every rank gets every text, so each names the same key: rank 0's group against the next group's first rank.
+  const std::vector<std::string> texts = gather_texts(comm, config_text);
+  const int other = ranks_by_hash[1].second.front(), first = ranks_by_hash[0].second.front();
+  FLOWMOE_THROW(AllRanksConfigError, "the ranks were given different configs (", groups, "): ",
+                first_config_difference(texts[size_t(first)], first, texts[size_t(other)], other),
+                "; every rank must read the same config file with the same overrides");
 }
 
 }  // namespace flowmoe

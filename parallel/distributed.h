@@ -44,6 +44,9 @@ CommBackend resolve_backend(CommBackend requested, int world_size, bool use_cuda
 struct DistributedOptions {
   CommBackend backend = CommBackend::automatic;
   bool use_cuda = false;  // the run's tensors live on CUDA devices
+  // What every rank must agree on (the command and the resolved config): with several processes,
+  // check_same_config over it is the first collective after MPI starts.
+  std::string config_text;
 };
 
 struct DistributedRuntime {
@@ -59,7 +62,11 @@ DistributedRuntime init_distributed(const DistributedOptions& options = {});
 // 64-bit FNV-1a of the text.
 uint64_t config_hash(const std::string& text);
 // Every rank all-gathers the hash of its config text; if they differ, every rank throws the same
-// AllRanksConfigError naming which ranks had which hash (so no rank goes on alone and hangs its peers).
+// AllRanksConfigError naming which ranks had which hash and the first key whose value differs (so no
+// rank goes on alone and hangs its peers).
 void check_same_config(Communicator& comm, const std::string& config_text);
+// The first key line where two config texts (to_yaml's: two-space nesting, "key: value") differ, for a
+// message: "train.steps is 200 on rank 0 and 300 on rank 1".
+std::string first_config_difference(const std::string& a, int rank_a, const std::string& b, int rank_b);
 
 }  // namespace flowmoe

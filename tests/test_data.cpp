@@ -1,5 +1,5 @@
-// The data pipeline: token files (llm.c format), prepare-data, the synthetic corpora, and the
-// loader's seeded order, epochs, validation split and resumable position.
+// The data pipeline: token files (llm.c format), the synthetic corpora, and the loader's seeded
+// order, epochs, validation split and resumable position (prepare-data: test_prepare_data.cpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -116,72 +116,6 @@ TEST(TokenFile, SizeMustMatchTheHeader) {
   EXPECT_TRUE(test::throws_naming<IoError>([&] { read_token_file(d.string()); }, {"not a regular file"}));
   write_token_file(path, {});
   EXPECT_TRUE(read_token_file(path).empty());
-  fs::remove_all(d);
-}
-
-// A directory is read at every depth, in byte order of the path below it; binary files and the
-// output file (when it lies inside) are skipped, and the summary says what was read and skipped.
-TEST(PrepareData, RecursesInOrderSkippingBinaryFilesAndTheOutput) {
-  fs::path d = temp_dir("recurse");
-  const fs::path in = d / "corpus";
-  fs::create_directories(in / "a" / "sub");
-  std::ofstream(in / "b.txt") << "B";
-  std::ofstream(in / "a" / "z.txt") << "AZ";
-  std::ofstream(in / "a.txt") << "A.";
-  std::ofstream(in / "a" / "sub" / "deep.txt") << "D";
-  std::ofstream(in / "empty.txt") << "";
-  std::ofstream(in / "img.png", std::ios::binary) << std::string("\x89PNG\0\0", 6) << "rest";
-  std::string late(9000, 'n');  // a NUL past the first 8 KiB does not make a file binary
-  late += '\0';
-  std::ofstream(in / "late_nul.txt", std::ios::binary) << late;
-  const std::string out = (in / "tokens.bin").string();  // the output inside the input directory
-
-  std::vector<uint16_t> want;
-  for (char c : std::string("A.DAZB") + late) want.push_back(uint16_t(static_cast<unsigned char>(c)));
-  const std::vector<std::string> order = {"a.txt", "a/sub/deep.txt", "a/z.txt", "b.txt", "empty.txt", "late_nul.txt"};
-  for (int run = 0; run < 2; ++run) {  // the second run finds its earlier output in the directory
-    PreparedInputs read;
-    EXPECT_EQ(prepare_token_file({in.string()}, out, &read), int64_t(want.size()));
-    EXPECT_EQ(read_token_file(out), want) << "run " << run;
-    ASSERT_EQ(read.files.size(), order.size());
-    for (size_t i = 0; i < order.size(); ++i)
-      EXPECT_EQ(fs::path(read.files[i].path).lexically_relative(in).generic_string(), order[i]);
-    EXPECT_EQ(read.files[5].bytes, int64_t(late.size()));
-    EXPECT_EQ(read.skipped_binary, std::vector<std::string>{(in / "img.png").string()});
-    EXPECT_EQ(read.summary(), "read 6 files (9.0 kB), skipped 1 binary file: " + (in / "img.png").string());
-  }
-  // A file named on its own is read whatever it holds; a directory with only binary files is an error.
-  PreparedInputs read;
-  EXPECT_EQ(prepare_token_file({(in / "img.png").string()}, (d / "png.bin").string(), &read), 10);
-  EXPECT_EQ(read.summary(), "read 1 file (10 bytes)");
-  fs::create_directories(d / "bin_only");
-  std::ofstream(d / "bin_only" / "x.bin", std::ios::binary) << std::string(3, '\0');
-  EXPECT_TRUE(test::throws_naming<IoError>([&] { prepare_token_file({(d / "bin_only").string()}, out); },
-                                           {"holds no text files (1 binary file skipped)"}));
-  fs::remove_all(d);
-}
-
-TEST(PrepareData, SummaryNamesSizesAndSkippedFiles) {
-  PreparedInputs r;
-  for (char i = 0; i < 12; ++i) r.files.push_back({std::string{'f', char('a' + i)}, 283334});
-  for (char i = 0; i < 13; ++i) r.skipped_binary.push_back(std::string{'b', char('0' + i)});
-  EXPECT_EQ(r.bytes(), 3400008);
-  EXPECT_EQ(r.summary(), "read 12 files (3.4 MB), skipped 13 binary files: b0, b1, b2, b3, b4, b5, b6, b7, b8, b9 "
-                         "and 3 more");
-}
-
-TEST(PrepareData, BytesOfFilesInOrder) {
-  fs::path d = temp_dir("prepare");
-  fs::create_directories(d / "dir");
-  std::ofstream(d / "a.txt") << "hi\n";
-  std::ofstream(d / "dir" / "2.txt") << "yz";
-  std::ofstream(d / "dir" / "1.txt") << "x\xff";  // sorted by name: 1.txt before 2.txt
-  std::string out = (d / "out.bin").string();
-  int64_t n = prepare_token_file({(d / "a.txt").string(), (d / "dir").string()}, out);
-  std::vector<uint16_t> want = {'h', 'i', '\n', 'x', 255, 'y', 'z'};
-  EXPECT_EQ(n, int64_t(want.size()));
-  EXPECT_EQ(read_token_file(out), want);
-  EXPECT_THROW(prepare_token_file({(d / "nope.txt").string()}, out), IoError);
   fs::remove_all(d);
 }
 

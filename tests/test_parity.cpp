@@ -103,6 +103,32 @@ TEST(Parity, NoStepAfterWarmupFailsAndTheJsonParses) {
   EXPECT_EQ(j["candidates"][0]["verdict"].as<std::string>(), "fail");
 }
 
+TEST(Parity, FirstChangedKeyNamesTheKeyAndBothValues) {
+  const Config earlier = parse_config("train:\n  steps: 200\n", "a.yaml");
+  Config now = earlier;
+  EXPECT_EQ(first_changed_key(to_yaml(earlier), to_yaml(now)), "");
+  now.file = "./a.yaml";  // only the header comment names the file
+  EXPECT_EQ(first_changed_key(to_yaml(earlier), to_yaml(now)), "");
+  now.train.steps = 300;
+  now.optimizer.lr = 0.002;
+  EXPECT_EQ(first_changed_key(to_yaml(earlier), to_yaml(now)), "train.steps: 200 in the earlier run, 300 now");
+  now.train.steps = 200;
+  EXPECT_EQ(first_changed_key(to_yaml(earlier), to_yaml(now)),
+            "optimizer.lr: 0.003 in the earlier run, 0.002 now");
+  now = earlier;
+  now.train.recompute = "moe_expert";
+  now.checkpoint.resume = "true";
+  EXPECT_EQ(first_changed_key(to_yaml(earlier), to_yaml(now), {"checkpoint.resume"}),
+            "train.recompute: [] in the earlier run, [moe_expert] now");
+  now.train.recompute.clear();
+  EXPECT_EQ(first_changed_key(to_yaml(earlier), to_yaml(now), {"checkpoint.resume"}), "");
+  EXPECT_EQ(first_changed_key("train:\n  steps: 200\n  seed: 1\n", "train:\n  steps: 200\n"),
+            "train.seed: 1 in the earlier run, (absent) now");
+  EXPECT_EQ(first_changed_key("data:\n  path: \"\"\n", "data:\n  path: \"x.bin\"\n"),
+            "data.path: \"\" in the earlier run, x.bin now");
+  EXPECT_THROW(first_changed_key("train: [", to_yaml(now)), ConfigError);
+}
+
 // ---- the command ---------------------------------------------------------------------------------
 
 namespace {
@@ -174,16 +200,61 @@ TEST(ParityCommand, UsageErrorsExitTwo) {
   fs::remove_all(d);
 }
 
+// An interrupted run (its final checkpoint missing) is continued from its newest checkpoint; its
+// config_hash in the report is the one it had when it trained from step 1.
 TEST(ParityCommand, ResumeContinuesRunsThatStoppedEarlier) {
   const fs::path d = fresh_dir("parity_resume");
-  const std::string args = " --recipes bf16,fp8_flow --threshold 1";
-  ASSERT_EQ(run_parity(d, args + " --steps 3").exit_code, 0);  // after the usual --steps 6, so it wins
+  const std::string args = " --recipes bf16,fp8_flow --threshold 1 --set checkpoint.every=3";
+  ASSERT_EQ(run_parity(d, args).exit_code, 0);
+  const std::string hash =
+      YAML::LoadFile((d / "parity" / "parity.json").string())["runs"][1]["config_hash"].as<std::string>();
+  fs::remove_all(d / "parity" / "fp8_flow" / "checkpoints" / "step_00000006");
   const Ran resumed = run_parity(d, args + " --resume");
   EXPECT_EQ(resumed.exit_code, 0) << resumed.out;
+  EXPECT_NE(resumed.out.find("bf16: kept the finished run"), std::string::npos) << resumed.out;
   EXPECT_NE(resumed.out.find("resumed from " + (d / "parity" / "fp8_flow" / "checkpoints" / "step_00000003").string()),
             std::string::npos)
       << resumed.out;
   const YAML::Node j = YAML::LoadFile((d / "parity" / "parity.json").string());
   EXPECT_EQ(j["steps"].size(), 6u);
+  EXPECT_EQ(j["runs"][1]["config_hash"].as<std::string>(), hash);
+  fs::remove_all(d);
+}
+
+// --resume over runs made with another config (another --steps or --set), finished or interrupted,
+// is refused before anything trains, naming the run and the first key that differs; the same config,
+// under another spelling of --out, still keeps the runs.
+TEST(ParityCommand, ResumeRefusesRunsMadeWithAnotherConfig) {
+  const fs::path d = fresh_dir("parity_other_config");
+  const std::string args = " --recipes bf16,fp8_flow --threshold 1 --set checkpoint.every=3";
+  ASSERT_EQ(run_parity(d, args).exit_code, 0);
+  const fs::path metrics = d / "parity" / "bf16" / "metrics.jsonl";
+  const auto written = fs::last_write_time(metrics);
+  const std::string how = "; give a new --out folder, or run without --resume to train every run again\n";
+
+  Ran r = run_parity(d, args + " --resume --steps 8");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_EQ(r.out, "flowmoe: error: parity: --resume: the bf16 run in " + (d / "parity" / "bf16").string() +
+                       " was made with another config (train.steps: 6 in the earlier run, 8 now)" + how);
+  r = run_parity(d, args + " --resume --set train.batch_size=8");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("(train.batch_size: 4 in the earlier run, 8 now)"), std::string::npos) << r.out;
+
+  // An interrupted run is checked too: put first, it is the one named.
+  fs::remove_all(d / "parity" / "fp8_flow" / "checkpoints" / "step_00000006");
+  r = run_parity(d, " --recipes fp8_flow,bf16 --threshold 1 --set checkpoint.every=3 --resume --set train.seed=7");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("the fp8_flow run in " + (d / "parity" / "fp8_flow").string() +
+                       " was made with another config (train.seed: 42 in the earlier run, 7 now)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(fs::last_write_time(metrics), written);
+  EXPECT_FALSE(fs::exists(d / "parity" / "fp8_flow" / "checkpoints" / "step_00000006"));
+
+  r = run_parity(d, args + " --resume --out " + (d / "." / "parity").string());
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("bf16: kept the finished run"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("fp8_flow: training"), std::string::npos) << r.out;
+  EXPECT_EQ(fs::last_write_time(metrics), written);
   fs::remove_all(d);
 }

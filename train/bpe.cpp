@@ -271,10 +271,19 @@ void BpeTokenizer::save(const std::string& path) const {
   std::string text = detail::cat(kFileMagic, " ", kFileVersion, " vocab ", vocab_size(), "\n");
   for (const Merge& m : merges_) text += detail::cat(m.left, " ", m.right, "\n");
   const std::string tmp = path + ".tmp";
-  write_file_synced(tmp, {&text});
   std::error_code ec;
+  try {
+    write_file_synced(tmp, {&text});
+  } catch (const IoError&) {
+    // No half-written PATH.tmp is left beside the tokenizer; one that is not a file is not ours.
+    if (std::filesystem::is_regular_file(tmp, ec)) std::filesystem::remove(tmp, ec);
+    throw;
+  }
   std::filesystem::rename(tmp, path, ec);
-  FLOWMOE_CHECK(!ec, IoError, "renaming '", tmp, "' to '", path, "' failed: ", ec.message());
+  if (!ec) return;
+  const std::string why = ec.message();
+  std::filesystem::remove(tmp, ec);
+  FLOWMOE_THROW(IoError, "renaming '", tmp, "' to '", path, "' failed: ", why);
 }
 
 BpeTokenizer BpeTokenizer::load(const std::string& path) {

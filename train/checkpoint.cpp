@@ -2,9 +2,11 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <sstream>
 
 #include "train/file_io.h"
@@ -125,46 +127,119 @@ std::string latest_checkpoint(const std::string& root) {
   return all.empty() ? "" : all.back().second.string();
 }
 
-// Reads tensor `name` of `file` into `dst`, after checking it is the one expected: rows [offset,
-// offset + rows) of it for a shard of a larger tensor, which are all that is read.
-static void fill_from(Tensor& dst, const SafetensorsIndex& file, const std::string& name,
-                      const ParamShard* shard = nullptr) {
-  const SafetensorsEntry& src = file.entry(name);
-  const bool sharded = shard && dst.dim() > 0 && shard->full_rows != dst.size(0);
-  Shape want = dst.shape();
-  if (sharded) want[0] = shard->full_rows;
-  FLOWMOE_CHECK(src.shape == want && src.dtype == dst.dtype(), IoError, "'", file.path(), "': tensor '", name, "' is ",
-                dtype_name(src.dtype), shape_str(src.shape), " on cpu, the model expects ", dtype_name(dst.dtype()),
-                shape_str(want), " (was the checkpoint made with another model config?)");
-  dst.copy_(sharded ? file.read_rows(name, shard->offset, dst.size(0)) : file.read(name));
+// The index of the first NaN or Inf of a host f32 or f64 tensor, or -1 (other dtypes: -1).
+static int64_t first_nonfinite(const Tensor& host) {
+  const int64_t n = host.numel();
+  if (host.dtype() == DType::f32) {
+    const float* p = host.contiguous().data<float>();
+    for (int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(p[i])) return i;
+  } else if (host.dtype() == DType::f64) {
+    const double* p = host.contiguous().data<double>();
+    for (int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(p[i])) return i;
+  }
+  return -1;
+}
+
+// One safetensors file of a checkpoint, read tensor by tensor, remembering which tensors were taken.
+struct CheckpointFile {
+  SafetensorsIndex index;
+  const CheckpointLoadOptions& options;
+  std::set<std::string> used;
+
+  CheckpointFile(const std::string& path, const CheckpointLoadOptions& opts) : index(path, nullptr), options(opts) {}
+
+  // Reads tensor `name` into `dst`, after checking it is the one expected: rows [offset, offset + rows)
+  // of it for a shard of a larger tensor, which are all that is read. A NaN or Inf is refused: resuming
+  // from it would train on garbage without a word, since the step only checks the loss and gradients.
+  void fill(Tensor& dst, const std::string& name, const ParamShard* shard = nullptr) {
+    const SafetensorsEntry& src = index.entry(name);
+    const bool sharded = shard && dst.dim() > 0 && shard->full_rows != dst.size(0);
+    Shape want = dst.shape();
+    if (sharded) want[0] = shard->full_rows;
+    FLOWMOE_CHECK(src.shape == want && src.dtype == dst.dtype(), IoError, "'", index.path(), "': tensor '", name,
+                  "' is ", dtype_name(src.dtype), shape_str(src.shape), " on cpu, the model expects ",
+                  dtype_name(dst.dtype()), shape_str(want), " (was the checkpoint made with another model config?)");
+    const Tensor host = sharded ? index.read_rows(name, shard->offset, dst.size(0)) : index.read(name);
+    if (!options.allow_nonfinite) {
+      const int64_t bad = first_nonfinite(host);
+      // The index in the whole tensor: a shard's rows start at row shard->offset of it.
+      const int64_t row_elems = sharded && dst.size(0) > 0 ? host.numel() / dst.size(0) : 0;
+      FLOWMOE_CHECK(bad < 0, IoError, "'", index.path(), "': tensor '", name, "' holds ",
+                    bad < 0 ? 0.0 : host.contiguous().to_doubles()[size_t(bad)], " at element ",
+                    bad + (sharded ? shard->offset * row_elems : 0),
+                    " (set checkpoint.allow_nonfinite: true to load a checkpoint with NaN or Inf anyway)");
+    }
+    dst.copy_(host);
+    used.insert(name);
+  }
+
+  // The file's tensors no fill() took, sorted.
+  std::vector<std::string> unused() const {
+    std::vector<std::string> out;
+    for (const std::string& name : index.names_in_file_order())
+      if (!used.count(name)) out.push_back(name);
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+  // Refuses tensors left over unless a partial load was asked for; returns them.
+  std::vector<std::string> check_all_used() const {
+    std::vector<std::string> left = unused();
+    if (left.empty() || options.allow_unused) return left;
+    std::string names;
+    for (size_t i = 0; i < left.size() && i < 4; ++i) names += (i ? ", '" : "'") + left[i] + "'";
+    if (left.size() > 4) names += ", ... (" + std::to_string(left.size()) + " in all)";
+    FLOWMOE_THROW(IoError, "'", index.path(), "': ", left.size(), left.size() == 1 ? " tensor is" : " tensors are",
+                  " not in the model: ", names, " (was the checkpoint made with another model config? ",
+                  "checkpoint.partial_load: true loads the model's tensors and leaves these out)");
+  }
+};
+
+std::string partial_load_note(const CheckpointMeta& meta) {
+  const std::vector<std::string>& left = meta.unused_tensors;
+  if (left.empty()) return "";
+  std::string note = "; left out " + std::to_string(left.size()) + " tensor" + (left.size() == 1 ? "" : "s") +
+                     " of the checkpoint that the model does not have (checkpoint.partial_load): " + left[0];
+  return left.size() == 1 ? note : note + ", ...";
 }
 
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
                                std::vector<Tensor>* exp_avg, std::vector<Tensor>* exp_avg_sq,
-                               const std::vector<Variable>& buffers, const std::vector<ParamShard>& shards) {
+                               const std::vector<Variable>& buffers, const std::vector<ParamShard>& shards,
+                               const CheckpointLoadOptions& options) {
   FLOWMOE_CHECK(shards.empty() || shards.size() == params.size(), Error, "load_checkpoint: ", params.size(),
                 " parameters but ", shards.size(), " shards");
   const auto shard = [&](size_t i) { return shards.empty() ? nullptr : &shards[i]; };
   const fs::path d(dir);
   std::error_code ec;
   FLOWMOE_CHECK(fs::exists(d / "meta.json", ec), IoError, "'", dir, "' is not a checkpoint (no meta.json)");
-  const SafetensorsIndex model((d / "model.safetensors").string(), nullptr);
+  CheckpointFile model((d / "model.safetensors").string(), options);
   for (size_t i = 0; i < params.size(); ++i) {
     Tensor dst = params[i].data();
-    fill_from(dst, model, params[i].name(), shard(i));
+    model.fill(dst, params[i].name(), shard(i));
     params[i].bump_version();  // loaded in place
   }
   for (const Variable& b : buffers) {
     Tensor dst = b.data();
-    fill_from(dst, model, b.name());
+    model.fill(dst, b.name());
     b.bump_version();
   }
+  std::vector<std::string> unused = model.check_all_used();
   if (exp_avg || exp_avg_sq) {
-    const SafetensorsIndex optim((d / "optimizer.safetensors").string(), nullptr);
+    CheckpointFile optim((d / "optimizer.safetensors").string(), options);
     for (size_t i = 0; i < params.size(); ++i) {
-      if (exp_avg) fill_from((*exp_avg)[i], optim, params[i].name() + ".exp_avg", shard(i));
-      if (exp_avg_sq) fill_from((*exp_avg_sq)[i], optim, params[i].name() + ".exp_avg_sq", shard(i));
+      if (exp_avg) optim.fill((*exp_avg)[i], params[i].name() + ".exp_avg", shard(i));
+      if (exp_avg_sq) optim.fill((*exp_avg_sq)[i], params[i].name() + ".exp_avg_sq", shard(i));
     }
+    // Only moments of the model's own parameters count as used; a file read for one of the two
+    // moment kinds leaves the other kind out of the check.
+    for (const std::string& name : optim.unused()) {
+      const bool other_kind = (!exp_avg && name.ends_with(".exp_avg")) || (!exp_avg_sq && name.ends_with(".exp_avg_sq"));
+      if (other_kind) optim.used.insert(name);
+    }
+    for (std::string& name : optim.check_all_used()) unused.push_back(std::move(name));
   }
   std::string meta_file = (d / "meta.json").string();
   const YAML::Node j = parse_json(read_file(meta_file), meta_file);
@@ -188,6 +263,7 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
                     meta.num_updates <= meta.step && meta.skipped_steps <= meta.step - meta.num_updates,
                 IoError, "'", meta_file, "': inconsistent counts (step ", meta.step, ", num_updates ", meta.num_updates,
                 ", skipped_steps ", meta.skipped_steps, ")");
+  meta.unused_tensors = std::move(unused);
   return meta;
 }
 

@@ -11,6 +11,7 @@
 
 #include "engine/autograd.h"
 #include "layers/param.h"
+#include "train/config.h"
 #include "train/data.h"
 #include "train/safetensors.h"
 
@@ -24,7 +25,25 @@ struct CheckpointMeta {
   uint64_t data_seed = 0;     // the seed of that order (checked on resume)
   uint64_t init_seed = 0;     // train.seed of the weight init (no random numbers are drawn after it)
   std::string config_yaml;    // the resolved config of the run
+  // Tensors of the checkpoint that the model did not take (a partial load), sorted; empty otherwise.
+  std::vector<std::string> unused_tensors;
 };
+
+// What load_checkpoint accepts beyond an exact match (checkpoint.partial_load, checkpoint.allow_nonfinite).
+struct CheckpointLoadOptions {
+  // Tensors of the file that the model does not have are left unread (fine-tuning a smaller model)
+  // instead of refused. Every tensor of the model must still be in the file.
+  bool allow_unused = false;
+  // Weights or moments holding NaN or Inf are loaded instead of refused.
+  bool allow_nonfinite = false;
+};
+
+inline CheckpointLoadOptions checkpoint_load_options(const Config& cfg) {
+  return {cfg.checkpoint.partial_load, cfg.checkpoint.allow_nonfinite};
+}
+
+// "; left out N tensors of the checkpoint that the model does not have (...)" after a partial load, else "".
+std::string partial_load_note(const CheckpointMeta& meta);
 
 // Writes <root>/step_<step>/ atomically and deletes all but the newest keep_last checkpoints.
 // Returns the checkpoint's directory.
@@ -40,14 +59,17 @@ std::string latest_checkpoint(const std::string& root);
 // calls it before its first save). Returns their names, sorted; throws IoError if one cannot go.
 std::vector<std::string> remove_stale_checkpoint_tmp(const std::string& root);
 // Fills params (and the moments, when given) from the checkpoint at dir; names, shapes and dtypes
-// must match (IoError names the first that does not). A damaged checkpoint throws IoError, never
-// anything else. Returns its meta.
+// must match (IoError names the first that does not). Every tensor of the files read must be used, so
+// a checkpoint of a larger model (more layers, untied embeddings, shared experts) is refused naming
+// the tensors left over, and a weight or moment holding NaN or Inf is refused naming the tensor;
+// `options` relaxes either. A damaged checkpoint throws IoError, never anything else. Returns its meta.
 // shards (one per parameter, or empty: all whole): a sharded parameter and its moments take their rows
 // [offset, offset + rows) of the file's tensor, which must have the full shape, and only those rows
 // are read. A checkpoint holds full tensors, so it loads at any expert-parallel size. Each tensor goes
 // from the file to its parameter through a host copy of its own: the host never holds the file.
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
                                std::vector<Tensor>* exp_avg = nullptr, std::vector<Tensor>* exp_avg_sq = nullptr,
-                               const std::vector<Variable>& buffers = {}, const std::vector<ParamShard>& shards = {});
+                               const std::vector<Variable>& buffers = {}, const std::vector<ParamShard>& shards = {},
+                               const CheckpointLoadOptions& options = {});
 
 }  // namespace flowmoe

@@ -71,6 +71,8 @@ struct CheckpointConfig {
   bool final = true;          // a checkpoint at train.steps (false: timing runs skip writing it)
   int64_t keep_last = 3;
   std::string resume = "false";  // false | true (latest in dir) | path of a checkpoint directory
+  bool partial_load = false;     // a loaded checkpoint may hold tensors the model does not have
+  bool allow_nonfinite = false;  // a loaded checkpoint may hold NaN or Inf
 };
 
 struct LoggingConfig {

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "kernels/common/error.h"
+#include "kernels/router.h"
 
 namespace flowmoe::config_schema {
 
@@ -113,20 +114,23 @@ const std::vector<Field>& schema() {
                         "the LM head reuses the token embedding"));
     f.push_back(number("model", "initializer_range", FLOWMOE_CONFIG_REF(model.initializer_range), 0, true, 1, false,
                        "std of the normal weight init"));
-    f.push_back(integer("model", "n_routed_experts", FLOWMOE_CONFIG_REF(model.n_routed_experts), 0, 4096,
-                        "routed experts per MoE layer; 0 = dense model"));
+    // The router's limits (kernels/router.h): its CUDA kernel routes a token in one warp, holding at most 8
+    // expert scores per lane in registers, so the CPU reference and the config refuse the same beyond them.
+    f.push_back(integer("model", "n_routed_experts", FLOWMOE_CONFIG_REF(model.n_routed_experts), 0, kRouterMaxExperts,
+                        "routed experts per MoE layer; 0 = dense model; at most 256, DeepSeek-V3's count (the "
+                        "router routes a token in one warp, 8 experts per lane)"));
     f.push_back(integer("model", "n_shared_experts", FLOWMOE_CONFIG_REF(model.n_shared_experts), 0, 64,
                         "shared experts per MoE layer"));
-    f.push_back(integer("model", "num_experts_per_tok", FLOWMOE_CONFIG_REF(model.num_experts_per_tok), 1, 256,
-                        "routed experts per token (top-k)"));
+    f.push_back(integer("model", "num_experts_per_tok", FLOWMOE_CONFIG_REF(model.num_experts_per_tok), 1,
+                        kRouterMaxTopk, "routed experts per token (top-k)"));
     f.push_back(integer("model", "moe_intermediate_size", FLOWMOE_CONFIG_REF(model.moe_intermediate_size), 1, 1 << 20,
                         "width of each expert's SwiGLU MLP"));
     f.push_back(integer("model", "first_k_dense_replace", FLOWMOE_CONFIG_REF(model.first_k_dense_replace), 0, 1024,
                         "the first k blocks keep a dense MLP"));
-    f.push_back(integer("model", "n_group", FLOWMOE_CONFIG_REF(model.n_group), 1, 4096,
+    f.push_back(integer("model", "n_group", FLOWMOE_CONFIG_REF(model.n_group), 1, kRouterMaxGroups,
                         "expert groups for group-limited routing"));
-    f.push_back(
-        integer("model", "topk_group", FLOWMOE_CONFIG_REF(model.topk_group), 1, 4096, "groups a token may route to"));
+    f.push_back(integer("model", "topk_group", FLOWMOE_CONFIG_REF(model.topk_group), 1, kRouterMaxGroups,
+                        "groups a token may route to"));
     f.push_back(choice("model", "scoring_func", FLOWMOE_CONFIG_REF(model.scoring_func), {"sigmoid", "softmax"},
                        "router score function"));
     f.push_back(boolean("model", "norm_topk_prob", FLOWMOE_CONFIG_REF(model.norm_topk_prob),
@@ -250,6 +254,12 @@ const std::vector<Field>& schema() {
                  "false, true (the latest checkpoint in dir) or the path of a checkpoint directory",
                  FLOWMOE_CONFIG_REF(checkpoint.resume)};
     f.push_back(resume);
+    f.push_back(boolean("checkpoint", "partial_load", FLOWMOE_CONFIG_REF(checkpoint.partial_load),
+                        "loading (resume, eval, fp8-error) leaves out the checkpoint's tensors the model does not "
+                        "have, for fine-tuning a smaller model; false refuses them, naming them"));
+    f.push_back(boolean("checkpoint", "allow_nonfinite", FLOWMOE_CONFIG_REF(checkpoint.allow_nonfinite),
+                        "loading accepts weights and moments holding NaN or Inf; false refuses them, naming the "
+                        "tensor"));
     // logging
     f.push_back(string("logging", "out_dir", FLOWMOE_CONFIG_REF(logging.out_dir),
                        "run outputs (resolved config, metrics); empty: runs/<config file name>"));
@@ -258,7 +268,8 @@ const std::vector<Field>& schema() {
     f.push_back(integer("logging", "log_every", FLOWMOE_CONFIG_REF(logging.log_every), 1, 1e12,
                         "steps between plain progress lines"));
     f.push_back(choice("logging", "progress", FLOWMOE_CONFIG_REF(logging.progress), {"auto", "bar", "plain"},
-                       "auto: a progress bar on a terminal, plain lines otherwise"));
+                       "auto: a progress bar when one process writes to a terminal, plain lines otherwise and "
+                       "under mpirun or srun (a rank cannot tell what the launcher's output is)"));
     return f;
   }();
   return fields;

@@ -64,17 +64,24 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
   header[1] = kTokenFileVersion;
   header[2] = int32_t(tokens.size());
   const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    FLOWMOE_CHECK(out.good(), IoError, "cannot write '", tmp, "'");
-    out.write(reinterpret_cast<const char*>(header), sizeof header);
-    out.write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * sizeof(uint16_t)));
-    out.flush();
-    FLOWMOE_CHECK(out.good(), IoError, "writing '", tmp, "' failed (disk full?)");
-  }
+  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+  FLOWMOE_CHECK(out.good(), IoError, "cannot write '", tmp, "'");
+  // From here the temp file is ours: a failed write or rename removes it, so no half-written
+  // PATH.tmp stays beside the output (the output itself is untouched until the rename).
+  std::string failure;
+  out.write(reinterpret_cast<const char*>(header), sizeof header);
+  out.write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * sizeof(uint16_t)));
+  out.close();
   std::error_code ec;
-  fs::rename(tmp, path, ec);
-  FLOWMOE_CHECK(!ec, IoError, "renaming '", tmp, "' to '", path, "' failed: ", ec.message());
+  if (!out.good()) {
+    failure = "writing '" + tmp + "' failed (disk full?)";
+  } else {
+    fs::rename(tmp, path, ec);
+    if (!ec) return;
+    failure = "renaming '" + tmp + "' to '" + path + "' failed: " + ec.message();
+  }
+  fs::remove(tmp, ec);
+  FLOWMOE_THROW(IoError, failure);
 }
 
 // ---- text ---------------------------------------------------------------------------------------

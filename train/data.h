@@ -61,13 +61,22 @@ struct PrepareOptions {
 // by ".bpe" (data/books.bin -> data/books.bpe).
 std::string bpe_tokenizer_path(const std::string& token_file);
 
+// Why prepare-data must not write `output` (and the tokenizer --bpe-vocab writes beside it), as one
+// line, or "" when it may: it is a directory, or an input file, the --tokenizer file or a file an input
+// directory would read under another path. Files are compared by device and inode, so "./x", a symlink
+// and a hard link count as the file itself. The output's own path inside an input directory is allowed
+// (the directory's reading skips it).
+std::string prepare_output_problem(const std::vector<std::string>& inputs, const std::string& output,
+                                   const PrepareOptions& opts = {});
+
 // prepare-data: the tokens of the inputs, in order, written as one token file; byte-level, or BPE
 // with opts.bpe_vocab (the tokenizer is saved at bpe_tokenizer_path(output)) or opts.tokenizer.
 // Each file is encoded on its own, so no BPE word spans two files. A directory is read recursively,
 // its files in byte order of their path below it ("a.txt" before "a/b.txt"); a file there with a
 // NUL byte in its first 8 KiB is binary and skipped, and so are the output file, its tokenizer and
 // the files opts.exclude matches. A file named as an input is read whatever it holds. Returns the
-// number of tokens written; `read`, when given, receives what was read, skipped and written.
+// number of tokens written; `read`, when given, receives what was read, skipped and written. Throws
+// ConfigError with prepare_output_problem's line before reading anything when it names one.
 int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::string& output,
                            PreparedInputs* read = nullptr, const PrepareOptions& opts = {});
 

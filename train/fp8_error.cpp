@@ -218,7 +218,8 @@ Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t
   DataLoader data = DataLoader::from_config(cfg);
   check_fits(estimate_memory(cfg, device, MemoryUse::train), device);
   Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed), moe_options(cfg));
-  const CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers());
+  const CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers(), {},
+                                              checkpoint_load_options(cfg));
 
   Fp8ErrorStudy study;
   study.checkpoint = checkpoint;

@@ -1,10 +1,14 @@
 // The loss-parity report (see parity.h).
 #include "train/parity.h"
 
+#include <yaml-cpp/yaml.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <set>
 #include <sstream>
+#include <utility>
 
 #include "kernels/common/error.h"
 #include "train/file_io.h"
@@ -96,7 +100,65 @@ double reference_final_loss(const ParityReport& r) {
   return r.runs.front().rows.empty() ? NAN : r.runs.front().rows.back().loss;
 }
 
+// The leaves of a config's YAML, "section.key" -> value, in document order; a list is one leaf.
+using ConfigLeaves = std::vector<std::pair<std::string, YAML::Node>>;
+
+void flatten(const YAML::Node& node, const std::string& prefix, ConfigLeaves& out) {
+  if (!node.IsMap()) {
+    out.emplace_back(prefix, node);
+    return;
+  }
+  for (const auto& kv : node)
+    flatten(kv.second, prefix.empty() ? kv.first.Scalar() : prefix + "." + kv.first.Scalar(), out);
+}
+
+ConfigLeaves config_leaves(const std::string& yaml_text, const char* which) {
+  ConfigLeaves out;
+  try {
+    flatten(YAML::Load(yaml_text), "", out);
+  } catch (const YAML::Exception& e) {
+    FLOWMOE_THROW(ConfigError, "the ", which, " config is not YAML: ", e.what());
+  }
+  return out;
+}
+
+// A value as the message shows it: the scalar ("" quoted), a list in flow style, or "(absent)".
+std::string shown(const YAML::Node* n) {
+  if (!n) return "(absent)";
+  if (n->IsScalar()) return n->Scalar().empty() ? "\"\"" : n->Scalar();
+  YAML::Emitter e;
+  e << YAML::Flow << *n;
+  return e.c_str();
+}
+
+bool same_value(const YAML::Node* a, const YAML::Node* b) {
+  if (!a || !b) return a == b;
+  if (a->IsScalar() && b->IsScalar()) return a->Scalar() == b->Scalar();
+  return shown(a) == shown(b);
+}
+
 }  // namespace
+
+std::string first_changed_key(const std::string& earlier, const std::string& now,
+                                    const std::vector<std::string>& ignored) {
+  const ConfigLeaves was = config_leaves(earlier, "earlier run's"), is = config_leaves(now, "current");
+  auto find = [](const ConfigLeaves& leaves, const std::string& key) -> const YAML::Node* {
+    for (const auto& [k, v] : leaves)
+      if (k == key) return &v;
+    return nullptr;
+  };
+  std::vector<std::string> keys;
+  for (const auto& kv : is) keys.push_back(kv.first);
+  for (const auto& kv : was)
+    if (!find(is, kv.first)) keys.push_back(kv.first);
+  const std::set<std::string> skip(ignored.begin(), ignored.end());
+  for (const std::string& key : keys) {
+    if (skip.count(key)) continue;
+    const YAML::Node *a = find(was, key), *b = find(is, key);
+    if (!same_value(a, b)) return key + ": " + shown(a) + " in the earlier run, " + shown(b) + " now";
+  }
+  return "";
+}
 
 ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps) {
   FLOWMOE_CHECK(runs.size() >= 2, ConfigError, "parity: a reference and at least one candidate are needed, got ",

@@ -65,6 +65,14 @@ struct ParityReport {
 // The report of `runs` (the reference first). Throws ConfigError for fewer than two runs.
 ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps);
 
+// The first key in which two resolved configs (to_yaml texts) differ, as "train.steps: 200 in the
+// earlier run, 300 now" ("(absent)" for a key one of them lacks); "" when they agree on every key but
+// those of `ignored` ("section.key"). The keys are walked in `now`'s order, then those only `earlier`
+// has. Comments do not count: the header names the config file, which may be spelled another way.
+// Throws ConfigError when either text is not YAML.
+std::string first_changed_key(const std::string& earlier, const std::string& now,
+                                    const std::vector<std::string>& ignored = {});
+
 // The report as JSON (non-finite numbers as null).
 std::string parity_json(const ParityReport& report);
 

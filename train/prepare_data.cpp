@@ -2,12 +2,14 @@
 // The inputs are walked once to train a tokenizer and again to encode them, so a corpus is never
 // held in memory whole: only its tokens are.
 #include <fnmatch.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string_view>
 #include <utility>
 
@@ -129,7 +131,69 @@ void read_inputs(const std::vector<std::string>& inputs, const std::vector<std::
   }
 }
 
+// A file as the filesystem knows it: two paths name the same file when these agree, whatever their
+// spelling ("./x", a symlink, a hard link).
+struct FileId {
+  dev_t dev;
+  ino_t ino;
+  bool operator==(const FileId& o) const { return dev == o.dev && ino == o.ino; }
+};
+
+std::optional<FileId> file_id(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  return FileId{st.st_dev, st.st_ino};
+}
+
+bool same_path(const fs::path& a, const fs::path& b) {
+  std::error_code ea, eb;
+  const fs::path ca = fs::weakly_canonical(a, ea), cb = fs::weakly_canonical(b, eb);
+  return !ea && !eb && ca == cb;
+}
+
+// Why writing `target` (what: how the message names it) would destroy or feed back what is read: it
+// is a named input or the --tokenizer file, or another path to a file an input directory reads.
+// The target's own path inside an input directory is fine: read_inputs skips it.
+std::string overlap(const std::string& what, const std::string& target, const std::vector<std::string>& inputs,
+                    const PrepareOptions& opts) {
+  const std::optional<FileId> id = file_id(target);
+  if (!id) return "";  // not there yet: nothing to overwrite
+  const std::string again = "; name another file to write";
+  for (const std::string& in : inputs) {
+    std::error_code ec;
+    if (!fs::is_directory(in, ec)) {
+      if (file_id(in) == id)
+        return "prepare-data: " + what +
+               (in == target ? " is also an input" : " is the input '" + in + "' (the same file)") +
+               ": writing it would overwrite what is read" + again;
+      continue;
+    }
+    for (const auto& [rel, p] : files_below(in))
+      if (file_id(p.string()) == id && !same_path(p, target) && !is_excluded(rel, opts.exclude))
+        return "prepare-data: " + what + " is also '" + p.string() + "' in the input directory '" + in +
+               "' (the same file by another path), which would be read" + again + " or --exclude it";
+  }
+  if (!opts.tokenizer.empty() && file_id(opts.tokenizer) == id)
+    return "prepare-data: " + what + " is the --tokenizer file '" + opts.tokenizer + "'" + again;
+  return "";
+}
+
 }  // namespace
+
+std::string prepare_output_problem(const std::vector<std::string>& inputs, const std::string& output,
+                                   const PrepareOptions& opts) {
+  std::error_code ec;
+  // Refused before any input is read: the rename at the end would fail and the work be lost.
+  if (fs::is_directory(output, ec))
+    return "prepare-data: --output '" + output + "' is a directory; name the token file to write, e.g. '" +
+           (fs::path(output) / "tokens.bin").string() + "'";
+  std::string problem = overlap("--output '" + output + "'", output, inputs, opts);
+  if (!problem.empty() || opts.bpe_vocab == 0) return problem;
+  const std::string tokenizer = bpe_tokenizer_path(output);
+  const std::string what = "the tokenizer file '" + tokenizer + "' (--bpe-vocab writes it beside --output)";
+  if (fs::is_directory(tokenizer, ec)) return "prepare-data: " + what + " is a directory; name another --output";
+  return overlap(what, tokenizer, inputs, opts);
+}
 
 int64_t PreparedInputs::bytes() const {
   int64_t n = 0;
@@ -156,6 +220,8 @@ int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::st
   FLOWMOE_CHECK(opts.bpe_vocab == 0 || (opts.bpe_vocab > kBpeByteTokens && opts.bpe_vocab <= kBpeMaxVocab),
                 ConfigError, "prepare-data: --bpe-vocab must be from ", kBpeByteTokens + 1, " to ", kBpeMaxVocab,
                 " (the 256 bytes and at least one merge; token files hold uint16 tokens), got ", opts.bpe_vocab);
+  const std::string problem = prepare_output_problem(inputs, output, opts);
+  FLOWMOE_CHECK(problem.empty(), ConfigError, problem);
   PreparedInputs info;
   BpeTokenizer tokenizer;
   const bool bpe = opts.bpe_vocab > 0 || !opts.tokenizer.empty();

@@ -5,6 +5,9 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <exception>
+
+#include "parallel/distributed.h"
 
 namespace flowmoe {
 
@@ -38,16 +41,28 @@ std::string format_rate(double v) {
   return buf;
 }
 
+bool auto_progress_bar(bool out_is_terminal, const char* term, bool under_launcher) {
+  return out_is_terminal && !(term && std::string(term) == "dumb") && !under_launcher;
+}
+
+// A launcher set this process's environment (detect_launch names the variable); a malformed one
+// counts too: the run reports it where it starts.
+static bool started_by_launcher() {
+  try {
+    return !detect_launch().launcher.empty();
+  } catch (const std::exception&) {
+    return true;
+  }
+}
+
 Progress::Progress(const std::string& mode, int64_t total_steps, int64_t log_every, std::FILE* out)
     : total_(total_steps), log_every_(log_every), out_(out) {
   if (mode == "bar")
     bar_ = true;
   else if (mode == "plain")
     bar_ = false;
-  else {
-    const char* term = std::getenv("TERM");
-    bar_ = out && ::isatty(::fileno(out)) && !(term && std::string(term) == "dumb");
-  }
+  else
+    bar_ = out && auto_progress_bar(::isatty(::fileno(out)), std::getenv("TERM"), started_by_launcher());
 }
 
 void Progress::update(const StepMetrics& m, double eta_s) {

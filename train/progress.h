@@ -8,9 +8,15 @@
 
 namespace flowmoe {
 
+// Whether logging.progress: auto draws a bar: the output is a terminal, TERM is not "dumb", and no
+// launcher (mpirun, srun) started the process. A launcher forwards each rank's output, and Open MPI
+// does it through a pseudo-terminal even when mpirun's own output goes to a file, so a rank cannot
+// tell whether the user sees a terminal: it prints plain lines, which a log keeps.
+bool auto_progress_bar(bool out_is_terminal, const char* term, bool under_launcher);
+
 class Progress {
  public:
-  // mode auto|bar|plain; auto draws a bar when `out` is a terminal (and TERM is not "dumb").
+  // mode auto|bar|plain; auto: auto_progress_bar for `out`, this process's TERM and launcher.
   // out == nullptr: silent.
   Progress(const std::string& mode, int64_t total_steps, int64_t log_every, std::FILE* out = stdout);
   void update(const StepMetrics& m, double eta_s);  // bar: redraw; plain: a line every log_every steps

@@ -18,6 +18,7 @@
 #include "parallel/process_group.h"
 #include "train/config.h"
 #include "train/data.h"
+#include "train/dir_lock.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
@@ -78,6 +79,9 @@ struct TrainRun {
   std::string resume_note;       // the start-up line about the resume; declared first: resume_dir fills it
   const std::string resume_dir;  // the checkpoint to resume from; "" for a fresh start
   Progress progress;
+  // Rank 0's locks on the run directory and, when it lies elsewhere, the checkpoint directory: taken
+  // before anything is written or cleaned up there.
+  std::vector<std::unique_ptr<DirLock>> dir_locks;
   TrainResult res;  // out_dir exists and holds config.yaml before the data is read
   SetupLap device_lap{clock, "device and memory check"};
   DataLoader data;

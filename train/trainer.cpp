@@ -2,6 +2,7 @@
 // summary (see trainer.h).
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <filesystem>
@@ -132,13 +133,28 @@ static std::string make_run_dir(const Config& cfg) {
   return dir;
 }
 
-// What comes before the first allocation: the cleanup of a crash's leftovers, the memory check and
+// Rank 0 locks the run directory, and the checkpoint directory when it is not inside that one: a second
+// run into either is refused (DirLock names its pid) before it writes or removes anything there.
+static std::vector<std::unique_ptr<DirLock>> lock_run_dirs(const Config& cfg, bool is_root) {
+  std::vector<std::unique_ptr<DirLock>> locks;
+  if (!is_root) return locks;
+  locks.push_back(std::make_unique<DirLock>(cfg.run_dir(), "the run directory"));
+  std::error_code ec;
+  const fs::path run = fs::weakly_canonical(cfg.run_dir(), ec), ckpt = fs::weakly_canonical(cfg.checkpoint_dir(), ec);
+  const auto [end, ignored] = std::mismatch(run.begin(), run.end(), ckpt.begin(), ckpt.end());
+  if (end != run.end()) locks.push_back(std::make_unique<DirLock>(cfg.checkpoint_dir(), "the checkpoint directory"));
+  return locks;
+}
+
+// What comes before the first allocation: the memory check, the cleanup of a crash's leftovers and
 // the run directory (rank 0 alone touches the files; the others wait until it has). The result
 // starts with the run directory's path.
+// Rank 0's folder locks go into `locks` once the memory check has passed: a refused run writes nothing.
 static TrainResult prepare_run(const Config& cfg, Device device, DType compute, std::FILE* out, Progress& progress,
-                               Communicator& world) {
-  if (world.rank() == 0) remove_unfinished_checkpoints(cfg, out);
+                               Communicator& world, std::vector<std::unique_ptr<DirLock>>& locks) {
   check_memory(cfg, device, compute, world.size(), progress);
+  locks = lock_run_dirs(cfg, world.rank() == 0);
+  if (world.rank() == 0) remove_unfinished_checkpoints(cfg, out);
   TrainResult res;
   res.out_dir = world.rank() == 0 ? make_run_dir(cfg) : cfg.run_dir();
   res.world_size = world.size();
@@ -170,8 +186,9 @@ static void check_router_lr_scale(const Config& cfg, const AdamW& opt) {
 static void resume_from_checkpoint(TrainRun& run) {
   const Config& cfg = run.cfg;
   // Every rank reads the full tensors and keeps its rows of each expert shard.
-  CheckpointMeta meta = load_checkpoint(run.resume_dir, run.model.parameters(), &run.opt.exp_avg(),
-                                        &run.opt.exp_avg_sq(), run.model.buffers(), run.model.parameter_shards());
+  CheckpointMeta meta =
+      load_checkpoint(run.resume_dir, run.model.parameters(), &run.opt.exp_avg(), &run.opt.exp_avg_sq(),
+                      run.model.buffers(), run.model.parameter_shards(), checkpoint_load_options(cfg));
   FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
                 ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
                 " (a resumed run must keep its data order)");
@@ -179,7 +196,8 @@ static void resume_from_checkpoint(TrainRun& run) {
   run.step = meta.step;
   run.skipped = meta.skipped_steps;
   run.opt.set_num_updates(meta.num_updates);
-  run.resume_note = "resumed from " + run.resume_dir + " at step " + std::to_string(run.step);
+  run.resume_note = "resumed from " + run.resume_dir + " at step " + std::to_string(run.step) +
+                    partial_load_note(meta);
 }
 
 // The data line, the resume note and a capped evaluation, before the first step.
@@ -225,7 +243,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       compute(compute_dtype_for(c, device)),
       resume_dir(resume_target(c, &resume_note)),
       progress(c.logging.progress, c.train.steps, c.logging.log_every, is_root ? o.out : nullptr),
-      res(prepare_run(c, device, compute, is_root ? o.out : nullptr, progress, *world)),
+      res(prepare_run(c, device, compute, is_root ? o.out : nullptr, progress, *world, dir_locks)),
       data(DataLoader::from_config(c)),
       model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c, parallel)),
       opt(model.parameters(), c.optimizer),

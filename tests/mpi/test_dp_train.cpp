@@ -93,6 +93,8 @@ TEST(DataParallelErrors, DifferentConfigsFailOnEveryRank) {
   const std::string message = "flowmoe: error: the ranks were given different configs (rank 0 hash ";
   EXPECT_EQ(lines_starting(differ.err, message), 1u) << differ.err;
   EXPECT_EQ(lines_starting(differ.err, "[rank 1] " + message), 1u) << differ.err;
+  // Both name the first key that differs, not only two hashes.
+  EXPECT_EQ(count(differ.err, "train.steps is 4 on rank 0 and 5 on rank 1"), 2u) << differ.err;
   EXPECT_FALSE(fs::exists(d / "run" / "metrics.jsonl"));
 
   // Rank 1's override is invalid: it fails before MPI starts, and its peer must not wait for it.
@@ -100,6 +102,62 @@ TEST(DataParallelErrors, DifferentConfigsFailOnEveryRank) {
   EXPECT_NE(broken.status, 0);
   EXPECT_NE(broken.status, 124) << "rank 0 waited for rank 1 forever";
   EXPECT_EQ(lines_starting(broken.err, "[rank 1] flowmoe: error: --set train.steps=many"), 1u) << broken.err;
+  fs::remove_all(d);
+}
+
+// A rank that ends without a run (--print-config, --help) while its peer starts one: they meet and
+// leave together (it used to exit alone and leave the peer in MPI's start-up forever), every time.
+TEST(DataParallelErrors, ARankThatEndsEarlyLeavesWithItsPeers) {
+  const fs::path d = fresh_dir("dp_early_exit");
+  const std::string args = train_args(d / "run", "--set train.steps=4 --set optimizer.warmup_steps=1");
+  const std::string mpi = std::string(FLOWMOE_MPIEXEC) + " " + FLOWMOE_MPIEXEC_FLAGS + " " +
+                          FLOWMOE_MPIEXEC_NUMPROC_FLAG + " 1 " + kBinary + " " + args;
+  for (const char* early : {"--print-config", "--help"}) {
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      const Launch r = run_shell(d, mpi + " " + early + " : " + FLOWMOE_MPIEXEC_NUMPROC_FLAG + " 1 " + kBinary + " " +
+                                        args, 60);
+      EXPECT_EQ(r.status, 2) << early << " attempt " << attempt << "\n" << r.err;
+      EXPECT_EQ(count(r.err, std::string("command is train ") + early + " (ends without a run) on rank 0 and train on "
+                                 "rank 1"), 2u) << r.err;
+    }
+    // Every rank ending early is no error: they leave together at once.
+    const Launch all = run_shell(d, launcher(2) + kBinary + " " + args + " " + early, 60);
+    EXPECT_EQ(all.status, 0) << early << "\n" << all.err;
+  }
+  EXPECT_FALSE(fs::exists(d / "run" / "metrics.jsonl"));
+  fs::remove_all(d);
+}
+
+// logging.progress: auto under mpirun prints plain lines, which the redirected log keeps: Open MPI hands
+// each rank a pseudo-terminal whatever mpirun's own output is, so the rank's isatty() says nothing.
+TEST(DataParallelOutput, AutoProgressUnderALauncherWritesPlainLines) {
+  const fs::path d = fresh_dir("dp_progress");
+  std::string args = train_args(d / "run", "--set train.steps=4 --set optimizer.warmup_steps=1");
+  args.replace(args.find("logging.progress=plain"), 22, "logging.progress=auto");
+  const Launch r = run_shell(d, launcher(2) + kBinary + " " + args, 120);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(count(r.out, "\r"), 0u) << r.out;
+  EXPECT_EQ(count(r.out, "/4 | loss"), 4u) << r.out;  // a line per step (log_every 1)
+  fs::remove_all(d);
+}
+
+// A rank killed mid-run: the launcher signals the survivor, whose message must not promise the
+// checkpoint that its dead peer makes impossible; the job ends within seconds.
+TEST(DataParallelErrors, ASurvivorOfAKilledRankPromisesNoCheckpoint) {
+  const fs::path d = fresh_dir("dp_killed");
+  const fs::path run = d / "run";
+  const std::string args = train_args(run, "--set train.steps=100000 --set checkpoint.every=0");
+  // Rank 0 writes its pid into run.lock; the other child of mpirun is rank 1.
+  const std::string script = launcher(2) + kBinary + " " + args + " & m=$!; "
+                             "for i in $(seq 1 600); do [ -s " + (run / "metrics.jsonl").string() + " ] && break; "
+                             "sleep 0.1; done; r0=$(cat " + (run / "run.lock").string() + "); "
+                             "for p in $(pgrep -P $m); do [ \"$p\" != \"$r0\" ] && kill -9 $p; done; wait $m";
+  const Launch r = run_shell(d, "sh -c '" + script + "'", 120);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.status, 124) << "the survivor hung";
+  EXPECT_EQ(count(r.err, "saving a checkpoint"), 0u) << r.err;
+  EXPECT_EQ(count(r.out, "interrupted at step"), 0u) << r.out;
+  EXPECT_FALSE(fs::exists(run / "checkpoints" / "step_00000001"));
   fs::remove_all(d);
 }
 

@@ -109,6 +109,19 @@ TEST(ExpertParallelResume, CheckpointsDoNotDependOnTheExpertParallelSize) {
   resume_and_compare(d, four, "np4_ep4", 0, "ep4_np1", sets);
   resume_and_compare(d, one, "np1", 2, "np1_ep2", sets + ep(2));
   expect_same_eval(d, "np4_ep4", 4, "--set train.batch_size=2", ep(4));
+  // The run's own config.yaml (expert_parallel_size 4) evaluates it in one process as well, E taken as 1
+  // with a note: the same loss as through the one-process run's config, and fp8-error reads it too.
+  const std::string ckpt = " --checkpoint " + (d / "np4_ep4" / "checkpoints" / "step_00000020").string();
+  const Launch own = run_shell(d, kBinary + " eval --config " + (d / "np4_ep4" / "config.yaml").string() + ckpt),
+               plain = run_shell(d, kBinary + " eval --config " + (d / "np1" / "config.yaml").string() + ckpt);
+  ASSERT_EQ(own.status, 0) << own.err;
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  EXPECT_EQ(count(own.out, "parallel.expert_parallel_size = 4 does not divide the 1 rank; evaluating with "
+                           "expert_parallel_size 1"), 1u) << own.out;
+  EXPECT_EQ(printed_val_loss(own.out), printed_val_loss(plain.out)) << own.out << plain.out;
+  const Launch error = run_shell(d, kBinary + " fp8-error --config " + (d / "np4_ep4" / "config.yaml").string() + ckpt);
+  EXPECT_EQ(error.status, 0) << error.err;
+  EXPECT_EQ(count(error.out, "parallel.expert_parallel_size = 4 taken as 1"), 1u) << error.out;
   fs::remove_all(d);
 }
 
