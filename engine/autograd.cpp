@@ -165,6 +165,10 @@ std::vector<Variable> apply(std::shared_ptr<Primitive> p, const std::vector<Vari
 
 // ---- backward ---------------------------------------------------------------------------------
 
+static thread_local LeafGradHook g_leaf_hook;
+LeafGradHookGuard::LeafGradHookGuard(LeafGradHook hook) : prev_(std::move(g_leaf_hook)) { g_leaf_hook = std::move(hook); }
+LeafGradHookGuard::~LeafGradHookGuard() { g_leaf_hook = std::move(prev_); }
+
 void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool retain_graph) {
   FLOWMOE_CHECK(outputs.size() == d_outputs.size(), Error, "backward: ", outputs.size(), " outputs but ",
                 d_outputs.size(), " gradients");
@@ -197,6 +201,9 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
   d_outputs.clear();
 
   // Count dependencies over the reachable graph (iterative DFS: graphs can be deep).
+  // With a leaf hook, the edges into each leaf too: its gradient is final when the last has run.
+  const bool hooked = static_cast<bool>(g_leaf_hook);
+  std::unordered_map<VariableImpl*, int> leaf_deps;
   std::unordered_set<Node*> seen;
   std::vector<Node*> stack;
   for (auto& r : roots)
@@ -205,6 +212,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
     Node* n = stack.back();
     stack.pop_back();
     for (const Edge& e : n->next) {
+      if (hooked && e.leaf) leaf_deps[e.leaf.get()]++;
       if (!e.fn) continue;
       deps[e.fn.get()]++;
       if (seen.insert(e.fn.get()).second) stack.push_back(e.fn.get());
@@ -237,6 +245,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
           e.leaf->grad = d_in[i].is_sole_owner() ? std::move(d_in[i]) : d_in[i].clone();
         else
           accumulate(e.leaf->grad, d_in[i]);
+        if (hooked && --leaf_deps[e.leaf.get()] == 0) g_leaf_hook(*e.leaf);
       } else if (e.fn) {
         auto& slot = grads[e.fn.get()];
         slot.resize(e.fn->out_shapes.size());

@@ -1,4 +1,5 @@
-// RAII wrappers for CUDA streams and events (CUDA builds only; see engine/cuda/stream.cpp).
+// RAII wrappers for CUDA streams and events (engine/cuda/stream.cpp; without CUDA, engine/stream_none.cpp
+// throws from every constructor).
 // The engine itself runs on one stream per device (current_stream); these are for overlap work
 // (communication streams) and for timing in bench/.
 #pragma once

@@ -63,6 +63,7 @@ struct ParallelConfig {
   int64_t expert_parallel_size = 1;
   std::string backend = "auto";  // auto | nccl | mpi | none (parallel/distributed.h)
   std::string ep_dispatch = "auto";  // auto | sync | zero_sync (parallel/dispatch.h EpDispatch)
+  bool overlap_grad_reduce = true;    // reduce gradient buckets during the backward (train/grad_reducer.h)
 };
 
 struct CheckpointConfig {

@@ -234,6 +234,9 @@ const std::vector<Field>& schema() {
                        "the expert-parallel token exchange: sync reads the per-expert counts to the host once per "
                        "MoE layer; zero_sync keeps them on the device (worst-case receive buffers; nccl writes rows "
                        "into the peers' GPUs); auto: zero_sync for a group of 2 load/store-reachable GPUs, sync otherwise"));
+    f.push_back(boolean("parallel", "overlap_grad_reduce", FLOWMOE_CONFIG_REF(parallel.overlap_grad_reduce),
+                        "reduce each 25 MiB gradient bucket as soon as the backward has finished it (on a stream "
+                        "of its own with nccl), not after the backward; the same sums either way"));
     // checkpoint
     f.push_back(string("checkpoint", "dir", FLOWMOE_CONFIG_REF(checkpoint.dir),
                        "where checkpoints go; empty: <logging.out_dir>/checkpoints"));

@@ -5,6 +5,7 @@
 
 #include "engine/ops/ops.h"
 #include "kernels/common/error.h"
+#include "train/grad_reducer.h"
 
 namespace flowmoe {
 
@@ -93,15 +94,9 @@ void all_reduce_gradients(Communicator& comm, const std::vector<Variable>& param
 
 void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& params,
                           const std::vector<ParamShard>& shards, size_t bucket_bytes) {
-  FLOWMOE_CHECK(shards.size() == params.size(), Error, "all_reduce_gradients: ", params.size(), " parameters but ",
-                shards.size(), " shards");
-  Communicator& world = *ps.world;
-  if (ps.expert_parallel_size == 1) return all_reduce_gradients(world, params, bucket_bytes);
-  std::vector<Variable> dense, expert;
-  for (size_t i = 0; i < params.size(); ++i) (shards[i].expert ? expert : dense).push_back(params[i]);
-  // The world's buckets first, then the group's: every rank issues the collectives in this order.
-  all_reduce_gradients(world, dense, bucket_bytes, world.size());
-  all_reduce_gradients(*ps.expert_data_parallel, expert, bucket_bytes, world.size());
+  GradientReducer reducer(ps, params, shards, /*overlap=*/false, bucket_bytes);
+  reducer.begin();
+  reducer.finish();
 }
 
 double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards) {

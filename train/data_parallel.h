@@ -33,12 +33,13 @@ void all_reduce_flat(Communicator& comm, const std::vector<Tensor>& tensors, Red
 void all_reduce_gradients(Communicator& comm, const std::vector<Variable>& params,
                           size_t bucket_bytes = kGradientBucketBytes, int64_t divisor = 0);
 
-// The same with expert parallelism: dense parameters over the world, expert weights (shards[i].expert)
+// The same with expert parallelism, through a GradientReducer without overlap (grad_reducer.h: the
+// buckets the trainer reduces): dense parameters over the world, expert weights (shards[i].expert)
 // over the expert-data-parallel group, each in buckets of its own, both divided by the world size W.
 // An expert's gradient already holds its expert-parallel peers' tokens (dispatch's backward brought
 // them), and every rank's loss is the mean over its own slice: the sum over the W / E replicas of the
-// expert, divided by W, is the global batch's gradient. At expert-parallel size 1 this is
-// all_reduce_gradients(*ps.world, params), bit for bit.
+// expert, divided by W, is the global batch's gradient. At expert-parallel size 1 this sums what
+// all_reduce_gradients(*ps.world, params) sums, element by element.
 void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& params,
                           const std::vector<ParamShard>& shards, size_t bucket_bytes = kGradientBucketBytes);
 

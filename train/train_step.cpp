@@ -50,6 +50,8 @@ StepLosses run_micro_batches(TrainRun& run, const std::vector<Batch>& batches, b
       loss_sum += double(parts.lm.data().to_floats()[0]);
       if (out.has_aux) aux_sum += double(parts.aux.data().to_floats()[0]);
     }
+    // The last micro-batch's backward finishes the gradients: the reducer starts on them as they are.
+    if (run.reducer && a + 1 == num_micro_batches) run.reducer->begin();
     (num_micro_batches > 1 ? scale(loss, 1.0 / double(num_micro_batches)) : loss).backward();
   }
   // The LM loss and the balance loss are logged apart; training minimizes their sum.
@@ -60,10 +62,11 @@ StepLosses run_micro_batches(TrainRun& run, const std::vector<Batch>& batches, b
   return out;
 }
 
-// The gradient sync point: the ranks' gradients become the global batch's (data_parallel.h); at world
-// size 1 they are already complete.
+// The gradient sync point: the ranks' gradients become the global batch's (grad_reducer.h: what the
+// backward did not already reduce is reduced now, and the optimizer waits for it); at world size 1 they
+// are already complete.
 void sync_gradients(TrainRun& run) {
-  if (run.world_size > 1) all_reduce_gradients(run.parallel, run.model.parameters(), run.model.parameter_shards());
+  if (run.reducer) run.reducer->finish();
 }
 
 // The host path's losses as the means over the ranks (each slice holds as many tokens) and whether any

@@ -19,6 +19,7 @@
 #include "train/config.h"
 #include "train/data.h"
 #include "train/dir_lock.h"
+#include "train/grad_reducer.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
@@ -92,6 +93,7 @@ struct TrainRun {
   SetupLap optimizer_lap{clock, "optimizer"};
   std::optional<MetricsWriter> metrics;  // opened once the step to resume at is known
   StepState state;  // the optimizer step's scalars where the weights live, and their readout
+  std::unique_ptr<GradientReducer> reducer;  // several ranks: the gradient buckets and their schedule
 
   int64_t tokens_per_step = 0;
   ValBatches val;  // what an evaluation reads; no batches when the data holds out no validation

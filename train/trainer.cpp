@@ -249,6 +249,9 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       opt(model.parameters(), c.optimizer),
       state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
+  if (world_size > 1)
+    reducer = std::make_unique<GradientReducer>(parallel, model.parameters(), model.parameter_shards(),
+                                                cfg.parallel.overlap_grad_reduce);
   if (!resume_dir.empty()) {
     resume_from_checkpoint(*this);
     clock.lap("checkpoint load");

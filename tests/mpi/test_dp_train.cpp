@@ -20,6 +20,7 @@
 
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/mpi/train_launch.h"
@@ -102,6 +103,31 @@ TEST(DataParallelErrors, DifferentConfigsFailOnEveryRank) {
   EXPECT_NE(broken.status, 0);
   EXPECT_NE(broken.status, 124) << "rank 0 waited for rank 1 forever";
   EXPECT_EQ(lines_starting(broken.err, "[rank 1] flowmoe: error: --set train.steps=many"), 1u) << broken.err;
+  fs::remove_all(d);
+}
+
+// The gradient buckets reduced during the backward (parallel.overlap_grad_reduce, the default) or after
+// it: the same sums, so the same losses and the same checkpoint, bit for bit; with accumulation, data
+// and expert parallelism, and an FP8 recipe.
+TEST(DataParallelOverlap, OverlappedReductionTrainsTheSameWeightsBitForBit) {
+  const fs::path d = fresh_dir("dp_overlap");
+  const std::string ep2 = " --set parallel.expert_parallel_size=2";
+  for (const auto& [np, extra] : {std::pair{2, std::string(" --set train.grad_accum_steps=2")},
+                                  {4, ep2 + " --set precision.recipe=fp8_flow"}}) {
+    const std::string name = "np" + std::to_string(np);
+    const std::vector<StepMetrics> on = train_run(d, np, name + "_on", extra),
+                                    off = train_run(d, np, name + "_off", extra + " --set parallel.overlap_grad_reduce=false");
+    ASSERT_EQ(on.size(), 20u);
+    ASSERT_EQ(off.size(), on.size());
+    for (size_t i = 0; i < on.size(); ++i) {
+      EXPECT_EQ(on[i].loss, off[i].loss) << name << " step " << on[i].step;
+      EXPECT_EQ(on[i].grad_norm, off[i].grad_norm) << name << " step " << on[i].step;
+    }
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(read_text(d / (name + "_on") / "checkpoints" / "step_00000020" / file),
+                read_text(d / (name + "_off") / "checkpoints" / "step_00000020" / file))
+          << name << " " << file;
+  }
   fs::remove_all(d);
 }
 

@@ -1,0 +1,148 @@
+// The overlapped gradient reduction (train/grad_reducer.h) on the world this test runs in: a real
+// model's backward, at every expert-parallel size the world allows, reduced with the buckets launched
+// during the backward must give the gradients the plain schedule gives, bit for bit (the same buckets,
+// the same sums); gradient accumulation reduces once, after the last micro-batch; a parameter only some
+// ranks have a gradient for is summed as zero where it is missing and one no rank has keeps none.
+// The data encodes the rank, so every rank's gradients differ.
+#include <cstring>
+
+#include "kernels/common/device_api.h"
+#include "parallel/backends.h"
+#include "parallel/process_group.h"
+#include "tests/mpi/comm_test_util.h"
+#include "train/config.h"
+#include "train/grad_reducer.h"
+#include "train/trainer.h"
+
+namespace flowmoe::test {
+namespace {
+
+constexpr int64_t kExperts = 4;
+
+Config moe_config() {
+  return parse_config(
+      "model: {vocab_size: 64, hidden_size: 32, num_hidden_layers: 3, num_attention_heads: 2,"
+      " intermediate_size: 64, max_position_embeddings: 16, n_routed_experts: 4, num_experts_per_tok: 2,"
+      " n_shared_experts: 1, moe_intermediate_size: 16, first_k_dense_replace: 1}\n"
+      "data: {seq_len: 16}\n"
+      "train: {device: cpu}\n",
+      "reducer_test.yaml");
+}
+
+// Rank r's micro-batch a: token ids that depend on both.
+Tensor coded_ids(int rank, int a) {
+  std::vector<int64_t> ids(2 * 16);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t((rank * 13 + a * 7 + int(i) * 5) % 64);
+  return Tensor::from_ints(ids, {2, 16}, DType::i32);
+}
+
+// The gradients after `micro_batches` forward/backward passes on `device`, reduced by a fresh reducer.
+std::vector<std::vector<float>> reduced_gradients(const ParallelState& ps, bool overlap, int micro_batches,
+                                                  int64_t* launched_early, int64_t* buckets,
+                                                  Device device = Device::cpu()) {
+  const Config cfg = moe_config();
+  Transformer model(cfg.model, device, device.is_cuda() ? DType::bf16 : DType::f32, 7, moe_options(cfg, ps));
+  // 16 KiB buckets: a dozen of them, so that the overlap has something to launch early.
+  GradientReducer reducer(ps, model.parameters(), model.parameter_shards(), overlap, 16 << 10);
+  const int me = ps.world->rank();
+  for (int a = 0; a < micro_batches; ++a) {
+    const Tensor ids = coded_ids(me, a), targets = coded_ids(me, a + 1);
+    if (a + 1 == micro_batches) reducer.begin();
+    model.loss(ids, targets).backward();
+  }
+  reducer.finish();
+  *launched_early = reducer.num_launched_in_backward();
+  *buckets = reducer.num_buckets();
+  std::vector<std::vector<float>> out;
+  for (const Variable& p : model.parameters()) out.push_back(p.grad().defined() ? p.grad().to_floats() : std::vector<float>{});
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST(GradientReducer, OverlappedBucketsGiveThePlainSumsBitForBit) {
+  Communicator& world = test_world();
+  for (int e = 1; e <= world.size(); ++e) {
+    if (world.size() % e != 0 || kExperts % e != 0) continue;
+    SCOPED_TRACE("expert_parallel_size " + std::to_string(e));
+    const ParallelState ps = make_parallel_state(test_runtime().world, e, kExperts);
+    for (int micro_batches : {1, 2}) {
+      SCOPED_TRACE(std::to_string(micro_batches) + " micro-batches");
+      int64_t early_plain = 0, early_overlap = 0, buckets = 0;
+      const auto plain = reduced_gradients(ps, false, micro_batches, &early_plain, &buckets);
+      const auto overlapped = reduced_gradients(ps, true, micro_batches, &early_overlap, &buckets);
+      EXPECT_EQ(early_plain, 0);
+      // The backward finishes the buckets one after another and launches each as it does, down to the
+      // embedding's, final last: none is left for finish().
+      EXPECT_GT(buckets, 4);
+      EXPECT_EQ(early_overlap, buckets);
+      ASSERT_EQ(plain.size(), overlapped.size());
+      for (size_t p = 0; p < plain.size(); ++p) {
+        EXPECT_FALSE(plain[p].empty()) << "parameter " << p;
+        EXPECT_TRUE(same_bits(plain[p], overlapped[p])) << "parameter " << p;
+      }
+    }
+  }
+}
+
+// The same through nccl, a GPU per rank: the buckets reduced on the reducer's own stream while the
+// backward goes on, against the same buckets reduced after it.
+TEST(GradientReducer, OverlapOnItsOwnStreamThroughNcclGivesThePlainSums) {
+  if (!built_with_nccl()) GTEST_SKIP() << "built without NCCL";
+  const int me = test_world().rank(), n = test_world().size();
+  if (n < 2 || cuda_device_count() < n)
+    GTEST_SKIP() << "nccl needs a GPU per rank and several ranks: " << n << " ranks, " << cuda_device_count() << " GPUs";
+  cuda_set_device(me);
+  {
+    const std::shared_ptr<Communicator> nccl = make_nccl_communicator(test_runtime().world, me);
+    for (int e : {1, n}) {
+      SCOPED_TRACE("expert_parallel_size " + std::to_string(e));
+      const ParallelState ps = make_parallel_state(nccl, e, kExperts);
+      int64_t early_plain = 0, early_overlap = 0, buckets = 0;
+      const auto plain = reduced_gradients(ps, false, 2, &early_plain, &buckets, Device::cuda(me));
+      const auto overlapped = reduced_gradients(ps, true, 2, &early_overlap, &buckets, Device::cuda(me));
+      EXPECT_EQ(early_overlap, buckets);
+      ASSERT_EQ(plain.size(), overlapped.size());
+      for (size_t p = 0; p < plain.size(); ++p) EXPECT_TRUE(same_bits(plain[p], overlapped[p])) << "parameter " << p;
+    }
+    nccl->barrier();
+  }
+  cuda_set_device(0);
+}
+
+// Ranks whose backward gives a parameter no gradient: zero there in the sum, none where no rank had one.
+TEST(GradientReducer, MissingGradientsCountAsZeroAndNoneStaysNone) {
+  Communicator& world = test_world();
+  const int me = world.rank(), n = world.size();
+  const ParallelState ps = make_parallel_state(test_runtime().world, 1, kExperts);
+  std::vector<Variable> params;
+  for (int64_t size : {3, 200, 2, 4}) params.emplace_back(Tensor::zeros({size}, DType::f32), true);
+  const std::vector<ParamShard> shards(params.size());
+  GradientReducer reducer(ps, params, shards, true, 16 * sizeof(float));
+  reducer.begin();
+  for (size_t p = 0; p < params.size(); ++p) {
+    if ((p == 2 && me != 0) || p == 3) continue;  // only rank 0 has parameter 2; nobody has 3
+    std::vector<float> g(size_t(params[p].shape()[0]));
+    for (size_t j = 0; j < g.size(); ++j) g[j] = float((me + 1) * 1000 + int(p) * 100 + int(j) % 97);
+    params[p].set_grad(Tensor::from_floats(g, {int64_t(g.size())}));
+  }
+  reducer.finish();  // no backward reported anything: every bucket goes in finish(), in order
+  EXPECT_EQ(reducer.num_launched_in_backward(), 0);
+  for (size_t p = 0; p < 3; ++p) {
+    ASSERT_TRUE(params[p].grad().defined()) << "parameter " << p;
+    const std::vector<float> got = params[p].grad().to_floats();
+    for (size_t j = 0; j < got.size(); ++j) {
+      double sum = 0;
+      for (int r = 0; r < n; ++r)
+        if (p != 2 || r == 0) sum += (r + 1) * 1000 + int(p) * 100 + int(j) % 97;
+      ASSERT_EQ(got[j], float(sum / n)) << "parameter " << p << " element " << j;
+    }
+  }
+  EXPECT_FALSE(params[3].grad().defined()) << "a gradient no rank had stays undefined";
+  EXPECT_THROW(reducer.finish(), Error);  // finish() without begin()
+}
+
+}  // namespace
+}  // namespace flowmoe::test

@@ -1,0 +1,171 @@
+// The bucketed, overlapped gradient reduction (see grad_reducer.h).
+#include "train/grad_reducer.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "engine/ops/ops.h"
+#include "kernels/common/device_api.h"
+#include "kernels/common/error.h"
+
+namespace flowmoe {
+
+GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> params,
+                                 const std::vector<ParamShard>& shards, bool overlap, size_t bucket_bytes)
+    : ps_(ps), params_(std::move(params)), overlap_(overlap) {
+  FLOWMOE_CHECK(shards.size() == params_.size(), Error, "GradientReducer: ", params_.size(), " parameters but ",
+                shards.size(), " shards");
+  scale_ = 1.0 / double(ps.world->size());
+  comms_[0] = ps.world;
+  comms_[1] = ps.expert_parallel_size > 1 ? ps.expert_data_parallel : ps.world;
+  // Buckets in the order the backward finishes the gradients: the model lists its parameters in forward
+  // order, so the last ones are final first. Each group fills its own buckets in that order; a bucket
+  // closes when the next parameter would not fit, and the buckets are launched in the order their last
+  // parameter becomes final.
+  const size_t max_numel = bucket_bytes / sizeof(float);
+  std::vector<Bucket> closed;
+  Bucket open[2];
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const size_t i = params_.size() - 1 - k;
+    const int g = shards[i].expert && ps.expert_parallel_size > 1 ? 1 : 0;
+    const int64_t n = params_[i].data().numel();
+    if (!open[g].params.empty() && size_t(open[g].numel + n) > max_numel) closed.push_back(std::exchange(open[g], {}));
+    open[g].group = g;
+    open[g].params.push_back(i);
+    open[g].numel += n;
+    index_of_[params_[i].impl()] = i;
+  }
+  for (Bucket& b : open)
+    if (!b.params.empty()) closed.push_back(std::move(b));
+  // A bucket's last parameter is its smallest index: the larger the index, the earlier it is final.
+  std::sort(closed.begin(), closed.end(),
+            [](const Bucket& a, const Bucket& b) { return a.params.back() > b.params.back(); });
+  buckets_ = std::move(closed);
+  bucket_of_.assign(params_.size(), 0);
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (size_t i : buckets_[b].params) bucket_of_[i] = b;
+  final_.assign(params_.size(), false);
+  missing_.assign(params_.size(), false);
+
+  // nccl: the reductions get communicators of their own on a stream of their own, so that they run
+  // beside the backward (a communicator serves one stream: the world's stays with the compute stream).
+  if (overlap_ && ps.world->backend_name() == std::string("nccl")) {
+    const int device = ps.world->native_device().index;
+    stream_ = std::make_unique<Stream>(device);
+    grads_ready_ = std::make_unique<Event>();
+    reduced_ = std::make_unique<Event>();
+    comms_[0] = ps.world->split(0, ps.world->rank());
+    comms_[0]->set_stream(stream_->get());
+    if (ps.expert_parallel_size > 1) {
+      comms_[1] = ps.expert_data_parallel->split(0, ps.expert_data_parallel->rank());
+      comms_[1]->set_stream(stream_->get());
+    } else {
+      comms_[1] = comms_[0];
+    }
+  }
+}
+
+GradientReducer::~GradientReducer() = default;
+
+void GradientReducer::begin() {
+  final_.assign(params_.size(), false);
+  missing_.assign(params_.size(), false);
+  for (Bucket& b : buckets_) {
+    b.pending = int(b.params.size());
+    b.flat = Tensor();
+  }
+  next_ = 0;
+  launched_in_backward_ = 0;
+  armed_ = true;
+  if (overlap_) hook_ = std::make_unique<LeafGradHookGuard>([this](VariableImpl& leaf) { on_leaf(leaf); });
+}
+
+void GradientReducer::on_leaf(VariableImpl& leaf) {
+  const auto it = index_of_.find(&leaf);
+  if (it == index_of_.end()) return;  // a recompute's own inputs, say
+  const size_t i = it->second;
+  // A leaf is final once per backward; a second report means its bucket may already be reduced.
+  FLOWMOE_CHECK(!final_[i], Error, "gradient reduction: '", leaf.name, "' received a gradient after it was final ",
+                "(a parameter used both inside and outside a recomputed block?)");
+  final_[i] = true;
+  --buckets_[bucket_of_[i]].pending;
+  while (next_ < buckets_.size() && buckets_[next_].pending == 0) {
+    launch(buckets_[next_++]);
+    ++launched_in_backward_;
+  }
+}
+
+// The bucket's gradients into one flat buffer (zeros for a parameter without one here), reduced in place;
+// the parameters' gradients become views of it, so their own tensors are freed at once.
+void GradientReducer::launch(Bucket& b) {
+  const Device device = params_[b.params.front()].device();
+  b.flat = Tensor::empty({b.numel}, DType::f32, device);
+  int64_t offset = 0;
+  for (size_t i : b.params) {
+    Variable p = params_[i];
+    const int64_t n = p.data().numel();
+    Tensor slot = b.flat.slice(0, offset, offset + n).view(p.shape());
+    if (p.grad().defined()) {
+      slot.copy_(p.grad());
+    } else {
+      slot.zero_();
+      missing_[i] = true;
+    }
+    p.set_grad(slot);
+    offset += n;
+  }
+  Communicator& comm = *comms_[b.group];
+  if (stream_) {  // the copies above are on the compute stream: the reduction stream waits for them
+    grads_ready_->record(current_stream(device.index));
+    grads_ready_->wait(stream_->get());
+  }
+  comm.all_reduce(b.flat, ReduceOp::sum);
+  if (stream_) reduced_->record(stream_->get());
+}
+
+// Which parameters have a gradient on any rank of the group: one small sum on the group's own
+// communicator, read to the host only where this rank lacks one (the usual step reads nothing).
+void GradientReducer::exchange_presence(int group) {
+  std::vector<float> present;
+  std::vector<size_t> members;
+  bool lacking = false;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (buckets_[bucket_of_[i]].group != group) continue;
+    members.push_back(i);
+    present.push_back(missing_[i] ? 0.0f : 1.0f);
+    lacking = lacking || missing_[i];
+  }
+  if (members.empty()) return;
+  Communicator& comm = group == 0 ? *ps_.world : (ps_.expert_parallel_size > 1 ? *ps_.expert_data_parallel : *ps_.world);
+  Tensor flags = Tensor::from_floats(present, {int64_t(present.size())}).to(params_[members[0]].device());
+  comm.all_reduce(flags, ReduceOp::sum);
+  if (!lacking) return;
+  const std::vector<float> anywhere = flags.to_floats();
+  for (size_t k = 0; k < members.size(); ++k)
+    if (anywhere[k] == 0) params_[members[k]].zero_grad();  // no rank had one: AdamW leaves it alone
+}
+
+void GradientReducer::finish() {
+  FLOWMOE_CHECK(armed_, Error, "GradientReducer::finish without begin");
+  hook_.reset();
+  armed_ = false;
+  while (next_ < buckets_.size()) launch(buckets_[next_++]);
+  if (stream_) reduced_->wait(current_stream(params_[0].device().index));
+  for (Bucket& b : buckets_) {
+    // The mean over the ranks: scaled once summed, then the views moved onto the scaled buffer.
+    b.flat = tensor_scale(b.flat, scale_);
+    int64_t offset = 0;
+    for (size_t i : b.params) {
+      Variable p = params_[i];
+      const int64_t n = p.data().numel();
+      p.set_grad(b.flat.slice(0, offset, offset + n).view(p.shape()));
+      offset += n;
+    }
+    b.flat = Tensor();  // the views keep it
+  }
+  for (int g : {0, 1})
+    if (g == 0 || ps_.expert_parallel_size > 1) exchange_presence(g);
+}
+
+}  // namespace flowmoe

@@ -1,0 +1,77 @@
+// Data parallelism's gradient reduction, overlapped with the backward (PyTorch DDP's and Megatron-LM's
+// --overlap-grad-reduce). The parameters are cut into buckets of at most 25 MiB in the order the backward
+// finishes their gradients (the model's order, reversed); dense parameters reduce over the world, expert
+// shards over their expert-data-parallel group, both divided by the world size (data_parallel.h says
+// why). During the backward of a step's last micro-batch, autograd's leaf hook (engine/autograd.h)
+// reports each gradient as it becomes final, and a bucket whose gradients are all final is reduced at
+// once, the buckets always in one order on every rank. With nccl the reductions run on a stream of their
+// own, so they overlap the rest of the backward and the optimizer waits on their events only; with mpi
+// or none they run inline. Without overlap the same buckets are reduced after the backward, so both
+// schedules give the same sums, bit for bit (tests/mpi/test_dp_train.cpp, test_data_parallel.cpp).
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/autograd.h"
+#include "engine/stream.h"
+#include "layers/param.h"
+#include "parallel/process_group.h"
+#include "train/data_parallel.h"
+
+namespace flowmoe {
+
+class GradientReducer {
+ public:
+  // params and shards as the model lists them (shards[i].expert: over the expert-data-parallel group).
+  // overlap: reduce each bucket during the backward as soon as it is complete; otherwise in finish().
+  // Collective when the world's backend is nccl: it splits off the communicators it reduces on.
+  GradientReducer(const ParallelState& ps, std::vector<Variable> params, const std::vector<ParamShard>& shards,
+                  bool overlap, size_t bucket_bytes = kGradientBucketBytes);
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  // Wrap the backward of the step's last micro-batch: begin() before it arms the hook (the earlier
+  // micro-batches only accumulate), finish() after it reduces what is left, in order, and leaves every
+  // parameter with the global batch's gradient (a parameter no rank had a gradient for keeps none).
+  void begin();
+  void finish();
+
+  int64_t num_buckets() const { return int64_t(buckets_.size()); }
+  // Buckets the last backward launched before finish(): how much of the reduction it could overlap.
+  int64_t num_launched_in_backward() const { return launched_in_backward_; }
+  bool overlaps() const { return overlap_; }
+
+ private:
+  struct Bucket {
+    int group = 0;               // 0: the world (dense), 1: the expert-data-parallel group
+    std::vector<size_t> params;  // indices into params_
+    int64_t numel = 0;
+    int pending = 0;  // gradients not yet final in this backward
+    Tensor flat;      // the bucket's gradients side by side, reduced in place
+  };
+  void on_leaf(VariableImpl& leaf);
+  void launch(Bucket& b);
+  void exchange_presence(int group);
+
+  const ParallelState& ps_;
+  std::vector<Variable> params_;
+  std::unordered_map<const VariableImpl*, size_t> index_of_;
+  std::vector<size_t> bucket_of_;
+  std::vector<Bucket> buckets_;
+  std::vector<bool> final_;    // per parameter, in this backward
+  std::vector<bool> missing_;  // per parameter: no gradient here when its bucket was launched
+  size_t next_ = 0;            // the next bucket to launch
+  int64_t launched_in_backward_ = 0;
+  bool overlap_ = false, armed_ = false;
+  double scale_ = 1.0;
+  // nccl: the groups' communicators on the reduction stream, and the events that order it.
+  std::shared_ptr<Communicator> comms_[2];
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Event> grads_ready_, reduced_;
+  std::unique_ptr<LeafGradHookGuard> hook_;
+};
+
+}  // namespace flowmoe
