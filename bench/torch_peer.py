@@ -139,7 +139,7 @@ DEFAULTS = {
     },
     "precision": {"recipe": "bf16", "align_size": 16},
     "parallel": {"expert_parallel_size": 1, "backend": "auto", "ep_dispatch": "auto",
-                 "overlap_grad_reduce": True},
+                 "overlap_grad_reduce": True, "grad_reduce_sms": 0},
     "checkpoint": {"dir": "", "every": 0, "final": True, "keep_last": 3, "resume": "false",
                    "partial_load": False, "allow_nonfinite": False},
     "logging": {"out_dir": "", "metrics_format": "jsonl", "log_every": 10, "progress": "auto"},

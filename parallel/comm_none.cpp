@@ -40,7 +40,7 @@ class NoneCommunicator final : public Communicator {
   }
   void do_broadcast(const Tensor&, int) override {}
   void do_barrier() override {}
-  std::shared_ptr<Communicator> do_split(int, int) override { return std::make_shared<NoneCommunicator>(); }
+  std::shared_ptr<Communicator> do_split(int, int, int) override { return std::make_shared<NoneCommunicator>(); }
 };
 
 }  // namespace

@@ -104,9 +104,27 @@ void Communicator::timed_exchange(F&& move) {
 
 double Communicator::take_exchange_ms() {
   const double device_ms = take_device_ms();
-  const double ms = device_ms >= 0 ? device_ms : exchange_host_ms_;
+  double host_ms = exchange_host_ms_;
+  for (double w : host_windows_) host_ms += w;
   exchange_host_ms_ = 0;
-  return ms;
+  host_windows_.clear();
+  return device_ms >= 0 ? device_ms : host_ms;
+}
+
+void Communicator::close_exchange_window() {
+  host_windows_.push_back(exchange_host_ms_);
+  exchange_host_ms_ = 0;
+  close_device_window();
+}
+
+double Communicator::take_exchange_window_ms() {
+  const double device_ms = take_device_window_ms();
+  double host_ms = 0;
+  if (!host_windows_.empty()) {
+    host_ms = host_windows_.front();
+    host_windows_.pop_front();
+  }
+  return device_ms >= 0 ? device_ms : host_ms;
 }
 
 void Communicator::all_to_all_chunks(const Tensor& send_in, const std::vector<RowChunk>& send_chunks,
@@ -293,9 +311,10 @@ void Communicator::barrier() { do_barrier(); }
 
 void Communicator::synchronize() { do_synchronize(); }
 
-std::shared_ptr<Communicator> Communicator::split(int color, int key) {
+std::shared_ptr<Communicator> Communicator::split(int color, int key, int max_ctas) {
   FLOWMOE_CHECK(color >= 0, CommError, "split: color must be >= 0, got ", color);
-  return do_split(color, key);
+  FLOWMOE_CHECK(max_ctas >= 0, CommError, "split: max_ctas must be >= 0, got ", max_ctas);
+  return do_split(color, key, max_ctas);
 }
 
 }  // namespace flowmoe

@@ -9,6 +9,7 @@
 // same order, with sizes that agree across ranks.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -110,14 +111,27 @@ class Communicator {
   // Blocks the host until this rank's enqueued collectives are complete (only nccl enqueues).
   void synchronize();
   // A communicator for each color: the ranks that passed the same color, ordered by key (ties by
-  // rank). Collective over this communicator; color >= 0.
-  std::shared_ptr<Communicator> split(int color, int key);
+  // rank). Collective over this communicator; color >= 0. max_ctas > 0 bounds the thread blocks, so
+  // the SMs, that nccl's kernels on the new communicator may take (ncclConfig_t.maxCTAs): its
+  // collectives then leave the rest of the GPU to the compute that runs beside them. The other
+  // backends run no kernels and ignore it.
+  std::shared_ptr<Communicator> split(int color, int key, int max_ctas = 0);
 
   // Milliseconds this rank spent in all_to_all and all_to_all_chunks (expert parallelism's token
   // exchange, counts included) since the last call, and resets the sum: host time where the backend
   // returns when done (none, mpi), GPU time between events around each call on the stream for nccl,
   // which waits for those events.
   double take_exchange_ms();
+  // The same per training step, for a step read back while the next one is already queued: close
+  // puts the exchanges since the last close (or take) into a window, and take_exchange_window_ms
+  // returns the oldest closed window's milliseconds (0 when none), waiting for its exchanges alone.
+  void close_exchange_window();
+  double take_exchange_window_ms();
+
+  // The communicator of the same ranks, in the same order, that moves host values: nccl's bootstrap
+  // (mpi), this one for the others. A few scalars the host has (a stop request, peak memory) travel
+  // there, with no device copy and so no wait for the GPU's queue.
+  virtual Communicator& host_communicator() { return *this; }
 
   // nccl: the stream collectives are enqueued on; nullptr (the default) means the engine's stream of
   // the communicator's device, so they follow the kernels that produced their inputs and the caching
@@ -147,18 +161,21 @@ class Communicator {
   virtual void do_broadcast(const Tensor& t, int root) = 0;
   virtual void do_barrier() = 0;
   virtual void do_synchronize() {}
-  virtual std::shared_ptr<Communicator> do_split(int color, int key) = 0;
+  virtual std::shared_ptr<Communicator> do_split(int color, int key, int max_ctas) = 0;
   // Around each all-to-all: an asynchronous backend (nccl) records events here and sums their elapsed
   // GPU time in take_device_ms; the others keep the host time the base class measures (-1 below).
   virtual void exchange_started() {}
   virtual void exchange_finished() {}
-  virtual double take_device_ms() { return -1; }
+  virtual double take_device_ms() { return -1; }  // every exchange, closed windows included
+  virtual void close_device_window() {}
+  virtual double take_device_window_ms() { return -1; }
   // Default: an all_to_all of one i64 per peer on native_device().
   virtual std::vector<int64_t> do_exchange_counts(const std::vector<int64_t>& send_rows);
 
  private:
   cudaStream_t stream_ = nullptr;
-  double exchange_host_ms_ = 0;
+  double exchange_host_ms_ = 0;            // since the last close or take
+  std::deque<double> host_windows_;        // closed, oldest first
 
   template <class F>
   void timed_exchange(F&& move);

@@ -30,7 +30,7 @@ class ShapeOnlyComm final : public Communicator {
   void do_all_gather(const Tensor&, const Tensor&, size_t) override { refuse(); }
   void do_broadcast(const Tensor&, int) override { refuse(); }
   void do_barrier() override { refuse(); }
-  std::shared_ptr<Communicator> do_split(int, int) override { refuse(); }
+  std::shared_ptr<Communicator> do_split(int, int, int) override { refuse(); }
 
  private:
   int rank_, size_;

@@ -64,6 +64,7 @@ struct ParallelConfig {
   std::string backend = "auto";  // auto | nccl | mpi | none (parallel/distributed.h)
   std::string ep_dispatch = "auto";  // auto | sync | zero_sync (parallel/dispatch.h EpDispatch)
   bool overlap_grad_reduce = true;    // reduce gradient buckets during the backward (train/grad_reducer.h)
+  int64_t grad_reduce_sms = 0;        // nccl: thread blocks the overlapped reduction may take; 0: nccl's choice
 };
 
 struct CheckpointConfig {

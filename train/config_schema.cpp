@@ -237,6 +237,9 @@ const std::vector<Field>& schema() {
     f.push_back(boolean("parallel", "overlap_grad_reduce", FLOWMOE_CONFIG_REF(parallel.overlap_grad_reduce),
                         "reduce each 25 MiB gradient bucket as soon as the backward has finished it (on a stream "
                         "of its own with nccl), not after the backward; the same sums either way"));
+    f.push_back(integer("parallel", "grad_reduce_sms", FLOWMOE_CONFIG_REF(parallel.grad_reduce_sms), 0, 1024,
+                        "nccl, overlap_grad_reduce: the thread blocks (SMs) the gradient reduction's kernels may "
+                        "take beside the backward; 0: as many as nccl chooses"));
     // checkpoint
     f.push_back(string("checkpoint", "dir", FLOWMOE_CONFIG_REF(checkpoint.dir),
                        "where checkpoints go; empty: <logging.out_dir>/checkpoints"));

@@ -110,9 +110,11 @@ double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<P
 
 std::vector<double> all_reduce_values(Communicator& comm, const std::vector<double>& values, ReduceOp op) {
   if (comm.size() == 1 || values.empty()) return values;
-  Tensor t = Tensor::from_doubles(values, {int64_t(values.size())}, DType::f64, comm.native_device());
-  comm.all_reduce(t, op);
-  comm.synchronize();
+  // Through the host side (nccl's mpi bootstrap): a device copy would wait for the GPU's whole queue.
+  Communicator& host = comm.host_communicator();
+  Tensor t = Tensor::from_doubles(values, {int64_t(values.size())}, DType::f64, host.native_device());
+  host.all_reduce(t, op);
+  host.synchronize();
   return t.to_doubles();
 }
 

@@ -48,7 +48,8 @@ void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& 
 // their squares are summed over the expert-parallel group, the dense ones (whole everywhere) counted once.
 double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards);
 
-// A few host values reduced over the ranks (a step's losses, flags, peak memory); blocks until done.
+// A few host values reduced over the ranks (a step's losses, flags, peak memory), through the
+// communicator's host side (Communicator::host_communicator): no device copy; blocks until done.
 std::vector<double> all_reduce_values(Communicator& comm, const std::vector<double>& values, ReduceOp op);
 
 }  // namespace flowmoe

@@ -12,7 +12,8 @@
 namespace flowmoe {
 
 GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> params,
-                                 const std::vector<ParamShard>& shards, bool overlap, size_t bucket_bytes)
+                                 const std::vector<ParamShard>& shards, bool overlap, size_t bucket_bytes,
+                                 int max_ctas)
     : ps_(ps), params_(std::move(params)), overlap_(overlap) {
   FLOWMOE_CHECK(shards.size() == params_.size(), Error, "GradientReducer: ", params_.size(), " parameters but ",
                 shards.size(), " shards");
@@ -55,10 +56,10 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
     stream_ = std::make_unique<Stream>(device);
     grads_ready_ = std::make_unique<Event>();
     reduced_ = std::make_unique<Event>();
-    comms_[0] = ps.world->split(0, ps.world->rank());
+    comms_[0] = ps.world->split(0, ps.world->rank(), max_ctas);
     comms_[0]->set_stream(stream_->get());
     if (ps.expert_parallel_size > 1) {
-      comms_[1] = ps.expert_data_parallel->split(0, ps.expert_data_parallel->rank());
+      comms_[1] = ps.expert_data_parallel->split(0, ps.expert_data_parallel->rank(), max_ctas);
       comms_[1]->set_stream(stream_->get());
     } else {
       comms_[1] = comms_[0];
@@ -125,20 +126,28 @@ void GradientReducer::launch(Bucket& b) {
 }
 
 // Which parameters have a gradient on any rank of the group: one small sum on the group's own
-// communicator, read to the host only where this rank lacks one (the usual step reads nothing).
+// communicator. Where this rank has every gradient (the usual step) the flags are a device copy of
+// ones and nothing is read back; only a rank that lacks one builds them on the host and reads the sum.
 void GradientReducer::exchange_presence(int group) {
-  std::vector<float> present;
   std::vector<size_t> members;
   bool lacking = false;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (buckets_[bucket_of_[i]].group != group) continue;
     members.push_back(i);
-    present.push_back(missing_[i] ? 0.0f : 1.0f);
     lacking = lacking || missing_[i];
   }
   if (members.empty()) return;
+  const Device device = params_[members[0]].device();
+  Tensor flags;
+  if (lacking) {
+    std::vector<float> present;
+    for (size_t i : members) present.push_back(missing_[i] ? 0.0f : 1.0f);
+    flags = Tensor::from_floats(present, {int64_t(present.size())}).to(device);
+  } else {
+    if (!ones_[group].defined()) ones_[group] = Tensor::full({int64_t(members.size())}, 1.0, DType::f32, device);
+    flags = ones_[group].clone();
+  }
   Communicator& comm = group == 0 ? *ps_.world : (ps_.expert_parallel_size > 1 ? *ps_.expert_data_parallel : *ps_.world);
-  Tensor flags = Tensor::from_floats(present, {int64_t(present.size())}).to(params_[members[0]].device());
   comm.all_reduce(flags, ReduceOp::sum);
   if (!lacking) return;
   const std::vector<float> anywhere = flags.to_floats();

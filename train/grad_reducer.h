@@ -26,9 +26,11 @@ class GradientReducer {
  public:
   // params and shards as the model lists them (shards[i].expert: over the expert-data-parallel group).
   // overlap: reduce each bucket during the backward as soon as it is complete; otherwise in finish().
-  // Collective when the world's backend is nccl: it splits off the communicators it reduces on.
+  // Collective when the world's backend is nccl: it splits off the communicators it reduces on, whose
+  // kernels take at most max_ctas thread blocks (0: as many as nccl chooses), leaving the other SMs
+  // to the backward that runs beside them.
   GradientReducer(const ParallelState& ps, std::vector<Variable> params, const std::vector<ParamShard>& shards,
-                  bool overlap, size_t bucket_bytes = kGradientBucketBytes);
+                  bool overlap, size_t bucket_bytes = kGradientBucketBytes, int max_ctas = 0);
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
@@ -72,6 +74,9 @@ class GradientReducer {
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> grads_ready_, reduced_;
   std::unique_ptr<LeafGradHookGuard> hook_;
+  // Per group, a parameter-long vector of ones where the gradients live: the presence flags of a step
+  // in which this rank has every gradient start as a device copy of it, with no host round trip.
+  Tensor ones_[2];
 };
 
 }  // namespace flowmoe

@@ -87,7 +87,7 @@ std::pair<double, double> AdamW::grad_square_sums(const std::vector<bool>& flagg
   return {double(host[0]), double(host[1])};
 }
 
-const float* AdamW::grad_square_sums_device(const std::vector<bool>& flagged) {
+Tensor AdamW::grad_square_sums_device(const std::vector<bool>& flagged) {
   FLOWMOE_CHECK(flagged.empty() || flagged.size() == params_.size(), Error, "AdamW: ", flagged.size(), " flags for ",
                 params_.size(), " parameters");
   FLOWMOE_CHECK(norm_total_.defined(), DeviceError, "AdamW: grad_square_sums_device needs CUDA parameters");
@@ -105,7 +105,7 @@ const float* AdamW::grad_square_sums_device(const std::vector<bool>& flagged) {
   }
   sum_values_cuda(slots, n, totals, partials_.data<float>(), stream);
   sum_values_cuda(slots + n, n, totals + 1, partials_.data<float>(), stream);
-  return totals;
+  return norm_total_;
 }
 
 template <class F>

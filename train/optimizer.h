@@ -34,9 +34,10 @@ class AdamW {
   // (empty: none flagged), each summed in parameter order; the same host synchronisation. Expert
   // parallelism adds the flagged class over the expert-parallel group before the square root.
   std::pair<double, double> grad_square_sums(const std::vector<bool>& flagged);
-  // The same two sums left on the device (CUDA parameters only): a pointer to two floats that are
-  // valid once the engine stream reaches them; no host synchronisation.
-  const float* grad_square_sums_device(const std::vector<bool>& flagged);
+  // The same two sums left on the device (CUDA parameters only): a [2] f32 tensor whose values are
+  // valid once the engine stream reaches them (expert parallelism all-reduces its flagged entry over
+  // the expert-parallel group there); no host synchronisation. It is overwritten by the next call.
+  Tensor grad_square_sums_device(const std::vector<bool>& flagged);
   // One update of every parameter that has a gradient, with g = grad_scale * grad.
   void step(double lr, double grad_scale);
   // One update with the step's scalars (kernels/step_control.h) as the parameters' device sees them

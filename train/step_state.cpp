@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "engine/ops/ops.h"
 #include "kernels/common/error.h"
 
 namespace flowmoe {
@@ -82,6 +83,12 @@ void StepState::record_losses(int64_t micro_batch, const Tensor& lm, const Tenso
   put(lm, micro_batch);
   schedule_.has_aux = aux.defined();  // the same for every micro-batch of a model
   if (aux.defined()) put(aux, schedule_.num_micro_batches + micro_batch);
+}
+
+void StepState::reduce_losses(Communicator& world) {
+  if (world.size() == 1) return;
+  world.all_reduce(loss_slots_, ReduceOp::sum);
+  loss_slots_.copy_(tensor_scale(loss_slots_, 1.0 / double(world.size())));
 }
 
 void StepState::advance_on_device(const float* sq_sums) {

@@ -10,6 +10,7 @@
 
 #include "engine/device.h"
 #include "engine/tensor.h"
+#include "parallel/communicator.h"
 #include "kernels/common/device_api.h"
 #include "kernels/step_control.h"
 
@@ -37,6 +38,9 @@ class StepState {
   // balance loss) go to the step's slots; advance_on_device then computes the scalars from them and
   // the gradients' squared-norm sums ([2] on the device).
   void record_losses(int64_t micro_batch, const Tensor& lm, const Tensor& aux);
+  // Several ranks: the recorded losses become their means over `world`'s ranks (each rank's slice
+  // holds as many tokens), by a sum on the device; a NaN on any rank reaches every rank.
+  void reduce_losses(Communicator& world);
   void advance_on_device(const float* sq_sums /*[2] device*/);
   // The host path: from values the host has (several ranks agreed on them, or the CPU computed them);
   // aux is NaN without a balance loss.

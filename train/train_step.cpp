@@ -111,11 +111,20 @@ void apply_non_finite_policy(TrainRun& run, const std::string& what) {
 }
 
 // The step's scalars (kernels/step_control.h): on the device from the device's own losses and norm, or
-// on the host from the read and agreed values (several ranks; the CPU; a test hook on the loss).
+// on the host from the read and agreed values (the CPU; ranks that stage through the host; a test hook
+// on the loss). With several ranks on the device, the losses become the means over the ranks and the
+// expert shards' squared norms the sum over the expert-parallel group, by collectives on the device:
+// every rank then holds the same scalars, so all of them apply, skip or stop the step alike.
 void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
   if (on_device) {
     OpTimer timer("gradient norm", OpPhase::step, "optimizer", run.device, 0, 0);
-    run.state.advance_on_device(run.opt.grad_square_sums_device({}));
+    if (run.world_size > 1) run.state.reduce_losses(*run.world);
+    std::vector<bool> experts;
+    if (run.parallel.expert_parallel_size > 1)
+      for (const ParamShard& s : run.model.parameter_shards()) experts.push_back(s.expert);
+    Tensor sums = run.opt.grad_square_sums_device(experts);  // {dense, expert shards}
+    if (!experts.empty()) run.parallel.expert_parallel->all_reduce(sums.slice(0, 1, 2), ReduceOp::sum);
+    run.state.advance_on_device(sums.data<float>());
     return;
   }
   double norm = NAN;
@@ -164,7 +173,9 @@ bool use_graph(TrainRun& run, bool profiled) {
   const std::string& mode = run.cfg.train.cuda_graph;
   if (mode == "off" || run.graph_failed || profiled) return false;
   if (run.graph && run.graph->captured()) return true;
-  const bool possible = step_scalars_on_device(run) && !run.opts.after_backward;
+  // Several ranks run on the device path too, but their step is not captured yet: the exchanges'
+  // timing events and the device puts' window set-up are not replay-safe.
+  const bool possible = step_scalars_on_device(run) && run.world_size == 1 && !run.opts.after_backward;
   if (mode == "on")
     FLOWMOE_CHECK(possible, ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
                   ") needs one process on a GPU and no test hooks");
@@ -213,14 +224,17 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
 }  // namespace
 
 bool step_scalars_on_device(const TrainRun& run) {
-  return run.device.is_cuda() && run.world_size == 1 && !run.opts.after_loss;
+  // Several ranks need device collectives (nccl) for it; the mpi backend stages through the host.
+  const bool device_collectives = run.world_size == 1 || run.world->native_device().is_cuda();
+  return run.device.is_cuda() && device_collectives && !run.opts.after_loss;
 }
 
 void issue_step(TrainRun& run, bool profiled) {
   using clock = std::chrono::steady_clock;
   if (run.state.num_pending() == 0) run.step_clock = clock::now();
   Communicator* exchanges = run.parallel.expert_parallel_size > 1 ? run.parallel.expert_parallel.get() : nullptr;
-  if (exchanges) exchanges->take_exchange_ms();  // an evaluation's exchanges are not this step's
+  // An evaluation's exchanges are not this step's (one runs only while no step is pending).
+  if (exchanges && run.state.num_pending() == 0) exchanges->take_exchange_ms();
   const bool on_device = step_scalars_on_device(run);
   ++run.step;
   std::vector<Batch> batches = next_batches(run);
@@ -235,7 +249,8 @@ void issue_step(TrainRun& run, bool profiled) {
     ++run.eager_steps;
     run.last_eager_host_syncs = issued.host_syncs;
   }
-  if (exchanges) issued.exchange_ms = exchanges->take_exchange_ms();
+  if (exchanges) exchanges->close_exchange_window();  // read with the step's scalars (complete_step)
+  issued.has_exchanges = exchanges != nullptr;
   run.state.snapshot(loads);
   run.issued.push_back(issued);
 }
@@ -253,7 +268,8 @@ StepMetrics complete_step(TrainRun& run) {
   m.grad_norm = r.scalars.grad_norm;
   m.host_syncs = issued.host_syncs;
   m.moe_casts = issued.moe_casts;
-  m.exchange_ms = issued.exchange_ms;
+  // The step has finished: its exchanges' window is read without waiting on a step queued after it.
+  if (issued.has_exchanges) m.exchange_ms = run.parallel.expert_parallel->take_exchange_window_ms();
   for (const std::vector<int64_t>& l : r.loads) m.moe_max_over_mean.push_back(load_stats(l).max_over_mean);
   run.opt.set_num_updates(r.scalars.num_updates);
 

@@ -32,7 +32,7 @@ namespace flowmoe {
 struct IssuedStep {
   int64_t host_syncs = 0;
   double moe_casts = NAN;
-  double exchange_ms = NAN;
+  bool has_exchanges = false;  // expert parallelism: the step closed a window of exchange timings
   bool has_aux = false;
 };
 

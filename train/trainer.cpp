@@ -251,7 +251,8 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
   check_router_lr_scale(cfg, opt);
   if (world_size > 1)
     reducer = std::make_unique<GradientReducer>(parallel, model.parameters(), model.parameter_shards(),
-                                                cfg.parallel.overlap_grad_reduce);
+                                                cfg.parallel.overlap_grad_reduce, kGradientBucketBytes,
+                                                int(cfg.parallel.grad_reduce_sms));
   if (!resume_dir.empty()) {
     resume_from_checkpoint(*this);
     clock.lap("checkpoint load");

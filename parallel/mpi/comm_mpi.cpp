@@ -214,7 +214,7 @@ class MpiCommunicator final : public Communicator {
 
   void do_barrier() override { FLOWMOE_MPI_CHECK(MPI_Barrier(comm_)); }
 
-  std::shared_ptr<Communicator> do_split(int color, int key) override {
+  std::shared_ptr<Communicator> do_split(int color, int key, int /*max_ctas: no kernels here*/) override {
     MPI_Comm sub = MPI_COMM_NULL;
     FLOWMOE_MPI_CHECK(MPI_Comm_split(comm_, color, key, &sub));
     try {

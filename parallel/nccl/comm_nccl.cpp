@@ -12,6 +12,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <deque>
 
 #include "kernels/common/cuda_check.h"
 #include "parallel/backends.h"
@@ -71,7 +72,8 @@ ncclUniqueId share_unique_id(Communicator& bootstrap) {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(std::shared_ptr<Communicator> bootstrap, int device)
+  // max_ctas > 0: nccl's kernels on this communicator take at most that many thread blocks.
+  NcclCommunicator(std::shared_ptr<Communicator> bootstrap, int device, int max_ctas = 0)
       : bootstrap_(std::move(bootstrap)), device_(device) {
     FLOWMOE_CHECK(bootstrap_ != nullptr, CommError, "nccl: no bootstrap communicator");
     FLOWMOE_CHECK(bootstrap_->native_device().is_cpu(), CommError, "nccl bootstraps through a CPU communicator (mpi",
@@ -80,10 +82,14 @@ class NcclCommunicator final : public Communicator {
                   " does not exist (", cuda_device_count(), " CUDA devices visible)");
     DeviceScope scope(device_);
     ncclUniqueId id = share_unique_id(*bootstrap_);
-    FLOWMOE_NCCL_CHECK(ncclCommInitRank(&comm_, bootstrap_->size(), id, bootstrap_->rank()), nullptr);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    if (max_ctas > 0) config.maxCTAs = max_ctas;
+    FLOWMOE_NCCL_CHECK(ncclCommInitRankConfig(&comm_, bootstrap_->size(), id, bootstrap_->rank(), &config), nullptr);
   }
   ~NcclCommunicator() override {  // no throwing calls here: a failure to tear down is ignored
     for (auto& [start, end] : exchange_events_) cudaEventDestroy(start), cudaEventDestroy(end);
+    for (auto& window : closed_windows_)
+      for (auto& [start, end] : window) cudaEventDestroy(start), cudaEventDestroy(end);
     if (!comm_) return;
     int prev = -1;
     if (cudaGetDevice(&prev) == cudaSuccess) cudaSetDevice(device_);
@@ -97,6 +103,7 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return bootstrap_->rank(); }
   int size() const override { return bootstrap_->size(); }
   const char* backend_name() const override { return "nccl"; }
+  Communicator& host_communicator() override { return *bootstrap_; }
   Device native_device() const override { return Device::cuda(device_); }
 
  protected:
@@ -178,14 +185,14 @@ class NcclCommunicator final : public Communicator {
     FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(enqueue_stream()));
   }
 
-  std::shared_ptr<Communicator> do_split(int color, int key) override {
-    return std::make_shared<NcclCommunicator>(bootstrap_->split(color, key), device_);
+  std::shared_ptr<Communicator> do_split(int color, int key, int max_ctas) override {
+    return std::make_shared<NcclCommunicator>(bootstrap_->split(color, key), device_, max_ctas);
   }
 
   // The exchanges run asynchronously: events on the stream around each one time it on the GPU.
   void exchange_started() override {
     DeviceScope scope(device_);
-    if (exchange_events_.size() >= 1024) folded_ms_ += release_events();  // nobody asked for a while: bound them
+    if (exchange_events_.size() >= 1024) folded_ms_ += release_events(exchange_events_);  // nobody asked: bound them
     cudaEvent_t start = nullptr, end = nullptr;
     FLOWMOE_CUDA_CHECK(cudaEventCreate(&start));
     FLOWMOE_CUDA_CHECK(cudaEventCreate(&end));
@@ -198,14 +205,27 @@ class NcclCommunicator final : public Communicator {
   }
   double take_device_ms() override {
     DeviceScope scope(device_);
-    const double total = folded_ms_ + release_events();
+    double total = folded_ms_ + release_events(exchange_events_);
+    for (auto& window : closed_windows_) total += release_events(window);
+    closed_windows_.clear();
     folded_ms_ = 0;
     return total;
   }
+  void close_device_window() override {
+    closed_windows_.push_back(std::move(exchange_events_));
+    exchange_events_.clear();
+  }
+  double take_device_window_ms() override {
+    if (closed_windows_.empty()) return 0;
+    DeviceScope scope(device_);
+    const double total = release_events(closed_windows_.front());
+    closed_windows_.pop_front();
+    return total;
+  }
   // Waits for the recorded exchanges and returns their summed GPU time.
-  double release_events() {
+  static double release_events(std::vector<std::pair<cudaEvent_t, cudaEvent_t>>& events) {
     double total = 0;
-    for (auto& [start, end] : exchange_events_) {
+    for (auto& [start, end] : events) {
       float ms = 0;
       FLOWMOE_CUDA_CHECK(cudaEventSynchronize(end));
       FLOWMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
@@ -213,7 +233,7 @@ class NcclCommunicator final : public Communicator {
       cudaEventDestroy(start);
       cudaEventDestroy(end);
     }
-    exchange_events_.clear();
+    events.clear();
     return total;
   }
 
@@ -228,7 +248,8 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   std::unique_ptr<LsaPut> lsa_;  // put_rows' device path; null until the first put_rows, or unreachable
   bool lsa_tried_ = false;
-  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exchange_events_;  // since the last take_device_ms
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exchange_events_;  // since the last take or close
+  std::deque<std::vector<std::pair<cudaEvent_t, cudaEvent_t>>> closed_windows_;  // oldest first
   double folded_ms_ = 0;
 
   // One group of ncclSend/ncclRecv, one per non-empty chunk, self included: NCCL runs the calls of a

@@ -27,6 +27,25 @@ TEST(Collectives, AllToAllChunksMovesFp8BytesBitForBit) {
   check_all_to_all_chunks_cases(test_world(), Device::cpu(), DType::e4m3, {128});
 }
 
+// Windows of exchange time, as training steps close and read them: each window holds the exchanges
+// made before its close, the oldest is read first, and none left reads as 0.
+void check_exchange_windows(Communicator& comm, Device device) {
+  comm.take_exchange_ms();
+  check_all_to_all_cases(comm, device);
+  comm.close_exchange_window();
+  comm.close_exchange_window();  // a window with no exchange in it
+  check_all_to_all_cases(comm, device);
+  comm.close_exchange_window();
+  EXPECT_GT(comm.take_exchange_window_ms(), 0.0);
+  EXPECT_EQ(comm.take_exchange_window_ms(), 0.0);
+  EXPECT_GT(comm.take_exchange_window_ms(), 0.0);
+  EXPECT_EQ(comm.take_exchange_window_ms(), 0.0);  // none left
+  check_all_to_all_cases(comm, device);
+  comm.close_exchange_window();
+  EXPECT_GT(comm.take_exchange_ms(), 0.0);  // takes closed windows too
+  EXPECT_EQ(comm.take_exchange_window_ms(), 0.0);
+}
+
 // The host-timed backends (none, mpi) sum the time of every all-to-all until it is taken.
 TEST(Collectives, ExchangeTimeIsSummedUntilTaken) {
   Communicator& world = test_world();
@@ -34,6 +53,7 @@ TEST(Collectives, ExchangeTimeIsSummedUntilTaken) {
   check_all_to_all_cases(world, Device::cpu());
   EXPECT_GT(world.take_exchange_ms(), 0.0);
   EXPECT_EQ(world.take_exchange_ms(), 0.0);
+  check_exchange_windows(world, Device::cpu());
 }
 
 TEST(Collectives, AllReduceSumsAndMaxesF32F64AndIntegers) { check_all_reduce_cases(test_world(), Device::cpu()); }
@@ -167,6 +187,9 @@ TEST(CollectivesCuda, NcclCommunicator) {
   // The exchanges were timed on the GPU by events; taking the time releases them and restarts the sum.
   EXPECT_GT(nccl->take_exchange_ms(), 0.0);
   EXPECT_EQ(nccl->take_exchange_ms(), 0.0);
+  check_exchange_windows(*nccl, gpu);
+  EXPECT_EQ(&nccl->host_communicator(), &nccl->host_communicator());
+  EXPECT_TRUE(nccl->host_communicator().native_device().is_cpu());  // host values go through mpi
   check_all_reduce_cases(*nccl, gpu);
   check_all_gather_and_broadcast(*nccl, gpu);
   std::shared_ptr<Communicator> half = nccl->split(world.rank() % 2, world.rank());
