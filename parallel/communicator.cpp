@@ -10,7 +10,14 @@
 
 namespace flowmoe {
 
-const char* reduce_op_name(ReduceOp op) { return op == ReduceOp::sum ? "sum" : "max"; }
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::max: return "max";
+    case ReduceOp::avg: return "avg";
+  }
+  return "?";
+}
 
 namespace {
 
@@ -274,6 +281,8 @@ std::vector<int64_t> Communicator::do_exchange_counts(const std::vector<int64_t>
 void Communicator::all_reduce(const Tensor& t, ReduceOp op) {
   FLOWMOE_CHECK(t.defined(), ShapeError, "all_reduce of an undefined tensor");
   check_dtype(t, {DType::f32, DType::f64, DType::i32, DType::i64}, "all_reduce");
+  FLOWMOE_CHECK(op != ReduceOp::avg || t.dtype() == DType::f32 || t.dtype() == DType::f64, DTypeError,
+                "all_reduce avg of ", t.describe(), ": a mean needs a floating type");
   FLOWMOE_CHECK(t.is_contiguous(), ShapeError, "all_reduce works in place: ", t.describe(), " must be contiguous");
   do_all_reduce(t, op);
 }

@@ -22,7 +22,9 @@ namespace flowmoe {
 // An MPI or NCCL call failed, a backend is missing from the build, or the ranks of a group disagree.
 class CommError : public Error { using Error::Error; };
 
-enum class ReduceOp : uint8_t { sum, max };
+// avg: the sum over the ranks times 1/size (floating types only; nccl's ncclAvg, which scales each
+// input by 1/size before the sum: the same for a power-of-two size, barring subnormals).
+enum class ReduceOp : uint8_t { sum, max, avg };
 const char* reduce_op_name(ReduceOp op);
 
 class Communicator {
@@ -99,7 +101,7 @@ class Communicator {
   // recv_rows from send_rows: how many rows each peer sends this rank (the counts travel on the host).
   std::vector<int64_t> exchange_counts(const std::vector<int64_t>& send_rows);
 
-  // t = op over ranks of t, in place. f32, f64, i32, i64.
+  // t = op over ranks of t, in place. f32, f64, i32, i64 (avg: f32, f64).
   void all_reduce(const Tensor& t, ReduceOp op);
   // send [n, ...] from every rank -> recv [size() * n, ...], rank r's rows at [r*n, (r+1)*n).
   void all_gather(const Tensor& send, const Tensor& recv);

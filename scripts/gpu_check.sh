@@ -2,8 +2,8 @@
 # The one command for a machine with an H100/H200: build for sm_90a, run every test (GPU tests
 # included), run every benchmark and three GPU training runs (configs/gpu_moe.yaml as shipped: its
 # loss and its load balance after warmup), the multi-process runs one GPU allows
-# (scripts/parallel_runs.sh), with several GPUs the nccl expert-parallel runs (scripts/multi_gpu_runs.sh),
-# and end with a summary table.
+# (scripts/parallel_runs.sh), with several GPUs the nccl expert-parallel runs (scripts/multi_gpu_runs.sh)
+# and weak scaling (scripts/scaling.sh), and end with a summary table.
 #   scripts/gpu_check.sh                 logs go to $OUT if set, else ./out
 #   GPU_CHECK_SKIP_BENCH=1 scripts/gpu_check.sh      tests only
 #   GPU_CHECK_SKIP_TRAIN=1 scripts/gpu_check.sh     tests and benchmarks, no training runs
@@ -129,6 +129,12 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     grep '^bench_dispatch' "$out/multi_gpu.txt" | grep -E 'op=(dispatch|combine) ' |
       sed -E 's/^(bench_dispatch np[0-9]+ nccl): .*shape=([a-z]+).*payload=([a-z0-9]+) op=([a-z.]+) mode=([a-z_]+).* gbps=([0-9.]+).*frac_ceiling=([0-9.]+).*host_syncs=([0-9]+).*/\1 \2 \3 \4 \5: \6 GB\/s, \7 of all-to-all, \8 host syncs/' |
       while read -r line; do row "${line%%:*}" "${line#*: }"; done
+    # Weak scaling (scripts/scaling.sh): gpu_moe_wide in bf16, data and expert parallelism over every
+    # GPU against one GPU, in the same run (SCALING_CONFIGS/RECIPES/MODES widen it; the full table:
+    # scripts/scaling.sh alone).
+    CONFIGS="${SCALING_CONFIGS:-gpu_moe_wide}" RECIPES="${SCALING_RECIPES:-bf16}" MODES="${SCALING_MODES:-dp ep_zero_sync}" \
+      scripts/scaling.sh "$build" "$out/scaling" >"$out/scaling.txt" 2>&1 || bench_rc=1
+    sed 's/^scaling //' "$out/scaling.txt" | while read -r line; do row "scaling ${line%%:*}" "${line#*: }"; done
   fi
   t_bench=$(( $(date +%s) - t0 ))
   t0=$(date +%s)

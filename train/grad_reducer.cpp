@@ -121,7 +121,9 @@ void GradientReducer::launch(Bucket& b) {
     grads_ready_->record(current_stream(device.index));
     grads_ready_->wait(stream_->get());
   }
-  comm.all_reduce(b.flat, ReduceOp::sum);
+  // Dense gradients: the mean over the world (data_parallel.h says why). Expert shards: the sum over
+  // their W / E replicas, divided by W in finish().
+  comm.all_reduce(b.flat, b.group == 0 ? ReduceOp::avg : ReduceOp::sum);
   if (stream_) reduced_->record(stream_->get());
 }
 
@@ -162,16 +164,17 @@ void GradientReducer::finish() {
   while (next_ < buckets_.size()) launch(buckets_[next_++]);
   if (stream_) reduced_->wait(current_stream(params_[0].device().index));
   for (Bucket& b : buckets_) {
-    // The mean over the ranks: scaled once summed, then the views moved onto the scaled buffer.
-    b.flat = tensor_scale(b.flat, scale_);
-    int64_t offset = 0;
-    for (size_t i : b.params) {
-      Variable p = params_[i];
-      const int64_t n = p.data().numel();
-      p.set_grad(b.flat.slice(0, offset, offset + n).view(p.shape()));
-      offset += n;
+    if (b.group == 1) {  // scaled once summed; the views move onto the scaled buffer
+      b.flat = tensor_scale(b.flat, scale_);
+      int64_t offset = 0;
+      for (size_t i : b.params) {
+        Variable p = params_[i];
+        const int64_t n = p.data().numel();
+        p.set_grad(b.flat.slice(0, offset, offset + n).view(p.shape()));
+        offset += n;
+      }
     }
-    b.flat = Tensor();  // the views keep it
+    b.flat = Tensor();  // the gradients, views of it, keep it
   }
   for (int g : {0, 1})
     if (g == 0 || ps_.expert_parallel_size > 1) exchange_presence(g);

@@ -68,7 +68,7 @@ class GradientReducer {
   size_t next_ = 0;            // the next bucket to launch
   int64_t launched_in_backward_ = 0;
   bool overlap_ = false, armed_ = false;
-  double scale_ = 1.0;
+  double scale_ = 1.0;  // 1 / W: expert shards' sums over their W / E replicas become the global mean
   // nccl: the groups' communicators on the reduction stream, and the events that order it.
   std::shared_ptr<Communicator> comms_[2];
   std::unique_ptr<Stream> stream_;

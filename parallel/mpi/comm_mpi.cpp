@@ -99,6 +99,18 @@ class HostBytes {
   std::vector<uint8_t> staged_;
 };
 
+// avg's scale after the sum, in the tensor's own precision (x * float(s) for f32).
+void scale_in_place(void* data, DType dtype, int64_t n, double s) {
+  if (dtype == DType::f32) {
+    float* p = static_cast<float*>(data);
+    const float f = float(s);
+    for (int64_t i = 0; i < n; ++i) p[i] *= f;
+  } else {
+    double* p = static_cast<double*>(data);
+    for (int64_t i = 0; i < n; ++i) p[i] *= s;
+  }
+}
+
 MPI_Datatype mpi_type(DType d) {
   switch (d) {
     case DType::f32: return MPI_FLOAT;
@@ -188,8 +200,9 @@ class MpiCommunicator final : public Communicator {
     for (int64_t at = 0; at < t.numel(); at += kChunk) {
       int count = int(std::min(kChunk, t.numel() - at));
       FLOWMOE_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, base + size_t(at) * dtype_size(t.dtype()), count, type,
-                                      op == ReduceOp::sum ? MPI_SUM : MPI_MAX, comm_));
+                                      op == ReduceOp::max ? MPI_MAX : MPI_SUM, comm_));
     }
+    if (op == ReduceOp::avg) scale_in_place(h.data(), t.dtype(), t.numel(), 1.0 / double(size_));
     h.store();
   }
 

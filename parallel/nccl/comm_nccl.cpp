@@ -47,6 +47,15 @@ ncclDataType_t nccl_type(DType d) {
   }
 }
 
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::avg: return ncclAvg;
+  }
+  return ncclSum;
+}
+
 // Rank 0's unique id, handed to every rank of `bootstrap`. The first byte says whether rank 0 made
 // one, so a failure there is an error on every rank instead of peers waiting in ncclCommInitRank.
 ncclUniqueId share_unique_id(Communicator& bootstrap) {
@@ -155,7 +164,7 @@ class NcclCommunicator final : public Communicator {
     if (t.numel() == 0) return;
     DeviceScope scope(device_);
     FLOWMOE_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), size_t(t.numel()), nccl_type(t.dtype()),
-                                     op == ReduceOp::sum ? ncclSum : ncclMax, comm_, enqueue_stream()),
+                                     nccl_op(op), comm_, enqueue_stream()),
                        comm_);
   }
 

@@ -190,6 +190,18 @@ void check_all_reduce_cases(Communicator& comm, Device device) {
     EXPECT_EQ(goti64[size_t(i)], n * (int64_t(1) << 40) + i * int64_t(ranks_sum)) << "i64 sum, element " << i;
     EXPECT_EQ(goti32[size_t(i)], n - 1 - i) << "i32 max, element " << i;
   }
+  // avg: the mean of values whose sum and mean are exact at 1, 2 and 4 ranks; integers are refused.
+  Tensor avg32 = Tensor::from_doubles(f, {len}, DType::f32, device), avg64 = Tensor::from_doubles(f, {len}, DType::f64, device);
+  comm.all_reduce(avg32, ReduceOp::avg);
+  comm.all_reduce(avg64, ReduceOp::avg);
+  comm.synchronize();
+  const std::vector<float> gotavg32 = avg32.to_floats();
+  const std::vector<double> gotavg64 = avg64.to_doubles();
+  for (int64_t i = 0; i < len; ++i) {
+    EXPECT_EQ(gotavg32[size_t(i)], float((ranks_sum + n * 0.5 * double(i)) / n)) << "f32 avg, element " << i;
+    EXPECT_EQ(gotavg64[size_t(i)], (ranks_sum + n * 0.5 * double(i)) / n) << "f64 avg, element " << i;
+  }
+  EXPECT_THROW(comm.all_reduce(Tensor::from_ints({1}, {1}, DType::i32, device), ReduceOp::avg), DTypeError);
 }
 
 void check_all_gather_and_broadcast(Communicator& comm, Device device) {
