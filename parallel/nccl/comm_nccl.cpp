@@ -91,9 +91,15 @@ class NcclCommunicator final : public Communicator {
                   " does not exist (", cuda_device_count(), " CUDA devices visible)");
     DeviceScope scope(device_);
     ncclUniqueId id = share_unique_id(*bootstrap_);
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    if (max_ctas > 0) config.maxCTAs = max_ctas;
-    FLOWMOE_NCCL_CHECK(ncclCommInitRankConfig(&comm_, bootstrap_->size(), id, bootstrap_->rank(), &config), nullptr);
+    if (max_ctas == 0) {
+      // The plain initialization: a one-rank communicator made through a config refused the device
+      // API's symmetric window (ncclDevCommCreate) on 1 x H100 with NCCL 2.28.3.
+      FLOWMOE_NCCL_CHECK(ncclCommInitRank(&comm_, bootstrap_->size(), id, bootstrap_->rank()), nullptr);
+    } else {
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.maxCTAs = max_ctas;
+      FLOWMOE_NCCL_CHECK(ncclCommInitRankConfig(&comm_, bootstrap_->size(), id, bootstrap_->rank(), &config), nullptr);
+    }
   }
   ~NcclCommunicator() override {  // no throwing calls here: a failure to tear down is ignored
     for (auto& [start, end] : exchange_events_) cudaEventDestroy(start), cudaEventDestroy(end);
