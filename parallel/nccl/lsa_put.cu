@@ -266,6 +266,12 @@ class LsaPutImpl final : public LsaPut {
 }  // namespace
 
 std::unique_ptr<LsaPut> LsaPut::create(ncclComm_t comm, int num_ranks, std::string* why_not) {
+  // One rank has no peer to write into, and NCCL 2.28.3 gives a one-rank communicator on a host of
+  // several GPUs no symmetric memory (ncclDevCommCreate refuses it): its chunks are local copies.
+  if (num_ranks == 1) {
+    if (why_not) *why_not = "one rank: every chunk is a local copy";
+    return nullptr;
+  }
   const ncclTeam_t lsa = ncclTeamLsa(comm);
   if (lsa.nRanks < num_ranks) {
     if (why_not)
