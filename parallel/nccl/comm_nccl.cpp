@@ -92,8 +92,7 @@ class NcclCommunicator final : public Communicator {
     DeviceScope scope(device_);
     ncclUniqueId id = share_unique_id(*bootstrap_);
     if (max_ctas == 0) {
-      // The plain initialization: a one-rank communicator made through a config refused the device
-      // API's symmetric window (ncclDevCommCreate) on 1 x H100 with NCCL 2.28.3.
+      // No bound: NCCL's own defaults, through the plain initialization.
       FLOWMOE_NCCL_CHECK(ncclCommInitRank(&comm_, bootstrap_->size(), id, bootstrap_->rank()), nullptr);
     } else {
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
