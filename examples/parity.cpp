@@ -27,15 +27,24 @@ namespace {
 
 const char* kParityHelp =
     R"(usage: flowmoe parity --config FILE --out DIR [--recipes bf16,fp8_blockwise,fp8_flow] [--steps N]
-                      [--set section.key=value ...] [--control eps|seed] [--threshold 0.0025]
-                      [--warmup-steps W] [--resume]
+                      [--set section.key=value ...] [--controls N] [--control data|seed|eps]
+                      [--threshold 0.0025] [--margin 0.25] [--warmup-steps W] [--resume]
 
 Trains the config once per precision recipe, on the same data, seed and config otherwise, and
 compares each candidate's loss curve (an EMA, alpha 0.9) with the reference's, the first recipe.
-A candidate passes when its largest relative EMA error after warmup is at most the threshold and
-no step had a non-finite loss. Writes DIR/<recipe>/ (each run), DIR/parity.json (the report) and
-DIR/parity.png (the curves, when gnuplot or matplotlib is installed). Exit status 0: every
-candidate passed; 1: one failed; 2: a usage or config error.
+Two verdicts per candidate:
+  against the bar   its largest relative EMA error after warmup is at most the threshold and no
+                    step had a non-finite loss;
+  against the noise with controls: its mean EMA error after warmup is at most (1 + margin) times the
+                    largest of the controls' mean errors (the controls train the reference's recipe
+                    perturbed, so their errors are the noise of the study; docs/TRAINING.md).
+It also gives each run's final validation loss relative to the reference's, beside the controls'.
+Writes DIR/<run>/ (each run), DIR/parity.json (the report) and DIR/parity.png (the curves and the
+errors over the shaded noise band, when gnuplot or matplotlib is installed).
+Exit status, without controls: 0 every candidate passed the bar, 1 one failed. With controls: 0
+every candidate is within the noise and passed the bar; 1 one is outside the noise; 4 all are
+within the noise but one failed the bar (the study's noise exceeds the threshold). 2: a usage or
+config error.
 
 options:
   --config FILE            the YAML config
@@ -44,10 +53,15 @@ options:
                            (default bf16,fp8_blockwise,fp8_flow)
   --steps N                train.steps of every run (default: the config's)
   --set section.key=value  override one key of every run (repeatable)
-  --control eps|seed       also a run of the reference recipe with optimizer.eps doubled (eps) or
-                           train.seed + 1 (seed), into DIR/control: the noise floor, reported like a
-                           candidate but not judged
+  --controls N             N runs of the reference recipe, each perturbed (--control), into
+                           DIR/control1 .. DIR/controlN (DIR/control for one): the noise band,
+                           reported like candidates but not judged
+  --control data|seed|eps  the controls' perturbation, control k of N: data.seed + k (data: another
+                           batch order, the same initialization), train.seed + k (seed: another
+                           initialization), optimizer.eps x (1 + k) (eps); default data. Given
+                           without --controls: one control
   --threshold X            the largest relative EMA error that passes (default 0.0025, 0.25%)
+  --margin X               the noise verdict's margin over the largest control (default 0.25)
   --warmup-steps W         compare steps after W only (default: optimizer.warmup_steps)
   --resume                 keep the runs of DIR that finished (metrics up to the last step and its
                            checkpoint); continue an interrupted one from its newest checkpoint.
@@ -62,6 +76,8 @@ exits with status 130 or 143; --resume continues it.
 
 struct ParityOptions {
   std::string config, out, control;
+  int64_t num_controls = 0;
+  double margin = 0.25;
   std::vector<std::string> recipes = {"bf16", "fp8_blockwise", "fp8_flow"};
   std::vector<std::string> sets;
   int64_t steps = -1, warmup_steps = -1;
@@ -114,6 +130,10 @@ ParityOptions parse(int argc, char** argv) {
       o.sets.push_back(args.value(a));
     else if (a == "--control")
       o.control = args.value(a);
+    else if (a == "--controls")
+      o.num_controls = int64_t(parse_number(a, args.value(a), true));
+    else if (a == "--margin")
+      o.margin = parse_number(a, args.value(a), false);
     else if (a == "--threshold")
       o.threshold = parse_number(a, args.value(a), false);
     else if (a == "--warmup-steps")
@@ -127,8 +147,11 @@ ParityOptions parse(int argc, char** argv) {
   if (o.recipes.size() < 2) throw UsageError("parity: --recipes needs the reference and at least one candidate");
   if (std::set<std::string>(o.recipes.begin(), o.recipes.end()).size() != o.recipes.size())
     throw UsageError("parity: --recipes names a recipe twice");
-  if (!o.control.empty() && o.control != "eps" && o.control != "seed")
-    throw UsageError("parity: --control is eps or seed, got '" + o.control + "'");
+  if (!o.control.empty() && o.control != "eps" && o.control != "seed" && o.control != "data")
+    throw UsageError("parity: --control is data, seed or eps, got '" + o.control + "'");
+  if (o.num_controls > 64) throw UsageError("parity: --controls is at most 64, got " + std::to_string(o.num_controls));
+  if (!o.control.empty() && o.num_controls == 0) o.num_controls = 1;
+  if (o.control.empty()) o.control = "data";
   if (o.steps == 0) throw UsageError("parity: --steps needs at least 1");
   return o;
 }
@@ -155,10 +178,16 @@ std::vector<PlannedRun> plan_runs(const ParityOptions& o) {
     plan.push_back(std::move(p));
   };
   for (const std::string& r : o.recipes) add(r, r, false, {});
-  if (o.control == "eps")
-    add("control", o.recipes.front(), true, {"optimizer.eps=" + format_g(2 * plan.front().cfg.optimizer.eps)});
-  else if (o.control == "seed")
-    add("control", o.recipes.front(), true, {"train.seed=" + std::to_string(plan.front().cfg.train.seed + 1)});
+  const Config& ref = plan.front().cfg;
+  for (int64_t k = 1; k <= o.num_controls; ++k) {
+    const std::string name = o.num_controls == 1 ? "control" : "control" + std::to_string(k);
+    if (o.control == "eps")
+      add(name, o.recipes.front(), true, {"optimizer.eps=" + format_g(double(1 + k) * ref.optimizer.eps)});
+    else if (o.control == "seed")
+      add(name, o.recipes.front(), true, {"train.seed=" + std::to_string(ref.train.seed + k)});
+    else
+      add(name, o.recipes.front(), true, {"data.seed=" + std::to_string(ref.data.seed + k)});
+  }
   return plan;
 }
 
@@ -269,7 +298,7 @@ int cmd_parity(int argc, char** argv) {
   int status = 0;
   if (root) {
     const int64_t warmup = o.warmup_steps >= 0 ? o.warmup_steps : plan.front().cfg.optimizer.warmup_steps;
-    ParityReport report = make_parity_report(std::move(runs), o.threshold, warmup);
+    ParityReport report = make_parity_report(std::move(runs), o.threshold, warmup, o.margin);
     report.config = o.config;
     report.world_size = world_size;
     report.expert_parallel_size = int(plan.front().cfg.parallel.expert_parallel_size);
@@ -282,7 +311,7 @@ int cmd_parity(int argc, char** argv) {
     else
       std::printf("parity: wrote %s (no parity.png: neither gnuplot nor matplotlib is installed)\n", json_path.c_str());
     for (const ParityCandidate& c : report.candidates) std::printf("%s\n", parity_summary_line(report, c).c_str());
-    status = report.passed() ? 0 : 1;
+    status = report.exit_status();
   }
   if (world_size > 1) status = int(all_reduce_values(*ranks.world, {double(status)}, ReduceOp::max)[0]);
   return status;

@@ -8,8 +8,9 @@ namespace flowmoe {
 // ended a run after its checkpoint; main turns it into 128 + the signal number, as `flowmoe train` exits.
 constexpr int kParityInterrupted = -1;
 
-// Exit status: 0 every candidate passed, 1 one failed, or kParityInterrupted; usage and config errors
-// throw ConfigError (2).
+// Exit status: ParityReport::exit_status (0 every candidate passed what the study judges; 1 one failed
+// the bar, or with controls fell outside the noise band; 4 all within the band but one failed the bar),
+// or kParityInterrupted; usage and config errors throw ConfigError (2).
 int cmd_parity(int argc, char** argv);
 
 }  // namespace flowmoe

@@ -193,9 +193,42 @@ TEST(ParityCommand, ThreeRecipesThenAResumeThatKeepsThemAndAZeroThreshold) {
   fs::remove_all(d);
 }
 
+// Controls make the noise band: two data-order controls, the band and both verdicts in the JSON, the
+// summary lines and the exit status, which follows the verdicts (0, 1 or 4: ParityReport::exit_status).
+TEST(ParityCommand, ControlsMakeANoiseBandAndASecondVerdict) {
+  const fs::path d = fresh_dir("parity_band_cmd");
+  const Ran r = run_parity(d, "--recipes bf16,fp8_flow --controls 2 --steps 24 --margin 0.5");
+  const YAML::Node j = YAML::LoadFile((d / "parity" / "parity.json").string());
+  ASSERT_TRUE(j["noise_band"].IsMap()) << r.out;
+  EXPECT_EQ(j["noise_band"]["controls"].as<int>(), 2);
+  EXPECT_DOUBLE_EQ(j["noise_band"]["margin"].as<double>(), 0.5);
+  EXPECT_GT(j["noise_band"]["control_mean_max"].as<double>(), 0.0);
+  ASSERT_EQ(j["candidates"].size(), 3u);  // fp8_flow, control1, control2
+  const YAML::Node fp8 = j["candidates"][0];
+  EXPECT_EQ(fp8["name"].as<std::string>(), "fp8_flow");
+  const std::string noise = fp8["noise_verdict"].as<std::string>();
+  EXPECT_TRUE(noise == "within noise" || noise == "outside noise") << noise;
+  EXPECT_TRUE(j["candidates"][1]["noise_verdict"].IsNull());  // a control is not judged
+  EXPECT_EQ(j["runs"][3]["name"].as<std::string>(), "control2");
+  EXPECT_TRUE(j["steps"][23]["band_upper"].IsScalar());
+  // The data orders differ: the controls' data.seed is the reference's + 1 and + 2.
+  const YAML::Node c2 = YAML::LoadFile((d / "parity" / "control2" / "config.yaml").string());
+  const YAML::Node ref = YAML::LoadFile((d / "parity" / "bf16" / "config.yaml").string());
+  EXPECT_EQ(c2["data"]["seed"].as<int64_t>(), ref["data"]["seed"].as<int64_t>() + 2);
+  const bool within = noise == "within noise", pass = fp8["verdict"].as<std::string>() == "pass";
+  EXPECT_EQ(r.exit_code, within ? (pass ? 0 : 4) : 1) << r.out;
+  EXPECT_EQ(j["exit_status"].as<int>(), r.exit_code);
+  EXPECT_NE(r.out.find(within ? "; within noise (mean error " : "; OUTSIDE noise (mean error "), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("the largest of 2 controls', margin 50%)"), std::string::npos) << r.out;
+  fs::remove_all(d);
+}
+
 TEST(ParityCommand, UsageErrorsExitTwo) {
   const fs::path d = fresh_dir("parity_usage");
   EXPECT_EQ(run_parity(d, "--control noise").exit_code, 2);
+  EXPECT_EQ(run_parity(d, "--controls 65").exit_code, 2);
+  EXPECT_EQ(run_parity(d, "--margin -1").exit_code, 2);
   EXPECT_EQ(run_parity(d, "--recipes bf16").exit_code, 2);
   fs::remove_all(d);
 }

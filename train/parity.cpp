@@ -36,6 +36,17 @@ bool ParityReport::passed() const {
                      [](const ParityCandidate& c) { return c.control || c.pass; });
 }
 
+bool ParityReport::within_noise() const {
+  return std::all_of(candidates.begin(), candidates.end(),
+                     [](const ParityCandidate& c) { return c.control || !c.judged_against_noise || c.within_noise; });
+}
+
+int ParityReport::exit_status() const {
+  if (!band.defined()) return passed() ? 0 : 1;
+  if (!within_noise()) return 1;
+  return passed() ? 0 : 4;
+}
+
 namespace {
 
 ParityCandidate judge(const ParityReport& r, size_t run_index) {
@@ -85,6 +96,21 @@ std::string percent(double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.3g%%", 100 * v);
   return buf;
+}
+
+std::string signed_percent(double v) {
+  if (!std::isfinite(v)) return "n/a";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%+.3g%%", 100 * v);
+  return buf;
+}
+
+std::string band_json(const NoiseBand& b) {
+  if (!b.defined()) return "null";
+  return "{\"controls\": " + std::to_string(b.num_controls) + ", \"margin\": " + num(b.margin) +
+         ", \"control_mean_max\": " + num(b.control_mean_max) + ", \"control_max_max\": " + num(b.control_max_max) +
+         ", \"final_val_rel_min\": " + num(b.final_val_rel_min) + ", \"final_val_rel_max\": " +
+         num(b.final_val_rel_max) + "}";
 }
 
 // {"bf16": 2.5, "fp8_flow": 2.6} over the runs (or the candidates) with values at one step.
@@ -160,7 +186,8 @@ std::string first_changed_key(const std::string& earlier, const std::string& now
   return "";
 }
 
-ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps) {
+ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps,
+                                double margin) {
   FLOWMOE_CHECK(runs.size() >= 2, ConfigError, "parity: a reference and at least one candidate are needed, got ",
                 runs.size(), " run(s)");
   ParityReport r;
@@ -184,7 +211,9 @@ ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, i
     for (size_t i = 0; i < r.steps.size(); ++i)
       r.curves[k].rel_err.push_back(relative_error(r.curves[k].ema[i], r.curves[0].ema[i]));
     r.candidates.push_back(judge(r, k));
+    r.candidates.back().final_val_rel = signed_relative(r.runs[k].final_val_loss, r.runs[0].final_val_loss);
   }
+  apply_noise_band(r, margin);
   return r;
 }
 
@@ -194,7 +223,9 @@ std::string parity_json(const ParityReport& r) {
     << ",\n  \"threshold\": " << num(r.threshold) << ",\n  \"warmup_steps\": " << r.warmup_steps
     << ",\n  \"ema_alpha\": " << num(kParityEmaAlpha) << ",\n  \"world_size\": " << r.world_size
     << ",\n  \"expert_parallel_size\": " << r.expert_parallel_size
-    << ",\n  \"pass\": " << (r.passed() ? "true" : "false") << ",\n  \"runs\": [";
+    << ",\n  \"pass\": " << (r.passed() ? "true" : "false")
+    << ",\n  \"within_noise\": " << (r.within_noise() ? "true" : "false") << ",\n  \"exit_status\": " << r.exit_status()
+    << ",\n  \"noise_band\": " << band_json(r.band) << ",\n  \"runs\": [";
   for (size_t k = 0; k < r.runs.size(); ++k) {
     const ParityRun& run = r.runs[k];
     double peak = 0;
@@ -220,14 +251,19 @@ std::string parity_json(const ParityReport& r) {
       << ", \"max_rel_err\": " << num(c.max_rel_err) << ", \"mean_rel_err\": " << num(c.mean_rel_err)
       << ", \"final_loss\": " << num(c.final_loss) << ", \"reference_final_loss\": " << num(reference_final_loss(r))
       << ", \"final_val_loss\": " << num(c.final_val_loss) << ", \"nonfinite_steps\": [" << steps << "]"
-      << ", \"verdict\": " << json_escape(c.pass ? "pass" : "fail") << ", \"reason\": " << json_escape(c.reason) << "}";
+      << ", \"final_val_rel\": " << num(c.final_val_rel)
+      << ", \"verdict\": " << json_escape(c.pass ? "pass" : "fail") << ", \"reason\": " << json_escape(c.reason)
+      << ", \"noise_verdict\": "
+      << (c.judged_against_noise ? json_escape(c.within_noise ? "within noise" : "outside noise") : "null")
+      << ", \"noise_ratio\": " << num(c.noise_ratio) << ", \"noise_reason\": " << json_escape(c.noise_reason) << "}";
   }
   o << "\n  ],\n  \"steps\": [";
   for (size_t i = 0; i < r.steps.size(); ++i) {
     o << (i ? "," : "") << "\n    {\"step\": " << r.steps[i]
       << ", \"loss\": " << named_values(r, 0, i, &ParityCurve::loss)
       << ", \"ema\": " << named_values(r, 0, i, &ParityCurve::ema)
-      << ", \"rel_err\": " << named_values(r, 1, i, &ParityCurve::rel_err) << "}";
+      << ", \"rel_err\": " << named_values(r, 1, i, &ParityCurve::rel_err)
+      << ", \"band_upper\": " << num(r.band.defined() ? r.band.upper[i] : NAN) << "}";
   }
   o << "\n  ]\n}\n";
   return o.str();
@@ -243,6 +279,20 @@ std::string parity_summary_line(const ParityReport& r, const ParityCandidate& c)
   else
     line += std::string(c.pass ? "PASS" : "FAIL") + " (threshold " + percent(r.threshold) + ")";
   if (!c.pass && !c.reason.empty() && !c.control) line += ": " + c.reason;
+  if (c.judged_against_noise) {
+    char ratio[32];
+    std::snprintf(ratio, sizeof ratio, "%.2fx", c.noise_ratio);
+    line += std::string("; ") + (c.within_noise ? "within noise" : "OUTSIDE noise") + " (mean error " +
+            (std::isfinite(c.noise_ratio) ? ratio : std::string("n/a")) + " the largest of " +
+            std::to_string(r.band.num_controls) + " controls', margin " + percent(r.band.margin) + ")";
+    if (!c.within_noise) line += ": " + c.noise_reason;
+  }
+  if (r.band.defined() || std::isfinite(c.final_val_rel)) {
+    line += "; final val loss " + signed_percent(c.final_val_rel) + " vs " + r.reference;
+    if (r.band.defined() && !c.control)
+      line += " (controls " + signed_percent(r.band.final_val_rel_min) + " to " +
+              signed_percent(r.band.final_val_rel_max) + ")";
+  }
   return line;
 }
 
@@ -258,6 +308,10 @@ bool plot_parity(const ParityReport& r, const std::string& png_path) {
   }
   p.bottom_line = r.threshold;
   p.bottom_line_label = "threshold";
+  if (r.band.defined()) {
+    p.bottom_band = r.band.upper;
+    p.bottom_band_label = "noise band (" + std::to_string(r.band.num_controls) + " controls)";
+  }
   return plot_two_panels(p, png_path);
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "train/metrics.h"
+#include "train/parity_band.h"
 
 namespace flowmoe {
 
@@ -46,6 +47,12 @@ struct ParityCandidate {
   std::vector<int64_t> nonfinite_steps;  // non-finite loss or skipped update
   bool pass = false;
   std::string reason;  // why it failed; empty on a pass
+  double final_val_rel = NAN;  // final validation loss relative to the reference's (signed)
+  // Against the noise band (parity_band.h), when the study has controls; not for a control itself.
+  bool judged_against_noise = false;
+  bool within_noise = false;
+  double noise_ratio = NAN;  // mean EMA error after warmup / the largest control's
+  std::string noise_reason;  // why it is outside the band; empty when within
 };
 
 struct ParityReport {
@@ -57,13 +64,22 @@ struct ParityReport {
   std::vector<int64_t> steps;               // every step some run logged, ascending
   std::vector<ParityRun> runs;              // reference first
   std::vector<ParityCurve> curves;          // per run
-  std::vector<ParityCandidate> candidates;  // per run after the reference (the control among them)
-  // Every candidate that is not the control passed.
+  std::vector<ParityCandidate> candidates;  // per run after the reference (the controls among them)
+  NoiseBand band;                           // from the controls; undefined without them
+  // Every candidate that is not a control passed the threshold.
   bool passed() const;
+  // Every candidate that is not a control is within the noise band (true without controls).
+  bool within_noise() const;
+  // `flowmoe parity`'s exit status: 0 when every candidate passes what the study judges; without
+  // controls 1 when one fails the threshold; with controls 1 when one is outside the noise band, and
+  // 4 when all are within it but one fails the threshold (the study's noise is above the threshold).
+  int exit_status() const;
 };
 
-// The report of `runs` (the reference first). Throws ConfigError for fewer than two runs.
-ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps);
+// The report of `runs` (the reference first; runs with `control` set make the noise band, whose
+// verdict takes `margin`). Throws ConfigError for fewer than two runs.
+ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps,
+                                double margin = 0.25);
 
 // The first key in which two resolved configs (to_yaml texts) differ, as "train.steps: 200 in the
 // earlier run, 300 now" ("(absent)" for a key one of them lacks); "" when they agree on every key but
@@ -77,7 +93,8 @@ std::string first_changed_key(const std::string& earlier, const std::string& now
 std::string parity_json(const ParityReport& report);
 
 // "fp8_flow vs bf16: max EMA rel err 0.31% after warmup (mean 0.12%), final loss 2.4627 vs 2.4623: PASS (threshold
-// 0.25%)"
+// 0.25%)", then with controls "; within noise (mean error 0.82x the largest of 3 controls', margin 25%)"
+// and the final validation loss relative to the reference's beside the controls' spread
 std::string parity_summary_line(const ParityReport& report, const ParityCandidate& c);
 
 // DIR/parity.png: the EMA curves on top, the candidates' relative errors with the threshold below.

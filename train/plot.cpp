@@ -167,6 +167,7 @@ bool plot_two_panels(const TwoPanelPlot& p, const std::string& png_path) {
       out << data_cell(p.x[i]);
       for (const auto* panel : {&p.top, &p.bottom})
         for (const PlotSeries& s : *panel) out << " " << data_cell(i < s.y.size() ? s.y[i] : NAN);
+      if (!p.bottom_band.empty()) out << " " << data_cell(i < p.bottom_band.size() ? p.bottom_band[i] : NAN);
       out << "\n";
     }
   }
@@ -180,10 +181,15 @@ bool plot_two_panels(const TwoPanelPlot& p, const std::string& png_path) {
        << "set datafile missing 'NaN'\nset grid\nset key top right noenhanced\n"
        << "set multiplot layout 2,1 title " << json_escape(p.title) << " noenhanced\n";
     size_t column = 2;
+    const size_t band_column = 2 + p.top.size() + p.bottom.size();  // the last column, when there is a band
     for (const auto* panel : {&p.top, &p.bottom}) {
       const bool bottom = panel == &p.bottom;
       gp << "set xlabel 'step'\nset ylabel " << json_escape(bottom ? p.bottom_ylabel : p.top_ylabel)
          << " noenhanced\nplot ";
+      if (bottom && !p.bottom_band.empty())
+        gp << json_escape(data.string()) << " using 1:(0):" << band_column
+           << " with filledcurves fs transparent solid 0.25 lc rgb 'gray50' title " << json_escape(p.bottom_band_label)
+           << (panel->empty() ? "" : ", ");
       for (size_t i = 0; i < panel->size(); ++i, ++column)
         gp << (i ? ", " : "") << json_escape(data.string()) << " using 1:" << column << " with lines lw 2 lc "
            << i + 1 + (bottom ? 1 : 0) << " title " << json_escape((*panel)[i].label);
@@ -201,6 +207,9 @@ bool plot_two_panels(const TwoPanelPlot& p, const std::string& png_path) {
        << "cols = list(zip(*[[float(v) for v in l.split()] for l in open(" << json_escape(data.string()) << ")]))\n"
        << "fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 9), sharex=True)\n";
     size_t column = 1;
+    if (!p.bottom_band.empty())
+      py << "bottom.fill_between(cols[0], 0, cols[" << p.top.size() + p.bottom.size() + 1
+         << "], color='0.5', alpha=0.25, label=" << json_escape(p.bottom_band_label) << ")\n";
     for (const auto* panel : {&p.top, &p.bottom}) {
       const bool bottom = panel == &p.bottom;
       const char* ax = bottom ? "bottom" : "top";

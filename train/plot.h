@@ -21,6 +21,9 @@ struct TwoPanelPlot {
   std::vector<double> x;
   std::vector<PlotSeries> top, bottom;
   double bottom_line = NAN;
+  // Shaded from 0 up to these values behind the lower panel's curves (empty: none), e.g. a noise band.
+  std::vector<double> bottom_band;
+  std::string bottom_band_label;
 };
 // Draws it into a PNG with gnuplot or matplotlib. Returns false, drawing nothing, when neither is
 // installed (callers for whom the image is a by-product go on without it); throws IoError when one fails.
