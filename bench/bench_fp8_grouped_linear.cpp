@@ -52,7 +52,8 @@ Result bench_case(const Case& c, const Chunks& ch, cudaStream_t stream) {
     Tensor w = device_fill(ch.fp8, {e, n, k}, DType::e4m3, stream);
     Tensor ws = device_fill(ch.scales, {e, n / 128, k / 128}, DType::f32, stream);
     Tensor y = Tensor::empty({m, n}, DType::bf16, dev);
-    const size_t work_bytes = std::max(fp8_grouped_gemm_workspace_bytes(m, k, e, n), fp8_grouped_gemm_workspace_bytes(m, n, e, k));
+    const size_t work_bytes =
+        std::max(fp8_grouped_gemm_workspace_bytes(m, k, e, n), fp8_grouped_gemm_workspace_bytes(m, n, e, k));
     Tensor work = Tensor::empty({int64_t(work_bytes)}, DType::u8, dev);
     r.fp8_fwd = median_ms(
         [&] {

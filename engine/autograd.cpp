@@ -166,7 +166,9 @@ std::vector<Variable> apply(std::shared_ptr<Primitive> p, const std::vector<Vari
 // ---- backward ---------------------------------------------------------------------------------
 
 static thread_local LeafGradHook g_leaf_hook;
-LeafGradHookGuard::LeafGradHookGuard(LeafGradHook hook) : prev_(std::move(g_leaf_hook)) { g_leaf_hook = std::move(hook); }
+LeafGradHookGuard::LeafGradHookGuard(LeafGradHook hook) : prev_(std::move(g_leaf_hook)) {
+  g_leaf_hook = std::move(hook);
+}
 LeafGradHookGuard::~LeafGradHookGuard() { g_leaf_hook = std::move(prev_); }
 
 void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool retain_graph) {

@@ -64,7 +64,8 @@ inline int64_t positive_integer(const std::string& command, const std::string& o
                                 const std::string& what = "a positive integer") {
   char* end = nullptr;
   const long long n = std::strtoll(value.c_str(), &end, 10);
-  if (value.empty() || *end != '\0' || n < 1) throw UsageError(command + ": " + opt + " needs " + what + ", got '" + value + "'");
+  if (value.empty() || *end != '\0' || n < 1)
+    throw UsageError(command + ": " + opt + " needs " + what + ", got '" + value + "'");
   return n;
 }
 

@@ -27,6 +27,7 @@
 #include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/plot.h"
+#include "train/evaluation.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;
@@ -52,7 +53,8 @@ Run `flowmoe <command> --help` for the options of a command.
 --debug (anywhere on the line) or FLOWMOE_DEBUG=1 adds the source location to an error message.
 )";
 
-const char* kTrainHelp = R"(usage: flowmoe train --config FILE [--set section.key=value ...] [--resume [DIR]] [--print-config]
+const char* kTrainHelp =
+    R"(usage: flowmoe train --config FILE [--set section.key=value ...] [--resume [DIR]] [--print-config]
                      [--profile N]
 
 Trains the model of the config. Outputs go to logging.out_dir (default runs/<config name>):
@@ -79,7 +81,8 @@ train.batch_size is the global batch, split evenly over the processes; rank 0 pr
 --set parallel.expert_parallel_size=E shares the routed experts out over groups of E processes.
 )";
 
-const char* kEvalHelp = R"(usage: flowmoe eval --config FILE --checkpoint DIR [--set section.key=value ...] [--batches N]
+const char* kEvalHelp =
+    R"(usage: flowmoe eval --config FILE --checkpoint DIR [--set section.key=value ...] [--batches N]
 
 Prints the validation loss (and perplexity) of the weights in checkpoint DIR on the validation
 split of the config's data. The model keys must match the checkpoint.
@@ -193,8 +196,8 @@ int cmd_train(int argc, char** argv) {
     return 0;
   }
   if (profile_step > cfg.train.steps)
-    throw UsageError("train: --profile " + std::to_string(profile_step) + " is past the run's last step (train.steps = " +
-                     std::to_string(cfg.train.steps) + ")");
+    throw UsageError("train: --profile " + std::to_string(profile_step) +
+                     " is past the run's last step (train.steps = " + std::to_string(cfg.train.steps) + ")");
   install_stop_handlers();
   const auto started = std::chrono::steady_clock::now();  // the summary's time line counts the ranks' start
   const DistributedRuntime ranks = start_ranks(cfg, "train");
@@ -247,14 +250,15 @@ int cmd_eval(int argc, char** argv) {
   const ParallelState groups = run_parallel_state(cfg, ranks.world);
   const Device device = ranks.device;
   DataLoader data = DataLoader::from_config(cfg);
-  if (data.num_val_windows() == 0) throw UsageError("eval: the config holds out no validation data (data.val_fraction is 0)");
+  if (data.num_val_windows() == 0)
+    throw UsageError("eval: the config holds out no validation data (data.val_fraction is 0)");
   const ValBatches val = whole_val_batches(data, batches, cfg.train.batch_size);
   if (val.capped && root) std::printf("eval: %s\n", val.cap_note(batches_label).c_str());
   batches = val.num_batches;
   const int64_t batch_size = val.batch_size;
   const MemoryEstimate need = estimate_memory(cfg, device, MemoryUse::eval);
   check_fits(need, device);
-  Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed),
+  Transformer model(cfg.model, device, compute_dtype_for(device), uint64_t(cfg.train.seed),
                     moe_options(cfg, groups));
   const CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers(),
                                               model.parameter_shards(), checkpoint_load_options(cfg));
@@ -289,10 +293,12 @@ int cmd_prepare(int argc, char** argv) {
     else if (a == "--bpe-vocab") opts.bpe_vocab = parse_bpe_vocab(args.value(a));
     else if (a == "--tokenizer") opts.tokenizer = args.value(a);
     else if (a == "--exclude") opts.exclude.push_back(args.value(a));
-    else if (a.rfind("-", 0) == 0) throw UsageError("prepare-data: unknown option '" + a + "' (see flowmoe prepare-data --help)");
+    else if (a.rfind("-", 0) == 0)
+      throw UsageError("prepare-data: unknown option '" + a + "' (see flowmoe prepare-data --help)");
     else inputs.push_back(a);
   }
-  if (output.empty() || inputs.empty()) throw UsageError("prepare-data: --output FILE and at least one input are required");
+  if (output.empty() || inputs.empty())
+    throw UsageError("prepare-data: --output FILE and at least one input are required");
   // Checked before anything is read: writing over an input loses its text, and an output that cannot
   // be written loses the work.
   const std::string problem = prepare_output_problem(inputs, output, opts);

@@ -41,7 +41,7 @@ Two verdicts per candidate:
 It also gives each run's final validation loss relative to the reference's, beside the controls'.
 Writes DIR/<run>/ (each run), DIR/parity.json (the report) and DIR/parity.png (the curves and the
 errors over the shaded noise band, when gnuplot or matplotlib is installed).
-Exit status, without controls: 0 every candidate passed the bar, 1 one failed. With controls: 0
+Exit status, with fewer than 2 controls: 0 every candidate passed the bar, 1 one failed. With 2 or more: 0
 every candidate is within the noise and passed the bar; 1 one is outside the noise; 4 all are
 within the noise but one failed the bar (the study's noise exceeds the threshold). 2: a usage or
 config error.
@@ -55,7 +55,7 @@ options:
   --set section.key=value  override one key of every run (repeatable)
   --controls N             N runs of the reference recipe, each perturbed (--control), into
                            DIR/control1 .. DIR/controlN (DIR/control for one): the noise band,
-                           reported like candidates but not judged
+                           reported like candidates but not judged; the noise verdict needs 2 or more
   --control data|seed|eps  the controls' perturbation, control k of N: data.seed + k (data: another
                            batch order, the same initialization), train.seed + k (seed: another
                            initialization), optimizer.eps x (1 + k) (eps); default data. Given

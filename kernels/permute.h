@@ -83,11 +83,11 @@ size_t permute_workspace_bytes(const RoutingDims& d);
 //   classic:   thread groups with vector loads and stores.
 //   tma:       sm_90 bulk copies through shared memory, used only when row_bytes and both x and rows are
 //              16-byte aligned (else classic).
-//   automatic: tma for rows of kPermuteTmaMinRowBytes (14 KiB) and more, where it measured faster; classic
-//              below. The engine's permute op uses it; the others are for tests and bench/bench_permute.cpp.
+//   automatic: tma for rows of kPermuteTmaMinRowBytes (14 KiB) and more, classic below. The engine's
+//              permute op uses it; the others are for tests and bench/bench_permute.cpp.
 enum class PermuteRowKernel : uint8_t { automatic, classic, tma };
-// bench_permute's row-kernel lines have shown TMA ahead on 14 KiB rows (hidden 7168, bf16) in every run on
-// the H100 and the H200, by 0.006-0.028 of copy, and tied or behind on 8 KiB rows and below (docs/PERF.md).
+// Where bulk copies pay: a row long enough that one copy per row amortizes its issue cost (hidden 7168
+// in bf16). bench_permute's permute_impl lines compare the two kernels (docs/PERF.md has the figures).
 constexpr size_t kPermuteTmaMinRowBytes = 14336;
 
 void permute_pad_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream,

@@ -105,8 +105,9 @@ void router_topk_cuda(const RouterParams& p, const float* logits /*[num_tokens, 
                       const float* expert_bias /*[E]*/, int64_t num_tokens, int32_t* topk_idx /*[num_tokens, k]*/,
                       float* topk_prob /*[num_tokens, k]*/, int32_t* tokens_per_expert /*[E]*/, cudaStream_t stream);
 void router_topk_backward_cuda(const RouterParams& p, const float* logits /*[num_tokens, E]*/,
-                               const int32_t* topk_idx /*[num_tokens, k]*/, const float* d_topk_prob /*[num_tokens, k]*/,
-                               int64_t num_tokens, float* d_logits /*[num_tokens, E]*/, cudaStream_t stream);
+                               const int32_t* topk_idx /*[num_tokens, k]*/,
+                               const float* d_topk_prob /*[num_tokens, k]*/, int64_t num_tokens,
+                               float* d_logits /*[num_tokens, E]*/, cudaStream_t stream);
 // Workspaces: seq_counts [num_tokens / seq_len, E] i32; token_loss [num_tokens] f32 (forward only).
 void router_balance_loss_cuda(const RouterParams& p, const float* logits /*[num_tokens, E]*/,
                               const int32_t* topk_idx /*[num_tokens, k]*/, int64_t num_tokens, int64_t seq_len,

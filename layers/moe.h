@@ -42,7 +42,8 @@ MoeRecipe moe_recipe_from_name(const std::string& name);  // precision.recipe; t
 const char* moe_recipe_name(MoeRecipe r);
 
 struct MoeOptions {
-  MoeOptions(int align = 16) : align_size(align) {}  // NOLINT: an int means "bf16, this alignment"
+  MoeOptions() = default;
+  explicit MoeOptions(int align) : align_size(align) {}  // bf16 at this alignment
   int align_size = 16;                   // precision.align_size
   MoeRecipe recipe = MoeRecipe::bf16;    // precision.recipe
   bool recompute_expert = false;         // train.recompute contains moe_expert

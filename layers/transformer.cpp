@@ -10,9 +10,12 @@ namespace flowmoe {
 static std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i); }
 
 // Output projections start smaller so the residual stream's variance does not grow with depth.
-static double out_std(const ModelConfig& c) { return c.initializer_range / std::sqrt(2.0 * double(c.num_hidden_layers)); }
+static double out_std(const ModelConfig& c) {
+  return c.initializer_range / std::sqrt(2.0 * double(c.num_hidden_layers));
+}
 
-TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i, const MoeOptions& moe, Device device)
+TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i, const MoeOptions& moe,
+                                   Device device)
     : eps_(c.rms_norm_eps),
       scope_("layers." + std::to_string(i)),
       input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})),

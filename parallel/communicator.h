@@ -25,7 +25,6 @@ class CommError : public Error { using Error::Error; };
 // avg: the sum over the ranks times 1/size (floating types only; nccl's ncclAvg, which scales each
 // input by 1/size before the sum: the same for a power-of-two size, barring subnormals).
 enum class ReduceOp : uint8_t { sum, max, avg };
-const char* reduce_op_name(ReduceOp op);
 
 class Communicator {
  public:

@@ -43,7 +43,8 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
     d.probs = d.routing.probs;
     d.tokens_per_expert = d.routing.tokens_per_expert;
     d.device_padded_tokens_per_expert = d.routing.padded_tokens_per_expert;
-    if (o.read_counts) d.padded_tokens_per_expert = read_counts_once(d.routing.padded_tokens_per_expert);  // THE host sync
+    if (o.read_counts)
+      d.padded_tokens_per_expert = read_counts_once(d.routing.padded_tokens_per_expert);  // THE host sync
     return d;
   }
   Communicator& comm = *o.expert_parallel;
@@ -109,10 +110,9 @@ const char* ep_dispatch_name(EpDispatch mode) {
 bool resolve_ep_dispatch(EpDispatch mode, Communicator* group) {
   if (!group || group->size() <= 1 || mode == EpDispatch::sync) return false;
   if (mode == EpDispatch::zero_sync) return true;
-  // auto, from bench/bench_dispatch on 2 and 4 H100s (docs/PERF.md): with 2 ranks the device puts beat
-  // the one-sync exchange in every row; with 4 they tied or lost while the whole worst-case buffer was
-  // filled, and have not been measured since it is not. Without device puts (several hosts) zero_sync
-  // would read its tables to the host.
+  // auto takes zero_sync where bench/bench_dispatch shows the device puts ahead of the one-sync
+  // exchange (2 ranks; docs/PERF.md has the figures and the 4-rank state). Without device puts (several
+  // hosts) zero_sync would read its tables to the host.
   return group->size() == 2 && group->device_puts();
 }
 

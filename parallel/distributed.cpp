@@ -81,8 +81,8 @@ CommBackend resolve_backend(CommBackend requested, int world_size, bool use_cuda
       if (world_size == 1) return CommBackend::none;
       return use_cuda && have_nccl ? CommBackend::nccl : CommBackend::mpi;
     case CommBackend::none:
-      FLOWMOE_CHECK(world_size == 1, ConfigError, "backend none runs one process, but the launcher started ", world_size,
-                    " (use auto, mpi or nccl)");
+      FLOWMOE_CHECK(world_size == 1, ConfigError, "backend none runs one process, but the launcher started ",
+                    world_size, " (use auto, mpi or nccl)");
       return requested;
     case CommBackend::nccl:
       FLOWMOE_CHECK(use_cuda, ConfigError, "backend nccl moves GPU tensors, but this run is on the CPU (use mpi)");
@@ -105,7 +105,8 @@ DistributedRuntime init_distributed(const DistributedOptions& options) {
   std::shared_ptr<Communicator> host_world = want_mpi ? make_mpi_world_communicator() : make_none_communicator();
   FLOWMOE_CHECK(!want_mpi || rt.launch.launcher.empty() || host_world->size() == rt.launch.world_size, CommError,
                 "the launcher started ", rt.launch.world_size, " processes (", rt.launch.launcher, ") but MPI sees ",
-                host_world->size(), ": was flowmoe started by the mpirun of another MPI than the one it was built with?");
+                host_world->size(),
+                ": was flowmoe started by the mpirun of another MPI than the one it was built with?");
   rt.launch.world_size = host_world->size();
   rt.launch.rank = host_world->rank();
   // The first collective of every rank: a rank given another config or command fails here with the

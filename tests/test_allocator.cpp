@@ -9,7 +9,15 @@ using namespace flowmoe;
 
 TEST(CachingAllocator, AccountsLivePeakAndReuses) {
   int raw_allocs = 0, raw_frees = 0;
-  CachingAllocator a([&](size_t n) { raw_allocs++; return std::malloc(n); }, [&](void* p) { raw_frees++; std::free(p); });
+  CachingAllocator a(
+      [&](size_t n) {
+        raw_allocs++;
+        return std::malloc(n);
+      },
+      [&](void* p) {
+        raw_frees++;
+        std::free(p);
+      });
   void* p1 = a.allocate(1000);  // rounds to 1024
   void* p2 = a.allocate(3 << 20);
   EXPECT_EQ(a.stats().live_bytes, 1024u + (3u << 20));

@@ -289,7 +289,8 @@ TEST(PrepareData, ExcludeSkipsMatchingFilesBelowADirectory) {
     PreparedInputs read;
     EXPECT_EQ(prepare_token_file({in.string()}, out, &read, options(0, "", {pattern, "*.md"})), 2) << pattern;
     EXPECT_EQ(read_token_file(out), (std::vector<uint16_t>{'A', 'T'})) << pattern;
-    const std::string excluded = (in / "translations" / "it" / "a.txt").string() + ", " + (in / "z" / "notes.md").string();
+    const std::string excluded =
+        (in / "translations" / "it" / "a.txt").string() + ", " + (in / "z" / "notes.md").string();
     EXPECT_EQ(read.summary(), "read 2 files (2 bytes), excluded 2 files: " + excluded);
   }
   // A file named as an input is read even when a pattern matches it; an all-excluded directory is an error.

@@ -219,8 +219,9 @@ TEST(Checkpoint, ResumeRepeatsTheLossSequenceBitForBit) { expect_resume_repeats_
 // but not in the resumed one: it must leave the expert biases' load counts alone.
 TEST(Checkpoint, ResumeOfAnMoeModelRepeatsTheLossSequenceBitForBit) {
   expect_resume_repeats_bit_for_bit(
-      "ckpt_resume_moe", {"model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.first_k_dense_replace=1",
-                          "model.moe_intermediate_size=32", "model.bias_update_rule=proportional", "train.eval_every=3"});
+      "ckpt_resume_moe",
+      {"model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.first_k_dense_replace=1",
+       "model.moe_intermediate_size=32", "model.bias_update_rule=proportional", "train.eval_every=3"});
 }
 
 TEST(Checkpoint, ResumeFromAMissingPathIsAConfigError) {

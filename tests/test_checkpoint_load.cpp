@@ -113,7 +113,8 @@ TEST(CheckpointLoad, TensorsTheModelDoesNotHaveAreRefusedByName) {
                                               model.buffers(), {}, {.allow_unused = true});
   ASSERT_FALSE(meta.unused_tensors.empty());
   for (const std::string& name : meta.unused_tensors) EXPECT_TRUE(name.starts_with("model.layers.1.")) << name;
-  EXPECT_TRUE(has(partial_load_note(meta), "tensors of the checkpoint that the model does not have")) << partial_load_note(meta);
+  EXPECT_TRUE(has(partial_load_note(meta), "tensors of the checkpoint that the model does not have"))
+      << partial_load_note(meta);
   // A model the checkpoint matches loads with nothing left over.
   const Config same = small_config(d);
   Transformer whole(same.model, Device::cpu(), DType::f32, 1, moe_options(same));
@@ -169,8 +170,8 @@ TEST(RunDirLock, ASecondRunIsRefusedAndAKilledOneBlocksNothing) {
     train(cfg, quiet());
     ADD_FAILURE() << "a second run into a held folder went ahead";
   } catch (const IoError& e) {
-    EXPECT_TRUE(has(e.what(), "the run directory '" + (d / "run").string() + "' is in use by another flowmoe run (pid " +
-                                  std::to_string(holder) + ")"))
+    EXPECT_TRUE(has(e.what(), "the run directory '" + (d / "run").string() +
+                                  "' is in use by another flowmoe run (pid " + std::to_string(holder) + ")"))
         << e.what();
   }
   EXPECT_FALSE(fs::exists(d / "run" / "metrics.jsonl"));
@@ -216,8 +217,10 @@ TEST(LaunchChecks, TheFirstConfigDifferenceNamesTheKeyAndBothValues) {
 // The router kernel routes a token in one warp (kernels/router.h): the config's ranges are its limits,
 // so the documented range and the check agree.
 TEST(ConfigLimits, TheRouterLimitsAreTheConfigRanges) {
-  for (const auto& [key, limit] : {std::pair{"n_routed_experts", kRouterMaxExperts}, {"num_experts_per_tok", kRouterMaxTopk},
-                                   {"n_group", kRouterMaxGroups}, {"topk_group", kRouterMaxGroups}}) {
+  for (const auto& [key, limit] : {std::pair{"n_routed_experts", kRouterMaxExperts},
+                                   {"num_experts_per_tok", kRouterMaxTopk},
+                                   {"n_group", kRouterMaxGroups},
+                                   {"topk_group", kRouterMaxGroups}}) {
     const std::string base = "model: {" + std::string(key) + ": ";
     try {
       parse_config(base + std::to_string(limit + 1) + "}\n", "limits.yaml");

@@ -387,8 +387,9 @@ TEST(Cli, ThePytorchPeerReadsEveryKeyOfARunsConfig) {
   Result r = run(d, {"train", "--config", write_config(d).string(), "--set", "train.steps=1"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const fs::path err = d / "peer_err.txt";
-  const std::string cmd = "python3 '" + std::string(FLOWMOE_SOURCE_DIR) + "/bench/torch_peer.py' --yaml builtin --config '" +
-                          (d / "run" / "config.yaml").string() + "' --print-config >/dev/null 2>'" + err.string() + "'";
+  const std::string cmd = "python3 '" + std::string(FLOWMOE_SOURCE_DIR) +
+                          "/bench/torch_peer.py' --yaml builtin --config '" + (d / "run" / "config.yaml").string() +
+                          "' --print-config >/dev/null 2>'" + err.string() + "'";
   EXPECT_EQ(std::system(cmd.c_str()), 0) << read_text(err);
   fs::remove_all(d);
 }

@@ -159,11 +159,14 @@ TEST(Config, UnavailableFeaturesAreRejected) {
   m = parse_error("model:\n  n_routed_experts: 300\n");
   EXPECT_HAS(m, "model.n_routed_experts: expected an integer in [0, 256], got 300");  // the router's limit
   // FP8 recipes need 128-wide blocks: a hidden size or expert width FP8 cannot serve is named.
-  m = parse_error("model:\n  n_routed_experts: 8\n  hidden_size: 192\n  num_attention_heads: 4\nprecision:\n  recipe: fp8_flow\n");
+  m = parse_error(
+      "model:\n  n_routed_experts: 8\n  hidden_size: 192\n  num_attention_heads: 4\nprecision:\n  recipe: fp8_flow\n");
   EXPECT_HAS(m, "model.hidden_size");
   EXPECT_HAS(m, "not a multiple of 128");
   EXPECT_HAS(m, "fp8_flow");
-  m = parse_error("model:\n  n_routed_experts: 8\n  hidden_size: 256\n  moe_intermediate_size: 200\nprecision:\n  recipe: fp8_blockwise\n");
+  m = parse_error(
+      "model:\n  n_routed_experts: 8\n  hidden_size: 256\n  moe_intermediate_size: 200\nprecision:\n  recipe: "
+      "fp8_blockwise\n");
   EXPECT_HAS(m, "model.moe_intermediate_size");
 }
 

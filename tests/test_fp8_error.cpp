@@ -138,7 +138,8 @@ TEST(Fp8Error, TheStudyOfATinyMoeCheckpointNamesEveryExpertGemm) {
   for (const GemmErrorRow& r : s.rows) {
     EXPECT_EQ(r.sums.rows % 16, 0) << r.weight;  // padded segments
     EXPECT_GE(r.sums.rows, 2 * 4 * 32 * 2) << r.weight;  // every token's top-2 copies, both batches
-    for (double e : {r.fprop(), r.dgrad(), r.transpose()}) EXPECT_TRUE(std::isfinite(e) && e > 0 && e < 0.2) << r.weight;
+    for (double e : {r.fprop(), r.dgrad(), r.transpose()})
+      EXPECT_TRUE(std::isfinite(e) && e > 0 && e < 0.2) << r.weight;
   }
   EXPECT_NEAR(s.pooled.ratio(), 1.0, 0.1);
   EXPECT_FALSE(tap_enabled());  // the study's tap is gone with it

@@ -265,7 +265,8 @@ Tensor fprop_cuda(const Problem& p, DType out) {
   Tensor x = dev(host_tensor(p.x.q, DType::e4m3)), xs = dev(host_tensor(p.x.s, DType::f32));
   Tensor w = dev(host_tensor(p.w.q, DType::e4m3)), ws = dev(host_tensor(p.w.s, DType::f32));
   Tensor y = Tensor::full({p.m_total, p.n}, std::numeric_limits<double>::quiet_NaN(), out, Device::cuda());
-  Tensor work = Tensor::empty({int64_t(fp8_grouped_gemm_workspace_bytes(p.m_total, p.k, int64_t(p.rows.size()), p.n))}, DType::u8, Device::cuda());
+  Tensor work = Tensor::empty({int64_t(fp8_grouped_gemm_workspace_bytes(p.m_total, p.k, int64_t(p.rows.size()), p.n))},
+                              DType::u8, Device::cuda());
   fp8_grouped_gemm_cuda(out, x.data<uint8_t>(), xs.data<float>(), w.data<uint8_t>(), ws.data<float>(), y.raw_data(),
                         p.rows.data(), int64_t(p.rows.size()), p.m_total, p.n, p.k, work.raw_data(), current_stream(0));
   return y.to(Device::cpu());
@@ -388,8 +389,9 @@ TEST(Fp8GroupedLinearCuda, ScaleLayoutProbe) {
         for (int64_t i = 0; i < nb; ++i)
           for (int64_t j = 0; j < kb; ++j) q.w.s[size_t(j * nb + i)] = p.w.s[size_t(i * kb + j)];
       Tensor got = fprop_cuda(q, DType::f32);
-      std::printf("[fp8 scale-layout probe] B %s, A %s: rel error %.3g\n", b_rows_major ? "[rows][K/128]" : "[K/128][rows]",
-                  a_transposed ? "[K/128][N/128]" : "[N/128][K/128]", rel_error(got, ref));
+      std::printf("[fp8 scale-layout probe] B %s, A %s: rel error %.3g\n",
+                  b_rows_major ? "[rows][K/128]" : "[K/128][rows]", a_transposed ? "[K/128][N/128]" : "[N/128][K/128]",
+                  rel_error(got, ref));
     }
 }
 

@@ -130,7 +130,8 @@ TEST(GroupedLinearCpu, WgradAccumulatesAndKeepsEmptyExperts) {
   const std::vector<int64_t> rows = {3, 0, 2};
   const int64_t m_total = 6, n = 4, k = 5, e = 3;
   Tensor x = random_tensor(rng, {m_total, k}, DType::f64), dy = random_tensor(rng, {m_total, n}, DType::f64);
-  Tensor dw0 = random_tensor(rng, {e, n, k}, DType::f64), dw = dw0.clone(), fresh = Tensor::empty({e, n, k}, DType::f64);
+  Tensor dw0 = random_tensor(rng, {e, n, k}, DType::f64), dw = dw0.clone(),
+         fresh = Tensor::empty({e, n, k}, DType::f64);
   grouped_linear_wgrad_cpu<double>(x.data<double>(), dy.data<double>(), dw.data<double>(), rows.data(), e, n, k, true);
   grouped_linear_wgrad_cpu<double>(x.data<double>(), dy.data<double>(), fresh.data<double>(), rows.data(), e, n, k,
                                    false);
@@ -284,7 +285,8 @@ TEST(GroupedLinearCuda, ReadCountsOnceCountsOneSync) {
   EXPECT_EQ(read_counts_once(counts), (std::vector<int64_t>{32, 0, 16, 48}));
   EXPECT_EQ(num_host_syncs(), before + 1);
   // Forward and backward of the op add no sync of their own.
-  Tensor x = Tensor::zeros({96, 8}, DType::bf16, Device::cuda()), w = Tensor::zeros({4, 8, 8}, DType::f32, Device::cuda());
+  Tensor x = Tensor::zeros({96, 8}, DType::bf16, Device::cuda()),
+         w = Tensor::zeros({4, 8, 8}, DType::f32, Device::cuda());
   Variable vw(w, true);
   grouped_linear(Variable(x, true), vw, {32, 0, 16, 48}).backward(Tensor::zeros({96, 8}, DType::bf16, Device::cuda()));
   EXPECT_EQ(num_host_syncs(), before + 1);

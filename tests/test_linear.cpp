@@ -23,7 +23,8 @@ std::vector<double> loop_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k,
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) {
       double s = 0;
-      for (int64_t p = 0; p < k; ++p) s += a[size_t(ta ? p * m + i : i * k + p)] * b[size_t(tb ? j * k + p : p * n + j)];
+      for (int64_t p = 0; p < k; ++p)
+        s += a[size_t(ta ? p * m + i : i * k + p)] * b[size_t(tb ? j * k + p : p * n + j)];
       c[size_t(i * n + j)] = s;
     }
   return c;

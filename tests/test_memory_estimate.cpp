@@ -10,6 +10,7 @@
 #include "engine/allocator.h"
 #include "kernels/common/error.h"
 #include "tests/train_test_util.h"
+#include "train/evaluation.h"
 #include "train/memory_estimate.h"
 
 using namespace flowmoe;

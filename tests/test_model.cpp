@@ -38,7 +38,8 @@ TEST(Transformer, HuggingFaceNamesAndShapes) {
     std::string p = "model.layers." + std::to_string(l);
     want[p + ".input_layernorm.weight"] = {32};
     want[p + ".post_attention_layernorm.weight"] = {32};
-    for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj"}) want[p + ".self_attn." + proj + ".weight"] = {32, 32};
+    for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj"})
+      want[p + ".self_attn." + proj + ".weight"] = {32, 32};
     want[p + ".mlp.gate_proj.weight"] = {48, 32};
     want[p + ".mlp.up_proj.weight"] = {48, 32};
     want[p + ".mlp.down_proj.weight"] = {32, 48};
@@ -61,7 +62,8 @@ TEST(Transformer, HuggingFaceNamesAndShapes) {
 TEST(Transformer, InitIsSeeded) {
   Transformer a(small_model(), Device::cpu(), DType::f32, 7), b(small_model(), Device::cpu(), DType::f32, 7),
       c(small_model(), Device::cpu(), DType::f32, 8);
-  for (size_t i = 0; i < a.parameters().size(); ++i) EXPECT_TRUE(bit_equal(a.parameters()[i].data(), b.parameters()[i].data()));
+  for (size_t i = 0; i < a.parameters().size(); ++i)
+    EXPECT_TRUE(bit_equal(a.parameters()[i].data(), b.parameters()[i].data()));
   EXPECT_FALSE(bit_equal(a.parameters()[0].data(), c.parameters()[0].data()));
   std::vector<float> ln = a.parameters()[1].data().to_floats();  // a norm weight starts at 1
   for (float x : ln) EXPECT_EQ(x, 1.0f);

@@ -74,7 +74,7 @@ TEST(MoeLayer, MatchesPerTokenLoopReference) {
     SCOPED_TRACE("E=" + std::to_string(cs.E) + " k=" + std::to_string(cs.k) + " T=" + std::to_string(cs.T));
     ModelConfig c = moe_config(cs.E, cs.k, cs.H, cs.F, cs.groups, cs.topk_group, cs.shared);
     ParamFactory f(test_seed(), Device::cpu());
-    MoeLayer layer(f, c, "mlp", cs.align, Device::cpu());
+    MoeLayer layer(f, c, "mlp", MoeOptions(cs.align), Device::cpu());
     Tensor x = random_tensor(rng, {cs.T, cs.H});
     Variable y = layer.forward(Variable(x), DType::f32);
     RouterOutput r = route(Variable(x), f.params()[0], layer.expert_bias().data(), router_config(c));
@@ -90,7 +90,7 @@ TEST(MoeLayer, WeightGradientsMatchFiniteDifferences) {
   Rng rng(test_seed());
   ModelConfig c = moe_config(4, 2, 16, 8, 1, 1, 1);
   ParamFactory f(test_seed() + 1, Device::cpu());
-  MoeLayer layer(f, c, "mlp", 16, Device::cpu());
+  MoeLayer layer(f, c, "mlp", MoeOptions(16), Device::cpu());
   Tensor x = random_tensor(rng, {23, 16});
   Tensor proj = random_tensor(rng, {23, 16});
   auto objective = [&] {
@@ -142,12 +142,13 @@ TEST(MoeLayerCuda, MatchesCpu) {
     SCOPED_TRACE("T=" + std::to_string(T));
     ModelConfig c = moe_config(8, 2, 64, 32, 2, 2, 1);
     ParamFactory fc(7, Device::cpu()), fg(7, Device::cuda());
-    MoeLayer cpu(fc, c, "mlp", 16, Device::cpu()), gpu(fg, c, "mlp", 16, Device::cuda());
+    MoeLayer cpu(fc, c, "mlp", MoeOptions(16), Device::cpu()), gpu(fg, c, "mlp", MoeOptions(16), Device::cuda());
     Tensor x;
     for (int attempt = 0; attempt < 5; ++attempt) {
       x = random_tensor(rng, {T, 64}).to(DType::bf16).to(DType::f32);
       RouterOutput rc = route(Variable(x), fc.params()[0], cpu.expert_bias().data(), router_config(c));
-      RouterOutput rg = route(Variable(x.to(Device::cuda())), fg.params()[0], gpu.expert_bias().data(), router_config(c));
+      RouterOutput rg =
+          route(Variable(x.to(Device::cuda())), fg.params()[0], gpu.expert_bias().data(), router_config(c));
       if (rc.topk_idx.to_ints() == rg.topk_idx.to_ints()) break;
     }
     Tensor dy = random_tensor(rng, {T, 64});

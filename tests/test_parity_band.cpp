@@ -86,20 +86,28 @@ TEST(ParityBand, TheStatisticOnAHandComputedCase) {
   EXPECT_EQ(make_parity_report(plain, 0.06, 2).exit_status(), 0);
   // The summary line gives both verdicts and the final-loss parity beside the controls' spread.
   const std::string line = parity_summary_line(r, candidate(r, "fp8_b"));
-  for (const char* part : {"FAIL (threshold 0.25%)", "OUTSIDE noise (mean error 1.30x the largest of 3 controls', margin 25%)",
-                           "final val loss -1% vs bf16 (controls -2% to +2%)"})
+  for (const char* part :
+       {"FAIL (threshold 0.25%)", "OUTSIDE noise (mean error 1.30x the largest of 3 controls', margin 25%)",
+        "final val loss -1% vs bf16 (controls -2% to +2%)"})
     EXPECT_NE(line.find(part), std::string::npos) << part << "\n" << line;
 }
 
 TEST(ParityBand, ANonFiniteCandidateIsOutsideTheNoise) {
   std::vector<ParityRun> runs = {flat_run("bf16", 2.0, 6, 3.0), flat_run("fp8", 2.0, 6, 3.0),
-                                 flat_run("c1", 2.02, 6, 3.0, true)};
+                                 flat_run("c1", 2.02, 6, 3.0, true), flat_run("c2", 1.99, 6, 3.0, true)};
   runs[1].rows[4].loss = NAN;
   runs[1].rows[4].skipped = true;
   const ParityReport r = make_parity_report(runs, 0.0025, 1);
   EXPECT_FALSE(r.candidates[0].within_noise);
   EXPECT_EQ(r.candidates[0].noise_reason, "non-finite or skipped steps");
   EXPECT_EQ(r.exit_status(), 1);
+  // One control is a floor to read, not a band: no noise verdict, and the bar alone sets the status.
+  runs.pop_back();
+  runs[1] = flat_run("fp8", 2.0, 6, 3.0);
+  const ParityReport one = make_parity_report(runs, 0.0025, 1);
+  EXPECT_FALSE(one.band.defined());
+  EXPECT_FALSE(one.candidates[0].judged_against_noise);
+  EXPECT_EQ(one.exit_status(), 0);
 }
 
 // Real training on the CPU: 3 controls differ from the reference in batch order only. A run at 3x the

@@ -359,9 +359,15 @@ TEST(PermuteCuda, ExactSizeAndTokenPayload) {
   Tensor gx = x.to(Device::cuda()), gidx = idx.to(Device::cuda()), gprob = prob.to(Device::cuda());
   poison_device_block({total, 130}, DType::f32);
   PermuteResult p = permute_pad(Variable(gx), gidx, Variable(gprob), 12, 64, 0, -1, total);
-  PermuteResult host{Variable(p.rows.data().to(Device::cpu())), Variable(p.probs.data().to(Device::cpu())),
-                     p.row_map.to(Device::cpu()), p.tokens_per_expert.to(Device::cpu()),
-                     p.padded_tokens_per_expert.to(Device::cpu()), p.segment_starts.to(Device::cpu()), Tensor(), 64, p.dims};
+  PermuteResult host{Variable(p.rows.data().to(Device::cpu())),
+                     Variable(p.probs.data().to(Device::cpu())),
+                     p.row_map.to(Device::cpu()),
+                     p.tokens_per_expert.to(Device::cpu()),
+                     p.padded_tokens_per_expert.to(Device::cpu()),
+                     p.segment_starts.to(Device::cpu()),
+                     Tensor(),
+                     64,
+                     p.dims};
   EXPECT_TRUE(matches_reference(host, idx, prob, 0, 12, 64, 130));
 }
 

@@ -30,7 +30,8 @@ const OpTiming* find(const std::vector<OpTiming>& ops, const std::string& scope,
 std::vector<OpTiming> profile_small_graph(Device device) {
   Rng rng(3);
   Variable x(random_tensor(rng, {4, 8}, DType::f32, device), true);
-  Variable w1(random_tensor(rng, {16, 8}, DType::f32, device), true), w2(random_tensor(rng, {8, 16}, DType::f32, device), true);
+  Variable w1(random_tensor(rng, {16, 8}, DType::f32, device), true),
+      w2(random_tensor(rng, {8, 16}, DType::f32, device), true);
   profile_begin();
   Variable h;
   {
@@ -110,7 +111,9 @@ TEST(Profiler, TheTableSumsPartsAndRanksOps) {
   const std::string t = profile_table(p);
   EXPECT_NE(t.find("profile of step 7 on cpu: 10.000 ms wall; the ops take 8.000 ms"), std::string::npos) << t;
   // moe: 4 ms of 8 forward; its op row sums both layers: 8e9 flops in 4 ms = 2 TFLOP/s.
-  EXPECT_NE(t.find("  moe                             4.000      0.000      0.000      0.000   50.0%"), std::string::npos) << t;
+  EXPECT_NE(t.find("  moe                             4.000      0.000      0.000      0.000   50.0%"),
+            std::string::npos)
+      << t;
   EXPECT_NE(t.find("  layers.1.moe                    1.000"), std::string::npos) << t;
   const size_t gl = t.find("grouped_linear"), att = t.find("causal_attention   ");
   ASSERT_NE(gl, std::string::npos);
@@ -128,8 +131,8 @@ TEST(ProfileCommand, TrainProfilesOneStepAndChangesNoResult) {
                            " --set precision.recipe=fp8_flow --set 'train.recompute=[moe_expert]'";
   auto run = [&](const std::string& name, const std::string& extra) {
     const fs::path out = d / (name + ".txt");
-    const int status =
-        std::system((base + " --set logging.out_dir=" + (d / name).string() + extra + " > " + out.string() + " 2>&1").c_str());
+    const int status = std::system(
+        (base + " --set logging.out_dir=" + (d / name).string() + extra + " > " + out.string() + " 2>&1").c_str());
     std::ifstream in(out);
     std::stringstream ss;
     ss << in.rdbuf();

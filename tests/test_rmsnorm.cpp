@@ -102,13 +102,15 @@ TEST(Rmsnorm, Errors) {
       EXPECT_NE(std::string(e.what()).find(b), std::string::npos) << e.what();
     }
   };
-  Variable x(Tensor::zeros({2, 4}, DType::f32)), w5(Tensor::zeros({5}, DType::f32)), w14(Tensor::zeros({1, 4}, DType::f32)), w64(Tensor::zeros({4}, DType::f64));
+  Variable x(Tensor::zeros({2, 4}, DType::f32)), w5(Tensor::zeros({5}, DType::f32)),
+      w14(Tensor::zeros({1, 4}, DType::f32)), w64(Tensor::zeros({4}, DType::f64));
   EXPECT_THROW(rmsnorm(x, w5, kEps), ShapeError);
   expect_names_both([&] { rmsnorm(x, w5, kEps); }, "f32[5]", "f32[2, 4]");
   expect_names_both([&] { rmsnorm(x, w14, kEps); }, "f32[1, 4]", "f32[2, 4]");
   EXPECT_THROW(rmsnorm(x, w64, kEps), DTypeError);
   expect_names_both([&] { rmsnorm(x, w64, kEps); }, "f32", "f64");
-  EXPECT_THROW(rmsnorm(Variable(Tensor::zeros({}, DType::f32)), Variable(Tensor::zeros({1}, DType::f32)), kEps), ShapeError);
+  EXPECT_THROW(rmsnorm(Variable(Tensor::zeros({}, DType::f32)), Variable(Tensor::zeros({1}, DType::f32)), kEps),
+               ShapeError);
   EXPECT_THROW(rmsnorm(x, Variable(Tensor::zeros({4}, DType::f32)), -1.0), Error);
   EXPECT_THROW(rmsnorm(Variable(Tensor::zeros({2, 4}, DType::bf16)), Variable(Tensor::zeros({4}, DType::bf16)), kEps),
                DTypeError);  // bf16 is GPU-only

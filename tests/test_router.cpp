@@ -68,7 +68,8 @@ Routing brute_force(const Tensor& logits_t, const Tensor& bias_t, const RouterCo
   r.counts.assign(size_t(E), 0);
   for (int64_t t = 0; t < T; ++t) {
     std::vector<double> sd = ref_scores(logits.data() + t * E, E, c.scoring_func == "softmax");
-    std::vector<float> s(static_cast<size_t>(E)), key(static_cast<size_t>(E)), group_score(static_cast<size_t>(c.n_group));
+    std::vector<float> s(static_cast<size_t>(E)), key(static_cast<size_t>(E)),
+        group_score(static_cast<size_t>(c.n_group));
     for (int e = 0; e < E; ++e) s[size_t(e)] = float(sd[size_t(e)]), key[size_t(e)] = s[size_t(e)] + bias[size_t(e)];
     for (int g = 0; g < c.n_group; ++g) {
       std::vector<float> v(key.begin() + g * gs, key.begin() + (g + 1) * gs);
@@ -156,7 +157,8 @@ double selection_margin(const Tensor& logits, const Tensor& bias, const RouterCo
     for (size_t i = 1; i < v.size(); ++i) margin = std::min(margin, v[i] - v[i - 1]);
   };
   for (int64_t t = 0; t < logits.size(0); ++t) {
-    std::vector<double> s = ref_scores(l.data() + t * E, E, c.scoring_func == "softmax"), key(static_cast<size_t>(E)), group;
+    std::vector<double> s = ref_scores(l.data() + t * E, E, c.scoring_func == "softmax"), key(static_cast<size_t>(E)),
+                        group;
     for (int e = 0; e < E; ++e) key[size_t(e)] = s[size_t(e)] + b[size_t(e)];
     for (int g = 0; g < c.n_group; ++g) {
       std::vector<double> v(key.begin() + g * gs, key.begin() + (g + 1) * gs);

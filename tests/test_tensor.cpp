@@ -156,10 +156,12 @@ TEST(TensorCuda, ContiguousAndCopiesMatchCpu) {
     Tensor a = t == DType::i64 ? rng.randint({7, 130, 3}, -100, 100, DType::i64) : random_tensor(rng, {7, 130, 3}, t);
     Tensor g = a.to(Device::cuda());
     EXPECT_TRUE(bit_equal(g.transpose(0, 1).contiguous(), a.transpose(0, 1).contiguous()));
-    EXPECT_TRUE(bit_equal(g.slice(1, 5, 129).transpose(1, 2).contiguous(), a.slice(1, 5, 129).transpose(1, 2).contiguous()));
+    EXPECT_TRUE(
+        bit_equal(g.slice(1, 5, 129).transpose(1, 2).contiguous(), a.slice(1, 5, 129).transpose(1, 2).contiguous()));
     EXPECT_TRUE(bit_equal(g.clone(), a));
   }
-  EXPECT_TRUE(bit_equal(Tensor::full({5, 3}, 2.5, DType::bf16, Device::cuda()), Tensor::full({5, 3}, 2.5, DType::bf16)));
+  EXPECT_TRUE(
+      bit_equal(Tensor::full({5, 3}, 2.5, DType::bf16, Device::cuda()), Tensor::full({5, 3}, 2.5, DType::bf16)));
   EXPECT_TRUE(bit_equal(Tensor::zeros({0, 3}, DType::f32, Device::cuda()), Tensor::zeros({0, 3}, DType::f32)));
   EXPECT_THROW(Tensor::empty({1}, DType::f32, Device::cuda(cuda_device_count())), DeviceError);
 }

@@ -12,7 +12,8 @@ namespace flowmoe::test {
 uint64_t test_seed() {
   static uint64_t seed = [] {
     const char* env = std::getenv("FLOWMOE_TEST_SEED");
-    uint64_t s = env ? std::strtoull(env, nullptr, 10) : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
+    uint64_t s =
+        env ? std::strtoull(env, nullptr, 10) : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
     std::printf("[flowmoe] test seed %llu (set FLOWMOE_TEST_SEED to replay)\n", (unsigned long long)s);
     return s;
   }();

@@ -236,7 +236,8 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
     // Only moments of the model's own parameters count as used; a file read for one of the two
     // moment kinds leaves the other kind out of the check.
     for (const std::string& name : optim.unused()) {
-      const bool other_kind = (!exp_avg && name.ends_with(".exp_avg")) || (!exp_avg_sq && name.ends_with(".exp_avg_sq"));
+      const bool other_kind =
+          (!exp_avg && name.ends_with(".exp_avg")) || (!exp_avg_sq && name.ends_with(".exp_avg_sq"));
       if (other_kind) optim.used.insert(name);
     }
     for (std::string& name : optim.check_all_used()) unused.push_back(std::move(name));

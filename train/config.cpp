@@ -82,8 +82,9 @@ void read_yaml(Config& cfg, const YAML::Node& root, const std::string& name) {
     if (!k.IsScalar()) fail(at(name, k), "", "section names must be plain words");
     std::string section = k.Scalar();
     if (std::find(sections().begin(), sections().end(), section) == sections().end())
-      fail(at(name, k), "", "unknown section '" + section + "'" + suggestion(section, sections()) +
-                                "; sections are model, data, train, optimizer, precision, parallel, checkpoint, logging");
+      fail(at(name, k), "",
+           "unknown section '" + section + "'" + suggestion(section, sections()) +
+               "; sections are model, data, train, optimizer, precision, parallel, checkpoint, logging");
     if (!seen_sections.insert(section).second) fail(at(name, k), section, "section given twice");
     YAML::Node body = it->second;
     if (body.IsNull()) continue;
@@ -97,11 +98,13 @@ void read_yaml(Config& cfg, const YAML::Node& root, const std::string& name) {
       if (!f) fail_unknown_key(at(name, kn), section, key);
       if (!seen_keys.insert(key).second) fail(at(name, kn), f->dotted(), "key given twice");
       YAML::Node v = kv->second;
-      if (v.IsNull() && f->kind != Kind::string) fail(at(name, kn), f->dotted(), "missing value (expected " + describe_type(*f) + ")");
+      if (v.IsNull() && f->kind != Kind::string)
+        fail(at(name, kn), f->dotted(), "missing value (expected " + describe_type(*f) + ")");
       if (f->kind == Kind::choice_list && v.IsSequence()) {
         std::string joined;
         for (const YAML::Node& item : v) {
-          if (!item.IsScalar()) fail(at(name, item), f->dotted(), "expected " + describe_type(*f) + ", got a nested value");
+          if (!item.IsScalar())
+            fail(at(name, item), f->dotted(), "expected " + describe_type(*f) + ", got a nested value");
           joined += (joined.empty() ? "" : ",") + item.Scalar();
         }
         set_field(cfg, *f, joined, at(name, kn));
@@ -209,7 +212,8 @@ void apply_override(Config& cfg, const std::string& assignment) {
   if (eq == std::string::npos) fail(where, "", "expected section.key=value");
   std::string dotted = assignment.substr(0, eq), value = assignment.substr(eq + 1);
   size_t dot = dotted.find('.');
-  if (dot == std::string::npos) fail(where, "", "expected section.key=value (the key needs its section, e.g. train.steps=100)");
+  if (dot == std::string::npos)
+    fail(where, "", "expected section.key=value (the key needs its section, e.g. train.steps=100)");
   std::string section = dotted.substr(0, dot), key = dotted.substr(dot + 1);
   if (std::find(sections().begin(), sections().end(), section) == sections().end())
     fail(where, "", "unknown section '" + section + "'" + suggestion(section, sections()));
@@ -282,7 +286,8 @@ std::string config_reference_markdown() {
     }
     std::string v = field_value(defaults, f);
     if (f.kind == Kind::choice_list) v = "[" + v + "]";
-    os << "| `" << f.key << "` | " << describe_type(f) << " | `" << (v.empty() ? "\"\"" : v) << "` | " << f.doc << " |\n";
+    os << "| `" << f.key << "` | " << describe_type(f) << " | `" << (v.empty() ? "\"\"" : v) << "` | " << f.doc
+       << " |\n";
   }
   return os.str();
 }

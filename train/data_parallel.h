@@ -9,6 +9,7 @@
 
 #include "engine/autograd.h"
 #include "layers/param.h"
+#include "parallel/collectives.h"
 #include "parallel/communicator.h"
 #include "parallel/process_group.h"
 #include "train/optimizer.h"
@@ -16,13 +17,7 @@
 namespace flowmoe {
 
 // 25 MiB of f32 per all-reduce, as PyTorch DDP buckets: few calls, each large enough to run at bandwidth.
-constexpr size_t kGradientBucketBytes = size_t(25) << 20;
-
-// Reduces tensors of one dtype and device over the ranks, in place, through flat buffers of at most
-// bucket_bytes (one tensor larger than that goes alone): one collective per bucket, not per tensor.
-// After a sum, every element is multiplied by `scale` (1: left as reduced).
-void all_reduce_flat(Communicator& comm, const std::vector<Tensor>& tensors, ReduceOp op, double scale = 1.0,
-                     size_t bucket_bytes = kGradientBucketBytes);
+constexpr size_t kGradientBucketBytes = kFlatBucketBytes;
 
 // The gradient of the global batch from each rank's gradient of its slice: every slice holds B/N
 // sequences of the same length and each rank's loss is the mean over its slice's tokens, so the
@@ -48,8 +43,5 @@ void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& 
 // their squares are summed over the expert-parallel group, the dense ones (whole everywhere) counted once.
 double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards);
 
-// A few host values reduced over the ranks (a step's losses, flags, peak memory), through the
-// communicator's host side (Communicator::host_communicator): no device copy; blocks until done.
-std::vector<double> all_reduce_values(Communicator& comm, const std::vector<double>& values, ReduceOp op);
 
 }  // namespace flowmoe

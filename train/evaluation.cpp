@@ -1,11 +1,12 @@
 // Evaluation: the validation loss of a model, on one process or split over the ranks, and how many
-// validation batches a request can have (see trainer.h).
+// validation batches a request can have (see evaluation.h).
+#include "train/evaluation.h"
+
 #include <algorithm>
 
 #include "kernels/common/error.h"
 #include "train/data_parallel.h"
 #include "train/expert_parallel.h"
-#include "train/trainer.h"
 
 namespace flowmoe {
 

@@ -95,7 +95,8 @@ void expert_sums(const float* x, const float* dy, const float* w, const float* w
     dy64.assign(dy + off * N, dy + (off + rows) * N);
     w64.assign(w + int64_t(e) * N * K, w + int64_t(e + 1) * N * K);
     const float* wq_e = wq + int64_t(e) * N * K;
-    y_ref.resize(size_t(rows * N)), y.resize(size_t(rows * N)), dx_ref.resize(size_t(rows * K)), dx.resize(size_t(rows * K));
+    y_ref.resize(size_t(rows * N)), y.resize(size_t(rows * N)), dx_ref.resize(size_t(rows * K)),
+        dx.resize(size_t(rows * K));
     gemm_cpu<double>(false, true, rows, N, K, x64.data(), w64.data(), y_ref.data(), false);
     gemm_cpu<float>(false, true, rows, N, K, ox.rowwise.data() + off * K, wq_e, y.data(), false);
     add_sq(y, y_ref, out.fprop_ref_sq, out.fprop_sq);
@@ -189,7 +190,8 @@ std::vector<Batch> study_batches(const Config& cfg, DataLoader& data, int64_t nu
 
 // The mean LM loss of `batches` under `recipe` through the weights and buffers of `loaded`, the same
 // model in another recipe (no graph; the checkpoint is not read again).
-double recipe_loss(Config cfg, const std::string& recipe, const Transformer& loaded, const std::vector<Batch>& batches) {
+double recipe_loss(Config cfg, const std::string& recipe, const Transformer& loaded,
+                   const std::vector<Batch>& batches) {
   cfg.precision.recipe = recipe;
   Transformer model(cfg.model, loaded.device(), loaded.compute_dtype(), uint64_t(cfg.train.seed), moe_options(cfg));
   auto take = [](const std::vector<Variable>& to, const std::vector<Variable>& from) {
@@ -217,7 +219,7 @@ Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t
   const Device device = resolve_device(cfg);
   DataLoader data = DataLoader::from_config(cfg);
   check_fits(estimate_memory(cfg, device, MemoryUse::train), device);
-  Transformer model(cfg.model, device, compute_dtype_for(cfg, device), uint64_t(cfg.train.seed), moe_options(cfg));
+  Transformer model(cfg.model, device, compute_dtype_for(device), uint64_t(cfg.train.seed), moe_options(cfg));
   const CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers(), {},
                                               checkpoint_load_options(cfg));
 
@@ -304,7 +306,8 @@ std::string fp8_error_table(const Fp8ErrorStudy& s) {
   for (const GemmErrorRow& r : s.rows) add(r);
   add(s.pooled);
   std::string losses;
-  for (const auto& [recipe, loss] : s.recipe_losses) losses += (losses.empty() ? "" : " | ") + recipe + " " + num(loss, "%.4f");
+  for (const auto& [recipe, loss] : s.recipe_losses)
+    losses += (losses.empty() ? "" : " | ") + recipe + " " + num(loss, "%.4f");
   if (!losses.empty()) t += "LM loss of these batches from the same weights: " + losses + "\n";
   return t;
 }

@@ -149,7 +149,8 @@ void GradientReducer::exchange_presence(int group) {
     if (!ones_[group].defined()) ones_[group] = Tensor::full({int64_t(members.size())}, 1.0, DType::f32, device);
     flags = ones_[group].clone();
   }
-  Communicator& comm = group == 0 ? *ps_.world : (ps_.expert_parallel_size > 1 ? *ps_.expert_data_parallel : *ps_.world);
+  Communicator& comm =
+      group == 0 ? *ps_.world : (ps_.expert_parallel_size > 1 ? *ps_.expert_data_parallel : *ps_.world);
   comm.all_reduce(flags, ReduceOp::sum);
   if (!lacking) return;
   const std::vector<float> anywhere = flags.to_floats();

@@ -298,7 +298,7 @@ MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use) 
   for (ParamGroup& g : groups)
     if (g.role == Role::routed_expert) g.elements *= expert_share;
   const bool gpu = device.is_cuda();
-  const double a = double(dtype_size(compute_dtype_for(cfg, device)));
+  const double a = double(dtype_size(compute_dtype_for(device)));
   const double tokens = double(cfg.train.batch_size) * double(cfg.data.seq_len);
   const double moe_layers = num_moe_layers(c), dense_layers = double(c.num_hidden_layers) - moe_layers;
 

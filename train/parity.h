@@ -70,9 +70,9 @@ struct ParityReport {
   bool passed() const;
   // Every candidate that is not a control is within the noise band (true without controls).
   bool within_noise() const;
-  // `flowmoe parity`'s exit status: 0 when every candidate passes what the study judges; without
-  // controls 1 when one fails the threshold; with controls 1 when one is outside the noise band, and
-  // 4 when all are within it but one fails the threshold (the study's noise is above the threshold).
+  // `flowmoe parity`'s exit status: 0 when every candidate passes what the study judges; without a
+  // band (fewer than 2 controls) 1 when one fails the threshold; with one, 1 when a candidate is
+  // outside it, and 4 when all are within it but one fails the threshold (the noise is above it).
   int exit_status() const;
 };
 

@@ -33,6 +33,12 @@ void apply_noise_band(ParityReport& r, double margin) {
   band = NoiseBand{};
   band.margin = margin;
   band.upper.assign(r.steps.size(), NAN);
+  // A band needs a spread: one control is reported as the noise floor, but judges nothing.
+  const auto controls = std::count_if(r.runs.begin(), r.runs.end(), [](const ParityRun& run) { return run.control; });
+  if (controls < 2) {
+    band.upper.clear();
+    return;
+  }
   // candidates[k - 1] is runs[k]'s verdict: the reference has none.
   for (size_t k = 1; k < r.runs.size(); ++k) {
     if (!r.runs[k].control) continue;
@@ -59,7 +65,8 @@ void apply_noise_band(ParityReport& r, double margin) {
       c.noise_reason = "no error to compare with the controls'";
     else if (c.noise_ratio > 1 + margin)
       c.noise_reason = "mean EMA error " + ratio_text(c.noise_ratio) + "x the largest of the " +
-                       std::to_string(band.num_controls) + " controls', above 1 + margin (" + ratio_text(1 + margin) + ")";
+                       std::to_string(band.num_controls) + " controls', above 1 + margin (" + ratio_text(1 + margin) +
+                       ")";
     c.within_noise = c.noise_reason.empty();
   }
 }

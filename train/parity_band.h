@@ -30,8 +30,9 @@ struct NoiseBand {
 double signed_relative(double value, double reference);
 
 // Fills report.band from its controls (runs whose `control` is set) and, for each candidate that is
-// not a control, within_noise, noise_ratio and noise_reason. Without controls the band stays undefined
-// and every candidate's noise verdict is left unset. Called by make_parity_report.
+// not a control, within_noise, noise_ratio and noise_reason. With fewer than two controls the band
+// stays undefined (one control is a noise floor to read, not a spread to judge by) and every
+// candidate's noise verdict is left unset. Called by make_parity_report.
 void apply_noise_band(ParityReport& report, double margin);
 
 }  // namespace flowmoe

@@ -149,7 +149,8 @@ void plot_runs(const std::vector<std::string>& runs, const std::string& png_path
     rc = std::system(("python3 " + shell_quote(script.string()) + " 2>" + shell_quote(errors.string())).c_str());
   } else {
     fs::remove_all(work);
-    FLOWMOE_THROW(IoError, "plot needs gnuplot or Python's matplotlib; install one (scripts/quickstart.sh installs gnuplot-nox)");
+    FLOWMOE_THROW(
+        IoError, "plot needs gnuplot or Python's matplotlib; install one (scripts/quickstart.sh installs gnuplot-nox)");
   }
   finish_plot(work, program, rc, png_path);
 }

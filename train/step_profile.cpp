@@ -91,7 +91,8 @@ std::string profile_table(const StepProfile& p, size_t max_ops) {
     OpTiming& s = ops[it->second].sum;
     s.calls += o.calls, s.device_ms += o.device_ms, s.host_ms += o.host_ms, s.flops += o.flops, s.bytes += o.bytes;
   }
-  std::stable_sort(ops.begin(), ops.end(), [](const OpRow& a, const OpRow& b) { return a.sum.device_ms > b.sum.device_ms; });
+  std::stable_sort(ops.begin(), ops.end(),
+                   [](const OpRow& a, const OpRow& b) { return a.sum.device_ms > b.sum.device_ms; });
   char line[256];
   std::snprintf(line, sizeof line, "%-22s %-26s %-9s %6s %10s %7s %9s %9s %8s\n", "by op: part", "op", "phase", "calls",
                 "device ms", "share", "host ms", "TFLOP/s", "GB/s");

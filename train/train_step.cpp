@@ -210,7 +210,8 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
       return step_body(run, run.graph_inputs, true, issued);
     }
     run.graph_casts = run.last_casts;
-    run.progress.message("train.cuda_graph: step " + std::to_string(run.step) + " captured; it and later steps replay it");
+    run.progress.message("train.cuda_graph: step " + std::to_string(run.step) +
+                         " captured; it and later steps replay it");
   }
   run.graph->replay();
   // What the captured host code did once, each replay does on the device; the versions move as an

@@ -25,30 +25,11 @@ namespace flowmoe {
 // train.device when cuda is asked for and not available.
 Device resolve_device(const Config& cfg);
 // bf16 on the GPU (every recipe: FP8 is confined to the MoE expert GEMMs), f32 on the CPU.
-DType compute_dtype_for(const Config& cfg, Device device);
+DType compute_dtype_for(Device device);
 // The MoE layers' options a run's config asks for (precision.recipe, precision.align_size, train.recompute).
 MoeOptions moe_options(const Config& cfg);
 // The same on the ranks of `ps`: with expert-parallel size > 1, the layers hold this rank's experts.
 MoeOptions moe_options(const Config& cfg, const ParallelState& ps);
-
-// How many validation micro-batches an evaluation reads: at most the whole batches the split holds,
-// since more would wrap around and count sequences twice. A split smaller than one batch is read as
-// one batch of all its sequences.
-struct ValBatches {
-  int64_t num_batches = 0, batch_size = 0, num_windows = 0;
-  int64_t num_requested = 0;
-  bool capped = false;  // the request was more than the split holds
-  // For a capped request given as `key` ("--batches " or "train.eval_batches = "): "--batches 100 is
-  // more than the validation split holds (51 batches of 8); using 51".
-  std::string cap_note(const std::string& key) const;
-};
-ValBatches whole_val_batches(const DataLoader& data, int64_t num_batches, int64_t batch_size);
-
-// Mean loss over `num_batches` validation micro-batches (no graph is recorded). With a communicator of
-// several ranks, each evaluates its slice of every batch and the token-weighted sums are all-reduced:
-// every rank returns the loss of the whole batches, equal to one process's up to the order of the sums.
-double evaluate(const Transformer& model, const DataLoader& data, int64_t num_batches, int64_t batch_size,
-                Communicator* comm = nullptr);
 
 struct TrainOptions {
   std::FILE* out = stdout;  // progress and messages (rank 0's only); nullptr: silent

@@ -58,7 +58,8 @@ class Scale : public Primitive {
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     Tensor a = in[0].contiguous();
     Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(a.dtype(), name(), scale_cpu<scalar_t>(out.data<scalar_t>(), a.data<scalar_t>(), s_, a.numel()));
+    FLOWMOE_DISPATCH_CPU_FLOAT(a.dtype(), name(),
+                               scale_cpu<scalar_t>(out.data<scalar_t>(), a.data<scalar_t>(), s_, a.numel()));
     return {out};
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {

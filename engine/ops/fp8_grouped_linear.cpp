@@ -83,8 +83,8 @@ class Fp8GroupedGemm : public BackwardPrimitive {
     const Tensor &a = in[0], &w = in[1];
     scales_of(a, ScalingMode::rowwise_1x128, what_);
     scales_of(w, ScalingMode::block_128x128, what_);
-    FLOWMOE_CHECK(a.dim() == 2 && a.is_contiguous(), ShapeError, what_, ": the activation must be a contiguous [M, K], got ",
-                  a.describe());
+    FLOWMOE_CHECK(a.dim() == 2 && a.is_contiguous(), ShapeError, what_,
+                  ": the activation must be a contiguous [M, K], got ", a.describe());
     FLOWMOE_CHECK(w.dim() == 3 && w.size(0) == counts_.num_experts() && w.size(2) == a.size(1) && w.is_contiguous(),
                   ShapeError, what_, ": weight ", w.describe(), " does not fit ", counts_.num_experts(),
                   " experts and ", a.describe());

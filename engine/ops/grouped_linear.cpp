@@ -1,6 +1,7 @@
 // grouped_linear as an autograd primitive (see engine/ops/grouped_linear.h), and read_counts_once.
 //   y_e = x_e · w_eᵀ;  vjp: d_x_e = d_y_e · w_e,  d_w_e = d_y_eᵀ · x_e  (0 for an expert with no rows)
-// Reference: kernels/cpu/grouped_linear.cpp. CUDA: kernels/cuda/grouped_linear.cu. Tests: tests/test_grouped_linear.cpp.
+// Reference: kernels/cpu/grouped_linear.cpp. CUDA: kernels/cuda/grouped_linear.cu. Tests:
+// tests/test_grouped_linear.cpp.
 #include "engine/ops/grouped_linear.h"
 
 #include <memory>

@@ -85,8 +85,9 @@ class PermutePad : public Primitive {
     permute_rows_cpu(d_, row_map, x.raw_data(), row_bytes(x), nullptr, out[0].raw_data());
     if (in[2].defined()) {
       Tensor prob = in[2].contiguous();
-      FLOWMOE_DISPATCH_CPU_FLOAT(prob.dtype(), name(),
-                                 permute_probs_cpu<scalar_t>(d_, row_map, prob.data<scalar_t>(), out[1].data<scalar_t>()));
+      FLOWMOE_DISPATCH_CPU_FLOAT(
+          prob.dtype(), name(),
+          permute_probs_cpu<scalar_t>(d_, row_map, prob.data<scalar_t>(), out[1].data<scalar_t>()));
     }
     if (in[3].defined()) {
       Tensor side = in[3].contiguous();

@@ -36,14 +36,6 @@ const char* dtype_name(DType t) {
   return "unknown";
 }
 
-DType dtype_from_name(const std::string& name) {
-  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::e4m3, DType::e5m2, DType::i32, DType::i64,
-                  DType::u8})
-    if (name == dtype_name(t)) return t;
-  if (name == "bool") return DType::u8;
-  FLOWMOE_THROW(DTypeError, "unknown dtype '", name, "' (expected f32, f64, bf16, e4m3, e5m2, i32, i64, u8)");
-}
-
 bool is_floating(DType t) { return t == DType::f32 || t == DType::f64 || t == DType::bf16 || is_fp8(t); }
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
 

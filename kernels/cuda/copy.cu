@@ -97,10 +97,18 @@ void strided_copy_cuda(void* dst, const void* src, size_t elem_size, const Strid
   if (n == 0) return;
   const int threads = 256;
   switch (elem_size) {
-    case 1: strided_copy_kernel<<<grid_size(n, threads), threads, 0, stream>>>((uint8_t*)dst, (const uint8_t*)src, L, n); break;
-    case 2: strided_copy_kernel<<<grid_size(n, threads), threads, 0, stream>>>((uint16_t*)dst, (const uint16_t*)src, L, n); break;
-    case 4: strided_copy_kernel<<<grid_size(n, threads), threads, 0, stream>>>((uint32_t*)dst, (const uint32_t*)src, L, n); break;
-    case 8: strided_copy_kernel<<<grid_size(n, threads), threads, 0, stream>>>((uint64_t*)dst, (const uint64_t*)src, L, n); break;
+    case 1:
+      strided_copy_kernel<<<grid_size(n, threads), threads, 0, stream>>>((uint8_t*)dst, (const uint8_t*)src, L, n);
+      break;
+    case 2:
+      strided_copy_kernel<<<grid_size(n, threads), threads, 0, stream>>>((uint16_t*)dst, (const uint16_t*)src, L, n);
+      break;
+    case 4:
+      strided_copy_kernel<<<grid_size(n, threads), threads, 0, stream>>>((uint32_t*)dst, (const uint32_t*)src, L, n);
+      break;
+    case 8:
+      strided_copy_kernel<<<grid_size(n, threads), threads, 0, stream>>>((uint64_t*)dst, (const uint64_t*)src, L, n);
+      break;
     default: FLOWMOE_THROW(DTypeError, "strided_copy: element size ", elem_size, " not supported");
   }
   FLOWMOE_CUDA_CHECK_LAUNCH();

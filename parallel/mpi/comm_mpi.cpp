@@ -22,8 +22,9 @@ void check_mpi(int rc, const char* call, const char* file, int line) {
   char text[MPI_MAX_ERROR_STRING] = {0};
   int len = 0;
   if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
-  throw CommError(detail::cat(call, " failed: ", len ? std::string(text, size_t(len)) : "MPI error " + std::to_string(rc)),
-                  file, line);
+  throw CommError(
+      detail::cat(call, " failed: ", len ? std::string(text, size_t(len)) : "MPI error " + std::to_string(rc)), file,
+      line);
 }
 #define FLOWMOE_MPI_CHECK(call) check_mpi((call), #call, __FILE__, __LINE__)
 

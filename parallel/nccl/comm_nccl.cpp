@@ -177,8 +177,8 @@ class NcclCommunicator final : public Communicator {
     check_on_device(send, "all_gather");
     if (send.nbytes() == 0) return;
     DeviceScope scope(device_);
-    FLOWMOE_NCCL_CHECK(ncclAllGather(send.raw_data(), recv.raw_data(), send.nbytes(), ncclUint8, comm_, enqueue_stream()),
-                       comm_);
+    FLOWMOE_NCCL_CHECK(
+        ncclAllGather(send.raw_data(), recv.raw_data(), send.nbytes(), ncclUint8, comm_, enqueue_stream()), comm_);
   }
 
   void do_broadcast(const Tensor& t, int root) override {
@@ -292,8 +292,9 @@ class NcclCommunicator final : public Communicator {
 
   cudaStream_t enqueue_stream() const { return stream() ? stream() : current_stream(device_); }
   void check_on_device(const Tensor& t, const char* call) const {
-    FLOWMOE_CHECK(t.device() == Device::cuda(device_), DeviceError, "nccl ", call, ": the communicator is on cuda:",
-                  device_, " but got ", t.describe(), " (nccl moves GPU tensors of its device; backend mpi moves CPU ones)");
+    FLOWMOE_CHECK(t.device() == Device::cuda(device_), DeviceError, "nccl ", call,
+                  ": the communicator is on cuda:", device_, " but got ", t.describe(),
+                  " (nccl moves GPU tensors of its device; backend mpi moves CPU ones)");
   }
 };
 

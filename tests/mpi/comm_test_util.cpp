@@ -91,7 +91,8 @@ Tensor make_rows(const std::vector<int64_t>& counts, const Shape& row, DType dty
 }
 
 // Bitwise comparison naming the first element that differs, by where it should have come from.
-::testing::AssertionResult rows_equal(const Tensor& got_any, const Tensor& want, const std::vector<int64_t>& from, int me) {
+::testing::AssertionResult rows_equal(const Tensor& got_any, const Tensor& want, const std::vector<int64_t>& from,
+                                      int me) {
   Tensor got = got_any.to(Device::cpu());
   if (got.shape() != want.shape())
     return ::testing::AssertionFailure() << "shape " << shape_str(got.shape()) << ", want " << shape_str(want.shape());
@@ -191,7 +192,8 @@ void check_all_reduce_cases(Communicator& comm, Device device) {
     EXPECT_EQ(goti32[size_t(i)], n - 1 - i) << "i32 max, element " << i;
   }
   // avg: the mean of values whose sum and mean are exact at 1, 2 and 4 ranks; integers are refused.
-  Tensor avg32 = Tensor::from_doubles(f, {len}, DType::f32, device), avg64 = Tensor::from_doubles(f, {len}, DType::f64, device);
+  Tensor avg32 = Tensor::from_doubles(f, {len}, DType::f32, device),
+         avg64 = Tensor::from_doubles(f, {len}, DType::f64, device);
   comm.all_reduce(avg32, ReduceOp::avg);
   comm.all_reduce(avg64, ReduceOp::avg);
   comm.synchronize();

@@ -98,8 +98,11 @@ TEST(Collectives, BadArgumentsThrowTypedErrorsOnEveryRank) {
                                         {"at least one dim"}));
   EXPECT_TRUE(throws_naming<DTypeError>([&] { comm.all_reduce(Tensor::zeros({4}, DType::bf16), ReduceOp::sum); },
                                         {"all_reduce"}));
-  EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_reduce(Tensor::zeros({3, 4}, DType::f32).transpose(0, 1), ReduceOp::sum); },
-                                        {"contiguous"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] {
+        comm.all_reduce(Tensor::zeros({3, 4}, DType::f32).transpose(0, 1), ReduceOp::sum);
+      },
+      {"contiguous"}));
   Tensor too_tall = Tensor::zeros({n * n + 1, 4}, DType::f32);
   EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_gather(send, too_tall); }, {"should be"}));
   EXPECT_TRUE(throws_naming<CommError>([&] { comm.broadcast(send, int(n)); }, {"not a rank"}));

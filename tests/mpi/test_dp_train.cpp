@@ -52,8 +52,8 @@ TEST_P(DataParallel, LossesMatchOneProcessOnTheSameGlobalBatch) {
         << launch.out;
     EXPECT_EQ(count(launch.out, "(max over ranks) | " + std::to_string(np) + " ranks"), 1u) << launch.out;
     if (np != 2 || !recipe.one_micro_batch) continue;
-    const std::vector<StepMetrics> halves =
-        train_run(d, 0, "np1_halves", std::string(recipe.sets) + " --set train.batch_size=4 --set train.grad_accum_steps=2");
+    const std::vector<StepMetrics> halves = train_run(
+        d, 0, "np1_halves", std::string(recipe.sets) + " --set train.batch_size=4 --set train.grad_accum_steps=2");
     ASSERT_EQ(halves.size(), 20u);
     for (size_t i = 0; i < halves.size(); ++i)  // the validation batches differ in size: train losses only
       EXPECT_EQ(halves[i].loss, many[i].loss) << recipe.name << " step " << halves[i].step
@@ -116,7 +116,8 @@ TEST(DataParallelOverlap, OverlappedReductionTrainsTheSameWeightsBitForBit) {
                                   {4, ep2 + " --set precision.recipe=fp8_flow"}}) {
     const std::string name = "np" + std::to_string(np);
     const std::vector<StepMetrics> on = train_run(d, np, name + "_on", extra),
-                                    off = train_run(d, np, name + "_off", extra + " --set parallel.overlap_grad_reduce=false");
+                                   off = train_run(d, np, name + "_off",
+                                                   extra + " --set parallel.overlap_grad_reduce=false");
     ASSERT_EQ(on.size(), 20u);
     ASSERT_EQ(off.size(), on.size());
     for (size_t i = 0; i < on.size(); ++i) {

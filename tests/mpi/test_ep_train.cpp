@@ -1,8 +1,8 @@
 // Expert-parallel training through the built command, as a user launches it: `mpirun -np N flowmoe
 // train --set parallel.expert_parallel_size=E` against the plain single-process run on the same global
-// batch, for each recipe (bf16 also with parallel.ep_dispatch: zero_sync); checkpoints that resume at another expert-parallel size; evaluation with
-// empty slices; and the start-up errors of a size that does not fit the launch, which every rank must
-// report without leaving a peer waiting.
+// batch, for each recipe (bf16 also with parallel.ep_dispatch: zero_sync); checkpoints that resume at another
+// expert-parallel size; evaluation with empty slices; and the start-up errors of a size that does not fit the launch,
+// which every rank must report without leaving a peer waiting.
 //
 // Tolerance: the data-parallel ones (test_dp_train.cpp says why), for the same reasons. Every rank
 // still runs its B/N sequences through the dense layers and sums the dense gradients over the world.
@@ -203,7 +203,8 @@ TEST(ExpertParallelParity, ThreeRecipesAndAControlUnderTheLauncher) {
   EXPECT_EQ(count(r.out, " vs bf16: max EMA rel err"), 3u) << r.out;
   // A PNG: its 8-byte signature, then the IHDR chunk with a picture of some size. The test command
   // installs gnuplot; elsewhere the report may come without its image, and then says so.
-  const bool no_plotter = std::system("command -v gnuplot >/dev/null 2>&1") != 0 && count(r.out, "(no parity.png:") == 1;
+  const bool no_plotter =
+      std::system("command -v gnuplot >/dev/null 2>&1") != 0 && count(r.out, "(no parity.png:") == 1;
   const std::string png = no_plotter ? std::string() : read_text(d / "p" / "parity.png");
   if (!no_plotter) {
     ASSERT_GT(png.size(), 1000u) << "parity.png missing or empty\n" << r.out;

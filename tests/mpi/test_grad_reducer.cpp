@@ -54,7 +54,8 @@ std::vector<std::vector<float>> reduced_gradients(const ParallelState& ps, bool 
   *launched_early = reducer.num_launched_in_backward();
   *buckets = reducer.num_buckets();
   std::vector<std::vector<float>> out;
-  for (const Variable& p : model.parameters()) out.push_back(p.grad().defined() ? p.grad().to_floats() : std::vector<float>{});
+  for (const Variable& p : model.parameters())
+    out.push_back(p.grad().defined() ? p.grad().to_floats() : std::vector<float>{});
   return out;
 }
 
@@ -93,7 +94,8 @@ TEST(GradientReducer, OverlapOnItsOwnStreamThroughNcclGivesThePlainSums) {
   if (!built_with_nccl()) GTEST_SKIP() << "built without NCCL";
   const int me = test_world().rank(), n = test_world().size();
   if (n < 2 || cuda_device_count() < n)
-    GTEST_SKIP() << "nccl needs a GPU per rank and several ranks: " << n << " ranks, " << cuda_device_count() << " GPUs";
+    GTEST_SKIP() << "nccl needs a GPU per rank and several ranks: " << n << " ranks, " << cuda_device_count()
+                 << " GPUs";
   cuda_set_device(me);
   {
     const std::shared_ptr<Communicator> nccl = make_nccl_communicator(test_runtime().world, me);

@@ -105,7 +105,9 @@ TEST(Launch, DetectsTheLauncherFromItsEnvironment) {
   LaunchInfo plain = from({});
   EXPECT_EQ(plain.world_size, 1);
   EXPECT_EQ(plain.launcher, "");
-  LaunchInfo ompi = from({{"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+  LaunchInfo ompi = from({{"OMPI_COMM_WORLD_SIZE", "4"},
+                          {"OMPI_COMM_WORLD_RANK", "2"},
+                          {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
                           {"SLURM_NTASKS", "8"}});
   EXPECT_EQ(ompi.world_size, 4);
   EXPECT_EQ(ompi.rank, 2);

@@ -1,0 +1,334 @@
+// A training run's set-up (TrainRun's constructor: the resume target, the memory check, the folders
+// and their locks, the data, the model, the optimizer, the gradient reducer), its checkpoints and its
+// summary (see run.h).
+#include "train/run.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "engine/allocator.h"
+#include "engine/cast_stats.h"
+#include "engine/host_threads.h"
+#include "kernels/common/device_api.h"
+#include "parallel/backends.h"
+#include "parallel/distributed.h"
+#include "train/checkpoint.h"
+#include "train/data_parallel.h"
+#include "train/expert_parallel.h"
+#include "train/memory_estimate.h"
+#include "train/progress.h"
+
+namespace flowmoe {
+
+namespace fs = std::filesystem;
+
+// ---- set-up -------------------------------------------------------------------------------------
+
+// Where checkpoint.resume was given, for messages: "--resume DIR" as the user typed it (the
+// command line records that origin), else "<file:line or --set>: checkpoint.resume".
+static std::string resume_origin(const Config& cfg) {
+  const std::string o = cfg.origin("checkpoint.resume");
+  return o.rfind("--resume", 0) == 0 ? o : o + ": checkpoint.resume";
+}
+
+// The checkpoint to resume from: "" for a fresh start. A path is a checkpoint directory or a folder
+// of them (a run's checkpoints/), whose newest complete one is taken. Problems are configuration errors.
+static std::string resume_target(const Config& cfg, std::string* note) {
+  const std::string& r = cfg.checkpoint.resume;
+  if (r == "false") return "";
+  if (r == "true") {
+    std::string latest = latest_checkpoint(cfg.checkpoint_dir());
+    if (latest.empty()) *note = "no checkpoint in " + cfg.checkpoint_dir() + " yet: starting from step 0";
+    return latest;
+  }
+  std::error_code ec;
+  if (fs::exists(fs::path(r) / "meta.json", ec)) return r;
+  if (!fs::exists(r, ec)) throw ConfigError(resume_origin(cfg) + ": '" + r + "' does not exist");
+  if (!fs::is_directory(r, ec))
+    throw ConfigError(resume_origin(cfg) + ": '" + r + "' is not a checkpoint directory (it has no meta.json)");
+  std::string latest = latest_checkpoint(r);
+  if (latest.empty())
+    throw ConfigError(resume_origin(cfg) + ": '" + r + "' holds no complete checkpoint (no step_N/meta.json)");
+  return latest;  // train() reports "resumed from <it>"
+}
+
+// Removes the unfinished step_N.tmp directories a crash left in the checkpoint directory, saying so.
+static void remove_unfinished_checkpoints(const Config& cfg, std::FILE* out) {
+  const std::vector<std::string> removed = remove_stale_checkpoint_tmp(cfg.checkpoint_dir());
+  if (removed.empty() || !out) return;
+  std::string names;
+  for (const std::string& n : removed) names += (names.empty() ? "" : ", ") + n;
+  std::fprintf(out, "removed %zu unfinished checkpoint director%s from a previous run: %s\n", removed.size(),
+               removed.size() == 1 ? "y" : "ies", names.c_str());
+  std::fflush(out);
+}
+
+// ---- set-up --------------------------------------------------------------------------------------
+
+// The opening line (parameters, device, the expected initial loss) and the memory estimate. Counted
+// and sized from the config before anything is allocated, so a model that cannot fit is refused at
+// once instead of allocating until the system kills the process.
+static void check_memory(const Config& cfg, Device device, DType compute, int world_size, Progress& progress) {
+  Config per_rank = cfg;  // each rank runs its slice of every micro-batch
+  per_rank.train.batch_size = cfg.train.batch_size / world_size;
+  const MemoryEstimate need = estimate_memory(per_rank, device);
+  progress.message("flowmoe: " + format_count(double(need.num_parameters)) + " parameters (" +
+                   std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
+                   std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) +
+                   ") on " + device.str() + ", " + dtype_name(compute) + " compute; initial loss ~ ln(vocab) = " +
+                   format_fixed(std::log(double(cfg.model.vocab_size)), 3));
+  const double available = available_memory_bytes(device);
+  progress.message("memory: " + need.summary() + " of " + format_bytes(available) + " available on " + device.str() +
+                   (world_size > 1 ? " (per rank)" : ""));
+  check_fits(need, available, device.str());
+}
+
+// The run directory, with the resolved config written into it.
+static std::string make_run_dir(const Config& cfg) {
+  const std::string dir = cfg.run_dir();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  FLOWMOE_CHECK(!ec, IoError, "cannot create the run directory '", dir, "': ", ec.message());
+  std::ofstream out(fs::path(dir) / "config.yaml");
+  out << to_yaml(cfg);
+  FLOWMOE_CHECK(out.good(), IoError, "cannot write '", (fs::path(dir) / "config.yaml").string(), "'");
+  return dir;
+}
+
+// Rank 0 locks the run directory, and the checkpoint directory when it is not inside that one: a second
+// run into either is refused (DirLock names its pid) before it writes or removes anything there.
+static std::vector<std::unique_ptr<DirLock>> lock_run_dirs(const Config& cfg, bool is_root) {
+  std::vector<std::unique_ptr<DirLock>> locks;
+  if (!is_root) return locks;
+  locks.push_back(std::make_unique<DirLock>(cfg.run_dir(), "the run directory"));
+  std::error_code ec;
+  const fs::path run = fs::weakly_canonical(cfg.run_dir(), ec), ckpt = fs::weakly_canonical(cfg.checkpoint_dir(), ec);
+  const auto [end, ignored] = std::mismatch(run.begin(), run.end(), ckpt.begin(), ckpt.end());
+  if (end != run.end()) locks.push_back(std::make_unique<DirLock>(cfg.checkpoint_dir(), "the checkpoint directory"));
+  return locks;
+}
+
+// What comes before the first allocation: the memory check, the cleanup of a crash's leftovers and
+// the run directory (rank 0 alone touches the files; the others wait until it has). The result
+// starts with the run directory's path.
+// Rank 0's folder locks go into `locks` once the memory check has passed: a refused run writes nothing.
+static TrainResult prepare_run(const Config& cfg, Device device, DType compute, std::FILE* out, Progress& progress,
+                               Communicator& world, std::vector<std::unique_ptr<DirLock>>& locks) {
+  check_memory(cfg, device, compute, world.size(), progress);
+  locks = lock_run_dirs(cfg, world.rank() == 0);
+  if (world.rank() == 0) remove_unfinished_checkpoints(cfg, out);
+  TrainResult res;
+  res.out_dir = world.rank() == 0 ? make_run_dir(cfg) : cfg.run_dir();
+  res.world_size = world.size();
+  if (world.size() > 1) world.barrier();
+  return res;
+}
+
+// train.batch_size is the global batch: it must split evenly over the ranks. Checked on every rank
+// alike, so all of them stop together.
+static int checked_world_size(const Config& cfg, const Communicator& world) {
+  const int n = world.size();
+  if (cfg.train.batch_size % n != 0)
+    throw AllRanksConfigError(cfg.origin("train.batch_size") + ": train.batch_size: " +
+                              std::to_string(cfg.train.batch_size) + " sequences do not split evenly over " +
+                              std::to_string(n) + " processes (the batch is global: each rank reads batch_size / " +
+                              "processes of it); use a multiple of " + std::to_string(n) +
+                              ", or a number of processes that divides " + std::to_string(cfg.train.batch_size));
+  return n;
+}
+
+static void check_router_lr_scale(const Config& cfg, const AdamW& opt) {
+  FLOWMOE_CHECK(cfg.optimizer.router_lr_scale == 1.0 || opt.num_router_params() > 0, ConfigError,
+                cfg.origin("optimizer.router_lr_scale"), ": optimizer.router_lr_scale is ",
+                cfg.optimizer.router_lr_scale, " but the model has no MoE router (n_routed_experts is 0 or ",
+                "first_k_dense_replace covers every layer)");
+}
+
+// Loads the weights, optimizer state, buffers and data position of run.resume_dir.
+static void resume_from_checkpoint(TrainRun& run) {
+  const Config& cfg = run.cfg;
+  // Every rank reads the full tensors and keeps its rows of each expert shard.
+  CheckpointMeta meta =
+      load_checkpoint(run.resume_dir, run.model.parameters(), &run.opt.exp_avg(), &run.opt.exp_avg_sq(),
+                      run.model.buffers(), run.model.parameter_shards(), checkpoint_load_options(cfg));
+  FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
+                ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
+                " (a resumed run must keep its data order)");
+  run.data.set_position(meta.data);
+  run.step = meta.step;
+  run.skipped = meta.skipped_steps;
+  run.opt.set_num_updates(meta.num_updates);
+  run.resume_note = "resumed from " + run.resume_dir + " at step " + std::to_string(run.step) +
+                    partial_load_note(meta);
+}
+
+// The data line, the resume note and a capped evaluation, before the first step.
+static void announce_data(TrainRun& run) {
+  const Config& cfg = run.cfg;
+  const TrainConfig& tc = cfg.train;
+  const std::string source =
+      cfg.data.source == "synthetic" ? "synthetic (" + cfg.data.synthetic_kind + ")" : cfg.data.source;
+  run.progress.message("data: " + source + ", " + std::to_string(run.data.num_train_windows()) + " train / " +
+                       std::to_string(run.data.num_val_windows()) + " val sequences of " +
+                       std::to_string(cfg.data.seq_len) + " tokens; " + std::to_string(tc.steps) + " steps x " +
+                       std::to_string(run.tokens_per_step) + " tokens; outputs in " + run.res.out_dir);
+  if (run.world_size > 1) run.progress.message(describe_ranks(run.parallel, cfg));
+  // OpenMPI binds each of 2 ranks to one core by default; the host work (the weights' draws, the
+  // checkpoints) then runs on one thread, which made set-up 9x slower in a 2-GPU run.
+  if (run.world_size > 1 && usable_cpu_count() == 1 && machine_cpu_count() > 1)
+    run.progress.message("host: rank 0 may run on 1 of " + std::to_string(machine_cpu_count()) +
+                         " CPUs (the launcher's binding), so set-up draws the weights on one thread; " +
+                         "mpirun --bind-to none lets every rank use the machine");
+  if (!run.resume_note.empty()) run.progress.message(run.resume_note);
+  if (run.val.capped) run.progress.message("evaluation: " + run.val.cap_note("train.eval_batches = "));
+}
+
+// The constants of the optimizer step's scalars (kernels/step_control.h).
+static StepSchedule run_step_schedule(const Config& c) {
+  StepSchedule p = step_schedule(c.optimizer, c.train.steps);
+  p.num_micro_batches = int32_t(c.train.grad_accum_steps);
+  p.bias_follows_lr = c.model.bias_update_schedule == "lr";
+  p.stop_on_nonfinite = c.train.nonfinite == "stop";
+  return p;
+}
+
+TrainRun::TrainRun(const Config& c, const TrainOptions& o)
+    : clock(o.started),
+      cfg(c),
+      opts(o),
+      world(o.world ? o.world : make_none_communicator()),
+      rank(world->rank()),
+      world_size(checked_world_size(c, *world)),
+      parallel(run_parallel_state(c, world)),
+      is_root(rank == 0),
+      device(o.device ? *o.device : resolve_device(c)),
+      compute(compute_dtype_for(device)),
+      resume_dir(resume_target(c, &resume_note)),
+      progress(c.logging.progress, c.train.steps, c.logging.log_every, is_root ? o.out : nullptr),
+      res(prepare_run(c, device, compute, is_root ? o.out : nullptr, progress, *world, dir_locks)),
+      data(DataLoader::from_config(c)),
+      model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c, parallel)),
+      opt(model.parameters(), c.optimizer),
+      state(device, run_step_schedule(c)) {
+  check_router_lr_scale(cfg, opt);
+  if (world_size > 1)
+    reducer = std::make_unique<GradientReducer>(parallel, model.parameters(), model.parameter_shards(),
+                                                cfg.parallel.overlap_grad_reduce, kGradientBucketBytes,
+                                                int(cfg.parallel.grad_reduce_sms));
+  if (!resume_dir.empty()) {
+    resume_from_checkpoint(*this);
+    clock.lap("checkpoint load");
+  }
+  state.reset(step, opt.num_updates());
+  res.first_step = step + 1;
+  res.skipped_steps = skipped;
+  res.metrics_file = (fs::path(res.out_dir) / ("metrics." + cfg.logging.metrics_format)).string();
+  if (is_root) metrics.emplace(res.metrics_file, cfg.logging.metrics_format, resume_dir.empty() ? -1 : step);
+
+  const TrainConfig& tc = cfg.train;
+  tokens_per_step = tc.batch_size * cfg.data.seq_len * tc.grad_accum_steps;
+  if (data.num_val_windows() > 0) val = whole_val_batches(data, tc.eval_batches, tc.batch_size);
+  announce_data(*this);
+  end = opts.stop_after >= 0 ? std::min(tc.steps, opts.stop_after) : tc.steps;
+  // Casts are reported per MoE layer and micro-batch (what one forward + backward of a layer makes).
+  cast_divisor = double(model.num_moe_layers() * tc.grad_accum_steps);
+  clock.lap("rest");
+}
+
+// ---- checkpoints and the summary ------------------------------------------------------------------
+
+void save_run_checkpoint(TrainRun& run, int64_t at) {
+  const RunClock::Clock::time_point t0 = RunClock::Clock::now();
+  CheckpointMeta meta;
+  meta.step = at;
+  meta.num_updates = run.opt.num_updates();
+  meta.skipped_steps = run.skipped;
+  meta.data = run.data.position();
+  meta.data_seed = uint64_t(run.cfg.data.seed);
+  meta.init_seed = uint64_t(run.cfg.train.seed);
+  meta.config_yaml = to_yaml(run.cfg);
+  // Rank 0 writes what one process would: the expert shards gathered over its expert-parallel group
+  // (the other groups hold copies of the same state), the rest as every rank holds it. The data
+  // position counts global batches, so the files depend on neither the world nor the group size.
+  const int64_t group_size = run.parallel.expert_parallel_size;
+  FullState full;
+  if (run.rank < group_size)
+    full = gather_full_state(*run.parallel.expert_parallel, run.model.parameters(), run.model.parameter_shards(),
+                             run.opt.exp_avg(), run.opt.exp_avg_sq(), run.is_root);
+  if (run.is_root)
+    run.res.last_checkpoint = save_checkpoint(run.cfg.checkpoint_dir(), meta, full.params, full.exp_avg,
+                                              full.exp_avg_sq, run.cfg.checkpoint.keep_last, run.model.buffers());
+  else
+    run.res.last_checkpoint = checkpoint_path(run.cfg.checkpoint_dir(), at);
+  if (run.world_size > 1) run.world->barrier();
+  run.clock.checkpoint_seconds += RunClock::seconds_since(t0);
+}
+
+
+// Where each explicit cast of the last step happened (DESIGN.md §1: the published flow has 2).
+static void print_cast_summary(TrainRun& run) {
+  const CastCounts& casts = run.last_casts;
+  std::string line = "casts per MoE layer per micro-batch (" + run.cfg.precision.recipe + "): " +
+                     format_fixed(double(casts.activation_casts()) / run.cast_divisor, 1);
+  for (const auto& [site, n] : casts.by_site)
+    if (site.rfind("weight_quantize", 0) != 0)
+      line += " | " + site + " x" + format_fixed(double(n) / run.cast_divisor, 1);
+  run.progress.message(line);
+}
+
+// "time: 41.3 s in all: set-up 12.1 s (start-up 3.2, model 8.4, ...), training 3.0 s, evaluation 0.4 s,
+// checkpoints 25.7 s, other 0.2 s", set-up parts of 0.05 s or more named. Set-up, evaluation and
+// checkpoints are what tokens/s leaves out; "other" is the loop's own time and the summary's collectives.
+static void print_times(TrainRun& run) {
+  const RunClock& c = run.clock;
+  const double total = c.seconds_since_start();
+  double setup = 0;
+  std::string parts;
+  for (const auto& [name, seconds] : c.setup) {
+    setup += seconds;
+    if (seconds >= 0.05) parts += (parts.empty() ? "" : ", ") + name + " " + format_fixed(seconds, 1);
+  }
+  const double other = total - setup - run.train_seconds - c.evaluation_seconds - c.checkpoint_seconds;
+  run.progress.message("time: " + format_fixed(total, 1) + " s in all: set-up " + format_fixed(setup, 1) + " s" +
+                       (parts.empty() ? "" : " (" + parts + ")") + ", training " + format_fixed(run.train_seconds, 1) +
+                       " s, evaluation " + format_fixed(c.evaluation_seconds, 1) + " s, checkpoints " +
+                       format_fixed(c.checkpoint_seconds, 1) + " s, other " + format_fixed(std::max(other, 0.0), 1) +
+                       " s");
+}
+
+static void print_summary(TrainRun& run, double peak_mem_bytes) {
+  const TrainResult& res = run.res;
+  std::string line = "done: step " + std::to_string(run.step) + "/" + std::to_string(run.cfg.train.steps) + " in " +
+                     format_duration(run.train_seconds) + " | loss " + format_fixed(res.losses.front(), 4) + " -> " +
+                     format_fixed(res.losses.back(), 4);
+  if (!std::isnan(res.final_val_loss)) line += " | val loss " + format_fixed(res.final_val_loss, 4);
+  line += " | " + format_rate(res.tokens_per_s) + " tok/s | peak mem " + format_fixed(peak_mem_bytes / (1 << 20), 1) +
+          " MiB";
+  if (run.world_size > 1) line += " (max over ranks) | " + std::to_string(run.world_size) + " ranks";
+  run.progress.message(line);
+  if (run.cast_divisor > 0) print_cast_summary(run);
+  run.progress.message("metrics: " + res.metrics_file +
+                       (res.last_checkpoint.empty() ? "" : " | checkpoint: " + res.last_checkpoint));
+}
+
+TrainResult finish_run(TrainRun& run) {
+  run.progress.finish();
+  TrainResult& res = run.res;
+  res.last_step = run.step;
+  res.skipped_steps = run.skipped;
+  res.interrupted = res.interrupted || run.step < run.cfg.train.steps;
+  res.tokens_per_s = run.train_seconds > 0 ? double(run.tokens_per_step * run.steps_done) / run.train_seconds : 0;
+  const double peak = all_reduce_values(*run.world, {double(memory_stats(run.device).peak_bytes)}, ReduceOp::max)[0];
+  if (run.steps_done > 0)
+    print_summary(run, peak);
+  else
+    run.progress.message("nothing to do: the run is already at step " + std::to_string(run.step) + " of " +
+                         std::to_string(run.cfg.train.steps));
+  print_times(run);
+  return std::move(res);
+}
+
+}  // namespace flowmoe
