@@ -1,45 +1,10 @@
 // bench_dispatch: expert-parallel dispatch and combine (parallel/dispatch.h) over the ranks of one run,
-// against a plain all-to-all of the same bytes on the same communicator.
-//
-// Ops, each timed on every rank (host clock; a rep starts after the device is drained and a barrier and
-// ends when the device is drained again, which is what a training step waits for); a rep's time is the
-// slowest rank's, and each figure is the median of --reps after --warmup untimed reps:
-//   dispatch         permute+pad by global expert, the count exchange with its one host read, the plan,
-//                    and all_to_all_chunks straight into the owners' expert-major padded buffers
-//   combine          the experts' rows back to their tokens' rank, then unpermute+unpad
-//   dispatch.bwd     the gradient rows (and probs) back to the tokens, after an untimed forward
-//   combine.bwd      dy (FP8 in fp8_flow) to the experts' layout, after an untimed forward
-//   dispatch.nogroup one process only: what the layer runs without an expert-parallel group (permute+pad)
-// Each op runs in two modes (the field mode=): "sync", the one-sync exchange (the counts read to the
-// host, a buffer of the exact padded rows, grouped send/recv per (peer, expert) chunk), and
-// "zero_sync" (DispatchOptions::zero_sync: counts all-gathered and laid out on the device, a worst-case
-// buffer, and on nccl the rows written into the peers' GPUs by one kernel, then copied out of the window).
-// "syncs" is num_host_syncs() over one call: the syncs the engine makes on purpose (zero_sync on nccl
-// between reachable GPUs: 0; on mpi with GPUs the tables are read to the host, a test transport).
-// Shapes, tokens per rank × hidden, top-k of E (E rounds up to a multiple of the ranks), random top-k
-// routing with distinct experts per token (fixed seed per rank):
-//   toy     8192 × 1024, top-4 of 32   (configs/gpu_moe.yaml's MoE layers)
-//   deepep  4096 × 7168, top-8 of 256  (DeepEP's published setting)
-// On the CPU (no GPU, or --cpu) and with --quick: 512 × 256 and 256 × 1024, same k and E, 5 reps.
-// Payloads: "bf16", bf16 tokens with the probs applied at combine (the bf16 recipe; f32 on the CPU,
-// whose unpermute takes no bf16), and "fp8", fp8_flow's: e4m3 tokens quantized rowwise 1x128 once
-// (quantize_rowwise_tensor, untimed) whose f32 scales and f32 prob travel with each row; its combine
-// moves the experts' bf16 output and its backward FP8 dy with scales.
-// Bytes: rows a rank sends to other ranks × the row's bytes (data, FP8 scales, probs), averaged over
-// the ranks; GB/s = those bytes / time. "local" is the fraction of the rows that stay on their rank (a
-// copy, not counted). One process: every row is local, GB/s counts the bytes copied.
-// Ceiling: Communicator::all_to_all on the same communicator, ceil(rows / ranks) rows of the same bytes
-// to every rank, bytes to other ranks / time. One process: the none backend's all_to_all, a device copy
-// of the same bytes. An mpi run on GPUs where every rank has its own GPU and the build has NCCL also
-// times that all-to-all through an nccl communicator ("nccl" columns).
-// Run (options: --backend auto|nccl|mpi|none, --shapes toy,deepep, --modes sync,zero_sync, --reps N,
-// --warmup N, --quick, --cpu, --no-backward):
-//   build/bench/bench_dispatch                                      one process
-//   mpirun -np 8 build/bench/bench_dispatch                         one host, a GPU per rank: nccl
-//   mpirun -np 16 --hostfile hosts build/bench/bench_dispatch       several hosts
-//   srun -n 16 --gpus-per-task 1 build/bench/bench_dispatch
-//   mpirun -np 2 --oversubscribe build/bench/bench_dispatch --backend mpi   ranks sharing a GPU: host-staged
-// nccl refuses ranks that share a GPU: --backend nccl prints a skip line there, auto falls back to mpi.
+// against a plain all-to-all of the same bytes on the same communicator (docs/PERF.md has the figures).
+// Ops dispatch, combine and their backward (ShapeBench::run lists them), each in the modes sync and zero_sync,
+// with a bf16 and an fp8 (fp8_flow) payload, on the shapes toy and deepep (bench_shape); a figure is the slowest
+// rank's host time, the median of --reps after --warmup. GB/s counts the bytes sent to other ranks (report).
+// Run: build/bench/bench_dispatch (one process), mpirun -np 8 build/bench/bench_dispatch (one host, a GPU per
+// rank: nccl); the options and the other launchers are listed above parse_options.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -75,6 +40,11 @@ struct BenchShape {
   int top_k, experts;
 };
 
+// Shapes, tokens per rank × hidden, top-k of E (E rounds up to a multiple of the ranks), random top-k
+// routing with distinct experts per token (fixed seed per rank):
+//   toy     8192 × 1024, top-4 of 32   (configs/gpu_moe.yaml's MoE layers)
+//   deepep  4096 × 7168, top-8 of 256  (DeepEP's published setting)
+// On the CPU (no GPU, or --cpu) and with --quick: 512 × 256 and 256 × 1024, same k and E, 5 reps.
 BenchShape bench_shape(const std::string& name, bool small) {
   if (name == "toy") return small ? BenchShape{name, 512, 256, 4, 32} : BenchShape{name, 8192, 1024, 4, 32};
   if (name == "deepep") return small ? BenchShape{name, 256, 1024, 8, 256} : BenchShape{name, 4096, 7168, 8, 256};
@@ -92,6 +62,14 @@ std::vector<std::string> split_list(const std::string& list) {
   return out;
 }
 
+// Run (options: --backend auto|nccl|mpi|none, --shapes toy,deepep, --modes sync,zero_sync, --reps N,
+// --warmup N, --quick, --cpu, --no-backward):
+//   build/bench/bench_dispatch                                      one process
+//   mpirun -np 8 build/bench/bench_dispatch                         one host, a GPU per rank: nccl
+//   mpirun -np 16 --hostfile hosts build/bench/bench_dispatch       several hosts
+//   srun -n 16 --gpus-per-task 1 build/bench/bench_dispatch
+//   mpirun -np 2 --oversubscribe build/bench/bench_dispatch --backend mpi   ranks sharing a GPU: host-staged
+// nccl refuses ranks that share a GPU: --backend nccl prints a skip line there, auto falls back to mpi.
 Options parse_options(int argc, char** argv) {
   Options o;
   bool reps_given = false;
@@ -166,6 +144,23 @@ class ShapeBench {
   ShapeBench(const BenchWorld& w, const Options& o, BenchShape s, std::vector<std::string>& lines)
       : w_(w), o_(o), s_(std::move(s)), lines_(lines), n_(w.host().size()), experts_((s_.experts + n_ - 1) / n_ * n_) {}
 
+  // Ops, each timed on every rank (host clock; a rep starts after the device is drained and a barrier and ends
+  // when the device is drained again, which is what a training step waits for); a rep's time is the slowest
+  // rank's, and each figure is the median of --reps after --warmup untimed reps:
+  //   dispatch         permute+pad by global expert, the count exchange with its one host read, the plan,
+  //                    and all_to_all_chunks straight into the owners' expert-major padded buffers
+  //   combine          the experts' rows back to their tokens' rank, then unpermute+unpad
+  //   dispatch.bwd     the gradient rows (and probs) back to the tokens, after an untimed forward
+  //   combine.bwd      dy (FP8 in fp8_flow) to the experts' layout, after an untimed forward
+  //   dispatch.nogroup one process only: what the layer runs without an expert-parallel group (permute+pad)
+  // Each op runs in two modes (the field mode=): "sync", the one-sync exchange (the counts read to the host, a
+  // buffer of the exact padded rows, grouped send/recv per (peer, expert) chunk), and "zero_sync"
+  // (DispatchOptions::zero_sync: counts all-gathered and laid out on the device, a worst-case buffer, and on
+  // nccl the rows written into the peers' GPUs by one kernel, then copied out of the window).
+  // Payloads: "bf16", bf16 tokens with the probs applied at combine (the bf16 recipe; f32 on the CPU, whose
+  // unpermute takes no bf16), and "fp8", fp8_flow's: e4m3 tokens quantized rowwise 1x128 once
+  // (quantize_rowwise_tensor, untimed) whose f32 scales and f32 prob travel with each row; its combine moves
+  // the experts' bf16 output and its backward FP8 dy with scales.
   void run() {
     const Device dev = w_.rt.device;
     const DType act = dev.is_cuda() ? DType::bf16 : DType::f32;
@@ -260,6 +255,15 @@ class ShapeBench {
     return it->second;
   }
 
+  // Bytes: rows a rank sends to other ranks × the row's bytes (data, FP8 scales, probs), averaged over the
+  // ranks; GB/s = those bytes / time. "local" is the fraction of the rows that stay on their rank (a copy, not
+  // counted). One process: every row is local, GB/s counts the bytes copied.
+  // Ceiling: Communicator::all_to_all on the same communicator, ceil(rows / ranks) rows of the same bytes to
+  // every rank, bytes to other ranks / time. One process: the none backend's all_to_all, a device copy of the
+  // same bytes. An mpi run on GPUs where every rank has its own GPU and the build has NCCL also times that
+  // all-to-all through an nccl communicator ("nccl" columns).
+  // "syncs" is num_host_syncs() over one call: the syncs the engine makes on purpose (zero_sync on nccl
+  // between reachable GPUs: 0; on mpi with GPUs the tables are read to the host, a test transport).
   void report(const char* payload, const char* mode, const Run& r, const Traffic& tr, const RankTiming& t,
               double ceiling, double nccl) {
     if (w_.host().rank() != 0) return;

@@ -1,21 +1,10 @@
 // bench_grouped_linear: BF16 GroupedLinear forward + backward, i.e. three GEMM groups (fp32 compute):
 //   fprop  y_e  = x_e · w_eᵀ     (bf16 out)      dgrad  dx_e = dy_e · w_e   (bf16 out)
 //   wgrad  dw_e = dy_eᵀ · x_e    (fp32 out, the master-gradient precision)
-// "grouped": the launchers of kernels/grouped_linear.h (one cached cuBLASLt call per expert);
-// "dense": the same run's baseline, one GEMM per pass over all M_total rows through gemm_cuda (same
-//   FLOPs, one weight); grouped/dense is the price of splitting by expert;
-// "op": grouped_linear() + backward() through autograd (adds the f32 -> bf16 weight cast, allocation
-//   and the leaf-gradient copy of the f32 [E,N,K] gradient);
-// "fresh M": the grouped launchers when every step brings new per-expert counts (same total): each
-//   M not seen before builds a gemm_cuda plan (an AlgoCheck of its bucket's algorithm; a heuristic
-//   query only for a new bucket or a refused algorithm). First step (GPU span and host issue time),
-//   median, and the plan-cache counters over all fresh steps.
-// "host": wall time to issue one grouped step (no sync); near the GPU time means launch-bound.
-//   "us/gemm" divides it by the GEMMs issued (3 per expert).
-// "4 streams": the same step with set_grouped_linear_streams(4) (small GEMMs overlap); "x" = 1-stream
-//   step / 4-stream step.
-// Times are medians of kReps event-timed runs after kWarmup; data random. FLOPs = 3 · 2 · M_total·N·K;
-// the ceiling is the measured BF16 grouped GEMM 679 TFLOP/s (DESIGN.md §6). No GPU: skip, exit 0.
+// through the launchers of kernels/grouped_linear.h, beside a dense baseline, autograd, fresh per-expert counts
+// and 4 streams (bench_case lists the measurements). Times are medians of kReps event-timed runs after kWarmup;
+// data random. FLOPs = 3 · 2 · M_total·N·K, as a fraction of the BF16 grouped GEMM ceiling of DESIGN.md §6
+// (docs/PERF.md has the figures). No GPU: skip, exit 0.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -40,6 +29,7 @@ namespace {
 constexpr int kWarmup = 5;
 constexpr int kReps = 30;
 constexpr int kFreshSteps = 20;
+// The measured BF16 grouped GEMM ceiling of DESIGN.md §6; TFLOP/s are reported as fractions of it.
 constexpr double kCeilingTflops = 679.0;
 
 struct Timing {
@@ -114,6 +104,19 @@ struct Result {
   GemmPlanStats fresh_stats;  // counters accumulated over the fresh-M steps
 };
 
+// "grouped": the launchers of kernels/grouped_linear.h (one cached cuBLASLt call per expert);
+// "dense": the same run's baseline, one GEMM per pass over all M_total rows through gemm_cuda (same
+//   FLOPs, one weight); grouped/dense is the price of splitting by expert;
+// "op": grouped_linear() + backward() through autograd (adds the f32 -> bf16 weight cast, allocation
+//   and the leaf-gradient copy of the f32 [E,N,K] gradient);
+// "fresh M": the grouped launchers when every step brings new per-expert counts (same total): each
+//   M not seen before builds a gemm_cuda plan (an AlgoCheck of its bucket's algorithm; a heuristic
+//   query only for a new bucket or a refused algorithm). First step (GPU span and host issue time),
+//   median, and the plan-cache counters over all fresh steps.
+// "host": wall time to issue one grouped step (no sync); near the GPU time means launch-bound.
+//   "us/gemm" divides it by the GEMMs issued (3 per expert).
+// "4 streams": the same step with set_grouped_linear_streams(4) (small GEMMs overlap); "x" = 1-stream
+//   step / 4-stream step.
 Result bench_case(const Case& c, Rng& rng) {
   const Device dev = Device::cuda(0);
   cudaStream_t stream = current_stream(0);

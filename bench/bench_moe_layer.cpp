@@ -2,18 +2,9 @@
 // (n_shared_experts = 0), in each recipe (bf16, fp8_blockwise, fp8_flow), with and without
 // moe_expert recompute, on these MoE layer shapes:
 //   (T=16384, H=2048, F=1408, E=64, k=6) and (T=8192, H=1024, F=512, E=32, k=4).
-// FLOPs counted: the expert GEMMs, 3 passes (fwd, dgrad, wgrad) x 2·(T·k)·(H·2F + F·H); the router's
-// small GEMM and the data movement are not counted (so TFLOP/s is a lower bound of the work done).
-// Baseline in the same run: the same expert FLOPs as one dense bf16 MLP over T·k rows (linear →
-// swiglu → linear, forward + backward through autograd): the ratio layer/dense is the price of
-// routing, permutation and splitting by expert; and the bf16 recipe itself (speedup, memory ratio).
-// Ceilings (DESIGN.md §6): BF16 grouped GEMM 679 TFLOP/s; blockwise FP8 via cuBLASLt 1275 TFLOP/s.
-// Peak memory: the caching allocator's peak live bytes over one forward + backward from a start with
-// no gradients held, above what was live before it (weights, inputs); "act" is that peak less the
-// step's gradient outputs (f32 weight grads, d_x), i.e. activations and temporaries. "saved" is what
-// stays live between forward and backward, less the output: the activations one layer keeps for its
-// backward, the memory that grows with depth and that moe_expert recompute exists to cut.
-// Times: CUDA events, median of 10 after 3 warm-ups; random data.
+// Reports time, TFLOP/s of the expert GEMMs against the ceilings of DESIGN.md §6, the ratios to a dense baseline
+// and to the bf16 recipe, host syncs and peak memory (each explained where main computes it; docs/PERF.md has
+// the figures). Times: CUDA events, median of 10 after 3 warm-ups; random data.
 #include <algorithm>
 #include <cstdio>
 #include <vector>
@@ -60,7 +51,9 @@ int main() {
       Tensor x = rng.normal({s.T, s.H}, 0.0, 1.0, DType::bf16, dev);
       Tensor dy = rng.normal({s.T, s.H}, 0.0, 1.0, DType::bf16, dev);
 
-      // Dense baseline with the same expert FLOPs: T·k rows through one H→2F→F→H SwiGLU MLP.
+      // Dense baseline with the same expert FLOPs: T·k rows through one bf16 H→2F→F→H SwiGLU MLP (linear → swiglu →
+      // linear, forward + backward through autograd): the ratio layer/dense is the price of routing, permutation
+      // and splitting by expert.
       double dense_ms = 0;
       {
         ParamFactory fd(3, dev);
@@ -104,9 +97,12 @@ int main() {
           syncs1 = num_host_syncs();
         };
         const double layer_ms = median_ms(step, stream, 3, 10);
-        // Peak over one step from a clean start (no gradients held), and the part of it that is not
-        // the step's own gradient outputs (the f32 weight grads and d_x, the same in every recipe):
-        // the activations and temporaries that the recipe and recompute change.
+        // Peak memory: the caching allocator's peak live bytes over one forward + backward from a start with
+        // no gradients held, above what was live before it (weights, inputs); "act" is that peak less the
+        // step's own gradient outputs (the f32 weight grads and d_x, the same in every recipe): the activations
+        // and temporaries that the recipe and recompute change. "saved" is what stays live between forward and
+        // backward, less the output: the activations one layer keeps for its backward, the memory that grows
+        // with depth and that moe_expert recompute exists to cut.
         for (Variable p : f.params()) p.zero_grad();
         xv.zero_grad();
         cuda_synchronize(0);
@@ -124,10 +120,14 @@ int main() {
         for (const Variable& p : f.params()) grad_bytes += p.grad().defined() ? p.grad().nbytes() : 0;
         const double peak_gib = double(memory_stats(dev).peak_bytes - live0) / double(1ull << 30);
         const double act_gib = peak_gib - double(grad_bytes) / double(1ull << 30);
-        // The bf16 baseline of the same stream setting (measured first in each group).
+        // The bf16 baseline of the same stream setting (measured first in each group): the speedup and the
+        // memory ratios are against it.
         if (recipe == MoeRecipe::bf16 && !recompute)
           bf16_ms = layer_ms, bf16_peak = peak_gib, bf16_act = act_gib, bf16_saved = saved_gib;
 
+        // FLOPs counted: the expert GEMMs, 3 passes (fwd, dgrad, wgrad) x 2·(T·k)·(H·2F + F·H); the router's
+        // small GEMM and the data movement are not counted (so TFLOP/s is a lower bound of the work done).
+        // Ceilings (DESIGN.md §6): the measured BF16 grouped GEMM; blockwise FP8 via cuBLASLt.
         const double flops = 3.0 * 2.0 * double(s.T * s.k) * double(s.H * 2 * s.F + s.F * s.H);
         const double tflops = flops / (layer_ms * 1e-3) / 1e12;
         const double ceiling = recipe == MoeRecipe::bf16 ? 679.0 : 1275.0;

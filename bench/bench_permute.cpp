@@ -1,25 +1,9 @@
 // bench_permute: the fused MoE permute+pad (kernels/cuda/permute.cu) and unpermute+unpad
 // (kernels/cuda/unpermute.cu) with a bf16 payload, align 16 and 128, on random top-k routing drawn
-// per config (distinct experts per token, all experts local).
-// Bytes are the minimal traffic: permute reads each token row once and writes each padded row once
-// (pad rows count as written), plus topk_idx, topk_prob, row_map and the permuted probs; unpermute
-// reads each routed row once (pad rows are not read), writes each token row once, plus row_map and
-// topk_prob. permute is timed three ways: the buffer sized from counts the caller holds ("exact"),
-// sized for the worst case ("worst": its tail rows are written too, but not counted), and the
-// published recipe's cudaMemset of the whole worst-case buffer first ("memset+"). The ceiling is the
-// device's own D2D cudaMemcpyAsync bandwidth (read + write) measured in the same run; the H200 figure
-// of DESIGN.md §6 (4249 GB/s) is reported too. Each time is the median of kReps event-timed runs
-// after kWarmup.
-// GPU time only: the exact-size permute is also timed with a 256 MiB memset queued first, so every
-// launch is submitted before the start event and host launch latency drops out ("gpu"), and so are its
-// two steps apart: the routing map alone ("map", permute_map_cuda) and the row move alone ("rows",
-// permute_rows_cuda, after an untimed map). Their fractions are of the copy's own GPU-only bandwidth.
-// "same" is a D2D copy of the permute's own byte count (GPU time only), as a fraction of the 1 GiB
-// copy: how much of the ceiling a plain copy of an op this short reaches.
-// Then both row-move kernels (kernels/permute.h, PermuteRowKernel: classic and tma) on every
-// config in the same run: whole op (event-timed), GPU-only whole op and the row move alone, as
-// fractions of copy ("BENCH permute_impl"), and whether their outputs are bit-identical. The other
-// lines use the engine's choice (PermuteRowKernel::automatic). A failing TMA path is reported, not fatal.
+// per config (kConfigs; distinct experts per token, all experts local).
+// GB/s counts the minimal traffic (Setup), as a fraction of the device's own D2D copy bandwidth measured in the
+// same run. Both ops are timed whole; permute also GPU-only and as its two steps (bench), then with each row-move
+// kernel (compare_impls). Each time is the median of kReps runs after kWarmup; docs/PERF.md has the figures.
 // No GPU: prints a skip line and exits 0.
 #include <algorithm>
 #include <chrono>
@@ -62,7 +46,10 @@ struct Config {
 const Config kConfigs[] = {{4096, 64, 7168, 8}, {8192, 128, 4096, 8}, {16384, 32, 2048, 4}, {4096, 8, 1024, 2}};
 const int kAligns[] = {16, 128};
 
-// One config's inputs and outputs on the device.
+// One config's inputs and outputs on the device. Bytes are the minimal traffic: permute reads each token row once
+// and writes each padded row once (pad rows count as written), plus topk_idx, topk_prob, row_map and the permuted
+// probs; unpermute reads each routed row once (pad rows are not read), writes each token row once, plus row_map
+// and topk_prob.
 struct Setup {
   Config c;
   int align;
@@ -120,6 +107,15 @@ struct Result {
   double same_copy_gbps;                   // a D2D copy of the permute's byte count, GPU time only
 };
 
+// permute is timed three ways, each the median of kReps event-timed runs after kWarmup: the buffer sized from
+// counts the caller holds ("exact"), sized for the worst case ("worst": its tail rows are written too, but not
+// counted), and the published recipe's cudaMemset of the whole worst-case buffer first ("memset+").
+// GPU time only: the exact-size permute is also timed with a 256 MiB memset queued first, so every launch is
+// submitted before the start event and host launch latency drops out ("gpu"), and so are its two steps apart:
+// the routing map alone ("map", permute_map_cuda) and the row move alone ("rows", permute_rows_cuda, after an
+// untimed map). Their fractions are of the copy's own GPU-only bandwidth. "same" is a D2D copy of the permute's
+// own byte count (GPU time only), as a fraction of the 1 GiB copy: how much of the ceiling a plain copy of an op
+// this short reaches.
 Result bench(Setup& s, cudaStream_t stream) {
   const Config& c = s.c;
   Result r{c, s.align, s.padded_rows, s.d.num_rows, s.permute_bytes, s.unpermute_bytes, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -241,6 +237,10 @@ void run_watched(Setup& s, PermuteRowKernel row_kernel, cudaStream_t stream) {
   FLOWMOE_CUDA_CHECK(st);
 }
 
+// Both row-move kernels (kernels/permute.h, PermuteRowKernel: classic and tma) on every config in the same run:
+// whole op (event-timed), GPU-only whole op and the row move alone, as fractions of copy ("BENCH permute_impl"),
+// and whether their outputs are bit-identical. The other lines use the engine's choice
+// (PermuteRowKernel::automatic). A failing TMA path is reported, not fatal.
 // Classic then TMA on one config; prints its BENCH permute_impl line. Returns false when the TMA path
 // failed (the device may be unusable afterwards).
 bool compare_impls(Setup& s, double copy, double copy_gpu, cudaStream_t stream) {
@@ -275,6 +275,8 @@ bool compare_impls(Setup& s, double copy, double copy_gpu, cudaStream_t stream) 
 
 }  // namespace
 
+// The ceiling is the device's own D2D cudaMemcpyAsync bandwidth (read + write) measured in the same run; the
+// H200 copy figure of DESIGN.md §6 (kH200CopyGbps) is reported beside it.
 int main() {
   return bench_main("bench_permute", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
     std::printf("bench_permute on %s: bf16 payload, random top-k routing, median of %d reps\n", prop.name, kReps);

@@ -2,16 +2,9 @@
 // q, k, v, o are [batch, seq_len, num_heads, head_dim]. Backward, with dS_ij = P_ij (dO_i·v_j - dO_i·o_i):
 //   dv_j = sum_i P_ij dO_i,   dq_i = sum_j dS_ij k_j / sqrt(hd),   dk_j = sum_i dS_ij q_i / sqrt(hd).
 // CPU reference: kernels/cpu/attention.cpp (f32, f64; naive O(T^2) with explicit probabilities).
-// CUDA, two kernel families sharing one contract (a saved natural-log logsumexp, a delta scratch):
-//   flash: kernels/cuda/flash_attention.cu (forward) and flash_attention_backward.cu, bf16 on tensor cores
-//          (mma.sync, FlashAttention-2 style; P and dS are rounded to bf16 before their products).
-//          bf16 with head_dim % 8 == 0.
-//   simt:  kernels/cuda/attention.cu, fp32 math on CUDA cores, f32 or bf16, any head_dim <= 128; the GPU
-//          reference of flash, and the f32 path.
-// attention_*_cuda pick flash for bf16 when head_dim % 8 == 0 and every pointer is 16-byte aligned, and
-// simt otherwise; AttentionKernel names one family instead. The lse of either forward
-// feeds either backward. Node: engine/ops/attention.cpp. Tests: tests/test_attention.cpp.
-// Benchmark: bench/bench_attention.cpp.
+// CUDA: two kernel families (AttentionKernel) sharing one contract (a saved natural-log logsumexp, a delta
+// scratch): flash (kernels/cuda/flash_attention.cu, flash_attention_backward.cu) and simt (kernels/cuda/attention.cu).
+// Node: engine/ops/attention.cpp. Tests: tests/test_attention.cpp. Benchmark: bench/bench_attention.cpp.
 #pragma once
 #include <cstdint>
 
@@ -33,9 +26,13 @@ void attention_backward_cpu(T* d_q /*[batch, seq_len, num_heads, head_dim]*/, T*
 
 constexpr int64_t kAttentionMaxHeadDimCuda = 128;
 
-// Which CUDA family runs: automatic picks flash where it can (below), else simt. flash insists: a dtype
-// other than bf16 is a DTypeError, a head_dim not a multiple of 8 a ShapeError, and a tensor pointer not
-// 16-byte aligned an Error. simt takes f32 or bf16 and any head_dim <= 128.
+// Which CUDA family runs (attention_*_cuda's `kernel`); the lse of either forward feeds either backward.
+//   flash: kernels/cuda/flash_attention.cu (forward) and flash_attention_backward.cu, bf16 on tensor cores
+//          (mma.sync, FlashAttention-2 style; P and dS are rounded to bf16 before their products).
+//   simt:  kernels/cuda/attention.cu, fp32 math on CUDA cores; the GPU reference of flash, and the f32 path.
+// automatic picks flash for bf16 when head_dim % 8 == 0 and every pointer is 16-byte aligned, else simt.
+// flash insists: a dtype other than bf16 is a DTypeError, a head_dim not a multiple of 8 a ShapeError, and a
+// tensor pointer not 16-byte aligned an Error. simt takes f32 or bf16 and any head_dim <= 128.
 enum class AttentionKernel : uint8_t { automatic, flash, simt };
 
 // dtype f32 or bf16; 1 <= head_dim <= 128. lse receives the natural-log softmax normaliser of every

@@ -3,13 +3,8 @@
 //   counts [n, n·L] i32: counts[p][g] = copies rank p sends global expert g (owner g / L, local g % L).
 //   sorted_start_p[g] = Σ_{g'<g} round_up(counts[p][g'], sorted_align)   (rank p's permute_pad buffer)
 //   total_q[e] = Σ_p counts[p][q·L+e];  seg_start_q[e] = Σ_{e'<e} round_up(total_q[e'], align)
-// Rank `me`'s outputs, one i32 buffer of ep_layout_size(n, L) entries, in this order:
-//   tokens_per_expert [L] = total_me; padded_tokens_per_expert [L]; segment_starts [L+1] = seg_start_me
-//   to_experts [n, L, 3]: per peer q, q's expert e: (sorted_start_me[q·L+e],
-//                         seg_start_q[e] + Σ_{p'<me} counts[p'][q·L+e], counts[me][q·L+e])
-//   to_tokens  [n, L, 3]: per peer p, my expert e:  (seg_start_me[e] + Σ_{p'<p} counts[p'][me·L+e],
-//                         sorted_start_p[me·L+e], counts[p][me·L+e])
-// Each table row is (row here, row on the peer, rows): the host plan's (make_exchange_plan) chunks.
+// Rank `me`'s output is one i32 buffer of ep_layout_size(n, L) entries, its fields listed above ep_layout_size:
+// the segments, and the host plan's (make_exchange_plan) chunks as two row tables (to_experts, to_tokens).
 // CPU reference: kernels/cpu/ep_layout.cpp; CUDA: kernels/cuda/ep_layout.cu; tests: tests/test_ep_layout.cpp.
 #pragma once
 #include <cstdint>
@@ -26,6 +21,13 @@ struct EpLayoutDims {
   int align_size = 16;        // the owners' expert segments
 };
 
+// Rank `me`'s outputs, one i32 buffer of ep_layout_size(n, L) entries, in this order:
+//   tokens_per_expert [L] = total_me; padded_tokens_per_expert [L]; segment_starts [L+1] = seg_start_me
+//   to_experts [n, L, 3]: per peer q, q's expert e: (sorted_start_me[q·L+e],
+//                         seg_start_q[e] + Σ_{p'<me} counts[p'][q·L+e], counts[me][q·L+e])
+//   to_tokens  [n, L, 3]: per peer p, my expert e:  (seg_start_me[e] + Σ_{p'<p} counts[p'][me·L+e],
+//                         sorted_start_p[me·L+e], counts[p][me·L+e])
+// Each table row is (row here, row on the peer, rows): the host plan's (make_exchange_plan) chunks.
 // Offsets of the fields in the output buffer (constexpr: the kernel uses them too).
 constexpr int64_t ep_layout_size(int n, int L) { return 3 * int64_t(L) + 1 + 6 * int64_t(n) * L; }
 constexpr int64_t ep_layout_padded_offset(int, int L) { return L; }

@@ -1,28 +1,11 @@
-// The DeepSeek-style MoE block (DESIGN.md §2) in three recipes on the same code. forward reads
-// top-down: router → quantize (fp8_flow) → dispatch (permute+pad; across ranks when the experts are
-// sharded) → experts (fc1 → SwiGLU → fc2) → combine (back across ranks; unpermute+unpad) → + shared
-// experts; moe.cpp lists the backward in order beside it.
+// The DeepSeek-style MoE block (DESIGN.md §2) in three recipes on the same code. forward reads top-down: router →
+// quantize (fp8_flow) → dispatch (permute+pad; across ranks when the experts are sharded) → experts (fc1 → SwiGLU →
+// fc2) → combine (back across ranks; unpermute+unpad) → + shared experts; moe.cpp lists the backward in order
+// beside it.
 //   bf16:          the rows stay bf16; the probs are applied at the unpermute (fp32 accumulation)
-//   fp8_blockwise: the same, but each expert GEMM quantizes its own bf16 input (1x128) and re-quantizes
-//                  its wgrad operands column-wise from high precision (the classic recipe)
-//   fp8_flow:      x quantized once, before dispatch; permute+pad moves FP8 data, scales and probs;
-//                  FP8 fc1 → SwiGLU×prob+quantize (fused) → FP8 fc2 → unpermute+unpad (no probs);
-//                  combine's backward quantizes dy once and the experts' backward stays FP8, with
-//                  wgrad operands from the scaling-aware transpose. Two activation casts per layer.
+//   fp8_blockwise: each expert GEMM quantizes its own input and re-quantizes its wgrad operands (the classic recipe)
+//   fp8_flow:      x quantized once, before dispatch; the experts run FP8 forward and backward (MoeFlow has the detail)
 //   + shared experts: a dense bf16 SwiGLU MLP of width n_shared_experts·F on x (every recipe).
-// Expert weights are quantized (128x128 blocks, with their exact transpose) once per optimizer step:
-// the cache follows the parameter's version (Variable::bump_version).
-// recompute (moe_expert): fc1 → SwiGLU(+quantize) runs inside checkpoint(): forward keeps only the
-// permuted expert input (FP8 with its scales in fp8_flow) and the routing; fc2 keeps its own input.
-// The layer reads the per-expert counts to the host once per forward, in dispatch: cuBLASLt needs
-// each expert's M, and across ranks the transfers need their sizes. Not at all on one GPU (any recipe:
-// the one-launch GEMMs and the FP8 wgrad operands' colwise layouts read the counts on the device), nor
-// across ranks on GPUs with ep_dispatch zero_sync. expert_bias is a buffer, not a parameter: after
-// each optimizer step update_bias() moves it by ±bias_update_rate toward the mean load (aux-loss-free balancing; or by
-// bias_update_rate times the relative load error, model.bias_update_rule: proportional).
-// Parameters (HF names): <prefix>.gate.weight [E,H], <prefix>.experts.fc1.weight [E,2F,H] (gate rows
-// first, then up), <prefix>.experts.fc2.weight [E,H,F] (this rank's [L,...] rows when sharded),
-// <prefix>.shared_experts.{gate,up,down}_proj.
 #pragma once
 #include <memory>
 #include <string>
@@ -46,6 +29,8 @@ struct MoeOptions {
   explicit MoeOptions(int align) : align_size(align) {}  // bf16 at this alignment
   int align_size = 16;                   // precision.align_size
   MoeRecipe recipe = MoeRecipe::bf16;    // precision.recipe
+  // fc1 → SwiGLU(+quantize) runs inside checkpoint(): forward keeps only the permuted expert input (FP8 with its
+  // scales in fp8_flow) and the routing; fc2 keeps its own input.
   bool recompute_expert = false;         // train.recompute contains moe_expert
   // One rank on a GPU: the expert GEMMs (one launch each) and, in the FP8 recipes, the wgrad operands'
   // colwise layouts read the counts on the device (no host sync). false: read them to the host once
@@ -61,6 +46,12 @@ struct MoeOptions {
 };
 
 // What a recipe changes in the layer, read from the recipe in one place (moe_flow).
+//   fp8_blockwise: as bf16, but each expert GEMM quantizes its own bf16 input (1x128) and re-quantizes its wgrad
+//                  operands column-wise from high precision.
+//   fp8_flow:      x quantized once, before dispatch; permute+pad moves FP8 data, scales and probs;
+//                  FP8 fc1 → SwiGLU×prob+quantize (fused) → FP8 fc2 → unpermute+unpad (no probs);
+//                  combine's backward quantizes dy once and the experts' backward stays FP8, with
+//                  wgrad operands from the scaling-aware transpose. Two activation casts per layer.
 struct MoeFlow {
   bool fp8_experts = false;       // FP8 grouped GEMMs for fc1 and fc2 (fp8_blockwise, fp8_flow)
   bool quantize_once = false;     // fp8_flow: x quantized before dispatch, SwiGLU emits FP8, and
@@ -72,12 +63,22 @@ MoeFlow moe_flow(MoeRecipe r);
 
 class MoeLayer {
  public:
+  // Parameters (HF names): <prefix>.gate.weight [E,H], <prefix>.experts.fc1.weight [E,2F,H] (gate rows first, then
+  // up), <prefix>.experts.fc2.weight [E,H,F] (this rank's [L,...] rows when sharded),
+  // <prefix>.shared_experts.{gate,up,down}_proj.
   MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& prefix, const MoeOptions& options,
            Device device);
+  // Reads the per-expert counts to the host once per forward, in dispatch: cuBLASLt needs each expert's M, and
+  // across ranks the transfers need their sizes. Not at all on one GPU (any recipe: the one-launch GEMMs and the
+  // FP8 wgrad operands' colwise layouts read the counts on the device), nor across ranks on GPUs with ep_dispatch
+  // zero_sync.
   Variable forward(const Variable& x /*[..., H]*/, DType compute) const;  // -> [..., H]
 
   // The balance loss of the last forward (undefined when aux_loss_alpha == 0).
   const Variable& aux_loss() const { return aux_loss_; }
+  // expert_bias is a buffer, not a parameter (aux-loss-free balancing): each update moves it by ±bias_update_rate
+  // toward the mean load, or by bias_update_rate times the relative load error (model.bias_update_rule:
+  // proportional).
   // After an optimizer step: move expert_bias toward balance using the counts of every training
   // forward (grad enabled: evaluations do not count) since the last call, at bias_update_rate times the
   // rate scale the optimizer step's scalars give (on the layer's device, no host sync: 0 on a skipped
@@ -93,6 +94,8 @@ class MoeLayer {
   const Mlp* shared_experts() const { return shared_.get(); }
 
  private:
+  // Expert weights are quantized (128x128 blocks, with their exact transpose) once per optimizer step: the cache
+  // follows the parameter's version (Variable::bump_version).
   struct WeightCache {  // the FP8 copy of one expert weight, valid for one parameter version
     QuantizedWeight wq;
     uint64_t version = 0;

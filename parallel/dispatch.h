@@ -1,22 +1,11 @@
-// Dispatch and combine: the seams where an MoE layer's routed token copies leave for the experts'
-// ranks, in the experts' expert-major padded layout, and come back (DESIGN.md §2).
+// Dispatch and combine: the seams where an MoE layer's routed token copies leave for the experts' ranks, in the
+// experts' expert-major padded layout, and come back (DESIGN.md §2).
 //   dispatch: tokens [T,H] (FP8 with 1x128 scales in fp8_flow), topk_idx [T,k], probs [T,k] (optional)
 //             -> rows [R,H], probs [R]: this rank's L experts' copies, expert-major, padded to align_size
 //   combine:  the experts' output rows [R,H] -> y [T,H] = Σ_j prob[t,j]·row(t,j) on the token's rank
-// One rank (no expert-parallel group): dispatch is permute+pad and combine is unpermute+unpad.
-// Several ranks: dispatch permutes by global expert, exchanges the counts and moves each (peer,
-// expert) segment straight to its place in the owner's padded buffer (parallel/exchange.h); combine
-// moves the rows back and unpermutes them where the tokens live. Two ways to do it across ranks:
-//   sync (default): the counts are read to the host once and the buffer has exactly the padded rows;
-//   zero_sync: the counts are all-gathered and laid out on the device, the buffer has the worst-case
-//     rows (zero_sync_padded_rows; the tail is pad rows) and the GEMMs take the counts on the device;
-//     nccl writes the rows into the owners' memory from a kernel (NVLink/P2P; else it falls back to a
-//     host read of the tables, and says so once).
-// Backward: each op's backward is the other's forward. combine's backward can quantize dy once to
-// FP8 (fp8_flow): its rows and scales then travel as FP8 all the way to fc2's dgrad.
-// Host syncs: one per dispatch, to size the GEMMs (and, across ranks, the transfers), none with
-// zero_sync on nccl between NVLink-reachable GPUs; none in backward.
-// Tests: tests/test_dispatch.cpp (one process), tests/mpi/test_exchange.cpp (under mpiexec).
+// One rank (no expert-parallel group): dispatch is permute+pad and combine is unpermute+unpad. Several ranks: the
+// rows also cross ranks (parallel/exchange.h), sync or zero_sync (EpDispatch). Each op's backward is the other's
+// forward. Tests: tests/test_dispatch.cpp (one process), tests/mpi/test_exchange.cpp (under mpiexec).
 #pragma once
 #include <memory>
 #include <string>
@@ -37,7 +26,7 @@ struct DispatchOptions {
   // One rank: read the counts to the host (one sync), or leave them on the device for GEMMs that read
   // them there (ExpertCounts, engine/ops/grouped_linear.h). Several ranks always read them.
   bool read_counts = true;
-  // Several ranks: no host read (see above). The receive buffer's rows follow tokens_per_rank, the tokens
+  // Several ranks: no host read (see EpDispatch). The receive buffer's rows follow tokens_per_rank, the tokens
   // every rank dispatches (the same on every rank; -1: this rank's T).
   bool zero_sync = false;
   int64_t tokens_per_rank = -1;
@@ -62,7 +51,12 @@ struct Dispatched {
 };
 
 // How an MoE layer exchanges across ranks (parallel.ep_dispatch): sync, zero_sync, or auto, which picks
-// zero_sync only where it is implemented and measured faster (resolve_ep_dispatch).
+// zero_sync only where it is implemented and ahead of sync (resolve_ep_dispatch; docs/PERF.md has the figures).
+//   sync (DispatchOptions' default): the counts are read to the host once and the buffer has exactly the padded rows;
+//   zero_sync: the counts are all-gathered and laid out on the device, the buffer has the worst-case
+//     rows (zero_sync_padded_rows; the tail is pad rows) and the GEMMs take the counts on the device;
+//     nccl writes the rows into the owners' memory from a kernel (NVLink/P2P; else it falls back to a
+//     host read of the tables, and says so once).
 enum class EpDispatch { automatic, sync, zero_sync };
 EpDispatch ep_dispatch_from_name(const std::string& name);  // auto, sync, zero_sync; throws ConfigError
 const char* ep_dispatch_name(EpDispatch mode);
@@ -70,6 +64,10 @@ const char* ep_dispatch_name(EpDispatch mode);
 bool resolve_ep_dispatch(EpDispatch mode, Communicator* group);
 
 // tokens [T,H] any dtype; topk_idx [T,k] i32 in [0, E); probs [T,k] or undefined.
+// Several ranks: permutes by global expert, exchanges the counts and moves each (peer, expert) segment straight
+// to its place in the owner's padded buffer (parallel/exchange.h).
+// Host syncs: one per dispatch, to size the GEMMs (and, across ranks, the transfers), none with zero_sync on
+// nccl between NVLink-reachable GPUs; none in backward.
 Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variable& probs,
                     const DispatchOptions& options);
 
@@ -79,11 +77,13 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
 ExpertCounts zero_sync_expert_counts(const Dispatched& d, bool fp8_experts);
 
 // The format of combine's backward: the gradient as it comes, or quantized once to FP8 (rowwise
-// 1x128, counted as one cast at "combine backward: dy").
+// 1x128, counted as one cast at "combine backward: dy"; fp8_flow): its rows and scales then travel as FP8 all the
+// way to fc2's dgrad.
 enum class CombineGrad { as_is, fp8 };
 
 // rows [R,H] (the experts' outputs, in dispatch's layout) -> y [T,H]. topk_prob [T,k]: the merge
-// weights, or undefined when the experts applied them (fp8_flow).
+// weights, or undefined when the experts applied them (fp8_flow). Several ranks: moves the rows back and
+// unpermutes them where the tokens live.
 Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob, CombineGrad grad);
 
 }  // namespace flowmoe

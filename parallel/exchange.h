@@ -1,20 +1,13 @@
 // The token exchange of expert parallelism: rows between each rank's expert-sorted send buffer and the
-// expert-major padded buffer of the experts' owners (DESIGN.md §2).
-//
-// With n ranks of L experts each, rank s permutes its routed copies by global expert g (permute_pad
-// over all E = n·L experts: the "sorted" buffer, segment g at sorted_starts[g]). Rank r receives, for
-// its local expert e, the copies of every peer p in peer order, then pad rows up to align_size:
+// expert-major padded buffer of the experts' owners (DESIGN.md §2). With n ranks of L experts each, rank s
+// permutes its routed copies by global expert g (permute_pad over all E = n·L experts: the "sorted" buffer,
+// segment g at sorted_starts[g]). Rank r receives, for its local expert e, the copies of every peer p in peer
+// order, then pad rows up to align_size:
 //   padded row = segment_starts[e] + sum_{p' < p} counts[p'][e] + i       (i-th copy from peer p)
-// so each (peer, expert) segment lands at its final place and no rank-major → expert-major regroup
-// follows. The plan is made once per forward and reused by every backward exchange, in one of two kinds:
-//   host plan (make_exchange_plan): from the exchanged counts, read to the host once; the rows move by
-//     all_to_all_chunks into a buffer of exactly the padded total (rounded up to row_multiple);
-//   device plan (make_device_exchange_plan, zero-sync): the counts are all-gathered on the stream and the
-//     layout (kernels/ep_layout.h, the same offsets) stays on the device; the rows move by put_rows into
-//     a worst-case buffer (zero_sync_padded_rows) whose rows past the padded total are pad rows too.
-// Tests: tests/mpi/test_exchange.cpp (round trips under mpiexec, both kinds), tests/test_ep_layout.cpp
-// (the device layout against make_exchange_plan), and
-// tests/test_dispatch.cpp (the same path at world size 1, with a gradient check).
+// so each (peer, expert) segment lands at its final place and no rank-major → expert-major regroup follows.
+// The plan is made once per forward, on the host or on the device, and reused by every backward exchange.
+// Tests: tests/mpi/test_exchange.cpp (round trips under mpiexec, both kinds), tests/test_ep_layout.cpp (the
+// device layout against make_exchange_plan), tests/test_dispatch.cpp (world size 1, with a gradient check).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -54,8 +47,9 @@ struct ExchangePlan {
 // segment starts permute_pad computes on the device, here from host counts).
 std::vector<int64_t> padded_segment_starts(const std::vector<int64_t>& counts, int align);
 
-// The plan from this rank's per-expert counts and those its peers send it (exchange_counts_once).
-// sorted_align: the align_size of the sender's permute, whose segments the copies leave from.
+// The host plan, from this rank's per-expert counts and those its peers send it (exchange_counts_once: read to
+// the host once). The rows move by all_to_all_chunks into a buffer of exactly the padded total (rounded up to
+// row_multiple). sorted_align: the align_size of the sender's permute, whose segments the copies leave from.
 ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::vector<int64_t>& send_counts,
                                 const std::vector<int64_t>& recv_counts, int sorted_align, int64_t num_sorted_rows,
                                 int align_size, int row_multiple);
@@ -66,9 +60,11 @@ ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::v
 int64_t zero_sync_padded_rows(int num_ranks, int64_t tokens_per_rank, int top_k, int num_local_experts, int align_size,
                               int row_multiple);
 
-// The device plan: send_counts [n·L] i32 (the sender's permute counts by global expert, on the rows'
-// device) are all-gathered on the stream and the layout computed there (ep_layout_cuda; ep_layout_cpu on
-// the CPU). Nothing reads the host. num_padded_rows: zero_sync_padded_rows, equal on every rank.
+// The device plan (zero-sync): send_counts [n·L] i32 (the sender's permute counts by global expert, on the rows'
+// device) are all-gathered on the stream and the layout (kernels/ep_layout.h, the same offsets) computed there
+// (ep_layout_cuda; ep_layout_cpu on the CPU). Nothing reads the host. The rows move by put_rows into a worst-case
+// buffer of num_padded_rows (zero_sync_padded_rows, equal on every rank) whose rows past the padded total are pad
+// rows too.
 ExchangePlan make_device_exchange_plan(std::shared_ptr<Communicator> comm, const Tensor& send_counts, int sorted_align,
                                        int64_t num_sorted_rows, int align_size, int64_t num_padded_rows);
 

@@ -1,16 +1,12 @@
-// Where FP8 error enters the expert GEMMs, on a trained model's own activations and gradients
-// (`flowmoe fp8-error`, docs/PARITY.md). Each expert GEMM y[e] = x[e]·W[e]ᵀ runs three products: fprop
-// and dgrad (dx[e] = dy[e]·W[e]) take x and dy rowwise 1x128 and W in 128x128 blocks, as every FP8
-// recipe does, and are measured once each. The wgrad dW[e] = dy[e]ᵀ·x[e] needs both operands
-// 1x128-blocked along the tokens (colwise), while the forward and dgrad hold them rowwise. Three ways
-// to get colwise FP8 operands from the high-precision x and dy, each compared with the f64 product:
+// Where FP8 error enters the expert GEMMs, on a trained model's own activations and gradients (`flowmoe fp8-error`,
+// docs/PARITY.md). Each expert GEMM y[e] = x[e]·W[e]ᵀ runs three products: fprop and dgrad (dx[e] = dy[e]·W[e])
+// take x and dy rowwise 1x128 and W in 128x128 blocks, as every FP8 recipe does, and are measured once each. The
+// wgrad dW[e] = dy[e]ᵀ·x[e] needs both operands 1x128-blocked along the tokens (colwise); three ways to get
+// colwise FP8 operands from the high-precision x and dy, each compared with the f64 product:
 //   transpose   rowwise quantize, then the scaling-aware transpose (fp8_flow; kernels/fp8_transpose.h)
 //   requantize  rowwise quantize, dequantize, colwise quantize ("double quantization", fp8_blockwise)
-//   colwise     one colwise quantize of the high-precision operand (a floor neither recipe reaches:
-//               the rowwise copy is what the forward and the dgrad need)
-// The operands come from a bf16 forward and backward of a checkpoint: the bf16 recipe keeps them
-// unquantized, so the f64 reference has no FP8 error in it. (It applies the routing probs at combine,
-// so fc2's dy carries them where fp8_flow's fc2 input does; fc1's operands are the same in both.)
+//   colwise     one colwise quantize of the high-precision operand (a floor neither recipe reaches: the rowwise
+//               copy is what the forward and the dgrad need)
 #pragma once
 #include <cstdint>
 #include <string>
@@ -72,6 +68,9 @@ struct Fp8ErrorStudy {
 // windows; with train_step N > 0, the micro-batches the run trained on at step N) forward and backward
 // in bf16 through the weights of `checkpoint`, one process, and measures every expert GEMM; then the
 // same batches' loss in each recipe. Throws ConfigError for a model without routed experts.
+// The bf16 recipe keeps the operands unquantized, so the f64 reference has no FP8 error in it. (It applies the
+// routing probs at combine, so fc2's dy carries them where fp8_flow's fc2 input does; fc1's operands are the same
+// in both.)
 Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t num_batches, int64_t train_step = 0);
 
 std::string fp8_error_json(const Fp8ErrorStudy& study);   // non-finite numbers as null

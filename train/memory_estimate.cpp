@@ -1,36 +1,11 @@
-// The parameter count and memory estimate (see memory_estimate.h).
-//
-// Terms, in bytes, for N = train.batch_size x data.seq_len tokens of one micro-batch, a = the compute
-// dtype's size (4: f32 on the CPU; 2: bf16 on the GPU), P parameters of which P_x are routed-expert
-// weights (fc1, fc2), H hidden, I intermediate, V vocab, per MoE layer E experts of width F, top-k,
-// S shared experts. Each tensor is counted as the allocator rounds it (whole MiB on the GPU above 1 MiB).
-//   weights      4 P f32 master weights on every device, + 8 E per MoE layer (expert_bias, counts).
-//                GPU: 2 (P - P_x - routers): each op keeps the bf16 copy of the weight it was cast for
-//                until backward (a tied embedding is cast twice); with the bf16 recipe also 2 P_x,
-//                grouped_linear's bf16 copy of the experts. FP8 recipes (CPU and GPU): 2 P_x + scales,
-//                the cached FP8 expert weights and their transpose.
-//   optimizer    8 P: AdamW's exp_avg and exp_avg_sq, f32 beside every parameter (train/optimizer.cpp).
-//   gradients    4 P: f32, one per parameter. When a gradient is added to one already held
-//                (train.grad_accum_steps > 1, a tied embedding's second use), the sum is a new tensor
-//                beside the held and the incoming one: + 8 x the largest parameter tensor. The GPU's
-//                weight gradients come as bf16 before their cast to f32: + 2 x the largest.
-//   activations  what the autograd graph of one micro-batch keeps for backward:
-//     per block  8 N H a: block input, its norm, q, k (after RoPE), v, attention output, residual, its
-//                norm. Attention keeps no [T, T] scores: both backends recompute them from q and k in
-//                backward; the GPU keeps a [B, heads, T] f32 logsumexp.
-//     dense MLP  4 N I a: gate, up, silu(gate) and their product.
-//     MoE        router: f32 logits N E, top-k ids, probs and row map 12 N k (GPU: the f32 copy of x
-//                the router reads, 4 N H). M = the permuted buffer's worst case, N k + min(E, N k)
-//                (align - 1) rows. bf16: rows M H, fc1 out M 2F, SwiGLU out M F, fc2 out M H, all a.
-//                fp8_blockwise: FP8 rows M H (+ 1x128 f32 scales), fc1 out, FP8 SwiGLU out, fc2 out.
-//                fp8_flow: FP8 rows and probs, fc1 out, FP8 SwiGLU out (fc2's output is not kept).
-//                train.recompute moe_expert drops fc1's output (fp8_blockwise then keeps the
-//                high-precision rows instead of the FP8 ones). Shared experts: 4 N S F a, as a dense MLP.
-//     head       2 N H a (the last block's output and its norm), logits N V a and, from the start of
-//                backward, their gradient N V a.
-//   Evaluation keeps no graph: weights, and the larger of one block's and the head's tensors.
-// Summed, the terms bound the peak from above: backward frees each block's activations as it
-// allocates that block's gradients, so the activations and the gradients never all coexist.
+// The parameter count and memory estimate (see memory_estimate.h): a sum of terms in bytes, each documented above
+// the function that computes it. N = train.batch_size x data.seq_len tokens of one micro-batch, a = the compute
+// dtype's size (4: f32 on the CPU; 2: bf16 on the GPU), P parameters of which P_x are routed-expert weights (fc1,
+// fc2), H hidden, I intermediate, V vocab, per MoE layer E experts of width F, top-k, S shared experts. Each tensor
+// is counted as the allocator rounds it (whole MiB on the GPU above 1 MiB; allocation_bytes).
+// The terms: weights (weight_bytes), optimizer and activations (estimate_memory), gradients (gradient_bytes).
+// Summed, the terms bound the peak from above: backward frees each block's activations as it allocates that
+// block's gradients, so the activations and the gradients never all coexist.
 #include "train/memory_estimate.h"
 
 #include <unistd.h>
@@ -142,6 +117,10 @@ int64_t saturate(double count) { return count < 9.2e18 ? int64_t(count) : std::n
 
 // The f32 masters, the MoE buffers and the copies kept beside them: on the GPU in training the
 // bf16 cast each op keeps until backward (routers read the f32 gate), and the FP8 expert caches.
+// In bytes: 4 P f32 master weights on every device, + 8 E per MoE layer (expert_bias, counts).
+// GPU: 2 (P - P_x - routers): each op keeps the bf16 copy of the weight it was cast for until backward (a tied
+// embedding is cast twice); with the bf16 recipe also 2 P_x, grouped_linear's bf16 copy of the experts.
+// FP8 recipes (CPU and GPU): 2 P_x + scales, the cached FP8 expert weights and their transpose.
 double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu, MemoryUse use) {
   const bool fp8 = cfg.precision.recipe != "bf16";
   const bool keeps_casts = gpu && use == MemoryUse::train;
@@ -159,17 +138,26 @@ double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bo
   return bytes + allocated_bytes({{2 * num_moe_layers(cfg.model), E, 4}}, gpu);  // expert_bias, counts
 }
 
-// What the graph keeps of one block's attention half: block input, its norm, q, k, v, attention
-// output, residual, its norm (and the GPU's logsumexp).
+// What the graph keeps of one block's attention half, 8 N H a: block input, its norm, q, k (after RoPE), v,
+// attention output, residual, its norm. Attention keeps no [T, T] scores: both backends recompute them from q
+// and k in backward; the GPU keeps a [B, heads, T] f32 logsumexp.
 std::vector<Tensors> attention_tensors(const ModelConfig& c, double tokens, double a, bool gpu) {
   std::vector<Tensors> t = {{8, tokens * double(c.hidden_size), a}};
   if (gpu) t.push_back({1, tokens * double(c.num_attention_heads), 4});
   return t;
 }
 
+// A dense SwiGLU MLP of width I keeps 4 N I a: gate, up, silu(gate) and their product.
 std::vector<Tensors> swiglu_mlp_tensors(double tokens, double width, double a) { return {{4, tokens * width, a}}; }
 
 // What the graph keeps of one MoE layer: router, dispatch, routed and shared experts.
+//   router: f32 logits N E, top-k ids, probs and row map 12 N k (GPU: the f32 copy of x the router reads, 4 N H).
+//   M = the permuted buffer's worst case, N k + min(E, N k) (align - 1) rows.
+//   bf16: rows M H, fc1 out M 2F, SwiGLU out M F, fc2 out M H, all a.
+//   fp8_blockwise: FP8 rows M H (+ 1x128 f32 scales), fc1 out, FP8 SwiGLU out, fc2 out.
+//   fp8_flow: FP8 rows and probs, fc1 out, FP8 SwiGLU out (fc2's output is not kept).
+//   train.recompute moe_expert drops fc1's output (fp8_blockwise then keeps the high-precision rows instead of
+//   the FP8 ones). Shared experts: 4 N S F a, as a dense MLP.
 std::vector<Tensors> moe_tensors(const Config& cfg, double tokens, double a, bool gpu) {
   const ModelConfig& c = cfg.model;
   const double H = double(c.hidden_size), F = double(c.moe_intermediate_size), E = double(c.n_routed_experts);
@@ -223,7 +211,10 @@ std::string driver_keys(const std::vector<ParamGroup>& groups, double activation
   return out;
 }
 
-// What one micro-batch's gradients take: see the gradients term above.
+// What one micro-batch's gradients take: 4 P, f32, one per parameter. When a gradient is added to one already
+// held (train.grad_accum_steps > 1, a tied embedding's second use), the sum is a new tensor beside the held and
+// the incoming one: + 8 x the largest parameter tensor. The GPU's weight gradients come as bf16 before their cast
+// to f32: + 2 x the largest.
 double gradient_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu) {
   const bool accumulates = cfg.train.grad_accum_steps > 1 || cfg.model.tie_word_embeddings;
   const double largest = largest_tensor(groups);
@@ -290,6 +281,11 @@ std::string format_count(double count) {
 
 std::string MemoryEstimate::summary() const { return "about " + format_bytes(total_bytes()) + " " + breakdown(*this); }
 
+// optimizer: 8 P, AdamW's exp_avg and exp_avg_sq, f32 beside every parameter (train/optimizer.cpp).
+// activations: what the autograd graph of one micro-batch keeps for backward: per block the attention half
+// (attention_tensors) and a dense MLP (swiglu_mlp_tensors) or an MoE layer (moe_tensors); the head, 2 N H a (the
+// last block's output and its norm), logits N V a and, from the start of backward, their gradient N V a.
+// Evaluation keeps no graph: weights, and the larger of one block's and the head's tensors.
 MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use) {
   const ModelConfig& c = cfg.model;
   // What this rank holds: its share of the routed experts under expert parallelism.

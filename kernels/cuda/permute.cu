@@ -1,32 +1,12 @@
 // MoE permute + pad on the GPU, and its backward. Layout and API: kernels/permute.h.
-//
-// What it computes. topk_idx [T,k] holds global expert ids; flat entry i = t*k + j is routed to local
-// expert e = id - expert_offset when 0 <= e < L. Expert e owns the buffer rows
-// [segment_starts[e], segment_starts[e+1]): its tokens_per_expert[e] copies in ascending i, then pad
-// rows up to padded_tokens_per_expert[e] = round_up(tokens_per_expert[e], align). Outputs:
-//   row_map [T,k]           destination row of entry i, -1 when not routed here
-//   rows    [num_rows, H]   rows[row_map[t,j]] = x[t]; pad rows and the tail past segment_starts[L] are 0
-//   probs   [num_rows]      probs[row_map[t,j]] = topk_prob[t,j]; 0 elsewhere
-//   side_rows [num_rows, C] side[t] moved like rows; side_pad_value elsewhere (FP8 scale_inv)
-// Every output row is written exactly once: no memset, no host synchronisation.
-//
-// How. Two steps on one stream, the second launched with programmatic dependent launch (PDL):
-//   1. the routing map (kernels/cuda/permute_route.cuh): one cooperative kernel, route_map, computes the
-//      counts, segment starts and the final row_map; when its blocks cannot all be resident it falls back
-//      to route_count + route_scan + route_finalize. Each routing kernel triggers its dependent at once
-//      (start_dependents), so the row kernel becomes resident and loads its first slice of x early.
-//   2. the row move, one of two kernels (PermuteRowKernel, kernels/permute.h):
-//      classic (kernels/cuda/permute_rows.cuh): permute_rows_kernel, one thread group per token, loads
-//      the token's row once (16-byte vectors where the row and pointers allow) and stores it to its k
-//      destination rows; the blocks after the token blocks write the pad rows and the tail.
-//      tma (kernels/cuda/permute_rows_tma.cuh, sm_90, 16-byte aligned rows only): bulk copies through
-//      shared memory, the block's rows loaded before the wait for the routing map.
-// The result is bit-identical to the CPU reference (it only moves bytes); bench/bench_permute.cpp
-// measures it against the device's D2D copy bandwidth, as a whole and as its two steps.
-// Backward: d_x[t] = sum_j d_rows[row_map[t,j]] is the unpermute with weights 1 (unpermute_cuda,
-// kernels/cuda/unpermute.cu: fmaf(1, x, acc) rounds as acc + x, so fp32, j ascending, one rounding,
-// as the CPU reference); d_topk_prob is a gather of d_probs (gather_probs_kernel).
-// CPU reference: kernels/cpu/permute.cpp. Tests: tests/test_permute.cpp (GPU vs CPU, bit for bit).
+// topk_idx [T,k] holds global expert ids; flat entry i = t*k + j is routed to local expert e = id - expert_offset
+// when 0 <= e < L. Expert e owns the buffer rows [segment_starts[e], segment_starts[e+1]): its tokens_per_expert[e]
+// copies in ascending i, then pad rows up to padded_tokens_per_expert[e] = round_up(tokens_per_expert[e], align).
+// Two steps on one stream, the routing map (launch_map) and the row move (launch_rows); every output row (listed
+// above permute_pad_cuda) is written exactly once: no memset, no host synchronisation. The result is bit-identical
+// to the CPU reference (it only moves bytes). CPU reference: kernels/cpu/permute.cpp. Tests: tests/test_permute.cpp
+// (GPU vs CPU, bit for bit). bench/bench_permute.cpp measures it against the device's D2D copy bandwidth, as a
+// whole and as its two steps (docs/PERF.md has the figures).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -155,8 +135,11 @@ bool route_map_fits(int num_chunks, int num_local, size_t smem) {
 
 // ---- the two steps ------------------------------------------------------------------------------
 
-// Step 1 (kernels/cuda/permute_route.cuh). The workspace holds the per-chunk counts: [chunks, L] for
-// route_map, [L, chunks] for the fallback.
+// Step 1, the routing map (kernels/cuda/permute_route.cuh): one cooperative kernel, route_map, computes the
+// counts, segment starts and the final row_map; when its blocks cannot all be resident it falls back to
+// route_count + route_scan + route_finalize. Each routing kernel triggers its dependent at once
+// (start_dependents), so the row kernel becomes resident and loads its first slice of x early.
+// The workspace holds the per-chunk counts: [chunks, L] for route_map, [L, chunks] for the fallback.
 void launch_map(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream) {
   const int num_local = d.num_local_experts;
   const int64_t n = d.num_tokens * d.top_k;
@@ -223,7 +206,13 @@ bool use_tma_rows(const PermuteBuffers& b, PermuteRowKernel row_kernel) {
          tma_rows_supported();
 }
 
-// Step 2: the row move, after step 1 in the same stream.
+// Step 2: the row move, after step 1 in the same stream, launched with programmatic dependent launch (PDL).
+// One of two kernels (PermuteRowKernel, kernels/permute.h):
+//   classic (kernels/cuda/permute_rows.cuh): permute_rows_kernel, one thread group per token, loads the token's
+//     row once (16-byte vectors where the row and pointers allow) and stores it to its k destination rows; the
+//     blocks after the token blocks write the pad rows and the tail.
+//   tma (kernels/cuda/permute_rows_tma.cuh, sm_90, 16-byte aligned rows only): bulk copies through shared
+//     memory, the block's rows loaded before the wait for the routing map.
 void launch_rows(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream, PermuteRowKernel row_kernel) {
   if (d.num_tokens == 0 && d.num_rows == 0) return;
   const bool tma = use_tma_rows(b, row_kernel);
@@ -267,6 +256,11 @@ size_t permute_workspace_bytes(const RoutingDims& d) {
   return size_t(chunks) * size_t(d.num_local_experts) * sizeof(int32_t);
 }
 
+// Outputs:
+//   row_map [T,k]           destination row of entry i, -1 when not routed here
+//   rows    [num_rows, H]   rows[row_map[t,j]] = x[t]; pad rows and the tail past segment_starts[L] are 0
+//   probs   [num_rows]      probs[row_map[t,j]] = topk_prob[t,j]; 0 elsewhere
+//   side_rows [num_rows, C] side[t] moved like rows; side_pad_value elsewhere (FP8 scale_inv)
 void permute_pad_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream,
                       PermuteRowKernel row_kernel) {
   check_permute_args(d, b);
@@ -285,6 +279,9 @@ void permute_rows_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream
   launch_rows(d, b, stream, row_kernel);
 }
 
+// d_x[t] = sum_j d_rows[row_map[t,j]] is the unpermute with weights 1 (unpermute_cuda, kernels/cuda/unpermute.cu:
+// fmaf(1, x, acc) rounds as acc + x, so fp32, j ascending, one rounding, as the CPU reference); d_topk_prob is a
+// gather of d_probs (gather_probs_kernel).
 void permute_backward_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int top_k, int64_t hidden,
                            const void* d_rows, const float* d_probs, void* d_x, float* d_topk_prob,
                            cudaStream_t stream) {

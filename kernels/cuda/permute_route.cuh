@@ -1,21 +1,10 @@
 // permute_pad, step 1: the routing map (kernels/cuda/permute.cu includes this; layout in kernels/permute.h).
-//
 // The n = T*k flat entries of topk_idx are cut into chunks of kChunk = 2048, one 256-thread block each.
 // Entry i of chunk c routed to local expert e goes to
 //   row_map[i] = segment_starts[e] + (copies of e in chunks 0..c-1) + (rank of i among the copies of e in c)
 //   segment_starts[e] = sum over e' < e of round_up(tokens_per_expert[e'], align)
-// so every expert's copies keep ascending flat-index order (the CPU reference's order).
-//
-// route_map (the normal path): one cooperative launch, one block per chunk, all resident at once.
-//   1. count_chunk: the chunk's histogram of local experts and each entry's rank inside the chunk
-//   2. grid barrier; every block sums the [chunks, L] counts itself (a few KiB from L2): the totals,
-//      and the counts of the chunks before its own
-//   3. scan_padded_totals: segment starts from the padded totals (block 0 writes the per-expert outputs)
-//   4. the chunk's row_map entries
-// Fallback, when the chunks cannot all be resident (very many chunks, or a large L): the same steps as
-// three kernels, chained with programmatic dependent launch:
-//   route_count (1; row_map keeps the rank inside the chunk), route_scan (2 and 3 in one block; each
-//   chunk's offset inside its expert is written over its count), route_finalize (4: adds the offsets).
+// so every expert's copies keep ascending flat-index order (the CPU reference's order). route_map_kernel does it
+// in one cooperative launch; three kernels are the fallback. Tests: tests/test_permute.cpp (both paths).
 #pragma once
 #include <cooperative_groups.h>
 
@@ -194,7 +183,13 @@ __device__ __forceinline__ void scan_padded_totals(const int32_t* s_total, int n
 
 // ---- the normal path: one cooperative kernel ----------------------------------------------------
 
-// Cooperative launch, one block per chunk. Shared memory: [8, L] histogram, [L] totals, [L] bases.
+// Cooperative launch, one block per chunk, all resident at once:
+//   1. count_chunk: the chunk's histogram of local experts and each entry's rank inside the chunk
+//   2. grid barrier; every block sums the [chunks, L] counts itself (a few KiB from L2): the totals,
+//      and the counts of the chunks before its own
+//   3. scan_padded_totals: segment starts from the padded totals (block 0 writes the per-expert outputs)
+//   4. the chunk's row_map entries
+// Shared memory: [8, L] histogram, [L] totals, [L] bases.
 __global__ void __launch_bounds__(kCountThreads)
     route_map_kernel(const int32_t* __restrict__ topk_idx /*[n]*/, int64_t n, int top_k, int num_experts,
                      int expert_offset, int num_local, int num_chunks, int align, int64_t num_rows,
@@ -228,6 +223,10 @@ __global__ void __launch_bounds__(kCountThreads)
 }
 
 // ---- the fallback: three kernels ----------------------------------------------------------------
+// When the chunks cannot all be resident (very many chunks, or a large L): the same steps as three kernels,
+// chained with programmatic dependent launch: route_count (1; row_map keeps the rank inside the chunk),
+// route_scan (2 and 3 in one block; each chunk's offset inside its expert is written over its count),
+// route_finalize (4: adds the offsets).
 
 // One block per chunk. row_map gets each routed entry's rank inside its chunk, -1 elsewhere.
 __global__ void __launch_bounds__(kCountThreads)

@@ -1,15 +1,9 @@
 // permute_pad, step 2 on sm_90: the row move through the bulk-copy (TMA) engine. kernels/cuda/permute.cu
 // includes this and uses it (PermuteRowKernel, kernels/permute.h) when the row length and both base
 // addresses are multiples of 16 bytes; it writes exactly what permute_rows_kernel (permute_rows.cuh) writes.
-//   Each block owns tokens_per_block consecutive tokens, cut into items (token, chunk of at most
-//   kTmaChunkBytes). Thread 0 loads items into a ring of shared-memory stages (cp.async.bulk global ->
-//   shared, completion counted in bytes on an mbarrier) and stores each item to its token's k
-//   destination rows (cp.async.bulk shared -> global, one bulk group per item): the payload never
-//   passes through registers, and a row costs 1 + k instructions.
-//   The first `stages` items are loaded before wait_for_previous_kernel (x is an input, not an output of
-//   the routing map), so up to ~200 KiB of rows per SM arrive while the map finishes.
-//   Warps 1..3 copy the side payload of the block's tokens, then write pad items (fill_pad_item, as the
-//   classic kernel does) striding over all blocks' pad warps.
+// Each block owns tokens_per_block consecutive tokens, cut into items (token, chunk of at most kTmaChunkBytes);
+// thread 0 moves them through shared-memory stages, warps 1..3 move the side payload and write the pad rows
+// (permute_rows_tma_kernel has the detail).
 // Tests: tests/test_permute.cpp (both implementations against the CPU reference, bit for bit).
 #pragma once
 #include <atomic>
@@ -116,6 +110,13 @@ __device__ __forceinline__ void bulk_wait_read() {
 
 // ---- the kernel ---------------------------------------------------------------------------------
 
+// Thread 0 loads items into a ring of shared-memory stages (cp.async.bulk global -> shared, completion counted
+// in bytes on an mbarrier) and stores each item to its token's k destination rows (cp.async.bulk shared ->
+// global, one bulk group per item): the payload never passes through registers, and a row costs 1 + k
+// instructions. The first `stages` items are loaded before wait_for_previous_kernel (x is an input, not an
+// output of the routing map), so up to ~200 KiB of rows per SM arrive while the map finishes.
+// Warps 1..3 copy the side payload of the block's tokens, then write pad items (fill_pad_item, as the
+// classic kernel does) striding over all blocks' pad warps.
 __global__ void __launch_bounds__(kTmaThreads) permute_rows_tma_kernel(const TmaRowArgs ta) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const RowArgs& a = ta.a;

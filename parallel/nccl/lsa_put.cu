@@ -1,18 +1,9 @@
 // Device-initiated row puts over load/store-reachable GPUs (parallel/nccl/lsa_put.h), NCCL >= 2.28.
-//   window: ncclMemAlloc'd, registered NCCL_WIN_COLL_SYMMETRIC, the same bytes on every rank (the
-//           receive buffers are worst-case sized, so their shapes agree), each tensor of a put at its
-//           own offset; grown collectively, never shrunk
-//   put:    kernel: LSA barrier; each chunk of out_table copied, for every tensor (rows, FP8 scales,
-//           probs: one put), as one contiguous block (rows are consecutive on both sides) into the
-//           peer's window (its own chunks straight into recv) with 16/4/1-byte stores spread over every
-//           thread of the grid; LSA barrier (release/acquire) → kernel: the peers' chunks of in_table
-//           copied from the own window into the recvs, then the pad rows of each segment set to each
-//           tensor's pad value. No other row is written: not the worst-case tail, whose fill would
-//           cost more than the rows themselves at 4 ranks.
-// Why the barriers suffice: every rank launches the same kCtas CTAs, and CTA b's barrier b covers CTA b
-// of every rank, so after the kernel every peer's stores into this window have landed. The first
-// barrier orders this rank's previous copy-out (an earlier launch on the stream) before any peer's
-// store of this put. Tests: tests/mpi/test_exchange.cpp (nccl, a GPU per rank).
+//   window: ncclMemAlloc'd, registered NCCL_WIN_COLL_SYMMETRIC, the same bytes on every rank (ensure_window)
+//   put:    lsa_put_kernel copies this rank's chunks of every tensor (rows, FP8 scales, probs: one put) into the
+//           peers' windows between two LSA barriers; then lsa_copy_out_kernel copies the peers' chunks from the
+//           own window into the recvs and sets each segment's pad rows (LsaPutImpl::put launches both).
+// Tests: tests/mpi/test_exchange.cpp (nccl, a GPU per rank).
 #include <nccl.h>
 #include <nccl_device.h>
 
@@ -112,6 +103,12 @@ __device__ __forceinline__ void with_unit(int unit, F&& f) {
 
 // out_table [n, C, 3] i32 (row in send, row in the peer's recv, rows), shared by every tensor; the
 // window holds each tensor's recv_rows rows at its window_offset, on every rank. This rank is `me`.
+// LSA barrier; each chunk of out_table copied, for every tensor, as one contiguous block (rows are consecutive
+// on both sides) into the peer's window (its own chunks straight into recv) with 16/4/1-byte stores spread over
+// every thread of the grid; LSA barrier (release/acquire).
+// Why the barriers suffice: every rank launches the same kCtas CTAs, and CTA b's barrier b covers CTA b of every
+// rank, so after the kernel every peer's stores into this window have landed. The first barrier orders this
+// rank's previous copy-out (an earlier launch on the stream) before any peer's store of this put.
 __global__ void lsa_put_kernel(ncclDevComm comm, ncclWindow_t window, PutTensors ts,
                                const int32_t* __restrict__ out_table, int me, int num_peers, int chunks_per_peer) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), comm, ncclTeamTagLsa{}, blockIdx.x};
@@ -137,7 +134,8 @@ __global__ void lsa_put_kernel(ncclDevComm comm, ncclWindow_t window, PutTensors
 // Each recv gets the rows the peers put into this rank's window: in_table [n, C, 3] i32 (row in recv =
 // row in the window, row in the peer's send, rows), skipping this rank's own chunks (already in recv).
 // Then the pad rows [seg[s] + covered[s], seg[s+1]) of each of num_segments segments (seg [S+1],
-// covered [S] i32; none when seg is null) take each tensor's pattern. No other row is read or written.
+// covered [S] i32; none when seg is null) take each tensor's pattern. No other row is read or written: not the
+// worst-case tail, whose fill would cost more than the rows themselves at 4 ranks (docs/PERF.md has the figures).
 __global__ void lsa_copy_out_kernel(PutTensors ts, const char* __restrict__ window,
                                     const int32_t* __restrict__ in_table, int me, int chunks_per_peer, int num_chunks,
                                     const int32_t* __restrict__ seg, const int32_t* __restrict__ covered,
@@ -243,6 +241,9 @@ class LsaPutImpl final : public LsaPut {
   ncclWindow_t window_ = nullptr;
   int copy_ctas_ = 0;  // the local copy-out: one CTA per SM
 
+  // The window: ncclMemAlloc'd, registered NCCL_WIN_COLL_SYMMETRIC, the same bytes on every rank (the receive
+  // buffers are worst-case sized, so their shapes agree), each tensor of a put at its own offset; grown
+  // collectively, never shrunk.
   // Every rank asks for the same bytes at the same call (the exchanges' shapes are static), so the
   // collective registration lines up. Grows to a power of two so a dispatch's rows, scales and probs
   // and a combine's wider rows settle on one window after the first step.
