@@ -79,6 +79,8 @@ void GradientReducer::begin() {
   next_ = 0;
   launched_in_backward_ = 0;
   armed_ = true;
+  // A backward that threw left the last guard armed: it goes first, so the new one is the hook in force.
+  hook_.reset();
   if (overlap_) hook_ = std::make_unique<LeafGradHookGuard>([this](VariableImpl& leaf) { on_leaf(leaf); });
 }
 
