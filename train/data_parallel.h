@@ -22,19 +22,19 @@ constexpr size_t kGradientBucketBytes = kFlatBucketBytes;
 // The gradient of the global batch from each rank's gradient of its slice: every slice holds B/N
 // sequences of the same length and each rank's loss is the mean over its slice's tokens, so the
 // global mean loss is the mean of the ranks' losses and its gradient the mean of their gradients.
-// Sums every parameter's gradient over the ranks of comm and divides by `divisor` (0: comm.size()). A
-// gradient missing on a rank counts as zero there; a parameter gets a gradient on every rank when any
-// rank had one, and keeps none when no rank had one (AdamW then leaves it alone, as in a single process).
+// Averages every parameter's gradient over the ranks of comm, through a GradientReducer without overlap
+// (grad_reducer.h: the buckets the trainer reduces). A gradient missing on a rank counts as zero there;
+// a parameter gets a gradient on every rank when any rank had one, and keeps none when no rank had one
+// (AdamW then leaves it alone, as in a single process).
 void all_reduce_gradients(Communicator& comm, const std::vector<Variable>& params,
-                          size_t bucket_bytes = kGradientBucketBytes, int64_t divisor = 0);
+                          size_t bucket_bytes = kGradientBucketBytes);
 
-// The same with expert parallelism, through a GradientReducer without overlap (grad_reducer.h: the
-// buckets the trainer reduces): dense parameters over the world, expert weights (shards[i].expert)
+// The same with expert parallelism: dense parameters over the world, expert weights (shards[i].expert)
 // over the expert-data-parallel group, each in buckets of its own, both divided by the world size W.
 // An expert's gradient already holds its expert-parallel peers' tokens (dispatch's backward brought
 // them), and every rank's loss is the mean over its own slice: the sum over the W / E replicas of the
-// expert, divided by W, is the global batch's gradient. At expert-parallel size 1 this sums what
-// all_reduce_gradients(*ps.world, params) sums, element by element.
+// expert, divided by W, is the global batch's gradient. At expert-parallel size 1 this is
+// all_reduce_gradients(*ps.world, params).
 void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& params,
                           const std::vector<ParamShard>& shards, size_t bucket_bytes = kGradientBucketBytes);
 
@@ -42,6 +42,9 @@ void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& 
 // size 1 (bit for bit). With expert parallelism a rank's expert gradients are its share of the experts:
 // their squares are summed over the expert-parallel group, the dense ones (whole everywhere) counted once.
 double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards);
+// The flags AdamW's squared-norm sums split the gradients by: each parameter's shards[i].expert with
+// expert parallelism, none (one class) at expert-parallel size 1.
+std::vector<bool> expert_shard_flags(const ParallelState& ps, const std::vector<ParamShard>& shards);
 
 
 }  // namespace flowmoe

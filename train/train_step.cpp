@@ -119,9 +119,7 @@ void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
   if (on_device) {
     OpTimer timer("gradient norm", OpPhase::step, "optimizer", run.device, 0, 0);
     if (run.world_size > 1) run.state.reduce_losses(*run.world);
-    std::vector<bool> experts;
-    if (run.parallel.expert_parallel_size > 1)
-      for (const ParamShard& s : run.model.parameter_shards()) experts.push_back(s.expert);
+    const std::vector<bool> experts = expert_shard_flags(run.parallel, run.model.parameter_shards());
     Tensor sums = run.opt.grad_square_sums_device(experts);  // {dense, expert shards}
     if (!experts.empty()) run.parallel.expert_parallel->all_reduce(sums.slice(0, 1, 2), ReduceOp::sum);
     run.state.advance_on_device(sums.data<float>());
