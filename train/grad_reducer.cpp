@@ -18,8 +18,8 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
   FLOWMOE_CHECK(shards.size() == params_.size(), Error, "GradientReducer: ", params_.size(), " parameters but ",
                 shards.size(), " shards");
   scale_ = 1.0 / double(ps.world->size());
-  comms_[0] = ps.world;
-  comms_[1] = ps.expert_parallel_size > 1 ? ps.expert_data_parallel : ps.world;
+  comms_[0] = group_communicator(0);
+  comms_[1] = group_communicator(1);
   // Buckets in the order the backward finishes the gradients: the model lists its parameters in forward
   // order, so the last ones are final first. Each group fills its own buckets in that order; a bucket
   // closes when the next parameter would not fit, and the buckets are launched in the order their last
@@ -69,6 +69,20 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
 
 GradientReducer::~GradientReducer() = default;
 
+const std::shared_ptr<Communicator>& GradientReducer::group_communicator(int group) const {
+  return group == 1 && ps_.expert_parallel_size > 1 ? ps_.expert_data_parallel : ps_.world;
+}
+
+void GradientReducer::view_grads(const Bucket& b) {
+  int64_t offset = 0;
+  for (size_t i : b.params) {
+    Variable p = params_[i];
+    const int64_t n = p.data().numel();
+    p.set_grad(b.flat.slice(0, offset, offset + n).view(p.shape()));
+    offset += n;
+  }
+}
+
 void GradientReducer::begin() {
   final_.assign(params_.size(), false);
   missing_.assign(params_.size(), false);
@@ -106,18 +120,18 @@ void GradientReducer::launch(Bucket& b) {
   b.flat = Tensor::empty({b.numel}, DType::f32, device);
   int64_t offset = 0;
   for (size_t i : b.params) {
-    Variable p = params_[i];
+    const Variable& p = params_[i];
     const int64_t n = p.data().numel();
-    Tensor slot = b.flat.slice(0, offset, offset + n).view(p.shape());
+    Tensor slot = b.flat.slice(0, offset, offset + n);
     if (p.grad().defined()) {
-      slot.copy_(p.grad());
+      slot.view(p.shape()).copy_(p.grad());
     } else {
       slot.zero_();
       missing_[i] = true;
     }
-    p.set_grad(slot);
     offset += n;
   }
+  view_grads(b);
   Communicator& comm = *comms_[b.group];
   if (stream_) {  // the copies above are on the compute stream: the reduction stream waits for them
     grads_ready_->record(current_stream(device.index));
@@ -151,9 +165,7 @@ void GradientReducer::exchange_presence(int group) {
     if (!ones_[group].defined()) ones_[group] = Tensor::full({int64_t(members.size())}, 1.0, DType::f32, device);
     flags = ones_[group].clone();
   }
-  Communicator& comm =
-      group == 0 ? *ps_.world : (ps_.expert_parallel_size > 1 ? *ps_.expert_data_parallel : *ps_.world);
-  comm.all_reduce(flags, ReduceOp::sum);
+  group_communicator(group)->all_reduce(flags, ReduceOp::sum);
   if (!lacking) return;
   const std::vector<float> anywhere = flags.to_floats();
   for (size_t k = 0; k < members.size(); ++k)
@@ -169,13 +181,7 @@ void GradientReducer::finish() {
   for (Bucket& b : buckets_) {
     if (b.group == 1) {  // scaled once summed; the views move onto the scaled buffer
       b.flat = tensor_scale(b.flat, scale_);
-      int64_t offset = 0;
-      for (size_t i : b.params) {
-        Variable p = params_[i];
-        const int64_t n = p.data().numel();
-        p.set_grad(b.flat.slice(0, offset, offset + n).view(p.shape()));
-        offset += n;
-      }
+      view_grads(b);
     }
     b.flat = Tensor();  // the gradients, views of it, keep it
   }

@@ -54,6 +54,10 @@ class GradientReducer {
     int pending = 0;  // gradients not yet final in this backward
     Tensor flat;      // the bucket's gradients side by side, reduced in place
   };
+  // The group's own communicator (the world, or the expert-data-parallel group with expert parallelism).
+  const std::shared_ptr<Communicator>& group_communicator(int group) const;
+  // The bucket's parameters' gradients become views of b.flat.
+  void view_grads(const Bucket& b);
   void on_leaf(VariableImpl& leaf);
   void launch(Bucket& b);
   void exchange_presence(int group);
