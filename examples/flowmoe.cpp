@@ -299,10 +299,6 @@ int cmd_prepare(int argc, char** argv) {
   }
   if (output.empty() || inputs.empty())
     throw UsageError("prepare-data: --output FILE and at least one input are required");
-  // Checked before anything is read: writing over an input loses its text, and an output that cannot
-  // be written loses the work.
-  const std::string problem = prepare_output_problem(inputs, output, opts);
-  if (!problem.empty()) throw UsageError(problem);
   const auto start = std::chrono::steady_clock::now();
   PreparedInputs read;
   int64_t n = prepare_token_file(inputs, output, &read, opts);

@@ -19,8 +19,6 @@ DistributedRuntime start_ranks(const Config& cfg, const std::string& command) {
   return init_distributed(options);
 }
 
-bool ranks_started() { return g_ranks_started; }
-
 void leave_together(const std::string& what) {
   if (g_ranks_started || launch_world_size() <= 1 || !built_with_mpi()) return;
   g_ranks_started = true;

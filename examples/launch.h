@@ -16,8 +16,6 @@ namespace flowmoe {
 // different commands or configs all fail instead of hanging. A plain run gets the none backend and initializes
 // no MPI.
 DistributedRuntime start_ranks(const Config& cfg, const std::string& command);
-// Whether this process has called start_ranks.
-bool ranks_started();
 
 // Under a launcher of several processes, a command that ends without start_ranks (--print-config,
 // --help, a command that runs alone such as prepare-data) still meets its peers before it exits: a peer
