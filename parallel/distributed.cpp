@@ -205,15 +205,15 @@ std::string first_config_difference(const std::string& a, int rank_a, const std:
 static std::vector<std::string> gather_texts(Communicator& comm, const std::string& text) {
   const Tensor len = Tensor::from_ints({int64_t(text.size())}, {1}, DType::i64, comm.native_device());
   const std::vector<int64_t> lens = comm.all_gather(len).to_ints();
-  const int64_t longest = *std::max_element(lens.begin(), lens.end());
-  Tensor mine = Tensor::zeros({std::max<int64_t>(longest, 1)}, DType::u8);
+  const int64_t width = std::max<int64_t>(*std::max_element(lens.begin(), lens.end()), 1);  // the longest text
+  Tensor mine = Tensor::zeros({width}, DType::u8);
   std::copy(text.begin(), text.end(), mine.data<uint8_t>());
   const Tensor all = comm.all_gather(mine.to(comm.native_device())).to(Device::cpu());
   comm.synchronize();
   std::vector<std::string> out;
   const auto* bytes = all.data<uint8_t>();
   for (size_t r = 0; r < lens.size(); ++r) {
-    const char* row = reinterpret_cast<const char*>(bytes) + r * size_t(std::max<int64_t>(longest, 1));
+    const char* row = reinterpret_cast<const char*>(bytes) + r * size_t(width);
     out.emplace_back(row, size_t(lens[r]));
   }
   return out;

@@ -130,12 +130,13 @@ std::string latest_checkpoint(const std::string& root) {
 // The index of the first NaN or Inf of a host f32 or f64 tensor, or -1 (other dtypes: -1).
 static int64_t first_nonfinite(const Tensor& host) {
   const int64_t n = host.numel();
-  if (host.dtype() == DType::f32) {
-    const float* p = host.contiguous().data<float>();
+  const Tensor c = host.contiguous();  // kept alive while its data is read
+  if (c.dtype() == DType::f32) {
+    const float* p = c.data<float>();
     for (int64_t i = 0; i < n; ++i)
       if (!std::isfinite(p[i])) return i;
-  } else if (host.dtype() == DType::f64) {
-    const double* p = host.contiguous().data<double>();
+  } else if (c.dtype() == DType::f64) {
+    const double* p = c.data<double>();
     for (int64_t i = 0; i < n; ++i)
       if (!std::isfinite(p[i])) return i;
   }
