@@ -6,6 +6,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/common/device_api.h"
+#include "parallel/backends.h"
+
 namespace flowmoe::test {
 
 std::vector<CountPattern> count_patterns() {
@@ -27,6 +30,15 @@ std::vector<int64_t> recv_counts(const CountPattern& p, int me, int n) {
   std::vector<int64_t> c;
   for (int s = 0; s < n; ++s) c.push_back(p.rows(s, me, n));
   return c;
+}
+
+std::string why_no_nccl_gpu_per_rank() {
+  if (!built_with_nccl()) return "built without NCCL";
+  const int n = test_world().size();
+  if (n < 2 || cuda_device_count() < n)
+    return "nccl needs a GPU per rank and several ranks: " + std::to_string(n) + " ranks, " +
+           std::to_string(cuda_device_count()) + " GPUs";
+  return "";
 }
 
 bool put_rows_through_host(Communicator& comm) {

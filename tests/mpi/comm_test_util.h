@@ -34,6 +34,10 @@ std::string decode_row_code(float v);  // "rank 1's row 3 for rank 0, column 2"
 void encode(void* dst_bytes, size_t size, int src, int dst, int64_t j, int64_t col);
 std::string hex_bits(const uint8_t* p, size_t size);  // an element's bytes as one little-endian number
 
+// Why this run cannot test nccl with a GPU per rank and several ranks ("" when it can): the build has
+// no NCCL, one rank, or fewer GPUs than ranks. A test skips with it.
+std::string why_no_nccl_gpu_per_rank();
+
 // Whether comm's put_rows moves rows through the host (every backend but nccl's device puts), which
 // writes NaN bytes into the rows no chunk or pad segment covers. Collective the first time (nccl).
 bool put_rows_through_host(Communicator& comm);

@@ -393,11 +393,8 @@ TEST(Exchange, AutoTakesZeroSyncOnlyWithDevicePutsOnTwoRanks) {
 }
 
 TEST(Exchange, EveryCheckThroughNcclOnAGpuPerRank) {
-  if (!built_with_nccl()) GTEST_SKIP() << "built without NCCL";
+  if (const std::string why = why_no_nccl_gpu_per_rank(); !why.empty()) GTEST_SKIP() << why;
   const int me = test_world().rank(), n = test_world().size();
-  if (n < 2 || cuda_device_count() < n)
-    GTEST_SKIP() << "nccl needs a GPU per rank and several ranks: " << n << " ranks, " << cuda_device_count()
-                 << " GPUs";
   cuda_set_device(me);
   Ranks ranks{make_nccl_communicator(test_runtime().world, me), Device::cuda(me)};
   // With device puts (GPUs that reach each other: NVLink or PCIe P2P), auto takes zero_sync exactly

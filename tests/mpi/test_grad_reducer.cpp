@@ -91,11 +91,8 @@ TEST(GradientReducer, OverlappedBucketsGiveThePlainSumsBitForBit) {
 // The same through nccl, a GPU per rank: the buckets reduced on the reducer's own stream while the
 // backward goes on, against the same buckets reduced after it.
 TEST(GradientReducer, OverlapOnItsOwnStreamThroughNcclGivesThePlainSums) {
-  if (!built_with_nccl()) GTEST_SKIP() << "built without NCCL";
+  if (const std::string why = why_no_nccl_gpu_per_rank(); !why.empty()) GTEST_SKIP() << why;
   const int me = test_world().rank(), n = test_world().size();
-  if (n < 2 || cuda_device_count() < n)
-    GTEST_SKIP() << "nccl needs a GPU per rank and several ranks: " << n << " ranks, " << cuda_device_count()
-                 << " GPUs";
   cuda_set_device(me);
   {
     const std::shared_ptr<Communicator> nccl = make_nccl_communicator(test_runtime().world, me);
