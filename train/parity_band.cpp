@@ -39,11 +39,11 @@ void apply_noise_band(ParityReport& r, double margin) {
     band.upper.clear();
     return;
   }
+  band.num_controls = int(controls);
   // candidates[k - 1] is runs[k]'s verdict: the reference has none.
   for (size_t k = 1; k < r.runs.size(); ++k) {
     if (!r.runs[k].control) continue;
     const ParityCandidate& c = r.candidates[k - 1];
-    ++band.num_controls;
     for (size_t i = 0; i < r.steps.size(); ++i)
       if (r.steps[i] > r.warmup_steps) band.upper[i] = max_of(band.upper[i], r.curves[k].rel_err[i]);
     band.control_mean_max = max_of(band.control_mean_max, c.mean_rel_err);
