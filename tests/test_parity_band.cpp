@@ -60,13 +60,13 @@ TEST(ParityBand, TheStatisticOnAHandComputedCase) {
   EXPECT_TRUE(std::isnan(r.band.upper[0]) && std::isnan(r.band.upper[1]));  // the warmup is not banded
   for (int i = 2; i < n; ++i) EXPECT_NEAR(r.band.upper[size_t(i)], 0.04, 1e-12) << "step " << i + 1;
 
-  const ParityCandidate& a = candidate(r, "fp8_a");
+  const ParityCandidate a = candidate(r, "fp8_a");
   EXPECT_TRUE(a.judged_against_noise);
   EXPECT_NEAR(a.noise_ratio, 0.0495 / 0.04, 1e-9);
   EXPECT_TRUE(a.within_noise) << a.noise_reason;
   EXPECT_FALSE(a.pass);  // 4.95% is far above the 0.25% bar
   EXPECT_NEAR(a.final_val_rel, 0.01, 1e-12);
-  const ParityCandidate& b = candidate(r, "fp8_b");
+  const ParityCandidate b = candidate(r, "fp8_b");
   EXPECT_NEAR(b.noise_ratio, 0.052 / 0.04, 1e-9);
   EXPECT_FALSE(b.within_noise);
   EXPECT_NE(b.noise_reason.find("1.30x the largest of the 3 controls'"), std::string::npos) << b.noise_reason;
@@ -140,10 +140,10 @@ TEST(ParityBand, ThreeTimesTheLearningRateFallsOutsideTheBand) {
   std::vector<ParityRun> runs = {run("bf16", 100, 1, false), run("lr3x", 100, 3, false), run("order4", 104, 1, false)};
   for (int k = 1; k <= 3; ++k) runs.push_back(run("control" + std::to_string(k), 100 + k, 1, true));
   const ParityReport r = make_parity_report(runs, 0.0025, 5);
-  const ParityCandidate& fast = candidate(r, "lr3x");
+  const ParityCandidate fast = candidate(r, "lr3x");
   EXPECT_FALSE(fast.within_noise) << "ratio " << fast.noise_ratio;
   EXPECT_GT(fast.noise_ratio, 2.0);
-  const ParityCandidate& order = candidate(r, "order4");
+  const ParityCandidate order = candidate(r, "order4");
   EXPECT_TRUE(order.within_noise) << order.noise_reason;
   EXPECT_EQ(r.exit_status(), 1);
   fs::remove_all(d);
