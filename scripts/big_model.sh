@@ -9,7 +9,7 @@
 #                      + 6 x layers x seq_len x hidden for attention's two matrix products, causal halved
 #   memory             peak tensor memory per GPU, and the start-up estimate
 # and the fp8_flow / bf16 ratio. Every launch has a time limit.
-#   scripts/big_model.sh BUILD_DIR OUT_DIR      LAYERS (default: the config's), STEPS (20)
+#   scripts/big_model.sh BUILD_DIR OUT_DIR      LAYERS (default: the config's), STEPS (20), TIMEOUT (500 s a run)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 build=${1:?usage: scripts/big_model.sh BUILD_DIR OUT_DIR}
@@ -31,7 +31,8 @@ sets=(--set train.steps="$steps" --set optimizer.warmup_steps=3 --set train.eval
 rc=0
 for recipe in bf16 fp8_flow; do
   name="deep_${recipe}"
-  if timeout 500 mpirun --oversubscribe --bind-to none -np "$ngpu" "$build/flowmoe" train --config "$config" \
+  if timeout -k 15 "${TIMEOUT:-500}" mpirun --oversubscribe --bind-to none -np "$ngpu" \
+       "$build/flowmoe" train --config "$config" \
        "${sets[@]}" --set precision.recipe=$recipe --set logging.out_dir="$out/$name" >"$out/$name.log" 2>&1; then
     python3 - "$out/$name" "$out/$name.log" "$ngpu" "$recipe" <<'PY'
 import json, re, statistics, sys
@@ -67,6 +68,7 @@ open(d + "/tps.txt", "w").write("%.3f\n" % tps)
 PY
   else
     echo "big_model $recipe: FAILED (exit $?, see $name.log)"; tail -3 "$out/$name.log"; rc=1
+    pkill -KILL -f "$build/flowmoe train" 2>/dev/null  # a rank that outlived the time limit holds its GPU
   fi
 done
 if [ -s "$out/deep_bf16/tps.txt" ] && [ -s "$out/deep_fp8_flow/tps.txt" ]; then

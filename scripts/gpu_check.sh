@@ -99,7 +99,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     local label=$1 log="$out/$2.log" rc
     shift 2
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none \
-      timeout 90 mpirun --oversubscribe --bind-to none -np "$@" >"$log" 2>&1
+      timeout -k 15 90 mpirun --oversubscribe --bind-to none -np "$@" >"$log" 2>&1
     rc=$?
     if [ $rc -eq 0 ]; then
       grep -q '^BENCH' "$log" || row "$label" "$(tail -1 "$log")"

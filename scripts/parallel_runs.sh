@@ -49,7 +49,7 @@ if [ "$which" != nccl ]; then
   train_run "$build" "$config" "$out/par_ep1" "$out/par_ep1.log" "${ep_common[@]}" || rc=1
   ref=$(losses "$out/par_ep1" 2>/dev/null)
   for ep in 2 4; do
-    timeout 300 mpirun --oversubscribe --bind-to none -np $ep bash -c ". scripts/train_run.sh; train_run '$build' '$config' \
+    timeout -k 15 300 mpirun --oversubscribe --bind-to none -np $ep bash -c ". scripts/train_run.sh; train_run '$build' '$config' \
       '$out/par_ep$ep' '$out/par_ep$ep.log'.\$OMPI_COMM_WORLD_RANK ${ep_common[*]} --set parallel.backend=mpi \
       --set parallel.expert_parallel_size=$ep" >"$out/par_ep$ep.mpirun.log" 2>&1 || rc=1
     got=$(losses "$out/par_ep$ep" 2>/dev/null)

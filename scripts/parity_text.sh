@@ -33,7 +33,7 @@ export NCCL_NVLS_ENABLE=0  # no NVLink multicast
 parity() {
   local name=$1 np=$2 launch=()
   shift 2
-  [ "$np" -gt 1 ] && launch=(timeout "${TIMEOUT:-3000}" mpirun --oversubscribe --bind-to none -np "$np")
+  [ "$np" -gt 1 ] && launch=(timeout -k 15 "${TIMEOUT:-3000}" mpirun --oversubscribe --bind-to none -np "$np")
   "${launch[@]}" "$build/flowmoe" parity --config "$config" --out "$out/$name" --set logging.progress=plain "$@" \
     >"$out/$name.log" 2>&1
   local r=$?

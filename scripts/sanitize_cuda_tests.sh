@@ -44,7 +44,7 @@ sanitize_one() {  # sanitize_one LABEL BINARY TOOL-ARGS...
   log="$logs/$label-$(basename "$t").log"
   local f=$filter
   [ "$label" = racecheck-all ] && f=$rerun_filter
-  timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --error-exitcode 99 "$@" "$t" --gtest_filter="$f" \
+  timeout -k 15 "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --error-exitcode 99 "$@" "$t" --gtest_filter="$f" \
     >"$log" 2>&1 && return 0
   grep -q 'Internal Sanitizer Error' "$log" && return 3
   [ "$label" = racecheck-all ] && only_library_hazards "$log" && return 0

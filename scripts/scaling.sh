@@ -2,8 +2,9 @@
 # Weak scaling on one machine's GPUs: the per-GPU batch held at each config's one-GPU batch, so N GPUs
 # train N times the tokens per step. For each config and recipe, one run on one GPU (the baseline,
 # from the same invocation), then at each size N: data parallelism (dp), expert parallelism over all N
-# (ep_sync, ep_zero_sync), EP N/2 x DP 2 (epdp, at 4 and more), and dp without the overlapped gradient
-# reduction (dp_serial). Prints one "scaling ..." line per run (scripts/gpu_check.sh puts them in its
+# (ep_sync, ep_zero_sync), EP N/2 x DP 2 (epdp, at 4 and more), dp with a full optimizer copy on every
+# rank (dp_unsharded: parallel.shard_optimizer=false) and dp without the overlapped gradient reduction
+# (dp_serial). Prints one "scaling ..." line per run (scripts/gpu_check.sh puts them in its
 # summary) and a Markdown table into OUT_DIR/scaling.md. Every launch has a time limit.
 #   scripts/scaling.sh BUILD_DIR OUT_DIR
 #   CONFIGS (default "gpu_moe gpu_moe_wide"), RECIPES ("bf16 fp8_flow"), SIZES (2, 4, 8: those the GPUs
@@ -15,8 +16,9 @@
 #   tok/s/GPU    the median tokens/s of the steps after the first third, over N (the profiled step left out)
 #   vs 1 GPU     that over the one-GPU run's: 1.00 is perfect weak scaling
 #   exposed      communication the compute stream waited for in the profiled step (--profile): the
-#                gradient sync's wait ("gradient sync") plus the token exchange ("exchange", which runs on
-#                the compute stream), as a share of that step's wall time
+#                gradient sync's wait ("gradient sync"), the sharded optimizer's weight gather the forward
+#                waited for ("weight gather") and the token exchange ("exchange", which runs on the
+#                compute stream), as a share of that step's wall time
 #   peak         peak tensor memory per GPU; host syncs per step
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -48,11 +50,16 @@ run() {
              --set checkpoint.every=0 --set checkpoint.final=false --set logging.progress=plain
              --set logging.log_every=10 --set precision.recipe="$recipe" ${EXTRA_SETS:-} "$@")
   if [ "$np" -eq 1 ]; then
-    timeout 400 "${cmd[@]}" >"$out/$name.log" 2>&1
+    timeout -k 15 400 "${cmd[@]}" >"$out/$name.log" 2>&1
   else
-    timeout 400 mpirun --oversubscribe --bind-to none -np "$np" "${cmd[@]}" --set parallel.backend="${BACKEND:-nccl}" \
+    timeout -k 15 400 mpirun --oversubscribe --bind-to none -np "$np" "${cmd[@]}" \
+      --set parallel.backend="${BACKEND:-nccl}" \
       --set parallel.expert_parallel_size="$ep" >"$out/$name.log" 2>&1
   fi
+  local rc=$?
+  # A rank that outlived its launcher's time limit would hold its GPU's memory through the next run.
+  pkill -KILL -f "$build/flowmoe train" 2>/dev/null
+  return $rc
 }
 # report NAME NP LAYOUT: the run's line and table row, against the one-GPU run's tok/s (BASE).
 report() {
@@ -66,7 +73,7 @@ wall, exposed = None, 0.0
 try:
     text = open(d + "/profile.txt").read()
     wall = float(re.search(r"profile of step \d+ on \S+: ([0-9.]+) ms wall", text).group(1))
-    for m in re.finditer(r"^\s+\S+\s+(gradient sync|exchange)\s+\S+\s+\d+\s+([0-9.]+)", text, re.M):
+    for m in re.finditer(r"^\s+\S+\s+(gradient sync|weight gather|exchange)\s+\S+\s+\d+\s+([0-9.]+)", text, re.M):
         exposed += float(m.group(2))
 except (OSError, AttributeError):
     pass
@@ -92,9 +99,10 @@ for config_name in ${CONFIGS:-gpu_moe gpu_moe_wide}; do
     run "$name" 1 1 && report "$name" 1 "one GPU" && base=$(cat "$out/$name/tps.txt")
     [ "$base" != 0 ] || { echo "scaling $config_name $recipe 1 GPU: FAILED (see $name.log)"; rc=1; continue; }
     for n in "${sizes[@]}"; do
-      for mode in ${MODES:-dp ep_sync ep_zero_sync epdp dp_serial}; do
+      for mode in ${MODES:-dp ep_sync ep_zero_sync epdp dp_unsharded dp_serial}; do
         case $mode in
           dp) ep=1; extra=() ;;
+          dp_unsharded) ep=1; extra=(--set parallel.shard_optimizer=false) ;;
           dp_serial) ep=1; extra=(--set parallel.overlap_grad_reduce=false) ;;
           ep_sync) ep=$n; extra=(--set parallel.ep_dispatch=sync) ;;
           ep_zero_sync) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync) ;;
