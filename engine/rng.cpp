@@ -86,7 +86,18 @@ Tensor Rng::uniform(const Shape& shape, double lo, double hi, DType dtype, Devic
 }
 
 Tensor Rng::normal(const Shape& shape, double mean, double std, DType dtype, Device device) {
-  const uint64_t base = offset_;
+  return normal_rows(shape, 0, shape.empty() ? 1 : shape[0], mean, std, dtype, device);
+}
+
+Tensor Rng::normal_rows(const Shape& full_shape, int64_t row_begin, int64_t rows, double mean, double std,
+                        DType dtype, Device device) {
+  const int64_t full_rows = full_shape.empty() ? 1 : full_shape[0];
+  FLOWMOE_CHECK(row_begin >= 0 && rows >= 0 && row_begin + rows <= full_rows, ShapeError, "Rng::normal_rows: rows [",
+                row_begin, ", ", row_begin + rows, ") of ", shape_str(full_shape));
+  Shape shape = full_shape;
+  if (!shape.empty()) shape[0] = rows;
+  const int64_t row_elems = full_rows > 0 ? shape_numel(full_shape) / full_rows : 0;
+  const uint64_t base = offset_ + 2 * uint64_t(row_begin * row_elems);
   // Box-Muller: each element uses two draws of its own, so element i never depends on the shape.
   Tensor t = generate(shape, dtype, device, [&](int64_t i) {
     const uint64_t d = base + 2 * uint64_t(i);
@@ -94,7 +105,7 @@ Tensor Rng::normal(const Shape& shape, double mean, double std, DType dtype, Dev
     const double u2 = to_unit(draw(d + 1));
     return mean + std * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
   });
-  offset_ += 2 * uint64_t(shape_numel(shape));
+  offset_ += 2 * uint64_t(shape_numel(full_shape));
   return t;
 }
 

@@ -15,6 +15,10 @@ class Rng {
 
   Tensor uniform(const Shape& shape, double lo, double hi, DType dtype = DType::f32, Device device = Device::cpu());
   Tensor normal(const Shape& shape, double mean, double std, DType dtype = DType::f32, Device device = Device::cpu());
+  // Rows [row_begin, row_begin + rows) of normal(full_shape, ...), bit for bit, drawing only those rows;
+  // the offset advances as for the whole draw (an expert-parallel rank's share of a full tensor).
+  Tensor normal_rows(const Shape& full_shape, int64_t row_begin, int64_t rows, double mean, double std,
+                     DType dtype = DType::f32, Device device = Device::cpu());
   // Integers uniform in [lo, hi).
   Tensor randint(const Shape& shape, int64_t lo, int64_t hi, DType dtype = DType::i32, Device device = Device::cpu());
   double next_uniform();   // one double in [0, 1)

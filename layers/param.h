@@ -27,12 +27,11 @@ class ParamFactory {
   Variable normal(const std::string& name, const Shape& shape, double std) {
     return add(Variable(rng_.normal(shape, 0.0, std, DType::f32, device_), true, name), {false, 0, shape[0]});
   }
-  // An expert weight [E, ...] of which this rank holds rows [offset, offset + rows): the full tensor
-  // is drawn (the Rng advances as for a whole one) and the slice kept.
+  // An expert weight [E, ...] of which this rank holds rows [offset, offset + rows): those rows of the
+  // full tensor's draw, bit for bit (the Rng advances as for a whole one).
   Variable expert_normal(const std::string& name, const Shape& full_shape, double std, int64_t offset, int64_t rows) {
-    Tensor full = rng_.normal(full_shape, 0.0, std, DType::f32, Device::cpu());
-    Tensor mine = rows == full_shape[0] ? full : full.slice(0, offset, offset + rows).contiguous();
-    return add(Variable(mine.to(device_), true, name), {true, offset, full_shape[0]});
+    Tensor mine = rng_.normal_rows(full_shape, offset, rows, 0.0, std, DType::f32, device_);
+    return add(Variable(mine, true, name), {true, offset, full_shape[0]});
   }
   Variable ones(const std::string& name, const Shape& shape) {
     return add(Variable(Tensor::full(shape, 1.0, DType::f32, device_), true, name), {false, 0, shape[0]});

@@ -98,6 +98,23 @@ TEST(Tensor, ErrorsNameBothSides) {
   EXPECT_EQ(Device::parse("cuda:3").index, 3);
 }
 
+// An expert-parallel rank draws only its rows of a full tensor: the same bits as the full draw's rows,
+// and the stream goes on where the full draw leaves it.
+TEST(Rng, NormalRowsAreTheFullDrawsRows) {
+  Rng full(11), part(11);
+  const Tensor whole = full.normal({8, 3, 5}, 0.1, 2.0);
+  for (const auto& [begin, rows] : {std::pair<int64_t, int64_t>{0, 8}, {2, 3}, {7, 1}, {4, 0}}) {
+    Rng r(11);
+    const Tensor mine = r.normal_rows({8, 3, 5}, begin, rows, 0.1, 2.0);
+    EXPECT_TRUE(bit_equal(mine, whole.slice(0, begin, begin + rows).contiguous()))
+        << "rows [" << begin << ", " << begin + rows << ")";
+    EXPECT_EQ(r.offset(), full.offset());
+  }
+  part.normal_rows({8, 3, 5}, 6, 2, 0.1, 2.0);
+  EXPECT_TRUE(bit_equal(part.normal({4}, 0, 1), full.normal({4}, 0, 1)));
+  EXPECT_THROW(part.normal_rows({8, 3}, 7, 2, 0, 1), ShapeError);
+}
+
 TEST(Rng, SameSeedSameValuesAnyDevice) {
   Rng r1(7), r2(7);
   EXPECT_TRUE(bit_equal(r1.normal({100}, 0, 1), r2.normal({100}, 0, 1)));
