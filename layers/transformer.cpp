@@ -49,14 +49,17 @@ Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, u
                 " (the CPU computes in f32, the GPU in bf16 or f32)");
   ParamFactory f(seed, device);
   embed_tokens_ = f.normal("model.embed_tokens.weight", {cfg.vocab_size, cfg.hidden_size}, cfg.initializer_range);
+  stages_.push_back(0);
   for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
     layers_.push_back(std::make_unique<TransformerBlock>(f, cfg, i, moe, device));
     if (layers_.back()->moe()) buffers_.push_back(layers_.back()->moe()->expert_bias());
+    stages_.resize(f.params().size(), 1 + i);
   }
   norm_ = f.ones("model.norm.weight", {cfg.hidden_size});
   lm_head_ = cfg.tie_word_embeddings
                  ? embed_tokens_
                  : f.normal("lm_head.weight", {cfg.vocab_size, cfg.hidden_size}, cfg.initializer_range);
+  stages_.resize(f.params().size(), cfg.num_hidden_layers + 1);
   params_ = f.params();
   shards_ = f.shards();
 }
@@ -72,12 +75,20 @@ Variable Transformer::forward(const Tensor& ids) const {
                 ", expected [B, T] i32");
   FLOWMOE_CHECK(ids.size(1) <= cfg_.max_position_embeddings, ShapeError, "Transformer: sequence of ", ids.size(1),
                 " tokens exceeds max_position_embeddings ", cfg_.max_position_embeddings);
+  const auto stage = [&](int64_t s) {
+    if (stage_hook_) stage_hook_(s);
+  };
   Variable h;
   {
     ProfileScope scope("embed");
+    stage(0);
     h = embedding(compute_weight(embed_tokens_, compute_), ids.to(device_));
   }
-  for (const auto& layer : layers_) h = layer->forward(h, compute_);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    stage(int64_t(i) + 1);
+    h = layers_[i]->forward(h, compute_);
+  }
+  stage(int64_t(layers_.size()) + 1);
   ProfileScope scope("head");
   h = rmsnorm(h, compute_weight(norm_, compute_), cfg_.rms_norm_eps);
   // A tied head casts the embedding again, so each use's gradient returns to f32 before they are added.

@@ -5,6 +5,7 @@
 // The forward computes in `compute` dtype: f32 on the CPU; bf16 on the GPU, where each weight is
 // cast per use and its gradient returns to f32. Init is seeded and identical on every device.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,6 +65,12 @@ class Transformer {
   // sharded over the expert-parallel group (MoeOptions::expert_parallel), the rest are whole.
   const std::vector<ParamShard>& parameter_shards() const { return shards_; }
   int64_t num_parameters() const;
+  // The stage of the forward that first reads each parameter, in parameters()' order: 0 the embedding,
+  // 1 + i layer i, num_hidden_layers + 1 the final norm and the head. A stage hook, when set, is called
+  // with each stage before the forward reads its weights: a sharded optimizer waits there for the
+  // weights it is still gathering (train/grad_reducer.h), so the gather overlaps the earlier stages.
+  const std::vector<int64_t>& parameter_stages() const { return stages_; }
+  void set_stage_hook(std::function<void(int64_t)> hook) { stage_hook_ = std::move(hook); }
   const ModelConfig& config() const { return cfg_; }
   Device device() const { return device_; }
   DType compute_dtype() const { return compute_; }
@@ -74,6 +81,8 @@ class Transformer {
   DType compute_;
   std::vector<Variable> params_, buffers_;
   std::vector<ParamShard> shards_;
+  std::vector<int64_t> stages_;
+  std::function<void(int64_t)> stage_hook_;
   Variable embed_tokens_, norm_, lm_head_;
   std::vector<std::unique_ptr<TransformerBlock>> layers_;
 };

@@ -38,6 +38,8 @@ class NoneCommunicator final : public Communicator {
     Tensor out = recv;
     out.copy_(send);
   }
+  void do_reduce_scatter_in_place(const Tensor&, ReduceOp) override {}
+  void do_all_gather_in_place(const Tensor&, size_t) override {}
   void do_broadcast(const Tensor&, int) override {}
   void do_barrier() override {}
   std::shared_ptr<Communicator> do_split(int, int, int) override { return std::make_shared<NoneCommunicator>(); }

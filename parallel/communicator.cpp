@@ -290,6 +290,27 @@ void Communicator::all_gather(const Tensor& send_in, const Tensor& recv) {
   do_all_gather(send, recv, row_bytes_of(send));
 }
 
+// The sharded forms' shared checks: a flat tensor of whole segments.
+static void check_segments(const Tensor& t, int size, const char* call) {
+  FLOWMOE_CHECK(t.defined(), ShapeError, call, " of an undefined tensor");
+  FLOWMOE_CHECK(t.dim() == 1 && t.is_contiguous(), ShapeError, call, " works in place on a flat tensor: ", t.describe(),
+                " must be 1-D and contiguous");
+  FLOWMOE_CHECK(t.numel() % size == 0, ShapeError, call, ": ", t.describe(), " is not ", size,
+                " segments of equal size (pad it to a multiple of the ranks)");
+}
+
+void Communicator::reduce_scatter_in_place(const Tensor& t, ReduceOp op) {
+  check_segments(t, size(), "reduce_scatter_in_place");
+  check_dtype(t, {DType::f32, DType::f64}, "reduce_scatter_in_place");
+  FLOWMOE_CHECK(op != ReduceOp::max, CommError, "reduce_scatter_in_place: sum or avg, not max");
+  if (t.numel() > 0) do_reduce_scatter_in_place(t, op);
+}
+
+void Communicator::all_gather_in_place(const Tensor& t) {
+  check_segments(t, size(), "all_gather_in_place");
+  if (t.numel() > 0) do_all_gather_in_place(t, t.nbytes() / size_t(size()));
+}
+
 Tensor Communicator::all_gather(const Tensor& send) {
   check_rows_tensor(send, "all_gather", "send");
   Shape shape = send.shape();

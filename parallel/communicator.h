@@ -105,6 +105,12 @@ class Communicator {
   // send [n, ...] from every rank -> recv [size() * n, ...], rank r's rows at [r*n, (r+1)*n).
   void all_gather(const Tensor& send, const Tensor& recv);
   Tensor all_gather(const Tensor& send);
+  // The halves of an all_reduce, for a sharded optimizer (ZeRO-1): t [size() * n] (1-D, contiguous) on
+  // every rank, in place. reduce_scatter_in_place leaves op over ranks of segment r, t[r*n, (r+1)*n), in
+  // rank r's segment r (f32 or f64; sum or avg) and the other segments unspecified;
+  // all_gather_in_place gives every rank each rank's own segment (any dtype).
+  void reduce_scatter_in_place(const Tensor& t, ReduceOp op);
+  void all_gather_in_place(const Tensor& t);
   // t on every rank becomes root's t (in place).
   void broadcast(const Tensor& t, int root);
   // Every rank has reached this point (nccl: and its enqueued collectives are complete).
@@ -159,6 +165,9 @@ class Communicator {
   virtual bool do_device_puts() { return false; }
   virtual void do_all_reduce(const Tensor& t, ReduceOp op) = 0;
   virtual void do_all_gather(const Tensor& send, const Tensor& recv, size_t row_bytes) = 0;
+  // Called with t 1-D, contiguous, its numel a multiple of size(); seg_bytes the bytes of one segment.
+  virtual void do_reduce_scatter_in_place(const Tensor& t, ReduceOp op) = 0;
+  virtual void do_all_gather_in_place(const Tensor& t, size_t seg_bytes) = 0;
   virtual void do_broadcast(const Tensor& t, int root) = 0;
   virtual void do_barrier() = 0;
   virtual void do_synchronize() {}

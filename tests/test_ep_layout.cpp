@@ -28,6 +28,8 @@ class ShapeOnlyComm final : public Communicator {
                             size_t) override { refuse(); }
   void do_all_reduce(const Tensor&, ReduceOp) override { refuse(); }
   void do_all_gather(const Tensor&, const Tensor&, size_t) override { refuse(); }
+  void do_reduce_scatter_in_place(const Tensor&, ReduceOp) override { refuse(); }
+  void do_all_gather_in_place(const Tensor&, size_t) override { refuse(); }
   void do_broadcast(const Tensor&, int) override { refuse(); }
   void do_barrier() override { refuse(); }
   std::shared_ptr<Communicator> do_split(int, int, int) override { refuse(); }

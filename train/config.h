@@ -65,6 +65,7 @@ struct ParallelConfig {
   std::string ep_dispatch = "auto";  // auto | sync | zero_sync (parallel/dispatch.h EpDispatch)
   bool overlap_grad_reduce = true;    // reduce gradient buckets during the backward (train/grad_reducer.h)
   int64_t grad_reduce_sms = 0;        // nccl: thread blocks the overlapped reduction may take; 0: nccl's choice
+  bool shard_optimizer = true;        // ZeRO-1 over the data-parallel ranks (train/grad_reducer.h)
 };
 
 struct CheckpointConfig {

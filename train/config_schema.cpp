@@ -240,6 +240,10 @@ const std::vector<Field>& schema() {
     f.push_back(integer("parallel", "grad_reduce_sms", FLOWMOE_CONFIG_REF(parallel.grad_reduce_sms), 0, 1024,
                         "nccl, overlap_grad_reduce: the thread blocks (SMs) the gradient reduction's kernels may "
                         "take beside the backward; 0: as many as nccl chooses"));
+    f.push_back(boolean("parallel", "shard_optimizer", FLOWMOE_CONFIG_REF(parallel.shard_optimizer),
+                        "ZeRO-1: each data-parallel rank keeps AdamW's moments for and updates 1/N of the weights "
+                        "(gradients reduce-scattered, weights all-gathered), so the optimizer state costs 8/N bytes "
+                        "per parameter; false keeps a full copy on every rank"));
     // checkpoint
     f.push_back(string("checkpoint", "dir", FLOWMOE_CONFIG_REF(checkpoint.dir),
                        "where checkpoints go; empty: <logging.out_dir>/checkpoints"));

@@ -25,10 +25,24 @@ void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& 
 }
 
 double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards) {
-  if (ps.expert_parallel_size == 1) return opt.grad_norm();
-  const auto [dense, local_experts] = opt.grad_square_sums(expert_shard_flags(ps, shards));
-  const double experts = all_reduce_values(*ps.expert_parallel, {local_experts}, ReduceOp::sum)[0];
+  if (ps.expert_parallel_size == 1 && !opt.sharded()) return opt.grad_norm();
+  auto [dense, experts] = opt.grad_square_sums(expert_shard_flags(ps, shards));
+  if (opt.sharded()) {  // each rank summed its segments of the buckets
+    dense = all_reduce_values(*ps.world, {dense}, ReduceOp::sum)[0];
+    if (ps.expert_parallel_size > 1)
+      experts = all_reduce_values(*ps.expert_data_parallel, {experts}, ReduceOp::sum)[0];
+  }
+  if (ps.expert_parallel_size > 1) experts = all_reduce_values(*ps.expert_parallel, {experts}, ReduceOp::sum)[0];
   return std::sqrt(dense + experts);
+}
+
+void reduce_square_sums(const ParallelState& ps, const Tensor& sums, bool sharded) {
+  const Tensor dense = sums.slice(0, 0, 1), experts = sums.slice(0, 1, 2);
+  if (sharded) {
+    ps.world->all_reduce(dense, ReduceOp::sum);
+    if (ps.expert_parallel_size > 1) ps.expert_data_parallel->all_reduce(experts, ReduceOp::sum);
+  }
+  if (ps.expert_parallel_size > 1) ps.expert_parallel->all_reduce(experts, ReduceOp::sum);
 }
 
 std::vector<bool> expert_shard_flags(const ParallelState& ps, const std::vector<ParamShard>& shards) {

@@ -41,7 +41,11 @@ void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& 
 // The global norm of the synced gradients, the same on every rank: opt.grad_norm() at expert-parallel
 // size 1 (bit for bit). With expert parallelism a rank's expert gradients are its share of the experts:
 // their squares are summed over the expert-parallel group, the dense ones (whole everywhere) counted once.
+// A sharded optimizer's squares are summed over each parameter's data-parallel group first.
 double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards);
+// The same on the device: sums [2] f32 (AdamW::grad_square_sums_device: {dense, expert shards}) becomes
+// the global batch's, in place, on the collectives' streams (sharded: each rank's segments summed first).
+void reduce_square_sums(const ParallelState& ps, const Tensor& sums, bool sharded);
 // The flags AdamW's squared-norm sums split the gradients by: each parameter's shards[i].expert with
 // expert parallelism, none (one class) at expert-parallel size 1.
 std::vector<bool> expert_shard_flags(const ParallelState& ps, const std::vector<ParamShard>& shards);

@@ -56,7 +56,8 @@ Tensor gather_rows(Communicator& group, const Tensor& local, const ParamShard& s
   FLOWMOE_CHECK(local.size(0) * group.size() == shard.full_rows && shard.offset == group.rank() * local.size(0), Error,
                 "'", name, "': rows [", shard.offset, ", ", shard.offset + local.size(0), ") of ", shard.full_rows,
                 " are not this rank's share of an expert-parallel group of ", group.size());
-  Tensor full = group.all_gather(local.contiguous());
+  // A sharded optimizer's gathered moments come from the host.
+  Tensor full = group.all_gather(local.to(group.native_device()).contiguous());
   return keep ? full.to(Device::cpu()) : Tensor();
 }
 

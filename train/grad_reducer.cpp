@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "engine/ops/ops.h"
+#include "engine/profiler.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
 
@@ -13,8 +14,8 @@ namespace flowmoe {
 
 GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> params,
                                  const std::vector<ParamShard>& shards, bool overlap, size_t bucket_bytes,
-                                 int max_ctas)
-    : ps_(ps), params_(std::move(params)), overlap_(overlap) {
+                                 int max_ctas, bool shard)
+    : ps_(ps), params_(std::move(params)), overlap_(overlap), shard_(shard) {
   FLOWMOE_CHECK(shards.size() == params_.size(), Error, "GradientReducer: ", params_.size(), " parameters but ",
                 shards.size(), " shards");
   scale_ = 1.0 / double(ps.world->size());
@@ -48,6 +49,7 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
     for (size_t i : buckets_[b].params) bucket_of_[i] = b;
   final_.assign(params_.size(), false);
   missing_.assign(params_.size(), false);
+  if (shard_) shard_buckets();
 
   // nccl: the reductions get communicators of their own on a stream of their own, so that they run
   // beside the backward (a communicator serves one stream: the world's stays with the compute stream).
@@ -56,6 +58,8 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
     stream_ = std::make_unique<Stream>(device);
     grads_ready_ = std::make_unique<Event>();
     reduced_ = std::make_unique<Event>();
+    if (shard_)
+      for (Bucket& b : buckets_) b.gathered = std::make_shared<Event>();
     comms_[0] = ps.world->split(0, ps.world->rank(), max_ctas);
     comms_[0]->set_stream(stream_->get());
     if (ps.expert_parallel_size > 1) {
@@ -68,6 +72,34 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
 }
 
 GradientReducer::~GradientReducer() = default;
+
+std::pair<int64_t, int64_t> GradientReducer::segment(const Bucket& b) const {
+  const Communicator& comm = *group_communicator(b.group);
+  const int64_t n = b.padded / comm.size();
+  return {comm.rank() * n, (comm.rank() + 1) * n};
+}
+
+// Each bucket's parameters move into one flat buffer in the bucket's layout (padded to whole segments),
+// so that the all-gather writes them in place; AdamW's ranges are their elements in this rank's segment.
+void GradientReducer::shard_buckets() {
+  ranges_.assign(params_.size(), {0, 0});
+  for (Bucket& b : buckets_) {
+    const int64_t size = group_communicator(b.group)->size();
+    b.padded = (b.numel + size - 1) / size * size;
+    b.weights = Tensor::zeros({b.padded}, DType::f32, params_[b.params.front()].device());
+    const auto [begin, end] = segment(b);
+    int64_t offset = 0;
+    for (size_t i : b.params) {
+      Variable p = params_[i];
+      const int64_t n = p.data().numel();
+      Tensor slot = b.weights.slice(0, offset, offset + n).view(p.shape());
+      slot.copy_(p.data());
+      p.set_data(slot);
+      ranges_[i] = {std::clamp(begin - offset, int64_t(0), n), std::clamp(end - offset, int64_t(0), n)};
+      offset += n;
+    }
+  }
+}
 
 const std::shared_ptr<Communicator>& GradientReducer::group_communicator(int group) const {
   return group == 1 && ps_.expert_parallel_size > 1 ? ps_.expert_data_parallel : ps_.world;
@@ -84,6 +116,7 @@ void GradientReducer::view_grads(const Bucket& b) {
 }
 
 void GradientReducer::begin() {
+  wait_weights();  // a forward that called no stage hook read them too
   final_.assign(params_.size(), false);
   missing_.assign(params_.size(), false);
   for (Bucket& b : buckets_) {
@@ -117,7 +150,8 @@ void GradientReducer::on_leaf(VariableImpl& leaf) {
 // the parameters' gradients become views of it, so their own tensors are freed at once.
 void GradientReducer::launch(Bucket& b) {
   const Device device = params_[b.params.front()].device();
-  b.flat = Tensor::empty({b.numel}, DType::f32, device);
+  b.flat = Tensor::empty({shard_ ? b.padded : b.numel}, DType::f32, device);
+  if (shard_ && b.padded > b.numel) b.flat.slice(0, b.numel, b.padded).zero_();
   int64_t offset = 0;
   for (size_t i : b.params) {
     const Variable& p = params_[i];
@@ -139,7 +173,11 @@ void GradientReducer::launch(Bucket& b) {
   }
   // Dense gradients: the mean over the world (data_parallel.h says why). Expert shards: the sum over
   // their W / E replicas, divided by W in finish().
-  comm.all_reduce(b.flat, b.group == 0 ? ReduceOp::avg : ReduceOp::sum);
+  const ReduceOp op = b.group == 0 ? ReduceOp::avg : ReduceOp::sum;
+  if (shard_)
+    comm.reduce_scatter_in_place(b.flat, op);
+  else
+    comm.all_reduce(b.flat, op);
   if (stream_) reduced_->record(stream_->get());
 }
 
@@ -179,7 +217,11 @@ void GradientReducer::finish() {
   while (next_ < buckets_.size()) launch(buckets_[next_++]);
   if (stream_) reduced_->wait(current_stream(params_[0].device().index));
   for (Bucket& b : buckets_) {
-    if (b.group == 1) {  // scaled once summed; the views move onto the scaled buffer
+    if (b.group == 1 && shard_) {  // only this rank's segment holds a sum to scale
+      const auto [begin, end] = segment(b);
+      Tensor mine = b.flat.slice(0, begin, end);
+      mine.copy_(tensor_scale(mine, scale_));
+    } else if (b.group == 1) {  // scaled once summed; the views move onto the scaled buffer
       b.flat = tensor_scale(b.flat, scale_);
       view_grads(b);
     }
@@ -187,6 +229,84 @@ void GradientReducer::finish() {
   }
   for (int g : {0, 1})
     if (g == 0 || ps_.expert_parallel_size > 1) exchange_presence(g);
+}
+
+// Every bucket's weights from the segments their ranks updated, in the order the forward reads them
+// (the reverse of the backward's). With nccl they move on the reduction stream, after AdamW's kernels,
+// and the compute stream waits for them before it reads a weight again.
+void GradientReducer::gather_weights() {
+  FLOWMOE_CHECK(shard_, Error, "GradientReducer::gather_weights: the optimizer is not sharded");
+  if (stream_) {  // after AdamW's kernels on the compute stream
+    grads_ready_->record(current_stream(params_[0].device().index));
+    grads_ready_->wait(stream_->get());
+  }
+  // Stage order; among buckets of one stage, the later bucket holds the earlier parameters.
+  std::vector<size_t> order(buckets_.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = order.size() - 1 - k;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return buckets_[a].stage < buckets_[b].stage; });
+  for (size_t k : order) {
+    Bucket& b = buckets_[k];
+    comms_[b.group]->all_gather_in_place(b.weights);
+    if (!stream_) continue;
+    b.gathered->record(stream_->get());
+    b.awaited = false;
+  }
+  for (const Variable& p : params_) p.bump_version();  // FP8 weight caches re-quantize
+}
+
+void GradientReducer::set_stages(const std::vector<int64_t>& stages) {
+  FLOWMOE_CHECK(stages.size() == params_.size(), Error, "GradientReducer::set_stages: ", stages.size(),
+                " stages for ", params_.size(), " parameters");
+  for (Bucket& b : buckets_) {
+    b.stage = INT64_MAX;
+    for (size_t i : b.params) b.stage = std::min(b.stage, stages[i]);
+  }
+}
+
+void GradientReducer::wait_stage(int64_t stage) {
+  const auto due = [&](const Bucket& b) { return !b.awaited && b.stage <= stage; };
+  if (std::none_of(buckets_.begin(), buckets_.end(), due)) return;
+  // What the compute stream stalls here is the gather the forward could not hide (the profile's
+  // "weight gather" in the optimizer's scope).
+  OpTimer timer("weight gather", OpPhase::step, "optimizer", params_[0].device(), 0, 0);
+  for (Bucket& b : buckets_) {
+    if (!due(b)) continue;
+    b.gathered->wait(current_stream(params_[0].device().index));
+    b.awaited = true;
+  }
+}
+
+std::pair<std::vector<Tensor>, std::vector<Tensor>> GradientReducer::full_moments(const AdamW& opt, bool keep) {
+  FLOWMOE_CHECK(shard_, Error, "GradientReducer::full_moments: the optimizer is not sharded");
+  std::vector<Tensor> full[2];
+  for (std::vector<Tensor>& f : full) f.resize(params_.size());
+  for (const Bucket& b : buckets_) {
+    const Device device = params_[b.params.front()].device();
+    const auto [begin, end] = segment(b);
+    for (int which : {0, 1}) {
+      const std::vector<Tensor>& mine = which == 0 ? opt.exp_avg() : opt.exp_avg_sq();
+      // This rank's segment of the bucket is its parameters' ranges side by side, then the padding.
+      Tensor flat = Tensor::zeros({b.padded}, DType::f32, device);
+      int64_t at = begin;
+      for (size_t i : b.params) {
+        const int64_t n = ranges_[i].second - ranges_[i].first;
+        if (n > 0) flat.slice(0, at, at + n).copy_(mine[i]);
+        at += n;
+      }
+      FLOWMOE_CHECK(at <= end, Error, "full_moments: a segment of ", end - begin, " elements holds ", at - begin);
+      group_communicator(b.group)->all_gather_in_place(flat);
+      if (!keep) continue;
+      const Tensor host = flat.to(Device::cpu());
+      int64_t offset = 0;
+      for (size_t i : b.params) {
+        const int64_t n = params_[i].data().numel();
+        full[which][i] = host.slice(0, offset, offset + n).contiguous().view(params_[i].shape());
+        offset += n;
+      }
+    }
+  }
+  return {std::move(full[0]), std::move(full[1])};
 }
 
 }  // namespace flowmoe

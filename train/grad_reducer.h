@@ -8,10 +8,19 @@
 // own, so they overlap the rest of the backward and the optimizer waits on their events only; with mpi
 // or none they run inline. Without overlap the same buckets are reduced after the backward, so both
 // schedules give the same sums, bit for bit (tests/mpi/test_dp_train.cpp, test_data_parallel.cpp).
+//
+// Sharded (parallel.shard_optimizer, ZeRO-1 as Megatron-LM's distributed optimizer): each bucket is
+// padded to a multiple of its group's size G and its parameters become views of one flat weight buffer
+// in the same layout. A bucket is reduce-scattered instead of all-reduced, so rank r holds the reduced
+// gradient of segment r alone; AdamW (shard()) keeps moments for and updates only the parameters'
+// elements in segment r; gather_weights() then all-gathers each bucket's weights. The gradient norm is
+// the sum of the segments' squares over the group (reduce_square_sums, data_parallel.h).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "engine/autograd.h"
@@ -29,17 +38,37 @@ class GradientReducer {
   // Collective when the world's backend is nccl: it splits off the communicators it reduces on, whose
   // kernels take at most max_ctas thread blocks (0: as many as nccl chooses), leaving the other SMs
   // to the backward that runs beside them.
+  // shard: the sharded form above (the parameters' data move into the buckets' weight buffers here).
   GradientReducer(const ParallelState& ps, std::vector<Variable> params, const std::vector<ParamShard>& shards,
-                  bool overlap, size_t bucket_bytes = kGradientBucketBytes, int max_ctas = 0);
+                  bool overlap, size_t bucket_bytes = kGradientBucketBytes, int max_ctas = 0, bool shard = false);
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
   // Wrap the backward of the step's last micro-batch: begin() before it arms the hook (the earlier
   // micro-batches only accumulate), finish() after it reduces what is left, in order, and leaves every
-  // parameter with the global batch's gradient (a parameter no rank had a gradient for keeps none).
+  // parameter with the global batch's gradient (a parameter no rank had a gradient for keeps none);
+  // sharded, in this rank's segments only (the rest of each gradient is unspecified).
   void begin();
   void finish();
+
+  // Sharded: per parameter, the elements of its flat data in this rank's segments (AdamW::shard), and
+  // the all-gather of the updated weights, after which the compute stream may read every parameter.
+  bool sharded() const { return shard_; }
+  const std::vector<std::pair<int64_t, int64_t>>& owned_ranges() const { return ranges_; }
+  void gather_weights();
+  // The forward stage that first reads each parameter (Transformer::parameter_stages): with nccl the
+  // gather runs on the reduction stream, bucket by bucket in stage order, and the compute stream waits
+  // for a bucket only at wait_stage() of its earliest stage, so the gather overlaps the forward until
+  // then. wait_weights() waits for every bucket (before a checkpoint reads them). Without stages every
+  // bucket is waited for at the first stage.
+  void set_stages(const std::vector<int64_t>& stages);
+  void wait_stage(int64_t stage);
+  void wait_weights() { wait_stage(INT64_MAX); }
+  // Sharded: the full moments of every parameter (its local shape) from the ranks' segments, for a
+  // checkpoint; collective over the data-parallel groups, a bucket at a time. keep false: gathered
+  // and dropped (a rank that writes nothing); kept ones are on the host.
+  std::pair<std::vector<Tensor>, std::vector<Tensor>> full_moments(const AdamW& opt, bool keep);
 
   int64_t num_buckets() const { return int64_t(buckets_.size()); }
   // Buckets the last backward launched before finish(): how much of the reduction it could overlap.
@@ -53,7 +82,15 @@ class GradientReducer {
     int64_t numel = 0;
     int pending = 0;  // gradients not yet final in this backward
     Tensor flat;      // the bucket's gradients side by side, reduced in place
+    int64_t padded = 0;  // sharded: numel rounded up to a multiple of the group's size
+    Tensor weights;      // sharded: [padded], the parameters' data (they are views of it)
+    int64_t stage = 0;   // the first forward stage that reads one of its parameters
+    std::shared_ptr<Event> gathered;  // nccl: recorded on the reduction stream after its all-gather
+    bool awaited = true;              // the compute stream waits for its last gather already
   };
+  // Sharded: this rank's segment [begin, end) of bucket b's flat layout.
+  std::pair<int64_t, int64_t> segment(const Bucket& b) const;
+  void shard_buckets();
   // The group's own communicator (the world, or the expert-data-parallel group with expert parallelism).
   const std::shared_ptr<Communicator>& group_communicator(int group) const;
   // The bucket's parameters' gradients become views of b.flat.
@@ -71,7 +108,8 @@ class GradientReducer {
   std::vector<bool> missing_;  // per parameter: no gradient here when its bucket was launched
   size_t next_ = 0;            // the next bucket to launch
   int64_t launched_in_backward_ = 0;
-  bool overlap_ = false, armed_ = false;
+  bool overlap_ = false, armed_ = false, shard_ = false;
+  std::vector<std::pair<int64_t, int64_t>> ranges_;  // sharded: per parameter, its elements in our segments
   double scale_ = 1.0;  // 1 / W: expert shards' sums over their W / E replicas become the global mean
   // nccl: the groups' communicators on the reduction stream, and the events that order it.
   std::shared_ptr<Communicator> comms_[2];

@@ -281,12 +281,13 @@ std::string format_count(double count) {
 
 std::string MemoryEstimate::summary() const { return "about " + format_bytes(total_bytes()) + " " + breakdown(*this); }
 
-// optimizer: 8 P, AdamW's exp_avg and exp_avg_sq, f32 beside every parameter (train/optimizer.cpp).
+// optimizer: 8 P, AdamW's exp_avg and exp_avg_sq, f32 beside every parameter (train/optimizer.cpp); a
+// sharded optimizer's rank keeps 1/N of each.
 // activations: what the autograd graph of one micro-batch keeps for backward: per block the attention half
 // (attention_tensors) and a dense MLP (swiglu_mlp_tensors) or an MoE layer (moe_tensors); the head, 2 N H a (the
 // last block's output and its norm), logits N V a and, from the start of backward, their gradient N V a.
 // Evaluation keeps no graph: weights, and the larger of one block's and the head's tensors.
-MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use) {
+MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, const OptimizerShards& shards) {
   const ModelConfig& c = cfg.model;
   // What this rank holds: its share of the routed experts under expert parallelism.
   std::vector<ParamGroup> groups = parameter_groups(c);
@@ -309,7 +310,10 @@ MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use) 
   // The last block's output and its norm, the logits, their logsumexp, the ids and the targets.
   const double head = logits + allocated_bytes({{2, tokens * double(c.hidden_size), a}, {3, tokens, 4}}, gpu);
   if (use == MemoryUse::train) {
-    e.optimizer_bytes = per_parameter_bytes(groups, 8, gpu);
+    for (const ParamGroup& g : groups) {
+      const double ranks = double(std::max<int64_t>(1, g.role == Role::routed_expert ? shards.experts : shards.dense));
+      e.optimizer_bytes += allocated_bytes({{g.count, g.elements / ranks, 8}}, gpu);
+    }
     e.gradient_bytes = gradient_bytes(cfg, groups, gpu);
     e.activation_bytes = dense_layers * dense + moe_layers * moe + head + logits;  // + the logits' gradient
   } else {

@@ -34,9 +34,16 @@ struct MemoryEstimate {
   std::string summary() const;
 };
 
+// The ranks a sharded optimizer (parallel.shard_optimizer) splits AdamW's moments over: the world for
+// dense parameters, the expert-data-parallel group for routed experts; 1: not sharded.
+struct OptimizerShards {
+  int64_t dense = 1, experts = 1;
+};
+
 // The memory `use` of cfg's model needs on `device`, at train.batch_size x data.seq_len tokens.
 // Allocates nothing.
-MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use = MemoryUse::train);
+MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use = MemoryUse::train,
+                               const OptimizerShards& shards = {});
 
 // Memory a run can still take: free device memory (plus what the caching allocator holds unused) on
 // a GPU; MemAvailable from /proc/meminfo (else free physical pages) on the CPU.

@@ -46,6 +46,7 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg) : params_
     exp_avg_sq_.push_back(Tensor::zeros(p.shape(), DType::f32, dev));
     decay_.push_back(p.data().dim() >= 2);
     router_.push_back(is_router_weight(p.name()));
+    ranges_.emplace_back(0, p.data().numel());
   }
   if (dev.is_cuda()) {
     norm_slots_ = Tensor::zeros({2 * int64_t(params_.size())}, DType::f32, dev);
@@ -78,7 +79,8 @@ std::pair<double, double> AdamW::grad_square_sums(const std::vector<bool>& flagg
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!params_[i].grad().defined()) continue;
       Tensor g = checked_grad(params_[i]).contiguous();
-      total[second(i)] += sum_squares_cpu(g.data<float>(), g.numel());
+      const auto [begin, end] = ranges_[i];
+      total[second(i)] += sum_squares_cpu(g.data<float>() + begin, end - begin);
     }
     return {total[0], total[1]};
   }
@@ -101,7 +103,9 @@ Tensor AdamW::grad_square_sums_device(const std::vector<bool>& flagged) {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].grad().defined()) continue;
     Tensor g = checked_grad(params_[i]).contiguous();
-    sum_squares_cuda(g.data<float>(), g.numel(), slots + (second(i) ? n : 0) + i, partials_.data<float>(), stream);
+    const auto [begin, end] = ranges_[i];
+    sum_squares_cuda(g.data<float>() + begin, end - begin, slots + (second(i) ? n : 0) + i, partials_.data<float>(),
+                     stream);
   }
   sum_values_cuda(slots, n, totals, partials_.data<float>(), stream);
   sum_values_cuda(slots + n, n, totals + 1, partials_.data<float>(), stream);
@@ -113,6 +117,8 @@ void AdamW::update_each(F&& update) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const Variable& p = params_[i];
     if (!p.grad().defined()) continue;  // unused this step: left as is (as torch does)
+    const auto [begin, end] = ranges_[i];
+    if (begin == end) continue;  // another rank's to update
     Tensor g = checked_grad(p).contiguous();
     AdamWStep base;
     base.beta1 = float(cfg_.beta1);
@@ -120,8 +126,8 @@ void AdamW::update_each(F&& update) {
     base.eps = float(cfg_.eps);
     base.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
     const double lr_multiplier = router_[i] ? cfg_.router_lr_scale : 1.0;
-    update(p.device(), base, lr_multiplier, p.data().data<float>(), g.data<float>(), exp_avg_[i].data<float>(),
-           exp_avg_sq_[i].data<float>(), g.numel());
+    update(p.device(), base, lr_multiplier, p.data().data<float>() + begin, g.data<float>() + begin,
+           exp_avg_[i].data<float>(), exp_avg_sq_[i].data<float>(), end - begin);
     p.bump_version();  // updated in place: FP8 weight caches must re-quantize
   }
 }
@@ -158,6 +164,31 @@ void AdamW::step(const StepScalars* control) {
 
 int64_t AdamW::num_router_params() const {
   return std::count(router_.begin(), router_.end(), true);
+}
+
+void AdamW::shard(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  FLOWMOE_CHECK(ranges.size() == params_.size(), Error, "AdamW::shard: ", ranges.size(), " ranges for ",
+                params_.size(), " parameters");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto [begin, end] = ranges[i];
+    FLOWMOE_CHECK(0 <= begin && begin <= end && end <= params_[i].data().numel(), Error, "AdamW::shard: range [", begin,
+                  ", ", end, ") of '", params_[i].name(), "', which has ", params_[i].data().numel(), " elements");
+    ranges_[i] = ranges[i];
+    exp_avg_[i] = Tensor::zeros({end - begin}, DType::f32, params_[i].device());
+    exp_avg_sq_[i] = Tensor::zeros({end - begin}, DType::f32, params_[i].device());
+  }
+  sharded_ = true;
+}
+
+void AdamW::load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq) {
+  FLOWMOE_CHECK(exp_avg.size() == params_.size() && exp_avg_sq.size() == params_.size(), Error,
+                "AdamW::load_moment_ranges: ", exp_avg.size(), " / ", exp_avg_sq.size(), " moments for ",
+                params_.size(), " parameters");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto [begin, end] = ranges_[i];
+    exp_avg_[i].copy_(exp_avg[i].contiguous().reshape({-1}).slice(0, begin, end));
+    exp_avg_sq_[i].copy_(exp_avg_sq[i].contiguous().reshape({-1}).slice(0, begin, end));
+  }
 }
 
 void AdamW::zero_grad() {

@@ -46,18 +46,33 @@ class AdamW {
   void step(const StepScalars* control);
   void zero_grad();
 
+  // ZeRO-1 (train/grad_reducer.h, parallel.shard_optimizer): this rank updates the elements
+  // [ranges[i].first, ranges[i].second) of parameter i's flat data alone, reads the gradient there
+  // alone, and keeps moments for them alone (1-D tensors of that many elements, zeroed); an empty range
+  // leaves the parameter to other ranks. The squared norms cover the ranges, so they are this rank's
+  // share of a sum over its group.
+  void shard(const std::vector<std::pair<int64_t, int64_t>>& ranges);
+  bool sharded() const { return sharded_; }
+  // The moments of the ranges from full ones (a checkpoint's, of the parameters' shapes, on any device).
+  void load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq);
+  const std::pair<int64_t, int64_t>& range(size_t i) const { return ranges_[i]; }
+
   int64_t num_updates() const { return num_updates_; }  // the t of the bias corrections
   int64_t num_router_params() const;                       // parameters stepped with router_lr_scale
   void set_num_updates(int64_t t) { num_updates_ = t; }
   const std::vector<Variable>& params() const { return params_; }
-  std::vector<Tensor>& exp_avg() { return exp_avg_; }        // same shapes and devices as params
+  std::vector<Tensor>& exp_avg() { return exp_avg_; }  // the params' shapes and devices (sharded: the ranges)
   std::vector<Tensor>& exp_avg_sq() { return exp_avg_sq_; }
+  const std::vector<Tensor>& exp_avg() const { return exp_avg_; }
+  const std::vector<Tensor>& exp_avg_sq() const { return exp_avg_sq_; }
 
  private:
   std::vector<Variable> params_;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;
   std::vector<bool> decay_;
   std::vector<bool> router_;  // per parameter: an MoE router's gate, stepped with lr * router_lr_scale
+  std::vector<std::pair<int64_t, int64_t>> ranges_;  // per parameter: the flat elements this rank updates
+  bool sharded_ = false;
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;
   Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction: two classes of slots, two totals

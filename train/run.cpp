@@ -74,7 +74,9 @@ static void remove_unfinished_checkpoints(const Config& cfg, std::FILE* out) {
 static void check_memory(const Config& cfg, Device device, DType compute, int world_size, Progress& progress) {
   Config per_rank = cfg;  // each rank runs its slice of every micro-batch
   per_rank.train.batch_size = cfg.train.batch_size / world_size;
-  const MemoryEstimate need = estimate_memory(per_rank, device);
+  OptimizerShards shards;
+  if (cfg.parallel.shard_optimizer) shards = {world_size, world_size / cfg.parallel.expert_parallel_size};
+  const MemoryEstimate need = estimate_memory(per_rank, device, MemoryUse::train, shards);
   progress.message("flowmoe: " + format_count(double(need.num_parameters)) + " parameters (" +
                    std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
                    std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) +
@@ -150,10 +152,18 @@ static void check_router_lr_scale(const Config& cfg, const AdamW& opt) {
 // Loads the weights, optimizer state, buffers and data position of run.resume_dir.
 static void resume_from_checkpoint(TrainRun& run) {
   const Config& cfg = run.cfg;
-  // Every rank reads the full tensors and keeps its rows of each expert shard.
-  CheckpointMeta meta =
-      load_checkpoint(run.resume_dir, run.model.parameters(), &run.opt.exp_avg(), &run.opt.exp_avg_sq(),
-                      run.model.buffers(), run.model.parameter_shards(), checkpoint_load_options(cfg));
+  // Every rank reads the full tensors and keeps its rows of each expert shard; a sharded optimizer reads
+  // the moments whole, on the host, and keeps its ranges of them.
+  const std::vector<Variable>& params = run.model.parameters();
+  std::vector<Tensor> whole[2];
+  for (std::vector<Tensor>& w : whole)
+    if (run.opt.sharded())
+      for (const Variable& p : params) w.push_back(Tensor::zeros(p.shape(), DType::f32, Device::cpu()));
+  std::vector<Tensor>* exp_avg = run.opt.sharded() ? &whole[0] : &run.opt.exp_avg();
+  std::vector<Tensor>* exp_avg_sq = run.opt.sharded() ? &whole[1] : &run.opt.exp_avg_sq();
+  CheckpointMeta meta = load_checkpoint(run.resume_dir, params, exp_avg, exp_avg_sq, run.model.buffers(),
+                                        run.model.parameter_shards(), checkpoint_load_options(cfg));
+  if (run.opt.sharded()) run.opt.load_moment_ranges(whole[0], whole[1]);
   FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
                 ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
                 " (a resumed run must keep its data order)");
@@ -217,7 +227,12 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
   if (world_size > 1)
     reducer = std::make_unique<GradientReducer>(parallel, model.parameters(), model.parameter_shards(),
                                                 cfg.parallel.overlap_grad_reduce, kGradientBucketBytes,
-                                                int(cfg.parallel.grad_reduce_sms));
+                                                int(cfg.parallel.grad_reduce_sms), cfg.parallel.shard_optimizer);
+  if (reducer && reducer->sharded()) {
+    opt.shard(reducer->owned_ranges());
+    reducer->set_stages(model.parameter_stages());
+    model.set_stage_hook([r = reducer.get()](int64_t stage) { r->wait_stage(stage); });
+  }
   if (!resume_dir.empty()) {
     resume_from_checkpoint(*this);
     clock.lap("checkpoint load");
@@ -253,11 +268,19 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   // Rank 0 writes what one process would: the expert shards gathered over its expert-parallel group
   // (the other groups hold copies of the same state), the rest as every rank holds it. The data
   // position counts global batches, so the files depend on neither the world nor the group size.
+  // A sharded optimizer's moments are first gathered whole over the data-parallel groups, on every rank.
   const int64_t group_size = run.parallel.expert_parallel_size;
+  std::pair<std::vector<Tensor>, std::vector<Tensor>> moments;
+  if (run.opt.sharded()) {
+    run.reducer->wait_weights();
+    moments = run.reducer->full_moments(run.opt, run.rank < group_size);
+  }
+  const std::vector<Tensor>& exp_avg = run.opt.sharded() ? moments.first : run.opt.exp_avg();
+  const std::vector<Tensor>& exp_avg_sq = run.opt.sharded() ? moments.second : run.opt.exp_avg_sq();
   FullState full;
   if (run.rank < group_size)
     full = gather_full_state(*run.parallel.expert_parallel, run.model.parameters(), run.model.parameter_shards(),
-                             run.opt.exp_avg(), run.opt.exp_avg_sq(), run.is_root);
+                             exp_avg, exp_avg_sq, run.is_root);
   if (run.is_root)
     run.res.last_checkpoint = save_checkpoint(run.cfg.checkpoint_dir(), meta, full.params, full.exp_avg,
                                               full.exp_avg_sq, run.cfg.checkpoint.keep_last, run.model.buffers());

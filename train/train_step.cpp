@@ -121,7 +121,7 @@ void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
     if (run.world_size > 1) run.state.reduce_losses(*run.world);
     const std::vector<bool> experts = expert_shard_flags(run.parallel, run.model.parameter_shards());
     Tensor sums = run.opt.grad_square_sums_device(experts);  // {dense, expert shards}
-    if (!experts.empty()) run.parallel.expert_parallel->all_reduce(sums.slice(0, 1, 2), ReduceOp::sum);
+    reduce_square_sums(run.parallel, sums, run.opt.sharded());
     run.state.advance_on_device(sums.data<float>());
     return;
   }
@@ -159,6 +159,8 @@ std::vector<Tensor> step_body(TrainRun& run, const std::vector<Batch>& batches, 
     run.opt.step(run.state.scalars());  // a skipped step changes nothing (step_control.h: apply)
     run.opt.zero_grad();
   }
+  // Each rank updated its segments: every rank gets all of them, while the next forward begins.
+  if (run.opt.sharded()) run.reducer->gather_weights();
   OpTimer timer("expert bias", OpPhase::step, "optimizer", run.device, 0, 0);
   // Every rank moves its bias by the loads of the global batch.
   if (run.world_size > 1) all_reduce_flat(*run.world, run.model.moe_load_counts(), ReduceOp::sum);

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "parallel/backends.h"
@@ -214,6 +215,26 @@ class MpiCommunicator final : public Communicator {
     HostBytes s(send, true, stream()), r(recv, false, stream());
     FLOWMOE_MPI_CHECK(MPI_Allgather(s.data(), rows, row.get(), r.data(), rows, row.get(), comm_));
     r.store();
+  }
+
+  // MPI_Reduce_scatter_block into this rank's segment alone (MPI_IN_PLACE would put it at the front).
+  void do_reduce_scatter_in_place(const Tensor& t, ReduceOp op) override {
+    const int64_t n = t.numel() / size_;
+    const int count = to_mpi_int(n, "elements in one segment");
+    const size_t esize = dtype_size(t.dtype());
+    HostBytes h(t, true, stream());
+    std::vector<uint8_t> mine(size_t(n) * esize + 1);
+    FLOWMOE_MPI_CHECK(MPI_Reduce_scatter_block(h.data(), mine.data(), count, mpi_type(t.dtype()), MPI_SUM, comm_));
+    if (op == ReduceOp::avg) scale_in_place(mine.data(), t.dtype(), n, 1.0 / double(size_));
+    std::memcpy(static_cast<char*>(h.data()) + size_t(rank_) * size_t(n) * esize, mine.data(), size_t(n) * esize);
+    h.store();
+  }
+
+  void do_all_gather_in_place(const Tensor& t, size_t seg_bytes) override {
+    const int bytes = to_mpi_int(int64_t(seg_bytes), "bytes in one segment");
+    HostBytes h(t, true, stream());
+    FLOWMOE_MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_BYTE, h.data(), bytes, MPI_BYTE, comm_));
+    h.store();
   }
 
   void do_broadcast(const Tensor& t, int root) override {

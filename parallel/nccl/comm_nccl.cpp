@@ -181,6 +181,25 @@ class NcclCommunicator final : public Communicator {
         ncclAllGather(send.raw_data(), recv.raw_data(), send.nbytes(), ncclUint8, comm_, enqueue_stream()), comm_);
   }
 
+  // In place as NCCL defines it: this rank's segment of the buffer is the receive buffer.
+  void do_reduce_scatter_in_place(const Tensor& t, ReduceOp op) override {
+    check_on_device(t, "reduce_scatter_in_place");
+    DeviceScope scope(device_);
+    const size_t n = size_t(t.numel() / size());
+    char* base = static_cast<char*>(t.raw_data());
+    FLOWMOE_NCCL_CHECK(ncclReduceScatter(base, base + size_t(rank()) * n * dtype_size(t.dtype()), n,
+                                         nccl_type(t.dtype()), nccl_op(op), comm_, enqueue_stream()),
+                       comm_);
+  }
+
+  void do_all_gather_in_place(const Tensor& t, size_t seg_bytes) override {
+    check_on_device(t, "all_gather_in_place");
+    DeviceScope scope(device_);
+    char* base = static_cast<char*>(t.raw_data());
+    FLOWMOE_NCCL_CHECK(
+        ncclAllGather(base + size_t(rank()) * seg_bytes, base, seg_bytes, ncclUint8, comm_, enqueue_stream()), comm_);
+  }
+
   void do_broadcast(const Tensor& t, int root) override {
     check_on_device(t, "broadcast");
     if (t.nbytes() == 0) return;

@@ -4,6 +4,7 @@
 #include "tests/mpi/comm_test_util.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "kernels/common/device_api.h"
@@ -241,6 +242,35 @@ void check_all_gather_and_broadcast(Communicator& comm, Device device) {
     std::vector<int64_t> from_root(size_t(n), 0);
     from_root[size_t(root)] = 4;
     EXPECT_TRUE(rows_equal(t, block, from_root, me));
+  }
+}
+
+void check_sharded_halves(Communicator& comm, Device device) {
+  const int me = comm.rank(), n = comm.size();
+  for (int64_t seg : {int64_t(1), int64_t(5), int64_t(0)}) {
+    SCOPED_TRACE("segment of " + std::to_string(seg));
+    // Rank r holds r * 1000 + i at element i: every sum is exact in f32.
+    std::vector<float> mine(size_t(seg * n));
+    for (size_t i = 0; i < mine.size(); ++i) mine[i] = float(me * 1000 + int64_t(i));
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg}) {
+      Tensor t = Tensor::from_floats(mine, {seg * n}).to(device);
+      comm.reduce_scatter_in_place(t, op);
+      comm.synchronize();
+      const std::vector<float> got = t.to_floats();
+      for (int64_t i = me * seg; i < (me + 1) * seg; ++i) {
+        const double sum = 1000.0 * n * (n - 1) / 2 + double(n) * double(i);
+        const double want = op == ReduceOp::sum ? sum : sum / n;
+        EXPECT_NEAR(got[size_t(i)], want, 1e-6 * std::abs(want)) << "element " << i;
+      }
+    }
+    // all_gather_in_place: only this rank's segment is set; the others are NaN until gathered.
+    std::vector<float> own(size_t(seg * n), NAN);
+    for (int64_t i = me * seg; i < (me + 1) * seg; ++i) own[size_t(i)] = float(me * 1000 + i);
+    Tensor t = Tensor::from_floats(own, {seg * n}).to(device);
+    comm.all_gather_in_place(t);
+    comm.synchronize();
+    const std::vector<float> got = t.to_floats();
+    for (int64_t i = 0; i < seg * n; ++i) EXPECT_EQ(got[size_t(i)], float((i / seg) * 1000 + i)) << "element " << i;
   }
 }
 

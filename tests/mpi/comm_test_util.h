@@ -52,5 +52,8 @@ void check_all_to_all_chunks_cases(Communicator& comm, Device device, DType dtyp
 void check_put_rows_cases(Communicator& comm, Device device);
 void check_all_reduce_cases(Communicator& comm, Device device);
 void check_all_gather_and_broadcast(Communicator& comm, Device device);
+// reduce_scatter_in_place (sum, avg) and all_gather_in_place of rank-coded flat tensors, segments of
+// 1, 5 and 0 elements; each rank checks its own segment, then every segment after the gather.
+void check_sharded_halves(Communicator& comm, Device device);
 
 }  // namespace flowmoe::test

@@ -60,6 +60,8 @@ TEST(Collectives, AllReduceSumsAndMaxesF32F64AndIntegers) { check_all_reduce_cas
 
 TEST(Collectives, AllGatherAndBroadcastFromEveryRoot) { check_all_gather_and_broadcast(test_world(), Device::cpu()); }
 
+TEST(Collectives, ReduceScatterAndAllGatherInPlaceBySegment) { check_sharded_halves(test_world(), Device::cpu()); }
+
 TEST(Collectives, BarrierAndSynchronizeReturn) {
   for (int i = 0; i < 3; ++i) test_world().barrier();
   test_world().synchronize();
@@ -106,6 +108,16 @@ TEST(Collectives, BadArgumentsThrowTypedErrorsOnEveryRank) {
   Tensor too_tall = Tensor::zeros({n * n + 1, 4}, DType::f32);
   EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_gather(send, too_tall); }, {"should be"}));
   EXPECT_TRUE(throws_naming<CommError>([&] { comm.broadcast(send, int(n)); }, {"not a rank"}));
+  Tensor flat = Tensor::zeros({2 * n}, DType::f32);
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.reduce_scatter_in_place(send, ReduceOp::sum); }, {"1-D"}));
+  if (n > 1) {
+    EXPECT_TRUE(throws_naming<ShapeError>([&] { comm.all_gather_in_place(Tensor::zeros({2 * n + 1}, DType::f32)); },
+                                          {"segments of equal size"}));
+  }
+  EXPECT_TRUE(throws_naming<DTypeError>(
+      [&] { comm.reduce_scatter_in_place(Tensor::zeros({2 * n}, DType::i32), ReduceOp::sum); },
+      {"reduce_scatter_in_place"}));
+  EXPECT_TRUE(throws_naming<CommError>([&] { comm.reduce_scatter_in_place(flat, ReduceOp::max); }, {"not max"}));
   EXPECT_TRUE(throws_naming<CommError>([&] { comm.split(-1, 0); }, {"color"}));
   // FP8 scales that are not rowwise cannot travel with their rows.
   Tensor fp8 = Tensor::zeros({n, 128}, DType::e4m3);
@@ -168,6 +180,7 @@ TEST(CollectivesCuda, GpuTensorsThroughTheWorldCommunicator) {
   check_put_rows_cases(comm, rank_gpu(comm));
   check_all_reduce_cases(comm, rank_gpu(comm));
   check_all_gather_and_broadcast(comm, rank_gpu(comm));
+  check_sharded_halves(comm, rank_gpu(comm));
 }
 
 // nccl bootstrapped through the world: at world size 1 (the none backend hands the unique id over),
@@ -195,6 +208,7 @@ TEST(CollectivesCuda, NcclCommunicator) {
   EXPECT_TRUE(nccl->host_communicator().native_device().is_cpu());  // host values go through mpi
   check_all_reduce_cases(*nccl, gpu);
   check_all_gather_and_broadcast(*nccl, gpu);
+  check_sharded_halves(*nccl, gpu);
   std::shared_ptr<Communicator> half = nccl->split(world.rank() % 2, world.rank());
   EXPECT_EQ(half->size(), (world.size() + 1 - world.rank() % 2) / 2);
   check_all_reduce_cases(*half, gpu);

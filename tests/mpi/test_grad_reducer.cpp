@@ -4,6 +4,8 @@
 // the same sums); gradient accumulation reduces once, after the last micro-batch; a parameter only some
 // ranks have a gradient for is summed as zero where it is missing and one no rank has keeps none.
 // The data encodes the rank, so every rank's gradients differ.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "kernels/common/device_api.h"
@@ -88,27 +90,103 @@ TEST(GradientReducer, OverlappedBucketsGiveThePlainSumsBitForBit) {
   }
 }
 
-// The same through nccl, a GPU per rank: the buckets reduced on the reducer's own stream while the
-// backward goes on, against the same buckets reduced after it.
-TEST(GradientReducer, OverlapOnItsOwnStreamThroughNcclGivesThePlainSums) {
-  if (const std::string why = why_no_nccl_gpu_per_rank(); !why.empty()) GTEST_SKIP() << why;
+// Runs check on an nccl world of a GPU per rank, at expert-parallel size 1 and the world's.
+template <class F>
+void for_each_nccl_layout(F&& check) {
   const int me = test_world().rank(), n = test_world().size();
   cuda_set_device(me);
   {
     const std::shared_ptr<Communicator> nccl = make_nccl_communicator(test_runtime().world, me);
     for (int e : {1, n}) {
       SCOPED_TRACE("expert_parallel_size " + std::to_string(e));
-      const ParallelState ps = make_parallel_state(nccl, e, kExperts);
-      int64_t early_plain = 0, early_overlap = 0, buckets = 0;
-      const auto plain = reduced_gradients(ps, false, 2, &early_plain, &buckets, Device::cuda(me));
-      const auto overlapped = reduced_gradients(ps, true, 2, &early_overlap, &buckets, Device::cuda(me));
-      EXPECT_EQ(early_overlap, buckets);
-      ASSERT_EQ(plain.size(), overlapped.size());
-      for (size_t p = 0; p < plain.size(); ++p) EXPECT_TRUE(same_bits(plain[p], overlapped[p])) << "parameter " << p;
+      check(make_parallel_state(nccl, e, kExperts), Device::cuda(me));
     }
     nccl->barrier();
   }
   cuda_set_device(0);
+}
+
+// The same through nccl, a GPU per rank: the buckets reduced on the reducer's own stream while the
+// backward goes on, against the same buckets reduced after it.
+TEST(GradientReducer, OverlapOnItsOwnStreamThroughNcclGivesThePlainSums) {
+  if (const std::string why = why_no_nccl_gpu_per_rank(); !why.empty()) GTEST_SKIP() << why;
+  for_each_nccl_layout([](const ParallelState& ps, Device gpu) {
+    int64_t early_plain = 0, early_overlap = 0, buckets = 0;
+    const auto plain = reduced_gradients(ps, false, 2, &early_plain, &buckets, gpu);
+    const auto overlapped = reduced_gradients(ps, true, 2, &early_overlap, &buckets, gpu);
+    EXPECT_EQ(early_overlap, buckets);
+    ASSERT_EQ(plain.size(), overlapped.size());
+    for (size_t p = 0; p < plain.size(); ++p) EXPECT_TRUE(same_bits(plain[p], overlapped[p])) << "parameter " << p;
+  });
+}
+
+// The sharded form (ZeRO-1): rank r's segment of each bucket holds the plain reduction's sums (bit for
+// bit at 2 ranks, where a + b is one sum; MPI's reduce-scatter may order 4 ranks' otherwise), the
+// segments of a group cover each parameter exactly once, and gather_weights() gives every rank of the
+// group the values each owner wrote into its segment.
+void check_sharded_reduction(const ParallelState& ps, Device device) {
+  const Config cfg = moe_config();
+  int64_t early = 0, buckets = 0;
+  const auto plain = reduced_gradients(ps, false, 2, &early, &buckets, device);
+  Transformer model(cfg.model, device, device.is_cuda() ? DType::bf16 : DType::f32, 7, moe_options(cfg, ps));
+  const std::vector<Variable>& params = model.parameters();
+  GradientReducer reducer(ps, params, model.parameter_shards(), true, 16 << 10, 0, /*shard=*/true);
+  ASSERT_TRUE(reducer.sharded());
+  const int me = ps.world->rank();
+  for (int a = 0; a < 2; ++a) {
+    if (a == 1) reducer.begin();
+    model.loss(coded_ids(me, a), coded_ids(me, a + 1)).backward();
+  }
+  reducer.finish();
+  const auto& ranges = reducer.owned_ranges();
+  const auto group = [&](size_t i) -> Communicator& {
+    return model.parameter_shards()[i].expert && ps.expert_parallel_size > 1 ? *ps.expert_data_parallel : *ps.world;
+  };
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto [begin, end] = ranges[i];
+    Tensor owned = Tensor::from_floats({float(end - begin)}, {1}).to(group(i).native_device());
+    group(i).all_reduce(owned, ReduceOp::sum);
+    EXPECT_EQ(owned.to_floats()[0], float(params[i].data().numel())) << "parameter " << i << " is not covered once";
+    const std::vector<float> got = params[i].grad().to_floats();
+    // A sum of 4 in another order: off by ulps of its terms, which may be far larger than the sum.
+    double scale = 0;
+    for (float v : plain[i]) scale = std::max(scale, double(std::abs(v)));
+    for (int64_t j = begin; j < end; ++j) {
+      if (ps.world->size() <= 2)
+        ASSERT_EQ(got[size_t(j)], plain[i][size_t(j)]) << "parameter " << i << " element " << j;
+      else
+        ASSERT_NEAR(got[size_t(j)], plain[i][size_t(j)], 1e-6 * scale)
+            << "parameter " << i << " element " << j;
+    }
+  }
+  // Each owner writes p * 1000 + j into its elements, NaN elsewhere; the gather fills in the rest.
+  for (size_t i = 0; i < params.size(); ++i) {
+    std::vector<float> w(size_t(params[i].data().numel()), NAN);
+    for (int64_t j = ranges[i].first; j < ranges[i].second; ++j) w[size_t(j)] = float(int64_t(i) * 1000 + j % 1000);
+    Tensor data = params[i].data();  // a handle on the parameter's storage
+    data.copy_(Tensor::from_floats(w, params[i].shape()));
+  }
+  reducer.gather_weights();
+  reducer.wait_weights();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::vector<float> w = params[i].data().to_floats();
+    for (size_t j = 0; j < w.size(); ++j)
+      ASSERT_EQ(w[j], float(int64_t(i) * 1000 + int64_t(j) % 1000)) << "parameter " << i << " element " << j;
+  }
+}
+
+TEST(GradientReducer, ShardedSegmentsHoldThePlainSumsAndGatherEveryWeight) {
+  Communicator& world = test_world();
+  for (int e = 1; e <= world.size(); ++e) {
+    if (world.size() % e != 0 || kExperts % e != 0) continue;
+    SCOPED_TRACE("expert_parallel_size " + std::to_string(e));
+    check_sharded_reduction(make_parallel_state(test_runtime().world, e, kExperts), Device::cpu());
+  }
+}
+
+TEST(GradientReducer, ShardedThroughNcclOnItsOwnStream) {
+  if (const std::string why = why_no_nccl_gpu_per_rank(); !why.empty()) GTEST_SKIP() << why;
+  for_each_nccl_layout([](const ParallelState& ps, Device gpu) { check_sharded_reduction(ps, gpu); });
 }
 
 // Ranks whose backward gives a parameter no gradient: zero there in the sum, none where no rank had one.
