@@ -188,7 +188,8 @@ const std::vector<Field>& schema() {
                         "with nonfinite: skip, stop after this many skipped steps"));
     f.push_back(choice("train", "cuda_graph", FLOWMOE_CONFIG_REF(train.cuda_graph), {"auto", "on", "off"},
                        "capture the training step once as a CUDA graph and replay it: auto where the step "
-                       "makes no host synchronisation (one GPU, one process, any recipe), on requires it"));
+                       "makes no host synchronisation (a GPU per process, one process or data parallelism over "
+                       "nccl, any recipe), on requires it"));
     // optimizer (AdamW, warmup then cosine)
     f.push_back(number("optimizer", "lr", FLOWMOE_CONFIG_REF(optimizer.lr), 0, true, 10, false, "peak learning rate"));
     f.push_back(number("optimizer", "min_lr", FLOWMOE_CONFIG_REF(optimizer.min_lr), 0, false, 10, false,

@@ -252,6 +252,9 @@ void GradientReducer::gather_weights() {
     b.gathered->record(stream_->get());
     b.awaited = false;
   }
+  // A captured step (train.cuda_graph) joins the reducer's stream before it ends: the next replay's
+  // forward cannot wait on events of this one.
+  if (stream_ && cuda_is_capturing(params_[0].device().index)) wait_weights();
   for (const Variable& p : params_) p.bump_version();  // FP8 weight caches re-quantize
 }
 

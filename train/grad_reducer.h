@@ -60,8 +60,9 @@ class GradientReducer {
   // The forward stage that first reads each parameter (Transformer::parameter_stages): with nccl the
   // gather runs on the reduction stream, bucket by bucket in stage order, and the compute stream waits
   // for a bucket only at wait_stage() of its earliest stage, so the gather overlaps the forward until
-  // then. wait_weights() waits for every bucket (before a checkpoint reads them). Without stages every
-  // bucket is waited for at the first stage.
+  // then. wait_weights() waits for every bucket (before a checkpoint reads them, or a CUDA graph's
+  // capture begins; a captured gather waits for itself). Without stages every bucket is waited for at
+  // the first stage.
   void set_stages(const std::vector<int64_t>& stages);
   void wait_stage(int64_t stage);
   void wait_weights() { wait_stage(INT64_MAX); }

@@ -173,12 +173,15 @@ bool use_graph(TrainRun& run, bool profiled) {
   const std::string& mode = run.cfg.train.cuda_graph;
   if (mode == "off" || run.graph_failed || profiled) return false;
   if (run.graph && run.graph->captured()) return true;
-  // Several ranks run on the device path too, but their step is not captured yet: the exchanges'
-  // timing events and the device puts' window set-up are not replay-safe.
-  const bool possible = step_scalars_on_device(run) && run.world_size == 1 && !run.opts.after_backward;
+  // Several ranks: data parallelism over nccl, whose collectives and reducer stream are captured with
+  // the step. Expert parallelism is not captured yet: its exchanges keep host-side timing windows per
+  // step and set up their device windows at first use, neither of which a replay repeats.
+  const bool ranks = run.world_size == 1 || run.parallel.expert_parallel_size == 1;
+  const bool possible = step_scalars_on_device(run) && ranks && !run.opts.after_backward;
   if (mode == "on")
     FLOWMOE_CHECK(possible, ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
-                  ") needs one process on a GPU and no test hooks");
+                  ") needs a GPU, one process or data parallelism over nccl (not expert parallelism), "
+                  "and no test hooks");
   // The first step of a run is eager: it creates the cuBLASLt plans and tells whether the step syncs.
   return possible && run.eager_steps > 0 && run.last_eager_host_syncs == 0;
 }
@@ -197,6 +200,7 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
     run.state.upload_into(batches[a].targets, run.graph_inputs[a].targets);
   }
   if (!run.graph->captured()) {
+    if (run.reducer) run.reducer->wait_weights();  // the last eager step's gather, outside the capture
     try {
       run.graph->capture([&] { return step_body(run, run.graph_inputs, true, run.graph_issued); });
     } catch (const Error& e) {

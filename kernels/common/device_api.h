@@ -55,6 +55,7 @@ using CudaGraph = void*;
 void cuda_begin_capture(int device);
 CudaGraph cuda_end_capture(int device);
 void cuda_abort_capture(int device);
+bool cuda_is_capturing(int device);  // the engine stream of that device is being captured
 void cuda_graph_launch(CudaGraph graph, int device);
 void cuda_graph_destroy(CudaGraph graph);
 

@@ -180,6 +180,12 @@ void cuda_abort_capture(int device) {
   cudaGetLastError();
 }
 
+bool cuda_is_capturing(int device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  FLOWMOE_CUDA_CHECK(cudaStreamIsCapturing(current_stream(device), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 void cuda_graph_launch(CudaGraph graph, int device) {
   FLOWMOE_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), current_stream(device)));
 }

@@ -30,6 +30,7 @@ void cuda_memset(void*, uint8_t, size_t, int) { no_cuda("cuda_memset"); }
 void cuda_begin_capture(int) { no_cuda("cuda_begin_capture"); }
 CudaGraph cuda_end_capture(int) { no_cuda("cuda_end_capture"); }
 void cuda_abort_capture(int) {}
+bool cuda_is_capturing(int) { return false; }
 void cuda_graph_launch(CudaGraph, int) { no_cuda("cuda_graph_launch"); }
 void cuda_graph_destroy(CudaGraph) {}
 void* cuda_host_alloc(size_t) { no_cuda("cuda_host_alloc"); }
