@@ -20,6 +20,7 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/cuda/attention_tile.cuh"
 #include "kernels/cuda/flash_attention.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/cuda_utils.cuh"
 
 namespace flowmoe {
@@ -296,12 +297,6 @@ void dispatch_head_dim(int head_dim, F&& f) {
     f(std::integral_constant<int, 64>());
   else
     f(std::integral_constant<int, 128>());
-}
-
-// From HD = 64 on the kernels need more than the default 48 KiB of shared memory; opt in for each.
-template <class Kernel>
-void allow_smem(Kernel kernel, size_t bytes) {
-  FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
 void attention_forward_simt_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,

@@ -188,7 +188,7 @@ void attention_forward_flash_cuda(DType dtype, void* out, float* lse, const void
   const unsigned num_blocks = unsigned(batch * num_heads * ((seq_len + kFwdRows - 1) / kFwdRows));
   dispatch_flash_head_dim(dims.head_dim, [&](auto hd_tag) {
     constexpr int HD = decltype(hd_tag)::value;
-    allow_flash_smem(flash_forward_kernel<HD>, kFwdSmem<HD>);
+    allow_smem(flash_forward_kernel<HD>, kFwdSmem<HD>);
     flash_forward_kernel<HD><<<num_blocks, kFwdThreads, kFwdSmem<HD>, stream>>>(
         static_cast<Bf16*>(out), lse, static_cast<const Bf16*>(q), static_cast<const Bf16*>(k),
         static_cast<const Bf16*>(v), dims);

@@ -18,6 +18,7 @@
 
 #include "kernels/attention.h"
 #include "kernels/common/cuda_check.h"
+#include "kernels/cuda/launch.cuh"
 
 namespace flowmoe::flash {
 
@@ -267,12 +268,6 @@ void dispatch_flash_head_dim(int head_dim, F&& f) {
     f(std::integral_constant<int, 64>());
   else
     f(std::integral_constant<int, 128>());
-}
-
-// The kernels need more than the default 48 KiB of shared memory (at HD = 128); opt in for each.
-template <class Kernel>
-void allow_flash_smem(Kernel kernel, size_t bytes) {
-  FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
 }  // namespace flowmoe::flash

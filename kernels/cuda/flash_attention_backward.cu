@@ -223,12 +223,12 @@ void attention_backward_flash_cuda(DType dtype, void* d_q, void* d_k, void* d_v,
   const unsigned num_blocks = unsigned(batch * num_heads * ((seq_len + kBwdTile - 1) / kBwdTile));
   dispatch_flash_head_dim(dims.head_dim, [&](auto hd_tag) {
     constexpr int HD = decltype(hd_tag)::value;
-    allow_flash_smem(flash_backward_dq_kernel<HD>, kDqSmem<HD>);
+    allow_smem(flash_backward_dq_kernel<HD>, kDqSmem<HD>);
     flash_backward_dq_kernel<HD><<<num_blocks, kBwdThreads, kDqSmem<HD>, stream>>>(
         static_cast<Bf16*>(d_q), delta, static_cast<const Bf16*>(q), static_cast<const Bf16*>(k),
         static_cast<const Bf16*>(v), static_cast<const Bf16*>(d_out), static_cast<const Bf16*>(out), lse, dims);
     FLOWMOE_CUDA_CHECK_LAUNCH();
-    allow_flash_smem(flash_backward_dkdv_kernel<HD>, kDkdvSmem<HD>);
+    allow_smem(flash_backward_dkdv_kernel<HD>, kDkdvSmem<HD>);
     flash_backward_dkdv_kernel<HD><<<num_blocks, kBwdThreads, kDkdvSmem<HD>, stream>>>(
         static_cast<Bf16*>(d_k), static_cast<Bf16*>(d_v), static_cast<const Bf16*>(q), static_cast<const Bf16*>(k),
         static_cast<const Bf16*>(v), static_cast<const Bf16*>(d_out), lse, delta, dims);

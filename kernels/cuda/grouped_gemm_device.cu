@@ -8,14 +8,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/cuda/grouped_gemm_kernels.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/fp8.h"
 #include "kernels/grouped_gemm_device.h"
 
@@ -24,15 +23,6 @@ namespace flowmoe {
 namespace {
 
 using grouped_gemm::Call;
-
-// The SM count of the current device (the persistent grid and CUTLASS's workspace scale with it), cached.
-void current_device_sms(int& device, int& sm_count) {
-  static std::array<std::atomic<int>, 64> cache{};
-  FLOWMOE_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 0 && device < int(cache.size()) && (sm_count = cache[size_t(device)].load()) > 0) return;
-  FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < int(cache.size())) cache[size_t(device)].store(sm_count);
-}
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -67,7 +57,8 @@ void check_pointers(std::initializer_list<const void*> ptrs, const char* what) {
 Call make_call(const int32_t* counts, int64_t num_experts, int64_t m_total, int64_t n, int64_t k, void* workspace,
                size_t workspace_bytes, cudaStream_t stream, size_t (*workspace_fn)(int64_t, int), const char* what) {
   Call c;
-  current_device_sms(c.device, c.sm_count);
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&c.device));
+  c.sm_count = sm_count();  // the persistent grid and CUTLASS's workspace scale with it
   const size_t need = workspace_fn(num_experts, c.sm_count);
   FLOWMOE_CHECK(workspace != nullptr && workspace_bytes >= need, Error, what, ": workspace of ", workspace_bytes,
                 " bytes", workspace ? "" : " (null)", ", needs ", need, " for E=", num_experts,
@@ -132,13 +123,12 @@ size_t grouped_gemm_device_workspace_bytes(int64_t num_experts) {
   FLOWMOE_CHECK(num_experts >= 0 && num_experts <= kGroupedGemmMaxExperts, ShapeError,
                 "grouped_gemm_device_workspace_bytes: E=", num_experts, " is outside [0, ", kGroupedGemmMaxExperts,
                 "]");
-  int device = 0, sm_count = 0;
-  current_device_sms(device, sm_count);
+  const int num_sms = sm_count();
   size_t bytes = 0;
   for (auto fn : {grouped_gemm::bf16_fprop_workspace_bytes, grouped_gemm::bf16_dgrad_workspace_bytes,
                   grouped_gemm::bf16_wgrad_workspace_bytes, grouped_gemm::fp8_fprop_bf16_workspace_bytes,
                   grouped_gemm::fp8_fprop_f32_workspace_bytes, grouped_gemm::fp8_wgrad_workspace_bytes})
-    bytes = std::max(bytes, fn(num_experts, sm_count));
+    bytes = std::max(bytes, fn(num_experts, num_sms));
   return bytes;
 }
 

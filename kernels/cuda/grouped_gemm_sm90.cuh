@@ -12,8 +12,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <type_traits>
@@ -29,6 +27,7 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/cuda/count_scan.cuh"
 #include "kernels/cuda/grouped_gemm_kernels.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/grouped_gemm_device.h"
 
 namespace flowmoe::grouped_gemm {
@@ -232,19 +231,6 @@ inline void check_cutlass(cutlass::Status s, const char* what, const char* step)
                 " failed: ", cutlass::cutlassGetStatusString(s));
 }
 
-// The kernel's dynamic shared memory limit, raised once per device (GemmUniversalAdapter::initialize would
-// call cudaFuncSetAttribute on every launch).
-template <class Gemm>
-void allow_smem(int device) {
-  static std::array<std::atomic<bool>, 64> done{};
-  const bool cached = device >= 0 && device < int(done.size());
-  if (cached && done[size_t(device)].load(std::memory_order_acquire)) return;
-  FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(cutlass::device_kernel<typename Gemm::GemmKernel>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          int(Gemm::GemmKernel::SharedStorageSize)));
-  if (cached) done[size_t(device)].store(true, std::memory_order_release);
-}
-
 // The setup kernel, then the grouped GEMM, on call.stream (the front end has checked the arguments and the
 // workspace size). beta 1 reads C = D (wgrad accumulating), 0 never reads it.
 template <class Gemm, class Fill>
@@ -270,7 +256,9 @@ void run_grouped(const Call& c, const Fill& fill, int row_multiple, float beta, 
   const typename Gemm::Arguments args = make_arguments<Gemm>(arrays, c.num_experts, c.device, c.sm_count, beta);
   check_cutlass(Gemm::can_implement(args), what, "can_implement");
   check_cutlass(Kernel::initialize_workspace(args, arrays.cutlass_workspace, c.stream), what, "initialize_workspace");
-  allow_smem<Gemm>(c.device);
+  // Raised once per device here: GemmUniversalAdapter::initialize would call cudaFuncSetAttribute on
+  // every launch.
+  allow_smem(cutlass::device_kernel<typename Gemm::GemmKernel>, size_t(Gemm::GemmKernel::SharedStorageSize));
   typename Kernel::Params params = Kernel::to_underlying_arguments(args, arrays.cutlass_workspace);
   check_cutlass(Gemm::run(params, c.stream), what, "launch");
   FLOWMOE_CUDA_CHECK_LAUNCH();

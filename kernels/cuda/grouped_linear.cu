@@ -52,6 +52,20 @@ void zero_tail(void* out, int64_t first_row, int64_t m_total, int64_t cols, size
 constexpr int kMaxStreams = 8;
 std::atomic<int> g_num_streams{1};
 
+// Calls gemm(e, first row, rows, stream) for each expert with rows, in expert order, on the streams of a
+// fan out of `stream` (one GEMM per expert, several in flight), then joins them back into it.
+template <class Gemm>
+void for_each_expert(const int64_t* padded_tokens_per_expert, int64_t num_experts, cudaStream_t stream, Gemm&& gemm) {
+  StreamFan fan(stream, experts_with_rows(padded_tokens_per_expert, num_experts));
+  int64_t off = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t rows = padded_tokens_per_expert[e];
+    if (rows > 0) gemm(e, off, rows, fan.next());
+    off += rows;
+  }
+  fan.join();
+}
+
 }  // namespace
 
 void set_grouped_linear_streams(int num_streams) {
@@ -71,17 +85,12 @@ void grouped_linear_forward_cuda(DType dtype, const void* x, const void* w, void
   const size_t es = dtype_size(dtype);
   zero_tail(y, total, m_total, n, es, stream);
   if (n == 0) return;
-  StreamFan fan(stream, experts_with_rows(padded_tokens_per_expert, num_experts));
-  int64_t off = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    int64_t rows = padded_tokens_per_expert[e];
-    if (rows > 0)
-      gemm_cuda(false, true, rows, n, k, dtype, at_row(x, off, k, es), std::max<int64_t>(1, k),
-                at_row(w, e * n, k, es), std::max<int64_t>(1, k), dtype, at_row(y, off, n, es), n, nullptr, false,
-                fan.next());
-    off += rows;
-  }
-  fan.join();
+  for_each_expert(padded_tokens_per_expert, num_experts, stream,
+                  [&](int64_t e, int64_t off, int64_t rows, cudaStream_t s) {
+                    gemm_cuda(false, true, rows, n, k, dtype, at_row(x, off, k, es), std::max<int64_t>(1, k),
+                              at_row(w, e * n, k, es), std::max<int64_t>(1, k), dtype, at_row(y, off, n, es), n,
+                              nullptr, false, s);
+                  });
 }
 
 void grouped_linear_dgrad_cuda(DType dtype, const void* dy, const void* w, void* dx,
@@ -92,16 +101,11 @@ void grouped_linear_dgrad_cuda(DType dtype, const void* dy, const void* w, void*
   const size_t es = dtype_size(dtype);
   zero_tail(dx, total, m_total, k, es, stream);
   if (k == 0) return;
-  StreamFan fan(stream, experts_with_rows(padded_tokens_per_expert, num_experts));
-  int64_t off = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    int64_t rows = padded_tokens_per_expert[e];
-    if (rows > 0)
-      gemm_cuda(false, false, rows, k, n, dtype, at_row(dy, off, n, es), std::max<int64_t>(1, n),
-                at_row(w, e * n, k, es), k, dtype, at_row(dx, off, k, es), k, nullptr, false, fan.next());
-    off += rows;
-  }
-  fan.join();
+  for_each_expert(padded_tokens_per_expert, num_experts, stream,
+                  [&](int64_t e, int64_t off, int64_t rows, cudaStream_t s) {
+                    gemm_cuda(false, false, rows, k, n, dtype, at_row(dy, off, n, es), std::max<int64_t>(1, n),
+                              at_row(w, e * n, k, es), k, dtype, at_row(dx, off, k, es), k, nullptr, false, s);
+                  });
 }
 
 void grouped_linear_wgrad_cuda(DType dtype, const void* x, const void* dy, float* dw,
@@ -114,16 +118,11 @@ void grouped_linear_wgrad_cuda(DType dtype, const void* x, const void* dy, float
   for (int64_t e = 0; e < num_experts; ++e)  // no tokens: the gradient is an empty sum
     if (padded_tokens_per_expert[e] == 0 && !accumulate)
       FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw + e * n * k, 0, expert_bytes, stream));
-  StreamFan fan(stream, experts_with_rows(padded_tokens_per_expert, num_experts));
-  int64_t off = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    int64_t rows = padded_tokens_per_expert[e];
-    if (rows > 0)
-      gemm_cuda(true, false, n, k, rows, dtype, at_row(dy, off, n, es), n, at_row(x, off, k, es), k, DType::f32,
-                dw + e * n * k, k, nullptr, accumulate, fan.next());
-    off += rows;
-  }
-  fan.join();
+  for_each_expert(padded_tokens_per_expert, num_experts, stream,
+                  [&](int64_t e, int64_t off, int64_t rows, cudaStream_t s) {
+                    gemm_cuda(true, false, n, k, rows, dtype, at_row(dy, off, n, es), n, at_row(x, off, k, es), k,
+                              DType::f32, dw + e * n * k, k, nullptr, accumulate, s);
+                  });
 }
 
 }  // namespace flowmoe

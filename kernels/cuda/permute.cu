@@ -10,15 +10,13 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <utility>
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/permute_route.cuh"
 #include "kernels/cuda/permute_rows.cuh"
 #include "kernels/cuda/permute_rows_tma.cuh"
@@ -46,70 +44,6 @@ int vector_bytes(size_t row_bytes, const void* a, const void* b) {
   for (int vb = 16; vb > 1; vb /= 2)
     if (row_bytes % size_t(vb) == 0 && aligned_to(a, vb) && aligned_to(b, vb)) return vb;
   return 1;
-}
-
-// dependent: programmatic stream serialization (the kernel may start before the previous one in the
-// stream has finished; see wait_for_previous_kernel). cooperative: all blocks resident at once, so the
-// grid barrier of cooperative_groups works.
-template <class... Params, class... Args>
-void launch_ex(void (*kernel)(Params...), unsigned blocks, int threads, size_t smem, cudaStream_t stream,
-               bool dependent, bool cooperative, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(unsigned(threads));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int num_attrs = 0;
-  if (dependent) {
-    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[num_attrs++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cooperative) {
-    attr[num_attrs].id = cudaLaunchAttributeCooperative;
-    attr[num_attrs++].val.cooperative = 1;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = unsigned(num_attrs);
-  FLOWMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
-
-template <class... Params, class... Args>
-void launch_dependent(void (*kernel)(Params...), unsigned blocks, int threads, size_t smem, cudaStream_t stream,
-                      Args... args) {
-  launch_ex(kernel, blocks, threads, smem, stream, true, false, args...);
-}
-
-// SMs of the current device, queried once per device (the launchers run on every step).
-int sm_count() {
-  static std::atomic<int> cached[64] = {};
-  int dev = 0;
-  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  int n = dev < 64 ? cached[dev].load(std::memory_order_relaxed) : 0;
-  if (n == 0) {
-    FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    if (dev < 64) cached[dev].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
-// Raises a kernel's dynamic shared memory limit once per device and size (a host call on every step
-// would add to the op's latency). carveout: also ask for the largest shared memory split of L1.
-void allow_smem(const void* kernel, size_t smem, bool carveout = false) {
-  if (smem <= 48 * 1024 && !carveout) return;
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, size_t> granted;  // (kernel, device) -> bytes allowed
-  int dev = 0;
-  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = granted.find({kernel, dev});
-  if (it != granted.end() && it->second >= smem) return;
-  if (carveout && it == granted.end())
-    FLOWMOE_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  if (smem > 48 * 1024)
-    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  granted[{kernel, dev}] = smem;
 }
 
 void check_permute_args(const RoutingDims& d, const PermuteBuffers& b) {
@@ -155,7 +89,7 @@ void launch_map(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stre
     return;
   }
   const size_t map_smem = size_t(kCountWarps + 2) * num_local * sizeof(int32_t);
-  allow_smem(reinterpret_cast<const void*>(route_map_kernel), map_smem);
+  allow_smem(route_map_kernel, map_smem);
   if (route_map_fits(num_chunks, num_local, map_smem)) {
     launch_ex(route_map_kernel, unsigned(num_chunks), kCountThreads, map_smem, stream, false, true, b.topk_idx, n,
               d.top_k, d.num_experts, d.expert_offset, num_local, num_chunks, d.align_size, d.num_rows, b.row_map,
@@ -163,7 +97,7 @@ void launch_map(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stre
     return;
   }
   const size_t count_smem = size_t(kCountWarps) * num_local * sizeof(int32_t);
-  allow_smem(reinterpret_cast<const void*>(route_count_kernel), count_smem);
+  allow_smem(route_count_kernel, count_smem);
   route_count_kernel<<<num_chunks, kCountThreads, count_smem, stream>>>(
       b.topk_idx, n, d.top_k, d.num_experts, d.expert_offset, num_local, num_chunks, b.row_map, chunk_counts);
   FLOWMOE_CUDA_CHECK_LAUNCH();
@@ -192,7 +126,7 @@ void launch_rows_tma(const RowArgs& a, int64_t row_bytes, cudaStream_t stream) {
   const int64_t blocks = std::max<int64_t>({token_blocks, pad_blocks, 1});
   ta.num_pad_warps = blocks * kTmaPadWarps;
   const size_t smem = tma_smem_bytes(ta);
-  allow_smem(reinterpret_cast<const void*>(permute_rows_tma_kernel), smem, true);
+  allow_smem(permute_rows_tma_kernel, smem, true);
   launch_dependent(permute_rows_tma_kernel, unsigned(blocks), kTmaThreads, smem, stream, ta);
 }
 

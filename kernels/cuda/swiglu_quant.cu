@@ -14,6 +14,7 @@
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/packed.cuh"
 #include "kernels/cuda/quantize_rows.cuh"
 #include "kernels/cuda/silu.cuh"
@@ -258,8 +259,7 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, con
       return;
     }
     auto kernel = vec ? swiglu_quant_backward_kernel<T, true> : swiglu_quant_backward_kernel<T, false>;
-    if (big_smem)
-      FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    if (big_smem) allow_smem(kernel, smem);
     const int64_t chunks = (F + N - 1) / N;
     const int threads = int(chunks < 64 ? 64 : (chunks > 1024 ? 1024 : (chunks + 31) / 32 * 32));
     const unsigned grid = unsigned(M < (int64_t(1) << 30) ? M : (int64_t(1) << 30));
