@@ -93,9 +93,11 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
 //               fc1      engine/ops/fp8_grouped_linear.cpp (grouped_linear.cpp) ::vjp
 //   3. dispatch          parallel/exchange.cpp       Exchange::vjp (several ranks): d_rows, d_probs home
 //                        engine/ops/permute.cpp      PermutePad::vjp: d_x[t] = Σ_j d_rows[row_map[t,j]]
-//   2. quantize          engine/ops/quantize.cpp     QuantizeRowwise::vjp: straight through
 //   1. router            engine/ops/router.cpp       RouterTopk::vjp: through the normalized
-//                                                    sigmoid scores into the gate weight and x
+//                                                    sigmoid scores into the gate weight and x (ready
+//                                                    once dispatch has returned d_probs)
+//   2. quantize          engine/ops/quantize.cpp     QuantizeRowwise::vjp: straight through, into x
+// (tests/test_moe_fp8.cpp checks this order against the ops the backward runs.)
 // The backward reads nothing to the host: the GEMMs and exchanges reuse the forward's counts.
 Variable MoeLayer::forward(const Variable& x, DType compute) const {
   const Shape in_shape = x.shape();

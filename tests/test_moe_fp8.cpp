@@ -1,11 +1,19 @@
 // The MoE layer's FP8 recipes (layers/moe.cpp): against the bf16/f32 layer with a stated tolerance,
 // cast counts per recipe (the flow's 2), weights quantized once per parameter version, moe_expert
-// recompute with bitwise-identical gradients, CUDA against the CPU, and a tiny model that trains.
+// recompute with bitwise-identical gradients, CUDA against the CPU, a tiny model that trains, and the
+// backward's order against the reading guide beside MoeLayer::forward.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/cast_stats.h"
+#include "engine/profiler.h"
 #include "layers/moe.h"
 #include "tests/moe_test_config.h"
 #include "tests/test_util.h"
@@ -235,4 +243,51 @@ TEST(MoeFp8, TinyModelTrainsNearTheF32Curve) {
     EXPECT_EQ(rows.back().moe_casts, std::string(recipe) == "fp8_flow" ? 2.0 : 10.0);
   }
   fs::remove_all(d);
+}
+
+// The reading guide beside MoeLayer::forward lists the backward in the order it runs: the vjps it names
+// appear in that order in the comment, and the profiler sees the layer's backward run those ops in
+// the same order (fp8_flow on one rank: no exchange; each op's first backward call counts).
+TEST(MoeFp8, BackwardRunsInTheOrderTheLayersCommentLists) {
+  const std::vector<std::pair<std::string, std::string>> steps = {
+      {"Binary::vjp", "add"},                          // 6. + shared experts
+      {"CombineGradToFp8::vjp", "combine"},            // 5. combine
+      {"UnpermuteUnpad::vjp", "unpermute_unpad"},
+      {"fp8_grouped_linear.cpp", "fp8_grouped_linear"},  // 4. fc2 (fc1's calls come after SwiGLU's)
+      {"SwigluQuant::vjp", "swiglu_quant"},
+      {"PermutePad::vjp", "permute_pad"},              // 3. dispatch
+      {"RouterTopk::vjp", "router_topk"},              // 1. router
+      {"QuantizeRowwise::vjp", "quantize_rowwise"}};   // 2. quantize
+  std::ifstream in(std::string(FLOWMOE_SOURCE_DIR) + "/layers/moe.cpp");
+  const std::string source((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t begin = source.find("// Backward, in order");
+  const size_t end = source.find("Variable MoeLayer::forward", begin);
+  ASSERT_NE(begin, std::string::npos);
+  ASSERT_NE(end, std::string::npos);
+  const std::string guide = source.substr(begin, end - begin);
+  size_t at = 0;
+  for (const auto& [vjp, op] : steps) {
+    const size_t found = guide.find(vjp, at);
+    EXPECT_NE(found, std::string::npos) << "the guide names " << vjp << " out of order, or not at all";
+    if (found != std::string::npos) at = found;
+  }
+
+  const ModelConfig c = fp8_config(4, 2, 128, 128, 1);
+  Rng rng(test_seed());
+  const Tensor x = rng.normal({24, 128}, 0, 1), dy = rng.normal({24, 128}, 0, 1);
+  ParamFactory f(11, Device::cpu());
+  MoeLayer layer(f, c, "mlp", options(MoeRecipe::fp8_flow), Device::cpu());
+  Variable xv(x, true);
+  Variable y = layer.forward(xv, DType::f32);
+  profile_begin();
+  y.backward(dy);
+  std::vector<std::string> ran;
+  for (const OpTiming& t : profile_end()) {
+    if (t.phase != OpPhase::backward) continue;
+    for (const auto& [vjp, op] : steps)
+      if (t.op == op && std::find(ran.begin(), ran.end(), op) == ran.end()) ran.push_back(op);
+  }
+  std::vector<std::string> listed;
+  for (const auto& [vjp, op] : steps) listed.push_back(op);
+  EXPECT_EQ(ran, listed);
 }
