@@ -52,8 +52,8 @@ struct Times {
 Times time_family(AttentionKernel kernel, const AttnShape& s, Buffers& b, const Tensor& q, const Tensor& k,
                   const Tensor& v, const Tensor& d_out, cudaStream_t stream) {
   auto fwd = [&] {
-    attention_forward_cuda(DType::bf16, b.out.raw_data(), b.lse.data<float>(), q.raw_data(), k.raw_data(),
-                           v.raw_data(), s.batch, s.seq_len, s.num_heads, s.head_dim, stream, kernel);
+    attention_forward_cuda(DType::bf16, b.out.raw_data(), b.lse.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(),
+                           s.batch, s.seq_len, s.num_heads, s.head_dim, stream, kernel);
   };
   auto bwd = [&] {
     attention_backward_cuda(DType::bf16, b.d_q.raw_data(), b.d_k.raw_data(), b.d_v.raw_data(), b.delta.data<float>(),
@@ -95,16 +95,17 @@ double gemm_ceiling_tflops(Rng& rng, cudaStream_t stream) {
 
 int main() {
   return bench_main("bench_attention", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
-    std::printf("bench_attention on %s: causal attention, bf16, tensor-core (flash) vs CUDA-core (simt) kernels, "
-                "median of %d reps\n",
-                prop.name, kReps);
+    std::printf(
+        "bench_attention on %s: causal attention, bf16, tensor-core (flash) vs CUDA-core (simt) kernels, "
+        "median of %d reps\n",
+        prop.name, kReps);
     Rng rng(2026);
     const double ceiling = gemm_ceiling_tflops(rng, stream);
     std::printf("  bf16 GEMM %lld^3 ceiling: %.1f TFLOP/s\n", (long long)kCeilingSize, ceiling);
 
     const AttnShape shapes[] = {{32, 512, 8, 128}, {4, 2048, 16, 128}};
-    std::printf("\n%-22s %-6s %9s %9s %9s %9s %9s %9s %8s\n", "B x T x nh x hd", "kernel", "fwd ms", "bwd ms",
-                "f+b ms", "fwd TF/s", "bwd TF/s", "f+b TF/s", "of ceil");
+    std::printf("\n%-22s %-6s %9s %9s %9s %9s %9s %9s %8s\n", "B x T x nh x hd", "kernel", "fwd ms", "bwd ms", "f+b ms",
+                "fwd TF/s", "bwd TF/s", "f+b TF/s", "of ceil");
     for (const AttnShape& s : shapes) {
       const Device dev = Device::cuda(0);
       const Shape shape{s.batch, s.seq_len, s.num_heads, s.head_dim};
@@ -123,8 +124,8 @@ int main() {
         rel_diff = std::max(rel_diff, den > 0 ? std::sqrt(num / den) : 0.0);
       }
 
-      const double fwd_flops = 2.0 * double(s.batch) * double(s.num_heads) * double(s.seq_len) *
-                               double(s.seq_len) * double(s.head_dim);
+      const double fwd_flops =
+          2.0 * double(s.batch) * double(s.num_heads) * double(s.seq_len) * double(s.seq_len) * double(s.head_dim);
       const double bwd_flops = 2.5 * fwd_flops, all_flops = fwd_flops + bwd_flops;
       char name[64];
       std::snprintf(name, sizeof(name), "%lldx%lldx%lldx%lld", (long long)s.batch, (long long)s.seq_len,
@@ -133,14 +134,15 @@ int main() {
         std::printf("%-22s %-6s %9.3f %9.3f %9.3f %9.1f %9.1f %9.1f %8.3f\n", name, label, t.fwd_ms, t.bwd_ms,
                     t.fwdbwd_ms, tflops(fwd_flops, t.fwd_ms), tflops(bwd_flops, t.bwd_ms),
                     tflops(all_flops, t.fwdbwd_ms), tflops(all_flops, t.fwdbwd_ms) / ceiling);
-      std::printf("BENCH attention dtype=bf16 B=%lld T=%lld nh=%lld hd=%lld fwd_ms=%.4f bwd_ms=%.4f fwdbwd_ms=%.4f "
-                  "fwd_tflops=%.1f bwd_tflops=%.1f fwdbwd_tflops=%.1f ceiling_tflops=%.1f frac_ceiling=%.4f "
-                  "simt_fwdbwd_ms=%.4f speedup_vs_simt=%.2f fwd_speedup_vs_simt=%.2f bwd_speedup_vs_simt=%.2f "
-                  "rel_diff=%.2e\n",
-                  (long long)s.batch, (long long)s.seq_len, (long long)s.num_heads, (long long)s.head_dim, tf.fwd_ms,
-                  tf.bwd_ms, tf.fwdbwd_ms, tflops(fwd_flops, tf.fwd_ms), tflops(bwd_flops, tf.bwd_ms),
-                  tflops(all_flops, tf.fwdbwd_ms), ceiling, tflops(all_flops, tf.fwdbwd_ms) / ceiling, ts.fwdbwd_ms,
-                  ts.fwdbwd_ms / tf.fwdbwd_ms, ts.fwd_ms / tf.fwd_ms, ts.bwd_ms / tf.bwd_ms, rel_diff);
+      std::printf(
+          "BENCH attention dtype=bf16 B=%lld T=%lld nh=%lld hd=%lld fwd_ms=%.4f bwd_ms=%.4f fwdbwd_ms=%.4f "
+          "fwd_tflops=%.1f bwd_tflops=%.1f fwdbwd_tflops=%.1f ceiling_tflops=%.1f frac_ceiling=%.4f "
+          "simt_fwdbwd_ms=%.4f speedup_vs_simt=%.2f fwd_speedup_vs_simt=%.2f bwd_speedup_vs_simt=%.2f "
+          "rel_diff=%.2e\n",
+          (long long)s.batch, (long long)s.seq_len, (long long)s.num_heads, (long long)s.head_dim, tf.fwd_ms, tf.bwd_ms,
+          tf.fwdbwd_ms, tflops(fwd_flops, tf.fwd_ms), tflops(bwd_flops, tf.bwd_ms), tflops(all_flops, tf.fwdbwd_ms),
+          ceiling, tflops(all_flops, tf.fwdbwd_ms) / ceiling, ts.fwdbwd_ms, ts.fwdbwd_ms / tf.fwdbwd_ms,
+          ts.fwd_ms / tf.fwd_ms, ts.bwd_ms / tf.bwd_ms, rel_diff);
     }
     FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
   });

@@ -274,9 +274,9 @@ class ShapeBench {
       std::snprintf(nccl_cols, sizeof nccl_cols, " %9.2f %7.3f |", nccl, g / nccl);
       std::snprintf(nccl_fields, sizeof nccl_fields, " nccl_gbps=%.2f frac_nccl=%.4f", nccl, g / nccl);
     }
-    std::printf("%-7s %-7s %-16s %-9s %9.0f %6lld %9.2f %6.3f | %9.3f %9.2f | %9.2f %7.3f |%s %5llu\n",
-                s_.name.c_str(), payload, r.op, mode, rows, (long long)r.row_bytes, bytes / 1e6, local, t.ms, g,
-                ceiling, g / ceiling, nccl_cols, (unsigned long long)t.host_syncs);
+    std::printf("%-7s %-7s %-16s %-9s %9.0f %6lld %9.2f %6.3f | %9.3f %9.2f | %9.2f %7.3f |%s %5llu\n", s_.name.c_str(),
+                payload, r.op, mode, rows, (long long)r.row_bytes, bytes / 1e6, local, t.ms, g, ceiling, g / ceiling,
+                nccl_cols, (unsigned long long)t.host_syncs);
     std::fflush(stdout);
     char line[640];
     std::snprintf(line, sizeof line,
@@ -310,9 +310,8 @@ void print_header(const BenchWorld& w, const Options& o) {
         "  one process: the exchange is a local copy; bytes: the rows copied x row bytes; ceiling: a %s copy "
         "of the same bytes\n",
         cpu ? "host" : "device-to-device");
-  std::printf("\n%-7s %-7s %-16s %-9s %9s %6s %9s %6s | %9s %9s | %9s %7s |%s %5s\n", "shape", "payload", "op",
-              "mode", "rows",
-              "B/row", n > 1 ? "MB out" : "MB copied", "local", "ms", "GB/s", "ceil GB/s", "of ceil",
+  std::printf("\n%-7s %-7s %-16s %-9s %9s %6s %9s %6s | %9s %9s | %9s %7s |%s %5s\n", "shape", "payload", "op", "mode",
+              "rows", "B/row", n > 1 ? "MB out" : "MB copied", "local", "ms", "GB/s", "ceil GB/s", "of ceil",
               w.nccl_ceiling ? " nccl GB/s of nccl |" : "", "syncs");
 }
 

@@ -129,12 +129,11 @@ int main() {
       const int64_t blocks = fp8_transpose_num_blocks(c.segs.data(), n, kM);
       int64_t rows = 0;
       for (int64_t r : c.segs) rows += r;
-      const double bytes = double(rows) * double(kK) + double(rows * nb) * 4 + double(kK) * double(kM) +
-                           double(blocks * kK) * 4;
-      const double ms = median_ms(
-          [&] { fp8_transpose_cuda(q, s, kM, kK, c.segs.data(), n, q_t, s_t, stream); }, stream);
-      const double deq_ms =
-          median_ms([&] { fp8_transpose_baseline_dequantize_cuda(q, s, kM, kK, y, stream); }, stream);
+      const double bytes =
+          double(rows) * double(kK) + double(rows * nb) * 4 + double(kK) * double(kM) + double(blocks * kK) * 4;
+      const double ms =
+          median_ms([&] { fp8_transpose_cuda(q, s, kM, kK, c.segs.data(), n, q_t, s_t, stream); }, stream);
+      const double deq_ms = median_ms([&] { fp8_transpose_baseline_dequantize_cuda(q, s, kM, kK, y, stream); }, stream);
       auto requantize = [&] {
         fp8_transpose_baseline_quantize_colwise_cuda(y, kM, kK, c.segs.data(), n, q_t_base, s_t_base, stream);
       };
@@ -154,8 +153,8 @@ int main() {
                     "BENCH fp8_transpose %lldx%lld seg=%s: %.1f us, %.1f GB/s (%.3f of copy), %.2f x faster than "
                     "dequant+requant (rows=%lld blocks=%lld frac_h200=%.3f copy_gbps=%.1f baseline_us=%.1f "
                     "baseline_gbps=%.1f)",
-                    (long long)kM, (long long)kK, c.name.c_str(), ms * 1e3, g, g / copy, base_ms / ms,
-                    (long long)rows, (long long)blocks, g / kH200CopyGbps, copy, base_ms * 1e3, gbps(bytes, base_ms));
+                    (long long)kM, (long long)kK, c.name.c_str(), ms * 1e3, g, g / copy, base_ms / ms, (long long)rows,
+                    (long long)blocks, g / kH200CopyGbps, copy, base_ms * 1e3, gbps(bytes, base_ms));
       bench_lines.push_back(line);
 
       if (c.segs.size() == 1) {  // error study on the host block: the first 4096 rows, 32 whole blocks
@@ -178,10 +177,11 @@ int main() {
             for (int64_t i = r0; i < r0 + 128; ++i)
               cq[size_t(j * kHostRows + i)] = f32_to_e4m3(x[size_t(i * kK + j)] * scale);
           }
-        std::printf("  [fp8_transpose error study] %lld x %lld realistic activations, rel. error vs x: (a) "
-                    "scaling-aware transpose %.5f, (b) dequantize+requantize %.5f, (c) direct colwise quantize %.5f\n",
-                    (long long)kHostRows, (long long)kK, colwise_rel_error(a, sa, x), colwise_rel_error(b, sb, x),
-                    colwise_rel_error(cq, cs, x));
+        std::printf(
+            "  [fp8_transpose error study] %lld x %lld realistic activations, rel. error vs x: (a) "
+            "scaling-aware transpose %.5f, (b) dequantize+requantize %.5f, (c) direct colwise quantize %.5f\n",
+            (long long)kHostRows, (long long)kK, colwise_rel_error(a, sa, x), colwise_rel_error(b, sb, x),
+            colwise_rel_error(cq, cs, x));
       }
     }
     for (const std::string& l : bench_lines) std::printf("%s\n", l.c_str());

@@ -236,16 +236,15 @@ double tflops(const Result& r, double ms) {
 
 int main() {
   return bench_main("bench_grouped_linear", [&](const cudaDeviceProp& prop, cudaStream_t /*stream*/) {
-    std::printf("bench_grouped_linear on %s: bf16 GroupedLinear fwd + bwd (fprop, dgrad, wgrad fp32 out), "
-                "median of %d reps\n",
-                prop.name, kReps);
+    std::printf(
+        "bench_grouped_linear on %s: bf16 GroupedLinear fwd + bwd (fprop, dgrad, wgrad fp32 out), "
+        "median of %d reps\n",
+        prop.name, kReps);
     Rng rng(2026);
     // The DESIGN §6 shape, then the MoE layer benchmark's fc1/fc2 (T·top_k/E rows per expert).
     const Case cases[] = {
-        {"dsv3_32x1024", 32, 1024, 7168, 4096},
-        {"fc1_E64", 64, 16384 * 6 / 64, 2048, 2 * 1408},
-        {"fc2_E64", 64, 16384 * 6 / 64, 1408, 2048},
-        {"fc1_E32", 32, 8192 * 4 / 32, 1024, 2 * 512},
+        {"dsv3_32x1024", 32, 1024, 7168, 4096},      {"fc1_E64", 64, 16384 * 6 / 64, 2048, 2 * 1408},
+        {"fc2_E64", 64, 16384 * 6 / 64, 1408, 2048}, {"fc1_E32", 32, 8192 * 4 / 32, 1024, 2 * 512},
         {"fc2_E32", 32, 8192 * 4 / 32, 512, 1024},
     };
     std::vector<Result> results;
@@ -281,21 +280,20 @@ int main() {
     for (const Result& r : results)
       std::printf("%-13s %8.2f %10.3f %11llu %8llu %8llu %8zu %10.3f %10.3f %6.2f\n", r.c.name, r.host_us_per_gemm,
                   r.fresh_first_host_ms, (unsigned long long)r.fresh_stats.plans_built,
-                  (unsigned long long)r.fresh_stats.heuristic_queries,
-                  (unsigned long long)r.fresh_stats.bucket_rejects, r.distinct_m, r.streams4_ms, r.streams4_host_ms,
-                  r.grouped_ms / r.streams4_ms);
+                  (unsigned long long)r.fresh_stats.heuristic_queries, (unsigned long long)r.fresh_stats.bucket_rejects,
+                  r.distinct_m, r.streams4_ms, r.streams4_host_ms, r.grouped_ms / r.streams4_ms);
     for (const Result& r : results) {
       double tf4 = tflops(r, r.streams4_ms);
-      std::printf("BENCH grouped_linear_host case=%s dtype=bf16 E=%lld gemms_per_step=%lld host_issue_ms=%.4f "
-                  "host_issue_us_per_gemm=%.3f fresh_first_ms=%.4f fresh_first_host_ms=%.4f fresh_plans_built=%llu "
-                  "fresh_heuristic_queries=%llu fresh_bucket_rejects=%llu fresh_distinct_m=%zu "
-                  "streams4_grouped_ms=%.4f streams4_tflops=%.1f streams4_frac_679_ceiling=%.4f "
-                  "streams4_host_issue_ms=%.4f ratio_1stream_4stream=%.4f\n",
-                  r.c.name, (long long)r.c.num_experts, (long long)(3 * r.c.num_experts), r.host_ms, r.host_us_per_gemm,
-                  r.fresh_first_ms, r.fresh_first_host_ms, (unsigned long long)r.fresh_stats.plans_built,
-                  (unsigned long long)r.fresh_stats.heuristic_queries,
-                  (unsigned long long)r.fresh_stats.bucket_rejects, r.distinct_m, r.streams4_ms, tf4,
-                  tf4 / kCeilingTflops, r.streams4_host_ms, r.grouped_ms / r.streams4_ms);
+      std::printf(
+          "BENCH grouped_linear_host case=%s dtype=bf16 E=%lld gemms_per_step=%lld host_issue_ms=%.4f "
+          "host_issue_us_per_gemm=%.3f fresh_first_ms=%.4f fresh_first_host_ms=%.4f fresh_plans_built=%llu "
+          "fresh_heuristic_queries=%llu fresh_bucket_rejects=%llu fresh_distinct_m=%zu "
+          "streams4_grouped_ms=%.4f streams4_tflops=%.1f streams4_frac_679_ceiling=%.4f "
+          "streams4_host_issue_ms=%.4f ratio_1stream_4stream=%.4f\n",
+          r.c.name, (long long)r.c.num_experts, (long long)(3 * r.c.num_experts), r.host_ms, r.host_us_per_gemm,
+          r.fresh_first_ms, r.fresh_first_host_ms, (unsigned long long)r.fresh_stats.plans_built,
+          (unsigned long long)r.fresh_stats.heuristic_queries, (unsigned long long)r.fresh_stats.bucket_rejects,
+          r.distinct_m, r.streams4_ms, tf4, tf4 / kCeilingTflops, r.streams4_host_ms, r.grouped_ms / r.streams4_ms);
     }
     FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
   });

@@ -12,12 +12,12 @@
 #include <cstdio>
 #include <vector>
 
-#include "kernels/common/cuda_check.h"
-#include "kernels/common/device_api.h"
+#include "bench/bench_util.h"
 #include "engine/ops/ops.h"
 #include "engine/rng.h"
 #include "engine/stream.h"
-#include "bench/bench_util.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 #include "kernels/linear.h"
 
 using namespace flowmoe;
@@ -171,10 +171,11 @@ int main() {
     }
     for (const auto& [s, r] : results) {
       double tflops = 6.0 * double(s.m) * double(s.n) * double(s.k) / (r.engine_ms * 1e-3) / 1e12;
-      std::printf("BENCH linear dtype=bf16 M=%lld N=%lld K=%lld engine_ms=%.4f best_ms=%.4f op_ms=%.4f "
-                  "engine_tflops=%.1f frac_bf16_ceiling=%.4f ratio_engine_best=%.4f\n",
-                  (long long)s.m, (long long)s.n, (long long)s.k, r.engine_ms, r.best_ms, r.op_ms, tflops,
-                  tflops / kBf16CeilingTflops, r.engine_ms / r.best_ms);
+      std::printf(
+          "BENCH linear dtype=bf16 M=%lld N=%lld K=%lld engine_ms=%.4f best_ms=%.4f op_ms=%.4f "
+          "engine_tflops=%.1f frac_bf16_ceiling=%.4f ratio_engine_best=%.4f\n",
+          (long long)s.m, (long long)s.n, (long long)s.k, r.engine_ms, r.best_ms, r.op_ms, tflops,
+          tflops / kBf16CeilingTflops, r.engine_ms / r.best_ms);
     }
     cuda_free_raw(workspace, 0);
     FLOWMOE_CUBLAS_CHECK(cublasLtDestroy(handle));

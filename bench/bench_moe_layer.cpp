@@ -9,10 +9,10 @@
 #include <cstdio>
 #include <vector>
 
-#include "engine/allocator.h"
-#include "kernels/common/device_api.h"
-#include "engine/stream.h"
 #include "bench/bench_util.h"
+#include "engine/allocator.h"
+#include "engine/stream.h"
+#include "kernels/common/device_api.h"
 #include "kernels/grouped_linear.h"
 #include "layers/moe.h"
 #include "layers/param.h"
@@ -21,7 +21,9 @@ using namespace flowmoe;
 
 namespace {
 
-struct Shape5 { int64_t T, H, F, E, k; };
+struct Shape5 {
+  int64_t T, H, F, E, k;
+};
 
 ModelConfig layer_config(const Shape5& s) {
   ModelConfig c;
@@ -69,7 +71,11 @@ int main() {
         dense_ms = median_ms(dense, stream, 3, 10);
       }
 
-      struct Run { MoeRecipe recipe; bool recompute; int streams; };
+      struct Run {
+        MoeRecipe recipe;
+        bool recompute;
+        int streams;
+      };
       std::vector<Run> runs;
       for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
         for (bool recompute : {false, true}) runs.push_back({recipe, recompute, 1});
@@ -138,13 +144,14 @@ int main() {
                     name, moe_recipe_name(recipe), recompute ? "yes" : "no", run.streams, layer_ms, tflops,
                     tflops / ceiling, bf16_ms / layer_ms, layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0),
                     peak_gib, peak_gib / bf16_peak, act_gib, act_gib / bf16_act, saved_gib, saved_gib / bf16_saved);
-        std::printf("BENCH moe_layer %s recompute=%s streams=%d T=%lld H=%lld F=%lld E=%lld k=%lld ms=%.3f tflops=%.1f "
-                    "frac_ceiling=%.3f speedup_vs_bf16=%.2f ratio_dense=%.2f host_syncs=%llu peak_gib=%.2f "
-                    "peak_vs_bf16=%.2f act_gib=%.2f act_vs_bf16=%.2f saved_gib=%.3f saved_vs_bf16=%.2f\n",
-                    moe_recipe_name(recipe), recompute ? "yes" : "no", run.streams, (long long)s.T, (long long)s.H,
-                    (long long)s.F, (long long)s.E, (long long)s.k, layer_ms, tflops, tflops / ceiling,
-                    bf16_ms / layer_ms, layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib,
-                    peak_gib / bf16_peak, act_gib, act_gib / bf16_act, saved_gib, saved_gib / bf16_saved);
+        std::printf(
+            "BENCH moe_layer %s recompute=%s streams=%d T=%lld H=%lld F=%lld E=%lld k=%lld ms=%.3f tflops=%.1f "
+            "frac_ceiling=%.3f speedup_vs_bf16=%.2f ratio_dense=%.2f host_syncs=%llu peak_gib=%.2f "
+            "peak_vs_bf16=%.2f act_gib=%.2f act_vs_bf16=%.2f saved_gib=%.3f saved_vs_bf16=%.2f\n",
+            moe_recipe_name(recipe), recompute ? "yes" : "no", run.streams, (long long)s.T, (long long)s.H,
+            (long long)s.F, (long long)s.E, (long long)s.k, layer_ms, tflops, tflops / ceiling, bf16_ms / layer_ms,
+            layer_ms / dense_ms, (unsigned long long)(syncs1 - syncs0), peak_gib, peak_gib / bf16_peak, act_gib,
+            act_gib / bf16_act, saved_gib, saved_gib / bf16_saved);
       }
       set_grouped_linear_streams(1);
     }

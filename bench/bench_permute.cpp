@@ -131,7 +131,8 @@ Result bench(Setup& s, cudaStream_t stream) {
   r.exact_ms = median_ms(exact, stream);
   r.gpu_ms = median_gpu_ms([] {}, exact, stream);
   r.map_gpu_ms = median_gpu_ms([] {}, map, stream);
-  r.rows_gpu_ms = median_gpu_ms(map, [&] { permute_rows_cuda(s.exact, s.b, stream); }, stream);
+  r.rows_gpu_ms = median_gpu_ms(
+      map, [&] { permute_rows_cuda(s.exact, s.b, stream); }, stream);
   // What a plain copy of this many bytes reaches: the ceiling is a 1 GiB copy, and shorter ops pay more
   // of their launch, ramp-up and drain.
   r.same_copy_gbps = copy_gbps(stream, true, size_t(s.permute_bytes / 2)).gpu_only;
@@ -156,11 +157,12 @@ void print_results(const std::vector<Result>& results, double copy, double copy_
     const double pe = gbps(r.permute_bytes, r.exact_ms), pw = gbps(r.permute_bytes, r.worst_ms);
     const double pg = gbps(r.permute_bytes, r.gpu_ms), pr = gbps(r.permute_bytes, r.rows_gpu_ms);
     const double u = gbps(r.unpermute_bytes, r.unpermute_ms);
-    std::printf("%-24s %5d %8lld | %9.4f %8.0f %6.3f | %9.4f %8.0f | %9.4f | %8.4f %6.3f | %8.4f | %8.4f %6.3f | "
-                "%6.3f | %9.4f %8.0f %6.3f\n",
-                cfg, r.align, (long long)r.padded_rows, r.exact_ms, pe, pe / copy, r.worst_ms, pw, r.memset_ms,
-                r.gpu_ms, pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms, pr / copy_gpu, r.same_copy_gbps / copy_gpu,
-                r.unpermute_ms, u, u / copy);
+    std::printf(
+        "%-24s %5d %8lld | %9.4f %8.0f %6.3f | %9.4f %8.0f | %9.4f | %8.4f %6.3f | %8.4f | %8.4f %6.3f | "
+        "%6.3f | %9.4f %8.0f %6.3f\n",
+        cfg, r.align, (long long)r.padded_rows, r.exact_ms, pe, pe / copy, r.worst_ms, pw, r.memset_ms, r.gpu_ms,
+        pg / copy_gpu, r.map_gpu_ms, r.rows_gpu_ms, pr / copy_gpu, r.same_copy_gbps / copy_gpu, r.unpermute_ms, u,
+        u / copy);
   }
   for (const Result& r : results) {
     const double pe = gbps(r.permute_bytes, r.exact_ms), pw = gbps(r.permute_bytes, r.worst_ms);
@@ -198,7 +200,8 @@ ImplTimes time_impl(Setup& s, PermuteRowKernel row_kernel, cudaStream_t stream) 
   auto map = [&] { permute_map_cuda(s.exact, s.b, stream); };
   t.whole_ms = median_ms(exact, stream);
   t.gpu_ms = median_gpu_ms([] {}, exact, stream);
-  t.rows_ms = median_gpu_ms(map, [&] { permute_rows_cuda(s.exact, s.b, stream, row_kernel); }, stream);
+  t.rows_ms = median_gpu_ms(
+      map, [&] { permute_rows_cuda(s.exact, s.b, stream, row_kernel); }, stream);
   FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return t;
 }
@@ -226,9 +229,11 @@ void run_watched(Setup& s, PermuteRowKernel row_kernel, cudaStream_t stream) {
   cudaError_t st;
   while ((st = cudaEventQuery(done.get())) == cudaErrorNotReady) {
     if (std::chrono::steady_clock::now() > deadline) {
-      std::printf("bench_permute: the permute with row kernel %s did not finish within 20 s (T=%lld H=%lld "
-                  "align=%d); exiting\n", row_kernel == PermuteRowKernel::tma ? "tma" : "classic",
-                  (long long)s.c.tokens, (long long)s.c.hidden, s.align);
+      std::printf(
+          "bench_permute: the permute with row kernel %s did not finish within 20 s (T=%lld H=%lld "
+          "align=%d); exiting\n",
+          row_kernel == PermuteRowKernel::tma ? "tma" : "classic", (long long)s.c.tokens, (long long)s.c.hidden,
+          s.align);
       std::fflush(stdout);
       std::_Exit(1);
     }

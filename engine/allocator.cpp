@@ -140,8 +140,8 @@ CachingAllocator& cuda_allocator(int device) {
   static std::mutex mu;
   static auto& allocs = *new std::vector<std::unique_ptr<CachingAllocator>>;  // leaked, as host()
   std::lock_guard<std::mutex> lock(mu);
-  FLOWMOE_CHECK(device >= 0 && device < cuda_device_count(), DeviceError, "cuda:", device,
-                " does not exist (", cuda_device_count(), " CUDA devices visible)");
+  FLOWMOE_CHECK(device >= 0 && device < cuda_device_count(), DeviceError, "cuda:", device, " does not exist (",
+                cuda_device_count(), " CUDA devices visible)");
   if (allocs.empty()) allocs.resize(size_t(cuda_device_count()));
   auto& a = allocs[size_t(device)];
   if (!a)

@@ -35,7 +35,7 @@ class CachingAllocator {
 
   void* allocate(size_t nbytes);  // nbytes may be 0: returns nullptr
   void release(void* ptr);
-  void empty_cache();             // returns every cached block to the device
+  void empty_cache();  // returns every cached block to the device
   MemoryStats stats() const;
   void reset_peak();
   static size_t round_size(size_t nbytes);
@@ -54,9 +54,9 @@ class CachingAllocator {
   mutable std::mutex mu_;
   std::multimap<size_t, void*> free_blocks_;  // size -> block
   std::map<void*, size_t> live_blocks_;       // block -> size
-  int open_pool_ = 0;                                       // 0: none open
+  int open_pool_ = 0;                         // 0: none open
   int num_pools_ = 0;
-  std::map<void*, int> pool_of_;                            // block -> its private pool
+  std::map<void*, int> pool_of_;                           // block -> its private pool
   std::map<int, std::multimap<size_t, void*>> pool_free_;  // pool -> its free blocks
   MemoryStats stats_;
   void empty_cache_locked();

@@ -174,7 +174,7 @@ LeafGradHookGuard::~LeafGradHookGuard() { g_leaf_hook = std::move(prev_); }
 void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool retain_graph) {
   FLOWMOE_CHECK(outputs.size() == d_outputs.size(), Error, "backward: ", outputs.size(), " outputs but ",
                 d_outputs.size(), " gradients");
-  NoGradGuard no_grad;  // gradients are values, not new graph
+  NoGradGuard no_grad;                      // gradients are values, not new graph
   EvalPhaseGuard phase(OpPhase::backward);  // the profiler charges the walk's own ops (gradient sums) to it
   std::unordered_map<Node*, std::vector<Tensor>> grads;  // per node: one slot per output
   std::unordered_map<Node*, int> deps;                   // incoming edges from unfinished nodes
@@ -235,8 +235,8 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
       if (!d_out[i].defined()) d_out[i] = Tensor::zeros(n->out_shapes[i], n->out_dtypes[i], n->device);
     std::vector<Tensor> d_in = n->backward(std::move(d_out));
     if (!retain_graph) n->release();
-    FLOWMOE_CHECK(d_in.size() == n->next.size(), Error, n->name(), ": vjp returned ", d_in.size(),
-                  " gradients for ", n->next.size(), " inputs");
+    FLOWMOE_CHECK(d_in.size() == n->next.size(), Error, n->name(), ": vjp returned ", d_in.size(), " gradients for ",
+                  n->next.size(), " inputs");
     for (size_t i = 0; i < d_in.size(); ++i) {
       const Edge& e = n->next[i];
       if (e.leaf) {

@@ -70,6 +70,7 @@ class NoGradGuard {  // ops run inside record no graph
  public:
   NoGradGuard();
   ~NoGradGuard();
+
  private:
   bool prev_;
 };
@@ -77,6 +78,7 @@ class EnableGradGuard {
  public:
   EnableGradGuard();
   ~EnableGradGuard();
+
  private:
   bool prev_;
 };
@@ -153,8 +155,8 @@ class LeafGradHookGuard {
 // ---- graph nodes ------------------------------------------------------------------------------
 
 struct Edge {
-  std::shared_ptr<Node> fn;                // producing node, or
-  std::shared_ptr<VariableImpl> leaf;      // the leaf that receives the gradient
+  std::shared_ptr<Node> fn;            // producing node, or
+  std::shared_ptr<VariableImpl> leaf;  // the leaf that receives the gradient
   int output_nr = 0;
 };
 

@@ -11,9 +11,12 @@ CastCounts g_counts;
 
 const char* cast_kind_name(CastKind k) {
   switch (k) {
-    case CastKind::quantize: return "quantize";
-    case CastKind::dequantize: return "dequantize";
-    case CastKind::weight_quantize: return "weight_quantize";
+    case CastKind::quantize:
+      return "quantize";
+    case CastKind::dequantize:
+      return "dequantize";
+    case CastKind::weight_quantize:
+      return "weight_quantize";
   }
   return "?";
 }

@@ -27,7 +27,7 @@ struct Call {
 
 struct State {
   bool on = false;
-  int depth = 0;            // timers alive: only the outermost records
+  int depth = 0;  // timers alive: only the outermost records
   OpPhase eval_phase = OpPhase::forward;
   std::vector<std::string> scopes;  // full names, innermost last
   std::vector<Call> calls;
@@ -44,10 +44,14 @@ void free_events(std::vector<Call>& calls) {
 
 const char* op_phase_name(OpPhase phase) {
   switch (phase) {
-    case OpPhase::forward: return "fwd";
-    case OpPhase::backward: return "bwd";
-    case OpPhase::recompute: return "recompute";
-    case OpPhase::step: return "step";
+    case OpPhase::forward:
+      return "fwd";
+    case OpPhase::backward:
+      return "bwd";
+    case OpPhase::recompute:
+      return "recompute";
+    case OpPhase::step:
+      return "step";
   }
   return "?";
 }

@@ -79,8 +79,8 @@ static Tensor generate(const Shape& shape, DType dtype, Device device, const F& 
 
 Tensor Rng::uniform(const Shape& shape, double lo, double hi, DType dtype, Device device) {
   const uint64_t base = offset_;
-  Tensor t = generate(shape, dtype, device,
-                      [&](int64_t i) { return lo + (hi - lo) * to_unit(draw(base + uint64_t(i))); });
+  Tensor t =
+      generate(shape, dtype, device, [&](int64_t i) { return lo + (hi - lo) * to_unit(draw(base + uint64_t(i))); });
   offset_ += uint64_t(shape_numel(shape));
   return t;
 }
@@ -89,8 +89,8 @@ Tensor Rng::normal(const Shape& shape, double mean, double std, DType dtype, Dev
   return normal_rows(shape, 0, shape.empty() ? 1 : shape[0], mean, std, dtype, device);
 }
 
-Tensor Rng::normal_rows(const Shape& full_shape, int64_t row_begin, int64_t rows, double mean, double std,
-                        DType dtype, Device device) {
+Tensor Rng::normal_rows(const Shape& full_shape, int64_t row_begin, int64_t rows, double mean, double std, DType dtype,
+                        Device device) {
   const int64_t full_rows = full_shape.empty() ? 1 : full_shape[0];
   FLOWMOE_CHECK(row_begin >= 0 && rows >= 0 && row_begin + rows <= full_rows, ShapeError, "Rng::normal_rows: rows [",
                 row_begin, ", ", row_begin + rows, ") of ", shape_str(full_shape));

@@ -21,8 +21,8 @@ class Rng {
                      DType dtype = DType::f32, Device device = Device::cpu());
   // Integers uniform in [lo, hi).
   Tensor randint(const Shape& shape, int64_t lo, int64_t hi, DType dtype = DType::i32, Device device = Device::cpu());
-  double next_uniform();   // one double in [0, 1)
-  uint64_t next_u64();     // one raw 64-bit draw
+  double next_uniform();  // one double in [0, 1)
+  uint64_t next_u64();    // one raw 64-bit draw
 
   // Full state, for checkpoints: restoring it continues the exact sequence.
   uint64_t seed() const { return seed_; }

@@ -25,9 +25,12 @@ int64_t shape_numel(const Shape& s) {
 
 const char* scaling_mode_name(ScalingMode m) {
   switch (m) {
-    case ScalingMode::rowwise_1x128: return "rowwise_1x128";
-    case ScalingMode::colwise_1x128: return "colwise_1x128";
-    case ScalingMode::block_128x128: return "block_128x128";
+    case ScalingMode::rowwise_1x128:
+      return "rowwise_1x128";
+    case ScalingMode::colwise_1x128:
+      return "colwise_1x128";
+    case ScalingMode::block_128x128:
+      return "block_128x128";
   }
   return "unknown";
 }
@@ -66,8 +69,7 @@ Shape Tensor::contiguous_strides(const Shape& s) {
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
-  for (int64_t d : shape)
-    FLOWMOE_CHECK(d >= 0, ShapeError, "negative dimension in shape ", shape_str(shape));
+  for (int64_t d : shape) FLOWMOE_CHECK(d >= 0, ShapeError, "negative dimension in shape ", shape_str(shape));
   Tensor t;
   t.shape_ = shape;
   t.strides_ = contiguous_strides(shape);

@@ -84,18 +84,18 @@ class Tensor {
     return static_cast<T*>(raw_data());
   }
 
-  Tensor view(const Shape& shape) const;     // contiguous tensors only; one dim may be -1
-  Tensor reshape(const Shape& shape) const;  // view when possible, else a contiguous copy
-  Tensor transpose(int a, int b) const;      // strided view
+  Tensor view(const Shape& shape) const;                    // contiguous tensors only; one dim may be -1
+  Tensor reshape(const Shape& shape) const;                 // view when possible, else a contiguous copy
+  Tensor transpose(int a, int b) const;                     // strided view
   Tensor slice(int dim, int64_t start, int64_t end) const;  // strided view of [start, end)
-  Tensor contiguous() const;                 // self if already contiguous
-  Tensor clone() const;                      // contiguous copy on the same device
-  Tensor to(Device device) const;            // copy across devices (self if already there)
-  Tensor to(DType dtype) const;              // cast (self if already that dtype)
-  void copy_(const Tensor& src);             // same shape and dtype; any devices
+  Tensor contiguous() const;                                // self if already contiguous
+  Tensor clone() const;                                     // contiguous copy on the same device
+  Tensor to(Device device) const;                           // copy across devices (self if already there)
+  Tensor to(DType dtype) const;                             // cast (self if already that dtype)
+  void copy_(const Tensor& src);                            // same shape and dtype; any devices
   void zero_();
   void fill_bytes_(uint8_t byte);  // every byte (contiguous tensors): 0xFF is NaN in every float dtype
-  void fill_(double value);  // every element = value rounded to the dtype (contiguous tensors)
+  void fill_(double value);        // every element = value rounded to the dtype (contiguous tensors)
 
   std::vector<float> to_floats() const;    // host copy, every element converted to float
   std::vector<double> to_doubles() const;  // host copy, converted to double
@@ -143,38 +143,52 @@ void check_same_device(const Tensor& a, const Tensor& b, const char* what);
 void check_dtype(const Tensor& t, std::initializer_list<DType> allowed, const char* what);
 
 template <>
-inline DType dtype_of<float>() { return DType::f32; }
+inline DType dtype_of<float>() {
+  return DType::f32;
+}
 template <>
-inline DType dtype_of<double>() { return DType::f64; }
+inline DType dtype_of<double>() {
+  return DType::f64;
+}
 template <>
-inline DType dtype_of<bf16>() { return DType::bf16; }
+inline DType dtype_of<bf16>() {
+  return DType::bf16;
+}
 template <>
-inline DType dtype_of<int32_t>() { return DType::i32; }
+inline DType dtype_of<int32_t>() {
+  return DType::i32;
+}
 template <>
-inline DType dtype_of<int64_t>() { return DType::i64; }
+inline DType dtype_of<int64_t>() {
+  return DType::i64;
+}
 template <>
-inline DType dtype_of<uint8_t>() { return DType::u8; }  // also accepted for e4m3/e5m2 data
+inline DType dtype_of<uint8_t>() {
+  return DType::u8;
+}  // also accepted for e4m3/e5m2 data
 template <>
-inline DType dtype_of<uint16_t>() { return DType::bf16; }  // raw bf16 bits (used by CUDA launchers)
+inline DType dtype_of<uint16_t>() {
+  return DType::bf16;
+}  // raw bf16 bits (used by CUDA launchers)
 
 }  // namespace flowmoe
 
 // Runs the statement with `scalar_t` bound to the C++ type of a CPU floating dtype (f32 or f64).
-#define FLOWMOE_DISPATCH_CPU_FLOAT(dtype, what, ...)                                         \
-  do {                                                                                       \
-    switch (dtype) {                                                                         \
-      case ::flowmoe::DType::f32: {                                                          \
-        using scalar_t = float;                                                              \
-        __VA_ARGS__;                                                                         \
-        break;                                                                               \
-      }                                                                                      \
-      case ::flowmoe::DType::f64: {                                                          \
-        using scalar_t = double;                                                             \
-        __VA_ARGS__;                                                                         \
-        break;                                                                               \
-      }                                                                                      \
-      default:                                                                               \
-        FLOWMOE_THROW(::flowmoe::DTypeError, what, " on cpu supports f32 and f64, got ",    \
-                      ::flowmoe::dtype_name(dtype));                                         \
-    }                                                                                        \
+#define FLOWMOE_DISPATCH_CPU_FLOAT(dtype, what, ...)                                     \
+  do {                                                                                   \
+    switch (dtype) {                                                                     \
+      case ::flowmoe::DType::f32: {                                                      \
+        using scalar_t = float;                                                          \
+        __VA_ARGS__;                                                                     \
+        break;                                                                           \
+      }                                                                                  \
+      case ::flowmoe::DType::f64: {                                                      \
+        using scalar_t = double;                                                         \
+        __VA_ARGS__;                                                                     \
+        break;                                                                           \
+      }                                                                                  \
+      default:                                                                           \
+        FLOWMOE_THROW(::flowmoe::DTypeError, what, " on cpu supports f32 and f64, got ", \
+                      ::flowmoe::dtype_name(dtype));                                     \
+    }                                                                                    \
   } while (0)

@@ -24,10 +24,10 @@
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/data.h"
+#include "train/evaluation.h"
 #include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/plot.h"
-#include "train/evaluation.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;
@@ -130,8 +130,8 @@ options:
 )";
 
 volatile std::sig_atomic_t g_stop_signal = 0;  // the signal that asked training to stop
-bool g_quiet_signals = false;                   // a rank other than 0: rank 0 says it for all
-bool g_several_ranks = false;                   // a launcher started more than one process
+bool g_quiet_signals = false;                  // a rank other than 0: rank 0 says it for all
+bool g_several_ranks = false;                  // a launcher started more than one process
 
 // SIGINT / SIGTERM: finish the step and save (train() polls the request). Either signal again
 // ends the process at once, as the default action does.
@@ -172,9 +172,12 @@ int cmd_train(int argc, char** argv) {
   int64_t profile_step = 0;
   while (!args.done()) {
     std::string a = args.next();
-    if (a == "--config") config = args.value(a);
-    else if (a == "--profile") profile_step = positive_integer("train", a, args.value(a), "a step number (1 or more)");
-    else if (a == "--set") sets.push_back(args.value(a));
+    if (a == "--config")
+      config = args.value(a);
+    else if (a == "--profile")
+      profile_step = positive_integer("train", a, args.value(a), "a step number (1 or more)");
+    else if (a == "--set")
+      sets.push_back(args.value(a));
     else if (a == "--resume") {
       std::string dir;
       if (args.has_optional_value()) {
@@ -184,8 +187,10 @@ int cmd_train(int argc, char** argv) {
       resume_set = "checkpoint.resume=" + (dir.empty() ? "true" : dir);
       resume_label = dir.empty() ? "--resume" : "--resume " + dir;
       sets.push_back(resume_set);
-    } else if (a == "--print-config") print_only = true;
-    else throw UsageError("train: unknown argument '" + a + "' (see flowmoe train --help)");
+    } else if (a == "--print-config")
+      print_only = true;
+    else
+      throw UsageError("train: unknown argument '" + a + "' (see flowmoe train --help)");
   }
   if (config.empty()) throw UsageError("train: --config FILE is required (try --config configs/tiny.yaml)");
   Config cfg = load_config(config, sets);
@@ -222,11 +227,16 @@ int cmd_eval(int argc, char** argv) {
   std::string batches_label = "--batches ";  // where the count came from, for the cap message
   while (!args.done()) {
     std::string a = args.next();
-    if (a == "--config") config = args.value(a);
-    else if (a == "--checkpoint") checkpoint = args.value(a);
-    else if (a == "--set") sets.push_back(args.value(a));
-    else if (a == "--batches") batches = positive_integer("eval", a, args.value(a));
-    else throw UsageError("eval: unknown argument '" + a + "' (see flowmoe eval --help)");
+    if (a == "--config")
+      config = args.value(a);
+    else if (a == "--checkpoint")
+      checkpoint = args.value(a);
+    else if (a == "--set")
+      sets.push_back(args.value(a));
+    else if (a == "--batches")
+      batches = positive_integer("eval", a, args.value(a));
+    else
+      throw UsageError("eval: unknown argument '" + a + "' (see flowmoe eval --help)");
   }
   if (config.empty() || checkpoint.empty()) throw UsageError("eval: --config FILE and --checkpoint DIR are required");
   Config cfg = load_config(config, sets);
@@ -242,9 +252,10 @@ int cmd_eval(int argc, char** argv) {
   const int64_t ep = cfg.parallel.expert_parallel_size;
   if (ep > 1 && ranks.world->size() % ep != 0) {
     if (root)
-      std::printf("eval: parallel.expert_parallel_size = %lld does not divide the %d rank%s; evaluating with "
-                  "expert_parallel_size 1 (the checkpoint holds whole expert tensors)\n",
-                  static_cast<long long>(ep), ranks.world->size(), ranks.world->size() == 1 ? "" : "s");
+      std::printf(
+          "eval: parallel.expert_parallel_size = %lld does not divide the %d rank%s; evaluating with "
+          "expert_parallel_size 1 (the checkpoint holds whole expert tensors)\n",
+          static_cast<long long>(ep), ranks.world->size(), ranks.world->size() == 1 ? "" : "s");
     cfg.parallel.expert_parallel_size = 1;
   }
   const ParallelState groups = run_parallel_state(cfg, ranks.world);
@@ -258,8 +269,7 @@ int cmd_eval(int argc, char** argv) {
   const int64_t batch_size = val.batch_size;
   const MemoryEstimate need = estimate_memory(cfg, device, MemoryUse::eval);
   check_fits(need, device);
-  Transformer model(cfg.model, device, compute_dtype_for(device), uint64_t(cfg.train.seed),
-                    moe_options(cfg, groups));
+  Transformer model(cfg.model, device, compute_dtype_for(device), uint64_t(cfg.train.seed), moe_options(cfg, groups));
   const CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers(),
                                               model.parameter_shards(), checkpoint_load_options(cfg));
   if (root && !meta.unused_tensors.empty()) std::printf("eval: %s\n", partial_load_note(meta).substr(2).c_str());
@@ -277,8 +287,10 @@ int64_t parse_bpe_vocab(const std::string& v) {
   errno = 0;
   const long long n = std::strtoll(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0' || errno == ERANGE || n <= 256 || n > 65536)
-    throw UsageError("prepare-data: --bpe-vocab needs a whole number from 257 to 65536 (the 256 bytes, then one "
-                     "token per merge; token files hold uint16 tokens), got '" + v + "'");
+    throw UsageError(
+        "prepare-data: --bpe-vocab needs a whole number from 257 to 65536 (the 256 bytes, then one "
+        "token per merge; token files hold uint16 tokens), got '" +
+        v + "'");
   return n;
 }
 
@@ -289,13 +301,18 @@ int cmd_prepare(int argc, char** argv) {
   PrepareOptions opts;
   while (!args.done()) {
     std::string a = args.next();
-    if (a == "--output" || a == "-o") output = args.value(a);
-    else if (a == "--bpe-vocab") opts.bpe_vocab = parse_bpe_vocab(args.value(a));
-    else if (a == "--tokenizer") opts.tokenizer = args.value(a);
-    else if (a == "--exclude") opts.exclude.push_back(args.value(a));
+    if (a == "--output" || a == "-o")
+      output = args.value(a);
+    else if (a == "--bpe-vocab")
+      opts.bpe_vocab = parse_bpe_vocab(args.value(a));
+    else if (a == "--tokenizer")
+      opts.tokenizer = args.value(a);
+    else if (a == "--exclude")
+      opts.exclude.push_back(args.value(a));
     else if (a.rfind("-", 0) == 0)
       throw UsageError("prepare-data: unknown option '" + a + "' (see flowmoe prepare-data --help)");
-    else inputs.push_back(a);
+    else
+      inputs.push_back(a);
   }
   if (output.empty() || inputs.empty())
     throw UsageError("prepare-data: --output FILE and at least one input are required");
@@ -314,11 +331,11 @@ int cmd_prepare(int argc, char** argv) {
                 read.vocab_size < opts.bpe_vocab ? " (fewer than asked: no pair of tokens repeats)" : "",
                 static_cast<long long>(read.num_words), static_cast<long long>(read.num_unique_words),
                 read.tokenizer.c_str());
-  std::printf("wrote %lld tokens (BPE, vocab %lld, %.2f bytes per token) to %s in %.1f s; train with "
-              "model.vocab_size >= %lld\n",
-              static_cast<long long>(n), static_cast<long long>(read.vocab_size),
-              n ? double(read.bytes()) / double(n) : 0.0, output.c_str(), seconds,
-              static_cast<long long>(read.vocab_size));
+  std::printf(
+      "wrote %lld tokens (BPE, vocab %lld, %.2f bytes per token) to %s in %.1f s; train with "
+      "model.vocab_size >= %lld\n",
+      static_cast<long long>(n), static_cast<long long>(read.vocab_size), n ? double(read.bytes()) / double(n) : 0.0,
+      output.c_str(), seconds, static_cast<long long>(read.vocab_size));
   return 0;
 }
 
@@ -328,10 +345,14 @@ int cmd_plot(int argc, char** argv) {
   std::vector<std::string> runs;
   while (!args.done()) {
     std::string a = args.next();
-    if (a == "--output" || a == "-o") output = args.value(a);
-    else if (a == "--title") title = args.value(a);
-    else if (a.rfind("-", 0) == 0) throw UsageError("plot: unknown option '" + a + "' (see flowmoe plot --help)");
-    else runs.push_back(a);
+    if (a == "--output" || a == "-o")
+      output = args.value(a);
+    else if (a == "--title")
+      title = args.value(a);
+    else if (a.rfind("-", 0) == 0)
+      throw UsageError("plot: unknown option '" + a + "' (see flowmoe plot --help)");
+    else
+      runs.push_back(a);
   }
   if (runs.empty()) throw UsageError("plot: give at least one run directory or metrics file");
   plot_runs(runs, output, title);

@@ -52,13 +52,20 @@ int cmd_fp8_error(int argc, char** argv) {
   int64_t batches = 1, train_step = 0;
   while (!args.done()) {
     const std::string a = args.next();
-    if (a == "--config") config = args.value(a);
-    else if (a == "--checkpoint") checkpoint = args.value(a);
-    else if (a == "--set") sets.push_back(args.value(a));
-    else if (a == "--json") json = args.value(a);
-    else if (a == "--batches") batches = positive_integer("fp8-error", a, args.value(a));
-    else if (a == "--train-step") train_step = positive_integer("fp8-error", a, args.value(a));
-    else throw UsageError("fp8-error: unknown argument '" + a + "' (see flowmoe fp8-error --help)");
+    if (a == "--config")
+      config = args.value(a);
+    else if (a == "--checkpoint")
+      checkpoint = args.value(a);
+    else if (a == "--set")
+      sets.push_back(args.value(a));
+    else if (a == "--json")
+      json = args.value(a);
+    else if (a == "--batches")
+      batches = positive_integer("fp8-error", a, args.value(a));
+    else if (a == "--train-step")
+      train_step = positive_integer("fp8-error", a, args.value(a));
+    else
+      throw UsageError("fp8-error: unknown argument '" + a + "' (see flowmoe fp8-error --help)");
   }
   if (config.empty() || checkpoint.empty())
     throw UsageError("fp8-error: --config FILE and --checkpoint DIR are required");

@@ -187,8 +187,7 @@ void setup(State& s, const Printer& out) {
   out.line("bias   %s %s = %s (a buffer: no gradient)", s.layer->expert_bias().name().c_str(),
            dims(s.layer->expert_bias().data()).c_str(), values(s.layer->expert_bias().data(), 0).c_str());
   out.line("x      %s ~ N(0,1), x[0,0:4] = %s", dims(s.x).c_str(), values(s.x, 0).c_str());
-  out.line("dy     %s ~ N(0,1), the gradient from above, dy[0,0:4] = %s", dims(s.dy).c_str(),
-           values(s.dy, 0).c_str());
+  out.line("dy     %s ~ N(0,1), the gradient from above, dy[0,0:4] = %s", dims(s.dy).c_str(), values(s.dy, 0).c_str());
 }
 
 struct Step {

@@ -67,22 +67,22 @@ class Printer {
 };
 
 // ---- formatting -------------------------------------------------------------------------------
-void append(std::string& s, const char* sep, const std::string& item);  // sep first unless s is empty
-std::string dims(const Tensor& t);        // "e4m3 [80,256]"
-std::string num(double v);                // "%.4g"
-std::string fixed(double v);              // "%.4f"
-std::string pow2(float s);                // "2^-7", "1", "NaN"
+void append(std::string& s, const char* sep, const std::string& item);         // sep first unless s is empty
+std::string dims(const Tensor& t);                                             // "e4m3 [80,256]"
+std::string num(double v);                                                     // "%.4g"
+std::string fixed(double v);                                                   // "%.4f"
+std::string pow2(float s);                                                     // "2^-7", "1", "NaN"
 std::string values(const Tensor& t, int64_t row, int64_t col = 0, int n = 4);  // row's entries col.. col+n-1
-std::string codes(const Tensor& q, int64_t row, int n = 4);  // "0x3a 0xb4 ..." of an FP8 row
-std::string scales_of_row(const Tensor& q, int64_t row);    // the scale_inv of one row as powers of two
-std::string ints(const Tensor& t);                          // all entries of an integer tensor
-std::string cast_summary();                                 // "2 (quantize dispatch: x; ...)"
-int site_order(const std::string& where);                   // rank of a cast site in one step's order
-bool same_bits(const Tensor& a, const Tensor& b);            // same dtype, shape, bytes and scales
-Variable leaf(const Tensor& t);                             // a fresh leaf that wants a gradient
-int64_t row0(const State& s);                               // the permuted row of token 0's first expert
-int64_t pad_row(const State& s);                            // the last pad row of the first padded expert
-bool all_zero(const Tensor& t, int64_t row);                // every value of the row is zero
+std::string codes(const Tensor& q, int64_t row, int n = 4);                    // "0x3a 0xb4 ..." of an FP8 row
+std::string scales_of_row(const Tensor& q, int64_t row);  // the scale_inv of one row as powers of two
+std::string ints(const Tensor& t);                        // all entries of an integer tensor
+std::string cast_summary();                               // "2 (quantize dispatch: x; ...)"
+int site_order(const std::string& where);                 // rank of a cast site in one step's order
+bool same_bits(const Tensor& a, const Tensor& b);         // same dtype, shape, bytes and scales
+Variable leaf(const Tensor& t);                           // a fresh leaf that wants a gradient
+int64_t row0(const State& s);                             // the permuted row of token 0's first expert
+int64_t pad_row(const State& s);                          // the last pad row of the first padded expert
+bool all_zero(const Tensor& t, int64_t row);              // every value of the row is zero
 
 // ---- the steps (forward in walkthrough_forward.cpp, backward in walkthrough_backward.cpp) ------
 void router(State& s, const Printer& out);

@@ -77,8 +77,7 @@ void combine_backward(State& s, const Printer& out) {
   out.line("       engine/ops/unpermute.cpp::UnpermuteUnpad::vjp -> engine/ops/permute.cpp::permute_rows_like");
   out.line("out    d_out %s + scale_inv %s", dims(s.d_out).c_str(), dims(s.d_out.fp8_scales()->scale_inv).c_str());
   out.line("rows %lld and %lld: codes %s (both), scale_inv %s | %s", (long long)rm[0], (long long)rm[1],
-           codes(s.d_out, rm[0]).c_str(), scales_of_row(s.d_out, rm[0]).c_str(),
-           scales_of_row(s.d_out, rm[1]).c_str());
+           codes(s.d_out, rm[0]).c_str(), scales_of_row(s.d_out, rm[0]).c_str(), scales_of_row(s.d_out, rm[1]).c_str());
   out.line("dy[0,0:4] = %s, d_out[%lld,0:4] = %s", values(s.dy, 0).c_str(), (long long)rm[0],
            values(s.d_out, rm[0]).c_str());
   out.line("pad row %lld: zero %s, scale_inv %s", (long long)pad, all_zero(s.d_out, pad) ? "yes" : "NO",
@@ -112,8 +111,8 @@ void swiglu_backward(State& s, const Printer& out) {
   out.line("       swiglu_quant_backward_cpu (d_h quantized in the same pass: not a cast)");
   out.line("out    d_h %s + scale_inv %s, d_probs %s", dims(s.d_h).c_str(), dims(s.d_h.fp8_scales()->scale_inv).c_str(),
            dims(s.d_probs).c_str());
-  out.line("row %lld: d_gate[0:2] = %s, d_up[0:2] = %s, scale_inv %s", (long long)r,
-           values(s.d_h, r, 0, 2).c_str(), values(s.d_h, r, F, 2).c_str(), scales_of_row(s.d_h, r).c_str());
+  out.line("row %lld: d_gate[0:2] = %s, d_up[0:2] = %s, scale_inv %s", (long long)r, values(s.d_h, r, 0, 2).c_str(),
+           values(s.d_h, r, F, 2).c_str(), scales_of_row(s.d_h, r).c_str());
   out.line("       d_prob = %s", values(s.d_probs.view({s.d_probs.size(0), 1}), r, 0, 1).c_str());
   out.line("casts  %s", cast_summary().c_str());
 }
@@ -282,8 +281,9 @@ void recipe_casts(State& s, const Printer& out) {
         const bool deq = site.rfind("dequantize", 0) == 0;
         const std::string layer = dot == std::string::npos ? "" : site.substr(space + 1, dot - space - 1);
         const std::string where = site.substr(dot == std::string::npos ? space + 1 : dot + 1);
-        by_layer[layer].push_back({site_order(where), where + (deq ? " (dequantize)" : "") +
-                                              (recompute ? " x" + std::to_string(n) + " (recomputed)" : "")});
+        by_layer[layer].push_back(
+            {site_order(where),
+             where + (deq ? " (dequantize)" : "") + (recompute ? " x" + std::to_string(n) + " (recomputed)" : "")});
       }
       for (auto& [layer, sites] : by_layer) {
         std::sort(sites.begin(), sites.end());

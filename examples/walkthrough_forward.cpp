@@ -35,8 +35,8 @@ void router(State& s, const Printer& out) {
     std::string sc, note;
     for (int e = 0; e < E; ++e) append(sc, " ", fixed(router_sigmoid(lg[size_t(t * E + e)])));
     if (plain[size_t(t * k)] != idx[size_t(t * k)] || plain[size_t(t * k + 1)] != idx[size_t(t * k + 1)])
-      note = "  (no bias: " + std::to_string(plain[size_t(t * k)]) + " " + std::to_string(plain[size_t(t * k + 1)]) +
-             ")";
+      note =
+          "  (no bias: " + std::to_string(plain[size_t(t * k)]) + " " + std::to_string(plain[size_t(t * k + 1)]) + ")";
     out.line("%5lld  %s  %lld %lld      %s %s%s", (long long)t, sc.c_str(), (long long)idx[size_t(t * k)],
              (long long)idx[size_t(t * k + 1)], fixed(prob[size_t(t * k)]).c_str(),
              fixed(prob[size_t(t * k + 1)]).c_str(), note.c_str());
@@ -150,14 +150,13 @@ void fc1(State& s, const Printer& out) {
   out.line("       fp8_grouped_gemm_cpu (cuBLASLt VEC128 x BLK128x128 on a GPU)");
   const Tensor& ws = s.w1q.q.fp8_scales()->scale_inv;
   const std::vector<float> wsv = ws.to_floats();
-  out.line("W1     %s -> q %s + scale_inv %s, and q_t for dgrad", dims(s.fc1.data()).c_str(),
-           dims(s.w1q.q).c_str(), dims(ws).c_str());
-  out.line("       (128x128 blocks, once per optimizer step); W1[0] block scales %s %s / %s %s",
-           pow2(wsv[0]).c_str(), pow2(wsv[1]).c_str(), pow2(wsv[2]).c_str(), pow2(wsv[3]).c_str());
+  out.line("W1     %s -> q %s + scale_inv %s, and q_t for dgrad", dims(s.fc1.data()).c_str(), dims(s.w1q.q).c_str(),
+           dims(ws).c_str());
+  out.line("       (128x128 blocks, once per optimizer step); W1[0] block scales %s %s / %s %s", pow2(wsv[0]).c_str(),
+           pow2(wsv[1]).c_str(), pow2(wsv[2]).c_str(), pow2(wsv[3]).c_str());
   out.line("out    h %s = [gate | up] (bf16 on a GPU)", dims(h).c_str());
-  out.line("h[%lld,0:4] = %s; pad row %lld zero: %s; tail row %lld zero: %s", (long long)r,
-           values(h, r).c_str(), (long long)(pad_row(s)),
-           all_zero(h, pad_row(s)) ? "yes" : "NO", (long long)(M - 1),
+  out.line("h[%lld,0:4] = %s; pad row %lld zero: %s; tail row %lld zero: %s", (long long)r, values(h, r).c_str(),
+           (long long)(pad_row(s)), all_zero(h, pad_row(s)) ? "yes" : "NO", (long long)(M - 1),
            all_zero(h, M - 1) ? "yes" : "NO");
   out.line("recompute: checkpoint() keeps rows (%lld + %lld bytes of scales) and probs (%lld bytes),",
            (long long)(M * H), (long long)(M * (H / 128) * 4), (long long)(M * 4));
@@ -174,8 +173,9 @@ void swiglu(State& s, const Printer& out) {
   const int64_t r = row0(s), F = s.cfg.moe_intermediate_size, M = a.size(0);
   const std::vector<float> h = s.h.data().to_floats(), p = s.p.probs.data().to_floats();
   out.line("math   a = silu(gate)·up·prob, gate = h[:, :F], up = h[:, F:]; quantized rowwise in the same pass");
-  out.line("code   engine/ops/swiglu_quant.cpp::swiglu_quant -> "
-           "kernels/cpu/swiglu_quant.cpp::swiglu_quant_forward_cpu");
+  out.line(
+      "code   engine/ops/swiglu_quant.cpp::swiglu_quant -> "
+      "kernels/cpu/swiglu_quant.cpp::swiglu_quant_forward_cpu");
   out.line("out    a %s + scale_inv %s (a fused producer of FP8: not a cast)", dims(a).c_str(),
            dims(a.fp8_scales()->scale_inv).c_str());
   out.line("row %lld: gate[0:2] %s %s, up[0:2] %s %s, prob %s", (long long)r, num(h[size_t(r * 2 * F)]).c_str(),

@@ -14,7 +14,7 @@ namespace flowmoe {
 
 struct AdamWStep {
   float lr = 0, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0;
-  float grad_scale = 1;  // clipping factor applied to the gradient
+  float grad_scale = 1;                              // clipping factor applied to the gradient
   float bias_correction1 = 1, bias_correction2 = 1;  // 1 - beta1^t, 1 - beta2^t
 };
 

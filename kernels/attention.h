@@ -21,8 +21,7 @@ void attention_forward_cpu(T* out /*[batch, seq_len, num_heads, head_dim]*/, con
 template <class T>
 void attention_backward_cpu(T* d_q /*[batch, seq_len, num_heads, head_dim]*/, T* d_k /*[same]*/, T* d_v /*[same]*/,
                             const T* d_out /*[same]*/, const T* q /*[same]*/, const T* k /*[same]*/,
-                            const T* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
-                            int64_t head_dim);
+                            const T* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim);
 
 constexpr int64_t kAttentionMaxHeadDimCuda = 128;
 
@@ -41,8 +40,7 @@ void attention_forward_cuda(DType dtype, void* out /*[batch, seq_len, num_heads,
                             float* lse /*[batch, num_heads, seq_len]*/,
                             const void* q /*[batch, seq_len, num_heads, head_dim]*/, const void* k /*[same]*/,
                             const void* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
-                            int64_t head_dim, cudaStream_t stream,
-                            AttentionKernel kernel = AttentionKernel::automatic);
+                            int64_t head_dim, cudaStream_t stream, AttentionKernel kernel = AttentionKernel::automatic);
 // delta is scratch for dO_i·o_i. Deterministic: dq and dk/dv come from two kernels (one per query tile,
 // one per key tile) that each own their output rows, so no atomics.
 void attention_backward_cuda(DType dtype, void* d_q /*[batch, seq_len, num_heads, head_dim]*/, void* d_k /*[same]*/,

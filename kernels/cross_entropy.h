@@ -29,8 +29,8 @@ void cross_entropy_forward_cuda(DType dtype, float* loss /*[]*/, float* inv_coun
                                 const int32_t* targets /*[N]*/, int64_t N, int64_t V, int ignore_index,
                                 cudaStream_t stream);
 void cross_entropy_backward_cuda(DType dtype, void* d_logits /*[N, V]*/, const float* d_loss /*[]*/,
-                                 const float* inv_count /*[]*/, const void* logits /*[N, V]*/,
-                                 const float* lse /*[N]*/, const int32_t* targets /*[N]*/, int64_t N, int64_t V,
-                                 int ignore_index, cudaStream_t stream);
+                                 const float* inv_count /*[]*/, const void* logits /*[N, V]*/, const float* lse /*[N]*/,
+                                 const int32_t* targets /*[N]*/, int64_t N, int64_t V, int ignore_index,
+                                 cudaStream_t stream);
 
 }  // namespace flowmoe

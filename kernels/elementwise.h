@@ -17,8 +17,8 @@ template <class T>
 void scale_cpu(T* out /*[n]*/, const T* a /*[n]*/, double s, int64_t n);
 
 // dtype f32 or bf16 (bf16 stored as raw bits, computed in fp32, rounded to nearest even).
-void binary_cuda(BinaryOp op, DType dtype, void* out /*[n]*/, const void* a /*[n]*/, const void* b /*[n]*/,
-                 int64_t n, cudaStream_t stream);
+void binary_cuda(BinaryOp op, DType dtype, void* out /*[n]*/, const void* a /*[n]*/, const void* b /*[n]*/, int64_t n,
+                 cudaStream_t stream);
 void scale_cuda(DType dtype, void* out /*[n]*/, const void* a /*[n]*/, double s, int64_t n, cudaStream_t stream);
 
 }  // namespace flowmoe

@@ -55,7 +55,7 @@ FLOWMOE_HD float fp8_amax_update(float amax, float x) {
 // are normal floats. Only meaningful for a finite, non-zero amax. Scales are exact powers of two, so x * scale
 // is exact.
 FLOWMOE_HD int fp8_scale_exponent(float amax) {
-  float v = kFp8E4m3Max / amax;  // IEEE division (nvcc's default), identical on host and device
+  float v = kFp8E4m3Max / amax;                       // IEEE division (nvcc's default), identical on host and device
   int e = int((fp8_f32_bits(v) >> 23) & 0xFF) - 127;  // floor(log2 v): v is a positive normal or +inf
   return e < -126 ? -126 : (e > 126 ? 126 : e);
 }

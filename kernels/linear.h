@@ -14,9 +14,8 @@ namespace flowmoe {
 // ---- CPU reference (packed row-major) ----------------------------------------------------------
 
 template <class T>
-void gemm_cpu(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
-              const T* a /*[m,k], or [k,m] when trans_a*/, const T* b /*[k,n], or [n,k] when trans_b*/,
-              T* c /*[m,n]*/, bool accumulate);
+void gemm_cpu(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const T* a /*[m,k], or [k,m] when trans_a*/,
+              const T* b /*[k,n], or [n,k] when trans_b*/, T* c /*[m,n]*/, bool accumulate);
 template <class T>
 void add_bias_cpu(T* c /*[m,n]*/, const T* bias /*[n]*/, int64_t m, int64_t n);
 template <class T>
@@ -33,9 +32,8 @@ void bias_grad_cpu(T* d_bias /*[n]*/, const T* dy /*[m,n]*/, int64_t m, int64_t 
 // heuristic query); later calls are a lock-free lookup and cublasLtMatmul. Thread-safe.
 void gemm_cuda(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, DType ab_dtype,
                const void* a /*[m,k], or [k,m] when trans_a*/, int64_t lda,
-               const void* b /*[k,n], or [n,k] when trans_b*/, int64_t ldb, DType c_dtype,
-               void* c /*[m,n]*/, int64_t ldc, const void* bias /*[n] or nullptr*/, bool accumulate,
-               cudaStream_t stream);
+               const void* b /*[k,n], or [n,k] when trans_b*/, int64_t ldb, DType c_dtype, void* c /*[m,n]*/,
+               int64_t ldc, const void* bias /*[n] or nullptr*/, bool accumulate, cudaStream_t stream);
 
 // Counters of gemm_cuda's plan cache since the process started (all devices and threads), for
 // benchmarks and tests: cuBLASLt heuristic queries, exact-problem plans built, and bucket algorithms

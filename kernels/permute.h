@@ -57,22 +57,22 @@ void permute_backward_cpu(const int32_t* row_map /*[T,k]*/, int64_t num_tokens, 
 
 // ---- CUDA -------------------------------------------------------------------------------------
 
-struct PermuteBuffers {  // device pointers of one permute_pad_cuda call
+struct PermuteBuffers {               // device pointers of one permute_pad_cuda call
   const int32_t* topk_idx = nullptr;  // [T,k]
   const void* x = nullptr;            // [T, row_bytes]; any element type (rows are moved as bytes)
   size_t row_bytes = 0;
-  const float* topk_prob = nullptr;   // [T,k], or null: no probs output
-  const float* side = nullptr;        // [T, side_cols] per-row side payload (FP8 scale_inv), or null
+  const float* topk_prob = nullptr;  // [T,k], or null: no probs output
+  const float* side = nullptr;       // [T, side_cols] per-row side payload (FP8 scale_inv), or null
   int side_cols = 0;
-  float side_pad_value = 0.f;         // what pad and tail rows of side_rows hold
-  void* rows = nullptr;               // [num_rows, row_bytes]
-  float* probs = nullptr;             // [num_rows]
-  float* side_rows = nullptr;         // [num_rows, side_cols]
-  int32_t* row_map = nullptr;         // [T,k]
+  float side_pad_value = 0.f;                   // what pad and tail rows of side_rows hold
+  void* rows = nullptr;                         // [num_rows, row_bytes]
+  float* probs = nullptr;                       // [num_rows]
+  float* side_rows = nullptr;                   // [num_rows, side_cols]
+  int32_t* row_map = nullptr;                   // [T,k]
   int32_t* tokens_per_expert = nullptr;         // [L]
   int32_t* padded_tokens_per_expert = nullptr;  // [L]
   int32_t* segment_starts = nullptr;            // [L+1]
-  void* workspace = nullptr;          // permute_workspace_bytes(d) bytes, no initialisation needed
+  void* workspace = nullptr;                    // permute_workspace_bytes(d) bytes, no initialisation needed
 };
 size_t permute_workspace_bytes(const RoutingDims& d);
 // Two launches in the usual case (the routing map: one cooperative kernel; then the row move, with

@@ -19,9 +19,8 @@ void quantize_rowwise_cuda(DType dtype, const void* x /*[M,K]*/, int64_t M, int6
                            float* scale_inv /*[M, ceil(K/128)]*/, cudaStream_t stream);
 void dequantize_rowwise_cpu(DType out_dtype, const uint8_t* q /*[M,K]*/, const float* scale_inv /*[M, ceil(K/128)]*/,
                             int64_t M, int64_t K, void* y /*[M,K]*/);
-void dequantize_rowwise_cuda(DType out_dtype, const uint8_t* q /*[M,K]*/,
-                             const float* scale_inv /*[M, ceil(K/128)]*/, int64_t M, int64_t K, void* y /*[M,K]*/,
-                             cudaStream_t stream);
+void dequantize_rowwise_cuda(DType out_dtype, const uint8_t* q /*[M,K]*/, const float* scale_inv /*[M, ceil(K/128)]*/,
+                             int64_t M, int64_t K, void* y /*[M,K]*/, cudaStream_t stream);
 
 // ---- colwise 1x128 over segments: x [M,K] -> q [K,M] (transposed), scale_inv [num_blocks, K].
 // rows_per_segment is a HOST array [num_segments], each >= 0, summing to at most M; each segment is cut
@@ -56,9 +55,9 @@ void dequantize_colwise_cuda(DType out_dtype, const uint8_t* q /*[K,M]*/, const 
 // ---- block 128x128 (weights): w [B,N,K] -> q [B,N,K], scale_inv [B, ceil(N/128), ceil(K/128)].
 // When q_t is non-null, also the exact transpose q_t [B,K,N] with scale_inv_t [B, ceil(K/128), ceil(N/128)]:
 // the same bytes and the same scales, transposed (no re-quantization).
-void quantize_block_cpu(DType dtype, const void* w /*[B,N,K]*/, int64_t B, int64_t N, int64_t K,
-                        uint8_t* q /*[B,N,K]*/, float* scale_inv /*[B, ceil(N/128), ceil(K/128)]*/,
-                        uint8_t* q_t /*[B,K,N] or null*/, float* scale_inv_t /*[B, ceil(K/128), ceil(N/128)]*/);
+void quantize_block_cpu(DType dtype, const void* w /*[B,N,K]*/, int64_t B, int64_t N, int64_t K, uint8_t* q /*[B,N,K]*/,
+                        float* scale_inv /*[B, ceil(N/128), ceil(K/128)]*/, uint8_t* q_t /*[B,K,N] or null*/,
+                        float* scale_inv_t /*[B, ceil(K/128), ceil(N/128)]*/);
 void quantize_block_cuda(DType dtype, const void* w /*[B,N,K]*/, int64_t B, int64_t N, int64_t K,
                          uint8_t* q /*[B,N,K]*/, float* scale_inv /*[B, ceil(N/128), ceil(K/128)]*/,
                          uint8_t* q_t /*[B,K,N] or null*/, float* scale_inv_t /*[B, ceil(K/128), ceil(N/128)]*/,

@@ -24,8 +24,8 @@ void rope_backward_cpu(T* d_x /*[batch, seq_len, num_heads, head_dim]*/, const T
 void rope_forward_cuda(DType dtype, void* out /*[batch, seq_len, num_heads, head_dim]*/, const void* x /*[same]*/,
                        int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, double theta,
                        int64_t pos_offset, cudaStream_t stream);
-void rope_backward_cuda(DType dtype, void* d_x /*[batch, seq_len, num_heads, head_dim]*/,
-                        const void* d_out /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
-                        int64_t head_dim, double theta, int64_t pos_offset, cudaStream_t stream);
+void rope_backward_cuda(DType dtype, void* d_x /*[batch, seq_len, num_heads, head_dim]*/, const void* d_out /*[same]*/,
+                        int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, double theta,
+                        int64_t pos_offset, cudaStream_t stream);
 
 }  // namespace flowmoe

@@ -87,9 +87,8 @@ void router_balance_loss_cpu(const RouterParams& p, const T* logits /*[num_token
                              double alpha, T* loss /*[1]*/);
 template <class T>
 void router_balance_loss_backward_cpu(const RouterParams& p, const T* logits /*[num_tokens, E]*/,
-                                      const int32_t* topk_idx /*[num_tokens, k]*/, int64_t num_tokens,
-                                      int64_t seq_len, double alpha, const T* d_loss /*[1]*/,
-                                      T* d_logits /*[num_tokens, E]*/);
+                                      const int32_t* topk_idx /*[num_tokens, k]*/, int64_t num_tokens, int64_t seq_len,
+                                      double alpha, const T* d_loss /*[1]*/, T* d_logits /*[num_tokens, E]*/);
 
 // sign:         bias_e += rate * sign(mean_load - load_e), compared exactly as sign(sum_load - E * load_e);
 // proportional: bias_e += rate * (mean_load - load_e) / mean_load = rate * (sum_load - E * load_e) / sum_load,
@@ -101,9 +100,9 @@ void add_tokens_per_expert_cpu(int32_t* total /*[E]*/, const int32_t* counts /*[
 
 // ---- CUDA (f32 logits and probabilities; no host synchronisation) ------------------------------
 
-void router_topk_cuda(const RouterParams& p, const float* logits /*[num_tokens, E]*/,
-                      const float* expert_bias /*[E]*/, int64_t num_tokens, int32_t* topk_idx /*[num_tokens, k]*/,
-                      float* topk_prob /*[num_tokens, k]*/, int32_t* tokens_per_expert /*[E]*/, cudaStream_t stream);
+void router_topk_cuda(const RouterParams& p, const float* logits /*[num_tokens, E]*/, const float* expert_bias /*[E]*/,
+                      int64_t num_tokens, int32_t* topk_idx /*[num_tokens, k]*/, float* topk_prob /*[num_tokens, k]*/,
+                      int32_t* tokens_per_expert /*[E]*/, cudaStream_t stream);
 void router_topk_backward_cuda(const RouterParams& p, const float* logits /*[num_tokens, E]*/,
                                const int32_t* topk_idx /*[num_tokens, k]*/,
                                const float* d_topk_prob /*[num_tokens, k]*/, int64_t num_tokens,
@@ -114,9 +113,9 @@ void router_balance_loss_cuda(const RouterParams& p, const float* logits /*[num_
                               double alpha, int32_t* seq_counts, float* token_loss, float* loss /*[1]*/,
                               cudaStream_t stream);
 void router_balance_loss_backward_cuda(const RouterParams& p, const float* logits /*[num_tokens, E]*/,
-                                       const int32_t* topk_idx /*[num_tokens, k]*/, int64_t num_tokens,
-                                       int64_t seq_len, double alpha, const float* d_loss /*[1]*/,
-                                       int32_t* seq_counts, float* d_logits /*[num_tokens, E]*/, cudaStream_t stream);
+                                       const int32_t* topk_idx /*[num_tokens, k]*/, int64_t num_tokens, int64_t seq_len,
+                                       double alpha, const float* d_loss /*[1]*/, int32_t* seq_counts,
+                                       float* d_logits /*[num_tokens, E]*/, cudaStream_t stream);
 void expert_bias_update_cuda(float* expert_bias /*[E]*/, const int32_t* tokens_per_expert /*[E]*/, int num_experts,
                              double rate, BiasUpdateRule rule, cudaStream_t stream);
 // The same at rate × control->bias_rate_scale, read on the device (0 on a skipped step: nothing moves).

@@ -26,7 +26,7 @@ struct StepSchedule {
   double lr = 0, min_lr = 0;  // peak and final learning rate
   int64_t warmup_steps = 0, total_steps = 0;
   double beta1 = 0.9, beta2 = 0.999;
-  double grad_clip = 0;    // max global norm; 0: no clipping
+  double grad_clip = 0;         // max global norm; 0: no clipping
   int32_t bias_follows_lr = 0;  // the expert-bias rate scales with lr / (peak) lr; 0: constant
   int32_t num_micro_batches = 1;
   int32_t has_aux = 0;            // the model has a balance loss (aux inputs are read)
@@ -83,18 +83,17 @@ FLOWMOE_HOST_DEVICE inline void advance_step(StepScalars& s, const StepSchedule&
   s.num_updates += s.apply;
   s.grad_scale = clip_factor(norm, p.grad_clip);
   const int64_t t = s.num_updates < p.total_steps ? s.num_updates : p.total_steps;
-  s.bias_correction1 = p.bias_correction1_by_update ? p.bias_correction1_by_update[t]
-                                                    : float(1.0 - pow(p.beta1, double(s.num_updates)));
-  s.bias_correction2 = p.bias_correction2_by_update ? p.bias_correction2_by_update[t]
-                                                    : float(1.0 - pow(p.beta2, double(s.num_updates)));
+  s.bias_correction1 =
+      p.bias_correction1_by_update ? p.bias_correction1_by_update[t] : float(1.0 - pow(p.beta1, double(s.num_updates)));
+  s.bias_correction2 =
+      p.bias_correction2_by_update ? p.bias_correction2_by_update[t] : float(1.0 - pow(p.beta2, double(s.num_updates)));
   s.bias_rate_scale = !s.apply ? 0.0 : !p.bias_follows_lr ? 1.0 : p.lr > 0 ? s.lr / p.lr : 0.0;
 }
 
 // From the step's own values: lm/aux one float per micro-batch (aux unread without p.has_aux), sq_sums
 // the two squared-norm classes of AdamW::grad_square_sums.
-FLOWMOE_HOST_DEVICE inline void advance_step_from_sums(StepScalars& s, const StepSchedule& p,
-                                                       const float* lm /*[A]*/, const float* aux /*[A]*/,
-                                                       const float* sq_sums /*[2]*/) {
+FLOWMOE_HOST_DEVICE inline void advance_step_from_sums(StepScalars& s, const StepSchedule& p, const float* lm /*[A]*/,
+                                                       const float* aux /*[A]*/, const float* sq_sums /*[2]*/) {
   double lm_sum = 0, aux_sum = 0;
   for (int a = 0; a < p.num_micro_batches; ++a) {
     lm_sum += double(lm[a]);
@@ -109,7 +108,7 @@ FLOWMOE_HOST_DEVICE inline void advance_step_from_sums(StepScalars& s, const Ste
 
 // The same on the device, in one thread: s, lm, aux and sq_sums are device pointers.
 void advance_step_cuda(StepScalars* s /*[1] device*/, const StepSchedule& p, const float* lm /*[A] device*/,
-                       const float* aux /*[A] device, or null without p.has_aux*/,
-                       const float* sq_sums /*[2] device*/, cudaStream_t stream);
+                       const float* aux /*[A] device, or null without p.has_aux*/, const float* sq_sums /*[2] device*/,
+                       cudaStream_t stream);
 
 }  // namespace flowmoe

@@ -35,7 +35,7 @@ void unpermute_cuda(DType dtype, const int32_t* row_map /*[T,k]*/, int64_t num_t
                     const void* rows /*[num_rows, hidden]*/, const float* topk_prob /*[T,k]*/, void* y /*[T, hidden]*/,
                     cudaStream_t stream);
 
-struct UnpermuteBackwardArgs {  // device pointers and dims of one unpermute_backward_cuda call
+struct UnpermuteBackwardArgs {                 // device pointers and dims of one unpermute_backward_cuda call
   const int32_t* row_map = nullptr;            // [T,k]
   const int32_t* tokens_per_expert = nullptr;  // [L]   (from permute_pad: finds the pad rows)
   const int32_t* segment_starts = nullptr;     // [L+1]

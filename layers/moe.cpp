@@ -17,9 +17,12 @@ MoeRecipe moe_recipe_from_name(const std::string& name) {
 
 const char* moe_recipe_name(MoeRecipe r) {
   switch (r) {
-    case MoeRecipe::bf16: return "bf16";
-    case MoeRecipe::fp8_blockwise: return "fp8_blockwise";
-    case MoeRecipe::fp8_flow: return "fp8_flow";
+    case MoeRecipe::bf16:
+      return "bf16";
+    case MoeRecipe::fp8_blockwise:
+      return "fp8_blockwise";
+    case MoeRecipe::fp8_flow:
+      return "fp8_flow";
   }
   return "?";
 }
@@ -72,8 +75,8 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
                          num_local_experts_);
   fc2_ = f.expert_normal(prefix + ".experts.fc2.weight", {E, H, F}, out_std, expert_offset_, num_local_experts_);
   if (cfg.n_shared_experts > 0)
-    shared_ = std::make_unique<Mlp>(f, prefix + ".shared_experts", H, F * cfg.n_shared_experts,
-                                    cfg.initializer_range, out_std);
+    shared_ = std::make_unique<Mlp>(f, prefix + ".shared_experts", H, F * cfg.n_shared_experts, cfg.initializer_range,
+                                    out_std);
   expert_bias_ = Variable(Tensor::zeros({E}, DType::f32, device), false, prefix + ".gate.e_score_correction_bias");
   tokens_since_update_ = Tensor::zeros({E}, DType::i32, device);
 }
@@ -153,12 +156,10 @@ RouterOutput MoeLayer::route_tokens(const Variable& x2, const Shape& in_shape) c
 
 // fc1 → SwiGLU → fc2 over the permuted rows. fc1 and SwiGLU (the part recompute re-runs) go through
 // one function so the recomputed and the original forward are the same code.
-Variable MoeLayer::experts(const Variable& rows, const Variable& probs,
-                           const ExpertCounts& counts) const {
+Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const ExpertCounts& counts) const {
   const MoeFlow flow = flow_;
   const QuantizedWeight* w1q = flow.fp8_experts ? &quantized(fc1_, fc1_cache_) : nullptr;
-  auto fc1_swiglu = [this, flow, w1q,
-                     counts](const std::vector<Variable>& in) -> std::vector<Variable> {
+  auto fc1_swiglu = [this, flow, w1q, counts](const std::vector<Variable>& in) -> std::vector<Variable> {
     if (!flow.fp8_experts) return {swiglu(grouped_linear(in[0], fc1_, counts))};
     // fp8_flow: the rows arrive FP8, and SwiGLU applies the probs and emits FP8 for fc2 in one kernel.
     // fp8_blockwise: each GEMM quantizes its own input.

@@ -27,11 +27,11 @@ const char* moe_recipe_name(MoeRecipe r);
 struct MoeOptions {
   MoeOptions() = default;
   explicit MoeOptions(int align) : align_size(align) {}  // bf16 at this alignment
-  int align_size = 16;                   // precision.align_size
-  MoeRecipe recipe = MoeRecipe::bf16;    // precision.recipe
+  int align_size = 16;                                   // precision.align_size
+  MoeRecipe recipe = MoeRecipe::bf16;                    // precision.recipe
   // fc1 → SwiGLU(+quantize) runs inside checkpoint(): forward keeps only the permuted expert input (FP8 with its
   // scales in fp8_flow) and the routing; fc2 keeps its own input.
-  bool recompute_expert = false;         // train.recompute contains moe_expert
+  bool recompute_expert = false;  // train.recompute contains moe_expert
   // One rank on a GPU: the expert GEMMs (one launch each) and, in the FP8 recipes, the wgrad operands'
   // colwise layouts read the counts on the device (no host sync). false: read them to the host once
   // per layer (per-expert cuBLASLt calls).
@@ -53,10 +53,10 @@ struct MoeOptions {
 //                  combine's backward quantizes dy once and the experts' backward stays FP8, with
 //                  wgrad operands from the scaling-aware transpose. Two activation casts per layer.
 struct MoeFlow {
-  bool fp8_experts = false;       // FP8 grouped GEMMs for fc1 and fc2 (fp8_blockwise, fp8_flow)
-  bool quantize_once = false;     // fp8_flow: x quantized before dispatch, SwiGLU emits FP8, and
-                                  // combine's backward quantizes dy once
-  bool probs_in_experts = false;  // fp8_flow: probs move with the rows and SwiGLU applies them
+  bool fp8_experts = false;               // FP8 grouped GEMMs for fc1 and fc2 (fp8_blockwise, fp8_flow)
+  bool quantize_once = false;             // fp8_flow: x quantized before dispatch, SwiGLU emits FP8, and
+                                          // combine's backward quantizes dy once
+  bool probs_in_experts = false;          // fp8_flow: probs move with the rows and SwiGLU applies them
   Fp8Wgrad wgrad = Fp8Wgrad::requantize;  // transpose (fp8_flow) or requantize (fp8_blockwise)
 };
 MoeFlow moe_flow(MoeRecipe r);
@@ -101,8 +101,7 @@ class MoeLayer {
     uint64_t version = 0;
   };
   RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
-  Variable experts(const Variable& rows, const Variable& probs,
-                   const ExpertCounts& padded_tokens_per_expert) const;
+  Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& padded_tokens_per_expert) const;
   const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   DispatchOptions dispatch_options(int64_t num_tokens) const;
 

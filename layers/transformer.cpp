@@ -24,8 +24,8 @@ TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_
   if (c.n_routed_experts > 0 && i >= c.first_k_dense_replace)
     moe_ = std::make_unique<MoeLayer>(f, c, layer_prefix(i) + ".mlp", moe, device);
   else
-    mlp_ = std::make_unique<Mlp>(f, layer_prefix(i) + ".mlp", c.hidden_size, c.intermediate_size,
-                                 c.initializer_range, out_std(c));
+    mlp_ = std::make_unique<Mlp>(f, layer_prefix(i) + ".mlp", c.hidden_size, c.intermediate_size, c.initializer_range,
+                                 out_std(c));
   post_attention_layernorm_ = f.ones(layer_prefix(i) + ".post_attention_layernorm.weight", {c.hidden_size});
 }
 

@@ -42,8 +42,8 @@ class Transformer {
   Variable forward(const Tensor& ids /*[B,T] i32*/) const;  // -> logits [B,T,V] in the compute dtype
   // The two terms of the training objective, kept apart so the language-model loss is reported alone.
   struct Losses {
-    Variable lm;   // mean next-token cross-entropy, an f32 scalar
-    Variable aux;  // sum over MoE layers of aux_loss_alpha * L_Bal; undefined when aux_loss_alpha == 0
+    Variable lm;             // mean next-token cross-entropy, an f32 scalar
+    Variable aux;            // sum over MoE layers of aux_loss_alpha * L_Bal; undefined when aux_loss_alpha == 0
     Variable total() const;  // lm + aux: what training minimizes
   };
   // ids and targets [B,T] i32 (moved to the device).

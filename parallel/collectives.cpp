@@ -44,8 +44,8 @@ void all_reduce_flat(Communicator& comm, const std::vector<Tensor>& tensors, Red
   const DType dtype = tensors[0].dtype();
   const Device device = tensors[0].device();
   for (const Tensor& t : tensors)
-    FLOWMOE_CHECK(t.dtype() == dtype && t.device() == device, DTypeError, "all_reduce_flat: ", t.describe(),
-                  " beside ", tensors[0].describe(), ": one bucket holds one dtype on one device");
+    FLOWMOE_CHECK(t.dtype() == dtype && t.device() == device, DTypeError, "all_reduce_flat: ", t.describe(), " beside ",
+                  tensors[0].describe(), ": one bucket holds one dtype on one device");
   const size_t elem = dtype_size(dtype);
   size_t first = 0;
   while (first < tensors.size()) {

@@ -181,8 +181,8 @@ void check_put_table(const Tensor& t, const Tensor& rows, int size, const char* 
                     t.is_contiguous(),
                 ShapeError, "put_rows: ", what, " ", t.defined() ? t.describe() : std::string("(undefined)"),
                 " must be a contiguous [", size, ", C, 3] i32 table");
-  FLOWMOE_CHECK(t.device() == rows.device() || t.device().is_cpu(), DeviceError, "put_rows: ", what, " ",
-                t.describe(), " must be on the CPU or beside ", rows.describe());
+  FLOWMOE_CHECK(t.device() == rows.device() || t.device().is_cpu(), DeviceError, "put_rows: ", what, " ", t.describe(),
+                " must be on the CPU or beside ", rows.describe());
 }
 
 // Each table entry (row, peer's row, rows) as a chunk of this rank's buffer with the entry's peer.
@@ -245,7 +245,7 @@ void Communicator::do_put_rows(const std::vector<RowPut>& tensors, const Tensor&
                   first.recv.describe());
   }
   for (const RowPut& t : tensors) {
-    Tensor out = t.recv;  // a handle on the same storage
+    Tensor out = t.recv;    // a handle on the same storage
     out.fill_bytes_(0xFF);  // the unspecified rows: NaN in every float dtype
     Tensor segments = out.slice(0, segments_begin, segments_end);
     if (t.pad_value == 0)

@@ -13,14 +13,16 @@
 #include <memory>
 #include <vector>
 
+#include "engine/tensor.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
-#include "engine/tensor.h"
 
 namespace flowmoe {
 
 // An MPI or NCCL call failed, a backend is missing from the build, or the ranks of a group disagree.
-class CommError : public Error { using Error::Error; };
+class CommError : public Error {
+  using Error::Error;
+};
 
 // avg: the sum over the ranks times 1/size (floating types only; nccl's ncclAvg, which scales each
 // input by 1/size before the sum: the same for a power-of-two size, barring subnormals).
@@ -184,8 +186,8 @@ class Communicator {
 
  private:
   cudaStream_t stream_ = nullptr;
-  double exchange_host_ms_ = 0;            // since the last close or take
-  std::deque<double> host_windows_;        // closed, oldest first
+  double exchange_host_ms_ = 0;      // since the last close or take
+  std::deque<double> host_windows_;  // closed, oldest first
 
   template <class F>
   void timed_exchange(F&& move);

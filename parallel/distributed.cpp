@@ -23,10 +23,14 @@ CommBackend parse_comm_backend(const std::string& name) {
 
 const char* comm_backend_name(CommBackend backend) {
   switch (backend) {
-    case CommBackend::automatic: return "auto";
-    case CommBackend::none: return "none";
-    case CommBackend::mpi: return "mpi";
-    case CommBackend::nccl: return "nccl";
+    case CommBackend::automatic:
+      return "auto";
+    case CommBackend::none:
+      return "none";
+    case CommBackend::mpi:
+      return "mpi";
+    case CommBackend::nccl:
+      return "nccl";
   }
   return "?";
 }
@@ -99,8 +103,8 @@ DistributedRuntime init_distributed(const DistributedOptions& options) {
   rt.backend = resolve_backend(options.backend, rt.launch.world_size, options.use_cuda, built_with_nccl());
   const bool want_mpi = rt.backend == CommBackend::mpi || rt.launch.world_size > 1;
   FLOWMOE_CHECK(!want_mpi || built_with_mpi(), CommError, "started as ", rt.launch.world_size, " processes (",
-                rt.launch.launcher.empty() ? "backend mpi" : rt.launch.launcher, ") but flowmoe was built without MPI:",
-                " install libopenmpi-dev and rebuild");
+                rt.launch.launcher.empty() ? "backend mpi" : rt.launch.launcher,
+                ") but flowmoe was built without MPI:", " install libopenmpi-dev and rebuild");
 
   std::shared_ptr<Communicator> host_world = want_mpi ? make_mpi_world_communicator() : make_none_communicator();
   FLOWMOE_CHECK(!want_mpi || rt.launch.launcher.empty() || host_world->size() == rt.launch.world_size, CommError,
@@ -195,8 +199,8 @@ std::string first_config_difference(const std::string& a, int rank_a, const std:
     if (x && y && x->path == y->path)
       return x->path + " is " + x->value + " on rank " + std::to_string(rank_a) + " and " + y->value + " on rank " +
              std::to_string(rank_b);
-    return "rank " + std::to_string(rank_a) + " has " + quoted(x) + " where rank " + std::to_string(rank_b) +
-           " has " + quoted(y);
+    return "rank " + std::to_string(rank_a) + " has " + quoted(x) + " where rank " + std::to_string(rank_b) + " has " +
+           quoted(y);
   }
   return "the texts differ only in spacing or comments";
 }
@@ -250,8 +254,8 @@ void check_same_config(Communicator& comm, const std::string& config_text) {
   // Every rank gets every text, so each names the same key: rank 0's group against the next group's first rank.
   const std::vector<std::string> texts = gather_texts(comm, config_text);
   const int other = ranks_by_hash[1].second.front(), first = ranks_by_hash[0].second.front();
-  FLOWMOE_THROW(AllRanksConfigError, "the ranks were given different configs (", groups, "): ",
-                first_config_difference(texts[size_t(first)], first, texts[size_t(other)], other),
+  FLOWMOE_THROW(AllRanksConfigError, "the ranks were given different configs (", groups,
+                "): ", first_config_difference(texts[size_t(first)], first, texts[size_t(other)], other),
                 "; every rank must read the same config file with the same overrides");
 }
 

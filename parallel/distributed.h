@@ -16,7 +16,9 @@ namespace flowmoe {
 // A configuration error that every rank raises at the same point, from values the ranks agree on
 // (check_same_config, a batch that does not split over the ranks): no rank is left waiting in a
 // collective, so each may print it and exit on its own instead of aborting the others.
-class AllRanksConfigError : public ConfigError { using ConfigError::ConfigError; };
+class AllRanksConfigError : public ConfigError {
+  using ConfigError::ConfigError;
+};
 
 // auto: none for world size 1; nccl for a CUDA run when the build has NCCL; mpi otherwise.
 enum class CommBackend : uint8_t { automatic, none, mpi, nccl };

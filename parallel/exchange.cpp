@@ -19,8 +19,8 @@ ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::v
                                 const std::vector<int64_t>& recv_counts, int sorted_align, int64_t num_sorted_rows,
                                 int align_size, int row_multiple) {
   const int n = comm->size();
-  FLOWMOE_CHECK(n >= 1 && send_counts.size() % size_t(n) == 0 && recv_counts.size() == send_counts.size(),
-                ShapeError, "make_exchange_plan: ", send_counts.size(), " send counts and ", recv_counts.size(),
+  FLOWMOE_CHECK(n >= 1 && send_counts.size() % size_t(n) == 0 && recv_counts.size() == send_counts.size(), ShapeError,
+                "make_exchange_plan: ", send_counts.size(), " send counts and ", recv_counts.size(),
                 " receive counts for ", n, " ranks");
   const std::vector<int64_t> sorted_starts = padded_segment_starts(send_counts, sorted_align);
   ExchangePlan p;

@@ -7,7 +7,8 @@ namespace flowmoe {
 bool built_with_nccl() { return false; }
 
 std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator>, int) {
-  FLOWMOE_THROW(CommError, "backend nccl: flowmoe was built without NCCL: install NCCL (nccl.h and libnccl, e.g."
+  FLOWMOE_THROW(CommError,
+                "backend nccl: flowmoe was built without NCCL: install NCCL (nccl.h and libnccl, e.g."
                 " Debian's libnccl-dev) and rebuild with CUDA (-DFLOWMOE_CUDA=ON)");
 }
 

@@ -39,8 +39,8 @@ class CapturedGraph {
       launch();
     } catch (const std::exception& ex) {
       cudaStreamEndCapture(stream_, &graph_);
-      return ::testing::AssertionFailure() << "a launcher failed under stream capture (a host synchronisation?): "
-                                           << ex.what();
+      return ::testing::AssertionFailure()
+             << "a launcher failed under stream capture (a host synchronisation?): " << ex.what();
     }
     if (cudaStreamEndCapture(stream_, &graph_) != cudaSuccess)
       return ::testing::AssertionFailure() << "capture was invalidated by a synchronising call";

@@ -131,8 +131,8 @@ TEST(Attention, Gradcheck) {
     SCOPED_TRACE(shape_str(s));
     Tensor q = random_tensor(rng, s, DType::f64), k = random_tensor(rng, s, DType::f64);
     Tensor v = random_tensor(rng, s, DType::f64);
-    EXPECT_TRUE(gradcheck([](const std::vector<Variable>& x) { return causal_attention(x[0], x[1], x[2]); },
-                          {q, k, v}));
+    EXPECT_TRUE(
+        gradcheck([](const std::vector<Variable>& x) { return causal_attention(x[0], x[1], x[2]); }, {q, k, v}));
   }
 }
 
@@ -239,17 +239,17 @@ TEST(Attention, Errors) {
 TEST(AttentionCuda, MatchesCpu) {
   FLOWMOE_REQUIRE_CUDA();
   Rng rng(test_seed());
-  const Shape shapes[] = {{1, 1, 1, 16},    {2, 37, 3, 16},   {1, 100, 2, 64}, {2, 65, 2, 128},
-                          {1, 129, 1, 24},  {1, 64, 2, 32},   {2, 1024, 8, 64}, {1, 2048, 1, 128},
-                          {2, 33, 2, 12},   {0, 16, 2, 64},   {2, 0, 2, 64}};
+  const Shape shapes[] = {{1, 1, 1, 16},   {2, 37, 3, 16}, {1, 100, 2, 64},  {2, 65, 2, 128},
+                          {1, 129, 1, 24}, {1, 64, 2, 32}, {2, 1024, 8, 64}, {1, 2048, 1, 128},
+                          {2, 33, 2, 12},  {0, 16, 2, 64}, {2, 0, 2, 64}};
   for (const Shape& s : shapes) {
     for (DType dtype : {DType::f32, DType::bf16}) {
       SCOPED_TRACE(shape_str(s) + " " + dtype_name(dtype));
       Tensor q = random_tensor(rng, s, dtype), k = random_tensor(rng, s, dtype), v = random_tensor(rng, s, dtype);
       Tensor d_out = random_tensor(rng, s, dtype);
       Result ref = attend_with_grads(q.to(DType::f64), k.to(DType::f64), v.to(DType::f64), d_out.to(DType::f64));
-      Result got = attend_with_grads(q.to(Device::cuda()), k.to(Device::cuda()), v.to(Device::cuda()),
-                                     d_out.to(Device::cuda()));
+      Result got =
+          attend_with_grads(q.to(Device::cuda()), k.to(Device::cuda()), v.to(Device::cuda()), d_out.to(Device::cuda()));
       ASSERT_EQ(got.out.dtype(), dtype);
       const bool f32 = dtype == DType::f32;
       const double rtol = f32 ? 1e-3 : kFlashRtol, atol_frac = f32 ? 1e-5 : kFlashAtolFrac;
@@ -296,9 +296,9 @@ TEST(AttentionCuda, Errors) {
 TEST(AttentionCuda, FlashMatchesCpuAndSimt) {
   FLOWMOE_REQUIRE_CUDA();
   Rng rng(test_seed());
-  const Shape shapes[] = {{1, 1, 1, 64},   {1, 17, 1, 128}, {2, 100, 3, 64}, {1, 129, 2, 128}, {1, 300, 1, 40},
-                          {2, 300, 2, 96}, {1, 1024, 1, 128}, {1, 64, 1, 8},  {1, 128, 2, 128}, {3, 200, 1, 16},
-                          {1, 257, 2, 72}};
+  const Shape shapes[] = {{1, 1, 1, 64},    {1, 17, 1, 128}, {2, 100, 3, 64},   {1, 129, 2, 128},
+                          {1, 300, 1, 40},  {2, 300, 2, 96}, {1, 1024, 1, 128}, {1, 64, 1, 8},
+                          {1, 128, 2, 128}, {3, 200, 1, 16}, {1, 257, 2, 72}};
   for (const Shape& s : shapes) {
     SCOPED_TRACE(shape_str(s));
     Tensor q = random_tensor(rng, s, DType::bf16), k = random_tensor(rng, s, DType::bf16);
@@ -352,9 +352,9 @@ TEST(AttentionCuda, FlashMaskingIsExact) {
     for (int64_t p : {int64_t(0), int64_t(70), int64_t(129), s[1] - 2}) {
       SCOPED_TRACE("p = " + std::to_string(p));
       auto head = [&](const Tensor& x) { return x.slice(1, 0, p + 1).contiguous(); };
-      KernelResult future = run_kernels(Kernel::flash, Kernel::flash, redraw_rows(rng, q, p + 1, s[1]),
-                                        redraw_rows(rng, k, p + 1, s[1]), redraw_rows(rng, v, p + 1, s[1]),
-                                        redraw_rows(rng, d_out, p + 1, s[1]));
+      KernelResult future =
+          run_kernels(Kernel::flash, Kernel::flash, redraw_rows(rng, q, p + 1, s[1]), redraw_rows(rng, k, p + 1, s[1]),
+                      redraw_rows(rng, v, p + 1, s[1]), redraw_rows(rng, d_out, p + 1, s[1]));
       EXPECT_TRUE(same_values(head(future.out), head(base.out))) << "out";
       EXPECT_TRUE(same_values(future.lse.slice(2, 0, p + 1).contiguous(), base.lse.slice(2, 0, p + 1).contiguous()))
           << "lse";
@@ -382,8 +382,8 @@ TEST(AttentionCuda, FlashZeroQueriesAverageThePast) {
     Tensor out = Tensor::empty(s, DType::bf16, Device::cuda());
     Tensor lse = Tensor::empty({B, nh, T}, DType::f32, Device::cuda());
     Tensor vg = v.to(Device::cuda());
-    attention_forward_cuda(DType::bf16, out.raw_data(), lse.data<float>(), q.raw_data(), k.raw_data(), vg.raw_data(),
-                           B, T, nh, hd, current_stream(0), Kernel::flash);
+    attention_forward_cuda(DType::bf16, out.raw_data(), lse.data<float>(), q.raw_data(), k.raw_data(), vg.raw_data(), B,
+                           T, nh, hd, current_stream(0), Kernel::flash);
     const std::vector<double> vs = v.to_doubles(), got = out.to_doubles(), got_lse = lse.to_doubles();
     int64_t bad = 0;
     for (int64_t b = 0; b < B; ++b)

@@ -9,7 +9,7 @@ using namespace flowmoe::test;
 TEST(Autograd, DiamondAccumulatesAndLeavesAccumulateAcrossCalls) {
   Rng rng(test_seed());
   Variable x(random_tensor(rng, {5}, DType::f64), true);
-  Variable y = mul(x, x);             // y = x^2
+  Variable y = mul(x, x);              // y = x^2
   Variable z = add(y, scale(x, 3.0));  // z = x^2 + 3x, x used twice
   z.backward(Tensor::full({5}, 1.0, DType::f64));
   auto xv = x.data().to_doubles(), g = x.grad().to_doubles();

@@ -62,8 +62,10 @@ Merges naive_merges(const std::string& text, int64_t vocab_size) {
     for (auto& [s, c] : words) {
       std::vector<int> out;
       for (size_t i = 0; i < s.size(); ++i) {
-        if (i + 1 < s.size() && s[i] == best.first && s[i + 1] == best.second) out.push_back(token), ++i;
-        else out.push_back(s[i]);
+        if (i + 1 < s.size() && s[i] == best.first && s[i + 1] == best.second)
+          out.push_back(token), ++i;
+        else
+          out.push_back(s[i]);
       }
       s = out;
     }
@@ -111,9 +113,9 @@ CommandResult run_flowmoe(const fs::path& dir, const std::vector<std::string>& a
 
 TEST(Bpe, SplitsWordsLikeGpt2) {
   using W = std::vector<std::string_view>;
-  EXPECT_EQ(bpe_words("Hello, world!  42 x\n\n  y"),
-            (W{"Hello", ",", " world", "!", " ", " 42", " x", "\n\n ", " y"}));
-  EXPECT_EQ(bpe_words(" caf\xc3\xa9 \xe2\x82\xac" "100 a.b"),
+  EXPECT_EQ(bpe_words("Hello, world!  42 x\n\n  y"), (W{"Hello", ",", " world", "!", " ", " 42", " x", "\n\n ", " y"}));
+  EXPECT_EQ(bpe_words(" caf\xc3\xa9 \xe2\x82\xac"
+                      "100 a.b"),
             (W{" caf\xc3\xa9", " \xe2\x82\xac", "100", " a", ".", "b"}));
   EXPECT_EQ(bpe_words(std::string_view("a\0\0b \n", 6)), (W{"a", std::string_view("\0\0", 2), "b", " \n"}));
   EXPECT_EQ(bpe_words(" "), W{" "});
@@ -140,7 +142,7 @@ TEST(Bpe, StopsAtTheVocabOrWhenNoPairRepeats) {
   BpeTokenizer capped = trained_on({text}, 300);
   EXPECT_EQ(capped.vocab_size(), 300);
   for (uint16_t t : capped.encode(text)) ASSERT_LT(t, 300);
-  EXPECT_EQ(trained_on({"abcdefg"}, 1000).vocab_size(), 256);  // no pair occurs twice
+  EXPECT_EQ(trained_on({"abcdefg"}, 1000).vocab_size(), 256);            // no pair occurs twice
   EXPECT_EQ(trained_on({"abab"}, 1000).merges(), (Merges{{'a', 'b'}}));  // then (Z, Z) occurs once
   EXPECT_EQ(trained_on({""}, 300).vocab_size(), 256);
   BpeWordCounts none;
@@ -181,8 +183,13 @@ TEST(Bpe, EncodeDecodeRoundTripsAnyBytes) {
   std::string random_bytes;
   for (int i = 0; i < 20000; ++i) random_bytes += char(gen() % 7 == 0 ? 0 : gen() % 256);
   BpeTokenizer byte_tok = trained_on({random_bytes}, 2000);
-  std::vector<std::string> inputs = {"", std::string(1, '\0'), std::string("a\0b\0\0", 5), "\xff\xfe\xc3(\x80",
-                                     std::string(10000, '='), std::string(5000, ' ') + "x", random_bytes,
+  std::vector<std::string> inputs = {"",
+                                     std::string(1, '\0'),
+                                     std::string("a\0b\0\0", 5),
+                                     "\xff\xfe\xc3(\x80",
+                                     std::string(10000, '='),
+                                     std::string(5000, ' ') + "x",
+                                     random_bytes,
                                      random_text(gen, 5000)};
   for (int i = 0; i < 50; ++i) {
     std::string s;
@@ -309,13 +316,13 @@ TEST(PrepareData, BadBpeOptionsNameTheOption) {
                                          {"--bpe-vocab must be from 257 to 65536", "got 256"}));
   EXPECT_TRUE(throws_naming<ConfigError>([&] { prepare_token_file(in, out, nullptr, options(70000)); },
                                          {"--bpe-vocab", "got 70000"}));
-  EXPECT_TRUE(throws_naming<ConfigError>(
-      [&] { prepare_token_file(in, out, nullptr, options(300, "t.bpe")); }, {"not both"}));
+  EXPECT_TRUE(
+      throws_naming<ConfigError>([&] { prepare_token_file(in, out, nullptr, options(300, "t.bpe")); }, {"not both"}));
   EXPECT_TRUE(throws_naming<ConfigError>(
       [&] { prepare_token_file(in, (d / "out.bpe").string(), nullptr, options(300)); }, {"ends in .bpe"}));
-  EXPECT_TRUE(throws_naming<IoError>(
-      [&] { prepare_token_file(in, out, nullptr, options(0, (d / "none.bpe").string())); },
-      {"--tokenizer '", "none.bpe' does not exist"}));
+  EXPECT_TRUE(
+      throws_naming<IoError>([&] { prepare_token_file(in, out, nullptr, options(0, (d / "none.bpe").string())); },
+                             {"--tokenizer '", "none.bpe' does not exist"}));
   EXPECT_FALSE(fs::exists(out));
   fs::remove_all(d);
 }

@@ -268,11 +268,11 @@ TEST(Checkpoint, RemovesOnlyUnfinishedStepDirectories) {
   fs::create_directories(d / "step_00000005.tmp");
   fs::create_directories(d / "step_00000007");
   std::ofstream(d / "step_00000007" / "meta.json") << "{}";
-  fs::create_directories(d / "notes.tmp");                 // not a checkpoint's
-  fs::create_directories(d / "step_x.tmp");                // not a step number
-  std::ofstream(d / "step_00000009.tmp") << "a file";      // not a directory
-  EXPECT_EQ(remove_stale_checkpoint_tmp(d.string()), (std::vector<std::string>{"step_00000005.tmp",
-                                                                               "step_00000020.tmp"}));
+  fs::create_directories(d / "notes.tmp");             // not a checkpoint's
+  fs::create_directories(d / "step_x.tmp");            // not a step number
+  std::ofstream(d / "step_00000009.tmp") << "a file";  // not a directory
+  EXPECT_EQ(remove_stale_checkpoint_tmp(d.string()),
+            (std::vector<std::string>{"step_00000005.tmp", "step_00000020.tmp"}));
   EXPECT_FALSE(fs::exists(d / "step_00000020.tmp"));
   EXPECT_FALSE(fs::exists(d / "step_00000005.tmp"));
   for (const char* kept : {"step_00000007", "notes.tmp", "step_x.tmp", "step_00000009.tmp"})
@@ -372,7 +372,9 @@ TEST(Checkpoint, PythonSafetensorsOpensCheckpoints) {
   fs::path script = d / "check.py";
   std::ofstream(script) << "import sys, numpy as np\n"
                            "from safetensors import safe_open\n"
-                           "expect = " << expect.str() << "\n"
+                           "expect = "
+                        << expect.str()
+                        << "\n"
                            "seen = 0\n"
                            "for f in ['model.safetensors', 'optimizer.safetensors']:\n"
                            "    with safe_open(sys.argv[1] + '/' + f, framework='numpy') as st:\n"

@@ -292,7 +292,7 @@ TEST(Cli, ASecondSignalStopsAtOnce) {
     int status = wait_exit(c.pid, 20, WUNTRACED);
     ASSERT_NE(status, -1);
     if (!WIFSTOPPED(status)) continue;  // it saved and exited before the pause: try again
-    ::kill(c.pid, SIGTERM);  // the handler has reset the default action: this one ends the process
+    ::kill(c.pid, SIGTERM);             // the handler has reset the default action: this one ends the process
     ::kill(c.pid, SIGCONT);
     status = wait_exit(c.pid, 20);
     ASSERT_TRUE(WIFSIGNALED(status)) << "status " << status << "\n" << read_text(c.out) << read_text(c.err);
@@ -343,8 +343,9 @@ TEST(Cli, TrainingRemovesUnfinishedCheckpointDirectoriesAndSaysSo) {
   fs::create_directories(ckpts / "step_00000003.tmp");
   Result r = run(d, {"train", "--config", cfg});
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_TRUE(has(r.out, "removed 2 unfinished checkpoint directories from a previous run: step_00000003.tmp, "
-                         "step_00000020.tmp\n"))
+  EXPECT_TRUE(has(r.out,
+                  "removed 2 unfinished checkpoint directories from a previous run: step_00000003.tmp, "
+                  "step_00000020.tmp\n"))
       << r.out;
   EXPECT_FALSE(fs::exists(ckpts / "step_00000020.tmp"));
   EXPECT_FALSE(fs::exists(ckpts / "step_00000003.tmp"));
@@ -374,8 +375,10 @@ TEST(Cli, PlotFailuresAreOneLineWithTheRealExitStatus) {
   Result failed = run(d, {"plot", (d / "run").string(), "--output", (d / "loss.png").string()},
                       {"PATH=" + bin.string() + ":" + (path ? path : "/usr/bin:/bin")});
   EXPECT_EQ(failed.exit_code, 1);
-  EXPECT_EQ(failed.err, "flowmoe: error: plot: gnuplot failed (exit status 3): \"plot.gp\" line 2: cannot open file; "
-                        "output not changed; no '" + (d / "loss.png").string() + "' was written\n");
+  EXPECT_EQ(failed.err,
+            "flowmoe: error: plot: gnuplot failed (exit status 3): \"plot.gp\" line 2: cannot open file; "
+            "output not changed; no '" +
+                (d / "loss.png").string() + "' was written\n");
   fs::remove_all(d);
 }
 

@@ -274,8 +274,8 @@ TEST(Config, BiasUpdateRuleIsSignOrProportional) {
 }
 
 TEST(Config, SetOverridesAreValidatedTheSameWay) {
-  Config c = parse_config("train:\n  steps: 50\n", "base.yaml", {"train.steps=7", "optimizer.lr=1e-4",
-                                                                  "optimizer.min_lr=0", "optimizer.warmup_steps=2"});
+  Config c = parse_config("train:\n  steps: 50\n", "base.yaml",
+                          {"train.steps=7", "optimizer.lr=1e-4", "optimizer.min_lr=0", "optimizer.warmup_steps=2"});
   EXPECT_EQ(c.train.steps, 7);
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-4);
   EXPECT_EQ(c.origin("train.steps"), "--set train.steps=7");
@@ -315,9 +315,9 @@ TEST(Config, ResolvedYamlReadsBack) {
 // Strings may hold line breaks, tabs, quotes and other control characters (a YAML block scalar or
 // escapes); the resolved YAML must keep them.
 TEST(Config, ResolvedYamlKeepsControlCharactersInStrings) {
-  Config a = parse_config(
-      "logging:\n  out_dir: |\n    runs/a\n    b\ncheckpoint:\n  dir: \"c\\td\\x01\\\"q\\\\e\\r\"\n", "x.yaml",
-      {"checkpoint.resume=r\x7f"});
+  Config a =
+      parse_config("logging:\n  out_dir: |\n    runs/a\n    b\ncheckpoint:\n  dir: \"c\\td\\x01\\\"q\\\\e\\r\"\n",
+                   "x.yaml", {"checkpoint.resume=r\x7f"});
   EXPECT_EQ(a.logging.out_dir, "runs/a\nb\n");
   EXPECT_EQ(a.checkpoint.dir, "c\td\x01\"q\\e\r");
   Config b = parse_config(to_yaml(a), "resolved.yaml");
@@ -348,8 +348,8 @@ TEST(Config, LoadRefusesDirectoriesAndEmptyFiles) {
   const std::string d = (dir / "configs").string();
   EXPECT_HAS(config_error([&] { load_config(d); }), "'" + d + "' is a directory");
   const std::vector<std::pair<std::string, std::string>> empties = {
-      {"empty.yaml", ""}, {"blank.yaml", "\n   \n\t\n"}, {"comments.yaml", "# only a comment\n  # and another\n"},
-      {"null.yaml", "~\n"}, {"null_word.yaml", "null\n"}, {"separator.yaml", "---\n# nothing\n"}};
+      {"empty.yaml", ""},   {"blank.yaml", "\n   \n\t\n"}, {"comments.yaml", "# only a comment\n  # and another\n"},
+      {"null.yaml", "~\n"}, {"null_word.yaml", "null\n"},  {"separator.yaml", "---\n# nothing\n"}};
   for (const auto& [name, text] : empties) {
     const std::string path = (dir / name).string();
     std::ofstream(path) << text;
@@ -431,8 +431,9 @@ TEST(Config, ActivationsPastInt64AreRefused) {
       "  num_experts_per_tok: 16\n  moe_intermediate_size: 1048576\n  n_shared_experts: 0\n"
       "data:\n  seq_len: 1048576\n  synthetic_tokens: 1073741824\ntrain:\n  batch_size: 1048576\n";
   std::string m = parse_error(big);
-  EXPECT_HAS(m, "routed-expert activations would hold train.batch_size 1048576 x data.seq_len 1048576 x "
-                "model.num_experts_per_tok 16 x 2 x model.moe_intermediate_size 1048576 elements, more than 2^60");
+  EXPECT_HAS(m,
+             "routed-expert activations would hold train.batch_size 1048576 x data.seq_len 1048576 x "
+             "model.num_experts_per_tok 16 x 2 x model.moe_intermediate_size 1048576 elements, more than 2^60");
   m = parse_error(big,
                   {"model.num_experts_per_tok=1", "model.moe_intermediate_size=524288", "model.n_shared_experts=64"});
   EXPECT_HAS(m, "--set model.n_shared_experts=64: model.n_shared_experts: one micro-batch's shared-expert activations");

@@ -99,10 +99,12 @@ TEST(TokenFile, SizeMustMatchTheHeader) {
   EXPECT_NE(m.find("1032 bytes"), std::string::npos) << m;
   m = error_of([&] { append(2); });
   EXPECT_NE(m.find("is 1034 bytes, but its header's token count 4 means 1024 + 2 x 4 = 1032 bytes (extra bytes"),
-            std::string::npos) << m;
+            std::string::npos)
+      << m;
   m = error_of([&] { fs::resize_file(path, 1028); });
   EXPECT_NE(m.find("is 1028 bytes, but its header's token count 4 means 1024 + 2 x 4 = 1032 bytes (truncated)"),
-            std::string::npos) << m;
+            std::string::npos)
+      << m;
   m = error_of([&] { fs::resize_file(path, 100); });
   EXPECT_NE(m.find("'" + path + "' is 100 bytes, shorter than its 1024-byte header"), std::string::npos) << m;
   m = error_of([&] {  // a count no file of this size can hold is caught before anything is allocated
@@ -112,7 +114,8 @@ TEST(TokenFile, SizeMustMatchTheHeader) {
     f.write(reinterpret_cast<const char*>(&count), 4);
   });
   EXPECT_NE(m.find("token count 2147483647 means 1024 + 2 x 2147483647 = 4294968318 bytes (truncated)"),
-            std::string::npos) << m;
+            std::string::npos)
+      << m;
   EXPECT_TRUE(test::throws_naming<IoError>([&] { read_token_file(d.string()); }, {"not a regular file"}));
   write_token_file(path, {});
   EXPECT_TRUE(read_token_file(path).empty());

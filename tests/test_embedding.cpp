@@ -155,8 +155,8 @@ TEST(EmbeddingCuda, MatchesCpuBitwise) {
 TEST(EmbeddingCuda, IdsShapeAndIdentity) {
   FLOWMOE_REQUIRE_CUDA();
   Tensor ids = Tensor::from_ints({3, 0, 3, 7, 3, 1}, {2, 3});
-  EmbResult got = run_embedding(identity_weight(8, 5, DType::f32), ids, Tensor::full({2, 3, 5}, 1.0, DType::f32),
-                                Device::cuda());
+  EmbResult got =
+      run_embedding(identity_weight(8, 5, DType::f32), ids, Tensor::full({2, 3, 5}, 1.0, DType::f32), Device::cuda());
   ASSERT_EQ(got.out.shape(), (Shape{2, 3, 5}));
   EXPECT_TRUE(bit_equal(got.out, embedding(Variable(identity_weight(8, 5, DType::f32)), ids).data()));
   EXPECT_EQ(got.d_weight.to_doubles()[3 * 5], 3.0);  // id 3 occurs three times

@@ -23,9 +23,13 @@ class ShapeOnlyComm final : public Communicator {
  protected:
   [[noreturn]] static void refuse() { FLOWMOE_THROW(CommError, "ShapeOnlyComm moves nothing"); }
   void do_all_to_all(const Tensor&, const std::vector<int64_t>&, const Tensor&, const std::vector<int64_t>&,
-                     size_t) override { refuse(); }
+                     size_t) override {
+    refuse();
+  }
   void do_all_to_all_chunks(const Tensor&, const std::vector<RowChunk>&, const Tensor&, const std::vector<RowChunk>&,
-                            size_t) override { refuse(); }
+                            size_t) override {
+    refuse();
+  }
   void do_all_reduce(const Tensor&, ReduceOp) override { refuse(); }
   void do_all_gather(const Tensor&, const Tensor&, size_t) override { refuse(); }
   void do_reduce_scatter_in_place(const Tensor&, ReduceOp) override { refuse(); }
@@ -125,9 +129,8 @@ TEST(EpLayout, CudaKernelEqualsTheCpuReference) {
   FLOWMOE_REQUIRE_CUDA();
   for (const Case& c : cases(test_seed() + 1))
     for (int me = 0; me < c.n; ++me) {
-      const Tensor counts =
-          Tensor::from_ints(std::vector<int64_t>(c.counts.begin(), c.counts.end()), {c.n, c.n * c.L}, DType::i32,
-                            Device::cuda(0));
+      const Tensor counts = Tensor::from_ints(std::vector<int64_t>(c.counts.begin(), c.counts.end()), {c.n, c.n * c.L},
+                                              DType::i32, Device::cuda(0));
       Tensor out = Tensor::full({ep_layout_size(c.n, c.L)}, -7, DType::i32, Device::cuda(0));
       ep_layout_cuda({c.n, c.L, me, 16, c.align}, counts.data<int32_t>(), out.data<int32_t>(), current_stream(0));
       const std::vector<int32_t> want = layout_cpu(c, me);

@@ -138,8 +138,7 @@ Colwise transpose_rows(const Rowwise& x, int64_t row0, int64_t rows) {
   const int64_t K = x.q.size(1);
   Tensor q = x.q.slice(0, row0, row0 + rows).contiguous(), s = x.s.slice(0, row0, row0 + rows).contiguous();
   Colwise out = junk_colwise(rows, K, fp8_num_blocks(rows));
-  fp8_transpose_cpu(q.data<uint8_t>(), s.data<float>(), rows, K, &rows, 1, out.q.data<uint8_t>(),
-                    out.s.data<float>());
+  fp8_transpose_cpu(q.data<uint8_t>(), s.data<float>(), rows, K, &rows, 1, out.q.data<uint8_t>(), out.s.data<float>());
   return out;
 }
 Colwise quantize_rows(const Tensor& x, int64_t row0, int64_t rows) {
@@ -165,8 +164,8 @@ template <class PerExpert>
     for (int64_t j = 0; j < K; ++j)
       for (int64_t i = 0; i < r; ++i)
         if (q[j * M + off + i] != want.q.data<uint8_t>()[j * r + i])
-          return ::testing::AssertionFailure() << "expert " << e << ": q[" << j << ", " << off + i << "] = 0x"
-                                               << std::hex << int(q[j * M + off + i]);
+          return ::testing::AssertionFailure()
+                 << "expert " << e << ": q[" << j << ", " << off + i << "] = 0x" << std::hex << int(q[j * M + off + i]);
     for (int64_t n = 0; n < nb * K; ++n)
       if (fp8_f32_bits(s[blk * K + n]) != fp8_f32_bits(want.s.data<float>()[n]))
         return ::testing::AssertionFailure() << "expert " << e << ": scale row " << blk + n / K << " column " << n % K
@@ -208,8 +207,11 @@ TEST(Fp8ColwiseDevice, ErrorsNameTheValues) {
   auto quantize = [&](const Counts& c) {
     quantize_colwise_device_cpu(DType::f32, s.data(), 8, 8, c.data(), int64_t(c.size()), q_t.data(), s_t.data());
   };
-  EXPECT_TRUE(
-      throws_naming<ShapeError>([&] { transpose({3, -2}, 8); }, {"fp8_transpose_device_cpu", "expert 1", "-2"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] {
+        transpose({3, -2}, 8);
+      },
+      {"fp8_transpose_device_cpu", "expert 1", "-2"}));
   EXPECT_TRUE(throws_naming<ShapeError>([&] { transpose({5, 4}, 8); }, {"sum to 9", "M = 8"}));
   EXPECT_TRUE(throws_naming<ShapeError>([&] { transpose(Counts(257, 0), 8); }, {"E=257", "256"}));
   EXPECT_TRUE(throws_naming<ShapeError>([&] { quantize({9}); }, {"quantize_colwise_device_cpu", "sum to 9"}));
@@ -312,8 +314,8 @@ TEST(Fp8ColwiseDeviceCuda, CapturedInAGraphAndReplayedWithNewCounts) {
   CapturedGraph g;
   cudaStream_t st = g.stream();
   auto launch_all = [&] {
-    fp8_transpose_device_cuda(q.data<uint8_t>(), s.data<float>(), M, K, counts.data<int32_t>(), E,
-                              t.q.data<uint8_t>(), t.s.data<float>(), st);
+    fp8_transpose_device_cuda(q.data<uint8_t>(), s.data<float>(), M, K, counts.data<int32_t>(), E, t.q.data<uint8_t>(),
+                              t.s.data<float>(), st);
     quantize_colwise_device_cuda(DType::bf16, xg.raw_data(), M, K, counts.data<int32_t>(), E, c.q.data<uint8_t>(),
                                  c.s.data<float>(), st);
   };

@@ -114,10 +114,15 @@ TEST(Fp8DeviceCounts, TransposeAndQuantizeOpsOverCpuCounts) {
   const Tensor both = fp8_transpose(q, ExpertCounts{rows, counts});
   EXPECT_EQ(both.fp8_scales()->rows_per_segment, rows);
   EXPECT_FALSE(both.fp8_scales()->segment_counts.defined());
-  EXPECT_TRUE(throws_naming<DTypeError>([&] { fp8_transpose(q, ExpertCounts{{}, counts.to(DType::i64)}); },
-                                        {"fp8_transpose", "[E] i32", "i64"}));
+  EXPECT_TRUE(throws_naming<DTypeError>(
+      [&] {
+        fp8_transpose(q, ExpertCounts{{}, counts.to(DType::i64)});
+      },
+      {"fp8_transpose", "[E] i32", "i64"}));
   EXPECT_TRUE(throws_naming<ShapeError>(
-      [&] { quantize_colwise_tensor(x, ExpertCounts{{}, counts_tensor({200, 31}, Device::cpu())}, "s"); },
+      [&] {
+        quantize_colwise_tensor(x, ExpertCounts{{}, counts_tensor({200, 31}, Device::cpu())}, "s");
+      },
       {"sum to 231", "M = 230"}));
 }
 
@@ -138,10 +143,16 @@ TEST(Fp8DeviceCounts, GroupedLinearChecksTheCounts) {
   const QuantizedWeight wq = quantize_weight(w.data(), "w");
   Variable xq = quantize_rowwise(Variable(x), "x");
   auto run = [&](const ExpertCounts& counts) { fp8_grouped_linear(xq, w, wq, counts, Fp8Wgrad::transpose, "fc"); };
-  EXPECT_TRUE(throws_naming<ShapeError>([&] { run(ExpertCounts{{}, counts_tensor({16, 32, 0}, Device::cpu())}); },
-                                        {"device counts", "i32[3]", "must be a contiguous [2] i32"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] {
+        run(ExpertCounts{{}, counts_tensor({16, 32, 0}, Device::cpu())});
+      },
+      {"device counts", "i32[3]", "must be a contiguous [2] i32"}));
   EXPECT_TRUE(throws_naming<DTypeError>(
-      [&] { run(ExpertCounts{{}, counts_tensor({16, 32}, Device::cpu()).to(DType::i64)}); }, {"i64[2]"}));
+      [&] {
+        run(ExpertCounts{{}, counts_tensor({16, 32}, Device::cpu()).to(DType::i64)});
+      },
+      {"i64[2]"}));
   EXPECT_TRUE(throws_naming<ShapeError>([&] { run(ExpertCounts{{16, 32, 0}, Tensor()}); }, {"3 host counts"}));
 }
 
@@ -175,10 +186,11 @@ TEST(Fp8DeviceCountsCuda, MoeLayerReadsNoCounts) {
         const uint64_t syncs = num_host_syncs();
         Variable y = layer.forward(xv, DType::bf16);
         y.backward(dy);
-        if (device_counts) EXPECT_EQ(num_host_syncs(), syncs) << "the one-GPU FP8 layer read its counts";
-        else EXPECT_EQ(num_host_syncs(), syncs + 1) << "the host path reads its counts once";
-        std::vector<Tensor> r = {y.data().to(DType::f32).to(Device::cpu()),
-                                 xv.grad().to(DType::f32).to(Device::cpu())};
+        if (device_counts)
+          EXPECT_EQ(num_host_syncs(), syncs) << "the one-GPU FP8 layer read its counts";
+        else
+          EXPECT_EQ(num_host_syncs(), syncs + 1) << "the host path reads its counts once";
+        std::vector<Tensor> r = {y.data().to(DType::f32).to(Device::cpu()), xv.grad().to(DType::f32).to(Device::cpu())};
         for (const Variable& p : f.params()) r.push_back(p.grad().to(Device::cpu()));
         out.push_back(r);
       }

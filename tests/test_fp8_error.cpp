@@ -53,8 +53,7 @@ TEST(Fp8Error, ExactOperandsGiveNoErrorOnAnyPath) {
   const std::vector<int64_t> segments = {128, 0, 256};  // blocks start where a 2 sits
   // The weight [3,128,256]: every 128x128 block holds a 2 as well.
   const Tensor w = reshape_tensor(exact_operand(gen, 3 * 128, 256), {3, 128, 256});
-  const GemmErrorSums s =
-      gemm_error_sums(exact_operand(gen, 384, 256), exact_operand(gen, 384, 128), w, segments, 2);
+  const GemmErrorSums s = gemm_error_sums(exact_operand(gen, 384, 256), exact_operand(gen, 384, 128), w, segments, 2);
   EXPECT_EQ(s.rows, 384);
   EXPECT_GT(s.ref_sq, 0);
   EXPECT_GT(s.fprop_ref_sq, 0);
@@ -81,8 +80,7 @@ TEST(Fp8Error, TheTransposeAndDoubleQuantizationDifferOnlyOnTheSubnormalGrid) {
   auto same_scale_rows = [&](int64_t M, int64_t C) {
     std::vector<float> v(size_t(M * C));
     for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < C; ++j)
-        v[size_t(i * C + j)] = j % 128 == 0 ? 3.f : std::clamp(normal(gen), -2.9f, 2.9f);
+      for (int64_t j = 0; j < C; ++j) v[size_t(i * C + j)] = j % 128 == 0 ? 3.f : std::clamp(normal(gen), -2.9f, 2.9f);
     return Tensor::from_floats(v, {M, C});
   };
   const std::vector<int64_t> equal_segments = {200, 56};
@@ -115,7 +113,7 @@ TEST(Fp8Error, TheTransposeAndDoubleQuantizationDifferOnlyOnTheSubnormalGrid) {
   const GemmErrorSums one = gemm_error_sums(x, dy, w, segments, 1);
   EXPECT_NEAR(one.transpose_sq, r.sums.transpose_sq, 1e-9 * r.sums.transpose_sq);
   EXPECT_THROW(gemm_error_sums(x, dy, w, {500, 0, 0, 0, 0}), ShapeError);  // more rows than x has
-  EXPECT_THROW(gemm_error_sums(x, dy, w, {384}), ShapeError);             // one segment, five experts
+  EXPECT_THROW(gemm_error_sums(x, dy, w, {384}), ShapeError);              // one segment, five experts
 }
 
 TEST(Fp8Error, TheStudyOfATinyMoeCheckpointNamesEveryExpertGemm) {
@@ -136,7 +134,7 @@ TEST(Fp8Error, TheStudyOfATinyMoeCheckpointNamesEveryExpertGemm) {
   EXPECT_EQ(s.rows[1].weight, "model.layers.1.mlp.experts.fc2.weight");
   EXPECT_EQ(s.rows[3].weight, "model.layers.2.mlp.experts.fc2.weight");
   for (const GemmErrorRow& r : s.rows) {
-    EXPECT_EQ(r.sums.rows % 16, 0) << r.weight;  // padded segments
+    EXPECT_EQ(r.sums.rows % 16, 0) << r.weight;          // padded segments
     EXPECT_GE(r.sums.rows, 2 * 4 * 32 * 2) << r.weight;  // every token's top-2 copies, both batches
     for (double e : {r.fprop(), r.dgrad(), r.transpose()})
       EXPECT_TRUE(std::isfinite(e) && e > 0 && e < 0.2) << r.weight;

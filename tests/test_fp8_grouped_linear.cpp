@@ -348,7 +348,10 @@ void check_wgrad(std::mt19937_64& gen, const CudaCase& c) {
 TEST(Fp8GroupedLinearCuda, RowCountSupportProbe) {
   FLOWMOE_REQUIRE_CUDA();
   std::mt19937_64 gen(test_seed());
-  struct Dims { int64_t n, k; DType out; };
+  struct Dims {
+    int64_t n, k;
+    DType out;
+  };
   for (Dims d : {Dims{256, 256, DType::f32}, Dims{384, 512, DType::bf16}, Dims{256, 512, DType::f32},
                  Dims{384, 256, DType::f32}, Dims{256, 256, DType::bf16}})
     for (int64_t r : {16, 32, 48, 128, 208, 256, 1024}) {
@@ -491,4 +494,3 @@ TEST(Fp8GroupedLinearCuda, ShapeErrors) {
   EXPECT_TRUE(throws_naming<ShapeError>([&] { wgrad(odd, 48, 128, 128); }, {"expert 1", "24 rows"}));
   EXPECT_TRUE(throws_naming<ShapeError>([&] { wgrad(ok, 64, 256, 72); }, {"K=72"}));
 }
-

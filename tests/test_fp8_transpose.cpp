@@ -91,8 +91,10 @@ Colwise reference(const Rowwise& x, const std::vector<int64_t>& segs) {
           if (!block_has_information(i, b)) continue;
           const float si = x.s[size_t(i * nb + b)];
           any = true;
-          if (std::isnan(si) || std::isnan(S)) S = std::numeric_limits<float>::quiet_NaN();
-          else S = std::max(S, si);
+          if (std::isnan(si) || std::isnan(S))
+            S = std::numeric_limits<float>::quiet_NaN();
+          else
+            S = std::max(S, si);
         }
         if (!any) S = 1.f;
         out.s_t[size_t(blk * K + j)] = S;
@@ -164,12 +166,12 @@ std::vector<Case> edge_cases() {
   const std::vector<int64_t> ragged = {0, 37, 128, 300, 1, 0};  // sum 466
   std::vector<Case> cases;
   for (int64_t K : {128, 256, 384, 200, 1, 17}) cases.push_back({500, K, ragged});
-  cases.push_back({466, 200, ragged});               // no tail
-  cases.push_back({300, 256, {300}});                 // one hot segment
-  cases.push_back({256, 144, {0, 0, 256, 0}});        // empty segments around it
-  cases.push_back({0, 128, {0, 0}});                  // no rows
-  cases.push_back({64, 0, {64}});                     // no columns
-  cases.push_back({96, 128, {}});                     // no segments: every column is tail
+  cases.push_back({466, 200, ragged});          // no tail
+  cases.push_back({300, 256, {300}});           // one hot segment
+  cases.push_back({256, 144, {0, 0, 256, 0}});  // empty segments around it
+  cases.push_back({0, 128, {0, 0}});            // no rows
+  cases.push_back({64, 0, {64}});               // no columns
+  cases.push_back({96, 128, {}});               // no segments: every column is tail
   return cases;
 }
 
@@ -298,14 +300,13 @@ TEST(Fp8Transpose, SubnormalRoundingByHand) {
       {0x83, 1, 0x82},  // sign kept
       {0x81, 2, 0x80},  // -0.25 unit -> -0
       {0x80, 5, 0x80},  // -0 stays -0
-      {0x00, 5, 0x00},
-      {0x7E, 20, 0x00},  // 448 * 2^-20 < 2^-10 -> +0
-      {0xFE, 20, 0x80},  // -> -0
-      {0x08, 4, 0x00},   // 8 units / 16 = 0.5 -> tie -> 0
-      {0x09, 4, 0x01},   // 9 / 16 > 0.5 -> 1
-      {0x7F, 3, 0x7F},   // NaN stays NaN
-      {0xFF, 0, 0x7F},   // negative NaN -> the canonical NaN code, also unshifted
-      {0x55, 0, 0x55},   // k = 0 keeps the byte
+      {0x00, 5, 0x00},  {0x7E, 20, 0x00},  // 448 * 2^-20 < 2^-10 -> +0
+      {0xFE, 20, 0x80},                    // -> -0
+      {0x08, 4, 0x00},                     // 8 units / 16 = 0.5 -> tie -> 0
+      {0x09, 4, 0x01},                     // 9 / 16 > 0.5 -> 1
+      {0x7F, 3, 0x7F},                     // NaN stays NaN
+      {0xFF, 0, 0x7F},                     // negative NaN -> the canonical NaN code, also unshifted
+      {0x55, 0, 0x55},                     // k = 0 keeps the byte
   };
   const int64_t n = int64_t(std::size(hand)) + 1, K = 1;
   Rowwise x{n, K, std::vector<uint8_t>(size_t(n)), std::vector<float>(size_t(n))};
@@ -341,14 +342,14 @@ TEST(Fp8Transpose, ScaleChoiceByHand) {
     for (int64_t j = b * 128; j < b * 128 + 128; ++j) x.q[size_t(i * K + j)] = v;
     x.s[size_t(i * 2 + b)] = s;
   };
-  set_row(0, 0, 0x80, 1.f);       // A, block 0: a -0 pad row at scale 1 ...
-  set_row(1, 0, 0x30, pow2(-8));  // ... does not crush this row (S = 2^-8, bytes kept)
-  set_row(2, 0, 0x31, pow2(-9));  // one step down: 0x31 -> 0x29
-  set_row(1, 1, 0x40, pow2(-3));  // A, block 1: S = 2^-3 regardless of the zero rows
+  set_row(0, 0, 0x80, 1.f);                                      // A, block 0: a -0 pad row at scale 1 ...
+  set_row(1, 0, 0x30, pow2(-8));                                 // ... does not crush this row (S = 2^-8, bytes kept)
+  set_row(2, 0, 0x31, pow2(-9));                                 // one step down: 0x31 -> 0x29
+  set_row(1, 1, 0x40, pow2(-3));                                 // A, block 1: S = 2^-3 regardless of the zero rows
   set_row(3, 0, 0x40, std::numeric_limits<float>::quiet_NaN());  // B, block 0: a NaN scale -> S NaN
-  set_row(4, 0, 0xC4, pow2(2));                                   //   and its bytes are kept
-  set_row(4, 1, 0x00, std::numeric_limits<float>::quiet_NaN());   // B, block 1: NaN scale on zeros still counts
-  set_row(5, 1, 0x3C, pow2(1));                                   // C, block 0 empty of information -> S = 1
+  set_row(4, 0, 0xC4, pow2(2));                                  //   and its bytes are kept
+  set_row(4, 1, 0x00, std::numeric_limits<float>::quiet_NaN());  // B, block 1: NaN scale on zeros still counts
+  set_row(5, 1, 0x3C, pow2(1));                                  // C, block 0 empty of information -> S = 1
   const std::vector<int64_t> segs = {3, 2, 2};
   std::vector<Colwise> runs = {run_cpu(x, segs), reference(x, segs)};
   if (cuda_available()) runs.push_back(run_cuda(x, segs));

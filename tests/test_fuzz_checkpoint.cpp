@@ -92,10 +92,33 @@ void set_header_length(std::string& b, Gen& g) {
 
 // A random JSON value, mostly of the kinds a header or meta.json holds, some out of range.
 std::string random_json_value(Gen& g) {
-  return pick<std::string>(g, {"0", "1", "-1", "3", "7", "12", "16", "48", "1.5", "1e400", "-0", "9223372036854775807",
-                               "9223372036854775808", "18446744073709551615", "18446744073709551616",
-                               "99999999999999999999999", "\"x\"", "\"\"", "\"12\"", "[]", "{}", "null", "true",
-                               "[1, 2]", "{\"a\": 1}", "[[[[1]]]]", "\"F32\""});
+  return pick<std::string>(g, {"0",
+                               "1",
+                               "-1",
+                               "3",
+                               "7",
+                               "12",
+                               "16",
+                               "48",
+                               "1.5",
+                               "1e400",
+                               "-0",
+                               "9223372036854775807",
+                               "9223372036854775808",
+                               "18446744073709551615",
+                               "18446744073709551616",
+                               "99999999999999999999999",
+                               "\"x\"",
+                               "\"\"",
+                               "\"12\"",
+                               "[]",
+                               "{}",
+                               "null",
+                               "true",
+                               "[1, 2]",
+                               "{\"a\": 1}",
+                               "[[[[1]]]]",
+                               "\"F32\""});
 }
 
 std::string random_dims(Gen& g) {
@@ -108,12 +131,15 @@ std::string random_dims(Gen& g) {
 }
 
 std::string random_offsets(Gen& g, uint64_t body) {
-  const std::vector<uint64_t> near = {0, 4, 8, 12, 16, 36, 48, body - 4, body, body + 4, uint64_t(1) << 40,
-                                      ~uint64_t(0), ~uint64_t(0) - 3};
+  const std::vector<uint64_t> near = {
+      0, 4, 8, 12, 16, 36, 48, body - 4, body, body + 4, uint64_t(1) << 40, ~uint64_t(0), ~uint64_t(0) - 3};
   switch (g() % 4) {
-    case 0: return "[" + std::to_string(pick(g, near)) + "," + std::to_string(pick(g, near)) + "]";
-    case 1: return pick<std::string>(g, {"[]", "[0]", "[0,4,8]", "[-4,0]", "[0,-4]", "[\"0\",\"4\"]", "[1.0,5.0]"});
-    case 2: return random_json_value(g);
+    case 0:
+      return "[" + std::to_string(pick(g, near)) + "," + std::to_string(pick(g, near)) + "]";
+    case 1:
+      return pick<std::string>(g, {"[]", "[0]", "[0,4,8]", "[-4,0]", "[0,-4]", "[\"0\",\"4\"]", "[1.0,5.0]"});
+    case 2:
+      return random_json_value(g);
     default: {
       const uint64_t b = g() % (body + 1);
       return "[" + std::to_string(b) + "," + std::to_string(b + g() % 64) + "]";
@@ -148,9 +174,15 @@ void mutate_header(std::string& b, Gen& g) {
                                           "\"F8_E4M3\"", "\"\"", "\"X\"", "[]", "{}", "7", "null"}),
                     g);
       break;
-    case 1: replace_value(header, "\"shape\":", random_dims(g), g); break;
-    case 2: replace_value(header, "\"data_offsets\":", random_offsets(g, body.size()), g); break;
-    case 3: replace_value(header, "\"format\":", random_json_value(g), g); break;
+    case 1:
+      replace_value(header, "\"shape\":", random_dims(g), g);
+      break;
+    case 2:
+      replace_value(header, "\"data_offsets\":", random_offsets(g, body.size()), g);
+      break;
+    case 3:
+      replace_value(header, "\"format\":", random_json_value(g), g);
+      break;
     case 4: {  // a key renamed or retyped, or an entry that is not an object
       const std::string key =
           pick<std::string>(g, {"\"dtype\":", "\"shape\":", "\"data_offsets\":", "\"__metadata__\":"});
@@ -204,17 +236,28 @@ void mutate(Files& files, Gen& g) {
   std::string& b = files[name];
   const bool safetensors = name != kMeta;
   switch (g() % 8) {
-    case 0: flip_bytes(b, g); break;
-    case 1: truncate(b, g); break;
-    case 2: extend(b, g); break;
+    case 0:
+      flip_bytes(b, g);
+      break;
+    case 1:
+      truncate(b, g);
+      break;
+    case 2:
+      extend(b, g);
+      break;
     case 3:
-      if (g() % 8 == 0) files.erase(name);
-      else flip_bytes(b, g);
+      if (g() % 8 == 0)
+        files.erase(name);
+      else
+        flip_bytes(b, g);
       break;
     default:
-      if (!safetensors) mutate_meta(b, g);
-      else if (g() % 5 == 0) set_header_length(b, g);
-      else mutate_header(b, g);
+      if (!safetensors)
+        mutate_meta(b, g);
+      else if (g() % 5 == 0)
+        set_header_length(b, g);
+      else
+        mutate_header(b, g);
   }
 }
 
@@ -263,8 +306,8 @@ TEST(FuzzCheckpoint, DamagedFilesLoadOrThrowFlowmoeErrors) {
   meta.data_seed = 1234;
   meta.init_seed = 42;
   meta.config_yaml = "model:\n  vocab_size: 64\n";
-  const fs::path ckpt = save_checkpoint((d / "source").string(), meta, model.params, model.exp_avg, model.exp_avg_sq, 1,
-                                        model.buffers);
+  const fs::path ckpt =
+      save_checkpoint((d / "source").string(), meta, model.params, model.exp_avg, model.exp_avg_sq, 1, model.buffers);
   Files pristine;
   for (const char* f : {kModel, kOptim, kMeta}) pristine[f] = read_bytes(ckpt / f);
 

@@ -34,7 +34,6 @@ constexpr uint64_t kDefaultSeed = 20240520;
 constexpr int64_t kDefaultCases = 3000;
 constexpr double kSlowCaseSeconds = 2.0;
 
-
 // ---- what a crash reports ------------------------------------------------------------------------
 
 // The input being parsed, printed by the signal handler when the parser crashes (a stack overflow
@@ -56,7 +55,7 @@ void install_crash_report() {
   ss.ss_sp = stack.data();
   ss.ss_size = stack.size();
   sigaltstack(&ss, nullptr);
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_crash;
   sa.sa_flags = SA_ONSTACK;
   for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) sigaction(sig, &sa, nullptr);
@@ -82,8 +81,10 @@ struct Case {
   static std::string escaped(const std::string& s) {
     std::string out;
     for (unsigned char c : s) {
-      if (c == '\n') out += "\\n";
-      else if (c == '\\' || c == '"') out += std::string("\\") + char(c);
+      if (c == '\n')
+        out += "\\n";
+      else if (c == '\\' || c == '"')
+        out += std::string("\\") + char(c);
       else if (c < 0x20 || c >= 0x7f) {
         char buf[8];
         std::snprintf(buf, sizeof buf, "\\x%02x", c);
@@ -125,8 +126,20 @@ std::vector<std::string> edge_values_of(const std::string& type) {
       v.push_back("[" + c + "]");
     }
   } else if (type == "a string" || type == "true, false or a path") {  // text that must survive the resolved YAML
-    v = {"", "runs/x", "\"a\\nb\"", "|\n    two\n    lines\n", "\"\\t\\x01\\r\"", "'q\"uote'", "\"back\\\\slash\"",
-         "\"\\x7f\"", "é", "\xff", "' lead and trail '", "\"#x\"", "\"true\"", "\"~\""};
+    v = {"",
+         "runs/x",
+         "\"a\\nb\"",
+         "|\n    two\n    lines\n",
+         "\"\\t\\x01\\r\"",
+         "'q\"uote'",
+         "\"back\\\\slash\"",
+         "\"\\x7f\"",
+         "é",
+         "\xff",
+         "' lead and trail '",
+         "\"#x\"",
+         "\"true\"",
+         "\"~\""};
   } else if (type.rfind("a list of ", 0) == 0) {
     v = {"[]", "[moe_expert]", "[moe_expert, moe_expert]", "moe_expert", "[moe_expert", "[[moe_expert]]", "[,]"};
   }
@@ -152,23 +165,125 @@ const std::vector<KeyInfo>& schema_keys() {
 }
 
 const std::vector<std::string>& odd_values() {
-  static const std::vector<std::string> v = {
-      "0", "-1", "1", "2", "3", "-0", "+5", "128", "1024", "65536", "1048576", "9223372036854775807",
-      "9223372036854775808", "-9223372036854775808", "-9223372036854775809", "18446744073709551616",
-      "99999999999999999999999999", "1e308", "-1e308", "1e309", "4.9e-324", "1e-400", "nan", ".nan", "NaN", "inf",
-      ".inf", "-.inf", "-inf", "Infinity", "0x10", "0x1p3", "1_000", "0o17", "017", "1e3", "2.5", "1.", ".5", "abc",
-      "''", "\"\"", "\"128\"", "'1e-3'", "[]", "{}", "[1, 2]", "{a: 1}", "true", "false", "True", "yes", "no", "~",
-      "null", "-", "!!int 3", "!!str 4", "!!float .inf", "&a 5", "*a", "|\n    x\n", ">\n  y\n", "\"\\x00\"",
-      "\"a\\nb\"", "\"\\t\"", "'runs/x y'", "\"\\u00e9\"", "\"\\\"\"", "'it''s'", "\"a:b # c\"", "a # b", "é",
-      "\xff\xfe", "\xc3", "runs/\"q\"", "\"\\\\\"", "\"\\r\\n\"", " ", "\"\\x7f\"", "\"\\U0001F600\""};
+  static const std::vector<std::string> v = {"0",
+                                             "-1",
+                                             "1",
+                                             "2",
+                                             "3",
+                                             "-0",
+                                             "+5",
+                                             "128",
+                                             "1024",
+                                             "65536",
+                                             "1048576",
+                                             "9223372036854775807",
+                                             "9223372036854775808",
+                                             "-9223372036854775808",
+                                             "-9223372036854775809",
+                                             "18446744073709551616",
+                                             "99999999999999999999999999",
+                                             "1e308",
+                                             "-1e308",
+                                             "1e309",
+                                             "4.9e-324",
+                                             "1e-400",
+                                             "nan",
+                                             ".nan",
+                                             "NaN",
+                                             "inf",
+                                             ".inf",
+                                             "-.inf",
+                                             "-inf",
+                                             "Infinity",
+                                             "0x10",
+                                             "0x1p3",
+                                             "1_000",
+                                             "0o17",
+                                             "017",
+                                             "1e3",
+                                             "2.5",
+                                             "1.",
+                                             ".5",
+                                             "abc",
+                                             "''",
+                                             "\"\"",
+                                             "\"128\"",
+                                             "'1e-3'",
+                                             "[]",
+                                             "{}",
+                                             "[1, 2]",
+                                             "{a: 1}",
+                                             "true",
+                                             "false",
+                                             "True",
+                                             "yes",
+                                             "no",
+                                             "~",
+                                             "null",
+                                             "-",
+                                             "!!int 3",
+                                             "!!str 4",
+                                             "!!float .inf",
+                                             "&a 5",
+                                             "*a",
+                                             "|\n    x\n",
+                                             ">\n  y\n",
+                                             "\"\\x00\"",
+                                             "\"a\\nb\"",
+                                             "\"\\t\"",
+                                             "'runs/x y'",
+                                             "\"\\u00e9\"",
+                                             "\"\\\"\"",
+                                             "'it''s'",
+                                             "\"a:b # c\"",
+                                             "a # b",
+                                             "é",
+                                             "\xff\xfe",
+                                             "\xc3",
+                                             "runs/\"q\"",
+                                             "\"\\\\\"",
+                                             "\"\\r\\n\"",
+                                             " ",
+                                             "\"\\x7f\"",
+                                             "\"\\U0001F600\""};
   return v;
 }
 
 const std::vector<std::string>& yaml_noise() {
-  static const std::vector<std::string> v = {
-      "[", "]", "{", "}", ": ", ":", "- ", "\t", "'", "\"", "&x ", "*x", "!!map ", "!!seq ", "? ", "|", ">", "#",
-      "%YAML 1.2\n", "@", "`", ",", "\n", "\r", "\r\n", "---\n", "...\n", "\xEF\xBB\xBF", std::string(1, '\0'),
-      "\\", "<<: ", "!<tag:x> ", "%TAG ! tag:x\n", "{a: [b, {c: d}]}"};
+  static const std::vector<std::string> v = {"[",
+                                             "]",
+                                             "{",
+                                             "}",
+                                             ": ",
+                                             ":",
+                                             "- ",
+                                             "\t",
+                                             "'",
+                                             "\"",
+                                             "&x ",
+                                             "*x",
+                                             "!!map ",
+                                             "!!seq ",
+                                             "? ",
+                                             "|",
+                                             ">",
+                                             "#",
+                                             "%YAML 1.2\n",
+                                             "@",
+                                             "`",
+                                             ",",
+                                             "\n",
+                                             "\r",
+                                             "\r\n",
+                                             "---\n",
+                                             "...\n",
+                                             "\xEF\xBB\xBF",
+                                             std::string(1, '\0'),
+                                             "\\",
+                                             "<<: ",
+                                             "!<tag:x> ",
+                                             "%TAG ! tag:x\n",
+                                             "{a: [b, {c: d}]}"};
   return v;
 }
 
@@ -178,7 +293,9 @@ class Mutator {
 
   size_t pick(size_t n) { return n ? size_t(rng_() % n) : 0; }
   template <class T>
-  const T& pick_of(const std::vector<T>& v) { return v[pick(v.size())]; }
+  const T& pick_of(const std::vector<T>& v) {
+    return v[pick(v.size())];
+  }
   bool chance(double p) { return double(rng_() % 1000000) < p * 1e6; }
 
   // Any key, with the few text keys (whose values must survive the resolved YAML) drawn more often.
@@ -199,10 +316,19 @@ class Mutator {
   }
 
   std::string set_for(const KeyInfo& k) {
-    static const std::vector<std::string> malformed = {
-        "", "=", "model", "model.", ".hidden_size=1", "model.hidden_size", "model.hidden_size==3",
-        "MODEL.hidden_size=3",
-        "model.hidden_size=1=2", "a.b.c=1", "model.hidden_size =64", "model .hidden_size=64", "=model.hidden_size"};
+    static const std::vector<std::string> malformed = {"",
+                                                       "=",
+                                                       "model",
+                                                       "model.",
+                                                       ".hidden_size=1",
+                                                       "model.hidden_size",
+                                                       "model.hidden_size==3",
+                                                       "MODEL.hidden_size=3",
+                                                       "model.hidden_size=1=2",
+                                                       "a.b.c=1",
+                                                       "model.hidden_size =64",
+                                                       "model .hidden_size=64",
+                                                       "=model.hidden_size"};
     if (chance(0.1)) return pick_of(malformed);
     return k.section + "." + k.key + "=" + value_for(k);
   }
@@ -240,8 +366,9 @@ class Mutator {
       }
       case 5: {  // a key renamed: to another key, a near miss or garbage
         const KeyInfo& k = pick_of(schema_keys());
-        static const std::vector<std::string> names = {"hiden_size", "Steps", "model", "", "-", "[a]", "{}", "?",
-                                                       "x y", "\"steps\"", "'lr'", "1", "null", "~", "<<"};
+        static const std::vector<std::string> names = {"hiden_size", "Steps", "model", "",    "-",
+                                                       "[a]",        "{}",    "?",     "x y", "\"steps\"",
+                                                       "'lr'",       "1",     "null",  "~",   "<<"};
         const std::string to = chance(0.5) ? pick_of(schema_keys()).key : pick_of(names);
         what = "rename " + k.key + " -> " + Case::escaped(to);
         for (std::string& l : lines) {
@@ -258,9 +385,12 @@ class Mutator {
         if (lines.empty()) break;
         std::string& l = lines[i];
         const size_t lead = l.find_first_not_of(" \t");
-        if (chance(0.33)) l.insert(0, std::string(1 + pick(3), ' '));
-        else if (chance(0.5)) l.erase(0, lead == std::string::npos ? 0 : lead);
-        else l.insert(0, "\t");
+        if (chance(0.33))
+          l.insert(0, std::string(1 + pick(3), ' '));
+        else if (chance(0.5))
+          l.erase(0, lead == std::string::npos ? 0 : lead);
+        else
+          l.insert(0, "\t");
         break;
       }
       case 7: {  // YAML syntax noise at a random byte
@@ -275,8 +405,10 @@ class Mutator {
         for (size_t k = 0; k < count; ++k) {
           const char b = char(rng_() & 0xff);
           const size_t at = pick(text.size() + 1);
-          if (at < text.size() && chance(0.5)) text[at] = b;
-          else text.insert(at, 1, b);
+          if (at < text.size() && chance(0.5))
+            text[at] = b;
+          else
+            text.insert(at, 1, b);
         }
         return text;
       }
@@ -381,8 +513,8 @@ std::string round_trip_problem(const Config& c) {
       const bool more_w = bool(std::getline(want, w)), more_g = bool(std::getline(got, g));
       if (!more_w && !more_g) break;
       if (!more_w || !more_g || w != g)
-        return "the resolved YAML reads back differently: \"" + Case::escaped(more_w ? w : "") +
-               "\" reads back as \"" + Case::escaped(more_g ? g : "") + "\"";
+        return "the resolved YAML reads back differently: \"" + Case::escaped(more_w ? w : "") + "\" reads back as \"" +
+               Case::escaped(more_g ? g : "") + "\"";
     }
   } catch (const std::exception& e) {
     return std::string("the resolved YAML does not load: ") + e.what() + "\n" + yaml;

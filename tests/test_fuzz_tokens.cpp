@@ -58,7 +58,6 @@ constexpr uint64_t kDefaultSeed = 20240520;
 constexpr int64_t kDefaultCases = 3000;
 constexpr size_t kHeaderBytes = 1024;
 
-
 struct Damaged {
   std::string bytes;
   std::vector<std::string> damage;  // what was done, for the report
@@ -89,12 +88,24 @@ class Damager {
         const size_t field = pick(3);
         const int64_t count = b.size() >= 12 ? read_int(b, 8) : 0;
         auto wrap = [](int64_t v) { return int32_t(v); };  // modular, as the field would hold it
-        const int32_t values[] = {0, -1, 1, 2, INT32_MIN, INT32_MAX, wrap(count + 1), wrap(count - 1),
-                                  wrap(count + 1 + int64_t(pick(8))), wrap(count - 1 - int64_t(pick(8))),
-                                  int32_t(rng_()), kTokenFileMagic, kTokenFileVersion};
+        const int32_t values[] = {0,
+                                  -1,
+                                  1,
+                                  2,
+                                  INT32_MIN,
+                                  INT32_MAX,
+                                  wrap(count + 1),
+                                  wrap(count - 1),
+                                  wrap(count + 1 + int64_t(pick(8))),
+                                  wrap(count - 1 - int64_t(pick(8))),
+                                  int32_t(rng_()),
+                                  kTokenFileMagic,
+                                  kTokenFileVersion};
         const int32_t v = values[pick(std::size(values))];
-        d.damage.push_back(std::string(field == 0 ? "magic" : field == 1 ? "version" : "count") + "=" +
-                           std::to_string(v));
+        d.damage.push_back(std::string(field == 0   ? "magic"
+                                       : field == 1 ? "version"
+                                                    : "count") +
+                           "=" + std::to_string(v));
         if (b.size() >= 4 * field + 4) std::memcpy(b.data() + 4 * field, &v, 4);
         break;
       }
@@ -183,11 +194,14 @@ TEST(FuzzTokens, DamagedTokenFilesLoadExactlyOrThrowIoError) {
       tokens = read_token_file(path);
       g_watching = false;
       ++loaded;
-      if (!valid) problem = "accepted a malformed file";
-      else if (tokens != body_tokens(d.bytes)) problem = "returned other tokens than the file holds";
+      if (!valid)
+        problem = "accepted a malformed file";
+      else if (tokens != body_tokens(d.bytes))
+        problem = "returned other tokens than the file holds";
     } catch (const IoError& e) {
       g_watching = false;
-      if (valid) problem = std::string("refused a well-formed file: ") + e.what();
+      if (valid)
+        problem = std::string("refused a well-formed file: ") + e.what();
       else if (std::string(e.what()).find(path) == std::string::npos)
         problem = std::string("the error does not name the file: ") + e.what();
     } catch (const std::exception& e) {
@@ -196,8 +210,8 @@ TEST(FuzzTokens, DamagedTokenFilesLoadExactlyOrThrowIoError) {
     }
     // The tokens, an 8 KiB stream buffer and a few strings: nothing near a damaged header's count.
     if (problem.empty() && g_largest > d.bytes.size() + 65536)
-      problem = "allocated " + std::to_string(g_largest) + " bytes at once for a file of " +
-                std::to_string(d.bytes.size());
+      problem =
+          "allocated " + std::to_string(g_largest) + " bytes at once for a file of " + std::to_string(d.bytes.size());
     if (!problem.empty()) {
       ++failures;
       ADD_FAILURE() << describe(i, seed, d) << "\n" << problem;

@@ -109,8 +109,12 @@ TEST(GroupedLinearCpu, MatchesPerExpertLinear) {
     std::vector<int64_t> rows;
     int64_t tail, n, k;
   };
-  const Case cases[] = {{{5}, 0, 3, 4},          {{3, 0, 4}, 2, 5, 7},   {{0, 0, 6, 0}, 0, 8, 3},
-                        {{0, 0}, 3, 2, 2},        {{}, 4, 3, 2},          {{16, 1, 0, 33}, 5, 24, 40},
+  const Case cases[] = {{{5}, 0, 3, 4},
+                        {{3, 0, 4}, 2, 5, 7},
+                        {{0, 0, 6, 0}, 0, 8, 3},
+                        {{0, 0}, 3, 2, 2},
+                        {{}, 4, 3, 2},
+                        {{16, 1, 0, 33}, 5, 24, 40},
                         {random_counts(gen, 32, 40, 1, 7), 9, 17, 29}};
   for (const Case& c : cases) {
     int64_t e = int64_t(c.rows.size()), m_total = total_rows(c.rows) + c.tail;
@@ -194,21 +198,34 @@ TEST(GroupedLinearCpu, OnPermutePadBuffer) {
 
 TEST(GroupedLinear, ErrorsNameTheShapes) {
   auto v = [](const Shape& s, DType t = DType::f32) { return Variable(Tensor::zeros(s, t)); };
-  EXPECT_TRUE(throws_naming<ShapeError>([&] { grouped_linear(v({8, 4}), v({2, 3, 4}), {5, 4}); },
-                                        {"grouped_linear", "sum to 9", "8 rows"}));
-  EXPECT_TRUE(throws_naming<ShapeError>([&] { grouped_linear(v({8, 4}), v({2, 3, 5}), {4, 4}); },
-                                        {"grouped_linear", "[8, 4]", "[2, 3, 5]"}));
-  EXPECT_TRUE(throws_naming<ShapeError>([&] { grouped_linear(v({8, 4}), v({3, 4}), {4, 4}); },
-                                        {"[8, 4]", "[3, 4]"}));
-  EXPECT_TRUE(throws_naming<ShapeError>([&] { grouped_linear(v({8, 4}), v({2, 3, 4}), {8}); },
-                                        {"1 entries", "[2, 3, 4]", "2 experts"}));
-  EXPECT_TRUE(throws_naming<ShapeError>([&] { grouped_linear(v({8, 4}), v({2, 3, 4}), {-1, 4}); },
-                                        {"expert 0", "-1"}));
-  EXPECT_TRUE(throws_naming<DTypeError>([&] { grouped_linear(v({8, 4}), v({2, 3, 4}, DType::f64), {4, 4}); },
-                                        {"f32", "f64"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] {
+        grouped_linear(v({8, 4}), v({2, 3, 4}), {5, 4});
+      },
+      {"grouped_linear", "sum to 9", "8 rows"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] {
+        grouped_linear(v({8, 4}), v({2, 3, 5}), {4, 4});
+      },
+      {"grouped_linear", "[8, 4]", "[2, 3, 5]"}));
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { grouped_linear(v({8, 4}), v({3, 4}), {4, 4}); }, {"[8, 4]", "[3, 4]"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] {
+        grouped_linear(v({8, 4}), v({2, 3, 4}), {8});
+      },
+      {"1 entries", "[2, 3, 4]", "2 experts"}));
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { grouped_linear(v({8, 4}), v({2, 3, 4}), {-1, 4}); }, {"expert 0", "-1"}));
+  EXPECT_TRUE(throws_naming<DTypeError>(
+      [&] {
+        grouped_linear(v({8, 4}), v({2, 3, 4}, DType::f64), {4, 4});
+      },
+      {"f32", "f64"}));
   EXPECT_TRUE(throws_naming<DTypeError>([&] { read_counts_once(Tensor::zeros({4}, DType::f32)); }, {"f32[4]"}));
   EXPECT_TRUE(throws_naming<DTypeError>(
-      [&] { grouped_linear(v({8, 4}, DType::bf16), v({2, 3, 4}, DType::bf16), {4, 4}); }, {"bf16"}));
+      [&] {
+        grouped_linear(v({8, 4}, DType::bf16), v({2, 3, 4}, DType::bf16), {4, 4});
+      },
+      {"bf16"}));
 }
 
 // ---- CUDA vs CPU ------------------------------------------------------------------------------
@@ -342,8 +359,8 @@ TEST(GroupedLinearCuda, SideStreamsAreBitIdentical) {
                                 stream);
     grouped_linear_dgrad_cuda(DType::bf16, dy.raw_data(), w.raw_data(), dx.raw_data(), rows.data(), e, m_total, n, k,
                               stream);
-    grouped_linear_wgrad_cuda(DType::bf16, x.raw_data(), dy.raw_data(), dw.data<float>(), rows.data(), e, m_total, n,
-                              k, false, stream);
+    grouped_linear_wgrad_cuda(DType::bf16, x.raw_data(), dy.raw_data(), dw.data<float>(), rows.data(), e, m_total, n, k,
+                              false, stream);
     grouped_linear_wgrad_cuda(DType::bf16, x.raw_data(), dy.raw_data(), acc.data<float>(), rows.data(), e, m_total, n,
                               k, true, stream);
     return std::vector<Tensor>{y.to(Device::cpu()), dx.to(Device::cpu()), dw.to(Device::cpu()), acc.to(Device::cpu())};

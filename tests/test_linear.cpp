@@ -52,8 +52,8 @@ Shape with_last(Shape s, int64_t last) {
 
 TEST(LinearCpu, GemmMatchesLoops) {
   Rng rng(test_seed());
-  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {5, 7, 3}, {37, 53, 129}, {0, 4, 3},
-                         {4, 0, 3}, {4, 3, 0}})
+  for (auto [m, n, k] :
+       {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {5, 7, 3}, {37, 53, 129}, {0, 4, 3}, {4, 0, 3}, {4, 3, 0}})
     for (bool ta : {false, true})
       for (bool tb : {false, true})
         for (bool accumulate : {false, true}) {
@@ -100,7 +100,7 @@ TEST(Linear, Gradcheck) {
   EXPECT_TRUE(gradcheck(lin, {r({3, 4}), r({5, 4})}));
   EXPECT_TRUE(gradcheck(lin_bias, {r({3, 4}), r({5, 4}), r({5})}));
   EXPECT_TRUE(gradcheck(lin_bias, {r({2, 3, 4}), r({5, 4}), r({5})}));  // 3-D x
-  EXPECT_TRUE(gradcheck(lin, {r({4}), r({2, 4})}));                       // 1-D x
+  EXPECT_TRUE(gradcheck(lin, {r({4}), r({2, 4})}));                     // 1-D x
 }
 
 TEST(Linear, TransposedViewOperandsMatchCopies) {
@@ -123,14 +123,14 @@ TEST(Linear, EmptyShapesOnCpu) {
   EXPECT_TRUE(bit_equal(r.db, Tensor::zeros({5}, DType::f32)));
   // K = 0: y is the bias on every row.
   Tensor bias = random_tensor(rng, {3});
-  Tensor y = linear(Variable(Tensor::zeros({2, 0}, DType::f32)), Variable(Tensor::zeros({3, 0}, DType::f32)),
-                    Variable(bias))
-                 .data();
+  Tensor y =
+      linear(Variable(Tensor::zeros({2, 0}, DType::f32)), Variable(Tensor::zeros({3, 0}, DType::f32)), Variable(bias))
+          .data();
   std::vector<float> bv = bias.to_floats();
   EXPECT_TRUE(bit_equal(y, Tensor::from_floats({bv[0], bv[1], bv[2], bv[0], bv[1], bv[2]}, {2, 3})));
-  EXPECT_TRUE(bit_equal(matmul(Variable(Tensor::zeros({2, 0}, DType::f32)), Variable(Tensor::zeros({0, 3}, DType::f32)))
-                            .data(),
-                        Tensor::zeros({2, 3}, DType::f32)));
+  EXPECT_TRUE(
+      bit_equal(matmul(Variable(Tensor::zeros({2, 0}, DType::f32)), Variable(Tensor::zeros({0, 3}, DType::f32))).data(),
+                Tensor::zeros({2, 3}, DType::f32)));
 }
 
 TEST(Linear, ErrorsNameBothShapes) {
@@ -156,9 +156,9 @@ TEST(LinearCuda, MatchesCpuForwardAndBackward) {
     int64_t n;
     bool bias;
   };
-  const Case cases[] = {{{0, 7}, 5, true},         {{5, 0}, 7, true},        {{4, 6}, 0, true},
-                        {{1, 1}, 1, true},         {{1, 1}, 1, false},       {{37, 129}, 53, true},
-                        {{2, 19, 33}, 24, false},  {{64, 256}, 128, true},   {{1024, 1024}, 4096, true}};
+  const Case cases[] = {{{0, 7}, 5, true},        {{5, 0}, 7, true},      {{4, 6}, 0, true},
+                        {{1, 1}, 1, true},        {{1, 1}, 1, false},     {{37, 129}, 53, true},
+                        {{2, 19, 33}, 24, false}, {{64, 256}, 128, true}, {{1024, 1024}, 4096, true}};
   for (DType dtype : {DType::f32, DType::bf16})
     for (const Case& c : cases) {
       SCOPED_TRACE(testing::Message() << dtype_name(dtype) << " x " << shape_str(c.x) << " n " << c.n
@@ -260,8 +260,8 @@ namespace {
 
 // One gemm_cuda on fresh packed random operands against gemm_cpu (+ add_bias_cpu) on the same values;
 // a second call into another buffer (a cached plan) must give the same bits.
-void expect_gemm_matches_cpu(Rng& rng, bool ta, bool tb, int64_t m, int64_t n, int64_t k, DType ab_dtype,
-                             DType c_dtype, bool with_bias) {
+void expect_gemm_matches_cpu(Rng& rng, bool ta, bool tb, int64_t m, int64_t n, int64_t k, DType ab_dtype, DType c_dtype,
+                             bool with_bias) {
   SCOPED_TRACE(testing::Message() << "ta " << ta << " tb " << tb << " m " << m << " n " << n << " k " << k << " "
                                   << dtype_name(ab_dtype) << " -> " << dtype_name(c_dtype)
                                   << (with_bias ? " with bias" : ""));
@@ -272,8 +272,8 @@ void expect_gemm_matches_cpu(Rng& rng, bool ta, bool tb, int64_t m, int64_t n, i
   Tensor ga = a.to(ab_dtype).to(gpu), gb = b.to(ab_dtype).to(gpu), gbias = with_bias ? bias.to(c_dtype).to(gpu) : bias;
   Tensor c1 = Tensor::empty({m, n}, c_dtype, gpu), c2 = Tensor::empty({m, n}, c_dtype, gpu);
   for (Tensor* c : {&c1, &c2})
-    gemm_cuda(ta, tb, m, n, k, ab_dtype, ga.raw_data(), ta ? m : k, gb.raw_data(), tb ? k : n, c_dtype,
-              c->raw_data(), n, with_bias ? gbias.raw_data() : nullptr, false, current_stream(0));
+    gemm_cuda(ta, tb, m, n, k, ab_dtype, ga.raw_data(), ta ? m : k, gb.raw_data(), tb ? k : n, c_dtype, c->raw_data(),
+              n, with_bias ? gbias.raw_data() : nullptr, false, current_stream(0));
   Tensor want = Tensor::empty({m, n}, DType::f32);
   gemm_cpu<float>(ta, tb, m, n, k, a.data<float>(), b.data<float>(), want.data<float>(), false);
   if (with_bias) add_bias_cpu<float>(want.data<float>(), bias.data<float>(), m, n);
@@ -296,8 +296,8 @@ TEST(LinearCuda, PlanCacheAcrossRowCounts) {
   auto run_all = [&] {
     for (DType dtype : {DType::f32, DType::bf16})
       for (int64_t rows : counts) {
-        expect_gemm_matches_cpu(rng, false, true, rows, n, feat, dtype, dtype, true);      // fprop + bias
-        expect_gemm_matches_cpu(rng, false, false, rows, feat, n, dtype, dtype, false);    // dgrad
+        expect_gemm_matches_cpu(rng, false, true, rows, n, feat, dtype, dtype, true);        // fprop + bias
+        expect_gemm_matches_cpu(rng, false, false, rows, feat, n, dtype, dtype, false);      // dgrad
         expect_gemm_matches_cpu(rng, true, false, n, feat, rows, dtype, DType::f32, false);  // wgrad, k = rows
       }
   };

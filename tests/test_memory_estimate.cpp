@@ -80,10 +80,10 @@ TEST(MemoryEstimate, ParameterCountMatchesTheBuiltModel) {
   const std::vector<std::pair<const char*, std::vector<std::string>>> variants = {
       {kDense, {}},
       {kDense, {"model.tie_word_embeddings=true"}},
-      {kMoe, {}},                                  // shared experts, first block dense
+      {kMoe, {}},  // shared experts, first block dense
       {kMoe, {"model.n_shared_experts=2", "model.first_k_dense_replace=0"}},
       {kMoe, {"model.n_shared_experts=0", "model.tie_word_embeddings=true"}},
-      {kMoe, {"model.first_k_dense_replace=3"}},   // every block dense although experts are configured
+      {kMoe, {"model.first_k_dense_replace=3"}},  // every block dense although experts are configured
       {kFp8Moe, {"precision.recipe=fp8_flow"}},
   };
   for (const auto& [yaml, sets] : variants) {
@@ -121,9 +121,10 @@ TEST(MemoryEstimate, DenseTrainingIsNearTheMeasuredPeak) {
 TEST(MemoryEstimate, AccumulatedTrainingIsNearTheMeasuredPeak) {
   // Gradients outweigh the activations, and the second micro-batch adds to the held ones.
   const fs::path d = fresh_dir("memory_accum");
-  expect_estimate_near_peak(run_config(kDense, d / "run", {"model.vocab_size=8192", "train.batch_size=1",
-                                                            "data.seq_len=16", "train.grad_accum_steps=2"}),
-                            "dense, vocab 8192, 2 micro-batches");
+  expect_estimate_near_peak(
+      run_config(kDense, d / "run",
+                 {"model.vocab_size=8192", "train.batch_size=1", "data.seq_len=16", "train.grad_accum_steps=2"}),
+      "dense, vocab 8192, 2 micro-batches");
   fs::remove_all(d);
 }
 
@@ -136,9 +137,9 @@ TEST(MemoryEstimate, MoeTrainingIsNearTheMeasuredPeak) {
 TEST(MemoryEstimate, Fp8MoeTrainingIsNearTheMeasuredPeak) {
   const fs::path d = fresh_dir("memory_fp8");
   expect_estimate_near_peak(run_config(kFp8Moe, d / "flow", {"precision.recipe=fp8_flow"}), "moe fp8_flow");
-  expect_estimate_near_peak(run_config(kFp8Moe, d / "recompute",
-                                       {"precision.recipe=fp8_blockwise", "train.recompute=moe_expert"}),
-                            "moe fp8_blockwise recompute");
+  expect_estimate_near_peak(
+      run_config(kFp8Moe, d / "recompute", {"precision.recipe=fp8_blockwise", "train.recompute=moe_expert"}),
+      "moe fp8_blockwise recompute");
   fs::remove_all(d);
 }
 
@@ -219,13 +220,14 @@ TEST(MemoryEstimate, RefusalNamesTheEstimateTheAvailableMemoryAndTheKeys) {
   const Config c = run_config(kMoe, d);
   const MemoryEstimate e = estimate_memory(c, Device::cpu());
   EXPECT_NO_THROW(check_fits(e, e.total_bytes(), "cpu"));
-  EXPECT_TRUE(throws_naming<ConfigError>(
-      [&] { check_fits(e, e.total_bytes() / 2, "cpu"); },
-      {"the model needs about ", "weights ", "optimizer ", "activations ", "but cpu has ",
-       "available; reduce model.hidden_size, model.num_hidden_layers"}));
+  EXPECT_TRUE(
+      throws_naming<ConfigError>([&] { check_fits(e, e.total_bytes() / 2, "cpu"); },
+                                 {"the model needs about ", "weights ", "optimizer ", "activations ", "but cpu has ",
+                                  "available; reduce model.hidden_size, model.num_hidden_layers"}));
   // 64 layers of hidden 8192 with 256 experts: the experts dominate, and the message says so.
-  const Config big = run_config(kMoe, d, {"model.hidden_size=8192", "model.num_hidden_layers=64",
-                                          "model.n_routed_experts=256", "model.first_k_dense_replace=0"});
+  const Config big = run_config(kMoe, d,
+                                {"model.hidden_size=8192", "model.num_hidden_layers=64", "model.n_routed_experts=256",
+                                 "model.first_k_dense_replace=0"});
   const MemoryEstimate b = estimate_memory(big, Device::cpu());
   EXPECT_GT(b.total_bytes(), 16.0 * double(b.num_parameters));  // 4 weights + 8 moments + 4 gradients per parameter
   const std::string needed = "the model needs about " + format_bytes(b.total_bytes()) + " (";
@@ -255,7 +257,8 @@ TEST(MemoryEstimate, TrainRefusesAnAbsurdModelAtOnceWithoutAllocating) {
   printed.resize(std::fread(printed.data(), 1, printed.size(), o.out));
   std::fclose(o.out);
   EXPECT_NE(printed.find("flowmoe: " + format_count(double(count_parameters(c.model))) + " parameters (1024 layers"),
-            std::string::npos) << printed;
+            std::string::npos)
+      << printed;
   EXPECT_NE(printed.find("memory: about "), std::string::npos) << printed;
   fs::remove_all(d);
 }

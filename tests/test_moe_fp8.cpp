@@ -47,7 +47,7 @@ struct LayerRun {
 
 // One forward + backward of a fresh layer (same seed => same weights) on `device`.
 LayerRun run_layer(const ModelConfig& c, const MoeOptions& o, const Tensor& x, const Tensor& dy, Device device,
-              DType compute) {
+                   DType compute) {
   ParamFactory f(11, device);
   MoeLayer layer(f, c, "mlp", o, device);
   Variable xv(x.to(device).to(compute), true);
@@ -98,9 +98,12 @@ TEST(MoeFp8, CastCountsPerRecipe) {
   Rng rng(test_seed());
   ModelConfig c = fp8_config(4, 2, 128, 256, 0);
   Tensor x = random_tensor(rng, {50, 128}), dy = random_tensor(rng, {50, 128});
-  struct Expect { MoeRecipe recipe; int64_t quantize, dequantize; };
-  for (Expect e : {Expect{MoeRecipe::bf16, 0, 0}, Expect{MoeRecipe::fp8_blockwise, 8, 2},
-                   Expect{MoeRecipe::fp8_flow, 2, 0}}) {
+  struct Expect {
+    MoeRecipe recipe;
+    int64_t quantize, dequantize;
+  };
+  for (Expect e :
+       {Expect{MoeRecipe::bf16, 0, 0}, Expect{MoeRecipe::fp8_blockwise, 8, 2}, Expect{MoeRecipe::fp8_flow, 2, 0}}) {
     SCOPED_TRACE(moe_recipe_name(e.recipe));
     reset_cast_counts();
     run_layer(c, options(e.recipe), x, dy, Device::cpu(), DType::f32);
@@ -215,10 +218,13 @@ TEST(MoeFp8, TinyModelTrainsNearTheF32Curve) {
         " num_experts_per_tok: 2, moe_intermediate_size: 128, n_shared_experts: 1, bias_update_rate: 0.01}\n"
         "data: {seq_len: 16, synthetic_tokens: 20000, val_fraction: 0.1}\n"
         "train: {device: cpu, steps: 15, batch_size: 8, eval_every: 0, eval_batches: 2, seed: " +
-            std::to_string(seed) + "}\n"
-        "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: 3}\n"
-        "precision: {recipe: " + recipe + "}\n"
-        "logging: {progress: plain}\n",
+            std::to_string(seed) +
+            "}\n"
+            "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: 3}\n"
+            "precision: {recipe: " +
+            recipe +
+            "}\n"
+            "logging: {progress: plain}\n",
         "tiny_fp8_test.yaml");
     c.logging.out_dir = (d / recipe).string();
     return c;
@@ -250,14 +256,14 @@ TEST(MoeFp8, TinyModelTrainsNearTheF32Curve) {
 // the same order (fp8_flow on one rank: no exchange; each op's first backward call counts).
 TEST(MoeFp8, BackwardRunsInTheOrderTheLayersCommentLists) {
   const std::vector<std::pair<std::string, std::string>> steps = {
-      {"Binary::vjp", "add"},                          // 6. + shared experts
-      {"CombineGradToFp8::vjp", "combine"},            // 5. combine
+      {"Binary::vjp", "add"},                // 6. + shared experts
+      {"CombineGradToFp8::vjp", "combine"},  // 5. combine
       {"UnpermuteUnpad::vjp", "unpermute_unpad"},
       {"fp8_grouped_linear.cpp", "fp8_grouped_linear"},  // 4. fc2 (fc1's calls come after SwiGLU's)
       {"SwigluQuant::vjp", "swiglu_quant"},
-      {"PermutePad::vjp", "permute_pad"},              // 3. dispatch
-      {"RouterTopk::vjp", "router_topk"},              // 1. router
-      {"QuantizeRowwise::vjp", "quantize_rowwise"}};   // 2. quantize
+      {"PermutePad::vjp", "permute_pad"},             // 3. dispatch
+      {"RouterTopk::vjp", "router_topk"},             // 1. router
+      {"QuantizeRowwise::vjp", "quantize_rowwise"}};  // 2. quantize
   std::ifstream in(std::string(FLOWMOE_SOURCE_DIR) + "/layers/moe.cpp");
   const std::string source((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const size_t begin = source.find("// Backward, in order");

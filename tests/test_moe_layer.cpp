@@ -24,8 +24,7 @@ namespace fs = std::filesystem;
 namespace {
 
 // Weights large enough (std 0.2) that every term matters in the comparisons.
-ModelConfig moe_config(int64_t E, int64_t k, int64_t H, int64_t F, int64_t groups, int64_t topk_group,
-                       int64_t shared) {
+ModelConfig moe_config(int64_t E, int64_t k, int64_t H, int64_t F, int64_t groups, int64_t topk_group, int64_t shared) {
   return moe_test_config(E, k, H, F, shared, 0.2, groups, topk_group);
 }
 
@@ -68,7 +67,10 @@ std::vector<double> reference_forward(const std::vector<Variable>& params, const
 
 TEST(MoeLayer, MatchesPerTokenLoopReference) {
   Rng rng(test_seed());
-  struct Case { int64_t E, k, H, F, groups, topk_group, shared, T; int align; };
+  struct Case {
+    int64_t E, k, H, F, groups, topk_group, shared, T;
+    int align;
+  };
   for (Case cs : {Case{4, 2, 24, 16, 1, 1, 1, 37, 16}, Case{8, 1, 16, 8, 2, 1, 0, 5, 32},
                   Case{8, 3, 20, 12, 4, 2, 2, 64, 128}, Case{4, 2, 16, 8, 1, 1, 1, 0, 16}}) {
     SCOPED_TRACE("E=" + std::to_string(cs.E) + " k=" + std::to_string(cs.k) + " T=" + std::to_string(cs.T));
@@ -178,10 +180,14 @@ Config tiny_moe(const fs::path& out, int64_t steps, int64_t warmup = 3) {
       " num_experts_per_tok: 2, moe_intermediate_size: 16, n_group: 2, topk_group: 2, n_shared_experts: 1,"
       " bias_update_rate: 0.01}\n"
       "data: {seq_len: 16, synthetic_tokens: 20000, val_fraction: 0.1}\n"
-      "train: {device: cpu, steps: " + std::to_string(steps) + ", batch_size: 8, eval_every: 0, eval_batches: 2}\n"
-      "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: " + std::to_string(warmup) + "}\n"
-      "checkpoint: {every: 10, keep_last: 2}\n"
-      "logging: {progress: plain}\n",
+      "train: {device: cpu, steps: " +
+          std::to_string(steps) +
+          ", batch_size: 8, eval_every: 0, eval_batches: 2}\n"
+          "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: " +
+          std::to_string(warmup) +
+          "}\n"
+          "checkpoint: {every: 10, keep_last: 2}\n"
+          "logging: {progress: plain}\n",
       "tiny_moe_test.yaml");
   c.logging.out_dir = out.string();
   return c;

@@ -113,8 +113,7 @@ TEST(Parity, FirstChangedKeyNamesTheKeyAndBothValues) {
   now.optimizer.lr = 0.002;
   EXPECT_EQ(first_changed_key(to_yaml(earlier), to_yaml(now)), "train.steps: 200 in the earlier run, 300 now");
   now.train.steps = 200;
-  EXPECT_EQ(first_changed_key(to_yaml(earlier), to_yaml(now)),
-            "optimizer.lr: 0.003 in the earlier run, 0.002 now");
+  EXPECT_EQ(first_changed_key(to_yaml(earlier), to_yaml(now)), "optimizer.lr: 0.003 in the earlier run, 0.002 now");
   now = earlier;
   now.train.recompute = "moe_expert";
   now.checkpoint.resume = "true";

@@ -46,8 +46,8 @@ const ParityCandidate& candidate(const ParityReport& r, const std::string& name)
 // a candidate at 4.95% (ratio 1.2375) is within, one at 5.2% (1.3) outside.
 TEST(ParityBand, TheStatisticOnAHandComputedCase) {
   const int n = 10;
-  std::vector<ParityRun> runs = {flat_run("bf16", 2.0, n, 3.0),     flat_run("fp8_a", 2.099, n, 3.03),
-                                 flat_run("fp8_b", 2.104, n, 2.97), flat_run("c1", 2.02, n, 3.06, true),
+  std::vector<ParityRun> runs = {flat_run("bf16", 2.0, n, 3.0),       flat_run("fp8_a", 2.099, n, 3.03),
+                                 flat_run("fp8_b", 2.104, n, 2.97),   flat_run("c1", 2.02, n, 3.06, true),
                                  flat_run("c2", 1.96, n, 2.94, true), flat_run("c3", 2.08, n, 3.015, true)};
   ParityReport r = make_parity_report(runs, 0.0025, 2, 0.25);
   ASSERT_TRUE(r.band.defined());
@@ -71,7 +71,7 @@ TEST(ParityBand, TheStatisticOnAHandComputedCase) {
   EXPECT_FALSE(b.within_noise);
   EXPECT_NE(b.noise_reason.find("1.30x the largest of the 3 controls'"), std::string::npos) << b.noise_reason;
   EXPECT_FALSE(candidate(r, "c1").judged_against_noise);  // a control is the band, not judged by it
-  EXPECT_EQ(r.exit_status(), 1);                           // fp8_b is outside the noise
+  EXPECT_EQ(r.exit_status(), 1);                          // fp8_b is outside the noise
 
   // Without fp8_b every candidate is within the noise but fails the bar: status 4.
   runs.erase(runs.begin() + 2);

@@ -120,20 +120,20 @@ TEST(Permute, MatchesReference) {
 TEST(Permute, OnlyThisRanksExpertsAreRouted) {
   std::mt19937_64 gen(test_seed());
   Rng rng(test_seed());
-  run_reference_case(gen, rng, Case{90, 4, 12, 4, 4, 16, 8});    // rank 1 of 3
-  run_reference_case(gen, rng, Case{50, 2, 12, 8, 4, 32, 8});    // last rank
+  run_reference_case(gen, rng, Case{90, 4, 12, 4, 4, 16, 8});                // rank 1 of 3
+  run_reference_case(gen, rng, Case{50, 2, 12, 8, 4, 32, 8});                // last rank
   run_reference_case(gen, rng, Case{20, 2, 12, 0, 4, 16, 8}, {5, 6, 7, 8});  // nothing routed here
 }
 
 TEST(Permute, EdgeCases) {
   std::mt19937_64 gen(test_seed());
   Rng rng(test_seed());
-  run_reference_case(gen, rng, Case{0, 2, 4, 0, 4, 16, 8});                   // zero tokens
+  run_reference_case(gen, rng, Case{0, 2, 4, 0, 4, 16, 8});                    // zero tokens
   run_reference_case(gen, rng, Case{40, 2, 6, 0, 6, 16, 8}, {0, 1, 3, 4, 5});  // expert 2 gets no token
-  run_reference_case(gen, rng, Case{300, 1, 4, 0, 4, 32, 8}, {3});            // all tokens on one expert
-  run_reference_case(gen, rng, Case{77, 1, 8, 0, 8, 16, 16});                 // k = 1
-  run_reference_case(gen, rng, Case{33, 2, 4, 0, 4, 128, 200});               // H not a multiple of 128
-  run_reference_case(gen, rng, Case{13, 3, 5, 0, 5, 16, 4});                  // T*k = 39, not a multiple of 16
+  run_reference_case(gen, rng, Case{300, 1, 4, 0, 4, 32, 8}, {3});             // all tokens on one expert
+  run_reference_case(gen, rng, Case{77, 1, 8, 0, 8, 16, 16});                  // k = 1
+  run_reference_case(gen, rng, Case{33, 2, 4, 0, 4, 128, 200});                // H not a multiple of 128
+  run_reference_case(gen, rng, Case{13, 3, 5, 0, 5, 16, 4});                   // T*k = 39, not a multiple of 16
 }
 
 TEST(Permute, ExactSizeFromCallerCounts) {
@@ -305,20 +305,20 @@ TEST(PermuteCuda, BitIdenticalToCpu) {
   std::mt19937_64 gen(test_seed());
   Rng rng(test_seed());
   const CudaCase cases[] = {
-      {0, 2, 4, 0, 4, 16, 64, DType::bf16, 0},          // zero tokens
+      {0, 2, 4, 0, 4, 16, 64, DType::bf16, 0},  // zero tokens
       {1, 1, 1, 0, 1, 16, 8, DType::f32, 1},
-      {37, 2, 5, 0, 5, 16, 100, DType::bf16, 0},        // H not a multiple of 128
-      {333, 4, 16, 4, 8, 32, 37, DType::f32, 2},        // 4-byte vectors, experts of another rank
-      {5000, 1, 3, 0, 3, 64, 33, DType::bf16, 0},       // 2-byte vectors, many chunks, k = 1
-      {3000, 2, 8, 0, 8, 16, 48, DType::e4m3, 3},       // FP8 payload with scale rows
-      {1000, 6, 64, 16, 16, 128, 7, DType::e4m3, 1},    // 1-byte vectors
+      {37, 2, 5, 0, 5, 16, 100, DType::bf16, 0},      // H not a multiple of 128
+      {333, 4, 16, 4, 8, 32, 37, DType::f32, 2},      // 4-byte vectors, experts of another rank
+      {5000, 1, 3, 0, 3, 64, 33, DType::bf16, 0},     // 2-byte vectors, many chunks, k = 1
+      {3000, 2, 8, 0, 8, 16, 48, DType::e4m3, 3},     // FP8 payload with scale rows
+      {1000, 6, 64, 16, 16, 128, 7, DType::e4m3, 1},  // 1-byte vectors
       {2048, 8, 64, 0, 64, 128, 384, DType::bf16, 3},
-      {700, 8, 300, 0, 300, 16, 16, DType::f32, 0},     // many experts
+      {700, 8, 300, 0, 300, 16, 16, DType::f32, 0},      // many experts
       {4096, 8, 64, 0, 64, 128, 2048, DType::bf16, 16},  // a benchmark-like shape
-      {500, 4, 2000, 0, 2000, 16, 8, DType::f32, 0},      // shared-memory histogram above 48 KiB
+      {500, 4, 2000, 0, 2000, 16, 8, DType::f32, 0},     // shared-memory histogram above 48 KiB
       {40000, 8, 16, 0, 16, 16, 8, DType::f32, 1},       // 157 chunks: more than one per SM; many tokens per group
       {110000, 8, 16, 0, 16, 16, 8, DType::f32, 0},      // 430 chunks: several route_map blocks per SM
-      {64, 4, 8, 0, 8, 16, 17000, DType::bf16, 2},        // rows of 2125 vectors: several passes per token
+      {64, 4, 8, 0, 8, 16, 17000, DType::bf16, 2},       // rows of 2125 vectors: several passes per token
       // The routing map's fallback (route_count + route_scan + route_finalize): with L = 4096, route_map's
       // block takes 160 KiB of shared memory, so one fits per SM, and 300 chunks cannot all be resident
       // on a GPU of fewer than 300 SMs.
@@ -413,17 +413,17 @@ TEST(PermuteCuda, RowKernelsBitIdentical) {
     std::vector<int> allowed;  // experts drawn from (all when empty)
   };
   const RowCase cases[] = {
-      {{0, 2, 4, 0, 4, 16, 64, DType::bf16, 0}, {}},              // zero tokens: only tail rows
-      {{1, 1, 1, 0, 1, 16, 8, DType::f32, 1}, {}},                // one 32-byte row
-      {{37, 2, 5, 0, 5, 16, 100, DType::bf16, 0}, {}},            // 200-byte rows: classic either way
-      {{1000, 6, 64, 16, 16, 128, 7, DType::e4m3, 1}, {}},        // 7-byte rows: classic either way
-      {{333, 4, 16, 4, 8, 32, 36, DType::f32, 2}, {}},            // 144-byte rows, experts of other ranks
-      {{3000, 2, 8, 0, 8, 16, 48, DType::e4m3, 3}, {}},           // FP8 payload with scale rows
-      {{200, 32, 64, 0, 64, 16, 64, DType::f32, 0}, {}},          // k = 32: 8 tokens x 32 destinations
-      {{2048, 8, 64, 0, 64, 128, 7168, DType::bf16, 56}, {}},     // 14 KiB rows: 2 tokens per block
-      {{513, 8, 64, 16, 16, 128, 4096, DType::bf16, 0}, {}},      // 8 KiB rows, most slots elsewhere
-      {{64, 4, 8, 0, 8, 16, 17000, DType::bf16, 2}, {}},          // 34000-byte rows: 2 chunks
-      {{41, 3, 6, 2, 3, 64, 40000, DType::f32, 1}, {}},           // 160000-byte rows: 5 chunks, 2 stages
+      {{0, 2, 4, 0, 4, 16, 64, DType::bf16, 0}, {}},               // zero tokens: only tail rows
+      {{1, 1, 1, 0, 1, 16, 8, DType::f32, 1}, {}},                 // one 32-byte row
+      {{37, 2, 5, 0, 5, 16, 100, DType::bf16, 0}, {}},             // 200-byte rows: classic either way
+      {{1000, 6, 64, 16, 16, 128, 7, DType::e4m3, 1}, {}},         // 7-byte rows: classic either way
+      {{333, 4, 16, 4, 8, 32, 36, DType::f32, 2}, {}},             // 144-byte rows, experts of other ranks
+      {{3000, 2, 8, 0, 8, 16, 48, DType::e4m3, 3}, {}},            // FP8 payload with scale rows
+      {{200, 32, 64, 0, 64, 16, 64, DType::f32, 0}, {}},           // k = 32: 8 tokens x 32 destinations
+      {{2048, 8, 64, 0, 64, 128, 7168, DType::bf16, 56}, {}},      // 14 KiB rows: 2 tokens per block
+      {{513, 8, 64, 16, 16, 128, 4096, DType::bf16, 0}, {}},       // 8 KiB rows, most slots elsewhere
+      {{64, 4, 8, 0, 8, 16, 17000, DType::bf16, 2}, {}},           // 34000-byte rows: 2 chunks
+      {{41, 3, 6, 2, 3, 64, 40000, DType::f32, 1}, {}},            // 160000-byte rows: 5 chunks, 2 stages
       {{29, 2, 8, 0, 4, 16, 40000, DType::f32, 0}, {4, 5, 6, 7}},  // nothing routed here: loads, no stores
       {{300, 1, 4, 0, 4, 32, 1024, DType::bf16, 1}, {3}},          // one hot expert, three empty
   };

@@ -96,8 +96,9 @@ TEST(PrepareData, SummaryNamesSizesAndSkippedFiles) {
   for (char i = 0; i < 12; ++i) r.files.push_back({std::string{'f', char('a' + i)}, 283334});
   for (char i = 0; i < 13; ++i) r.skipped_binary.push_back(std::string{'b', char('0' + i)});
   EXPECT_EQ(r.bytes(), 3400008);
-  EXPECT_EQ(r.summary(), "read 12 files (3.4 MB), skipped 13 binary files: b0, b1, b2, b3, b4, b5, b6, b7, b8, b9 "
-                         "and 3 more");
+  EXPECT_EQ(r.summary(),
+            "read 12 files (3.4 MB), skipped 13 binary files: b0, b1, b2, b3, b4, b5, b6, b7, b8, b9 "
+            "and 3 more");
 }
 
 TEST(PrepareData, BytesOfFilesInOrder) {
@@ -124,8 +125,9 @@ TEST(PrepareData, RefusesAnOutputThatIsAnInputUnderAnySpelling) {
   fs::create_symlink(a, d / "link.txt");
   fs::create_hard_link(a, d / "hard.txt");
   const std::string input = a.string();
-  EXPECT_EQ(refusal({input}, input), "prepare-data: --output '" + input + "' is also an input: writing it would "
-                                     "overwrite what is read; name another file to write");
+  EXPECT_EQ(refusal({input}, input), "prepare-data: --output '" + input +
+                                         "' is also an input: writing it would "
+                                         "overwrite what is read; name another file to write");
   for (const fs::path& spelling : {d / "." / "a.txt", d / "link.txt", d / "hard.txt"}) {
     const std::string m = refusal({input}, spelling.string());
     EXPECT_TRUE(has(m, "--output '" + spelling.string() + "' is the input '" + input + "' (the same file)")) << m;
@@ -167,15 +169,16 @@ TEST(PrepareData, RefusesToOverwriteTheTokenizerItReadsOrAnInputWithTheOneItWrit
   PrepareOptions opts;
   opts.bpe_vocab = 260;
   std::string m = refusal({(d / "a.txt").string(), (d / "books.bpe").string()}, (d / "books.bin").string(), opts);
-  EXPECT_TRUE(has(m, "the tokenizer file '" + (d / "books.bpe").string() + "' (--bpe-vocab writes it beside --output) "
-                     "is also an input")) << m;
+  EXPECT_TRUE(has(m, "the tokenizer file '" + (d / "books.bpe").string() +
+                         "' (--bpe-vocab writes it beside --output) "
+                         "is also an input"))
+      << m;
   EXPECT_FALSE(fs::exists(d / "books.bin"));
   opts = {};
   opts.tokenizer = (d / "books.bpe").string();
   m = refusal({(d / "a.txt").string()}, opts.tokenizer, opts);
   EXPECT_TRUE(has(m, "is the --tokenizer file")) << m;
-  EXPECT_TRUE(read_text(d / "books.bpe") == "a text file that happens to share the tokenizer's name")
-      << "overwritten";
+  EXPECT_TRUE(read_text(d / "books.bpe") == "a text file that happens to share the tokenizer's name") << "overwritten";
   fs::remove_all(d);
 }
 
@@ -186,9 +189,9 @@ TEST(PrepareData, RefusesADirectoryOutputAndLeavesNoTempFile) {
   std::ofstream(d / "a.txt") << "abc";
   fs::create_directories(d / "out");
   const std::string out = (d / "out").string();
-  EXPECT_EQ(refusal({(d / "a.txt").string()}, out),
-            "prepare-data: --output '" + out + "' is a directory; name the token file to write, e.g. '" +
-                (d / "out" / "tokens.bin").string() + "'");
+  EXPECT_EQ(refusal({(d / "a.txt").string()}, out), "prepare-data: --output '" + out +
+                                                        "' is a directory; name the token file to write, e.g. '" +
+                                                        (d / "out" / "tokens.bin").string() + "'");
   EXPECT_FALSE(fs::exists(out + ".tmp"));
   EXPECT_TRUE(test::throws_naming<IoError>([&] { write_token_file(out, {1, 2}); }, {"renaming", "out.tmp"}));
   EXPECT_FALSE(fs::exists(out + ".tmp"));
@@ -211,16 +214,17 @@ TEST(PrepareData, TheCommandRefusesWithAUsageError) {
   int code = -1;
   std::string err;
   auto run = [&](const std::string& args) {
-    const std::string cmd = "cd '" + d.string() + "' && " + FLOWMOE_BINARY_DIR + "/flowmoe prepare-data " + args +
-                            " >/dev/null 2>err.txt";
+    const std::string cmd =
+        "cd '" + d.string() + "' && " + FLOWMOE_BINARY_DIR + "/flowmoe prepare-data " + args + " >/dev/null 2>err.txt";
     const int status = std::system(cmd.c_str());
     code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     err = read_text(d / "err.txt");
   };
   run("--output a.txt a.txt");
   EXPECT_EQ(code, 2);
-  EXPECT_EQ(err, "flowmoe: error: prepare-data: --output 'a.txt' is also an input: writing it would overwrite what is "
-                 "read; name another file to write\n");
+  EXPECT_EQ(err,
+            "flowmoe: error: prepare-data: --output 'a.txt' is also an input: writing it would overwrite what is "
+            "read; name another file to write\n");
   run("--output ./a.txt a.txt");
   EXPECT_EQ(code, 2);
   EXPECT_TRUE(has(err, "--output './a.txt' is the input 'a.txt' (the same file)")) << err;

@@ -59,7 +59,7 @@ TEST(Profiler, ScopesPhasesAndFlops) {
   ASSERT_NE(fwd, nullptr);
   EXPECT_EQ(fwd->calls, 1);
   EXPECT_DOUBLE_EQ(fwd->flops, 2.0 * 4 * 16 * 8);
-  EXPECT_DOUBLE_EQ(fwd->bytes, (4 * 8 + 16 * 8 + 4 * 16) * 4.0);  // x, w1 in; y out
+  EXPECT_DOUBLE_EQ(fwd->bytes, (4 * 8 + 16 * 8 + 4 * 16) * 4.0);        // x, w1 in; y out
   const OpTiming* bwd = find(ops, "a.b", "linear", OpPhase::backward);  // charged to its forward's scope
   ASSERT_NE(bwd, nullptr);
   EXPECT_DOUBLE_EQ(bwd->flops, 2 * fwd->flops);

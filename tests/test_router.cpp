@@ -24,9 +24,9 @@ RouterConfig make_cfg(int E, int k, int n_group, int topk_group, const std::stri
 }
 
 std::string describe(const RouterConfig& c) {
-  return "E=" + std::to_string(c.num_experts) + " k=" + std::to_string(c.top_k) + " n_group=" +
-         std::to_string(c.n_group) + " topk_group=" + std::to_string(c.topk_group) + " " + c.scoring_func +
-         (c.norm_topk_prob ? " norm" : "") + " scale=" + std::to_string(c.routed_scaling_factor);
+  return "E=" + std::to_string(c.num_experts) + " k=" + std::to_string(c.top_k) +
+         " n_group=" + std::to_string(c.n_group) + " topk_group=" + std::to_string(c.topk_group) + " " +
+         c.scoring_func + (c.norm_topk_prob ? " norm" : "") + " scale=" + std::to_string(c.routed_scaling_factor);
 }
 
 // Values step * (i - levels/2) for i uniform in [0, levels): few distinct values, so many exact ties.
@@ -83,8 +83,7 @@ Routing brute_force(const Tensor& logits_t, const Tensor& bias_t, const RouterCo
       bool dominates = true;
       for (int g = 0; g < c.n_group; ++g)
         for (int h = 0; h < c.n_group; ++h)
-          if ((mask >> g & 1u) && !(mask >> h & 1u) &&
-              !outranks(group_score[size_t(g)], g, group_score[size_t(h)], h))
+          if ((mask >> g & 1u) && !(mask >> h & 1u) && !outranks(group_score[size_t(g)], g, group_score[size_t(h)], h))
             dominates = false;
       if (dominates) ++found, kept = mask;
     }
@@ -92,8 +91,7 @@ Routing brute_force(const Tensor& logits_t, const Tensor& bias_t, const RouterCo
     std::vector<int> cand;
     for (int e = 0; e < E; ++e)
       if (kept >> (e / gs) & 1u) cand.push_back(e);
-    std::sort(cand.begin(), cand.end(),
-              [&](int a, int b) { return outranks(key[size_t(a)], a, key[size_t(b)], b); });
+    std::sort(cand.begin(), cand.end(), [&](int a, int b) { return outranks(key[size_t(a)], a, key[size_t(b)], b); });
     float sum = 0;
     for (int j = 0; j < k; ++j) sum += s[size_t(cand[size_t(j)])];
     for (int j = 0; j < k; ++j) {
@@ -138,10 +136,17 @@ std::vector<Inputs> input_families(Rng& rng, int64_t T, int E) {
 
 const std::vector<RouterConfig>& configs() {
   static const std::vector<RouterConfig> c = {
-      make_cfg(8, 2, 4, 2),         make_cfg(8, 1, 1, 1),          make_cfg(16, 4, 4, 2, "sigmoid", true, 2.5),
-      make_cfg(64, 6, 8, 3),        make_cfg(48, 5, 4, 2),         make_cfg(16, 3, 16, 3),  // groups of one expert
-      make_cfg(64, 4, 1, 1, "softmax"), make_cfg(64, 6, 8, 3, "softmax", false, 1.5),
-      make_cfg(256, 8, 8, 4, "sigmoid", true, 2.5), make_cfg(256, 16, 16, 16), make_cfg(256, 8, 16, 4, "softmax"),
+      make_cfg(8, 2, 4, 2),
+      make_cfg(8, 1, 1, 1),
+      make_cfg(16, 4, 4, 2, "sigmoid", true, 2.5),
+      make_cfg(64, 6, 8, 3),
+      make_cfg(48, 5, 4, 2),
+      make_cfg(16, 3, 16, 3),  // groups of one expert
+      make_cfg(64, 4, 1, 1, "softmax"),
+      make_cfg(64, 6, 8, 3, "softmax", false, 1.5),
+      make_cfg(256, 8, 8, 4, "sigmoid", true, 2.5),
+      make_cfg(256, 16, 16, 16),
+      make_cfg(256, 8, 16, 4, "softmax"),
   };
   return c;
 }
@@ -276,9 +281,12 @@ TEST(Router, Gradcheck) {
     double alpha;
   };
   std::vector<Case> cases = {
-      {make_cfg(8, 3, 4, 2, "sigmoid", true, 2.5), 0},  {make_cfg(8, 2, 1, 1, "softmax", false, 1.5), 0},
-      {make_cfg(8, 1, 2, 1), 0},                        {make_cfg(12, 4, 3, 2, "softmax", true, 1.0), 0},
-      {make_cfg(8, 3, 4, 2, "sigmoid", true, 2.5), 0.3}, {make_cfg(8, 2, 2, 1, "softmax"), 0.3},
+      {make_cfg(8, 3, 4, 2, "sigmoid", true, 2.5), 0},
+      {make_cfg(8, 2, 1, 1, "softmax", false, 1.5), 0},
+      {make_cfg(8, 1, 2, 1), 0},
+      {make_cfg(12, 4, 3, 2, "softmax", true, 1.0), 0},
+      {make_cfg(8, 3, 4, 2, "sigmoid", true, 2.5), 0.3},
+      {make_cfg(8, 2, 2, 1, "softmax"), 0.3},
   };
   const int64_t T = 6, H = 5;
   for (Case cs : cases) {

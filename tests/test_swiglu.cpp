@@ -32,7 +32,7 @@ SwigluResult run_composition(const Tensor& gate_up, const Tensor& d_out, Device 
   Tensor dg = gate.grad().to(Device::cpu()), du = up.grad().to(Device::cpu());
   int64_t rows = F > 0 ? dg.numel() / F : 0;
   Tensor d = Tensor::empty(gate_up.shape(), dg.dtype());
-  auto *pd = static_cast<char*>(d.raw_data());
+  auto* pd = static_cast<char*>(d.raw_data());
   auto *pg = static_cast<const char*>(dg.raw_data()), *pu = static_cast<const char*>(du.raw_data());
   size_t es = dtype_size(dg.dtype()), row = size_t(F) * es;
   for (int64_t r = 0; r < rows; ++r) {

@@ -185,8 +185,8 @@ TEST(Trainer, NonFiniteStopLeavesAUsableCheckpoint) {
   o.after_loss = [](int64_t step, double* loss) {
     if (step == 3) *loss = INFINITY;
   };
-  Config stop = small_config(d, {"train.steps=6", "optimizer.warmup_steps=1", "train.nonfinite=stop",
-                                 "checkpoint.every=0"});
+  Config stop =
+      small_config(d, {"train.steps=6", "optimizer.warmup_steps=1", "train.nonfinite=stop", "checkpoint.every=0"});
   try {
     train(stop, o);
     FAIL() << "no error";
@@ -203,8 +203,8 @@ TEST(Trainer, NonFiniteStopLeavesAUsableCheckpoint) {
   TrainOptions again = quiet();
   WeightLog resumed;
   resumed.hook_into(again, {4}, nullptr);
-  Config resume = small_config(d, {"train.steps=6", "optimizer.warmup_steps=1", "checkpoint.resume=true",
-                                   "checkpoint.every=0"});
+  Config resume =
+      small_config(d, {"train.steps=6", "optimizer.warmup_steps=1", "checkpoint.resume=true", "checkpoint.every=0"});
   TrainResult r = train(resume, again);
   EXPECT_EQ(r.first_step, 4);
   EXPECT_EQ(r.last_step, 6);

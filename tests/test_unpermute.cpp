@@ -93,8 +93,8 @@ TEST(Unpermute, EdgeCases) {
     Case c;
     std::vector<int> allowed;
   };
-  for (const Edge& e : {Edge{{40, 2, 6, 0, 6, 16, 8}, {0, 1, 3, 4, 5}},  // expert 2 empty
-                        Edge{{300, 1, 4, 0, 4, 32, 8}, {3}},             // all tokens on one expert
+  for (const Edge& e : {Edge{{40, 2, 6, 0, 6, 16, 8}, {0, 1, 3, 4, 5}},   // expert 2 empty
+                        Edge{{300, 1, 4, 0, 4, 32, 8}, {3}},              // all tokens on one expert
                         Edge{{20, 2, 12, 0, 4, 16, 8}, {5, 6, 7, 8}}}) {  // nothing routed here: y = 0
     const Case& c = e.c;
     Tensor idx = random_topk(gen, c.num_tokens, c.top_k, c.num_experts, e.allowed);

@@ -99,9 +99,8 @@ double rel_error(const Tensor& got, const Tensor& ref) {
   out.backward(proj);
   for (int idx : wrt) {
     Tensor x = vars[size_t(idx)].data();
-    std::vector<double> analytic = vars[size_t(idx)].grad().defined()
-                                       ? vars[size_t(idx)].grad().to_doubles()
-                                       : std::vector<double>(size_t(x.numel()), 0.0);
+    std::vector<double> analytic = vars[size_t(idx)].grad().defined() ? vars[size_t(idx)].grad().to_doubles()
+                                                                      : std::vector<double>(size_t(x.numel()), 0.0);
     auto* px = x.data<double>();
     for (int64_t j = 0; j < x.numel(); ++j) {
       double orig = px[j];

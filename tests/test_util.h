@@ -15,8 +15,8 @@
 namespace flowmoe::test {
 
 // Skips the current test (cleanly, with a reason) when no CUDA device is usable.
-#define FLOWMOE_REQUIRE_CUDA()                                                        \
-  do {                                                                                \
+#define FLOWMOE_REQUIRE_CUDA()                                                            \
+  do {                                                                                    \
     if (!::flowmoe::cuda_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped"; \
   } while (0)
 

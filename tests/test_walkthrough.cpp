@@ -4,6 +4,7 @@
 // run, and the step that runs MoeLayer itself finds every tensor bit-identical to the walk's.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -11,7 +12,6 @@
 #include <set>
 #include <sstream>
 #include <string>
-#include <sys/wait.h>
 #include <vector>
 
 namespace fs = std::filesystem;
@@ -105,7 +105,8 @@ TEST(Walkthrough, DocumentShowsRealOutput) {
     ASSERT_FALSE(b.shown.empty());
     const std::string bad = mismatch(b.shown, lines_of(r.out));
     EXPECT_EQ(bad, "") << "the document shows a line the command does not print (or not there):\n  " << bad
-                       << "\nthe command printed:\n" << r.out;
+                       << "\nthe command printed:\n"
+                       << r.out;
   }
 }
 

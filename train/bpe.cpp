@@ -23,10 +23,14 @@ enum ByteClass : uint8_t { kLetter, kDigit, kSpace, kOther };
 constexpr std::array<uint8_t, 256> make_byte_classes() {
   std::array<uint8_t, 256> cls{};
   for (int c = 0; c < 256; ++c) {
-    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c >= 0x80) cls[size_t(c)] = kLetter;
-    else if (c >= '0' && c <= '9') cls[size_t(c)] = kDigit;
-    else if (c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f') cls[size_t(c)] = kSpace;
-    else cls[size_t(c)] = kOther;
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c >= 0x80)
+      cls[size_t(c)] = kLetter;
+    else if (c >= '0' && c <= '9')
+      cls[size_t(c)] = kDigit;
+    else if (c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f')
+      cls[size_t(c)] = kSpace;
+    else
+      cls[size_t(c)] = kOther;
   }
   return cls;
 }
@@ -231,8 +235,10 @@ std::vector<std::string_view> bpe_words(std::string_view text) {
 void BpeWordCounts::add_text(std::string_view text) {
   for_each_word(text, [&](std::string_view w) {
     ++num_words_;
-    if (auto it = counts_.find(w); it != counts_.end()) ++it->second;
-    else counts_.emplace(std::string(w), 1);
+    if (auto it = counts_.find(w); it != counts_.end())
+      ++it->second;
+    else
+      counts_.emplace(std::string(w), 1);
   });
 }
 
@@ -251,8 +257,9 @@ std::string BpeTokenizer::try_add_merge(Merge m) {
   if (m.left >= token || m.right >= token)
     return detail::cat("merge '", m.left, " ", m.right, "' names a token that does not exist before token ", token);
   const auto [it, fresh] = ranks_.try_emplace(pair_key(m.left, m.right), int32_t(merges_.size()));
-  if (!fresh) return detail::cat("merge '", m.left, " ", m.right, "' repeats merge ", it->second, " (token ",
-                                 kBpeByteTokens + it->second, ")");
+  if (!fresh)
+    return detail::cat("merge '", m.left, " ", m.right, "' repeats merge ", it->second, " (token ",
+                       kBpeByteTokens + it->second, ")");
   if (pieces_.empty())
     for (int b = 0; b < kBpeByteTokens; ++b) pieces_.emplace_back(1, char(b));
   pieces_.push_back(pieces_[m.left] + pieces_[m.right]);
@@ -301,8 +308,8 @@ BpeTokenizer BpeTokenizer::load(const std::string& path) {
   FLOWMOE_CHECK(head.size() == 4 && head[0] == kFileMagic && head[2] == "vocab", IoError, "bpe tokenizer ", path,
                 ":1: expected '", kFileMagic, " ", kFileVersion, " vocab N', got ", quoted(lines[0]),
                 " (not a tokenizer written by flowmoe prepare-data?)");
-  FLOWMOE_CHECK(parse_int(head[1], version) && version == kFileVersion, IoError, "bpe tokenizer ", path,
-                ":1: version ", quoted(head[1]), ", expected ", kFileVersion);
+  FLOWMOE_CHECK(parse_int(head[1], version) && version == kFileVersion, IoError, "bpe tokenizer ", path, ":1: version ",
+                quoted(head[1]), ", expected ", kFileVersion);
   FLOWMOE_CHECK(parse_int(head[3], vocab) && vocab >= kBpeByteTokens && vocab <= kBpeMaxVocab, IoError,
                 "bpe tokenizer ", path, ":1: vocab ", quoted(head[3]), " is not a whole number from ", kBpeByteTokens,
                 " to ", kBpeMaxVocab);
@@ -314,8 +321,8 @@ BpeTokenizer BpeTokenizer::load(const std::string& path) {
                   ": more merges than the ", num_merges, " its first line announces (vocab ", vocab, ")");
     const std::vector<std::string_view> ids = fields(lines[i]);
     int64_t left = -1, right = -1;
-    FLOWMOE_CHECK(ids.size() == 2 && parse_int(ids[0], left) && parse_int(ids[1], right) && left >= 0 &&
-                      right >= 0 && left < kBpeMaxVocab && right < kBpeMaxVocab,
+    FLOWMOE_CHECK(ids.size() == 2 && parse_int(ids[0], left) && parse_int(ids[1], right) && left >= 0 && right >= 0 &&
+                      left < kBpeMaxVocab && right < kBpeMaxVocab,
                   IoError, "bpe tokenizer ", path, ":", line, ": expected a merge 'LEFT RIGHT' (two token ids), got ",
                   quoted(lines[i]));
     const std::string problem = tok.try_add_merge({uint16_t(left), uint16_t(right)});
@@ -404,8 +411,10 @@ std::string BpeTokenizer::decode(const std::vector<uint16_t>& tokens) const {
     const uint16_t t = tokens[i];
     FLOWMOE_CHECK(t < vocab_size(), Error, "bpe decode: token ", t, " at position ", i, " is outside the vocab of ",
                   vocab_size());
-    if (t < kBpeByteTokens) out += char(t);
-    else out += pieces_[t];
+    if (t < kBpeByteTokens)
+      out += char(t);
+    else
+      out += pieces_[t];
   }
   return out;
 }

@@ -67,8 +67,8 @@ std::vector<std::string> remove_stale_checkpoint_tmp(const std::string& root) {
   std::sort(removed.begin(), removed.end());
   for (const std::string& name : removed) {
     fs::remove_all(fs::path(root) / name, ec);
-    FLOWMOE_CHECK(!ec, IoError, "cannot remove the unfinished checkpoint directory '",
-                  (fs::path(root) / name).string(), "': ", ec.message());
+    FLOWMOE_CHECK(!ec, IoError, "cannot remove the unfinished checkpoint directory '", (fs::path(root) / name).string(),
+                  "': ", ec.message());
   }
   return removed;
 }
@@ -246,8 +246,8 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
   std::string meta_file = (d / "meta.json").string();
   const YAML::Node j = parse_json(read_file(meta_file), meta_file);
   FLOWMOE_CHECK(j.IsMap() && j["format"] && j["format"].IsScalar() && j["format"].Scalar() == "flowmoe-checkpoint-1",
-                IoError, "'", meta_file, "' is not a flowmoe checkpoint description (no \"format\": ",
-                "\"flowmoe-checkpoint-1\")");
+                IoError, "'", meta_file,
+                "' is not a flowmoe checkpoint description (no \"format\": ", "\"flowmoe-checkpoint-1\")");
   CheckpointMeta meta;
   try {
     meta.step = j["step"].as<int64_t>();
@@ -261,8 +261,8 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
   } catch (const YAML::Exception& e) {
     FLOWMOE_THROW(IoError, "'", meta_file, "': missing or malformed field (", e.msg, ")");
   }
-  FLOWMOE_CHECK(meta.step >= 0 && meta.num_updates >= 0 && meta.skipped_steps >= 0 &&
-                    meta.num_updates <= meta.step && meta.skipped_steps <= meta.step - meta.num_updates,
+  FLOWMOE_CHECK(meta.step >= 0 && meta.num_updates >= 0 && meta.skipped_steps >= 0 && meta.num_updates <= meta.step &&
+                    meta.skipped_steps <= meta.step - meta.num_updates,
                 IoError, "'", meta_file, "': inconsistent counts (step ", meta.step, ", num_updates ", meta.num_updates,
                 ", skipped_steps ", meta.skipped_steps, ")");
   meta.unused_tensors = std::move(unused);

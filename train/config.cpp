@@ -69,9 +69,7 @@ const char* retired_key_note(const std::string& dotted) {
 
 // ---- YAML walking -------------------------------------------------------------------------------
 
-std::string at(const std::string& name, const YAML::Node& n) {
-  return name + ":" + std::to_string(n.Mark().line + 1);
-}
+std::string at(const std::string& name, const YAML::Node& n) { return name + ":" + std::to_string(n.Mark().line + 1); }
 
 void read_yaml(Config& cfg, const YAML::Node& root, const std::string& name) {
   if (!root || root.IsNull()) return;  // an empty file: every key at its default
@@ -110,8 +108,8 @@ void read_yaml(Config& cfg, const YAML::Node& root, const std::string& name) {
         set_field(cfg, *f, joined, at(name, kn));
         continue;
       }
-      if (!v.IsNull() && !v.IsScalar()) fail(at(name, v), f->dotted(), "expected " + describe_type(*f) + ", got a " +
-                                                                         (v.IsMap() ? "mapping" : "list"));
+      if (!v.IsNull() && !v.IsScalar())
+        fail(at(name, v), f->dotted(), "expected " + describe_type(*f) + ", got a " + (v.IsMap() ? "mapping" : "list"));
       set_field(cfg, *f, v.IsNull() ? "" : v.Scalar(), at(name, kn));
     }
   }

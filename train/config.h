@@ -22,7 +22,7 @@ struct DataConfig {
   int64_t seq_len = 128;
   double val_fraction = 0.05;
   int64_t seed = 1234;
-  int64_t synthetic_tokens = 1 << 20;  // size of the generated corpus
+  int64_t synthetic_tokens = 1 << 20;    // size of the generated corpus
   std::string synthetic_kind = "words";  // words | bigram (train/data.h)
 };
 
@@ -49,7 +49,7 @@ struct OptimizerConfig {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
-  double grad_clip = 1.0;  // 0 disables clipping
+  double grad_clip = 1.0;        // 0 disables clipping
   double router_lr_scale = 1.0;  // multiplies the learning rate of the MoE routers' gate weights
 };
 
@@ -61,17 +61,17 @@ struct PrecisionConfig {
 // The data-parallel size is not a key: it is the number of processes the launcher started.
 struct ParallelConfig {
   int64_t expert_parallel_size = 1;
-  std::string backend = "auto";  // auto | nccl | mpi | none (parallel/distributed.h)
+  std::string backend = "auto";      // auto | nccl | mpi | none (parallel/distributed.h)
   std::string ep_dispatch = "auto";  // auto | sync | zero_sync (parallel/dispatch.h EpDispatch)
-  bool overlap_grad_reduce = true;    // reduce gradient buckets during the backward (train/grad_reducer.h)
-  int64_t grad_reduce_sms = 0;        // nccl: thread blocks the overlapped reduction may take; 0: nccl's choice
-  bool shard_optimizer = true;        // ZeRO-1 over the data-parallel ranks (train/grad_reducer.h)
+  bool overlap_grad_reduce = true;   // reduce gradient buckets during the backward (train/grad_reducer.h)
+  int64_t grad_reduce_sms = 0;       // nccl: thread blocks the overlapped reduction may take; 0: nccl's choice
+  bool shard_optimizer = true;       // ZeRO-1 over the data-parallel ranks (train/grad_reducer.h)
 };
 
 struct CheckpointConfig {
-  std::string dir;            // empty: <logging.out_dir>/checkpoints
-  int64_t every = 0;          // steps between checkpoints; 0: only the final one
-  bool final = true;          // a checkpoint at train.steps (false: timing runs skip writing it)
+  std::string dir;    // empty: <logging.out_dir>/checkpoints
+  int64_t every = 0;  // steps between checkpoints; 0: only the final one
+  bool final = true;  // a checkpoint at train.steps (false: timing runs skip writing it)
   int64_t keep_last = 3;
   std::string resume = "false";  // false | true (latest in dir) | path of a checkpoint directory
   bool partial_load = false;     // a loaded checkpoint may hold tensors the model does not have
@@ -79,7 +79,7 @@ struct CheckpointConfig {
 };
 
 struct LoggingConfig {
-  std::string out_dir;  // empty: runs/<config file name without extension>
+  std::string out_dir;                   // empty: runs/<config file name without extension>
   std::string metrics_format = "jsonl";  // jsonl | csv
   int64_t log_every = 10;
   std::string progress = "auto";  // auto | bar | plain

@@ -51,8 +51,8 @@ void check_model_shape(const Config& c, const KeyReport& r) {
   const ModelConfig& m = c.model;
   if (m.hidden_size % m.num_attention_heads != 0)
     r.conflict({"model.hidden_size", "model.num_attention_heads"},
-               "model.hidden_size = " + str(m.hidden_size) + " is not divisible by model.num_attention_heads = " +
-                   str(m.num_attention_heads));
+               "model.hidden_size = " + str(m.hidden_size) +
+                   " is not divisible by model.num_attention_heads = " + str(m.num_attention_heads));
   if ((m.hidden_size / m.num_attention_heads) % 2 != 0)
     r.conflict({"model.num_attention_heads", "model.hidden_size"},
                "the head size model.hidden_size / model.num_attention_heads = " + str(m.hidden_size) + " / " +
@@ -60,8 +60,8 @@ void check_model_shape(const Config& c, const KeyReport& r) {
                    " must be even (RoPE rotates pairs)");
   if (c.data.seq_len > m.max_position_embeddings)
     r.conflict({"data.seq_len", "model.max_position_embeddings"},
-               "data.seq_len = " + str(c.data.seq_len) + " exceeds model.max_position_embeddings = " +
-                   str(m.max_position_embeddings));
+               "data.seq_len = " + str(c.data.seq_len) +
+                   " exceeds model.max_position_embeddings = " + str(m.max_position_embeddings));
 }
 
 // The router's own check (validate_router_config, the one place its limits are enforced), with its
@@ -78,9 +78,9 @@ void check_moe_routing(const Config& c, const KeyReport& r) {
     r.conflict(keys, e.detail());
   }
   if (m.first_k_dense_replace > m.num_hidden_layers)
-    r.err("model.first_k_dense_replace", std::to_string(m.first_k_dense_replace) +
-                                             " exceeds model.num_hidden_layers = " +
-                                             std::to_string(m.num_hidden_layers));
+    r.err("model.first_k_dense_replace",
+          std::to_string(m.first_k_dense_replace) +
+              " exceeds model.num_hidden_layers = " + std::to_string(m.num_hidden_layers));
 }
 
 static void check_synthetic_data(const Config& c, const KeyReport& r) {
@@ -157,8 +157,8 @@ void check_precision_recipe(const Config& c, const KeyReport& r) {
   // FP8 GEMMs use 128x128 weight blocks and 1x128 activation blocks (DESIGN.md §3-4).
   auto need128 = [&](const char* key, int64_t v) {
     if (v % 128 != 0)
-      r.err(key, std::to_string(v) + " is not a multiple of 128, which " + r.from("precision.recipe") + " = " +
-                     recipe + " needs: it runs the routed experts' GEMMs on FP8 blocks 128 wide");
+      r.err(key, std::to_string(v) + " is not a multiple of 128, which " + r.from("precision.recipe") + " = " + recipe +
+                     " needs: it runs the routed experts' GEMMs on FP8 blocks 128 wide");
   };
   need128("model.hidden_size", m.hidden_size);
   need128("model.moe_intermediate_size", m.moe_intermediate_size);

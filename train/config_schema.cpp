@@ -318,9 +318,12 @@ std::string describe_type(const Field& f) {
     case Kind::number:
       return std::string("a number in ") + (f.lo_open ? "(" : "[") + fmt_bound(f.lo) + ", " + fmt_bound(f.hi) +
              (f.hi_open || std::isinf(f.hi) ? ")" : "]");
-    case Kind::boolean: return "true or false";
-    case Kind::string: return "a string";
-    case Kind::bool_or_path: return "true, false or a path";
+    case Kind::boolean:
+      return "true or false";
+    case Kind::string:
+      return "a string";
+    case Kind::bool_or_path:
+      return "true, false or a path";
     case Kind::choice_list: {
       std::string s = "a list of ";
       for (size_t i = 0; i < f.choices.size(); ++i) s += (i ? ", " : "") + f.choices[i];

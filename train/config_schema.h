@@ -19,7 +19,7 @@ using FieldRef = std::variant<int64_t*, double*, bool*, std::string*>;
 struct Field {
   std::string section, key;
   Kind kind;
-  double lo = -INFINITY, hi = INFINITY;  // allowed range (numbers and integers)
+  double lo = -INFINITY, hi = INFINITY;   // allowed range (numbers and integers)
   bool lo_open = false, hi_open = false;  // exclusive bounds
   std::vector<std::string> choices;       // choice / int_choice
   std::string doc;

@@ -22,8 +22,8 @@ namespace fs = std::filesystem;
 std::vector<uint16_t> read_token_file(const std::string& path) {
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
-  FLOWMOE_CHECK(!ec && fs::exists(st), IoError, "cannot open token file '", path, "': ",
-                ec ? ec.message() : "it does not exist");
+  FLOWMOE_CHECK(!ec && fs::exists(st), IoError, "cannot open token file '", path,
+                "': ", ec ? ec.message() : "it does not exist");
   FLOWMOE_CHECK(fs::is_regular_file(st), IoError, "token file '", path, "' is not a regular file");
   const uintmax_t size = fs::file_size(path, ec);
   FLOWMOE_CHECK(!ec, IoError, "cannot read the size of token file '", path, "': ", ec.message());
@@ -138,8 +138,8 @@ DataLoader::DataLoader(std::vector<uint16_t> tokens, int64_t vocab_size, int64_t
   FLOWMOE_CHECK(num_train_ >= 1, IoError, name, ": ", train_end_, " training tokens are too few for one sequence of ",
                 seq_len, " + 1 tokens");
   FLOWMOE_CHECK(val_fraction == 0 || num_val_ >= 1, IoError, name, ": ", num_val_tokens,
-                " validation tokens (data.val_fraction = ", val_fraction, ") are too few for one sequence of ",
-                seq_len, " + 1 tokens");
+                " validation tokens (data.val_fraction = ", val_fraction, ") are too few for one sequence of ", seq_len,
+                " + 1 tokens");
   shuffle_epoch();
 }
 

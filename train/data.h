@@ -38,8 +38,8 @@ struct PreparedInputs {
   std::vector<File> files;
   std::vector<std::string> skipped_binary;
   std::vector<std::string> excluded;
-  int64_t vocab_size = 256;  // of the tokens written
-  std::string tokenizer;     // the BPE tokenizer written or read; "" for byte-level tokens
+  int64_t vocab_size = 256;                     // of the tokens written
+  std::string tokenizer;                        // the BPE tokenizer written or read; "" for byte-level tokens
   int64_t num_words = 0, num_unique_words = 0;  // of the corpus a BPE tokenizer was trained on
 
   int64_t bytes() const;

@@ -29,8 +29,7 @@ double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<P
   auto [dense, experts] = opt.grad_square_sums(expert_shard_flags(ps, shards));
   if (opt.sharded()) {  // each rank summed its segments of the buckets
     dense = all_reduce_values(*ps.world, {dense}, ReduceOp::sum)[0];
-    if (ps.expert_parallel_size > 1)
-      experts = all_reduce_values(*ps.expert_data_parallel, {experts}, ReduceOp::sum)[0];
+    if (ps.expert_parallel_size > 1) experts = all_reduce_values(*ps.expert_data_parallel, {experts}, ReduceOp::sum)[0];
   }
   if (ps.expert_parallel_size > 1) experts = all_reduce_values(*ps.expert_parallel, {experts}, ReduceOp::sum)[0];
   return std::sqrt(dense + experts);

@@ -50,5 +50,4 @@ void reduce_square_sums(const ParallelState& ps, const Tensor& sums, bool sharde
 // expert parallelism, none (one class) at expert-parallel size 1.
 std::vector<bool> expert_shard_flags(const ParallelState& ps, const std::vector<ParamShard>& shards);
 
-
 }  // namespace flowmoe

@@ -146,8 +146,7 @@ GemmErrorSums gemm_error_sums(const Tensor& x_in, const Tensor& dy_in, const Ten
   std::vector<std::thread> threads;
   for (size_t i = 0; i < workers; ++i)
     threads.emplace_back(expert_sums, x.data<float>(), dy.data<float>(), w.data<float>(), wq.data(), std::cref(ox),
-                         std::cref(ody), std::cref(segments), std::cref(offsets), K, N, i, workers,
-                         std::ref(parts[i]));
+                         std::cref(ody), std::cref(segments), std::cref(offsets), K, N, i, workers, std::ref(parts[i]));
   for (std::thread& t : threads) t.join();
 
   GemmErrorSums s;

@@ -20,13 +20,13 @@ namespace flowmoe {
 
 // Squared sums of one expert GEMM over one or more calls; the errors are their ratios.
 struct GemmErrorSums {
-  int64_t rows = 0;                      // routed rows (pad rows included), over the calls
-  double x_amax = 0, dy_amax = 0;        // the largest |x| and |dy|
-  double x_sq = 0, x_err_sq = 0;         // ||x||², ||rowwise FP8 x - x||²
-  double dy_sq = 0, dy_err_sq = 0;       // the same for dy
-  double fprop_ref_sq = 0, fprop_sq = 0;  // ||y_ref||², ||y_fp8 - y_ref||²
-  double dgrad_ref_sq = 0, dgrad_sq = 0;  // the same for dx
-  double ref_sq = 0;                      // ||dW_ref||²
+  int64_t rows = 0;                                            // routed rows (pad rows included), over the calls
+  double x_amax = 0, dy_amax = 0;                              // the largest |x| and |dy|
+  double x_sq = 0, x_err_sq = 0;                               // ||x||², ||rowwise FP8 x - x||²
+  double dy_sq = 0, dy_err_sq = 0;                             // the same for dy
+  double fprop_ref_sq = 0, fprop_sq = 0;                       // ||y_ref||², ||y_fp8 - y_ref||²
+  double dgrad_ref_sq = 0, dgrad_sq = 0;                       // the same for dx
+  double ref_sq = 0;                                           // ||dW_ref||²
   double transpose_sq = 0, requantize_sq = 0, colwise_sq = 0;  // ||dW_path - dW_ref||²
 
   void add(const GemmErrorSums& o);
@@ -42,21 +42,21 @@ GemmErrorSums gemm_error_sums(const Tensor& x, const Tensor& dy, const Tensor& w
 struct GemmErrorRow {
   std::string weight;  // "model.layers.3.mlp.experts.fc1.weight"; "all" for the pooled row
   GemmErrorSums sums;
-  double x_rel_err() const;   // ||q(x) - x|| / ||x||, rowwise 1x128
+  double x_rel_err() const;  // ||q(x) - x|| / ||x||, rowwise 1x128
   double dy_rel_err() const;
-  double fprop() const;       // ||y_fp8 - y_ref|| / ||y_ref||
+  double fprop() const;  // ||y_fp8 - y_ref|| / ||y_ref||
   double dgrad() const;
-  double transpose() const;   // ||dW_transpose - dW_ref|| / ||dW_ref||
+  double transpose() const;  // ||dW_transpose - dW_ref|| / ||dW_ref||
   double requantize() const;
   double colwise() const;
-  double ratio() const;       // requantize / transpose
+  double ratio() const;  // requantize / transpose
 };
 
 struct Fp8ErrorStudy {
   std::string checkpoint;
-  int64_t step = 0;           // the checkpoint's
+  int64_t step = 0;  // the checkpoint's
   int64_t num_batches = 0, num_tokens = 0;
-  std::string split;          // "validation" or "training"
+  std::string split;               // "validation" or "training"
   std::vector<GemmErrorRow> rows;  // layer order, fc1 before fc2
   GemmErrorRow pooled;             // every row's sums added
   // The batches' mean LM loss through the same weights in each recipe: how much of a loss gap

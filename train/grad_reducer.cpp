@@ -13,8 +13,8 @@
 namespace flowmoe {
 
 GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> params,
-                                 const std::vector<ParamShard>& shards, bool overlap, size_t bucket_bytes,
-                                 int max_ctas, bool shard)
+                                 const std::vector<ParamShard>& shards, bool overlap, size_t bucket_bytes, int max_ctas,
+                                 bool shard)
     : ps_(ps), params_(std::move(params)), overlap_(overlap), shard_(shard) {
   FLOWMOE_CHECK(shards.size() == params_.size(), Error, "GradientReducer: ", params_.size(), " parameters but ",
                 shards.size(), " shards");
@@ -259,8 +259,8 @@ void GradientReducer::gather_weights() {
 }
 
 void GradientReducer::set_stages(const std::vector<int64_t>& stages) {
-  FLOWMOE_CHECK(stages.size() == params_.size(), Error, "GradientReducer::set_stages: ", stages.size(),
-                " stages for ", params_.size(), " parameters");
+  FLOWMOE_CHECK(stages.size() == params_.size(), Error, "GradientReducer::set_stages: ", stages.size(), " stages for ",
+                params_.size(), " parameters");
   for (Bucket& b : buckets_) {
     b.stage = INT64_MAX;
     for (size_t i : b.params) b.stage = std::min(b.stage, stages[i]);

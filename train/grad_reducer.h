@@ -81,11 +81,11 @@ class GradientReducer {
     int group = 0;               // 0: the world (dense), 1: the expert-data-parallel group
     std::vector<size_t> params;  // indices into params_
     int64_t numel = 0;
-    int pending = 0;  // gradients not yet final in this backward
-    Tensor flat;      // the bucket's gradients side by side, reduced in place
-    int64_t padded = 0;  // sharded: numel rounded up to a multiple of the group's size
-    Tensor weights;      // sharded: [padded], the parameters' data (they are views of it)
-    int64_t stage = 0;   // the first forward stage that reads one of its parameters
+    int pending = 0;                  // gradients not yet final in this backward
+    Tensor flat;                      // the bucket's gradients side by side, reduced in place
+    int64_t padded = 0;               // sharded: numel rounded up to a multiple of the group's size
+    Tensor weights;                   // sharded: [padded], the parameters' data (they are views of it)
+    int64_t stage = 0;                // the first forward stage that reads one of its parameters
     std::shared_ptr<Event> gathered;  // nccl: recorded on the reduction stream after its all-gather
     bool awaited = true;              // the compute stream waits for its last gather already
   };

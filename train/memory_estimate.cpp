@@ -165,8 +165,8 @@ std::vector<Tensors> moe_tensors(const Config& cfg, double tokens, double a, boo
   const std::string& recipe = cfg.precision.recipe;
   const bool recompute = cfg.train.recomputes("moe_expert");
   // The permuted buffer, as the layer sizes it.
-  const double rows = double(moe_permuted_rows(int64_t(tokens), int(k), int(E), int(cfg.precision.align_size),
-                                               moe_recipe_from_name(recipe)));
+  const double rows = double(
+      moe_permuted_rows(int64_t(tokens), int(k), int(E), int(cfg.precision.align_size), moe_recipe_from_name(recipe)));
 
   std::vector<Tensors> t = {{1, tokens * E, 4}, {3, tokens * k, 4}};  // logits; ids, probs, row map
   if (gpu) t.push_back({1, tokens * H, 4});                           // the router's f32 copy of x
@@ -182,7 +182,7 @@ std::vector<Tensors> moe_tensors(const Config& cfg, double tokens, double a, boo
       add(fp8_rowwise(rows * H));
     add(fp8_rowwise(rows * F));
     t.push_back({1, rows * H, a});  // fc2's output, for the probs' gradient
-  } else {                           // fp8_flow: fc2's output is not kept
+  } else {                          // fp8_flow: fc2's output is not kept
     add(fp8_rowwise(rows * H));
     t.push_back({1, rows, 4});  // the probs that travel with the rows
     add(fp8_rowwise(rows * F));
@@ -220,7 +220,7 @@ double gradient_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, 
   const double largest = largest_tensor(groups);
   double bytes = per_parameter_bytes(groups, 4, gpu);
   if (accumulates) bytes += 2 * allocation_bytes(4 * largest, gpu);  // the incoming gradient and the sum
-  if (gpu) bytes += allocation_bytes(2 * largest, gpu);               // a bf16 gradient before its cast
+  if (gpu) bytes += allocation_bytes(2 * largest, gpu);              // a bf16 gradient before its cast
   return bytes;
 }
 

@@ -137,17 +137,28 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
                     " cells, the header has ", columns.size());
       for (size_t i = 0; i < cells.size(); ++i) {
         const std::string& c = columns[i];
-        if (c == "step") m.step = std::atoll(cells[i].c_str());
-        else if (c == "loss") m.loss = field_double(cells[i]);
-        else if (c == "val_loss") m.val_loss = field_double(cells[i]);
-        else if (c == "lr") m.lr = field_double(cells[i]);
-        else if (c == "grad_norm") m.grad_norm = field_double(cells[i]);
-        else if (c == "tokens_per_s") m.tokens_per_s = field_double(cells[i]);
-        else if (c == "peak_mem_bytes") m.peak_mem_bytes = std::atoll(cells[i].c_str());
-        else if (c == "host_syncs") m.host_syncs = std::atoll(cells[i].c_str());
-        else if (c == "moe_casts") m.moe_casts = cells[i].empty() ? NAN : field_double(cells[i]);
-        else if (c == "skipped") m.skipped = cells[i] == "1";
-        else if (c == "aux_loss") m.aux_loss = field_double(cells[i]);
+        if (c == "step")
+          m.step = std::atoll(cells[i].c_str());
+        else if (c == "loss")
+          m.loss = field_double(cells[i]);
+        else if (c == "val_loss")
+          m.val_loss = field_double(cells[i]);
+        else if (c == "lr")
+          m.lr = field_double(cells[i]);
+        else if (c == "grad_norm")
+          m.grad_norm = field_double(cells[i]);
+        else if (c == "tokens_per_s")
+          m.tokens_per_s = field_double(cells[i]);
+        else if (c == "peak_mem_bytes")
+          m.peak_mem_bytes = std::atoll(cells[i].c_str());
+        else if (c == "host_syncs")
+          m.host_syncs = std::atoll(cells[i].c_str());
+        else if (c == "moe_casts")
+          m.moe_casts = cells[i].empty() ? NAN : field_double(cells[i]);
+        else if (c == "skipped")
+          m.skipped = cells[i] == "1";
+        else if (c == "aux_loss")
+          m.aux_loss = field_double(cells[i]);
         else if (c == "exchange_ms")
           m.exchange_ms = cells[i].empty() ? NAN : field_double(cells[i]);
         else if (c == "moe_max_over_mean") {

@@ -11,18 +11,18 @@ namespace flowmoe {
 
 struct StepMetrics {
   int64_t step = 0;
-  double loss = NAN;          // mean language-model (cross-entropy) loss over the step's micro-batches
-  double aux_loss = NAN;      // mean MoE balance loss (sum over layers of aux_loss_alpha * L_Bal); NaN: off
-  double val_loss = NAN;      // NaN: no validation at this step
+  double loss = NAN;      // mean language-model (cross-entropy) loss over the step's micro-batches
+  double aux_loss = NAN;  // mean MoE balance loss (sum over layers of aux_loss_alpha * L_Bal); NaN: off
+  double val_loss = NAN;  // NaN: no validation at this step
   double lr = 0;
-  double grad_norm = NAN;     // before clipping
+  double grad_norm = NAN;  // before clipping
   double tokens_per_s = 0;
-  int64_t peak_mem_bytes = 0;  // peak tensor memory on the training device so far
-  int64_t host_syncs = 0;      // deliberate host synchronisations inside the model during the step
-  double moe_casts = NAN;      // explicit activation quantize + dequantize calls per MoE layer and
-                               // micro-batch this step (engine/cast_stats.h; weight quantization not
-                               // included); NaN: dense
-  bool skipped = false;        // non-finite loss or gradient: no update
+  int64_t peak_mem_bytes = 0;             // peak tensor memory on the training device so far
+  int64_t host_syncs = 0;                 // deliberate host synchronisations inside the model during the step
+  double moe_casts = NAN;                 // explicit activation quantize + dequantize calls per MoE layer and
+                                          // micro-batch this step (engine/cast_stats.h; weight quantization not
+                                          // included); NaN: dense
+  bool skipped = false;                   // non-finite loss or gradient: no update
   std::vector<double> moe_max_over_mean;  // per MoE layer: max load / mean load this step (1 = balanced)
   double exchange_ms = NAN;               // expert parallelism: the step's time in token exchanges (dispatch and
                                           // combine, forward and backward; Communicator::take_exchange_ms), the

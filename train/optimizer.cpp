@@ -136,25 +136,25 @@ void AdamW::step(double lr, double grad_scale) {
   ++num_updates_;
   const float bias_correction1 = float(1.0 - std::pow(cfg_.beta1, double(num_updates_)));
   const float bias_correction2 = float(1.0 - std::pow(cfg_.beta2, double(num_updates_)));
-  update_each([&](Device dev, AdamWStep s, double lr_multiplier, float* w, const float* g, float* m, float* v,
-                  int64_t n) {
-    s.lr = float(lr * lr_multiplier);
-    s.grad_scale = float(grad_scale);
-    s.bias_correction1 = bias_correction1;
-    s.bias_correction2 = bias_correction2;
-    if (dev.is_cpu())
-      adamw_cpu(w, g, m, v, n, s);
-    else
-      adamw_cuda(w, g, m, v, n, s, current_stream(dev.index));
-  });
+  update_each(
+      [&](Device dev, AdamWStep s, double lr_multiplier, float* w, const float* g, float* m, float* v, int64_t n) {
+        s.lr = float(lr * lr_multiplier);
+        s.grad_scale = float(grad_scale);
+        s.bias_correction1 = bias_correction1;
+        s.bias_correction2 = bias_correction2;
+        if (dev.is_cpu())
+          adamw_cpu(w, g, m, v, n, s);
+        else
+          adamw_cuda(w, g, m, v, n, s, current_stream(dev.index));
+      });
 }
 
 void AdamW::step(const StepScalars* control) {
   FLOWMOE_CHECK(control, Error, "AdamW: null step scalars");
   // CPU parameters: control is host memory, so the host makes the decision the CUDA kernel makes.
   if (params_[0].device().is_cpu() && !control->apply) return;
-  update_each([&](Device dev, const AdamWStep& base, double lr_multiplier, float* w, const float* g, float* m,
-                  float* v, int64_t n) {
+  update_each([&](Device dev, const AdamWStep& base, double lr_multiplier, float* w, const float* g, float* m, float* v,
+                  int64_t n) {
     if (dev.is_cpu())
       adamw_cpu(w, g, m, v, n, scheduled_adamw_step(base, *control, lr_multiplier));
     else
@@ -162,13 +162,11 @@ void AdamW::step(const StepScalars* control) {
   });
 }
 
-int64_t AdamW::num_router_params() const {
-  return std::count(router_.begin(), router_.end(), true);
-}
+int64_t AdamW::num_router_params() const { return std::count(router_.begin(), router_.end(), true); }
 
 void AdamW::shard(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
-  FLOWMOE_CHECK(ranges.size() == params_.size(), Error, "AdamW::shard: ", ranges.size(), " ranges for ",
-                params_.size(), " parameters");
+  FLOWMOE_CHECK(ranges.size() == params_.size(), Error, "AdamW::shard: ", ranges.size(), " ranges for ", params_.size(),
+                " parameters");
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto [begin, end] = ranges[i];
     FLOWMOE_CHECK(0 <= begin && begin <= end && end <= params_[i].data().numel(), Error, "AdamW::shard: range [", begin,

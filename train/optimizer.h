@@ -58,7 +58,7 @@ class AdamW {
   const std::pair<int64_t, int64_t>& range(size_t i) const { return ranges_[i]; }
 
   int64_t num_updates() const { return num_updates_; }  // the t of the bias corrections
-  int64_t num_router_params() const;                       // parameters stepped with router_lr_scale
+  int64_t num_router_params() const;                    // parameters stepped with router_lr_scale
   void set_num_updates(int64_t t) { num_updates_ = t; }
   const std::vector<Variable>& params() const { return params_; }
   std::vector<Tensor>& exp_avg() { return exp_avg_; }  // the params' shapes and devices (sharded: the ranges)

@@ -109,8 +109,8 @@ std::string band_json(const NoiseBand& b) {
   if (!b.defined()) return "null";
   return "{\"controls\": " + std::to_string(b.num_controls) + ", \"margin\": " + num(b.margin) +
          ", \"control_mean_max\": " + num(b.control_mean_max) + ", \"control_max_max\": " + num(b.control_max_max) +
-         ", \"final_val_rel_min\": " + num(b.final_val_rel_min) + ", \"final_val_rel_max\": " +
-         num(b.final_val_rel_max) + "}";
+         ", \"final_val_rel_min\": " + num(b.final_val_rel_min) +
+         ", \"final_val_rel_max\": " + num(b.final_val_rel_max) + "}";
 }
 
 // {"bf16": 2.5, "fp8_flow": 2.6} over the runs (or the candidates) with values at one step.
@@ -166,7 +166,7 @@ bool same_value(const YAML::Node* a, const YAML::Node* b) {
 }  // namespace
 
 std::string first_changed_key(const std::string& earlier, const std::string& now,
-                                    const std::vector<std::string>& ignored) {
+                              const std::vector<std::string>& ignored) {
   const ConfigLeaves was = config_leaves(earlier, "earlier run's"), is = config_leaves(now, "current");
   auto find = [](const ConfigLeaves& leaves, const std::string& key) -> const YAML::Node* {
     for (const auto& [k, v] : leaves)
@@ -186,8 +186,7 @@ std::string first_changed_key(const std::string& earlier, const std::string& now
   return "";
 }
 
-ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps,
-                                double margin) {
+ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps, double margin) {
   FLOWMOE_CHECK(runs.size() >= 2, ConfigError, "parity: a reference and at least one candidate are needed, got ",
                 runs.size(), " run(s)");
   ParityReport r;
@@ -251,9 +250,8 @@ std::string parity_json(const ParityReport& r) {
       << ", \"max_rel_err\": " << num(c.max_rel_err) << ", \"mean_rel_err\": " << num(c.mean_rel_err)
       << ", \"final_loss\": " << num(c.final_loss) << ", \"reference_final_loss\": " << num(reference_final_loss(r))
       << ", \"final_val_loss\": " << num(c.final_val_loss) << ", \"nonfinite_steps\": [" << steps << "]"
-      << ", \"final_val_rel\": " << num(c.final_val_rel)
-      << ", \"verdict\": " << json_escape(c.pass ? "pass" : "fail") << ", \"reason\": " << json_escape(c.reason)
-      << ", \"noise_verdict\": "
+      << ", \"final_val_rel\": " << num(c.final_val_rel) << ", \"verdict\": " << json_escape(c.pass ? "pass" : "fail")
+      << ", \"reason\": " << json_escape(c.reason) << ", \"noise_verdict\": "
       << (c.judged_against_noise ? json_escape(c.within_noise ? "within noise" : "outside noise") : "null")
       << ", \"noise_ratio\": " << num(c.noise_ratio) << ", \"noise_reason\": " << json_escape(c.noise_reason) << "}";
   }

@@ -46,7 +46,7 @@ struct ParityCandidate {
   double final_loss = NAN, final_val_loss = NAN;
   std::vector<int64_t> nonfinite_steps;  // non-finite loss or skipped update
   bool pass = false;
-  std::string reason;  // why it failed; empty on a pass
+  std::string reason;          // why it failed; empty on a pass
   double final_val_rel = NAN;  // final validation loss relative to the reference's (signed)
   // Against the noise band (parity_band.h), when the study has controls; not for a control itself.
   bool judged_against_noise = false;
@@ -87,7 +87,7 @@ ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, i
 // has. Comments do not count: the header names the config file, which may be spelled another way.
 // Throws ConfigError when either text is not YAML.
 std::string first_changed_key(const std::string& earlier, const std::string& now,
-                                    const std::vector<std::string>& ignored = {});
+                              const std::vector<std::string>& ignored = {});
 
 // The report as JSON (non-finite numbers as null).
 std::string parity_json(const ParityReport& report);

@@ -18,11 +18,11 @@ struct ParityReport;
 struct NoiseBand {
   int num_controls = 0;
   double margin = 0.25;
-  std::vector<double> upper;         // per report step: the largest control's EMA error (NaN: none)
-  double control_mean_max = NAN;     // the largest of the controls' mean EMA errors after warmup
-  double control_max_max = NAN;      // the largest of their maximum EMA errors after warmup
-  double final_val_rel_min = NAN;    // the controls' final validation loss relative to the reference's:
-  double final_val_rel_max = NAN;    //   its smallest and largest (signed: positive is worse)
+  std::vector<double> upper;       // per report step: the largest control's EMA error (NaN: none)
+  double control_mean_max = NAN;   // the largest of the controls' mean EMA errors after warmup
+  double control_max_max = NAN;    // the largest of their maximum EMA errors after warmup
+  double final_val_rel_min = NAN;  // the controls' final validation loss relative to the reference's:
+  double final_val_rel_max = NAN;  //   its smallest and largest (signed: positive is worse)
   bool defined() const { return num_controls > 0; }
 };
 

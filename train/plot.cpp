@@ -119,8 +119,8 @@ void plot_runs(const std::vector<std::string>& runs, const std::string& png_path
        << "set xlabel 'step'\nset ylabel 'loss (nats)'\nset grid\nset key top right noenhanced\n"
        << "set datafile missing 'NaN'\nplot ";
     for (size_t i = 0; i < series.size(); ++i) {
-      gp << (i ? ", " : "") << json_escape(series[i].second) << " using 1:2 with lines lw 2 lc " << i + 1
-         << " title " << json_escape(series[i].first + " train");
+      gp << (i ? ", " : "") << json_escape(series[i].second) << " using 1:2 with lines lw 2 lc " << i + 1 << " title "
+         << json_escape(series[i].first + " train");
       if (any_val)
         gp << ", " << json_escape(series[i].second) << " using 1:3 with linespoints pt 7 ps 1 dt 2 lw 2 lc " << i + 1
            << " title " << json_escape(series[i].first + " val");
@@ -139,12 +139,11 @@ void plot_runs(const std::vector<std::string>& runs, const std::string& png_path
          << "s = [int(r[0]) for r in rows]\nt = [float(r[1]) for r in rows]\nv = [float(r[2]) for r in rows]\n"
          << "line, = ax.plot(s, t, lw=2, label=" << json_escape(series[i].first + " train") << ")\n"
          << "pts = [(a, b) for a, b in zip(s, v) if not math.isnan(b)]\n"
-         << "if pts: ax.plot(*zip(*pts), 'o--', color=line.get_color(), label="
-         << json_escape(series[i].first + " val") << ")\n";
+         << "if pts: ax.plot(*zip(*pts), 'o--', color=line.get_color(), label=" << json_escape(series[i].first + " val")
+         << ")\n";
     }
     py << "ax.set_xlabel('step'); ax.set_ylabel('loss (nats)'); ax.set_title(" << json_escape(title) << ")\n"
-       << "ax.grid(True); ax.legend()\nfig.savefig(" << json_escape(fs::absolute(png_path).string())
-       << ", dpi=100)\n";
+       << "ax.grid(True); ax.legend()\nfig.savefig(" << json_escape(fs::absolute(png_path).string()) << ", dpi=100)\n";
     py.close();
     rc = std::system(("python3 " + shell_quote(script.string()) + " 2>" + shell_quote(errors.string())).c_str());
   } else {

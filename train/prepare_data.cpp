@@ -75,9 +75,7 @@ std::string human_bytes(int64_t n) {
   return buf;
 }
 
-std::string count_of(size_t n, const char* what) {
-  return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
-}
+std::string count_of(size_t n, const char* what) { return std::to_string(n) + " " + what + (n == 1 ? "" : "s"); }
 
 // "2 binary files: a.bin, b.png", the first 10 paths named.
 std::string listed(const std::vector<std::string>& paths, const char* what) {
@@ -120,9 +118,12 @@ void read_inputs(const std::vector<std::string>& inputs, const std::vector<std::
                  excluded_before = info.excluded.size();
     for (const auto& [rel, p] : files_below(in)) {
       if (is_skipped(p)) continue;
-      if (is_excluded(rel, exclude)) info.excluded.push_back(p.string());
-      else if (read_if_text(p, bytes)) take(p);
-      else info.skipped_binary.push_back(p.string());
+      if (is_excluded(rel, exclude))
+        info.excluded.push_back(p.string());
+      else if (read_if_text(p, bytes))
+        take(p);
+      else
+        info.skipped_binary.push_back(p.string());
     }
     const size_t num_excluded = info.excluded.size() - excluded_before;
     FLOWMOE_CHECK(info.files.size() > files_before, IoError, "prepare-data: directory '", in, "' holds no text files (",
@@ -217,8 +218,8 @@ int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::st
   FLOWMOE_CHECK(!inputs.empty(), IoError, "prepare-data: no input files");
   FLOWMOE_CHECK(opts.bpe_vocab == 0 || opts.tokenizer.empty(), ConfigError,
                 "prepare-data: give --bpe-vocab N (train a tokenizer) or --tokenizer FILE (use one), not both");
-  FLOWMOE_CHECK(opts.bpe_vocab == 0 || (opts.bpe_vocab > kBpeByteTokens && opts.bpe_vocab <= kBpeMaxVocab),
-                ConfigError, "prepare-data: --bpe-vocab must be from ", kBpeByteTokens + 1, " to ", kBpeMaxVocab,
+  FLOWMOE_CHECK(opts.bpe_vocab == 0 || (opts.bpe_vocab > kBpeByteTokens && opts.bpe_vocab <= kBpeMaxVocab), ConfigError,
+                "prepare-data: --bpe-vocab must be from ", kBpeByteTokens + 1, " to ", kBpeMaxVocab,
                 " (the 256 bytes and at least one merge; token files hold uint16 tokens), got ", opts.bpe_vocab);
   const std::string problem = prepare_output_problem(inputs, output, opts);
   FLOWMOE_CHECK(problem.empty(), ConfigError, problem);
@@ -240,13 +241,14 @@ int64_t prepare_token_file(const std::vector<std::string>& inputs, const std::st
   } else if (bpe) {
     info.tokenizer = opts.tokenizer;
     std::error_code ec;
-    FLOWMOE_CHECK(fs::is_regular_file(opts.tokenizer, ec), IoError, "prepare-data: --tokenizer '", opts.tokenizer,
-                  "' ", fs::exists(opts.tokenizer, ec) ? "is not a regular file" : "does not exist");
+    FLOWMOE_CHECK(fs::is_regular_file(opts.tokenizer, ec), IoError, "prepare-data: --tokenizer '", opts.tokenizer, "' ",
+                  fs::exists(opts.tokenizer, ec) ? "is not a regular file" : "does not exist");
     tokenizer = BpeTokenizer::load(opts.tokenizer);
   }
   std::vector<uint16_t> tokens;
   read_inputs(inputs, {output, info.tokenizer}, opts.exclude, info, [&](std::string_view text) {
-    if (bpe) tokenizer.encode(text, tokens);
+    if (bpe)
+      tokenizer.encode(text, tokens);
     else
       for (char c : text) tokens.push_back(static_cast<unsigned char>(c));  // byte-level: one token a byte
   });

@@ -32,8 +32,8 @@ class Progress {
   bool printed_any_ = false;  // plain mode prints the first step of a run, then every log_every
 };
 
-std::string format_duration(double seconds);  // "1h02m", "3m07s", "12s"
-std::string format_rate(double per_s);        // "12.3k"
+std::string format_duration(double seconds);     // "1h02m", "3m07s", "12s"
+std::string format_rate(double per_s);           // "12.3k"
 std::string format_fixed(double v, int digits);  // "%.*f": format_fixed(2.46241, 4) == "2.4624"
 
 }  // namespace flowmoe

@@ -79,9 +79,9 @@ static void check_memory(const Config& cfg, Device device, DType compute, int wo
   const MemoryEstimate need = estimate_memory(per_rank, device, MemoryUse::train, shards);
   progress.message("flowmoe: " + format_count(double(need.num_parameters)) + " parameters (" +
                    std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
-                   std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) +
-                   ") on " + device.str() + ", " + dtype_name(compute) + " compute; initial loss ~ ln(vocab) = " +
-                   format_fixed(std::log(double(cfg.model.vocab_size)), 3));
+                   std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) + ") on " +
+                   device.str() + ", " + dtype_name(compute) +
+                   " compute; initial loss ~ ln(vocab) = " + format_fixed(std::log(double(cfg.model.vocab_size)), 3));
   const double available = available_memory_bytes(device);
   progress.message("memory: " + need.summary() + " of " + format_bytes(available) + " available on " + device.str() +
                    (world_size > 1 ? " (per rank)" : ""));
@@ -134,11 +134,11 @@ static TrainResult prepare_run(const Config& cfg, Device device, DType compute, 
 static int checked_world_size(const Config& cfg, const Communicator& world) {
   const int n = world.size();
   if (cfg.train.batch_size % n != 0)
-    throw AllRanksConfigError(cfg.origin("train.batch_size") + ": train.batch_size: " +
-                              std::to_string(cfg.train.batch_size) + " sequences do not split evenly over " +
-                              std::to_string(n) + " processes (the batch is global: each rank reads batch_size / " +
-                              "processes of it); use a multiple of " + std::to_string(n) +
-                              ", or a number of processes that divides " + std::to_string(cfg.train.batch_size));
+    throw AllRanksConfigError(
+        cfg.origin("train.batch_size") + ": train.batch_size: " + std::to_string(cfg.train.batch_size) +
+        " sequences do not split evenly over " + std::to_string(n) +
+        " processes (the batch is global: each rank reads batch_size / " + "processes of it); use a multiple of " +
+        std::to_string(n) + ", or a number of processes that divides " + std::to_string(cfg.train.batch_size));
   return n;
 }
 
@@ -171,8 +171,7 @@ static void resume_from_checkpoint(TrainRun& run) {
   run.step = meta.step;
   run.skipped = meta.skipped_steps;
   run.opt.set_num_updates(meta.num_updates);
-  run.resume_note = "resumed from " + run.resume_dir + " at step " + std::to_string(run.step) +
-                    partial_load_note(meta);
+  run.resume_note = "resumed from " + run.resume_dir + " at step " + std::to_string(run.step) + partial_load_note(meta);
 }
 
 // The data line, the resume note and a capped evaluation, before the first step.
@@ -290,12 +289,11 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   run.clock.checkpoint_seconds += RunClock::seconds_since(t0);
 }
 
-
 // Where each explicit cast of the last step happened (DESIGN.md §1: the published flow has 2).
 static void print_cast_summary(TrainRun& run) {
   const CastCounts& casts = run.last_casts;
-  std::string line = "casts per MoE layer per micro-batch (" + run.cfg.precision.recipe + "): " +
-                     format_fixed(double(casts.activation_casts()) / run.cast_divisor, 1);
+  std::string line = "casts per MoE layer per micro-batch (" + run.cfg.precision.recipe +
+                     "): " + format_fixed(double(casts.activation_casts()) / run.cast_divisor, 1);
   for (const auto& [site, n] : casts.by_site)
     if (site.rfind("weight_quantize", 0) != 0)
       line += " | " + site + " x" + format_fixed(double(n) / run.cast_divisor, 1);

@@ -20,12 +20,12 @@
 #include "train/config.h"
 #include "train/data.h"
 #include "train/dir_lock.h"
+#include "train/evaluation.h"
 #include "train/grad_reducer.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
 #include "train/step_state.h"
-#include "train/evaluation.h"
 #include "train/trainer.h"
 
 namespace flowmoe {
@@ -93,30 +93,30 @@ struct TrainRun {
   SetupLap model_lap{clock, "model"};
   AdamW opt;
   SetupLap optimizer_lap{clock, "optimizer"};
-  std::optional<MetricsWriter> metrics;  // opened once the step to resume at is known
-  StepState state;  // the optimizer step's scalars where the weights live, and their readout
+  std::optional<MetricsWriter> metrics;      // opened once the step to resume at is known
+  StepState state;                           // the optimizer step's scalars where the weights live, and their readout
   std::unique_ptr<GradientReducer> reducer;  // several ranks: the gradient buckets and their schedule
 
   int64_t tokens_per_step = 0;
-  ValBatches val;  // what an evaluation reads; no batches when the data holds out no validation
+  ValBatches val;           // what an evaluation reads; no batches when the data holds out no validation
   int64_t end = 0;          // the last step this call takes: train.steps, or opts.stop_after
   double cast_divisor = 0;  // MoE layers x micro-batches: casts are reported per layer and micro-batch
   CastCounts last_casts;    // of the last step taken
 
-  int64_t step = 0;          // the last step taken or queued (the checkpoint's after a resume)
-  int64_t skipped = 0;       // steps whose update was skipped, over the whole run
-  int64_t steps_done = 0;    // steps taken by this call
-  int64_t last_saved = -1;   // the step of the last checkpoint this call saved
-  double train_seconds = 0;  // spent in steps, evaluation and checkpoints excluded
+  int64_t step = 0;               // the last step taken or queued (the checkpoint's after a resume)
+  int64_t skipped = 0;            // steps whose update was skipped, over the whole run
+  int64_t steps_done = 0;         // steps taken by this call
+  int64_t last_saved = -1;        // the step of the last checkpoint this call saved
+  double train_seconds = 0;       // spent in steps, evaluation and checkpoints excluded
   std::deque<IssuedStep> issued;  // queued steps whose metrics are not read yet, oldest first
   // train.cuda_graph: the captured step, its static inputs, and what its capture's host code knew.
   std::unique_ptr<CudaGraphCapture> graph;
   std::vector<Batch> graph_inputs;
   IssuedStep graph_issued;
   CastCounts graph_casts;
-  bool graph_failed = false;           // a capture failed under auto: eager from then on
-  int64_t eager_steps = 0;             // steps this call ran without the graph
-  int64_t last_eager_host_syncs = -1;  // the host synchronisations the last of them made
+  bool graph_failed = false;                         // a capture failed under auto: eager from then on
+  int64_t eager_steps = 0;                           // steps this call ran without the graph
+  int64_t last_eager_host_syncs = -1;                // the host synchronisations the last of them made
   std::chrono::steady_clock::time_point step_clock;  // when the oldest queued step's time began
 };
 

@@ -12,14 +12,22 @@ namespace flowmoe {
 
 const char* safetensors_dtype(DType t) {
   switch (t) {
-    case DType::f32: return "F32";
-    case DType::f64: return "F64";
-    case DType::bf16: return "BF16";
-    case DType::e4m3: return "F8_E4M3";
-    case DType::e5m2: return "F8_E5M2";
-    case DType::i32: return "I32";
-    case DType::i64: return "I64";
-    case DType::u8: return "U8";
+    case DType::f32:
+      return "F32";
+    case DType::f64:
+      return "F64";
+    case DType::bf16:
+      return "BF16";
+    case DType::e4m3:
+      return "F8_E4M3";
+    case DType::e5m2:
+      return "F8_E5M2";
+    case DType::i32:
+      return "I32";
+    case DType::i64:
+      return "I64";
+    case DType::u8:
+      return "U8";
   }
   FLOWMOE_THROW(IoError, "no safetensors dtype for ", dtype_name(t));
 }
@@ -100,9 +108,8 @@ static bool header_uint(const YAML::Node& n, uint64_t* out) {
   return true;
 }
 
-
 static SafetensorsEntry read_entry(const YAML::Node& e, const std::string& path, const std::string& name,
-                              uint64_t body_size) {
+                                   uint64_t body_size) {
   const std::string what = "'" + path + "': tensor '" + name + "'";
   FLOWMOE_CHECK(e.IsMap() && e["dtype"] && e["shape"] && e["data_offsets"], IoError, what,
                 " lacks dtype, shape or data_offsets");

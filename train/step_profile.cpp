@@ -42,8 +42,8 @@ struct PhaseSums {
 void phase_table(std::string& t, const char* title, const std::vector<std::pair<std::string, PhaseSums>>& rows,
                  double all_ms) {
   char line[256];
-  std::snprintf(line, sizeof line, "%-28s %10s %10s %10s %10s %7s\n", title, "fwd ms", "bwd ms", "recomp ms",
-                "step ms", "share");
+  std::snprintf(line, sizeof line, "%-28s %10s %10s %10s %10s %7s\n", title, "fwd ms", "bwd ms", "recomp ms", "step ms",
+                "share");
   t += line;
   for (const auto& [key, s] : rows) {
     std::snprintf(line, sizeof line, "  %-26s %10.3f %10.3f %10.3f %10.3f %6.1f%%\n", key.c_str(), s.ms[0], s.ms[1],

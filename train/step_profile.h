@@ -16,8 +16,8 @@ struct TrainRun;
 
 struct StepProfile {
   int64_t step = 0;
-  std::string device;       // "cuda:0", "cpu"
-  double wall_ms = 0;       // the whole step, host clock, the device drained at both ends
+  std::string device;  // "cuda:0", "cpu"
+  double wall_ms = 0;  // the whole step, host clock, the device drained at both ends
   std::vector<OpTiming> ops;
 };
 

@@ -72,8 +72,8 @@ const StepScalars* StepState::scalars() const {
 
 void StepState::record_losses(int64_t micro_batch, const Tensor& lm, const Tensor& aux) {
   FLOWMOE_CHECK(device_.is_cuda() && micro_batch >= 0 && micro_batch < schedule_.num_micro_batches, Error,
-                "StepState::record_losses: micro-batch ", micro_batch, " of ", schedule_.num_micro_batches,
-                " on ", device_.str());
+                "StepState::record_losses: micro-batch ", micro_batch, " of ", schedule_.num_micro_batches, " on ",
+                device_.str());
   const auto put = [&](const Tensor& t, int64_t slot) {
     FLOWMOE_CHECK(t.numel() == 1 && t.dtype() == DType::f32 && t.device() == device_, DTypeError,
                   "StepState: a loss must be an f32 scalar on ", device_.str(), ", got ", t.describe());
@@ -114,8 +114,8 @@ Tensor StepState::upload(const Tensor& host) {
 }
 
 void StepState::upload_into(const Tensor& host, Tensor& out) {
-  FLOWMOE_CHECK(device_.is_cuda() && host.device().is_cpu() && out.device() == device_ &&
-                    out.shape() == host.shape() && out.dtype() == host.dtype() && out.is_contiguous(),
+  FLOWMOE_CHECK(device_.is_cuda() && host.device().is_cpu() && out.device() == device_ && out.shape() == host.shape() &&
+                    out.dtype() == host.dtype() && out.is_contiguous(),
                 Error, "StepState::upload: ", host.describe(), " into ", out.describe());
   FLOWMOE_CHECK(pending_.size() < slots_.size(), Error, "StepState: ", pending_.size(), " steps already pending");
   // This slot's previous step was read back (complete()) before this one was issued: its copies are done.

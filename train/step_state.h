@@ -10,9 +10,9 @@
 
 #include "engine/device.h"
 #include "engine/tensor.h"
-#include "parallel/communicator.h"
 #include "kernels/common/device_api.h"
 #include "kernels/step_control.h"
+#include "parallel/communicator.h"
 
 namespace flowmoe {
 
@@ -74,9 +74,9 @@ class StepState {
   std::vector<double> lr_by_step_;
   std::vector<float> bias_corrections_;  // [2, total_steps + 1]
   Tensor device_tables_;                 // u8: the lr table, then the bias corrections
-  StepScalars host_;       // the CPU's scalars, or the last ones the host path computed
-  Tensor device_scalars_;  // u8 [sizeof(StepScalars)] on a GPU
-  Tensor loss_slots_;      // f32 [2 * micro-batches] on a GPU: lm then aux
+  StepScalars host_;                     // the CPU's scalars, or the last ones the host path computed
+  Tensor device_scalars_;                // u8 [sizeof(StepScalars)] on a GPU
+  Tensor loss_slots_;                    // f32 [2 * micro-batches] on a GPU: lm then aux
   std::vector<Slot> slots_;
   std::deque<size_t> pending_;  // slot indices, oldest first
   size_t next_slot_ = 0;

@@ -64,8 +64,8 @@ std::vector<uint16_t> synthetic_bigram_corpus(int64_t vocab_size, int64_t num_to
   double acc = 0;
   for (int64_t r = 1; r <= num_words; ++r) pop_cum[size_t(r - 1)] = acc += 1.0 / double(r + 10);
   auto popular = [&] {
-    size_t i = size_t(std::upper_bound(pop_cum.begin(), pop_cum.end(), rng.next_uniform() * pop_cum.back()) -
-                      pop_cum.begin());
+    size_t i =
+        size_t(std::upper_bound(pop_cum.begin(), pop_cum.end(), rng.next_uniform() * pop_cum.back()) - pop_cum.begin());
     return by_rank[std::min(i, size_t(num_words - 1))];
   };
 
@@ -87,8 +87,8 @@ std::vector<uint16_t> synthetic_bigram_corpus(int64_t vocab_size, int64_t num_to
       tok = popular();
       continue;
     }
-    int64_t j = std::upper_bound(slot_cum, slot_cum + kSuccessors, rng.next_uniform() * slot_cum[kSuccessors - 1]) -
-                slot_cum;
+    int64_t j =
+        std::upper_bound(slot_cum, slot_cum + kSuccessors, rng.next_uniform() * slot_cum[kSuccessors - 1]) - slot_cum;
     tok = successors[size_t(int64_t(tok) * kSuccessors + std::min(j, kSuccessors - 1))];
   }
   out.resize(size_t(num_tokens));

@@ -8,10 +8,10 @@
 
 #include "engine/allocator.h"
 #include "engine/cuda_graph.h"
+#include "engine/ops/router.h"
 #include "engine/profiler.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
-#include "engine/ops/router.h"
 #include "train/data_parallel.h"
 
 namespace flowmoe {
@@ -104,8 +104,9 @@ void apply_non_finite_policy(TrainRun& run, const std::string& what) {
                   ". Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nonfinite: skip");
   }
   if (run.skipped > tc.max_skipped_steps)
-    FLOWMOE_THROW(Error, what, "; ", run.skipped, " steps skipped so far, more than train.max_skipped_steps = ",
-                  tc.max_skipped_steps, ": the run is diverging. Lower optimizer.lr or raise warmup_steps");
+    FLOWMOE_THROW(Error, what, "; ", run.skipped,
+                  " steps skipped so far, more than train.max_skipped_steps = ", tc.max_skipped_steps,
+                  ": the run is diverging. Lower optimizer.lr or raise warmup_steps");
   run.progress.message(what + ": update skipped (" + std::to_string(run.skipped) + " of at most " +
                        std::to_string(tc.max_skipped_steps) + ")");
 }

@@ -21,8 +21,8 @@
 #include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/progress.h"
-#include "train/step_profile.h"
 #include "train/run.h"
+#include "train/step_profile.h"
 #include "train/train_step.h"
 
 namespace flowmoe {
@@ -82,7 +82,6 @@ static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
                        " (train loss " + format_fixed(m.loss, 4) + ")");
 }
 
-
 // Every checkpoint.every steps, and at train.steps unless checkpoint.final is false.
 static bool checkpoint_due(const TrainRun& run, int64_t step) {
   const CheckpointConfig& c = run.cfg.checkpoint;
@@ -102,8 +101,8 @@ static void save_if_due(TrainRun& run, int64_t step) {
 // A stop request ends the run after the current step, with a checkpoint to continue from.
 static void stop_with_checkpoint(TrainRun& run) {
   if (run.last_saved != run.step) save_run_checkpoint(run, run.step);
-  run.progress.message("interrupted at step " + std::to_string(run.step) + ": checkpoint " +
-                       run.res.last_checkpoint + " (continue with --resume)");
+  run.progress.message("interrupted at step " + std::to_string(run.step) + ": checkpoint " + run.res.last_checkpoint +
+                       " (continue with --resume)");
   run.res.interrupted = true;
 }
 
@@ -148,8 +147,7 @@ static bool finish_step(TrainRun& run, StepMetrics m) {
 static bool may_run_ahead(const TrainRun& run) {
   const TrainConfig& tc = run.cfg.train;
   return step_scalars_on_device(run) && run.step < run.end && run.step + 1 != run.opts.profile_step &&
-         tc.nonfinite != "stop" && !due(run.step, tc.eval_every, tc.steps) &&
-         !checkpoint_due(run, run.step);
+         tc.nonfinite != "stop" && !due(run.step, tc.eval_every, tc.steps) && !checkpoint_due(run, run.step);
 }
 
 TrainResult train(const Config& cfg, const TrainOptions& opts) {

@@ -37,8 +37,8 @@ struct TrainOptions {
   // calls train() with the same config; train.batch_size is the global batch, split over the ranks.
   std::shared_ptr<Communicator> world;
   std::optional<Device> device;  // this rank's device, as init_distributed chose it; unset: resolve_device(cfg)
-  int64_t stop_after = -1;  // stop after this step as if interrupted (tests); -1: run to train.steps
-  int64_t profile_step = 0;  // time this step op by op (train/step_profile.h); 0: none
+  int64_t stop_after = -1;       // stop after this step as if interrupted (tests); -1: run to train.steps
+  int64_t profile_step = 0;      // time this step op by op (train/step_profile.h); 0: none
   // When the command began (before the ranks started): the summary's time line counts from here,
   // so the ranks' start-up shows as its first part. Unset: from train()'s call.
   std::optional<std::chrono::steady_clock::time_point> started;
@@ -56,8 +56,8 @@ struct TrainResult {
   double final_val_loss = NAN;  // at the end (NaN: no validation data)
   double tokens_per_s = 0;      // over the whole run
   int64_t skipped_steps = 0;
-  bool interrupted = false;     // stopped by request_stop() or stop_after before train.steps
-  int world_size = 1;           // the data-parallel ranks that trained
+  bool interrupted = false;  // stopped by request_stop() or stop_after before train.steps
+  int world_size = 1;        // the data-parallel ranks that trained
   std::string out_dir, metrics_file, last_checkpoint;
 };
 

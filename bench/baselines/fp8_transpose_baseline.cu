@@ -47,9 +47,10 @@ __global__ void baseline_dequantize_kernel(const uint8_t* __restrict__ q, const 
 // goes to shared memory transposed (f32), thread (j, part) takes the amax of column j over the block
 // (4 parts of 32 rows), then quantizes its 32 rows and stores them as 2 x 16 bytes.
 constexpr int kBaseCols = 64;
-__global__ void __launch_bounds__(kThreads) baseline_quantize_colwise_kernel(
-    const __nv_bfloat16* __restrict__ y, int64_t M, int64_t K, uint8_t* __restrict__ q_t,
-    float* __restrict__ scale_inv_t, int num_col_tiles, bool vec_out, const __grid_constant__ SegmentChunk chunk) {
+__global__ void __launch_bounds__(kThreads)
+    baseline_quantize_colwise_kernel(const __nv_bfloat16* __restrict__ y, int64_t M, int64_t K,
+                                     uint8_t* __restrict__ q_t, float* __restrict__ scale_inv_t, int num_col_tiles,
+                                     bool vec_out, const __grid_constant__ SegmentChunk chunk) {
   __shared__ float tile_t[kBaseCols][kTile + 1];
   __shared__ float part_amax[4][kBaseCols];
   const int tid = threadIdx.x, col_tile = int(blockIdx.x % unsigned(num_col_tiles));
@@ -93,8 +94,8 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 // ---- launchers --------------------------------------------------------------------------------
 
-void fp8_transpose_baseline_dequantize_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
-                                            uint16_t* y, cudaStream_t stream) {
+void fp8_transpose_baseline_dequantize_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K, uint16_t* y,
+                                            cudaStream_t stream) {
   FLOWMOE_CHECK(M >= 0 && K >= 0 && K % 8 == 0 && aligned16(y), ShapeError,
                 "fp8_transpose_baseline_dequantize_cuda: needs K % 8 == 0 and aligned y, got M ", M, ", K ", K);
   if (M == 0 || K == 0) return;
@@ -104,8 +105,8 @@ void fp8_transpose_baseline_dequantize_cuda(const uint8_t* q, const float* scale
 }
 
 void fp8_transpose_baseline_quantize_colwise_cuda(const uint16_t* y, int64_t M, int64_t K,
-                                                  const int64_t* rows_per_segment, int64_t num_segments,
-                                                  uint8_t* q_t, float* scale_inv_t, cudaStream_t stream) {
+                                                  const int64_t* rows_per_segment, int64_t num_segments, uint8_t* q_t,
+                                                  float* scale_inv_t, cudaStream_t stream) {
   const char* what = "fp8_transpose_baseline_quantize_colwise_cuda";
   FLOWMOE_CHECK(K >= 0 && K % 8 == 0 && aligned16(y), ShapeError, what, ": needs K % 8 == 0 and aligned y, got K ", K);
   fp8_transpose_num_blocks(rows_per_segment, num_segments, M);

@@ -10,8 +10,7 @@
 namespace flowmoe {
 
 void fp8_transpose_baseline_dequantize_cuda(const uint8_t* q /*[M,K]*/, const float* scale_inv /*[M, ceil(K/128)]*/,
-                                            int64_t M, int64_t K, uint16_t* y /*[M,K] bf16 bits*/,
-                                            cudaStream_t stream);
+                                            int64_t M, int64_t K, uint16_t* y /*[M,K] bf16 bits*/, cudaStream_t stream);
 void fp8_transpose_baseline_quantize_colwise_cuda(const uint16_t* y /*[M,K] bf16 bits*/, int64_t M, int64_t K,
                                                   const int64_t* rows_per_segment /*[num_segments] host*/,
                                                   int64_t num_segments, uint8_t* q_t /*[K,M]*/,

@@ -2,8 +2,8 @@
 // the GPU path keeps the forward's per-row logsumexp in the primitive (one primitive per call) and
 // saves the output, as flash-attention's backward needs both.
 // Reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp.
-#include "engine/ops/ops.h"
 #include "kernels/attention.h"
+#include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
 
 namespace flowmoe {
@@ -38,10 +38,10 @@ class CausalAttention : public Primitive {
     Tensor q = in[0].contiguous(), k = in[1].contiguous(), v = in[2].contiguous();
     Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
     const Shape& s = q.shape();
-    FLOWMOE_DISPATCH_CPU_FLOAT(q.dtype(), name(),
-                               attention_forward_cpu<scalar_t>(out.data<scalar_t>(), q.data<scalar_t>(),
-                                                               k.data<scalar_t>(), v.data<scalar_t>(), s[0], s[1],
-                                                               s[2], s[3]));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        q.dtype(), name(),
+        attention_forward_cpu<scalar_t>(out.data<scalar_t>(), q.data<scalar_t>(), k.data<scalar_t>(),
+                                        v.data<scalar_t>(), s[0], s[1], s[2], s[3]));
     return {out};
   }
 
@@ -67,11 +67,11 @@ class CausalAttention : public Primitive {
     Tensor d_v = Tensor::empty(q.shape(), q.dtype(), q.device());
     const Shape& s = q.shape();
     if (q.device().is_cpu()) {
-      FLOWMOE_DISPATCH_CPU_FLOAT(q.dtype(), "causal_attention backward",
-                                 attention_backward_cpu<scalar_t>(
-                                     d_q.data<scalar_t>(), d_k.data<scalar_t>(), d_v.data<scalar_t>(),
-                                     d_out.data<scalar_t>(), q.data<scalar_t>(), k.data<scalar_t>(),
-                                     v.data<scalar_t>(), s[0], s[1], s[2], s[3]));
+      FLOWMOE_DISPATCH_CPU_FLOAT(
+          q.dtype(), "causal_attention backward",
+          attention_backward_cpu<scalar_t>(d_q.data<scalar_t>(), d_k.data<scalar_t>(), d_v.data<scalar_t>(),
+                                           d_out.data<scalar_t>(), q.data<scalar_t>(), k.data<scalar_t>(),
+                                           v.data<scalar_t>(), s[0], s[1], s[2], s[3]));
       return {d_q, d_k, d_v};
     }
     Tensor out = outs[0].contiguous();

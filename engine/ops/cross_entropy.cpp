@@ -1,9 +1,9 @@
 // Fused cross-entropy as an autograd primitive. Forward keeps the per-row logsumexp (and on the GPU
 // the device-side 1/count) on the primitive, which its node owns; the vjp hands them to
 // CrossEntropyBackward. References: kernels/cpu/cross_entropy.cpp. Tests: tests/test_cross_entropy.cpp.
+#include "kernels/cross_entropy.h"
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
-#include "kernels/cross_entropy.h"
 
 namespace flowmoe {
 
@@ -31,11 +31,11 @@ class CrossEntropyBackward : public BackwardPrimitive {
     Tensor logits = in[1].contiguous(), targets = in[2].contiguous(), lse = in[3];
     check_same_dtype(in[0], logits, name());  // on the CPU the loss has the logits' dtype
     Tensor d_logits = Tensor::empty(logits.shape(), logits.dtype(), logits.device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(logits.dtype(), name(),
-                               cross_entropy_backward_cpu<scalar_t>(
-                                   d_logits.data<scalar_t>(), in[0].data<scalar_t>()[0], logits.data<scalar_t>(),
-                                   lse.data<scalar_t>(), targets.data<int32_t>(), logits.size(0), logits.size(1),
-                                   ignore_index_));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        logits.dtype(), name(),
+        cross_entropy_backward_cpu<scalar_t>(d_logits.data<scalar_t>(), in[0].data<scalar_t>()[0],
+                                             logits.data<scalar_t>(), lse.data<scalar_t>(), targets.data<int32_t>(),
+                                             logits.size(0), logits.size(1), ignore_index_));
     return {d_logits};
   }
 
@@ -48,7 +48,6 @@ class CrossEntropyBackward : public BackwardPrimitive {
                                 logits.size(1), ignore_index_, current_stream(logits.device().index));
     return {d_logits};
   }
-
 
  private:
   int ignore_index_;
@@ -66,10 +65,10 @@ class CrossEntropy : public Primitive {
     int64_t N = logits.size(0), V = logits.size(1);
     Tensor loss = Tensor::empty({}, logits.dtype(), logits.device());
     lse_ = Tensor::empty({N}, logits.dtype(), logits.device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(logits.dtype(), name(),
-                               cross_entropy_forward_cpu<scalar_t>(loss.data<scalar_t>(), lse_.data<scalar_t>(),
-                                                                   logits.data<scalar_t>(), targets.data<int32_t>(),
-                                                                   N, V, ignore_index_));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        logits.dtype(), name(),
+        cross_entropy_forward_cpu<scalar_t>(loss.data<scalar_t>(), lse_.data<scalar_t>(), logits.data<scalar_t>(),
+                                            targets.data<int32_t>(), N, V, ignore_index_));
     return {loss};
   }
 
@@ -83,8 +82,8 @@ class CrossEntropy : public Primitive {
     lse_ = Tensor::empty({N}, DType::f32, dev);
     inv_count_ = Tensor::empty({}, DType::f32, dev);
     cross_entropy_forward_cuda(logits.dtype(), loss.data<float>(), inv_count_.data<float>(), lse_.data<float>(),
-                               row_loss.data<float>(), logits.raw_data(), targets.data<int32_t>(), N, V,
-                               ignore_index_, current_stream(dev.index));
+                               row_loss.data<float>(), logits.raw_data(), targets.data<int32_t>(), N, V, ignore_index_,
+                               current_stream(dev.index));
     return {loss};
   }
 

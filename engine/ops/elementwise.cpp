@@ -1,8 +1,8 @@
 // Elementwise add / mul / scale / cast and reshape as autograd primitives.
 // References: kernels/cpu/elementwise.cpp, kernels/cpu/copy.cpp. Tests: tests/test_elementwise.cpp.
+#include "kernels/elementwise.h"
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
-#include "kernels/elementwise.h"
 
 namespace flowmoe {
 
@@ -25,9 +25,9 @@ class Binary : public Primitive {
     check_binary(in[0], in[1], name());
     Tensor a = in[0].contiguous(), b = in[1].contiguous();
     Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(a.dtype(), name(),
-                               binary_cpu<scalar_t>(op_, out.data<scalar_t>(), a.data<scalar_t>(),
-                                                    b.data<scalar_t>(), a.numel()));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        a.dtype(), name(),
+        binary_cpu<scalar_t>(op_, out.data<scalar_t>(), a.data<scalar_t>(), b.data<scalar_t>(), a.numel()));
     return {out};
   }
 

@@ -1,9 +1,9 @@
 // embedding(weight, ids) as an autograd primitive (ids are not differentiable); its scatter-add
 // backward is a primitive on the same device. Reference: kernels/cpu/embedding.cpp.
 // Tests: tests/test_embedding.cpp.
+#include "kernels/embedding.h"
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
-#include "kernels/embedding.h"
 
 namespace flowmoe {
 
@@ -102,8 +102,8 @@ class Embedding : public Primitive {
  private:
   static void check(const std::vector<Tensor>& in) {
     FLOWMOE_CHECK(in[0].defined() && in[1].defined(), Error, "embedding: weight and ids must be defined");
-    FLOWMOE_CHECK(in[0].dim() == 2, ShapeError, "embedding: weight must be [V, H], got ", in[0].describe(),
-                  " (ids ", in[1].describe(), ")");
+    FLOWMOE_CHECK(in[0].dim() == 2, ShapeError, "embedding: weight must be [V, H], got ", in[0].describe(), " (ids ",
+                  in[1].describe(), ")");
     check_ids(in[1], "embedding");
   }
 };

@@ -188,9 +188,9 @@ class Fp8GroupedLinear : public Primitive {
         // fp8_blockwise: the classic recipe re-quantizes the transposed operands from high precision.
         Tensor dy_hp = dy_fp8 ? dequantize_tensor(dy, DType::f32, site_ + ".wgrad: dy") : dy;
         dy_col = quantize_colwise_tensor(dy_hp, counts_, site_ + ".wgrad: dy colwise");
-        x_col = quantize_colwise_tensor(dequantize_tensor(x, x.device().is_cpu() ? DType::f32 : DType::bf16,
-                                                          site_ + ".wgrad: x"),
-                                        counts_, site_ + ".wgrad: x colwise");
+        x_col = quantize_colwise_tensor(
+            dequantize_tensor(x, x.device().is_cpu() ? DType::f32 : DType::bf16, site_ + ".wgrad: x"), counts_,
+            site_ + ".wgrad: x colwise");
       }
       Fp8GroupedWgrad wgrad(counts_);
       dw = eval(wgrad, {dy_col, x_col})[0];

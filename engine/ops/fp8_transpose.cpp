@@ -24,8 +24,8 @@ class Fp8Transpose : public BackwardPrimitive {
       fp8_transpose_device_cpu(p.q.data<uint8_t>(), p.scale_inv.data<float>(), p.m, p.k, counts_.data<int32_t>(),
                                counts_.numel(), p.q_t.data<uint8_t>(), p.scale_inv_t.data<float>());
     else
-      fp8_transpose_cpu(p.q.data<uint8_t>(), p.scale_inv.data<float>(), p.m, p.k, rows_.data(),
-                        int64_t(rows_.size()), p.q_t.data<uint8_t>(), p.scale_inv_t.data<float>());
+      fp8_transpose_cpu(p.q.data<uint8_t>(), p.scale_inv.data<float>(), p.m, p.k, rows_.data(), int64_t(rows_.size()),
+                        p.q_t.data<uint8_t>(), p.scale_inv_t.data<float>());
     return {p.q_t, p.scale_inv_t};
   }
 
@@ -36,8 +36,8 @@ class Fp8Transpose : public BackwardPrimitive {
       fp8_transpose_device_cuda(p.q.data<uint8_t>(), p.scale_inv.data<float>(), p.m, p.k, counts_.data<int32_t>(),
                                 counts_.numel(), p.q_t.data<uint8_t>(), p.scale_inv_t.data<float>(), stream);
     else
-      fp8_transpose_cuda(p.q.data<uint8_t>(), p.scale_inv.data<float>(), p.m, p.k, rows_.data(),
-                         int64_t(rows_.size()), p.q_t.data<uint8_t>(), p.scale_inv_t.data<float>(), stream);
+      fp8_transpose_cuda(p.q.data<uint8_t>(), p.scale_inv.data<float>(), p.m, p.k, rows_.data(), int64_t(rows_.size()),
+                         p.q_t.data<uint8_t>(), p.scale_inv_t.data<float>(), stream);
     return {p.q_t, p.scale_inv_t};
   }
 
@@ -52,17 +52,17 @@ class Fp8Transpose : public BackwardPrimitive {
 
   Prepared prepare(const Tensor& x) const {
     const auto& scales = x.fp8_scales();
-    FLOWMOE_CHECK(x.dtype() == DType::e4m3 && scales && scales->mode == ScalingMode::rowwise_1x128, DTypeError,
-                  "fp8_transpose: expected e4m3 with rowwise_1x128 scales, got ", x.describe(),
-                  scales ? std::string(" with ") + scaling_mode_name(scales->mode) + " scales"
-                         : std::string(" without scales"));
+    FLOWMOE_CHECK(
+        x.dtype() == DType::e4m3 && scales && scales->mode == ScalingMode::rowwise_1x128, DTypeError,
+        "fp8_transpose: expected e4m3 with rowwise_1x128 scales, got ", x.describe(),
+        scales ? std::string(" with ") + scaling_mode_name(scales->mode) + " scales" : std::string(" without scales"));
     FLOWMOE_CHECK(x.dim() == 2, ShapeError, "fp8_transpose: expected [M, K] data, got ", x.describe());
     Prepared p;
     p.m = x.size(0), p.k = x.size(1);
     const Tensor& s = scales->scale_inv;
     FLOWMOE_CHECK(s.dtype() == DType::f32 && s.shape() == Shape({p.m, fp8_num_blocks(p.k)}), ShapeError,
-                  "fp8_transpose: scale_inv ", s.describe(), " does not fit data ", x.describe(), " (want [", p.m,
-                  ", ", fp8_num_blocks(p.k), "] f32)");
+                  "fp8_transpose: scale_inv ", s.describe(), " does not fit data ", x.describe(), " (want [", p.m, ", ",
+                  fp8_num_blocks(p.k), "] f32)");
     check_same_device(x, s, "fp8_transpose (data vs scale_inv)");
     int64_t num_blocks = 0;
     if (counts_.defined()) {

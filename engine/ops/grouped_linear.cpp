@@ -66,8 +66,8 @@ Dims check_inputs(const Tensor& x, const Tensor& w, const std::vector<int64_t>& 
 
 void check_gpu_dtypes(const Tensor& x, const Tensor& w) {
   check_dtype(x, {DType::bf16, DType::f32}, "grouped_linear x on cuda");
-  FLOWMOE_CHECK(w.dtype() == DType::f32 || w.dtype() == x.dtype(), DTypeError, "grouped_linear: weight ",
-                w.describe(), " must be f32 or x's dtype (x ", x.describe(), ")");
+  FLOWMOE_CHECK(w.dtype() == DType::f32 || w.dtype() == x.dtype(), DTypeError, "grouped_linear: weight ", w.describe(),
+                " must be f32 or x's dtype (x ", x.describe(), ")");
 }
 
 class GroupedLinear : public Primitive {
@@ -84,10 +84,10 @@ class GroupedLinear : public Primitive {
     check_same_dtype(in[0], in[1], "grouped_linear (x vs weight)");
     Tensor x = in[0].contiguous(), w = in[1].contiguous();
     Tensor y = Tensor::empty({d.m_total, d.n}, x.dtype(), x.device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(x.dtype(), name(),
-                               grouped_linear_forward_cpu<scalar_t>(x.data<scalar_t>(), w.data<scalar_t>(),
-                                                                    y.data<scalar_t>(), counts_.host.data(),
-                                                                    d.num_experts, d.m_total, d.n, d.k));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        x.dtype(), name(),
+        grouped_linear_forward_cpu<scalar_t>(x.data<scalar_t>(), w.data<scalar_t>(), y.data<scalar_t>(),
+                                             counts_.host.data(), d.num_experts, d.m_total, d.n, d.k));
     return {y};
   }
 
@@ -185,9 +185,8 @@ class GroupedLinear : public Primitive {
     }
     if (needs[1]) {
       Tensor dw32 = Tensor::empty(in[1].shape(), DType::f32, dev);
-      grouped_gemm_wgrad_device_cuda(x.dtype(), x.raw_data(), dy.raw_data(), dw32.data<float>(), counts,
-                                     d.num_experts, d.m_total, d.n, d.k, false, ws.raw_data(), size_t(ws.numel()),
-                                     stream);
+      grouped_gemm_wgrad_device_cuda(x.dtype(), x.raw_data(), dy.raw_data(), dw32.data<float>(), counts, d.num_experts,
+                                     d.m_total, d.n, d.k, false, ws.raw_data(), size_t(ws.numel()), stream);
       dw = dw32.to(in[1].dtype());
     }
     return {dx, dw};
@@ -203,9 +202,9 @@ class GroupedLinear : public Primitive {
     return {w.size(0), x.size(0), w.size(1), w.size(2)};
   }
 
-  ExpertCounts counts_;  // host counts, read once per layer by the caller, or device counts [E] i32 on x's device
-  std::string weight_name_;    // names the tap site
-  Tensor w_compute_;           // GPU: the weight in x's dtype, from the forward to the backward
+  ExpertCounts counts_;      // host counts, read once per layer by the caller, or device counts [E] i32 on x's device
+  std::string weight_name_;  // names the tap site
+  Tensor w_compute_;         // GPU: the weight in x's dtype, from the forward to the backward
 };
 
 }  // namespace

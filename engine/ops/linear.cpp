@@ -39,8 +39,8 @@ Tensor gemm_cpu_tensor(const Tensor& a, bool ta, const Tensor& b, bool tb, const
   Tensor c = Tensor::empty({m, n}, a.dtype(), a.device());
   Tensor bias_c = bias.defined() ? bias.contiguous() : bias;
   FLOWMOE_DISPATCH_CPU_FLOAT(a.dtype(), "matmul/linear", {
-    gemm_cpu<scalar_t>(oa.trans, ob.trans, m, n, k, oa.t.data<scalar_t>(), ob.t.data<scalar_t>(),
-                       c.data<scalar_t>(), false);
+    gemm_cpu<scalar_t>(oa.trans, ob.trans, m, n, k, oa.t.data<scalar_t>(), ob.t.data<scalar_t>(), c.data<scalar_t>(),
+                       false);
     if (bias_c.defined()) add_bias_cpu<scalar_t>(c.data<scalar_t>(), bias_c.data<scalar_t>(), m, n);
   });
   return c;
@@ -55,9 +55,8 @@ Tensor gemm_gpu_tensor(const Tensor& a, bool ta, const Tensor& b, bool tb, const
   Tensor bias_c = bias.defined() ? bias.contiguous() : bias;
   // Packed rows: the stored row length is the stride (cuBLASLt wants at least 1).
   int64_t lda = std::max<int64_t>(1, oa.trans ? m : k), ldb = std::max<int64_t>(1, ob.trans ? k : n);
-  gemm_cuda(oa.trans, ob.trans, m, n, k, a.dtype(), oa.t.raw_data(), lda, ob.t.raw_data(), ldb, c.dtype(),
-            c.raw_data(), std::max<int64_t>(1, n), bias_c.defined() ? bias_c.raw_data() : nullptr, false,
-            current_stream(device));
+  gemm_cuda(oa.trans, ob.trans, m, n, k, a.dtype(), oa.t.raw_data(), lda, ob.t.raw_data(), ldb, c.dtype(), c.raw_data(),
+            std::max<int64_t>(1, n), bias_c.defined() ? bias_c.raw_data() : nullptr, false, current_stream(device));
   return c;
 }
 
@@ -90,8 +89,8 @@ void check_matmul(const Tensor& a, const Tensor& b) {
   check_same_dtype(a, b, "matmul");
   FLOWMOE_CHECK(a.dim() == 2 && b.dim() == 2, ShapeError, "matmul: a ", shape_str(a.shape()), " and b ",
                 shape_str(b.shape()), " must both be 2-D");
-  FLOWMOE_CHECK(a.size(1) == b.size(0), ShapeError, "matmul: a ", shape_str(a.shape()), " and b ",
-                shape_str(b.shape()), " do not chain (inner sizes ", a.size(1), " vs ", b.size(0), ")");
+  FLOWMOE_CHECK(a.size(1) == b.size(0), ShapeError, "matmul: a ", shape_str(a.shape()), " and b ", shape_str(b.shape()),
+                " do not chain (inner sizes ", a.size(1), " vs ", b.size(0), ")");
 }
 
 class MatMul : public Primitive {
@@ -136,8 +135,8 @@ void check_linear(const std::vector<Tensor>& in) {
     const Tensor& bias = in[2];
     check_same_device(x, bias, "linear bias");
     check_same_dtype(x, bias, "linear bias");
-    FLOWMOE_CHECK(bias.dim() == 1 && bias.size(0) == w.size(0), ShapeError, "linear: bias ",
-                  shape_str(bias.shape()), " does not fit w ", shape_str(w.shape()), " (want [", w.size(0), "])");
+    FLOWMOE_CHECK(bias.dim() == 1 && bias.size(0) == w.size(0), ShapeError, "linear: bias ", shape_str(bias.shape()),
+                  " does not fit w ", shape_str(w.shape()), " (want [", w.size(0), "])");
   }
 }
 

@@ -41,8 +41,7 @@ Variable swiglu(const Variable& gate_up /*[..., 2F]*/);  // -> [..., F]
 Variable softmax(const Variable& x);  // over the last dim. engine/ops/softmax.cpp
 // Mean over rows whose target != ignore_index of -log softmax(logits)[target]; f32 scalar (shape {}).
 // All rows ignored gives 0 (and zero gradients). engine/ops/cross_entropy.cpp
-Variable cross_entropy(const Variable& logits /*[N,V]*/, const Tensor& targets /*[N] i32*/,
-                       int ignore_index = -100);
+Variable cross_entropy(const Variable& logits /*[N,V]*/, const Tensor& targets /*[N] i32*/, int ignore_index = -100);
 
 // ---- attention: engine/ops/rope.cpp, engine/ops/attention.cpp ---------------------------------
 // Rotary embedding on pairs (x[2i], x[2i+1]) of each head, angle = (pos_offset + t) * theta^(-2i/hd).

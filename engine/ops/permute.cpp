@@ -24,18 +24,18 @@ class PermutePadBackward : public BackwardPrimitive {
     if (in[1].defined()) {
       Tensor d_rows = in[1].contiguous();
       d_x = Tensor::empty({num_tokens_, hidden_}, d_rows.dtype());
-      FLOWMOE_DISPATCH_CPU_FLOAT(d_rows.dtype(), name(),
-                                 permute_backward_cpu<scalar_t>(row_map.data<int32_t>(), num_tokens_, topk_, hidden_,
-                                                                d_rows.data<scalar_t>(), nullptr,
-                                                                d_x.data<scalar_t>(), nullptr));
+      FLOWMOE_DISPATCH_CPU_FLOAT(
+          d_rows.dtype(), name(),
+          permute_backward_cpu<scalar_t>(row_map.data<int32_t>(), num_tokens_, topk_, hidden_, d_rows.data<scalar_t>(),
+                                         nullptr, d_x.data<scalar_t>(), nullptr));
     }
     if (in[2].defined()) {
       Tensor d_probs = in[2].contiguous();
       d_prob = Tensor::empty({num_tokens_, topk_}, d_probs.dtype());
-      FLOWMOE_DISPATCH_CPU_FLOAT(d_probs.dtype(), name(),
-                                 permute_backward_cpu<scalar_t>(row_map.data<int32_t>(), num_tokens_, topk_, hidden_,
-                                                                nullptr, d_probs.data<scalar_t>(), nullptr,
-                                                                d_prob.data<scalar_t>()));
+      FLOWMOE_DISPATCH_CPU_FLOAT(
+          d_probs.dtype(), name(),
+          permute_backward_cpu<scalar_t>(row_map.data<int32_t>(), num_tokens_, topk_, hidden_, nullptr,
+                                         d_probs.data<scalar_t>(), nullptr, d_prob.data<scalar_t>()));
     }
     return {d_x, d_prob};
   }
@@ -53,12 +53,10 @@ class PermutePadBackward : public BackwardPrimitive {
     }
     permute_backward_cuda(d_rows.defined() ? d_rows.dtype() : DType::f32, row_map.data<int32_t>(), num_tokens_, topk_,
                           hidden_, d_rows.defined() ? d_rows.raw_data() : nullptr,
-                          d_probs.defined() ? d_probs.data<float>() : nullptr,
-                          d_x.defined() ? d_x.raw_data() : nullptr, d_prob.defined() ? d_prob.data<float>() : nullptr,
-                          current_stream(dev.index));
+                          d_probs.defined() ? d_probs.data<float>() : nullptr, d_x.defined() ? d_x.raw_data() : nullptr,
+                          d_prob.defined() ? d_prob.data<float>() : nullptr, current_stream(dev.index));
     return {d_x, d_prob};
   }
-
 
  private:
   int64_t num_tokens_;

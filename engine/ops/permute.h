@@ -14,15 +14,15 @@
 namespace flowmoe {
 
 struct PermuteResult {
-  Variable rows;   // [num_rows, H], x's dtype; pad and tail rows zero
-  Variable probs;  // [num_rows], topk_prob moved with the rows, 0 on pad rows (undefined without topk_prob)
-  Tensor row_map;                   // [T,k] i32: destination row of each (token, slot); -1: not this rank's expert
-  Tensor tokens_per_expert;         // [L] i32
+  Variable rows;             // [num_rows, H], x's dtype; pad and tail rows zero
+  Variable probs;            // [num_rows], topk_prob moved with the rows, 0 on pad rows (undefined without topk_prob)
+  Tensor row_map;            // [T,k] i32: destination row of each (token, slot); -1: not this rank's expert
+  Tensor tokens_per_expert;  // [L] i32
   Tensor padded_tokens_per_expert;  // [L] i32
   Tensor segment_starts;            // [L+1] i32: exclusive scan of the padded counts
   Tensor side_rows;                 // [num_rows, S] f32 when a side payload was given (pad rows side_pad_value)
   int align_size = 16;
-  RoutingDims dims;                 // the routing it was built with (permute_rows_like reuses it)
+  RoutingDims dims;  // the routing it was built with (permute_rows_like reuses it)
 };
 
 // x [T,H]: any dtype (rows move as bytes; gradients need f32/f64 on cpu, f32/bf16 on cuda).

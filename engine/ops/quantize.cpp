@@ -14,14 +14,14 @@ namespace flowmoe {
 namespace {
 
 // Runs cpu_call on the host, cuda_call (with `stream` bound to t's stream) on a GPU.
-#define QUANT_DISPATCH(t, cpu_call, cuda_call)                    \
-  do {                                                            \
-    if ((t).device().is_cuda()) {                                 \
-      cudaStream_t stream = current_stream((t).device().index);  \
-      cuda_call;                                                  \
-    } else {                                                      \
-      cpu_call;                                                   \
-    }                                                             \
+#define QUANT_DISPATCH(t, cpu_call, cuda_call)                  \
+  do {                                                          \
+    if ((t).device().is_cuda()) {                               \
+      cudaStream_t stream = current_stream((t).device().index); \
+      cuda_call;                                                \
+    } else {                                                    \
+      cpu_call;                                                 \
+    }                                                           \
   } while (0)
 
 void check_high_precision(const Tensor& t, const std::string& what, const char* name) {
@@ -52,8 +52,8 @@ Tensor checked_scales(const Tensor& q, const std::string& what) {
   FLOWMOE_CHECK(s != nullptr, Error, what, ": q ", q.describe(), " carries no FP8 scales (Tensor::with_scales)");
   FLOWMOE_CHECK(q.is_contiguous(), ShapeError, what, ": q ", q.describe(), " must be contiguous");
   const Tensor& si = s->scale_inv;
-  FLOWMOE_CHECK(si.dtype() == DType::f32 && si.device() == q.device(), DTypeError, what, ": scale_inv ",
-                si.describe(), " must be f32 on q's device (q ", q.describe(), ")");
+  FLOWMOE_CHECK(si.dtype() == DType::f32 && si.device() == q.device(), DTypeError, what, ": scale_inv ", si.describe(),
+                " must be f32 on q's device (q ", q.describe(), ")");
   Shape want;
   switch (s->mode) {
     case ScalingMode::rowwise_1x128: {
@@ -149,7 +149,8 @@ class QuantizeColwise : public SharedBodyPrimitive<BackwardPrimitive> {
     int64_t nb = colwise_num_blocks(seg.data(), int64_t(seg.size()));
     Tensor q = Tensor::empty({K, M}, DType::e4m3, x.device());
     Tensor s = Tensor::empty({nb, K}, DType::f32, x.device());
-    QUANT_DISPATCH(x, quantize_colwise_cpu(x.dtype(), x.raw_data(), M, K, seg.data(), int64_t(seg.size()),
+    QUANT_DISPATCH(x,
+                   quantize_colwise_cpu(x.dtype(), x.raw_data(), M, K, seg.data(), int64_t(seg.size()),
                                         q.data<uint8_t>(), s.data<float>()),
                    quantize_colwise_cuda(x.dtype(), x.raw_data(), M, K, seg.data(), int64_t(seg.size()),
                                          q.data<uint8_t>(), s.data<float>(), stream));
@@ -163,10 +164,9 @@ class QuantizeColwise : public SharedBodyPrimitive<BackwardPrimitive> {
     Tensor q = Tensor::empty({K, M}, DType::e4m3, x.device());
     Tensor s = Tensor::empty({fp8_colwise_max_blocks(M, E), K}, DType::f32, x.device());
     const int32_t* c = counts_.data<int32_t>();
-    QUANT_DISPATCH(x, quantize_colwise_device_cpu(x.dtype(), x.raw_data(), M, K, c, E, q.data<uint8_t>(),
-                                               s.data<float>()),
-                   quantize_colwise_device_cuda(x.dtype(), x.raw_data(), M, K, c, E, q.data<uint8_t>(),
-                                                s.data<float>(), stream));
+    QUANT_DISPATCH(
+        x, quantize_colwise_device_cpu(x.dtype(), x.raw_data(), M, K, c, E, q.data<uint8_t>(), s.data<float>()),
+        quantize_colwise_device_cuda(x.dtype(), x.raw_data(), M, K, c, E, q.data<uint8_t>(), s.data<float>(), stream));
     return {q.with_segment_counts(s, counts_)};
   }
 };
@@ -207,8 +207,8 @@ class Dequantize : public SharedBodyPrimitive<Primitive> {
         int64_t K = q.size(0), M = q.size(1);
         FLOWMOE_CHECK(!sc.segment_counts.defined() || q.device().is_cpu(), Error, what_, ": q ", q.describe(),
                       " is colwise over device counts, which only the CPU dequantizes (it would read them)");
-        std::vector<int64_t> seg = sc.segment_counts.defined() ? sc.segment_counts.to_ints()
-                                                                 : effective_segments(sc.rows_per_segment, M);
+        std::vector<int64_t> seg =
+            sc.segment_counts.defined() ? sc.segment_counts.to_ints() : effective_segments(sc.rows_per_segment, M);
         int64_t n = int64_t(seg.size());
         y = Tensor::empty({M, K}, dtype_, q.device());
         QUANT_DISPATCH(q, dequantize_colwise_cpu(dtype_, qd, sd, M, K, seg.data(), n, y.raw_data()),
@@ -252,9 +252,9 @@ class QuantizeWeight : public SharedBodyPrimitive<BackwardPrimitive> {
     Tensor s_t = Tensor::empty(shape(nbk, nbn), DType::f32, w.device());
     auto* qd = q.data<uint8_t>();
     auto* qtd = q_t.data<uint8_t>();
-    QUANT_DISPATCH(w, quantize_block_cpu(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, s_t.data<float>()),
-                   quantize_block_cuda(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, s_t.data<float>(),
-                                       stream));
+    QUANT_DISPATCH(
+        w, quantize_block_cpu(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, s_t.data<float>()),
+        quantize_block_cuda(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, s_t.data<float>(), stream));
     return {q.with_scales(s, ScalingMode::block_128x128), q_t.with_scales(s_t, ScalingMode::block_128x128)};
   }
 };

@@ -1,9 +1,9 @@
 // sum / mean over all elements as autograd primitives; the vjp broadcasts the scalar gradient back
 // to the input's shape and dtype (ReduceBackward). References: kernels/cpu/reduce.cpp.
 // Tests: tests/test_reduce.cpp.
+#include "kernels/reduce.h"
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
-#include "kernels/reduce.h"
 
 namespace flowmoe {
 
@@ -22,9 +22,9 @@ class ReduceBackward : public BackwardPrimitive {
     FLOWMOE_CHECK(in[0].dtype() == dtype_, DTypeError, name(), ": gradient ", in[0].describe(), " for a ",
                   dtype_name(dtype_), " input");
     Tensor d_x = Tensor::empty(shape_, dtype_, in[0].device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(dtype_, name(),
-                               reduce_backward_cpu<scalar_t>(op_, d_x.data<scalar_t>(), in[0].data<scalar_t>()[0],
-                                                             d_x.numel()));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        dtype_, name(),
+        reduce_backward_cpu<scalar_t>(op_, d_x.data<scalar_t>(), in[0].data<scalar_t>()[0], d_x.numel()));
     return {d_x};
   }
 
@@ -36,7 +36,6 @@ class ReduceBackward : public BackwardPrimitive {
                          current_stream(in[0].device().index));
     return {d_x};
   }
-
 
  private:
   ReduceOp op_;

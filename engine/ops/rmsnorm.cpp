@@ -1,9 +1,9 @@
 // rmsnorm(x, weight, eps) over the last dim as an autograd primitive; its backward (dx and d_weight
 // in one pass, rstd recomputed rather than saved) is a primitive on the same device.
 // Reference: kernels/cpu/rmsnorm.cpp. Tests: tests/test_rmsnorm.cpp.
+#include "kernels/rmsnorm.h"
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
-#include "kernels/rmsnorm.h"
 
 namespace flowmoe {
 
@@ -32,10 +32,10 @@ class RmsnormBackward : public BackwardPrimitive {
     Tensor d_y = in[0].contiguous(), x = in[1].contiguous(), w = in[2].contiguous();
     Tensor d_x = Tensor::empty(x.shape(), x.dtype(), x.device());
     Tensor d_w = Tensor::empty(w.shape(), w.dtype(), w.device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(x.dtype(), name(),
-                               rmsnorm_backward_cpu<scalar_t>(d_x.data<scalar_t>(), d_w.data<scalar_t>(),
-                                                              d_y.data<scalar_t>(), x.data<scalar_t>(),
-                                                              w.data<scalar_t>(), rows_of(x, hidden), hidden, eps_));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        x.dtype(), name(),
+        rmsnorm_backward_cpu<scalar_t>(d_x.data<scalar_t>(), d_w.data<scalar_t>(), d_y.data<scalar_t>(),
+                                       x.data<scalar_t>(), w.data<scalar_t>(), rows_of(x, hidden), hidden, eps_));
     return {d_x, d_w};
   }
 

@@ -50,10 +50,10 @@ class RouterTopkBackward : public BackwardPrimitive {
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     Tensor logits = in[0].contiguous(), idx = in[1].contiguous(), d_prob = in[2].to(in[0].dtype()).contiguous();
     Tensor d_logits = Tensor::empty(logits.shape(), logits.dtype(), logits.device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(logits.dtype(), name(),
-                               router_topk_backward_cpu<scalar_t>(p_, logits.data<scalar_t>(), idx.data<int32_t>(),
-                                                                  d_prob.data<scalar_t>(), logits.size(0),
-                                                                  d_logits.data<scalar_t>()));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        logits.dtype(), name(),
+        router_topk_backward_cpu<scalar_t>(p_, logits.data<scalar_t>(), idx.data<int32_t>(), d_prob.data<scalar_t>(),
+                                           logits.size(0), d_logits.data<scalar_t>()));
     return {d_logits};
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
@@ -80,10 +80,10 @@ class RouterTopk : public Primitive {
     Tensor logits = in[0].contiguous(), bias = in[1].contiguous();
     check_args(logits, bias);
     auto [idx, prob, counts] = make_outputs(logits);
-    FLOWMOE_DISPATCH_CPU_FLOAT(logits.dtype(), name(),
-                               router_topk_cpu<scalar_t>(p_, logits.data<scalar_t>(), bias.data<float>(),
-                                                         logits.size(0), idx.data<int32_t>(), prob.data<scalar_t>(),
-                                                         counts.data<int32_t>()));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        logits.dtype(), name(),
+        router_topk_cpu<scalar_t>(p_, logits.data<scalar_t>(), bias.data<float>(), logits.size(0), idx.data<int32_t>(),
+                                  prob.data<scalar_t>(), counts.data<int32_t>()));
     return {idx, prob, counts};
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
@@ -159,10 +159,10 @@ class RouterBalanceLoss : public Primitive {
     Tensor logits = in[0].contiguous(), idx = in[1].contiguous();
     check_args(logits, idx);
     Tensor loss = Tensor::empty({}, logits.dtype(), logits.device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(logits.dtype(), name(),
-                               router_balance_loss_cpu<scalar_t>(p_, logits.data<scalar_t>(), idx.data<int32_t>(),
-                                                                 logits.size(0), seq_len_, alpha_,
-                                                                 loss.data<scalar_t>()));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        logits.dtype(), name(),
+        router_balance_loss_cpu<scalar_t>(p_, logits.data<scalar_t>(), idx.data<int32_t>(), logits.size(0), seq_len_,
+                                          alpha_, loss.data<scalar_t>()));
     return {loss};
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
@@ -217,11 +217,11 @@ RouterConfigError::RouterConfigError(std::vector<std::string> keys, const std::s
       detail_(detail) {}
 
 // Throws RouterConfigError for KEYS, a parenthesized list of HF key names, unless cond holds.
-#define ROUTER_CHECK(cond, KEYS, ...)                                                                    \
-  do {                                                                                                 \
-    if (!(cond))                                                                                       \
-      throw RouterConfigError(std::vector<std::string> KEYS, detail::cat(__VA_ARGS__), key_prefix, \
-                              __FILE__, __LINE__);                                                     \
+#define ROUTER_CHECK(cond, KEYS, ...)                                                                        \
+  do {                                                                                                       \
+    if (!(cond))                                                                                             \
+      throw RouterConfigError(std::vector<std::string> KEYS, detail::cat(__VA_ARGS__), key_prefix, __FILE__, \
+                              __LINE__);                                                                     \
   } while (0)
 
 void validate_router_config(const RouterConfig& c, const std::string& key_prefix) {
@@ -242,9 +242,9 @@ void validate_router_config(const RouterConfig& c, const std::string& key_prefix
                kRouterMaxGroups);
   // The groups divide the experts evenly here (checked above).
   ROUTER_CHECK(c.top_k <= c.topk_group * (E / c.n_group),
-               ({"num_experts_per_tok", "topk_group", "n_group", "n_routed_experts"}), "num_experts_per_tok = ",
-               c.top_k, " exceeds the experts in the kept groups (topk_group ", c.topk_group, " x ", E / c.n_group,
-               " experts per group)");
+               ({"num_experts_per_tok", "topk_group", "n_group", "n_routed_experts"}),
+               "num_experts_per_tok = ", c.top_k, " exceeds the experts in the kept groups (topk_group ", c.topk_group,
+               " x ", E / c.n_group, " experts per group)");
   ROUTER_CHECK(c.scoring_func == "sigmoid" || c.scoring_func == "softmax", ({"scoring_func"}), "'", c.scoring_func,
                "' must be 'sigmoid' or 'softmax'");
   ROUTER_CHECK(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0, ({"routed_scaling_factor"}),

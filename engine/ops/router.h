@@ -13,15 +13,15 @@
 namespace flowmoe {
 
 struct RouterConfig {
-  int num_experts = 0;                     // n_routed_experts
-  int top_k = 0;                           // num_experts_per_tok
-  int n_group = 1;                         // n_group: experts form n_group contiguous groups
-  int topk_group = 1;                      // topk_group: groups kept per token
-  std::string scoring_func = "sigmoid";    // scoring_func: "sigmoid" or "softmax"
-  bool norm_topk_prob = true;              // norm_topk_prob (applied only when top_k > 1, as HF)
-  double routed_scaling_factor = 1.0;      // routed_scaling_factor
-  double aux_loss_alpha = 0.0;             // aux_loss_alpha: 0 disables the balance loss
-  int seq_len = 0;                         // tokens per sequence for the balance loss; 0: see route()
+  int num_experts = 0;                   // n_routed_experts
+  int top_k = 0;                         // num_experts_per_tok
+  int n_group = 1;                       // n_group: experts form n_group contiguous groups
+  int topk_group = 1;                    // topk_group: groups kept per token
+  std::string scoring_func = "sigmoid";  // scoring_func: "sigmoid" or "softmax"
+  bool norm_topk_prob = true;            // norm_topk_prob (applied only when top_k > 1, as HF)
+  double routed_scaling_factor = 1.0;    // routed_scaling_factor
+  double aux_loss_alpha = 0.0;           // aux_loss_alpha: 0 disables the balance loss
+  int seq_len = 0;                       // tokens per sequence for the balance loss; 0: see route()
 };
 
 // A RouterConfig that cannot route. keys() are the HF names of the keys involved, the one at fault

@@ -1,8 +1,8 @@
 // silu(x) = x * sigmoid(x) as an autograd primitive; its backward is a primitive too, so the
 // gradient runs on the device of the values. Reference: kernels/cpu/silu.cpp. Tests: tests/test_silu.cpp.
+#include "kernels/silu.h"
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
-#include "kernels/silu.h"
 
 namespace flowmoe {
 
@@ -17,9 +17,9 @@ class SiluBackward : public BackwardPrimitive {
     check(in);
     Tensor d_y = in[0].contiguous(), x = in[1].contiguous();
     Tensor d_x = Tensor::empty(x.shape(), x.dtype(), x.device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(x.dtype(), name(),
-                               silu_backward_cpu<scalar_t>(d_x.data<scalar_t>(), d_y.data<scalar_t>(),
-                                                           x.data<scalar_t>(), x.numel()));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        x.dtype(), name(),
+        silu_backward_cpu<scalar_t>(d_x.data<scalar_t>(), d_y.data<scalar_t>(), x.data<scalar_t>(), x.numel()));
     return {d_x};
   }
 

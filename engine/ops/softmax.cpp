@@ -1,8 +1,8 @@
 // Softmax over the last dim as an autograd primitive; its vjp runs SoftmaxBackward on the saved
 // output. References: kernels/cpu/softmax.cpp. Tests: tests/test_softmax.cpp.
+#include "kernels/softmax.h"
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
-#include "kernels/softmax.h"
 
 namespace flowmoe {
 
@@ -55,9 +55,9 @@ class SoftmaxBackward : public BackwardPrimitive {
     Tensor d_y = in[0].contiguous(), y = in[1].contiguous();
     Rows r = rows_of(y, name());
     Tensor d_x = Tensor::empty(y.shape(), y.dtype(), y.device());
-    FLOWMOE_DISPATCH_CPU_FLOAT(y.dtype(), name(),
-                               softmax_backward_cpu<scalar_t>(d_x.data<scalar_t>(), d_y.data<scalar_t>(),
-                                                              y.data<scalar_t>(), r.rows, r.cols));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        y.dtype(), name(),
+        softmax_backward_cpu<scalar_t>(d_x.data<scalar_t>(), d_y.data<scalar_t>(), y.data<scalar_t>(), r.rows, r.cols));
     return {d_x};
   }
 
@@ -70,7 +70,6 @@ class SoftmaxBackward : public BackwardPrimitive {
                           current_stream(y.device().index));
     return {d_x};
   }
-
 
  private:
   void check(const std::vector<Tensor>& in) const {

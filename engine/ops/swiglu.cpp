@@ -1,8 +1,8 @@
 // swiglu(gate_up) = silu(gate_up[..., :F]) * gate_up[..., F:] as an autograd primitive, with its
 // backward as a primitive on the same device. Reference: kernels/cpu/swiglu.cpp. Tests: tests/test_swiglu.cpp.
+#include "kernels/swiglu.h"
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
-#include "kernels/swiglu.h"
 
 namespace flowmoe {
 
@@ -13,8 +13,7 @@ int64_t swiglu_width(const Tensor& gate_up, const char* what) {
   FLOWMOE_CHECK(gate_up.dim() >= 1, ShapeError, what, ": gate_up must have a last dim [..., 2F], got ",
                 gate_up.describe());
   int64_t two_f = gate_up.size(-1);
-  FLOWMOE_CHECK(two_f % 2 == 0, ShapeError, what, ": gate_up's last dim must be even (2F), got ",
-                gate_up.describe());
+  FLOWMOE_CHECK(two_f % 2 == 0, ShapeError, what, ": gate_up's last dim must be even (2F), got ", gate_up.describe());
   return two_f / 2;
 }
 

@@ -61,11 +61,10 @@ class UnpermuteBackward : public BackwardPrimitive {
     if (want_prob_) d_prob = Tensor::empty(row_map.shape(), rows.dtype());
     FLOWMOE_DISPATCH_CPU_FLOAT(
         rows.dtype(), name(),
-        unpermute_backward_cpu<scalar_t>(row_map.data<int32_t>(), row_map.size(0), int(row_map.size(1)), rows.size(1),
-                                         rows.size(0), rows.data<scalar_t>(),
-                                         prob.defined() ? prob.data<scalar_t>() : nullptr, dy.data<scalar_t>(),
-                                         want_rows_ ? d_rows.data<scalar_t>() : nullptr,
-                                         want_prob_ ? d_prob.data<scalar_t>() : nullptr));
+        unpermute_backward_cpu<scalar_t>(
+            row_map.data<int32_t>(), row_map.size(0), int(row_map.size(1)), rows.size(1), rows.size(0),
+            rows.data<scalar_t>(), prob.defined() ? prob.data<scalar_t>() : nullptr, dy.data<scalar_t>(),
+            want_rows_ ? d_rows.data<scalar_t>() : nullptr, want_prob_ ? d_prob.data<scalar_t>() : nullptr));
     return {d_rows, d_prob};
   }
 
@@ -93,7 +92,6 @@ class UnpermuteBackward : public BackwardPrimitive {
     return {d_rows, d_prob};
   }
 
-
  private:
   int align_;
   bool want_rows_, want_prob_;
@@ -119,11 +117,11 @@ class UnpermuteUnpad : public Primitive {
     Tensor rows = in[0].contiguous(), row_map = in[2].contiguous(), prob;
     if (in[1].defined()) prob = in[1].contiguous();
     Tensor y = Tensor::empty({row_map.size(0), rows.size(1)}, rows.dtype());
-    FLOWMOE_DISPATCH_CPU_FLOAT(rows.dtype(), name(),
-                               unpermute_cpu<scalar_t>(row_map.data<int32_t>(), row_map.size(0), int(row_map.size(1)),
-                                                       rows.size(1), rows.data<scalar_t>(),
-                                                       prob.defined() ? prob.data<scalar_t>() : nullptr,
-                                                       y.data<scalar_t>()));
+    FLOWMOE_DISPATCH_CPU_FLOAT(
+        rows.dtype(), name(),
+        unpermute_cpu<scalar_t>(row_map.data<int32_t>(), row_map.size(0), int(row_map.size(1)), rows.size(1),
+                                rows.data<scalar_t>(), prob.defined() ? prob.data<scalar_t>() : nullptr,
+                                y.data<scalar_t>()));
     return {y};
   }
 

@@ -26,8 +26,8 @@ int cuda_device_count() {
 bool cuda_available() { return cuda_device_count() > 0; }
 
 static void check_index(int device) {
-  FLOWMOE_CHECK(device >= 0 && device < cuda_device_count(), DeviceError, "cuda:", device,
-                " does not exist (", cuda_device_count(), " CUDA devices visible)");
+  FLOWMOE_CHECK(device >= 0 && device < cuda_device_count(), DeviceError, "cuda:", device, " does not exist (",
+                cuda_device_count(), " CUDA devices visible)");
 }
 
 void cuda_set_device(int index) {
@@ -89,8 +89,7 @@ void* cuda_malloc_raw(size_t nbytes, int device) {
   FLOWMOE_CUDA_CHECK(cudaSetDevice(prev));
   if (e != cudaSuccess) {
     cudaGetLastError();
-    FLOWMOE_THROW(CudaError, "cudaMalloc of ", nbytes, " bytes on cuda:", device,
-                  " failed: ", cudaGetErrorString(e));
+    FLOWMOE_THROW(CudaError, "cudaMalloc of ", nbytes, " bytes on cuda:", device, " failed: ", cudaGetErrorString(e));
   }
   return p;
 }

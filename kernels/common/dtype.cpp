@@ -10,28 +10,44 @@ namespace flowmoe {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::f64: return 8;
-    case DType::bf16: return 2;
-    case DType::e4m3: return 1;
-    case DType::e5m2: return 1;
-    case DType::i32: return 4;
-    case DType::i64: return 8;
-    case DType::u8: return 1;
+    case DType::f32:
+      return 4;
+    case DType::f64:
+      return 8;
+    case DType::bf16:
+      return 2;
+    case DType::e4m3:
+      return 1;
+    case DType::e5m2:
+      return 1;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
+    case DType::u8:
+      return 1;
   }
   FLOWMOE_THROW(DTypeError, "unknown dtype id ", int(t));
 }
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::f64: return "f64";
-    case DType::bf16: return "bf16";
-    case DType::e4m3: return "e4m3";
-    case DType::e5m2: return "e5m2";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-    case DType::u8: return "u8";
+    case DType::f32:
+      return "f32";
+    case DType::f64:
+      return "f64";
+    case DType::bf16:
+      return "bf16";
+    case DType::e4m3:
+      return "e4m3";
+    case DType::e5m2:
+      return "e5m2";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
+    case DType::u8:
+      return "u8";
   }
   return "unknown";
 }
@@ -72,7 +88,7 @@ static uint8_t f32_to_small(float x, int man_bits, int bias, float max_val, uint
   int e;
   std::frexp(a, &e);  // a = m * 2^e, m in [0.5,1): unbiased exponent of a is e-1
   int exp_unb = e - 1;
-  int min_exp = 1 - bias;  // smallest normal exponent
+  int min_exp = 1 - bias;                    // smallest normal exponent
   if (exp_unb < min_exp) exp_unb = min_exp;  // subnormal: fixed spacing
   // quantum of the target grid at this exponent
   double q = std::ldexp(1.0, exp_unb - man_bits);

@@ -11,7 +11,7 @@ enum class DType : uint8_t { f32, f64, bf16, e4m3, e5m2, i32, i64, u8 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
-bool is_floating(DType t);                          // f32, f64, bf16, e4m3, e5m2
+bool is_floating(DType t);  // f32, f64, bf16, e4m3, e5m2
 bool is_fp8(DType t);
 
 // bf16 is stored as its raw 16 bits.

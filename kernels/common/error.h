@@ -41,12 +41,24 @@ class Error : public std::runtime_error {
   const char* file_;
   int line_;
 };
-class ShapeError : public Error { using Error::Error; };   // shapes that do not fit together
-class DTypeError : public Error { using Error::Error; };   // unsupported or mismatched dtypes
-class DeviceError : public Error { using Error::Error; };  // wrong device, or no CUDA
-class CudaError : public Error { using Error::Error; };    // a CUDA / cuBLASLt / NCCL call failed
-class ConfigError : public Error { using Error::Error; };  // bad YAML or --set value
-class IoError : public Error { using Error::Error; };      // files: checkpoints, data
+class ShapeError : public Error {
+  using Error::Error;
+};  // shapes that do not fit together
+class DTypeError : public Error {
+  using Error::Error;
+};  // unsupported or mismatched dtypes
+class DeviceError : public Error {
+  using Error::Error;
+};  // wrong device, or no CUDA
+class CudaError : public Error {
+  using Error::Error;
+};  // a CUDA / cuBLASLt / NCCL call failed
+class ConfigError : public Error {
+  using Error::Error;
+};  // bad YAML or --set value
+class IoError : public Error {
+  using Error::Error;
+};  // files: checkpoints, data
 
 namespace detail {
 template <class... Args>
@@ -61,8 +73,8 @@ std::string cat(const Args&... args) {
 
 // FLOWMOE_CHECK(cond, ErrorType, msg...) throws ErrorType("msg...") when cond is false, recording
 // where (__FILE__, __LINE__) beside the message.
-#define FLOWMOE_CHECK(cond, ErrType, ...)                                            \
-  do {                                                                               \
+#define FLOWMOE_CHECK(cond, ErrType, ...)                                                \
+  do {                                                                                   \
     if (!(cond)) throw ErrType(::flowmoe::detail::cat(__VA_ARGS__), __FILE__, __LINE__); \
   } while (0)
 

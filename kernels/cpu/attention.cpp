@@ -51,8 +51,8 @@ void attention_forward_cpu(T* out, const T* q, const T* k, const T* v, int64_t b
 }
 
 template <class T>
-void attention_backward_cpu(T* d_q, T* d_k, T* d_v, const T* d_out, const T* q, const T* k, const T* v,
-                            int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim) {
+void attention_backward_cpu(T* d_q, T* d_k, T* d_v, const T* d_out, const T* q, const T* k, const T* v, int64_t batch,
+                            int64_t seq_len, int64_t num_heads, int64_t head_dim) {
   const T scale = T(1.0 / std::sqrt(double(head_dim)));
   const int64_t n = batch * seq_len * num_heads * head_dim;
   std::fill(d_q, d_q + n, T(0));
@@ -91,8 +91,8 @@ void attention_backward_cpu(T* d_q, T* d_k, T* d_v, const T* d_out, const T* q, 
       }
 }
 
-template void attention_forward_cpu<float>(float*, const float*, const float*, const float*, int64_t, int64_t,
-                                           int64_t, int64_t);
+template void attention_forward_cpu<float>(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
+                                           int64_t);
 template void attention_forward_cpu<double>(double*, const double*, const double*, const double*, int64_t, int64_t,
                                             int64_t, int64_t);
 template void attention_backward_cpu<float>(float*, float*, float*, const float*, const float*, const float*,

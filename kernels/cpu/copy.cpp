@@ -25,14 +25,22 @@ void strided_copy_cpu(void* dst, const void* src, size_t elem_size, const Stride
 
 static double load(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::f32: return static_cast<const float*>(p)[i];
-    case DType::f64: return static_cast<const double*>(p)[i];
-    case DType::bf16: return bf16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::e4m3: return e4m3_to_f32(static_cast<const uint8_t*>(p)[i]);
-    case DType::e5m2: return e5m2_to_f32(static_cast<const uint8_t*>(p)[i]);
-    case DType::i32: return static_cast<const int32_t*>(p)[i];
-    case DType::i64: return double(static_cast<const int64_t*>(p)[i]);
-    case DType::u8: return static_cast<const uint8_t*>(p)[i];
+    case DType::f32:
+      return static_cast<const float*>(p)[i];
+    case DType::f64:
+      return static_cast<const double*>(p)[i];
+    case DType::bf16:
+      return bf16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::e4m3:
+      return e4m3_to_f32(static_cast<const uint8_t*>(p)[i]);
+    case DType::e5m2:
+      return e5m2_to_f32(static_cast<const uint8_t*>(p)[i]);
+    case DType::i32:
+      return static_cast<const int32_t*>(p)[i];
+    case DType::i64:
+      return double(static_cast<const int64_t*>(p)[i]);
+    case DType::u8:
+      return static_cast<const uint8_t*>(p)[i];
   }
   return 0;
 }
@@ -40,14 +48,30 @@ static double load(const void* p, DType t, int64_t i) {
 static void store(void* p, DType t, int64_t i, double v) {
   // Narrow types convert from float, as the GPU does, so both round identically.
   switch (t) {
-    case DType::f32: static_cast<float*>(p)[i] = float(v); break;
-    case DType::f64: static_cast<double*>(p)[i] = v; break;
-    case DType::bf16: static_cast<uint16_t*>(p)[i] = f32_to_bf16_bits(float(v)); break;
-    case DType::e4m3: static_cast<uint8_t*>(p)[i] = f32_to_e4m3(float(v)); break;
-    case DType::e5m2: static_cast<uint8_t*>(p)[i] = f32_to_e5m2(float(v)); break;
-    case DType::i32: static_cast<int32_t*>(p)[i] = int32_t(v); break;
-    case DType::i64: static_cast<int64_t*>(p)[i] = int64_t(v); break;
-    case DType::u8: static_cast<uint8_t*>(p)[i] = uint8_t(v); break;
+    case DType::f32:
+      static_cast<float*>(p)[i] = float(v);
+      break;
+    case DType::f64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    case DType::bf16:
+      static_cast<uint16_t*>(p)[i] = f32_to_bf16_bits(float(v));
+      break;
+    case DType::e4m3:
+      static_cast<uint8_t*>(p)[i] = f32_to_e4m3(float(v));
+      break;
+    case DType::e5m2:
+      static_cast<uint8_t*>(p)[i] = f32_to_e5m2(float(v));
+      break;
+    case DType::i32:
+      static_cast<int32_t*>(p)[i] = int32_t(v);
+      break;
+    case DType::i64:
+      static_cast<int64_t*>(p)[i] = int64_t(v);
+      break;
+    case DType::u8:
+      static_cast<uint8_t*>(p)[i] = uint8_t(v);
+      break;
   }
 }
 

@@ -35,8 +35,8 @@ void cross_entropy_forward_cpu(T* loss, T* lse, const T* logits, const int32_t* 
 }
 
 template <class T>
-void cross_entropy_backward_cpu(T* d_logits, T d_loss, const T* logits, const T* lse, const int32_t* targets,
-                                int64_t N, int64_t V, int ignore_index) {
+void cross_entropy_backward_cpu(T* d_logits, T d_loss, const T* logits, const T* lse, const int32_t* targets, int64_t N,
+                                int64_t V, int ignore_index) {
   int64_t count = 0;
   for (int64_t r = 0; r < N; ++r) count += targets[r] != ignore_index;
   T scale = count > 0 ? d_loss * (T(1) / T(count)) : T(0);
@@ -50,11 +50,10 @@ void cross_entropy_backward_cpu(T* d_logits, T d_loss, const T* logits, const T*
 }
 
 template void cross_entropy_forward_cpu<float>(float*, float*, const float*, const int32_t*, int64_t, int64_t, int);
-template void cross_entropy_forward_cpu<double>(double*, double*, const double*, const int32_t*, int64_t, int64_t,
-                                                int);
+template void cross_entropy_forward_cpu<double>(double*, double*, const double*, const int32_t*, int64_t, int64_t, int);
 template void cross_entropy_backward_cpu<float>(float*, float, const float*, const float*, const int32_t*, int64_t,
                                                 int64_t, int);
-template void cross_entropy_backward_cpu<double>(double*, double, const double*, const double*, const int32_t*,
-                                                 int64_t, int64_t, int);
+template void cross_entropy_backward_cpu<double>(double*, double, const double*, const double*, const int32_t*, int64_t,
+                                                 int64_t, int);
 
 }  // namespace flowmoe

@@ -37,8 +37,8 @@ void check_sizes(int64_t num_experts, int64_t m_total, int64_t n, int64_t k, con
 size_t fp8_grouped_gemm_workspace_bytes(int64_t m_total, int64_t k, int64_t num_experts, int64_t n) {
   const size_t kb = size_t(fp8_num_blocks(std::max<int64_t>(k, 0)));
   const size_t x_scales = size_t(std::max<int64_t>(m_total, 0)) * kb;
-  const size_t w_scales = size_t(std::max<int64_t>(num_experts, 0)) * size_t(fp8_num_blocks(std::max<int64_t>(n, 0))) *
-                          ((kb + 3) / 4 * 4);
+  const size_t w_scales =
+      size_t(std::max<int64_t>(num_experts, 0)) * size_t(fp8_num_blocks(std::max<int64_t>(n, 0))) * ((kb + 3) / 4 * 4);
   return ((x_scales + 63) / 64 * 64 + w_scales) * sizeof(float);  // the weight part starts 256-byte aligned
 }
 

@@ -37,16 +37,15 @@ const ShiftTable& shift_table() {
 }  // namespace
 
 int64_t fp8_transpose_num_blocks(const int64_t* rows_per_segment, int64_t num_segments, int64_t M) {
-  FLOWMOE_CHECK(M >= 0 && num_segments >= 0, ShapeError, "fp8_transpose: bad M ", M, " or num_segments ",
-                num_segments);
+  FLOWMOE_CHECK(M >= 0 && num_segments >= 0, ShapeError, "fp8_transpose: bad M ", M, " or num_segments ", num_segments);
   FLOWMOE_CHECK(num_segments == 0 || rows_per_segment != nullptr, ShapeError, "fp8_transpose: ", num_segments,
                 " segments but no rows_per_segment");
   int64_t total = 0, blocks = 0;
   for (int64_t s = 0; s < num_segments; ++s) {
     const int64_t rows = rows_per_segment[s];
     FLOWMOE_CHECK(rows >= 0, ShapeError, "fp8_transpose: rows_per_segment[", s, "] = ", rows, " is negative");
-    FLOWMOE_CHECK(rows <= M - total, ShapeError, "fp8_transpose: rows_per_segment sum to more than M = ", M,
-                  " (", total, " before segment ", s, " of ", rows, " rows)");
+    FLOWMOE_CHECK(rows <= M - total, ShapeError, "fp8_transpose: rows_per_segment sum to more than M = ", M, " (",
+                  total, " before segment ", s, " of ", rows, " rows)");
     total += rows;
     blocks += fp8_num_blocks(rows);
   }

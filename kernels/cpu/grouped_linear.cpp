@@ -61,11 +61,11 @@ void grouped_linear_wgrad_cpu(const T* x, const T* dy, T* dw, const int64_t* pad
   }
 }
 
-#define INSTANTIATE(T)                                                                                              \
-  template void grouped_linear_forward_cpu<T>(const T*, const T*, T*, const int64_t*, int64_t, int64_t, int64_t,   \
-                                              int64_t);                                                             \
-  template void grouped_linear_dgrad_cpu<T>(const T*, const T*, T*, const int64_t*, int64_t, int64_t, int64_t,     \
-                                            int64_t);                                                               \
+#define INSTANTIATE(T)                                                                                           \
+  template void grouped_linear_forward_cpu<T>(const T*, const T*, T*, const int64_t*, int64_t, int64_t, int64_t, \
+                                              int64_t);                                                          \
+  template void grouped_linear_dgrad_cpu<T>(const T*, const T*, T*, const int64_t*, int64_t, int64_t, int64_t,   \
+                                            int64_t);                                                            \
   template void grouped_linear_wgrad_cpu<T>(const T*, const T*, T*, const int64_t*, int64_t, int64_t, int64_t, bool);
 INSTANTIATE(float)
 INSTANTIATE(double)

@@ -105,7 +105,7 @@ template void permute_probs_cpu<float>(const RoutingDims&, const int32_t*, const
 template void permute_probs_cpu<double>(const RoutingDims&, const int32_t*, const double*, double*);
 template void permute_backward_cpu<float>(const int32_t*, int64_t, int, int64_t, const float*, const float*, float*,
                                           float*);
-template void permute_backward_cpu<double>(const int32_t*, int64_t, int, int64_t, const double*, const double*,
-                                           double*, double*);
+template void permute_backward_cpu<double>(const int32_t*, int64_t, int, int64_t, const double*, const double*, double*,
+                                           double*);
 
 }  // namespace flowmoe

@@ -61,8 +61,7 @@ void quantize_rowwise_cpu(DType dtype, const void* x, int64_t M, int64_t K, uint
     }
 }
 
-void dequantize_rowwise_cpu(DType out_dtype, const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
-                            void* y) {
+void dequantize_rowwise_cpu(DType out_dtype, const uint8_t* q, const float* scale_inv, int64_t M, int64_t K, void* y) {
   check_float_dtype(out_dtype, "dequantize_rowwise_cpu", "y");
   check_sizes("dequantize_rowwise_cpu", M, "M", K, "K");
   int64_t nbk = fp8_num_blocks(K);
@@ -77,8 +76,8 @@ int64_t colwise_total_rows(const int64_t* rows_per_segment, int64_t num_segments
   FLOWMOE_CHECK(num_segments >= 0, ShapeError, "colwise FP8: negative num_segments ", num_segments);
   int64_t total = 0;
   for (int64_t s = 0; s < num_segments; ++s) {
-    FLOWMOE_CHECK(rows_per_segment[s] >= 0, ShapeError, "colwise FP8: rows_per_segment[", s, "] = ",
-                  rows_per_segment[s], " is negative");
+    FLOWMOE_CHECK(rows_per_segment[s] >= 0, ShapeError, "colwise FP8: rows_per_segment[", s,
+                  "] = ", rows_per_segment[s], " is negative");
     total += rows_per_segment[s];
   }
   return total;
@@ -93,8 +92,8 @@ int64_t colwise_num_blocks(const int64_t* rows_per_segment, int64_t num_segments
 
 // Calls f(row0, num_rows, block_idx) for every 128-row block of the segments, in scale_inv order.
 template <class F>
-static void for_each_colwise_block(const char* what, int64_t M, const int64_t* rows_per_segment,
-                                   int64_t num_segments, F&& f) {
+static void for_each_colwise_block(const char* what, int64_t M, const int64_t* rows_per_segment, int64_t num_segments,
+                                   F&& f) {
   int64_t total = colwise_total_rows(rows_per_segment, num_segments);
   FLOWMOE_CHECK(total <= M, ShapeError, what, ": rows_per_segment sum to ", total, " rows but the tensor has M = ", M);
   int64_t row = 0, blk = 0;

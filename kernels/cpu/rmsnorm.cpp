@@ -19,8 +19,8 @@ void rmsnorm_forward_cpu(T* y, const T* x, const T* weight, int64_t rows, int64_
 }
 
 template <class T>
-void rmsnorm_backward_cpu(T* d_x, T* d_weight, const T* d_y, const T* x, const T* weight, int64_t rows,
-                          int64_t hidden, double eps) {
+void rmsnorm_backward_cpu(T* d_x, T* d_weight, const T* d_y, const T* x, const T* weight, int64_t rows, int64_t hidden,
+                          double eps) {
   std::vector<double> d_w(size_t(hidden), 0.0);
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * hidden;

@@ -151,8 +151,7 @@ void router_balance_loss_cpu(const RouterParams& p, const T* logits, const int32
 
 template <class T>
 void router_balance_loss_backward_cpu(const RouterParams& p, const T* logits, const int32_t* topk_idx,
-                                      int64_t num_tokens, int64_t seq_len, double alpha, const T* d_loss,
-                                      T* d_logits) {
+                                      int64_t num_tokens, int64_t seq_len, double alpha, const T* d_loss, T* d_logits) {
   const int E = p.num_experts, k = p.top_k;
   const int64_t S = seq_len > 0 ? seq_len : num_tokens;
   const int64_t num_seqs = S > 0 ? num_tokens / S : 0;
@@ -197,15 +196,13 @@ void add_tokens_per_expert_cpu(int32_t* total, const int32_t* counts, int num_ex
   for (int e = 0; e < num_experts; ++e) total[e] += counts[e];
 }
 
-#define FLOWMOE_ROUTER_INSTANTIATE(T)                                                                          \
-  template void router_topk_cpu<T>(const RouterParams&, const T*, const float*, int64_t, int32_t*, T*,        \
-                                   int32_t*);                                                                  \
-  template void router_topk_backward_cpu<T>(const RouterParams&, const T*, const int32_t*, const T*, int64_t, \
-                                            T*);                                                               \
-  template void router_balance_loss_cpu<T>(const RouterParams&, const T*, const int32_t*, int64_t, int64_t,  \
-                                           double, T*);                                                        \
-  template void router_balance_loss_backward_cpu<T>(const RouterParams&, const T*, const int32_t*, int64_t,  \
-                                                    int64_t, double, const T*, T*);
+#define FLOWMOE_ROUTER_INSTANTIATE(T)                                                                                \
+  template void router_topk_cpu<T>(const RouterParams&, const T*, const float*, int64_t, int32_t*, T*, int32_t*);    \
+  template void router_topk_backward_cpu<T>(const RouterParams&, const T*, const int32_t*, const T*, int64_t, T*);   \
+  template void router_balance_loss_cpu<T>(const RouterParams&, const T*, const int32_t*, int64_t, int64_t, double,  \
+                                           T*);                                                                      \
+  template void router_balance_loss_backward_cpu<T>(const RouterParams&, const T*, const int32_t*, int64_t, int64_t, \
+                                                    double, const T*, T*);
 FLOWMOE_ROUTER_INSTANTIATE(float)
 FLOWMOE_ROUTER_INSTANTIATE(double)
 #undef FLOWMOE_ROUTER_INSTANTIATE

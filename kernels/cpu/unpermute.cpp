@@ -49,8 +49,8 @@ void unpermute_backward_cpu(const int32_t* row_map, int64_t num_tokens, int top_
 
 template void unpermute_cpu<float>(const int32_t*, int64_t, int, int64_t, const float*, const float*, float*);
 template void unpermute_cpu<double>(const int32_t*, int64_t, int, int64_t, const double*, const double*, double*);
-template void unpermute_backward_cpu<float>(const int32_t*, int64_t, int, int64_t, int64_t, const float*,
-                                            const float*, const float*, float*, float*);
+template void unpermute_backward_cpu<float>(const int32_t*, int64_t, int, int64_t, int64_t, const float*, const float*,
+                                            const float*, float*, float*);
 template void unpermute_backward_cpu<double>(const int32_t*, int64_t, int, int64_t, int64_t, const double*,
                                              const double*, const double*, double*, double*);
 

@@ -19,9 +19,9 @@
 #include "kernels/attention.h"
 #include "kernels/common/cuda_check.h"
 #include "kernels/cuda/attention_tile.cuh"
+#include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/flash_attention.cuh"
 #include "kernels/cuda/launch.cuh"
-#include "kernels/cuda/cuda_utils.cuh"
 
 namespace flowmoe {
 
@@ -39,9 +39,9 @@ __global__ void __launch_bounds__(kThreads)
   using TS = TileShape<HD>;
   extern __shared__ float4 smem4[];
   float* q_s = reinterpret_cast<float*>(smem4);  // [64, stride]
-  float* k_s = q_s + kTile * TS::stride;           // [64, stride]
-  float* v_s = k_s + kTile * TS::stride;           // [64, stride]
-  float* p_s = v_s + kTile * TS::stride;           // [64, kProbStride]
+  float* k_s = q_s + kTile * TS::stride;         // [64, stride]
+  float* v_s = k_s + kTile * TS::stride;         // [64, stride]
+  float* p_s = v_s + kTile * TS::stride;         // [64, kProbStride]
   const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kTile - 1) / kTile;
   const int q_tile = num_tiles - 1 - int(blockIdx.x) / num_bh;  // tiles with the most keys start first
   const int b = int(blockIdx.x) % num_bh / dims.num_heads, h = int(blockIdx.x) % dims.num_heads;
@@ -140,13 +140,13 @@ __global__ void __launch_bounds__(kThreads)
   using TS = TileShape<HD>;
   extern __shared__ float4 smem4[];
   float* k_s = reinterpret_cast<float*>(smem4);  // [64, stride]
-  float* v_s = k_s + kTile * TS::stride;           // [64, stride]
-  float* q_s = v_s + kTile * TS::stride;           // [64, stride]
-  float* do_s = q_s + kTile * TS::stride;          // [64, stride]
-  float* pt_s = do_s + kTile * TS::stride;         // [64 keys, kProbStride] Pᵀ
-  float* dst_s = pt_s + kTile * kProbStride;       // [64 keys, kProbStride] dSᵀ
-  float* lse_s = dst_s + kTile * kProbStride;      // [64]
-  float* delta_s = lse_s + kTile;                  // [64]
+  float* v_s = k_s + kTile * TS::stride;         // [64, stride]
+  float* q_s = v_s + kTile * TS::stride;         // [64, stride]
+  float* do_s = q_s + kTile * TS::stride;        // [64, stride]
+  float* pt_s = do_s + kTile * TS::stride;       // [64 keys, kProbStride] Pᵀ
+  float* dst_s = pt_s + kTile * kProbStride;     // [64 keys, kProbStride] dSᵀ
+  float* lse_s = dst_s + kTile * kProbStride;    // [64]
+  float* delta_s = lse_s + kTile;                // [64]
   const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kTile - 1) / kTile;
   const int k_tile = int(blockIdx.x) / num_bh;  // low key tiles see the most queries and start first
   const int bh = int(blockIdx.x) % num_bh, b = bh / dims.num_heads, h = bh % dims.num_heads;
@@ -205,18 +205,17 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_dq_kernel(T* __restrict__ d_q /*[B, T, nh, hd]*/, const T* __restrict__ q /*[B, T, nh, hd]*/,
-                                 const T* __restrict__ k /*[B, T, nh, hd]*/,
-                                 const T* __restrict__ v /*[B, T, nh, hd]*/,
+                                 const T* __restrict__ k /*[B, T, nh, hd]*/, const T* __restrict__ v /*[B, T, nh, hd]*/,
                                  const T* __restrict__ d_out /*[B, T, nh, hd]*/,
                                  const float* __restrict__ lse /*[B, nh, T]*/,
                                  const float* __restrict__ delta /*[B, nh, T]*/, AttnDims dims) {
   using TS = TileShape<HD>;
   extern __shared__ float4 smem4[];
   float* q_s = reinterpret_cast<float*>(smem4);  // [64, stride]
-  float* do_s = q_s + kTile * TS::stride;          // [64, stride]
-  float* k_s = do_s + kTile * TS::stride;          // [64, stride]
-  float* v_s = k_s + kTile * TS::stride;           // [64, stride]
-  float* ds_s = v_s + kTile * TS::stride;          // [64 queries, kProbStride] dS
+  float* do_s = q_s + kTile * TS::stride;        // [64, stride]
+  float* k_s = do_s + kTile * TS::stride;        // [64, stride]
+  float* v_s = k_s + kTile * TS::stride;         // [64, stride]
+  float* ds_s = v_s + kTile * TS::stride;        // [64 queries, kProbStride] dS
   const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kTile - 1) / kTile;
   const int q_tile = num_tiles - 1 - int(blockIdx.x) / num_bh;
   const int bh = int(blockIdx.x) % num_bh, b = bh / dims.num_heads, h = bh % dims.num_heads;
@@ -270,16 +269,15 @@ __global__ void __launch_bounds__(kThreads)
 // ---- launchers --------------------------------------------------------------------------------
 
 // Checks sizes; false when there is nothing to compute.
-bool make_dims(AttnDims& dims, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-               const char* what) {
-  FLOWMOE_CHECK(batch >= 0 && seq_len >= 0 && num_heads >= 0 && head_dim >= 0, ShapeError, what,
-                ": negative size [", batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
-  FLOWMOE_CHECK(head_dim <= kAttentionMaxHeadDimCuda, ShapeError, what, ": head_dim ", head_dim,
-                " is larger than the ", kAttentionMaxHeadDimCuda, " the kernel supports");
+bool make_dims(AttnDims& dims, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, const char* what) {
+  FLOWMOE_CHECK(batch >= 0 && seq_len >= 0 && num_heads >= 0 && head_dim >= 0, ShapeError, what, ": negative size [",
+                batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
+  FLOWMOE_CHECK(head_dim <= kAttentionMaxHeadDimCuda, ShapeError, what, ": head_dim ", head_dim, " is larger than the ",
+                kAttentionMaxHeadDimCuda, " the kernel supports");
   if (batch * seq_len * num_heads * head_dim == 0) return false;
   const int64_t num_tiles = (seq_len + kTile - 1) / kTile;
-  FLOWMOE_CHECK(batch * num_heads * num_tiles < (int64_t(1) << 31) && seq_len < (int64_t(1) << 30), ShapeError,
-                what, ": too large [", batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
+  FLOWMOE_CHECK(batch * num_heads * num_tiles < (int64_t(1) << 31) && seq_len < (int64_t(1) << 30), ShapeError, what,
+                ": too large [", batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
   dims = AttnDims{int(batch), int(seq_len), int(num_heads), int(head_dim), float(1.0 / std::sqrt(double(head_dim)))};
   return true;
 }
@@ -310,9 +308,9 @@ void attention_forward_simt_cuda(DType dtype, void* out, float* lse, const void*
       constexpr int HD = decltype(hd_tag)::value;
       const size_t smem = (3 * kTile * TileShape<HD>::stride + kTile * kProbStride) * sizeof(float);
       allow_smem(attention_forward_kernel<T, HD>, smem);
-      attention_forward_kernel<T, HD><<<num_tile_blocks(dims), kThreads, smem, stream>>>(
-          static_cast<T*>(out), lse, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-          dims);
+      attention_forward_kernel<T, HD>
+          <<<num_tile_blocks(dims), kThreads, smem, stream>>>(static_cast<T*>(out), lse, static_cast<const T*>(q),
+                                                              static_cast<const T*>(k), static_cast<const T*>(v), dims);
       FLOWMOE_CUDA_CHECK_LAUNCH();
     });
   });
@@ -328,8 +326,8 @@ void attention_backward_simt_cuda(DType dtype, void* d_q, void* d_k, void* d_v, 
     using T = std::remove_pointer_t<decltype(tag)>;
     const int64_t num_rows = batch * seq_len * num_heads;
     const int delta_threads = 256;
-    attention_delta_kernel<<<unsigned((num_rows * 32 + delta_threads - 1) / delta_threads), delta_threads, 0,
-                             stream>>>(delta, static_cast<const T*>(d_out), static_cast<const T*>(out), dims);
+    attention_delta_kernel<<<unsigned((num_rows * 32 + delta_threads - 1) / delta_threads), delta_threads, 0, stream>>>(
+        delta, static_cast<const T*>(d_out), static_cast<const T*>(out), dims);
     FLOWMOE_CUDA_CHECK_LAUNCH();
     dispatch_head_dim(dims.head_dim, [&](auto hd_tag) {
       constexpr int HD = decltype(hd_tag)::value;
@@ -362,8 +360,8 @@ bool use_flash(AttentionKernel kernel, DType dtype, int64_t head_dim, std::initi
 }  // namespace
 
 void attention_forward_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
-                            int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                            cudaStream_t stream, AttentionKernel kernel) {
+                            int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, cudaStream_t stream,
+                            AttentionKernel kernel) {
   if (use_flash(kernel, dtype, head_dim, {out, q, k, v}))
     attention_forward_flash_cuda(dtype, out, lse, q, k, v, batch, seq_len, num_heads, head_dim, stream);
   else
@@ -372,8 +370,8 @@ void attention_forward_cuda(DType dtype, void* out, float* lse, const void* q, c
 
 void attention_backward_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
                              const void* q, const void* k, const void* v, const void* out, const float* lse,
-                             int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                             cudaStream_t stream, AttentionKernel kernel) {
+                             int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, cudaStream_t stream,
+                             AttentionKernel kernel) {
   if (use_flash(kernel, dtype, head_dim, {d_q, d_k, d_v, d_out, q, k, v, out}))
     attention_backward_flash_cuda(dtype, d_q, d_k, d_v, delta, d_out, q, k, v, out, lse, batch, seq_len, num_heads,
                                   head_dim, stream);

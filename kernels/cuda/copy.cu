@@ -7,16 +7,15 @@
 #include <cuda_fp8.h>
 
 #include "kernels/common/cuda_check.h"
-#include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/copy.h"
+#include "kernels/cuda/cuda_utils.cuh"
 
 namespace flowmoe {
 
 // ---- kernels ----------------------------------------------------------------------------------
 
 template <class Elem>
-__global__ void strided_copy_kernel(Elem* __restrict__ dst, const Elem* __restrict__ src, StridedLayout L,
-                                    int64_t n) {
+__global__ void strided_copy_kernel(Elem* __restrict__ dst, const Elem* __restrict__ src, StridedLayout L, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     int64_t rem = i, off = 0;
     for (int d = L.ndim - 1; d >= 0; --d) {
@@ -30,26 +29,40 @@ __global__ void strided_copy_kernel(Elem* __restrict__ dst, const Elem* __restri
 template <class T>
 __device__ __forceinline__ float load_f(const T* p, int64_t i);
 template <>
-__device__ __forceinline__ float load_f<float>(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_f<float>(const float* p, int64_t i) {
+  return p[i];
+}
 template <>
 __device__ __forceinline__ float load_f<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
   return __bfloat162float(p[i]);
 }
 template <>
-__device__ __forceinline__ float load_f<__nv_fp8_e4m3>(const __nv_fp8_e4m3* p, int64_t i) { return float(p[i]); }
+__device__ __forceinline__ float load_f<__nv_fp8_e4m3>(const __nv_fp8_e4m3* p, int64_t i) {
+  return float(p[i]);
+}
 template <>
-__device__ __forceinline__ float load_f<__nv_fp8_e5m2>(const __nv_fp8_e5m2* p, int64_t i) { return float(p[i]); }
+__device__ __forceinline__ float load_f<__nv_fp8_e5m2>(const __nv_fp8_e5m2* p, int64_t i) {
+  return float(p[i]);
+}
 template <>
-__device__ __forceinline__ float load_f<int32_t>(const int32_t* p, int64_t i) { return float(p[i]); }
+__device__ __forceinline__ float load_f<int32_t>(const int32_t* p, int64_t i) {
+  return float(p[i]);
+}
 template <>
-__device__ __forceinline__ float load_f<int64_t>(const int64_t* p, int64_t i) { return float(p[i]); }
+__device__ __forceinline__ float load_f<int64_t>(const int64_t* p, int64_t i) {
+  return float(p[i]);
+}
 template <>
-__device__ __forceinline__ float load_f<uint8_t>(const uint8_t* p, int64_t i) { return float(p[i]); }
+__device__ __forceinline__ float load_f<uint8_t>(const uint8_t* p, int64_t i) {
+  return float(p[i]);
+}
 
 template <class T>
 __device__ __forceinline__ void store_f(T* p, int64_t i, float v);
 template <>
-__device__ __forceinline__ void store_f<float>(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_f<float>(float* p, int64_t i, float v) {
+  p[i] = v;
+}
 template <>
 __device__ __forceinline__ void store_f<__nv_bfloat16>(__nv_bfloat16* p, int64_t i, float v) {
   p[i] = __float2bfloat16_rn(v);
@@ -63,11 +76,17 @@ __device__ __forceinline__ void store_f<__nv_fp8_e5m2>(__nv_fp8_e5m2* p, int64_t
   p[i].__x = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
 }
 template <>
-__device__ __forceinline__ void store_f<int32_t>(int32_t* p, int64_t i, float v) { p[i] = int32_t(v); }
+__device__ __forceinline__ void store_f<int32_t>(int32_t* p, int64_t i, float v) {
+  p[i] = int32_t(v);
+}
 template <>
-__device__ __forceinline__ void store_f<int64_t>(int64_t* p, int64_t i, float v) { p[i] = int64_t(v); }
+__device__ __forceinline__ void store_f<int64_t>(int64_t* p, int64_t i, float v) {
+  p[i] = int64_t(v);
+}
 template <>
-__device__ __forceinline__ void store_f<uint8_t>(uint8_t* p, int64_t i, float v) { p[i] = uint8_t(v); }
+__device__ __forceinline__ void store_f<uint8_t>(uint8_t* p, int64_t i, float v) {
+  p[i] = uint8_t(v);
+}
 
 template <class Dst, class Src>
 __global__ void cast_kernel(Dst* __restrict__ dst, const Src* __restrict__ src, int64_t n) {
@@ -109,7 +128,8 @@ void strided_copy_cuda(void* dst, const void* src, size_t elem_size, const Strid
     case 8:
       strided_copy_kernel<<<grid_size(n, threads), threads, 0, stream>>>((uint64_t*)dst, (const uint64_t*)src, L, n);
       break;
-    default: FLOWMOE_THROW(DTypeError, "strided_copy: element size ", elem_size, " not supported");
+    default:
+      FLOWMOE_THROW(DTypeError, "strided_copy: element size ", elem_size, " not supported");
   }
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
@@ -118,14 +138,29 @@ void strided_copy_cuda(void* dst, const void* src, size_t elem_size, const Strid
 template <class F>
 static void with_cuda_type(DType t, const char* what, F&& f) {
   switch (t) {
-    case DType::f32: f((float*)nullptr); break;
-    case DType::bf16: f((__nv_bfloat16*)nullptr); break;
-    case DType::e4m3: f((__nv_fp8_e4m3*)nullptr); break;
-    case DType::e5m2: f((__nv_fp8_e5m2*)nullptr); break;
-    case DType::i32: f((int32_t*)nullptr); break;
-    case DType::i64: f((int64_t*)nullptr); break;
-    case DType::u8: f((uint8_t*)nullptr); break;
-    default: FLOWMOE_THROW(DTypeError, what, " on cuda does not support ", dtype_name(t));
+    case DType::f32:
+      f((float*)nullptr);
+      break;
+    case DType::bf16:
+      f((__nv_bfloat16*)nullptr);
+      break;
+    case DType::e4m3:
+      f((__nv_fp8_e4m3*)nullptr);
+      break;
+    case DType::e5m2:
+      f((__nv_fp8_e5m2*)nullptr);
+      break;
+    case DType::i32:
+      f((int32_t*)nullptr);
+      break;
+    case DType::i64:
+      f((int64_t*)nullptr);
+      break;
+    case DType::u8:
+      f((uint8_t*)nullptr);
+      break;
+    default:
+      FLOWMOE_THROW(DTypeError, what, " on cuda does not support ", dtype_name(t));
   }
 }
 

@@ -20,8 +20,8 @@ namespace flowmoe {
 
 template <class T>
 __global__ void cross_entropy_rows_kernel(float* __restrict__ lse, float* __restrict__ row_loss,
-                                          const T* __restrict__ logits, const int32_t* __restrict__ targets,
-                                          int64_t V, int ignore_index) {
+                                          const T* __restrict__ logits, const int32_t* __restrict__ targets, int64_t V,
+                                          int ignore_index) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const int32_t t = targets[row];

@@ -110,8 +110,7 @@ struct LtCache {
   // One heuristic query then serves a step's many fresh per-expert row counts. Call with mutex() held;
   // the returned pointer stays valid (map nodes never move).
   template <class Query, class Fits>
-  static Chosen choose(Shared& shared, const Key& key, const Key& bucket, bool exact_only, Query&& query,
-                       Fits&& fits) {
+  static Chosen choose(Shared& shared, const Key& key, const Key& bucket, bool exact_only, Query&& query, Fits&& fits) {
     auto answer = [&](const Key& k) -> const std::optional<Choice>& {
       auto it = shared.choices.find(k);
       if (it == shared.choices.end()) it = shared.choices.emplace(k, query(k)).first;

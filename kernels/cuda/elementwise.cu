@@ -34,7 +34,7 @@ void binary_cuda(BinaryOp op, DType dtype, void* out, const void* a, const void*
   dispatch_cuda_float(dtype, "binary_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     binary_kernel<<<grid_size(n, threads), threads, 0, stream>>>(op, static_cast<T*>(out), static_cast<const T*>(a),
-                                                                  static_cast<const T*>(b), n);
+                                                                 static_cast<const T*>(b), n);
   });
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
@@ -45,7 +45,7 @@ void scale_cuda(DType dtype, void* out, const void* a, double s, int64_t n, cuda
   dispatch_cuda_float(dtype, "scale_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     scale_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(a),
-                                                                 float(s), n);
+                                                                float(s), n);
   });
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }

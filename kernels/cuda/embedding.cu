@@ -62,7 +62,10 @@ __global__ void embedding_backward_kernel(T* __restrict__ d_weight, const T* __r
     int64_t lo = s + 1, hi = num_ids;  // first index in [s + 1, num_ids) whose id differs
     while (lo < hi) {
       int64_t mid = (lo + hi) / 2;
-      if (sorted_ids[mid] == id) lo = mid + 1; else hi = mid;
+      if (sorted_ids[mid] == id)
+        lo = mid + 1;
+      else
+        hi = mid;
     }
     for (int64_t j = blockIdx.y * int64_t(blockDim.x) + threadIdx.x; j < hidden; j += int64_t(gridDim.y) * blockDim.x) {
       float acc = 0.f;

@@ -47,8 +47,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
   const int q0 = q_tile * kFwdRows, row0 = 32 * warp;  // the warp's rows: q0 + row0 + 16i + {g, g+8}, i = 0, 1
   const int64_t stride = dims.row_stride(), off = dims.slice_offset(b, h);
   // Key tiles up to the diagonal, and none wholly past the end of the sequence.
-  const int num_k_tiles =
-      min((q0 + kFwdRows + kFwdKeys - 1) / kFwdKeys, (dims.seq_len + kFwdKeys - 1) / kFwdKeys);
+  const int num_k_tiles = min((q0 + kFwdRows + kFwdKeys - 1) / kFwdKeys, (dims.seq_len + kFwdKeys - 1) / kFwdKeys);
   const float scale_log2 = dims.scale * kLog2e;
 
   load_tile<kFwdRows, HD, kFwdThreads>(q_s, q + off, stride, q0, dims.seq_len, dims.head_dim);
@@ -135,7 +134,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
 #pragma unroll
           for (int d = 0; d < HD / 8; ++d) o[i][d][2 * r] *= alpha, o[i][d][2 * r + 1] *= alpha;
         }
-      // O += P·V: the probabilities go from the S accumulators straight into A fragments.
+        // O += P·V: the probabilities go from the S accumulators straight into A fragments.
 #pragma unroll
       for (int kk = 0; kk < kFwdSubKeys / 16; ++kk) {
         uint32_t p[2][4];
@@ -168,8 +167,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       inv_l[r] = 1.f / sum;
       const int row = q0 + row0 + 16 * i + g + 8 * r;
-      if (t == 0 && row < dims.seq_len)
-        lse[int64_t(bh) * dims.seq_len + row] = m[i][r] * dims.scale + logf(sum);
+      if (t == 0 && row < dims.seq_len) lse[int64_t(bh) * dims.seq_len + row] = m[i][r] * dims.scale + logf(sum);
     }
     stage_rows<HD>(q_s, row0 + 16 * i, o[i], inv_l[0], inv_l[1], lane);
   }

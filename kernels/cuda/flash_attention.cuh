@@ -50,12 +50,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 
 // 16 bytes global -> shared; with valid false nothing is read and the 16 bytes are zero-filled (src-size 0).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
-               : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most N of this thread's committed groups are still in flight.
@@ -77,8 +75,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 
 // c += A·B for one m16n8k16 tile.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -186,8 +183,8 @@ __device__ __forceinline__ void mma_rows_trans(float (&acc)[HD / 8][4], const ui
 // for the N columns of two [n, k] tiles (rows of the A tiles from m0). The backward's first step: S and
 // dP (query tile) or Sᵀ and dPᵀ (key tile) share their loop over k.
 template <int HD, int N>
-__device__ __forceinline__ void mma_two_nt(float (&c1)[N / 8][4], float (&c2)[N / 8][4], const Bf16* a1,
-                                           const Bf16* a2, int m0, const Bf16* b1, const Bf16* b2, int lane) {
+__device__ __forceinline__ void mma_two_nt(float (&c1)[N / 8][4], float (&c2)[N / 8][4], const Bf16* a1, const Bf16* a2,
+                                           int m0, const Bf16* b1, const Bf16* b2, int lane) {
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
     uint32_t x1[4], x2[4];
@@ -225,8 +222,8 @@ __device__ __forceinline__ void stage_rows(Bf16* tile, int m0, const float (&acc
 // One warp copies tile rows m0..m0+ROWS-1 to rows t0 + m0.. of a (batch, head) slice (row t at dst +
 // t * row_stride) with 16-byte stores, skipping rows at or past seq_len and columns at or past head_dim.
 template <int ROWS, int HD>
-__device__ __forceinline__ void store_rows(Bf16* dst, int64_t row_stride, const Bf16* tile, int m0, int t0,
-                                           int seq_len, int head_dim, int lane) {
+__device__ __forceinline__ void store_rows(Bf16* dst, int64_t row_stride, const Bf16* tile, int m0, int t0, int seq_len,
+                                           int head_dim, int lane) {
   constexpr int kChunks = HD / 8;
 #pragma unroll
   for (int it = 0; it < ROWS * kChunks / 32; ++it) {
@@ -243,14 +240,14 @@ __device__ __forceinline__ void store_rows(Bf16* dst, int64_t row_stride, const 
 inline bool make_flash_dims(FlashDims& dims, DType dtype, int64_t batch, int64_t seq_len, int64_t num_heads,
                             int64_t head_dim, const char* what) {
   FLOWMOE_CHECK(dtype == DType::bf16, DTypeError, what, " supports bf16, got ", dtype_name(dtype));
-  FLOWMOE_CHECK(batch >= 0 && seq_len >= 0 && num_heads >= 0 && head_dim >= 0, ShapeError, what,
-                ": negative size [", batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
-  FLOWMOE_CHECK(head_dim % 8 == 0 && head_dim <= kAttentionMaxHeadDimCuda, ShapeError, what, ": head_dim ",
-                head_dim, " must be a multiple of 8 and at most ", kAttentionMaxHeadDimCuda);
+  FLOWMOE_CHECK(batch >= 0 && seq_len >= 0 && num_heads >= 0 && head_dim >= 0, ShapeError, what, ": negative size [",
+                batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
+  FLOWMOE_CHECK(head_dim % 8 == 0 && head_dim <= kAttentionMaxHeadDimCuda, ShapeError, what, ": head_dim ", head_dim,
+                " must be a multiple of 8 and at most ", kAttentionMaxHeadDimCuda);
   if (batch * seq_len * num_heads * head_dim == 0) return false;
   const int64_t num_tiles = (seq_len + 63) / 64;  // the smallest tiles (64 rows) make the largest grid
-  FLOWMOE_CHECK(batch * num_heads * num_tiles < (int64_t(1) << 31) && seq_len < (int64_t(1) << 30), ShapeError,
-                what, ": too large [", batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
+  FLOWMOE_CHECK(batch * num_heads * num_tiles < (int64_t(1) << 31) && seq_len < (int64_t(1) << 30), ShapeError, what,
+                ": too large [", batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
   dims = FlashDims{int(batch), int(seq_len), int(num_heads), int(head_dim), float(1.0 / std::sqrt(double(head_dim)))};
   return true;
 }

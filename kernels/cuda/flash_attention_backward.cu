@@ -89,10 +89,10 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
   for (int n = 0; n <= q_tile; ++n) {  // key tiles up to the diagonal (all start before seq_len)
     const int k0 = n * kBwdTile, buf = n & 1;
     if (n < q_tile) {
-      load_tile<kBwdTile, HD, kBwdThreads>(k_s + (buf ^ 1) * kBwdTile * S, k + off, stride, k0 + kBwdTile,
-                                           dims.seq_len, dims.head_dim);
-      load_tile<kBwdTile, HD, kBwdThreads>(v_s + (buf ^ 1) * kBwdTile * S, v + off, stride, k0 + kBwdTile,
-                                           dims.seq_len, dims.head_dim);
+      load_tile<kBwdTile, HD, kBwdThreads>(k_s + (buf ^ 1) * kBwdTile * S, k + off, stride, k0 + kBwdTile, dims.seq_len,
+                                           dims.head_dim);
+      load_tile<kBwdTile, HD, kBwdThreads>(v_s + (buf ^ 1) * kBwdTile * S, v + off, stride, k0 + kBwdTile, dims.seq_len,
+                                           dims.head_dim);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -135,12 +135,12 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
                                const float* __restrict__ delta /*[B, nh, T]*/, FlashDims dims) {
   constexpr int S = kStride<HD>;
   extern __shared__ __align__(16) unsigned char smem[];
-  Bf16* k_s = reinterpret_cast<Bf16*>(smem);              // [64, S]
-  Bf16* v_s = k_s + kBwdTile * S;                         // [64, S]
-  Bf16* q_s = v_s + kBwdTile * S;                         // [2][64, S]
-  Bf16* do_s = q_s + 2 * kBwdTile * S;                    // [2][64, S]
+  Bf16* k_s = reinterpret_cast<Bf16*>(smem);                         // [64, S]
+  Bf16* v_s = k_s + kBwdTile * S;                                    // [64, S]
+  Bf16* q_s = v_s + kBwdTile * S;                                    // [2][64, S]
+  Bf16* do_s = q_s + 2 * kBwdTile * S;                               // [2][64, S]
   float* lse_s = reinterpret_cast<float*>(do_s + 2 * kBwdTile * S);  // [2][64]
-  float* delta_s = lse_s + 2 * kBwdTile;                  // [2][64]
+  float* delta_s = lse_s + 2 * kBwdTile;                             // [2][64]
   const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kBwdTile - 1) / kBwdTile;
   const int k_tile = int(blockIdx.x) / num_bh;  // low key tiles see the most queries and start first
   const int bh = int(blockIdx.x) % num_bh, b = bh / dims.num_heads, h = bh % dims.num_heads;
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
         const int query = q0 + col + (e & 1), key = k0 + row0 + g + 8 * (e >> 1);
         const bool hidden = masked && (query < key || query >= dims.seq_len);
         const float p = hidden ? 0.f : exp2_ftz(fmaf(st[j][e], scale_log2, -(e & 1 ? lse2.y : lse2.x) * kLog2e));
-        st[j][e] = p;                                               // Pᵀ
+        st[j][e] = p;                                                 // Pᵀ
         dpt[j][e] = p * (dpt[j][e] - (e & 1 ? delta2.y : delta2.x));  // dSᵀ
       }
     }

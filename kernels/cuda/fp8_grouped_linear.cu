@@ -82,8 +82,8 @@ struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     size_t h = 0;
     for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldd}) hash_mix(h, uint64_t(v));
-    hash_mix(h, uint64_t(k.wgrad) | uint64_t(k.accumulate) << 1 | uint64_t(k.d_dtype) << 8 |
-                    uint64_t(k.align_a) << 16 | uint64_t(k.align_b) << 32 | uint64_t(k.align_d) << 48);
+    hash_mix(h, uint64_t(k.wgrad) | uint64_t(k.accumulate) << 1 | uint64_t(k.d_dtype) << 8 | uint64_t(k.align_a) << 16 |
+                    uint64_t(k.align_b) << 32 | uint64_t(k.align_d) << 48);
     return h;
   }
 };
@@ -303,8 +303,18 @@ void fp8_grouped_gemm_cuda(DType out_dtype, const uint8_t* x, const float* x_sca
       const uint8_t* a = w + e * n * k;
       const uint8_t* b = x + off * k;
       void* d = static_cast<char*>(y) + size_t(off * n) * es;
-      const PlanKey key{n, rows, k, k, k, n, false, false, out_dtype,  // D [n, rows] = y_eᵀ
-                        alignment_of(a), alignment_of(b), alignment_of(d)};
+      const PlanKey key{n,
+                        rows,
+                        k,
+                        k,
+                        k,
+                        n,
+                        false,
+                        false,
+                        out_dtype,  // D [n, rows] = y_eᵀ
+                        alignment_of(a),
+                        alignment_of(b),
+                        alignment_of(d)};
       run_gemm(key, a, w_scales + e * nb * kb4, b, ws + off * kb, d, fan.next());
     }
     off += rows;
@@ -333,8 +343,18 @@ void fp8_grouped_wgrad_cuda(const uint8_t* dy_t, const float* dy_t_scale_inv, co
     FLOWMOE_CHECK(dy_t && dy_t_scale_inv && x_t && x_t_scale_inv, Error, what, ": null operand for expert ", e);
     const uint8_t* a = x_t + off;
     const uint8_t* b = dy_t + off;
-    const PlanKey key{k, n, rows, m_total, m_total, k, true, accumulate, DType::f32,  // D [k, n] = dw[e]ᵀ
-                      alignment_of(a), alignment_of(b), alignment_of(d)};
+    const PlanKey key{k,
+                      n,
+                      rows,
+                      m_total,
+                      m_total,
+                      k,
+                      true,
+                      accumulate,
+                      DType::f32,  // D [k, n] = dw[e]ᵀ
+                      alignment_of(a),
+                      alignment_of(b),
+                      alignment_of(d)};
     run_gemm(key, a, x_t_scale_inv + blk * k, b, dy_t_scale_inv + blk * n, d, fan.next());
     off += rows;
     blk += fp8_num_blocks(rows);

@@ -50,7 +50,10 @@ __device__ __forceinline__ int owning_segment(const T* first_block, int n, long 
   int lo = 0, hi = n - 1;
   while (lo < hi) {
     int mid = (lo + hi + 1) >> 1;
-    if (first_block[mid] <= blk) lo = mid; else hi = mid - 1;
+    if (first_block[mid] <= blk)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -77,8 +80,8 @@ __device__ __forceinline__ TileRows find_tile_rows(const CountSegments& c, int b
 
 // Launches kernel(chunk) once per kChunkSegments segments; returns the segments' total rows.
 template <class Launch>
-int64_t for_each_chunk(const int64_t* rows_per_segment, int64_t num_segments, int64_t num_col_tiles,
-                       const char* what, Launch&& launch) {
+int64_t for_each_chunk(const int64_t* rows_per_segment, int64_t num_segments, int64_t num_col_tiles, const char* what,
+                       Launch&& launch) {
   int64_t seg_start = 0, block = 0;
   for (int64_t s0 = 0; s0 < num_segments; s0 += kChunkSegments) {
     SegmentChunk c{};

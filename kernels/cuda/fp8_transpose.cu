@@ -52,10 +52,10 @@ __device__ __forceinline__ uint32_t canonical_nans(uint32_t out, uint32_t in) {
 // the scale gather. Thread t loads 16-byte group t%8 of rows t/8 + 32*it. Segments: SegmentChunk or
 // CountSegments (fp8_segments.cuh); a fill tile reads nothing, so its rows are zeros and its S is 1.
 template <class Segments>
-__global__ void __launch_bounds__(kThreads) fp8_transpose_kernel(
-    const uint8_t* __restrict__ q, const float* __restrict__ scale_inv, int64_t M, int64_t K,
-    uint8_t* __restrict__ q_t, float* __restrict__ scale_inv_t, int num_col_tiles, bool vec_in, bool vec_out,
-    const __grid_constant__ Segments segments) {
+__global__ void __launch_bounds__(kThreads)
+    fp8_transpose_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale_inv, int64_t M, int64_t K,
+                         uint8_t* __restrict__ q_t, float* __restrict__ scale_inv_t, int num_col_tiles, bool vec_in,
+                         bool vec_out, const __grid_constant__ Segments segments) {
   __shared__ __align__(16) uint32_t tile[kTile * kTile / 4];  // [row][32 words]; 16-byte group g at g ^ (row/16)
   __shared__ int32_t warp_max[kThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, group = tid & 7;
@@ -158,8 +158,8 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 // One launch of the kernel over `grid` CTAs with these segments.
 template <class Segments>
-void launch_transpose(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K, uint8_t* q_t,
-                      float* scale_inv_t, const Segments& segments, unsigned grid, cudaStream_t stream) {
+void launch_transpose(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K, uint8_t* q_t, float* scale_inv_t,
+                      const Segments& segments, unsigned grid, cudaStream_t stream) {
   const bool vec_in = K % 16 == 0 && aligned16(q), vec_out = M % 16 == 0 && aligned16(q_t);
   fp8_transpose_kernel<Segments><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, q_t, scale_inv_t,
                                                                 int(fp8_num_blocks(K)), vec_in, vec_out, segments);
@@ -168,9 +168,8 @@ void launch_transpose(const uint8_t* q, const float* scale_inv, int64_t M, int64
 
 }  // namespace
 
-void fp8_transpose_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
-                        const int64_t* rows_per_segment, int64_t num_segments, uint8_t* q_t, float* scale_inv_t,
-                        cudaStream_t stream) {
+void fp8_transpose_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K, const int64_t* rows_per_segment,
+                        int64_t num_segments, uint8_t* q_t, float* scale_inv_t, cudaStream_t stream) {
   FLOWMOE_CHECK(K >= 0, ShapeError, "fp8_transpose_cuda: bad K ", K);
   fp8_transpose_num_blocks(rows_per_segment, num_segments, M);
   if (M == 0 || K == 0) return;
@@ -181,9 +180,8 @@ void fp8_transpose_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int
   if (total < M) FLOWMOE_CUDA_CHECK(cudaMemset2DAsync(q_t + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
 }
 
-void fp8_transpose_device_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
-                               const int32_t* counts, int64_t num_experts, uint8_t* q_t, float* scale_inv_t,
-                               cudaStream_t stream) {
+void fp8_transpose_device_cuda(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K, const int32_t* counts,
+                               int64_t num_experts, uint8_t* q_t, float* scale_inv_t, cudaStream_t stream) {
   const char* what = "fp8_transpose_device_cuda";
   const int64_t max_blocks = fp8_colwise_device_check(what, M, K, counts, num_experts);
   if (K == 0 || max_blocks == 0) return;

@@ -36,7 +36,7 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>
 using GroupShape = ProblemShape::UnderlyingProblemShape;
 
 constexpr int kSetupThreads = kCountScanThreads;  // scan_counts: one thread per expert
-constexpr size_t kWorkspaceAlign = 256;  // CUTLASS keeps TMA descriptors in its workspace (64-byte aligned)
+constexpr size_t kWorkspaceAlign = 256;           // CUTLASS keeps TMA descriptors in its workspace (64-byte aligned)
 
 // ---- the types of one CUTLASS grouped GEMM ----------------------------------------------------------
 

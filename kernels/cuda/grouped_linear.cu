@@ -29,8 +29,8 @@ namespace {
 void check_args(DType dtype, int64_t num_experts, int64_t m_total, int64_t n, int64_t k, const char* what) {
   FLOWMOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, DTypeError, what, " supports f32 and bf16, got ",
                 dtype_name(dtype));
-  FLOWMOE_CHECK(num_experts >= 0 && m_total >= 0 && n >= 0 && k >= 0, ShapeError, what, ": negative size E=",
-                num_experts, " M_total=", m_total, " N=", n, " K=", k);
+  FLOWMOE_CHECK(num_experts >= 0 && m_total >= 0 && n >= 0 && k >= 0, ShapeError, what,
+                ": negative size E=", num_experts, " M_total=", m_total, " N=", n, " K=", k);
 }
 
 const char* at_row(const void* base, int64_t row, int64_t cols, size_t elem) {
@@ -85,12 +85,11 @@ void grouped_linear_forward_cuda(DType dtype, const void* x, const void* w, void
   const size_t es = dtype_size(dtype);
   zero_tail(y, total, m_total, n, es, stream);
   if (n == 0) return;
-  for_each_expert(padded_tokens_per_expert, num_experts, stream,
-                  [&](int64_t e, int64_t off, int64_t rows, cudaStream_t s) {
-                    gemm_cuda(false, true, rows, n, k, dtype, at_row(x, off, k, es), std::max<int64_t>(1, k),
-                              at_row(w, e * n, k, es), std::max<int64_t>(1, k), dtype, at_row(y, off, n, es), n,
-                              nullptr, false, s);
-                  });
+  for_each_expert(
+      padded_tokens_per_expert, num_experts, stream, [&](int64_t e, int64_t off, int64_t rows, cudaStream_t s) {
+        gemm_cuda(false, true, rows, n, k, dtype, at_row(x, off, k, es), std::max<int64_t>(1, k),
+                  at_row(w, e * n, k, es), std::max<int64_t>(1, k), dtype, at_row(y, off, n, es), n, nullptr, false, s);
+      });
 }
 
 void grouped_linear_dgrad_cuda(DType dtype, const void* dy, const void* w, void* dx,

@@ -94,8 +94,8 @@ struct PlanKeyHash {
     for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldc}) hash_mix(h, uint64_t(v));
     hash_mix(h, uint64_t(k.trans_a) | uint64_t(k.trans_b) << 1 | uint64_t(k.accumulate) << 2 |
                     uint64_t(k.has_bias) << 3 | uint64_t(k.ab_dtype) << 8 | uint64_t(k.c_dtype) << 16);
-    hash_mix(h, uint64_t(k.align_a) | uint64_t(k.align_b) << 16 | uint64_t(k.align_c) << 32 |
-                    uint64_t(k.align_bias) << 48);
+    hash_mix(
+        h, uint64_t(k.align_a) | uint64_t(k.align_b) << 16 | uint64_t(k.align_c) << 32 | uint64_t(k.align_bias) << 48);
     return h;
   }
 };
@@ -196,9 +196,8 @@ using Cache = LtCache<PlanKey, PlanKeyHash, Choice, Plan>;
 bool check_choice(cublasLtHandle_t handle, Plan& p, const PlanKey& key, const void* bias, const Choice& choice) {
   init_op(p.op, key, bias, choice.fused_bias);
   cublasLtMatmulHeuristicResult_t result{};
-  cublasStatus_t s =
-      cublasLtMatmulAlgoCheck(handle, &p.op, &p.layouts.a, &p.layouts.b, &p.layouts.d, &p.layouts.d, &choice.algo,
-                              &result);
+  cublasStatus_t s = cublasLtMatmulAlgoCheck(handle, &p.op, &p.layouts.a, &p.layouts.b, &p.layouts.d, &p.layouts.d,
+                                             &choice.algo, &result);
   return s == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= kLtWorkspaceBytes;
 }
 
@@ -252,13 +251,13 @@ void gemm_cuda(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, DTyp
   FLOWMOE_CHECK(c_dtype == DType::f32 || (c_dtype == DType::bf16 && ab_dtype == DType::bf16), DTypeError,
                 "gemm_cuda: ", dtype_name(ab_dtype), " operands cannot write a ", dtype_name(c_dtype), " result");
   int64_t a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
-  FLOWMOE_CHECK(lda >= std::max<int64_t>(1, a_cols) && ldb >= std::max<int64_t>(1, b_cols) &&
-                    ldc >= std::max<int64_t>(1, n),
-                ShapeError, "gemm_cuda: row strides lda=", lda, " ldb=", ldb, " ldc=", ldc,
-                " are shorter than the rows (", a_cols, ", ", b_cols, ", ", n, ")");
+  FLOWMOE_CHECK(
+      lda >= std::max<int64_t>(1, a_cols) && ldb >= std::max<int64_t>(1, b_cols) && ldc >= std::max<int64_t>(1, n),
+      ShapeError, "gemm_cuda: row strides lda=", lda, " ldb=", ldb, " ldc=", ldc, " are shorter than the rows (",
+      a_cols, ", ", b_cols, ", ", n, ")");
   if (m == 0 || n == 0) return;
-  FLOWMOE_CHECK(c != nullptr && (k == 0 || (a != nullptr && b != nullptr)), Error,
-                "gemm_cuda: null operand for m=", m, " n=", n, " k=", k);
+  FLOWMOE_CHECK(c != nullptr && (k == 0 || (a != nullptr && b != nullptr)), Error, "gemm_cuda: null operand for m=", m,
+                " n=", n, " k=", k);
 
   if (k == 0) {  // an empty sum: cuBLASLt layouts cannot have zero columns, so write it directly
     size_t es = dtype_size(c_dtype);
@@ -268,8 +267,22 @@ void gemm_cuda(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, DTyp
   }
 
   Cache::Thread& td = Cache::thread(cuda_current_device());
-  const PlanKey key{m, n, k, lda, ldb, ldc, trans_a, trans_b, accumulate, bias != nullptr, ab_dtype, c_dtype,
-                    alignment_of(a), alignment_of(b), alignment_of(c), alignment_of(bias)};
+  const PlanKey key{m,
+                    n,
+                    k,
+                    lda,
+                    ldb,
+                    ldc,
+                    trans_a,
+                    trans_b,
+                    accumulate,
+                    bias != nullptr,
+                    ab_dtype,
+                    c_dtype,
+                    alignment_of(a),
+                    alignment_of(b),
+                    alignment_of(c),
+                    alignment_of(bias)};
   auto [it, inserted] = td.plans.try_emplace(key);
   Plan& plan = it->second;
   if (inserted) {
@@ -288,9 +301,9 @@ void gemm_cuda(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, DTyp
     build_plan(td, plan, key, bias, true);
     s = run_plan(td, plan, a, b, c, bias, accumulate, workspace, stream);
   }
-  FLOWMOE_CHECK(s == CUBLAS_STATUS_SUCCESS, CudaError, "gemm_cuda: cublasLtMatmul failed: ",
-                cublasLtGetStatusString(s), " (", int(s), ") for m=", m, " n=", n, " k=", k, " trans_a=", trans_a,
-                " trans_b=", trans_b, " ", dtype_name(ab_dtype), " -> ", dtype_name(c_dtype));
+  FLOWMOE_CHECK(s == CUBLAS_STATUS_SUCCESS, CudaError, "gemm_cuda: cublasLtMatmul failed: ", cublasLtGetStatusString(s),
+                " (", int(s), ") for m=", m, " n=", n, " k=", k, " trans_a=", trans_a, " trans_b=", trans_b, " ",
+                dtype_name(ab_dtype), " -> ", dtype_name(c_dtype));
   if (bias && !plan.choice.fused_bias) launch_add_bias(c_dtype, c, bias, m, n, ldc, stream);
 }
 
@@ -318,8 +331,8 @@ void bias_grad_cuda(DType dtype, void* d_bias, const void* dy, int64_t m, int64_
     using T = std::remove_pointer_t<decltype(tag)>;
     bias_grad_partial_kernel<<<grid, block, 0, stream>>>(partial, static_cast<const T*>(dy), m, n);
     FLOWMOE_CUDA_CHECK_LAUNCH();
-    bias_grad_finish_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<T*>(d_bias), partial,
-                                                                            num_chunks, n);
+    bias_grad_finish_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<T*>(d_bias), partial, num_chunks,
+                                                                           n);
   });
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }

@@ -14,15 +14,25 @@ namespace flowmoe {
 template <int VB>
 struct VecOf;
 template <>
-struct VecOf<16> { using type = uint4; };
+struct VecOf<16> {
+  using type = uint4;
+};
 template <>
-struct VecOf<8> { using type = uint2; };
+struct VecOf<8> {
+  using type = uint2;
+};
 template <>
-struct VecOf<4> { using type = unsigned int; };
+struct VecOf<4> {
+  using type = unsigned int;
+};
 template <>
-struct VecOf<2> { using type = unsigned short; };
+struct VecOf<2> {
+  using type = unsigned short;
+};
 template <>
-struct VecOf<1> { using type = unsigned char; };
+struct VecOf<1> {
+  using type = unsigned char;
+};
 
 // VB bytes of T, loaded and stored as one vector (llm.c's Packed128); get/set convert through fp32.
 template <class T, int VB>

@@ -81,8 +81,8 @@ void launch_map(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stre
   auto* chunk_counts = static_cast<int32_t*>(b.workspace);
   auto scan = [&] {  // with no entries, route_scan alone writes the zero counts
     launch_dependent(route_scan_kernel, 1, kScanThreads, size_t(num_local) * sizeof(int32_t), stream, chunk_counts,
-                     num_chunks, num_local, d.align_size, d.num_rows, b.tokens_per_expert,
-                     b.padded_tokens_per_expert, b.segment_starts);
+                     num_chunks, num_local, d.align_size, d.num_rows, b.tokens_per_expert, b.padded_tokens_per_expert,
+                     b.segment_starts);
   };
   if (n == 0) {
     scan();
@@ -102,10 +102,9 @@ void launch_map(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stre
       b.topk_idx, n, d.top_k, d.num_experts, d.expert_offset, num_local, num_chunks, b.row_map, chunk_counts);
   FLOWMOE_CUDA_CHECK_LAUNCH();
   scan();
-  launch_dependent(route_finalize_kernel, unsigned((n + kFinalizeThreads - 1) / kFinalizeThreads), kFinalizeThreads,
-                   0, stream, b.topk_idx, n, d.expert_offset, num_local, num_chunks,
-                   static_cast<const int32_t*>(chunk_counts), static_cast<const int32_t*>(b.segment_starts),
-                   b.row_map);
+  launch_dependent(route_finalize_kernel, unsigned((n + kFinalizeThreads - 1) / kFinalizeThreads), kFinalizeThreads, 0,
+                   stream, b.topk_idx, n, d.expert_offset, num_local, num_chunks,
+                   static_cast<const int32_t*>(chunk_counts), static_cast<const int32_t*>(b.segment_starts), b.row_map);
 }
 
 template <int VB>
@@ -163,11 +162,16 @@ void launch_rows(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t str
   a.side_cols = b.side ? b.side_cols : 0, a.side_pad_value = b.side_pad_value;
   if (tma) return launch_rows_tma(a, int64_t(b.row_bytes), stream);
   switch (vb) {
-    case 16: return launch_rows_vb<16>(a, stream);
-    case 8: return launch_rows_vb<8>(a, stream);
-    case 4: return launch_rows_vb<4>(a, stream);
-    case 2: return launch_rows_vb<2>(a, stream);
-    default: return launch_rows_vb<1>(a, stream);
+    case 16:
+      return launch_rows_vb<16>(a, stream);
+    case 8:
+      return launch_rows_vb<8>(a, stream);
+    case 4:
+      return launch_rows_vb<4>(a, stream);
+    case 2:
+      return launch_rows_vb<2>(a, stream);
+    default:
+      return launch_rows_vb<1>(a, stream);
   }
 }
 
@@ -195,8 +199,7 @@ size_t permute_workspace_bytes(const RoutingDims& d) {
 //   rows    [num_rows, H]   rows[row_map[t,j]] = x[t]; pad rows and the tail past segment_starts[L] are 0
 //   probs   [num_rows]      probs[row_map[t,j]] = topk_prob[t,j]; 0 elsewhere
 //   side_rows [num_rows, C] side[t] moved like rows; side_pad_value elsewhere (FP8 scale_inv)
-void permute_pad_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream,
-                      PermuteRowKernel row_kernel) {
+void permute_pad_cuda(const RoutingDims& d, const PermuteBuffers& b, cudaStream_t stream, PermuteRowKernel row_kernel) {
   check_permute_args(d, b);
   launch_map(d, b, stream);
   launch_rows(d, b, stream, row_kernel);

@@ -174,8 +174,7 @@ __device__ __forceinline__ void scan_padded_totals(const int32_t* s_total, int n
   if (write && threadIdx.x == blockDim.x - 1) {
     segment_starts[num_local] = inclusive;
     if (inclusive > num_rows) {
-      printf("permute_pad: the padded experts need %d rows but the buffer has %lld\n", inclusive,
-             (long long)num_rows);
+      printf("permute_pad: the padded experts need %d rows but the buffer has %lld\n", inclusive, (long long)num_rows);
       __trap();
     }
   }
@@ -251,8 +250,8 @@ __global__ void __launch_bounds__(kCountThreads)
 // offset inside its expert (written over its count) and the expert's total. Then step 3.
 // With no entries (num_chunks 0) it alone writes the (zero) per-expert outputs.
 __global__ void __launch_bounds__(kScanThreads)
-    route_scan_kernel(int32_t* __restrict__ chunk_counts /*[L, num_chunks]*/, int num_chunks, int num_local,
-                      int align, int64_t num_rows, int32_t* __restrict__ tokens_per_expert /*[L]*/,
+    route_scan_kernel(int32_t* __restrict__ chunk_counts /*[L, num_chunks]*/, int num_chunks, int num_local, int align,
+                      int64_t num_rows, int32_t* __restrict__ tokens_per_expert /*[L]*/,
                       int32_t* __restrict__ padded_tokens_per_expert /*[L]*/,
                       int32_t* __restrict__ segment_starts /*[L+1]*/) {
   extern __shared__ int32_t s_total[];  // [L]

@@ -21,24 +21,24 @@
 namespace flowmoe {
 namespace {
 
-constexpr int kRowThreads = 256;  // threads per block of the row kernels: 256 / group thread groups
-constexpr int kUnroll = 4;        // vectors per thread in flight per pass
-constexpr int kRowMinBlocks = 5;  // the row kernel's register budget: 5 blocks per SM (<= 48 registers)
+constexpr int kRowThreads = 256;             // threads per block of the row kernels: 256 / group thread groups
+constexpr int kUnroll = 4;                   // vectors per thread in flight per pass
+constexpr int kRowMinBlocks = 5;             // the row kernel's register budget: 5 blocks per SM (<= 48 registers)
 constexpr int kMaxTopk = kUnpermuteMaxTopk;  // the backward runs unpermute_cuda (kernels/unpermute.h)
 
 struct RowArgs {
-  const void* x;             // [T, nvec] vectors
-  const float* topk_prob;    // [T,k] or null
-  const float* side;         // [T, side_cols] or null
-  const int32_t* row_map;    // [T,k] destination rows (written by step 1)
-  const int32_t* tokens;     // [L] tokens_per_expert (step 1)
-  const int32_t* seg;        // [L+1] segment_starts (step 1)
-  void* rows;                // [num_rows, nvec] vectors
-  float* probs;              // [num_rows] or null
-  float* side_rows;          // [num_rows, side_cols] or null
+  const void* x;           // [T, nvec] vectors
+  const float* topk_prob;  // [T,k] or null
+  const float* side;       // [T, side_cols] or null
+  const int32_t* row_map;  // [T,k] destination rows (written by step 1)
+  const int32_t* tokens;   // [L] tokens_per_expert (step 1)
+  const int32_t* seg;      // [L+1] segment_starts (step 1)
+  void* rows;              // [num_rows, nvec] vectors
+  float* probs;            // [num_rows] or null
+  float* side_rows;        // [num_rows, side_cols] or null
   int64_t num_tokens, nvec, num_rows;
-  int64_t token_blocks;      // blocks [0, token_blocks) move tokens, the rest write pad rows
-  int64_t num_pad_items;     // pad warps
+  int64_t token_blocks;   // blocks [0, token_blocks) move tokens, the rest write pad rows
+  int64_t num_pad_items;  // pad warps
   int top_k, num_local, align, group, side_cols;
   float side_pad_value;
 };

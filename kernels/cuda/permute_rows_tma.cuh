@@ -16,18 +16,18 @@
 namespace flowmoe {
 namespace {
 
-constexpr int kTmaThreads = 128;                    // warp 0: the copy engine's issuer; warps 1..3: side, pad
+constexpr int kTmaThreads = 128;  // warp 0: the copy engine's issuer; warps 1..3: side, pad
 constexpr int kTmaPadWarps = kTmaThreads / 32 - 1;
-constexpr int64_t kTmaChunkBytes = 32 * 1024;       // longest bulk copy of one item
-constexpr int64_t kTmaStageBudget = 32 * 1024;      // stage bytes per block: 6-7 blocks per SM fit
+constexpr int64_t kTmaChunkBytes = 32 * 1024;   // longest bulk copy of one item
+constexpr int64_t kTmaStageBudget = 32 * 1024;  // stage bytes per block: 6-7 blocks per SM fit
 constexpr int kTmaMaxTokensPerBlock = 8;
 
 struct TmaRowArgs {
-  RowArgs a;                 // as for the classic kernel, with nvec counting 16-byte vectors
-  int64_t row_bytes;         // multiple of 16
-  int64_t chunk_bytes;       // multiple of 16; the last chunk of a row may be shorter
-  int64_t stage_stride;      // chunk_bytes rounded up to 128
-  int64_t num_pad_warps;     // blocks * kTmaPadWarps
+  RowArgs a;              // as for the classic kernel, with nvec counting 16-byte vectors
+  int64_t row_bytes;      // multiple of 16
+  int64_t chunk_bytes;    // multiple of 16; the last chunk of a row may be shorter
+  int64_t stage_stride;   // chunk_bytes rounded up to 128
+  int64_t num_pad_warps;  // blocks * kTmaPadWarps
   int chunks_per_row, tokens_per_block, stages;
 };
 
@@ -67,14 +67,11 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
 }
 
 // Makes the initialised mbarriers visible to the async proxy (the copy engine) before it signals them.
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 
 // Arms `bar` for `bytes` and starts the global -> shared copy whose arrival completes them.
 __device__ __forceinline__ void bulk_load(void* dst_smem, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                    smem_u32(dst_smem)),
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
@@ -121,7 +118,7 @@ __global__ void __launch_bounds__(kTmaThreads) permute_rows_tma_kernel(const Tma
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const RowArgs& a = ta.a;
   extern __shared__ __align__(128) unsigned char s_raw[];
-  unsigned char* s_stage = s_raw;                                                        // [stages, stride]
+  unsigned char* s_stage = s_raw;                                                           // [stages, stride]
   auto* s_bar = reinterpret_cast<uint64_t*>(s_raw + int64_t(ta.stages) * ta.stage_stride);  // [stages]
   auto* s_dest = reinterpret_cast<int32_t*>(s_bar + ta.stages);                             // [tokens, k]
   const int64_t t0 = int64_t(blockIdx.x) * ta.tokens_per_block;

@@ -26,7 +26,7 @@ namespace {
 constexpr int kBlk = kFp8BlockSize;  // 128
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 static_assert(kThreads == kCountScanThreads, "a CTA scans the device counts, one thread per expert");
-constexpr int kColTile = 64;        // columns per colwise CTA (one 128-row block of a segment)
+constexpr int kColTile = 64;  // columns per colwise CTA (one 128-row block of a segment)
 static_assert(kTile == kBlk, "a colwise CTA covers one scaling block of rows");
 
 // ---- kernels ----------------------------------------------------------------------------------
@@ -65,14 +65,18 @@ __device__ __forceinline__ void store_vec(T* p, const float* v) {
 // V bytes (4 or 8), aligned.
 template <int V>
 __device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t* words) {
-  if constexpr (V == 4) *reinterpret_cast<uint32_t*>(p) = words[0];
-  else *reinterpret_cast<uint2*>(p) = make_uint2(words[0], words[1]);
+  if constexpr (V == 4)
+    *reinterpret_cast<uint32_t*>(p) = words[0];
+  else
+    *reinterpret_cast<uint2*>(p) = make_uint2(words[0], words[1]);
 }
 
 // a / b and a % b, in 32 bits when both fit (64-bit division is a long subroutine on the GPU).
 __device__ __forceinline__ void div_mod(int64_t a, int64_t b, int64_t& quot, int64_t& rem) {
-  if (((a | b) >> 32) == 0) quot = int64_t(uint32_t(a) / uint32_t(b));
-  else quot = a / b;
+  if (((a | b) >> 32) == 0)
+    quot = int64_t(uint32_t(a) / uint32_t(b));
+  else
+    quot = a / b;
   rem = a - quot * b;
 }
 
@@ -131,8 +135,10 @@ __global__ void quantize_rowwise_kernel(const T* __restrict__ x, int64_t M, int6
 #pragma unroll
   for (int i = 0; i < V; i += 2) {
     uint32_t pair = quant2(v[i], v[i + 1], scale);
-    if (i % 4 == 0) words[i / 4] = pair;
-    else words[i / 4] |= pair << 16;
+    if (i % 4 == 0)
+      words[i / 4] = pair;
+    else
+      words[i / 4] |= pair << 16;
   }
   if (kAligned) {
     if (in) store_bytes<V>(q + row * K + k, words);
@@ -146,8 +152,8 @@ __global__ void quantize_rowwise_kernel(const T* __restrict__ x, int64_t M, int6
 // Dequantize rows of 128-element blocks; kBlockScales: the scale of row r is on the 128x128 grid of
 // matrix r / N ([B, ceil(N/128), ceil(K/128)]), else rowwise [M, ceil(K/128)].
 template <class T, bool kAligned, bool kBlockScales>
-__global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale_inv,
-                                       int64_t M, int64_t K, int64_t N, T* __restrict__ y) {
+__global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale_inv, int64_t M,
+                                       int64_t K, int64_t N, T* __restrict__ y) {
   constexpr int V = kVec<T>, G = kBlk / V;
   int64_t tid = blockIdx.x * int64_t(kThreads) + threadIdx.x, blk = tid / G;
   int64_t nbk = fp8_num_blocks(K);
@@ -161,8 +167,10 @@ __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q, const floa
   float s_inv = scale_inv[s_idx], v[V];
   if (kAligned) {
     uint32_t words[V / 4];
-    if constexpr (V == 4) words[0] = *reinterpret_cast<const uint32_t*>(q + row * K + k);
-    else *reinterpret_cast<uint2*>(words) = *reinterpret_cast<const uint2*>(q + row * K + k);
+    if constexpr (V == 4)
+      words[0] = *reinterpret_cast<const uint32_t*>(q + row * K + k);
+    else
+      *reinterpret_cast<uint2*>(words) = *reinterpret_cast<const uint2*>(q + row * K + k);
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] = dequant(words[i / 4] >> (8 * (i % 4)), s_inv);
     store_vec(y + row * K + k, v);
@@ -189,8 +197,10 @@ __global__ void quantize_colwise_kernel(const T* __restrict__ x, int64_t M, int6
     if (kAligned && i < read_rows && k0 + c < K) load_vec(x + (row0 + i) * K + k0 + c, v);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      if (!kAligned) v[j] = i < read_rows && k0 + c + j < K ? to_float(x[(row0 + i) * K + k0 + c + j]) : 0.f;
-      else if (!(i < read_rows && k0 + c < K)) v[j] = 0.f;
+      if (!kAligned)
+        v[j] = i < read_rows && k0 + c + j < K ? to_float(x[(row0 + i) * K + k0 + c + j]) : 0.f;
+      else if (!(i < read_rows && k0 + c < K))
+        v[j] = 0.f;
       tile[i][c + j] = v[j];
     }
   }
@@ -207,7 +217,8 @@ __global__ void quantize_colwise_kernel(const T* __restrict__ x, int64_t M, int6
     uint32_t packed = rows_strided_to_packed(word, lane);
     uint8_t* dst = q + (k0 + c) * M + row0;
     int i0 = 4 * lane;
-    if (vec_store && i0 + 3 < num_rows) *reinterpret_cast<uint32_t*>(dst + i0) = packed;
+    if (vec_store && i0 + 3 < num_rows)
+      *reinterpret_cast<uint32_t*>(dst + i0) = packed;
     else
       for (int j = 0; j < 4 && i0 + j < num_rows; ++j) dst[i0 + j] = uint8_t(packed >> (8 * j));
   }
@@ -216,9 +227,8 @@ __global__ void quantize_colwise_kernel(const T* __restrict__ x, int64_t M, int6
 // The inverse: a warp per column reads q's row (4 bytes a lane), dequantizes into the tile, then the
 // tile's rows are written to y with 16-byte stores.
 template <class T, bool kAligned>
-__global__ void dequantize_colwise_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale_inv,
-                                          int64_t M, int64_t K, __grid_constant__ const SegmentChunk chunk,
-                                          T* __restrict__ y) {
+__global__ void dequantize_colwise_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale_inv, int64_t M,
+                                          int64_t K, __grid_constant__ const SegmentChunk chunk, T* __restrict__ y) {
   constexpr int V = kVec<T>, VPR = kColTile / V;
   __shared__ float tile[kBlk][kColTile + 1];
   const TileRows tr = find_tile_rows(chunk, int(blockIdx.x));
@@ -229,7 +239,8 @@ __global__ void dequantize_colwise_kernel(const uint8_t* __restrict__ q, const f
   for (int c = threadIdx.x >> 5; c < kColTile && k0 + c < K; c += kWarps) {
     const uint8_t* src = q + (k0 + c) * M + row0;
     uint32_t word = 0;
-    if (vec_load && i0 + 3 < num_rows) word = *reinterpret_cast<const uint32_t*>(src + i0);
+    if (vec_load && i0 + 3 < num_rows)
+      word = *reinterpret_cast<const uint32_t*>(src + i0);
     else
       for (int j = 0; j < 4 && i0 + j < num_rows; ++j) word |= uint32_t(src[i0 + j]) << (8 * j);
     uint32_t strided = rows_packed_to_strided(word, lane);
@@ -268,8 +279,10 @@ __global__ void quantize_block_kernel(const T* __restrict__ w, int64_t N, int64_
     if (kAligned && n < N && k < K) load_vec(src + n * K + k, v[p]);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      if (!kAligned) v[p][j] = n < N && k + j < K ? to_float(src[n * K + k + j]) : 0.f;
-      else if (!(n < N && k < K)) v[p][j] = 0.f;
+      if (!kAligned)
+        v[p][j] = n < N && k + j < K ? to_float(src[n * K + k + j]) : 0.f;
+      else if (!(n < N && k < K))
+        v[p][j] = 0.f;
       amax = fp8_amax_update(amax, v[p][j]);
     }
   }
@@ -312,7 +325,8 @@ __global__ void quantize_block_kernel(const T* __restrict__ w, int64_t N, int64_
     for (int m = 0; m < 4; ++m) word |= ((tile[lane + 32 * m][cc / 4] >> (8 * (cc % 4))) & 0xFFu) << (8 * m);
     uint32_t packed = rows_strided_to_packed(word, lane);
     uint8_t* dst = q_t + b * K * N + (k0 + cc) * N + n0;
-    if (vec_store && i0 + 3 < num_rows) *reinterpret_cast<uint32_t*>(dst + i0) = packed;
+    if (vec_store && i0 + 3 < num_rows)
+      *reinterpret_cast<uint32_t*>(dst + i0) = packed;
     else
       for (int j = 0; j < 4 && i0 + j < num_rows; ++j) dst[i0 + j] = uint8_t(packed >> (8 * j));
   }
@@ -383,8 +397,8 @@ void quantize_rowwise_cuda(DType dtype, const void* x, int64_t M, int64_t K, uin
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
-void dequantize_rowwise_cuda(DType out_dtype, const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,
-                             void* y, cudaStream_t stream) {
+void dequantize_rowwise_cuda(DType out_dtype, const uint8_t* q, const float* scale_inv, int64_t M, int64_t K, void* y,
+                             cudaStream_t stream) {
   check_sizes("dequantize_rowwise_cuda", M, K);
   if (M == 0 || K == 0) return;
   dispatch_cuda_float(out_dtype, "dequantize_rowwise_cuda", [&](auto* tag) {
@@ -403,11 +417,11 @@ void quantize_colwise_cuda(DType dtype, const void* x, int64_t M, int64_t K, con
   const char* what = "quantize_colwise_cuda";
   check_sizes(what, M, K);
   dim3 grid = colwise_grid(what, K);
-  int64_t total = for_each_colwise_chunk(what, M, K, rows_per_segment, num_segments,
-                                         [&](const SegmentChunk& c, unsigned nb) {
-                                           grid.x = nb;
-                                           launch_quantize_colwise(what, dtype, x, M, K, c, grid, q, scale_inv, stream);
-                                         });
+  int64_t total =
+      for_each_colwise_chunk(what, M, K, rows_per_segment, num_segments, [&](const SegmentChunk& c, unsigned nb) {
+        grid.x = nb;
+        launch_quantize_colwise(what, dtype, x, M, K, c, grid, q, scale_inv, stream);
+      });
   if (total < M && K > 0)  // columns past the segments (a worst-case sized buffer) are zero
     FLOWMOE_CUDA_CHECK(cudaMemset2DAsync(q + total, size_t(M), 0, size_t(M - total), size_t(K), stream));
 }
@@ -419,8 +433,7 @@ void quantize_colwise_device_cuda(DType dtype, const void* x, int64_t M, int64_t
   dim3 grid = colwise_grid(what, K);
   if (K == 0 || max_blocks == 0) return;
   grid.x = unsigned(max_blocks);
-  launch_quantize_colwise(what, dtype, x, M, K, CountSegments{counts, int(num_experts), M}, grid, q, scale_inv,
-                          stream);
+  launch_quantize_colwise(what, dtype, x, M, K, CountSegments{counts, int(num_experts), M}, grid, q, scale_inv, stream);
 }
 
 void dequantize_colwise_cuda(DType out_dtype, const uint8_t* q, const float* scale_inv, int64_t M, int64_t K,

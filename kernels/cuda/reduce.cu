@@ -45,8 +45,7 @@ __global__ void fill_from_scalar_kernel(T* __restrict__ d_x, const float* __rest
 
 // ---- launchers --------------------------------------------------------------------------------
 
-void reduce_cuda(ReduceOp op, DType dtype, float* out, float* partials, const void* x, int64_t n,
-                 cudaStream_t stream) {
+void reduce_cuda(ReduceOp op, DType dtype, float* out, float* partials, const void* x, int64_t n, cudaStream_t stream) {
   FLOWMOE_CHECK(n >= 0, ShapeError, "reduce_cuda: negative element count ", n);
   const int threads = 256;
   // At least 4 elements per thread before another block is worth its partial.

@@ -68,8 +68,10 @@ __global__ void rmsnorm_backward_kernel(T* __restrict__ d_x, float* __restrict__
 // Block (32 x 32) per 32 columns: thread (tx, ty) sums partials ty, ty + 32, ... of column tx, then
 // row ty == 0 adds the 32 results in order. Fixed order, so the result is reproducible.
 template <class T>
-__global__ void rmsnorm_dweight_kernel(T* __restrict__ d_weight, const float* __restrict__ partial
-                                       /*[num_partials, hidden]*/, int64_t num_partials, int64_t hidden) {
+__global__ void rmsnorm_dweight_kernel(T* __restrict__ d_weight,
+                                       const float* __restrict__ partial
+                                       /*[num_partials, hidden]*/,
+                                       int64_t num_partials, int64_t hidden) {
   __shared__ float sums[32][33];
   int64_t j = blockIdx.x * int64_t(32) + threadIdx.x;
   float acc = 0.f;
@@ -117,9 +119,9 @@ int64_t rmsnorm_backward_workspace_floats(int64_t rows, int64_t hidden) {
   return (rows < kRmsnormPartials ? rows : kRmsnormPartials) * hidden;
 }
 
-void rmsnorm_backward_cuda(DType dtype, void* d_x, void* d_weight, const void* d_y, const void* x,
-                           const void* weight, int64_t rows, int64_t hidden, double eps, float* workspace,
-                           int64_t workspace_floats, cudaStream_t stream) {
+void rmsnorm_backward_cuda(DType dtype, void* d_x, void* d_weight, const void* d_y, const void* x, const void* weight,
+                           int64_t rows, int64_t hidden, double eps, float* workspace, int64_t workspace_floats,
+                           cudaStream_t stream) {
   check_rmsnorm_args("rmsnorm_backward_cuda", dtype, rows, hidden, eps);
   FLOWMOE_CHECK(workspace_floats >= rmsnorm_backward_workspace_floats(rows, hidden), ShapeError,
                 "rmsnorm_backward_cuda: workspace of ", workspace_floats, " floats, need ",
@@ -137,8 +139,8 @@ void rmsnorm_backward_cuda(DType dtype, void* d_x, void* d_weight, const void* d
         static_cast<T*>(d_x), workspace, static_cast<const T*>(d_y), static_cast<const T*>(x),
         static_cast<const T*>(weight), rows, hidden, float(eps));
     FLOWMOE_CUDA_CHECK_LAUNCH();
-    rmsnorm_dweight_kernel<<<unsigned((hidden + 31) / 32), dim3(32, 32), 0, stream>>>(
-        static_cast<T*>(d_weight), workspace, num_partials, hidden);
+    rmsnorm_dweight_kernel<<<unsigned((hidden + 31) / 32), dim3(32, 32), 0, stream>>>(static_cast<T*>(d_weight),
+                                                                                      workspace, num_partials, hidden);
   });
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }

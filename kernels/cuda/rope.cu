@@ -19,7 +19,7 @@ __global__ void rope_kernel(T* __restrict__ out /*[B*T, nh, hd]*/, const T* __re
                             int seq_len, int num_heads, int head_dim, double theta, int64_t pos_offset,
                             double direction) {
   extern __shared__ float2 cos_sin[];  // [hd/2]: (cos, dir * sin)
-  const int64_t row = blockIdx.x;       // b * seq_len + t
+  const int64_t row = blockIdx.x;      // b * seq_len + t
   const int half = head_dim / 2;
   const double pos = double(pos_offset + row % seq_len);
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -43,8 +43,7 @@ __global__ void rope_kernel(T* __restrict__ out /*[B*T, nh, hd]*/, const T* __re
 static void rope_launch(DType dtype, void* out, const void* x, int64_t batch, int64_t seq_len, int64_t num_heads,
                         int64_t head_dim, double theta, int64_t pos_offset, double direction, cudaStream_t stream,
                         const char* what) {
-  FLOWMOE_CHECK(batch >= 0 && seq_len >= 0 && num_heads >= 0 && head_dim >= 0, ShapeError, what,
-                ": negative size");
+  FLOWMOE_CHECK(batch >= 0 && seq_len >= 0 && num_heads >= 0 && head_dim >= 0, ShapeError, what, ": negative size");
   FLOWMOE_CHECK(head_dim % 2 == 0, ShapeError, what, ": head_dim must be even, got ", head_dim);
   FLOWMOE_CHECK(theta > 0, Error, what, ": theta must be positive, got ", theta);
   const int64_t rows = batch * seq_len, pairs = num_heads * head_dim / 2;
@@ -55,17 +54,15 @@ static void rope_launch(DType dtype, void* out, const void* x, int64_t batch, in
   const size_t smem = size_t(head_dim / 2) * sizeof(float2);
   dispatch_cuda_float(dtype, what, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    rope_kernel<<<unsigned(rows), threads, smem, stream>>>(static_cast<T*>(out), static_cast<const T*>(x),
-                                                             int(seq_len), int(num_heads), int(head_dim), theta,
-                                                             pos_offset, direction);
+    rope_kernel<<<unsigned(rows), threads, smem, stream>>>(static_cast<T*>(out), static_cast<const T*>(x), int(seq_len),
+                                                           int(num_heads), int(head_dim), theta, pos_offset, direction);
   });
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void rope_forward_cuda(DType dtype, void* out, const void* x, int64_t batch, int64_t seq_len, int64_t num_heads,
                        int64_t head_dim, double theta, int64_t pos_offset, cudaStream_t stream) {
-  rope_launch(dtype, out, x, batch, seq_len, num_heads, head_dim, theta, pos_offset, 1.0, stream,
-              "rope_forward_cuda");
+  rope_launch(dtype, out, x, batch, seq_len, num_heads, head_dim, theta, pos_offset, 1.0, stream, "rope_forward_cuda");
 }
 
 void rope_backward_cuda(DType dtype, void* d_x, const void* d_out, int64_t batch, int64_t seq_len, int64_t num_heads,

@@ -215,8 +215,8 @@ __global__ void seq_counts_kernel(const int32_t* __restrict__ topk_idx, int64_t 
 }
 
 // Per token: coef * sum_e count[b,e] * s_e / Z, with coef = alpha / B * E / (k S) / S.
-__global__ void balance_token_kernel(RouterParams p, double coef, const float* __restrict__ logits,
-                                     int64_t num_tokens, int64_t seq_len, const int32_t* __restrict__ seq_counts,
+__global__ void balance_token_kernel(RouterParams p, double coef, const float* __restrict__ logits, int64_t num_tokens,
+                                     int64_t seq_len, const int32_t* __restrict__ seq_counts,
                                      float* __restrict__ token_loss) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, E = p.num_experts;
   const int64_t t = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
@@ -299,8 +299,7 @@ void check_params(const RouterParams& p, const char* what) {
                 kRouterMaxTopk, "]");
   FLOWMOE_CHECK(p.n_group >= 1 && p.n_group <= kRouterMaxGroups && p.num_experts % p.n_group == 0, ShapeError, what,
                 ": n_group ", p.n_group, " must divide num_experts ", p.num_experts, " and be <= ", kRouterMaxGroups);
-  FLOWMOE_CHECK(p.topk_group >= 1 && p.topk_group <= p.n_group &&
-                    p.top_k <= p.topk_group * (p.num_experts / p.n_group),
+  FLOWMOE_CHECK(p.topk_group >= 1 && p.topk_group <= p.n_group && p.top_k <= p.topk_group * (p.num_experts / p.n_group),
                 ShapeError, what, ": topk_group ", p.topk_group, " cannot hold top_k ", p.top_k);
 }
 
@@ -377,8 +376,7 @@ void router_balance_loss_backward_cuda(const RouterParams& p, const float* logit
 void expert_bias_update_cuda(float* expert_bias, const int32_t* tokens_per_expert, int num_experts, double rate,
                              BiasUpdateRule rule, cudaStream_t stream) {
   if (num_experts == 0) return;
-  expert_bias_update_kernel<<<1, 256, 0, stream>>>(expert_bias, tokens_per_expert, num_experts, rate, rule,
-                                                  nullptr);
+  expert_bias_update_kernel<<<1, 256, 0, stream>>>(expert_bias, tokens_per_expert, num_experts, rate, rule, nullptr);
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -387,8 +385,7 @@ void expert_bias_update_scheduled_cuda(float* expert_bias, const int32_t* tokens
                                        cudaStream_t stream) {
   FLOWMOE_CHECK(control, Error, "expert_bias_update_scheduled_cuda: null step scalars");
   if (num_experts == 0) return;
-  expert_bias_update_kernel<<<1, 256, 0, stream>>>(expert_bias, tokens_per_expert, num_experts, rate, rule,
-                                                  control);
+  expert_bias_update_kernel<<<1, 256, 0, stream>>>(expert_bias, tokens_per_expert, num_experts, rate, rule, control);
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -34,8 +34,7 @@ void silu_forward_cuda(DType dtype, void* y, const void* x, int64_t n, cudaStrea
   const int threads = 256;
   dispatch_cuda_float(dtype, "silu_forward_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    silu_forward_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<T*>(y), static_cast<const T*>(x),
-                                                                        n);
+    silu_forward_kernel<<<grid_size(n, threads), threads, 0, stream>>>(static_cast<T*>(y), static_cast<const T*>(x), n);
   });
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }

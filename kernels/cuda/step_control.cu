@@ -17,8 +17,8 @@ __global__ void advance_step_kernel(StepScalars* s, StepSchedule p, const float*
 
 // ---- launchers --------------------------------------------------------------------------------
 
-void advance_step_cuda(StepScalars* s, const StepSchedule& p, const float* lm, const float* aux,
-                       const float* sq_sums, cudaStream_t stream) {
+void advance_step_cuda(StepScalars* s, const StepSchedule& p, const float* lm, const float* aux, const float* sq_sums,
+                       cudaStream_t stream) {
   FLOWMOE_CHECK(s && lm && sq_sums && (aux || !p.has_aux), Error,
                 "advance_step_cuda: null scalars, losses or norm sums");
   FLOWMOE_CHECK(p.num_micro_batches >= 1, Error, "advance_step_cuda: num_micro_batches ", p.num_micro_batches,

@@ -55,8 +55,8 @@ void swiglu_forward_cuda(DType dtype, void* out, const void* gate_up, int64_t ro
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_backward_cuda(DType dtype, void* d_gate_up, const void* d_out, const void* gate_up, int64_t rows,
-                          int64_t F, cudaStream_t stream) {
+void swiglu_backward_cuda(DType dtype, void* d_gate_up, const void* d_out, const void* gate_up, int64_t rows, int64_t F,
+                          cudaStream_t stream) {
   FLOWMOE_CHECK(rows >= 0 && F >= 0, ShapeError, "swiglu_backward_cuda: bad shape rows ", rows, ", F ", F);
   if (rows == 0 || F == 0) return;
   const int threads = 256;

@@ -253,9 +253,9 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, con
     const bool vec = F % N == 0 && aligned(h, 16) && aligned(d_a, 16) && aligned(d_h_q, 4) && aligned(d_h, 16);
     if (vec && F % kFp8BlockSize == 0 && aligned(d_h_q, N)) {  // the FP8 expert case: no seam, no shared memory
       const unsigned grid = grid_size(M * 32, kThreads);
-      swiglu_quant_backward_aligned_kernel<T><<<grid, kThreads, 0, stream>>>(
-          static_cast<const T*>(d_a), static_cast<const T*>(h), prob, M, F, d_h_q, d_h_scale_inv,
-          static_cast<T*>(d_h), d_prob);
+      swiglu_quant_backward_aligned_kernel<T>
+          <<<grid, kThreads, 0, stream>>>(static_cast<const T*>(d_a), static_cast<const T*>(h), prob, M, F, d_h_q,
+                                          d_h_scale_inv, static_cast<T*>(d_h), d_prob);
       return;
     }
     auto kernel = vec ? swiglu_quant_backward_kernel<T, true> : swiglu_quant_backward_kernel<T, false>;

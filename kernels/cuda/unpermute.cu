@@ -23,9 +23,9 @@ namespace {
 
 constexpr int kThreads = 256;  // blocks hold 256 / group thread groups
 constexpr int kWarps = kThreads / 32;
-constexpr int kUnroll = 4;         // backward: vectors per thread per pass
-constexpr int kForwardUnroll = 4;  // forward: vectors per thread per pass
-constexpr int kForwardRows = 4;    // forward: routed rows loaded before accumulating (16 vectors in flight)
+constexpr int kUnroll = 4;                   // backward: vectors per thread per pass
+constexpr int kForwardUnroll = 4;            // forward: vectors per thread per pass
+constexpr int kForwardRows = 4;              // forward: routed rows loaded before accumulating (16 vectors in flight)
 constexpr int kMaxTopk = kUnpermuteMaxTopk;  // kernels/unpermute.h
 
 // ---- kernels ----------------------------------------------------------------------------------
@@ -247,8 +247,8 @@ void unpermute_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int
 void unpermute_backward_cuda(DType dtype, const UnpermuteBackwardArgs& in, cudaStream_t stream) {
   FLOWMOE_CHECK(in.top_k >= 1 && in.top_k <= kMaxTopk, Error, "unpermute_backward_cuda: top_k must be in [1, ",
                 kMaxTopk, "], got ", in.top_k);
-  FLOWMOE_CHECK(in.num_local_experts >= 1 && (in.align_size == 16 || in.align_size == 32 || in.align_size == 64 ||
-                                              in.align_size == 128),
+  FLOWMOE_CHECK(in.num_local_experts >= 1 &&
+                    (in.align_size == 16 || in.align_size == 32 || in.align_size == 64 || in.align_size == 128),
                 Error, "unpermute_backward_cuda: need >= 1 local expert and align_size 16/32/64/128, got ",
                 in.num_local_experts, " and ", in.align_size);
   FLOWMOE_CHECK(!in.d_topk_prob || in.rows, Error, "unpermute_backward_cuda: d_topk_prob needs rows");
@@ -262,8 +262,8 @@ void unpermute_backward_cuda(DType dtype, const UnpermuteBackwardArgs& in, cudaS
   if (a.num_tokens == 0 && a.num_pad_items == 0) return;
   dispatch_cuda_float(dtype, "unpermute_backward_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const bool wide = in.hidden * int64_t(sizeof(T)) % 16 == 0 && aligned16(in.rows) && aligned16(in.dy) &&
-                      aligned16(in.d_rows);
+    const bool wide =
+        in.hidden * int64_t(sizeof(T)) % 16 == 0 && aligned16(in.rows) && aligned16(in.dy) && aligned16(in.d_rows);
     auto launch = [&](auto kernel, int elems_per_vec) {
       a.nvec = in.hidden / elems_per_vec;
       a.group = group_for(a.nvec, kUnroll);

@@ -67,7 +67,9 @@ class RowType {
     FLOWMOE_MPI_CHECK(MPI_Type_contiguous(to_mpi_int(int64_t(row_bytes), "bytes per row"), MPI_BYTE, &type_));
     FLOWMOE_MPI_CHECK(MPI_Type_commit(&type_));
   }
-  ~RowType() { if (!mpi_is_finalized()) MPI_Type_free(&type_); }
+  ~RowType() {
+    if (!mpi_is_finalized()) MPI_Type_free(&type_);
+  }
   RowType(const RowType&) = delete;
   RowType& operator=(const RowType&) = delete;
   MPI_Datatype get() const { return type_; }
@@ -82,7 +84,8 @@ class HostBytes {
  public:
   HostBytes(const Tensor& t, bool load, cudaStream_t side_stream) : t_(t) {
     if (t.device().is_cpu()) return;
-    FLOWMOE_CHECK(side_stream == nullptr, DeviceError, "mpi stages GPU tensors on the engine stream; set_stream applies"
+    FLOWMOE_CHECK(side_stream == nullptr, DeviceError,
+                  "mpi stages GPU tensors on the engine stream; set_stream applies"
                   " to the nccl backend only");
     staged_.resize(t.nbytes());
     if (load) copy_bytes(staged_.data(), -1, t.raw_data(), t.device().index, t.nbytes());
@@ -115,11 +118,16 @@ void scale_in_place(void* data, DType dtype, int64_t n, double s) {
 
 MPI_Datatype mpi_type(DType d) {
   switch (d) {
-    case DType::f32: return MPI_FLOAT;
-    case DType::f64: return MPI_DOUBLE;
-    case DType::i32: return MPI_INT32_T;
-    case DType::i64: return MPI_INT64_T;
-    default: FLOWMOE_THROW(DTypeError, "mpi all_reduce: no MPI type for ", dtype_name(d));
+    case DType::f32:
+      return MPI_FLOAT;
+    case DType::f64:
+      return MPI_DOUBLE;
+    case DType::i32:
+      return MPI_INT32_T;
+    case DType::i64:
+      return MPI_INT64_T;
+    default:
+      FLOWMOE_THROW(DTypeError, "mpi all_reduce: no MPI type for ", dtype_name(d));
   }
 }
 

@@ -39,19 +39,27 @@ class DeviceScope {
 
 ncclDataType_t nccl_type(DType d) {
   switch (d) {
-    case DType::f32: return ncclFloat32;
-    case DType::f64: return ncclFloat64;
-    case DType::i32: return ncclInt32;
-    case DType::i64: return ncclInt64;
-    default: FLOWMOE_THROW(DTypeError, "nccl all_reduce: no NCCL type for ", dtype_name(d));
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::i32:
+      return ncclInt32;
+    case DType::i64:
+      return ncclInt64;
+    default:
+      FLOWMOE_THROW(DTypeError, "nccl all_reduce: no NCCL type for ", dtype_name(d));
   }
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::sum: return ncclSum;
-    case ReduceOp::max: return ncclMax;
-    case ReduceOp::avg: return ncclAvg;
+    case ReduceOp::sum:
+      return ncclSum;
+    case ReduceOp::max:
+      return ncclMax;
+    case ReduceOp::avg:
+      return ncclAvg;
   }
   return ncclSum;
 }
@@ -87,8 +95,8 @@ class NcclCommunicator final : public Communicator {
     FLOWMOE_CHECK(bootstrap_ != nullptr, CommError, "nccl: no bootstrap communicator");
     FLOWMOE_CHECK(bootstrap_->native_device().is_cpu(), CommError, "nccl bootstraps through a CPU communicator (mpi",
                   " or none), got ", bootstrap_->backend_name());
-    FLOWMOE_CHECK(device >= 0 && device < cuda_device_count(), DeviceError, "nccl: cuda:", device,
-                  " does not exist (", cuda_device_count(), " CUDA devices visible)");
+    FLOWMOE_CHECK(device >= 0 && device < cuda_device_count(), DeviceError, "nccl: cuda:", device, " does not exist (",
+                  cuda_device_count(), " CUDA devices visible)");
     DeviceScope scope(device_);
     ncclUniqueId id = share_unique_id(*bootstrap_);
     if (max_ctas == 0) {
@@ -168,8 +176,8 @@ class NcclCommunicator final : public Communicator {
     check_on_device(t, "all_reduce");
     if (t.numel() == 0) return;
     DeviceScope scope(device_);
-    FLOWMOE_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), size_t(t.numel()), nccl_type(t.dtype()),
-                                     nccl_op(op), comm_, enqueue_stream()),
+    FLOWMOE_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), size_t(t.numel()), nccl_type(t.dtype()), nccl_op(op),
+                                     comm_, enqueue_stream()),
                        comm_);
   }
 
@@ -281,7 +289,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   std::unique_ptr<LsaPut> lsa_;  // put_rows' device path; null until the first put_rows, or unreachable
   bool lsa_tried_ = false;
-  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exchange_events_;  // since the last take or close
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exchange_events_;             // since the last take or close
   std::deque<std::vector<std::pair<cudaEvent_t, cudaEvent_t>>> closed_windows_;  // oldest first
   double folded_ms_ = 0;
 

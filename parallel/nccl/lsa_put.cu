@@ -17,7 +17,7 @@ namespace flowmoe {
 
 namespace {
 
-constexpr int kCtas = 64;       // = the LSA barriers asked of ncclDevCommCreate
+constexpr int kCtas = 64;  // = the LSA barriers asked of ncclDevCommCreate
 constexpr int kThreads = 512;
 
 // One chunk of `units` store units from `from` to `to`, spread over every thread of the grid as one
@@ -193,7 +193,7 @@ class LsaPutImpl final : public LsaPut {
     FLOWMOE_CUDA_CHECK(cudaGetDevice(&device));
     FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&copy_ctas_, cudaDevAttrMultiProcessorCount, device));
   }
-  ~LsaPutImpl() override {  // no throwing calls: a failure to tear down is ignored
+  ~LsaPutImpl() override {    // no throwing calls: a failure to tear down is ignored
     cudaDeviceSynchronize();  // on the communicator's device (its destructor makes it current)
     release_window();
     ncclDevCommDestroy(comm_, &dev_);
@@ -201,8 +201,8 @@ class LsaPutImpl final : public LsaPut {
 
   void put(const std::vector<Communicator::RowPut>& tensors, const Tensor& out_table, const Tensor& in_table,
            const Communicator::PadSegments& pad, cudaStream_t stream) override {
-    FLOWMOE_CHECK(!tensors.empty() && tensors.size() <= size_t(kMaxTensors), ShapeError, "put_rows: ",
-                  tensors.size(), " tensors; the device put moves 1 to ", kMaxTensors);
+    FLOWMOE_CHECK(!tensors.empty() && tensors.size() <= size_t(kMaxTensors), ShapeError, "put_rows: ", tensors.size(),
+                  " tensors; the device put moves 1 to ", kMaxTensors);
     PutTensors ts{};
     ts.count = int(tensors.size());
     ts.send_rows = tensors.front().send.size(0);

@@ -89,14 +89,13 @@ void encode_rows(const Tensor& t, int64_t at, int64_t rows, int src, int dst, in
   return ::testing::AssertionSuccess();
 }
 
-
 // put_rows' tables for one chunk pattern, on rank me: the expert-major layout of
 // check_all_to_all_chunks_cases with every segment padded to a multiple of 4 (pad rows too may be
 // none here) and kTailRows rows after the last, the same rows on every rank (the device put needs it).
 constexpr int64_t kTailRows = 5;
 struct PutLayout {
-  std::vector<int64_t> seg;      // [L+1] this rank's segment starts
-  std::vector<int64_t> covered;  // [L] the rows the peers send each segment
+  std::vector<int64_t> seg;                  // [L+1] this rank's segment starts
+  std::vector<int64_t> covered;              // [L] the rows the peers send each segment
   std::vector<int64_t> out_table, in_table;  // [n, L, 3] each
   int64_t recv_rows = 0;
 };

@@ -120,8 +120,8 @@ Tensor make_rows(const std::vector<int64_t>& counts, const Shape& row, DType dty
         size_t off = size_t(at * width + col) * size;
         if (std::memcmp(g + off, w + off, size) == 0) continue;
         auto fail = ::testing::AssertionFailure();
-        fail << "rank " << me << " recv row " << at << " (rank " << peer << "'s row " << j << " for it), column "
-             << col << " of " << dtype_name(want.dtype()) << ": ";
+        fail << "rank " << me << " recv row " << at << " (rank " << peer << "'s row " << j << " for it), column " << col
+             << " of " << dtype_name(want.dtype()) << ": ";
         if (size == 4) {
           float gv, wv;
           std::memcpy(&gv, g + off, 4);

@@ -189,8 +189,8 @@ TEST(CollectivesCuda, NcclCommunicator) {
   if (!built_with_nccl()) GTEST_SKIP() << "built without NCCL: nccl test skipped";
   FLOWMOE_REQUIRE_CUDA();
   Communicator& world = test_world();
-  if (cuda_device_count() < world.size()) GTEST_SKIP() << "nccl needs one GPU per rank: " << world.size()
-                                                       << " ranks, " << cuda_device_count() << " GPUs";
+  if (cuda_device_count() < world.size())
+    GTEST_SKIP() << "nccl needs one GPU per rank: " << world.size() << " ranks, " << cuda_device_count() << " GPUs";
   std::shared_ptr<Communicator> nccl = make_nccl_communicator(test_runtime().world, world.rank());
   EXPECT_STREQ(nccl->backend_name(), "nccl");
   EXPECT_EQ(nccl->rank(), world.rank());
@@ -224,8 +224,8 @@ TEST(Collectives, MissingBackendsSayWhatToInstall) {
                                          {"built without MPI", "install libopenmpi-dev"}));
   }
   if (!built_with_nccl()) {
-    EXPECT_TRUE(throws_naming<CommError>([] { make_nccl_communicator(make_none_communicator(), 0); },
-                                         {"built without NCCL"}));
+    EXPECT_TRUE(
+        throws_naming<CommError>([] { make_nccl_communicator(make_none_communicator(), 0); }, {"built without NCCL"}));
   }
   if (built_with_mpi() && built_with_nccl()) GTEST_SKIP() << "this build has every backend";
 }

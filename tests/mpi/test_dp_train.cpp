@@ -59,8 +59,8 @@ TEST_P(DataParallel, LossesMatchOneProcessOnTheSameGlobalBatch) {
         d, 0, "np1_halves", std::string(recipe.sets) + " --set train.batch_size=4 --set train.grad_accum_steps=2");
     ASSERT_EQ(halves.size(), 20u);
     for (size_t i = 0; i < halves.size(); ++i)  // the validation batches differ in size: train losses only
-      EXPECT_EQ(halves[i].loss, many[i].loss) << recipe.name << " step " << halves[i].step
-                                              << ": np2 vs one process in 2 micro-batches of 4";
+      EXPECT_EQ(halves[i].loss, many[i].loss)
+          << recipe.name << " step " << halves[i].step << ": np2 vs one process in 2 micro-batches of 4";
   }
   fs::remove_all(d);
 }
@@ -117,8 +117,7 @@ TEST(DataParallelErrors, DifferentConfigsFailOnEveryRank) {
 TEST(DataParallelOverlap, OverlappedReductionTrainsTheSameWeightsBitForBit) {
   const fs::path d = fresh_dir("dp_overlap");
   const std::string ep2 = " --set parallel.expert_parallel_size=2";
-  for (const auto& [np, extra] : {std::pair{2, std::string(" --set train.grad_accum_steps=2")},
-                                  {4, ep2}}) {
+  for (const auto& [np, extra] : {std::pair{2, std::string(" --set train.grad_accum_steps=2")}, {4, ep2}}) {
     const std::string name = "np" + std::to_string(np);
     const std::vector<StepMetrics> on = train_run(d, np, name + "_on", extra),
                                    off = train_run(d, np, name + "_off",
@@ -153,7 +152,8 @@ TEST(DataParallelSharded, ShardedOptimizerTrainsTheSameWeights) {
     const std::string name = "np" + std::to_string(np) + (extra.find("expert") != std::string::npos ? "_ep2" : "");
     const std::string base = extra + " --set optimizer.grad_clip=0";
     const std::vector<StepMetrics> on = train_run(d, np, name + "_on", base);
-    const std::vector<StepMetrics> off = train_run(d, np, name + "_off", base + " --set parallel.shard_optimizer=false");
+    const std::vector<StepMetrics> off =
+        train_run(d, np, name + "_off", base + " --set parallel.shard_optimizer=false");
     ASSERT_EQ(on.size(), 20u);
     ASSERT_EQ(off.size(), on.size());
     const bool same_sums = np == 2;
@@ -210,11 +210,14 @@ TEST(DataParallelErrors, ARankThatEndsEarlyLeavesWithItsPeers) {
                           FLOWMOE_MPIEXEC_NUMPROC_FLAG + " 1 " + kBinary + " " + args;
   for (const char* early : {"--print-config", "--help"}) {
     for (int attempt = 0; attempt < 3; ++attempt) {
-      const Launch r = run_shell(d, mpi + " " + early + " : " + FLOWMOE_MPIEXEC_NUMPROC_FLAG + " 1 " + kBinary + " " +
-                                        args, 60);
+      const Launch r =
+          run_shell(d, mpi + " " + early + " : " + FLOWMOE_MPIEXEC_NUMPROC_FLAG + " 1 " + kBinary + " " + args, 60);
       EXPECT_EQ(r.status, 2) << early << " attempt " << attempt << "\n" << r.err;
-      EXPECT_EQ(count(r.err, std::string("command is train ") + early + " (ends without a run) on rank 0 and train on "
-                                 "rank 1"), 2u) << r.err;
+      EXPECT_EQ(count(r.err, std::string("command is train ") + early +
+                                 " (ends without a run) on rank 0 and train on "
+                                 "rank 1"),
+                2u)
+          << r.err;
     }
     // Every rank ending early is no error: they leave together at once.
     const Launch all = run_shell(d, launcher(2) + kBinary + " " + args + " " + early, 60);
@@ -244,9 +247,14 @@ TEST(DataParallelErrors, ASurvivorOfAKilledRankPromisesNoCheckpoint) {
   const fs::path run = d / "run";
   const std::string args = train_args(run, "--set train.steps=100000 --set checkpoint.every=0");
   // Rank 0 writes its pid into run.lock; the other child of mpirun is rank 1.
-  const std::string script = launcher(2) + kBinary + " " + args + " & m=$!; "
-                             "for i in $(seq 1 600); do [ -s " + (run / "metrics.jsonl").string() + " ] && break; "
-                             "sleep 0.1; done; r0=$(cat " + (run / "run.lock").string() + "); "
+  const std::string script = launcher(2) + kBinary + " " + args +
+                             " & m=$!; "
+                             "for i in $(seq 1 600); do [ -s " +
+                             (run / "metrics.jsonl").string() +
+                             " ] && break; "
+                             "sleep 0.1; done; r0=$(cat " +
+                             (run / "run.lock").string() +
+                             "); "
                              "for p in $(pgrep -P $m); do [ \"$p\" != \"$r0\" ] && kill -9 $p; done; wait $m";
   const Launch r = run_shell(d, "sh -c '" + script + "'", 120);
   EXPECT_NE(r.status, 0);

@@ -116,8 +116,11 @@ TEST(ExpertParallelResume, CheckpointsDoNotDependOnTheExpertParallelSize) {
                plain = run_shell(d, kBinary + " eval --config " + (d / "np1" / "config.yaml").string() + ckpt);
   ASSERT_EQ(own.status, 0) << own.err;
   ASSERT_EQ(plain.status, 0) << plain.err;
-  EXPECT_EQ(count(own.out, "parallel.expert_parallel_size = 4 does not divide the 1 rank; evaluating with "
-                           "expert_parallel_size 1"), 1u) << own.out;
+  EXPECT_EQ(count(own.out,
+                  "parallel.expert_parallel_size = 4 does not divide the 1 rank; evaluating with "
+                  "expert_parallel_size 1"),
+            1u)
+      << own.out;
   EXPECT_EQ(printed_val_loss(own.out), printed_val_loss(plain.out)) << own.out << plain.out;
   const Launch error = run_shell(d, kBinary + " fp8-error --config " + (d / "np4_ep4" / "config.yaml").string() + ckpt);
   EXPECT_EQ(error.status, 0) << error.err;

@@ -146,14 +146,14 @@ int64_t dispatched_rows(const Ranks& ranks, const Routing& r, size_t sync_rows) 
 void check_counts_match_sync(const Dispatched& z, const RankData& mine, const Ranks& ranks, const Routing& r) {
   Ranks sync = ranks;
   sync.zero_sync = false;
-  Dispatched s = dispatch(Variable(mine.x.to(ranks.device)), mine.idx.to(ranks.device), Variable(),
-                          group_options(sync, r));
+  Dispatched s =
+      dispatch(Variable(mine.x.to(ranks.device)), mine.idx.to(ranks.device), Variable(), group_options(sync, r));
   EXPECT_EQ(z.tokens_per_expert.to_ints(), s.tokens_per_expert.to_ints()) << "tokens_per_expert";
   EXPECT_EQ(z.device_padded_tokens_per_expert.to_ints(), s.padded_tokens_per_expert) << "padded_tokens_per_expert";
   EXPECT_TRUE(z.padded_tokens_per_expert.empty()) << "zero_sync read the counts to the host";
   const int64_t rows = s.rows.size(0);
-  EXPECT_TRUE(bit_equal(z.rows.data().slice(0, 0, rows).to(Device::cpu()).contiguous(),
-                        s.rows.data().to(Device::cpu())))
+  EXPECT_TRUE(
+      bit_equal(z.rows.data().slice(0, 0, rows).to(Device::cpu()).contiguous(), s.rows.data().to(Device::cpu())))
       << "the zero-sync buffer's segments differ from the sync buffer";
 }
 

@@ -155,8 +155,7 @@ void check_sharded_reduction(const ParallelState& ps, Device device) {
       if (ps.world->size() <= 2)
         ASSERT_EQ(got[size_t(j)], plain[i][size_t(j)]) << "parameter " << i << " element " << j;
       else
-        ASSERT_NEAR(got[size_t(j)], plain[i][size_t(j)], 1e-6 * scale)
-            << "parameter " << i << " element " << j;
+        ASSERT_NEAR(got[size_t(j)], plain[i][size_t(j)], 1e-6 * scale) << "parameter " << i << " element " << j;
     }
   }
   // Each owner writes p * 1000 + j into its elements, NaN elsewhere; the gather fills in the rest.

@@ -71,8 +71,8 @@ TEST(Groups, SizesThatDoNotDivideAreConfigErrors) {
   EXPECT_TRUE(throws_naming<ConfigError>([] { check_parallel_sizes(2, 2, 0); }, {"at least one routed expert"}));
   // On the world: every rank refuses before splitting anything, so no rank waits for the others.
   const int n = test_world().size();
-  EXPECT_TRUE(throws_naming<ConfigError>([&] { make_parallel_state(test_runtime().world, n + 1, 12); },
-                                         {"does not divide"}));
+  EXPECT_TRUE(
+      throws_naming<ConfigError>([&] { make_parallel_state(test_runtime().world, n + 1, 12); }, {"does not divide"}));
   test_world().barrier();
 }
 
@@ -89,8 +89,8 @@ TEST(Groups, SameConfigPassesAndDifferentConfigsFailOnEveryRank) {
   } else {
     EXPECT_TRUE(throws_naming<ConfigError>([&] { check_same_config(world, text); },
                                            {"different configs", "rank 0 hash", "same config file"}));
-    EXPECT_TRUE(throws_naming<ConfigError>([&] { check_same_config(world, "rank " + std::to_string(me)); },
-                                           {"rank 1 hash"}));
+    EXPECT_TRUE(
+        throws_naming<ConfigError>([&] { check_same_config(world, "rank " + std::to_string(me)); }, {"rank 1 hash"}));
   }
   world.barrier();
 }
@@ -115,8 +115,8 @@ TEST(Launch, DetectsTheLauncherFromItsEnvironment) {
   LaunchInfo pmi = from({{"PMI_SIZE", "2"}, {"PMI_RANK", "1"}, {"MPI_LOCALRANKID", "1"}});
   EXPECT_EQ(pmi.world_size, 2);
   EXPECT_EQ(pmi.local_rank, 1);
-  LaunchInfo slurm = from({{"SLURM_NTASKS", "16"}, {"SLURM_STEP_NUM_TASKS", "8"}, {"SLURM_PROCID", "5"},
-                           {"SLURM_LOCALID", "1"}});
+  LaunchInfo slurm =
+      from({{"SLURM_NTASKS", "16"}, {"SLURM_STEP_NUM_TASKS", "8"}, {"SLURM_PROCID", "5"}, {"SLURM_LOCALID", "1"}});
   EXPECT_EQ(slurm.world_size, 8);
   EXPECT_EQ(slurm.rank, 5);
   EXPECT_EQ(slurm.launcher, "SLURM_STEP_NUM_TASKS");
