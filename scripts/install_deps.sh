@@ -4,10 +4,11 @@
 # scripts/install_cutlass.sh then puts the pinned CUTLASS headers into .deps/cutlass (the CUDA backend's
 # grouped GEMMs build on them; it skips when they are already there).
 # Open MPI (openmpi-bin, libopenmpi-dev) builds the mpi backend of parallel/ and runs its tests under
-# mpirun; flowmoe still builds without it (single process only).
+# mpirun; flowmoe still builds without it (single process only). clang-format (14 on Debian 12) checks
+# the sources' format in the test command (scripts/check_format.sh).
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libeigen3-dev libyaml-cpp-dev libgtest-dev gnuplot-nox
-      openmpi-bin libopenmpi-dev)
+      openmpi-bin libopenmpi-dev clang-format)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The test command: check the folders' include order (scripts/check_layers.sh), install Debian deps,
-# configure (CUDA auto-detected: kernels are compiled when nvcc is present, GPU tests skip without a
-# device), build warning-free, run every test.
+# check the sources' format (scripts/check_format.sh), configure (CUDA auto-detected: kernels are
+# compiled when nvcc is present, GPU tests skip without a device), build warning-free, run every test.
 #   scripts/test.sh            build dir ./build
 #   BUILD_DIR=/tmp/b scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/check_layers.sh
 scripts/install_deps.sh
+scripts/check_format.sh
 build="${BUILD_DIR:-build}"
 jobs="$(nproc)"
 cmake -G Ninja -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DFLOWMOE_CUDA="${FLOWMOE_CUDA:-AUTO}" -DFLOWMOE_WERROR=ON
