@@ -15,13 +15,9 @@ cd "$(dirname "$0")/.." || exit 2
 build=${1:?usage: scripts/big_model.sh BUILD_DIR OUT_DIR}
 out=${2:?usage: scripts/big_model.sh BUILD_DIR OUT_DIR}
 mkdir -p "$out"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-export NCCL_NVLS_ENABLE=0  # no NVLink multicast
-ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-if [ "$ngpu" -lt 2 ]; then
-  echo "big_model: skipped ($ngpu GPU found, 2 or more needed)"
-  exit 0
-fi
+# shellcheck source=scripts/multi_gpu_env.sh
+. scripts/multi_gpu_env.sh
+skip_below_two_gpus "big_model"
 config=configs/gpu_moe_deep.yaml
 steps=${STEPS:-20}
 sets=(--set train.steps="$steps" --set optimizer.warmup_steps=3 --set train.eval_every=0 --set checkpoint.every=0

@@ -31,13 +31,9 @@ shift 2
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests equality resume speed bench twonode)
 mkdir -p "$out"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-export NCCL_NVLS_ENABLE=0  # no NVLink multicast
-ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-if [ "$ngpu" -lt 2 ]; then
-  echo "multi-GPU runs: skipped ($ngpu GPU found, 2 or more needed)"
-  exit 0
-fi
+# shellcheck source=scripts/multi_gpu_env.sh
+. scripts/multi_gpu_env.sh
+skip_below_two_gpus "multi-GPU runs"
 # One rank per GPU: nccl refuses two ranks on one GPU, so the sizes stop at the GPU count.
 sizes=()
 for n in 2 4 8; do [ "$n" -le "$ngpu" ] && sizes+=("$n"); done

@@ -25,13 +25,9 @@ cd "$(dirname "$0")/.." || exit 2
 build=${1:?usage: scripts/scaling.sh BUILD_DIR OUT_DIR}
 out=${2:?usage: scripts/scaling.sh BUILD_DIR OUT_DIR}
 mkdir -p "$out"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-export NCCL_NVLS_ENABLE=0  # no NVLink multicast
-ngpu=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
-if [ "$ngpu" -lt 2 ]; then
-  echo "scaling: skipped ($ngpu GPU found, 2 or more needed)"
-  exit 0
-fi
+# shellcheck source=scripts/multi_gpu_env.sh
+. scripts/multi_gpu_env.sh
+skip_below_two_gpus "scaling"
 sizes=()
 for n in 2 4 8; do [ "$n" -le "$ngpu" ] && sizes+=("$n"); done
 [ -n "${SIZES:-}" ] && read -r -a sizes <<<"$SIZES"

@@ -1,0 +1,14 @@
+# Sourced by the scripts that start ranks on this machine's GPUs (multi_gpu_runs.sh, scaling.sh,
+# big_model.sh): Open MPI's settings for root in a container, NVLink multicast off, and ngpu, the GPU
+# count (GPUS overrides it: a host without GPUs can try a script on the CPU).
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+export NCCL_NVLS_ENABLE=0  # no NVLink multicast
+ngpu=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
+
+# skip_below_two_gpus NAME: ends the script (status 0) with a line when fewer than 2 GPUs are there.
+skip_below_two_gpus() {
+  if [ "$ngpu" -lt 2 ]; then
+    echo "$1: skipped ($ngpu GPU found, 2 or more needed)"
+    exit 0
+  fi
+}
