@@ -58,6 +58,31 @@ class Args {
   bool has_pending_ = false;
 };
 
+// The options of the subcommands that read a checkpoint with its run's config (eval, fp8-error):
+// --config FILE, --checkpoint DIR and any --set KEY=VALUE.
+struct CheckpointArgs {
+  std::string config, checkpoint;
+  std::vector<std::string> sets;
+
+  // Takes `a` (just read from args) when it is one of these options; false leaves it to the caller.
+  bool take(Args& args, const std::string& a) {
+    if (a == "--config")
+      config = args.value(a);
+    else if (a == "--checkpoint")
+      checkpoint = args.value(a);
+    else if (a == "--set")
+      sets.push_back(args.value(a));
+    else
+      return false;
+    return true;
+  }
+  // Both are required: a UsageError "<command>: --config FILE and --checkpoint DIR are required".
+  void require(const std::string& command) const {
+    if (config.empty() || checkpoint.empty())
+      throw UsageError(command + ": --config FILE and --checkpoint DIR are required");
+  }
+};
+
 // An option's value as a whole number of at least 1, or a UsageError:
 // "<command>: <opt> needs <what>, got '<value>'".
 inline int64_t positive_integer(const std::string& command, const std::string& opt, const std::string& value,

@@ -221,25 +221,19 @@ int cmd_train(int argc, char** argv) {
 
 int cmd_eval(int argc, char** argv) {
   Args args(argc, argv, 2, kEvalHelp);
-  std::string config, checkpoint;
-  std::vector<std::string> sets;
+  CheckpointArgs run;
   int64_t batches = -1;
   std::string batches_label = "--batches ";  // where the count came from, for the cap message
   while (!args.done()) {
-    std::string a = args.next();
-    if (a == "--config")
-      config = args.value(a);
-    else if (a == "--checkpoint")
-      checkpoint = args.value(a);
-    else if (a == "--set")
-      sets.push_back(args.value(a));
-    else if (a == "--batches")
+    const std::string a = args.next();
+    if (run.take(args, a)) continue;
+    if (a == "--batches")
       batches = positive_integer("eval", a, args.value(a));
     else
       throw UsageError("eval: unknown argument '" + a + "' (see flowmoe eval --help)");
   }
-  if (config.empty() || checkpoint.empty()) throw UsageError("eval: --config FILE and --checkpoint DIR are required");
-  Config cfg = load_config(config, sets);
+  run.require("eval");
+  Config cfg = load_config(run.config, run.sets);
   if (batches < 0) {
     batches = cfg.train.eval_batches;
     batches_label = "train.eval_batches = ";
@@ -270,13 +264,13 @@ int cmd_eval(int argc, char** argv) {
   const MemoryEstimate need = estimate_memory(cfg, device, MemoryUse::eval);
   check_fits(need, device);
   Transformer model(cfg.model, device, compute_dtype_for(device), uint64_t(cfg.train.seed), moe_options(cfg, groups));
-  const CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers(),
+  const CheckpointMeta meta = load_checkpoint(run.checkpoint, model.parameters(), nullptr, nullptr, model.buffers(),
                                               model.parameter_shards(), checkpoint_load_options(cfg));
   if (root && !meta.unused_tensors.empty()) std::printf("eval: %s\n", partial_load_note(meta).substr(2).c_str());
   double loss = evaluate(model, data, batches, batch_size, ranks.world.get());
   if (!root) return 0;
   std::printf("checkpoint %s (step %lld) on %s: val loss %.4f | perplexity %.3f | %lld sequences of %lld tokens\n",
-              checkpoint.c_str(), static_cast<long long>(meta.step), device.str().c_str(), loss, std::exp(loss),
+              run.checkpoint.c_str(), static_cast<long long>(meta.step), device.str().c_str(), loss, std::exp(loss),
               static_cast<long long>(batches * batch_size), static_cast<long long>(cfg.data.seq_len));
   return 0;
 }

@@ -47,18 +47,13 @@ options:
 
 int cmd_fp8_error(int argc, char** argv) {
   Args args(argc, argv, 2, kFp8ErrorHelp);
-  std::string config, checkpoint, json;
-  std::vector<std::string> sets;
+  CheckpointArgs run;
+  std::string json;
   int64_t batches = 1, train_step = 0;
   while (!args.done()) {
     const std::string a = args.next();
-    if (a == "--config")
-      config = args.value(a);
-    else if (a == "--checkpoint")
-      checkpoint = args.value(a);
-    else if (a == "--set")
-      sets.push_back(args.value(a));
-    else if (a == "--json")
+    if (run.take(args, a)) continue;
+    if (a == "--json")
       json = args.value(a);
     else if (a == "--batches")
       batches = positive_integer("fp8-error", a, args.value(a));
@@ -67,14 +62,13 @@ int cmd_fp8_error(int argc, char** argv) {
     else
       throw UsageError("fp8-error: unknown argument '" + a + "' (see flowmoe fp8-error --help)");
   }
-  if (config.empty() || checkpoint.empty())
-    throw UsageError("fp8-error: --config FILE and --checkpoint DIR are required");
-  const Config cfg = load_config(config, sets);
+  run.require("fp8-error");
+  const Config cfg = load_config(run.config, run.sets);
   // The study runs in one process; a checkpoint holds whole expert tensors, so any run's config serves.
   if (cfg.parallel.expert_parallel_size > 1)
     std::printf("fp8-error: parallel.expert_parallel_size = %lld taken as 1: the study runs in one process\n",
                 static_cast<long long>(cfg.parallel.expert_parallel_size));
-  const Fp8ErrorStudy s = fp8_error_study(cfg, checkpoint, batches, train_step);
+  const Fp8ErrorStudy s = fp8_error_study(cfg, run.checkpoint, batches, train_step);
   const std::string n = std::to_string(s.num_batches);
   const std::string batches_read = s.split.rfind("step ", 0) == 0
                                        ? s.split + " batch" + (s.num_batches > 1 ? " (" + n + " micro-batches)" : "")

@@ -12,11 +12,9 @@
 #   scripts/big_model.sh BUILD_DIR OUT_DIR      LAYERS (default: the config's), STEPS (20), TIMEOUT (500 s a run)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-build=${1:?usage: scripts/big_model.sh BUILD_DIR OUT_DIR}
-out=${2:?usage: scripts/big_model.sh BUILD_DIR OUT_DIR}
-mkdir -p "$out"
 # shellcheck source=scripts/multi_gpu_env.sh
 . scripts/multi_gpu_env.sh
+take_build_and_out "scripts/big_model.sh BUILD_DIR OUT_DIR" "$@"
 skip_below_two_gpus "big_model"
 config=configs/gpu_moe_deep.yaml
 steps=${STEPS:-20}

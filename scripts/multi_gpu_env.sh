@@ -5,6 +5,14 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_va
 export NCCL_NVLS_ENABLE=0  # no NVLink multicast
 ngpu=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 
+# take_build_and_out USAGE BUILD_DIR OUT_DIR: sets build and out from a script's two arguments (the usage
+# line when one is missing) and creates out.
+take_build_and_out() {
+  build=${2:?usage: $1}
+  out=${3:?usage: $1}
+  mkdir -p "$out"
+}
+
 # skip_below_two_gpus NAME: ends the script (status 0) with a line when fewer than 2 GPUs are there.
 skip_below_two_gpus() {
   if [ "$ngpu" -lt 2 ]; then

@@ -22,11 +22,9 @@
 #   peak         peak tensor memory per GPU; host syncs per step
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-build=${1:?usage: scripts/scaling.sh BUILD_DIR OUT_DIR}
-out=${2:?usage: scripts/scaling.sh BUILD_DIR OUT_DIR}
-mkdir -p "$out"
 # shellcheck source=scripts/multi_gpu_env.sh
 . scripts/multi_gpu_env.sh
+take_build_and_out "scripts/scaling.sh BUILD_DIR OUT_DIR" "$@"
 skip_below_two_gpus "scaling"
 sizes=()
 for n in 2 4 8; do [ "$n" -le "$ngpu" ] && sizes+=("$n"); done

@@ -22,43 +22,45 @@ int64_t check_grouped_rows(const int64_t* padded_tokens_per_expert, int64_t num_
   return total;
 }
 
+// Calls gemm(e, first row, rows) for each expert with rows, in expert order; returns the rows covered.
+template <class Gemm>
+int64_t for_each_expert(const int64_t* padded_tokens_per_expert, int64_t num_experts, Gemm&& gemm) {
+  int64_t off = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t rows = padded_tokens_per_expert[e];
+    if (rows > 0) gemm(e, off, rows);
+    off += rows;
+  }
+  return off;
+}
+
 template <class T>
 void grouped_linear_forward_cpu(const T* x, const T* w, T* y, const int64_t* padded_tokens_per_expert,
                                 int64_t num_experts, int64_t m_total, int64_t n, int64_t k) {
-  int64_t off = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    int64_t rows = padded_tokens_per_expert[e];
-    if (rows > 0) gemm_cpu<T>(false, true, rows, n, k, x + off * k, w + e * n * k, y + off * n, false);
-    off += rows;
-  }
-  std::fill(y + off * n, y + m_total * n, T(0));  // tail rows past the last segment
+  const int64_t end = for_each_expert(padded_tokens_per_expert, num_experts, [&](int64_t e, int64_t off, int64_t rows) {
+    gemm_cpu<T>(false, true, rows, n, k, x + off * k, w + e * n * k, y + off * n, false);
+  });
+  std::fill(y + end * n, y + m_total * n, T(0));  // tail rows past the last segment
 }
 
 template <class T>
 void grouped_linear_dgrad_cpu(const T* dy, const T* w, T* dx, const int64_t* padded_tokens_per_expert,
                               int64_t num_experts, int64_t m_total, int64_t n, int64_t k) {
-  int64_t off = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    int64_t rows = padded_tokens_per_expert[e];
-    if (rows > 0) gemm_cpu<T>(false, false, rows, k, n, dy + off * n, w + e * n * k, dx + off * k, false);
-    off += rows;
-  }
-  std::fill(dx + off * k, dx + m_total * k, T(0));
+  const int64_t end = for_each_expert(padded_tokens_per_expert, num_experts, [&](int64_t e, int64_t off, int64_t rows) {
+    gemm_cpu<T>(false, false, rows, k, n, dy + off * n, w + e * n * k, dx + off * k, false);
+  });
+  std::fill(dx + end * k, dx + m_total * k, T(0));
 }
 
 template <class T>
 void grouped_linear_wgrad_cpu(const T* x, const T* dy, T* dw, const int64_t* padded_tokens_per_expert,
                               int64_t num_experts, int64_t n, int64_t k, bool accumulate) {
-  int64_t off = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    int64_t rows = padded_tokens_per_expert[e];
-    T* dw_e = dw + e * n * k;
-    if (rows > 0)
-      gemm_cpu<T>(true, false, n, k, rows, dy + off * n, x + off * k, dw_e, accumulate);
-    else if (!accumulate)
-      std::fill(dw_e, dw_e + n * k, T(0));  // no tokens: an empty sum
-    off += rows;
-  }
+  if (!accumulate)  // an expert without tokens has an empty sum
+    for (int64_t e = 0; e < num_experts; ++e)
+      if (padded_tokens_per_expert[e] == 0) std::fill(dw + e * n * k, dw + (e + 1) * n * k, T(0));
+  for_each_expert(padded_tokens_per_expert, num_experts, [&](int64_t e, int64_t off, int64_t rows) {
+    gemm_cpu<T>(true, false, n, k, rows, dy + off * n, x + off * k, dw + e * n * k, accumulate);
+  });
 }
 
 #define INSTANTIATE(T)                                                                                           \

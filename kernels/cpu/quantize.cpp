@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "kernels/common/error.h"
@@ -145,13 +146,18 @@ void dequantize_colwise_cpu(DType out_dtype, const uint8_t* q, const float* scal
 
 // ---- block 128x128 ----------------------------------------------------------------------------
 
-void quantize_block_cpu(DType dtype, const void* w, int64_t B, int64_t N, int64_t K, uint8_t* q, float* scale_inv,
-                        uint8_t* q_t, float* scale_inv_t) {
-  const char* what = "quantize_block_cpu";
-  check_float_dtype(dtype, what, "w");
+// The checks both directions share; returns the block grid of each [N, K] matrix, {N blocks, K blocks}.
+static std::pair<int64_t, int64_t> block_grid(const char* what, DType dtype, const char* arg, int64_t B, int64_t N,
+                                              int64_t K) {
+  check_float_dtype(dtype, what, arg);
   check_sizes(what, N, "N", K, "K");
   check_sizes(what, B, "B", 0, "-");
-  int64_t nbn = fp8_num_blocks(N), nbk = fp8_num_blocks(K);
+  return {fp8_num_blocks(N), fp8_num_blocks(K)};
+}
+
+void quantize_block_cpu(DType dtype, const void* w, int64_t B, int64_t N, int64_t K, uint8_t* q, float* scale_inv,
+                        uint8_t* q_t, float* scale_inv_t) {
+  const auto [nbn, nbk] = block_grid("quantize_block_cpu", dtype, "w", B, N, K);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t bn = 0; bn < nbn; ++bn)
       for (int64_t bk = 0; bk < nbk; ++bk) {
@@ -175,11 +181,7 @@ void quantize_block_cpu(DType dtype, const void* w, int64_t B, int64_t N, int64_
 
 void dequantize_block_cpu(DType out_dtype, const uint8_t* q, const float* scale_inv, int64_t B, int64_t N, int64_t K,
                           void* y) {
-  const char* what = "dequantize_block_cpu";
-  check_float_dtype(out_dtype, what, "y");
-  check_sizes(what, N, "N", K, "K");
-  check_sizes(what, B, "B", 0, "-");
-  int64_t nbn = fp8_num_blocks(N), nbk = fp8_num_blocks(K);
+  const auto [nbn, nbk] = block_grid("dequantize_block_cpu", out_dtype, "y", B, N, K);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t n = 0; n < N; ++n)
       for (int64_t k = 0; k < K; ++k) {
