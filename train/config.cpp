@@ -15,6 +15,7 @@
 #include "kernels/common/error.h"
 #include "train/config_checks.h"
 #include "train/config_schema.h"
+#include "train/file_io.h"
 
 namespace flowmoe {
 
@@ -23,27 +24,6 @@ using namespace config_schema;
 namespace {
 
 namespace fs = std::filesystem;
-
-// A double-quoted YAML scalar that reads back as `s`. Control characters are escaped: a raw line
-// break inside quotes would read back as a space.
-std::string yaml_quote(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += char(c);
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c < 0x20 || c == 0x7f) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    } else {
-      out += char(c);
-    }
-  }
-  return out + "\"";
-}
 
 std::string stem_of(const std::string& path) {
   std::string stem = fs::path(path).stem().string();
@@ -268,7 +248,7 @@ std::string to_yaml(const Config& cfg) {
     std::string v = field_value(c, f);
     bool quote = f.kind == Kind::string || (f.kind == Kind::bool_or_path && v != "true" && v != "false");
     if (f.kind == Kind::choice_list) v = "[" + v + "]";
-    os << "  " << f.key << ": " << (quote ? yaml_quote(v) : v) << "\n";
+    os << "  " << f.key << ": " << (quote ? json_escape(v) : v) << "\n";
   }
   return os.str();
 }

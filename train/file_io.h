@@ -8,7 +8,8 @@
 
 namespace flowmoe {
 
-// s as a JSON string literal, with the quotes (also a valid gnuplot and Python string).
+// s as a JSON string literal, with the quotes (also a valid gnuplot and Python string, and a YAML
+// double-quoted scalar that reads back as s: control characters and DEL are escaped).
 std::string json_escape(const std::string& s);
 
 // A file written in pieces and fsynced by close(), so a later rename publishes complete contents:
