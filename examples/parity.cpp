@@ -28,7 +28,8 @@ namespace {
 const char* kParityHelp =
     R"(usage: flowmoe parity --config FILE --out DIR [--recipes bf16,fp8_blockwise,fp8_flow] [--steps N]
                       [--set section.key=value ...] [--controls N] [--control data|seed|eps]
-                      [--threshold 0.0025] [--margin 0.25] [--warmup-steps W] [--resume]
+                      [--layout-control] [--threshold 0.0025] [--margin 0.25] [--warmup-steps W]
+                      [--resume]
 
 Trains the config once per precision recipe, on the same data, seed and config otherwise, and
 compares each candidate's loss curve (an EMA, alpha 0.9) with the reference's, the first recipe.
@@ -60,6 +61,10 @@ options:
                            batch order, the same initialization), train.seed + k (seed: another
                            initialization), optimizer.eps x (1 + k) (eps); default data. Given
                            without --controls: one control
+  --layout-control         with parallel.expert_parallel_size E above 1: one more control, the
+                           reference's recipe at expert-parallel size 1 on the same processes (data
+                           parallelism over the same global batch), into DIR/control_ep1: what
+                           expert parallelism itself moves the loss by
   --threshold X            the largest relative EMA error that passes (default 0.0025, 0.25%)
   --margin X               the noise verdict's margin over the largest control (default 0.25)
   --warmup-steps W         compare steps after W only (default: optimizer.warmup_steps)
@@ -83,6 +88,7 @@ struct ParityOptions {
   int64_t steps = -1, warmup_steps = -1;
   double threshold = 0.0025;
   bool resume = false;
+  bool layout_control = false;
 };
 
 // One run of the study: its name (the directory under --out) and its --set list.
@@ -140,6 +146,8 @@ ParityOptions parse(int argc, char** argv) {
       o.warmup_steps = int64_t(parse_number(a, args.value(a), true));
     else if (a == "--resume")
       o.resume = true;
+    else if (a == "--layout-control")
+      o.layout_control = true;
     else
       throw UsageError("parity: unknown argument '" + a + "' (see flowmoe parity --help)");
   }
@@ -187,6 +195,13 @@ std::vector<PlannedRun> plan_runs(const ParityOptions& o) {
       add(name, o.recipes.front(), true, {"train.seed=" + std::to_string(ref.train.seed + k)});
     else
       add(name, o.recipes.front(), true, {"data.seed=" + std::to_string(ref.data.seed + k)});
+  }
+  if (o.layout_control) {
+    if (ref.parallel.expert_parallel_size <= 1)
+      throw UsageError("parity: --layout-control compares expert parallelism with data parallelism, but " +
+                       ref.origin("parallel.expert_parallel_size") + " sets parallel.expert_parallel_size " +
+                       std::to_string(ref.parallel.expert_parallel_size));
+    add("control_ep1", o.recipes.front(), true, {"parallel.expert_parallel_size=1"});
   }
   return plan;
 }

@@ -229,6 +229,11 @@ TEST(ParityCommand, UsageErrorsExitTwo) {
   EXPECT_EQ(run_parity(d, "--controls 65").exit_code, 2);
   EXPECT_EQ(run_parity(d, "--margin -1").exit_code, 2);
   EXPECT_EQ(run_parity(d, "--recipes bf16").exit_code, 2);
+  // A layout control compares expert with data parallelism: one process at expert-parallel size 1 has none.
+  const Ran layout = run_parity(d, "--layout-control");
+  EXPECT_EQ(layout.exit_code, 2);
+  EXPECT_NE(layout.out.find("--layout-control compares expert parallelism with data parallelism"), std::string::npos)
+      << layout.out;
   fs::remove_all(d);
 }
 

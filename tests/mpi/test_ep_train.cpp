@@ -158,6 +158,37 @@ TEST(ExpertParallelErrors, SizesThatDoNotFitTheLaunchFailOnEveryRank) {
 // tiny_moe for 30 steps): the report has every field, the figures are finite and below a loose bound,
 // and the plot is a PNG. The bound checks the harness, not FP8: the verdict comes from the GPU runs
 // (docs/PARITY.md).
+// --layout-control: the reference's recipe at expert-parallel size 1 on the same ranks joins the
+// controls, so the report says what expert parallelism itself moves the loss by.
+TEST(ExpertParallelParity, LayoutControlTrainsTheReferenceWithoutExpertParallelism) {
+  const fs::path d = fresh_dir("ep_parity_layout");
+  const Launch r = run_shell(d,
+                             launcher(2) + kBinary + " parity --config " + kConfig + " --out " + (d / "p").string() +
+                                 " --recipes bf16,fp8_flow --steps 12 --warmup-steps 4 --layout-control"
+                                 " --threshold 0.05" +
+                                 ep(2) +
+                                 " --set train.device=cpu --set train.eval_every=0 --set data.seq_len=64"
+                                 " --set data.synthetic_tokens=40000 --set train.batch_size=8"
+                                 " --set optimizer.warmup_steps=4 --set checkpoint.every=0",
+                             420);
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const YAML::Node j = YAML::LoadFile((d / "p" / "parity.json").string());
+  ASSERT_EQ(j["runs"].size(), 3u);  // bf16, fp8_flow, control_ep1
+  EXPECT_EQ(j["runs"][2]["name"].as<std::string>(), "control_ep1");
+  EXPECT_EQ(j["runs"][2]["role"].as<std::string>(), "control");
+  const YAML::Node ep1 = YAML::LoadFile((d / "p" / "control_ep1" / "config.yaml").string());
+  const YAML::Node ref = YAML::LoadFile((d / "p" / "bf16" / "config.yaml").string());
+  EXPECT_EQ(ep1["parallel"]["expert_parallel_size"].as<int>(), 1);
+  EXPECT_EQ(ref["parallel"]["expert_parallel_size"].as<int>(), 2);
+  // Data parallelism on the same batch trains the same model up to the order of the float sums.
+  for (const YAML::Node& c : j["candidates"]) {
+    if (c["name"].as<std::string>() == "control_ep1") {
+      EXPECT_LT(c["max_rel_err"].as<double>(), 1e-3);
+    }
+  }
+  fs::remove_all(d);
+}
+
 TEST(ExpertParallelParity, ThreeRecipesAndAControlUnderTheLauncher) {
   const fs::path d = fresh_dir("ep_parity");
   const Launch r = run_shell(d,
