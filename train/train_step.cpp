@@ -218,6 +218,9 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
     run.progress.message("train.cuda_graph: step " + std::to_string(run.step) +
                          " captured; it and later steps replay it");
   }
+  // An eager step since (the profiled one) left its weight gather in flight; the graph reads the weights
+  // in its first node, and only its own gathers are joined inside it.
+  if (run.reducer) run.reducer->wait_weights();
   run.graph->replay();
   // What the captured host code did once, each replay does on the device; the versions move as an
   // eager AdamW step moves them (FP8 weight caches then re-quantize in evaluation).
