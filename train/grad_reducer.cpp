@@ -116,7 +116,9 @@ void GradientReducer::view_grads(const Bucket& b) {
 }
 
 void GradientReducer::begin() {
-  wait_weights();  // a forward that called no stage hook read them too
+  // Every gather is awaited before the backward reads the weights (the forward's stage hooks have
+  // waited already wherever the model calls them).
+  wait_weights();
   final_.assign(params_.size(), false);
   missing_.assign(params_.size(), false);
   for (Bucket& b : buckets_) {
