@@ -29,10 +29,11 @@ const char* kParityHelp =
     R"(usage: flowmoe parity --config FILE --out DIR [--recipes bf16,fp8_blockwise,fp8_flow] [--steps N]
                       [--set section.key=value ...] [--controls N] [--control data|seed|eps]
                       [--layout-control] [--threshold 0.0025] [--margin 0.25] [--warmup-steps W]
-                      [--resume]
+                      [--ema-alpha 0.9] [--resume]
 
 Trains the config once per precision recipe, on the same data, seed and config otherwise, and
-compares each candidate's loss curve (an EMA, alpha 0.9) with the reference's, the first recipe.
+compares each candidate's loss curve (an EMA, alpha 0.9 unless --ema-alpha) with the reference's, the
+first recipe.
 Two verdicts per candidate:
   against the bar   its largest relative EMA error after warmup is at most the threshold and no
                     step had a non-finite loss;
@@ -68,6 +69,8 @@ options:
   --threshold X            the largest relative EMA error that passes (default 0.0025, 0.25%)
   --margin X               the noise verdict's margin over the largest control (default 0.25)
   --warmup-steps W         compare steps after W only (default: optimizer.warmup_steps)
+  --ema-alpha A            the loss curves' EMA, ema = A * ema + (1 - A) * loss, A in [0, 1) (default
+                           0.9; 0 compares the raw losses): how the verdicts depend on the smoothing
   --resume                 keep the runs of DIR that finished (metrics up to the last step and its
                            checkpoint); continue an interrupted one from its newest checkpoint.
                            Refused when a run's config.yaml differs from the config it would get
@@ -87,6 +90,7 @@ struct ParityOptions {
   std::vector<std::string> sets;
   int64_t steps = -1, warmup_steps = -1;
   double threshold = 0.0025;
+  double ema_alpha = kParityEmaAlpha;
   bool resume = false;
   bool layout_control = false;
 };
@@ -119,6 +123,12 @@ std::vector<std::string> split_list(const std::string& s) {
   return out;
 }
 
+std::string format_g(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
 ParityOptions parse(int argc, char** argv) {
   Args args(argc, argv, 2, kParityHelp);
   ParityOptions o;
@@ -144,6 +154,8 @@ ParityOptions parse(int argc, char** argv) {
       o.threshold = parse_number(a, args.value(a), false);
     else if (a == "--warmup-steps")
       o.warmup_steps = int64_t(parse_number(a, args.value(a), true));
+    else if (a == "--ema-alpha")
+      o.ema_alpha = parse_number(a, args.value(a), false);
     else if (a == "--resume")
       o.resume = true;
     else if (a == "--layout-control")
@@ -161,13 +173,8 @@ ParityOptions parse(int argc, char** argv) {
   if (!o.control.empty() && o.num_controls == 0) o.num_controls = 1;
   if (o.control.empty()) o.control = "data";
   if (o.steps == 0) throw UsageError("parity: --steps needs at least 1");
+  if (o.ema_alpha >= 1) throw UsageError("parity: --ema-alpha needs a number in [0, 1), got " + format_g(o.ema_alpha));
   return o;
-}
-
-std::string format_g(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
 }
 
 // The runs, each config loaded (and so validated) before any trains.
@@ -313,7 +320,7 @@ int cmd_parity(int argc, char** argv) {
   int status = 0;
   if (root) {
     const int64_t warmup = o.warmup_steps >= 0 ? o.warmup_steps : plan.front().cfg.optimizer.warmup_steps;
-    ParityReport report = make_parity_report(std::move(runs), o.threshold, warmup, o.margin);
+    ParityReport report = make_parity_report(std::move(runs), o.threshold, warmup, o.margin, o.ema_alpha);
     report.config = o.config;
     report.world_size = world_size;
     report.expert_parallel_size = int(plan.front().cfg.parallel.expert_parallel_size);

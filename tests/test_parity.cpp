@@ -69,6 +69,23 @@ TEST(Parity, TheVerdictReadsOnlyTheStepsAfterWarmup) {
   EXPECT_EQ(r.candidates[0].reason, "max EMA relative error above the threshold");
 }
 
+// The EMA's alpha: 0 compares the raw losses (step 3's error is then 0, the warmup's errors gone at
+// once); a longer EMA carries the warmup's gap further. Outside [0, 1) it is an error.
+TEST(Parity, TheEmaAlphaSetsHowFarTheWarmupsGapCarries) {
+  const std::vector<double> ref = {4, 4, 3, 3, 3, 3}, cand = {8, 8, 3, 3, 3, 3};
+  const auto report = [&](double alpha) {
+    return make_parity_report({synthetic_run("bf16", ref), synthetic_run("fp8", cand)}, 0.95, 2, 0.25, alpha);
+  };
+  const ParityReport raw = report(0), short_ema = report(0.5), long_ema = report(0.95);
+  EXPECT_EQ(raw.ema_alpha, 0);
+  EXPECT_EQ(raw.candidates[0].max_rel_err, 0);
+  EXPECT_DOUBLE_EQ(short_ema.candidates[0].max_rel_err, relative_error(loss_ema(cand, 0.5)[2], loss_ema(ref, 0.5)[2]));
+  EXPECT_GT(long_ema.candidates[0].max_rel_err, short_ema.candidates[0].max_rel_err);
+  EXPECT_NE(parity_json(short_ema).find("\"ema_alpha\": 0.5"), std::string::npos);
+  EXPECT_THROW(report(1.0), ConfigError);
+  EXPECT_THROW(report(-0.1), ConfigError);
+}
+
 TEST(Parity, ANonFiniteStepFailsAndTheControlIsNotJudged) {
   ParityRun control = synthetic_run("control", {4, 5, 6, 7});
   control.control = true;
@@ -229,6 +246,7 @@ TEST(ParityCommand, UsageErrorsExitTwo) {
   EXPECT_EQ(run_parity(d, "--controls 65").exit_code, 2);
   EXPECT_EQ(run_parity(d, "--margin -1").exit_code, 2);
   EXPECT_EQ(run_parity(d, "--recipes bf16").exit_code, 2);
+  EXPECT_EQ(run_parity(d, "--ema-alpha 1").exit_code, 2);
   // A layout control compares expert with data parallelism: one process at expert-parallel size 1 has none.
   const Ran layout = run_parity(d, "--layout-control");
   EXPECT_EQ(layout.exit_code, 2);

@@ -186,10 +186,14 @@ std::string first_changed_key(const std::string& earlier, const std::string& now
   return "";
 }
 
-ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps, double margin) {
+ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps, double margin,
+                                double ema_alpha) {
   FLOWMOE_CHECK(runs.size() >= 2, ConfigError, "parity: a reference and at least one candidate are needed, got ",
                 runs.size(), " run(s)");
+  FLOWMOE_CHECK(ema_alpha >= 0 && ema_alpha < 1, ConfigError, "parity: the EMA's alpha must be in [0, 1), got ",
+                ema_alpha);
   ParityReport r;
+  r.ema_alpha = ema_alpha;
   r.reference = runs.front().name;
   r.threshold = threshold;
   r.warmup_steps = warmup_steps;
@@ -203,7 +207,7 @@ ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, i
     for (const StepMetrics& m : run.rows) by_step[m.step] = m.loss;
     ParityCurve c;
     for (int64_t s : r.steps) c.loss.push_back(by_step.count(s) ? by_step[s] : NAN);
-    c.ema = loss_ema(c.loss);
+    c.ema = loss_ema(c.loss, r.ema_alpha);
     r.curves.push_back(std::move(c));
   }
   for (size_t k = 1; k < r.runs.size(); ++k) {
@@ -220,7 +224,7 @@ std::string parity_json(const ParityReport& r) {
   std::ostringstream o;
   o << "{\n  \"config\": " << json_escape(r.config) << ",\n  \"reference\": " << json_escape(r.reference)
     << ",\n  \"threshold\": " << num(r.threshold) << ",\n  \"warmup_steps\": " << r.warmup_steps
-    << ",\n  \"ema_alpha\": " << num(kParityEmaAlpha) << ",\n  \"world_size\": " << r.world_size
+    << ",\n  \"ema_alpha\": " << num(r.ema_alpha) << ",\n  \"world_size\": " << r.world_size
     << ",\n  \"expert_parallel_size\": " << r.expert_parallel_size
     << ",\n  \"pass\": " << (r.passed() ? "true" : "false")
     << ",\n  \"within_noise\": " << (r.within_noise() ? "true" : "false") << ",\n  \"exit_status\": " << r.exit_status()

@@ -61,6 +61,7 @@ struct ParityReport {
   double threshold = 0;   // the largest relative EMA error a candidate may have after warmup
   int64_t warmup_steps = 0;
   int world_size = 1, expert_parallel_size = 1;
+  double ema_alpha = kParityEmaAlpha;       // the loss curves' EMA: ema = alpha * ema + (1 - alpha) * loss
   std::vector<int64_t> steps;               // every step some run logged, ascending
   std::vector<ParityRun> runs;              // reference first
   std::vector<ParityCurve> curves;          // per run
@@ -77,9 +78,10 @@ struct ParityReport {
 };
 
 // The report of `runs` (the reference first; runs with `control` set make the noise band, whose
-// verdict takes `margin`). Throws ConfigError for fewer than two runs.
+// verdict takes `margin`), their losses smoothed by an EMA of `ema_alpha` in [0, 1) (0: the raw
+// losses). Throws ConfigError for fewer than two runs or an alpha outside [0, 1).
 ParityReport make_parity_report(std::vector<ParityRun> runs, double threshold, int64_t warmup_steps,
-                                double margin = 0.25);
+                                double margin = 0.25, double ema_alpha = kParityEmaAlpha);
 
 // The first key in which two resolved configs (to_yaml texts) differ, as "train.steps: 200 in the
 // earlier run, 300 now" ("(absent)" for a key one of them lacks); "" when they agree on every key but
