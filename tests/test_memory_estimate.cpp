@@ -212,6 +212,13 @@ TEST(MemoryEstimate, GpuAndFp8TermsFollowWhatTheyKeep) {
   EXPECT_NEAR(held, 12 * expert_weights / 2, 0.01 * 12 * expert_weights);
   EXPECT_LT(half.gradient_bytes, whole.gradient_bytes);
   EXPECT_EQ(half.num_parameters, whole.num_parameters);
+  // A sharded optimizer over 4 ranks of which pairs hold the same experts (EP 2 x DP 2): the dense
+  // moments over 4, the experts' over 2; the weights and gradients stay whole.
+  const MemoryEstimate sharded = estimate_memory(ep2, Device::cpu(), MemoryUse::train, {4, 2});
+  const double expert_moments = 8 * expert_weights / 2, dense_moments = half.optimizer_bytes - expert_moments;
+  EXPECT_NEAR(sharded.optimizer_bytes, dense_moments / 4 + expert_moments / 2, 0.01 * half.optimizer_bytes);
+  EXPECT_EQ(sharded.weight_bytes, half.weight_bytes);
+  EXPECT_EQ(sharded.gradient_bytes, half.gradient_bytes);
   fs::remove_all(d);
 }
 
