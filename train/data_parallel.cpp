@@ -24,24 +24,37 @@ void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& 
   reducer.finish();
 }
 
+namespace {
+
+// The order both the host and the device path sum the two classes of squared norms in (slot 0: dense,
+// 1: expert shards): a sharded optimizer's segments over each parameter's data-parallel group first,
+// then the expert shards over the expert-parallel group. reduce(comm, slot) sums one slot over comm.
+template <class Reduce>
+void sum_square_classes(const ParallelState& ps, bool sharded, Reduce&& reduce) {
+  const bool experts = ps.expert_parallel_size > 1;
+  if (sharded) {
+    reduce(*ps.world, 0);
+    if (experts) reduce(*ps.expert_data_parallel, 1);
+  }
+  if (experts) reduce(*ps.expert_parallel, 1);
+}
+
+}  // namespace
+
 double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards) {
   if (ps.expert_parallel_size == 1 && !opt.sharded()) return opt.grad_norm();
   auto [dense, experts] = opt.grad_square_sums(expert_shard_flags(ps, shards));
-  if (opt.sharded()) {  // each rank summed its segments of the buckets
-    dense = all_reduce_values(*ps.world, {dense}, ReduceOp::sum)[0];
-    if (ps.expert_parallel_size > 1) experts = all_reduce_values(*ps.expert_data_parallel, {experts}, ReduceOp::sum)[0];
-  }
-  if (ps.expert_parallel_size > 1) experts = all_reduce_values(*ps.expert_parallel, {experts}, ReduceOp::sum)[0];
-  return std::sqrt(dense + experts);
+  double sums[2] = {dense, experts};
+  sum_square_classes(ps, opt.sharded(), [&](Communicator& comm, int slot) {
+    sums[slot] = all_reduce_values(comm, {sums[slot]}, ReduceOp::sum)[0];
+  });
+  return std::sqrt(sums[0] + sums[1]);
 }
 
 void reduce_square_sums(const ParallelState& ps, const Tensor& sums, bool sharded) {
-  const Tensor dense = sums.slice(0, 0, 1), experts = sums.slice(0, 1, 2);
-  if (sharded) {
-    ps.world->all_reduce(dense, ReduceOp::sum);
-    if (ps.expert_parallel_size > 1) ps.expert_data_parallel->all_reduce(experts, ReduceOp::sum);
-  }
-  if (ps.expert_parallel_size > 1) ps.expert_parallel->all_reduce(experts, ReduceOp::sum);
+  sum_square_classes(ps, sharded, [&](Communicator& comm, int slot) {
+    comm.all_reduce(sums.slice(0, slot, slot + 1), ReduceOp::sum);
+  });
 }
 
 std::vector<bool> expert_shard_flags(const ParallelState& ps, const std::vector<ParamShard>& shards) {

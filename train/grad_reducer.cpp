@@ -59,7 +59,7 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
     grads_ready_ = std::make_unique<Event>();
     reduced_ = std::make_unique<Event>();
     if (shard_)
-      for (Bucket& b : buckets_) b.gathered = std::make_shared<Event>();
+      for (Bucket& b : buckets_) b.gathered = std::make_unique<Event>();
     comms_[0] = ps.world->split(0, ps.world->rank(), max_ctas);
     comms_[0]->set_stream(stream_->get());
     if (ps.expert_parallel_size > 1) {
@@ -83,6 +83,7 @@ std::pair<int64_t, int64_t> GradientReducer::segment(const Bucket& b) const {
 // so that the all-gather writes them in place; AdamW's ranges are their elements in this rank's segment.
 void GradientReducer::shard_buckets() {
   ranges_.assign(params_.size(), {0, 0});
+  for (size_t k = buckets_.size(); k-- > 0;) gather_order_.push_back(k);  // the forward's order, until set_stages
   for (Bucket& b : buckets_) {
     const int64_t size = group_communicator(b.group)->size();
     b.padded = (b.numel + size - 1) / size * size;
@@ -242,12 +243,7 @@ void GradientReducer::gather_weights() {
     grads_ready_->record(current_stream(params_[0].device().index));
     grads_ready_->wait(stream_->get());
   }
-  // Stage order; among buckets of one stage, the later bucket holds the earlier parameters.
-  std::vector<size_t> order(buckets_.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = order.size() - 1 - k;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return buckets_[a].stage < buckets_[b].stage; });
-  for (size_t k : order) {
+  for (size_t k : gather_order_) {
     Bucket& b = buckets_[k];
     comms_[b.group]->all_gather_in_place(b.weights);
     if (!stream_) continue;
@@ -267,6 +263,10 @@ void GradientReducer::set_stages(const std::vector<int64_t>& stages) {
     b.stage = INT64_MAX;
     for (size_t i : b.params) b.stage = std::min(b.stage, stages[i]);
   }
+  // Stage order; among buckets of one stage, the later bucket holds the earlier parameters (the order
+  // shard_buckets left them in).
+  std::stable_sort(gather_order_.begin(), gather_order_.end(),
+                   [&](size_t a, size_t b) { return buckets_[a].stage < buckets_[b].stage; });
 }
 
 void GradientReducer::wait_stage(int64_t stage) {

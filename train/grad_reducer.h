@@ -86,7 +86,7 @@ class GradientReducer {
     int64_t padded = 0;               // sharded: numel rounded up to a multiple of the group's size
     Tensor weights;                   // sharded: [padded], the parameters' data (they are views of it)
     int64_t stage = 0;                // the first forward stage that reads one of its parameters
-    std::shared_ptr<Event> gathered;  // nccl: recorded on the reduction stream after its all-gather
+    std::unique_ptr<Event> gathered;  // nccl: recorded on the reduction stream after its all-gather
     bool awaited = true;              // the compute stream waits for its last gather already
   };
   // Sharded: this rank's segment [begin, end) of bucket b's flat layout.
@@ -111,6 +111,7 @@ class GradientReducer {
   int64_t launched_in_backward_ = 0;
   bool overlap_ = false, armed_ = false, shard_ = false;
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // sharded: per parameter, its elements in our segments
+  std::vector<size_t> gather_order_;                 // sharded: the buckets in the order the forward first reads them
   double scale_ = 1.0;  // 1 / W: expert shards' sums over their W / E replicas become the global mean
   // nccl: the groups' communicators on the reduction stream, and the events that order it.
   std::shared_ptr<Communicator> comms_[2];

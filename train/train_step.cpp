@@ -189,6 +189,10 @@ bool use_graph(TrainRun& run, bool profiled) {
 
 // The graph step: the batches go into the captured step's static inputs, then one launch runs it all.
 std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches, IssuedStep& issued) {
+  // A weight gather an eager step left in flight (the last before the capture, or the profiled one):
+  // neither the capture nor a replay may wait on an event from outside the graph, whose own gathers
+  // are joined inside it.
+  if (run.reducer) run.reducer->wait_weights();
   if (!run.graph) {
     run.graph = std::make_unique<CudaGraphCapture>(run.device);
     run.graph_inputs.clear();
@@ -201,7 +205,6 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
     run.state.upload_into(batches[a].targets, run.graph_inputs[a].targets);
   }
   if (!run.graph->captured()) {
-    if (run.reducer) run.reducer->wait_weights();  // the last eager step's gather, outside the capture
     try {
       run.graph->capture([&] { return step_body(run, run.graph_inputs, true, run.graph_issued); });
     } catch (const Error& e) {
@@ -218,9 +221,6 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
     run.progress.message("train.cuda_graph: step " + std::to_string(run.step) +
                          " captured; it and later steps replay it");
   }
-  // An eager step since (the profiled one) left its weight gather in flight; the graph reads the weights
-  // in its first node, and only its own gathers are joined inside it.
-  if (run.reducer) run.reducer->wait_weights();
   run.graph->replay();
   // What the captured host code did once, each replay does on the device; the versions move as an
   // eager AdamW step moves them (FP8 weight caches then re-quantize in evaluation).

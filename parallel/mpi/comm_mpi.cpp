@@ -231,7 +231,7 @@ class MpiCommunicator final : public Communicator {
     const int count = to_mpi_int(n, "elements in one segment");
     const size_t esize = dtype_size(t.dtype());
     HostBytes h(t, true, stream());
-    std::vector<uint8_t> mine(size_t(n) * esize + 1);
+    std::vector<uint8_t> mine(size_t(n) * esize);  // n >= 1: the caller skips an empty t
     FLOWMOE_MPI_CHECK(MPI_Reduce_scatter_block(h.data(), mine.data(), count, mpi_type(t.dtype()), MPI_SUM, comm_));
     if (op == ReduceOp::avg) scale_in_place(mine.data(), t.dtype(), n, 1.0 / double(size_));
     std::memcpy(static_cast<char*>(h.data()) + size_t(rank_) * size_t(n) * esize, mine.data(), size_t(n) * esize);
