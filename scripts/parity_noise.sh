@@ -17,16 +17,15 @@ build=${1:?$usage}
 config=${2:?$usage}
 out=${3:?$usage}
 mkdir -p "$out"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-export NCCL_NVLS_ENABLE=0  # no NVLink multicast
+# shellcheck source=scripts/multi_gpu_env.sh
+. scripts/multi_gpu_env.sh
 np=${NP:-1}
 launch=(timeout -k 15 "${TIMEOUT:-3000}")
 [ "$np" -gt 1 ] && launch+=(mpirun --oversubscribe --bind-to none -np "$np")
 # shellcheck disable=SC2086
-batches=${BATCHES:-$("$build/flowmoe" train --config "$config" ${EXTRA:-} --print-config |
-  awk '/^train:/{t=1} t && /^  batch_size:/{print $2; exit}')}
-seq_len=$("$build/flowmoe" train --config "$config" ${EXTRA:-} --print-config |
-  awk '/^data:/{t=1} t && /^  seq_len:/{print $2; exit}')
+resolved=$("$build/flowmoe" train --config "$config" ${EXTRA:-} --print-config)
+batches=${BATCHES:-$(config_value "$resolved" train batch_size)}
+seq_len=$(config_value "$resolved" data seq_len)
 steps=()
 [ -n "${STEPS:-}" ] && steps=(--steps "$STEPS")
 echo "| global batch | tokens per step | EMA alpha | controls: max EMA err | controls: mean | ${CANDIDATE:-fp8_flow}: max | mean |" \

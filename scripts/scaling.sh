@@ -86,7 +86,7 @@ PY
 for config_name in ${CONFIGS:-gpu_moe gpu_moe_wide}; do
   config=configs/$config_name.yaml
   # shellcheck disable=SC2086
-  batch=$("$build/flowmoe" train --config "$config" ${EXTRA_SETS:-} --print-config | awk '/^train:/{t=1} t && /^  batch_size:/{print $2; exit}')
+  batch=$(config_value "$("$build/flowmoe" train --config "$config" ${EXTRA_SETS:-} --print-config)" train batch_size)
   for recipe in ${RECIPES:-bf16 fp8_flow}; do
     name="${config_name}_${recipe}_1gpu"
     base=0
