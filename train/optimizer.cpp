@@ -31,8 +31,12 @@ double clip_scale(double norm, double max_norm) { return clip_factor(norm, max_n
 // projections are gate_proj/up_proj/down_proj and do not match.
 static bool is_router_weight(const std::string& name) { return name.ends_with(".mlp.gate.weight"); }
 
-AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg) : params_(std::move(params)), cfg_(cfg) {
+AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
+             const std::vector<std::pair<int64_t, int64_t>>& ranges)
+    : params_(std::move(params)), sharded_(!ranges.empty()), cfg_(cfg) {
   FLOWMOE_CHECK(!params_.empty(), Error, "AdamW: no parameters");
+  FLOWMOE_CHECK(ranges.empty() || ranges.size() == params_.size(), Error, "AdamW: ", ranges.size(), " ranges for ",
+                params_.size(), " parameters");
   Device dev = params_[0].device();
   for (const Variable& p : params_) {
     FLOWMOE_CHECK(p.is_leaf() && p.requires_grad(), Error, "AdamW: parameter '", p.name(),
@@ -42,11 +46,17 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg) : params_
     FLOWMOE_CHECK(p.device() == dev, DeviceError, "AdamW: parameter '", p.name(), "' is on ", p.device().str(),
                   ", the first on ", dev.str());
     FLOWMOE_CHECK(p.data().is_contiguous(), Error, "AdamW: parameter '", p.name(), "' is not contiguous");
-    exp_avg_.push_back(Tensor::zeros(p.shape(), DType::f32, dev));
-    exp_avg_sq_.push_back(Tensor::zeros(p.shape(), DType::f32, dev));
+    const int64_t numel = p.data().numel();
+    ranges_.push_back(sharded_ ? ranges[ranges_.size()] : std::pair<int64_t, int64_t>{0, numel});
+    const auto [begin, end] = ranges_.back();
+    FLOWMOE_CHECK(0 <= begin && begin <= end && end <= numel, Error, "AdamW: range [", begin, ", ", end, ") of '",
+                  p.name(), "', which has ", numel, " elements");
+    // Whole moments take the parameter's shape; a range's are flat.
+    const Shape moment_shape = sharded_ ? Shape{end - begin} : p.shape();
+    exp_avg_.push_back(Tensor::zeros(moment_shape, DType::f32, dev));
+    exp_avg_sq_.push_back(Tensor::zeros(moment_shape, DType::f32, dev));
     decay_.push_back(p.data().dim() >= 2);
     router_.push_back(is_router_weight(p.name()));
-    ranges_.emplace_back(0, p.data().numel());
   }
   if (dev.is_cuda()) {
     norm_slots_ = Tensor::zeros({2 * int64_t(params_.size())}, DType::f32, dev);
@@ -163,20 +173,6 @@ void AdamW::step(const StepScalars* control) {
 }
 
 int64_t AdamW::num_router_params() const { return std::count(router_.begin(), router_.end(), true); }
-
-void AdamW::shard(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
-  FLOWMOE_CHECK(ranges.size() == params_.size(), Error, "AdamW::shard: ", ranges.size(), " ranges for ", params_.size(),
-                " parameters");
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto [begin, end] = ranges[i];
-    FLOWMOE_CHECK(0 <= begin && begin <= end && end <= params_[i].data().numel(), Error, "AdamW::shard: range [", begin,
-                  ", ", end, ") of '", params_[i].name(), "', which has ", params_[i].data().numel(), " elements");
-    ranges_[i] = ranges[i];
-    exp_avg_[i] = Tensor::zeros({end - begin}, DType::f32, params_[i].device());
-    exp_avg_sq_[i] = Tensor::zeros({end - begin}, DType::f32, params_[i].device());
-  }
-  sharded_ = true;
-}
 
 void AdamW::load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq) {
   FLOWMOE_CHECK(exp_avg.size() == params_.size() && exp_avg_sq.size() == params_.size(), Error,

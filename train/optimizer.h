@@ -25,7 +25,13 @@ class AdamW {
  public:
   // Parameters must be f32 leaves. Weight decay applies to matrices (dim >= 2) only. A parameter
   // named *.mlp.gate.weight (an MoE router) steps with lr * cfg.router_lr_scale.
-  AdamW(std::vector<Variable> params, const OptimizerConfig& cfg);
+  // ranges, when given (ZeRO-1: train/grad_reducer.h, parallel.shard_optimizer): this rank updates the
+  // elements [ranges[i].first, ranges[i].second) of parameter i's flat data alone, reads the gradient
+  // there alone, and keeps moments for them alone (1-D tensors of that many elements, zeroed); an empty
+  // range leaves the parameter to other ranks. The squared norms then cover the ranges, so they are
+  // this rank's share of a sum over its group. Without ranges every parameter is whole.
+  AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
+        const std::vector<std::pair<int64_t, int64_t>>& ranges = {});
 
   // Global L2 norm of all gradients (a missing gradient counts as zero); NaN or inf when any
   // gradient is not finite. Deterministic; one host synchronisation.
@@ -46,16 +52,9 @@ class AdamW {
   void step(const StepScalars* control);
   void zero_grad();
 
-  // ZeRO-1 (train/grad_reducer.h, parallel.shard_optimizer): this rank updates the elements
-  // [ranges[i].first, ranges[i].second) of parameter i's flat data alone, reads the gradient there
-  // alone, and keeps moments for them alone (1-D tensors of that many elements, zeroed); an empty range
-  // leaves the parameter to other ranks. The squared norms cover the ranges, so they are this rank's
-  // share of a sum over its group.
-  void shard(const std::vector<std::pair<int64_t, int64_t>>& ranges);
-  bool sharded() const { return sharded_; }
+  bool sharded() const { return sharded_; }  // built with ranges
   // The moments of the ranges from full ones (a checkpoint's, of the parameters' shapes, on any device).
   void load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq);
-  const std::pair<int64_t, int64_t>& range(size_t i) const { return ranges_[i]; }
 
   int64_t num_updates() const { return num_updates_; }  // the t of the bias corrections
   int64_t num_router_params() const;                    // parameters stepped with router_lr_scale

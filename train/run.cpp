@@ -204,6 +204,15 @@ static StepSchedule run_step_schedule(const Config& c) {
   return p;
 }
 
+// Several ranks reduce their gradients through a GradientReducer; one rank has none.
+static std::unique_ptr<GradientReducer> make_reducer(const Config& c, const ParallelState& ps,
+                                                     const Transformer& model) {
+  if (ps.world->size() == 1) return nullptr;
+  return std::make_unique<GradientReducer>(ps, model.parameters(), model.parameter_shards(),
+                                           c.parallel.overlap_grad_reduce, kGradientBucketBytes,
+                                           int(c.parallel.grad_reduce_sms), c.parallel.shard_optimizer);
+}
+
 TrainRun::TrainRun(const Config& c, const TrainOptions& o)
     : clock(o.started),
       cfg(c),
@@ -220,15 +229,12 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       res(prepare_run(c, device, compute, is_root ? o.out : nullptr, progress, *world, dir_locks)),
       data(DataLoader::from_config(c)),
       model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c, parallel)),
-      opt(model.parameters(), c.optimizer),
+      reducer(make_reducer(c, parallel, model)),
+      opt(model.parameters(), c.optimizer,
+          reducer && reducer->sharded() ? reducer->owned_ranges() : std::vector<std::pair<int64_t, int64_t>>{}),
       state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
-  if (world_size > 1)
-    reducer = std::make_unique<GradientReducer>(parallel, model.parameters(), model.parameter_shards(),
-                                                cfg.parallel.overlap_grad_reduce, kGradientBucketBytes,
-                                                int(cfg.parallel.grad_reduce_sms), cfg.parallel.shard_optimizer);
   if (reducer && reducer->sharded()) {
-    opt.shard(reducer->owned_ranges());
     reducer->set_stages(model.parameter_stages());
     model.set_stage_hook([r = reducer.get()](int64_t stage) { r->wait_stage(stage); });
   }

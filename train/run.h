@@ -91,11 +91,13 @@ struct TrainRun {
   SetupLap data_lap{clock, "data"};
   Transformer model;
   SetupLap model_lap{clock, "model"};
+  // Several ranks: the gradient buckets and their schedule; before the optimizer, whose moments a
+  // sharded reducer sizes to this rank's segments.
+  std::unique_ptr<GradientReducer> reducer;
   AdamW opt;
   SetupLap optimizer_lap{clock, "optimizer"};
-  std::optional<MetricsWriter> metrics;      // opened once the step to resume at is known
-  StepState state;                           // the optimizer step's scalars where the weights live, and their readout
-  std::unique_ptr<GradientReducer> reducer;  // several ranks: the gradient buckets and their schedule
+  std::optional<MetricsWriter> metrics;  // opened once the step to resume at is known
+  StepState state;                       // the optimizer step's scalars where the weights live, and their readout
 
   int64_t tokens_per_step = 0;
   ValBatches val;           // what an evaluation reads; no batches when the data holds out no validation
