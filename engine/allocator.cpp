@@ -63,8 +63,28 @@ void* CachingAllocator::allocate(size_t nbytes) {
 void CachingAllocator::release(void* ptr) {
   if (!ptr) return;
   std::lock_guard<std::mutex> lock(mu_);
+  FLOWMOE_CHECK(live_blocks_.count(ptr), Error, "release of a pointer this allocator did not hand out");
+  if (holding_) {
+    held_.push_back(ptr);
+    return;
+  }
+  release_locked(ptr);
+}
+
+void CachingAllocator::hold_releases() {
+  std::lock_guard<std::mutex> lock(mu_);
+  holding_ = true;
+}
+
+void CachingAllocator::release_held() {
+  std::lock_guard<std::mutex> lock(mu_);
+  holding_ = false;
+  for (void* ptr : held_) release_locked(ptr);
+  held_.clear();
+}
+
+void CachingAllocator::release_locked(void* ptr) {
   auto it = live_blocks_.find(ptr);
-  FLOWMOE_CHECK(it != live_blocks_.end(), Error, "release of a pointer this allocator did not hand out");
   stats_.live_bytes -= it->second;
   auto pool = pool_of_.find(ptr);
   (pool != pool_of_.end() ? pool_free_[pool->second] : free_blocks_).emplace(it->second, ptr);
@@ -212,6 +232,14 @@ void close_memory_pool(Device device) {
 
 void release_memory_pool(Device device, int pool) {
   if (device.is_cuda()) cuda_allocator(device.index).release_pool(pool);
+}
+
+void hold_memory_releases(Device device) {
+  if (device.is_cuda()) cuda_allocator(device.index).hold_releases();
+}
+
+void release_held_memory(Device device) {
+  if (device.is_cuda()) cuda_allocator(device.index).release_held();
 }
 
 }  // namespace flowmoe

@@ -1,14 +1,16 @@
 // Memory for tensors, with live/peak accounting on every device.
 //
 // CUDA memory goes through a caching allocator: freed blocks are kept in a size-ordered pool and
-// handed out again, so a training step does not call cudaMalloc/cudaFree. All engine work runs on one
+// handed out again, so a training step does not call cudaMalloc/cudaFree. Engine work runs on one
 // stream per device (kernels/common/device_api.h), so a freed block may be reused at once: any later use is
-// ordered after the last kernel that touched it.
+// ordered after the last kernel that touched it. The exception is a side branch (engine/side_stream.h):
+// while one is open, freed blocks are held back, since the other stream may not have passed them yet.
 #pragma once
 #include <cstddef>
 #include <functional>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "engine/device.h"
 
@@ -48,6 +50,11 @@ class CachingAllocator {
   void close_pool();
   void release_pool(int pool);
 
+  // While held, freed blocks stay out of the pools and count as live (the peak includes them);
+  // release_held gives them back once both streams are past them.
+  void hold_releases();
+  void release_held();
+
  private:
   RawAlloc raw_alloc_;
   RawFree raw_free_;
@@ -58,8 +65,11 @@ class CachingAllocator {
   int num_pools_ = 0;
   std::map<void*, int> pool_of_;                           // block -> its private pool
   std::map<int, std::multimap<size_t, void*>> pool_free_;  // pool -> its free blocks
+  bool holding_ = false;
+  std::vector<void*> held_;  // freed while holding, in release order
   MemoryStats stats_;
   void empty_cache_locked();
+  void release_locked(void* ptr);
 };
 
 // Allocation entry points used by Storage. CPU memory is 64-byte aligned and not cached.
@@ -72,5 +82,8 @@ void empty_cache(Device device);
 int open_memory_pool(Device device);
 void close_memory_pool(Device device);
 void release_memory_pool(Device device, int pool);
+// CachingAllocator::hold_releases and release_held on a CUDA device (nothing on the CPU).
+void hold_memory_releases(Device device);
+void release_held_memory(Device device);
 
 }  // namespace flowmoe

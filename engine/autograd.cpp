@@ -7,6 +7,7 @@
 // Above autograd, but kept: gradients are summed by tensor_add, the add primitive, on their device.
 #include "engine/ops/ops.h"
 #include "engine/profiler.h"
+#include "engine/side_stream.h"
 #include "kernels/common/device_api.h"
 
 namespace flowmoe {
@@ -155,6 +156,7 @@ std::vector<Variable> apply(std::shared_ptr<Primitive> p, const std::vector<Vari
   if (p->saves_inputs()) node->saved_inputs = in;
   if (p->saves_outputs()) node->saved_outputs = outs;
   if (profiling()) node->scope = profile_scope();
+  node->on_side = in_side_branch();
   for (const Tensor& t : in)
     if (t.defined()) {
       node->device = t.device();
@@ -170,6 +172,55 @@ LeafGradHookGuard::LeafGradHookGuard(LeafGradHook hook) : prev_(std::move(g_leaf
   g_leaf_hook = std::move(hook);
 }
 LeafGradHookGuard::~LeafGradHookGuard() { g_leaf_hook = std::move(prev_); }
+
+namespace {
+
+// Where the walk runs each node: nodes recorded in a side branch on the side stream (forked when the
+// walk first meets one), the others on the compute stream. A gradient one stream produced and the other
+// reads is ordered first: the compute stream joins the branch before it reads a slot or leaf gradient the
+// side stream wrote, and the side stream waits for the compute stream before it adds into one the compute
+// stream wrote. A walk that starts inside a side node (a checkpoint's recompute there) stays on it.
+class SideSchedule {
+ public:
+  SideSchedule() : nested_(in_side_branch()) {}
+  ~SideSchedule() {
+    if (nested_) return;
+    use_side_branch(false);
+    try {
+      if (forked_) join_side_branch(device_);
+    } catch (...) {  // unwinding from an error already thrown: that one is the report
+    }
+  }
+  void before_run(const Node& n) {
+    if (nested_) return;
+    if (n.on_side != on_side_) {
+      if (n.on_side) fork_side_branch(n.device), device_ = n.device, forked_ = true;
+      use_side_branch(on_side_ = n.on_side);
+    }
+    if (!on_side_ && fed_.count(&n)) join();
+  }
+  // Before a gradient goes into `target` (a node's slot or a leaf), which already holds one if `defined`.
+  void before_accumulate(const void* target, bool defined) {
+    if (nested_) return;
+    if (on_side_) {
+      if (defined) wait_for_other_stream(device_);
+      fed_.insert(target);
+    } else if (fed_.count(target)) {
+      join();
+    }
+  }
+
+ private:
+  void join() {
+    join_side_branch(device_);
+    fed_.clear();
+  }
+  bool nested_, on_side_ = false, forked_ = false;
+  Device device_;
+  std::unordered_set<const void*> fed_;  // slots and leaves holding a gradient the side stream wrote
+};
+
+}  // namespace
 
 void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool retain_graph) {
   FLOWMOE_CHECK(outputs.size() == d_outputs.size(), Error, "backward: ", outputs.size(), " outputs but ",
@@ -221,6 +272,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
     }
   }
 
+  SideSchedule side;
   std::vector<std::shared_ptr<Node>> ready;
   std::unordered_set<Node*> queued;
   for (auto& r : roots)
@@ -228,6 +280,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
   while (!ready.empty()) {
     std::shared_ptr<Node> n = ready.back();
     ready.pop_back();
+    side.before_run(*n);
     std::vector<Tensor> d_out = std::move(grads[n.get()]);
     grads.erase(n.get());
     d_out.resize(n->out_shapes.size());
@@ -243,6 +296,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
         // A leaf's first gradient is copied unless nothing else refers to it: vjps may hand the same
         // tensor to several inputs, and optimizers may change .grad() in place. A fresh result (an
         // expert weight's wgrad) is taken as is, saving a full copy of it.
+        if (d_in[i].defined()) side.before_accumulate(e.leaf.get(), e.leaf->grad.defined());
         if (!e.leaf->grad.defined() && d_in[i].defined())
           e.leaf->grad = d_in[i].is_sole_owner() ? std::move(d_in[i]) : d_in[i].clone();
         else
@@ -251,6 +305,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
       } else if (e.fn) {
         auto& slot = grads[e.fn.get()];
         slot.resize(e.fn->out_shapes.size());
+        if (d_in[i].defined()) side.before_accumulate(e.fn.get(), slot[size_t(e.output_nr)].defined());
         accumulate(slot[size_t(e.output_nr)], d_in[i]);
         if (--deps[e.fn.get()] == 0) ready.push_back(e.fn);
       }
@@ -313,6 +368,7 @@ std::vector<Variable> checkpoint(CheckpointFn fn, const std::vector<Variable>& i
   auto node = std::make_shared<CheckpointNode>();
   node->fn = std::move(fn);
   if (profiling()) node->scope = profile_scope();
+  node->on_side = in_side_branch();
   for (const Variable& v : inputs) {
     node->next.push_back(edge_of(v));
     node->saved_inputs.push_back(v.defined() ? v.data() : Tensor());

@@ -171,6 +171,7 @@ struct Node {
   std::vector<Shape> out_shapes;
   std::vector<DType> out_dtypes;
   Device device;
+  bool on_side = false;  // recorded in a side branch (engine/side_stream.h): its backward runs there too
 };
 
 // Runs a primitive and records it. Outputs of integer dtype never require grad.

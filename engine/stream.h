@@ -11,7 +11,9 @@ namespace flowmoe {
 
 class Stream {
  public:
-  explicit Stream(int device);  // a new non-blocking stream on that device
+  // A new non-blocking stream on that device; high_priority: as the engine's compute stream's (the
+  // highest), whose blocks the GPU schedules before those of other streams.
+  explicit Stream(int device, bool high_priority = false);
   ~Stream();
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;

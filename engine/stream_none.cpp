@@ -6,7 +6,7 @@
 
 namespace flowmoe {
 
-Stream::Stream(int device) : device_(device) { throw_no_cuda("Stream"); }
+Stream::Stream(int device, bool) : device_(device) { throw_no_cuda("Stream"); }
 Stream::~Stream() = default;
 Stream::Stream(Stream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)), device_(o.device_) {}
 Stream& Stream::operator=(Stream&& o) noexcept {

@@ -98,7 +98,7 @@ void permute(State& s, const Printer& out) {
   const int E = s.router.num_experts, k = s.router.top_k, align = s.options.align_size;
   const int64_t num_rows = moe_permuted_rows(kTokens, k, E, align, s.options.recipe);
   s.p = s.d.routing;
-  s.counts = s.d.padded_tokens_per_expert;
+  s.counts = s.d.counts.host;
   const Tensor& rows = s.p.rows.data();
   out.line("math   rows[row_map[t,j]] = xq[t] with its scales, probs[row_map[t,j]] = p[t,j]; pad rows written");
   out.line("code   engine/ops/permute.cpp::permute_pad -> kernels/cpu/permute.cpp::permute_map_cpu, permute_rows_cpu");

@@ -5,6 +5,7 @@
 #include "engine/ops/fp8_grouped_linear.h"
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/swiglu_quant.h"
+#include "engine/side_stream.h"
 
 namespace flowmoe {
 
@@ -69,6 +70,9 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
                 ") must be a multiple of the expert-parallel size (", ep_size, ")");
   num_local_experts_ = E / ep_size;
   expert_offset_ = ep ? ep->rank() * num_local_experts_ : 0;
+  // Collective where auto asks the group whether its GPUs reach each other's memory: every rank builds
+  // its layers in the same order.
+  zero_sync_ = ep_size > 1 && resolve_ep_dispatch(options.ep_dispatch, options.expert_parallel.get());
   const double out_std = cfg.initializer_range / std::sqrt(2.0 * double(cfg.num_hidden_layers));
   gate_ = f.normal(prefix + ".gate.weight", {E, H}, cfg.initializer_range);
   fc1_ = f.expert_normal(prefix + ".experts.fc1.weight", {E, 2 * F, H}, cfg.initializer_range, expert_offset_,
@@ -85,6 +89,8 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
 //
 // Backward, in order (each step is the vjp of the op named, in the file named):
 //   6. + shared experts  engine/ops/elementwise.cpp  Binary::vjp: dy to both branches
+//   0. shared experts    layers/mlp.cpp (linear, swiglu vjps), on the side stream with shared_expert_overlap,
+//                        issued first and running beside 5 to 1; their dx joins the router's at x
 //   5. combine           parallel/dispatch.cpp       CombineGradToFp8::vjp (fp8_flow): dy quantized once;
 //                        engine/ops/unpermute.cpp    UnpermuteUnpad::vjp: d_rows = prob·dy and
 //                                                    d_prob = rows·dy; fp8_flow: FP8 dy rows moved;
@@ -106,6 +112,16 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   const Shape in_shape = x.shape();
   Variable x2 = reshape(x, {-1, in_shape.back()});  // [T, H]
 
+  // 0. The shared experts, a dense SwiGLU MLP on every token (summed in at 6). They wait for nothing the
+  //    routed path makes, so with shared_expert_overlap they run on a side stream beside steps 1-5, and
+  //    so do their backward's ops (engine/side_stream.h); issued first, so that a sync dispatch's host
+  //    read does not hold them back.
+  Variable shared_y;
+  if (shared_) {
+    SideBranch side(x2.device(), options_.shared_expert_overlap);
+    shared_y = shared_->forward(x2, compute);
+  }
+
   // 1. Router, in fp32 as DeepSeek-V3 does: the top-k choice is sensitive to rounding.
   RouterOutput r = route_tokens(x2, in_shape);
 
@@ -115,31 +131,28 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   // 3. Dispatch: each routed copy goes to the rank that owns its expert, into that rank's expert-major
   //    buffer padded to align_size (permute+pad; across ranks, an exchange straight into place).
   //    fp8_flow moves the probs with the rows (SwiGLU applies them); the other recipes apply them at
-  //    combine, in fp32. On one GPU the counts stay on the device and nothing reads them: the expert
-  //    GEMMs run in one launch each on the device counts, and in the FP8 recipes the wgrad operands'
-  //    colwise layouts (transpose or re-quantize) follow the same counts into worst-case sized scales.
-  //    Elsewhere one host read sizes the GEMMs (cuBLASLt needs each M) and the transfers.
+  //    combine, in fp32. On one GPU and with zero_sync the counts stay on the device and nothing reads
+  //    them: the expert GEMMs run in one launch each on the device counts, and in the FP8 recipes the
+  //    wgrad operands' colwise layouts (transpose or re-quantize) follow the same counts into worst-case
+  //    sized scales. A sync exchange reads them to the host once, sizing the transfers and the GEMMs.
   Variable topk_prob = r.topk_prob;
   if (x2.device().is_cpu() && topk_prob.dtype() != x2.dtype()) topk_prob = cast(topk_prob, x2.dtype());
-  DispatchOptions o = dispatch_options(tokens.size(0));
-  const bool one_launch = options_.device_counts && !o.expert_parallel && tokens.data().device().is_cuda() &&
-                          (flow_.fp8_experts || grouped_linear_takes_device_counts(tokens.data()));
-  o.read_counts = !one_launch;
-  Dispatched d = dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), o);
-  ExpertCounts counts = one_launch ? ExpertCounts{{}, d.routing.padded_tokens_per_expert}
-                                   : ExpertCounts{d.padded_tokens_per_expert, Tensor()};
-  if (o.zero_sync) counts = zero_sync_expert_counts(d, flow_.fp8_experts);
+  Dispatched d =
+      dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), dispatch_options(tokens.size(0)));
 
-  // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2.
-  Variable out_rows = experts(d.rows, d.probs, counts);
+  // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2, on the counts dispatch left where they read them.
+  Variable out_rows = experts(d.rows, d.probs, d.counts);
 
   // 5. Combine: the rows return to their tokens' rank, and each token sums its k expert rows (× prob
   //    unless SwiGLU applied it): unpermute+unpad.
   Variable y = combine(out_rows, d, flow_.probs_in_experts ? Variable() : topk_prob,
                        flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is);  // [T, H]
 
-  // 6. + shared experts, a dense SwiGLU MLP on every token.
-  if (shared_) y = add(y, shared_->forward(x2, compute));
+  // 6. + the shared experts' output, once the side stream has finished it.
+  if (shared_) {
+    join_side_branch(x2.device());
+    y = add(y, shared_y);
+  }
   return reshape(y, in_shape);
 }
 RouterOutput MoeLayer::route_tokens(const Variable& x2, const Shape& in_shape) const {
@@ -194,11 +207,13 @@ DispatchOptions MoeLayer::dispatch_options(int64_t num_tokens) const {
   o.align_size = options_.align_size;
   o.num_rows = moe_permuted_rows(num_tokens, router_.top_k, int(num_experts_), options_.align_size, options_.recipe);
   o.row_multiple = flow_.fp8_experts ? 16 : 1;  // as moe_permuted_rows rounds the one-rank buffer
+  o.fp8_experts = flow_.fp8_experts;
+  o.device_counts = options_.device_counts;
   if (options_.expert_parallel && options_.expert_parallel->size() > 1) {
     o.expert_parallel = options_.expert_parallel;
     // Training batches have the same shape on every rank, as the worst-case buffers need; an
     // evaluation may give a rank fewer (or no) tokens, so it takes the sync path (the same on all ranks).
-    o.zero_sync = grad_enabled() && resolve_ep_dispatch(options_.ep_dispatch, o.expert_parallel.get());
+    o.zero_sync = grad_enabled() && zero_sync_;
     o.tokens_per_rank = num_tokens;
   }
   return o;

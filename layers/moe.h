@@ -37,8 +37,11 @@ struct MoeOptions {
   // per layer (per-expert cuBLASLt calls).
   bool device_counts = true;
   // parallel.ep_dispatch: across ranks, the one-sync exchange or the zero-sync one (parallel/dispatch.h);
-  // auto resolves in resolve_ep_dispatch.
+  // auto resolves in resolve_ep_dispatch, once, when the layer is built.
   EpDispatch ep_dispatch = EpDispatch::automatic;
+  // parallel.shared_expert_overlap: the shared experts run on a side stream (engine/side_stream.h) beside
+  // router → dispatch → experts → combine, forward and backward, and join before their sum.
+  bool shared_expert_overlap = false;
   // The expert-parallel group (parallel/process_group.h): its rank r holds experts
   // [r·E/n, (r+1)·E/n) and tokens travel to them through dispatch and combine. Null or one rank: every
   // expert is local.
@@ -101,7 +104,7 @@ class MoeLayer {
     uint64_t version = 0;
   };
   RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
-  Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& padded_tokens_per_expert) const;
+  Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& counts) const;
   const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   DispatchOptions dispatch_options(int64_t num_tokens) const;
 
@@ -110,6 +113,7 @@ class MoeLayer {
   int64_t num_local_experts_, expert_offset_;  // this rank's experts: [offset, offset + num_local)
   MoeOptions options_;
   MoeFlow flow_;
+  bool zero_sync_ = false;  // options_.ep_dispatch resolved for this layer's group (training forwards)
   mutable WeightCache fc1_cache_, fc2_cache_;
   double bias_update_rate_;
   BiasUpdateRule bias_update_rule_;

@@ -28,6 +28,13 @@ class CombineGradToFp8 : public Primitive {
   }
 };
 
+// The GEMMs' counts from counts [L] i32 on the rows' device: left there where the GEMMs read them there,
+// else read to the host (one sync on a GPU).
+ExpertCounts gemm_counts(const Tensor& counts, const Variable& rows, bool fp8_experts) {
+  if (fp8_experts || grouped_linear_takes_device_counts(rows.data())) return {{}, counts};
+  return {read_counts_once(counts), Tensor()};
+}
+
 }  // namespace
 
 Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variable& probs, const DispatchOptions& o) {
@@ -42,9 +49,8 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
     d.rows = d.routing.rows;
     d.probs = d.routing.probs;
     d.tokens_per_expert = d.routing.tokens_per_expert;
-    d.device_padded_tokens_per_expert = d.routing.padded_tokens_per_expert;
-    if (o.read_counts)
-      d.padded_tokens_per_expert = read_counts_once(d.routing.padded_tokens_per_expert);  // THE host sync
+    d.counts = o.device_counts ? gemm_counts(d.routing.padded_tokens_per_expert, d.rows, o.fp8_experts)
+                               : ExpertCounts{read_counts_once(d.routing.padded_tokens_per_expert), Tensor()};
     return d;
   }
   Communicator& comm = *o.expert_parallel;
@@ -65,7 +71,7 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
     d.rows = moved[0];
     d.probs = moved[1];
     d.tokens_per_expert = plan->device_tokens_per_expert;
-    d.device_padded_tokens_per_expert = plan->device_padded_tokens_per_expert;
+    d.counts = gemm_counts(plan->device_padded_tokens_per_expert, d.rows, o.fp8_experts);
     d.plan = std::move(plan);
     return d;
   }
@@ -76,18 +82,10 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
   std::vector<Variable> moved = exchange(d.routing.rows, d.routing.probs, plan, ExchangeDirection::to_experts);
   d.rows = moved[0];
   d.probs = moved[1];
-  d.padded_tokens_per_expert = plan->padded_tokens_per_expert;
+  d.counts = {plan->padded_tokens_per_expert, Tensor()};
   d.tokens_per_expert = Tensor::from_ints(plan->tokens_per_expert, {int64_t(plan->tokens_per_expert.size())});
   d.plan = std::move(plan);
   return d;
-}
-
-ExpertCounts zero_sync_expert_counts(const Dispatched& d, bool fp8_experts) {
-  const Tensor& c = d.device_padded_tokens_per_expert;
-  FLOWMOE_CHECK(c.defined(), Error, "zero_sync_expert_counts: the dispatch left no device counts");
-  // On a GPU the one-launch GEMMs (and, FP8, the wgrad operands' colwise layouts) read them there.
-  if (c.device().is_cuda() && (fp8_experts || grouped_linear_takes_device_counts(d.rows.data()))) return {{}, c};
-  return {read_counts_once(c), Tensor()};
 }
 
 EpDispatch ep_dispatch_from_name(const std::string& name) {

@@ -18,16 +18,20 @@
 
 namespace flowmoe {
 
+// One options type for every case: one rank (expert_parallel null), and several, sync or zero_sync.
 struct DispatchOptions {
   int num_experts = 0;    // E, over all ranks
   int align_size = 16;    // each expert's segment is a multiple of it (16, 32, 64 or 128)
   int64_t num_rows = -1;  // one rank: the buffer's rows (-1: the worst case, permute_worst_case_rows)
   int row_multiple = 1;   // several ranks: the received buffer's rows round up to it (FP8 GEMMs: 16)
-  // One rank: read the counts to the host (one sync), or leave them on the device for GEMMs that read
-  // them there (ExpertCounts, engine/ops/grouped_linear.h). Several ranks always read them.
-  bool read_counts = true;
-  // Several ranks: no host read (see EpDispatch). The receive buffer's rows follow tokens_per_rank, the tokens
-  // every rank dispatches (the same on every rank; -1: this rank's T).
+  // What the expert GEMMs are (FP8 ones take device counts on any backend, bf16 ones on a GPU:
+  // grouped_linear_takes_device_counts), and whether they may read the counts on the device after a
+  // one-rank permute (no host sync) rather than on the host (read once). Dispatched::counts follows.
+  bool fp8_experts = false;
+  bool device_counts = false;
+  // Several ranks: no host read (see EpDispatch; the mode is resolved once, where the layer is built).
+  // The receive buffer's rows follow tokens_per_rank, the tokens every rank dispatches (the same on
+  // every rank; -1: this rank's T).
   bool zero_sync = false;
   int64_t tokens_per_rank = -1;
   // The expert-parallel group: rank r holds experts [r·L, (r+1)·L), L = E / size. Null: every expert
@@ -38,11 +42,11 @@ struct DispatchOptions {
 struct Dispatched {
   Variable rows;   // [R, H] this rank's experts' copies in the tokens' dtype (FP8 keeps its scales attached)
   Variable probs;  // [R] the probs moved with the rows (0 on pad rows); undefined when none were given
-  // [L] on the host: each expert GEMM's M. Empty when not read (one rank without read_counts, zero_sync).
-  std::vector<int64_t> padded_tokens_per_expert;
-  // [L] i32 on the rows' device: the same counts where the host has not read them (one rank:
-  // routing.padded_tokens_per_expert; zero_sync: the plan's). Undefined after a sync exchange.
-  Tensor device_padded_tokens_per_expert;
+  // The expert GEMMs' M, [L] padded to align_size, where they read them: on the rows' device where the
+  // counts are there and the GEMMs can read them (one rank with device_counts, zero_sync), else on the
+  // host (one rank: read once; a sync exchange: its plan's, already read; zero_sync on a GPU with bf16
+  // GEMMs that cannot take device counts: read once).
+  ExpertCounts counts;
   // [L] i32, the real copies: on the rows' device with one rank and with zero_sync; on the host after a
   // sync exchange, where the plan holds them (an upload would wait for the stream, a second host sync).
   Tensor tokens_per_expert;
@@ -66,15 +70,10 @@ bool resolve_ep_dispatch(EpDispatch mode, Communicator* group);
 // tokens [T,H] any dtype; topk_idx [T,k] i32 in [0, E); probs [T,k] or undefined.
 // Several ranks: permutes by global expert, exchanges the counts and moves each (peer, expert) segment straight
 // to its place in the owner's padded buffer (parallel/exchange.h).
-// Host syncs: one per dispatch, to size the GEMMs (and, across ranks, the transfers), none with zero_sync on
-// nccl between NVLink-reachable GPUs; none in backward.
+// Host syncs: one per dispatch, to size the GEMMs (and, across ranks, the transfers); none on one rank with
+// device_counts, nor with zero_sync on nccl between NVLink-reachable GPUs; none in backward.
 Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variable& probs,
                     const DispatchOptions& options);
-
-// The GEMMs' counts after a zero_sync dispatch: on a GPU the device counts, for the one-launch GEMMs
-// (bf16 where grouped_linear_takes_device_counts; FP8 always, its colwise layouts following them);
-// read to the host otherwise (CPU: no sync).
-ExpertCounts zero_sync_expert_counts(const Dispatched& d, bool fp8_experts);
 
 // The format of combine's backward: the gradient as it comes, or quantized once to FP8 (rowwise
 // 1x128, counted as one cast at "combine backward: dy"; fp8_flow): its rows and scales then travel as FP8 all the

@@ -3,8 +3,9 @@
 # train N times the tokens per step. For each config and recipe, one run on one GPU (the baseline,
 # from the same invocation), then at each size N: data parallelism (dp), expert parallelism over all N
 # (ep_sync, ep_zero_sync), EP N/2 x DP 2 (epdp, at 4 and more), dp with a full optimizer copy on every
-# rank (dp_unsharded: parallel.shard_optimizer=false) and dp without the overlapped gradient reduction
-# (dp_serial). Prints one "scaling ..." line per run (scripts/gpu_check.sh puts them in its
+# rank (dp_unsharded: parallel.shard_optimizer=false), dp without the overlapped gradient reduction
+# (dp_serial) and ep_zero_sync with the shared experts on the compute stream (ep_serial_shared:
+# parallel.shared_expert_overlap=off). Prints one "scaling ..." line per run (scripts/gpu_check.sh puts them in its
 # summary) and a Markdown table into OUT_DIR/scaling.md. Every launch has a time limit.
 #   scripts/scaling.sh BUILD_DIR OUT_DIR
 #   CONFIGS (default "gpu_moe gpu_moe_wide"), RECIPES ("bf16 fp8_flow"), SIZES (2, 4, 8: those the GPUs
@@ -100,6 +101,7 @@ for config_name in ${CONFIGS:-gpu_moe gpu_moe_wide}; do
           dp_serial) ep=1; extra=(--set parallel.overlap_grad_reduce=false) ;;
           ep_sync) ep=$n; extra=(--set parallel.ep_dispatch=sync) ;;
           ep_zero_sync) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync) ;;
+          ep_serial_shared) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync --set parallel.shared_expert_overlap=off) ;;
           epdp) [ "$n" -ge 4 ] || continue; ep=$((n / 2)); extra=(--set parallel.ep_dispatch=auto) ;;
           *) echo "unknown mode '$mode'"; exit 2 ;;
         esac

@@ -55,7 +55,8 @@ std::vector<std::pair<std::string, Tensor>> routings(std::mt19937_64& gen) {
 
 Tensor host(const Tensor& t) { return t.to(Device::cpu()); }
 
-// One rank: dispatch is permute_pad, combine is unpermute_unpad, one host read on a GPU.
+// One rank: dispatch is permute_pad, combine is unpermute_unpad, one host read on a GPU (none where the
+// GEMMs take device counts).
 void check_one_rank(Device device) {
   std::mt19937_64 gen(test_seed());
   Rng rng(test_seed());
@@ -71,8 +72,18 @@ void check_one_rank(Device device) {
     PermuteResult p = permute_pad(x, idx, prob, kExperts, 16);
     EXPECT_TRUE(bit_equal(host(d.rows.data()), host(p.rows.data())));
     EXPECT_TRUE(bit_equal(host(d.probs.data()), host(p.probs.data())));
-    EXPECT_EQ(d.padded_tokens_per_expert, p.padded_tokens_per_expert.to_ints());
+    EXPECT_EQ(d.counts.host, p.padded_tokens_per_expert.to_ints());
+    EXPECT_FALSE(d.counts.on_device());
     EXPECT_TRUE(d.plan == nullptr);
+    // GEMMs that read the counts on the device (FP8 ones, on any backend) get them there, unread.
+    DispatchOptions on_device = options(false);
+    on_device.device_counts = on_device.fp8_experts = true;
+    const uint64_t before = num_host_syncs();
+    const Dispatched dd = dispatch(x, idx, prob, on_device);
+    EXPECT_EQ(num_host_syncs(), before) << "device counts were read";
+    ASSERT_TRUE(dd.counts.on_device());
+    EXPECT_TRUE(dd.counts.host.empty());
+    EXPECT_EQ(dd.counts.device.to_ints(), p.padded_tokens_per_expert.to_ints());
     Variable y = combine(d.rows, d, prob, CombineGrad::as_is);
     EXPECT_TRUE(bit_equal(host(y.data()), host(unpermute_unpad(p.rows, p, prob).data())));
   }
@@ -108,7 +119,7 @@ void check_exchange_matches_one_rank(Device device, bool probs_with_rows) {
     const int64_t used = ds[0].routing.segment_starts.to_ints().back();
     EXPECT_EQ(ds[1].rows.size(0), used) << "the exchanged buffer holds exactly the padded segments";
     EXPECT_TRUE(bit_equal(host(ds[1].rows.data()), host(ds[0].rows.data()).slice(0, 0, used).contiguous()));
-    EXPECT_EQ(ds[1].padded_tokens_per_expert, ds[0].padded_tokens_per_expert);
+    EXPECT_EQ(ds[1].counts.host, ds[0].counts.host);
     EXPECT_EQ(ds[1].tokens_per_expert.to_ints(), ds[0].tokens_per_expert.to_ints());
     EXPECT_TRUE(bit_equal(out[1], out[0]));
     EXPECT_TRUE(bit_equal(dx[1], dx[0]));

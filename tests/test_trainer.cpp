@@ -334,17 +334,19 @@ TEST(TrainerCuda, DeviceStepScalarsMatchTheHostPath) {
 
 // train.cuda_graph: the step captured once and replayed gives the eager step's losses, norms, loads and
 // final weights bit for bit, and its rows count no host synchronisation, in every recipe (on one GPU the
-// expert GEMMs and the FP8 recipes' colwise wgrad layouts read their counts on the device).
+// expert GEMMs and the FP8 recipes' colwise wgrad layouts read their counts on the device). The graph
+// runs the shared experts on the side stream (parallel.shared_expert_overlap), the eager step on one.
 TEST(TrainerCuda, GraphReplayMatchesEagerBitForBit) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped";
   fs::path d = fresh_dir("trainer_cuda_graph");
   for (const std::string recipe : {"bf16", "fp8_flow", "fp8_blockwise"}) {
     SCOPED_TRACE("precision.recipe " + recipe);
     auto run = [&](const std::string& mode) {
-      Config c = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny_moe.yaml",
-                             {"train.device=cuda", "train.steps=10", "optimizer.warmup_steps=3", "checkpoint.every=0",
-                              "train.eval_every=5", "train.cuda_graph=" + mode, "precision.recipe=" + recipe,
-                              "logging.out_dir=" + (d / recipe / mode).string()});
+      Config c =
+          load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny_moe.yaml",
+                      {"train.device=cuda", "train.steps=10", "optimizer.warmup_steps=3", "checkpoint.every=0",
+                       "train.eval_every=5", "train.cuda_graph=" + mode, "precision.recipe=" + recipe,
+                       "parallel.shared_expert_overlap=" + mode, "logging.out_dir=" + (d / recipe / mode).string()});
       TrainResult r = train(c, quiet());
       return std::make_pair(r, read_metrics(r.metrics_file));
     };

@@ -188,7 +188,7 @@ const std::vector<Field>& schema() {
                         "with nonfinite: skip, stop after this many skipped steps"));
     f.push_back(choice("train", "cuda_graph", FLOWMOE_CONFIG_REF(train.cuda_graph), {"auto", "on", "off"},
                        "capture the training step once as a CUDA graph and replay it: auto where the step "
-                       "makes no host synchronisation (a GPU per process, one process or data parallelism over "
+                       "makes no host synchronisation (a GPU per process, one process or collectives over "
                        "nccl, any recipe), on requires it"));
     // optimizer (AdamW, warmup then cosine)
     f.push_back(number("optimizer", "lr", FLOWMOE_CONFIG_REF(optimizer.lr), 0, true, 10, false, "peak learning rate"));
@@ -235,6 +235,11 @@ const std::vector<Field>& schema() {
                "the expert-parallel token exchange: sync reads the per-expert counts to the host once per "
                "MoE layer; zero_sync keeps them on the device (worst-case receive buffers; nccl writes rows "
                "into the peers' GPUs); auto: zero_sync for a group of 2 load/store-reachable GPUs, sync otherwise"));
+    f.push_back(choice("parallel", "shared_expert_overlap", FLOWMOE_CONFIG_REF(parallel.shared_expert_overlap),
+                       {"auto", "on", "off"},
+                       "run the shared experts on a second CUDA stream beside dispatch, the routed experts and "
+                       "combine, forward and backward (the same results); auto: on where experts are sharded "
+                       "over several ranks, whose exchange it hides"));
     f.push_back(boolean("parallel", "overlap_grad_reduce", FLOWMOE_CONFIG_REF(parallel.overlap_grad_reduce),
                         "reduce each 25 MiB gradient bucket as soon as the backward has finished it (on a stream "
                         "of its own with nccl), not after the backward; the same sums either way"));

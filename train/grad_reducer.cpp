@@ -7,6 +7,7 @@
 
 #include "engine/ops/ops.h"
 #include "engine/profiler.h"
+#include "engine/side_stream.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
 
@@ -55,7 +56,7 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
   // beside the backward (a communicator serves one stream: the world's stays with the compute stream).
   if (overlap_ && ps.world->backend_name() == std::string("nccl")) {
     const int device = ps.world->native_device().index;
-    stream_ = std::make_unique<Stream>(device);
+    stream_ = std::make_unique<Stream>(device, /*high_priority=*/true);  // as the compute stream's
     grads_ready_ = std::make_unique<Event>();
     reduced_ = std::make_unique<Event>();
     if (shard_)
@@ -153,6 +154,9 @@ void GradientReducer::on_leaf(VariableImpl& leaf) {
 // the parameters' gradients become views of it, so their own tensors are freed at once.
 void GradientReducer::launch(Bucket& b) {
   const Device device = params_[b.params.front()].device();
+  // Inside the backward, some of these gradients may come from a side branch (the shared experts,
+  // engine/side_stream.h): the stream that copies them waits for the other one first.
+  wait_for_other_stream(device);
   b.flat = Tensor::empty({shard_ ? b.padded : b.numel}, DType::f32, device);
   if (shard_ && b.padded > b.numel) b.flat.slice(0, b.numel, b.padded).zero_();
   int64_t offset = 0;

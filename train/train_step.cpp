@@ -174,15 +174,17 @@ bool use_graph(TrainRun& run, bool profiled) {
   const std::string& mode = run.cfg.train.cuda_graph;
   if (mode == "off" || run.graph_failed || profiled) return false;
   if (run.graph && run.graph->captured()) return true;
-  // Several ranks: data parallelism over nccl, whose collectives and reducer stream are captured with
-  // the step. Expert parallelism is not captured yet: its exchanges keep host-side timing windows per
-  // step and set up their device windows at first use, neither of which a replay repeats.
-  const bool ranks = run.world_size == 1 || run.parallel.expert_parallel_size == 1;
-  const bool possible = step_scalars_on_device(run) && ranks && !run.opts.after_backward;
-  if (mode == "on")
+  // Several ranks: nccl's collectives, the reducer's stream and the zero-sync exchange's device puts are
+  // captured with the step. A sync exchange reads counts to the host, which no replay could repeat.
+  const bool possible = step_scalars_on_device(run) && !run.opts.after_backward;
+  if (mode == "on") {
     FLOWMOE_CHECK(possible, ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
-                  ") needs a GPU, one process or data parallelism over nccl (not expert parallelism), "
-                  "and no test hooks");
+                  ") needs a GPU, one process or collectives on the device (nccl), and no test hooks");
+    FLOWMOE_CHECK(run.eager_steps == 0 || run.last_eager_host_syncs == 0, ConfigError, "train.cuda_graph: on (",
+                  run.cfg.origin("train.cuda_graph"), "), but the eager step made ", run.last_eager_host_syncs,
+                  " host synchronisations, which a graph cannot replay (expert parallelism needs "
+                  "parallel.ep_dispatch: zero_sync on GPUs that reach each other's memory)");
+  }
   // The first step of a run is eager: it creates the cuBLASLt plans and tells whether the step syncs.
   return possible && run.eager_steps > 0 && run.last_eager_host_syncs == 0;
 }
@@ -249,7 +251,8 @@ void issue_step(TrainRun& run, bool profiled) {
   std::vector<Batch> batches = next_batches(run);
   IssuedStep issued;
   std::vector<Tensor> loads;
-  if (use_graph(run, profiled)) {
+  const bool graphed = use_graph(run, profiled);
+  if (graphed) {
     loads = graph_step(run, batches, issued);
   } else {
     if (on_device)  // a plain copy to the device would wait for the previous step to finish
@@ -258,8 +261,9 @@ void issue_step(TrainRun& run, bool profiled) {
     ++run.eager_steps;
     run.last_eager_host_syncs = issued.host_syncs;
   }
-  if (exchanges) exchanges->close_exchange_window();  // read with the step's scalars (complete_step)
-  issued.has_exchanges = exchanges != nullptr;
+  // The step's exchanges are timed unless it is a graph's (its replays record no timing events).
+  issued.has_exchanges = exchanges != nullptr && !graphed;
+  if (issued.has_exchanges) exchanges->close_exchange_window();  // read with the step's scalars (complete_step)
   run.state.snapshot(loads);
   run.issued.push_back(issued);
 }

@@ -61,6 +61,8 @@ MoeOptions moe_options(const Config& cfg) {
 MoeOptions moe_options(const Config& cfg, const ParallelState& ps) {
   MoeOptions o = moe_options(cfg);
   if (ps.expert_parallel_size > 1) o.expert_parallel = ps.expert_parallel;
+  const std::string& overlap = cfg.parallel.shared_expert_overlap;
+  o.shared_expert_overlap = overlap == "on" || (overlap == "auto" && ps.expert_parallel_size > 1);
   return o;
 }
 

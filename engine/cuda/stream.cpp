@@ -6,10 +6,12 @@
 
 namespace flowmoe {
 
-Stream::Stream(int device) : device_(device) {
+Stream::Stream(int device, bool high_priority) : device_(device) {
   int prev = cuda_current_device();
   cuda_set_device(device);
-  FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  int least = 0, greatest = 0;
+  FLOWMOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  FLOWMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, high_priority ? greatest : least));
   cuda_set_device(prev);
 }
 Stream::~Stream() {

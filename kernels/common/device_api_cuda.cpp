@@ -41,21 +41,57 @@ int cuda_current_device() {
   return d;
 }
 
-// One non-blocking compute stream per device, created on first use and kept for the process.
-// Everything the engine launches goes to it, so allocator reuse needs no cross-stream events.
-cudaStream_t current_stream(int device) {
+// One non-blocking compute stream per device, created on first use and kept for the process, and
+// beside it the side stream. Everything the engine launches goes to the compute stream unless a side
+// branch is open (engine/side_stream.h, which also keeps freed memory from moving between the two).
+namespace {
+
+struct EngineStreams {
+  cudaStream_t compute = nullptr, side = nullptr;
+  cudaEvent_t compute_mark = nullptr, side_mark = nullptr;  // re-recorded for each wait
+};
+
+EngineStreams& engine_streams(int device) {
   static std::mutex mu;
-  static std::vector<cudaStream_t> streams;
+  static std::vector<EngineStreams> streams;
   std::lock_guard<std::mutex> lock(mu);
   check_index(device);
-  if (streams.empty()) streams.assign(size_t(cuda_device_count()), nullptr);
-  if (!streams[size_t(device)]) {
+  if (streams.empty()) streams.assign(size_t(cuda_device_count()), EngineStreams{});
+  EngineStreams& s = streams[size_t(device)];
+  if (!s.compute) {
     int prev = cuda_current_device();
     FLOWMOE_CUDA_CHECK(cudaSetDevice(device));
-    FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[size_t(device)], cudaStreamNonBlocking));
+    // The side stream's work fills the SMs the compute stream leaves idle (an exchange kernel waiting on
+    // its peers) and does not hold the compute stream back: the block scheduler serves the compute
+    // stream's blocks first.
+    int least = 0, greatest = 0;
+    FLOWMOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    FLOWMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&s.compute, cudaStreamNonBlocking, greatest));
+    FLOWMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&s.side, cudaStreamNonBlocking, least));
+    FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.compute_mark, cudaEventDisableTiming));
+    FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.side_mark, cudaEventDisableTiming));
     FLOWMOE_CUDA_CHECK(cudaSetDevice(prev));
   }
-  return streams[size_t(device)];
+  return s;
+}
+
+thread_local bool t_on_side = false;
+
+}  // namespace
+
+cudaStream_t current_stream(int device) {
+  const EngineStreams& s = engine_streams(device);
+  return t_on_side ? s.side : s.compute;
+}
+
+void cuda_use_side_stream(bool on) { t_on_side = on; }
+bool cuda_using_side_stream() { return t_on_side; }
+
+void cuda_stream_wait(int device, bool side_waits) {
+  EngineStreams& s = engine_streams(device);
+  cudaEvent_t mark = side_waits ? s.compute_mark : s.side_mark;
+  FLOWMOE_CUDA_CHECK(cudaEventRecord(mark, side_waits ? s.compute : s.side));
+  FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(side_waits ? s.side : s.compute, mark, 0));
 }
 
 void cuda_synchronize(int device) { FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(current_stream(device))); }

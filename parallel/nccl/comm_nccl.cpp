@@ -230,9 +230,14 @@ class NcclCommunicator final : public Communicator {
     return std::make_shared<NcclCommunicator>(bootstrap_->split(color, key), device_, max_ctas);
   }
 
-  // The exchanges run asynchronously: events on the stream around each one time it on the GPU.
+  // The exchanges run asynchronously: events on the stream around each one time it on the GPU. Not in
+  // a captured step (train.cuda_graph), whose replays run no host code to read them.
   void exchange_started() override {
     DeviceScope scope(device_);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FLOWMOE_CUDA_CHECK(cudaStreamIsCapturing(enqueue_stream(), &capture));
+    timing_ = capture == cudaStreamCaptureStatusNone;
+    if (!timing_) return;
     if (exchange_events_.size() >= 1024) folded_ms_ += release_events(exchange_events_);  // nobody asked: bound them
     cudaEvent_t start = nullptr, end = nullptr;
     FLOWMOE_CUDA_CHECK(cudaEventCreate(&start));
@@ -241,6 +246,7 @@ class NcclCommunicator final : public Communicator {
     FLOWMOE_CUDA_CHECK(cudaEventRecord(start, enqueue_stream()));
   }
   void exchange_finished() override {
+    if (!timing_) return;
     DeviceScope scope(device_);
     FLOWMOE_CUDA_CHECK(cudaEventRecord(exchange_events_.back().second, enqueue_stream()));
   }
@@ -292,6 +298,7 @@ class NcclCommunicator final : public Communicator {
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exchange_events_;             // since the last take or close
   std::deque<std::vector<std::pair<cudaEvent_t, cudaEvent_t>>> closed_windows_;  // oldest first
   double folded_ms_ = 0;
+  bool timing_ = false;  // the exchange in progress is timed (not captured)
 
   // One group of ncclSend/ncclRecv, one per non-empty chunk, self included: NCCL runs the calls of a
   // group that target the same peer in order, which pairs each peer's chunks in list order.

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <filesystem>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -175,29 +176,39 @@ TEST(DataParallelSharded, ShardedOptimizerTrainsTheSameWeights) {
   fs::remove_all(d);
 }
 
-// The multi-process step as one CUDA graph (train.cuda_graph, data parallelism over nccl): captured at
-// step 2 with the overlapped reduce-scatter, the sharded AdamW and the weight gather inside, then
-// replayed; the same losses, norms and checkpoint bit for bit as the eager step. Two GPUs.
+// The multi-process step as one CUDA graph (train.cuda_graph over nccl): captured at step 2 and replayed,
+// the same losses, norms and checkpoint bit for bit as the eager step, with no host synchronisation. Data
+// parallelism: the overlapped reduce-scatter, the sharded AdamW and the weight gather inside the graph.
+// Expert parallelism (EP 2, zero-sync exchange): the device puts inside it, and the shared experts on the
+// side stream there against the compute stream in the eager run. Two GPUs.
 TEST(DataParallelCuda, GraphReplayUnderTheLauncherMatchesEagerBitForBit) {
   if (!built_with_nccl()) GTEST_SKIP() << "built without NCCL";
   if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs, " << cuda_device_count() << " found";
   const fs::path d = fresh_dir("dp_cuda_graph");
   const std::string gpu = " --set train.device=cuda --set parallel.backend=nccl";
-  Launch launch;
-  const std::vector<StepMetrics> graph = train_run(d, 2, "graph", gpu + " --set train.cuda_graph=on", &launch);
-  const std::vector<StepMetrics> eager = train_run(d, 2, "eager", gpu + " --set train.cuda_graph=off");
-  EXPECT_EQ(count(launch.out, "train.cuda_graph: step 2 captured"), 1u) << launch.out;
-  ASSERT_EQ(graph.size(), 20u);
-  ASSERT_EQ(eager.size(), graph.size());
-  for (size_t i = 0; i < graph.size(); ++i) {
-    EXPECT_EQ(graph[i].loss, eager[i].loss) << "step " << graph[i].step;
-    EXPECT_EQ(graph[i].grad_norm, eager[i].grad_norm) << "step " << graph[i].step;
-    EXPECT_EQ(graph[i].host_syncs, 0) << "step " << graph[i].step;
+  const std::string ep2 = " --set parallel.expert_parallel_size=2 --set parallel.ep_dispatch=zero_sync";
+  for (const auto& [name, extra, eager_extra] :
+       {std::make_tuple(std::string("dp"), std::string(), std::string()),
+        std::make_tuple(std::string("ep"), ep2, std::string(" --set parallel.shared_expert_overlap=off"))}) {
+    SCOPED_TRACE(name);
+    Launch launch;
+    const std::vector<StepMetrics> graph =
+        train_run(d, 2, name + "_graph", gpu + extra + " --set train.cuda_graph=on", &launch);
+    const std::vector<StepMetrics> eager =
+        train_run(d, 2, name + "_eager", gpu + extra + eager_extra + " --set train.cuda_graph=off");
+    EXPECT_EQ(count(launch.out, "train.cuda_graph: step 2 captured"), 1u) << launch.out;
+    ASSERT_EQ(graph.size(), 20u);
+    ASSERT_EQ(eager.size(), graph.size());
+    for (size_t i = 0; i < graph.size(); ++i) {
+      EXPECT_EQ(graph[i].loss, eager[i].loss) << "step " << graph[i].step;
+      EXPECT_EQ(graph[i].grad_norm, eager[i].grad_norm) << "step " << graph[i].step;
+      EXPECT_EQ(graph[i].host_syncs, 0) << "step " << graph[i].step;
+    }
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(read_text(d / (name + "_graph") / "checkpoints" / "step_00000020" / file),
+                read_text(d / (name + "_eager") / "checkpoints" / "step_00000020" / file))
+          << file;
   }
-  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-    EXPECT_EQ(read_text(d / "graph" / "checkpoints" / "step_00000020" / file),
-              read_text(d / "eager" / "checkpoints" / "step_00000020" / file))
-        << file;
   fs::remove_all(d);
 }
 

@@ -1,0 +1,79 @@
+// Side branches (see engine/side_stream.h): the thread's stream choice, the per-device open flag, and
+// the allocator's held releases between a fork and its join.
+#include "engine/side_stream.h"
+
+#include <map>
+#include <mutex>
+
+#include "engine/allocator.h"
+#include "kernels/common/device_api.h"
+
+namespace flowmoe {
+
+namespace {
+
+thread_local bool t_in_side = false;
+
+// Per device (the CPU as index -1): a branch forked and not yet joined.
+std::mutex g_mu;
+std::map<int, bool>& open_branches() {
+  static auto* open = new std::map<int, bool>;  // leaked: tensors freed after static destructors may ask
+  return *open;
+}
+
+int key(Device device) { return device.is_cuda() ? device.index : -1; }
+
+}  // namespace
+
+bool in_side_branch() { return t_in_side; }
+
+void use_side_branch(bool on) {
+  t_in_side = on;
+  cuda_use_side_stream(on);
+}
+
+bool side_branch_open(Device device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = open_branches().find(key(device));
+  return it != open_branches().end() && it->second;
+}
+
+void fork_side_branch(Device device) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    bool& open = open_branches()[key(device)];
+    if (!open) hold_memory_releases(device);
+    open = true;
+  }
+  if (device.is_cuda()) cuda_stream_wait(device.index, /*side_waits=*/true);
+}
+
+void join_side_branch(Device device) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    bool& open = open_branches()[key(device)];
+    if (!open) return;
+    open = false;
+  }
+  if (device.is_cuda()) cuda_stream_wait(device.index, /*side_waits=*/false);
+  // Every later compute-stream op is ordered after both streams' work so far; a later fork makes the
+  // side stream wait for those ops too. So the held blocks are free for either stream.
+  release_held_memory(device);
+}
+
+void wait_for_other_stream(Device device) {
+  if (!side_branch_open(device) || !device.is_cuda()) return;
+  cuda_stream_wait(device.index, /*side_waits=*/in_side_branch());
+}
+
+SideBranch::SideBranch(Device device, bool enabled) : enabled_(enabled), prev_(in_side_branch()) {
+  if (!enabled_) return;
+  fork_side_branch(device);
+  use_side_branch(true);
+}
+
+SideBranch::~SideBranch() {
+  if (enabled_) use_side_branch(prev_);
+}
+
+}  // namespace flowmoe

@@ -1,0 +1,140 @@
+// Side branches (engine/side_stream.h): the allocator holds freed blocks while one is open; autograd tags
+// the nodes recorded in one and runs their backward there; and on a GPU, the MoE layer with its shared
+// experts on the side stream equals the one-stream layer bit for bit, forward and backward, in every recipe.
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/allocator.h"
+#include "engine/ops/ops.h"
+#include "engine/side_stream.h"
+#include "layers/moe.h"
+#include "tests/moe_test_config.h"
+#include "tests/test_util.h"
+
+using namespace flowmoe;
+using namespace flowmoe::test;
+
+TEST(CachingAllocator, HeldReleasesReturnOnlyWhenReleased) {
+  CachingAllocator a([](size_t n) { return std::malloc(n); }, [](void* p) { std::free(p); });
+  void* p1 = a.allocate(1000);
+  a.hold_releases();
+  a.release(p1);
+  EXPECT_EQ(a.stats().live_bytes, 1024u) << "a held block still counts as live";
+  void* p2 = a.allocate(1000);
+  EXPECT_NE(p2, p1) << "a held block was handed out again";
+  a.release_held();
+  EXPECT_EQ(a.stats().live_bytes, 1024u);
+  void* p3 = a.allocate(1000);
+  EXPECT_EQ(p3, p1) << "a released held block returns to the pool";
+  a.release(p2);
+  a.release(p3);
+  EXPECT_EQ(a.stats().live_bytes, 0u);
+}
+
+namespace {
+
+// y = x, recording whether each run and each vjp happened in a side branch.
+std::vector<std::pair<std::string, bool>> g_log;
+class Probe : public Primitive {
+ public:
+  explicit Probe(std::string name) : name_(std::move(name)) {}
+  const char* name() const override { return "probe"; }
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    g_log.emplace_back(name_, in_side_branch());
+    return {in[0].clone()};
+  }
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return eval_cpu(in); }
+  bool saves_inputs() const override { return false; }
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d,
+                          const std::vector<bool>&) override {
+    g_log.emplace_back("d " + name_, in_side_branch());
+    return {tensor_scale(d[0], 2.0)};
+  }
+
+ private:
+  std::string name_;
+};
+Variable probe(const std::string& name, const Variable& x) { return apply(std::make_shared<Probe>(name), {x})[0]; }
+
+}  // namespace
+
+// x → main → (+) and x → side → side2 → (+): the side ops and their vjps run in the branch, the rest
+// outside it, and the gradient is the one-stream gradient (2 + 4 per element).
+TEST(SideBranch, TheBackwardRunsTheBranchsNodesOnItsStream) {
+  for (bool enabled : {true, false}) {
+    SCOPED_TRACE(enabled ? "side branch" : "one stream");
+    g_log.clear();
+    Variable x(Tensor::full({3}, 1.0, DType::f32, Device::cpu()), true);
+    Variable s;
+    {
+      SideBranch side(Device::cpu(), enabled);
+      s = probe("side2", probe("side", x));
+    }
+    EXPECT_EQ(side_branch_open(Device::cpu()), enabled);
+    Variable m = probe("main", x);
+    join_side_branch(Device::cpu());
+    EXPECT_FALSE(side_branch_open(Device::cpu()));
+    Variable y = add(m, s);
+    y.backward(Tensor::full({3}, 1.0, DType::f32, Device::cpu()));
+    EXPECT_FALSE(in_side_branch());
+    EXPECT_FALSE(side_branch_open(Device::cpu())) << "the backward joins the branch it forked";
+    const std::vector<std::pair<std::string, bool>> want = {
+        {"side", enabled}, {"side2", enabled}, {"main", false}, {"d side2", enabled}, {"d side", enabled},
+        {"d main", false}};
+    EXPECT_EQ(g_log, want);
+    EXPECT_EQ(x.grad().to_doubles(), std::vector<double>(3, 6.0));
+  }
+}
+
+// A checkpoint recorded in the branch recomputes and backpropagates there, inner walk included.
+TEST(SideBranch, ACheckpointInTheBranchStaysThere) {
+  g_log.clear();
+  Variable x(Tensor::full({2}, 1.0, DType::f32, Device::cpu()), true);
+  Variable s;
+  {
+    SideBranch side(Device::cpu());
+    s = checkpoint([](const std::vector<Variable>& in) { return std::vector<Variable>{probe("inner", in[0])}; },
+                   {x})[0];
+  }
+  join_side_branch(Device::cpu());
+  add(s, probe("main", x)).backward(Tensor::full({2}, 1.0, DType::f32, Device::cpu()));
+  for (const auto& [what, on_side] : g_log) EXPECT_EQ(on_side, what != "main" && what != "d main") << what;
+  EXPECT_FALSE(in_side_branch());
+  EXPECT_EQ(x.grad().to_doubles(), std::vector<double>(2, 4.0));
+}
+
+// The MoE layer (shared experts on the side stream) against itself on one stream: the same bits, for 0,
+// 1, 100 and 1000 tokens (sizes not multiples of 128), in each recipe, and no memory left held.
+TEST(SideBranchCuda, MoeLayerWithSharedExpertOverlapEqualsOneStream) {
+  FLOWMOE_REQUIRE_CUDA();
+  for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
+    for (int64_t T : {0, 1, 100, 1000}) {
+      SCOPED_TRACE(std::string(moe_recipe_name(recipe)) + ", T=" + std::to_string(T));
+      const ModelConfig c = moe_test_config(16, 4, 256, 128, 2, 0.05, 4, 2);
+      Rng rng(test_seed());
+      const Tensor x = rng.normal({T, 256}, 0, 1).to(Device::cuda()).to(DType::bf16);
+      const Tensor dy = rng.normal({T, 256}, 0, 1).to(Device::cuda()).to(DType::bf16);
+      auto run = [&](bool overlap) {
+        MoeOptions o(16);
+        o.recipe = recipe;
+        o.shared_expert_overlap = overlap;
+        ParamFactory f(7, Device::cuda());
+        MoeLayer layer(f, c, "mlp", o, Device::cuda());
+        Variable xv(x, true);
+        Variable y = layer.forward(xv, DType::bf16);
+        y.backward(dy);
+        std::vector<Tensor> out = {y.data(), xv.grad()};
+        for (const Variable& p : f.params()) out.push_back(p.grad());
+        return out;
+      };
+      const std::vector<Tensor> one = run(false), two = run(true);
+      EXPECT_FALSE(side_branch_open(Device::cuda()));
+      ASSERT_EQ(one.size(), two.size());
+      for (size_t i = 0; i < one.size(); ++i) {
+        if (!one[i].defined() && !two[i].defined()) continue;
+        EXPECT_TRUE(bit_equal(two[i], one[i])) << "tensor " << i;
+      }
+    }
+}
