@@ -29,46 +29,76 @@ size_t CachingAllocator::round_size(size_t nbytes) {
   return (nbytes + q - 1) / q * q;
 }
 
-void* CachingAllocator::allocate(size_t nbytes) {
+void* CachingAllocator::allocate(size_t nbytes, bool on_side) {
   if (nbytes == 0) return nullptr;
   size_t size = round_size(nbytes);
   std::lock_guard<std::mutex> lock(mu_);
   stats_.num_allocs++;
-  void* ptr = nullptr;
-  // Best fit among cached blocks (the open pool's alone, if one is), wasting at most 1/8 of the request.
-  auto& blocks = open_pool_ ? pool_free_[open_pool_] : free_blocks_;
-  auto it = blocks.lower_bound(size);
-  if (it != blocks.end() && it->first <= size + size / 8) {
-    size = it->first;
-    ptr = it->second;
-    blocks.erase(it);
+  void* ptr = holding_ && !on_side ? take_compute_free(size) : nullptr;
+  if (ptr) {
+    size = live_blocks_[ptr];
   } else {
-    try {
-      ptr = raw_alloc_(size);
-    } catch (const Error&) {
-      empty_cache_locked();  // out of memory: give the cache back and try once more
-      ptr = raw_alloc_(size);
+    // Best fit among cached blocks (the open pool's alone, if one is), wasting at most 1/8 of the request.
+    auto& blocks = open_pool_ ? pool_free_[open_pool_] : free_blocks_;
+    auto it = blocks.lower_bound(size);
+    if (it != blocks.end() && it->first <= size + size / 8) {
+      size = it->first;
+      ptr = it->second;
+      blocks.erase(it);
+    } else {
+      try {
+        ptr = raw_alloc_(size);
+      } catch (const Error&) {
+        empty_cache_locked();  // out of memory: give the cache back and try once more
+        ptr = raw_alloc_(size);
+      }
+      FLOWMOE_CHECK(ptr != nullptr, Error, "allocation of ", size, " bytes failed");
+      stats_.num_raw_allocs++;
+      stats_.reserved_bytes += size;
     }
-    FLOWMOE_CHECK(ptr != nullptr, Error, "allocation of ", size, " bytes failed");
-    stats_.num_raw_allocs++;
-    stats_.reserved_bytes += size;
+    live_blocks_[ptr] = size;
+    if (open_pool_) pool_of_[ptr] = open_pool_;
   }
-  live_blocks_[ptr] = size;
-  if (open_pool_) pool_of_[ptr] = open_pool_;
   stats_.live_bytes += size;
   if (stats_.live_bytes > stats_.peak_bytes) stats_.peak_bytes = stats_.live_bytes;
   return ptr;
 }
 
-void CachingAllocator::release(void* ptr) {
+// A block the compute stream freed during this branch, of the open pool (or none), by the same best fit.
+// It stays in live_blocks_ while in compute_free_ (it has not returned to a pool).
+void* CachingAllocator::take_compute_free(size_t size) {
+  for (auto it = compute_free_.lower_bound(size); it != compute_free_.end() && it->first <= size + size / 8; ++it) {
+    auto pool = pool_of_.find(it->second);
+    if ((pool == pool_of_.end() ? 0 : pool->second) != open_pool_) continue;
+    void* ptr = it->second;
+    compute_free_.erase(it);
+    return ptr;
+  }
+  return nullptr;
+}
+
+void CachingAllocator::release(void* ptr, bool on_side) {
   if (!ptr) return;
   std::lock_guard<std::mutex> lock(mu_);
-  FLOWMOE_CHECK(live_blocks_.count(ptr), Error, "release of a pointer this allocator did not hand out");
-  if (holding_) {
-    held_.push_back(ptr);
+  auto it = live_blocks_.find(ptr);
+  FLOWMOE_CHECK(it != live_blocks_.end(), Error, "release of a pointer this allocator did not hand out");
+  if (holding_ && on_side) {
+    held_.push_back(ptr);  // still counted live
     return;
   }
-  release_locked(ptr);
+  stats_.live_bytes -= it->second;
+  if (holding_) {
+    compute_free_.emplace(it->second, ptr);
+    return;
+  }
+  const size_t size = it->second;
+  live_blocks_.erase(it);
+  return_to_pool(ptr, size);
+}
+
+void CachingAllocator::return_to_pool(void* ptr, size_t size) {
+  auto pool = pool_of_.find(ptr);
+  (pool != pool_of_.end() ? pool_free_[pool->second] : free_blocks_).emplace(size, ptr);
 }
 
 void CachingAllocator::hold_releases() {
@@ -79,16 +109,18 @@ void CachingAllocator::hold_releases() {
 void CachingAllocator::release_held() {
   std::lock_guard<std::mutex> lock(mu_);
   holding_ = false;
-  for (void* ptr : held_) release_locked(ptr);
+  for (void* ptr : held_) {
+    const size_t size = live_blocks_.at(ptr);
+    stats_.live_bytes -= size;
+    live_blocks_.erase(ptr);
+    return_to_pool(ptr, size);
+  }
   held_.clear();
-}
-
-void CachingAllocator::release_locked(void* ptr) {
-  auto it = live_blocks_.find(ptr);
-  stats_.live_bytes -= it->second;
-  auto pool = pool_of_.find(ptr);
-  (pool != pool_of_.end() ? pool_free_[pool->second] : free_blocks_).emplace(it->second, ptr);
-  live_blocks_.erase(it);
+  for (auto& [size, ptr] : compute_free_) {
+    live_blocks_.erase(ptr);
+    return_to_pool(ptr, size);
+  }
+  compute_free_.clear();
 }
 
 int CachingAllocator::open_pool() {
@@ -173,7 +205,7 @@ CachingAllocator& cuda_allocator(int device) {
 }  // namespace
 
 void* device_allocate(size_t nbytes, Device device) {
-  if (device.is_cuda()) return cuda_allocator(device.index).allocate(nbytes);
+  if (device.is_cuda()) return cuda_allocator(device.index).allocate(nbytes, cuda_using_side_stream());
   if (nbytes == 0) return nullptr;
   size_t size = (nbytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, size);
@@ -191,7 +223,7 @@ void* device_allocate(size_t nbytes, Device device) {
 
 void device_release(void* ptr, Device device) {
   if (!ptr) return;
-  if (device.is_cuda()) return cuda_allocator(device.index).release(ptr);
+  if (device.is_cuda()) return cuda_allocator(device.index).release(ptr, cuda_using_side_stream());
   auto& h = host();
   {
     std::lock_guard<std::mutex> lock(h.mu);

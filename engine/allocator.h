@@ -4,7 +4,8 @@
 // handed out again, so a training step does not call cudaMalloc/cudaFree. Engine work runs on one
 // stream per device (kernels/common/device_api.h), so a freed block may be reused at once: any later use is
 // ordered after the last kernel that touched it. The exception is a side branch (engine/side_stream.h):
-// while one is open, freed blocks are held back, since the other stream may not have passed them yet.
+// while one is open, a block freed by the side stream's work is held back, and one freed by the compute
+// stream's goes back to the compute stream alone, since the other stream may not have passed it yet.
 #pragma once
 #include <cstddef>
 #include <functional>
@@ -35,8 +36,10 @@ class CachingAllocator {
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
-  void* allocate(size_t nbytes);  // nbytes may be 0: returns nullptr
-  void release(void* ptr);
+  // nbytes may be 0: returns nullptr. on_side: for (or freed by) the side stream's work, which matters
+  // only while releases are held.
+  void* allocate(size_t nbytes, bool on_side = false);
+  void release(void* ptr, bool on_side = false);
   void empty_cache();  // returns every cached block to the device
   MemoryStats stats() const;
   void reset_peak();
@@ -50,8 +53,12 @@ class CachingAllocator {
   void close_pool();
   void release_pool(int pool);
 
-  // While held, freed blocks stay out of the pools and count as live (the peak includes them);
-  // release_held gives them back once both streams are past them.
+  // Between a side branch's fork and its join (engine/side_stream.h). A block the side stream's work
+  // frees stays out of every pool and counts as live (the peak includes it): the compute stream may
+  // not reuse it while the side stream may still read it. A block the compute stream's work frees may
+  // serve the compute stream's next allocations at once (its stream order covers them), but not the
+  // side stream's, which would not wait for its last use. The side stream allocates only blocks free
+  // before the fork. release_held returns both kinds to the pools once both streams are past them.
   void hold_releases();
   void release_held();
 
@@ -66,10 +73,12 @@ class CachingAllocator {
   std::map<void*, int> pool_of_;                           // block -> its private pool
   std::map<int, std::multimap<size_t, void*>> pool_free_;  // pool -> its free blocks
   bool holding_ = false;
-  std::vector<void*> held_;  // freed while holding, in release order
+  std::vector<void*> held_;                    // freed by the side stream while holding
+  std::multimap<size_t, void*> compute_free_;  // freed by the compute stream while holding: its own
   MemoryStats stats_;
   void empty_cache_locked();
-  void release_locked(void* ptr);
+  void* take_compute_free(size_t size);
+  void return_to_pool(void* ptr, size_t size);
 };
 
 // Allocation entry points used by Storage. CPU memory is 64-byte aligned and not cached.

@@ -179,7 +179,9 @@ namespace {
 // walk first meets one), the others on the compute stream. A gradient one stream produced and the other
 // reads is ordered first: the compute stream joins the branch before it reads a slot or leaf gradient the
 // side stream wrote, and the side stream waits for the compute stream before it adds into one the compute
-// stream wrote. A walk that starts inside a side node (a checkpoint's recompute there) stays on it.
+// stream wrote. What a side node reads (its incoming gradients, its saved tensors) stays referenced until
+// the join, so that no block the side stream may still read is freed and handed to the compute stream
+// (engine/allocator.h). A walk that starts inside a side node (a checkpoint's recompute there) stays on it.
 class SideSchedule {
  public:
   SideSchedule() : nested_(in_side_branch()) {}
@@ -187,17 +189,25 @@ class SideSchedule {
     if (nested_) return;
     use_side_branch(false);
     try {
-      if (forked_) join_side_branch(device_);
+      if (forked_) join();
     } catch (...) {  // unwinding from an error already thrown: that one is the report
     }
   }
-  void before_run(const Node& n) {
+  void before_run(const Node& n, const std::vector<Tensor>& d_out) {
     if (nested_) return;
     if (n.on_side != on_side_) {
       if (n.on_side) fork_side_branch(n.device), device_ = n.device, forked_ = true;
       use_side_branch(on_side_ = n.on_side);
     }
+    if (on_side_) kept_.insert(kept_.end(), d_out.begin(), d_out.end());
     if (!on_side_ && fed_.count(&n)) join();
+  }
+  // Releases n's saved tensors now, or at the join for a side node.
+  void release(const std::shared_ptr<Node>& n) {
+    if (on_side_ && !nested_)
+      released_at_join_.push_back(n);
+    else
+      n->release();
   }
   // Before a gradient goes into `target` (a node's slot or a leaf), which already holds one if `defined`.
   void before_accumulate(const void* target, bool defined) {
@@ -214,10 +224,15 @@ class SideSchedule {
   void join() {
     join_side_branch(device_);
     fed_.clear();
+    for (const auto& n : released_at_join_) n->release();
+    released_at_join_.clear();
+    kept_.clear();
   }
   bool nested_, on_side_ = false, forked_ = false;
   Device device_;
   std::unordered_set<const void*> fed_;  // slots and leaves holding a gradient the side stream wrote
+  std::vector<std::shared_ptr<Node>> released_at_join_;
+  std::vector<Tensor> kept_;  // the side nodes' incoming gradients
 };
 
 }  // namespace
@@ -280,14 +295,14 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
   while (!ready.empty()) {
     std::shared_ptr<Node> n = ready.back();
     ready.pop_back();
-    side.before_run(*n);
     std::vector<Tensor> d_out = std::move(grads[n.get()]);
     grads.erase(n.get());
     d_out.resize(n->out_shapes.size());
+    side.before_run(*n, d_out);
     for (size_t i = 0; i < d_out.size(); ++i)  // outputs nobody used get zero cotangents
       if (!d_out[i].defined()) d_out[i] = Tensor::zeros(n->out_shapes[i], n->out_dtypes[i], n->device);
     std::vector<Tensor> d_in = n->backward(std::move(d_out));
-    if (!retain_graph) n->release();
+    if (!retain_graph) side.release(n);
     FLOWMOE_CHECK(d_in.size() == n->next.size(), Error, n->name(), ": vjp returned ", d_in.size(), " gradients for ",
                   n->next.size(), " inputs");
     for (size_t i = 0; i < d_in.size(); ++i) {

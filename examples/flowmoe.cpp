@@ -437,6 +437,11 @@ int run_and_leave_together(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Several processes: CUDA loads every kernel when the process starts, not at its first launch. A lazy
+  // load waits for the GPU's queue to drain, so a kernel first launched (a cuBLASLt GEMM for a new
+  // shape, say) while an NCCL kernel waits for a peer would wait for that peer, and the peer may be
+  // waiting for this process's next collective: a hang. A value the user set is kept.
+  if (launch_world_size() > 1) setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   std::vector<char*> args(argv, argv + argc);
   const bool debug = debug_requested(args);
   args.push_back(nullptr);  // argv's terminator

@@ -16,20 +16,29 @@
 using namespace flowmoe;
 using namespace flowmoe::test;
 
-TEST(CachingAllocator, HeldReleasesReturnOnlyWhenReleased) {
+// While a branch is open: a block the side stream frees is held (counted live) until the join; one the
+// compute stream frees serves the compute stream again at once, never the side stream.
+TEST(CachingAllocator, HeldReleasesFollowTheStreamThatFreedThem) {
   CachingAllocator a([](size_t n) { return std::malloc(n); }, [](void* p) { std::free(p); });
-  void* p1 = a.allocate(1000);
+  void* side = a.allocate(1000, /*on_side=*/true);
+  void* compute = a.allocate(1000);
   a.hold_releases();
-  a.release(p1);
-  EXPECT_EQ(a.stats().live_bytes, 1024u) << "a held block still counts as live";
-  void* p2 = a.allocate(1000);
-  EXPECT_NE(p2, p1) << "a held block was handed out again";
+  a.release(side, /*on_side=*/true);
+  a.release(compute);
+  EXPECT_EQ(a.stats().live_bytes, 1024u) << "the side stream's block still counts as live, the compute one not";
+  void* s2 = a.allocate(1000, /*on_side=*/true);
+  EXPECT_NE(s2, side);
+  EXPECT_NE(s2, compute) << "the side stream took a block the compute stream freed during the branch";
+  void* c2 = a.allocate(1000);
+  EXPECT_EQ(c2, compute) << "the compute stream's own freed block serves it again";
+  void* c3 = a.allocate(1000);
+  EXPECT_NE(c3, side) << "a held block was handed out";
+  a.release(c2);
   a.release_held();
-  EXPECT_EQ(a.stats().live_bytes, 1024u);
-  void* p3 = a.allocate(1000);
-  EXPECT_EQ(p3, p1) << "a released held block returns to the pool";
-  a.release(p2);
-  a.release(p3);
+  EXPECT_EQ(a.stats().live_bytes, 2048u);  // s2 and c3
+  void* again = a.allocate(1000);
+  EXPECT_TRUE(again == side || again == compute) << "the held blocks return to the pool at the join";
+  for (void* p : {s2, c3, again}) a.release(p);
   EXPECT_EQ(a.stats().live_bytes, 0u);
 }
 
@@ -80,9 +89,9 @@ TEST(SideBranch, TheBackwardRunsTheBranchsNodesOnItsStream) {
     y.backward(Tensor::full({3}, 1.0, DType::f32, Device::cpu()));
     EXPECT_FALSE(in_side_branch());
     EXPECT_FALSE(side_branch_open(Device::cpu())) << "the backward joins the branch it forked";
-    const std::vector<std::pair<std::string, bool>> want = {
-        {"side", enabled}, {"side2", enabled}, {"main", false}, {"d side2", enabled}, {"d side", enabled},
-        {"d main", false}};
+    const std::vector<std::pair<std::string, bool>> want = {{"side", enabled},   {"side2", enabled},
+                                                            {"main", false},     {"d side2", enabled},
+                                                            {"d side", enabled}, {"d main", false}};
     EXPECT_EQ(g_log, want);
     EXPECT_EQ(x.grad().to_doubles(), std::vector<double>(3, 6.0));
   }
