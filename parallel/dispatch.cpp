@@ -71,7 +71,10 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
     d.rows = moved[0];
     d.probs = moved[1];
     d.tokens_per_expert = plan->device_tokens_per_expert;
-    d.counts = gemm_counts(plan->device_padded_tokens_per_expert, d.rows, o.fp8_experts);
+    // Never read on a GPU (the layer's GEMMs there are bf16 or FP8, and both take device counts); the
+    // CPU's are host memory, read without a sync.
+    const Tensor& padded = plan->device_padded_tokens_per_expert;
+    d.counts = padded.device().is_cuda() ? ExpertCounts{{}, padded} : gemm_counts(padded, d.rows, o.fp8_experts);
     d.plan = std::move(plan);
     return d;
   }

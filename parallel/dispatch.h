@@ -43,9 +43,8 @@ struct Dispatched {
   Variable rows;   // [R, H] this rank's experts' copies in the tokens' dtype (FP8 keeps its scales attached)
   Variable probs;  // [R] the probs moved with the rows (0 on pad rows); undefined when none were given
   // The expert GEMMs' M, [L] padded to align_size, where they read them: on the rows' device where the
-  // counts are there and the GEMMs can read them (one rank with device_counts, zero_sync), else on the
-  // host (one rank: read once; a sync exchange: its plan's, already read; zero_sync on a GPU with bf16
-  // GEMMs that cannot take device counts: read once).
+  // counts are there and the GEMMs can read them (one rank with device_counts; zero_sync on a GPU,
+  // always), else on the host (one rank: read once; a sync exchange: its plan's, already read).
   ExpertCounts counts;
   // [L] i32, the real copies: on the rows' device with one rank and with zero_sync; on the host after a
   // sync exchange, where the plan holds them (an upload would wait for the stream, a second host sync).
