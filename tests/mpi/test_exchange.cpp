@@ -380,8 +380,8 @@ TEST(Exchange, MoeLayerMatchesOneProcessCuda) {
 // Every check above through nccl, each rank on its own GPU: ctest's test_comm_np2 and test_comm_np4
 // run it on a machine with as many GPUs (one GPU, or one rank: skipped).
 // auto takes zero_sync only where the exchange writes into the peers' memory from the device (nccl,
-// every rank reachable) and with 2 ranks, where it was measured faster; the mpi backend never does.
-TEST(Exchange, AutoTakesZeroSyncOnlyWithDevicePutsOnTwoRanks) {
+// every rank reachable) and with 2 or 4 ranks, where it was measured; the mpi backend never does.
+TEST(Exchange, AutoTakesZeroSyncOnlyWithDevicePuts) {
   Communicator& world = *test_runtime().world;
   EXPECT_FALSE(world.device_puts());
   const bool several = world.size() > 1;
