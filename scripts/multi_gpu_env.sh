@@ -26,3 +26,29 @@ skip_below_two_gpus() {
 config_value() {
   awk -v section="$2:" -v key="  $3:" '$0 == section {t=1} t && index($0, key) == 1 {print $2; exit}' <<<"$1"
 }
+
+# run_watched LOG LIMIT_S STALL_S COMMAND...: runs COMMAND, its output to LOG, under a time limit of
+# LIMIT_S, and ends it sooner when LOG has not grown for STALL_S seconds: a run that stalls says so at
+# once, with the last line it printed, instead of using up the limit. Returns COMMAND's status, 124 at
+# the time limit, 125 for a stall.
+run_watched() {
+  local log=$1 limit=$2 stall=$3
+  shift 3
+  timeout -k 15 "$limit" "$@" >"$log" 2>&1 &
+  local pid=$! size=-1 still=0 now last
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    now=$(stat -c %s "$log" 2>/dev/null || echo 0)
+    if [ "$now" = "$size" ]; then still=$((still + 1)); else still=0 size=$now; fi
+    if [ "$still" -ge "$stall" ]; then
+      last=$(tail -1 "$log")
+      kill -TERM "$pid" 2>/dev/null  # timeout passes it on to the launcher, which ends its ranks
+      for _ in $(seq 15); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+      kill -KILL "$pid" 2>/dev/null
+      wait "$pid" 2>/dev/null
+      echo "stalled: no output for $stall s after: $last" >>"$log"
+      return 125
+    fi
+  done
+  wait "$pid"
+}

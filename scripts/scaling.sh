@@ -10,7 +10,8 @@
 #   scripts/scaling.sh BUILD_DIR OUT_DIR
 #   CONFIGS (default "gpu_moe gpu_moe_wide"), RECIPES ("bf16 fp8_flow"), SIZES (2, 4, 8: those the GPUs
 #   allow), MODES ("dp ep_sync ep_zero_sync epdp dp_serial"), STEPS (30), PROFILE_STEP (STEPS - 5),
-#   BACKEND (nccl), EXTRA_SETS (more --set arguments for every run: "--set train.device=cpu" with
+#   BACKEND (nccl), RUN_LIMIT_S (400: each run's time limit), STALL_S (120: a run that prints nothing for
+#   that long is ended and reported as stalled), EXTRA_SETS (more --set arguments for every run: "--set train.device=cpu" with
 #   BACKEND=mpi and a CPU config tries the script itself on a host without GPUs, GPUS=2 standing in
 #   for the count)
 # Per run:
@@ -45,11 +46,11 @@ run() {
              --set checkpoint.every=0 --set checkpoint.final=false --set logging.progress=plain
              --set logging.log_every=10 --set precision.recipe="$recipe" ${EXTRA_SETS:-} "$@")
   if [ "$np" -eq 1 ]; then
-    timeout -k 15 400 "${cmd[@]}" >"$out/$name.log" 2>&1
+    run_watched "$out/$name.log" "${RUN_LIMIT_S:-400}" "${STALL_S:-120}" "${cmd[@]}"
   else
-    timeout -k 15 400 mpirun --oversubscribe --bind-to none -np "$np" "${cmd[@]}" \
-      --set parallel.backend="${BACKEND:-nccl}" \
-      --set parallel.expert_parallel_size="$ep" >"$out/$name.log" 2>&1
+    run_watched "$out/$name.log" "${RUN_LIMIT_S:-400}" "${STALL_S:-120}" \
+      mpirun --oversubscribe --bind-to none -np "$np" "${cmd[@]}" --set parallel.backend="${BACKEND:-nccl}" \
+      --set parallel.expert_parallel_size="$ep"
   fi
   local rc=$?
   # A rank that outlived its launcher's time limit would hold its GPU's memory through the next run.
@@ -92,7 +93,11 @@ for config_name in ${CONFIGS:-gpu_moe gpu_moe_wide}; do
     name="${config_name}_${recipe}_1gpu"
     base=0
     run "$name" 1 1 && report "$name" 1 "one GPU" && base=$(cat "$out/$name/tps.txt")
-    [ "$base" != 0 ] || { echo "scaling $config_name $recipe 1 GPU: FAILED (see $name.log)"; rc=1; continue; }
+    [ "$base" != 0 ] || {
+      echo "scaling $config_name $recipe 1 GPU: FAILED ($(tail -1 "$out/$name.log" | cut -c1-160); see $name.log)"
+      rc=1
+      continue
+    }
     for n in "${sizes[@]}"; do
       for mode in ${MODES:-dp ep_sync ep_zero_sync epdp dp_unsharded dp_serial}; do
         case $mode in
@@ -110,7 +115,7 @@ for config_name in ${CONFIGS:-gpu_moe gpu_moe_wide}; do
         if run "$name" "$n" "$ep" --set train.batch_size=$((batch * n)) "${extra[@]}"; then
           report "$name" "$n" "$layout" || { echo "scaling $name: no metrics"; rc=1; }
         else
-          echo "scaling $config_name $recipe $n GPUs $layout: FAILED (see $name.log)"; rc=1
+          echo "scaling $config_name $recipe $n GPUs $layout: FAILED ($(tail -1 "$out/$name.log" | cut -c1-160); see $name.log)"; rc=1
         fi
       done
     done
