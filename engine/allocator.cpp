@@ -23,6 +23,9 @@ CachingAllocator::~CachingAllocator() {
 }
 
 // Small requests round to 512 B, large ones to 1 MiB, so blocks of near sizes are interchangeable.
+// The best-fit rule: a cached block serves a request if it wastes at most 1/8 of it.
+static bool fits(size_t block, size_t size) { return block >= size && block <= size + size / 8; }
+
 size_t CachingAllocator::round_size(size_t nbytes) {
   const size_t small = 512, large = size_t(1) << 20;
   size_t q = nbytes < large ? small : large;
@@ -41,7 +44,7 @@ void* CachingAllocator::allocate(size_t nbytes, bool on_side) {
     // Best fit among cached blocks (the open pool's alone, if one is), wasting at most 1/8 of the request.
     auto& blocks = open_pool_ ? pool_free_[open_pool_] : free_blocks_;
     auto it = blocks.lower_bound(size);
-    if (it != blocks.end() && it->first <= size + size / 8) {
+    if (it != blocks.end() && fits(it->first, size)) {
       size = it->first;
       ptr = it->second;
       blocks.erase(it);
@@ -67,7 +70,7 @@ void* CachingAllocator::allocate(size_t nbytes, bool on_side) {
 // A block the compute stream freed during this branch, of the open pool (or none), by the same best fit.
 // It stays in live_blocks_ while in compute_free_ (it has not returned to a pool).
 void* CachingAllocator::take_compute_free(size_t size) {
-  for (auto it = compute_free_.lower_bound(size); it != compute_free_.end() && it->first <= size + size / 8; ++it) {
+  for (auto it = compute_free_.lower_bound(size); it != compute_free_.end() && fits(it->first, size); ++it) {
     auto pool = pool_of_.find(it->second);
     if ((pool == pool_of_.end() ? 0 : pool->second) != open_pool_) continue;
     void* ptr = it->second;

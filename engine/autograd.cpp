@@ -204,7 +204,7 @@ class SideSchedule {
   }
   // Releases n's saved tensors now, or at the join for a side node.
   void release(const std::shared_ptr<Node>& n) {
-    if (on_side_ && !nested_)
+    if (on_side_)  // never in a nested walk
       released_at_join_.push_back(n);
     else
       n->release();

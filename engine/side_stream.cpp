@@ -2,8 +2,8 @@
 // the allocator's held releases between a fork and its join.
 #include "engine/side_stream.h"
 
-#include <map>
 #include <mutex>
+#include <set>
 
 #include "engine/allocator.h"
 #include "kernels/common/device_api.h"
@@ -12,12 +12,10 @@ namespace flowmoe {
 
 namespace {
 
-thread_local bool t_in_side = false;
-
-// Per device (the CPU as index -1): a branch forked and not yet joined.
+// The devices (the CPU as index -1) with a branch forked and not yet joined.
 std::mutex g_mu;
-std::map<int, bool>& open_branches() {
-  static auto* open = new std::map<int, bool>;  // leaked: tensors freed after static destructors may ask
+std::set<int>& open_branches() {
+  static auto* open = new std::set<int>;  // leaked: tensors freed after static destructors may ask
   return *open;
 }
 
@@ -25,25 +23,19 @@ int key(Device device) { return device.is_cuda() ? device.index : -1; }
 
 }  // namespace
 
-bool in_side_branch() { return t_in_side; }
-
-void use_side_branch(bool on) {
-  t_in_side = on;
-  cuda_use_side_stream(on);
-}
+// The thread's flag is the device API's, which current_stream and the allocator read.
+bool in_side_branch() { return cuda_using_side_stream(); }
+void use_side_branch(bool on) { cuda_use_side_stream(on); }
 
 bool side_branch_open(Device device) {
   std::lock_guard<std::mutex> lock(g_mu);
-  auto it = open_branches().find(key(device));
-  return it != open_branches().end() && it->second;
+  return open_branches().count(key(device)) > 0;
 }
 
 void fork_side_branch(Device device) {
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    bool& open = open_branches()[key(device)];
-    if (!open) hold_memory_releases(device);
-    open = true;
+    if (open_branches().insert(key(device)).second) hold_memory_releases(device);
   }
   if (device.is_cuda()) cuda_stream_wait(device.index, /*side_waits=*/true);
 }
@@ -51,9 +43,7 @@ void fork_side_branch(Device device) {
 void join_side_branch(Device device) {
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    bool& open = open_branches()[key(device)];
-    if (!open) return;
-    open = false;
+    if (open_branches().erase(key(device)) == 0) return;
   }
   if (device.is_cuda()) cuda_stream_wait(device.index, /*side_waits=*/false);
   // Every later compute-stream op is ordered after both streams' work so far; a later fork makes the

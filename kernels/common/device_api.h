@@ -21,8 +21,9 @@ int cuda_current_device();
 cudaStream_t current_stream(int device);  // the engine's compute stream on that device (or its side stream)
 // A second engine stream per device, for a branch of work that runs beside the compute stream (the shared
 // experts beside the exchange: engine/side_stream.h). While this thread has it on, current_stream returns
-// the side stream. cuda_stream_wait orders the two: the side stream waits for what the compute stream has
-// been given so far (side_waits), or the compute stream for the side stream's. No host sync.
+// the side stream (a build without CUDA keeps the flag alone). cuda_stream_wait orders the two: the side stream waits
+// for what the compute stream has been given so far (side_waits), or the compute stream for the side stream's. No host
+// sync.
 void cuda_use_side_stream(bool on);
 bool cuda_using_side_stream();
 void cuda_stream_wait(int device, bool side_waits);

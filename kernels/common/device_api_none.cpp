@@ -14,8 +14,10 @@ bool cuda_available() { return false; }
 void cuda_set_device(int) { no_cuda("cuda_set_device"); }
 int cuda_current_device() { no_cuda("cuda_current_device"); }
 cudaStream_t current_stream(int) { no_cuda("current_stream"); }
-void cuda_use_side_stream(bool) {}
-bool cuda_using_side_stream() { return false; }
+// No side stream here, but the flag is kept: autograd tags the ops of a side branch on the CPU too.
+static thread_local bool t_on_side = false;
+void cuda_use_side_stream(bool on) { t_on_side = on; }
+bool cuda_using_side_stream() { return t_on_side; }
 void cuda_stream_wait(int, bool) { no_cuda("cuda_stream_wait"); }
 void cuda_synchronize(int) { no_cuda("cuda_synchronize"); }
 TimingEvent cuda_record_timing_event(int) { no_cuda("cuda_record_timing_event"); }
