@@ -1,9 +1,11 @@
 // The small MoE model configs that the MoE layer tests (tests/test_moe_layer.cpp,
-// tests/test_moe_fp8.cpp) build their layers from.
+// tests/test_moe_fp8.cpp and others) build their layers from, and one forward + backward of such a layer.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "layers/model_config.h"
+#include "layers/moe.h"
 
 namespace flowmoe::test {
 
@@ -22,6 +24,26 @@ inline ModelConfig moe_test_config(int64_t E, int64_t k, int64_t H, int64_t F, i
   c.n_shared_experts = shared;
   c.initializer_range = init_std;
   return c;
+}
+
+// A layer's output, input gradient and parameter gradients (in ParamFactory order), on the CPU, y and dx
+// in f32 (exact for bf16 values).
+struct LayerRun {
+  Tensor y, dx;
+  std::vector<Tensor> grads;
+};
+
+// One forward + backward of a fresh layer (the same seed gives the same weights) on `device`.
+inline LayerRun run_layer(const ModelConfig& c, const MoeOptions& o, const Tensor& x, const Tensor& dy, Device device,
+                          DType compute, uint64_t seed = 11) {
+  ParamFactory f(seed, device);
+  MoeLayer layer(f, c, "mlp", o, device);
+  Variable xv(x.to(device).to(compute), true);
+  Variable y = layer.forward(xv, compute);
+  y.backward(dy.to(device).to(compute));
+  LayerRun r{y.data().to(Device::cpu()).to(DType::f32), xv.grad().to(Device::cpu()).to(DType::f32), {}};
+  for (const Variable& p : f.params()) r.grads.push_back(p.grad().to(Device::cpu()));
+  return r;
 }
 
 }  // namespace flowmoe::test

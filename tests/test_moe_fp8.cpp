@@ -40,24 +40,6 @@ MoeOptions options(MoeRecipe recipe, bool recompute = false, int align = 16) {
 
 const MoeRecipe kFp8Recipes[] = {MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow};
 
-struct LayerRun {
-  Tensor y, dx;
-  std::vector<Tensor> grads;
-};
-
-// One forward + backward of a fresh layer (same seed => same weights) on `device`.
-LayerRun run_layer(const ModelConfig& c, const MoeOptions& o, const Tensor& x, const Tensor& dy, Device device,
-                   DType compute) {
-  ParamFactory f(11, device);
-  MoeLayer layer(f, c, "mlp", o, device);
-  Variable xv(x.to(device).to(compute), true);
-  Variable y = layer.forward(xv, compute);
-  y.backward(dy.to(device).to(compute));
-  LayerRun r{y.data().to(Device::cpu()).to(DType::f32), xv.grad().to(Device::cpu()).to(DType::f32), {}};
-  for (const Variable& p : f.params()) r.grads.push_back(p.grad().to(Device::cpu()));
-  return r;
-}
-
 }  // namespace
 
 // FP8 against the f32 layer on the CPU: same routing (the router runs in fp32 on the same x), so

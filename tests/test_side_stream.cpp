@@ -129,21 +129,16 @@ TEST(SideBranchCuda, MoeLayerWithSharedExpertOverlapEqualsOneStream) {
         MoeOptions o(16);
         o.recipe = recipe;
         o.shared_expert_overlap = overlap;
-        ParamFactory f(7, Device::cuda());
-        MoeLayer layer(f, c, "mlp", o, Device::cuda());
-        Variable xv(x, true);
-        Variable y = layer.forward(xv, DType::bf16);
-        y.backward(dy);
-        std::vector<Tensor> out = {y.data(), xv.grad()};
-        for (const Variable& p : f.params()) out.push_back(p.grad());
-        return out;
+        return run_layer(c, o, x, dy, Device::cuda(), DType::bf16, 7);
       };
-      const std::vector<Tensor> one = run(false), two = run(true);
+      const LayerRun one = run(false), two = run(true);
       EXPECT_FALSE(side_branch_open(Device::cuda()));
-      ASSERT_EQ(one.size(), two.size());
-      for (size_t i = 0; i < one.size(); ++i) {
-        if (!one[i].defined() && !two[i].defined()) continue;
-        EXPECT_TRUE(bit_equal(two[i], one[i])) << "tensor " << i;
+      EXPECT_TRUE(bit_equal(two.y, one.y)) << "y";
+      EXPECT_TRUE(bit_equal(two.dx, one.dx)) << "dx";
+      ASSERT_EQ(one.grads.size(), two.grads.size());
+      for (size_t i = 0; i < one.grads.size(); ++i) {
+        if (!one.grads[i].defined() && !two.grads[i].defined()) continue;
+        EXPECT_TRUE(bit_equal(two.grads[i], one.grads[i])) << "gradient " << i;
       }
     }
 }
