@@ -1,10 +1,15 @@
 #include "engine/autograd.h"
 
+#include <algorithm>
+#include <atomic>
+#include <queue>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
 // Above autograd, but kept: gradients are summed by tensor_add, the add primitive, on their device.
+#include "engine/comm_lane.h"
 #include "engine/ops/ops.h"
 #include "engine/profiler.h"
 #include "engine/side_stream.h"
@@ -86,7 +91,6 @@ struct PrimitiveNode : Node {
   std::shared_ptr<Primitive> prim;
   std::vector<Tensor> saved_inputs, saved_outputs;
   std::vector<bool> needs_grad;
-  std::string scope;  // the profiler's scope when the op was recorded (kept only while profiling)
   bool released = false;
   std::string name() const override { return prim->name(); }
   std::vector<Tensor> backward(std::vector<Tensor> d_outputs) override {
@@ -114,6 +118,18 @@ static Edge edge_of(const Variable& v) {
   else
     e.fn = v.impl()->grad_fn, e.output_nr = v.impl()->output_nr;
   return e;
+}
+
+static thread_local bool g_backward_first = false;
+BackwardFirstGuard::BackwardFirstGuard() : prev_(g_backward_first) { g_backward_first = true; }
+BackwardFirstGuard::~BackwardFirstGuard() { g_backward_first = prev_; }
+
+// Where a node sits in the walk's order (Node::sequence, backward_first).
+static void mark_order(Node& node, bool backward_first) {
+  static std::atomic<uint64_t> next_sequence{0};
+  node.sequence = ++next_sequence;
+  node.backward_first = backward_first || g_backward_first;
+  node.on_side = in_side_branch();
 }
 
 static std::vector<Variable> wrap_outputs(const std::vector<Tensor>& outs, const std::shared_ptr<Node>& node) {
@@ -156,7 +172,7 @@ std::vector<Variable> apply(std::shared_ptr<Primitive> p, const std::vector<Vari
   if (p->saves_inputs()) node->saved_inputs = in;
   if (p->saves_outputs()) node->saved_outputs = outs;
   if (profiling()) node->scope = profile_scope();
-  node->on_side = in_side_branch();
+  mark_order(*node, p->backward_first());
   for (const Tensor& t : in)
     if (t.defined()) {
       node->device = t.device();
@@ -182,18 +198,30 @@ namespace {
 // stream wrote. What a side node reads (its incoming gradients, its saved tensors) stays referenced until
 // the join, so that no block the side stream may still read is freed and handed to the compute stream
 // (engine/allocator.h). A walk that starts inside a side node (a checkpoint's recompute there) stays on it.
-class SideSchedule {
+// The comm lane (engine/comm_lane.h): a node whose vjp issued onto it leaves its gradients to be waited for;
+// the compute stream waits for that issue (and no later one) before a node reads them or a sum adds them.
+class StreamSchedule {
  public:
-  SideSchedule() : nested_(in_side_branch()) {}
-  ~SideSchedule() {
+  StreamSchedule() : nested_(in_side_branch()) {}
+  ~StreamSchedule() {
+    try {
+      if (lane_used_) comm_lane_join(lane_device_);
+    } catch (...) {  // unwinding from an error already thrown: that one is the report
+    }
     if (nested_) return;
     use_side_branch(false);
     try {
       if (forked_) join();
-    } catch (...) {  // unwinding from an error already thrown: that one is the report
+    } catch (...) {
     }
   }
   void before_run(const Node& n, const std::vector<Tensor>& d_out) {
+    auto lane = lane_fed_.find(&n);
+    if (lane != lane_fed_.end()) {
+      comm_lane_wait(lane_device_, lane->second, &n.scope);
+      lane_fed_.erase(lane);
+    }
+    issued_before_ = comm_lane_last_ticket(n.device);
     if (nested_) return;
     if (n.on_side != on_side_) {
       if (n.on_side) fork_side_branch(n.device), device_ = n.device, forked_ = true;
@@ -202,15 +230,23 @@ class SideSchedule {
     if (on_side_) kept_.insert(kept_.end(), d_out.begin(), d_out.end());
     if (!on_side_ && fed_.count(&n)) join();
   }
+  // After n's vjp: whether it issued onto the comm lane, whose gradients are then waited for where read.
+  void after_run(const Node& n) {
+    const uint64_t last = comm_lane_last_ticket(n.device);
+    ticket_ = last != issued_before_ ? last : 0;
+    if (ticket_) lane_used_ = true, lane_device_ = n.device;
+    scope_ = &n.scope;
+  }
   // Releases n's saved tensors now, or at the join for a side node.
   void release(const std::shared_ptr<Node>& n) {
-    if (on_side_)  // never in a nested walk
+    if (on_side_ && !nested_)
       released_at_join_.push_back(n);
     else
       n->release();
   }
   // Before a gradient goes into `target` (a node's slot or a leaf), which already holds one if `defined`.
-  void before_accumulate(const void* target, bool defined) {
+  void before_accumulate(const void* target, bool defined, bool leaf) {
+    before_accumulate_lane(target, defined, leaf);
     if (nested_) return;
     if (on_side_) {
       if (defined) wait_for_other_stream(device_);
@@ -221,6 +257,15 @@ class SideSchedule {
   }
 
  private:
+  // A sum reads both addends, and a leaf's gradient is read by hooks at once: both wait for the lane.
+  void before_accumulate_lane(const void* target, bool defined, bool leaf) {
+    auto it = lane_fed_.find(target);
+    const uint64_t held = it != lane_fed_.end() ? it->second : 0;
+    const uint64_t need = defined || leaf ? std::max(ticket_, held) : 0;
+    if (need) comm_lane_wait(lane_device_, need, scope_);
+    if (need && held) lane_fed_.erase(it);
+    if (ticket_ && !need) lane_fed_[target] = ticket_;
+  }
   void join() {
     join_side_branch(device_);
     fed_.clear();
@@ -233,6 +278,18 @@ class SideSchedule {
   std::unordered_set<const void*> fed_;  // slots and leaves holding a gradient the side stream wrote
   std::vector<std::shared_ptr<Node>> released_at_join_;
   std::vector<Tensor> kept_;  // the side nodes' incoming gradients
+  bool lane_used_ = false;
+  Device lane_device_;
+  uint64_t issued_before_ = 0, ticket_ = 0;             // the running node's comm-lane issue, 0: none
+  const std::string* scope_ = nullptr;                  // the running node's, for the profiler's timing of a wait
+  std::unordered_map<const void*, uint64_t> lane_fed_;  // slots holding a gradient the comm lane writes
+};
+
+// The walk's order of ready nodes: backward_first ones first, then the one recorded last.
+struct WalkOrder {
+  bool operator()(const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) const {
+    return std::tie(a->backward_first, a->sequence) < std::tie(b->backward_first, b->sequence);
+  }
 };
 
 }  // namespace
@@ -287,22 +344,23 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
     }
   }
 
-  SideSchedule side;
-  std::vector<std::shared_ptr<Node>> ready;
+  StreamSchedule streams;
+  std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, WalkOrder> ready;
   std::unordered_set<Node*> queued;
   for (auto& r : roots)
-    if (deps[r.get()] == 0 && queued.insert(r.get()).second) ready.push_back(r);
+    if (deps[r.get()] == 0 && queued.insert(r.get()).second) ready.push(r);
   while (!ready.empty()) {
-    std::shared_ptr<Node> n = ready.back();
-    ready.pop_back();
+    std::shared_ptr<Node> n = ready.top();
+    ready.pop();
     std::vector<Tensor> d_out = std::move(grads[n.get()]);
     grads.erase(n.get());
     d_out.resize(n->out_shapes.size());
-    side.before_run(*n, d_out);
+    streams.before_run(*n, d_out);
     for (size_t i = 0; i < d_out.size(); ++i)  // outputs nobody used get zero cotangents
       if (!d_out[i].defined()) d_out[i] = Tensor::zeros(n->out_shapes[i], n->out_dtypes[i], n->device);
     std::vector<Tensor> d_in = n->backward(std::move(d_out));
-    if (!retain_graph) side.release(n);
+    streams.after_run(*n);
+    if (!retain_graph) streams.release(n);
     FLOWMOE_CHECK(d_in.size() == n->next.size(), Error, n->name(), ": vjp returned ", d_in.size(), " gradients for ",
                   n->next.size(), " inputs");
     for (size_t i = 0; i < d_in.size(); ++i) {
@@ -311,7 +369,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
         // A leaf's first gradient is copied unless nothing else refers to it: vjps may hand the same
         // tensor to several inputs, and optimizers may change .grad() in place. A fresh result (an
         // expert weight's wgrad) is taken as is, saving a full copy of it.
-        if (d_in[i].defined()) side.before_accumulate(e.leaf.get(), e.leaf->grad.defined());
+        if (d_in[i].defined()) streams.before_accumulate(e.leaf.get(), e.leaf->grad.defined(), true);
         if (!e.leaf->grad.defined() && d_in[i].defined())
           e.leaf->grad = d_in[i].is_sole_owner() ? std::move(d_in[i]) : d_in[i].clone();
         else
@@ -320,9 +378,9 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
       } else if (e.fn) {
         auto& slot = grads[e.fn.get()];
         slot.resize(e.fn->out_shapes.size());
-        if (d_in[i].defined()) side.before_accumulate(e.fn.get(), slot[size_t(e.output_nr)].defined());
+        if (d_in[i].defined()) streams.before_accumulate(e.fn.get(), slot[size_t(e.output_nr)].defined(), false);
         accumulate(slot[size_t(e.output_nr)], d_in[i]);
-        if (--deps[e.fn.get()] == 0) ready.push_back(e.fn);
+        if (--deps[e.fn.get()] == 0) ready.push(e.fn);
       }
     }
   }
@@ -343,8 +401,7 @@ void Variable::backward(const Tensor& d, bool retain_graph) const {
 struct CheckpointNode : Node {
   CheckpointFn fn;
   std::vector<Tensor> saved_inputs;
-  std::vector<bool> input_requires_grad;
-  std::string scope;  // the profiler's scope of the forward, for the recompute's ops
+  std::vector<bool> input_requires_grad;  // the recompute's ops take the forward's scope (Node::scope)
   bool released = false;
   std::string name() const override { return "checkpoint"; }
   std::vector<Tensor> backward(std::vector<Tensor> d_outputs) override {
@@ -383,7 +440,7 @@ std::vector<Variable> checkpoint(CheckpointFn fn, const std::vector<Variable>& i
   auto node = std::make_shared<CheckpointNode>();
   node->fn = std::move(fn);
   if (profiling()) node->scope = profile_scope();
-  node->on_side = in_side_branch();
+  mark_order(*node, false);
   for (const Variable& v : inputs) {
     node->next.push_back(edge_of(v));
     node->saved_inputs.push_back(v.defined() ? v.data() : Tensor());

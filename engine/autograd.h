@@ -2,8 +2,9 @@
 //
 // Ops are Primitives in the MLX style: eval_cpu, eval_gpu and vjp. apply() runs a primitive on the
 // inputs' device and, when gradients are wanted, records a Node that keeps only what the primitive
-// says its vjp needs. Variable::backward() walks the graph in topological order, adds up gradients
-// where a value is used twice, and accumulates into leaf .grad(). checkpoint() drops a subgraph's
+// says its vjp needs. Variable::backward() walks the graph in topological order (of the ready nodes, the one
+// recorded last first, as the forward's reverse; nodes marked backward_first before the others), adds up
+// gradients where a value is used twice, and accumulates into leaf .grad(). checkpoint() drops a subgraph's
 // activations in forward and re-runs it in backward (the base of `recompute: [moe_expert]`).
 #pragma once
 #include <functional>
@@ -35,6 +36,9 @@ class Primitive {
   // forward's, a GEMM's dgrad and wgrad. Either may be asked with no inputs (a vjp that saves none).
   virtual double flops(const std::vector<Tensor>& inputs) const { return 0; }
   virtual double vjp_flops(const std::vector<Tensor>& inputs) const { return 2 * flops(inputs); }
+  // Whether the backward walk runs this op's vjp as soon as it is ready, before the nodes recorded after it
+  // (an exchange on the comm lane, engine/comm_lane.h, whose transfer then overlaps them).
+  virtual bool backward_first() const { return false; }
 };
 
 // A primitive that computes another op's gradient (e.g. rmsnorm_backward): run through eval() so
@@ -172,6 +176,23 @@ struct Node {
   std::vector<DType> out_dtypes;
   Device device;
   bool on_side = false;  // recorded in a side branch (engine/side_stream.h): its backward runs there too
+  std::string scope;     // the profiler's scope when the node was recorded (kept only while profiling)
+  // The walk's order among ready nodes: backward_first ones first, then the later recorded (higher sequence).
+  bool backward_first = false;
+  uint64_t sequence = 0;
+};
+
+// Nodes recorded while one lives are walked as soon as they are ready (a side branch's, engine/side_stream.h,
+// whether or not its stream is on, so that the order and so the sums do not depend on it).
+class BackwardFirstGuard {
+ public:
+  BackwardFirstGuard();
+  ~BackwardFirstGuard();
+  BackwardFirstGuard(const BackwardFirstGuard&) = delete;
+  BackwardFirstGuard& operator=(const BackwardFirstGuard&) = delete;
+
+ private:
+  bool prev_;
 };
 
 // Runs a primitive and records it. Outputs of integer dtype never require grad.

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "engine/allocator.h"
+#include "engine/autograd.h"
 #include "kernels/common/device_api.h"
 
 namespace flowmoe {
@@ -56,7 +57,8 @@ void wait_for_other_stream(Device device) {
   cuda_stream_wait(device.index, /*side_waits=*/in_side_branch());
 }
 
-SideBranch::SideBranch(Device device, bool enabled) : enabled_(enabled), prev_(in_side_branch()) {
+SideBranch::SideBranch(Device device, bool enabled)
+    : enabled_(enabled), prev_(in_side_branch()), first_(std::make_unique<BackwardFirstGuard>()) {
   if (!enabled_) return;
   fork_side_branch(device);
   use_side_branch(true);

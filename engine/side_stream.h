@@ -3,7 +3,8 @@
 // and backward (parallel.shared_expert_overlap; DESIGN.md §4 draws the streams).
 //   SideBranch scope(device): the ops issued while it lives go to the side stream, which first waits for
 //     what the compute stream has been given so far (a fork). Autograd tags the nodes recorded in the
-//     scope, and the backward walk runs them on the side stream too (engine/autograd.cpp).
+//     scope, and the backward walk runs them on the side stream too (engine/autograd.cpp), as soon as they
+//     are ready (BackwardFirstGuard, also when the branch is not enabled: the same order either way).
 //   join_side_branch(device): the compute stream waits for the side stream; call it before the first
 //     compute-stream op that reads the branch's results.
 // From the first fork to the join, freed memory is held back (engine/allocator.h): the caching allocator
@@ -11,9 +12,13 @@
 // On the CPU there is one stream and only the tagging happens, so the schedule is testable there.
 // Tests: tests/test_side_stream.cpp (CPU and, where a GPU is present, bit-for-bit against one stream).
 #pragma once
+#include <memory>
+
 #include "engine/device.h"
 
 namespace flowmoe {
+
+class BackwardFirstGuard;
 
 class SideBranch {
  public:
@@ -25,6 +30,7 @@ class SideBranch {
 
  private:
   bool enabled_, prev_;
+  std::unique_ptr<BackwardFirstGuard> first_;
 };
 
 // Whether this thread's ops now go to a side branch.

@@ -198,10 +198,11 @@ void router_backward(State& s, const Printer& out) {
 }
 
 void dx_sum(State& s, const Printer& out) {
-  // The order in which the engine's graph walk reaches x's three uses (its ready list is a stack: the
-  // router's branch, pushed last by permute's vjp, runs before the quantize's).
-  s.dx = tensor_add(tensor_add(s.dx_shared, s.dx_router), s.x_quant.grad());
-  out.line("math   dx = (dx_shared + dx_router) + dx_routed: x has three uses, and autograd adds their");
+  // The order in which the engine's graph walk reaches x's three uses: the shared experts first (a side
+  // branch's nodes go as soon as they are ready), then the ready node recorded last, the quantize before
+  // the router.
+  s.dx = tensor_add(tensor_add(s.dx_shared, s.x_quant.grad()), s.dx_router);
+  out.line("math   dx = (dx_shared + dx_routed) + dx_router: x has three uses, and autograd adds their");
   out.line("       gradients in the order its graph walk reaches them (float addition is not associative)");
   out.line("code   engine/autograd.cpp::backward (accumulate)");
   out.line("out    dx %s, dx[0,0:4] = %s", dims(s.dx).c_str(), values(s.dx, 0).c_str());

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "engine/comm_lane.h"
 #include "engine/ops/fp8_grouped_linear.h"
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/swiglu_quant.h"
@@ -73,6 +74,13 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
   // Collective where auto asks the group whether its GPUs reach each other's memory: every rank builds
   // its layers in the same order.
   zero_sync_ = ep_size > 1 && resolve_ep_dispatch(options.ep_dispatch, options.expert_parallel.get());
+  FLOWMOE_CHECK(options.exchange_chunks >= 1, ConfigError, "parallel.exchange_chunks: ", options.exchange_chunks,
+                " must be at least 1");
+  // Chunks overlap a zero-sync exchange; a sync one reads counts to the host per chunk, which would stall the
+  // stream the overlap needs, and one rank exchanges nothing.
+  num_chunks_ = zero_sync_ ? options.exchange_chunks : 1;
+  // Process-wide, as the streams are: every MoE layer of a run asks the same.
+  if (num_chunks_ > 1 && device.is_cuda()) cuda_set_comm_sms(options.exchange_sms);
   const double out_std = cfg.initializer_range / std::sqrt(2.0 * double(cfg.num_hidden_layers));
   gate_ = f.normal(prefix + ".gate.weight", {E, H}, cfg.initializer_range);
   fc1_ = f.expert_normal(prefix + ".experts.fc1.weight", {E, 2 * F, H}, cfg.initializer_range, expert_offset_,
@@ -87,7 +95,8 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
 
 // Forward, top-down (DESIGN.md §2). The recipe is read once, into flow_ (moe_flow).
 //
-// Backward, in order (each step is the vjp of the op named, in the file named):
+// Backward, in order (each step is the vjp of the op named, in the file named; the walk takes the forward's
+// reverse, except that the shared experts and chunked exchanges go as soon as they are ready):
 //   6. + shared experts  engine/ops/elementwise.cpp  Binary::vjp: dy to both branches
 //   0. shared experts    layers/mlp.cpp (linear, swiglu vjps), on the side stream with shared_expert_overlap,
 //                        issued first and running beside 5 to 1; their dx joins the router's at x
@@ -102,10 +111,12 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
 //               fc1      engine/ops/fp8_grouped_linear.cpp (grouped_linear.cpp) ::vjp
 //   3. dispatch          parallel/exchange.cpp       Exchange::vjp (several ranks): d_rows, d_probs home
 //                        engine/ops/permute.cpp      PermutePad::vjp: d_x[t] = Σ_j d_rows[row_map[t,j]]
+//   2. quantize          engine/ops/quantize.cpp     QuantizeRowwise::vjp: straight through, into x
 //   1. router            engine/ops/router.cpp       RouterTopk::vjp: through the normalized
 //                                                    sigmoid scores into the gate weight and x (ready
 //                                                    once dispatch has returned d_probs)
-//   2. quantize          engine/ops/quantize.cpp     QuantizeRowwise::vjp: straight through, into x
+// With exchange_chunks, 5 to 3 run per chunk, the last chunk first; each chunk's exchanges are issued as
+// soon as they are ready, so they travel beside the other chunk's experts (routed_in_chunks).
 // (tests/test_moe_fp8.cpp checks this order against the ops the backward runs.)
 // The backward reads nothing to the host: the GEMMs and exchanges reuse the forward's counts.
 Variable MoeLayer::forward(const Variable& x, DType compute) const {
@@ -135,18 +146,24 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   //    them: the expert GEMMs run in one launch each on the device counts, and in the FP8 recipes the
   //    wgrad operands' colwise layouts (transpose or re-quantize) follow the same counts into worst-case
   //    sized scales. A sync exchange reads them to the host once, sizing the transfers and the GEMMs.
+  //    With exchange_chunks, steps 3-5 run per token chunk, their exchanges beside the compute (routed_in_chunks).
   Variable topk_prob = r.topk_prob;
   if (x2.device().is_cpu() && topk_prob.dtype() != x2.dtype()) topk_prob = cast(topk_prob, x2.dtype());
-  Dispatched d =
-      dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), dispatch_options(tokens.size(0)));
+  Variable y;
+  if (num_chunks_ > 1 && grad_enabled()) {
+    y = routed_in_chunks(tokens, r.topk_idx, topk_prob);
+  } else {
+    Dispatched d =
+        dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), dispatch_options(tokens.size(0)));
 
-  // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2, on the counts dispatch left where they read them.
-  Variable out_rows = experts(d.rows, d.probs, d.counts);
+    // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2, on the counts dispatch left where they read them.
+    Variable out_rows = experts(d.rows, d.probs, d.counts);
 
-  // 5. Combine: the rows return to their tokens' rank, and each token sums its k expert rows (× prob
-  //    unless SwiGLU applied it): unpermute+unpad.
-  Variable y = combine(out_rows, d, flow_.probs_in_experts ? Variable() : topk_prob,
-                       flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is);  // [T, H]
+    // 5. Combine: the rows return to their tokens' rank, and each token sums its k expert rows (× prob
+    //    unless SwiGLU applied it): unpermute+unpad.
+    y = combine(out_rows, d, flow_.probs_in_experts ? Variable() : topk_prob,
+                flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is);  // [T, H]
+  }
 
   // 6. + the shared experts' output, once the side stream has finished it.
   if (shared_) {
@@ -155,6 +172,41 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   }
   return reshape(y, in_shape);
 }
+// Steps 3-5 over token chunks (parallel.exchange_chunks), issued so that each exchange, on the comm lane
+// (engine/comm_lane.h), has another chunk's work beside it on the compute stream:
+//   every chunk permuted and dispatched    (chunk c's rows travel while c+1 is permuted)
+//   per chunk: its rows waited for, experts, rows returned (c's return travels beside c+1's experts)
+//   every return waited for; each chunk unpermuted; the chunks stacked.
+// The backward walk runs each exchange's vjp as soon as it is ready (backward_first) and waits for it only
+// where its gradient is read, so the same overlap holds there. Every rank's chunks have ceil(T / C) tokens
+// for its buffers (training batches have one shape on every rank).
+Variable MoeLayer::routed_in_chunks(const Variable& tokens, const Tensor& topk_idx, const Variable& topk_prob) const {
+  const Device device = tokens.device();
+  const int num_chunks = num_chunks_;
+  const std::vector<int64_t> bounds = even_row_bounds(tokens.size(0), num_chunks);
+  const bool probs_in = flow_.probs_in_experts;
+  CommLaneScope lane(true, options_.exchange_comm_stream);
+  const std::vector<Variable> chunk_tokens = split_rows(tokens, bounds), chunk_probs = split_rows(topk_prob, bounds);
+  std::vector<Dispatched> d(static_cast<size_t>(num_chunks));
+  std::vector<uint64_t> arrived(d.size());
+  for (size_t c = 0; c < d.size(); ++c) {
+    d[c] = dispatch(chunk_tokens[c], topk_idx.slice(0, bounds[c], bounds[c + 1]),
+                    probs_in ? chunk_probs[c] : Variable(), dispatch_options(bounds[1]));
+    arrived[c] = comm_lane_last_ticket(device);
+  }
+  std::vector<Variable> returned(d.size());
+  for (size_t c = 0; c < d.size(); ++c) {
+    comm_lane_wait(device, arrived[c]);
+    returned[c] = combine_return(experts(d[c].rows, d[c].probs, d[c].counts), d[c]);
+  }
+  comm_lane_join(device);
+  std::vector<Variable> y;
+  for (size_t c = 0; c < d.size(); ++c)
+    y.push_back(combine_unpermute(returned[c], d[c], probs_in ? Variable() : chunk_probs[c],
+                                  flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is));
+  return concat_rows(y);
+}
+
 RouterOutput MoeLayer::route_tokens(const Variable& x2, const Shape& in_shape) const {
   RouterConfig rc = router_;
   if (in_shape.size() == 3) rc.seq_len = int(in_shape[1]);

@@ -42,6 +42,14 @@ struct MoeOptions {
   // parallel.shared_expert_overlap: the shared experts run on a side stream (engine/side_stream.h) beside
   // router → dispatch → experts → combine, forward and backward, and join before their sum.
   bool shared_expert_overlap = false;
+  // parallel.exchange_chunks: a training forward over the zero-sync exchange splits its tokens into this many
+  // chunks, each dispatched and combined on its own, issued so that one chunk's exchange runs on the comm
+  // stream (engine/comm_lane.h) beside another chunk's experts. 1: the layer's tokens at once.
+  int exchange_chunks = 1;
+  // false: the chunks' exchanges stay on the compute stream, in the same order (the overlap's reference).
+  bool exchange_comm_stream = true;
+  // parallel.exchange_sms: with chunks on a GPU, the SMs the grouped GEMMs leave to the exchange kernels.
+  int exchange_sms = 16;
   // The expert-parallel group (parallel/process_group.h): its rank r holds experts
   // [r·E/n, (r+1)·E/n) and tokens travel to them through dispatch and combine. Null or one rank: every
   // expert is local.
@@ -105,6 +113,7 @@ class MoeLayer {
   };
   RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
   Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& counts) const;
+  Variable routed_in_chunks(const Variable& tokens, const Tensor& topk_idx, const Variable& topk_prob) const;
   const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   DispatchOptions dispatch_options(int64_t num_tokens) const;
 
@@ -114,6 +123,7 @@ class MoeLayer {
   MoeOptions options_;
   MoeFlow flow_;
   bool zero_sync_ = false;  // options_.ep_dispatch resolved for this layer's group (training forwards)
+  int num_chunks_ = 1;      // options_.exchange_chunks where the exchange is zero_sync, else 1
   mutable WeightCache fc1_cache_, fc2_cache_;
   double bias_update_rate_;
   BiasUpdateRule bias_update_rule_;

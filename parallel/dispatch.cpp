@@ -119,12 +119,20 @@ bool resolve_ep_dispatch(EpDispatch mode, Communicator* group) {
   return (group->size() == 2 || group->size() == 4) && group->device_puts();
 }
 
-Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob, CombineGrad grad) {
+Variable combine_return(const Variable& rows, const Dispatched& from) {
   FLOWMOE_CHECK(rows.data().dim() == 2 && rows.size(0) == from.rows.size(0), ShapeError, "combine: rows ",
                 rows.data().describe(), " must be [", from.rows.size(0), ", H] (the dispatched rows)");
-  Variable sorted = from.plan ? exchange(rows, Variable(), from.plan, ExchangeDirection::to_tokens)[0] : rows;
+  return from.plan ? exchange(rows, Variable(), from.plan, ExchangeDirection::to_tokens)[0] : rows;
+}
+
+Variable combine_unpermute(const Variable& sorted, const Dispatched& from, const Variable& topk_prob,
+                           CombineGrad grad) {
   Variable y = unpermute_unpad(sorted, from.routing, topk_prob);
   return grad == CombineGrad::fp8 ? apply(std::make_shared<CombineGradToFp8>(), {y})[0] : y;
+}
+
+Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob, CombineGrad grad) {
+  return combine_unpermute(combine_return(rows, from), from, topk_prob, grad);
 }
 
 }  // namespace flowmoe

@@ -83,5 +83,10 @@ enum class CombineGrad { as_is, fp8 };
 // weights, or undefined when the experts applied them (fp8_flow). Several ranks: moves the rows back and
 // unpermutes them where the tokens live.
 Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob, CombineGrad grad);
+// combine's two steps, for a layer that returns every chunk's rows before it unpermutes any (layers/moe.cpp):
+// the rows back to the tokens' rank in the sender's sorted layout (as they are on one rank), then
+// unpermute+unpad there.
+Variable combine_return(const Variable& rows, const Dispatched& from);
+Variable combine_unpermute(const Variable& sorted, const Dispatched& from, const Variable& topk_prob, CombineGrad grad);
 
 }  // namespace flowmoe

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "engine/comm_lane.h"
 #include "kernels/common/device_api.h"
 #include "kernels/ep_layout.h"
 
@@ -158,8 +159,9 @@ Tensor move_rows(const Tensor& src, const ExchangePlan& p, ExchangeDirection dir
   return dst;
 }
 
-// Rows (with their FP8 scales) and probs along the plan.
-std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, ExchangeDirection dir) {
+// Rows (with their FP8 scales) and probs along the plan; on_lane: a device plan's puts go to the comm lane
+// (engine/comm_lane.h), keeping what they read and write, the plan's tables included, until it is waited for.
+std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, ExchangeDirection dir, bool on_lane) {
   const Tensor& rows = in[0];
   FLOWMOE_CHECK(
       rows.dim() == 2 && rows.size(0) == (dir == ExchangeDirection::to_experts ? p.num_sorted_rows : p.num_padded_rows),
@@ -174,7 +176,15 @@ std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, E
   if (in[1].defined()) tensors.push_back({in[1].contiguous(), Tensor(), 0.0});
   if (p.on_device) {
     for (auto& t : tensors) t.recv = Tensor::empty(moved_shape(t.send, p, dir), t.send.dtype(), t.send.device());
-    put_rows_on_device(tensors, p, dir);
+    if (on_lane) {
+      std::vector<Tensor> keep = {p.to_experts_table, p.to_tokens_table, p.device_segment_starts,
+                                  p.device_tokens_per_expert};
+      for (const auto& t : tensors) keep.push_back(t.send), keep.push_back(t.recv);
+      CommIssue issue(rows.device(), std::move(keep));
+      put_rows_on_device(tensors, p, dir);
+    } else {
+      put_rows_on_device(tensors, p, dir);
+    }
   } else {
     for (auto& t : tensors) t.recv = move_rows(t.send, p, dir, t.pad_value);
   }
@@ -186,9 +196,16 @@ std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, E
 // Inputs: [rows, probs (or undefined)]. Outputs: the same, moved. Linear, so its vjp is the move back.
 class Exchange : public SharedBodyPrimitive<Primitive> {
  public:
-  Exchange(std::shared_ptr<const ExchangePlan> plan, ExchangeDirection dir) : plan_(std::move(plan)), dir_(dir) {}
+  // On the comm lane when one is on (forward and backward) and the plan is a device one whose puts need no
+  // host (the CPU's run at once); walked first in backward either way, so the order is the same everywhere.
+  Exchange(std::shared_ptr<const ExchangePlan> plan, ExchangeDirection dir)
+      : plan_(std::move(plan)),
+        dir_(dir),
+        backward_first_(comm_lane_on()),
+        on_lane_(backward_first_ && plan_->on_device) {}
   const char* name() const override { return "exchange"; }
   bool saves_inputs() const override { return false; }
+  bool backward_first() const override { return backward_first_; }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
@@ -199,7 +216,7 @@ class Exchange : public SharedBodyPrimitive<Primitive> {
     FLOWMOE_CHECK(d_out[0].defined(), Error, "exchange backward: the moved rows received no gradient");
     Tensor d_probs =
         has_probs_ ? (d_out[1].defined() ? d_out[1] : Tensor::zeros(probs_shape_, probs_dtype_, device_)) : Tensor();
-    std::vector<Tensor> g = move({d_out[0], d_probs}, *plan_, back);
+    std::vector<Tensor> g = move({d_out[0], d_probs}, *plan_, back, lane());
     return {needs[0] ? g[0] : Tensor(), has_probs_ && needs[1] ? g[1] : Tensor()};
   }
 
@@ -207,14 +224,18 @@ class Exchange : public SharedBodyPrimitive<Primitive> {
   std::vector<Tensor> run(const std::vector<Tensor>& in, bool) override {
     has_probs_ = in[1].defined();
     device_ = in[0].device();
-    std::vector<Tensor> out = move(in, *plan_, dir_);
+    std::vector<Tensor> out = move(in, *plan_, dir_, lane());
     if (has_probs_) probs_shape_ = out[1].shape(), probs_dtype_ = out[1].dtype();
     return out;
   }
 
  private:
+  // A GPU's puts go to the lane where they need no host (device puts); the CPU's count their tickets.
+  bool lane() const { return on_lane_ && (device_.is_cpu() || plan_->comm->device_puts()); }
+
   std::shared_ptr<const ExchangePlan> plan_;
   ExchangeDirection dir_;
+  bool backward_first_, on_lane_;
   bool has_probs_ = false;
   Shape probs_shape_;
   DType probs_dtype_ = DType::f32;

@@ -243,9 +243,9 @@ TEST(MoeFp8, BackwardRunsInTheOrderTheLayersCommentLists) {
       {"UnpermuteUnpad::vjp", "unpermute_unpad"},
       {"fp8_grouped_linear.cpp", "fp8_grouped_linear"},  // 4. fc2 (fc1's calls come after SwiGLU's)
       {"SwigluQuant::vjp", "swiglu_quant"},
-      {"PermutePad::vjp", "permute_pad"},             // 3. dispatch
-      {"RouterTopk::vjp", "router_topk"},             // 1. router
-      {"QuantizeRowwise::vjp", "quantize_rowwise"}};  // 2. quantize
+      {"PermutePad::vjp", "permute_pad"},            // 3. dispatch
+      {"QuantizeRowwise::vjp", "quantize_rowwise"},  // 2. quantize
+      {"RouterTopk::vjp", "router_topk"}};           // 1. router
   std::ifstream in(std::string(FLOWMOE_SOURCE_DIR) + "/layers/moe.cpp");
   const std::string source((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const size_t begin = source.find("// Backward, in order");

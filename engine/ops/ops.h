@@ -57,4 +57,12 @@ Variable mean(const Variable& x);  // over all elements -> shape {}; mean of not
 // ---- views (no copy when contiguous; gradient reshapes back) ---------------------------------
 Variable reshape(const Variable& x, const Shape& shape);
 
+// ---- row chunks: engine/ops/rows.cpp (views one way, one copy the other) ----------------------
+// x [N, ...] -> x[bounds[i], bounds[i+1]) for each i (bounds from 0 to N, not decreasing); FP8 rows keep the
+// rows of their rowwise scales. concat_rows stacks [n_i, ...] tensors of one dtype into [Σ n_i, ...].
+std::vector<Variable> split_rows(const Variable& x, const std::vector<int64_t>& bounds);
+Variable concat_rows(const std::vector<Variable>& xs);
+// num_chunks + 1 bounds over rows: chunks of ceil(rows / num_chunks), the last ones shorter or empty.
+std::vector<int64_t> even_row_bounds(int64_t rows, int num_chunks);
+
 }  // namespace flowmoe

@@ -1,6 +1,7 @@
 // CUDA runtime services for the host-side engine (see kernels/common/device_api.h).
 #include "kernels/common/device_api.h"
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -47,7 +48,7 @@ int cuda_current_device() {
 namespace {
 
 struct EngineStreams {
-  cudaStream_t compute = nullptr, side = nullptr;
+  cudaStream_t compute = nullptr, side = nullptr, comm = nullptr;
   cudaEvent_t compute_mark = nullptr, side_mark = nullptr;  // re-recorded for each wait
 };
 
@@ -68,6 +69,9 @@ EngineStreams& engine_streams(int device) {
     FLOWMOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     FLOWMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&s.compute, cudaStreamNonBlocking, greatest));
     FLOWMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&s.side, cudaStreamNonBlocking, least));
+    // The comm stream's kernels are short and on the critical path (the next chunk's experts wait for them):
+    // their blocks go first onto SMs the compute stream frees.
+    FLOWMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&s.comm, cudaStreamNonBlocking, greatest));
     FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.compute_mark, cudaEventDisableTiming));
     FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.side_mark, cudaEventDisableTiming));
     FLOWMOE_CUDA_CHECK(cudaSetDevice(prev));
@@ -75,13 +79,14 @@ EngineStreams& engine_streams(int device) {
   return s;
 }
 
-thread_local bool t_on_side = false;
+thread_local bool t_on_side = false, t_on_comm = false;
+std::atomic<int> g_comm_sms{0};
 
 }  // namespace
 
 cudaStream_t current_stream(int device) {
   const EngineStreams& s = engine_streams(device);
-  return t_on_side ? s.side : s.compute;
+  return t_on_comm ? s.comm : t_on_side ? s.side : s.compute;
 }
 
 void cuda_use_side_stream(bool on) { t_on_side = on; }
@@ -93,6 +98,36 @@ void cuda_stream_wait(int device, bool side_waits) {
   FLOWMOE_CUDA_CHECK(cudaEventRecord(mark, side_waits ? s.compute : s.side));
   FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(side_waits ? s.side : s.compute, mark, 0));
 }
+
+void cuda_use_comm_stream(bool on) { t_on_comm = on; }
+bool cuda_using_comm_stream() { return t_on_comm; }
+
+void cuda_comm_waits_compute(int device) {
+  EngineStreams& s = engine_streams(device);
+  FLOWMOE_CUDA_CHECK(cudaEventRecord(s.compute_mark, s.compute));
+  FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(s.comm, s.compute_mark, 0));
+}
+
+StreamEvent cuda_create_stream_event() {
+  cudaEvent_t e = nullptr;
+  FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+void cuda_destroy_stream_event(StreamEvent event) {
+  if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
+void cuda_record_comm_event(int device, StreamEvent event) {
+  FLOWMOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), engine_streams(device).comm));
+}
+
+void cuda_compute_waits_event(int device, StreamEvent event) {
+  FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(engine_streams(device).compute, static_cast<cudaEvent_t>(event), 0));
+}
+
+void cuda_set_comm_sms(int num_sms) { g_comm_sms.store(num_sms < 0 ? 0 : num_sms); }
+int cuda_comm_sms() { return g_comm_sms.load(); }
 
 void cuda_synchronize(int device) { FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(current_stream(device))); }
 

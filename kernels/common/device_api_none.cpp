@@ -19,6 +19,17 @@ static thread_local bool t_on_side = false;
 void cuda_use_side_stream(bool on) { t_on_side = on; }
 bool cuda_using_side_stream() { return t_on_side; }
 void cuda_stream_wait(int, bool) { no_cuda("cuda_stream_wait"); }
+static thread_local bool t_on_comm = false;
+void cuda_use_comm_stream(bool on) { t_on_comm = on; }
+bool cuda_using_comm_stream() { return t_on_comm; }
+void cuda_comm_waits_compute(int) { no_cuda("cuda_comm_waits_compute"); }
+StreamEvent cuda_create_stream_event() { no_cuda("cuda_create_stream_event"); }
+void cuda_destroy_stream_event(StreamEvent) {}
+void cuda_record_comm_event(int, StreamEvent) { no_cuda("cuda_record_comm_event"); }
+void cuda_compute_waits_event(int, StreamEvent) { no_cuda("cuda_compute_waits_event"); }
+static int g_comm_sms = 0;
+void cuda_set_comm_sms(int num_sms) { g_comm_sms = num_sms; }
+int cuda_comm_sms() { return g_comm_sms; }
 void cuda_synchronize(int) { no_cuda("cuda_synchronize"); }
 TimingEvent cuda_record_timing_event(int) { no_cuda("cuda_record_timing_event"); }
 float cuda_elapsed_ms(TimingEvent, TimingEvent) { no_cuda("cuda_elapsed_ms"); }

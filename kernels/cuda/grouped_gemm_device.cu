@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 #include "kernels/cuda/grouped_gemm_kernels.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/fp8.h"
@@ -58,7 +59,9 @@ Call make_call(const int32_t* counts, int64_t num_experts, int64_t m_total, int6
                size_t workspace_bytes, cudaStream_t stream, size_t (*workspace_fn)(int64_t, int), const char* what) {
   Call c;
   FLOWMOE_CUDA_CHECK(cudaGetDevice(&c.device));
-  c.sm_count = sm_count();  // the persistent grid and CUTLASS's workspace scale with it
+  // The persistent grid, one CTA per SM, leaves the SMs reserved for communication kernels that run beside the
+  // GEMMs (an exchange on the comm stream: cuda_set_comm_sms); CUTLASS's workspace shrinks with it.
+  c.sm_count = std::max(1, sm_count() - cuda_comm_sms());
   const size_t need = workspace_fn(num_experts, c.sm_count);
   FLOWMOE_CHECK(workspace != nullptr && workspace_bytes >= need, Error, what, ": workspace of ", workspace_bytes,
                 " bytes", workspace ? "" : " (null)", ", needs ", need, " for E=", num_experts,

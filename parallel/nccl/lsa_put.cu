@@ -7,9 +7,11 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/common/cuda_check.h"
+#include "kernels/common/device_api.h"
 #include "parallel/nccl/lsa_put.h"
 #include "parallel/nccl/nccl_check.h"
 
@@ -225,7 +227,9 @@ class LsaPutImpl final : public LsaPut {
     const bool has_pad = pad.starts.defined();
     lsa_put_kernel<<<kCtas, kThreads, 0, stream>>>(dev_, window_, ts, out_table.data<int32_t>(), rank_, n, C);
     FLOWMOE_CUDA_CHECK_LAUNCH();
-    lsa_copy_out_kernel<<<copy_ctas_, kThreads, 0, stream>>>(
+    // Beside the GEMMs (cuda_set_comm_sms) the copy-out keeps to the SMs they leave: 4 CTAs of 512 threads each.
+    const int copy_ctas = cuda_comm_sms() > 0 ? std::min(copy_ctas_, 4 * cuda_comm_sms()) : copy_ctas_;
+    lsa_copy_out_kernel<<<copy_ctas, kThreads, 0, stream>>>(
         ts, static_cast<const char*>(buffer_), in_table.data<int32_t>(), rank_, C, int(in_table.numel() / 3),
         has_pad ? pad.starts.data<int32_t>() : nullptr, has_pad ? pad.covered.data<int32_t>() : nullptr,
         has_pad ? int(pad.covered.numel()) : 0);

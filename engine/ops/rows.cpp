@@ -1,0 +1,125 @@
+// Row chunks of a [N, ...] tensor and back: the MoE layer's token chunks (parallel.exchange_chunks,
+// layers/moe.cpp).
+//   split_rows(x, bounds): chunk i is x[bounds[i], bounds[i+1]) as a view; FP8 rows keep the rows of their
+//     rowwise 1x128 scales. vjp: the chunks' cotangents copied into one [N, ...] gradient (zero rows where a
+//     chunk got none).
+//   concat_rows(xs): one [Σ n_i, ...] tensor; vjp: row views of the cotangent.
+// Data movement through Tensor::slice and copy_, which run on the tensors' device: the CPU reference and the
+// GPU path are the same code. Tests: tests/test_rows.cpp (values, FP8 scales, empty chunks, a
+// finite-difference check; on a GPU, against the CPU).
+#include <algorithm>
+
+#include "engine/ops/ops.h"
+
+namespace flowmoe {
+
+namespace {
+
+void check_bounds(const std::vector<int64_t>& bounds, int64_t rows) {
+  FLOWMOE_CHECK(bounds.size() >= 2 && bounds.front() == 0 && bounds.back() == rows, ShapeError,
+                "split_rows: bounds must run from 0 to the ", rows, " rows");
+  for (size_t i = 1; i < bounds.size(); ++i)
+    FLOWMOE_CHECK(bounds[i - 1] <= bounds[i], ShapeError, "split_rows: bounds must not decrease (", bounds[i - 1],
+                  " then ", bounds[i], ")");
+}
+
+// Rows [begin, end) of x, with the same rows of rowwise FP8 scales.
+Tensor row_view(const Tensor& x, int64_t begin, int64_t end) {
+  Tensor v = x.slice(0, begin, end);
+  const auto& scales = x.fp8_scales();
+  if (!scales) return v;
+  FLOWMOE_CHECK(scales->mode == ScalingMode::rowwise_1x128, DTypeError,
+                "split_rows: FP8 rows must carry rowwise 1x128 scales, got ", scaling_mode_name(scales->mode));
+  return v.with_scales(scales->scale_inv.slice(0, begin, end), ScalingMode::rowwise_1x128);
+}
+
+// parts[i] into rows [bounds[i], bounds[i+1]) of a new tensor; undefined parts leave zero rows.
+Tensor join_rows(const std::vector<Tensor>& parts, const std::vector<int64_t>& bounds, const Shape& shape, DType dtype,
+                 Device device) {
+  bool all = true;
+  for (const Tensor& p : parts) all = all && p.defined();
+  Tensor out = all ? Tensor::empty(shape, dtype, device) : Tensor::zeros(shape, dtype, device);
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (parts[i].defined() && bounds[i + 1] > bounds[i]) out.slice(0, bounds[i], bounds[i + 1]).copy_(parts[i]);
+  return out;
+}
+
+class SplitRows : public Primitive {
+ public:
+  explicit SplitRows(std::vector<int64_t> bounds) : bounds_(std::move(bounds)) {}
+  const char* name() const override { return "split_rows"; }
+  bool saves_inputs() const override { return false; }
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    FLOWMOE_CHECK(in[0].dim() >= 1, ShapeError, "split_rows: x ", in[0].describe(), " has no rows");
+    check_bounds(bounds_, in[0].size(0));
+    shape_ = in[0].shape();
+    device_ = in[0].device();
+    std::vector<Tensor> out;
+    for (size_t i = 0; i + 1 < bounds_.size(); ++i) out.push_back(row_view(in[0], bounds_[i], bounds_[i + 1]));
+    return out;
+  }
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return eval_cpu(in); }
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>&) override {
+    DType dtype = DType::bf16;  // what the walk fills an FP8 output's missing cotangent with
+    for (const Tensor& d : d_out)
+      if (d.defined()) dtype = d.dtype();
+    return {join_rows(d_out, bounds_, shape_, dtype, device_)};
+  }
+
+ private:
+  std::vector<int64_t> bounds_;
+  Shape shape_;
+  Device device_;
+};
+
+class ConcatRows : public Primitive {
+ public:
+  const char* name() const override { return "concat_rows"; }
+  bool saves_inputs() const override { return false; }
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    FLOWMOE_CHECK(!in.empty() && in[0].dim() >= 1, ShapeError, "concat_rows: no tensors with rows");
+    bounds_ = {0};
+    Shape shape = in[0].shape();
+    for (const Tensor& t : in) {
+      Shape tail = t.shape();
+      tail[0] = shape[0];
+      FLOWMOE_CHECK(t.dim() == in[0].dim() && tail == shape && t.dtype() == in[0].dtype() && !t.fp8_scales(),
+                    ShapeError, "concat_rows: ", t.describe(), " does not stack under ", in[0].describe(),
+                    " (same trailing shape and dtype, no FP8 scales)");
+      bounds_.push_back(bounds_.back() + t.size(0));
+    }
+    shape[0] = bounds_.back();
+    return {join_rows(in, bounds_, shape, in[0].dtype(), in[0].device())};
+  }
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return eval_cpu(in); }
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>& needs) override {
+    std::vector<Tensor> d_in;
+    for (size_t i = 0; i + 1 < bounds_.size(); ++i)
+      d_in.push_back(needs[i] ? d_out[0].slice(0, bounds_[i], bounds_[i + 1]) : Tensor());
+    return d_in;
+  }
+
+ private:
+  std::vector<int64_t> bounds_;
+};
+
+}  // namespace
+
+std::vector<Variable> split_rows(const Variable& x, const std::vector<int64_t>& bounds) {
+  return flowmoe::apply(std::make_shared<SplitRows>(bounds), {x});
+}
+
+Variable concat_rows(const std::vector<Variable>& xs) { return flowmoe::apply(std::make_shared<ConcatRows>(), xs)[0]; }
+
+std::vector<int64_t> even_row_bounds(int64_t rows, int num_chunks) {
+  FLOWMOE_CHECK(rows >= 0 && num_chunks >= 1, ShapeError, "even_row_bounds: ", rows, " rows in ", num_chunks,
+                " chunks");
+  const int64_t per = (rows + num_chunks - 1) / num_chunks;
+  std::vector<int64_t> bounds = {0};
+  for (int i = 0; i < num_chunks; ++i) bounds.push_back(std::min(rows, bounds.back() + per));
+  return bounds;
+}
+
+}  // namespace flowmoe
