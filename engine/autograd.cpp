@@ -1,6 +1,5 @@
 #include "engine/autograd.h"
 
-#include <algorithm>
 #include <atomic>
 #include <queue>
 #include <tuple>
@@ -9,10 +8,10 @@
 #include <utility>
 
 // Above autograd, but kept: gradients are summed by tensor_add, the add primitive, on their device.
-#include "engine/comm_lane.h"
 #include "engine/ops/ops.h"
 #include "engine/profiler.h"
 #include "engine/side_stream.h"
+#include "engine/walk_streams.h"
 #include "kernels/common/device_api.h"
 
 namespace flowmoe {
@@ -190,100 +189,6 @@ LeafGradHookGuard::LeafGradHookGuard(LeafGradHook hook) : prev_(std::move(g_leaf
 LeafGradHookGuard::~LeafGradHookGuard() { g_leaf_hook = std::move(prev_); }
 
 namespace {
-
-// Where the walk runs each node: nodes recorded in a side branch on the side stream (forked when the
-// walk first meets one), the others on the compute stream. A gradient one stream produced and the other
-// reads is ordered first: the compute stream joins the branch before it reads a slot or leaf gradient the
-// side stream wrote, and the side stream waits for the compute stream before it adds into one the compute
-// stream wrote. What a side node reads (its incoming gradients, its saved tensors) stays referenced until
-// the join, so that no block the side stream may still read is freed and handed to the compute stream
-// (engine/allocator.h). A walk that starts inside a side node (a checkpoint's recompute there) stays on it.
-// The comm lane (engine/comm_lane.h): a node whose vjp issued onto it leaves its gradients to be waited for;
-// the compute stream waits for that issue (and no later one) before a node reads them or a sum adds them.
-class StreamSchedule {
- public:
-  StreamSchedule() : nested_(in_side_branch()) {}
-  ~StreamSchedule() {
-    try {
-      if (lane_used_) comm_lane_join(lane_device_);
-    } catch (...) {  // unwinding from an error already thrown: that one is the report
-    }
-    if (nested_) return;
-    use_side_branch(false);
-    try {
-      if (forked_) join();
-    } catch (...) {
-    }
-  }
-  void before_run(const Node& n, const std::vector<Tensor>& d_out) {
-    auto lane = lane_fed_.find(&n);
-    if (lane != lane_fed_.end()) {
-      comm_lane_wait(lane_device_, lane->second, &n.scope);
-      lane_fed_.erase(lane);
-    }
-    issued_before_ = comm_lane_last_ticket(n.device);
-    if (nested_) return;
-    if (n.on_side != on_side_) {
-      if (n.on_side) fork_side_branch(n.device), device_ = n.device, forked_ = true;
-      use_side_branch(on_side_ = n.on_side);
-    }
-    if (on_side_) kept_.insert(kept_.end(), d_out.begin(), d_out.end());
-    if (!on_side_ && fed_.count(&n)) join();
-  }
-  // After n's vjp: whether it issued onto the comm lane, whose gradients are then waited for where read.
-  void after_run(const Node& n) {
-    const uint64_t last = comm_lane_last_ticket(n.device);
-    ticket_ = last != issued_before_ ? last : 0;
-    if (ticket_) lane_used_ = true, lane_device_ = n.device;
-    scope_ = &n.scope;
-  }
-  // Releases n's saved tensors now, or at the join for a side node.
-  void release(const std::shared_ptr<Node>& n) {
-    if (on_side_ && !nested_)
-      released_at_join_.push_back(n);
-    else
-      n->release();
-  }
-  // Before a gradient goes into `target` (a node's slot or a leaf), which already holds one if `defined`.
-  void before_accumulate(const void* target, bool defined, bool leaf) {
-    before_accumulate_lane(target, defined, leaf);
-    if (nested_) return;
-    if (on_side_) {
-      if (defined) wait_for_other_stream(device_);
-      fed_.insert(target);
-    } else if (fed_.count(target)) {
-      join();
-    }
-  }
-
- private:
-  // A sum reads both addends, and a leaf's gradient is read by hooks at once: both wait for the lane.
-  void before_accumulate_lane(const void* target, bool defined, bool leaf) {
-    auto it = lane_fed_.find(target);
-    const uint64_t held = it != lane_fed_.end() ? it->second : 0;
-    const uint64_t need = defined || leaf ? std::max(ticket_, held) : 0;
-    if (need) comm_lane_wait(lane_device_, need, scope_);
-    if (need && held) lane_fed_.erase(it);
-    if (ticket_ && !need) lane_fed_[target] = ticket_;
-  }
-  void join() {
-    join_side_branch(device_);
-    fed_.clear();
-    for (const auto& n : released_at_join_) n->release();
-    released_at_join_.clear();
-    kept_.clear();
-  }
-  bool nested_, on_side_ = false, forked_ = false;
-  Device device_;
-  std::unordered_set<const void*> fed_;  // slots and leaves holding a gradient the side stream wrote
-  std::vector<std::shared_ptr<Node>> released_at_join_;
-  std::vector<Tensor> kept_;  // the side nodes' incoming gradients
-  bool lane_used_ = false;
-  Device lane_device_;
-  uint64_t issued_before_ = 0, ticket_ = 0;             // the running node's comm-lane issue, 0: none
-  const std::string* scope_ = nullptr;                  // the running node's, for the profiler's timing of a wait
-  std::unordered_map<const void*, uint64_t> lane_fed_;  // slots holding a gradient the comm lane writes
-};
 
 // The walk's order of ready nodes: backward_first ones first, then the one recorded last.
 struct WalkOrder {

@@ -172,6 +172,7 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   }
   return reshape(y, in_shape);
 }
+
 // Steps 3-5 over token chunks (parallel.exchange_chunks), issued so that each exchange, on the comm lane
 // (engine/comm_lane.h), has another chunk's work beside it on the compute stream:
 //   every chunk permuted and dispatched    (chunk c's rows travel while c+1 is permuted)
