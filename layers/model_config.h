@@ -18,7 +18,8 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   bool tie_word_embeddings = false;
   double initializer_range = 0.02;
-  // MoE (DeepSeek-V3 names). n_routed_experts = 0 builds a dense model; MoE layers come later.
+  // MoE (DeepSeek-V3 names). n_routed_experts = 0 builds a dense model; with experts, the layers from
+  // first_k_dense_replace on are MoE layers (layers/transformer.h).
   int64_t n_routed_experts = 0;
   int64_t n_shared_experts = 1;
   int64_t num_experts_per_tok = 2;

@@ -49,7 +49,7 @@ struct MoeOptions {
   // false: the chunks' exchanges stay on the compute stream, in the same order (the overlap's reference).
   bool exchange_comm_stream = true;
   // parallel.exchange_sms: with chunks on a GPU, the SMs the grouped GEMMs leave to the exchange kernels.
-  int exchange_sms = 16;
+  int exchange_sms = 0;
   // The expert-parallel group (parallel/process_group.h): its rank r holds experts
   // [r·E/n, (r+1)·E/n) and tokens travel to them through dispatch and combine. Null or one rank: every
   // expert is local.

@@ -109,10 +109,10 @@ for config_name in ${CONFIGS:-gpu_moe gpu_moe_wide}; do
           ep_zero_sync) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync) ;;
           ep_serial_shared) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync --set parallel.shared_expert_overlap=off) ;;
           epdp) [ "$n" -ge 4 ] || continue; ep=$((n / 2)); extra=(--set parallel.ep_dispatch=auto) ;;
-          ep_chunks*)  # ep_chunks<C>[_sms<S>]: zero_sync in C token chunks, the GEMMs leaving S SMs (16)
+          ep_chunks*)  # ep_chunks<C>[_sms<S>]: zero_sync in C token chunks, the GEMMs leaving S SMs (0)
             [[ $mode =~ ^ep_chunks([0-9]+)(_sms([0-9]+))?$ ]] || { echo "unknown mode '$mode'"; exit 2; }
             ep=$n; extra=(--set parallel.ep_dispatch=zero_sync --set "parallel.exchange_chunks=${BASH_REMATCH[1]}"
-                          --set "parallel.exchange_sms=${BASH_REMATCH[3]:-16}") ;;
+                          --set "parallel.exchange_sms=${BASH_REMATCH[3]:-0}") ;;
           *) echo "unknown mode '$mode'"; exit 2 ;;
         esac
         name="${config_name}_${recipe}_${n}gpu_${mode}"

@@ -33,11 +33,16 @@ struct LayerRun {
   std::vector<Tensor> grads;
 };
 
-// One forward + backward of a fresh layer (the same seed gives the same weights) on `device`.
+// One forward + backward of a fresh layer (the same seed gives the same weights) on `device`; `expert_bias`
+// [E], when given, replaces the layer's routing bias first (a hot expert).
 inline LayerRun run_layer(const ModelConfig& c, const MoeOptions& o, const Tensor& x, const Tensor& dy, Device device,
-                          DType compute, uint64_t seed = 11) {
+                          DType compute, uint64_t seed = 11, const Tensor& expert_bias = Tensor()) {
   ParamFactory f(seed, device);
   MoeLayer layer(f, c, "mlp", o, device);
+  if (expert_bias.defined()) {
+    Tensor bias = layer.expert_bias().data();  // shares the buffer's storage
+    bias.copy_(expert_bias);
+  }
   Variable xv(x.to(device).to(compute), true);
   Variable y = layer.forward(xv, compute);
   y.backward(dy.to(device).to(compute));

@@ -32,30 +32,60 @@ MoeOptions chunked(std::shared_ptr<Communicator> group, MoeRecipe recipe, int ch
   return o;
 }
 
+// chunks=1 (the reference), then 2 and 3 chunks with the exchanges on the comm stream and inline.
+template <class Run>
+void check_chunked_runs(const Run& run, MoeRecipe recipe, double rel_tol) {
+  const LayerRun one = run(1, true);
+  for (int chunks : {2, 3}) {
+    SCOPED_TRACE(std::to_string(chunks) + " chunks");
+    const LayerRun lane = run(chunks, true), inline_ = run(chunks, false);
+    EXPECT_TRUE(bit_equal(lane.y, inline_.y)) << "y";
+    EXPECT_TRUE(bit_equal(lane.dx, inline_.dx)) << "dx";
+    ASSERT_EQ(lane.grads.size(), inline_.grads.size());
+    for (size_t i = 0; i < lane.grads.size(); ++i)
+      EXPECT_TRUE(bit_equal(lane.grads[i], inline_.grads[i])) << "gradient " << i;
+    // Against the unchunked layer: each token's rows see the same GEMMs; the expert weight gradients are
+    // summed per chunk, and in FP8 their column-wise 1x128 blocks group other rows (other scales).
+    const double grad_tol = recipe == MoeRecipe::bf16 ? rel_tol : 1e-2;
+    EXPECT_LE(rel_error(lane.y, one.y), rel_tol) << "y against the unchunked layer";
+    EXPECT_LE(rel_error(lane.dx, one.dx), rel_tol) << "dx against the unchunked layer";
+    for (size_t i = 0; i < lane.grads.size(); ++i)
+      EXPECT_LE(rel_error(lane.grads[i], one.grads[i]), grad_tol) << "gradient " << i << " against one chunk";
+  }
+}
+
+// The cases: 37 tokens per rank (uneven chunks); 1 token (empty chunks); 37 tokens all routed to experts 0
+// and 1 (a routing bias far above the scores: one rank's experts get every row, the others none).
+struct Case {
+  const char* name;
+  int64_t tokens;
+  bool hot;
+};
+constexpr Case kCases[] = {{"37 tokens", 37, false}, {"1 token", 1, false}, {"hot experts 0 and 1", 37, true}};
+
 void check_chunks(std::shared_ptr<Communicator> group, Device device, DType compute, double rel_tol) {
   const ModelConfig c = moe_test_config(8, 2, 128, 128, 1, 0.05);
-  const Inputs in = rank_inputs(group->rank(), 37, 128);
-  for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_flow}) {
-    SCOPED_TRACE(moe_recipe_name(recipe));
-    const LayerRun one = run_layer(c, chunked(group, recipe, 1, true), in.x, in.dy, device, compute);
-    for (int chunks : {2, 3}) {
-      SCOPED_TRACE(std::to_string(chunks) + " chunks");
-      const LayerRun lane = run_layer(c, chunked(group, recipe, chunks, true), in.x, in.dy, device, compute);
-      const LayerRun inline_ = run_layer(c, chunked(group, recipe, chunks, false), in.x, in.dy, device, compute);
-      EXPECT_TRUE(bit_equal(lane.y, inline_.y)) << "y";
-      EXPECT_TRUE(bit_equal(lane.dx, inline_.dx)) << "dx";
-      ASSERT_EQ(lane.grads.size(), inline_.grads.size());
-      for (size_t i = 0; i < lane.grads.size(); ++i)
-        EXPECT_TRUE(bit_equal(lane.grads[i], inline_.grads[i])) << "gradient " << i;
-      // Against the unchunked layer: each token's rows see the same GEMMs; the expert weight gradients are
-      // summed per chunk, and in FP8 their column-wise 1x128 blocks group other rows (other scales).
-      const double grad_tol = recipe == MoeRecipe::bf16 ? rel_tol : 1e-2;
-      EXPECT_LE(rel_error(lane.y, one.y), rel_tol) << "y against the unchunked layer";
-      EXPECT_LE(rel_error(lane.dx, one.dx), rel_tol) << "dx against the unchunked layer";
-      for (size_t i = 0; i < lane.grads.size(); ++i)
-        EXPECT_LE(rel_error(lane.grads[i], one.grads[i]), grad_tol) << "gradient " << i << " against one chunk";
+  for (const Case& k : kCases)
+    for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_flow}) {
+      SCOPED_TRACE(std::string(k.name) + ", " + moe_recipe_name(recipe));
+      const Inputs in = rank_inputs(group->rank(), k.tokens, 128);
+      Tensor bias;
+      if (k.hot) bias = Tensor::from_floats({100, 100, 0, 0, 0, 0, 0, 0}, {8}, DType::f32, device);
+      const auto run = [&](int chunks, bool comm_stream) {
+        return run_layer(c, chunked(group, recipe, chunks, comm_stream), in.x, in.dy, device, compute, 11, bias);
+      };
+      check_chunked_runs(run, recipe, rel_tol);
+      if (!k.hot) continue;
+      // The bias did route every row to experts 0 and 1: the other experts' fc1 gradients are zero.
+      const Tensor fc1 = run(2, true).grads[1];  // [L, 2F, H]: this rank's experts
+      const int64_t L = fc1.size(0), first = int64_t(group->rank()) * L;
+      for (int64_t e = 0; e < L; ++e) {
+        const std::vector<double> g = fc1.slice(0, e, e + 1).contiguous().to_doubles();
+        double sq = 0;
+        for (double v : g) sq += v * v;
+        EXPECT_EQ(sq == 0, first + e >= 2) << "expert " << first + e;
+      }
     }
-  }
 }
 
 TEST(ExchangeChunks, ChunkedLayerEqualsTheLayerAtOnce) {
