@@ -80,8 +80,9 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
   }
   d.routing = permute_pad(tokens, topk_idx, probs, o.num_experts, kSortedAlign);
   auto [send_counts, recv_counts] = exchange_counts_once(comm, d.routing.tokens_per_expert);  // THE host sync
-  auto plan = std::make_shared<ExchangePlan>(make_exchange_plan(
-      o.expert_parallel, send_counts, recv_counts, kSortedAlign, d.routing.rows.size(0), o.align_size, o.row_multiple));
+  auto plan = std::make_shared<ExchangePlan>(make_exchange_plan(o.expert_parallel, send_counts, recv_counts,
+                                                                kSortedAlign, d.routing.rows.size(0), o.align_size,
+                                                                o.row_multiple, tokens.device()));
   std::vector<Variable> moved = exchange(d.routing.rows, d.routing.probs, plan, ExchangeDirection::to_experts);
   d.rows = moved[0];
   d.probs = moved[1];

@@ -67,8 +67,8 @@ const char* ep_dispatch_name(EpDispatch mode);
 bool resolve_ep_dispatch(EpDispatch mode, Communicator* group);
 
 // tokens [T,H] any dtype; topk_idx [T,k] i32 in [0, E); probs [T,k] or undefined.
-// Several ranks: permutes by global expert, exchanges the counts and moves each (peer, expert) segment straight
-// to its place in the owner's padded buffer (parallel/exchange.h).
+// Several ranks: permutes by global expert, exchanges the counts and moves the rows to the owners' padded
+// buffers (parallel/exchange.h: one block per peer, or with zero_sync each segment straight into place).
 // Host syncs: one per dispatch, to size the GEMMs (and, across ranks, the transfers); none on one rank with
 // device_counts, nor with zero_sync on nccl between NVLink-reachable GPUs; none in backward.
 Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variable& probs,

@@ -1,8 +1,11 @@
-// The exchange plan and the row exchange as an autograd op (see parallel/exchange.h). The bytes move
-// in Communicator::all_to_all_chunks; here are only the offsets, the pad rows and the gradient's way back.
+// The exchange plan and the row exchange as an autograd op (see parallel/exchange.h). The bytes move in
+// Communicator::all_to_all (host plans) or put_rows (device plans); here are the offsets, the pad rows and the
+// gradient's way back.
 #include "parallel/exchange.h"
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 
 #include "engine/comm_lane.h"
 #include "kernels/common/device_api.h"
@@ -16,9 +19,84 @@ std::vector<int64_t> padded_segment_starts(const std::vector<int64_t>& counts, i
   return starts;
 }
 
+namespace {
+
+// Pinned host blocks for the routes' asynchronous copies, reused rather than freed (cudaFreeHost may wait
+// for the device). A block returns when its plan goes; the next plan takes it right after its counts' host
+// read, when the stream, and so the block's earlier copy, has finished.
+std::shared_ptr<void> pinned_block(size_t bytes) {
+  struct Pool {
+    std::mutex mu;
+    std::multimap<size_t, void*> free;
+  };
+  static Pool* pool = new Pool;  // leaked: plans freed after static destructors may return blocks
+  std::lock_guard<std::mutex> lock(pool->mu);
+  auto it = pool->free.lower_bound(bytes);
+  void* block = nullptr;
+  size_t size = bytes;
+  if (it != pool->free.end()) {
+    size = it->first, block = it->second;
+    pool->free.erase(it);
+  } else {
+    block = cuda_host_alloc(bytes);
+  }
+  return std::shared_ptr<void>(block, [size](void* b) {
+    std::lock_guard<std::mutex> lock(pool->mu);
+    pool->free.emplace(size, b);
+  });
+}
+
+// The staging permutes' routes (ExchangePlan::staging_to_padded, padded_to_staging) from the host plan's
+// chunks: one i32 layout on `device` (copied asynchronously from pinned memory on a GPU, which the plan
+// keeps until the copy has run), each route a view of it.
+void add_staging_routes(ExchangePlan& p, const std::vector<int64_t>& staging_starts, Device device) {
+  const int n = int(p.staging_block_rows.size()), L = p.num_local_experts;
+  std::vector<int32_t> layout;
+  const auto append = [&layout](const std::vector<int64_t>& v) {
+    const int64_t at = int64_t(layout.size());
+    for (int64_t x : v) layout.push_back(int32_t(x));
+    return at;
+  };
+  std::vector<int64_t> to_padded(size_t(p.num_staging_rows), -1), to_staging(size_t(p.num_padded_rows), -1);
+  for (size_t s = 0; s < p.padded_chunks.size(); ++s)
+    for (int64_t i = 0; i < p.padded_chunks[s].rows; ++i) {
+      to_padded[size_t(staging_starts[s] + i)] = p.padded_chunks[s].offset + i;
+      to_staging[size_t(p.padded_chunks[s].offset + i)] = staging_starts[s] + i;
+    }
+  const int64_t at_to_padded = append(to_padded), at_to_staging = append(to_staging);
+  const int64_t at_counts = append(p.tokens_per_expert), at_starts = append(p.segment_starts);
+  const int64_t at_staging_counts = append(p.recv_counts), at_staging_starts = append(staging_starts);
+  Tensor all = Tensor::empty({int64_t(layout.size())}, DType::i32, device);
+  if (device.is_cpu()) {
+    std::copy(layout.begin(), layout.end(), all.data<int32_t>());
+  } else if (!layout.empty()) {
+    p.pinned_layout = pinned_block(layout.size() * sizeof(int32_t));
+    auto* pinned = static_cast<int32_t*>(p.pinned_layout.get());
+    std::copy(layout.begin(), layout.end(), pinned);
+    copy_bytes_to_device_async(all.raw_data(), device.index, pinned, layout.size() * sizeof(int32_t));
+  }
+  const auto part = [&all](int64_t at, int64_t len, Shape shape) { return all.slice(0, at, at + len).view(shape); };
+  const auto route = [&](int64_t rows, int64_t out_rows, int segments, int align, int64_t at_map, int64_t at_c,
+                         int64_t at_s) {
+    PermuteResult r;
+    r.row_map = part(at_map, rows, {rows, 1});
+    r.tokens_per_expert = part(at_c, segments, {segments});
+    r.segment_starts = part(at_s, segments + 1, {segments + 1});
+    r.align_size = align;
+    r.dims = RoutingDims{rows, 1, segments, 0, segments, align, out_rows};
+    return r;
+  };
+  p.staging_to_padded =
+      route(p.num_staging_rows, p.num_padded_rows, L, p.align_size, at_to_padded, at_counts, at_starts);
+  p.padded_to_staging = route(p.num_padded_rows, p.num_staging_rows, n * L, p.sorted_align, at_to_staging,
+                              at_staging_counts, at_staging_starts);
+}
+
+}  // namespace
+
 ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::vector<int64_t>& send_counts,
                                 const std::vector<int64_t>& recv_counts, int sorted_align, int64_t num_sorted_rows,
-                                int align_size, int row_multiple) {
+                                int align_size, int row_multiple, Device device) {
   const int n = comm->size();
   FLOWMOE_CHECK(n >= 1 && send_counts.size() % size_t(n) == 0 && recv_counts.size() == send_counts.size(), ShapeError,
                 "make_exchange_plan: ", send_counts.size(), " send counts and ", recv_counts.size(),
@@ -53,6 +131,16 @@ ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::v
       p.padded_chunks.push_back({q, next[size_t(e)], rows});
       next[size_t(e)] += rows;
     }
+  // One block per peer: this rank's sorted segments for q's experts are adjacent (q owns a run of global
+  // experts), and peer p's block here is p's segments for this rank's experts, in p's sorted layout.
+  p.sorted_align = sorted_align;
+  const std::vector<int64_t> staging_starts = padded_segment_starts(recv_counts, sorted_align);
+  for (int q = 0; q < n; ++q) {
+    p.sorted_block_rows.push_back(sorted_starts[size_t((q + 1) * L)] - sorted_starts[size_t(q * L)]);
+    p.staging_block_rows.push_back(staging_starts[size_t((q + 1) * L)] - staging_starts[size_t(q * L)]);
+  }
+  p.num_staging_rows = staging_starts.back();
+  add_staging_routes(p, staging_starts, device);
   return p;
 }
 
@@ -118,12 +206,6 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> exchange_counts_once(Commu
 
 namespace {
 
-int64_t sum_tokens(const ExchangePlan& p) {
-  int64_t n = 0;
-  for (int64_t c : p.tokens_per_expert) n += c;
-  return n;
-}
-
 // The shape of src's rows on the other side of the plan.
 Shape moved_shape(const Tensor& src, const ExchangePlan& p, ExchangeDirection dir) {
   Shape shape = src.shape();
@@ -143,20 +225,37 @@ void put_rows_on_device(const std::vector<Communicator::RowPut>& tensors, const 
                    to_experts ? p.to_tokens_table : p.to_experts_table, pad);
 }
 
-// One tensor's rows along a host plan; `pad` fills the padded side's uncovered rows.
-Tensor move_rows(const Tensor& src, const ExchangePlan& p, ExchangeDirection dir, double pad) {
-  const bool to_experts = dir == ExchangeDirection::to_experts;
-  const Shape shape = moved_shape(src, p, dir);
-  const bool has_pad_rows = to_experts && p.num_padded_rows > sum_tokens(p);
-  // The padded side's uncovered rows (each expert's pad rows and the tail) take the pad value: one
-  // fill of the whole buffer, which the exchange then overwrites, costs one extra write but a
-  // constant number of launches, where a fill per expert would cost one launch each (hundreds at 256).
-  Tensor dst = !has_pad_rows ? Tensor::empty(shape, src.dtype(), src.device())
-               : pad == 0    ? Tensor::zeros(shape, src.dtype(), src.device())  // any dtype, FP8 bytes included
-                             : Tensor::full(shape, pad, src.dtype(), src.device());
-  p.comm->all_to_all_chunks(src, to_experts ? p.sorted_chunks : p.padded_chunks, dst,
-                            to_experts ? p.padded_chunks : p.sorted_chunks);
-  return dst;
+// Rows [0, rows) of t, with those of its rowwise FP8 scales.
+Tensor leading_rows(const Tensor& t, int64_t rows) {
+  Tensor v = t.slice(0, 0, rows);
+  const auto& scales = t.fp8_scales();
+  return scales ? v.with_scales(scales->scale_inv.slice(0, 0, rows), ScalingMode::rowwise_1x128) : v;
+}
+
+// One tensor's rows (an FP8 one with its scales) along a host plan, one all_to_all block per peer. Toward
+// the experts this rank's sorted range for each peer leaves as it lies and lands in the staging buffer,
+// whose permute writes the padded layout and its pad rows (zero; FP8 scales 1). Back, the reverse permute
+// packs the padded rows into the staging layout, whose blocks land on the sorted side, gaps zero.
+Tensor move_blocks(const Tensor& src, const ExchangePlan& p, ExchangeDirection dir) {
+  Communicator& comm = *p.comm;
+  int64_t sorted_total = 0;
+  for (int64_t r : p.sorted_block_rows) sorted_total += r;
+  if (dir == ExchangeDirection::to_experts) {
+    const Tensor staging = comm.all_to_all(leading_rows(src, sorted_total), p.sorted_block_rows, p.staging_block_rows);
+    return permute_rows_like(staging, p.staging_to_padded);
+  }
+  const Tensor packed = permute_rows_like(src, p.padded_to_staging);
+  Shape shape = src.shape();
+  shape[0] = p.num_sorted_rows;
+  Tensor out = Tensor::empty(shape, src.dtype(), src.device());
+  comm.all_to_all(packed, p.staging_block_rows, out.slice(0, 0, sorted_total), p.sorted_block_rows);
+  const auto& scales = packed.fp8_scales();
+  if (!scales) return out;
+  Shape scale_shape = scales->scale_inv.shape();
+  scale_shape[0] = p.num_sorted_rows;
+  Tensor scale_inv = Tensor::empty(scale_shape, DType::f32, src.device());
+  comm.all_to_all(scales->scale_inv, p.staging_block_rows, scale_inv.slice(0, 0, sorted_total), p.sorted_block_rows);
+  return out.with_scales(scale_inv, ScalingMode::rowwise_1x128);
 }
 
 // Rows (with their FP8 scales) and probs along the plan; on_lane: a device plan's puts go to the comm lane
@@ -170,11 +269,20 @@ std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, E
   const auto& scales = rows.fp8_scales();
   FLOWMOE_CHECK(!scales || scales->mode == ScalingMode::rowwise_1x128, DTypeError,
                 "exchange: FP8 rows must carry rowwise 1x128 scales, got ", scaling_mode_name(scales->mode));
+  if (!p.on_device) {  // the rows with their scales, and the probs as rows of one
+    const Tensor& probs = in[1];
+    Tensor moved_probs;
+    if (probs.defined()) {
+      moved_probs = move_blocks(probs.contiguous().view({probs.numel(), 1}), p, dir);
+      moved_probs = moved_probs.view({moved_probs.size(0)});
+    }
+    return {move_blocks(rows, p, dir), moved_probs};
+  }
   // What moves, with the value of its pad rows: the rows (zero), their scales (1.0), the probs (zero).
   std::vector<Communicator::RowPut> tensors = {{rows.contiguous(), Tensor(), 0.0}};
   if (scales) tensors.push_back({scales->scale_inv.contiguous(), Tensor(), 1.0});
   if (in[1].defined()) tensors.push_back({in[1].contiguous(), Tensor(), 0.0});
-  if (p.on_device) {
+  {
     for (auto& t : tensors) t.recv = Tensor::empty(moved_shape(t.send, p, dir), t.send.dtype(), t.send.device());
     if (on_lane) {
       std::vector<Tensor> keep = {p.to_experts_table, p.to_tokens_table, p.device_segment_starts,
@@ -185,8 +293,6 @@ std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, E
     } else {
       put_rows_on_device(tensors, p, dir);
     }
-  } else {
-    for (auto& t : tensors) t.recv = move_rows(t.send, p, dir, t.pad_value);
   }
   Tensor out = tensors[0].recv;
   if (scales) out = out.with_scales(tensors[1].recv, ScalingMode::rowwise_1x128);

@@ -4,8 +4,9 @@
 // segment g at sorted_starts[g]). Rank r receives, for its local expert e, the copies of every peer p in peer
 // order, then pad rows up to align_size:
 //   padded row = segment_starts[e] + sum_{p' < p} counts[p'][e] + i       (i-th copy from peer p)
-// so each (peer, expert) segment lands at its final place and no rank-major → expert-major regroup follows.
 // The plan is made once per forward, on the host or on the device, and reused by every backward exchange.
+// A device plan puts each (peer, expert) segment straight into its place (Communicator::put_rows); a host plan
+// moves one block per peer (Communicator::all_to_all) into a staging buffer, which a permute regroups.
 // Tests: tests/mpi/test_exchange.cpp (round trips under mpiexec, both kinds), tests/test_ep_layout.cpp (the
 // device layout against make_exchange_plan), tests/test_dispatch.cpp (world size 1, with a gradient check).
 #pragma once
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "engine/autograd.h"
+#include "engine/ops/permute.h"
 #include "parallel/communicator.h"
 
 namespace flowmoe {
@@ -32,6 +34,16 @@ struct ExchangePlan {
   std::vector<Communicator::RowChunk>
       sorted_chunks;  // per peer, in local-expert order: where the copies leave / return
   std::vector<Communicator::RowChunk> padded_chunks;  // per peer, in local-expert order: where they arrive / leave
+  // A host plan moves one block per peer (Communicator::all_to_all). Peer q's block is q's sorted segments
+  // for this rank's experts, sorted_align apart as q permuted them: the staging buffer holds the n blocks
+  // in peer order, and a permute (permute_rows_like) moves its rows to the padded layout or back.
+  std::vector<int64_t> sorted_block_rows;   // [n] this rank's sorted rows for peer q's experts, gaps included
+  std::vector<int64_t> staging_block_rows;  // [n] the rows of peer p's block here
+  int64_t num_staging_rows = 0;
+  PermuteResult staging_to_padded;      // row_map [staging rows, 1]: each staging row's padded row (-1: a gap)
+  PermuteResult padded_to_staging;      // row_map [padded rows, 1]: each padded row's staging row (-1: pad)
+  int sorted_align = 16;                // the sender's permute's, which the staging blocks keep
+  std::shared_ptr<void> pinned_layout;  // on a GPU: the host side of the routes' copy, held with the plan
 
   // A device plan: the vectors above are empty and these views of one i32 layout tensor
   // (kernels/ep_layout.h) on the rows' device hold the same values.
@@ -48,11 +60,12 @@ struct ExchangePlan {
 std::vector<int64_t> padded_segment_starts(const std::vector<int64_t>& counts, int align);
 
 // The host plan, from this rank's per-expert counts and those its peers send it (exchange_counts_once: read to
-// the host once). The rows move by all_to_all_chunks into a buffer of exactly the padded total (rounded up to
+// the host once). The rows move one block per peer into a buffer of exactly the padded total (rounded up to
 // row_multiple). sorted_align: the align_size of the sender's permute, whose segments the copies leave from.
+// The staging permutes' maps go to `device` in one asynchronous copy (no second host sync).
 ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::vector<int64_t>& send_counts,
                                 const std::vector<int64_t>& recv_counts, int sorted_align, int64_t num_sorted_rows,
-                                int align_size, int row_multiple);
+                                int align_size, int row_multiple, Device device = Device::cpu());
 
 // The rows of a zero-sync receive buffer: every rank sends every copy it routes to this rank's L experts
 // (tokens_per_rank·min(top_k, L) from each of n ranks; top-k experts are distinct), plus align_size−1
@@ -79,9 +92,10 @@ enum class ExchangeDirection { to_experts, to_tokens };
 // Moves rows [num_sorted_rows, ...] to the owners' padded layout (to_experts) or back (to_tokens), with
 // probs [rows] alongside when defined. The padded side's pad rows are zero (probs 0); an FP8 tensor
 // with rowwise 1x128 scales moves its scales too (pad rows scale_inv 1). The sorted side's pad rows
-// are left unwritten by a host plan (unpermute and permute's backward never read them) and zero under
-// a device plan, which moves the rows with Communicator::put_rows. Differentiable: the
-// gradient goes back the other way, with the same plan.
+// are zero, and its tail past the sorted segments is left unwritten by a host plan (unpermute and
+// permute's backward never read them). A device plan moves the rows with Communicator::put_rows, a host
+// plan with one all_to_all block per peer. Differentiable: the gradient goes back the other way, with the
+// same plan.
 std::vector<Variable> exchange(const Variable& rows, const Variable& probs, std::shared_ptr<const ExchangePlan> plan,
                                ExchangeDirection direction);
 
