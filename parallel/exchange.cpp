@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "engine/comm_lane.h"
+#include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
 #include "kernels/ep_layout.h"
 
@@ -225,13 +226,6 @@ void put_rows_on_device(const std::vector<Communicator::RowPut>& tensors, const 
                    to_experts ? p.to_tokens_table : p.to_experts_table, pad);
 }
 
-// Rows [0, rows) of t, with those of its rowwise FP8 scales.
-Tensor leading_rows(const Tensor& t, int64_t rows) {
-  Tensor v = t.slice(0, 0, rows);
-  const auto& scales = t.fp8_scales();
-  return scales ? v.with_scales(scales->scale_inv.slice(0, 0, rows), ScalingMode::rowwise_1x128) : v;
-}
-
 // One tensor's rows (an FP8 one with its scales) along a host plan, one all_to_all block per peer. Toward
 // the experts this rank's sorted range for each peer leaves as it lies and lands in the staging buffer,
 // whose permute writes the padded layout and its pad rows (zero; FP8 scales 1). Back, the reverse permute
@@ -241,21 +235,20 @@ Tensor move_blocks(const Tensor& src, const ExchangePlan& p, ExchangeDirection d
   int64_t sorted_total = 0;
   for (int64_t r : p.sorted_block_rows) sorted_total += r;
   if (dir == ExchangeDirection::to_experts) {
-    const Tensor staging = comm.all_to_all(leading_rows(src, sorted_total), p.sorted_block_rows, p.staging_block_rows);
+    const Tensor staging = comm.all_to_all(row_slice(src, 0, sorted_total), p.sorted_block_rows, p.staging_block_rows);
     return permute_rows_like(staging, p.staging_to_padded);
   }
+  // The staging blocks of t (rows, or their scales) into the first rows of a [num_sorted_rows, ...] buffer.
+  const auto land = [&](const Tensor& t) {
+    Shape shape = t.shape();
+    shape[0] = p.num_sorted_rows;
+    Tensor out = Tensor::empty(shape, t.dtype(), t.device());
+    comm.all_to_all(t, p.staging_block_rows, out.slice(0, 0, sorted_total), p.sorted_block_rows);
+    return out;
+  };
   const Tensor packed = permute_rows_like(src, p.padded_to_staging);
-  Shape shape = src.shape();
-  shape[0] = p.num_sorted_rows;
-  Tensor out = Tensor::empty(shape, src.dtype(), src.device());
-  comm.all_to_all(packed, p.staging_block_rows, out.slice(0, 0, sorted_total), p.sorted_block_rows);
   const auto& scales = packed.fp8_scales();
-  if (!scales) return out;
-  Shape scale_shape = scales->scale_inv.shape();
-  scale_shape[0] = p.num_sorted_rows;
-  Tensor scale_inv = Tensor::empty(scale_shape, DType::f32, src.device());
-  comm.all_to_all(scales->scale_inv, p.staging_block_rows, scale_inv.slice(0, 0, sorted_total), p.sorted_block_rows);
-  return out.with_scales(scale_inv, ScalingMode::rowwise_1x128);
+  return scales ? land(packed).with_scales(land(scales->scale_inv), ScalingMode::rowwise_1x128) : land(packed);
 }
 
 // Rows (with their FP8 scales) and probs along the plan; on_lane: a device plan's puts go to the comm lane

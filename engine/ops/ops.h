@@ -64,5 +64,8 @@ std::vector<Variable> split_rows(const Variable& x, const std::vector<int64_t>& 
 Variable concat_rows(const std::vector<Variable>& xs);
 // num_chunks + 1 bounds over rows: chunks of ceil(rows / num_chunks), the last ones shorter or empty.
 std::vector<int64_t> even_row_bounds(int64_t rows, int num_chunks);
+// Rows [begin, end) of x as a view; FP8 rows keep the same rows of their rowwise 1x128 scales (Tensor::slice
+// drops scales; another scaling is refused with DTypeError).
+Tensor row_slice(const Tensor& x, int64_t begin, int64_t end);
 
 }  // namespace flowmoe

@@ -23,16 +23,6 @@ void check_bounds(const std::vector<int64_t>& bounds, int64_t rows) {
                   " then ", bounds[i], ")");
 }
 
-// Rows [begin, end) of x, with the same rows of rowwise FP8 scales.
-Tensor row_view(const Tensor& x, int64_t begin, int64_t end) {
-  Tensor v = x.slice(0, begin, end);
-  const auto& scales = x.fp8_scales();
-  if (!scales) return v;
-  FLOWMOE_CHECK(scales->mode == ScalingMode::rowwise_1x128, DTypeError,
-                "split_rows: FP8 rows must carry rowwise 1x128 scales, got ", scaling_mode_name(scales->mode));
-  return v.with_scales(scales->scale_inv.slice(0, begin, end), ScalingMode::rowwise_1x128);
-}
-
 // parts[i] into rows [bounds[i], bounds[i+1]) of a new tensor; undefined parts leave zero rows.
 Tensor join_rows(const std::vector<Tensor>& parts, const std::vector<int64_t>& bounds, const Shape& shape, DType dtype,
                  Device device) {
@@ -55,7 +45,7 @@ class SplitRows : public Primitive {
     shape_ = in[0].shape();
     device_ = in[0].device();
     std::vector<Tensor> out;
-    for (size_t i = 0; i + 1 < bounds_.size(); ++i) out.push_back(row_view(in[0], bounds_[i], bounds_[i + 1]));
+    for (size_t i = 0; i + 1 < bounds_.size(); ++i) out.push_back(row_slice(in[0], bounds_[i], bounds_[i + 1]));
     return out;
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return eval_cpu(in); }
@@ -112,6 +102,15 @@ std::vector<Variable> split_rows(const Variable& x, const std::vector<int64_t>& 
 }
 
 Variable concat_rows(const std::vector<Variable>& xs) { return flowmoe::apply(std::make_shared<ConcatRows>(), xs)[0]; }
+
+Tensor row_slice(const Tensor& x, int64_t begin, int64_t end) {
+  Tensor v = x.slice(0, begin, end);
+  const auto& scales = x.fp8_scales();
+  if (!scales) return v;
+  FLOWMOE_CHECK(scales->mode == ScalingMode::rowwise_1x128, DTypeError,
+                "row_slice: FP8 rows must carry rowwise 1x128 scales, got ", scaling_mode_name(scales->mode));
+  return v.with_scales(scales->scale_inv.slice(0, begin, end), ScalingMode::rowwise_1x128);
+}
 
 std::vector<int64_t> even_row_bounds(int64_t rows, int num_chunks) {
   FLOWMOE_CHECK(rows >= 0 && num_chunks >= 1, ShapeError, "even_row_bounds: ", rows, " rows in ", num_chunks,

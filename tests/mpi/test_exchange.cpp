@@ -9,6 +9,7 @@
 // wherever the rows moved through the host (so that a reader of the tail fails these tests).
 // Then the MoE layer itself at expert-parallel size n against one process on the whole batch.
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "engine/ops/ops.h"
@@ -253,6 +254,24 @@ void check_fp8_bits(const Ranks& ranks) {
                         << (p < 0 ? "a pad row" : "rank " + std::to_string(p) + "'s token " + std::to_string(t))
                         << " differ";
       if (!same) break;
+    }
+    // And back (to_tokens): each routed copy's bytes and scales return to the sender's sorted row bit for bit.
+    if (!d.plan) continue;
+    const Tensor back = exchange(d.rows, Variable(), d.plan, ExchangeDirection::to_tokens)[0].data();
+    ASSERT_TRUE(back.fp8_scales() != nullptr) << "the FP8 rows came back without scales";
+    const Tensor sent = d.routing.rows.data().to(Device::cpu()), got = back.to(Device::cpu());
+    const Tensor sent_s = d.routing.rows.data().fp8_scales()->scale_inv.to(Device::cpu());
+    const Tensor got_s = back.fp8_scales()->scale_inv.to(Device::cpu());
+    for (int64_t row : d.routing.row_map.to_ints()) {
+      if (row < 0) continue;
+      EXPECT_EQ(std::memcmp(static_cast<const uint8_t*>(got.raw_data()) + row * H,
+                            static_cast<const uint8_t*>(sent.raw_data()) + row * H, size_t(H)),
+                0)
+          << "sorted row " << row << "'s bytes";
+      EXPECT_EQ(std::memcmp(got_s.data<float>() + row * cols, sent_s.data<float>() + row * cols,
+                            size_t(cols) * sizeof(float)),
+                0)
+          << "sorted row " << row << "'s scales";
     }
   }
 }
