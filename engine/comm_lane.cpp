@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "engine/profiler.h"
+#include "engine/stream.h"
 #include "kernels/common/device_api.h"
 
 namespace flowmoe {
@@ -17,15 +18,22 @@ thread_local bool t_lane_on = false, t_lane_streams = true;
 
 struct Issue {
   uint64_t ticket = 0;
-  StreamEvent event = nullptr;
+  Event event;  // recorded on the comm stream after the issue's launches
   std::vector<Tensor> keep;
 };
 
 struct Lane {
   uint64_t last = 0, waited = 0;
-  std::deque<Issue> pending;        // tickets (waited, last], in order
-  std::vector<StreamEvent> events;  // free for the next issues
+  std::deque<Issue> pending;  // tickets (waited, last], in order
+  std::vector<Event> events;  // free for the next issues
 };
+
+Event take_event(Lane& lane) {
+  if (lane.events.empty()) return Event();
+  Event e = std::move(lane.events.back());
+  lane.events.pop_back();
+  return e;
+}
 
 std::mutex g_mu;
 std::map<int, Lane>& lanes() {
@@ -57,29 +65,24 @@ CommIssue::CommIssue(Device device, std::vector<Tensor> keep)
     lane.waited = ticket_;
     return;
   }
-  Issue issue{ticket_, nullptr, std::move(keep)};
-  if (lane.events.empty()) {
-    issue.event = cuda_create_stream_event();
-  } else {
-    issue.event = lane.events.back();
-    lane.events.pop_back();
-  }
-  lane.pending.push_back(std::move(issue));
+  lane.pending.push_back(Issue{ticket_, take_event(lane), std::move(keep)});
   cuda_comm_waits_compute(device.index);
   cuda_use_comm_stream(true);
 }
 
 CommIssue::~CommIssue() {
   if (!streams_) return;
-  cuda_use_comm_stream(prev_);
-  std::lock_guard<std::mutex> lock(g_mu);
-  for (Issue& issue : lanes()[key(device_)].pending)
-    if (issue.ticket == ticket_) {
-      try {
-        cuda_record_comm_event(device_.index, issue.event);
-      } catch (...) {  // a launch failed before: its error is the report
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (Issue& issue : lanes()[key(device_)].pending)
+      if (issue.ticket == ticket_) {
+        try {
+          issue.event.record(current_stream(device_.index));  // still the comm stream
+        } catch (...) {                                       // a launch failed before: its error is the report
+        }
       }
-    }
+  }
+  cuda_use_comm_stream(prev_);
 }
 
 uint64_t comm_lane_last_ticket(Device device) {
@@ -99,12 +102,12 @@ void comm_lane_wait(Device device, uint64_t ticket, const std::string* scope) {
       if (issue.ticket == ticket) wanted = &issue;
     if (wanted) {
       OpTimer timer("exchange", forward_phase(), scope ? *scope : profile_scope(), device, 0, 0);
-      cuda_compute_waits_event(device.index, wanted->event);
+      wanted->event.wait(compute_stream(device.index));
     }
     while (!lane.pending.empty() && lane.pending.front().ticket <= ticket) {
       Issue& issue = lane.pending.front();
       for (Tensor& t : issue.keep) released.push_back(std::move(t));
-      lane.events.push_back(issue.event);
+      lane.events.push_back(std::move(issue.event));
       lane.pending.pop_front();
     }
     lane.waited = ticket;

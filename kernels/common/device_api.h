@@ -29,17 +29,13 @@ bool cuda_using_side_stream();
 void cuda_stream_wait(int device, bool side_waits);
 // A third engine stream per device, for data movement between GPUs that runs beside the compute stream (the
 // expert exchange split into chunks: engine/comm_lane.h). It has the compute stream's priority. While this
-// thread has it on, current_stream returns it. It is ordered by events alone: it waits for the compute
-// stream's work so far (cuda_comm_waits_compute); an event recorded on it (cuda_record_comm_event) is what the
-// compute stream waits for before it reads what the comm stream wrote (cuda_compute_waits_event). No host sync.
+// thread has it on, current_stream returns it. It waits for the compute stream's work so far
+// (cuda_comm_waits_compute); the other way, the compute stream waits for an event recorded on it (Event,
+// engine/stream.h). No host sync.
 void cuda_use_comm_stream(bool on);
 bool cuda_using_comm_stream();
 void cuda_comm_waits_compute(int device);
-using StreamEvent = void*;
-StreamEvent cuda_create_stream_event();  // without timing
-void cuda_destroy_stream_event(StreamEvent event);
-void cuda_record_comm_event(int device, StreamEvent event);
-void cuda_compute_waits_event(int device, StreamEvent event);
+cudaStream_t compute_stream(int device);  // the engine's compute stream, whichever stream this thread now uses
 // SMs the persistent grouped GEMMs leave free for communication kernels running beside them (0: they take
 // every SM). Process-wide; set once, before the first step (the GEMMs' workspaces are sized for all SMs).
 void cuda_set_comm_sms(int num_sms);

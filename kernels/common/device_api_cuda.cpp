@@ -108,23 +108,7 @@ void cuda_comm_waits_compute(int device) {
   FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(s.comm, s.compute_mark, 0));
 }
 
-StreamEvent cuda_create_stream_event() {
-  cudaEvent_t e = nullptr;
-  FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  return e;
-}
-
-void cuda_destroy_stream_event(StreamEvent event) {
-  if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
-}
-
-void cuda_record_comm_event(int device, StreamEvent event) {
-  FLOWMOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), engine_streams(device).comm));
-}
-
-void cuda_compute_waits_event(int device, StreamEvent event) {
-  FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(engine_streams(device).compute, static_cast<cudaEvent_t>(event), 0));
-}
+cudaStream_t compute_stream(int device) { return engine_streams(device).compute; }
 
 void cuda_set_comm_sms(int num_sms) { g_comm_sms.store(num_sms < 0 ? 0 : num_sms); }
 int cuda_comm_sms() { return g_comm_sms.load(); }

@@ -23,10 +23,7 @@ static thread_local bool t_on_comm = false;
 void cuda_use_comm_stream(bool on) { t_on_comm = on; }
 bool cuda_using_comm_stream() { return t_on_comm; }
 void cuda_comm_waits_compute(int) { no_cuda("cuda_comm_waits_compute"); }
-StreamEvent cuda_create_stream_event() { no_cuda("cuda_create_stream_event"); }
-void cuda_destroy_stream_event(StreamEvent) {}
-void cuda_record_comm_event(int, StreamEvent) { no_cuda("cuda_record_comm_event"); }
-void cuda_compute_waits_event(int, StreamEvent) { no_cuda("cuda_compute_waits_event"); }
+cudaStream_t compute_stream(int) { no_cuda("compute_stream"); }
 static int g_comm_sms = 0;
 void cuda_set_comm_sms(int num_sms) { g_comm_sms = num_sms; }
 int cuda_comm_sms() { return g_comm_sms; }
