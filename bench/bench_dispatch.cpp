@@ -20,6 +20,7 @@
 #include "bench/bench_routing.h"
 #include "engine/ops/quantize.h"
 #include "engine/rng.h"
+#include "kernels/common/device_api.h"
 #include "parallel/dispatch.h"
 
 using namespace flowmoe;
@@ -32,6 +33,7 @@ struct Options {
   std::vector<bool> zero_sync{false, true};  // --modes: sync, zero_sync
   int reps = 20, warmup = 3;
   bool quick = false, cpu = false, backward = true;
+  int sms = 0;  // --sms: the exchange kernels' SM budget (parallel.exchange_sms; 0: the kernels' own grid)
 };
 
 struct BenchShape {
@@ -63,7 +65,8 @@ std::vector<std::string> split_list(const std::string& list) {
 }
 
 // Run (options: --backend auto|nccl|mpi|none, --shapes toy,deepep, --modes sync,zero_sync, --reps N,
-// --warmup N, --quick, --cpu, --no-backward):
+// --warmup N, --quick, --cpu, --no-backward, --sms S: the zero-sync kernels on S SMs, as parallel.exchange_sms
+// leaves them beside the GEMMs):
 //   build/bench/bench_dispatch                                      one process
 //   mpirun -np 8 build/bench/bench_dispatch                         one host, a GPU per rank: nccl
 //   mpirun -np 16 --hostfile hosts build/bench/bench_dispatch       several hosts
@@ -106,6 +109,8 @@ Options parse_options(int argc, char** argv) {
       o.cpu = true;
     } else if (a == "--no-backward") {
       o.backward = false;
+    } else if (a == "--sms") {
+      o.sms = count(0);
     } else {
       FLOWMOE_THROW(ConfigError, "bench_dispatch: unknown argument '", a, "' (options: bench/bench_dispatch.cpp)");
     }
@@ -282,11 +287,11 @@ class ShapeBench {
     std::snprintf(line, sizeof line,
                   "BENCH dispatch shape=%s T=%lld H=%lld k=%d E=%d ranks=%d backend=%s device=%s payload=%s op=%s "
                   "mode=%s rows=%.0f row_bytes=%lld bytes=%.0f local_frac=%.4f ms=%.4f gbps=%.2f ceiling=%s "
-                  "ceiling_gbps=%.2f frac_ceiling=%.4f host_syncs=%llu%s",
+                  "ceiling_gbps=%.2f frac_ceiling=%.4f host_syncs=%llu sms=%d%s",
                   s_.name.c_str(), (long long)s_.tokens, (long long)s_.hidden, s_.top_k, experts_, n_,
                   w_.comm->backend_name(), w_.rt.device.is_cuda() ? "cuda" : "cpu", payload, r.op, mode, rows,
                   (long long)r.row_bytes, bytes, local, t.ms, g, n_ > 1 ? "all_to_all" : "copy", ceiling, g / ceiling,
-                  (unsigned long long)t.host_syncs, nccl_fields);
+                  (unsigned long long)t.host_syncs, o_.sms, nccl_fields);
     lines_.push_back(line);
   }
 };
@@ -299,6 +304,7 @@ void print_header(const BenchWorld& w, const Options& o) {
       "slowest rank\n",
       n, w.comm->backend_name(), w.rt.device.str().c_str(), cpu ? " (the bf16 payload is f32 on the CPU)" : "",
       o.quick ? ", --quick shapes" : "", o.reps, o.warmup);
+  if (o.sms > 0) std::printf("  zero_sync's kernels on %d SMs (--sms)\n", o.sms);
   if (!w.note.empty()) std::printf("  %s\n", w.note.c_str());
   if (n > 1)
     std::printf(
@@ -328,6 +334,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     const bool small = o.quick || w.rt.device.is_cpu();
+    cuda_set_comm_sms(o.sms);
     if (rank == 0) print_header(w, o);
     std::vector<std::string> lines;
     for (const std::string& name : o.shapes) ShapeBench(w, o, bench_shape(name, small), lines).run();

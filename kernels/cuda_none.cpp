@@ -200,15 +200,16 @@ FLOWMOE_NO_CUDA(void, softmax_forward_cuda, (DType, void*, const void*, int64_t,
 FLOWMOE_NO_CUDA(void, softmax_backward_cuda, (DType, void*, const void*, const void*, int64_t, int64_t, cudaStream_t))
 
 // kernels/swiglu.h
-FLOWMOE_NO_CUDA(void, swiglu_forward_cuda, (DType, void*, const void*, int64_t, int64_t, cudaStream_t))
-FLOWMOE_NO_CUDA(void, swiglu_backward_cuda, (DType, void*, const void*, const void*, int64_t, int64_t, cudaStream_t))
+FLOWMOE_NO_CUDA(void, swiglu_forward_cuda, (DType, void*, const void*, int64_t, int64_t, cudaStream_t, CountedRows))
+FLOWMOE_NO_CUDA(void, swiglu_backward_cuda,
+                (DType, void*, const void*, const void*, int64_t, int64_t, cudaStream_t, CountedRows))
 
 // kernels/swiglu_quant.h
 FLOWMOE_NO_CUDA(void, swiglu_quant_forward_cuda,
-                (DType, const void*, const float*, int64_t, int64_t, uint8_t*, float*, cudaStream_t))
+                (DType, const void*, const float*, int64_t, int64_t, uint8_t*, float*, cudaStream_t, CountedRows))
 FLOWMOE_NO_CUDA(void, swiglu_quant_backward_cuda,
                 (DType, const void*, const void*, const float*, int64_t, int64_t, uint8_t*, float*, void*, float*,
-                 cudaStream_t))
+                 cudaStream_t, CountedRows))
 
 // kernels/unpermute.h
 FLOWMOE_NO_CUDA(void, unpermute_cuda,

@@ -6,10 +6,12 @@
 //             the gate/up seam) or written unquantized in the input dtype. The quantize is straight-through.
 // fp32 math, products in this order on both backends. CPU reference (kernels/cpu/swiglu_quant.cpp) is the
 // composition of swiglu_*_cpu, the prob product and the fp8.h quantize; CUDA: kernels/cuda/swiglu_quant.cu.
+// With counted rows (kernels/common/counted_rows.h) the CUDA kernels compute only the rows the counts cover.
 // Node: engine/ops/swiglu_quant.cpp. Tests: tests/test_swiglu_quant.cpp. Bench: bench/bench_swiglu_quant.cpp.
 #pragma once
 #include <cstdint>
 
+#include "kernels/common/counted_rows.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/dtype.h"
 
@@ -20,7 +22,7 @@ void swiglu_quant_forward_cpu(DType dtype, const void* h /*[M, 2F]*/, const floa
                               int64_t F, uint8_t* q /*[M, F] e4m3*/, float* scale_inv /*[M, ceil(F/128)]*/);
 void swiglu_quant_forward_cuda(DType dtype, const void* h /*[M, 2F]*/, const float* prob /*[M] or null*/, int64_t M,
                                int64_t F, uint8_t* q /*[M, F] e4m3*/, float* scale_inv /*[M, ceil(F/128)]*/,
-                               cudaStream_t stream);
+                               cudaStream_t stream, CountedRows counted = {});
 
 // d_a and h share dtype (f32 or bf16). Each output is written when its pointer is non-null:
 // d_h_q + d_h_scale_inv (quantized d_h), d_h (d_h in dtype), d_prob (f32; with prob null it is the
@@ -34,6 +36,6 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a /*[M, F]*/, const v
                                 const float* prob /*[M] or null*/, int64_t M, int64_t F,
                                 uint8_t* d_h_q /*[M, 2F] e4m3 or null*/,
                                 float* d_h_scale_inv /*[M, ceil(2F/128)] or null*/, void* d_h /*[M, 2F] or null*/,
-                                float* d_prob /*[M] or null*/, cudaStream_t stream);
+                                float* d_prob /*[M] or null*/, cudaStream_t stream, CountedRows counted = {});
 
 }  // namespace flowmoe

@@ -79,8 +79,6 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
   // Chunks overlap a zero-sync exchange; a sync one reads counts to the host per chunk, which would stall the
   // stream the overlap needs, and one rank exchanges nothing.
   num_chunks_ = zero_sync_ ? options.exchange_chunks : 1;
-  // Process-wide, as the streams are: every MoE layer of a run asks the same.
-  if (num_chunks_ > 1 && device.is_cuda()) cuda_set_comm_sms(options.exchange_sms);
   const double out_std = cfg.initializer_range / std::sqrt(2.0 * double(cfg.num_hidden_layers));
   gate_ = f.normal(prefix + ".gate.weight", {E, H}, cfg.initializer_range);
   fc1_ = f.expert_normal(prefix + ".experts.fc1.weight", {E, 2 * F, H}, cfg.initializer_range, expert_offset_,
@@ -226,13 +224,14 @@ Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const Ex
   const MoeFlow flow = flow_;
   const QuantizedWeight* w1q = flow.fp8_experts ? &quantized(fc1_, fc1_cache_) : nullptr;
   auto fc1_swiglu = [this, flow, w1q, counts](const std::vector<Variable>& in) -> std::vector<Variable> {
-    if (!flow.fp8_experts) return {swiglu(grouped_linear(in[0], fc1_, counts))};
+    // With device counts SwiGLU computes only the rows they cover: a zero-sync buffer's tail is most of it.
+    if (!flow.fp8_experts) return {swiglu(grouped_linear(in[0], fc1_, counts), counts.device)};
     // fp8_flow: the rows arrive FP8, and SwiGLU applies the probs and emits FP8 for fc2 in one kernel.
     // fp8_blockwise: each GEMM quantizes its own input.
     Variable xq = flow.quantize_once ? in[0] : quantize_rowwise(in[0], "fc1.fprop: x");
     Variable h = fp8_grouped_linear(xq, fc1_, *w1q, counts, flow.wgrad, "fc1");
-    if (flow.quantize_once) return {swiglu_quant(h, in[1], /*quantize_grad=*/true)};
-    return {quantize_rowwise(swiglu(h), "fc2.fprop: x")};
+    if (flow.quantize_once) return {swiglu_quant(h, in[1], /*quantize_grad=*/true, counts.device)};
+    return {quantize_rowwise(swiglu(h, counts.device), "fc2.fprop: x")};
   };
   std::vector<Variable> in = {rows};
   if (flow.probs_in_experts) in.push_back(probs);

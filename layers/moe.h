@@ -48,8 +48,6 @@ struct MoeOptions {
   int exchange_chunks = 1;
   // false: the chunks' exchanges stay on the compute stream, in the same order (the overlap's reference).
   bool exchange_comm_stream = true;
-  // parallel.exchange_sms: with chunks on a GPU, the SMs the grouped GEMMs leave to the exchange kernels.
-  int exchange_sms = 0;
   // The expert-parallel group (parallel/process_group.h): its rank r holds experts
   // [r·E/n, (r+1)·E/n) and tokens travel to them through dispatch and combine. Null or one rank: every
   // expert is local.
@@ -101,6 +99,8 @@ class MoeLayer {
   const Tensor& load_counts() const { return tokens_since_update_; }
   // Named <prefix>.gate.e_score_correction_bias (as HF); no gradient, saved in checkpoints.
   const Variable& expert_bias() const { return expert_bias_; }
+  // The token chunks of a training forward (MoeOptions::exchange_chunks where the exchange is zero_sync, else 1).
+  int num_chunks() const { return num_chunks_; }
   // The shared experts' MLP (null when n_shared_experts is 0).
   const Mlp* shared_experts() const { return shared_.get(); }
 

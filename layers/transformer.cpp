@@ -118,6 +118,11 @@ int64_t Transformer::num_moe_layers() const {
   return std::count_if(layers_.begin(), layers_.end(), [](const auto& l) { return l->moe() != nullptr; });
 }
 
+bool Transformer::exchanges_in_chunks() const {
+  return std::any_of(layers_.begin(), layers_.end(),
+                     [](const auto& l) { return l->moe() && l->moe()->num_chunks() > 1; });
+}
+
 std::vector<Tensor> Transformer::moe_load_counts() const {
   std::vector<Tensor> counts;
   for (const auto& layer : layers_)

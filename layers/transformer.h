@@ -59,6 +59,8 @@ class Transformer {
   // Every MoE layer's counts since the last update_moe_bias (MoeLayer::load_counts), in layer order.
   std::vector<Tensor> moe_load_counts() const;
   int64_t num_moe_layers() const;
+  // Whether a training forward splits an MoE layer's tokens into chunks whose exchanges overlap the experts.
+  bool exchanges_in_chunks() const;
 
   const std::vector<Variable>& parameters() const { return params_; }  // fixed order
   // Where each parameter's rows sit in the full tensor, in parameters()' order: expert weights are

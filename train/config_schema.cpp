@@ -246,7 +246,8 @@ const std::vector<Field>& schema() {
                         "chunk's experts, forward and backward; 1: all tokens at once (no effect without it)"));
     f.push_back(integer("parallel", "exchange_sms", FLOWMOE_CONFIG_REF(parallel.exchange_sms), 0, 1024,
                         "with exchange_chunks > 1 on GPUs: SMs the expert GEMMs leave free for the exchange "
-                        "kernels running beside them (the copy-out takes 4 blocks on each); 0: the GEMMs take all"));
+                        "kernels, which keep to them (the put and the copy-out take 4 blocks on each); 0: the GEMMs "
+                        "take all"));
     f.push_back(boolean("parallel", "overlap_grad_reduce", FLOWMOE_CONFIG_REF(parallel.overlap_grad_reduce),
                         "reduce each 25 MiB gradient bucket as soon as the backward has finished it (on a stream "
                         "of its own with nccl), not after the backward; the same sums either way"));

@@ -234,6 +234,8 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
           reducer && reducer->sharded() ? reducer->owned_ranges() : std::vector<std::pair<int64_t, int64_t>>{}),
       state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
+  // Process-wide, as the streams are: the grouped GEMMs leave these SMs to the exchange kernels beside them.
+  if (device.is_cuda() && model.exchanges_in_chunks()) cuda_set_comm_sms(int(c.parallel.exchange_sms));
   if (reducer && reducer->sharded()) {
     reducer->set_stages(model.parameter_stages());
     model.set_stage_hook([r = reducer.get()](int64_t stage) { r->wait_stage(stage); });

@@ -64,7 +64,6 @@ MoeOptions moe_options(const Config& cfg, const ParallelState& ps) {
   const std::string& overlap = cfg.parallel.shared_expert_overlap;
   o.shared_expert_overlap = overlap == "on" || (overlap == "auto" && ps.expert_parallel_size > 1);
   o.exchange_chunks = int(cfg.parallel.exchange_chunks);
-  o.exchange_sms = int(cfg.parallel.exchange_sms);
   return o;
 }
 

@@ -7,6 +7,7 @@
 // device; a mismatch throws DTypeError / DeviceError naming both sides.
 #pragma once
 #include "engine/autograd.h"
+#include "kernels/common/counted_rows.h"
 
 namespace flowmoe {
 
@@ -35,7 +36,13 @@ Variable embedding(const Variable& weight /*[V,H]*/, const Tensor& ids /*[...] i
 Variable rmsnorm(const Variable& x /*[..., H]*/, const Variable& weight /*[H]*/, double eps);
 Variable silu(const Variable& x);  // x * sigmoid(x). engine/ops/silu.cpp
 // out = silu(gate) * up, gate = x[..., :F], up = x[..., F:]. engine/ops/swiglu.cpp
-Variable swiglu(const Variable& gate_up /*[..., 2F]*/);  // -> [..., F]
+// row_counts: the expert GEMMs' device counts [E] i32 over a 2-D gate_up [M, 2F]: only the rows they cover
+// (their sum) are computed, forward and backward, and the rest are left unwritten (kernels/common/counted_rows.h).
+Variable swiglu(const Variable& gate_up /*[..., 2F]*/, const Tensor& row_counts = Tensor());  // -> [..., F]
+// The rows a row kernel computes of a buffer of `rows` (kernels/common/counted_rows.h): all, or the sum of
+// row_counts ([E] i32) when defined, read on the host for a CPU tensor (host memory, no sync) and left to the
+// kernel on a GPU (`counted` then points at them).
+int64_t counted_host_rows(int64_t rows, const Tensor& row_counts, CountedRows* counted);
 
 // ---- softmax and loss --------------------------------------------------------------------------
 Variable softmax(const Variable& x);  // over the last dim. engine/ops/softmax.cpp

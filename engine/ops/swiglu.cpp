@@ -1,6 +1,10 @@
 // swiglu(gate_up) = silu(gate_up[..., :F]) * gate_up[..., F:] as an autograd primitive, with its
-// backward as a primitive on the same device. Reference: kernels/cpu/swiglu.cpp. Tests: tests/test_swiglu.cpp.
+// backward as a primitive on the same device; with row counts, over the rows they cover only.
+// Reference: kernels/cpu/swiglu.cpp. Tests: tests/test_swiglu.cpp.
 #include "kernels/swiglu.h"
+
+#include <algorithm>
+
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
 
@@ -17,6 +21,16 @@ int64_t swiglu_width(const Tensor& gate_up, const char* what) {
   return two_f / 2;
 }
 
+// row_counts, when defined: [E] i32 on gate_up's device, over a 2-D gate_up.
+void check_row_counts(const Tensor& row_counts, const Tensor& gate_up, const char* what) {
+  if (!row_counts.defined()) return;
+  FLOWMOE_CHECK(gate_up.dim() == 2, ShapeError, what, ": row counts need a 2-D [M, 2F], got ", gate_up.describe());
+  FLOWMOE_CHECK(row_counts.dim() == 1 && row_counts.dtype() == DType::i32 && row_counts.is_contiguous(), ShapeError,
+                what, ": row counts must be a contiguous [E] i32, got ", row_counts.describe());
+  FLOWMOE_CHECK(row_counts.device() == gate_up.device(), DeviceError, what, ": row counts on ",
+                row_counts.device().str(), ", gate_up on ", gate_up.device().str());
+}
+
 Shape out_shape(const Tensor& gate_up, int64_t F) {
   Shape s = gate_up.shape();
   s.back() = F;
@@ -26,13 +40,14 @@ Shape out_shape(const Tensor& gate_up, int64_t F) {
 // d_gate_up from {d_out [..., F], gate_up [..., 2F]}.
 class SwigluBackward : public BackwardPrimitive {
  public:
+  explicit SwigluBackward(Tensor row_counts) : row_counts_(std::move(row_counts)) {}
   const char* name() const override { return "swiglu_backward"; }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     int64_t F = check(in);
     Tensor d_out = in[0].contiguous(), gate_up = in[1].contiguous();
     Tensor d_gate_up = Tensor::empty(gate_up.shape(), gate_up.dtype(), gate_up.device());
-    int64_t rows = F > 0 ? d_out.numel() / F : 0;
+    const int64_t rows = counted_host_rows(F > 0 ? d_out.numel() / F : 0, row_counts_, nullptr);
     FLOWMOE_DISPATCH_CPU_FLOAT(gate_up.dtype(), name(),
                                swiglu_backward_cpu<scalar_t>(d_gate_up.data<scalar_t>(), d_out.data<scalar_t>(),
                                                              gate_up.data<scalar_t>(), rows, F));
@@ -44,9 +59,11 @@ class SwigluBackward : public BackwardPrimitive {
     check_dtype(in[1], {DType::f32, DType::bf16}, name());
     Tensor d_out = in[0].contiguous(), gate_up = in[1].contiguous();
     Tensor d_gate_up = Tensor::empty(gate_up.shape(), gate_up.dtype(), gate_up.device());
-    int64_t rows = F > 0 ? d_out.numel() / F : 0;
+    const int64_t rows = F > 0 ? d_out.numel() / F : 0;
+    CountedRows counted;
+    counted_host_rows(rows, row_counts_, &counted);
     swiglu_backward_cuda(gate_up.dtype(), d_gate_up.raw_data(), d_out.raw_data(), gate_up.raw_data(), rows, F,
-                         current_stream(gate_up.device().index));
+                         current_stream(gate_up.device().index), counted);
     return {d_gate_up};
   }
 
@@ -58,17 +75,21 @@ class SwigluBackward : public BackwardPrimitive {
                   " does not match gate_up ", in[1].describe());
     return F;
   }
+
+  Tensor row_counts_;
 };
 
 class Swiglu : public Primitive {
  public:
+  explicit Swiglu(Tensor row_counts) : row_counts_(std::move(row_counts)) {}
   const char* name() const override { return "swiglu"; }
 
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     int64_t F = swiglu_width(in[0], name());
     Tensor gate_up = in[0].contiguous();
     Tensor out = Tensor::empty(out_shape(gate_up, F), gate_up.dtype(), gate_up.device());
-    int64_t rows = F > 0 ? out.numel() / F : 0;
+    check_row_counts(row_counts_, gate_up, name());
+    const int64_t rows = counted_host_rows(F > 0 ? out.numel() / F : 0, row_counts_, nullptr);
     FLOWMOE_DISPATCH_CPU_FLOAT(gate_up.dtype(), name(),
                                swiglu_forward_cpu<scalar_t>(out.data<scalar_t>(), gate_up.data<scalar_t>(), rows, F));
     return {out};
@@ -79,21 +100,41 @@ class Swiglu : public Primitive {
     check_dtype(in[0], {DType::f32, DType::bf16}, name());
     Tensor gate_up = in[0].contiguous();
     Tensor out = Tensor::empty(out_shape(gate_up, F), gate_up.dtype(), gate_up.device());
-    int64_t rows = F > 0 ? out.numel() / F : 0;
+    check_row_counts(row_counts_, gate_up, name());
+    const int64_t rows = F > 0 ? out.numel() / F : 0;
+    CountedRows counted;
+    counted_host_rows(rows, row_counts_, &counted);
     swiglu_forward_cuda(gate_up.dtype(), out.raw_data(), gate_up.raw_data(), rows, F,
-                        current_stream(gate_up.device().index));
+                        current_stream(gate_up.device().index), counted);
     return {out};
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>&) override {
-    SwigluBackward bwd;
+    SwigluBackward bwd(row_counts_);
     return {eval(bwd, {d_out[0], in[0]})[0]};
   }
+
+ private:
+  Tensor row_counts_;
 };
 
 }  // namespace
 
-Variable swiglu(const Variable& gate_up) { return apply(std::make_shared<Swiglu>(), {gate_up})[0]; }
+int64_t counted_host_rows(int64_t rows, const Tensor& row_counts, CountedRows* counted) {
+  if (!row_counts.defined()) return rows;
+  if (row_counts.device().is_cuda()) {
+    if (counted) *counted = {row_counts.data<int32_t>(), int(row_counts.numel())};
+    return rows;
+  }
+  int64_t sum = 0;
+  const int32_t* c = row_counts.data<int32_t>();
+  for (int64_t i = 0; i < row_counts.numel(); ++i) sum += c[i];
+  return std::min(rows, sum);
+}
+
+Variable swiglu(const Variable& gate_up, const Tensor& row_counts) {
+  return apply(std::make_shared<Swiglu>(row_counts), {gate_up})[0];
+}
 
 }  // namespace flowmoe

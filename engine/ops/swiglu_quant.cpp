@@ -5,6 +5,7 @@
 
 #include <memory>
 
+#include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/swiglu_quant.h"
@@ -32,12 +33,13 @@ const float* prob_ptr(const Tensor& prob) { return prob.defined() ? prob.data<fl
 // d_prob [M] f32 or undefined}.
 class SwigluQuantBackward : public SharedBodyPrimitive<BackwardPrimitive> {
  public:
-  SwigluQuantBackward(bool quantize_grad, bool want_h, bool want_prob)
-      : quantize_grad_(quantize_grad), want_h_(want_h), want_prob_(want_prob) {}
+  SwigluQuantBackward(bool quantize_grad, bool want_h, bool want_prob, Tensor row_counts)
+      : quantize_grad_(quantize_grad), want_h_(want_h), want_prob_(want_prob), row_counts_(std::move(row_counts)) {}
   const char* name() const override { return "swiglu_quant_backward"; }
 
  private:
   bool quantize_grad_, want_h_, want_prob_;
+  Tensor row_counts_;
 
   std::vector<Tensor> run(const std::vector<Tensor>& in, bool cuda) override {
     const int64_t F = check_h_prob(in[1], in[2], name());
@@ -63,11 +65,13 @@ class SwigluQuantBackward : public SharedBodyPrimitive<BackwardPrimitive> {
     float* s_ptr = scale_inv.defined() ? scale_inv.data<float>() : nullptr;
     void* d_h_ptr = d_h.defined() ? d_h.raw_data() : nullptr;
     float* d_prob_ptr = d_prob.defined() ? d_prob.data<float>() : nullptr;
+    CountedRows counted;
+    const int64_t rows = counted_host_rows(M, row_counts_, &counted);
     if (cuda) {
       swiglu_quant_backward_cuda(dtype, d_a.raw_data(), h.raw_data(), prob_ptr(prob), M, F, q_ptr, s_ptr, d_h_ptr,
-                                 d_prob_ptr, current_stream(dev.index));
+                                 d_prob_ptr, current_stream(dev.index), counted);
     } else {
-      swiglu_quant_backward_cpu(dtype, d_a.raw_data(), h.raw_data(), prob_ptr(prob), M, F, q_ptr, s_ptr, d_h_ptr,
+      swiglu_quant_backward_cpu(dtype, d_a.raw_data(), h.raw_data(), prob_ptr(prob), rows, F, q_ptr, s_ptr, d_h_ptr,
                                 d_prob_ptr);
     }
     if (q.defined())
@@ -80,31 +84,39 @@ class SwigluQuantBackward : public SharedBodyPrimitive<BackwardPrimitive> {
 
 class SwigluQuant : public SharedBodyPrimitive<Primitive> {
  public:
-  explicit SwigluQuant(bool quantize_grad) : quantize_grad_(quantize_grad) {}
+  SwigluQuant(bool quantize_grad, Tensor row_counts)
+      : quantize_grad_(quantize_grad), row_counts_(std::move(row_counts)) {}
   const char* name() const override { return "swiglu_quant"; }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
-    SwigluQuantBackward bwd(quantize_grad_, needs[0], needs[1] && in[1].defined());
+    SwigluQuantBackward bwd(quantize_grad_, needs[0], needs[1] && in[1].defined(), row_counts_);
     return eval(bwd, {d_out[0], in[0], in[1]});
   }
 
  private:
   bool quantize_grad_;
+  Tensor row_counts_;
 
   std::vector<Tensor> run(const std::vector<Tensor>& in, bool cuda) override {
     const int64_t F = check_h_prob(in[0], in[1], name());
     const int64_t M = in[0].size(0);
     const Device dev = in[0].device();
+    if (row_counts_.defined())
+      FLOWMOE_CHECK(row_counts_.dim() == 1 && row_counts_.dtype() == DType::i32 && row_counts_.device() == dev,
+                    ShapeError, name(), ": row counts must be [E] i32 on ", dev.str(), ", got ",
+                    row_counts_.describe());
+    CountedRows counted;
+    const int64_t rows = counted_host_rows(M, row_counts_, &counted);
     Tensor h = in[0].contiguous(), prob = in[1].defined() ? in[1].contiguous() : Tensor();
     Tensor q = Tensor::empty({M, F}, DType::e4m3, dev);
     Tensor scale_inv = Tensor::empty({M, fp8_num_blocks(F)}, DType::f32, dev);
     auto* q_ptr = static_cast<uint8_t*>(q.raw_data());
     if (cuda) {
       swiglu_quant_forward_cuda(h.dtype(), h.raw_data(), prob_ptr(prob), M, F, q_ptr, scale_inv.data<float>(),
-                                current_stream(dev.index));
+                                current_stream(dev.index), counted);
     } else {
-      swiglu_quant_forward_cpu(h.dtype(), h.raw_data(), prob_ptr(prob), M, F, q_ptr, scale_inv.data<float>());
+      swiglu_quant_forward_cpu(h.dtype(), h.raw_data(), prob_ptr(prob), rows, F, q_ptr, scale_inv.data<float>());
     }
     return {q.with_scales(scale_inv, ScalingMode::rowwise_1x128)};
   }
@@ -112,8 +124,8 @@ class SwigluQuant : public SharedBodyPrimitive<Primitive> {
 
 }  // namespace
 
-Variable swiglu_quant(const Variable& h, const Variable& prob, bool quantize_grad) {
-  return apply(std::make_shared<SwigluQuant>(quantize_grad), {h, prob})[0];
+Variable swiglu_quant(const Variable& h, const Variable& prob, bool quantize_grad, const Tensor& row_counts) {
+  return apply(std::make_shared<SwigluQuant>(quantize_grad, row_counts), {h, prob})[0];
 }
 
 }  // namespace flowmoe

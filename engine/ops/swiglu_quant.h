@@ -11,6 +11,7 @@ namespace flowmoe {
 // attached. Its gradient d_a (bf16 or f32, whatever arrives) gives d_h [M,2F] as FP8 with rowwise scales
 // attached when quantize_grad (the fp8_flow feeds it straight to fc1's dgrad), else d_h in h's dtype;
 // and d_prob [M] f32. A fused producer of FP8, not a cast: it does not call note_cast.
-Variable swiglu_quant(const Variable& h, const Variable& prob, bool quantize_grad);
+// row_counts: as swiglu's (engine/ops/ops.h), the rows past the counts' sum are left unwritten.
+Variable swiglu_quant(const Variable& h, const Variable& prob, bool quantize_grad, const Tensor& row_counts = Tensor());
 
 }  // namespace flowmoe

@@ -1,11 +1,12 @@
-// Small device helpers shared by the kernels: bf16/f32 conversion, grid sizing, warp reductions,
-// and a dtype -> C++ type dispatch for launchers.
+// Small device helpers shared by the kernels: bf16/f32 conversion, grid sizing, warp reductions, the
+// counted rows of a worst-case buffer, and a dtype -> C++ type dispatch for launchers.
 #pragma once
 #include <cuda_bf16.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/common/counted_rows.h"
 #include "kernels/common/dtype.h"
 #include "kernels/common/error.h"
 
@@ -56,6 +57,14 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 }
 
 // Blocks for a grid-stride loop over n elements (capped; the loop covers the rest).
+// The rows of `rows` a kernel computes (kernels/common/counted_rows.h): all, or the sum of the counts.
+__device__ __forceinline__ int64_t counted_rows(int64_t rows, CountedRows c) {
+  if (!c.counts) return rows;
+  int64_t sum = 0;
+  for (int i = 0; i < c.num; ++i) sum += __ldg(c.counts + i);
+  return sum < rows ? sum : rows;
+}
+
 inline unsigned grid_size(int64_t n, int threads) {
   int64_t blocks = (n + threads - 1) / threads;
   return unsigned(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);

@@ -5,6 +5,7 @@
 //            FP8 expert case): a warp per row makes each d_g and d_u block in registers. Otherwise one CTA per
 //            row stages [d_g | d_u] in shared memory (its 1x128 blocks may straddle the gate/up seam) and a
 //            warp per block quantizes it. d_prob is a fixed-order reduction either way (no atomics).
+// Counted rows (kernels/common/counted_rows.h) bound M on the device; the grids are sized for every row.
 // silu / silu' come from kernels/cuda/silu.cuh; products use __fmul_rn in the reference's order.
 // The quantize building blocks (chunk loads, amax, e4m3 stores) come from kernels/cuda/quantize_rows.cuh.
 // CPU reference: kernels/cpu/swiglu_quant.cpp. Tests: tests/test_swiglu_quant.cpp. The unfused baseline
@@ -46,9 +47,9 @@ __device__ __forceinline__ void swiglu_grad_chunk(const float (&g)[N], const flo
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     swiglu_quant_forward_kernel(const T* __restrict__ h, const float* __restrict__ prob, int64_t M, int64_t F,
-                                uint8_t* __restrict__ q, float* __restrict__ scale_inv) {
+                                uint8_t* __restrict__ q, float* __restrict__ scale_inv, CountedRows counted) {
   constexpr int N = vec_elems<T>();
-  quantize_rows<N, kVec>(M, F, q, scale_inv, [&](int64_t r, int64_t j0, float(&a)[N]) {
+  quantize_rows<N, kVec>(counted_rows(M, counted), F, q, scale_inv, [&](int64_t r, int64_t j0, float(&a)[N]) {
     const T* gate = h + r * 2 * F;
     float g[N], u[N];
     load_chunk<T, kVec>(gate, j0, F, g);
@@ -65,9 +66,11 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, bool kVec>
 __global__ void __launch_bounds__(1024)
     swiglu_quant_backward_kernel(const T* __restrict__ d_a, const T* __restrict__ h, const float* __restrict__ prob,
-                                 int64_t M, int64_t F, uint8_t* __restrict__ d_h_q, float* __restrict__ d_h_scale_inv,
-                                 T* __restrict__ d_h, float* __restrict__ d_prob) {
+                                 int64_t all_rows, int64_t F, uint8_t* __restrict__ d_h_q,
+                                 float* __restrict__ d_h_scale_inv, T* __restrict__ d_h, float* __restrict__ d_prob,
+                                 CountedRows counted) {
   constexpr int N = vec_elems<T>();
+  const int64_t M = counted_rows(all_rows, counted);
   extern __shared__ float4 smem_f4[];
   float* row_grad = reinterpret_cast<float*>(smem_f4);  // [2F]: [d_g | d_u] of the current row
   __shared__ float scratch[32];
@@ -147,10 +150,11 @@ __global__ void __launch_bounds__(1024)
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     swiglu_quant_backward_aligned_kernel(const T* __restrict__ d_a, const T* __restrict__ h,
-                                         const float* __restrict__ prob, int64_t M, int64_t F,
+                                         const float* __restrict__ prob, int64_t all_rows, int64_t F,
                                          uint8_t* __restrict__ d_h_q, float* __restrict__ d_h_scale_inv,
-                                         T* __restrict__ d_h, float* __restrict__ d_prob) {
+                                         T* __restrict__ d_h, float* __restrict__ d_prob, CountedRows counted) {
   constexpr int N = vec_elems<T>(), L = kFp8BlockSize / N, kGroupsPerWarp = 32 / L;
+  const int64_t M = counted_rows(all_rows, counted);
   const int64_t K = 2 * F, nb_f = F / kFp8BlockSize, nb = 2 * nb_f;
   const int lane = threadIdx.x & 31, sub = lane % L, group = lane / L;
   const int64_t num_warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
@@ -212,7 +216,7 @@ unsigned quantize_grid(int64_t M, int64_t K, int N) {
 // ---- launchers --------------------------------------------------------------------------------
 
 void swiglu_quant_forward_cuda(DType dtype, const void* h, const float* prob, int64_t M, int64_t F, uint8_t* q,
-                               float* scale_inv, cudaStream_t stream) {
+                               float* scale_inv, cudaStream_t stream, CountedRows counted) {
   FLOWMOE_CHECK(M >= 0 && F >= 0, ShapeError, "swiglu_quant_forward_cuda: bad shape M ", M, ", F ", F);
   if (M == 0 || F == 0) return;
   FLOWMOE_CHECK(h && q && scale_inv, Error, "swiglu_quant_forward_cuda: null h, q or scale_inv (M ", M, ", F ", F, ")");
@@ -221,13 +225,15 @@ void swiglu_quant_forward_cuda(DType dtype, const void* h, const float* prob, in
     constexpr int N = vec_elems<T>();
     const bool vec = F % N == 0 && aligned(h, 16) && aligned(q, N);
     auto kernel = vec ? swiglu_quant_forward_kernel<T, true> : swiglu_quant_forward_kernel<T, false>;
-    kernel<<<quantize_grid(M, F, N), kThreads, 0, stream>>>(static_cast<const T*>(h), prob, M, F, q, scale_inv);
+    kernel<<<quantize_grid(M, F, N), kThreads, 0, stream>>>(static_cast<const T*>(h), prob, M, F, q, scale_inv,
+                                                            counted);
   });
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 
 void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, const float* prob, int64_t M, int64_t F,
-                                uint8_t* d_h_q, float* d_h_scale_inv, void* d_h, float* d_prob, cudaStream_t stream) {
+                                uint8_t* d_h_q, float* d_h_scale_inv, void* d_h, float* d_prob, cudaStream_t stream,
+                                CountedRows counted) {
   FLOWMOE_CHECK(M >= 0 && F >= 0, ShapeError, "swiglu_quant_backward_cuda: bad shape M ", M, ", F ", F);
   FLOWMOE_CHECK(!d_h_q == !d_h_scale_inv, Error,
                 "swiglu_quant_backward_cuda: d_h_q and d_h_scale_inv come together (one of them is null)");
@@ -255,7 +261,7 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, con
       const unsigned grid = grid_size(M * 32, kThreads);
       swiglu_quant_backward_aligned_kernel<T>
           <<<grid, kThreads, 0, stream>>>(static_cast<const T*>(d_a), static_cast<const T*>(h), prob, M, F, d_h_q,
-                                          d_h_scale_inv, static_cast<T*>(d_h), d_prob);
+                                          d_h_scale_inv, static_cast<T*>(d_h), d_prob, counted);
       return;
     }
     auto kernel = vec ? swiglu_quant_backward_kernel<T, true> : swiglu_quant_backward_kernel<T, false>;
@@ -264,7 +270,7 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, con
     const int threads = int(chunks < 64 ? 64 : (chunks > 1024 ? 1024 : (chunks + 31) / 32 * 32));
     const unsigned grid = unsigned(M < (int64_t(1) << 30) ? M : (int64_t(1) << 30));
     kernel<<<grid, threads, smem, stream>>>(static_cast<const T*>(d_a), static_cast<const T*>(h), prob, M, F, d_h_q,
-                                            d_h_scale_inv, static_cast<T*>(d_h), d_prob);
+                                            d_h_scale_inv, static_cast<T*>(d_h), d_prob, counted);
   });
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }

@@ -108,16 +108,20 @@ __device__ __forceinline__ void with_unit(int unit, F&& f) {
 // LSA barrier; each chunk of out_table copied, for every tensor, as one contiguous block (rows are consecutive
 // on both sides) into the peer's window (its own chunks straight into recv) with 16/4/1-byte stores spread over
 // every thread of the grid; LSA barrier (release/acquire).
-// Why the barriers suffice: every rank launches the same kCtas CTAs, and CTA b's barrier b covers CTA b of every
-// rank, so after the kernel every peer's stores into this window have landed. The first barrier orders this
-// rank's previous copy-out (an earlier launch on the stream) before any peer's store of this put.
+// The peers in turn from me + 1 (its own chunks last): at any moment rank r writes to r + j, so every GPU
+// receives from one peer and sends to one. In the same order on every rank, all of them would write into
+// rank 0 first, then rank 1, ...: one GPU's inbound links carrying n − 1 senders while the others idle.
+// Why the barriers suffice: every rank launches the same number of CTAs (at most kCtas), and CTA b's barrier b covers
+// CTA b of every rank, so after the kernel every peer's stores into this window have landed. The first barrier orders
+// this rank's previous copy-out (an earlier launch on the stream) before any peer's store of this put.
 __global__ void lsa_put_kernel(ncclDevComm comm, ncclWindow_t window, PutTensors ts,
                                const int32_t* __restrict__ out_table, int me, int num_peers, int chunks_per_peer) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), comm, ncclTeamTagLsa{}, blockIdx.x};
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every peer has read the last put out of its window
   int64_t next = first_thread_unit(), src = 0, dst = 0, rows = 0;
-  for (int i = 0, peer = 0; peer < num_peers; ++peer)
-    for (int c = 0; c < chunks_per_peer; ++c, ++i) {
+  for (int j = 1; j <= num_peers; ++j) {
+    const int peer = (me + j) % num_peers;
+    for (int c = 0, i = peer * chunks_per_peer; c < chunks_per_peer; ++c, ++i) {
       if (!chunk_rows(out_table, i, ts.send_rows, ts.recv_rows, src, dst, rows)) continue;
       for (int k = 0; k < ts.count; ++k) {
         const PutTensor& t = ts.t[k];
@@ -130,6 +134,7 @@ __global__ void lsa_put_kernel(ncclDevComm comm, ncclWindow_t window, PutTensors
         });
       }
     }
+  }
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every rank's stores into every window have landed
 }
 
@@ -225,10 +230,13 @@ class LsaPutImpl final : public LsaPut {
     ensure_window(bytes, stream);
     const int n = int(out_table.size(0)), C = int(out_table.size(1));
     const bool has_pad = pad.starts.defined();
-    lsa_put_kernel<<<kCtas, kThreads, 0, stream>>>(dev_, window_, ts, out_table.data<int32_t>(), rank_, n, C);
+    // Beside the GEMMs (cuda_set_comm_sms) both kernels keep to the SMs they leave: 4 CTAs of 512 threads
+    // each. The put's grid is the same on every rank (the setting is the run's), as its barriers need.
+    const int sms = cuda_comm_sms();
+    const int put_ctas = sms > 0 ? std::min(kCtas, 4 * sms) : kCtas;
+    lsa_put_kernel<<<put_ctas, kThreads, 0, stream>>>(dev_, window_, ts, out_table.data<int32_t>(), rank_, n, C);
     FLOWMOE_CUDA_CHECK_LAUNCH();
-    // Beside the GEMMs (cuda_set_comm_sms) the copy-out keeps to the SMs they leave: 4 CTAs of 512 threads each.
-    const int copy_ctas = cuda_comm_sms() > 0 ? std::min(copy_ctas_, 4 * cuda_comm_sms()) : copy_ctas_;
+    const int copy_ctas = sms > 0 ? std::min(copy_ctas_, 4 * sms) : copy_ctas_;
     lsa_copy_out_kernel<<<copy_ctas, kThreads, 0, stream>>>(
         ts, static_cast<const char*>(buffer_), in_table.data<int32_t>(), rank_, C, int(in_table.numel() / 3),
         has_pad ? pad.starts.data<int32_t>() : nullptr, has_pad ? pad.covered.data<int32_t>() : nullptr,

@@ -28,7 +28,6 @@ MoeOptions chunked(std::shared_ptr<Communicator> group, MoeRecipe recipe, int ch
   o.ep_dispatch = EpDispatch::zero_sync;
   o.exchange_chunks = chunks;
   o.exchange_comm_stream = comm_stream;
-  o.exchange_sms = 0;  // the GEMMs' grid stays as the unchunked layer's, so their sums do too
   return o;
 }
 
