@@ -114,10 +114,11 @@ const char* ep_dispatch_name(EpDispatch mode) {
 bool resolve_ep_dispatch(EpDispatch mode, Communicator* group) {
   if (!group || group->size() <= 1 || mode == EpDispatch::sync) return false;
   if (mode == EpDispatch::zero_sync) return true;
-  // auto takes zero_sync where it was measured (docs/PERF.md): ahead of the one-sync exchange at 2
-  // ranks, and at 4 the one that trains (the sync exchange stalls there in longer runs). 8 ranks are
-  // not measured. Without device puts (several hosts) zero_sync would read its tables to the host.
-  return (group->size() == 2 || group->size() == 4) && group->device_puts();
+  // auto takes zero_sync where it was measured ahead (docs/PERF.md): at 2 ranks, as fast in training and
+  // faster alone. At 4 the sync exchange (one block per peer) trains faster with a third less memory (the
+  // worst-case receive buffers); 8 ranks are not measured. Without device puts (several hosts) zero_sync
+  // would read its tables to the host.
+  return group->size() == 2 && group->device_puts();
 }
 
 Variable combine_return(const Variable& rows, const Dispatched& from) {

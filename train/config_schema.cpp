@@ -230,11 +230,12 @@ const std::vector<Field>& schema() {
                         "must divide the number of processes"));
     f.push_back(choice("parallel", "backend", FLOWMOE_CONFIG_REF(parallel.backend), {"auto", "nccl", "mpi", "none"},
                        "collectives between ranks; auto: none for one process, nccl on GPUs, mpi on the CPU"));
-    f.push_back(choice(
-        "parallel", "ep_dispatch", FLOWMOE_CONFIG_REF(parallel.ep_dispatch), {"auto", "sync", "zero_sync"},
-        "the expert-parallel token exchange: sync reads the per-expert counts to the host once per "
-        "MoE layer; zero_sync keeps them on the device (worst-case receive buffers; nccl writes rows "
-        "into the peers' GPUs); auto: zero_sync for a group of 2 or 4 load/store-reachable GPUs, sync otherwise"));
+    f.push_back(choice("parallel", "ep_dispatch", FLOWMOE_CONFIG_REF(parallel.ep_dispatch),
+                       {"auto", "sync", "zero_sync"},
+                       "the expert-parallel token exchange: sync reads the per-expert counts to the host once per "
+                       "MoE layer; zero_sync keeps them on the device (worst-case receive buffers; nccl writes rows "
+                       "into the peers' GPUs); auto: zero_sync for a group of 2 load/store-reachable GPUs, sync "
+                       "otherwise (docs/PERF.md)"));
     f.push_back(choice("parallel", "shared_expert_overlap", FLOWMOE_CONFIG_REF(parallel.shared_expert_overlap),
                        {"auto", "on", "off"},
                        "run the shared experts on a second CUDA stream beside dispatch, the routed experts and "
