@@ -132,7 +132,7 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     # Weak scaling (scripts/scaling.sh): gpu_moe_wide in bf16, data and expert parallelism over every
     # GPU against one GPU, in the same run (SCALING_CONFIGS/RECIPES/MODES widen it; the full table:
     # scripts/scaling.sh alone).
-    CONFIGS="${SCALING_CONFIGS:-gpu_moe_wide}" RECIPES="${SCALING_RECIPES:-bf16}" MODES="${SCALING_MODES:-dp ep_zero_sync}" \
+    CONFIGS="${SCALING_CONFIGS:-gpu_moe_wide}" RECIPES="${SCALING_RECIPES:-bf16}" MODES="${SCALING_MODES:-dp ep_sync ep_zero_sync}" \
       scripts/scaling.sh "$build" "$out/scaling" >"$out/scaling.txt" 2>&1 || bench_rc=1
     sed 's/^scaling //' "$out/scaling.txt" | while read -r line; do row "scaling ${line%%:*}" "${line#*: }"; done
   fi
