@@ -117,26 +117,43 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
 // soon as they are ready, so they travel beside the other chunk's experts (routed_in_chunks).
 // (tests/test_moe_fp8.cpp checks this order against the ops the backward runs.)
 // The backward reads nothing to the host: the GEMMs and exchanges reuse the forward's counts.
+// The steps below run in begin (0-3, prepare holding 0-2), run_experts (4 and the rows' return) and finish (5-6).
 Variable MoeLayer::forward(const Variable& x, DType compute) const {
-  const Shape in_shape = x.shape();
-  Variable x2 = reshape(x, {-1, in_shape.back()});  // [T, H]
+  if (num_chunks_ > 1 && grad_enabled()) return forward_in_chunks(x, compute);
+  Pending p = begin(x, compute);
+  run_experts(p);
+  return finish(p);
+}
+
+// Steps 0-2: what every token goes through before the routed experts.
+MoeLayer::Pending MoeLayer::prepare(const Variable& x, DType compute) const {
+  Pending p;
+  p.in_shape = x.shape();
+  Variable x2 = reshape(x, {-1, p.in_shape.back()});  // [T, H]
 
   // 0. The shared experts, a dense SwiGLU MLP on every token (summed in at 6). They wait for nothing the
   //    routed path makes, so with shared_expert_overlap they run on a side stream beside steps 1-5, and
   //    so do their backward's ops (engine/side_stream.h); issued first, so that a sync dispatch's host
   //    read does not hold them back.
-  Variable shared_y;
   if (shared_) {
     SideBranch side(x2.device(), options_.shared_expert_overlap);
-    shared_y = shared_->forward(x2, compute);
+    p.shared_y = shared_->forward(x2, compute);
   }
 
   // 1. Router, in fp32 as DeepSeek-V3 does: the top-k choice is sensitive to rounding.
-  RouterOutput r = route_tokens(x2, in_shape);
+  RouterOutput r = route_tokens(x2, p.in_shape);
+  p.aux_loss = r.aux_loss;
+  p.topk_idx = r.topk_idx;
+  p.topk_prob = r.topk_prob;
+  if (x2.device().is_cpu() && p.topk_prob.dtype() != x2.dtype()) p.topk_prob = cast(p.topk_prob, x2.dtype());
 
   // 2. Quantize once (fp8_flow): x becomes e4m3 with 1x128 scales, and stays FP8 until fc1.
-  Variable tokens = flow_.quantize_once ? quantize_rowwise(x2, "dispatch: x") : x2;
+  p.tokens = flow_.quantize_once ? quantize_rowwise(x2, "dispatch: x") : x2;
+  return p;
+}
 
+MoeLayer::Pending MoeLayer::begin(const Variable& x, DType compute) const {
+  Pending p = prepare(x, compute);
   // 3. Dispatch: each routed copy goes to the rank that owns its expert, into that rank's expert-major
   //    buffer padded to align_size (permute+pad; across ranks, an exchange straight into place).
   //    fp8_flow moves the probs with the rows (SwiGLU applies them); the other recipes apply them at
@@ -145,30 +162,44 @@ Variable MoeLayer::forward(const Variable& x, DType compute) const {
   //    wgrad operands' colwise layouts (transpose or re-quantize) follow the same counts into worst-case
   //    sized scales. A sync exchange reads them to the host once, sizing the transfers and the GEMMs.
   //    With exchange_chunks, steps 3-5 run per token chunk, their exchanges beside the compute (routed_in_chunks).
-  Variable topk_prob = r.topk_prob;
-  if (x2.device().is_cpu() && topk_prob.dtype() != x2.dtype()) topk_prob = cast(topk_prob, x2.dtype());
-  Variable y;
-  if (num_chunks_ > 1 && grad_enabled()) {
-    y = routed_in_chunks(tokens, r.topk_idx, topk_prob);
-  } else {
-    Dispatched d =
-        dispatch(tokens, r.topk_idx, flow_.probs_in_experts ? topk_prob : Variable(), dispatch_options(tokens.size(0)));
+  p.d = dispatch(p.tokens, p.topk_idx, flow_.probs_in_experts ? p.topk_prob : Variable(),
+                 dispatch_options(p.tokens.size(0)));
+  p.arrived = comm_lane_last_ticket(p.tokens.device());
+  return p;
+}
 
-    // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2, on the counts dispatch left where they read them.
-    Variable out_rows = experts(d.rows, d.probs, d.counts);
+void MoeLayer::run_experts(Pending& p) const {
+  // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2, on the counts dispatch left where they read them.
+  const Device device = p.d.rows.device();
+  comm_lane_wait(device, p.arrived);
+  Variable out_rows = experts(p.d.rows, p.d.probs, p.d.counts);
 
-    // 5. Combine: the rows return to their tokens' rank, and each token sums its k expert rows (× prob
-    //    unless SwiGLU applied it): unpermute+unpad.
-    y = combine(out_rows, d, flow_.probs_in_experts ? Variable() : topk_prob,
-                flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is);  // [T, H]
-  }
+  // 5. Combine: the rows return to their tokens' rank (issued here, so that it travels beside what the
+  //    caller runs next), then each token sums its k expert rows (× prob unless SwiGLU applied it):
+  //    unpermute+unpad, in finish.
+  p.returned = combine_return(out_rows, p.d);
+  p.back = comm_lane_last_ticket(device);
+}
 
-  // 6. + the shared experts' output, once the side stream has finished it.
+Variable MoeLayer::finish(Pending& p) const {
+  comm_lane_wait(p.returned.device(), p.back);
+  return add_shared(p, combine_unpermute(p.returned, p.d, flow_.probs_in_experts ? Variable() : p.topk_prob,
+                                         flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is));
+}
+
+// 6. y [T, H] + the shared experts' output, once the side stream has finished it.
+Variable MoeLayer::add_shared(const Pending& p, Variable y) const {
   if (shared_) {
-    join_side_branch(x2.device());
-    y = add(y, shared_y);
+    join_side_branch(y.device());
+    y = add(y, p.shared_y);
   }
-  return reshape(y, in_shape);
+  return reshape(y, p.in_shape);
+}
+
+// forward with exchange_chunks: steps 0-2 and 6 as above, steps 3-5 per token chunk.
+Variable MoeLayer::forward_in_chunks(const Variable& x, DType compute) const {
+  Pending p = prepare(x, compute);
+  return add_shared(p, routed_in_chunks(p.tokens, p.topk_idx, p.topk_prob));
 }
 
 // Steps 3-5 over token chunks (parallel.exchange_chunks), issued so that each exchange, on the comm lane

@@ -83,6 +83,22 @@ class MoeLayer {
   // zero_sync.
   Variable forward(const Variable& x /*[..., H]*/, DType compute) const;  // -> [..., H]
 
+  // The forward in three parts, for a caller that interleaves two micro-batches (Transformer::losses with
+  // dual_microbatch): begin runs steps 0-3 (the shared experts issued, router, quantize, dispatch: on the comm
+  // lane when a CommLaneScope is open), run_experts step 4 (after waiting for the rows) and issues the rows'
+  // return, finish waits for it and runs 5-6. Without token chunks forward(x) is finish(run_experts(begin(x)))
+  // with the same ops in the same order.
+  struct Pending {
+    Shape in_shape;
+    Variable shared_y, tokens, topk_prob, returned, aux_loss;
+    Tensor topk_idx;
+    Dispatched d;
+    uint64_t arrived = 0, back = 0;  // comm lane tickets: the dispatch, the return
+  };
+  Pending begin(const Variable& x /*[..., H]*/, DType compute) const;
+  void run_experts(Pending& p) const;
+  Variable finish(Pending& p) const;  // -> [..., H]
+
   // The balance loss of the last forward (undefined when aux_loss_alpha == 0).
   const Variable& aux_loss() const { return aux_loss_; }
   // expert_bias is a buffer, not a parameter (aux-loss-free balancing): each update moves it by ±bias_update_rate
@@ -113,6 +129,9 @@ class MoeLayer {
   };
   RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
   Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& counts) const;
+  Pending prepare(const Variable& x, DType compute) const;  // steps 0-2
+  Variable add_shared(const Pending& p, Variable y) const;  // step 6
+  Variable forward_in_chunks(const Variable& x, DType compute) const;
   Variable routed_in_chunks(const Variable& tokens, const Tensor& topk_idx, const Variable& topk_prob) const;
   const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   DispatchOptions dispatch_options(int64_t num_tokens) const;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "engine/comm_lane.h"
 #include "engine/profiler.h"
 
 namespace flowmoe {
@@ -31,15 +32,35 @@ TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_
 
 // The profiler's scopes (engine/profiler.h): "layers.3.attention", then "layers.3.moe" or ".mlp".
 Variable TransformerBlock::forward(const Variable& x, DType compute) const {
+  const Variable h = attention_half(x, compute);
   ProfileScope layer(scope_);
-  Variable h;
-  {
-    ProfileScope part("attention");
-    h = add(x, self_attn_.forward(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute));
-  }
   ProfileScope part(moe_ ? "moe" : "mlp");
   Variable n = rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_);
   return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
+}
+
+Variable TransformerBlock::attention_half(const Variable& x, DType compute) const {
+  ProfileScope layer(scope_);
+  ProfileScope part("attention");
+  return add(x, self_attn_.forward(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute));
+}
+
+MoeLayer::Pending TransformerBlock::moe_begin(const Variable& h, DType compute) const {
+  ProfileScope layer(scope_);
+  ProfileScope part("moe");
+  return moe_->begin(rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_), compute);
+}
+
+void TransformerBlock::moe_experts(MoeLayer::Pending& p) const {
+  ProfileScope layer(scope_);
+  ProfileScope part("moe");
+  moe_->run_experts(p);
+}
+
+Variable TransformerBlock::moe_finish(const Variable& h, MoeLayer::Pending& p) const {
+  ProfileScope layer(scope_);
+  ProfileScope part("moe");
+  return add(h, moe_->finish(p));
 }
 
 Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, const MoeOptions& moe)
@@ -70,47 +91,114 @@ int64_t Transformer::num_parameters() const {
   return n;
 }
 
-Variable Transformer::forward(const Tensor& ids) const {
+void Transformer::check_ids(const Tensor& ids) const {
   FLOWMOE_CHECK(ids.dim() == 2 && ids.dtype() == DType::i32, ShapeError, "Transformer: ids ", ids.describe(),
                 ", expected [B, T] i32");
   FLOWMOE_CHECK(ids.size(1) <= cfg_.max_position_embeddings, ShapeError, "Transformer: sequence of ", ids.size(1),
                 " tokens exceeds max_position_embeddings ", cfg_.max_position_embeddings);
-  const auto stage = [&](int64_t s) {
-    if (stage_hook_) stage_hook_(s);
-  };
-  Variable h;
-  {
-    ProfileScope scope("embed");
-    stage(0);
-    h = embedding(compute_weight(embed_tokens_, compute_), ids.to(device_));
-  }
+}
+
+void Transformer::stage(int64_t s) const {
+  if (stage_hook_) stage_hook_(s);
+}
+
+Variable Transformer::embed(const Tensor& ids) const {
+  ProfileScope scope("embed");
+  return embedding(compute_weight(embed_tokens_, compute_), ids.to(device_));
+}
+
+Variable Transformer::head(const Variable& h) const {
+  ProfileScope scope("head");
+  // A tied head casts the embedding again, so each use's gradient returns to f32 before they are added.
+  return linear(rmsnorm(h, compute_weight(norm_, compute_), cfg_.rms_norm_eps), compute_weight(lm_head_, compute_));
+}
+
+Variable Transformer::forward(const Tensor& ids) const {
+  check_ids(ids);
+  stage(0);
+  Variable h = embed(ids);
   for (size_t i = 0; i < layers_.size(); ++i) {
     stage(int64_t(i) + 1);
     h = layers_[i]->forward(h, compute_);
   }
   stage(int64_t(layers_.size()) + 1);
-  ProfileScope scope("head");
-  h = rmsnorm(h, compute_weight(norm_, compute_), cfg_.rms_norm_eps);
-  // A tied head casts the embedding again, so each use's gradient returns to f32 before they are added.
-  return linear(h, compute_weight(lm_head_, compute_));
+  return head(h);
 }
 
 Variable Transformer::Losses::total() const { return aux.defined() ? add(lm, aux) : lm; }
 
+namespace {
+
+// An aux term in the LM loss's dtype, added to the sum so far.
+Variable add_aux(const Variable& sum, const Variable& a, DType dtype) {
+  const Variable term = a.dtype() == dtype ? a : cast(a, dtype);
+  return sum.defined() ? add(sum, term) : term;
+}
+
+}  // namespace
+
 Transformer::Losses Transformer::losses(const Tensor& ids, const Tensor& targets) const {
   FLOWMOE_CHECK(targets.shape() == ids.shape(), ShapeError, "Transformer::loss: targets ", targets.describe(),
                 " vs ids ", ids.describe());
+  if (dual_microbatch_ && grad_enabled()) return dual_losses(ids, targets);
   Variable logits = forward(ids);
   const int64_t n = ids.numel();
   ProfileScope scope("head");
   Losses out;
   out.lm = cross_entropy(reshape(logits, {n, cfg_.vocab_size}), targets.to(device_).reshape({n}));
-  for (const auto& layer : layers_) {
-    if (!layer->moe() || !layer->moe()->aux_loss().defined()) continue;
-    const Variable& a = layer->moe()->aux_loss();
-    const Variable term = a.dtype() == out.lm.dtype() ? a : cast(a, out.lm.dtype());
-    out.aux = out.aux.defined() ? add(out.aux, term) : term;
+  for (const auto& layer : layers_)
+    if (layer->moe() && layer->moe()->aux_loss().defined())
+      out.aux = add_aux(out.aux, layer->moe()->aux_loss(), out.lm.dtype());
+  return out;
+}
+
+// Two halves of the batch through every layer in step: a dense block runs one half then the other; an MoE
+// block runs both halves' attention and dispatch, then both halves' experts, then both combines, with the
+// exchanges on the comm lane. The weights of each stage are waited for once.
+Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& targets) const {
+  check_ids(ids);
+  const int64_t B = ids.size(0);
+  FLOWMOE_CHECK(B % 2 == 0, ShapeError, "parallel.dual_microbatch: a batch of ", B,
+                " sequences on this rank does not split into two equal halves");
+  const Tensor half_ids[2] = {ids.slice(0, 0, B / 2), ids.slice(0, B / 2, B)};
+  const Tensor half_targets[2] = {targets.slice(0, 0, B / 2), targets.slice(0, B / 2, B)};
+  CommLaneScope lane(true);
+  Variable h[2];
+  std::vector<Variable> layer_aux[2];
+  stage(0);
+  for (int k = 0; k < 2; ++k) h[k] = embed(half_ids[k].contiguous());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    stage(int64_t(i) + 1);
+    const TransformerBlock& block = *layers_[i];
+    if (!block.moe()) {
+      for (Variable& x : h) x = block.forward(x, compute_);
+      continue;
+    }
+    Variable a[2];
+    MoeLayer::Pending p[2];
+    for (int k = 0; k < 2; ++k) {
+      a[k] = block.attention_half(h[k], compute_);
+      p[k] = block.moe_begin(a[k], compute_);  // k's dispatch travels beside the other half's work
+    }
+    for (MoeLayer::Pending& pk : p) block.moe_experts(pk);
+    for (int k = 0; k < 2; ++k) {
+      h[k] = block.moe_finish(a[k], p[k]);
+      if (p[k].aux_loss.defined()) layer_aux[k].push_back(p[k].aux_loss);
+    }
   }
+  comm_lane_join(device_);
+  stage(int64_t(layers_.size()) + 1);
+  Variable lm[2];
+  for (int k = 0; k < 2; ++k) {
+    const Variable logits = head(h[k]);
+    ProfileScope scope("head");
+    const int64_t n = half_ids[k].numel();
+    lm[k] = cross_entropy(reshape(logits, {n, cfg_.vocab_size}), half_targets[k].contiguous().to(device_).reshape({n}));
+  }
+  Losses out;
+  out.lm = scale(add(lm[0], lm[1]), 0.5);
+  for (size_t j = 0; j < layer_aux[0].size(); ++j)
+    out.aux = add_aux(out.aux, scale(add(layer_aux[0][j], layer_aux[1][j]), 0.5), out.lm.dtype());
   return out;
 }
 

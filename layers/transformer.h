@@ -23,6 +23,13 @@ class TransformerBlock {
   TransformerBlock(ParamFactory& f, const ModelConfig& cfg, int64_t layer_idx, const MoeOptions& moe, Device device);
   Variable forward(const Variable& x /*[B,T,H]*/, DType compute) const;
   MoeLayer* moe() const { return moe_.get(); }  // null for a dense block
+  // forward in parts, for an MoE block whose caller interleaves two micro-batches (Transformer, dual_microbatch):
+  // h = attention_half(x) = x + attn(rmsnorm(x)); then moe_begin(h), moe_experts and moe_finish(h) = h +
+  // the MoE layer's output (MoeLayer::begin, run_experts, finish).
+  Variable attention_half(const Variable& x, DType compute) const;
+  MoeLayer::Pending moe_begin(const Variable& h, DType compute) const;
+  void moe_experts(MoeLayer::Pending& p) const;
+  Variable moe_finish(const Variable& h, MoeLayer::Pending& p) const;
 
  private:
   double eps_;
@@ -46,8 +53,13 @@ class Transformer {
     Variable aux;            // sum over MoE layers of aux_loss_alpha * L_Bal; undefined when aux_loss_alpha == 0
     Variable total() const;  // lm + aux: what training minimizes
   };
-  // ids and targets [B,T] i32 (moved to the device).
+  // ids and targets [B,T] i32 (moved to the device). With dual micro-batches on and grad enabled (training),
+  // the batch runs as two halves of B/2 sequences interleaved layer by layer: in each MoE layer both halves'
+  // attention and dispatch, then both halves' experts, then both combines, so that one half's exchanges (on
+  // the comm lane, engine/comm_lane.h) travel beside the other half's compute. lm is the mean of the halves'
+  // (the same tokens: the batch's mean up to the order of the sums), each layer's aux term too.
   Losses losses(const Tensor& ids, const Tensor& targets) const;
+  void set_dual_microbatch(bool on) { dual_microbatch_ = on; }  // parallel.dual_microbatch
   Variable loss(const Tensor& ids, const Tensor& targets) const { return losses(ids, targets).total(); }
 
   // State that is not trained but belongs to the model (the MoE expert biases); saved in checkpoints.
@@ -78,6 +90,12 @@ class Transformer {
   DType compute_dtype() const { return compute_; }
 
  private:
+  void check_ids(const Tensor& ids) const;
+  void stage(int64_t s) const;
+  Variable embed(const Tensor& ids) const;
+  Variable head(const Variable& h) const;
+  Losses dual_losses(const Tensor& ids, const Tensor& targets) const;
+
   ModelConfig cfg_;
   Device device_;
   DType compute_;
@@ -85,6 +103,7 @@ class Transformer {
   std::vector<ParamShard> shards_;
   std::vector<int64_t> stages_;
   std::function<void(int64_t)> stage_hook_;
+  bool dual_microbatch_ = false;
   Variable embed_tokens_, norm_, lm_head_;
   std::vector<std::unique_ptr<TransformerBlock>> layers_;
 };

@@ -86,6 +86,39 @@ TEST(Trainer, GradAccumulationMatchesOneBigBatch) {
   fs::remove_all(d);
 }
 
+// parallel.dual_microbatch: the batch as two interleaved halves trains as the batch at once (to f32
+// rounding: the loss is the mean of the halves'); it conflicts with exchange_chunks, and an odd batch is refused.
+TEST(Trainer, DualMicrobatchMatchesTheBatchAtOnce) {
+  fs::path d = fresh_dir("trainer_dual");
+  const std::vector<std::string> moe = {"model.n_routed_experts=4",
+                                        "model.num_experts_per_tok=2",
+                                        "model.moe_intermediate_size=32",
+                                        "model.first_k_dense_replace=1",
+                                        "train.steps=4",
+                                        "optimizer.warmup_steps=1"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> sets = moe;
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    return sets;
+  };
+  TrainResult plain = train(small_config(d / "plain", moe), quiet());
+  TrainResult dual = train(small_config(d / "dual", with({"parallel.dual_microbatch=true"})), quiet());
+  ASSERT_EQ(plain.losses.size(), dual.losses.size());
+  for (size_t i = 0; i < plain.losses.size(); ++i)
+    EXPECT_NEAR(dual.losses[i], plain.losses[i], 1e-4 * plain.losses[i]) << "step " << i + 1;
+  EXPECT_TRUE(throws_naming<ConfigError>(
+      [&] {
+        train(small_config(d / "odd", with({"parallel.dual_microbatch=true", "train.batch_size=7"})), quiet());
+      },
+      {"parallel.dual_microbatch", "7 sequences", "even"}));
+  EXPECT_TRUE(throws_naming<ConfigError>(
+      [&] {
+        small_config(d / "both", with({"parallel.dual_microbatch=true", "parallel.exchange_chunks=2"}));
+      },
+      {"parallel.exchange_chunks", "choose one"}));
+  fs::remove_all(d);
+}
+
 // A NaN planted in one gradient: skip leaves the weights alone and goes on; stop throws.
 TEST(Trainer, NonFinitePolicy) {
   fs::path d = fresh_dir("trainer_nonfinite");

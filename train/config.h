@@ -66,6 +66,7 @@ struct ParallelConfig {
   std::string shared_expert_overlap = "auto";  // auto | on | off: shared experts on a side stream (layers/moe.h)
   int64_t exchange_chunks = 1;      // zero_sync: token chunks whose exchanges overlap the experts (layers/moe.h)
   int64_t exchange_sms = 0;         // with exchange_chunks > 1: SMs the grouped GEMMs leave to the exchange kernels
+  bool dual_microbatch = false;     // two halves of the batch interleaved layer by layer (layers/transformer.h)
   bool overlap_grad_reduce = true;  // reduce gradient buckets during the backward (train/grad_reducer.h)
   int64_t grad_reduce_sms = 0;      // nccl: thread blocks the overlapped reduction may take; 0: nccl's choice
   bool shard_optimizer = true;      // ZeRO-1 over the data-parallel ranks (train/grad_reducer.h)

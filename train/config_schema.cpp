@@ -249,6 +249,10 @@ const std::vector<Field>& schema() {
                         "with exchange_chunks > 1 on GPUs: SMs the expert GEMMs leave free for the exchange "
                         "kernels, which keep to them (the put and the copy-out take 4 blocks on each); 0: the GEMMs "
                         "take all"));
+    f.push_back(boolean("parallel", "dual_microbatch", FLOWMOE_CONFIG_REF(parallel.dual_microbatch),
+                        "a training step runs its batch as two halves interleaved layer by layer, so that one half's "
+                        "expert exchange travels beside the other half's attention and experts (zero_sync); the "
+                        "per-rank batch must be even"));
     f.push_back(boolean("parallel", "overlap_grad_reduce", FLOWMOE_CONFIG_REF(parallel.overlap_grad_reduce),
                         "reduce each 25 MiB gradient bucket as soon as the backward has finished it (on a stream "
                         "of its own with nccl), not after the backward; the same sums either way"));

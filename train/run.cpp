@@ -234,6 +234,15 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
           reducer && reducer->sharded() ? reducer->owned_ranges() : std::vector<std::pair<int64_t, int64_t>>{}),
       state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
+  if (c.parallel.dual_microbatch) {
+    const int64_t per_rank = c.train.batch_size / world_size;
+    if (per_rank % 2 != 0)
+      throw ConfigError(c.origin("parallel.dual_microbatch") + ": parallel.dual_microbatch: each rank's batch (" +
+                        std::to_string(per_rank) + " sequences: train.batch_size " +
+                        std::to_string(c.train.batch_size) + " over " + std::to_string(world_size) +
+                        " processes) must be even to split into two halves");
+    model.set_dual_microbatch(true);
+  }
   // Process-wide, as the streams are: the grouped GEMMs leave these SMs to the exchange kernels beside them.
   if (device.is_cuda() && model.exchanges_in_chunks()) cuda_set_comm_sms(int(c.parallel.exchange_sms));
   if (reducer && reducer->sharded()) {
