@@ -46,7 +46,8 @@ struct MoeOptions {
   // chunks, each dispatched and combined on its own, issued so that one chunk's exchange runs on the comm
   // stream (engine/comm_lane.h) beside another chunk's experts. 1: the layer's tokens at once.
   int exchange_chunks = 1;
-  // false: the chunks' exchanges stay on the compute stream, in the same order (the overlap's reference).
+  // false: the chunks' exchanges (and the dual micro-batches', layers/transformer.h) stay on the compute stream,
+  // in the same order (the overlap's reference).
   bool exchange_comm_stream = true;
   // The expert-parallel group (parallel/process_group.h): its rank r holds experts
   // [r·E/n, (r+1)·E/n) and tokens travel to them through dispatch and combine. Null or one rank: every

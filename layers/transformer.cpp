@@ -64,7 +64,7 @@ Variable TransformerBlock::moe_finish(const Variable& h, MoeLayer::Pending& p) c
 }
 
 Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, const MoeOptions& moe)
-    : cfg_(cfg), device_(device), compute_(compute) {
+    : cfg_(cfg), device_(device), compute_(compute), comm_stream_(moe.exchange_comm_stream) {
   FLOWMOE_CHECK(compute == DType::f32 || (compute == DType::bf16 && device.is_cuda()), DTypeError,
                 "Transformer: compute dtype ", dtype_name(compute), " on ", device.str(),
                 " (the CPU computes in f32, the GPU in bf16 or f32)");
@@ -162,7 +162,7 @@ Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& ta
                 " sequences on this rank does not split into two equal halves");
   const Tensor half_ids[2] = {ids.slice(0, 0, B / 2), ids.slice(0, B / 2, B)};
   const Tensor half_targets[2] = {targets.slice(0, 0, B / 2), targets.slice(0, B / 2, B)};
-  CommLaneScope lane(true);
+  CommLaneScope lane(true, comm_stream_);
   Variable h[2];
   std::vector<Variable> layer_aux[2];
   stage(0);

@@ -104,6 +104,7 @@ class Transformer {
   std::vector<int64_t> stages_;
   std::function<void(int64_t)> stage_hook_;
   bool dual_microbatch_ = false;
+  bool comm_stream_;  // MoeOptions::exchange_comm_stream: the dual micro-batches' exchanges on the comm stream
   Variable embed_tokens_, norm_, lm_head_;
   std::vector<std::unique_ptr<TransformerBlock>> layers_;
 };

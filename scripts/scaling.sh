@@ -5,8 +5,9 @@
 # (ep_sync, ep_zero_sync), EP N/2 x DP 2 (epdp, at 4 and more), dp with a full optimizer copy on every
 # rank (dp_unsharded: parallel.shard_optimizer=false), dp without the overlapped gradient reduction
 # (dp_serial) and ep_zero_sync with the shared experts on the compute stream (ep_serial_shared:
-# parallel.shared_expert_overlap=off) and ep_chunks<C>[_sms<S>] (zero_sync in C token chunks whose exchanges
-# overlap the experts, the grouped GEMMs leaving S SMs to them: parallel.exchange_chunks, exchange_sms). Prints one "scaling ..." line per run (scripts/gpu_check.sh puts them in its
+# parallel.shared_expert_overlap=off), ep_chunks<C>[_sms<S>] (zero_sync in C token chunks whose exchanges
+# overlap the experts, the grouped GEMMs leaving S SMs to them: parallel.exchange_chunks, exchange_sms) and
+# ep_dual (zero_sync with the batch as two micro-batches against each other: parallel.dual_microbatch). Prints one "scaling ..." line per run (scripts/gpu_check.sh puts them in its
 # summary) and a Markdown table into OUT_DIR/scaling.md. Every launch has a time limit.
 #   scripts/scaling.sh BUILD_DIR OUT_DIR
 #   CONFIGS (default "gpu_moe gpu_moe_wide"), RECIPES ("bf16 fp8_flow"), SIZES (2, 4, 8: those the GPUs
@@ -108,6 +109,7 @@ for config_name in ${CONFIGS:-gpu_moe gpu_moe_wide}; do
           ep_sync) ep=$n; extra=(--set parallel.ep_dispatch=sync) ;;
           ep_zero_sync) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync) ;;
           ep_serial_shared) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync --set parallel.shared_expert_overlap=off) ;;
+          ep_dual) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync --set parallel.dual_microbatch=true) ;;
           epdp) [ "$n" -ge 4 ] || continue; ep=$((n / 2)); extra=(--set parallel.ep_dispatch=auto) ;;
           ep_chunks*)  # ep_chunks<C>[_sms<S>]: zero_sync in C token chunks, the GEMMs leaving S SMs (0)
             [[ $mode =~ ^ep_chunks([0-9]+)(_sms([0-9]+))?$ ]] || { echo "unknown mode '$mode'"; exit 2; }

@@ -180,8 +180,9 @@ TEST(DataParallelSharded, ShardedOptimizerTrainsTheSameWeights) {
 // the same losses, norms and checkpoint bit for bit as the eager step, with no host synchronisation. Data
 // parallelism: the overlapped reduce-scatter, the sharded AdamW and the weight gather inside the graph.
 // Expert parallelism (EP 2, zero-sync exchange): the device puts inside it, and the shared experts on the
-// side stream there against the compute stream in the eager run; and the layer in two token chunks, their
-// exchanges on the comm stream (parallel.exchange_chunks), in both runs. Two GPUs.
+// side stream there against the compute stream in the eager run; the layer in two token chunks, their
+// exchanges on the comm stream (parallel.exchange_chunks), in both runs; and the batch as two micro-batches
+// against each other (parallel.dual_microbatch), in both runs. Two GPUs.
 TEST(DataParallelCuda, GraphReplayUnderTheLauncherMatchesEagerBitForBit) {
   if (!built_with_nccl()) GTEST_SKIP() << "built without NCCL";
   if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs, " << cuda_device_count() << " found";
@@ -192,7 +193,9 @@ TEST(DataParallelCuda, GraphReplayUnderTheLauncherMatchesEagerBitForBit) {
        {std::make_tuple(std::string("dp"), std::string(), std::string()),
         std::make_tuple(std::string("ep"), ep2, std::string(" --set parallel.shared_expert_overlap=off")),
         // The chunks' exchanges on the comm stream, captured with the step (the same chunks eagerly).
-        std::make_tuple(std::string("ep_chunks"), ep2 + " --set parallel.exchange_chunks=2", std::string())}) {
+        std::make_tuple(std::string("ep_chunks"), ep2 + " --set parallel.exchange_chunks=2", std::string()),
+        // Two micro-batches against each other, their exchanges on the comm stream (parallel.dual_microbatch).
+        std::make_tuple(std::string("ep_dual"), ep2 + " --set parallel.dual_microbatch=true", std::string())}) {
     SCOPED_TRACE(name);
     Launch launch;
     const std::vector<StepMetrics> graph =

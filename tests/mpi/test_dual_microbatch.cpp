@@ -2,7 +2,8 @@
 // by layer equals the batch at once to f32 rounding (the loss is the mean of the halves' means; the weight
 // gradients sum over the halves apart), in each recipe, with the world as one expert-parallel group over the
 // zero-sync exchange (its exchanges on the comm lane) and over the sync one, and in one process. Rank-coded
-// token ids. On the CPU under mpirun; an odd batch is a ShapeError naming the key.
+// token ids. On the CPU under mpirun; an odd batch is a ShapeError naming the key. With nccl and a GPU per rank,
+// the exchanges on the comm stream equal them on the compute stream bit for bit.
 #include "engine/comm_lane.h"
 #include "layers/transformer.h"
 #include "parallel/backends.h"
@@ -34,13 +35,14 @@ struct StepRun {
   std::vector<Tensor> grads;
 };
 
-StepRun run_step(const MoeOptions& o, bool dual, int rank) {
-  Transformer model(dual_config(), Device::cpu(), DType::f32, 7, o);
+StepRun run_step(const MoeOptions& o, bool dual, int rank, Device device = Device::cpu()) {
+  Transformer model(dual_config(), device, device.is_cuda() ? DType::bf16 : DType::f32, 7, o);
   model.set_dual_microbatch(dual);
   const Transformer::Losses l = model.losses(coded_ids(rank, 0), coded_ids(rank, 1));
   l.total().backward();
   StepRun r{l.lm.data().to_floats()[0], l.aux.data().to_floats()[0], {}};
-  for (const Variable& p : model.parameters()) r.grads.push_back(p.grad().defined() ? p.grad() : Tensor());
+  for (const Variable& p : model.parameters())
+    r.grads.push_back(p.grad().defined() ? p.grad().to(Device::cpu()) : Tensor());
   return r;
 }
 
@@ -78,6 +80,7 @@ TEST(DualMicrobatch, EqualsTheBatchAtOnceOverTheExpertParallelGroup) {
       o.recipe = recipe;
       o.ep_dispatch = mode;
       o.expert_parallel = ps.expert_parallel_size > 1 ? ps.expert_parallel : nullptr;
+      o.shared_expert_overlap = true;  // as training has it at EP > 1: both halves' shared experts on the side stream
       check_dual_equals_plain(o, world->rank(), world->size() > 1 && mode == EpDispatch::zero_sync);
     }
 }
@@ -102,6 +105,37 @@ TEST(DualMicrobatch, EvaluationAndAnOddBatch) {
   }
   const Tensor odd = coded_ids(0, 0).slice(0, 0, 3).contiguous();
   EXPECT_TRUE(throws_naming<ShapeError>([&] { model.losses(odd, odd); }, {"parallel.dual_microbatch", "3 sequences"}));
+}
+
+// On GPUs through nccl, a GPU per rank: the dual step's exchanges on the comm stream equal them on the compute
+// stream bit for bit (the same ops in the same order), in bf16 and fp8_flow over the zero-sync exchange.
+TEST(DualMicrobatchCuda, CommStreamEqualsTheComputeStreamBitForBit) {
+  const std::string why = why_no_nccl_gpu_per_rank();
+  if (!why.empty()) GTEST_SKIP() << why;
+  Communicator& world = test_world();
+  cuda_set_device(world.rank());
+  std::shared_ptr<Communicator> nccl = make_nccl_communicator(test_runtime().world, world.rank());
+  if (!nccl->device_puts()) GTEST_SKIP() << "the GPUs do not reach each other: zero_sync reads its tables on the host";
+  for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_flow}) {
+    SCOPED_TRACE(moe_recipe_name(recipe));
+    MoeOptions o;
+    o.recipe = recipe;
+    o.ep_dispatch = EpDispatch::zero_sync;
+    o.expert_parallel = nccl;
+    o.shared_expert_overlap = true;
+    const StepRun lane = run_step(o, true, world.rank(), Device::cuda(world.rank()));
+    o.exchange_comm_stream = false;
+    const StepRun inline_ = run_step(o, true, world.rank(), Device::cuda(world.rank()));
+    EXPECT_EQ(lane.lm, inline_.lm);
+    EXPECT_EQ(lane.aux, inline_.aux);
+    ASSERT_EQ(lane.grads.size(), inline_.grads.size());
+    for (size_t i = 0; i < lane.grads.size(); ++i)
+      if (lane.grads[i].defined()) {
+        EXPECT_TRUE(bit_equal(lane.grads[i], inline_.grads[i])) << "gradient " << i;
+      }
+  }
+  nccl->barrier();
+  cuda_set_device(0);
 }
 
 }  // namespace flowmoe::test
