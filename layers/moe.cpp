@@ -154,6 +154,12 @@ MoeLayer::Pending MoeLayer::prepare(const Variable& x, DType compute) const {
 
 MoeLayer::Pending MoeLayer::begin(const Variable& x, DType compute) const {
   Pending p = prepare(x, compute);
+  dispatch_routed(p, p.tokens.size(0));
+  return p;
+}
+
+// Step 3 of p's tokens, whose buffers are sized for tokens_per_rank tokens.
+void MoeLayer::dispatch_routed(Pending& p, int64_t tokens_per_rank) const {
   // 3. Dispatch: each routed copy goes to the rank that owns its expert, into that rank's expert-major
   //    buffer padded to align_size (permute+pad; across ranks, an exchange straight into place).
   //    fp8_flow moves the probs with the rows (SwiGLU applies them); the other recipes apply them at
@@ -163,9 +169,8 @@ MoeLayer::Pending MoeLayer::begin(const Variable& x, DType compute) const {
   //    sized scales. A sync exchange reads them to the host once, sizing the transfers and the GEMMs.
   //    With exchange_chunks, steps 3-5 run per token chunk, their exchanges beside the compute (routed_in_chunks).
   p.d = dispatch(p.tokens, p.topk_idx, flow_.probs_in_experts ? p.topk_prob : Variable(),
-                 dispatch_options(p.tokens.size(0)));
+                 dispatch_options(tokens_per_rank));
   p.arrived = comm_lane_last_ticket(p.tokens.device());
-  return p;
 }
 
 void MoeLayer::run_experts(Pending& p) const {
@@ -181,10 +186,13 @@ void MoeLayer::run_experts(Pending& p) const {
   p.back = comm_lane_last_ticket(device);
 }
 
-Variable MoeLayer::finish(Pending& p) const {
+Variable MoeLayer::finish(Pending& p) const { return add_shared(p, unpermute_routed(p)); }
+
+// Step 5's unpermute+unpad of p's returned rows, once they are back: y [T, H].
+Variable MoeLayer::unpermute_routed(Pending& p) const {
   comm_lane_wait(p.returned.device(), p.back);
-  return add_shared(p, combine_unpermute(p.returned, p.d, flow_.probs_in_experts ? Variable() : p.topk_prob,
-                                         flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is));
+  return combine_unpermute(p.returned, p.d, flow_.probs_in_experts ? Variable() : p.topk_prob,
+                           flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is);
 }
 
 // 6. y [T, H] + the shared experts' output, once the side stream has finished it.
@@ -199,7 +207,7 @@ Variable MoeLayer::add_shared(const Pending& p, Variable y) const {
 // forward with exchange_chunks: steps 0-2 and 6 as above, steps 3-5 per token chunk.
 Variable MoeLayer::forward_in_chunks(const Variable& x, DType compute) const {
   Pending p = prepare(x, compute);
-  return add_shared(p, routed_in_chunks(p.tokens, p.topk_idx, p.topk_prob));
+  return add_shared(p, routed_in_chunks(p));
 }
 
 // Steps 3-5 over token chunks (parallel.exchange_chunks), issued so that each exchange, on the comm lane
@@ -210,30 +218,22 @@ Variable MoeLayer::forward_in_chunks(const Variable& x, DType compute) const {
 // The backward walk runs each exchange's vjp as soon as it is ready (backward_first) and waits for it only
 // where its gradient is read, so the same overlap holds there. Every rank's chunks have ceil(T / C) tokens
 // for its buffers (training batches have one shape on every rank).
-Variable MoeLayer::routed_in_chunks(const Variable& tokens, const Tensor& topk_idx, const Variable& topk_prob) const {
-  const Device device = tokens.device();
-  const int num_chunks = num_chunks_;
-  const std::vector<int64_t> bounds = even_row_bounds(tokens.size(0), num_chunks);
-  const bool probs_in = flow_.probs_in_experts;
+Variable MoeLayer::routed_in_chunks(const Pending& whole) const {
+  const std::vector<int64_t> bounds = even_row_bounds(whole.tokens.size(0), num_chunks_);
   CommLaneScope lane(true, options_.exchange_comm_stream);
-  const std::vector<Variable> chunk_tokens = split_rows(tokens, bounds), chunk_probs = split_rows(topk_prob, bounds);
-  std::vector<Dispatched> d(static_cast<size_t>(num_chunks));
-  std::vector<uint64_t> arrived(d.size());
-  for (size_t c = 0; c < d.size(); ++c) {
-    d[c] = dispatch(chunk_tokens[c], topk_idx.slice(0, bounds[c], bounds[c + 1]),
-                    probs_in ? chunk_probs[c] : Variable(), dispatch_options(bounds[1]));
-    arrived[c] = comm_lane_last_ticket(device);
+  const std::vector<Variable> chunk_tokens = split_rows(whole.tokens, bounds);
+  const std::vector<Variable> chunk_probs = split_rows(whole.topk_prob, bounds);
+  std::vector<Pending> chunks(static_cast<size_t>(num_chunks_));
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    chunks[c].tokens = chunk_tokens[c];
+    chunks[c].topk_idx = whole.topk_idx.slice(0, bounds[c], bounds[c + 1]);
+    chunks[c].topk_prob = chunk_probs[c];
+    dispatch_routed(chunks[c], bounds[1]);
   }
-  std::vector<Variable> returned(d.size());
-  for (size_t c = 0; c < d.size(); ++c) {
-    comm_lane_wait(device, arrived[c]);
-    returned[c] = combine_return(experts(d[c].rows, d[c].probs, d[c].counts), d[c]);
-  }
-  comm_lane_join(device);
+  for (Pending& c : chunks) run_experts(c);
+  comm_lane_join(whole.tokens.device());
   std::vector<Variable> y;
-  for (size_t c = 0; c < d.size(); ++c)
-    y.push_back(combine_unpermute(returned[c], d[c], probs_in ? Variable() : chunk_probs[c],
-                                  flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is));
+  for (Pending& c : chunks) y.push_back(unpermute_routed(c));
   return concat_rows(y);
 }
 

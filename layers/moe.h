@@ -130,10 +130,12 @@ class MoeLayer {
   };
   RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
   Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& counts) const;
-  Pending prepare(const Variable& x, DType compute) const;  // steps 0-2
-  Variable add_shared(const Pending& p, Variable y) const;  // step 6
+  Pending prepare(const Variable& x, DType compute) const;          // steps 0-2
+  void dispatch_routed(Pending& p, int64_t tokens_per_rank) const;  // step 3
+  Variable unpermute_routed(Pending& p) const;                      // step 5's unpermute
+  Variable add_shared(const Pending& p, Variable y) const;          // step 6
   Variable forward_in_chunks(const Variable& x, DType compute) const;
-  Variable routed_in_chunks(const Variable& tokens, const Tensor& topk_idx, const Variable& topk_prob) const;
+  Variable routed_in_chunks(const Pending& whole) const;  // steps 3-5 per token chunk
   const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   DispatchOptions dispatch_options(int64_t num_tokens) const;
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "engine/comm_lane.h"
 #include "engine/ops/ops.h"
@@ -275,18 +276,16 @@ std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, E
   std::vector<Communicator::RowPut> tensors = {{rows.contiguous(), Tensor(), 0.0}};
   if (scales) tensors.push_back({scales->scale_inv.contiguous(), Tensor(), 1.0});
   if (in[1].defined()) tensors.push_back({in[1].contiguous(), Tensor(), 0.0});
-  {
-    for (auto& t : tensors) t.recv = Tensor::empty(moved_shape(t.send, p, dir), t.send.dtype(), t.send.device());
-    if (on_lane) {
-      std::vector<Tensor> keep = {p.to_experts_table, p.to_tokens_table, p.device_segment_starts,
-                                  p.device_tokens_per_expert};
-      for (const auto& t : tensors) keep.push_back(t.send), keep.push_back(t.recv);
-      CommIssue issue(rows.device(), std::move(keep));
-      put_rows_on_device(tensors, p, dir);
-    } else {
-      put_rows_on_device(tensors, p, dir);
-    }
+  for (auto& t : tensors) t.recv = Tensor::empty(moved_shape(t.send, p, dir), t.send.dtype(), t.send.device());
+  std::optional<CommIssue> issue;  // on the lane: around the put's launches, keeping what they read and write
+  if (on_lane) {
+    std::vector<Tensor> keep = {p.to_experts_table, p.to_tokens_table, p.device_segment_starts,
+                                p.device_tokens_per_expert};
+    for (const auto& t : tensors) keep.push_back(t.send), keep.push_back(t.recv);
+    issue.emplace(rows.device(), std::move(keep));
   }
+  put_rows_on_device(tensors, p, dir);
+  issue.reset();
   Tensor out = tensors[0].recv;
   if (scales) out = out.with_scales(tensors[1].recv, ScalingMode::rowwise_1x128);
   return {out, in[1].defined() ? tensors.back().recv : Tensor()};

@@ -39,10 +39,11 @@ Variable silu(const Variable& x);  // x * sigmoid(x). engine/ops/silu.cpp
 // row_counts: the expert GEMMs' device counts [E] i32 over a 2-D gate_up [M, 2F]: only the rows they cover
 // (their sum) are computed, forward and backward, and the rest are left unwritten (kernels/common/counted_rows.h).
 Variable swiglu(const Variable& gate_up /*[..., 2F]*/, const Tensor& row_counts = Tensor());  // -> [..., F]
-// The rows a row kernel computes of a buffer of `rows` (kernels/common/counted_rows.h): all, or the sum of
-// row_counts ([E] i32) when defined, read on the host for a CPU tensor (host memory, no sync) and left to the
-// kernel on a GPU (`counted` then points at them).
-int64_t counted_host_rows(int64_t rows, const Tensor& row_counts, CountedRows* counted);
+// The rows a row kernel computes of x [..., C] (kernels/common/counted_rows.h): all of them, or with row_counts
+// ([E] i32 on x's device, over a 2-D x) their sum, read on the host for a CPU tensor (host memory, no sync) and
+// left to the kernel on a GPU (`counted` then points at them; the return is every row). Bad counts throw
+// ShapeError or DeviceError naming `what`.
+int64_t counted_host_rows(const Tensor& x, const Tensor& row_counts, const char* what, CountedRows* counted);
 
 // ---- softmax and loss --------------------------------------------------------------------------
 Variable softmax(const Variable& x);  // over the last dim. engine/ops/softmax.cpp

@@ -21,16 +21,6 @@ int64_t swiglu_width(const Tensor& gate_up, const char* what) {
   return two_f / 2;
 }
 
-// row_counts, when defined: [E] i32 on gate_up's device, over a 2-D gate_up.
-void check_row_counts(const Tensor& row_counts, const Tensor& gate_up, const char* what) {
-  if (!row_counts.defined()) return;
-  FLOWMOE_CHECK(gate_up.dim() == 2, ShapeError, what, ": row counts need a 2-D [M, 2F], got ", gate_up.describe());
-  FLOWMOE_CHECK(row_counts.dim() == 1 && row_counts.dtype() == DType::i32 && row_counts.is_contiguous(), ShapeError,
-                what, ": row counts must be a contiguous [E] i32, got ", row_counts.describe());
-  FLOWMOE_CHECK(row_counts.device() == gate_up.device(), DeviceError, what, ": row counts on ",
-                row_counts.device().str(), ", gate_up on ", gate_up.device().str());
-}
-
 Shape out_shape(const Tensor& gate_up, int64_t F) {
   Shape s = gate_up.shape();
   s.back() = F;
@@ -47,7 +37,7 @@ class SwigluBackward : public BackwardPrimitive {
     int64_t F = check(in);
     Tensor d_out = in[0].contiguous(), gate_up = in[1].contiguous();
     Tensor d_gate_up = Tensor::empty(gate_up.shape(), gate_up.dtype(), gate_up.device());
-    const int64_t rows = counted_host_rows(F > 0 ? d_out.numel() / F : 0, row_counts_, nullptr);
+    const int64_t rows = counted_host_rows(gate_up, row_counts_, name(), nullptr);
     FLOWMOE_DISPATCH_CPU_FLOAT(gate_up.dtype(), name(),
                                swiglu_backward_cpu<scalar_t>(d_gate_up.data<scalar_t>(), d_out.data<scalar_t>(),
                                                              gate_up.data<scalar_t>(), rows, F));
@@ -59,9 +49,8 @@ class SwigluBackward : public BackwardPrimitive {
     check_dtype(in[1], {DType::f32, DType::bf16}, name());
     Tensor d_out = in[0].contiguous(), gate_up = in[1].contiguous();
     Tensor d_gate_up = Tensor::empty(gate_up.shape(), gate_up.dtype(), gate_up.device());
-    const int64_t rows = F > 0 ? d_out.numel() / F : 0;
     CountedRows counted;
-    counted_host_rows(rows, row_counts_, &counted);
+    const int64_t rows = counted_host_rows(gate_up, row_counts_, name(), &counted);
     swiglu_backward_cuda(gate_up.dtype(), d_gate_up.raw_data(), d_out.raw_data(), gate_up.raw_data(), rows, F,
                          current_stream(gate_up.device().index), counted);
     return {d_gate_up};
@@ -88,8 +77,7 @@ class Swiglu : public Primitive {
     int64_t F = swiglu_width(in[0], name());
     Tensor gate_up = in[0].contiguous();
     Tensor out = Tensor::empty(out_shape(gate_up, F), gate_up.dtype(), gate_up.device());
-    check_row_counts(row_counts_, gate_up, name());
-    const int64_t rows = counted_host_rows(F > 0 ? out.numel() / F : 0, row_counts_, nullptr);
+    const int64_t rows = counted_host_rows(gate_up, row_counts_, name(), nullptr);
     FLOWMOE_DISPATCH_CPU_FLOAT(gate_up.dtype(), name(),
                                swiglu_forward_cpu<scalar_t>(out.data<scalar_t>(), gate_up.data<scalar_t>(), rows, F));
     return {out};
@@ -100,10 +88,8 @@ class Swiglu : public Primitive {
     check_dtype(in[0], {DType::f32, DType::bf16}, name());
     Tensor gate_up = in[0].contiguous();
     Tensor out = Tensor::empty(out_shape(gate_up, F), gate_up.dtype(), gate_up.device());
-    check_row_counts(row_counts_, gate_up, name());
-    const int64_t rows = F > 0 ? out.numel() / F : 0;
     CountedRows counted;
-    counted_host_rows(rows, row_counts_, &counted);
+    const int64_t rows = counted_host_rows(gate_up, row_counts_, name(), &counted);
     swiglu_forward_cuda(gate_up.dtype(), out.raw_data(), gate_up.raw_data(), rows, F,
                         current_stream(gate_up.device().index), counted);
     return {out};
@@ -121,8 +107,15 @@ class Swiglu : public Primitive {
 
 }  // namespace
 
-int64_t counted_host_rows(int64_t rows, const Tensor& row_counts, CountedRows* counted) {
+int64_t counted_host_rows(const Tensor& x, const Tensor& row_counts, const char* what, CountedRows* counted) {
+  int64_t rows = 1;
+  for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   if (!row_counts.defined()) return rows;
+  FLOWMOE_CHECK(x.dim() == 2, ShapeError, what, ": row counts need a 2-D [M, ...], got ", x.describe());
+  FLOWMOE_CHECK(row_counts.dim() == 1 && row_counts.dtype() == DType::i32 && row_counts.is_contiguous(), ShapeError,
+                what, ": row counts must be a contiguous [E] i32, got ", row_counts.describe());
+  FLOWMOE_CHECK(row_counts.device() == x.device(), DeviceError, what, ": row counts on ", row_counts.device().str(),
+                ", rows on ", x.device().str());
   if (row_counts.device().is_cuda()) {
     if (counted) *counted = {row_counts.data<int32_t>(), int(row_counts.numel())};
     return rows;

@@ -66,7 +66,7 @@ class SwigluQuantBackward : public SharedBodyPrimitive<BackwardPrimitive> {
     void* d_h_ptr = d_h.defined() ? d_h.raw_data() : nullptr;
     float* d_prob_ptr = d_prob.defined() ? d_prob.data<float>() : nullptr;
     CountedRows counted;
-    const int64_t rows = counted_host_rows(M, row_counts_, &counted);
+    const int64_t rows = counted_host_rows(in[1], row_counts_, name(), &counted);
     if (cuda) {
       swiglu_quant_backward_cuda(dtype, d_a.raw_data(), h.raw_data(), prob_ptr(prob), M, F, q_ptr, s_ptr, d_h_ptr,
                                  d_prob_ptr, current_stream(dev.index), counted);
@@ -102,12 +102,8 @@ class SwigluQuant : public SharedBodyPrimitive<Primitive> {
     const int64_t F = check_h_prob(in[0], in[1], name());
     const int64_t M = in[0].size(0);
     const Device dev = in[0].device();
-    if (row_counts_.defined())
-      FLOWMOE_CHECK(row_counts_.dim() == 1 && row_counts_.dtype() == DType::i32 && row_counts_.device() == dev,
-                    ShapeError, name(), ": row counts must be [E] i32 on ", dev.str(), ", got ",
-                    row_counts_.describe());
     CountedRows counted;
-    const int64_t rows = counted_host_rows(M, row_counts_, &counted);
+    const int64_t rows = counted_host_rows(in[0], row_counts_, name(), &counted);
     Tensor h = in[0].contiguous(), prob = in[1].defined() ? in[1].contiguous() : Tensor();
     Tensor q = Tensor::empty({M, F}, DType::e4m3, dev);
     Tensor scale_inv = Tensor::empty({M, fp8_num_blocks(F)}, DType::f32, dev);
