@@ -140,7 +140,7 @@ DEFAULTS = {
     "precision": {"recipe": "bf16", "align_size": 16},
     "parallel": {"expert_parallel_size": 1, "backend": "auto", "ep_dispatch": "auto",
                  "shared_expert_overlap": "auto", "exchange_chunks": 1, "exchange_sms": 0,
-                 "dual_microbatch": False,
+                 "ep_capacity_factor": 0.0, "dual_microbatch": False,
                  "overlap_grad_reduce": True, "grad_reduce_sms": 0,
                  "shard_optimizer": True},
     "checkpoint": {"dir": "", "every": 0, "final": True, "keep_last": 3, "resume": "false",

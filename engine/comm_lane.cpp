@@ -66,7 +66,7 @@ CommIssue::CommIssue(Device device, std::vector<Tensor> keep)
     return;
   }
   lane.pending.push_back(Issue{ticket_, take_event(lane), std::move(keep)});
-  cuda_comm_waits_compute(device.index);
+  cuda_stream_waits(device.index, EngineStream::comm, EngineStream::compute);
   cuda_use_comm_stream(true);
 }
 

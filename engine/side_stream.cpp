@@ -38,7 +38,7 @@ void fork_side_branch(Device device) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (open_branches().insert(key(device)).second) hold_memory_releases(device);
   }
-  if (device.is_cuda()) cuda_stream_wait(device.index, /*side_waits=*/true);
+  if (device.is_cuda()) cuda_stream_waits(device.index, EngineStream::side, EngineStream::compute);
 }
 
 void join_side_branch(Device device) {
@@ -46,7 +46,7 @@ void join_side_branch(Device device) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (open_branches().erase(key(device)) == 0) return;
   }
-  if (device.is_cuda()) cuda_stream_wait(device.index, /*side_waits=*/false);
+  if (device.is_cuda()) cuda_stream_waits(device.index, EngineStream::compute, EngineStream::side);
   // Every later compute-stream op is ordered after both streams' work so far; a later fork makes the
   // side stream wait for those ops too. So the held blocks are free for either stream.
   release_held_memory(device);
@@ -54,7 +54,10 @@ void join_side_branch(Device device) {
 
 void wait_for_other_stream(Device device) {
   if (!side_branch_open(device) || !device.is_cuda()) return;
-  cuda_stream_wait(device.index, /*side_waits=*/in_side_branch());
+  if (in_side_branch())
+    cuda_stream_waits(device.index, EngineStream::side, EngineStream::compute);
+  else
+    cuda_stream_waits(device.index, EngineStream::compute, EngineStream::side);
 }
 
 SideBranch::SideBranch(Device device, bool enabled)

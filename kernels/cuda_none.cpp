@@ -41,7 +41,8 @@ FLOWMOE_NO_CUDA(void, adamw_scheduled_cuda,
                 (float*, const float*, float*, float*, int64_t, const AdamWStep&, const StepScalars*, double,
                  cudaStream_t))
 FLOWMOE_NO_CUDA(void, advance_step_cuda,
-                (StepScalars*, const StepSchedule&, const float*, const float*, const float*, cudaStream_t))
+                (StepScalars*, const StepSchedule&, const float*, const float*, const float*, const int32_t*,
+                 cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_squares_cuda, (const float*, int64_t, float*, float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_values_cuda, (const float*, int64_t, float*, float*, cudaStream_t))
 
@@ -97,16 +98,16 @@ FLOWMOE_NO_CUDA(void, fp8_transpose_device_cuda,
 FLOWMOE_NO_CUDA(size_t, grouped_gemm_device_workspace_bytes, (int64_t))
 FLOWMOE_NO_CUDA(void, grouped_gemm_fprop_device_cuda,
                 (DType, const void*, const void*, void*, const int32_t*, int64_t, int64_t, int64_t, int64_t, void*,
-                 size_t, cudaStream_t))
+                 size_t, cudaStream_t, bool))
 FLOWMOE_NO_CUDA(void, grouped_gemm_dgrad_device_cuda,
                 (DType, const void*, const void*, void*, const int32_t*, int64_t, int64_t, int64_t, int64_t, void*,
-                 size_t, cudaStream_t))
+                 size_t, cudaStream_t, bool))
 FLOWMOE_NO_CUDA(void, grouped_gemm_wgrad_device_cuda,
                 (DType, const void*, const void*, float*, const int32_t*, int64_t, int64_t, int64_t, int64_t, bool,
                  void*, size_t, cudaStream_t))
 FLOWMOE_NO_CUDA(void, fp8_grouped_gemm_device_cuda,
                 (DType, const uint8_t*, const float*, const uint8_t*, const float*, void*, const int32_t*, int64_t,
-                 int64_t, int64_t, int64_t, void*, size_t, cudaStream_t))
+                 int64_t, int64_t, int64_t, void*, size_t, cudaStream_t, bool))
 FLOWMOE_NO_CUDA(void, fp8_grouped_wgrad_device_cuda,
                 (const uint8_t*, const float*, const uint8_t*, const float*, float*, const int32_t*, int64_t, int64_t,
                  int64_t, int64_t, bool, void*, size_t, cudaStream_t))
@@ -132,7 +133,7 @@ FLOWMOE_NO_CUDA(GemmPlanStats, gemm_cuda_plan_stats, ())
 FLOWMOE_NO_CUDA(void, bias_grad_cuda, (DType, void*, const void*, int64_t, int64_t, float*, cudaStream_t))
 
 // kernels/ep_layout.h
-FLOWMOE_NO_CUDA(void, ep_layout_cuda, (const EpLayoutDims&, const int32_t*, int32_t*, cudaStream_t))
+FLOWMOE_NO_CUDA(void, ep_layout_cuda, (const EpLayoutDims&, const int32_t*, int32_t*, int32_t*, cudaStream_t))
 
 // kernels/permute.h
 FLOWMOE_NO_CUDA(size_t, permute_workspace_bytes, (const RoutingDims&))

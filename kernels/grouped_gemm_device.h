@@ -5,8 +5,10 @@
 //   fprop  y_e = x_e · w[e]ᵀ    dgrad  dx_e = dy_e · w[e]    wgrad  dw[e] (+)= dy_eᵀ · x_e (fp32; r_e = 0: 0 or kept)
 // Each launcher runs, on `stream`, a kernel that scans the counts into the workspace's per-group arrays
 // (and zeroes rows past sum(r), or empty experts' dw), then one persistent CUTLASS Hopper grouped GEMM whose
-// grid comes from the SM count. Nothing synchronises the host; a bad count traps on the device.
-// CPU references: kernels/cpu/{grouped_linear,fp8_grouped_linear}.cpp. CUDA: kernels/cuda/grouped_gemm_*.cu.
+// grid comes from the SM count. fprop and dgrad with zero_tail false leave the rows past sum(r) unwritten:
+// in a zero-sync receive buffer they are about three quarters of the rows, and no consumer reads them
+// (ExpertCounts::tail_unread, engine/ops/grouped_linear.h). Nothing synchronises the host; a bad count traps on the
+// device. CPU references: kernels/cpu/{grouped_linear,fp8_grouped_linear}.cpp. CUDA: kernels/cuda/grouped_gemm_*.cu.
 // Tests: tests/test_grouped_gemm_device.cpp. Benchmark: bench/bench_grouped_gemm_device.cpp.
 #pragma once
 #include <cstddef>
@@ -33,11 +35,11 @@ size_t grouped_gemm_device_workspace_bytes(int64_t num_experts);
 void grouped_gemm_fprop_device_cuda(DType dtype, const void* x /*[m_total,k]*/, const void* w /*[E,n,k]*/,
                                     void* y /*[m_total,n]*/, const int32_t* padded_tokens_per_expert /*[E] device*/,
                                     int64_t num_experts, int64_t m_total, int64_t n, int64_t k, void* workspace,
-                                    size_t workspace_bytes, cudaStream_t stream);
+                                    size_t workspace_bytes, cudaStream_t stream, bool zero_tail = true);
 void grouped_gemm_dgrad_device_cuda(DType dtype, const void* dy /*[m_total,n]*/, const void* w /*[E,n,k]*/,
                                     void* dx /*[m_total,k]*/, const int32_t* padded_tokens_per_expert /*[E] device*/,
                                     int64_t num_experts, int64_t m_total, int64_t n, int64_t k, void* workspace,
-                                    size_t workspace_bytes, cudaStream_t stream);
+                                    size_t workspace_bytes, cudaStream_t stream, bool zero_tail = true);
 // dw is fp32: accumulate adds into it (C = D, beta 1; an expert with no rows keeps dw[e]), otherwise it
 // is overwritten (an expert with no rows gets zeros).
 void grouped_gemm_wgrad_device_cuda(DType dtype, const void* x /*[m_total,k]*/, const void* dy /*[m_total,n]*/,
@@ -54,7 +56,7 @@ void fp8_grouped_gemm_device_cuda(DType out_dtype, const uint8_t* x /*[m_total, 
                                   const float* w_scale_inv /*[E, n/128, k/128]*/, void* y /*[m_total, n]*/,
                                   const int32_t* padded_tokens_per_expert /*[E] device*/, int64_t num_experts,
                                   int64_t m_total, int64_t n, int64_t k, void* workspace, size_t workspace_bytes,
-                                  cudaStream_t stream);
+                                  cudaStream_t stream, bool zero_tail = true);
 // wgrad on the colwise operands (expert e's columns start at off_e, its scales at block row
 // blk_e = Σ_{i<e} ceil(r_i/128); num_blocks = blk_E): m_total and every row count must be multiples of 16
 // (the operands' rows then start 16-byte aligned; a count that is not traps). The reduction over an

@@ -3,6 +3,9 @@
 //   finite = isfinite(loss + aux) && isfinite(norm);  apply = finite && !halted (halted: sticky, set by a
 //   non-finite step when the run stops on one);  t += apply;  lr = schedule(step);  grad_scale = clip(norm)
 //   bias_correction_i = 1 - beta_i^t;  bias_rate_scale = apply ? (lr / peak lr, or 1) : 0
+//   A step whose expert exchange ran out of buffer rows (exchange_overflow, kernels/ep_layout.h) is void: it
+//   changes nothing (not even step) but the sticky exchange_overflow, which voids every later step too until
+//   the host, which runs the step again with larger buffers, clears it.
 // AdamW (kernels/adamw.h) and the expert-bias update (kernels/router.h) read the result on the device;
 // the trainer copies it to the host a step later. The math is one __host__ __device__ function below (the
 // CPU path and the reference), so the CUDA path agrees bit for bit. CUDA: kernels/cuda/step_control.cu.
@@ -48,6 +51,7 @@ struct StepScalars {
   double grad_scale = 1, bias_rate_scale = 0;
   float bias_correction1 = 1, bias_correction2 = 1;
   int32_t apply = 0, halted = 0;
+  int64_t exchange_overflow = 0;  // rows an exchange needed past its buffers (a void step, and sticky); 0: none
 };
 
 // isfinite for host and device alike: x - x is 0 for a finite x and NaN for inf or NaN.
@@ -68,10 +72,17 @@ FLOWMOE_HOST_DEVICE inline double clip_factor(double norm, double max_norm) {
   return max_norm / norm;
 }
 
-// Advances s to the next step, given that step's loss, balance loss (NaN: none), norm and whether every
-// rank found them finite (one process: their own finiteness).
+// Advances s to the next step, given that step's loss, balance loss (NaN: none), norm, whether every
+// rank found them finite (one process: their own finiteness) and the most rows any rank's exchange needed
+// past its buffers (0: none; then, or while an earlier one is sticky, the step is void).
 FLOWMOE_HOST_DEVICE inline void advance_step(StepScalars& s, const StepSchedule& p, double loss, double aux,
-                                             double norm, bool all_finite) {
+                                             double norm, bool all_finite, int32_t exchange_overflow = 0) {
+  if (exchange_overflow > 0 || s.exchange_overflow > 0) {
+    if (exchange_overflow > s.exchange_overflow) s.exchange_overflow = exchange_overflow;
+    s.apply = 0;
+    s.bias_rate_scale = 0;
+    return;
+  }
   s.step += 1;
   s.loss = loss;
   s.aux_loss = aux;
@@ -91,9 +102,10 @@ FLOWMOE_HOST_DEVICE inline void advance_step(StepScalars& s, const StepSchedule&
 }
 
 // From the step's own values: lm/aux one float per micro-batch (aux unread without p.has_aux), sq_sums
-// the two squared-norm classes of AdamW::grad_square_sums.
+// the two squared-norm classes of AdamW::grad_square_sums, exchange_overflow [1] (or null: none).
 FLOWMOE_HOST_DEVICE inline void advance_step_from_sums(StepScalars& s, const StepSchedule& p, const float* lm /*[A]*/,
-                                                       const float* aux /*[A]*/, const float* sq_sums /*[2]*/) {
+                                                       const float* aux /*[A]*/, const float* sq_sums /*[2]*/,
+                                                       const int32_t* exchange_overflow = nullptr) {
   double lm_sum = 0, aux_sum = 0;
   for (int a = 0; a < p.num_micro_batches; ++a) {
     lm_sum += double(lm[a]);
@@ -103,12 +115,13 @@ FLOWMOE_HOST_DEVICE inline void advance_step_from_sums(StepScalars& s, const Ste
   const double aux_loss = p.has_aux ? aux_sum / double(p.num_micro_batches) : NAN;
   const double norm = sqrt(double(sq_sums[0]) + double(sq_sums[1]));
   const double objective = loss + (p.has_aux ? aux_loss : 0.0);
-  advance_step(s, p, loss, aux_loss, norm, is_finite_value(objective) && is_finite_value(norm));
+  advance_step(s, p, loss, aux_loss, norm, is_finite_value(objective) && is_finite_value(norm),
+               exchange_overflow ? *exchange_overflow : 0);
 }
 
 // The same on the device, in one thread: s, lm, aux and sq_sums are device pointers.
 void advance_step_cuda(StepScalars* s /*[1] device*/, const StepSchedule& p, const float* lm /*[A] device*/,
                        const float* aux /*[A] device, or null without p.has_aux*/, const float* sq_sums /*[2] device*/,
-                       cudaStream_t stream);
+                       const int32_t* exchange_overflow /*[1] device, or null*/, cudaStream_t stream);
 
 }  // namespace flowmoe

@@ -251,8 +251,13 @@ RouterOutput MoeLayer::route_tokens(const Variable& x2, const Shape& in_shape) c
 
 // fc1 → SwiGLU → fc2 over the permuted rows. fc1 and SwiGLU (the part recompute re-runs) go through
 // one function so the recomputed and the original forward are the same code.
-Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const ExpertCounts& counts) const {
+Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const ExpertCounts& dispatched) const {
   const MoeFlow flow = flow_;
+  // Every reader of these rows takes the counts or the routing: the GEMMs, SwiGLU over the counts, the
+  // exchange's tables or unpermute, and their backwards. So the GEMMs leave a worst-case buffer's tail
+  // (most of a zero-sync one) unwritten instead of zeroing it.
+  ExpertCounts counts = dispatched;
+  counts.tail_unread = counts.on_device();
   const QuantizedWeight* w1q = flow.fp8_experts ? &quantized(fc1_, fc1_cache_) : nullptr;
   auto fc1_swiglu = [this, flow, w1q, counts](const std::vector<Variable>& in) -> std::vector<Variable> {
     // With device counts SwiGLU computes only the rows they cover: a zero-sync buffer's tail is most of it.
@@ -298,6 +303,9 @@ DispatchOptions MoeLayer::dispatch_options(int64_t num_tokens) const {
     // evaluation may give a rank fewer (or no) tokens, so it takes the sync path (the same on all ranks).
     o.zero_sync = grad_enabled() && zero_sync_;
     o.tokens_per_rank = num_tokens;
+    o.capacity_factor = options_.ep_capacity_factor;
+    o.min_receive_rows = options_.exchange_min_rows;
+    o.most_needed = options_.exchange_overflow;
   }
   return o;
 }

@@ -49,6 +49,13 @@ struct MoeOptions {
   // false: the chunks' exchanges (and the dual micro-batches', layers/transformer.h) stay on the compute stream,
   // in the same order (the overlap's reference).
   bool exchange_comm_stream = true;
+  // parallel.ep_capacity_factor: a zero-sync receive buffer holds this many times the copies of an even load
+  // (and at least exchange_min_rows), not the worst case; 0: the worst case. A step that needs more is void
+  // and raises exchange_overflow ([1] i32 on the layer's device, shared by the model's layers): the trainer
+  // grows the buffers (exchange_min_rows) and runs it again (parallel/dispatch.h, kernels/step_control.h).
+  double ep_capacity_factor = 0;
+  int64_t exchange_min_rows = 0;
+  Tensor exchange_overflow;
   // The expert-parallel group (parallel/process_group.h): its rank r holds experts
   // [r·E/n, (r+1)·E/n) and tokens travel to them through dispatch and combine. Null or one rank: every
   // expert is local.
@@ -118,6 +125,14 @@ class MoeLayer {
   const Variable& expert_bias() const { return expert_bias_; }
   // The token chunks of a training forward (MoeOptions::exchange_chunks where the exchange is zero_sync, else 1).
   int num_chunks() const { return num_chunks_; }
+  // Whether a training forward exchanges without host syncs (MoeOptions::ep_dispatch as resolved here).
+  bool zero_sync() const { return zero_sync_; }
+  // MoeOptions::ep_capacity_factor, exchange_min_rows and exchange_overflow, set by the trainer.
+  void set_exchange_buffers(double capacity_factor, int64_t min_rows, const Tensor& overflow) {
+    options_.ep_capacity_factor = capacity_factor;
+    options_.exchange_min_rows = min_rows;
+    options_.exchange_overflow = overflow;
+  }
   // The shared experts' MLP (null when n_shared_experts is 0).
   const Mlp* shared_experts() const { return shared_.get(); }
 
@@ -129,7 +144,7 @@ class MoeLayer {
     uint64_t version = 0;
   };
   RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
-  Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& counts) const;
+  Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& dispatched) const;
   Pending prepare(const Variable& x, DType compute) const;          // steps 0-2
   void dispatch_routed(Pending& p, int64_t tokens_per_rank) const;  // step 3
   Variable unpermute_routed(Pending& p) const;                      // step 5's unpermute

@@ -206,7 +206,8 @@ int64_t Transformer::num_moe_layers() const {
   return std::count_if(layers_.begin(), layers_.end(), [](const auto& l) { return l->moe() != nullptr; });
 }
 
-bool Transformer::exchanges_in_chunks() const {
+bool Transformer::overlaps_exchanges() const {
+  if (dual_microbatch_ && num_moe_layers() > 0) return true;
   return std::any_of(layers_.begin(), layers_.end(),
                      [](const auto& l) { return l->moe() && l->moe()->num_chunks() > 1; });
 }
@@ -216,6 +217,15 @@ std::vector<Tensor> Transformer::moe_load_counts() const {
   for (const auto& layer : layers_)
     if (layer->moe()) counts.push_back(layer->moe()->load_counts());
   return counts;
+}
+
+bool Transformer::exchanges_zero_sync() const {
+  return std::any_of(layers_.begin(), layers_.end(), [](const auto& l) { return l->moe() && l->moe()->zero_sync(); });
+}
+
+void Transformer::set_exchange_buffers(double capacity_factor, int64_t min_rows, const Tensor& overflow) {
+  for (const auto& layer : layers_)
+    if (layer->moe()) layer->moe()->set_exchange_buffers(capacity_factor, min_rows, overflow);
 }
 
 std::vector<Tensor> Transformer::update_moe_bias(const StepScalars* control) {

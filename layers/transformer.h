@@ -71,8 +71,13 @@ class Transformer {
   // Every MoE layer's counts since the last update_moe_bias (MoeLayer::load_counts), in layer order.
   std::vector<Tensor> moe_load_counts() const;
   int64_t num_moe_layers() const;
-  // Whether a training forward splits an MoE layer's tokens into chunks whose exchanges overlap the experts.
-  bool exchanges_in_chunks() const;
+  // Whether a training forward runs MoE exchanges beside compute (token chunks, or dual micro-batches):
+  // parallel.exchange_sms then keeps SMs free for them.
+  bool overlaps_exchanges() const;
+  // Every MoE layer's zero-sync receive buffers (MoeLayer::set_exchange_buffers), and whether its MoE layers
+  // exchange that way (MoeLayer::zero_sync; false without them).
+  void set_exchange_buffers(double capacity_factor, int64_t min_rows, const Tensor& overflow);
+  bool exchanges_zero_sync() const;
 
   const std::vector<Variable>& parameters() const { return params_; }  // fixed order
   // Where each parameter's rows sit in the full tensor, in parameters()' order: expert weights are

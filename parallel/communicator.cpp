@@ -225,6 +225,10 @@ void Communicator::put_rows(const std::vector<RowPut>& tensors_in, const Tensor&
                   c.defined() ? c.describe() : std::string("(undefined)"),
                   " must be contiguous [S+1] and [S] i32 beside in_table ", in_table.describe());
   }
+  const Tensor& o = pad.overflow;
+  FLOWMOE_CHECK(!o.defined() || (o.numel() == 1 && o.dtype() == DType::i32 && o.device() == in_table.device()),
+                ShapeError, "put_rows: overflow ", o.describe(), " must be [1] i32 beside in_table ",
+                in_table.describe());
   timed_exchange([&] { do_put_rows(tensors, out_table, in_table, pad); });
 }
 
@@ -244,6 +248,9 @@ void Communicator::do_put_rows(const std::vector<RowPut>& tensors, const Tensor&
                   ShapeError, "put_rows: pad segments [", segments_begin, ", ", segments_end, ") run past recv ",
                   first.recv.describe());
   }
+  // An emptied exchange (the tables move nothing): every row takes the pad value.
+  if (pad.overflow.defined() && pad.overflow.to_ints().front() != 0)
+    segments_begin = 0, segments_end = first.recv.size(0);
   for (const RowPut& t : tensors) {
     Tensor out = t.recv;    // a handle on the same storage
     out.fill_bytes_(0xFF);  // the unspecified rows: NaN in every float dtype

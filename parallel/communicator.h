@@ -76,6 +76,9 @@ class Communicator {
   struct PadSegments {
     Tensor starts;   // [S+1] i32 beside the tables; undefined: no row takes a value
     Tensor covered;  // [S] i32: the rows the chunks fill at the start of each segment
+    // [1] i32 beside the tables, or undefined: nonzero when the layout emptied the exchange (its need passed
+    // the buffers, kernels/ep_layout.h). Every row of every recv then takes its pad value.
+    Tensor overflow;
   };
   // Rows into the peers' buffers along tables that stay where they were computed (the device), for an
   // exchange whose sizes the host never reads (DESIGN.md §2, zero-sync dispatch). Collective.

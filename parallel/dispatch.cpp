@@ -64,9 +64,11 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
     // Both buffers sized from T alone, so every rank's has the same shape (the device puts need it).
     d.routing = permute_pad(tokens, topk_idx, probs, o.num_experts, kSortedAlign, 0, -1,
                             permute_worst_case_rows(T, k, o.num_experts, kSortedAlign));
-    const int64_t rows = zero_sync_padded_rows(comm.size(), T, k, L, o.align_size, o.row_multiple);
-    auto plan = std::make_shared<ExchangePlan>(make_device_exchange_plan(
-        o.expert_parallel, d.routing.tokens_per_expert, kSortedAlign, d.routing.rows.size(0), o.align_size, rows));
+    const int64_t rows = zero_sync_padded_rows(comm.size(), T, k, L, o.align_size, o.row_multiple, o.capacity_factor,
+                                               o.min_receive_rows);
+    auto plan = std::make_shared<ExchangePlan>(make_device_exchange_plan(o.expert_parallel, d.routing.tokens_per_expert,
+                                                                         kSortedAlign, d.routing.rows.size(0),
+                                                                         o.align_size, rows, o.most_needed));
     std::vector<Variable> moved = exchange(d.routing.rows, d.routing.probs, plan, ExchangeDirection::to_experts);
     d.rows = moved[0];
     d.probs = moved[1];

@@ -34,6 +34,12 @@ struct DispatchOptions {
   // every rank; -1: this rank's T).
   bool zero_sync = false;
   int64_t tokens_per_rank = -1;
+  // zero_sync: receive buffers of capacity_factor times an even load, at least min_receive_rows
+  // (zero_sync_padded_rows; 0: the worst case). A need past them empties the exchange on every rank and raises
+  // most_needed ([1] i32 on the device, or undefined) to it: the step is void (kernels/step_control.h).
+  double capacity_factor = 0;
+  int64_t min_receive_rows = 0;
+  Tensor most_needed;
   // The expert-parallel group: rank r holds experts [r·L, (r+1)·L), L = E / size. Null: every expert
   // is here and nothing moves between ranks. (A group of one rank still exchanges, with itself.)
   std::shared_ptr<Communicator> expert_parallel;

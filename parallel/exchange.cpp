@@ -4,6 +4,7 @@
 #include "parallel/exchange.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -25,7 +26,9 @@ namespace {
 
 // Pinned host blocks for the routes' asynchronous copies, reused rather than freed (cudaFreeHost may wait
 // for the device). A block returns when its plan goes; the next plan takes it right after its counts' host
-// read, when the stream, and so the block's earlier copy, has finished.
+// read, when the stream, and so the block's earlier copy, has finished. That host read is what makes reuse
+// safe here; StepState's upload staging (train/step_state.h), which no host read precedes, is instead
+// reused a slot at a time, once the step that filled it has been read back. So the two stay apart.
 std::shared_ptr<void> pinned_block(size_t bytes) {
   struct Pool {
     std::mutex mu;
@@ -147,18 +150,23 @@ ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::v
 }
 
 int64_t zero_sync_padded_rows(int num_ranks, int64_t tokens_per_rank, int top_k, int num_local_experts, int align_size,
-                              int row_multiple) {
+                              int row_multiple, double capacity_factor, int64_t min_rows) {
   FLOWMOE_CHECK(num_ranks >= 1 && tokens_per_rank >= 0 && top_k >= 1 && num_local_experts >= 1 && align_size >= 1 &&
-                    row_multiple >= 1,
+                    row_multiple >= 1 && capacity_factor >= 0,
                 ShapeError, "zero_sync_padded_rows: ", num_ranks, " ranks, ", tokens_per_rank, " tokens, top-", top_k,
-                ", ", num_local_experts, " local experts, align ", align_size, ", row multiple ", row_multiple);
-  const int64_t rows = int64_t(num_ranks) * tokens_per_rank * std::min(top_k, num_local_experts) +
-                       int64_t(num_local_experts) * (align_size - 1);
+                ", ", num_local_experts, " local experts, align ", align_size, ", row multiple ", row_multiple,
+                ", capacity factor ", capacity_factor);
+  const int64_t pad = int64_t(num_local_experts) * (align_size - 1);
+  int64_t rows = int64_t(num_ranks) * tokens_per_rank * std::min(top_k, num_local_experts) + pad;
+  if (capacity_factor > 0)
+    rows = std::min(
+        rows, std::max(min_rows, int64_t(std::ceil(capacity_factor * double(tokens_per_rank) * double(top_k))) + pad));
   return (rows + row_multiple - 1) / row_multiple * row_multiple;
 }
 
 ExchangePlan make_device_exchange_plan(std::shared_ptr<Communicator> comm, const Tensor& send_counts, int sorted_align,
-                                       int64_t num_sorted_rows, int align_size, int64_t num_padded_rows) {
+                                       int64_t num_sorted_rows, int align_size, int64_t num_padded_rows,
+                                       const Tensor& most_needed) {
   const int n = comm->size();
   FLOWMOE_CHECK(send_counts.dim() == 1 && send_counts.numel() % n == 0 && send_counts.dtype() == DType::i32, ShapeError,
                 "make_device_exchange_plan: counts ", send_counts.describe(), " must be [n·L] i32 for ", n, " ranks");
@@ -166,12 +174,18 @@ ExchangePlan make_device_exchange_plan(std::shared_ptr<Communicator> comm, const
   const Device dev = send_counts.device();
   // [n, n·L]: row p holds rank p's counts; the all-gather is enqueued, not waited for (nccl).
   const Tensor all_counts = comm->all_gather(send_counts.contiguous().view({1, int64_t(n) * L}));
-  const EpLayoutDims dims{n, L, comm->rank(), sorted_align, align_size};
+  FLOWMOE_CHECK(!most_needed.defined() ||
+                    (most_needed.dtype() == DType::i32 && most_needed.numel() == 1 && most_needed.device() == dev),
+                ShapeError, "make_device_exchange_plan: most_needed ", most_needed.describe(), " must be [1] i32 on ",
+                dev.str());
+  // The receive buffer's rows are the capacity: a need past them empties the exchange on every rank alike.
+  const EpLayoutDims dims{n, L, comm->rank(), sorted_align, align_size, num_padded_rows};
   Tensor layout = Tensor::empty({ep_layout_size(n, L)}, DType::i32, dev);
+  int32_t* most = most_needed.defined() ? most_needed.data<int32_t>() : nullptr;
   if (dev.is_cpu())
-    ep_layout_cpu(dims, all_counts.data<int32_t>(), layout.data<int32_t>());
+    ep_layout_cpu(dims, all_counts.data<int32_t>(), layout.data<int32_t>(), most);
   else
-    ep_layout_cuda(dims, all_counts.data<int32_t>(), layout.data<int32_t>(), current_stream(dev.index));
+    ep_layout_cuda(dims, all_counts.data<int32_t>(), layout.data<int32_t>(), most, current_stream(dev.index));
   ExchangePlan p;
   p.comm = std::move(comm);
   p.num_local_experts = L;
@@ -186,6 +200,7 @@ ExchangePlan make_device_exchange_plan(std::shared_ptr<Communicator> comm, const
   const int64_t table = 3 * int64_t(n) * L;
   p.to_experts_table = part(ep_layout_to_experts_offset(n, L), table).view({n, L, 3});
   p.to_tokens_table = part(ep_layout_to_tokens_offset(n, L), table).view({n, L, 3});
+  p.device_overflow = part(ep_layout_overflow_offset(n, L), 1);
   return p;
 }
 
@@ -222,7 +237,8 @@ void put_rows_on_device(const std::vector<Communicator::RowPut>& tensors, const 
                         ExchangeDirection dir) {
   const bool to_experts = dir == ExchangeDirection::to_experts;
   Communicator::PadSegments pad;
-  if (to_experts) pad = {p.device_segment_starts, p.device_tokens_per_expert};
+  if (to_experts) pad.starts = p.device_segment_starts, pad.covered = p.device_tokens_per_expert;
+  pad.overflow = p.device_overflow;  // an emptied exchange: every row of every recv takes its pad value
   p.comm->put_rows(tensors, to_experts ? p.to_experts_table : p.to_tokens_table,
                    to_experts ? p.to_tokens_table : p.to_experts_table, pad);
 }
@@ -280,7 +296,7 @@ std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, E
   std::optional<CommIssue> issue;  // on the lane: around the put's launches, keeping what they read and write
   if (on_lane) {
     std::vector<Tensor> keep = {p.to_experts_table, p.to_tokens_table, p.device_segment_starts,
-                                p.device_tokens_per_expert};
+                                p.device_tokens_per_expert, p.device_overflow};
     for (const auto& t : tensors) keep.push_back(t.send), keep.push_back(t.recv);
     issue.emplace(rows.device(), std::move(keep));
   }

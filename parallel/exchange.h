@@ -55,6 +55,10 @@ struct ExchangePlan {
   Tensor device_segment_starts;            // [L+1] i32
   Tensor to_experts_table;  // [n, L, 3] i32: per peer q, q's expert e: (sorted row here, padded row on q, rows)
   Tensor to_tokens_table;   // [n, L, 3] i32: per peer p, my expert e: (padded row here, sorted row on p, rows)
+  // [1] i32: 0, or the rows the exchange needed past num_padded_rows on some rank. Then the layout above is an
+  // empty exchange on every rank (all counts 0) and every moved row takes its pad value (zero): the step is
+  // run again with larger buffers (parallel.ep_capacity_factor, train/step_state.h).
+  Tensor device_overflow;
 };
 
 // [counts.size()+1]: the exclusive scan of the counts, each rounded up to a multiple of align (the
@@ -69,19 +73,23 @@ ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::v
                                 const std::vector<int64_t>& recv_counts, int sorted_align, int64_t num_sorted_rows,
                                 int align_size, int row_multiple, Device device = Device::cpu());
 
-// The rows of a zero-sync receive buffer: every rank sends every copy it routes to this rank's L experts
-// (tokens_per_rank·min(top_k, L) from each of n ranks; top-k experts are distinct), plus align_size−1
-// pad rows per expert, rounded up to row_multiple. The same on every rank when tokens_per_rank is.
+// The rows of a zero-sync receive buffer. The worst case: every rank sends every copy it routes to this
+// rank's L experts (tokens_per_rank·min(top_k, L) from each of n ranks; top-k experts are distinct), plus
+// align_size−1 pad rows per expert, rounded up to row_multiple. With capacity_factor > 0, that many times the
+// copies of an even load (tokens_per_rank·top_k) plus the pad rows, at least min_rows and at most the worst
+// case. The same on every rank when tokens_per_rank is.
 int64_t zero_sync_padded_rows(int num_ranks, int64_t tokens_per_rank, int top_k, int num_local_experts, int align_size,
-                              int row_multiple);
+                              int row_multiple, double capacity_factor = 0, int64_t min_rows = 0);
 
 // The device plan (zero-sync): send_counts [n·L] i32 (the sender's permute counts by global expert, on the rows'
 // device) are all-gathered on the stream and the layout (kernels/ep_layout.h, the same offsets) computed there
-// (ep_layout_cuda; ep_layout_cpu on the CPU). Nothing reads the host. The rows move by put_rows into a worst-case
-// buffer of num_padded_rows (zero_sync_padded_rows, equal on every rank) whose rows past the padded total are pad
-// rows too.
+// (ep_layout_cuda; ep_layout_cpu on the CPU). Nothing reads the host. The rows move by put_rows into a buffer
+// of num_padded_rows (zero_sync_padded_rows, equal on every rank) whose rows past the padded total are pad rows
+// too. A need past num_padded_rows empties the exchange (device_overflow) and raises most_needed ([1] i32 on the
+// rows' device, or undefined) to it.
 ExchangePlan make_device_exchange_plan(std::shared_ptr<Communicator> comm, const Tensor& send_counts, int sorted_align,
-                                       int64_t num_sorted_rows, int align_size, int64_t num_padded_rows);
+                                       int64_t num_sorted_rows, int align_size, int64_t num_padded_rows,
+                                       const Tensor& most_needed = Tensor());
 
 // send_counts: tokens_per_expert [n·L] i32 of the sender's permute (any device). Sends each peer its L
 // counts and reads both directions to the host in one read: THE host synchronisation of a dispatch

@@ -7,8 +7,10 @@
 # (dp_serial) and ep_zero_sync with the shared experts on the compute stream (ep_serial_shared:
 # parallel.shared_expert_overlap=off), ep_chunks<C>[_sms<S>] (zero_sync in C token chunks whose exchanges
 # overlap the experts, the grouped GEMMs leaving S SMs to them: parallel.exchange_chunks, exchange_sms) and
-# ep_dual (zero_sync with the batch as two micro-batches against each other: parallel.dual_microbatch). Prints one "scaling ..." line per run (scripts/gpu_check.sh puts them in its
-# summary) and a Markdown table into OUT_DIR/scaling.md. Every launch has a time limit.
+# ep_capacity<F> (zero_sync with receive buffers of F times an even load: parallel.ep_capacity_factor),
+# ep_dual[_sms<S>] (zero_sync with the batch as two micro-batches against each other:
+# parallel.dual_microbatch, the exchanges on S SMs). Prints one "scaling ..." line per run (scripts/gpu_check.sh
+# puts them in its summary) and a Markdown table into OUT_DIR/scaling.md. Every launch has a time limit.
 #   scripts/scaling.sh BUILD_DIR OUT_DIR
 #   CONFIGS (default "gpu_moe gpu_moe_wide"), RECIPES ("bf16 fp8_flow"), SIZES (2, 4, 8: those the GPUs
 #   allow), MODES ("dp ep_sync ep_zero_sync epdp dp_serial"), STEPS (30), PROFILE_STEP (STEPS - 5),
@@ -61,9 +63,11 @@ run() {
 }
 # report NAME NP LAYOUT: the run's line and table row, against the one-GPU run's tok/s (BASE).
 report() {
-  python3 - "$out/$1" "$2" "$3" "$config_name" "$recipe" "${base:-0}" "$profile" "$out/scaling.md" <<'PY'
+  python3 - "$out/$1" "$2" "$3" "$config_name" "$recipe" "${base:-0}" "$profile" "$out/scaling.md" "$out/$1.log" <<'PY'
 import json, re, statistics, sys
-d, np_, layout, cfg, recipe, base, prof, table = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
+d, np_, layout, cfg, recipe, base, prof, table, log = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6]), int(sys.argv[7]), sys.argv[8], sys.argv[9]
+# Steps whose exchange ran out of receive rows (parallel.ep_capacity_factor) and ran again.
+reruns = sum("and the step runs again" in l for l in open(log, errors="replace"))
 rows = [json.loads(l) for l in open(d + "/metrics.jsonl") if l.strip()]
 late = [r for r in rows[len(rows) // 3:] if r["step"] != prof]
 tps = statistics.median(r["tokens_per_s"] for r in late) / np_
@@ -80,7 +84,8 @@ ratio = "%.2f" % (tps / base) if base > 0 else "1.00"
 peak = max(r["peak_mem_bytes"] for r in rows) / 2**30
 syncs = max(r["host_syncs"] for r in late)
 print("scaling %s %s %d GPU%s %s: %.1fk tok/s per GPU, %s of one GPU's, exposed comm %s, peak %.2f GiB per GPU, "
-      "host syncs per step %d" % (cfg, recipe, np_, "" if np_ == 1 else "s", layout, tps / 1e3, ratio, share, peak, syncs))
+      "host syncs per step %d%s" % (cfg, recipe, np_, "" if np_ == 1 else "s", layout, tps / 1e3, ratio, share, peak,
+                                    syncs, ", steps run again %d" % reruns if reruns else ""))
 with open(table, "a") as f:
     f.write("| %s | %s | %d | %s | %.1fk | %s | %s | %.2f | %d |\n" % (cfg, recipe, np_, layout, tps / 1e3, ratio, share, peak, syncs))
 open(d + "/tps.txt", "w").write("%.3f\n" % tps)  # the baseline the larger runs are divided by
@@ -108,8 +113,14 @@ for config_name in ${CONFIGS:-gpu_moe gpu_moe_wide}; do
           dp_serial) ep=1; extra=(--set parallel.overlap_grad_reduce=false) ;;
           ep_sync) ep=$n; extra=(--set parallel.ep_dispatch=sync) ;;
           ep_zero_sync) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync) ;;
+          ep_capacity*)  # ep_capacity<F>: zero_sync, receive buffers of F times an even load
+            [[ $mode =~ ^ep_capacity([0-9.]+)$ ]] || { echo "unknown mode '$mode'"; exit 2; }
+            ep=$n; extra=(--set parallel.ep_dispatch=zero_sync --set "parallel.ep_capacity_factor=${BASH_REMATCH[1]}") ;;
           ep_serial_shared) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync --set parallel.shared_expert_overlap=off) ;;
-          ep_dual) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync --set parallel.dual_microbatch=true) ;;
+          ep_dual*)  # ep_dual[_sms<S>]: the exchanges' kernels on S SMs, the GEMMs leaving them (0)
+            [[ $mode =~ ^ep_dual(_sms([0-9]+))?$ ]] || { echo "unknown mode '$mode'"; exit 2; }
+            ep=$n; extra=(--set parallel.ep_dispatch=zero_sync --set parallel.dual_microbatch=true
+                          --set "parallel.exchange_sms=${BASH_REMATCH[2]:-0}") ;;
           epdp) [ "$n" -ge 4 ] || continue; ep=$((n / 2)); extra=(--set parallel.ep_dispatch=auto) ;;
           ep_chunks*)  # ep_chunks<C>[_sms<S>]: zero_sync in C token chunks, the GEMMs leaving S SMs (0)
             [[ $mode =~ ^ep_chunks([0-9]+)(_sms([0-9]+))?$ ]] || { echo "unknown mode '$mode'"; exit 2; }

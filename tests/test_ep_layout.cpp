@@ -2,6 +2,7 @@
 // zero-sync dispatch's plan) against the host plan make_exchange_plan builds from the same counts
 // (parallel/exchange.h): every rank's segments and both row tables, on random counts with empty
 // experts, empty ranks and everything on one expert; then the CUDA kernel against the CPU reference.
+#include <algorithm>
 #include <random>
 
 #include "kernels/ep_layout.h"
@@ -79,10 +80,17 @@ ExchangePlan host_plan(const Case& c, int me) {
   return make_exchange_plan(std::make_shared<ShapeOnlyComm>(me, c.n), row(c, me), recv, 16, 0, c.align, 1);
 }
 
-std::vector<int32_t> layout_cpu(const Case& c, int me) {
+std::vector<int32_t> layout_cpu(const Case& c, int me, int64_t capacity = 0, int32_t* most_needed = nullptr) {
   std::vector<int32_t> out(size_t(ep_layout_size(c.n, c.L)), -7);
-  ep_layout_cpu({c.n, c.L, me, 16, c.align}, c.counts.data(), out.data());
+  ep_layout_cpu({c.n, c.L, me, 16, c.align, capacity}, c.counts.data(), out.data(), most_needed);
   return out;
+}
+
+// The most padded rows any rank of c receives: the host plans' padded totals.
+int64_t most_rows(const Case& c) {
+  int64_t need = 0;
+  for (int r = 0; r < c.n; ++r) need = std::max(need, host_plan(c, r).segment_starts.back());
+  return need;
 }
 
 TEST(EpLayout, EqualsTheHostPlanOnEveryRank) {
@@ -118,11 +126,35 @@ TEST(EpLayout, EqualsTheHostPlanOnEveryRank) {
   }
 }
 
+// Receive buffers of `capacity` rows: a layout that fits is the unbounded one; one row short, every rank lays
+// out an empty exchange (every count and row 0) and reports the need, which also raises the running maximum.
+TEST(EpLayout, CapacityFitsOrEveryRankLaysOutAnEmptyExchange) {
+  for (const Case& c : cases(test_seed() + 2)) {
+    const int64_t need = most_rows(c);
+    for (int me = 0; me < c.n; ++me) {
+      SCOPED_TRACE("n " + std::to_string(c.n) + ", L " + std::to_string(c.L) + ", align " + std::to_string(c.align) +
+                   ", rank " + std::to_string(me) + ", need " + std::to_string(need));
+      int32_t most = 5;
+      const std::vector<int32_t> fits = layout_cpu(c, me, need, &most);
+      EXPECT_EQ(fits, layout_cpu(c, me)) << "a layout that fits its capacity exactly";
+      EXPECT_EQ(fits[size_t(ep_layout_overflow_offset(c.n, c.L))], 0);
+      EXPECT_EQ(most, 5) << "no overflow leaves the running maximum";
+      if (need <= 1) continue;
+      const std::vector<int32_t> over = layout_cpu(c, me, need - 1, &most);
+      std::vector<int32_t> want(over.size(), 0);
+      want[size_t(ep_layout_overflow_offset(c.n, c.L))] = int32_t(need);
+      EXPECT_EQ(over, want) << "one row short";
+      EXPECT_EQ(most, std::max<int32_t>(5, int32_t(need)));
+    }
+  }
+}
+
 TEST(EpLayout, RefusesImpossibleDims) {
   std::vector<int32_t> counts(4, 0), out(64, 0);
   EXPECT_THROW(ep_layout_cpu({2, 1, 2, 16, 16}, counts.data(), out.data()), ShapeError);  // rank 2 of 2
   EXPECT_THROW(ep_layout_cpu({2, 0, 0, 16, 16}, counts.data(), out.data()), ShapeError);
   EXPECT_THROW(ep_layout_cpu({2, 1, 0, 16, 0}, counts.data(), out.data()), ShapeError);
+  EXPECT_THROW(ep_layout_cpu({2, 1, 0, 16, 16, -1}, counts.data(), out.data()), ShapeError);
 }
 
 TEST(EpLayout, CudaKernelEqualsTheCpuReference) {
@@ -131,11 +163,19 @@ TEST(EpLayout, CudaKernelEqualsTheCpuReference) {
     for (int me = 0; me < c.n; ++me) {
       const Tensor counts = Tensor::from_ints(std::vector<int64_t>(c.counts.begin(), c.counts.end()), {c.n, c.n * c.L},
                                               DType::i32, Device::cuda(0));
-      Tensor out = Tensor::full({ep_layout_size(c.n, c.L)}, -7, DType::i32, Device::cuda(0));
-      ep_layout_cuda({c.n, c.L, me, 16, c.align}, counts.data<int32_t>(), out.data<int32_t>(), current_stream(0));
-      const std::vector<int32_t> want = layout_cpu(c, me);
-      EXPECT_EQ(out.to_ints(), std::vector<int64_t>(want.begin(), want.end()))
-          << "n " << c.n << ", L " << c.L << ", align " << c.align << ", rank " << me;
+      // Unbounded, and one row short of the need (an empty exchange, the need in the running maximum).
+      const int64_t need = most_rows(c);
+      for (int64_t capacity : {int64_t(0), std::max<int64_t>(need - 1, 0)}) {
+        Tensor out = Tensor::full({ep_layout_size(c.n, c.L)}, -7, DType::i32, Device::cuda(0));
+        Tensor most = Tensor::full({1}, 5, DType::i32, Device::cuda(0));
+        ep_layout_cuda({c.n, c.L, me, 16, c.align, capacity}, counts.data<int32_t>(), out.data<int32_t>(),
+                       most.data<int32_t>(), current_stream(0));
+        int32_t want_most = 5;
+        const std::vector<int32_t> want = layout_cpu(c, me, capacity, &want_most);
+        EXPECT_EQ(out.to_ints(), std::vector<int64_t>(want.begin(), want.end()))
+            << "n " << c.n << ", L " << c.L << ", align " << c.align << ", rank " << me << ", capacity " << capacity;
+        EXPECT_EQ(most.to_ints(), std::vector<int64_t>{want_most});
+      }
     }
 }
 

@@ -5,12 +5,14 @@
 // on the GPU the comparison is with host + device counts (the same one-launch GEMMs, host-table layouts),
 // no host synchronisation is counted, and the FP8 MoE layer on one GPU reads no counts and stays close to
 // the layer that reads them (per-expert cuBLASLt GEMMs).
+#include <cmath>
 #include <string>
 #include <vector>
 
 #include "engine/cast_stats.h"
 #include "engine/ops/fp8_grouped_linear.h"
 #include "engine/ops/fp8_transpose.h"
+#include "engine/ops/grouped_linear.h"
 #include "kernels/fp8.h"
 #include "layers/moe.h"
 #include "tests/moe_test_config.h"
@@ -57,13 +59,13 @@ const Case kCases[] = {
     {"E = 1 with a tail", 80, {48}},
 };
 
-struct Run {
+struct GroupedRun {
   Tensor y, dx, dw;
 };
 
 // One forward + backward of fp8_grouped_linear over `counts`, on the inputs' device; dy in y's dtype.
-Run run_grouped(const Tensor& x_in, const Tensor& w_in, const Tensor& dy_in, const ExpertCounts& counts,
-                Fp8Wgrad wgrad) {
+GroupedRun run_grouped(const Tensor& x_in, const Tensor& w_in, const Tensor& dy_in, const ExpertCounts& counts,
+                       Fp8Wgrad wgrad) {
   Variable x(x_in, true), w(w_in, true, "w");
   QuantizedWeight wq = quantize_weight(w_in, "w");
   Variable y = fp8_grouped_linear(quantize_rowwise(x, "x"), w, wq, counts, wgrad, "fc");
@@ -83,9 +85,9 @@ void check_grouped(Device dev, DType act, bool with_host_reference) {
       Tensor w = random_tensor(rng, {E, N, K}, DType::f32, dev, -0.1, 0.1);
       const Tensor counts = counts_tensor(c.rows, dev);
       const ExpertCounts reference{c.rows, with_host_reference ? counts : Tensor()};
-      const Run want = run_grouped(x, w, dy, reference, wgrad);
+      const GroupedRun want = run_grouped(x, w, dy, reference, wgrad);
       const uint64_t syncs = num_host_syncs();
-      const Run got = run_grouped(x, w, dy, ExpertCounts{{}, counts}, wgrad);
+      const GroupedRun got = run_grouped(x, w, dy, ExpertCounts{{}, counts}, wgrad);
       EXPECT_EQ(num_host_syncs(), syncs) << "the device-count path read something to the host";
       EXPECT_TRUE(bit_equal(got.y, want.y)) << "y";
       EXPECT_TRUE(bit_equal(got.dx, want.dx)) << "dx";
@@ -161,6 +163,56 @@ TEST(Fp8DeviceCounts, GroupedLinearChecksTheCounts) {
 TEST(Fp8DeviceCountsCuda, GroupedLinearMatchesHostLayoutsBitForBit) {
   FLOWMOE_REQUIRE_CUDA();
   check_grouped(Device::cuda(), DType::bf16, true);
+}
+
+// ExpertCounts::tail_unread (an MoE layer's worst-case buffers): the rows past the counts are left unwritten
+// (GPU) or NaN (CPU, so that a reader of them fails the tests), and nothing else changes: the counted rows of
+// y and dx and every dW bit for bit, in FP8 (both wgrad recipes) and, on the GPU, bf16.
+void check_tail_unread(Device dev) {
+  Rng rng(test_seed());
+  const int64_t N = 256, K = 128;
+  const DType act = dev.is_cpu() ? DType::f32 : DType::bf16;
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.what);
+    const int64_t E = int64_t(c.rows.size());
+    int64_t live = 0;
+    for (int64_t r : c.rows) live += r;
+    Tensor x = random_tensor(rng, {c.m, K}, act, dev), dy = random_tensor(rng, {c.m, N}, act, dev);
+    Tensor w = random_tensor(rng, {E, N, K}, DType::f32, dev, -0.1, 0.1);
+    const Tensor counts = counts_tensor(c.rows, dev);
+    const auto expect_same = [&](const GroupedRun& got, const GroupedRun& want) {
+      EXPECT_TRUE(bit_equal(got.y.slice(0, 0, live).contiguous(), want.y.slice(0, 0, live).contiguous())) << "y";
+      EXPECT_TRUE(bit_equal(got.dx.slice(0, 0, live).contiguous(), want.dx.slice(0, 0, live).contiguous())) << "dx";
+      EXPECT_TRUE(bit_equal(got.dw, want.dw)) << "dW";
+      if (!dev.is_cpu()) return;
+      for (double v : got.y.slice(0, live, c.m).to_doubles())
+        if (!std::isnan(v)) {
+          ADD_FAILURE() << "a tail row of y is not NaN on the CPU: " << v;
+          break;
+        }
+    };
+    for (Fp8Wgrad wgrad : {Fp8Wgrad::transpose, Fp8Wgrad::requantize}) {
+      SCOPED_TRACE(wgrad == Fp8Wgrad::transpose ? "fp8, transpose" : "fp8, requantize");
+      expect_same(run_grouped(x, w, dy, ExpertCounts{{}, counts, true}, wgrad),
+                  run_grouped(x, w, dy, ExpertCounts{{}, counts, false}, wgrad));
+    }
+    if (dev.is_cpu()) continue;  // bf16 grouped_linear takes device counts on a GPU only
+    SCOPED_TRACE("bf16");
+    const auto bf16 = [&](bool tail_unread) {
+      Variable xv(x, true), wv(w, true, "w");
+      Variable y = grouped_linear(xv, wv, ExpertCounts{{}, counts, tail_unread});
+      y.backward(dy);
+      return GroupedRun{y.data().to(Device::cpu()), xv.grad().to(Device::cpu()), wv.grad().to(Device::cpu())};
+    };
+    expect_same(bf16(true), bf16(false));
+  }
+}
+
+TEST(Fp8DeviceCounts, TailUnreadIsNaNOnTheCpuAndChangesNoCountedValue) { check_tail_unread(Device::cpu()); }
+
+TEST(Fp8DeviceCountsCuda, TailUnreadChangesNoCountedValue) {
+  FLOWMOE_REQUIRE_CUDA();
+  check_tail_unread(Device::cuda());
 }
 
 // The FP8 MoE layer on one GPU: forward and backward read no counts (host_syncs 0 for the whole step),

@@ -23,6 +23,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #if defined(FLOWMOE_WITH_CUDA)
@@ -408,6 +409,54 @@ TEST(GroupedGemmDeviceCuda, Fp8WgradMatchesCpuAndCublasLt) {
   check_fp8_wgrad(gen, {0, 0}, 32, 128, 128);             // 0 rows in total
   Rows many = random_counts(gen, 64, 160, 16, 9);
   check_fp8_wgrad(gen, many, sum_rows(many) + 32, 128, 256);  // E = 64
+}
+
+// zero_tail false (a worst-case buffer nobody reads past its counts): the counted rows are those of the
+// zeroing call bit for bit, and the tail keeps what was there (NaN here), for bf16 fprop / dgrad and FP8.
+TEST(GroupedGemmDeviceCuda, TailRowsLeftUnwrittenOnRequest) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  std::mt19937_64 gen(test_seed());
+  const Rows rows = {64, 0, 32, 48};
+  const int64_t e = 4, m = 512, n = 256, k = 384, live = sum_rows(rows);
+  const Device gpu = Device::cuda();
+  Bf16Problem bp = make_bf16(rng, rows, m - live, n, k);
+  Fp8Problem fp = make_fp8(gen, rows, m, n, k, false);
+  Tensor x = bp.x.to(DType::bf16).to(gpu), w = bp.w.to(DType::bf16).to(gpu), dy = bp.dy.to(DType::bf16).to(gpu);
+  Tensor qx = device_tensor(fp.x.q, DType::e4m3), qxs = device_tensor(fp.x.s, DType::f32);
+  Tensor qw = device_tensor(fp.w.q, DType::e4m3), qws = device_tensor(fp.w.s, DType::f32);
+  Tensor counts = device_counts(rows), ws = device_workspace(e);
+  const int32_t* c = counts.data<int32_t>();
+  cudaStream_t s = current_stream(0);
+  struct Out {
+    Tensor y, dx, qy;
+  };
+  auto run = [&](bool zero_tail) {
+    Out o{Tensor::full({m, n}, kNaN, DType::bf16, gpu), Tensor::full({m, k}, kNaN, DType::bf16, gpu),
+          Tensor::full({m, n}, kNaN, DType::bf16, gpu)};
+    grouped_gemm_fprop_device_cuda(DType::bf16, x.raw_data(), w.raw_data(), o.y.raw_data(), c, e, m, n, k,
+                                   ws.raw_data(), bytes_of(ws), s, zero_tail);
+    grouped_gemm_dgrad_device_cuda(DType::bf16, dy.raw_data(), w.raw_data(), o.dx.raw_data(), c, e, m, n, k,
+                                   ws.raw_data(), bytes_of(ws), s, zero_tail);
+    fp8_grouped_gemm_device_cuda(DType::bf16, qx.data<uint8_t>(), qxs.data<float>(), qw.data<uint8_t>(),
+                                 qws.data<float>(), o.qy.raw_data(), c, e, m, n, k, ws.raw_data(), bytes_of(ws), s,
+                                 zero_tail);
+    return Out{o.y.to(Device::cpu()), o.dx.to(Device::cpu()), o.qy.to(Device::cpu())};
+  };
+  const Out zeroed = run(true), left = run(false);
+  const std::pair<const char*, std::pair<Tensor, Tensor>> outputs[] = {
+      {"bf16 fprop", {zeroed.y, left.y}}, {"bf16 dgrad", {zeroed.dx, left.dx}}, {"fp8 fprop", {zeroed.qy, left.qy}}};
+  for (const auto& [what, pair] : outputs) {
+    SCOPED_TRACE(what);
+    const Tensor &z = pair.first, &l = pair.second;
+    EXPECT_TRUE(bit_equal(l.slice(0, 0, live).contiguous(), z.slice(0, 0, live).contiguous())) << "counted rows";
+    expect_zero(z.slice(0, live, m), what);
+    for (double v : l.slice(0, live, m).to_doubles())
+      if (!std::isnan(v)) {
+        ADD_FAILURE() << "a tail row was written (" << v << ")";
+        break;
+      }
+  }
 }
 
 #if defined(FLOWMOE_WITH_CUDA)

@@ -97,6 +97,31 @@ TEST(StepControl, StopHaltsEveryLaterUpdate) {
   EXPECT_EQ(s.num_updates, 1);
 }
 
+// A step whose exchange ran out of buffer rows changes nothing but the sticky overflow (the running maximum),
+// and voids every later step until it is cleared; then the steps go on as if the void ones never ran.
+TEST(StepControl, AnExchangeOverflowVoidsEveryStepUntilCleared) {
+  const StepSchedule p = test_schedule();
+  const std::vector<StepInputs> steps = test_steps();
+  const int32_t overflow[3] = {300, 0, 500};
+  StepScalars s, plain;
+  advance_step_from_sums(s, p, steps[0].lm, steps[0].aux, steps[0].sq);
+  advance_step_from_sums(plain, p, steps[0].lm, steps[0].aux, steps[0].sq);
+  const StepScalars before = s;
+  for (int i = 0; i < 3; ++i) {
+    advance_step_from_sums(s, p, steps[1].lm, steps[1].aux, steps[1].sq, &overflow[i]);
+    EXPECT_EQ(s.step, before.step) << "void step " << i;
+    EXPECT_EQ(s.num_updates, before.num_updates);
+    EXPECT_EQ(s.apply, 0);
+    EXPECT_EQ(s.bias_rate_scale, 0.0);
+    EXPECT_EQ(s.exchange_overflow, i < 2 ? 300 : 500) << "sticky, the most rows needed";
+  }
+  s.exchange_overflow = 0;  // the host ran the step again with larger buffers
+  const int32_t none = 0;
+  advance_step_from_sums(s, p, steps[1].lm, steps[1].aux, steps[1].sq, &none);
+  advance_step_from_sums(plain, p, steps[1].lm, steps[1].aux, steps[1].sq);
+  EXPECT_TRUE(same_bits(s, plain)) << "the step after the void ones is the plain run's next step";
+}
+
 TEST(StepControl, NoBalanceLossReadsNoAux) {
   StepSchedule p = test_schedule();
   p.has_aux = 0;
@@ -134,11 +159,23 @@ TEST(StepControlCuda, KernelMatchesTheHostBitForBit) {
     const float flat[6] = {in.lm[0], in.lm[1], in.aux[0], in.aux[1], in.sq[0], in.sq[1]};
     copy_bytes(inputs.raw_data(), 0, flat, -1, sizeof(flat));
     const float* d = inputs.data<float>();
-    advance_step_cuda(static_cast<StepScalars*>(dev.raw_data()), p_dev, d, d + 2, d + 4, current_stream(0));
+    advance_step_cuda(static_cast<StepScalars*>(dev.raw_data()), p_dev, d, d + 2, d + 4, nullptr, current_stream(0));
     StepScalars got;
     copy_bytes(&got, -1, dev.raw_data(), 0, sizeof(StepScalars));
     EXPECT_TRUE(same_bits(got, host)) << "step " << host.step << ": lr " << got.lr << " vs " << host.lr;
   }
+  // A void step: the overflow read on the device.
+  const int32_t overflow = 7;
+  Tensor overflow_dev = Tensor::from_ints({overflow}, {1}, DType::i32, Device::cuda(0));
+  const StepInputs& in = test_steps().front();
+  advance_step_from_sums(host, p, in.lm, in.aux, in.sq, &overflow);
+  const float* d = inputs.data<float>();
+  advance_step_cuda(static_cast<StepScalars*>(dev.raw_data()), p_dev, d, d + 2, d + 4, overflow_dev.data<int32_t>(),
+                    current_stream(0));
+  StepScalars got;
+  copy_bytes(&got, -1, dev.raw_data(), 0, sizeof(StepScalars));
+  EXPECT_EQ(got.exchange_overflow, 7);
+  EXPECT_TRUE(same_bits(got, host)) << "a void step";
 }
 
 // A scheduled AdamW step equals the by-value step it describes, and a skipped one changes nothing.

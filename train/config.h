@@ -65,7 +65,8 @@ struct ParallelConfig {
   std::string ep_dispatch = "auto";            // auto | sync | zero_sync (parallel/dispatch.h EpDispatch)
   std::string shared_expert_overlap = "auto";  // auto | on | off: shared experts on a side stream (layers/moe.h)
   int64_t exchange_chunks = 1;      // zero_sync: token chunks whose exchanges overlap the experts (layers/moe.h)
-  int64_t exchange_sms = 0;         // with exchange_chunks > 1: SMs the grouped GEMMs leave to the exchange kernels
+  int64_t exchange_sms = 0;         // chunks or dual micro-batches: SMs the grouped GEMMs leave to the exchanges
+  double ep_capacity_factor = 0;    // zero_sync: receive rows as a multiple of an even load; 0: worst case
   bool dual_microbatch = false;     // two halves of the batch interleaved layer by layer (layers/transformer.h)
   bool overlap_grad_reduce = true;  // reduce gradient buckets during the backward (train/grad_reducer.h)
   int64_t grad_reduce_sms = 0;      // nccl: thread blocks the overlapped reduction may take; 0: nccl's choice

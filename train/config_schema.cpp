@@ -246,9 +246,14 @@ const std::vector<Field>& schema() {
                         "issues them so that one chunk's exchange runs on a communication stream beside another "
                         "chunk's experts, forward and backward; 1: all tokens at once (no effect without it)"));
     f.push_back(integer("parallel", "exchange_sms", FLOWMOE_CONFIG_REF(parallel.exchange_sms), 0, 1024,
-                        "with exchange_chunks > 1 on GPUs: SMs the expert GEMMs leave free for the exchange "
-                        "kernels, which keep to them (the put and the copy-out take 4 blocks on each); 0: the GEMMs "
-                        "take all"));
+                        "with exchange_chunks > 1 or dual_microbatch on GPUs: SMs the expert GEMMs leave free for "
+                        "the exchange kernels, which keep to them (the put and the copy-out take 4 blocks on each); "
+                        "0: the GEMMs take all"));
+    f.push_back(number("parallel", "ep_capacity_factor", FLOWMOE_CONFIG_REF(parallel.ep_capacity_factor), 0, false,
+                       1024, false,
+                       "with the zero-sync exchange: each receive buffer holds this many times an even load's rows "
+                       "(plus pad rows) instead of the worst case; a step that needs more is run again with larger "
+                       "buffers, nothing dropped; 0: the worst case"));
     f.push_back(boolean("parallel", "dual_microbatch", FLOWMOE_CONFIG_REF(parallel.dual_microbatch),
                         "a training step runs its batch as two halves interleaved layer by layer, so that one half's "
                         "expert exchange travels beside the other half's attention and experts (zero_sync); the "

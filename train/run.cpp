@@ -243,8 +243,20 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
                         " processes) must be even to split into two halves");
     model.set_dual_microbatch(true);
   }
+  // Zero-sync receive buffers of a capacity, not the worst case: a step that needs more is void and runs again
+  // with larger ones (complete_step).
+  if (c.parallel.ep_capacity_factor > 0 && parallel.expert_parallel_size > 1) {
+    if (!model.exchanges_zero_sync())
+      throw ConfigError(c.origin("parallel.ep_capacity_factor") +
+                        ": parallel.ep_capacity_factor bounds the zero-sync exchange's receive buffers, but this "
+                        "run's exchange is sync (parallel.ep_dispatch " +
+                        c.parallel.ep_dispatch + " at expert-parallel size " +
+                        std::to_string(parallel.expert_parallel_size) + "): set parallel.ep_dispatch: zero_sync");
+    exchange_overflow = Tensor::zeros({1}, DType::i32, device);
+    model.set_exchange_buffers(c.parallel.ep_capacity_factor, 0, exchange_overflow);
+  }
   // Process-wide, as the streams are: the grouped GEMMs leave these SMs to the exchange kernels beside them.
-  if (device.is_cuda() && model.exchanges_in_chunks()) cuda_set_comm_sms(int(c.parallel.exchange_sms));
+  if (device.is_cuda() && model.overlaps_exchanges()) cuda_set_comm_sms(int(c.parallel.exchange_sms));
   if (reducer && reducer->sharded()) {
     reducer->set_stages(model.parameter_stages());
     model.set_stage_hook([r = reducer.get()](int64_t stage) { r->wait_stage(stage); });

@@ -32,6 +32,7 @@ namespace flowmoe {
 
 // What the host knows of a step once it is queued; the rest comes with its StepReadout.
 struct IssuedStep {
+  DataPosition data_before;  // where the data was before the step's batches (a void step takes them again)
   int64_t host_syncs = 0;
   double moe_casts = NAN;
   bool has_exchanges = false;  // expert parallelism: the step closed a window of exchange timings
@@ -98,6 +99,11 @@ struct TrainRun {
   SetupLap optimizer_lap{clock, "optimizer"};
   std::optional<MetricsWriter> metrics;  // opened once the step to resume at is known
   StepState state;                       // the optimizer step's scalars where the weights live, and their readout
+  // parallel.ep_capacity_factor: [1] i32 on the device, the most rows a zero-sync exchange needed past its
+  // buffers since the last void step was run again (undefined: worst-case buffers), and the rows the buffers
+  // have grown to since.
+  Tensor exchange_overflow;
+  int64_t exchange_min_rows = 0;
 
   int64_t tokens_per_step = 0;
   ValBatches val;           // what an evaluation reads; no batches when the data holds out no validation

@@ -111,7 +111,7 @@ std::string profile_table(const StepProfile& p, size_t max_ops) {
   return t;
 }
 
-StepMetrics profiled_train_step(TrainRun& run) {
+std::optional<StepMetrics> profiled_train_step(TrainRun& run) {
   using clock = std::chrono::steady_clock;
   const auto drain = [&] {
     if (run.device.is_cuda()) cuda_synchronize(run.device.index);
@@ -122,7 +122,7 @@ StepMetrics profiled_train_step(TrainRun& run) {
   p.device = run.device.str();
   const auto t0 = clock::now();
   profile_begin();
-  StepMetrics m;
+  std::optional<StepMetrics> m;
   try {
     m = train_step(run, /*profiled=*/true);
     drain();

@@ -4,6 +4,7 @@
 // Printed by rank 0 and written to <logging.out_dir>/profile.txt. docs/TRAINING.md shows one.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,6 @@ std::string profile_part(const std::string& scope);
 std::string profile_table(const StepProfile& profile, size_t max_ops = 30);
 
 // train_step under the profiler: the table goes to the run's progress output and profile.txt.
-StepMetrics profiled_train_step(TrainRun& run);
+std::optional<StepMetrics> profiled_train_step(TrainRun& run);
 
 }  // namespace flowmoe

@@ -91,19 +91,26 @@ void StepState::reduce_losses(Communicator& world) {
   loss_slots_.copy_(tensor_scale(loss_slots_, 1.0 / double(world.size())));
 }
 
-void StepState::advance_on_device(const float* sq_sums) {
+void StepState::advance_on_device(const float* sq_sums, const int32_t* exchange_overflow) {
   FLOWMOE_CHECK(device_.is_cuda(), Error, "StepState::advance_on_device on ", device_.str());
   const float* lm = loss_slots_.data<float>();
   device_schedule_.has_aux = schedule_.has_aux;
   advance_step_cuda(static_cast<StepScalars*>(device_scalars_.raw_data()), device_schedule_, lm,
-                    schedule_.has_aux ? lm + schedule_.num_micro_batches : nullptr, sq_sums,
+                    schedule_.has_aux ? lm + schedule_.num_micro_batches : nullptr, sq_sums, exchange_overflow,
                     current_stream(device_.index));
 }
 
-void StepState::advance_on_host(double loss, double aux, double norm, bool all_finite) {
+void StepState::advance_on_host(double loss, double aux, double norm, bool all_finite, int64_t exchange_overflow) {
   FLOWMOE_CHECK(pending_.empty() || !device_.is_cuda(), Error,
                 "StepState: the host path needs the previous step's scalars read back first");
-  advance_step(host_, schedule_, loss, aux, norm, all_finite);
+  advance_step(host_, schedule_, loss, aux, norm, all_finite, int32_t(exchange_overflow));
+  if (device_.is_cuda()) copy_bytes(device_scalars_.raw_data(), device_.index, &host_, -1, sizeof(StepScalars));
+}
+
+void StepState::clear_exchange_overflow() {
+  FLOWMOE_CHECK(pending_.empty(), Error, "StepState::clear_exchange_overflow with ", pending_.size(),
+                " steps still pending");
+  host_.exchange_overflow = 0;  // host_ holds the last read-back (void) scalars: those of the last applied step
   if (device_.is_cuda()) copy_bytes(device_scalars_.raw_data(), device_.index, &host_, -1, sizeof(StepScalars));
 }
 

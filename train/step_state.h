@@ -41,10 +41,15 @@ class StepState {
   // Several ranks: the recorded losses become their means over `world`'s ranks (each rank's slice
   // holds as many tokens), by a sum on the device; a NaN on any rank reaches every rank.
   void reduce_losses(Communicator& world);
-  void advance_on_device(const float* sq_sums /*[2] device*/);
+  // exchange_overflow: the most rows a zero-sync exchange of the step needed past its buffers, agreed by every
+  // rank ([1] i32 on the device, or null: none); nonzero voids the step (kernels/step_control.h).
+  void advance_on_device(const float* sq_sums /*[2] device*/, const int32_t* exchange_overflow = nullptr);
   // The host path: from values the host has (several ranks agreed on them, or the CPU computed them);
   // aux is NaN without a balance loss.
-  void advance_on_host(double loss, double aux, double norm, bool all_finite);
+  void advance_on_host(double loss, double aux, double norm, bool all_finite, int64_t exchange_overflow = 0);
+  // After a void step has been read back and nothing is pending: the next step goes on from the last applied
+  // one (a host write to the device's scalars; the trainer runs the void steps again).
+  void clear_exchange_overflow();
 
   // The device path's inputs: a device copy of `host` (a CPU tensor), queued from pinned memory that
   // belongs to the step being issued, so the host does not wait for the device to take it.

@@ -117,13 +117,17 @@ void apply_non_finite_policy(TrainRun& run, const std::string& what) {
 // expert shards' squared norms the sum over the expert-parallel group, by collectives on the device:
 // every rank then holds the same scalars, so all of them apply, skip or stop the step alike.
 void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
+  // An exchange that ran out of rows voids the step on every rank (kernels/step_control.h): the expert-parallel
+  // groups each agree already, the data-parallel copies of them through the maximum.
+  const Tensor& overflow = run.exchange_overflow;
+  if (overflow.defined() && run.world_size > 1) run.world->all_reduce(overflow, ReduceOp::max);
   if (on_device) {
     OpTimer timer("gradient norm", OpPhase::step, "optimizer", run.device, 0, 0);
     if (run.world_size > 1) run.state.reduce_losses(*run.world);
     const std::vector<bool> experts = expert_shard_flags(run.parallel, run.model.parameter_shards());
     Tensor sums = run.opt.grad_square_sums_device(experts);  // {dense, expert shards}
     reduce_square_sums(run.parallel, sums, run.opt.sharded());
-    run.state.advance_on_device(sums.data<float>());
+    run.state.advance_on_device(sums.data<float>(), overflow.defined() ? overflow.data<int32_t>() : nullptr);
     return;
   }
   double norm = NAN;
@@ -133,7 +137,7 @@ void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
   }
   if (run.opts.after_loss) run.opts.after_loss(run.step, &losses.lm);
   const bool all_finite = agree_on_losses(run, losses, norm);
-  run.state.advance_on_host(losses.lm, losses.aux, norm, all_finite);
+  run.state.advance_on_host(losses.lm, losses.aux, norm, all_finite, overflow.defined() ? overflow.to_ints()[0] : 0);
 }
 
 // The step on the device, from the batches (on the device for the device path) to the expert-bias
@@ -248,8 +252,9 @@ void issue_step(TrainRun& run, bool profiled) {
   if (exchanges && run.state.num_pending() == 0) exchanges->take_exchange_ms();
   const bool on_device = step_scalars_on_device(run);
   ++run.step;
-  std::vector<Batch> batches = next_batches(run);
   IssuedStep issued;
+  issued.data_before = run.data.position();
+  std::vector<Batch> batches = next_batches(run);
   std::vector<Tensor> loads;
   const bool graphed = use_graph(run, profiled);
   if (graphed) {
@@ -268,11 +273,48 @@ void issue_step(TrainRun& run, bool profiled) {
   run.issued.push_back(issued);
 }
 
-StepMetrics complete_step(TrainRun& run) {
+namespace {
+
+// A void step, read back with the scalars of the last step that was applied (last_step): its exchange needed
+// `need` rows on some rank, more than the buffers hold. Every step queued after it is void too (the overflow
+// is sticky on the device); they are read back and dropped. The buffers grow to the need and an eighth, the
+// graph (sized for the old buffers) is dropped, and run.step and the data go back to before the void step, which
+// the loop then takes again, as if it had never run: it changed nothing.
+void rerun_after_overflow(TrainRun& run, int64_t last_step, int64_t need, const DataPosition& data_before) {
+  while (run.state.num_pending() > 0) {
+    run.state.complete();
+    if (run.issued.front().has_exchanges) run.parallel.expert_parallel->take_exchange_window_ms();
+    run.issued.pop_front();
+  }
+  run.exchange_min_rows = std::max(run.exchange_min_rows, need + need / 8);
+  run.model.set_exchange_buffers(run.cfg.parallel.ep_capacity_factor, run.exchange_min_rows, run.exchange_overflow);
+  run.exchange_overflow.zero_();
+  run.state.clear_exchange_overflow();
+  run.graph.reset();
+  run.progress.message("step " + std::to_string(last_step + 1) + ": an expert exchange needed " + std::to_string(need) +
+                       " receive rows, more than its buffers hold (parallel.ep_capacity_factor " +
+                       format_fixed(run.cfg.parallel.ep_capacity_factor, 2) + "); they grow to " +
+                       std::to_string(run.exchange_min_rows) + " rows and the step runs again" +
+                       (run.step - last_step > 1
+                            ? ", as do the " + std::to_string(run.step - last_step - 1) + " queued after it"
+                            : std::string()));
+  run.step = last_step;
+  run.data.set_position(data_before);
+  run.step_clock = std::chrono::steady_clock::now();
+}
+
+}  // namespace
+
+std::optional<StepMetrics> complete_step(TrainRun& run) {
   using clock = std::chrono::steady_clock;
   const StepReadout r = run.state.complete();
   const IssuedStep issued = run.issued.front();
   run.issued.pop_front();
+  if (r.scalars.exchange_overflow > 0) {
+    if (issued.has_exchanges) run.parallel.expert_parallel->take_exchange_window_ms();
+    rerun_after_overflow(run, r.scalars.step, r.scalars.exchange_overflow, issued.data_before);
+    return std::nullopt;
+  }
   StepMetrics m;
   m.step = r.scalars.step;
   m.lr = r.scalars.lr;
@@ -302,7 +344,7 @@ StepMetrics complete_step(TrainRun& run) {
   return m;
 }
 
-StepMetrics train_step(TrainRun& run, bool profiled) {
+std::optional<StepMetrics> train_step(TrainRun& run, bool profiled) {
   issue_step(run, profiled);
   return complete_step(run);
 }

@@ -162,15 +162,18 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
   bool stop = false;
   while (run.step < run.end && !stop) {
     if (run.step + 1 == run.opts.profile_step) {
-      stop = finish_step(run, profiled_train_step(run));
+      if (std::optional<StepMetrics> m = profiled_train_step(run)) stop = finish_step(run, *m);
       continue;
     }
     issue_step(run);
     // On one GPU the host queues step N + 1 before it reads step N's loss: the GPU never waits for it.
     const int64_t keep = may_run_ahead(run) ? 1 : 0;
-    while (run.state.num_pending() > keep && !stop) stop = finish_step(run, complete_step(run));
+    // A void step (none is left pending then) goes round again: the loop takes it anew.
+    while (run.state.num_pending() > keep && !stop)
+      if (std::optional<StepMetrics> m = complete_step(run)) stop = finish_step(run, *m);
   }
-  while (run.state.num_pending() > 0) finish_step(run, complete_step(run));  // a step queued before a stop
+  while (run.state.num_pending() > 0)  // a step queued before a stop
+    if (std::optional<StepMetrics> m = complete_step(run)) finish_step(run, *m);
   if (stop && run.step < run.end) stop_with_checkpoint(run);
   return finish_run(run);
 }

@@ -160,7 +160,7 @@ class GroupedLinear : public Primitive {
     Tensor ws = grouped_gemm_device_workspace(x, d.num_experts);
     grouped_gemm_fprop_device_cuda(x.dtype(), x.raw_data(), w_compute_.raw_data(), y.raw_data(),
                                    counts_.device.data<int32_t>(), d.num_experts, d.m_total, d.n, d.k, ws.raw_data(),
-                                   size_t(ws.numel()), current_stream(x.device().index));
+                                   size_t(ws.numel()), current_stream(x.device().index), !counts_.tail_unread);
     return {y};
   }
 
@@ -181,7 +181,8 @@ class GroupedLinear : public Primitive {
     if (needs[0]) {
       dx = Tensor::empty(x.shape(), x.dtype(), dev);
       grouped_gemm_dgrad_device_cuda(x.dtype(), dy.raw_data(), w.raw_data(), dx.raw_data(), counts, d.num_experts,
-                                     d.m_total, d.n, d.k, ws.raw_data(), size_t(ws.numel()), stream);
+                                     d.m_total, d.n, d.k, ws.raw_data(), size_t(ws.numel()), stream,
+                                     !counts_.tail_unread);
     }
     if (needs[1]) {
       Tensor dw32 = Tensor::empty(in[1].shape(), DType::f32, dev);

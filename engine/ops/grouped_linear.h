@@ -37,6 +37,10 @@ double grouped_gemm_flops(const std::vector<int64_t>& padded_tokens_per_expert, 
 struct ExpertCounts {
   std::vector<int64_t> host;
   Tensor device;  // defined: the GEMMs read these
+  // The rows past the device counts' sum are never read: every consumer of the buffer takes the counts
+  // (a worst-case dispatch buffer, whose tail in a zero-sync exchange is most of its rows). The one-launch
+  // GEMMs then leave those rows of their outputs unwritten rather than zeroing them.
+  bool tail_unread = false;
   bool on_device() const { return device.defined(); }
   // The host holds the counts: the colwise FP8 layouts follow them (host-known shapes). Otherwise they
   // follow the device counts (worst-case scale shapes) and the profiler counts every row.

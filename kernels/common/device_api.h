@@ -21,20 +21,19 @@ int cuda_current_device();
 cudaStream_t current_stream(int device);  // the engine's compute stream on that device (or its side stream)
 // A second engine stream per device, for a branch of work that runs beside the compute stream (the shared
 // experts beside the exchange: engine/side_stream.h). While this thread has it on, current_stream returns
-// the side stream (a build without CUDA keeps the flag alone). cuda_stream_wait orders the two: the side stream waits
-// for what the compute stream has been given so far (side_waits), or the compute stream for the side stream's. No host
-// sync.
+// the side stream (a build without CUDA keeps the flag alone).
 void cuda_use_side_stream(bool on);
 bool cuda_using_side_stream();
-void cuda_stream_wait(int device, bool side_waits);
 // A third engine stream per device, for data movement between GPUs that runs beside the compute stream (the
-// expert exchange split into chunks: engine/comm_lane.h). It has the compute stream's priority. While this
-// thread has it on, current_stream returns it. It waits for the compute stream's work so far
-// (cuda_comm_waits_compute); the other way, the compute stream waits for an event recorded on it (Event,
-// engine/stream.h). No host sync.
+// expert exchange of token chunks or dual micro-batches: engine/comm_lane.h). It has the compute stream's
+// priority. While this thread has it on, current_stream returns it; the compute stream waits for it through
+// an event recorded on it (Event, engine/stream.h).
 void cuda_use_comm_stream(bool on);
 bool cuda_using_comm_stream();
-void cuda_comm_waits_compute(int device);
+// The engine's three streams on a device; `waiter` waits for the work `waited` has been given so far (an
+// event recorded now). No host sync.
+enum class EngineStream { compute, side, comm };
+void cuda_stream_waits(int device, EngineStream waiter, EngineStream waited);
 cudaStream_t compute_stream(int device);  // the engine's compute stream, whichever stream this thread now uses
 // SMs the persistent grouped GEMMs leave free for communication kernels running beside them (0: they take
 // every SM). Process-wide; set once, before the first step (the GEMMs' workspaces are sized for all SMs).

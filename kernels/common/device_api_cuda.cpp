@@ -49,7 +49,10 @@ namespace {
 
 struct EngineStreams {
   cudaStream_t compute = nullptr, side = nullptr, comm = nullptr;
-  cudaEvent_t compute_mark = nullptr, side_mark = nullptr;  // re-recorded for each wait
+  cudaEvent_t marks[3] = {};  // per stream (EngineStream order), re-recorded for each wait
+  cudaStream_t& operator[](EngineStream which) {
+    return which == EngineStream::compute ? compute : which == EngineStream::side ? side : comm;
+  }
 };
 
 EngineStreams& engine_streams(int device) {
@@ -72,8 +75,7 @@ EngineStreams& engine_streams(int device) {
     // The comm stream's kernels are short and on the critical path (the next chunk's experts wait for them):
     // their blocks go first onto SMs the compute stream frees.
     FLOWMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&s.comm, cudaStreamNonBlocking, greatest));
-    FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.compute_mark, cudaEventDisableTiming));
-    FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.side_mark, cudaEventDisableTiming));
+    for (cudaEvent_t& mark : s.marks) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&mark, cudaEventDisableTiming));
     FLOWMOE_CUDA_CHECK(cudaSetDevice(prev));
   }
   return s;
@@ -92,20 +94,14 @@ cudaStream_t current_stream(int device) {
 void cuda_use_side_stream(bool on) { t_on_side = on; }
 bool cuda_using_side_stream() { return t_on_side; }
 
-void cuda_stream_wait(int device, bool side_waits) {
-  EngineStreams& s = engine_streams(device);
-  cudaEvent_t mark = side_waits ? s.compute_mark : s.side_mark;
-  FLOWMOE_CUDA_CHECK(cudaEventRecord(mark, side_waits ? s.compute : s.side));
-  FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(side_waits ? s.side : s.compute, mark, 0));
-}
-
 void cuda_use_comm_stream(bool on) { t_on_comm = on; }
 bool cuda_using_comm_stream() { return t_on_comm; }
 
-void cuda_comm_waits_compute(int device) {
+void cuda_stream_waits(int device, EngineStream waiter, EngineStream waited) {
   EngineStreams& s = engine_streams(device);
-  FLOWMOE_CUDA_CHECK(cudaEventRecord(s.compute_mark, s.compute));
-  FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(s.comm, s.compute_mark, 0));
+  cudaEvent_t mark = s.marks[static_cast<int>(waited)];
+  FLOWMOE_CUDA_CHECK(cudaEventRecord(mark, s[waited]));
+  FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(s[waiter], mark, 0));
 }
 
 cudaStream_t compute_stream(int device) { return engine_streams(device).compute; }

@@ -18,11 +18,10 @@ cudaStream_t current_stream(int) { no_cuda("current_stream"); }
 static thread_local bool t_on_side = false;
 void cuda_use_side_stream(bool on) { t_on_side = on; }
 bool cuda_using_side_stream() { return t_on_side; }
-void cuda_stream_wait(int, bool) { no_cuda("cuda_stream_wait"); }
 static thread_local bool t_on_comm = false;
 void cuda_use_comm_stream(bool on) { t_on_comm = on; }
 bool cuda_using_comm_stream() { return t_on_comm; }
-void cuda_comm_waits_compute(int) { no_cuda("cuda_comm_waits_compute"); }
+void cuda_stream_waits(int, EngineStream, EngineStream) { no_cuda("cuda_stream_waits"); }
 cudaStream_t compute_stream(int) { no_cuda("compute_stream"); }
 static int g_comm_sms = 0;
 void cuda_set_comm_sms(int num_sms) { g_comm_sms = num_sms; }

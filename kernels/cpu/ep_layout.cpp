@@ -2,6 +2,7 @@
 // plain loops, one entry at a time, as the CUDA kernel computes them.
 #include "kernels/ep_layout.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "kernels/common/error.h"
@@ -20,9 +21,10 @@ void check_ep_layout_dims(const EpLayoutDims& d) {
                 " local experts is not a layout");
   FLOWMOE_CHECK(d.sorted_align >= 1 && d.align_size >= 1, ShapeError, "ep_layout: aligns must be >= 1, got ",
                 d.sorted_align, " and ", d.align_size);
+  FLOWMOE_CHECK(d.capacity >= 0, ShapeError, "ep_layout: capacity ", d.capacity, " rows is negative");
 }
 
-void ep_layout_cpu(const EpLayoutDims& d, const int32_t* counts, int32_t* out) {
+void ep_layout_cpu(const EpLayoutDims& d, const int32_t* counts, int32_t* out, int32_t* most_needed) {
   check_ep_layout_dims(d);
   const int n = d.num_ranks, L = d.num_local_experts, me = d.rank, E = n * L;
   auto c = [&](int p, int g) { return int64_t(counts[int64_t(p) * E + g]); };
@@ -31,6 +33,18 @@ void ep_layout_cpu(const EpLayoutDims& d, const int32_t* counts, int32_t* out) {
     for (int p = 0; p < n; ++p) total[size_t(g)] += c(p, g);
   for (int g = 0; g < E; ++g)
     seg[size_t(g)] = g % L == 0 ? 0 : seg[size_t(g - 1)] + round_up(total[size_t(g - 1)], d.align_size);
+  int64_t need = 0;  // the most padded rows any rank receives
+  for (int q = 0; q < n; ++q) {
+    const int last = q * L + L - 1;
+    need = std::max(need, seg[size_t(last)] + round_up(total[size_t(last)], d.align_size));
+  }
+  if (d.capacity > 0 && need > d.capacity) {  // every rank lays out the same empty exchange
+    std::fill(out, out + ep_layout_size(n, L), 0);
+    out[ep_layout_overflow_offset(n, L)] = int32_t(need);
+    if (most_needed) *most_needed = std::max(*most_needed, int32_t(need));
+    return;
+  }
+  out[ep_layout_overflow_offset(n, L)] = 0;
   auto sorted_start = [&](int p, int g) {
     int64_t s = 0;
     for (int h = 0; h < g; ++h) s += round_up(c(p, h), d.sorted_align);

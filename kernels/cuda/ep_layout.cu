@@ -1,4 +1,4 @@
-// The expert-parallel exchange layout on the GPU (formulas: kernels/ep_layout.h): one CTA, since the
+// The expert-parallel exchange layout on the GPU (formulas, capacity: kernels/ep_layout.h): one CTA, since the
 // tables hold n·L entries (a few hundred) and each is a short loop over the counts. It runs on the
 // stream after the counts' all-gather, so no count ever reaches the host.
 // CPU reference: kernels/cpu/ep_layout.cpp (the same loops). Tests: tests/test_ep_layout.cpp.
@@ -13,8 +13,9 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ int64_t round_up(int64_t v, int a) { return (v + a - 1) / a * a; }
 
-// counts [n, E] i32, E = n·L; smem: total [E], seg [E] (i64).
-__global__ void ep_layout_kernel(EpLayoutDims d, const int32_t* __restrict__ counts, int32_t* __restrict__ out) {
+// counts [n, E] i32, E = n·L; smem: total [E], seg [E] (i64), then the need.
+__global__ void ep_layout_kernel(EpLayoutDims d, const int32_t* __restrict__ counts, int32_t* __restrict__ out,
+                                 int32_t* __restrict__ most_needed) {
   extern __shared__ int64_t smem[];
   const int n = d.num_ranks, L = d.num_local_experts, me = d.rank, E = n * L;
   int64_t* total = smem;
@@ -31,6 +32,22 @@ __global__ void ep_layout_kernel(EpLayoutDims d, const int32_t* __restrict__ cou
     seg[g] = s;
   }
   __syncthreads();
+  int64_t& need = smem[2 * E];  // the most padded rows any rank receives
+  if (threadIdx.x == 0) {
+    need = 0;
+    for (int q = 0; q < n; ++q) {
+      const int64_t rows = seg[q * L + L - 1] + round_up(total[q * L + L - 1], d.align_size);
+      need = rows > need ? rows : need;
+    }
+  }
+  __syncthreads();
+  if (d.capacity > 0 && need > d.capacity) {  // every rank lays out the same empty exchange
+    for (int64_t i = threadIdx.x; i < ep_layout_size(n, L); i += blockDim.x)
+      out[i] = i == ep_layout_overflow_offset(n, L) ? int32_t(need) : 0;
+    if (threadIdx.x == 0 && most_needed) atomicMax(most_needed, int32_t(need));
+    return;
+  }
+  if (threadIdx.x == 0) out[ep_layout_overflow_offset(n, L)] = 0;
   auto sorted_start = [&](int p, int g) {
     int64_t s = 0;
     for (int h = 0; h < g; ++h) s += round_up(counts[int64_t(p) * E + h], d.sorted_align);
@@ -64,13 +81,14 @@ __global__ void ep_layout_kernel(EpLayoutDims d, const int32_t* __restrict__ cou
 
 }  // namespace
 
-void ep_layout_cuda(const EpLayoutDims& d, const int32_t* counts, int32_t* out, cudaStream_t stream) {
+void ep_layout_cuda(const EpLayoutDims& d, const int32_t* counts, int32_t* out, int32_t* most_needed,
+                    cudaStream_t stream) {
   check_ep_layout_dims(d);
   FLOWMOE_CHECK(counts != nullptr && out != nullptr, ShapeError, "ep_layout_cuda: null counts or output");
-  const size_t smem = 2 * size_t(d.num_ranks) * size_t(d.num_local_experts) * sizeof(int64_t);
+  const size_t smem = (2 * size_t(d.num_ranks) * size_t(d.num_local_experts) + 1) * sizeof(int64_t);
   FLOWMOE_CHECK(smem <= 48 * 1024, ShapeError, "ep_layout_cuda: ", d.num_ranks, " ranks x ", d.num_local_experts,
                 " experts need ", smem, " bytes of shared memory (at most 48 KiB: 3072 experts)");
-  ep_layout_kernel<<<1, kThreads, smem, stream>>>(d, counts, out);
+  ep_layout_kernel<<<1, kThreads, smem, stream>>>(d, counts, out, most_needed);
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -37,7 +37,8 @@ struct Fill {
 
 void bf16_dgrad_run(const Call& c) {
   const Fill fill{static_cast<const Bf16*>(c.a), static_cast<const Bf16*>(c.b), static_cast<Bf16*>(c.d), c.n, c.k};
-  run_grouped<Gemm>(c, fill, 1, 0.f, ZeroMode::tail_rows, c.k * 2, "grouped_gemm_dgrad_device_cuda");
+  run_grouped<Gemm>(c, fill, 1, 0.f, c.zero_tail ? ZeroMode::tail_rows : ZeroMode::none, c.k * 2,
+                    "grouped_gemm_dgrad_device_cuda");
 }
 
 size_t bf16_dgrad_workspace_bytes(int64_t num_experts, int sm_count) {

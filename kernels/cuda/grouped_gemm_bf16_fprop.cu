@@ -1,8 +1,8 @@
 // bf16 grouped fprop in one launch (kernels/grouped_gemm_device.h): y[off_e : off_e+r_e] = x_e · w[e]ᵀ with
 // the row counts read on the device. CUTLASS GEMM per expert: (M, N, K) = (r_e, n, k), A = x_e [r_e, k]
 // row-major, B = w[e] [n, k] (both K-major, "TN"), D = y_e [r_e, n] row-major bf16, fp32 accumulation;
-// the setup kernel zeroes rows [sum(r), m_total). Tile 128x256x64, cluster 1x2 (the two CTAs of a cluster
-// share x's tile, TMA multicast), cooperative. CPU reference: grouped_linear_forward_cpu
+// the setup kernel zeroes rows [sum(r), m_total) unless the call leaves them (zero_tail). Tile 128x256x64, cluster 1x2
+// (the two CTAs of a cluster share x's tile, TMA multicast), cooperative. CPU reference: grouped_linear_forward_cpu
 // (kernels/cpu/grouped_linear.cpp); tests: tests/test_grouped_gemm_device.cpp.
 #include "kernels/cuda/grouped_gemm_sm90.cuh"
 
@@ -37,7 +37,8 @@ struct Fill {
 
 void bf16_fprop_run(const Call& c) {
   const Fill fill{static_cast<const Bf16*>(c.a), static_cast<const Bf16*>(c.b), static_cast<Bf16*>(c.d), c.n, c.k};
-  run_grouped<Gemm>(c, fill, 1, 0.f, ZeroMode::tail_rows, c.n * 2, "grouped_gemm_fprop_device_cuda");
+  run_grouped<Gemm>(c, fill, 1, 0.f, c.zero_tail ? ZeroMode::tail_rows : ZeroMode::none, c.n * 2,
+                    "grouped_gemm_fprop_device_cuda");
 }
 
 size_t bf16_fprop_workspace_bytes(int64_t num_experts, int sm_count) {

@@ -92,7 +92,7 @@ bool rows_gemm_needed(void* y, int64_t num_experts, int64_t m_total, int64_t out
 
 void bf16_rows_gemm(DType dtype, const void* a, const void* w, void* out, const int32_t* counts, int64_t num_experts,
                     int64_t m_total, int64_t n, int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                    bool dgrad, const char* what) {
+                    bool zero_tail, bool dgrad, const char* what) {
   FLOWMOE_CHECK(dtype == DType::bf16, DTypeError, what, " takes bf16 operands, got ", dtype_name(dtype),
                 " (f32 stays on the per-expert cuBLASLt launchers)");
   check_sizes(num_experts, m_total, n, k, what);
@@ -102,7 +102,7 @@ void bf16_rows_gemm(DType dtype, const void* a, const void* w, void* out, const 
   check_pointers({a, w, out}, what);
   Call c = make_call(counts, num_experts, m_total, n, k, workspace, workspace_bytes, stream,
                      dgrad ? grouped_gemm::bf16_dgrad_workspace_bytes : grouped_gemm::bf16_fprop_workspace_bytes, what);
-  c.a = a, c.b = w, c.d = out;
+  c.a = a, c.b = w, c.d = out, c.zero_tail = zero_tail;
   if (dgrad)
     grouped_gemm::bf16_dgrad_run(c);
   else
@@ -139,18 +139,18 @@ size_t grouped_gemm_device_workspace_bytes(int64_t num_experts) {
 
 void grouped_gemm_fprop_device_cuda(DType dtype, const void* x, const void* w, void* y,
                                     const int32_t* padded_tokens_per_expert, int64_t num_experts, int64_t m_total,
-                                    int64_t n, int64_t k, void* workspace, size_t workspace_bytes,
-                                    cudaStream_t stream) {
+                                    int64_t n, int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                    bool zero_tail) {
   bf16_rows_gemm(dtype, x, w, y, padded_tokens_per_expert, num_experts, m_total, n, k, workspace, workspace_bytes,
-                 stream, false, "grouped_gemm_fprop_device_cuda");
+                 stream, zero_tail, false, "grouped_gemm_fprop_device_cuda");
 }
 
 void grouped_gemm_dgrad_device_cuda(DType dtype, const void* dy, const void* w, void* dx,
                                     const int32_t* padded_tokens_per_expert, int64_t num_experts, int64_t m_total,
-                                    int64_t n, int64_t k, void* workspace, size_t workspace_bytes,
-                                    cudaStream_t stream) {
+                                    int64_t n, int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                    bool zero_tail) {
   bf16_rows_gemm(dtype, dy, w, dx, padded_tokens_per_expert, num_experts, m_total, n, k, workspace, workspace_bytes,
-                 stream, true, "grouped_gemm_dgrad_device_cuda");
+                 stream, zero_tail, true, "grouped_gemm_dgrad_device_cuda");
 }
 
 void grouped_gemm_wgrad_device_cuda(DType dtype, const void* x, const void* dy, float* dw,
@@ -173,7 +173,7 @@ void grouped_gemm_wgrad_device_cuda(DType dtype, const void* x, const void* dy, 
 void fp8_grouped_gemm_device_cuda(DType out_dtype, const uint8_t* x, const float* x_scale_inv, const uint8_t* w,
                                   const float* w_scale_inv, void* y, const int32_t* padded_tokens_per_expert,
                                   int64_t num_experts, int64_t m_total, int64_t n, int64_t k, void* workspace,
-                                  size_t workspace_bytes, cudaStream_t stream) {
+                                  size_t workspace_bytes, cudaStream_t stream, bool zero_tail) {
   const char* what = "fp8_grouped_gemm_device_cuda";
   FLOWMOE_CHECK(out_dtype == DType::bf16 || out_dtype == DType::f32, DTypeError, what,
                 ": the output must be bf16 or f32, got ", dtype_name(out_dtype));
@@ -186,7 +186,7 @@ void fp8_grouped_gemm_device_cuda(DType out_dtype, const uint8_t* x, const float
   Call c = make_call(
       padded_tokens_per_expert, num_experts, m_total, n, k, workspace, workspace_bytes, stream,
       bf16_out ? grouped_gemm::fp8_fprop_bf16_workspace_bytes : grouped_gemm::fp8_fprop_f32_workspace_bytes, what);
-  c.a = x, c.a_scale = x_scale_inv, c.b = w, c.b_scale = w_scale_inv, c.d = y;
+  c.a = x, c.a_scale = x_scale_inv, c.b = w, c.b_scale = w_scale_inv, c.d = y, c.zero_tail = zero_tail;
   if (bf16_out)
     grouped_gemm::fp8_fprop_bf16_run(c);
   else

@@ -61,8 +61,8 @@ void fp8_fprop_run_as(const Call& c) {
                                static_cast<Out*>(c.d),
                                c.n,
                                c.k};
-  run_grouped<Fp8FpropGemm<Out>>(c, fill, 1, 0.f, ZeroMode::tail_rows, c.n * (long long)sizeof(Out),
-                                 "fp8_grouped_gemm_device_cuda");
+  run_grouped<Fp8FpropGemm<Out>>(c, fill, 1, 0.f, c.zero_tail ? ZeroMode::tail_rows : ZeroMode::none,
+                                 c.n * (long long)sizeof(Out), "fp8_grouped_gemm_device_cuda");
 }
 
 }  // namespace flowmoe::grouped_gemm

@@ -23,6 +23,7 @@ struct Call {
   const int32_t* counts = nullptr;  // [E] device
   int64_t num_experts = 0, m_total = 0, n = 0, k = 0;
   bool accumulate = false;
+  bool zero_tail = true;  // fprop / dgrad: zero the rows past sum(counts), or leave them
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   int device = 0, sm_count = 0;  // the persistent grid is one CTA per SM

@@ -143,11 +143,23 @@ __global__ void lsa_put_kernel(ncclDevComm comm, ncclWindow_t window, PutTensors
 // Then the pad rows [seg[s] + covered[s], seg[s+1]) of each of num_segments segments (seg [S+1],
 // covered [S] i32; none when seg is null) take each tensor's pattern. No other row is read or written: not the
 // worst-case tail, whose fill would cost more than the rows themselves at 4 ranks (docs/PERF.md has the figures).
+// An emptied exchange (overflow [1] nonzero: its tables move nothing) sets every row to the pattern instead.
 __global__ void lsa_copy_out_kernel(PutTensors ts, const char* __restrict__ window,
                                     const int32_t* __restrict__ in_table, int me, int chunks_per_peer, int num_chunks,
                                     const int32_t* __restrict__ seg, const int32_t* __restrict__ covered,
-                                    int num_segments) {
+                                    int num_segments, const int32_t* __restrict__ overflow) {
   int64_t next = first_thread_unit(), row = 0, peer_row = 0, rows = 0;
+  if (overflow && *overflow != 0) {
+    for (int k = 0; k < ts.count; ++k) {
+      const PutTensor& t = ts.t[k];
+      with_unit(t.unit, [&](auto unit) {
+        using U = decltype(unit);
+        fill_spread(reinterpret_cast<U*>(t.recv), 0, ts.recv_rows * (t.row_bytes / int64_t(sizeof(U))), t.pattern,
+                    next);
+      });
+    }
+    return;
+  }
   const int own_first = me * chunks_per_peer, own_end = own_first + chunks_per_peer;
   for (int i = 0; i < num_chunks; ++i) {
     if ((i >= own_first && i < own_end) || !chunk_rows(in_table, i, ts.recv_rows, INT64_MAX, row, peer_row, rows))
@@ -240,7 +252,7 @@ class LsaPutImpl final : public LsaPut {
     lsa_copy_out_kernel<<<copy_ctas, kThreads, 0, stream>>>(
         ts, static_cast<const char*>(buffer_), in_table.data<int32_t>(), rank_, C, int(in_table.numel() / 3),
         has_pad ? pad.starts.data<int32_t>() : nullptr, has_pad ? pad.covered.data<int32_t>() : nullptr,
-        has_pad ? int(pad.covered.numel()) : 0);
+        has_pad ? int(pad.covered.numel()) : 0, pad.overflow.defined() ? pad.overflow.data<int32_t>() : nullptr);
     FLOWMOE_CUDA_CHECK_LAUNCH();
   }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "tests/mpi/comm_test_util.h"
+#include "tests/test_util.h"
 
 namespace flowmoe::test {
 
@@ -225,8 +226,9 @@ void check_put_rows_cases(Communicator& comm, Device device) {
     auto table = [&](const std::vector<int64_t>& v, const Shape& shape) {
       return Tensor::from_ints(v, shape, DType::i32, device);
     };
-    comm.put_rows(tensors, table(l.out_table, {n, L, 3}), table(l.in_table, {n, L, 3}),
-                  {table(l.seg, {L + 1}), table(l.covered, {L})});
+    Communicator::PadSegments pad;
+    pad.starts = table(l.seg, {L + 1}), pad.covered = table(l.covered, {L});
+    comm.put_rows(tensors, table(l.out_table, {n, L, 3}), table(l.in_table, {n, L, 3}), pad);
     comm.synchronize();
     for (size_t k = 0; k < tensors.size(); ++k) {
       SCOPED_TRACE(std::string("tensor ") + dtype_name(kinds[k].dtype));
@@ -238,6 +240,26 @@ void check_put_rows_cases(Communicator& comm, Device device) {
       EXPECT_TRUE(std::all_of(bytes + first, bytes + got.nbytes(), [](uint8_t b) { return b == 0xFF; }))
           << "rank " << me << ": the tail past row " << seg_end << " is not NaN bytes";
     }
+  }
+  // An emptied exchange (its layout ran past the buffers, kernels/ep_layout.h): tables that move nothing and a
+  // nonzero overflow. Every row of every recv, tail included, takes its pad value, on every path.
+  SCOPED_TRACE("put_rows, an emptied exchange");
+  const int64_t recv_rows = 40;
+  std::vector<Communicator::RowPut> tensors;
+  for (const Kind& k : kinds)
+    tensors.push_back(
+        {sentinel_rows(8, k.row, k.dtype).to(device), sentinel_rows(recv_rows, k.row, k.dtype).to(device), k.pad});
+  const auto zeros = [&](const Shape& shape) { return Tensor::zeros(shape, DType::i32, device); };
+  Communicator::PadSegments pad;
+  pad.starts = zeros({L + 1}), pad.covered = zeros({L});
+  pad.overflow = Tensor::from_ints({recv_rows + 1}, {1}, DType::i32, device);
+  comm.put_rows(tensors, zeros({n, L, 3}), zeros({n, L, 3}), pad);
+  comm.synchronize();
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    Shape shape = kinds[k].row;
+    shape.insert(shape.begin(), recv_rows);
+    EXPECT_TRUE(bit_equal(tensors[k].recv.to(Device::cpu()), Tensor::full(shape, kinds[k].pad, kinds[k].dtype)))
+        << "rank " << me << ", tensor " << dtype_name(kinds[k].dtype) << ": not every row is the pad value";
   }
 }
 

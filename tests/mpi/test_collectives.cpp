@@ -164,8 +164,10 @@ TEST(Collectives, PutRowsBadArgumentsThrowTypedErrorsOnEveryRank) {
       {"move along one table", "different rows"}));
   EXPECT_TRUE(throws_naming<ShapeError>(put({{send, Tensor::zeros({6, 3}, DType::f32), 0.0}}, {}), {"differ"}));
   EXPECT_TRUE(throws_naming<ShapeError>(
-      put({{send, recv, 0.0}}, {Tensor::zeros({2}, DType::i32), Tensor::zeros({2}, DType::i32)}),
+      put({{send, recv, 0.0}}, {Tensor::zeros({2}, DType::i32), Tensor::zeros({2}, DType::i32), Tensor()}),
       {"pad starts", "[S+1] and [S]"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(put({{send, recv, 0.0}}, {Tensor(), Tensor(), Tensor::zeros({2}, DType::i32)}),
+                                        {"overflow", "[1] i32"}));
   EXPECT_TRUE(throws_naming<ShapeError>(put({{send, send, 0.0}}, {}), {"share storage"}));
   comm.barrier();  // every rank got here without a collective running: nothing is left pending
 }

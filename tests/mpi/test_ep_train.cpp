@@ -75,10 +75,23 @@ TEST_P(ExpertParallel, LossesMatchOneProcessOnTheSameGlobalBatch) {
   }
   if (recipe.rel_tol == kF32Rel) {  // the zero-sync exchange (worst-case buffers, device layout): the same losses
     Launch launch;
-    const std::vector<StepMetrics> rows = train_and_compare(
-        d, one, 2, std::string(recipe.name) + "_np2_ep2_zero_sync",
-        std::string(recipe.sets) + ep(2) + " --set parallel.ep_dispatch=zero_sync", recipe.rel_tol, &launch);
+    const std::string zero_sync = std::string(recipe.sets) + ep(2) + " --set parallel.ep_dispatch=zero_sync";
+    const std::vector<StepMetrics> rows = train_and_compare(d, one, 2, std::string(recipe.name) + "_np2_ep2_zero_sync",
+                                                            zero_sync, recipe.rel_tol, &launch);
     for (const StepMetrics& m : rows) EXPECT_GT(m.exchange_ms, 0.0) << "step " << m.step << " of zero_sync";
+    // Receive buffers of 0.3 of an even load: step 1 needs more, is void, and runs again with larger buffers
+    // (as may a later step); the run is the worst-case buffers' run bit for bit.
+    Launch bounded;
+    const std::vector<StepMetrics> capped = train_run(d, 2, std::string(recipe.name) + "_np2_ep2_capacity",
+                                                      zero_sync + " --set parallel.ep_capacity_factor=0.3", &bounded);
+    ASSERT_EQ(capped.size(), rows.size()) << bounded.out << bounded.err;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      EXPECT_EQ(capped[i].step, rows[i].step);
+      EXPECT_EQ(capped[i].loss, rows[i].loss) << "step " << rows[i].step;
+      EXPECT_EQ(capped[i].grad_norm, rows[i].grad_norm) << "step " << rows[i].step;
+    }
+    EXPECT_EQ(count(bounded.out, "step 1: an expert exchange needed "), 1u) << bounded.out;
+    EXPECT_GE(count(bounded.out, "rows and the step runs again"), 1u) << bounded.out;
   }
   fs::remove_all(d);
 }
@@ -151,6 +164,12 @@ TEST(ExpertParallelErrors, SizesThatDoNotFitTheLaunchFailOnEveryRank) {
             2u)
       << dense.err;
   EXPECT_FALSE(fs::exists(d / "run" / "metrics.jsonl"));
+  // A capacity for the receive buffers of an exchange that is sync here (auto, with no device puts on the CPU).
+  const Launch capacity = run_shell(
+      d, launcher(2) + kBinary + " " + train_args(d / "run", ep(2) + " --set parallel.ep_capacity_factor=1.5"), 120);
+  expect_error_on_every_rank(capacity, 2,
+                             "parallel.ep_capacity_factor bounds the zero-sync exchange's receive buffers, but this "
+                             "run's exchange is sync");
   fs::remove_all(d);
 }
 
