@@ -167,7 +167,7 @@ TEST(StepControlCuda, KernelMatchesTheHostBitForBit) {
   // A void step: the overflow read on the device.
   const int32_t overflow = 7;
   Tensor overflow_dev = Tensor::from_ints({overflow}, {1}, DType::i32, Device::cuda(0));
-  const StepInputs& in = test_steps().front();
+  const StepInputs in = test_steps().front();
   advance_step_from_sums(host, p, in.lm, in.aux, in.sq, &overflow);
   const float* d = inputs.data<float>();
   advance_step_cuda(static_cast<StepScalars*>(dev.raw_data()), p_dev, d, d + 2, d + 4, overflow_dev.data<int32_t>(),

@@ -252,9 +252,9 @@ void issue_step(TrainRun& run, bool profiled) {
   if (exchanges && run.state.num_pending() == 0) exchanges->take_exchange_ms();
   const bool on_device = step_scalars_on_device(run);
   ++run.step;
-  IssuedStep issued;
-  issued.data_before = run.data.position();
+  const DataPosition data_before = run.data.position();
   std::vector<Batch> batches = next_batches(run);
+  IssuedStep issued;
   std::vector<Tensor> loads;
   const bool graphed = use_graph(run, profiled);
   if (graphed) {
@@ -266,6 +266,8 @@ void issue_step(TrainRun& run, bool profiled) {
     ++run.eager_steps;
     run.last_eager_host_syncs = issued.host_syncs;
   }
+  // A graph step's `issued` is its capture's: the data position is this step's own.
+  issued.data_before = data_before;
   // The step's exchanges are timed unless it is a graph's (its replays record no timing events).
   issued.has_exchanges = exchanges != nullptr && !graphed;
   if (issued.has_exchanges) exchanges->close_exchange_window();  // read with the step's scalars (complete_step)
@@ -290,7 +292,10 @@ void rerun_after_overflow(TrainRun& run, int64_t last_step, int64_t need, const 
   run.model.set_exchange_buffers(run.cfg.parallel.ep_capacity_factor, run.exchange_min_rows, run.exchange_overflow);
   run.exchange_overflow.zero_();
   run.state.clear_exchange_overflow();
+  // The graph holds the old buffers' shapes. The next step runs eagerly (an exchange window grows there,
+  // which a capture could not do) and the one after it is captured anew.
   run.graph.reset();
+  run.eager_steps = 0;
   run.progress.message("step " + std::to_string(last_step + 1) + ": an expert exchange needed " + std::to_string(need) +
                        " receive rows, more than its buffers hold (parallel.ep_capacity_factor " +
                        format_fixed(run.cfg.parallel.ep_capacity_factor, 2) + "); they grow to " +
@@ -300,7 +305,9 @@ void rerun_after_overflow(TrainRun& run, int64_t last_step, int64_t need, const 
                             : std::string()));
   run.step = last_step;
   run.data.set_position(data_before);
-  run.step_clock = std::chrono::steady_clock::now();
+  const auto now = std::chrono::steady_clock::now();  // the void steps' time is training time too
+  run.train_seconds += std::chrono::duration<double>(now - run.step_clock).count();
+  run.step_clock = now;
 }
 
 }  // namespace
