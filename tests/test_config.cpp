@@ -456,6 +456,15 @@ TEST(Config, ConflictsWithDefaultsNameTheKeyThatWasSet) {
   EXPECT_HAS(m, "bad.yaml:2: data.val_fraction:");
 }
 
+// Bounded receive buffers belong to the zero-sync exchange: with the sync one they are refused, naming both keys.
+TEST(Config, CapacityFactorNeedsTheZeroSyncExchange) {
+  const std::string m = parse_error("parallel:\n  ep_dispatch: sync\n  ep_capacity_factor: 1.5\n");
+  EXPECT_HAS(m, "parallel.ep_capacity_factor");
+  EXPECT_HAS(m, "parallel.ep_dispatch");
+  EXPECT_HAS(m, "zero-sync exchange's receive buffers");
+  EXPECT_NO_THROW(parse_config("parallel:\n  ep_dispatch: zero_sync\n  ep_capacity_factor: 1.5\n", "ok.yaml"));
+}
+
 TEST(Config, TrainingGuideDocumentsEveryKey) {
   std::ifstream in(std::string(FLOWMOE_SOURCE_DIR) + "/docs/TRAINING.md");
   ASSERT_TRUE(in.good()) << "docs/TRAINING.md is missing";

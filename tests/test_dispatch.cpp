@@ -132,6 +132,46 @@ TEST(Dispatch, ExchangeWithItselfMatchesOneRank) {
   check_exchange_matches_one_rank(Device::cpu(), true);
 }
 
+// Bounded zero-sync buffers (DispatchOptions::capacity_factor), over a group of one rank: a capacity the
+// need fits moves the worst-case buffers' rows and outputs; one it does not fit empties the exchange (every
+// row, count and output zero, so all finite) and raises most_needed to the need.
+TEST(Dispatch, ZeroSyncCapacityEmptiesOnlyAnExchangeThatDoesNotFit) {
+  std::mt19937_64 gen(test_seed());
+  Rng rng(test_seed());
+  const Tensor idx = random_topk(gen, 400, kTopK, kExperts);
+  const int64_t T = idx.size(0);
+  const Tensor x0 = token_rows(T, 64, DType::f32, Device::cpu()), p0 = random_tensor(rng, {T, kTopK}, DType::f32);
+  struct Run {
+    Dispatched d;
+    Tensor y;
+    int32_t most = 0;
+  };
+  const auto run = [&](double factor) {
+    DispatchOptions o = options(true);
+    o.zero_sync = true;
+    o.capacity_factor = factor;
+    o.most_needed = Tensor::zeros({1}, DType::i32);
+    Variable x(x0, true), prob(p0, true);
+    Run r{dispatch(x, idx, Variable(), o), Tensor(), 0};
+    r.y = combine(mul(r.d.rows, r.d.rows), r.d, prob, CombineGrad::as_is).data();
+    r.most = int32_t(o.most_needed.to_ints()[0]);
+    return r;
+  };
+  const Run worst = run(0), fits = run(1.0), over = run(0.5);
+  const int64_t need = worst.d.plan->device_segment_starts.to_ints().back();
+  ASSERT_GT(need, over.d.rows.size(0)) << "half an even load's rows must be too few";
+  EXPECT_EQ(worst.most, 0);
+  EXPECT_EQ(fits.most, 0) << "an even load's rows and the pad rows hold one rank's need";
+  EXPECT_TRUE(
+      bit_equal(fits.d.rows.data().slice(0, 0, need).contiguous(), worst.d.rows.data().slice(0, 0, need).contiguous()));
+  EXPECT_TRUE(bit_equal(fits.y, worst.y));
+  EXPECT_EQ(over.most, need);
+  EXPECT_EQ(over.d.plan->device_overflow.to_ints(), std::vector<int64_t>{need});
+  for (int64_t c : over.d.tokens_per_expert.to_ints()) EXPECT_EQ(c, 0) << "an emptied exchange counts nothing";
+  EXPECT_TRUE(bit_equal(over.d.rows.data(), Tensor::zeros(over.d.rows.shape(), DType::f32))) << "rows";
+  EXPECT_TRUE(bit_equal(over.y, Tensor::zeros({T, 64}, DType::f32))) << "the routed experts' output";
+}
+
 // FP8 tokens arrive byte for byte with their scales; pad rows are zero with scale_inv 1.
 void check_fp8_payload(Device device) {
   std::mt19937_64 gen(test_seed());

@@ -149,6 +149,19 @@ TEST(EpLayout, CapacityFitsOrEveryRankLaysOutAnEmptyExchange) {
   }
 }
 
+// The zero-sync buffer's rows: the worst case n·T·min(k, L) + L·(align − 1); with a capacity factor F,
+// ceil(F·T·k) + the pad rows, at least min_rows and at most the worst case; rounded up to row_multiple.
+TEST(EpLayout, ZeroSyncRowsFollowTheCapacity) {
+  const int64_t pad = 8 * 15, worst = 4 * 1000 * 6 + pad;  // 4 ranks, 1000 tokens, top-6 of 8 local experts
+  EXPECT_EQ(zero_sync_padded_rows(4, 1000, 6, 8, 16, 1), worst);
+  EXPECT_EQ(zero_sync_padded_rows(4, 1000, 6, 8, 16, 1, 1.25), 7500 + pad);
+  EXPECT_EQ(zero_sync_padded_rows(4, 1000, 6, 8, 16, 16, 1.25), (7500 + pad + 15) / 16 * 16);
+  EXPECT_EQ(zero_sync_padded_rows(4, 1000, 6, 8, 16, 1, 1.25, 9000), 9000) << "grown past the factor's rows";
+  EXPECT_EQ(zero_sync_padded_rows(4, 1000, 6, 8, 16, 1, 9.0), worst) << "never past the worst case";
+  EXPECT_EQ(zero_sync_padded_rows(4, 1000, 6, 8, 16, 1, 1.25, 1 << 30), worst);
+  EXPECT_THROW(zero_sync_padded_rows(4, 1000, 6, 8, 16, 1, -1.0), ShapeError);
+}
+
 TEST(EpLayout, RefusesImpossibleDims) {
   std::vector<int32_t> counts(4, 0), out(64, 0);
   EXPECT_THROW(ep_layout_cpu({2, 1, 2, 16, 16}, counts.data(), out.data()), ShapeError);  // rank 2 of 2
