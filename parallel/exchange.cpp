@@ -122,12 +122,6 @@ ExchangePlan make_exchange_plan(std::shared_ptr<Communicator> comm, const std::v
   for (int e = 0; e < L; ++e)
     p.padded_tokens_per_expert.push_back(p.segment_starts[size_t(e) + 1] - p.segment_starts[size_t(e)]);
   p.num_padded_rows = (p.segment_starts.back() + row_multiple - 1) / row_multiple * row_multiple;
-  // Peer q owns global experts [q·L, (q+1)·L): the sender's segments for them, in expert order.
-  for (int q = 0; q < n; ++q)
-    for (int e = 0; e < L; ++e) {
-      const size_t g = size_t(q * L + e);
-      p.sorted_chunks.push_back({q, sorted_starts[g], send_counts[g]});
-    }
   // From peer q, expert e's copies follow those of peers 0..q-1 in e's segment.
   std::vector<int64_t> next(p.segment_starts.begin(), p.segment_starts.end() - 1);
   for (int q = 0; q < n; ++q)

@@ -31,10 +31,10 @@ struct ExchangePlan {
   std::vector<int64_t> segment_starts;            // [L+1] in the padded buffer
   int64_t num_sorted_rows = 0;                    // rows of the send buffer (the sender's permute_pad output)
   int64_t num_padded_rows = 0;  // rows of the receive buffer: the padded total rounded up to row_multiple
-  // Per peer, in local-expert order, the (peer, expert) segments: where the copies leave / return on the sorted
-  // side and where they arrive / leave on the padded side. The staging routes follow padded_chunks; both are
-  // the host statement of the device plan's tables (tests/test_ep_layout.cpp holds one against the other).
-  std::vector<Communicator::RowChunk> sorted_chunks;
+  // Per peer, in local-expert order, the (peer, expert) segments where the copies arrive / leave on the padded
+  // side. The staging routes follow them; with the senders' sorted segments (padded_segment_starts of their
+  // counts) they are the host statement of the device plan's tables (tests/test_ep_layout.cpp holds one
+  // against the other).
   std::vector<Communicator::RowChunk> padded_chunks;
   // A host plan moves one block per peer (Communicator::all_to_all). Peer q's block is q's sorted segments
   // for this rank's experts, sorted_align apart as q permuted them: the staging buffer holds the n blocks

@@ -102,6 +102,8 @@ TEST(EpLayout, EqualsTheHostPlanOnEveryRank) {
                    ", rank " + std::to_string(me));
       const std::vector<int32_t> got = layout_cpu(c, me);
       const ExchangePlan& p = plans[size_t(me)];
+      // Rank r's sorted segment for global expert g: where its permute_pad (align 16) put g's copies.
+      const auto sorted_start = [&](int r, size_t g) { return padded_segment_starts(row(c, r), 16)[g]; };
       auto at = [&](int64_t offset, int64_t count) {
         return std::vector<int64_t>(got.begin() + offset, got.begin() + offset + count);
       };
@@ -112,13 +114,11 @@ TEST(EpLayout, EqualsTheHostPlanOnEveryRank) {
         for (int e = 0; e < c.L; ++e) {
           const size_t i = size_t(q * c.L + e);
           const auto out = at(ep_layout_to_experts_offset(c.n, c.L) + 3 * int64_t(i), 3);
-          const std::vector<int64_t> want_out = {p.sorted_chunks[i].offset,
-                                                 plans[size_t(q)].padded_chunks[size_t(me * c.L + e)].offset,
-                                                 p.sorted_chunks[i].rows};
+          const std::vector<int64_t> want_out = {
+              sorted_start(me, i), plans[size_t(q)].padded_chunks[size_t(me * c.L + e)].offset, row(c, me)[i]};
           EXPECT_EQ(out, want_out) << "to_experts: peer " << q << ", its expert " << e;
           const auto back = at(ep_layout_to_tokens_offset(c.n, c.L) + 3 * int64_t(i), 3);
-          const std::vector<int64_t> want_back = {p.padded_chunks[i].offset,
-                                                  plans[size_t(q)].sorted_chunks[size_t(me * c.L + e)].offset,
+          const std::vector<int64_t> want_back = {p.padded_chunks[i].offset, sorted_start(q, size_t(me * c.L + e)),
                                                   p.padded_chunks[i].rows};
           EXPECT_EQ(back, want_back) << "to_tokens: peer " << q << ", my expert " << e;
         }
