@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -80,18 +81,29 @@ TEST_P(ExpertParallel, LossesMatchOneProcessOnTheSameGlobalBatch) {
                                                             zero_sync, recipe.rel_tol, &launch);
     for (const StepMetrics& m : rows) EXPECT_GT(m.exchange_ms, 0.0) << "step " << m.step << " of zero_sync";
     // Receive buffers of 0.3 of an even load: step 1 needs more, is void, and runs again with larger buffers
-    // (as may a later step); the run is the worst-case buffers' run bit for bit.
-    Launch bounded;
-    const std::vector<StepMetrics> capped = train_run(d, 2, std::string(recipe.name) + "_np2_ep2_capacity",
-                                                      zero_sync + " --set parallel.ep_capacity_factor=0.3", &bounded);
-    ASSERT_EQ(capped.size(), rows.size()) << bounded.out << bounded.err;
-    for (size_t i = 0; i < rows.size(); ++i) {
-      EXPECT_EQ(capped[i].step, rows[i].step);
-      EXPECT_EQ(capped[i].loss, rows[i].loss) << "step " << rows[i].step;
-      EXPECT_EQ(capped[i].grad_norm, rows[i].grad_norm) << "step " << rows[i].step;
+    // (as may a later step); the run is the worst-case buffers' run bit for bit. The same with two data-parallel
+    // copies of the group (np 4, EP 2: a copy that overflows voids the step for both) and with dual
+    // micro-batches (either half may overflow).
+    const std::string capacity = " --set parallel.ep_capacity_factor=0.3";
+    const std::string ep2x2 = std::string(recipe.sets) + ep(2) + " --set parallel.ep_dispatch=zero_sync";
+    const std::string dual = zero_sync + " --set parallel.dual_microbatch=true";
+    const std::vector<std::tuple<std::string, int, std::string>> bounded_runs = {
+        {"np2_ep2", 2, zero_sync}, {"np4_ep2", 4, ep2x2}, {"np2_ep2_dual", 2, dual}};
+    for (const auto& [layout, np, sets] : bounded_runs) {
+      SCOPED_TRACE(layout);
+      const std::string name = std::string(recipe.name) + "_" + layout;
+      const std::vector<StepMetrics> worst = layout == "np2_ep2" ? rows : train_run(d, np, name + "_worst", sets);
+      Launch bounded;
+      const std::vector<StepMetrics> capped = train_run(d, np, name + "_capacity", sets + capacity, &bounded);
+      ASSERT_EQ(capped.size(), worst.size()) << bounded.out << bounded.err;
+      for (size_t i = 0; i < worst.size(); ++i) {
+        EXPECT_EQ(capped[i].step, worst[i].step);
+        EXPECT_EQ(capped[i].loss, worst[i].loss) << "step " << worst[i].step;
+        EXPECT_EQ(capped[i].grad_norm, worst[i].grad_norm) << "step " << worst[i].step;
+      }
+      EXPECT_EQ(count(bounded.out, "step 1: an expert exchange needed "), 1u) << bounded.out;
+      EXPECT_GE(count(bounded.out, "rows and the step runs again"), 1u) << bounded.out;
     }
-    EXPECT_EQ(count(bounded.out, "step 1: an expert exchange needed "), 1u) << bounded.out;
-    EXPECT_GE(count(bounded.out, "rows and the step runs again"), 1u) << bounded.out;
   }
   fs::remove_all(d);
 }
