@@ -296,13 +296,14 @@ void rerun_after_overflow(TrainRun& run, int64_t last_step, int64_t need, const 
   // which a capture could not do) and the one after it is captured anew.
   run.graph.reset();
   run.eager_steps = 0;
+  const int64_t queued_after = run.step - last_step - 1;
+  const std::string also = queued_after == 1  ? ", as does the step queued after it"
+                           : queued_after > 1 ? ", as do the " + std::to_string(queued_after) + " steps queued after it"
+                                              : std::string();
   run.progress.message("step " + std::to_string(last_step + 1) + ": an expert exchange needed " + std::to_string(need) +
                        " receive rows, more than its buffers hold (parallel.ep_capacity_factor " +
                        format_fixed(run.cfg.parallel.ep_capacity_factor, 2) + "); they grow to " +
-                       std::to_string(run.exchange_min_rows) + " rows and the step runs again" +
-                       (run.step - last_step > 1
-                            ? ", as do the " + std::to_string(run.step - last_step - 1) + " queued after it"
-                            : std::string()));
+                       std::to_string(run.exchange_min_rows) + " rows and the step runs again" + also);
   run.step = last_step;
   run.data.set_position(data_before);
   const auto now = std::chrono::steady_clock::now();  // the void steps' time is training time too
