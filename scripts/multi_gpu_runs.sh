@@ -11,7 +11,8 @@
 # equality  configs/gpu_moe.yaml (small corpus) at EP = N on N GPUs against one process, for each
 #           recipe (RECIPES): the largest relative loss difference over the first EQ_STEPS steps, within
 #           5e-3 (bf16 GEMMs over another split of the batch round otherwise; the CPU tests hold f32 to
-#           2e-5, tests/mpi/test_ep_train.cpp)
+#           2e-5, tests/mpi/test_ep_train.cpp); and at the largest N, zero_sync with receive buffers of
+#           0.6 of an even load (parallel.ep_capacity_factor) against the worst case, all 20 steps exactly
 # resume    the largest EP size's step-4 checkpoint resumed at the next smaller size (EP 4 -> EP 2; on 2 GPUs
 #           EP 2 -> one process): its steps 5 to EQ_STEPS against the first run's own
 # speed     gpu_moe as shipped (batch 32 in all), 30 steps, bf16 and fp8_flow at EP 1, 2, 4, each EP size
@@ -109,6 +110,18 @@ for part in "${parts[@]}"; do
           echo "equality $r EP $np vs one process: $(compare "$got" "$ref" 5e-3 || echo); host syncs per step $(max_syncs "$out/eq_${r}_ep$np")"
           compare "$got" "$ref" 5e-3 >/dev/null || rc=1
         done
+        # Bounded receive buffers at the largest size: void steps run again, so the losses are the
+        # worst-case buffers' bit for bit (zero_sync both, 20 steps, CUDA graphs).
+        cap=()
+        for c in 0 0.6; do
+          train_ep "$big" "$big" "eq_${r}_ep${big}_cap$c" "${small[@]}" --set precision.recipe=$r \
+            --set parallel.ep_dispatch=zero_sync --set parallel.ep_capacity_factor=$c ||
+            { echo "equality $r EP $big capacity $c: FAILED (see eq_${r}_ep${big}_cap$c.log)"; rc=1; continue 2; }
+          cap+=("$(losses "$out/eq_${r}_ep${big}_cap$c")")
+        done
+        reruns=$(grep -c "and the step runs again" "$out/eq_${r}_ep${big}_cap0.6.log")
+        echo "equality $r EP $big capacity 0.6 vs the worst case ($reruns steps run again): $(compare "${cap[1]}" "${cap[0]}" 0 || echo)"
+        compare "${cap[1]}" "${cap[0]}" 0 >/dev/null || rc=1
       done ;;
     resume)
       train_ep "$big" "$big" "res_ep$big" "${small[@]}" --set checkpoint.every=4 --set checkpoint.keep_last=10 &&
