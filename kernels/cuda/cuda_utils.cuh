@@ -56,7 +56,6 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return warp_max(v);
 }
 
-// Blocks for a grid-stride loop over n elements (capped; the loop covers the rest).
 // The rows of `rows` a kernel computes (kernels/common/counted_rows.h): all, or the sum of the counts.
 __device__ __forceinline__ int64_t counted_rows(int64_t rows, CountedRows c) {
   if (!c.counts) return rows;
@@ -65,6 +64,7 @@ __device__ __forceinline__ int64_t counted_rows(int64_t rows, CountedRows c) {
   return sum < rows ? sum : rows;
 }
 
+// Blocks for a grid-stride loop over n elements (capped; the loop covers the rest).
 inline unsigned grid_size(int64_t n, int threads) {
   int64_t blocks = (n + threads - 1) / threads;
   return unsigned(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
