@@ -125,6 +125,12 @@ Variable Transformer::forward(const Tensor& ids) const {
   return head(h);
 }
 
+Variable Transformer::lm_loss(const Variable& logits, const Tensor& targets) const {
+  ProfileScope scope("head");
+  const int64_t n = targets.numel();
+  return cross_entropy(reshape(logits, {n, cfg_.vocab_size}), targets.contiguous().to(device_).reshape({n}));
+}
+
 Variable Transformer::Losses::total() const { return aux.defined() ? add(lm, aux) : lm; }
 
 namespace {
@@ -141,11 +147,9 @@ Transformer::Losses Transformer::losses(const Tensor& ids, const Tensor& targets
   FLOWMOE_CHECK(targets.shape() == ids.shape(), ShapeError, "Transformer::loss: targets ", targets.describe(),
                 " vs ids ", ids.describe());
   if (dual_microbatch_ && grad_enabled()) return dual_losses(ids, targets);
-  Variable logits = forward(ids);
-  const int64_t n = ids.numel();
-  ProfileScope scope("head");
   Losses out;
-  out.lm = cross_entropy(reshape(logits, {n, cfg_.vocab_size}), targets.to(device_).reshape({n}));
+  out.lm = lm_loss(forward(ids), targets);
+  ProfileScope scope("head");
   for (const auto& layer : layers_)
     if (layer->moe() && layer->moe()->aux_loss().defined())
       out.aux = add_aux(out.aux, layer->moe()->aux_loss(), out.lm.dtype());
@@ -189,12 +193,7 @@ Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& ta
   comm_lane_join(device_);
   stage(int64_t(layers_.size()) + 1);
   Variable lm[2];
-  for (int k = 0; k < 2; ++k) {
-    const Variable logits = head(h[k]);
-    ProfileScope scope("head");
-    const int64_t n = half_ids[k].numel();
-    lm[k] = cross_entropy(reshape(logits, {n, cfg_.vocab_size}), half_targets[k].contiguous().to(device_).reshape({n}));
-  }
+  for (int k = 0; k < 2; ++k) lm[k] = lm_loss(head(h[k]), half_targets[k]);
   Losses out;
   out.lm = scale(add(lm[0], lm[1]), 0.5);
   for (size_t j = 0; j < layer_aux[0].size(); ++j)

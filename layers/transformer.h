@@ -99,6 +99,8 @@ class Transformer {
   void stage(int64_t s) const;
   Variable embed(const Tensor& ids) const;
   Variable head(const Variable& h) const;
+  // The mean cross-entropy of logits [..., V] against targets [...] i32 (any device).
+  Variable lm_loss(const Variable& logits, const Tensor& targets) const;
   Losses dual_losses(const Tensor& ids, const Tensor& targets) const;
 
   ModelConfig cfg_;
