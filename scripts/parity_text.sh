@@ -13,7 +13,15 @@
 #              through the mpi backend's host staging (slow: EP_STEPS steps of EP_BATCH sequences),
 #              and the same settings in one process: the verdicts must agree
 #   ep4        the whole study under mpirun -np 4 at expert-parallel size 4 over nccl: four GPUs
-#   scripts/parity_text.sh BUILD_DIR [main] [recompute] [fp8error] [ep] [ep4] [check]  (default: the first four)
+#   band       the study with a noise band (configs/parity_text_16k.yaml, 16384 tokens per step): bf16, both
+#              FP8 recipes and 3 bf16 controls with AdamW's eps x2, x3, x4, EMA 0.99, data parallel over
+#              BAND_NP GPUs (default 4)
+#   band_ep4   the same at expert-parallel size 4 over nccl (4 GPUs), with the layout control (bf16 at
+#              expert-parallel size 1) as a fourth control
+#   band_again the band study with another initialization and data order (train.seed 43, data.seed 1235):
+#              its verdicts must be band's
+#   scripts/parity_text.sh BUILD_DIR [main] [recompute] [fp8error] [ep] [ep4] [band] [band_ep4] [band_again] [check]
+#   (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 build=${1:?usage: scripts/parity_text.sh BUILD_DIR [main] [recompute] [fp8error] [ep] [ep4] [check]}
@@ -74,7 +82,16 @@ for part in "${parts[@]}"; do
       parity ep_np1 1 "${ep_sets[@]}"
       parity ep_np2 2 "${ep_sets[@]}" --set parallel.backend=mpi --set parallel.expert_parallel_size=2 ;;
     ep4) parity ep4 4 "${steps[@]}" --set parallel.backend=nccl --set parallel.expert_parallel_size=4 ;;
-    *) echo "unknown part '$part' (main, recompute, fp8error, ep, ep4, check)"; exit 2 ;;
+    band | band_ep4 | band_again)
+      band_args=("${steps[@]}" --controls 3 --control eps --ema-alpha 0.99)
+      [ "$part" = band_ep4 ] && band_args+=(--layout-control --set parallel.backend=nccl
+                                           --set parallel.expert_parallel_size=4)
+      [ "$part" = band_again ] && band_args+=(--set train.seed=43 --set data.seed=1235)
+      np=${BAND_NP:-4}
+      [ "$part" = band_ep4 ] && np=4
+      config=configs/parity_text_16k.yaml parity "$part" "$np" "${band_args[@]}"
+      rm -rf "$out/$part"/*/checkpoints ;;
+    *) echo "unknown part '$part' (main, recompute, fp8error, ep, ep4, band, band_ep4, band_again, check)"; exit 2 ;;
   esac
 done
 exit $rc

@@ -11,6 +11,7 @@
 #include "kernels/common/error.h"
 #include "tests/train_test_util.h"
 #include "train/evaluation.h"
+#include "train/grad_reducer.h"
 #include "train/memory_estimate.h"
 
 using namespace flowmoe;
@@ -213,12 +214,26 @@ TEST(MemoryEstimate, GpuAndFp8TermsFollowWhatTheyKeep) {
   EXPECT_LT(half.gradient_bytes, whole.gradient_bytes);
   EXPECT_EQ(half.num_parameters, whole.num_parameters);
   // A sharded optimizer over 4 ranks of which pairs hold the same experts (EP 2 x DP 2): the dense
-  // moments over 4, the experts' over 2; the weights and gradients stay whole.
+  // moments over 4, the experts' over 2; the weights stay whole. So do the gradients of a model smaller
+  // than the buckets in flight.
   const MemoryEstimate sharded = estimate_memory(ep2, Device::cpu(), MemoryUse::train, {4, 2});
   const double expert_moments = 8 * expert_weights / 2, dense_moments = half.optimizer_bytes - expert_moments;
   EXPECT_NEAR(sharded.optimizer_bytes, dense_moments / 4 + expert_moments / 2, 0.01 * half.optimizer_bytes);
   EXPECT_EQ(sharded.weight_bytes, half.weight_bytes);
   EXPECT_EQ(sharded.gradient_bytes, half.gradient_bytes);
+  // A large model's sharded gradients: its segments (1/4) and the buckets in flight and filling (25 MiB each:
+  // no tensor is larger), unless micro-batches accumulate into whole gradients.
+  const char* large =
+      "vocab_size: 8192, hidden_size: 768, num_hidden_layers: 24, num_attention_heads: 12, intermediate_size: 3072,"
+      " max_position_embeddings: 64";
+  const Config big = run_config(large, d);
+  const double whole_grads = estimate_memory(big, Device::cpu()).gradient_bytes;
+  const double in_flight = double(GradientReducer::kBucketsInFlight + 1) * 25 * 1024 * 1024;
+  EXPECT_NEAR(estimate_memory(big, Device::cpu(), MemoryUse::train, {4, 4}).gradient_bytes, whole_grads / 4 + in_flight,
+              0.01 * whole_grads);
+  const Config accumulating = run_config(large, d, {"train.grad_accum_steps=2"});
+  EXPECT_EQ(estimate_memory(accumulating, Device::cpu(), MemoryUse::train, {4, 4}).gradient_bytes,
+            estimate_memory(accumulating, Device::cpu()).gradient_bytes);
   fs::remove_all(d);
 }
 

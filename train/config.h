@@ -70,7 +70,7 @@ struct ParallelConfig {
   bool dual_microbatch = false;     // two halves of the batch interleaved layer by layer (layers/transformer.h)
   bool overlap_grad_reduce = true;  // reduce gradient buckets during the backward (train/grad_reducer.h)
   int64_t grad_reduce_sms = 0;      // nccl: thread blocks the overlapped reduction may take; 0: nccl's choice
-  bool shard_optimizer = true;      // ZeRO-1 over the data-parallel ranks (train/grad_reducer.h)
+  bool shard_optimizer = true;      // optimizer and gradients over the data-parallel ranks (train/grad_reducer.h)
 };
 
 struct CheckpointConfig {

@@ -60,7 +60,7 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
     grads_ready_ = std::make_unique<Event>();
     reduced_ = std::make_unique<Event>();
     if (shard_)
-      for (Bucket& b : buckets_) b.gathered = std::make_unique<Event>();
+      for (Bucket& b : buckets_) b.gathered = std::make_unique<Event>(), b.reduced = std::make_unique<Event>();
     comms_[0] = ps.world->split(0, ps.world->rank(), max_ctas);
     comms_[0]->set_stream(stream_->get());
     if (ps.expert_parallel_size > 1) {
@@ -89,6 +89,7 @@ void GradientReducer::shard_buckets() {
     const int64_t size = group_communicator(b.group)->size();
     b.padded = (b.numel + size - 1) / size * size;
     b.weights = Tensor::zeros({b.padded}, DType::f32, params_[b.params.front()].device());
+    b.grad_segment = Tensor::zeros({b.padded / size}, DType::f32, b.weights.device());
     const auto [begin, end] = segment(b);
     int64_t offset = 0;
     for (size_t i : b.params) {
@@ -117,6 +118,16 @@ void GradientReducer::view_grads(const Bucket& b) {
   }
 }
 
+void GradientReducer::view_range_grads(const Bucket& b) {
+  const int64_t begin = segment(b).first;
+  int64_t offset = 0;
+  for (size_t i : b.params) {
+    const auto [first, last] = ranges_[i];
+    if (last > first) range_grads_[i] = b.grad_segment.slice(0, offset + first - begin, offset + last - begin);
+    offset += params_[i].data().numel();
+  }
+}
+
 void GradientReducer::begin() {
   // Every gather is awaited before the backward reads the weights (the forward's stage hooks have
   // waited already wherever the model calls them).
@@ -127,6 +138,8 @@ void GradientReducer::begin() {
     b.pending = int(b.params.size());
     b.flat = Tensor();
   }
+  in_flight_.clear();
+  range_grads_.clear();
   next_ = 0;
   launched_in_backward_ = 0;
   armed_ = true;
@@ -151,12 +164,18 @@ void GradientReducer::on_leaf(VariableImpl& leaf) {
 }
 
 // The bucket's gradients into one flat buffer (zeros for a parameter without one here), reduced in place;
-// the parameters' gradients become views of it, so their own tensors are freed at once.
+// the parameters' own tensors are freed at once: their gradients become views of it, or, sharded, live on
+// in the bucket's segment (retire).
 void GradientReducer::launch(Bucket& b) {
   const Device device = params_[b.params.front()].device();
   // Inside the backward, some of these gradients may come from a side branch (the shared experts,
   // engine/side_stream.h): the stream that copies them waits for the other one first.
   wait_for_other_stream(device);
+  // At most kBucketsInFlight full buffers: the oldest one's reduction is waited for and its memory reused.
+  while (shard_ && in_flight_.size() >= kBucketsInFlight) {
+    retire(buckets_[in_flight_.front()]);
+    in_flight_.erase(in_flight_.begin());
+  }
   b.flat = Tensor::empty({shard_ ? b.padded : b.numel}, DType::f32, device);
   if (shard_ && b.padded > b.numel) b.flat.slice(0, b.numel, b.padded).zero_();
   int64_t offset = 0;
@@ -172,7 +191,11 @@ void GradientReducer::launch(Bucket& b) {
     }
     offset += n;
   }
-  view_grads(b);
+  if (shard_) {
+    for (size_t i : b.params) params_[i].zero_grad();
+  } else {
+    view_grads(b);
+  }
   Communicator& comm = *comms_[b.group];
   if (stream_) {  // the copies above are on the compute stream: the reduction stream waits for them
     grads_ready_->record(current_stream(device.index));
@@ -186,6 +209,16 @@ void GradientReducer::launch(Bucket& b) {
   else
     comm.all_reduce(b.flat, op);
   if (stream_) reduced_->record(stream_->get());
+  if (!shard_) return;
+  if (stream_) b.reduced->record(stream_->get());
+  in_flight_.push_back(size_t(&b - buckets_.data()));
+}
+
+void GradientReducer::retire(Bucket& b) {
+  if (stream_) b.reduced->wait(current_stream(b.weights.device().index));
+  const auto [begin, end] = segment(b);
+  b.grad_segment.copy_(b.flat.slice(0, begin, end));
+  b.flat = Tensor();
 }
 
 // Which parameters have a gradient on any rank of the group: one small sum on the group's own
@@ -213,8 +246,11 @@ void GradientReducer::exchange_presence(int group) {
   group_communicator(group)->all_reduce(flags, ReduceOp::sum);
   if (!lacking) return;
   const std::vector<float> anywhere = flags.to_floats();
-  for (size_t k = 0; k < members.size(); ++k)
-    if (anywhere[k] == 0) params_[members[k]].zero_grad();  // no rank had one: AdamW leaves it alone
+  for (size_t k = 0; k < members.size(); ++k) {
+    if (anywhere[k] != 0) continue;
+    params_[members[k]].zero_grad();  // no rank had one: AdamW leaves it alone
+    if (shard_) range_grads_[members[k]] = Tensor();
+  }
 }
 
 void GradientReducer::finish() {
@@ -223,16 +259,18 @@ void GradientReducer::finish() {
   armed_ = false;
   while (next_ < buckets_.size()) launch(buckets_[next_++]);
   if (stream_) reduced_->wait(current_stream(params_[0].device().index));
+  for (size_t k : in_flight_) retire(buckets_[k]);
+  in_flight_.clear();
+  if (shard_) range_grads_.assign(params_.size(), Tensor());
   for (Bucket& b : buckets_) {
     if (b.group == 1 && shard_) {  // only this rank's segment holds a sum to scale
-      const auto [begin, end] = segment(b);
-      Tensor mine = b.flat.slice(0, begin, end);
-      mine.copy_(tensor_scale(mine, scale_));
+      b.grad_segment.copy_(tensor_scale(b.grad_segment, scale_));
     } else if (b.group == 1) {  // scaled once summed; the views move onto the scaled buffer
       b.flat = tensor_scale(b.flat, scale_);
       view_grads(b);
     }
     b.flat = Tensor();  // the gradients, views of it, keep it
+    if (shard_) view_range_grads(b);
   }
   for (int g : {0, 1})
     if (g == 0 || ps_.expert_parallel_size > 1) exchange_presence(g);

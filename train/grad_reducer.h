@@ -9,12 +9,18 @@
 // or none they run inline. Without overlap the same buckets are reduced after the backward, so both
 // schedules give the same sums, bit for bit (tests/mpi/test_dp_train.cpp, test_data_parallel.cpp).
 //
-// Sharded (parallel.shard_optimizer, ZeRO-1 as Megatron-LM's distributed optimizer): each bucket is
-// padded to a multiple of its group's size G and its parameters become views of one flat weight buffer
-// in the same layout. A bucket is reduce-scattered instead of all-reduced, so rank r holds the reduced
-// gradient of segment r alone; AdamW (shard()) keeps moments for and updates only the parameters'
-// elements in segment r; gather_weights() then all-gathers each bucket's weights. The gradient norm is
-// the sum of the segments' squares over the group (reduce_square_sums, data_parallel.h).
+// Sharded (parallel.shard_optimizer, Megatron-LM's distributed optimizer with DeepSpeed ZeRO-2's gradient
+// release): each bucket is padded to a multiple of its group's size G and its parameters become views of
+// one flat weight buffer in the same layout. A bucket is reduce-scattered instead of all-reduced, so rank r
+// holds the reduced gradient of segment r alone. Only that segment is kept: it is copied into the bucket's
+// persistent gradient segment (1/G of the bucket) and the bucket's full buffer is freed, as are the
+// parameters' own gradients once copied into it. So a rank holds 4/G bytes of gradient per parameter
+// after the backward, plus at most kBucketsInFlight full buckets during it: before a new bucket is filled,
+// the compute stream waits for the reduction of the one kBucketsInFlight earlier (never stalling while
+// the reductions keep up with the backward). AdamW keeps moments for and updates only the parameters'
+// elements in segment r, reading their gradients from range_grads(); gather_weights() then all-gathers
+// each bucket's weights. The gradient norm is the sum of the segments' squares over the group
+// (reduce_square_sums, data_parallel.h).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -47,15 +53,20 @@ class GradientReducer {
 
   // Wrap the backward of the step's last micro-batch: begin() before it arms the hook (the earlier
   // micro-batches only accumulate), finish() after it reduces what is left, in order, and leaves every
-  // parameter with the global batch's gradient (a parameter no rank had a gradient for keeps none);
-  // sharded, in this rank's segments only (the rest of each gradient is unspecified).
+  // parameter with the global batch's gradient (a parameter no rank had a gradient for keeps none).
+  // Sharded, the parameters keep no gradient: range_grads() holds this rank's segments of them.
   void begin();
   void finish();
 
-  // Sharded: per parameter, the elements of its flat data in this rank's segments (AdamW::shard), and
-  // the all-gather of the updated weights, after which the compute stream may read every parameter.
+  // Sharded: per parameter, the elements of its flat data in this rank's segments (AdamW's ranges), and
+  // after finish() their reduced gradient (1-D f32 of the range's length, a view of the bucket's gradient
+  // segment: valid until the next finish(); undefined where no rank of the group had a gradient or the
+  // range is empty); then the all-gather of the updated weights, after which the compute stream may read
+  // every parameter.
+  static constexpr size_t kBucketsInFlight = 4;
   bool sharded() const { return shard_; }
   const std::vector<std::pair<int64_t, int64_t>>& owned_ranges() const { return ranges_; }
+  const std::vector<Tensor>& range_grads() const { return range_grads_; }
   void gather_weights();
   // The forward stage that first reads each parameter (Transformer::parameter_stages): with nccl the
   // gather runs on the reduction stream, bucket by bucket in stage order, and the compute stream waits
@@ -85,6 +96,8 @@ class GradientReducer {
     Tensor flat;                      // the bucket's gradients side by side, reduced in place
     int64_t padded = 0;               // sharded: numel rounded up to a multiple of the group's size
     Tensor weights;                   // sharded: [padded], the parameters' data (they are views of it)
+    Tensor grad_segment;              // sharded: [padded / G], this rank's segment of flat once reduced
+    std::unique_ptr<Event> reduced;   // sharded, nccl: recorded on the reduction stream after its reduction
     int64_t stage = 0;                // the first forward stage that reads one of its parameters
     std::unique_ptr<Event> gathered;  // nccl: recorded on the reduction stream after its all-gather
     bool awaited = true;              // the compute stream waits for its last gather already
@@ -94,10 +107,14 @@ class GradientReducer {
   void shard_buckets();
   // The group's own communicator (the world, or the expert-data-parallel group with expert parallelism).
   const std::shared_ptr<Communicator>& group_communicator(int group) const;
-  // The bucket's parameters' gradients become views of b.flat.
+  // The bucket's parameters' gradients become views of b.flat; sharded, their ranges' of b.grad_segment.
   void view_grads(const Bucket& b);
+  void view_range_grads(const Bucket& b);
   void on_leaf(VariableImpl& leaf);
   void launch(Bucket& b);
+  // Sharded: the compute stream waits for b's reduction, copies b's segment into b.grad_segment and frees
+  // b.flat (safe to reuse then: both streams are past it).
+  void retire(Bucket& b);
   void exchange_presence(int group);
 
   const ParallelState& ps_;
@@ -112,6 +129,8 @@ class GradientReducer {
   bool overlap_ = false, armed_ = false, shard_ = false;
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // sharded: per parameter, its elements in our segments
   std::vector<size_t> gather_order_;                 // sharded: the buckets in the order the forward first reads them
+  std::vector<size_t> in_flight_;                    // sharded: buckets launched and not yet retired, oldest first
+  std::vector<Tensor> range_grads_;                  // sharded: per parameter, after finish()
   double scale_ = 1.0;  // 1 / W: expert shards' sums over their W / E replicas become the global mean
   // nccl: the groups' communicators on the reduction stream, and the events that order it.
   std::shared_ptr<Communicator> comms_[2];

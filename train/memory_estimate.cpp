@@ -23,6 +23,7 @@
 #include "kernels/common/dtype.h"
 #include "kernels/common/error.h"
 #include "layers/moe.h"
+#include "train/grad_reducer.h"
 #include "train/trainer.h"
 
 namespace flowmoe {
@@ -211,14 +212,28 @@ std::string driver_keys(const std::vector<ParamGroup>& groups, double activation
   return out;
 }
 
-// What one micro-batch's gradients take: 4 P, f32, one per parameter. When a gradient is added to one already
-// held (train.grad_accum_steps > 1, a tied embedding's second use), the sum is a new tensor beside the held and
-// the incoming one: + 8 x the largest parameter tensor. The GPU's weight gradients come as bf16 before their cast
-// to f32: + 2 x the largest.
-double gradient_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu) {
+// What one micro-batch's gradients take: 4 P, f32, one per parameter. A sharded optimizer without gradient
+// accumulation keeps 4 P / N of them (its segments) and releases the rest bucket by bucket
+// (train/grad_reducer.h): 4 P / N, plus the buckets in flight and the one filling, of 25 MiB or the largest
+// tensor. When a gradient is added to one
+// already held (train.grad_accum_steps > 1, a tied embedding's second use), the sum is a new tensor beside the
+// held and the incoming one: + 8 x the largest parameter tensor. The GPU's weight gradients come as bf16 before
+// their cast to f32: + 2 x the largest.
+double gradient_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu,
+                      const OptimizerShards& shards) {
   const bool accumulates = cfg.train.grad_accum_steps > 1 || cfg.model.tie_word_embeddings;
   const double largest = largest_tensor(groups);
   double bytes = per_parameter_bytes(groups, 4, gpu);
+  // Accumulating micro-batches hold whole gradients until the last one's backward.
+  if ((shards.dense > 1 || shards.experts > 1) && cfg.train.grad_accum_steps == 1) {
+    double kept = 0;
+    for (const ParamGroup& g : groups) {
+      const double ranks = double(std::max<int64_t>(1, g.role == Role::routed_expert ? shards.experts : shards.dense));
+      kept += allocated_bytes({{g.count, g.elements / ranks, 4}}, gpu);
+    }
+    const double bucket = std::max(double(kGradientBucketBytes), 4 * largest);
+    bytes = std::min(bytes, kept + double(GradientReducer::kBucketsInFlight + 1) * allocation_bytes(bucket, gpu));
+  }
   if (accumulates) bytes += 2 * allocation_bytes(4 * largest, gpu);  // the incoming gradient and the sum
   if (gpu) bytes += allocation_bytes(2 * largest, gpu);              // a bf16 gradient before its cast
   return bytes;
@@ -314,7 +329,7 @@ MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, 
       const double ranks = double(std::max<int64_t>(1, g.role == Role::routed_expert ? shards.experts : shards.dense));
       e.optimizer_bytes += allocated_bytes({{g.count, g.elements / ranks, 8}}, gpu);
     }
-    e.gradient_bytes = gradient_bytes(cfg, groups, gpu);
+    e.gradient_bytes = gradient_bytes(cfg, groups, gpu, shards);
     e.activation_bytes = dense_layers * dense + moe_layers * moe + head + logits;  // + the logits' gradient
   } else {
     e.activation_bytes = std::max({dense_layers > 0 ? dense : 0.0, moe, head});

@@ -65,13 +65,23 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
   }
 }
 
-static const Tensor& checked_grad(const Variable& p) {
-  const Tensor& g = p.grad();
+Tensor AdamW::range_grad(size_t i) const {
+  const Variable& p = params_[i];
+  const Tensor g = sharded_ ? (i < range_grads_.size() ? range_grads_[i] : Tensor()) : p.grad();
+  if (!g.defined()) return g;  // unused this step: left as is (as torch does)
+  const auto [begin, end] = ranges_[i];
+  const Shape shape = sharded_ ? Shape{end - begin} : p.shape();
   FLOWMOE_CHECK(g.dtype() == DType::f32, DTypeError, "AdamW: gradient of '", p.name(), "' is ", g.describe(),
                 ", expected f32");
-  FLOWMOE_CHECK(g.shape() == p.shape() && g.device() == p.device(), Error, "AdamW: gradient of '", p.name(), "' is ",
-                g.describe(), ", the parameter ", p.data().describe());
-  return g;
+  FLOWMOE_CHECK(g.shape() == shape && g.device() == p.device(), Error, "AdamW: gradient of '", p.name(), "' is ",
+                g.describe(), ", expected ", shape_str(shape), " on ", p.device().str());
+  return g.contiguous();
+}
+
+void AdamW::set_range_grads(std::vector<Tensor> grads) {
+  FLOWMOE_CHECK(sharded_ && grads.size() == params_.size(), Error, "AdamW::set_range_grads: ", grads.size(),
+                " gradients for ", params_.size(), " parameters", sharded_ ? "" : " of an optimizer without ranges");
+  range_grads_ = std::move(grads);
 }
 
 double AdamW::grad_norm() {
@@ -86,12 +96,8 @@ std::pair<double, double> AdamW::grad_square_sums(const std::vector<bool>& flagg
   Device dev = params_[0].device();
   if (dev.is_cpu()) {
     double total[2] = {0, 0};
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (!params_[i].grad().defined()) continue;
-      Tensor g = checked_grad(params_[i]).contiguous();
-      const auto [begin, end] = ranges_[i];
-      total[second(i)] += sum_squares_cpu(g.data<float>() + begin, end - begin);
-    }
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (const Tensor g = range_grad(i); g.defined()) total[second(i)] += sum_squares_cpu(g.data<float>(), g.numel());
     return {total[0], total[1]};
   }
   grad_square_sums_device(flagged);
@@ -110,13 +116,9 @@ Tensor AdamW::grad_square_sums_device(const std::vector<bool>& flagged) {
   norm_slots_.zero_();
   float* slots = norm_slots_.data<float>();
   float* totals = norm_total_.data<float>();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].grad().defined()) continue;
-    Tensor g = checked_grad(params_[i]).contiguous();
-    const auto [begin, end] = ranges_[i];
-    sum_squares_cuda(g.data<float>() + begin, end - begin, slots + (second(i) ? n : 0) + i, partials_.data<float>(),
-                     stream);
-  }
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (const Tensor g = range_grad(i); g.defined())
+      sum_squares_cuda(g.data<float>(), g.numel(), slots + (second(i) ? n : 0) + i, partials_.data<float>(), stream);
   sum_values_cuda(slots, n, totals, partials_.data<float>(), stream);
   sum_values_cuda(slots + n, n, totals + 1, partials_.data<float>(), stream);
   return norm_total_;
@@ -126,18 +128,18 @@ template <class F>
 void AdamW::update_each(F&& update) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const Variable& p = params_[i];
-    if (!p.grad().defined()) continue;  // unused this step: left as is (as torch does)
     const auto [begin, end] = ranges_[i];
     if (begin == end) continue;  // another rank's to update
-    Tensor g = checked_grad(p).contiguous();
+    const Tensor g = range_grad(i);
+    if (!g.defined()) continue;
     AdamWStep base;
     base.beta1 = float(cfg_.beta1);
     base.beta2 = float(cfg_.beta2);
     base.eps = float(cfg_.eps);
     base.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
     const double lr_multiplier = router_[i] ? cfg_.router_lr_scale : 1.0;
-    update(p.device(), base, lr_multiplier, p.data().data<float>() + begin, g.data<float>() + begin,
-           exp_avg_[i].data<float>(), exp_avg_sq_[i].data<float>(), end - begin);
+    update(p.device(), base, lr_multiplier, p.data().data<float>() + begin, g.data<float>(), exp_avg_[i].data<float>(),
+           exp_avg_sq_[i].data<float>(), end - begin);
     p.bump_version();  // updated in place: FP8 weight caches must re-quantize
   }
 }
@@ -187,6 +189,7 @@ void AdamW::load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::ve
 
 void AdamW::zero_grad() {
   for (Variable& p : params_) p.zero_grad();
+  range_grads_.clear();
 }
 
 }  // namespace flowmoe

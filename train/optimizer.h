@@ -25,11 +25,11 @@ class AdamW {
  public:
   // Parameters must be f32 leaves. Weight decay applies to matrices (dim >= 2) only. A parameter
   // named *.mlp.gate.weight (an MoE router) steps with lr * cfg.router_lr_scale.
-  // ranges, when given (ZeRO-1: train/grad_reducer.h, parallel.shard_optimizer): this rank updates the
-  // elements [ranges[i].first, ranges[i].second) of parameter i's flat data alone, reads the gradient
-  // there alone, and keeps moments for them alone (1-D tensors of that many elements, zeroed); an empty
-  // range leaves the parameter to other ranks. The squared norms then cover the ranges, so they are
-  // this rank's share of a sum over its group. Without ranges every parameter is whole.
+  // ranges, when given (train/grad_reducer.h, parallel.shard_optimizer): this rank updates the elements
+  // [ranges[i].first, ranges[i].second) of parameter i's flat data alone and keeps moments for them alone
+  // (1-D tensors of that many elements, zeroed); an empty range leaves the parameter to other ranks. Their
+  // gradients are not the parameters' but set_range_grads()'s. The squared norms then cover the ranges, so
+  // they are this rank's share of a sum over its group. Without ranges every parameter is whole.
   AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
         const std::vector<std::pair<int64_t, int64_t>>& ranges = {});
 
@@ -50,9 +50,13 @@ class AdamW {
   // (device memory for CUDA parameters, host memory for CPU ones): nothing moves unless control->apply.
   // The host's num_updates() is not advanced: the caller sets it once it has read the scalars.
   void step(const StepScalars* control);
+  // Clears the parameters' gradients and the ranges'.
   void zero_grad();
 
   bool sharded() const { return sharded_; }  // built with ranges
+  // Sharded: per parameter, the gradient of its range (1-D f32 of the range's length on the parameters'
+  // device; undefined: none this step, the range is left alone), until zero_grad().
+  void set_range_grads(std::vector<Tensor> grads);
   // The moments of the ranges from full ones (a checkpoint's, of the parameters' shapes, on any device).
   void load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq);
 
@@ -71,6 +75,7 @@ class AdamW {
   std::vector<bool> decay_;
   std::vector<bool> router_;  // per parameter: an MoE router's gate, stepped with lr * router_lr_scale
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // per parameter: the flat elements this rank updates
+  std::vector<Tensor> range_grads_;                  // sharded: their gradients (set_range_grads)
   bool sharded_ = false;
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;
@@ -79,6 +84,9 @@ class AdamW {
   // lr multiplier, param, grad, exp_avg, exp_avg_sq, numel) each, then bumps the parameter's version.
   template <class F>
   void update_each(F&& update);
+  // Parameter i's gradient over its range, contiguous (the whole parameter's unsharded), or undefined when it has
+  // none this step.
+  Tensor range_grad(size_t i) const;
 };
 
 }  // namespace flowmoe

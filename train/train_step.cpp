@@ -66,7 +66,10 @@ StepLosses run_micro_batches(TrainRun& run, const std::vector<Batch>& batches, b
 // backward did not already reduce is reduced now, and the optimizer waits for it); at world size 1 they
 // are already complete.
 void sync_gradients(TrainRun& run) {
-  if (run.reducer) run.reducer->finish();
+  if (!run.reducer) return;
+  run.reducer->finish();
+  // Sharded: the parameters keep no gradient; AdamW reads this rank's segments of them.
+  if (run.opt.sharded()) run.opt.set_range_grads(run.reducer->range_grads());
 }
 
 // The host path's losses as the means over the ranks (each slice holds as many tokens) and whether any

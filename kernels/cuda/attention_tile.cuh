@@ -33,14 +33,8 @@ __device__ __forceinline__ int64_t row_offset(const AttnDims& dims, int b, int t
 }
 
 // Sum / max over the 16 threads (one tx range) that share a tile row; they sit in one half-warp.
-__device__ __forceinline__ float row_sum16(float x) {
-  for (int o = 8; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-__device__ __forceinline__ float row_max16(float x) {
-  for (int o = 8; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
+__device__ __forceinline__ float row_sum16(float x) { return lane_group_sum<16>(x); }
+__device__ __forceinline__ float row_max16(float x) { return lane_group_max<16>(x); }
 
 // dst[r][d] = src[b, t0 + r, h, d] as float; zero past seq_len and past head_dim.
 template <int HD, class T>

@@ -50,6 +50,23 @@ inline int64_t quarter_octave_bucket(int64_t v, int64_t min_step = 1) {
   return (v + step - 1) / step * step;
 }
 
+// A heuristic query's preference: kLtWorkspaceBytes of workspace and the four operands' alignments in bytes
+// (A, B, C, D as cuBLASLt names them: a caller that swaps operands passes them swapped).
+inline void init_lt_preference(cublasLtMatmulPreferenceOpaque_t& pref, uint32_t align_a, uint32_t align_b,
+                               uint32_t align_c, uint32_t align_d) {
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
+  uint64_t ws_bytes = kLtWorkspaceBytes;
+  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                            sizeof(ws_bytes)));
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
+  for (const auto& [attr, value] : aligns)
+    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, attr, &value, sizeof(value)));
+}
+
 template <class Key, class KeyHash, class Choice, class Plan>
 struct LtCache {
   struct Shared {

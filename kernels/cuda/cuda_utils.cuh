@@ -26,14 +26,20 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+// Sum / max over each aligned group of kLanes lanes (a power of two, at most 32) by xor shuffles; every lane
+// of a group gets its group's result. All 32 lanes must take part.
+template <int kLanes>
+__device__ __forceinline__ float lane_group_sum(float v) {
+  for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+template <int kLanes>
+__device__ __forceinline__ float lane_group_max(float v) {
+  for (int o = kLanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+__device__ __forceinline__ float warp_sum(float v) { return lane_group_sum<32>(v); }
+__device__ __forceinline__ float warp_max(float v) { return lane_group_max<32>(v); }
 
 // Sum over a block whose size is a multiple of 32 (<= 1024). `scratch` holds 32 floats of shared
 // memory. Every thread gets the total.

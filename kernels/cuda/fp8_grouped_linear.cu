@@ -137,17 +137,7 @@ std::optional<cublasLtMatmulAlgo_t> query_heuristic(cublasLtHandle_t handle, con
   cublasLtMatmulDescOpaque_t op;
   init_op(op, key, a_scale, b_scale);
   cublasLtMatmulPreferenceOpaque_t pref;
-  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
-  uint64_t ws_bytes = kLtWorkspaceBytes;
-  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                                            sizeof(ws_bytes)));
-  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_d},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_d}};
-  for (const auto& [attr, value] : aligns)
-    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, attr, &value, sizeof(value)));
+  init_lt_preference(pref, key.align_a, key.align_b, key.align_d, key.align_d);
   cublasLtMatmulHeuristicResult_t result{};
   int num_results = 0;
   cublasStatus_t s =

@@ -155,17 +155,7 @@ std::optional<Choice> query_heuristic(cublasLtHandle_t handle, const PlanKey& ke
   Layouts l;
   init_layouts(l, key);
   cublasLtMatmulPreferenceOpaque_t pref;
-  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
-  uint64_t ws_bytes = kLtWorkspaceBytes;
-  FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                                            sizeof(ws_bytes)));
-  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b},  // swapped operands
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}};
-  for (const auto& [attr, value] : aligns)
-    FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, attr, &value, sizeof(value)));
+  init_lt_preference(pref, key.align_b, key.align_a, key.align_c, key.align_c);  // swapped operands
   for (bool fuse : {true, false}) {
     if (fuse && !key.has_bias) continue;
     cublasLtMatmulDescOpaque_t op;

@@ -120,7 +120,7 @@ TEST(GradientReducer, OverlapOnItsOwnStreamThroughNcclGivesThePlainSums) {
   });
 }
 
-// The sharded form (ZeRO-1): rank r's segment of each bucket holds the plain reduction's sums (bit for
+// The sharded form: rank r's segment of each bucket holds the plain reduction's sums (bit for
 // bit at 2 ranks, where a + b is one sum; MPI's reduce-scatter may order 4 ranks' otherwise), the
 // segments of a group cover each parameter exactly once, and gather_weights() gives every rank of the
 // group the values each owner wrote into its segment.
@@ -147,15 +147,21 @@ void check_sharded_reduction(const ParallelState& ps, Device device) {
     Tensor owned = Tensor::from_floats({float(end - begin)}, {1}).to(group(i).native_device());
     group(i).all_reduce(owned, ReduceOp::sum);
     EXPECT_EQ(owned.to_floats()[0], float(params[i].data().numel())) << "parameter " << i << " is not covered once";
-    const std::vector<float> got = params[i].grad().to_floats();
+    // The full gradient is released; the range's lives on in the bucket's segment.
+    EXPECT_FALSE(params[i].grad().defined()) << "parameter " << i << " kept its whole gradient";
+    const Tensor& mine = reducer.range_grads()[i];
+    ASSERT_EQ(mine.defined(), end > begin) << "parameter " << i;
+    if (end == begin) continue;
+    ASSERT_EQ(mine.numel(), end - begin) << "parameter " << i;
+    const std::vector<float> got = mine.to_floats();
     // A sum of 4 in another order: off by ulps of its terms, which may be far larger than the sum.
     double scale = 0;
     for (float v : plain[i]) scale = std::max(scale, double(std::abs(v)));
     for (int64_t j = begin; j < end; ++j) {
       if (ps.world->size() <= 2)
-        ASSERT_EQ(got[size_t(j)], plain[i][size_t(j)]) << "parameter " << i << " element " << j;
+        ASSERT_EQ(got[size_t(j - begin)], plain[i][size_t(j)]) << "parameter " << i << " element " << j;
       else
-        ASSERT_NEAR(got[size_t(j)], plain[i][size_t(j)], 1e-6 * scale) << "parameter " << i << " element " << j;
+        ASSERT_NEAR(got[size_t(j - begin)], plain[i][size_t(j)], 1e-6 * scale) << "parameter " << i << " element " << j;
     }
   }
   // Each owner writes p * 1000 + j into its elements, NaN elsewhere; the gather fills in the rest.
@@ -189,35 +195,53 @@ TEST(GradientReducer, ShardedThroughNcclOnItsOwnStream) {
 }
 
 // Ranks whose backward gives a parameter no gradient: zero there in the sum, none where no rank had one.
+// Sharded, the same sums in this rank's ranges (range_grads), and the parameters keep no gradient.
 TEST(GradientReducer, MissingGradientsCountAsZeroAndNoneStaysNone) {
   Communicator& world = test_world();
   const int me = world.rank(), n = world.size();
   const ParallelState ps = make_parallel_state(test_runtime().world, 1, kExperts);
-  std::vector<Variable> params;
-  for (int64_t size : {3, 200, 2, 4}) params.emplace_back(Tensor::zeros({size}, DType::f32), true);
-  const std::vector<ParamShard> shards(params.size());
-  GradientReducer reducer(ps, params, shards, true, 16 * sizeof(float));
-  reducer.begin();
-  for (size_t p = 0; p < params.size(); ++p) {
-    if ((p == 2 && me != 0) || p == 3) continue;  // only rank 0 has parameter 2; nobody has 3
-    std::vector<float> g(size_t(params[p].shape()[0]));
-    for (size_t j = 0; j < g.size(); ++j) g[j] = float((me + 1) * 1000 + int(p) * 100 + int(j) % 97);
-    params[p].set_grad(Tensor::from_floats(g, {int64_t(g.size())}));
-  }
-  reducer.finish();  // no backward reported anything: every bucket goes in finish(), in order
-  EXPECT_EQ(reducer.num_launched_in_backward(), 0);
-  for (size_t p = 0; p < 3; ++p) {
-    ASSERT_TRUE(params[p].grad().defined()) << "parameter " << p;
-    const std::vector<float> got = params[p].grad().to_floats();
-    for (size_t j = 0; j < got.size(); ++j) {
-      double sum = 0;
-      for (int r = 0; r < n; ++r)
-        if (p != 2 || r == 0) sum += (r + 1) * 1000 + int(p) * 100 + int(j) % 97;
-      ASSERT_EQ(got[j], float(sum / n)) << "parameter " << p << " element " << j;
+  for (bool shard : {false, true}) {
+    SCOPED_TRACE(shard ? "sharded" : "whole");
+    std::vector<Variable> params;
+    for (int64_t size : {3, 200, 2, 4}) params.emplace_back(Tensor::zeros({size}, DType::f32), true);
+    const std::vector<ParamShard> shards(params.size());
+    GradientReducer reducer(ps, params, shards, true, 16 * sizeof(float), 0, shard);
+    reducer.begin();
+    for (size_t p = 0; p < params.size(); ++p) {
+      if ((p == 2 && me != 0) || p == 3) continue;  // only rank 0 has parameter 2; nobody has 3
+      std::vector<float> g(size_t(params[p].shape()[0]));
+      for (size_t j = 0; j < g.size(); ++j) g[j] = float((me + 1) * 1000 + int(p) * 100 + int(j) % 97);
+      params[p].set_grad(Tensor::from_floats(g, {int64_t(g.size())}));
     }
+    reducer.finish();  // no backward reported anything: every bucket goes in finish(), in order
+    EXPECT_EQ(reducer.num_launched_in_backward(), 0);
+    for (size_t p = 0; p < 3; ++p) {
+      int64_t begin = 0;
+      std::vector<float> got;
+      if (shard) {
+        EXPECT_FALSE(params[p].grad().defined()) << "parameter " << p;
+        const auto [first, last] = reducer.owned_ranges()[p];
+        ASSERT_EQ(reducer.range_grads()[p].defined(), last > first) << "parameter " << p;
+        if (last > first) got = reducer.range_grads()[p].to_floats();
+        begin = first;
+      } else {
+        ASSERT_TRUE(params[p].grad().defined()) << "parameter " << p;
+        got = params[p].grad().to_floats();
+      }
+      for (size_t k = 0; k < got.size(); ++k) {
+        const int64_t j = begin + int64_t(k);
+        double sum = 0;
+        for (int r = 0; r < n; ++r)
+          if (p != 2 || r == 0) sum += (r + 1) * 1000 + int(p) * 100 + int(j) % 97;
+        ASSERT_EQ(got[k], float(sum / n)) << "parameter " << p << " element " << j;
+      }
+    }
+    EXPECT_FALSE(params[3].grad().defined()) << "a gradient no rank had stays undefined";
+    if (shard) {
+      EXPECT_FALSE(reducer.range_grads()[3].defined()) << "a gradient no rank had stays undefined";
+    }
+    EXPECT_THROW(reducer.finish(), Error);  // finish() without begin()
   }
-  EXPECT_FALSE(params[3].grad().defined()) << "a gradient no rank had stays undefined";
-  EXPECT_THROW(reducer.finish(), Error);  // finish() without begin()
 }
 
 }  // namespace
