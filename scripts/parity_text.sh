@@ -20,7 +20,10 @@
 #              expert-parallel size 1) as a fourth control
 #   band_again the band study with another initialization and data order (train.seed 43, data.seed 1235):
 #              its verdicts must be band's
-#   scripts/parity_text.sh BUILD_DIR [main] [recompute] [fp8error] [ep] [ep4] [band] [band_ep4] [band_again] [check]
+#   band_seed  the band study with 3 controls of another initialization each (train.seed 43, 44, 45): the
+#              band of a different model, the upper end of what a recipe may move
+#   scripts/parity_text.sh BUILD_DIR [main] [recompute] [fp8error] [ep] [ep4] [band] [band_ep4] [band_again]
+#                          [band_seed] [check]
 #   (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -82,8 +85,10 @@ for part in "${parts[@]}"; do
       parity ep_np1 1 "${ep_sets[@]}"
       parity ep_np2 2 "${ep_sets[@]}" --set parallel.backend=mpi --set parallel.expert_parallel_size=2 ;;
     ep4) parity ep4 4 "${steps[@]}" --set parallel.backend=nccl --set parallel.expert_parallel_size=4 ;;
-    band | band_ep4 | band_again)
-      band_args=("${steps[@]}" --controls 3 --control eps --ema-alpha 0.99)
+    band | band_ep4 | band_again | band_seed)
+      control=eps
+      [ "$part" = band_seed ] && control=seed
+      band_args=("${steps[@]}" --controls 3 --control "$control" --ema-alpha 0.99)
       [ "$part" = band_ep4 ] && band_args+=(--layout-control --set parallel.backend=nccl
                                            --set parallel.expert_parallel_size=4)
       [ "$part" = band_again ] && band_args+=(--set train.seed=43 --set data.seed=1235)
@@ -91,7 +96,8 @@ for part in "${parts[@]}"; do
       [ "$part" = band_ep4 ] && np=4
       config=configs/parity_text_16k.yaml parity "$part" "$np" "${band_args[@]}"
       rm -rf "$out/$part"/*/checkpoints ;;
-    *) echo "unknown part '$part' (main, recompute, fp8error, ep, ep4, band, band_ep4, band_again, check)"; exit 2 ;;
+    *) echo "unknown part '$part' (main, recompute, fp8error, ep, ep4, band, band_ep4, band_again, band_seed, check)"
+       exit 2 ;;
   esac
 done
 exit $rc
