@@ -8,8 +8,9 @@
 # batch and alpha from this table (docs/PARITY.md).
 #   scripts/parity_noise.sh BUILD_DIR CONFIG OUT_DIR
 #   BATCHES (default: the config's train.batch_size), ALPHAS ("0.9 0.97 0.99"), CONTROLS (3), CONTROL
-#   (data), CANDIDATE (fp8_flow), STEPS (the config's), NP (1: one process; N: mpirun -np N, a GPU per
-#   rank), EXTRA (more flowmoe parity arguments, e.g. "--set train.device=cpu"), TIMEOUT (3000 s a study)
+#   (eps: the same batches, so the band is the recipe's noise; data compares other batches at each step, whose
+#   spread is far larger), CANDIDATE (fp8_flow), STEPS (the config's), NP (1: one process; N: mpirun -np N, a
+#   GPU per rank), EXTRA (more flowmoe parity arguments, e.g. "--set train.device=cpu"), TIMEOUT (3000 s a study)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 usage="usage: scripts/parity_noise.sh BUILD_DIR CONFIG OUT_DIR"
@@ -38,7 +39,7 @@ for batch in $batches; do
   for alpha in ${ALPHAS:-0.9 0.97 0.99}; do
     # shellcheck disable=SC2086
     "${launch[@]}" "$build/flowmoe" parity --config "$config" --out "$dir" --recipes "bf16,${CANDIDATE:-fp8_flow}" \
-      --controls "${CONTROLS:-3}" --control "${CONTROL:-data}" --ema-alpha "$alpha" "${steps[@]}" "${resume[@]}" \
+      --controls "${CONTROLS:-3}" --control "${CONTROL:-eps}" --ema-alpha "$alpha" "${steps[@]}" "${resume[@]}" \
       --set train.batch_size="$batch" --set logging.progress=plain ${EXTRA:-} >"$dir.alpha$alpha.log" 2>&1
     status=$?
     resume=(--resume)
