@@ -116,13 +116,6 @@ class MatMul : public Primitive {
   }
 };
 
-// Rows of x seen as a matrix [rows, K] (the product of the leading dims; 1 for a 1-D x).
-int64_t leading_rows(const Tensor& x) {
-  int64_t rows = 1;
-  for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
-  return rows;
-}
-
 void check_linear(const std::vector<Tensor>& in) {
   const Tensor &x = in[0], &w = in[1];
   check_same_device(x, w, "linear");

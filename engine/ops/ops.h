@@ -44,6 +44,8 @@ Variable swiglu(const Variable& gate_up /*[..., 2F]*/, const Tensor& row_counts 
 // left to the kernel on a GPU (`counted` then points at them; the return is every row). Bad counts throw
 // ShapeError or DeviceError naming `what`.
 int64_t counted_host_rows(const Tensor& x, const Tensor& row_counts, const char* what, CountedRows* counted);
+// Rows of x [..., K] seen as a matrix [rows, K]: the product of the leading dims (1 for a 1-D x, also when K == 0).
+int64_t leading_rows(const Tensor& x);
 
 // ---- softmax and loss --------------------------------------------------------------------------
 Variable softmax(const Variable& x);  // over the last dim. engine/ops/softmax.cpp

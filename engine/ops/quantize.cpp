@@ -5,6 +5,7 @@
 #include "engine/ops/quantize.h"
 
 #include "engine/cast_stats.h"
+#include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"
@@ -32,13 +33,6 @@ void check_high_precision(const Tensor& t, const std::string& what, const char* 
 void check_out_dtype(DType dtype, const std::string& what) {
   FLOWMOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, DTypeError, what,
                 ": the output dtype must be f32 or bf16, got ", dtype_name(dtype));
-}
-
-// rows of a [..., K] tensor (the product of the leading dims, also when K == 0).
-int64_t leading_rows(const Tensor& t) {
-  int64_t rows = 1;
-  for (int d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
-  return rows;
 }
 
 std::vector<int64_t> effective_segments(const std::vector<int64_t>& rows_per_segment, int64_t M) {
