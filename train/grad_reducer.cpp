@@ -89,7 +89,6 @@ void GradientReducer::shard_buckets() {
     const int64_t size = group_communicator(b.group)->size();
     b.padded = (b.numel + size - 1) / size * size;
     b.weights = Tensor::zeros({b.padded}, DType::f32, params_[b.params.front()].device());
-    b.grad_segment = Tensor::zeros({b.padded / size}, DType::f32, b.weights.device());
     const auto [begin, end] = segment(b);
     int64_t offset = 0;
     for (size_t i : b.params) {
@@ -217,8 +216,13 @@ void GradientReducer::launch(Bucket& b) {
 void GradientReducer::retire(Bucket& b) {
   if (stream_) b.reduced->wait(current_stream(b.weights.device().index));
   const auto [begin, end] = segment(b);
-  b.grad_segment.copy_(b.flat.slice(0, begin, end));
+  b.grad_segment = b.flat.slice(0, begin, end).clone();
   b.flat = Tensor();
+}
+
+void GradientReducer::release_grads() {
+  for (Bucket& b : buckets_) b.grad_segment = Tensor();
+  range_grads_.clear();
 }
 
 // Which parameters have a gradient on any rank of the group: one small sum on the group's own

@@ -13,8 +13,9 @@
 // release): each bucket is padded to a multiple of its group's size G and its parameters become views of
 // one flat weight buffer in the same layout. A bucket is reduce-scattered instead of all-reduced, so rank r
 // holds the reduced gradient of segment r alone. Only that segment is kept: it is copied into the bucket's
-// persistent gradient segment (1/G of the bucket) and the bucket's full buffer is freed, as are the
-// parameters' own gradients once copied into it. So a rank holds 4/G bytes of gradient per parameter
+// gradient segment (1/G of the bucket, kept until the optimizer has read it: release_grads()) and the bucket's
+// full buffer is freed, as are the parameters' own gradients once copied into it. So a rank holds 4/G bytes of
+// gradient per parameter
 // after the backward, plus at most kBucketsInFlight full buckets during it: before a new bucket is filled,
 // the compute stream waits for the reduction of the one kBucketsInFlight earlier (never stalling while
 // the reductions keep up with the backward). AdamW keeps moments for and updates only the parameters'
@@ -67,6 +68,9 @@ class GradientReducer {
   bool sharded() const { return shard_; }
   const std::vector<std::pair<int64_t, int64_t>>& owned_ranges() const { return ranges_; }
   const std::vector<Tensor>& range_grads() const { return range_grads_; }
+  // Sharded: frees the gradient segments once the optimizer has read them (they exist from a bucket's
+  // reduction until then, so the forward's and the early backward's peak does not hold them).
+  void release_grads();
   void gather_weights();
   // The forward stage that first reads each parameter (Transformer::parameter_stages): with nccl the
   // gather runs on the reduction stream, bucket by bucket in stage order, and the compute stream waits
@@ -96,7 +100,8 @@ class GradientReducer {
     Tensor flat;                      // the bucket's gradients side by side, reduced in place
     int64_t padded = 0;               // sharded: numel rounded up to a multiple of the group's size
     Tensor weights;                   // sharded: [padded], the parameters' data (they are views of it)
-    Tensor grad_segment;              // sharded: [padded / G], this rank's segment of flat once reduced
+    Tensor grad_segment;              // sharded: [padded / G], this rank's segment of flat once reduced, until
+                                      // release_grads()
     std::unique_ptr<Event> reduced;   // sharded, nccl: recorded on the reduction stream after its reduction
     int64_t stage = 0;                // the first forward stage that reads one of its parameters
     std::unique_ptr<Event> gathered;  // nccl: recorded on the reduction stream after its all-gather
@@ -112,7 +117,7 @@ class GradientReducer {
   void view_range_grads(const Bucket& b);
   void on_leaf(VariableImpl& leaf);
   void launch(Bucket& b);
-  // Sharded: the compute stream waits for b's reduction, copies b's segment into b.grad_segment and frees
+  // Sharded: the compute stream waits for b's reduction, copies b's segment out into b.grad_segment and frees
   // b.flat (safe to reuse then: both streams are past it).
   void retire(Bucket& b);
   void exchange_presence(int group);

@@ -166,6 +166,7 @@ std::vector<Tensor> step_body(TrainRun& run, const std::vector<Batch>& batches, 
     OpTimer timer("adamw", OpPhase::step, "optimizer", run.device, 0, 0);
     run.opt.step(run.state.scalars());  // a skipped step changes nothing (step_control.h: apply)
     run.opt.zero_grad();
+    if (run.opt.sharded()) run.reducer->release_grads();  // the sharded gradients, read by AdamW
   }
   // Each rank updated its segments: every rank gets all of them, while the next forward begins.
   if (run.opt.sharded()) run.reducer->gather_weights();

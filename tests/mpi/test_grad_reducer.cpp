@@ -164,6 +164,8 @@ void check_sharded_reduction(const ParallelState& ps, Device device) {
         ASSERT_NEAR(got[size_t(j - begin)], plain[i][size_t(j)], 1e-6 * scale) << "parameter " << i << " element " << j;
     }
   }
+  reducer.release_grads();
+  EXPECT_TRUE(reducer.range_grads().empty()) << "the segments are released once read";
   // Each owner writes p * 1000 + j into its elements, NaN elsewhere; the gather fills in the rest.
   for (size_t i = 0; i < params.size(); ++i) {
     std::vector<float> w(size_t(params[i].data().numel()), NAN);
