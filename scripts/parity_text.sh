@@ -27,7 +27,7 @@
 #   (default: the first four)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-build=${1:?usage: scripts/parity_text.sh BUILD_DIR [main] [recompute] [fp8error] [ep] [ep4] [check]}
+build=${1:?usage: scripts/parity_text.sh BUILD_DIR [main] [recompute] [fp8error] [ep] [ep4] [band] [band_ep4] [band_again] [band_seed] [check]}
 shift
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(main recompute fp8error ep)

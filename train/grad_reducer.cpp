@@ -268,7 +268,7 @@ void GradientReducer::finish() {
   if (shard_) range_grads_.assign(params_.size(), Tensor());
   for (Bucket& b : buckets_) {
     if (b.group == 1 && shard_) {  // only this rank's segment holds a sum to scale
-      b.grad_segment.copy_(tensor_scale(b.grad_segment, scale_));
+      b.grad_segment = tensor_scale(b.grad_segment, scale_);
     } else if (b.group == 1) {  // scaled once summed; the views move onto the scaled buffer
       b.flat = tensor_scale(b.flat, scale_);
       view_grads(b);

@@ -15,10 +15,9 @@
 // holds the reduced gradient of segment r alone. Only that segment is kept: it is copied into the bucket's
 // gradient segment (1/G of the bucket, kept until the optimizer has read it: release_grads()) and the bucket's
 // full buffer is freed, as are the parameters' own gradients once copied into it. So a rank holds 4/G bytes of
-// gradient per parameter
-// after the backward, plus at most kBucketsInFlight full buckets during it: before a new bucket is filled,
-// the compute stream waits for the reduction of the one kBucketsInFlight earlier (never stalling while
-// the reductions keep up with the backward). AdamW keeps moments for and updates only the parameters'
+// gradient per parameter after the backward, plus at most kBucketsInFlight full buckets during it: before a
+// new bucket is filled, the compute stream waits for the reduction of the one kBucketsInFlight earlier (never
+// stalling while the reductions keep up with the backward). AdamW keeps moments for and updates only the parameters'
 // elements in segment r, reading their gradients from range_grads(); gather_weights() then all-gathers
 // each bucket's weights. The gradient norm is the sum of the segments' squares over the group
 // (reduce_square_sums, data_parallel.h).
@@ -61,8 +60,8 @@ class GradientReducer {
 
   // Sharded: per parameter, the elements of its flat data in this rank's segments (AdamW's ranges), and
   // after finish() their reduced gradient (1-D f32 of the range's length, a view of the bucket's gradient
-  // segment: valid until the next finish(); undefined where no rank of the group had a gradient or the
-  // range is empty); then the all-gather of the updated weights, after which the compute stream may read
+  // segment: valid until release_grads(); undefined where no rank of the group had a gradient or the range
+  // is empty); then the all-gather of the updated weights, after which the compute stream may read
   // every parameter.
   static constexpr size_t kBucketsInFlight = 4;
   bool sharded() const { return shard_; }

@@ -213,12 +213,11 @@ std::string driver_keys(const std::vector<ParamGroup>& groups, double activation
 }
 
 // What one micro-batch's gradients take: 4 P, f32, one per parameter. A sharded optimizer without gradient
-// accumulation keeps 4 P / N of them (its segments) and releases the rest bucket by bucket
-// (train/grad_reducer.h): 4 P / N, plus the buckets in flight and the one filling, of 25 MiB or the largest
-// tensor. When a gradient is added to one
-// already held (train.grad_accum_steps > 1, a tied embedding's second use), the sum is a new tensor beside the
-// held and the incoming one: + 8 x the largest parameter tensor. The GPU's weight gradients come as bf16 before
-// their cast to f32: + 2 x the largest.
+// accumulation releases them bucket by bucket (train/grad_reducer.h): 4 P / N of segments, plus the buckets in
+// flight and the one filling, each 25 MiB or the largest tensor (never more than 4 P). When a gradient is added
+// to one already held (train.grad_accum_steps > 1, a tied embedding's second use), the sum is a new tensor
+// beside the held and the incoming one: + 8 x the largest parameter tensor. The GPU's weight gradients come as
+// bf16 before their cast to f32: + 2 x the largest.
 double gradient_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu,
                       const OptimizerShards& shards) {
   const bool accumulates = cfg.train.grad_accum_steps > 1 || cfg.model.tie_word_embeddings;

@@ -167,6 +167,12 @@ class Linear : public SharedBodyPrimitive<Primitive> {
 
 }  // namespace
 
+int64_t leading_rows(const Tensor& x) {
+  int64_t rows = 1;
+  for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  return rows;
+}
+
 Variable matmul(const Variable& a, const Variable& b) { return apply(std::make_shared<MatMul>(), {a, b})[0]; }
 
 Variable linear(const Variable& x, const Variable& w, const Variable& bias) {

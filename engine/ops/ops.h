@@ -26,6 +26,8 @@ Variable cast(const Variable& a, DType to);          // f32 <-> bf16 (and f64 on
 Variable matmul(const Variable& a /*[M,K]*/, const Variable& b /*[K,N]*/);  // -> [M,N]
 // y = x · wᵀ (+ bias). x [..., K], w [N, K], bias [N] or undefined -> y [..., N].
 Variable linear(const Variable& x, const Variable& w, const Variable& bias = Variable());
+// Rows of x [..., K] seen as a matrix [rows, K]: the product of the leading dims (1 for a 1-D x, also when K == 0).
+int64_t leading_rows(const Tensor& x);
 
 // ---- embedding: engine/ops/embedding.cpp -------------------------------------------------------
 // out[..., :] = weight[ids[...], :]; ids i32 in [0, V) (out of range throws on cpu, traps on gpu).
@@ -44,8 +46,6 @@ Variable swiglu(const Variable& gate_up /*[..., 2F]*/, const Tensor& row_counts 
 // left to the kernel on a GPU (`counted` then points at them; the return is every row). Bad counts throw
 // ShapeError or DeviceError naming `what`.
 int64_t counted_host_rows(const Tensor& x, const Tensor& row_counts, const char* what, CountedRows* counted);
-// Rows of x [..., K] seen as a matrix [rows, K]: the product of the leading dims (1 for a 1-D x, also when K == 0).
-int64_t leading_rows(const Tensor& x);
 
 // ---- softmax and loss --------------------------------------------------------------------------
 Variable softmax(const Variable& x);  // over the last dim. engine/ops/softmax.cpp

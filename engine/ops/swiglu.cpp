@@ -107,12 +107,6 @@ class Swiglu : public Primitive {
 
 }  // namespace
 
-int64_t leading_rows(const Tensor& x) {
-  int64_t rows = 1;
-  for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
-  return rows;
-}
-
 int64_t counted_host_rows(const Tensor& x, const Tensor& row_counts, const char* what, CountedRows* counted) {
   const int64_t rows = leading_rows(x);
   if (!row_counts.defined()) return rows;
