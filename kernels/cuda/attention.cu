@@ -42,9 +42,8 @@ __global__ void __launch_bounds__(kThreads)
   float* k_s = q_s + kTile * TS::stride;         // [64, stride]
   float* v_s = k_s + kTile * TS::stride;         // [64, stride]
   float* p_s = v_s + kTile * TS::stride;         // [64, kProbStride]
-  const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kTile - 1) / kTile;
-  const int q_tile = num_tiles - 1 - int(blockIdx.x) / num_bh;  // tiles with the most keys start first
-  const int b = int(blockIdx.x) % num_bh / dims.num_heads, h = int(blockIdx.x) % dims.num_heads;
+  const TileBlock blk = tile_block(dims, /*last_first=*/true);
+  const int q_tile = blk.tile, b = blk.b, h = blk.h;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16, q0 = q_tile * kTile;
 
   load_tile<HD>(q_s, q, dims, b, h, q0);
@@ -57,10 +56,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int k_tile = 0; k_tile <= q_tile; ++k_tile) {
     const int k0 = k_tile * kTile;
-    __syncthreads();  // the previous tile's k_s, v_s, p_s are no longer read
-    load_tile<HD>(k_s, k, dims, b, h, k0);
-    load_tile<HD>(v_s, v, dims, b, h, k0);
-    __syncthreads();
+    load_next_tiles<HD>(k_s, k, v_s, v, dims, b, h, k0);  // after the last tile's p_s is read, too
     float s[4][4];
     tile_dot<HD>(q_s, k_s, s);
 #pragma unroll
@@ -91,19 +87,14 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     tile_accum<HD>(p_s, v_s, acc);
   }
+  float inv_l[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
+    inv_l[i] = 1.f / l[i];
     const int q_idx = q0 + 4 * ty + i;
-    if (q_idx >= dims.seq_len) continue;
-    const float inv_l = 1.f / l[i];
-    T* o_row = out + row_offset(dims, b, q_idx, h);
-#pragma unroll
-    for (int j = 0; j < TS::cols; ++j) {
-      const int d = TS::col(tx, j);
-      if (d < dims.head_dim) o_row[d] = from_float<T>(acc[i][j] * inv_l);
-    }
-    if (tx == 0) lse[(int64_t(b) * dims.num_heads + h) * dims.seq_len + q_idx] = m[i] + logf(l[i]);
+    if (tx == 0 && q_idx < dims.seq_len) lse[int64_t(blk.bh) * dims.seq_len + q_idx] = m[i] + logf(l[i]);
   }
+  store_tile<HD>(out, acc, inv_l, dims, b, h, q0);
 }
 
 // delta[b, h, t] = dO[b, t, h, :]·o[b, t, h, :]; one warp per (b, t, h).
@@ -147,9 +138,9 @@ __global__ void __launch_bounds__(kThreads)
   float* dst_s = pt_s + kTile * kProbStride;     // [64 keys, kProbStride] dSᵀ
   float* lse_s = dst_s + kTile * kProbStride;    // [64]
   float* delta_s = lse_s + kTile;                // [64]
-  const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kTile - 1) / kTile;
-  const int k_tile = int(blockIdx.x) / num_bh;  // low key tiles see the most queries and start first
-  const int bh = int(blockIdx.x) % num_bh, b = bh / dims.num_heads, h = bh % dims.num_heads;
+  const int num_tiles = (dims.seq_len + kTile - 1) / kTile;
+  const TileBlock blk = tile_block(dims, /*last_first=*/false);
+  const int k_tile = blk.tile, bh = blk.bh, b = blk.b, h = blk.h;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16, k0 = k_tile * kTile;
 
   load_tile<HD>(k_s, k, dims, b, h, k0);
@@ -186,19 +177,9 @@ __global__ void __launch_bounds__(kThreads)
     tile_accum<HD>(pt_s, do_s, dv);
     tile_accum<HD>(dst_s, q_s, dk);
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int k_idx = k0 + 4 * ty + i;
-    if (k_idx >= dims.seq_len) continue;
-    const int64_t off = row_offset(dims, b, k_idx, h);
-#pragma unroll
-    for (int j = 0; j < TS::cols; ++j) {
-      const int d = TS::col(tx, j);
-      if (d >= dims.head_dim) continue;
-      d_k[off + d] = from_float<T>(dk[i][j] * dims.scale);
-      d_v[off + d] = from_float<T>(dv[i][j]);
-    }
-  }
+  const float scale[4] = {dims.scale, dims.scale, dims.scale, dims.scale}, one[4] = {1.f, 1.f, 1.f, 1.f};
+  store_tile<HD>(d_k, dk, scale, dims, b, h, k0);
+  store_tile<HD>(d_v, dv, one, dims, b, h, k0);
 }
 
 // dq for one 64-query tile: loop over key tiles up to the diagonal; dS = P (dO Vᵀ - delta), dQ += dS K scale.
@@ -216,9 +197,8 @@ __global__ void __launch_bounds__(kThreads)
   float* k_s = do_s + kTile * TS::stride;        // [64, stride]
   float* v_s = k_s + kTile * TS::stride;         // [64, stride]
   float* ds_s = v_s + kTile * TS::stride;        // [64 queries, kProbStride] dS
-  const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kTile - 1) / kTile;
-  const int q_tile = num_tiles - 1 - int(blockIdx.x) / num_bh;
-  const int bh = int(blockIdx.x) % num_bh, b = bh / dims.num_heads, h = bh % dims.num_heads;
+  const TileBlock blk = tile_block(dims, /*last_first=*/true);
+  const int q_tile = blk.tile, bh = blk.bh, b = blk.b, h = blk.h;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16, q0 = q_tile * kTile;
 
   load_tile<HD>(q_s, q, dims, b, h, q0);
@@ -235,10 +215,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int k_tile = 0; k_tile <= q_tile; ++k_tile) {
     const int k0 = k_tile * kTile;
-    __syncthreads();  // the previous tile's k_s, v_s, ds_s are no longer read
-    load_tile<HD>(k_s, k, dims, b, h, k0);
-    load_tile<HD>(v_s, v, dims, b, h, k0);
-    __syncthreads();
+    load_next_tiles<HD>(k_s, k, v_s, v, dims, b, h, k0);  // after the last tile's ds_s is read, too
     float s[4][4], dp[4][4];
     tile_dot<HD>(q_s, k_s, s);    // s[i][c] = q_{q0+4ty+i} · k_{k0+tx+16c}
     tile_dot<HD>(do_s, v_s, dp);  // dp[i][c] = dO_{q0+4ty+i} · v_{k0+tx+16c}
@@ -253,17 +230,8 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     tile_accum<HD>(ds_s, k_s, dq);
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int q_idx = q0 + 4 * ty + i;
-    if (q_idx >= dims.seq_len) continue;
-    T* dq_row = d_q + row_offset(dims, b, q_idx, h);
-#pragma unroll
-    for (int j = 0; j < TS::cols; ++j) {
-      const int d = TS::col(tx, j);
-      if (d < dims.head_dim) dq_row[d] = from_float<T>(dq[i][j] * dims.scale);
-    }
-  }
+  const float scale[4] = {dims.scale, dims.scale, dims.scale, dims.scale};
+  store_tile<HD>(d_q, dq, scale, dims, b, h, q0);
 }
 
 // ---- launchers --------------------------------------------------------------------------------

@@ -48,6 +48,48 @@ __device__ __forceinline__ void load_tile(float* dst /*[64, stride]*/, const T* 
   }
 }
 
+// The next two tiles of a loop (k and v, say): once every thread is done with the previous ones, rows
+// [t0, t0 + 64) of both, visible to the whole block on return.
+template <int HD, class T>
+__device__ __forceinline__ void load_next_tiles(float* a_dst, const T* a, float* b_dst, const T* b,
+                                                const AttnDims& dims, int bi, int h, int t0) {
+  __syncthreads();
+  load_tile<HD>(a_dst, a, dims, bi, h, t0);
+  load_tile<HD>(b_dst, b, dims, bi, h, t0);
+  __syncthreads();
+}
+
+// The (batch, head) and 64-row tile a block of the grid owns, the (batch, head) pairs fastest. Causal
+// attention gives query tile q the keys of tiles 0..q: the forward and dq take the last tile first, dk
+// and dv (key tile k sees query tiles k..) the first, so the longest blocks start first.
+struct TileBlock {
+  int tile, bh, b, h;
+};
+__device__ __forceinline__ TileBlock tile_block(const AttnDims& dims, bool last_first) {
+  const int num_bh = dims.batch * dims.num_heads, num_tiles = (dims.seq_len + kTile - 1) / kTile;
+  const int k = int(blockIdx.x) / num_bh, bh = int(blockIdx.x) % num_bh;
+  return {last_first ? num_tiles - 1 - k : k, bh, bh / dims.num_heads, bh % dims.num_heads};
+}
+
+// dst[b, t0 + 4ty + i, h, col(tx, j)] = acc[i][j] * row_scale[i] for the rows before seq_len and the columns
+// before head_dim: a thread's outputs of a [64, HD] tile.
+template <int HD, class T>
+__device__ __forceinline__ void store_tile(T* dst /*[B, T, nh, hd]*/, const float (&acc)[4][TileShape<HD>::cols],
+                                           const float (&row_scale)[4], const AttnDims& dims, int b, int h, int t0) {
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int t = t0 + 4 * ty + i;
+    if (t >= dims.seq_len) continue;
+    T* row = dst + row_offset(dims, b, t, h);
+#pragma unroll
+    for (int j = 0; j < TileShape<HD>::cols; ++j) {
+      const int d = TileShape<HD>::col(tx, j);
+      if (d < dims.head_dim) row[d] = from_float<T>(acc[i][j] * row_scale[i]);
+    }
+  }
+}
+
 // acc[i][c] = A[4ty + i] · B[tx + 16c]: dot products of rows of two [64, HD] tiles.
 template <int HD>
 __device__ __forceinline__ void tile_dot(const float* A, const float* B, float (&acc)[4][4]) {

@@ -91,10 +91,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
           uint32_t bk[4];
           load_b<HD>(bk, kb, 16 * jj, 16 * kk, lane);
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            mma_bf16(s[i][2 * jj], a[i], bk[0], bk[1]);
-            mma_bf16(s[i][2 * jj + 1], a[i], bk[2], bk[3]);
-          }
+          for (int i = 0; i < 2; ++i) mma_bf16_n16(s[i][2 * jj], s[i][2 * jj + 1], a[i], bk);
         }
       }
       // Only keys reaching past the warp's first row need the causal mask. It also hides keys past
@@ -145,10 +142,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
           uint32_t bv[4];
           load_b_trans<HD>(bv, vb, 16 * kk, 16 * dd, lane);
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            mma_bf16(o[i][2 * dd], p[i], bv[0], bv[1]);
-            mma_bf16(o[i][2 * dd + 1], p[i], bv[2], bv[3]);
-          }
+          for (int i = 0; i < 2; ++i) mma_bf16_n16(o[i][2 * dd], o[i][2 * dd + 1], p[i], bv);
         }
       }
     }

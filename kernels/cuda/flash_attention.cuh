@@ -81,6 +81,13 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// c0 += A·B[:, 0..7] and c1 += A·B[:, 8..15]: one 16-column B fragment (b[0..1], b[2..3]) as two tiles.
+__device__ __forceinline__ void mma_bf16_n16(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
+                                             const uint32_t (&b)[4]) {
+  mma_bf16(c0, a, b[0], b[1]);
+  mma_bf16(c1, a, b[2], b[3]);
+}
+
 // 2^x, denormal results flushed to zero (probabilities that small vanish in any bf16 product anyway):
 // exp2f would add a range check and two scalings around each MUFU.EX2. 2^-inf = +0.
 __device__ __forceinline__ float exp2_ftz(float x) {
@@ -174,8 +181,7 @@ __device__ __forceinline__ void mma_rows_trans(float (&acc)[HD / 8][4], const ui
   for (int dd = 0; dd < HD / 16; ++dd) {
     uint32_t b[4];
     load_b_trans<HD>(b, tile, k0, 16 * dd, lane);
-    mma_bf16(acc[2 * dd], a, b[0], b[1]);
-    mma_bf16(acc[2 * dd + 1], a, b[2], b[3]);
+    mma_bf16_n16(acc[2 * dd], acc[2 * dd + 1], a, b);
   }
 }
 
@@ -195,10 +201,8 @@ __device__ __forceinline__ void mma_two_nt(float (&c1)[N / 8][4], float (&c2)[N 
       uint32_t y1[4], y2[4];
       load_b<HD>(y1, b1, 16 * jj, 16 * kk, lane);
       load_b<HD>(y2, b2, 16 * jj, 16 * kk, lane);
-      mma_bf16(c1[2 * jj], x1, y1[0], y1[1]);
-      mma_bf16(c1[2 * jj + 1], x1, y1[2], y1[3]);
-      mma_bf16(c2[2 * jj], x2, y2[0], y2[1]);
-      mma_bf16(c2[2 * jj + 1], x2, y2[2], y2[3]);
+      mma_bf16_n16(c1[2 * jj], c1[2 * jj + 1], x1, y1);
+      mma_bf16_n16(c2[2 * jj], c2[2 * jj + 1], x2, y2);
     }
   }
 }

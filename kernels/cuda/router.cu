@@ -214,24 +214,40 @@ __global__ void seq_counts_kernel(const int32_t* __restrict__ topk_idx, int64_t 
     atomicAdd(&seq_counts[(i / k) / seq_len * E + topk_idx[i]], 1);
 }
 
+// The balance loss's per-token start, forward and backward alike: warp w of block b takes token
+// t = b * kWarpsPerBlock + w (false past the last), its lanes' scores and its sequence's expert counts.
+struct BalanceToken {
+  int64_t t;
+  float s[kMaxPerLane];
+  const int32_t* count;
+};
+__device__ __forceinline__ bool balance_token(const RouterParams& p, const float* __restrict__ logits,
+                                              int64_t num_tokens, int64_t seq_len,
+                                              const int32_t* __restrict__ seq_counts, BalanceToken& tok) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, E = p.num_experts;
+  tok.t = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
+  if (tok.t >= num_tokens) return false;
+  float l[kMaxPerLane];
+  lane_scores(p.scoring, logits + tok.t * E, E, lane, l, tok.s);
+  tok.count = seq_counts + tok.t / seq_len * E;
+  return true;
+}
+
 // Per token: coef * sum_e count[b,e] * s_e / Z, with coef = alpha / B * E / (k S) / S.
 __global__ void balance_token_kernel(RouterParams p, double coef, const float* __restrict__ logits, int64_t num_tokens,
                                      int64_t seq_len, const int32_t* __restrict__ seq_counts,
                                      float* __restrict__ token_loss) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, E = p.num_experts;
-  const int64_t t = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  if (t >= num_tokens) return;
-  float l[kMaxPerLane], s[kMaxPerLane];
-  lane_scores(p.scoring, logits + t * E, E, lane, l, s);
-  const int32_t* count = seq_counts + t / seq_len * E;
+  const int lane = threadIdx.x & 31, E = p.num_experts;
+  BalanceToken tok;
+  if (!balance_token(p, logits, num_tokens, seq_len, seq_counts, tok)) return;
   double z = 0, acc = 0;
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
     int e = lane + 32 * i;
-    if (e < E) z += s[i], acc += double(count[e]) * s[i];
+    if (e < E) z += tok.s[i], acc += double(tok.count[e]) * tok.s[i];
   }
   z = warp_sum_d(z), acc = warp_sum_d(acc);
-  if (lane == 0) token_loss[t] = float(coef * acc / z);
+  if (lane == 0) token_loss[tok.t] = float(coef * acc / z);
 }
 
 // One block: each thread sums a fixed stride of tokens, then a fixed tree; same bits every run.
@@ -246,24 +262,21 @@ __global__ void sum_tokens_kernel(const float* __restrict__ token_loss, int64_t 
 __global__ void balance_backward_kernel(RouterParams p, double coef, const float* __restrict__ logits,
                                         int64_t num_tokens, int64_t seq_len, const int32_t* __restrict__ seq_counts,
                                         const float* __restrict__ d_loss, float* __restrict__ d_logits) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, E = p.num_experts;
-  const int64_t t = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  if (t >= num_tokens) return;
-  float l[kMaxPerLane], s[kMaxPerLane];
-  lane_scores(p.scoring, logits + t * E, E, lane, l, s);
-  const int32_t* count = seq_counts + t / seq_len * E;
+  const int lane = threadIdx.x & 31, E = p.num_experts;
+  BalanceToken tok;
+  if (!balance_token(p, logits, num_tokens, seq_len, seq_counts, tok)) return;
   const double c = coef * double(d_loss[0]);
   double g[kMaxPerLane], d_s[kMaxPerLane], z = 0, dot = 0;
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
     int e = lane + 32 * i;
-    g[i] = e < E ? c * double(count[e]) : 0.0;  // dL/ds'_e, s' = s / Z
-    z += s[i], dot += g[i] * s[i];
+    g[i] = e < E ? c * double(tok.count[e]) : 0.0;  // dL/ds'_e, s' = s / Z
+    z += tok.s[i], dot += g[i] * tok.s[i];
   }
   z = warp_sum_d(z), dot = warp_sum_d(dot) / z;
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) d_s[i] = (g[i] - dot) / z;
-  write_d_logits(p.scoring, s, d_s, E, lane, d_logits + t * E);
+  write_d_logits(p.scoring, tok.s, d_s, E, lane, d_logits + tok.t * E);
 }
 
 // control: null for a rate given by value, else the rate is scaled by the step's bias_rate_scale.
