@@ -71,7 +71,23 @@ void Variable::set_data(const Tensor& t) {
   bump_version();
 }
 
+void Variable::store_as(const Tensor& t) {
+  const Tensor& d = impl()->data;
+  FLOWMOE_CHECK(is_leaf(), Error, "Variable::store_as: '", name(), "' is not a leaf");
+  check_same_shape(d, t, "Variable::store_as");
+  check_same_device(d, t, "Variable::store_as");
+  if (!impl()->grad_dtype) impl()->grad_dtype = d.dtype();
+  impl()->data = t;
+  bump_version();
+}
+
 Variable Variable::detach() const { return Variable(data(), false, name()); }
+
+// A gradient as a leaf keeps it (VariableImpl::grad_dtype).
+static Tensor as_leaf_grad(const VariableImpl& leaf, Tensor g) {
+  if (!g.defined() || !leaf.grad_dtype || g.dtype() == *leaf.grad_dtype) return g;
+  return g.to(*leaf.grad_dtype);
+}
 
 // Adds g into `into` (or sets it when undefined). Gradients of one value must agree in shape/dtype.
 static void accumulate(Tensor& into, const Tensor& g) {
@@ -213,10 +229,11 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
     if (!v.defined() || !v.requires_grad() || !d_outputs[i].defined()) continue;
     check_same_shape(v.data(), d_outputs[i], "backward (output vs its gradient)");
     if (v.is_leaf()) {
+      const Tensor g = as_leaf_grad(*v.impl(), d_outputs[i]);
       if (!v.impl()->grad.defined())
-        v.impl()->grad = d_outputs[i].clone();
+        v.impl()->grad = g.is_sole_owner() ? g : g.clone();
       else
-        accumulate(v.impl()->grad, d_outputs[i]);
+        accumulate(v.impl()->grad, g);
       continue;
     }
     Node* n = v.impl()->grad_fn.get();
@@ -275,6 +292,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
         // tensor to several inputs, and optimizers may change .grad() in place. A fresh result (an
         // expert weight's wgrad) is taken as is, saving a full copy of it.
         if (d_in[i].defined()) streams.before_accumulate(e.leaf.get(), e.leaf->grad.defined(), true);
+        d_in[i] = as_leaf_grad(*e.leaf, std::move(d_in[i]));
         if (!e.leaf->grad.defined() && d_in[i].defined())
           e.leaf->grad = d_in[i].is_sole_owner() ? std::move(d_in[i]) : d_in[i].clone();
         else

@@ -9,6 +9,7 @@
 #pragma once
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -98,6 +99,9 @@ struct VariableImpl {
   int output_nr = 0;
   std::string name;
   uint64_t version = 0;  // bumped whenever data changes in place (optimizer step, checkpoint load)
+  // A leaf stored in another dtype than its gradient (Variable::store_as): each gradient that arrives is
+  // cast to this one first. Unset: gradients are kept as they arrive.
+  std::optional<DType> grad_dtype;
 };
 
 class Variable {
@@ -108,6 +112,10 @@ class Variable {
   bool defined() const { return impl_ != nullptr; }
   const Tensor& data() const { return impl()->data; }
   void set_data(const Tensor& t);  // e.g. the optimizer's update; shape/dtype/device must match
+  // A leaf's values from now on in t's dtype (a sharded optimizer's bf16 model weights, their f32 masters
+  // in the optimizer), its gradients still in the dtype it had: each one that reaches it is cast back to
+  // that, so a weight used twice sums its gradients as the f32 weight would. Shape and device must match.
+  void store_as(const Tensor& t);
   // Caches derived from the data (the FP8 copy of an expert weight) compare versions to stay fresh.
   // Whoever edits data() in place must call bump_version(); set_data() does it.
   uint64_t version() const { return impl()->version; }

@@ -1,6 +1,8 @@
 // AdamW update and the gradient-norm reduction used for clipping, on f32 buffers.
 //   g = grad_scale * grad;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p = p - lr * (m / bc1 / (sqrt(v / bc2) + eps) + weight_decay * p)      (bc = 1 - beta^t)
+// copy (optional): the model's weights as the forward reads them, written from the updated p in their dtype
+// (f32, or bf16 rounded to nearest even) beside the f32 master, so nothing casts them again before use.
 // sum_squares: out = sum_i x[i]^2 (sum_values: sum_i x[i]), deterministic: a fixed two-pass tree,
 // no atomics, so the same input always gives the same bits. CPU reference: kernels/cpu/adamw.cpp;
 // CUDA: kernels/cuda/adamw.cu; optimizer: train/optimizer.cpp; tests: tests/test_adamw.cpp.
@@ -8,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels/common/device_api.h"
+#include "kernels/common/dtype.h"
 #include "kernels/step_control.h"
 
 namespace flowmoe {
@@ -16,6 +19,12 @@ struct AdamWStep {
   float lr = 0, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0;
   float grad_scale = 1;                              // clipping factor applied to the gradient
   float bias_correction1 = 1, bias_correction2 = 1;  // 1 - beta1^t, 1 - beta2^t
+};
+
+// Where an update also writes the weights' copy (null data: no copy).
+struct WeightCopy {
+  void* data = nullptr;  // [n] of dtype
+  DType dtype = DType::f32;
 };
 
 // The update of a scheduled step (kernels/step_control.h): base's betas, eps and weight decay with the
@@ -29,7 +38,7 @@ FLOWMOE_HOST_DEVICE inline AdamWStep scheduled_adamw_step(AdamWStep base, const 
 }
 
 void adamw_cpu(float* param /*[n]*/, const float* grad /*[n]*/, float* exp_avg /*[n]*/, float* exp_avg_sq /*[n]*/,
-               int64_t n, const AdamWStep& s);
+               int64_t n, const AdamWStep& s, WeightCopy copy = {});
 // Accumulates in double, in index order.
 double sum_squares_cpu(const float* x /*[n]*/, int64_t n);
 
@@ -37,12 +46,14 @@ double sum_squares_cpu(const float* x /*[n]*/, int64_t n);
 constexpr int kReduceMaxBlocks = 1024;
 
 void adamw_cuda(float* param /*[n]*/, const float* grad /*[n]*/, float* exp_avg /*[n]*/, float* exp_avg_sq /*[n]*/,
-                int64_t n, const AdamWStep& s, cudaStream_t stream);
+                int64_t n, const AdamWStep& s, cudaStream_t stream, WeightCopy copy = {});
 // The same with the step's scalars read on the device: nothing changes unless control->apply, else
-// scheduled_adamw_step(base, *control, lr_multiplier). No host synchronisation.
+// scheduled_adamw_step(base, *control, lr_multiplier) (a skipped step writes no copy either). No host
+// synchronisation.
 void adamw_scheduled_cuda(float* param /*[n]*/, const float* grad /*[n]*/, float* exp_avg /*[n]*/,
                           float* exp_avg_sq /*[n]*/, int64_t n, const AdamWStep& base,
-                          const StepScalars* control /*[1] device*/, double lr_multiplier, cudaStream_t stream);
+                          const StepScalars* control /*[1] device*/, double lr_multiplier, cudaStream_t stream,
+                          WeightCopy copy = {});
 // *out (one device float) = sum of x[i]^2; partials: device scratch of kReduceMaxBlocks floats.
 void sum_squares_cuda(const float* x /*[n]*/, int64_t n, float* out /*[1]*/, float* partials /*[kReduceMaxBlocks]*/,
                       cudaStream_t stream);

@@ -36,10 +36,11 @@
   auto flowmoe::name params->ret { flowmoe::throw_no_cuda(#name); }
 
 // kernels/adamw.h
-FLOWMOE_NO_CUDA(void, adamw_cuda, (float*, const float*, float*, float*, int64_t, const AdamWStep&, cudaStream_t))
+FLOWMOE_NO_CUDA(void, adamw_cuda,
+                (float*, const float*, float*, float*, int64_t, const AdamWStep&, cudaStream_t, WeightCopy))
 FLOWMOE_NO_CUDA(void, adamw_scheduled_cuda,
                 (float*, const float*, float*, float*, int64_t, const AdamWStep&, const StepScalars*, double,
-                 cudaStream_t))
+                 cudaStream_t, WeightCopy))
 FLOWMOE_NO_CUDA(void, advance_step_cuda,
                 (StepScalars*, const StepSchedule&, const float*, const float*, const float*, const int32_t*,
                  cudaStream_t))

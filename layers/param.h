@@ -11,12 +11,15 @@
 
 namespace flowmoe {
 
-// Where a parameter's rows sit in the full tensor. Expert weights are sharded along dim 0 (the
-// expert) over the expert-parallel group; every other parameter is whole on every rank.
+// Where a parameter's rows sit in the full tensor, and how the forward reads it. Expert weights are sharded
+// along dim 0 (the expert) over the expert-parallel group; every other parameter is whole on every rank.
 struct ParamShard {
   bool expert = false;    // an expert weight: its gradient is reduced over the expert-data-parallel group
   int64_t offset = 0;     // the full tensor's dim-0 row this rank's row 0 is
   int64_t full_rows = 0;  // the full tensor's dim 0 (== the local dim 0 when not sharded)
+  // The forward reads the f32 values themselves, not a compute-dtype copy (a router's gate, which routes in
+  // f32; FP8 expert weights, quantized from f32): a sharded optimizer keeps its model weights in f32.
+  bool reads_f32 = false;
   bool sharded(const Variable& p) const { return full_rows != p.size(0); }
 };
 
@@ -35,6 +38,11 @@ class ParamFactory {
   }
   Variable ones(const std::string& name, const Shape& shape) {
     return add(Variable(Tensor::full(shape, 1.0, DType::f32, device_), true, name), {false, 0, shape[0]});
+  }
+  // Marks p, made by this factory, as read in f32 (ParamShard::reads_f32).
+  void read_in_f32(const Variable& p) {
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].impl() == p.impl()) shards_[i].reads_f32 = true;
   }
   std::vector<Variable>& params() { return params_; }
   std::vector<ParamShard>& shards() { return shards_; }  // one per parameter, in the same order

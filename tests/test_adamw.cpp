@@ -138,6 +138,56 @@ TEST(AdamWCuda, UpdateMatchesCpu) {
   }
 }
 
+// The weights' copy (a sharded optimizer's model weights): the updated parameter exactly as a cast of it
+// gives, in f32 or bf16, on the CPU and on the GPU; the update itself is the one without a copy.
+TEST(AdamW, WeightCopyIsTheCastOfTheUpdate) {
+  Rng rng(test_seed());
+  const bool cuda = cuda_available();
+  for (int64_t n : {0, 1, 255, 4097}) {
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::to_string(n) + " " + dtype_name(dtype));
+      Tensor p = random_tensor(rng, {n}), g = random_tensor(rng, {n}, DType::f32, Device::cpu(), -3, 3);
+      Tensor m = Tensor::zeros({n}, DType::f32), v = Tensor::zeros({n}, DType::f32);
+      const AdamWStep s = make_step(1, 1e-2f, 0.1f, 0.5f);
+      Tensor plain = p.clone(), pm = m.clone(), pv = v.clone();
+      adamw_cpu(plain.data<float>(), g.data<float>(), pm.data<float>(), pv.data<float>(), n, s);
+      Tensor copy = Tensor::zeros({n}, dtype);
+      adamw_cpu(p.data<float>(), g.data<float>(), m.data<float>(), v.data<float>(), n, s, {copy.raw_data(), dtype});
+      EXPECT_EQ(floats(p), floats(plain));
+      EXPECT_EQ(floats(copy), floats(p.to(dtype)));
+      if (!cuda) continue;
+      // Three steps, the second skipped (step_control.h: apply false): no copy is written then either.
+      Tensor gp = random_tensor(rng, {n}).to(Device::cuda()), gg = g.to(Device::cuda());
+      Tensor gm = Tensor::zeros({n}, DType::f32, Device::cuda()), gv = Tensor::zeros({n}, DType::f32, Device::cuda());
+      Tensor gcopy = Tensor::zeros({n}, dtype, Device::cuda());
+      Tensor cp = gp.to(Device::cpu()), cm = Tensor::zeros({n}, DType::f32), cv = Tensor::zeros({n}, DType::f32);
+      Tensor control = Tensor::zeros({int64_t(sizeof(StepScalars))}, DType::u8);
+      for (int t = 1; t <= 3; ++t) {
+        StepScalars c{};
+        c.apply = t != 2;
+        c.lr = 1e-2;
+        c.grad_scale = 0.5;
+        c.bias_correction1 = float(1 - std::pow(0.9, t));
+        c.bias_correction2 = float(1 - std::pow(0.95, t));
+        std::memcpy(control.raw_data(), &c, sizeof c);
+        const Tensor on_device = control.to(Device::cuda());
+        if (t == 2) gcopy.zero_();
+        adamw_scheduled_cuda(gp.data<float>(), gg.data<float>(), gm.data<float>(), gv.data<float>(), n, s,
+                             reinterpret_cast<const StepScalars*>(on_device.raw_data()), 1.0, current_stream(0),
+                             {gcopy.raw_data(), dtype});
+        if (c.apply)
+          adamw_cpu(cp.data<float>(), g.data<float>(), cm.data<float>(), cv.data<float>(), n,
+                    scheduled_adamw_step(s, c, 1.0));
+        if (t == 2) {
+          EXPECT_EQ(floats(gcopy), floats(Tensor::zeros({n}, dtype))) << "a skipped step wrote the copy";
+        }
+      }
+      EXPECT_TRUE(all_close(gp, cp, 1e-5, 1e-7));
+      EXPECT_EQ(floats(gcopy), floats(gp.to(dtype)));  // the copy is the device's own update, cast
+    }
+  }
+}
+
 TEST(AdamWCuda, SumSquaresMatchesCpuAndIsDeterministic) {
   FLOWMOE_REQUIRE_CUDA();
   Rng rng(test_seed());

@@ -20,6 +20,34 @@ TEST(Autograd, DiamondAccumulatesAndLeavesAccumulateAcrossCalls) {
   for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(g[i], 2 * xv[i] + 5, 1e-12);
 }
 
+// A leaf stored in a narrower dtype (Variable::store_as: a sharded optimizer's bf16 model weights) keeps its
+// gradient in the dtype it had: each use's gradient is cast back as it arrives, then they are summed there, bit
+// for bit as a wide leaf cast at every use (layers/param.h, compute_weight) gets them. The CPU computes in f32,
+// so there the wide dtype is f64; the GPU's case is f32 weights against bf16 ones through two linears.
+static void expect_stored_leaf_matches_casts(Device dev, DType wide, DType narrow) {
+  Rng rng(test_seed());
+  const Tensor w0 = random_tensor(rng, {6, 8}, DType::f32).to(narrow).to(wide).to(dev);  // narrow-representable
+  const Tensor x = random_tensor(rng, {4, 8}, DType::f32).to(narrow).to(dev);
+  const Tensor dy = random_tensor(rng, {4, 6}, DType::f32).to(narrow).to(dev);
+  Variable cast_each(w0.clone(), true, "w");
+  Variable xv(x);
+  add(linear(xv, cast(cast_each, narrow)), scale(linear(xv, cast(cast_each, narrow)), 3.0)).backward(dy);
+  Variable stored(w0.clone(), true, "w");
+  stored.store_as(w0.to(narrow));
+  EXPECT_EQ(stored.dtype(), narrow);
+  add(linear(xv, stored), scale(linear(xv, stored), 3.0)).backward(dy);
+  ASSERT_EQ(stored.grad().dtype(), wide);
+  EXPECT_EQ(stored.grad().to(Device::cpu()).to_doubles(), cast_each.grad().to(Device::cpu()).to_doubles());
+  EXPECT_THROW(stored.store_as(Tensor::zeros({6, 9}, narrow, dev)), ShapeError);
+}
+TEST(Autograd, StoredLeafKeepsItsGradientDtype) {
+  expect_stored_leaf_matches_casts(Device::cpu(), DType::f64, DType::f32);
+}
+TEST(AutogradCuda, StoredLeafKeepsItsGradientDtype) {
+  FLOWMOE_REQUIRE_CUDA();
+  expect_stored_leaf_matches_casts(Device::cuda(), DType::f32, DType::bf16);
+}
+
 TEST(Autograd, NoGradRecordsNothing) {
   Variable x(Tensor::full({3}, 2.0, DType::f32), true);
   NoGradGuard ng;

@@ -265,10 +265,10 @@ const std::vector<Field>& schema() {
                         "nccl, overlap_grad_reduce: the thread blocks (SMs) the gradient reduction's kernels may "
                         "take beside the backward; 0: as many as nccl chooses"));
     f.push_back(boolean("parallel", "shard_optimizer", FLOWMOE_CONFIG_REF(parallel.shard_optimizer),
-                        "each data-parallel rank keeps AdamW's moments for, the gradient of and updates 1/N of the "
-                        "weights (gradients reduce-scattered and the rest released, weights all-gathered), so the "
-                        "optimizer state costs 8/N bytes per parameter and the gradients 4/N; false keeps a full copy "
-                        "on every rank"));
+                        "each data-parallel rank keeps AdamW's moments and f32 master weights for, the gradient of "
+                        "and updates 1/N of the weights (gradients reduce-scattered and the rest released, weights "
+                        "all-gathered: bf16 on the GPU), so the optimizer state costs 8/N bytes per parameter, the "
+                        "masters 4/N and the gradients 4/N; false keeps a full copy on every rank"));
     // checkpoint
     f.push_back(string("checkpoint", "dir", FLOWMOE_CONFIG_REF(checkpoint.dir),
                        "where checkpoints go; empty: <logging.out_dir>/checkpoints"));

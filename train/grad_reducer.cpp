@@ -15,7 +15,7 @@ namespace flowmoe {
 
 GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> params,
                                  const std::vector<ParamShard>& shards, bool overlap, size_t bucket_bytes, int max_ctas,
-                                 bool shard)
+                                 bool shard, DType compute)
     : ps_(ps), params_(std::move(params)), overlap_(overlap), shard_(shard) {
   FLOWMOE_CHECK(shards.size() == params_.size(), Error, "GradientReducer: ", params_.size(), " parameters but ",
                 shards.size(), " shards");
@@ -25,22 +25,26 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
   // Buckets in the order the backward finishes the gradients: the model lists its parameters in forward
   // order, so the last ones are final first. Each group fills its own buckets in that order; a bucket
   // closes when the next parameter would not fit, and the buckets are launched in the order their last
-  // parameter becomes final.
+  // parameter becomes final. Sharded, a bucket's weights have one dtype: each group fills one bucket per dtype.
   const size_t max_numel = bucket_bytes / sizeof(float);
   std::vector<Bucket> closed;
-  Bucket open[2];
+  Bucket open[2][2];  // [group][f32 weights, compute-dtype weights]
   for (size_t k = 0; k < params_.size(); ++k) {
     const size_t i = params_.size() - 1 - k;
     const int g = shards[i].expert && ps.expert_parallel_size > 1 ? 1 : 0;
+    const bool narrow = shard_ && compute != DType::f32 && !shards[i].reads_f32;
+    Bucket& b = open[g][narrow];
     const int64_t n = params_[i].data().numel();
-    if (!open[g].params.empty() && size_t(open[g].numel + n) > max_numel) closed.push_back(std::exchange(open[g], {}));
-    open[g].group = g;
-    open[g].params.push_back(i);
-    open[g].numel += n;
+    if (!b.params.empty() && size_t(b.numel + n) > max_numel) closed.push_back(std::exchange(b, {}));
+    b.group = g;
+    b.dtype = narrow ? compute : DType::f32;
+    b.params.push_back(i);
+    b.numel += n;
     index_of_[params_[i].impl()] = i;
   }
-  for (Bucket& b : open)
-    if (!b.params.empty()) closed.push_back(std::move(b));
+  for (Bucket(&by_dtype)[2] : open)
+    for (Bucket& b : by_dtype)
+      if (!b.params.empty()) closed.push_back(std::move(b));
   // A bucket's last parameter is its smallest index: the larger the index, the earlier it is final.
   std::sort(closed.begin(), closed.end(),
             [](const Bucket& a, const Bucket& b) { return a.params.back() > b.params.back(); });
@@ -80,24 +84,38 @@ std::pair<int64_t, int64_t> GradientReducer::segment(const Bucket& b) const {
   return {comm.rank() * n, (comm.rank() + 1) * n};
 }
 
-// Each bucket's parameters move into one flat buffer in the bucket's layout (padded to whole segments),
-// so that the all-gather writes them in place; AdamW's ranges are their elements in this rank's segment.
+// Each bucket's parameters move into one flat buffer in the bucket's layout (padded to whole segments) and
+// dtype, so that the all-gather writes them in place; their f32 values in this rank's segment become its
+// master; AdamW's ranges are their elements in that segment.
 void GradientReducer::shard_buckets() {
   ranges_.assign(params_.size(), {0, 0});
+  master_ranges_.assign(params_.size(), Tensor());
   for (size_t k = buckets_.size(); k-- > 0;) gather_order_.push_back(k);  // the forward's order, until set_stages
   for (Bucket& b : buckets_) {
     const int64_t size = group_communicator(b.group)->size();
     b.padded = (b.numel + size - 1) / size * size;
-    b.weights = Tensor::zeros({b.padded}, DType::f32, params_[b.params.front()].device());
+    Tensor values = Tensor::zeros({b.padded}, DType::f32, params_[b.params.front()].device());
     const auto [begin, end] = segment(b);
     int64_t offset = 0;
     for (size_t i : b.params) {
+      const int64_t n = params_[i].data().numel();
+      values.slice(0, offset, offset + n).view(params_[i].shape()).copy_(params_[i].data());
+      ranges_[i] = {std::clamp(begin - offset, int64_t(0), n), std::clamp(end - offset, int64_t(0), n)};
+      offset += n;
+    }
+    b.master = values.slice(0, begin, end).clone();
+    b.weights = b.dtype == DType::f32 ? values : values.to(b.dtype);
+    offset = 0;
+    for (size_t i : b.params) {
       Variable p = params_[i];
       const int64_t n = p.data().numel();
+      const auto [first, last] = ranges_[i];
+      if (last > first) master_ranges_[i] = b.master.slice(0, offset + first - begin, offset + last - begin);
       Tensor slot = b.weights.slice(0, offset, offset + n).view(p.shape());
-      slot.copy_(p.data());
-      p.set_data(slot);
-      ranges_[i] = {std::clamp(begin - offset, int64_t(0), n), std::clamp(end - offset, int64_t(0), n)};
+      if (b.dtype == p.dtype())
+        p.set_data(slot);
+      else
+        p.store_as(slot);  // the f32 data it had is freed with the last reference to it
       offset += n;
     }
   }
@@ -328,36 +346,74 @@ void GradientReducer::wait_stage(int64_t stage) {
   }
 }
 
-std::pair<std::vector<Tensor>, std::vector<Tensor>> GradientReducer::full_moments(const AdamW& opt, bool keep) {
-  FLOWMOE_CHECK(shard_, Error, "GradientReducer::full_moments: the optimizer is not sharded");
-  std::vector<Tensor> full[2];
-  for (std::vector<Tensor>& f : full) f.resize(params_.size());
+template <class Fill>
+std::vector<Tensor> GradientReducer::gather_segments(Fill&& fill, bool keep) {
+  FLOWMOE_CHECK(shard_, Error, "GradientReducer: gathering whole state of an optimizer that is not sharded");
+  std::vector<Tensor> whole(params_.size());
   for (const Bucket& b : buckets_) {
-    const Device device = params_[b.params.front()].device();
     const auto [begin, end] = segment(b);
-    for (int which : {0, 1}) {
-      const std::vector<Tensor>& mine = which == 0 ? opt.exp_avg() : opt.exp_avg_sq();
-      // This rank's segment of the bucket is its parameters' ranges side by side, then the padding.
-      Tensor flat = Tensor::zeros({b.padded}, DType::f32, device);
-      int64_t at = begin;
-      for (size_t i : b.params) {
-        const int64_t n = ranges_[i].second - ranges_[i].first;
-        if (n > 0) flat.slice(0, at, at + n).copy_(mine[i]);
-        at += n;
-      }
-      FLOWMOE_CHECK(at <= end, Error, "full_moments: a segment of ", end - begin, " elements holds ", at - begin);
-      group_communicator(b.group)->all_gather_in_place(flat);
-      if (!keep) continue;
-      const Tensor host = flat.to(Device::cpu());
-      int64_t offset = 0;
-      for (size_t i : b.params) {
-        const int64_t n = params_[i].data().numel();
-        full[which][i] = host.slice(0, offset, offset + n).contiguous().view(params_[i].shape());
-        offset += n;
-      }
+    Tensor flat = Tensor::zeros({b.padded}, DType::f32, params_[b.params.front()].device());
+    Tensor mine = flat.slice(0, begin, end);
+    fill(b, mine);
+    group_communicator(b.group)->all_gather_in_place(flat);
+    if (!keep) continue;
+    const Tensor host = flat.to(Device::cpu());
+    int64_t offset = 0;
+    for (size_t i : b.params) {
+      const int64_t n = params_[i].data().numel();
+      whole[i] = host.slice(0, offset, offset + n).contiguous().view(params_[i].shape());
+      offset += n;
     }
   }
+  return whole;
+}
+
+std::pair<std::vector<Tensor>, std::vector<Tensor>> GradientReducer::full_moments(const AdamW& opt, bool keep) {
+  std::vector<Tensor> full[2];
+  for (int which : {0, 1}) {
+    const std::vector<Tensor>& moments = which == 0 ? opt.exp_avg() : opt.exp_avg_sq();
+    // This rank's segment of a bucket is its parameters' ranges side by side, then the padding.
+    full[which] = gather_segments(
+        [&](const Bucket& b, Tensor& segment) {
+          int64_t at = 0;
+          for (size_t i : b.params) {
+            const int64_t n = ranges_[i].second - ranges_[i].first;
+            if (n > 0) segment.slice(0, at, at + n).copy_(moments[i]);
+            at += n;
+          }
+          FLOWMOE_CHECK(at <= segment.numel(), Error, "full_moments: a segment of ", segment.numel(),
+                        " elements holds ", at);
+        },
+        keep);
+  }
   return {std::move(full[0]), std::move(full[1])};
+}
+
+std::vector<Tensor> GradientReducer::full_masters(bool keep) {
+  return gather_segments([](const Bucket& b, Tensor& segment) { segment.copy_(b.master); }, keep);
+}
+
+void GradientReducer::load_masters(const std::vector<Tensor>& whole) {
+  FLOWMOE_CHECK(shard_ && whole.size() == params_.size(), Error, "GradientReducer::load_masters: ", whole.size(),
+                " tensors for ", params_.size(), " parameters", shard_ ? "" : " of an optimizer that is not sharded");
+  for (Bucket& b : buckets_) {
+    const Device device = params_[b.params.front()].device();
+    Tensor values = Tensor::zeros({b.padded}, DType::f32, Device::cpu());
+    int64_t offset = 0;
+    for (size_t i : b.params) {
+      const int64_t n = params_[i].data().numel();
+      FLOWMOE_CHECK(whole[i].shape() == params_[i].shape() && whole[i].dtype() == DType::f32, ShapeError,
+                    "GradientReducer::load_masters: '", params_[i].name(), "' is ", whole[i].describe(),
+                    ", expected f32 ", shape_str(params_[i].shape()));
+      values.slice(0, offset, offset + n).view(params_[i].shape()).copy_(whole[i].to(Device::cpu()));
+      offset += n;
+    }
+    const Tensor on_device = values.to(device);
+    const auto [begin, end] = segment(b);
+    b.master.copy_(on_device.slice(0, begin, end));
+    b.weights.copy_(b.dtype == DType::f32 ? on_device : on_device.to(b.dtype));
+  }
+  for (const Variable& p : params_) p.bump_version();  // FP8 weight caches re-quantize
 }
 
 }  // namespace flowmoe

@@ -11,16 +11,20 @@
 //
 // Sharded (parallel.shard_optimizer, Megatron-LM's distributed optimizer with DeepSpeed ZeRO-2's gradient
 // release): each bucket is padded to a multiple of its group's size G and its parameters become views of
-// one flat weight buffer in the same layout. A bucket is reduce-scattered instead of all-reduced, so rank r
-// holds the reduced gradient of segment r alone. Only that segment is kept: it is copied into the bucket's
-// gradient segment (1/G of the bucket, kept until the optimizer has read it: release_grads()) and the bucket's
-// full buffer is freed, as are the parameters' own gradients once copied into it. So a rank holds 4/G bytes of
-// gradient per parameter after the backward, plus at most kBucketsInFlight full buckets during it: before a
-// new bucket is filled, the compute stream waits for the reduction of the one kBucketsInFlight earlier (never
-// stalling while the reductions keep up with the backward). AdamW keeps moments for and updates only the parameters'
-// elements in segment r, reading their gradients from range_grads(); gather_weights() then all-gathers
-// each bucket's weights. The gradient norm is the sum of the segments' squares over the group
-// (reduce_square_sums, data_parallel.h).
+// one flat weight buffer in the same layout. Those are the model's weights as the forward reads them: bf16
+// where it computes in bf16 (the parameters are stored so: Variable::store_as, their gradients stay f32), f32
+// for a parameter it reads in f32 (ParamShard::reads_f32) or on the CPU; a bucket holds one dtype. The f32
+// master weights exist only for segment r of each bucket (master_ranges(), AdamW's masters), so a rank holds
+// 2 + 4/G bytes of weights per bf16 parameter instead of 4, and nothing casts them before use. A bucket is
+// reduce-scattered instead of all-reduced, so rank r holds the reduced gradient of segment r alone. Only that segment
+// is kept: it is copied into the bucket's gradient segment (1/G of the bucket, kept until the optimizer has read it:
+// release_grads()) and the bucket's full buffer is freed, as are the parameters' own gradients once copied into it. So
+// a rank holds 4/G bytes of gradient per parameter after the backward, plus at most kBucketsInFlight full buckets
+// during it: before a new bucket is filled, the compute stream waits for the reduction of the one kBucketsInFlight
+// earlier (never stalling while the reductions keep up with the backward). AdamW keeps moments for and updates only the
+// parameters' elements in segment r, reading their gradients from range_grads(), and writes their model weights from
+// the masters; gather_weights() then all-gathers each bucket's weights (bf16: half the bytes of f32 ones). The gradient
+// norm is the sum of the segments' squares over the group (reduce_square_sums, data_parallel.h).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -44,9 +48,11 @@ class GradientReducer {
   // Collective when the world's backend is nccl: it splits off the communicators it reduces on, whose
   // kernels take at most max_ctas thread blocks (0: as many as nccl chooses), leaving the other SMs
   // to the backward that runs beside them.
-  // shard: the sharded form above (the parameters' data move into the buckets' weight buffers here).
+  // shard: the sharded form above (the parameters' data move into the buckets' weight buffers here), its
+  // model weights in compute (the forward's dtype) except where shards[i].reads_f32.
   GradientReducer(const ParallelState& ps, std::vector<Variable> params, const std::vector<ParamShard>& shards,
-                  bool overlap, size_t bucket_bytes = kGradientBucketBytes, int max_ctas = 0, bool shard = false);
+                  bool overlap, size_t bucket_bytes = kGradientBucketBytes, int max_ctas = 0, bool shard = false,
+                  DType compute = DType::f32);
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
@@ -66,6 +72,9 @@ class GradientReducer {
   static constexpr size_t kBucketsInFlight = 4;
   bool sharded() const { return shard_; }
   const std::vector<std::pair<int64_t, int64_t>>& owned_ranges() const { return ranges_; }
+  // Sharded: per parameter, the f32 master weights of its range (1-D views of the buckets' master segments;
+  // undefined where the range is empty): AdamW's masters.
+  const std::vector<Tensor>& master_ranges() const { return master_ranges_; }
   const std::vector<Tensor>& range_grads() const { return range_grads_; }
   // Sharded: frees the gradient segments once the optimizer has read them (they exist from a bucket's
   // reduction until then, so the forward's and the early backward's peak does not hold them).
@@ -80,10 +89,14 @@ class GradientReducer {
   void set_stages(const std::vector<int64_t>& stages);
   void wait_stage(int64_t stage);
   void wait_weights() { wait_stage(INT64_MAX); }
-  // Sharded: the full moments of every parameter (its local shape) from the ranks' segments, for a
-  // checkpoint; collective over the data-parallel groups, a bucket at a time. keep false: gathered
-  // and dropped (a rank that writes nothing); kept ones are on the host.
+  // Sharded: the full moments and f32 master weights of every parameter (its local shape) from the ranks'
+  // segments, for a checkpoint; collective over the data-parallel groups, a bucket at a time. keep false:
+  // gathered and dropped (a rank that writes nothing); kept ones are on the host.
   std::pair<std::vector<Tensor>, std::vector<Tensor>> full_moments(const AdamW& opt, bool keep);
+  std::vector<Tensor> full_masters(bool keep);
+  // Sharded: every parameter's master range and model weights from its whole f32 values (a checkpoint's, of
+  // the parameters' shapes, on any device).
+  void load_masters(const std::vector<Tensor>& whole);
 
   int64_t num_buckets() const { return int64_t(buckets_.size()); }
   // Buckets the last backward launched before finish(): how much of the reduction it could overlap.
@@ -98,7 +111,9 @@ class GradientReducer {
     int pending = 0;                  // gradients not yet final in this backward
     Tensor flat;                      // the bucket's gradients side by side, reduced in place
     int64_t padded = 0;               // sharded: numel rounded up to a multiple of the group's size
+    DType dtype = DType::f32;         // sharded: the dtype of weights
     Tensor weights;                   // sharded: [padded], the parameters' data (they are views of it)
+    Tensor master;                    // sharded: [padded / G] f32, the master weights of this rank's segment
     Tensor grad_segment;              // sharded: [padded / G], this rank's segment of flat once reduced, until
                                       // release_grads()
     std::unique_ptr<Event> reduced;   // sharded, nccl: recorded on the reduction stream after its reduction
@@ -109,6 +124,10 @@ class GradientReducer {
   // Sharded: this rank's segment [begin, end) of bucket b's flat layout.
   std::pair<int64_t, int64_t> segment(const Bucket& b) const;
   void shard_buckets();
+  // Sharded: per parameter, its whole f32 values (its local shape; on the host) from every rank's segment of
+  // each bucket, which fill(b, segment) writes ([padded / G] f32 on the bucket's device). Collective.
+  template <class Fill>
+  std::vector<Tensor> gather_segments(Fill&& fill, bool keep);
   // The group's own communicator (the world, or the expert-data-parallel group with expert parallelism).
   const std::shared_ptr<Communicator>& group_communicator(int group) const;
   // The bucket's parameters' gradients become views of b.flat; sharded, their ranges' of b.grad_segment.
@@ -135,6 +154,7 @@ class GradientReducer {
   std::vector<size_t> gather_order_;                 // sharded: the buckets in the order the forward first reads them
   std::vector<size_t> in_flight_;                    // sharded: buckets launched and not yet retired, oldest first
   std::vector<Tensor> range_grads_;                  // sharded: per parameter, after finish()
+  std::vector<Tensor> master_ranges_;                // sharded: per parameter, views of the buckets' masters
   double scale_ = 1.0;  // 1 / W: expert shards' sums over their W / E replicas become the global mean
   // nccl: the groups' communicators on the reduction stream, and the events that order it.
   std::shared_ptr<Communicator> comms_[2];

@@ -122,11 +122,22 @@ int64_t saturate(double count) { return count < 9.2e18 ? int64_t(count) : std::n
 // GPU: 2 (P - P_x - routers): each op keeps the bf16 copy of the weight it was cast for until backward (a tied
 // embedding is cast twice); with the bf16 recipe also 2 P_x, grouped_linear's bf16 copy of the experts.
 // FP8 recipes (CPU and GPU): 2 P_x + scales, the cached FP8 expert weights and their transpose.
-double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu, MemoryUse use) {
+// A sharded optimizer (train/grad_reducer.h) holds the model's weights in the compute dtype instead, a P (4 for
+// what the forward reads in f32: routers, FP8 experts), and the f32 masters of this rank's segments, 4 P / N;
+// nothing is cast at use.
+double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu, MemoryUse use,
+                    const OptimizerShards& shards) {
   const bool fp8 = cfg.precision.recipe != "bf16";
-  const bool keeps_casts = gpu && use == MemoryUse::train;
-  double bytes = per_parameter_bytes(groups, 4, gpu);
+  const bool sharded = use == MemoryUse::train && (shards.dense > 1 || shards.experts > 1);
+  const bool keeps_casts = gpu && use == MemoryUse::train && !sharded;
+  double bytes = 0;
   for (const ParamGroup& g : groups) {
+    const bool reads_f32 = g.role == Role::router || (g.role == Role::routed_expert && fp8);
+    bytes += allocated_bytes({{g.count, g.elements, sharded && gpu && !reads_f32 ? 2.0 : 4.0}}, gpu);
+    if (sharded) {
+      const double ranks = double(std::max<int64_t>(1, g.role == Role::routed_expert ? shards.experts : shards.dense));
+      bytes += allocated_bytes({{g.count, g.elements / ranks, 4}}, gpu);
+    }
     if (g.role == Role::routed_expert && fp8) {
       for (int copy = 0; copy < 2; ++copy)  // the quantized weight and its transpose, with 128x128 scales
         bytes += allocated_bytes({{g.count, g.elements, 1}, {g.count, g.elements / (128 * 128), 4}}, gpu);
@@ -315,7 +326,7 @@ MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, 
 
   MemoryEstimate e;
   e.num_parameters = count_parameters(c);  // the whole model's, whatever this rank holds
-  e.weight_bytes = weight_bytes(cfg, groups, gpu, use);
+  e.weight_bytes = weight_bytes(cfg, groups, gpu, use, shards);
 
   const double attention = allocated_bytes(attention_tensors(c, tokens, a, gpu), gpu);
   const double dense = attention + allocated_bytes(swiglu_mlp_tensors(tokens, double(c.intermediate_size), a), gpu);

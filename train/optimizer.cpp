@@ -32,17 +32,20 @@ double clip_scale(double norm, double max_norm) { return clip_factor(norm, max_n
 static bool is_router_weight(const std::string& name) { return name.ends_with(".mlp.gate.weight"); }
 
 AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
-             const std::vector<std::pair<int64_t, int64_t>>& ranges)
-    : params_(std::move(params)), sharded_(!ranges.empty()), cfg_(cfg) {
+             const std::vector<std::pair<int64_t, int64_t>>& ranges, std::vector<Tensor> masters)
+    : params_(std::move(params)), masters_(std::move(masters)), sharded_(!ranges.empty()), cfg_(cfg) {
   FLOWMOE_CHECK(!params_.empty(), Error, "AdamW: no parameters");
   FLOWMOE_CHECK(ranges.empty() || ranges.size() == params_.size(), Error, "AdamW: ", ranges.size(), " ranges for ",
                 params_.size(), " parameters");
+  FLOWMOE_CHECK(masters_.empty() || (sharded_ && masters_.size() == params_.size()), Error, "AdamW: ", masters_.size(),
+                " master weights for ", params_.size(), " parameters and ", ranges.size(), " ranges");
   Device dev = params_[0].device();
   for (const Variable& p : params_) {
     FLOWMOE_CHECK(p.is_leaf() && p.requires_grad(), Error, "AdamW: parameter '", p.name(),
                   "' must be a leaf that requires grad");
-    FLOWMOE_CHECK(p.dtype() == DType::f32, DTypeError, "AdamW: parameter '", p.name(), "' is ", p.data().describe(),
-                  "; master weights must be f32");
+    FLOWMOE_CHECK(p.dtype() == DType::f32 || (!masters_.empty() && p.dtype() == DType::bf16), DTypeError,
+                  "AdamW: parameter '", p.name(), "' is ", p.data().describe(),
+                  masters_.empty() ? "; master weights must be f32" : "; copies of f32 masters are f32 or bf16");
     FLOWMOE_CHECK(p.device() == dev, DeviceError, "AdamW: parameter '", p.name(), "' is on ", p.device().str(),
                   ", the first on ", dev.str());
     FLOWMOE_CHECK(p.data().is_contiguous(), Error, "AdamW: parameter '", p.name(), "' is not contiguous");
@@ -51,6 +54,13 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
     const auto [begin, end] = ranges_.back();
     FLOWMOE_CHECK(0 <= begin && begin <= end && end <= numel, Error, "AdamW: range [", begin, ", ", end, ") of '",
                   p.name(), "', which has ", numel, " elements");
+    if (!masters_.empty() && end > begin) {
+      const Tensor& w = masters_[ranges_.size() - 1];
+      FLOWMOE_CHECK(w.defined() && w.dtype() == DType::f32 && w.shape() == Shape{end - begin} && w.device() == dev &&
+                        w.is_contiguous(),
+                    Error, "AdamW: the master of '", p.name(), "' is ", w.defined() ? w.describe() : "undefined",
+                    ", expected f32 [", end - begin, "] on ", dev.str());
+    }
     // Whole moments take the parameter's shape; a range's are flat.
     const Shape moment_shape = sharded_ ? Shape{end - begin} : p.shape();
     exp_avg_.push_back(Tensor::zeros(moment_shape, DType::f32, dev));
@@ -138,8 +148,12 @@ void AdamW::update_each(F&& update) {
     base.eps = float(cfg_.eps);
     base.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
     const double lr_multiplier = router_[i] ? cfg_.router_lr_scale : 1.0;
-    update(p.device(), base, lr_multiplier, p.data().data<float>() + begin, g.data<float>(), exp_avg_[i].data<float>(),
-           exp_avg_sq_[i].data<float>(), end - begin);
+    float* master = masters_.empty() ? p.data().data<float>() + begin : masters_[i].data<float>();
+    WeightCopy copy;
+    if (!masters_.empty())
+      copy = {static_cast<char*>(p.data().raw_data()) + begin * int64_t(dtype_size(p.dtype())), p.dtype()};
+    update(p.device(), base, lr_multiplier, master, g.data<float>(), exp_avg_[i].data<float>(),
+           exp_avg_sq_[i].data<float>(), end - begin, copy);
     p.bump_version();  // updated in place: FP8 weight caches must re-quantize
   }
 }
@@ -148,17 +162,17 @@ void AdamW::step(double lr, double grad_scale) {
   ++num_updates_;
   const float bias_correction1 = float(1.0 - std::pow(cfg_.beta1, double(num_updates_)));
   const float bias_correction2 = float(1.0 - std::pow(cfg_.beta2, double(num_updates_)));
-  update_each(
-      [&](Device dev, AdamWStep s, double lr_multiplier, float* w, const float* g, float* m, float* v, int64_t n) {
-        s.lr = float(lr * lr_multiplier);
-        s.grad_scale = float(grad_scale);
-        s.bias_correction1 = bias_correction1;
-        s.bias_correction2 = bias_correction2;
-        if (dev.is_cpu())
-          adamw_cpu(w, g, m, v, n, s);
-        else
-          adamw_cuda(w, g, m, v, n, s, current_stream(dev.index));
-      });
+  update_each([&](Device dev, AdamWStep s, double lr_multiplier, float* w, const float* g, float* m, float* v,
+                  int64_t n, WeightCopy copy) {
+    s.lr = float(lr * lr_multiplier);
+    s.grad_scale = float(grad_scale);
+    s.bias_correction1 = bias_correction1;
+    s.bias_correction2 = bias_correction2;
+    if (dev.is_cpu())
+      adamw_cpu(w, g, m, v, n, s, copy);
+    else
+      adamw_cuda(w, g, m, v, n, s, current_stream(dev.index), copy);
+  });
 }
 
 void AdamW::step(const StepScalars* control) {
@@ -166,11 +180,11 @@ void AdamW::step(const StepScalars* control) {
   // CPU parameters: control is host memory, so the host makes the decision the CUDA kernel makes.
   if (params_[0].device().is_cpu() && !control->apply) return;
   update_each([&](Device dev, const AdamWStep& base, double lr_multiplier, float* w, const float* g, float* m, float* v,
-                  int64_t n) {
+                  int64_t n, WeightCopy copy) {
     if (dev.is_cpu())
-      adamw_cpu(w, g, m, v, n, scheduled_adamw_step(base, *control, lr_multiplier));
+      adamw_cpu(w, g, m, v, n, scheduled_adamw_step(base, *control, lr_multiplier), copy);
     else
-      adamw_scheduled_cuda(w, g, m, v, n, base, control, lr_multiplier, current_stream(dev.index));
+      adamw_scheduled_cuda(w, g, m, v, n, base, control, lr_multiplier, current_stream(dev.index), copy);
   });
 }
 

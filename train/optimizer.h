@@ -30,8 +30,12 @@ class AdamW {
   // (1-D tensors of that many elements, zeroed); an empty range leaves the parameter to other ranks. Their
   // gradients are not the parameters' but set_range_grads()'s. The squared norms then cover the ranges, so
   // they are this rank's share of a sum over its group. Without ranges every parameter is whole.
+  // masters, with ranges (train/grad_reducer.h): per parameter the f32 master weights of its range (1-D, the
+  // range's length; undefined where it is empty). Then the parameters are the model's copies (f32, or bf16 where
+  // the forward computes in it): AdamW updates the master and writes the parameter's elements of the range from
+  // it, in the parameter's dtype (kernels/adamw.h, WeightCopy). Without masters the parameters are the masters.
   AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
-        const std::vector<std::pair<int64_t, int64_t>>& ranges = {});
+        const std::vector<std::pair<int64_t, int64_t>>& ranges = {}, std::vector<Tensor> masters = {});
 
   // Global L2 norm of all gradients (a missing gradient counts as zero); NaN or inf when any
   // gradient is not finite. Deterministic; one host synchronisation.
@@ -76,12 +80,13 @@ class AdamW {
   std::vector<bool> router_;  // per parameter: an MoE router's gate, stepped with lr * router_lr_scale
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // per parameter: the flat elements this rank updates
   std::vector<Tensor> range_grads_;                  // sharded: their gradients (set_range_grads)
+  std::vector<Tensor> masters_;                      // sharded, optional: the ranges' f32 master weights
   bool sharded_ = false;
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;
   Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction: two classes of slots, two totals
   // Walks the parameters that have a gradient, giving update(device, base step (betas, eps, weight decay),
-  // lr multiplier, param, grad, exp_avg, exp_avg_sq, numel) each, then bumps the parameter's version.
+  // lr multiplier, master, grad, exp_avg, exp_avg_sq, numel, copy) each, then bumps the parameter's version.
   template <class F>
   void update_each(F&& update);
   // Parameter i's gradient over its range, contiguous (the whole parameter's unsharded), or undefined when it has

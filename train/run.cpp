@@ -153,17 +153,23 @@ static void check_router_lr_scale(const Config& cfg, const AdamW& opt) {
 static void resume_from_checkpoint(TrainRun& run) {
   const Config& cfg = run.cfg;
   // Every rank reads the full tensors and keeps its rows of each expert shard; a sharded optimizer reads
-  // the moments whole, on the host, and keeps its ranges of them.
-  const std::vector<Variable>& params = run.model.parameters();
-  std::vector<Tensor> whole[2];
+  // the weights and moments whole, on the host, and keeps its ranges of them (train/grad_reducer.h).
+  const bool sharded = run.opt.sharded();
+  std::vector<Variable> params = run.model.parameters();
+  std::vector<Tensor> whole[3];  // sharded: the weights, exp_avg, exp_avg_sq
   for (std::vector<Tensor>& w : whole)
-    if (run.opt.sharded())
+    if (sharded)
       for (const Variable& p : params) w.push_back(Tensor::zeros(p.shape(), DType::f32, Device::cpu()));
-  std::vector<Tensor>* exp_avg = run.opt.sharded() ? &whole[0] : &run.opt.exp_avg();
-  std::vector<Tensor>* exp_avg_sq = run.opt.sharded() ? &whole[1] : &run.opt.exp_avg_sq();
+  if (sharded)
+    for (size_t i = 0; i < params.size(); ++i) params[i] = Variable(whole[0][i], false, params[i].name());
+  std::vector<Tensor>* exp_avg = sharded ? &whole[1] : &run.opt.exp_avg();
+  std::vector<Tensor>* exp_avg_sq = sharded ? &whole[2] : &run.opt.exp_avg_sq();
   CheckpointMeta meta = load_checkpoint(run.resume_dir, params, exp_avg, exp_avg_sq, run.model.buffers(),
                                         run.model.parameter_shards(), checkpoint_load_options(cfg));
-  if (run.opt.sharded()) run.opt.load_moment_ranges(whole[0], whole[1]);
+  if (sharded) {
+    run.reducer->load_masters(whole[0]);
+    run.opt.load_moment_ranges(whole[1], whole[2]);
+  }
   FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
                 ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
                 " (a resumed run must keep its data order)");
@@ -208,9 +214,9 @@ static StepSchedule run_step_schedule(const Config& c) {
 static std::unique_ptr<GradientReducer> make_reducer(const Config& c, const ParallelState& ps,
                                                      const Transformer& model) {
   if (ps.world->size() == 1) return nullptr;
-  return std::make_unique<GradientReducer>(ps, model.parameters(), model.parameter_shards(),
-                                           c.parallel.overlap_grad_reduce, kGradientBucketBytes,
-                                           int(c.parallel.grad_reduce_sms), c.parallel.shard_optimizer);
+  return std::make_unique<GradientReducer>(
+      ps, model.parameters(), model.parameter_shards(), c.parallel.overlap_grad_reduce, kGradientBucketBytes,
+      int(c.parallel.grad_reduce_sms), c.parallel.shard_optimizer, model.compute_dtype());
 }
 
 TrainRun::TrainRun(const Config& c, const TrainOptions& o)
@@ -231,7 +237,8 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c, parallel)),
       reducer(make_reducer(c, parallel, model)),
       opt(model.parameters(), c.optimizer,
-          reducer && reducer->sharded() ? reducer->owned_ranges() : std::vector<std::pair<int64_t, int64_t>>{}),
+          reducer && reducer->sharded() ? reducer->owned_ranges() : std::vector<std::pair<int64_t, int64_t>>{},
+          reducer && reducer->sharded() ? reducer->master_ranges() : std::vector<Tensor>{}),
       state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
   if (c.parallel.dual_microbatch) {
@@ -296,19 +303,25 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   // Rank 0 writes what one process would: the expert shards gathered over its expert-parallel group
   // (the other groups hold copies of the same state), the rest as every rank holds it. The data
   // position counts global batches, so the files depend on neither the world nor the group size.
-  // A sharded optimizer's moments are first gathered whole over the data-parallel groups, on every rank.
+  // A sharded optimizer's f32 master weights and moments are first gathered whole over the data-parallel
+  // groups, on every rank (the model's bf16 weights are not what a checkpoint holds).
   const int64_t group_size = run.parallel.expert_parallel_size;
+  const bool keep = run.rank < group_size;
+  std::vector<Variable> weights = run.model.parameters();
   std::pair<std::vector<Tensor>, std::vector<Tensor>> moments;
   if (run.opt.sharded()) {
     run.reducer->wait_weights();
-    moments = run.reducer->full_moments(run.opt, run.rank < group_size);
+    moments = run.reducer->full_moments(run.opt, keep);
+    const std::vector<Tensor> masters = run.reducer->full_masters(keep);
+    if (keep)
+      for (size_t i = 0; i < weights.size(); ++i) weights[i] = Variable(masters[i], false, weights[i].name());
   }
   const std::vector<Tensor>& exp_avg = run.opt.sharded() ? moments.first : run.opt.exp_avg();
   const std::vector<Tensor>& exp_avg_sq = run.opt.sharded() ? moments.second : run.opt.exp_avg_sq();
   FullState full;
-  if (run.rank < group_size)
-    full = gather_full_state(*run.parallel.expert_parallel, run.model.parameters(), run.model.parameter_shards(),
-                             exp_avg, exp_avg_sq, run.is_root);
+  if (keep)
+    full = gather_full_state(*run.parallel.expert_parallel, weights, run.model.parameter_shards(), exp_avg, exp_avg_sq,
+                             run.is_root);
   if (run.is_root)
     run.res.last_checkpoint = save_checkpoint(run.cfg.checkpoint_dir(), meta, full.params, full.exp_avg,
                                               full.exp_avg_sq, run.cfg.checkpoint.keep_last, run.model.buffers());

@@ -141,11 +141,11 @@ class GroupedLinear : public Primitive {
                                 d.num_experts, d.m_total, d.n, d.k, stream);
     }
     if (needs[1]) {
-      // fp32 straight from the GEMM epilogue; only a non-f32 weight gets a cast of the result.
-      Tensor dw32 = Tensor::empty(w_in.shape(), DType::f32, dev);
-      grouped_linear_wgrad_cuda(x.dtype(), x.raw_data(), dy.raw_data(), dw32.data<float>(), counts_.host.data(),
+      // f32 straight from the GEMM epilogue, whatever the weight's dtype (a bf16 weight's leaf keeps an f32
+      // gradient: Variable::store_as).
+      dw = Tensor::empty(w_in.shape(), DType::f32, dev);
+      grouped_linear_wgrad_cuda(x.dtype(), x.raw_data(), dy.raw_data(), dw.data<float>(), counts_.host.data(),
                                 d.num_experts, d.m_total, d.n, d.k, false, stream);
-      dw = dw32.to(w_in.dtype());
     }
     return {dx, dw};
   }
@@ -185,10 +185,9 @@ class GroupedLinear : public Primitive {
                                      !counts_.tail_unread);
     }
     if (needs[1]) {
-      Tensor dw32 = Tensor::empty(in[1].shape(), DType::f32, dev);
-      grouped_gemm_wgrad_device_cuda(x.dtype(), x.raw_data(), dy.raw_data(), dw32.data<float>(), counts, d.num_experts,
+      dw = Tensor::empty(in[1].shape(), DType::f32, dev);  // f32 whatever the weight's dtype, as above
+      grouped_gemm_wgrad_device_cuda(x.dtype(), x.raw_data(), dy.raw_data(), dw.data<float>(), counts, d.num_experts,
                                      d.m_total, d.n, d.k, false, ws.raw_data(), size_t(ws.numel()), stream);
-      dw = dw32.to(in[1].dtype());
     }
     return {dx, dw};
   }

@@ -2,10 +2,14 @@
 #include <cmath>
 
 #include "kernels/adamw.h"
+#include "kernels/common/error.h"
 
 namespace flowmoe {
 
-void adamw_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamWStep& s) {
+void adamw_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamWStep& s,
+               WeightCopy copy) {
+  FLOWMOE_CHECK(!copy.data || copy.dtype == DType::f32 || copy.dtype == DType::bf16, DTypeError,
+                "adamw_cpu: a weight copy in ", dtype_name(copy.dtype), " (f32 or bf16)");
   for (int64_t i = 0; i < n; ++i) {
     float g = s.grad_scale * grad[i];
     float m = s.beta1 * exp_avg[i] + (1.0f - s.beta1) * g;
@@ -14,6 +18,8 @@ void adamw_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_s
     exp_avg_sq[i] = v;
     float update = (m / s.bias_correction1) / (std::sqrt(v / s.bias_correction2) + s.eps);
     param[i] -= s.lr * (update + s.weight_decay * param[i]);
+    if (copy.data && copy.dtype == DType::f32) static_cast<float*>(copy.data)[i] = param[i];
+    if (copy.data && copy.dtype == DType::bf16) static_cast<bf16*>(copy.data)[i] = to_bf16(param[i]);
   }
 }
 

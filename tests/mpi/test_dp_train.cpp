@@ -176,6 +176,34 @@ TEST(DataParallelSharded, ShardedOptimizerTrainsTheSameWeights) {
   fs::remove_all(d);
 }
 
+// The sharded optimizer on the GPU, where the model's weights are bf16 copies of f32 masters that AdamW writes
+// once per step (train/grad_reducer.h), against a full f32 copy on every rank that casts the weights at each
+// use: the same losses and checkpoints, bit for bit at 2 ranks. bf16 and fp8_flow (whose expert weights stay
+// f32: they are quantized from it). Both ranks on one GPU through the mpi backend, so one GPU suffices.
+TEST(DataParallelCuda, ShardedBf16WeightsTrainTheSameWeights) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  const fs::path d = fresh_dir("dp_sharded_cuda");
+  const std::string gpu = " --set train.device=cuda --set parallel.backend=mpi --set optimizer.grad_clip=0";
+  for (const std::string recipe : {"bf16", "fp8_flow"}) {
+    SCOPED_TRACE(recipe);
+    const std::string base = gpu + " --set precision.recipe=" + recipe;
+    const std::vector<StepMetrics> on = train_run(d, 2, recipe + "_on", base);
+    const std::vector<StepMetrics> off =
+        train_run(d, 2, recipe + "_off", base + " --set parallel.shard_optimizer=false");
+    ASSERT_EQ(on.size(), 20u);
+    ASSERT_EQ(off.size(), on.size());
+    for (size_t i = 0; i < on.size(); ++i) {
+      EXPECT_EQ(on[i].loss, off[i].loss) << "step " << on[i].step;
+      EXPECT_NEAR(on[i].grad_norm, off[i].grad_norm, 2e-5 * off[i].grad_norm) << "step " << on[i].step;
+    }
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(read_text(d / (recipe + "_on") / "checkpoints" / "step_00000020" / file),
+                read_text(d / (recipe + "_off") / "checkpoints" / "step_00000020" / file))
+          << file;
+  }
+  fs::remove_all(d);
+}
+
 // The multi-process step as one CUDA graph (train.cuda_graph over nccl): captured at step 2 and replayed,
 // the same losses, norms and checkpoint bit for bit as the eager step, with no host synchronisation. Data
 // parallelism: the overlapped reduce-scatter, the sharded AdamW and the weight gather inside the graph.
