@@ -13,6 +13,7 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/dtype.h"
 #include "kernels/fp8.h"
+#include "kernels/fp8_grouped_linear.h"
 
 namespace flowmoe::bench {
 
@@ -50,6 +51,22 @@ inline Chunks make_chunks() {
   c.bf16.resize(size_t(1) << 22);
   for (auto& v : c.bf16) v = f32_to_bf16_bits(u(gen));
   return c;
+}
+
+// The FP8 wgrad's operands: colwise dy_t [n, m] and x_t [k, m] with their scales [num_blocks, n | k], and
+// the f32 dw [e, n, k] it writes.
+struct WgradOperands {
+  Tensor dy_t, dy_t_scales, x_t, x_t_scales, dw;
+  void run_per_expert(const int64_t* rows, int64_t e, int64_t m, int64_t n, int64_t k, cudaStream_t stream) {
+    fp8_grouped_wgrad_cuda(dy_t.data<uint8_t>(), dy_t_scales.data<float>(), x_t.data<uint8_t>(),
+                           x_t_scales.data<float>(), dw.data<float>(), rows, e, m, n, k, false, stream);
+  }
+};
+inline WgradOperands wgrad_operands(const Chunks& ch, int64_t e, int64_t m, int64_t n, int64_t k, int64_t num_blocks,
+                                    cudaStream_t stream) {
+  return {device_fill(ch.fp8, {n, m}, DType::e4m3, stream), device_fill(ch.scales, {num_blocks, n}, DType::f32, stream),
+          device_fill(ch.fp8, {k, m}, DType::e4m3, stream), device_fill(ch.scales, {num_blocks, k}, DType::f32, stream),
+          Tensor::empty({e, n, k}, DType::f32, Device::cuda(0))};
 }
 
 }  // namespace flowmoe::bench

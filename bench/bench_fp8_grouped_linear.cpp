@@ -22,9 +22,7 @@
 #include "kernels/grouped_linear.h"
 
 using namespace flowmoe;
-using bench::Chunks;
-using bench::device_fill;
-using bench::make_chunks;
+using namespace flowmoe::bench;  // the shared FP8 operand data
 
 namespace {
 
@@ -73,18 +71,8 @@ Result bench_case(const Case& c, const Chunks& ch, cudaStream_t stream) {
                                   w_ts.data<float>(), dx.raw_data(), rows.data(), e, m, k, n, work.raw_data(), stream);
           },
           stream);
-      const int64_t num_blocks = e * fp8_num_blocks(c.padded_tokens_per_expert);
-      Tensor dy_t = device_fill(ch.fp8, {n, m}, DType::e4m3, stream),
-             dy_ts = device_fill(ch.scales, {num_blocks, n}, DType::f32, stream);
-      Tensor x_t = device_fill(ch.fp8, {k, m}, DType::e4m3, stream),
-             x_ts = device_fill(ch.scales, {num_blocks, k}, DType::f32, stream);
-      Tensor dw = Tensor::empty({e, n, k}, DType::f32, dev);
-      r.fp8_wgrad = median_ms(
-          [&] {
-            fp8_grouped_wgrad_cuda(dy_t.data<uint8_t>(), dy_ts.data<float>(), x_t.data<uint8_t>(), x_ts.data<float>(),
-                                   dw.data<float>(), rows.data(), e, m, n, k, false, stream);
-          },
-          stream);
+      WgradOperands w = wgrad_operands(ch, e, m, n, k, e * fp8_num_blocks(c.padded_tokens_per_expert), stream);
+      r.fp8_wgrad = median_ms([&] { w.run_per_expert(rows.data(), e, m, n, k, stream); }, stream);
     }
   }
   {  // BF16 baseline (fp32 compute), the same shapes

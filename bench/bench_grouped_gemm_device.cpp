@@ -27,9 +27,7 @@
 #include "kernels/grouped_linear.h"
 
 using namespace flowmoe;
-using bench::Chunks;
-using bench::device_fill;
-using bench::make_chunks;
+using namespace flowmoe::bench;  // the shared FP8 operand data
 
 namespace {
 
@@ -157,22 +155,14 @@ void bench_fp8(const Case& c, const Chunks& ch, cudaStream_t stream, std::vector
                                        stream);
         });
   }
-  {  // wgrad: colwise dy_t [n, m], x_t [k, m], scales [num_blocks, n | k]
-    const int64_t num_blocks = e * fp8_num_blocks(c.rows_per_expert);
-    Tensor dyt = device_fill(ch.fp8, {n, m}, DType::e4m3, stream),
-           dyts = device_fill(ch.scales, {num_blocks, n}, DType::f32, stream);
-    Tensor xt = device_fill(ch.fp8, {k, m}, DType::e4m3, stream),
-           xts = device_fill(ch.scales, {num_blocks, k}, DType::f32, stream);
-    Tensor dw = Tensor::empty({e, n, k}, DType::f32, dev);
+  {  // wgrad
+    WgradOperands w = wgrad_operands(ch, e, m, n, k, e * fp8_num_blocks(c.rows_per_expert), stream);
     add(
-        "wgrad",
+        "wgrad", [&] { w.run_per_expert(rows.data(), e, m, n, k, stream); },
         [&] {
-          fp8_grouped_wgrad_cuda(dyt.data<uint8_t>(), dyts.data<float>(), xt.data<uint8_t>(), xts.data<float>(),
-                                 dw.data<float>(), rows.data(), e, m, n, k, false, stream);
-        },
-        [&] {
-          fp8_grouped_wgrad_device_cuda(dyt.data<uint8_t>(), dyts.data<float>(), xt.data<uint8_t>(), xts.data<float>(),
-                                        dw.data<float>(), cnt, e, m, n, k, false, ws.raw_data(), ws_bytes, stream);
+          fp8_grouped_wgrad_device_cuda(w.dy_t.data<uint8_t>(), w.dy_t_scales.data<float>(), w.x_t.data<uint8_t>(),
+                                        w.x_t_scales.data<float>(), w.dw.data<float>(), cnt, e, m, n, k, false,
+                                        ws.raw_data(), ws_bytes, stream);
         });
   }
 }
