@@ -120,6 +120,34 @@ TEST(AdamW, RouterLearningRateScale) {
   EXPECT_NE(router, other);
 }
 
+// Master weights (a sharded optimizer's, train/grad_reducer.h): AdamW updates the masters of the ranges and
+// writes the parameters' elements there from them; the same values as the in-place update of whole f32
+// parameters. A master of the wrong length is refused, naming the parameter.
+TEST(AdamW, MastersOfRangesUpdateAsWholeParameters) {
+  Rng rng(test_seed());
+  const Tensor w0 = random_tensor(rng, {4, 5}), g = random_tensor(rng, {4, 5});
+  OptimizerConfig cfg;
+  cfg.weight_decay = 0.1;
+  Variable whole(w0.clone(), true, "w");
+  whole.set_grad(g.clone());
+  AdamW plain({whole}, cfg);
+  plain.step(0.01, 1.0);
+  Variable copy(w0.clone(), true, "w");  // the model's weights: only [6, 15) is this rank's to write
+  Tensor master = w0.reshape({20}).slice(0, 6, 15).clone();
+  AdamW sharded({copy}, cfg, {{6, 15}}, {master});
+  sharded.set_range_grads({g.reshape({20}).slice(0, 6, 15).clone()});
+  sharded.step(0.01, 1.0);
+  const std::vector<float> want = floats(whole.data()), got = floats(copy.data()), before = floats(w0);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(got[size_t(i)], i >= 6 && i < 15 ? want[size_t(i)] : before[size_t(i)]) << i;
+  EXPECT_EQ(floats(master), std::vector<float>(want.begin() + 6, want.begin() + 15));
+  EXPECT_TRUE(throws_naming<Error>(
+      [&] {
+        AdamW({copy}, cfg, {{6, 15}}, {Tensor::zeros({8}, DType::f32)});
+      },
+      {"master", "'w'", "[9]"}));
+  EXPECT_THROW(AdamW({copy}, cfg, {}, {master}), Error);  // masters need ranges
+}
+
 TEST(AdamWCuda, UpdateMatchesCpu) {
   FLOWMOE_REQUIRE_CUDA();
   Rng rng(test_seed());
