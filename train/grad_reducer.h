@@ -1,30 +1,13 @@
 // Data parallelism's gradient reduction, overlapped with the backward (PyTorch DDP's and Megatron-LM's
-// --overlap-grad-reduce). The parameters are cut into buckets of at most 25 MiB in the order the backward
-// finishes their gradients (the model's order, reversed); dense parameters reduce over the world, expert
-// shards over their expert-data-parallel group, both divided by the world size (data_parallel.h says
-// why). During the backward of a step's last micro-batch, autograd's leaf hook (engine/autograd.h)
-// reports each gradient as it becomes final, and a bucket whose gradients are all final is reduced at
-// once, the buckets always in one order on every rank. With nccl the reductions run on a stream of their
-// own, so they overlap the rest of the backward and the optimizer waits on their events only; with mpi
-// or none they run inline. Without overlap the same buckets are reduced after the backward, so both
-// schedules give the same sums, bit for bit (tests/mpi/test_dp_train.cpp, test_data_parallel.cpp).
-//
-// Sharded (parallel.shard_optimizer, Megatron-LM's distributed optimizer with DeepSpeed ZeRO-2's gradient
-// release): each bucket is padded to a multiple of its group's size G and its parameters become views of
-// one flat weight buffer in the same layout. Those are the model's weights as the forward reads them: bf16
-// where it computes in bf16 (the parameters are stored so: Variable::store_as, their gradients stay f32), f32
-// for a parameter it reads in f32 (ParamShard::reads_f32) or on the CPU; a bucket holds one dtype. The f32
-// master weights exist only for segment r of each bucket (master_ranges(), AdamW's masters), so a rank holds
-// 2 + 4/G bytes of weights per bf16 parameter instead of 4, and nothing casts them before use. A bucket is
-// reduce-scattered instead of all-reduced, so rank r holds the reduced gradient of segment r alone. Only that segment
-// is kept: it is copied into the bucket's gradient segment (1/G of the bucket, kept until the optimizer has read it:
-// release_grads()) and the bucket's full buffer is freed, as are the parameters' own gradients once copied into it. So
-// a rank holds 4/G bytes of gradient per parameter after the backward, plus at most kBucketsInFlight full buckets
-// during it: before a new bucket is filled, the compute stream waits for the reduction of the one kBucketsInFlight
-// earlier (never stalling while the reductions keep up with the backward). AdamW keeps moments for and updates only the
-// parameters' elements in segment r, reading their gradients from range_grads(), and writes their model weights from
-// the masters; gather_weights() then all-gathers each bucket's weights (bf16: half the bytes of f32 ones). The gradient
-// norm is the sum of the segments' squares over the group (reduce_square_sums, data_parallel.h).
+// --overlap-grad-reduce), and the sharded optimizer's weights (Megatron-LM's distributed optimizer with
+// DeepSpeed ZeRO-2's gradient release). Buckets of at most 25 MiB in the order the backward finishes the
+// gradients: dense parameters reduce over the world, expert shards over their expert-data-parallel group.
+// Autograd's leaf hook reports each gradient as it becomes final and a complete bucket is reduced at once
+// (with nccl on a stream of its own), in one order on every rank, so the sums equal those of reducing after
+// the backward, bit for bit. Sharded, a bucket is reduce-scattered: each rank keeps its segment's gradient,
+// f32 master weights and AdamW moments, and the model's weights (bf16 where the forward computes in bf16)
+// are all-gathered after the update. docs/DESIGN.md §9 has the streams and the memory; tests:
+// tests/mpi/test_dp_train.cpp, test_grad_reducer.cpp, test_data_parallel.cpp.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -57,6 +40,10 @@ class GradientReducer {
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
+  // Sharded: at most this many whole gradient buckets exist during the backward. Before it fills another,
+  // the compute stream waits for the oldest one's reduce-scatter, keeps its segment (1/G) and frees it.
+  static constexpr size_t kBucketsInFlight = 4;
+
   // Wrap the backward of the step's last micro-batch: begin() before it arms the hook (the earlier
   // micro-batches only accumulate), finish() after it reduces what is left, in order, and leaves every
   // parameter with the global batch's gradient (a parameter no rank had a gradient for keeps none).
@@ -69,7 +56,6 @@ class GradientReducer {
   // segment: valid until release_grads(); undefined where no rank of the group had a gradient or the range
   // is empty); then the all-gather of the updated weights, after which the compute stream may read
   // every parameter.
-  static constexpr size_t kBucketsInFlight = 4;
   bool sharded() const { return shard_; }
   const std::vector<std::pair<int64_t, int64_t>>& owned_ranges() const { return ranges_; }
   // Sharded: per parameter, the f32 master weights of its range (1-D views of the buckets' master segments;
