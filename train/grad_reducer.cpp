@@ -92,25 +92,18 @@ void GradientReducer::shard_buckets() {
   master_ranges_.assign(params_.size(), Tensor());
   for (size_t k = buckets_.size(); k-- > 0;) gather_order_.push_back(k);  // the forward's order, until set_stages
   for (Bucket& b : buckets_) {
+    const Device device = params_[b.params.front()].device();
     const int64_t size = group_communicator(b.group)->size();
     b.padded = (b.numel + size - 1) / size * size;
-    Tensor values = Tensor::zeros({b.padded}, DType::f32, params_[b.params.front()].device());
+    b.weights = Tensor::empty({b.padded}, b.dtype, device);
+    b.master = Tensor::empty({b.padded / size}, DType::f32, device);
+    set_values(b, packed_values(b, [&](size_t i) { return params_[i].data(); }));
     const auto [begin, end] = segment(b);
     int64_t offset = 0;
     for (size_t i : b.params) {
-      const int64_t n = params_[i].data().numel();
-      values.slice(0, offset, offset + n).view(params_[i].shape()).copy_(params_[i].data());
-      ranges_[i] = {std::clamp(begin - offset, int64_t(0), n), std::clamp(end - offset, int64_t(0), n)};
-      offset += n;
-    }
-    b.master = values.slice(0, begin, end).clone();
-    b.weights = b.dtype == DType::f32 ? values : values.to(b.dtype);
-    offset = 0;
-    for (size_t i : b.params) {
       Variable p = params_[i];
       const int64_t n = p.data().numel();
-      const auto [first, last] = ranges_[i];
-      if (last > first) master_ranges_[i] = b.master.slice(0, offset + first - begin, offset + last - begin);
+      ranges_[i] = {std::clamp(begin - offset, int64_t(0), n), std::clamp(end - offset, int64_t(0), n)};
       Tensor slot = b.weights.slice(0, offset, offset + n).view(p.shape());
       if (b.dtype == p.dtype())
         p.set_data(slot);
@@ -118,7 +111,26 @@ void GradientReducer::shard_buckets() {
         p.store_as(slot);  // the f32 data it had is freed with the last reference to it
       offset += n;
     }
+    view_ranges(b, b.master, master_ranges_);
   }
+}
+
+template <class Value>
+Tensor GradientReducer::packed_values(const Bucket& b, Value&& value) const {
+  Tensor values = Tensor::zeros({b.padded}, DType::f32, params_[b.params.front()].device());
+  int64_t offset = 0;
+  for (size_t i : b.params) {
+    const int64_t n = params_[i].data().numel();
+    values.slice(0, offset, offset + n).view(params_[i].shape()).copy_(value(i));
+    offset += n;
+  }
+  return values;
+}
+
+void GradientReducer::set_values(Bucket& b, const Tensor& values) {
+  const auto [begin, end] = segment(b);
+  b.master.copy_(values.slice(0, begin, end));
+  b.weights.copy_(values.to(b.dtype));
 }
 
 const std::shared_ptr<Communicator>& GradientReducer::group_communicator(int group) const {
@@ -135,12 +147,12 @@ void GradientReducer::view_grads(const Bucket& b) {
   }
 }
 
-void GradientReducer::view_range_grads(const Bucket& b) {
+void GradientReducer::view_ranges(const Bucket& b, const Tensor& mine, std::vector<Tensor>& out) const {
   const int64_t begin = segment(b).first;
   int64_t offset = 0;
   for (size_t i : b.params) {
     const auto [first, last] = ranges_[i];
-    if (last > first) range_grads_[i] = b.grad_segment.slice(0, offset + first - begin, offset + last - begin);
+    if (last > first) out[i] = mine.slice(0, offset + first - begin, offset + last - begin);
     offset += params_[i].data().numel();
   }
 }
@@ -292,7 +304,7 @@ void GradientReducer::finish() {
       view_grads(b);
     }
     b.flat = Tensor();  // the gradients, views of it, keep it
-    if (shard_) view_range_grads(b);
+    if (shard_) view_ranges(b, b.grad_segment, range_grads_);
   }
   for (int g : {0, 1})
     if (g == 0 || ps_.expert_parallel_size > 1) exchange_presence(g);
@@ -396,23 +408,13 @@ std::vector<Tensor> GradientReducer::full_masters(bool keep) {
 void GradientReducer::load_masters(const std::vector<Tensor>& whole) {
   FLOWMOE_CHECK(shard_ && whole.size() == params_.size(), Error, "GradientReducer::load_masters: ", whole.size(),
                 " tensors for ", params_.size(), " parameters", shard_ ? "" : " of an optimizer that is not sharded");
-  for (Bucket& b : buckets_) {
-    const Device device = params_[b.params.front()].device();
-    Tensor values = Tensor::zeros({b.padded}, DType::f32, Device::cpu());
-    int64_t offset = 0;
-    for (size_t i : b.params) {
-      const int64_t n = params_[i].data().numel();
-      FLOWMOE_CHECK(whole[i].shape() == params_[i].shape() && whole[i].dtype() == DType::f32, ShapeError,
-                    "GradientReducer::load_masters: '", params_[i].name(), "' is ", whole[i].describe(),
-                    ", expected f32 ", shape_str(params_[i].shape()));
-      values.slice(0, offset, offset + n).view(params_[i].shape()).copy_(whole[i].to(Device::cpu()));
-      offset += n;
-    }
-    const Tensor on_device = values.to(device);
-    const auto [begin, end] = segment(b);
-    b.master.copy_(on_device.slice(0, begin, end));
-    b.weights.copy_(b.dtype == DType::f32 ? on_device : on_device.to(b.dtype));
-  }
+  for (Bucket& b : buckets_)
+    set_values(b, packed_values(b, [&](size_t i) {
+                 FLOWMOE_CHECK(whole[i].shape() == params_[i].shape() && whole[i].dtype() == DType::f32, ShapeError,
+                               "GradientReducer::load_masters: '", params_[i].name(), "' is ", whole[i].describe(),
+                               ", expected f32 ", shape_str(params_[i].shape()));
+                 return whole[i];
+               }));
   for (const Variable& p : params_) p.bump_version();  // FP8 weight caches re-quantize
 }
 

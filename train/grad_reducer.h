@@ -116,9 +116,16 @@ class GradientReducer {
   std::vector<Tensor> gather_segments(Fill&& fill, bool keep);
   // The group's own communicator (the world, or the expert-data-parallel group with expert parallelism).
   const std::shared_ptr<Communicator>& group_communicator(int group) const;
-  // The bucket's parameters' gradients become views of b.flat; sharded, their ranges' of b.grad_segment.
+  // The bucket's parameters' gradients become views of b.flat.
   void view_grads(const Bucket& b);
-  void view_range_grads(const Bucket& b);
+  // Sharded: out[i] becomes the view of parameter i's range in mine, a tensor laid out as this rank's segment
+  // of b (its master, its reduced gradient); a parameter with an empty range is left alone.
+  void view_ranges(const Bucket& b, const Tensor& mine, std::vector<Tensor>& out) const;
+  // Sharded: b's parameters' f32 values side by side in its layout, zero padded (value(i): parameter i's,
+  // of its shape, on any device); set_values writes b's master segment and model weights from them in place.
+  template <class Value>
+  Tensor packed_values(const Bucket& b, Value&& value) const;
+  void set_values(Bucket& b, const Tensor& values);
   void on_leaf(VariableImpl& leaf);
   void launch(Bucket& b);
   // Sharded: the compute stream waits for b's reduction, copies b's segment out into b.grad_segment and frees

@@ -61,6 +61,11 @@ struct ParamGroup {
   double count, elements;
 };
 
+// The ranks a sharded optimizer splits a group's per-parameter state over.
+double shard_ranks(const ParamGroup& g, const OptimizerShards& shards) {
+  return double(std::max<int64_t>(1, g.role == Role::routed_expert ? shards.experts : shards.dense));
+}
+
 double num_moe_layers(const ModelConfig& c) {
   if (c.n_routed_experts <= 0) return 0;
   return double(std::max<int64_t>(0, c.num_hidden_layers - c.first_k_dense_replace));
@@ -128,14 +133,14 @@ int64_t saturate(double count) { return count < 9.2e18 ? int64_t(count) : std::n
 double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu, MemoryUse use,
                     const OptimizerShards& shards) {
   const bool fp8 = cfg.precision.recipe != "bf16";
-  const bool sharded = use == MemoryUse::train && (shards.dense > 1 || shards.experts > 1);
+  const bool sharded = use == MemoryUse::train && shards.any();
   const bool keeps_casts = gpu && use == MemoryUse::train && !sharded;
   double bytes = 0;
   for (const ParamGroup& g : groups) {
     const bool reads_f32 = g.role == Role::router || (g.role == Role::routed_expert && fp8);
     bytes += allocated_bytes({{g.count, g.elements, sharded && gpu && !reads_f32 ? 2.0 : 4.0}}, gpu);
     if (sharded) {
-      const double ranks = double(std::max<int64_t>(1, g.role == Role::routed_expert ? shards.experts : shards.dense));
+      const double ranks = shard_ranks(g, shards);
       bytes += allocated_bytes({{g.count, g.elements / ranks, 4}}, gpu);
     }
     if (g.role == Role::routed_expert && fp8) {
@@ -235,10 +240,10 @@ double gradient_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, 
   const double largest = largest_tensor(groups);
   double bytes = per_parameter_bytes(groups, 4, gpu);
   // Accumulating micro-batches hold whole gradients until the last one's backward.
-  if ((shards.dense > 1 || shards.experts > 1) && cfg.train.grad_accum_steps == 1) {
+  if (shards.any() && cfg.train.grad_accum_steps == 1) {
     double kept = 0;
     for (const ParamGroup& g : groups) {
-      const double ranks = double(std::max<int64_t>(1, g.role == Role::routed_expert ? shards.experts : shards.dense));
+      const double ranks = shard_ranks(g, shards);
       kept += allocated_bytes({{g.count, g.elements / ranks, 4}}, gpu);
     }
     const double bucket = std::max(double(kGradientBucketBytes), 4 * largest);
@@ -336,7 +341,7 @@ MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, 
   const double head = logits + allocated_bytes({{2, tokens * double(c.hidden_size), a}, {3, tokens, 4}}, gpu);
   if (use == MemoryUse::train) {
     for (const ParamGroup& g : groups) {
-      const double ranks = double(std::max<int64_t>(1, g.role == Role::routed_expert ? shards.experts : shards.dense));
+      const double ranks = shard_ranks(g, shards);
       e.optimizer_bytes += allocated_bytes({{g.count, g.elements / ranks, 8}}, gpu);
     }
     e.gradient_bytes = gradient_bytes(cfg, groups, gpu, shards);

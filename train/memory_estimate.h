@@ -38,6 +38,7 @@ struct MemoryEstimate {
 // dense parameters, the expert-data-parallel group for routed experts; 1: not sharded.
 struct OptimizerShards {
   int64_t dense = 1, experts = 1;
+  bool any() const { return dense > 1 || experts > 1; }
 };
 
 // The memory `use` of cfg's model needs on `device`, at train.batch_size x data.seq_len tokens.

@@ -23,13 +23,15 @@ double clip_scale(double norm, double max_norm);
 
 class AdamW {
  public:
-  // Parameters must be f32 leaves. Weight decay applies to matrices (dim >= 2) only. A parameter
-  // named *.mlp.gate.weight (an MoE router) steps with lr * cfg.router_lr_scale.
+  // Parameters must be f32 leaves (bf16 ones too with masters, below). Weight decay applies to matrices
+  // (dim >= 2) only. A parameter named *.mlp.gate.weight (an MoE router) steps with lr * cfg.router_lr_scale.
+  //
   // ranges, when given (train/grad_reducer.h, parallel.shard_optimizer): this rank updates the elements
   // [ranges[i].first, ranges[i].second) of parameter i's flat data alone and keeps moments for them alone
   // (1-D tensors of that many elements, zeroed); an empty range leaves the parameter to other ranks. Their
   // gradients are not the parameters' but set_range_grads()'s. The squared norms then cover the ranges, so
   // they are this rank's share of a sum over its group. Without ranges every parameter is whole.
+  //
   // masters, with ranges (train/grad_reducer.h): per parameter the f32 master weights of its range (1-D, the
   // range's length; undefined where it is empty). Then the parameters are the model's copies (f32, or bf16 where
   // the forward computes in it): AdamW updates the master and writes the parameter's elements of the range from
