@@ -57,114 +57,91 @@ double tflops(const Case& c, double ms) {
   return 2.0 * double(c.num_experts * c.rows_per_expert) * double(c.n) * double(c.k) / (ms * 1e-3) / 1e12;
 }
 
-void bench_bf16(const Case& c, const Chunks& ch, cudaStream_t stream, std::vector<Line>& out) {
+// One case: each pass through the per-expert launchers and the one-launch one on the same data, bf16 then FP8.
+void bench_case(const Case& c, const Chunks& ch, cudaStream_t stream, std::vector<Line>& out) {
   const int64_t e = c.num_experts, m = e * c.rows_per_expert, n = c.n, k = c.k;
-  const std::vector<int64_t> rows(size_t(e), c.rows_per_expert);
+  const std::vector<int64_t> rows(size_t(e), c.rows_per_expert);  // the per-expert launchers' host counts
   const Device dev = Device::cuda(0);
   Tensor counts = Tensor::from_ints(rows, {e}, DType::i32, dev);
   Tensor ws = Tensor::empty({int64_t(grouped_gemm_device_workspace_bytes(e))}, DType::u8, dev);
   const size_t ws_bytes = ws.nbytes();
-  Tensor x = device_fill(ch.bf16, {m, k}, DType::bf16, stream),
-         w = device_fill(ch.bf16, {e, n, k}, DType::bf16, stream);
-  Tensor dy = device_fill(ch.bf16, {m, n}, DType::bf16, stream);
-  Tensor y = Tensor::empty({m, n}, DType::bf16, dev), dx = Tensor::empty({m, k}, DType::bf16, dev);
-  Tensor dw = Tensor::empty({e, n, k}, DType::f32, dev);
   const int32_t* cnt = counts.data<int32_t>();
-  auto add = [&](const char* pass, auto&& per_expert, auto&& one_launch) {
-    out.push_back({c.name, "bf16", pass, c, time_both(per_expert, stream), time_both(one_launch, stream)});
+  auto add = [&](const char* dtype, const char* pass, auto&& per_expert, auto&& one_launch) {
+    out.push_back({c.name, dtype, pass, c, time_both(per_expert, stream), time_both(one_launch, stream)});
   };
-  add(
-      "fprop",
-      [&] {
-        grouped_linear_forward_cuda(DType::bf16, x.raw_data(), w.raw_data(), y.raw_data(), rows.data(), e, m, n, k,
-                                    stream);
-      },
-      [&] {
-        grouped_gemm_fprop_device_cuda(DType::bf16, x.raw_data(), w.raw_data(), y.raw_data(), cnt, e, m, n, k,
-                                       ws.raw_data(), ws_bytes, stream);
-      });
-  add(
-      "dgrad",
-      [&] {
-        grouped_linear_dgrad_cuda(DType::bf16, dy.raw_data(), w.raw_data(), dx.raw_data(), rows.data(), e, m, n, k,
-                                  stream);
-      },
-      [&] {
-        grouped_gemm_dgrad_device_cuda(DType::bf16, dy.raw_data(), w.raw_data(), dx.raw_data(), cnt, e, m, n, k,
-                                       ws.raw_data(), ws_bytes, stream);
-      });
-  add(
-      "wgrad",
-      [&] {
-        grouped_linear_wgrad_cuda(DType::bf16, x.raw_data(), dy.raw_data(), dw.data<float>(), rows.data(), e, m, n, k,
-                                  false, stream);
-      },
-      [&] {
-        grouped_gemm_wgrad_device_cuda(DType::bf16, x.raw_data(), dy.raw_data(), dw.data<float>(), cnt, e, m, n, k,
-                                       false, ws.raw_data(), ws_bytes, stream);
-      });
-}
-
-void bench_fp8(const Case& c, const Chunks& ch, cudaStream_t stream, std::vector<Line>& out) {
-  const int64_t e = c.num_experts, m = e * c.rows_per_expert, n = c.n, k = c.k;
-  const std::vector<int64_t> rows(size_t(e), c.rows_per_expert);
-  const Device dev = Device::cuda(0);
-  Tensor counts = Tensor::from_ints(rows, {e}, DType::i32, dev);
-  Tensor ws = Tensor::empty({int64_t(grouped_gemm_device_workspace_bytes(e))}, DType::u8, dev);
-  const size_t ws_bytes = ws.nbytes();
-  const int32_t* cnt = counts.data<int32_t>();
+  {  // bf16
+    Tensor x = device_fill(ch.bf16, {m, k}, DType::bf16, stream),
+           w = device_fill(ch.bf16, {e, n, k}, DType::bf16, stream);
+    Tensor dy = device_fill(ch.bf16, {m, n}, DType::bf16, stream);
+    Tensor y = Tensor::empty({m, n}, DType::bf16, dev), dx = Tensor::empty({m, k}, DType::bf16, dev);
+    Tensor dw = Tensor::empty({e, n, k}, DType::f32, dev);
+    // fprop (x into y) and dgrad (dy into dx) take the same arguments: a row operand times w.
+    struct RowsPass {
+      const char* pass;
+      const Tensor &a, &result;
+      decltype(&grouped_linear_forward_cuda) per_expert;
+      decltype(&grouped_gemm_fprop_device_cuda) one_launch;
+    };
+    for (const RowsPass& p : {RowsPass{"fprop", x, y, grouped_linear_forward_cuda, grouped_gemm_fprop_device_cuda},
+                              RowsPass{"dgrad", dy, dx, grouped_linear_dgrad_cuda, grouped_gemm_dgrad_device_cuda}})
+      add(
+          "bf16", p.pass,
+          [&] {
+            p.per_expert(DType::bf16, p.a.raw_data(), w.raw_data(), p.result.raw_data(), rows.data(), e, m, n, k,
+                         stream);
+          },
+          [&] {
+            p.one_launch(DType::bf16, p.a.raw_data(), w.raw_data(), p.result.raw_data(), cnt, e, m, n, k, ws.raw_data(),
+                         ws_bytes, stream, true);
+          });
+    add(
+        "bf16", "wgrad",
+        [&] {
+          grouped_linear_wgrad_cuda(DType::bf16, x.raw_data(), dy.raw_data(), dw.data<float>(), rows.data(), e, m, n, k,
+                                    false, stream);
+        },
+        [&] {
+          grouped_gemm_wgrad_device_cuda(DType::bf16, x.raw_data(), dy.raw_data(), dw.data<float>(), cnt, e, m, n, k,
+                                         false, ws.raw_data(), ws_bytes, stream);
+        });
+  }
+  // FP8; the per-expert launchers take a cuBLASLt workspace.
   const size_t lt_bytes =
       std::max(fp8_grouped_gemm_workspace_bytes(m, k, e, n), fp8_grouped_gemm_workspace_bytes(m, n, e, k));
   Tensor lt_ws = Tensor::empty({int64_t(lt_bytes)}, DType::u8, dev);
-  auto add = [&](const char* pass, auto&& per_expert, auto&& one_launch) {
-    out.push_back({c.name, "fp8", pass, c, time_both(per_expert, stream), time_both(one_launch, stream)});
+  // fprop: x rowwise [m, k] times w [e, n, k] in 128x128 blocks; dgrad: dy rowwise [m, n] times w_t [e, k, n],
+  // the fprop kernel with n and k swapped.
+  struct RowsShape {
+    const char* pass;
+    int64_t out_cols, inner;
   };
-  {  // fprop: x rowwise [m, k], w [e, n, k] in 128x128 blocks
-    Tensor x = device_fill(ch.fp8, {m, k}, DType::e4m3, stream),
-           xs = device_fill(ch.scales, {m, k / 128}, DType::f32, stream);
-    Tensor w = device_fill(ch.fp8, {e, n, k}, DType::e4m3, stream);
-    Tensor wsc = device_fill(ch.scales, {e, n / 128, k / 128}, DType::f32, stream);
-    Tensor y = Tensor::empty({m, n}, DType::bf16, dev);
+  for (const RowsShape& p : {RowsShape{"fprop", n, k}, RowsShape{"dgrad", k, n}}) {
+    Tensor a = device_fill(ch.fp8, {m, p.inner}, DType::e4m3, stream),
+           a_scale = device_fill(ch.scales, {m, p.inner / 128}, DType::f32, stream);
+    Tensor b = device_fill(ch.fp8, {e, p.out_cols, p.inner}, DType::e4m3, stream);
+    Tensor b_scale = device_fill(ch.scales, {e, p.out_cols / 128, p.inner / 128}, DType::f32, stream);
+    Tensor result = Tensor::empty({m, p.out_cols}, DType::bf16, dev);
     add(
-        "fprop",
+        "fp8", p.pass,
         [&] {
-          fp8_grouped_gemm_cuda(DType::bf16, x.data<uint8_t>(), xs.data<float>(), w.data<uint8_t>(), wsc.data<float>(),
-                                y.raw_data(), rows.data(), e, m, n, k, lt_ws.raw_data(), stream);
+          fp8_grouped_gemm_cuda(DType::bf16, a.data<uint8_t>(), a_scale.data<float>(), b.data<uint8_t>(),
+                                b_scale.data<float>(), result.raw_data(), rows.data(), e, m, p.out_cols, p.inner,
+                                lt_ws.raw_data(), stream);
         },
         [&] {
-          fp8_grouped_gemm_device_cuda(DType::bf16, x.data<uint8_t>(), xs.data<float>(), w.data<uint8_t>(),
-                                       wsc.data<float>(), y.raw_data(), cnt, e, m, n, k, ws.raw_data(), ws_bytes,
-                                       stream);
+          fp8_grouped_gemm_device_cuda(DType::bf16, a.data<uint8_t>(), a_scale.data<float>(), b.data<uint8_t>(),
+                                       b_scale.data<float>(), result.raw_data(), cnt, e, m, p.out_cols, p.inner,
+                                       ws.raw_data(), ws_bytes, stream);
         });
   }
-  {  // dgrad: dy rowwise [m, n], w_t [e, k, n]: the fprop kernel with n and k swapped
-    Tensor dy = device_fill(ch.fp8, {m, n}, DType::e4m3, stream),
-           dys = device_fill(ch.scales, {m, n / 128}, DType::f32, stream);
-    Tensor wt = device_fill(ch.fp8, {e, k, n}, DType::e4m3, stream);
-    Tensor wts = device_fill(ch.scales, {e, k / 128, n / 128}, DType::f32, stream);
-    Tensor dx = Tensor::empty({m, k}, DType::bf16, dev);
-    add(
-        "dgrad",
-        [&] {
-          fp8_grouped_gemm_cuda(DType::bf16, dy.data<uint8_t>(), dys.data<float>(), wt.data<uint8_t>(),
-                                wts.data<float>(), dx.raw_data(), rows.data(), e, m, k, n, lt_ws.raw_data(), stream);
-        },
-        [&] {
-          fp8_grouped_gemm_device_cuda(DType::bf16, dy.data<uint8_t>(), dys.data<float>(), wt.data<uint8_t>(),
-                                       wts.data<float>(), dx.raw_data(), cnt, e, m, k, n, ws.raw_data(), ws_bytes,
-                                       stream);
-        });
-  }
-  {  // wgrad
-    WgradOperands w = wgrad_operands(ch, e, m, n, k, e * fp8_num_blocks(c.rows_per_expert), stream);
-    add(
-        "wgrad", [&] { w.run_per_expert(rows.data(), e, m, n, k, stream); },
-        [&] {
-          fp8_grouped_wgrad_device_cuda(w.dy_t.data<uint8_t>(), w.dy_t_scales.data<float>(), w.x_t.data<uint8_t>(),
-                                        w.x_t_scales.data<float>(), w.dw.data<float>(), cnt, e, m, n, k, false,
-                                        ws.raw_data(), ws_bytes, stream);
-        });
-  }
+  WgradOperands w = wgrad_operands(ch, e, m, n, k, e * fp8_num_blocks(c.rows_per_expert), stream);
+  add(
+      "fp8", "wgrad", [&] { w.run_per_expert(rows.data(), e, m, n, k, stream); },
+      [&] {
+        fp8_grouped_wgrad_device_cuda(w.dy_t.data<uint8_t>(), w.dy_t_scales.data<float>(), w.x_t.data<uint8_t>(),
+                                      w.x_t_scales.data<float>(), w.dw.data<float>(), cnt, e, m, n, k, false,
+                                      ws.raw_data(), ws_bytes, stream);
+      });
 }
 
 }  // namespace
@@ -184,8 +161,7 @@ int main() {
       std::printf("  %-14s E %3lld  rows/expert %5lld  K %5lld  N %5lld ...\n", c.name, (long long)c.num_experts,
                   (long long)c.rows_per_expert, (long long)c.k, (long long)c.n);
       std::fflush(stdout);
-      bench_bf16(c, ch, stream, lines);
-      bench_fp8(c, ch, stream, lines);
+      bench_case(c, ch, stream, lines);
     }
     std::printf("\n%-14s %-5s %-6s %10s %8s %10s %10s %8s %10s %7s %8s\n", "case", "dtype", "pass", "expert ms", "TF/s",
                 "gpu ms", "1-launch", "TF/s", "gpu ms", "of ceil", "speedup");

@@ -232,6 +232,39 @@ double tflops(const Result& r, double ms) {
   return 6.0 * double(c.num_experts * c.padded_tokens_per_expert) * double(c.n) * double(c.k) / (ms * 1e-3) / 1e12;
 }
 
+// One figure of a result, named once for both outputs: its table column (header, width, precision; no
+// header: the BENCH line only) and its BENCH key (with its precision; no key: the table only).
+struct Field {
+  const char* header;
+  int width, table_precision;
+  const char* key;
+  int bench_precision;
+  double value;
+};
+
+// A table, a row per result, then a "BENCH <bench_name> case=... dtype=bf16 E=... key=value..." line per
+// result, both from fields(result).
+template <class Fields>
+void print_results(const std::vector<Result>& results, const char* bench_name, Fields&& fields) {
+  if (results.empty()) return;
+  std::printf("\n%-13s", "case");
+  for (const Field& f : fields(results.front()))
+    if (f.header) std::printf(" %*s", f.width, f.header);
+  std::printf("\n");
+  for (const Result& r : results) {
+    std::printf("%-13s", r.c.name);
+    for (const Field& f : fields(r))
+      if (f.header) std::printf(" %*.*f", f.width, f.table_precision, f.value);
+    std::printf("\n");
+  }
+  for (const Result& r : results) {
+    std::printf("BENCH %s case=%s dtype=bf16 E=%lld", bench_name, r.c.name, (long long)r.c.num_experts);
+    for (const Field& f : fields(r))
+      if (f.key) std::printf(" %s=%.*f", f.key, f.bench_precision, f.value);
+    std::printf("\n");
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -255,46 +288,49 @@ int main() {
       results.push_back(bench_case(c, rng));
     }
 
-    std::printf("\n%-13s %8s %8s %8s %9s %8s %8s %9s %8s %8s %8s %9s %9s %6s\n", "case", "fwd ms", "dgrad", "wgrad",
-                "step ms", "TF/s", "of 679", "dense ms", "grp/dns", "op ms", "host ms", "fresh1 ms", "freshmed",
-                "new M");
-    for (const Result& r : results) {
-      double tf = tflops(r, r.grouped_ms);
-      std::printf("%-13s %8.3f %8.3f %8.3f %9.3f %8.1f %8.3f %9.3f %8.3f %8.3f %8.3f %9.3f %9.3f %6zu\n", r.c.name,
-                  r.fwd_ms, r.dgrad_ms, r.wgrad_ms, r.grouped_ms, tf, tf / kCeilingTflops, r.dense_ms,
-                  r.grouped_ms / r.dense_ms, r.op_ms, r.host_ms, r.fresh_first_ms, r.fresh_median_ms, r.distinct_m);
-    }
-    for (const Result& r : results) {
-      double tf = tflops(r, r.grouped_ms);
-      std::printf(
-          "BENCH grouped_linear case=%s dtype=bf16 E=%lld padded_tokens_per_expert=%lld K=%lld N=%lld "
-          "fwd_ms=%.4f dgrad_ms=%.4f wgrad_ms=%.4f grouped_ms=%.4f grouped_tflops=%.1f "
-          "frac_679_ceiling=%.4f dense_ms=%.4f dense_tflops=%.1f ratio_grouped_dense=%.4f op_ms=%.4f "
-          "host_issue_ms=%.4f fresh_first_ms=%.4f fresh_median_ms=%.4f\n",
-          r.c.name, (long long)r.c.num_experts, (long long)r.c.padded_tokens_per_expert, (long long)r.c.k,
-          (long long)r.c.n, r.fwd_ms, r.dgrad_ms, r.wgrad_ms, r.grouped_ms, tf, tf / kCeilingTflops, r.dense_ms,
-          tflops(r, r.dense_ms), r.grouped_ms / r.dense_ms, r.op_ms, r.host_ms, r.fresh_first_ms, r.fresh_median_ms);
-    }
-    std::printf("\n%-13s %8s %10s %11s %8s %8s %8s %10s %10s %6s\n", "case", "us/gemm", "fresh1 hst", "fresh plans",
-                "queries", "rejects", "new M", "4str ms", "4str host", "x");
-    for (const Result& r : results)
-      std::printf("%-13s %8.2f %10.3f %11llu %8llu %8llu %8zu %10.3f %10.3f %6.2f\n", r.c.name, r.host_us_per_gemm,
-                  r.fresh_first_host_ms, (unsigned long long)r.fresh_stats.plans_built,
-                  (unsigned long long)r.fresh_stats.heuristic_queries, (unsigned long long)r.fresh_stats.bucket_rejects,
-                  r.distinct_m, r.streams4_ms, r.streams4_host_ms, r.grouped_ms / r.streams4_ms);
-    for (const Result& r : results) {
-      double tf4 = tflops(r, r.streams4_ms);
-      std::printf(
-          "BENCH grouped_linear_host case=%s dtype=bf16 E=%lld gemms_per_step=%lld host_issue_ms=%.4f "
-          "host_issue_us_per_gemm=%.3f fresh_first_ms=%.4f fresh_first_host_ms=%.4f fresh_plans_built=%llu "
-          "fresh_heuristic_queries=%llu fresh_bucket_rejects=%llu fresh_distinct_m=%zu "
-          "streams4_grouped_ms=%.4f streams4_tflops=%.1f streams4_frac_679_ceiling=%.4f "
-          "streams4_host_issue_ms=%.4f ratio_1stream_4stream=%.4f\n",
-          r.c.name, (long long)r.c.num_experts, (long long)(3 * r.c.num_experts), r.host_ms, r.host_us_per_gemm,
-          r.fresh_first_ms, r.fresh_first_host_ms, (unsigned long long)r.fresh_stats.plans_built,
-          (unsigned long long)r.fresh_stats.heuristic_queries, (unsigned long long)r.fresh_stats.bucket_rejects,
-          r.distinct_m, r.streams4_ms, tf4, tf4 / kCeilingTflops, r.streams4_host_ms, r.grouped_ms / r.streams4_ms);
-    }
+    // Counts are printed as whole numbers (precision 0).
+    print_results(results, "grouped_linear", [](const Result& r) {
+      const double tf = tflops(r, r.grouped_ms);
+      return std::vector<Field>{
+          {nullptr, 0, 0, "padded_tokens_per_expert", 0, double(r.c.padded_tokens_per_expert)},
+          {nullptr, 0, 0, "K", 0, double(r.c.k)},
+          {nullptr, 0, 0, "N", 0, double(r.c.n)},
+          {"fwd ms", 8, 3, "fwd_ms", 4, r.fwd_ms},
+          {"dgrad", 8, 3, "dgrad_ms", 4, r.dgrad_ms},
+          {"wgrad", 8, 3, "wgrad_ms", 4, r.wgrad_ms},
+          {"step ms", 9, 3, "grouped_ms", 4, r.grouped_ms},
+          {"TF/s", 8, 1, "grouped_tflops", 1, tf},
+          {"of 679", 8, 3, "frac_679_ceiling", 4, tf / kCeilingTflops},
+          {"dense ms", 9, 3, "dense_ms", 4, r.dense_ms},
+          {nullptr, 0, 0, "dense_tflops", 1, tflops(r, r.dense_ms)},
+          {"grp/dns", 8, 3, "ratio_grouped_dense", 4, r.grouped_ms / r.dense_ms},
+          {"op ms", 8, 3, "op_ms", 4, r.op_ms},
+          {"host ms", 8, 3, "host_issue_ms", 4, r.host_ms},
+          {"fresh1 ms", 9, 3, "fresh_first_ms", 4, r.fresh_first_ms},
+          {"freshmed", 9, 3, "fresh_median_ms", 4, r.fresh_median_ms},
+          {"new M", 6, 0, nullptr, 0, double(r.distinct_m)},
+      };
+    });
+    print_results(results, "grouped_linear_host", [](const Result& r) {
+      const double tf4 = tflops(r, r.streams4_ms);
+      const GemmPlanStats& st = r.fresh_stats;
+      return std::vector<Field>{
+          {nullptr, 0, 0, "gemms_per_step", 0, double(3 * r.c.num_experts)},
+          {nullptr, 0, 0, "host_issue_ms", 4, r.host_ms},
+          {"us/gemm", 8, 2, "host_issue_us_per_gemm", 3, r.host_us_per_gemm},
+          {nullptr, 0, 0, "fresh_first_ms", 4, r.fresh_first_ms},
+          {"fresh1 hst", 10, 3, "fresh_first_host_ms", 4, r.fresh_first_host_ms},
+          {"fresh plans", 11, 0, "fresh_plans_built", 0, double(st.plans_built)},
+          {"queries", 8, 0, "fresh_heuristic_queries", 0, double(st.heuristic_queries)},
+          {"rejects", 8, 0, "fresh_bucket_rejects", 0, double(st.bucket_rejects)},
+          {"new M", 8, 0, "fresh_distinct_m", 0, double(r.distinct_m)},
+          {"4str ms", 10, 3, "streams4_grouped_ms", 4, r.streams4_ms},
+          {nullptr, 0, 0, "streams4_tflops", 1, tf4},
+          {nullptr, 0, 0, "streams4_frac_679_ceiling", 4, tf4 / kCeilingTflops},
+          {"4str host", 10, 3, "streams4_host_issue_ms", 4, r.streams4_host_ms},
+          {"x", 6, 2, "ratio_1stream_4stream", 4, r.grouped_ms / r.streams4_ms},
+      };
+    });
     FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
   });
 }

@@ -31,17 +31,22 @@ using namespace attention_tile;
 
 // ---- kernels ----------------------------------------------------------------------------------
 
+// The shared memory of each kernel (SmemLayout: [64, stride] tiles, probability tiles, row values).
+template <int HD>
+using ForwardSmem = SmemLayout<HD, 3, 1, 0>;  // q, k, v; P
+template <int HD>
+using DkdvSmem = SmemLayout<HD, 4, 2, 2>;  // k, v, q, dO; Pᵀ, dSᵀ; lse, delta
+template <int HD>
+using DqSmem = SmemLayout<HD, 4, 1, 0>;  // q, dO, k, v; dS
+
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads)
     attention_forward_kernel(T* __restrict__ out /*[B, T, nh, hd]*/, float* __restrict__ lse /*[B, nh, T]*/,
                              const T* __restrict__ q /*[B, T, nh, hd]*/, const T* __restrict__ k /*[B, T, nh, hd]*/,
                              const T* __restrict__ v /*[B, T, nh, hd]*/, AttnDims dims) {
   using TS = TileShape<HD>;
-  extern __shared__ float4 smem4[];
-  float* q_s = reinterpret_cast<float*>(smem4);  // [64, stride]
-  float* k_s = q_s + kTile * TS::stride;         // [64, stride]
-  float* v_s = k_s + kTile * TS::stride;         // [64, stride]
-  float* p_s = v_s + kTile * TS::stride;         // [64, kProbStride]
+  using Smem = ForwardSmem<HD>;
+  float *q_s = Smem::tile(0), *k_s = Smem::tile(1), *v_s = Smem::tile(2), *p_s = Smem::prob(0);
   const TileBlock blk = tile_block(dims, /*last_first=*/true);
   const int q_tile = blk.tile, b = blk.b, h = blk.h;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16, q0 = q_tile * kTile;
@@ -116,35 +121,50 @@ __global__ void attention_delta_kernel(float* __restrict__ delta /*[B, nh, T]*/,
   }
 }
 
+// What both backward kernels read.
+template <class T>
+struct BackwardInputs {
+  const T* __restrict__ q;          // [B, T, nh, hd]
+  const T* __restrict__ k;          // [B, T, nh, hd]
+  const T* __restrict__ v;          // [B, T, nh, hd]
+  const T* __restrict__ d_out;      // [B, T, nh, hd]
+  const float* __restrict__ lse;    // [B, nh, T]
+  const float* __restrict__ delta;  // [B, nh, T]
+};
+
+// The products both backward kernels recompute P and dS from, on the thread's 4x4 block (rows 4ty + i
+// of a, columns tx + 16c of b): s = a·bᵀ and dp = da·dbᵀ; then f(i, c, s[i][c], dp[i][c]) for each element.
+template <int HD, class F>
+__device__ __forceinline__ void for_each_score(const float* a, const float* b, const float* da, const float* db,
+                                               F&& f) {
+  float s[4][4], dp[4][4];
+  tile_dot<HD>(a, b, s);
+  tile_dot<HD>(da, db, dp);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) f(i, c, s[i][c], dp[i][c]);
+}
+
 // dk, dv for one 64-key tile: loop over query tiles from the diagonal on, with everything transposed
 // (rows of the tiles are keys): Pᵀ = exp(K Qᵀ scale - lse), dSᵀ = Pᵀ (V dOᵀ - delta),
 // dV += Pᵀ dO, dK += dSᵀ Q scale.
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_dkdv_kernel(T* __restrict__ d_k /*[B, T, nh, hd]*/, T* __restrict__ d_v /*[B, T, nh, hd]*/,
-                                   const T* __restrict__ q /*[B, T, nh, hd]*/,
-                                   const T* __restrict__ k /*[B, T, nh, hd]*/,
-                                   const T* __restrict__ v /*[B, T, nh, hd]*/,
-                                   const T* __restrict__ d_out /*[B, T, nh, hd]*/,
-                                   const float* __restrict__ lse /*[B, nh, T]*/,
-                                   const float* __restrict__ delta /*[B, nh, T]*/, AttnDims dims) {
+                                   BackwardInputs<T> in, AttnDims dims) {
   using TS = TileShape<HD>;
-  extern __shared__ float4 smem4[];
-  float* k_s = reinterpret_cast<float*>(smem4);  // [64, stride]
-  float* v_s = k_s + kTile * TS::stride;         // [64, stride]
-  float* q_s = v_s + kTile * TS::stride;         // [64, stride]
-  float* do_s = q_s + kTile * TS::stride;        // [64, stride]
-  float* pt_s = do_s + kTile * TS::stride;       // [64 keys, kProbStride] Pᵀ
-  float* dst_s = pt_s + kTile * kProbStride;     // [64 keys, kProbStride] dSᵀ
-  float* lse_s = dst_s + kTile * kProbStride;    // [64]
-  float* delta_s = lse_s + kTile;                // [64]
+  using Smem = DkdvSmem<HD>;
+  float *k_s = Smem::tile(0), *v_s = Smem::tile(1), *q_s = Smem::tile(2), *do_s = Smem::tile(3);
+  float *pt_s = Smem::prob(0), *dst_s = Smem::prob(1);   // [64 keys, kProbStride]: Pᵀ, dSᵀ
+  float *lse_s = Smem::row(0), *delta_s = Smem::row(1);  // the query tile's rows
   const int num_tiles = (dims.seq_len + kTile - 1) / kTile;
   const TileBlock blk = tile_block(dims, /*last_first=*/false);
   const int k_tile = blk.tile, bh = blk.bh, b = blk.b, h = blk.h;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16, k0 = k_tile * kTile;
 
-  load_tile<HD>(k_s, k, dims, b, h, k0);
-  load_tile<HD>(v_s, v, dims, b, h, k0);
+  load_tile<HD>(k_s, in.k, dims, b, h, k0);
+  load_tile<HD>(v_s, in.v, dims, b, h, k0);
   float dk[4][TS::cols], dv[4][TS::cols];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -153,26 +173,21 @@ __global__ void __launch_bounds__(kThreads)
   for (int q_tile = k_tile; q_tile < num_tiles; ++q_tile) {
     const int q0 = q_tile * kTile;
     __syncthreads();  // the previous tile's q_s, do_s, pt_s, dst_s are no longer read
-    load_tile<HD>(q_s, q, dims, b, h, q0);
-    load_tile<HD>(do_s, d_out, dims, b, h, q0);
+    load_tile<HD>(q_s, in.q, dims, b, h, q0);
+    load_tile<HD>(do_s, in.d_out, dims, b, h, q0);
     for (int r = threadIdx.x; r < kTile; r += kThreads) {
       const bool valid = q0 + r < dims.seq_len;
-      lse_s[r] = valid ? lse[int64_t(bh) * dims.seq_len + q0 + r] : 0.f;
-      delta_s[r] = valid ? delta[int64_t(bh) * dims.seq_len + q0 + r] : 0.f;
+      lse_s[r] = valid ? in.lse[int64_t(bh) * dims.seq_len + q0 + r] : 0.f;
+      delta_s[r] = valid ? in.delta[int64_t(bh) * dims.seq_len + q0 + r] : 0.f;
     }
     __syncthreads();
-    float s[4][4], dp[4][4];
-    tile_dot<HD>(k_s, q_s, s);    // s[i][c] = k_{k0+4ty+i} · q_{q0+tx+16c}
-    tile_dot<HD>(v_s, do_s, dp);  // dp[i][c] = v_{k0+4ty+i} · dO_{q0+tx+16c}
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int k_idx = k0 + 4 * ty + i, r = tx + 16 * c, q_idx = q0 + r;
-        const float p = (k_idx <= q_idx && q_idx < dims.seq_len) ? expf(s[i][c] * dims.scale - lse_s[r]) : 0.f;
-        pt_s[(4 * ty + i) * kProbStride + r] = p;
-        dst_s[(4 * ty + i) * kProbStride + r] = p * (dp[i][c] - delta_s[r]);
-      }
+    // s = k_{k0+4ty+i} · q_{q0+tx+16c}, dp = v_{k0+4ty+i} · dO_{q0+tx+16c}
+    for_each_score<HD>(k_s, q_s, v_s, do_s, [&](int i, int c, float s, float dp) {
+      const int k_idx = k0 + 4 * ty + i, r = tx + 16 * c, q_idx = q0 + r;
+      const float p = (k_idx <= q_idx && q_idx < dims.seq_len) ? expf(s * dims.scale - lse_s[r]) : 0.f;
+      pt_s[(4 * ty + i) * kProbStride + r] = p;
+      dst_s[(4 * ty + i) * kProbStride + r] = p * (dp - delta_s[r]);
+    });
     __syncthreads();
     tile_accum<HD>(pt_s, do_s, dv);
     tile_accum<HD>(dst_s, q_s, dk);
@@ -185,48 +200,36 @@ __global__ void __launch_bounds__(kThreads)
 // dq for one 64-query tile: loop over key tiles up to the diagonal; dS = P (dO Vᵀ - delta), dQ += dS K scale.
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dq_kernel(T* __restrict__ d_q /*[B, T, nh, hd]*/, const T* __restrict__ q /*[B, T, nh, hd]*/,
-                                 const T* __restrict__ k /*[B, T, nh, hd]*/, const T* __restrict__ v /*[B, T, nh, hd]*/,
-                                 const T* __restrict__ d_out /*[B, T, nh, hd]*/,
-                                 const float* __restrict__ lse /*[B, nh, T]*/,
-                                 const float* __restrict__ delta /*[B, nh, T]*/, AttnDims dims) {
+    attention_backward_dq_kernel(T* __restrict__ d_q /*[B, T, nh, hd]*/, BackwardInputs<T> in, AttnDims dims) {
   using TS = TileShape<HD>;
-  extern __shared__ float4 smem4[];
-  float* q_s = reinterpret_cast<float*>(smem4);  // [64, stride]
-  float* do_s = q_s + kTile * TS::stride;        // [64, stride]
-  float* k_s = do_s + kTile * TS::stride;        // [64, stride]
-  float* v_s = k_s + kTile * TS::stride;         // [64, stride]
-  float* ds_s = v_s + kTile * TS::stride;        // [64 queries, kProbStride] dS
+  using Smem = DqSmem<HD>;
+  float *q_s = Smem::tile(0), *do_s = Smem::tile(1), *k_s = Smem::tile(2), *v_s = Smem::tile(3);
+  float* ds_s = Smem::prob(0);  // [64 queries, kProbStride] dS
   const TileBlock blk = tile_block(dims, /*last_first=*/true);
   const int q_tile = blk.tile, bh = blk.bh, b = blk.b, h = blk.h;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16, q0 = q_tile * kTile;
 
-  load_tile<HD>(q_s, q, dims, b, h, q0);
-  load_tile<HD>(do_s, d_out, dims, b, h, q0);
+  load_tile<HD>(q_s, in.q, dims, b, h, q0);
+  load_tile<HD>(do_s, in.d_out, dims, b, h, q0);
   float row_lse[4], row_delta[4], dq[4][TS::cols];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int q_idx = q0 + 4 * ty + i;
     const bool valid = q_idx < dims.seq_len;
-    row_lse[i] = valid ? lse[int64_t(bh) * dims.seq_len + q_idx] : 0.f;
-    row_delta[i] = valid ? delta[int64_t(bh) * dims.seq_len + q_idx] : 0.f;
+    row_lse[i] = valid ? in.lse[int64_t(bh) * dims.seq_len + q_idx] : 0.f;
+    row_delta[i] = valid ? in.delta[int64_t(bh) * dims.seq_len + q_idx] : 0.f;
 #pragma unroll
     for (int j = 0; j < TS::cols; ++j) dq[i][j] = 0.f;
   }
   for (int k_tile = 0; k_tile <= q_tile; ++k_tile) {
     const int k0 = k_tile * kTile;
-    load_next_tiles<HD>(k_s, k, v_s, v, dims, b, h, k0);  // after the last tile's ds_s is read, too
-    float s[4][4], dp[4][4];
-    tile_dot<HD>(q_s, k_s, s);    // s[i][c] = q_{q0+4ty+i} · k_{k0+tx+16c}
-    tile_dot<HD>(do_s, v_s, dp);  // dp[i][c] = dO_{q0+4ty+i} · v_{k0+tx+16c}
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int q_idx = q0 + 4 * ty + i, k_idx = k0 + tx + 16 * c;
-        const float p = (k_idx <= q_idx && k_idx < dims.seq_len) ? expf(s[i][c] * dims.scale - row_lse[i]) : 0.f;
-        ds_s[(4 * ty + i) * kProbStride + tx + 16 * c] = p * (dp[i][c] - row_delta[i]);
-      }
+    load_next_tiles<HD>(k_s, in.k, v_s, in.v, dims, b, h, k0);  // after the last tile's ds_s is read, too
+    // s = q_{q0+4ty+i} · k_{k0+tx+16c}, dp = dO_{q0+4ty+i} · v_{k0+tx+16c}
+    for_each_score<HD>(q_s, k_s, do_s, v_s, [&](int i, int c, float s, float dp) {
+      const int q_idx = q0 + 4 * ty + i, k_idx = k0 + tx + 16 * c;
+      const float p = (k_idx <= q_idx && k_idx < dims.seq_len) ? expf(s * dims.scale - row_lse[i]) : 0.f;
+      ds_s[(4 * ty + i) * kProbStride + tx + 16 * c] = p * (dp - row_delta[i]);
+    });
     __syncthreads();
     tile_accum<HD>(ds_s, k_s, dq);
   }
@@ -265,55 +268,54 @@ void dispatch_head_dim(int head_dim, F&& f) {
     f(std::integral_constant<int, 128>());
 }
 
+// Checks the sizes (nothing to do when one is 0), then runs launch.template operator()<T, HD>(dims) for
+// dtype's element type T and head_dim rounded up to HD.
+template <class F>
+void dispatch_simt(DType dtype, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, const char* what,
+                   F&& launch) {
+  AttnDims dims{};
+  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, what)) return;
+  dispatch_cuda_float(dtype, what, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    dispatch_head_dim(dims.head_dim,
+                      [&](auto hd_tag) { launch.template operator()<T, decltype(hd_tag)::value>(dims); });
+  });
+}
+
 void attention_forward_simt_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
                                  int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
                                  cudaStream_t stream) {
-  AttnDims dims{};
-  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, "attention_forward_simt_cuda")) return;
-  dispatch_cuda_float(dtype, "attention_forward_simt_cuda", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    dispatch_head_dim(dims.head_dim, [&](auto hd_tag) {
-      constexpr int HD = decltype(hd_tag)::value;
-      const size_t smem = (3 * kTile * TileShape<HD>::stride + kTile * kProbStride) * sizeof(float);
-      allow_smem(attention_forward_kernel<T, HD>, smem);
-      attention_forward_kernel<T, HD>
-          <<<num_tile_blocks(dims), kThreads, smem, stream>>>(static_cast<T*>(out), lse, static_cast<const T*>(q),
-                                                              static_cast<const T*>(k), static_cast<const T*>(v), dims);
-      FLOWMOE_CUDA_CHECK_LAUNCH();
-    });
-  });
+  auto launch = [&]<class T, int HD>(const AttnDims& dims) {
+    allow_smem(attention_forward_kernel<T, HD>, ForwardSmem<HD>::bytes);
+    attention_forward_kernel<T, HD><<<num_tile_blocks(dims), kThreads, ForwardSmem<HD>::bytes, stream>>>(
+        static_cast<T*>(out), lse, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), dims);
+    FLOWMOE_CUDA_CHECK_LAUNCH();
+  };
+  dispatch_simt(dtype, batch, seq_len, num_heads, head_dim, "attention_forward_simt_cuda", launch);
 }
 
 void attention_backward_simt_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
                                   const void* q, const void* k, const void* v, const void* out, const float* lse,
                                   int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
                                   cudaStream_t stream) {
-  AttnDims dims{};
-  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, "attention_backward_simt_cuda")) return;
-  dispatch_cuda_float(dtype, "attention_backward_simt_cuda", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
+  auto launch = [&]<class T, int HD>(const AttnDims& dims) {
+    auto input = [](const void* p) { return static_cast<const T*>(p); };
     const int64_t num_rows = batch * seq_len * num_heads;
     const int delta_threads = 256;
     attention_delta_kernel<<<unsigned((num_rows * 32 + delta_threads - 1) / delta_threads), delta_threads, 0, stream>>>(
-        delta, static_cast<const T*>(d_out), static_cast<const T*>(out), dims);
+        delta, input(d_out), input(out), dims);
     FLOWMOE_CUDA_CHECK_LAUNCH();
-    dispatch_head_dim(dims.head_dim, [&](auto hd_tag) {
-      constexpr int HD = decltype(hd_tag)::value;
-      const size_t dkdv_smem =
-          (4 * kTile * TileShape<HD>::stride + 2 * kTile * kProbStride + 2 * kTile) * sizeof(float);
-      allow_smem(attention_backward_dkdv_kernel<T, HD>, dkdv_smem);
-      attention_backward_dkdv_kernel<T, HD><<<num_tile_blocks(dims), kThreads, dkdv_smem, stream>>>(
-          static_cast<T*>(d_k), static_cast<T*>(d_v), static_cast<const T*>(q), static_cast<const T*>(k),
-          static_cast<const T*>(v), static_cast<const T*>(d_out), lse, delta, dims);
-      FLOWMOE_CUDA_CHECK_LAUNCH();
-      const size_t dq_smem = (4 * kTile * TileShape<HD>::stride + kTile * kProbStride) * sizeof(float);
-      allow_smem(attention_backward_dq_kernel<T, HD>, dq_smem);
-      attention_backward_dq_kernel<T, HD><<<num_tile_blocks(dims), kThreads, dq_smem, stream>>>(
-          static_cast<T*>(d_q), static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-          static_cast<const T*>(d_out), lse, delta, dims);
-      FLOWMOE_CUDA_CHECK_LAUNCH();
-    });
-  });
+    const BackwardInputs<T> in{input(q), input(k), input(v), input(d_out), lse, delta};
+    allow_smem(attention_backward_dkdv_kernel<T, HD>, DkdvSmem<HD>::bytes);
+    attention_backward_dkdv_kernel<T, HD><<<num_tile_blocks(dims), kThreads, DkdvSmem<HD>::bytes, stream>>>(
+        static_cast<T*>(d_k), static_cast<T*>(d_v), in, dims);
+    FLOWMOE_CUDA_CHECK_LAUNCH();
+    allow_smem(attention_backward_dq_kernel<T, HD>, DqSmem<HD>::bytes);
+    attention_backward_dq_kernel<T, HD>
+        <<<num_tile_blocks(dims), kThreads, DqSmem<HD>::bytes, stream>>>(static_cast<T*>(d_q), in, dims);
+    FLOWMOE_CUDA_CHECK_LAUNCH();
+  };
+  dispatch_simt(dtype, batch, seq_len, num_heads, head_dim, "attention_backward_simt_cuda", launch);
 }
 
 // The tensor-core kernels take bf16 rows of whole 16-byte chunks: head_dim % 8 == 0, aligned pointers.

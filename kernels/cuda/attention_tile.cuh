@@ -3,6 +3,7 @@
 // probability tile times a [64, HD] tile), and half-warp row reductions for the softmax.
 // A block has 16 x 16 threads; thread (ty, tx) owns tile rows 4ty..4ty+3, score columns tx + 16c.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/cuda/cuda_utils.cuh"
@@ -21,6 +22,23 @@ struct TileShape {
   static constexpr int cols = HD / 16;
   static constexpr int vec = cols >= 4 ? 4 : 2;
   static __device__ __forceinline__ int col(int tx, int j) { return (j / vec) * 16 * vec + tx * vec + j % vec; }
+};
+
+// A kernel's dynamic shared memory: TILES [64, stride] tiles, then PROBS [64, kProbStride] probability
+// tiles, then ROWS [64] row values. The kernel takes its arrays from it and the launcher its size.
+template <int HD, int TILES, int PROBS, int ROWS>
+struct SmemLayout {
+  static constexpr size_t bytes =
+      (TILES * kTile * TileShape<HD>::stride + PROBS * kTile * kProbStride + ROWS * kTile) * sizeof(float);
+  static __device__ __forceinline__ float* tile(int i) { return base() + i * kTile * TileShape<HD>::stride; }
+  static __device__ __forceinline__ float* prob(int i) { return tile(TILES) + i * kTile * kProbStride; }
+  static __device__ __forceinline__ float* row(int i) { return prob(PROBS) + i * kTile; }
+
+ private:
+  static __device__ __forceinline__ float* base() {
+    extern __shared__ float4 smem4[];
+    return reinterpret_cast<float*>(smem4);
+  }
 };
 
 struct AttnDims {

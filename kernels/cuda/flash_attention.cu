@@ -30,6 +30,20 @@ constexpr int kFwdThreads = 128;  // 4 warps
 template <int HD>
 constexpr size_t kFwdSmem = size_t(kFwdRows + 4 * kFwdKeys) * kStride<HD> * sizeof(Bf16);  // Q, 2 x (K, V)
 
+// acc[i][2n], acc[i][2n + 1] += a[i]·B_n for the warp's two m16 row groups i and each 16-column block n of
+// B (N8 / 2 of them), the fragment B_n from load_b_frag(b, n): loaded once, it feeds both row groups.
+template <int N8, class LoadB>
+__device__ __forceinline__ void mma_both_row_groups(float (&acc)[2][N8][4], const uint32_t (&a)[2][4],
+                                                    LoadB&& load_b_frag) {
+#pragma unroll
+  for (int n = 0; n < N8 / 2; ++n) {
+    uint32_t b[4];
+    load_b_frag(b, n);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) mma_bf16_n16(acc[i][2 * n], acc[i][2 * n + 1], a[i], b);
+  }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kFwdThreads, 2)
     flash_forward_kernel(Bf16* __restrict__ out /*[B, T, nh, hd]*/, float* __restrict__ lse /*[B, nh, T]*/,
@@ -86,13 +100,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
         uint32_t a[2][4];
         load_a<HD>(a[0], q_s, row0, 16 * kk, lane);
         load_a<HD>(a[1], q_s, row0 + 16, 16 * kk, lane);
-#pragma unroll
-        for (int jj = 0; jj < kFwdSubKeys / 16; ++jj) {
-          uint32_t bk[4];
-          load_b<HD>(bk, kb, 16 * jj, 16 * kk, lane);
-#pragma unroll
-          for (int i = 0; i < 2; ++i) mma_bf16_n16(s[i][2 * jj], s[i][2 * jj + 1], a[i], bk);
-        }
+        mma_both_row_groups(s, a, [&](uint32_t(&bk)[4], int jj) { load_b<HD>(bk, kb, 16 * jj, 16 * kk, lane); });
       }
       // Only keys reaching past the warp's first row need the causal mask. It also hides keys past
       // seq_len from every row before seq_len; rows past it are never written.
@@ -137,13 +145,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
         uint32_t p[2][4];
         pack_a(p[0], s[0], kk);
         pack_a(p[1], s[1], kk);
-#pragma unroll
-        for (int dd = 0; dd < HD / 16; ++dd) {
-          uint32_t bv[4];
-          load_b_trans<HD>(bv, vb, 16 * kk, 16 * dd, lane);
-#pragma unroll
-          for (int i = 0; i < 2; ++i) mma_bf16_n16(o[i][2 * dd], o[i][2 * dd + 1], p[i], bv);
-        }
+        mma_both_row_groups(o, p, [&](uint32_t(&bv)[4], int dd) { load_b_trans<HD>(bv, vb, 16 * kk, 16 * dd, lane); });
       }
     }
     __syncthreads();  // this buffer is refilled by the next iteration's prefetch

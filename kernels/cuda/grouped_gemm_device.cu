@@ -137,21 +137,17 @@ size_t grouped_gemm_device_workspace_bytes(int64_t num_experts) {
 
 // ---- launchers --------------------------------------------------------------------------------
 
-void grouped_gemm_fprop_device_cuda(DType dtype, const void* x, const void* w, void* y,
-                                    const int32_t* padded_tokens_per_expert, int64_t num_experts, int64_t m_total,
-                                    int64_t n, int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                                    bool zero_tail) {
-  bf16_rows_gemm(dtype, x, w, y, padded_tokens_per_expert, num_experts, m_total, n, k, workspace, workspace_bytes,
-                 stream, zero_tail, false, "grouped_gemm_fprop_device_cuda");
-}
-
-void grouped_gemm_dgrad_device_cuda(DType dtype, const void* dy, const void* w, void* dx,
-                                    const int32_t* padded_tokens_per_expert, int64_t num_experts, int64_t m_total,
-                                    int64_t n, int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                                    bool zero_tail) {
-  bf16_rows_gemm(dtype, dy, w, dx, padded_tokens_per_expert, num_experts, m_total, n, k, workspace, workspace_bytes,
-                 stream, zero_tail, true, "grouped_gemm_dgrad_device_cuda");
-}
+// fprop and dgrad take the same arguments and share one body (bf16_rows_gemm); each names itself in its errors.
+#define FLOWMOE_BF16_ROWS_LAUNCHER(name, dgrad)                                                                        \
+  void name(DType dtype, const void* a, const void* w, void* out, const int32_t* padded_tokens_per_expert,             \
+            int64_t num_experts, int64_t m_total, int64_t n, int64_t k, void* workspace, size_t workspace_bytes,       \
+            cudaStream_t stream, bool zero_tail) {                                                                     \
+    bf16_rows_gemm(dtype, a, w, out, padded_tokens_per_expert, num_experts, m_total, n, k, workspace, workspace_bytes, \
+                   stream, zero_tail, dgrad, #name);                                                                   \
+  }
+FLOWMOE_BF16_ROWS_LAUNCHER(grouped_gemm_fprop_device_cuda, /*dgrad=*/false)
+FLOWMOE_BF16_ROWS_LAUNCHER(grouped_gemm_dgrad_device_cuda, /*dgrad=*/true)
+#undef FLOWMOE_BF16_ROWS_LAUNCHER
 
 void grouped_gemm_wgrad_device_cuda(DType dtype, const void* x, const void* dy, float* dw,
                                     const int32_t* padded_tokens_per_expert, int64_t num_experts, int64_t m_total,
