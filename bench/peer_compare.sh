@@ -21,6 +21,8 @@
 #   PEER_MODES ["compiled eager"]  PEER_EXPERTS [grouped_mm]   passed to torch_peer.py
 #   PEER_ARGS [""]      more torch_peer.py options (--compile-mode max-autotune)
 #   COMPARE_SET [""]    "section.key=value ..." applied to flowmoe and the peer alike
+#   FLOWMOE_SET [""]    "section.key=value ..." applied to flowmoe alone (precision.param_dtype=f32: its
+#                       weights kept in f32 and cast at each use; PEER_MODES="" then runs no peer)
 #   PYTHON [python3]    the Python with torch (2.8 or later for torch._grouped_mm)
 #   OUT [out]           logs and run directories go under OUT/peer_compare/<config name>/
 #   CHECKPOINT_DIR [""] where flowmoe writes the final checkpoint it always writes (removed after
@@ -48,9 +50,10 @@ flowmoe_steps=${FLOWMOE_STEPS:-30}
 flowmoe_skip=${FLOWMOE_SKIP:-10}
 peer_warmup=${PEER_WARMUP:-10}
 peer_steps=${PEER_STEPS:-20}
-read -r -a peer_modes <<<"${PEER_MODES:-compiled eager}"
+read -r -a peer_modes <<<"${PEER_MODES-compiled eager}"  # set but empty: no peer
 peer_experts=${PEER_EXPERTS:-grouped_mm}
 read -r -a extra <<<"${COMPARE_SET:-}"
+read -r -a flowmoe_extra <<<"${FLOWMOE_SET:-}"
 read -r -a peer_args <<<"${PEER_ARGS:-}"
 
 die() {
@@ -76,6 +79,8 @@ out="${OUT:-out}/peer_compare/$name"
 mkdir -p "$out"
 sets=()
 for kv in "${extra[@]}"; do sets+=(--set "$kv"); done
+flowmoe_sets=()
+for kv in "${flowmoe_extra[@]}"; do flowmoe_sets+=(--set "$kv"); done
 
 # Averages a flowmoe run's metrics.jsonl over the steps after the skipped ones; prints
 # "tokens_per_s=... peak_gib=... step_ms=... moe_max_over_mean=..." (the resolved config.yaml beside
@@ -119,7 +124,7 @@ for recipe in "${recipes[@]}"; do
   rc=0
   train_run "$build" "$config" "$run_dir" "$log" --set train.steps="$flowmoe_steps" \
     --set optimizer.warmup_steps="$flowmoe_steps" --set precision.recipe="$recipe" \
-    --set train.eval_batches=1 "${ckpt[@]}" "${sets[@]}" || rc=$?
+    --set train.eval_batches=1 "${ckpt[@]}" "${sets[@]}" "${flowmoe_sets[@]}" || rc=$?
   [ -z "${CHECKPOINT_DIR:-}" ] || rm -rf "$CHECKPOINT_DIR/peer_compare_${name}_$recipe"
   if [ $rc -ne 0 ]; then
     echo "flowmoe $recipe: FAILED (exit $rc); the end of its log:"

@@ -145,7 +145,33 @@ TEST(AdamW, MastersOfRangesUpdateAsWholeParameters) {
         AdamW({copy}, cfg, {{6, 15}}, {Tensor::zeros({8}, DType::f32)});
       },
       {"master", "'w'", "[9]"}));
-  EXPECT_THROW(AdamW({copy}, cfg, {}, {master}), Error);  // masters need ranges
+  EXPECT_THROW(AdamW({copy}, cfg, {}, {master}), Error);  // without ranges a master is the whole parameter
+}
+
+// Whole masters (precision.param_dtype auto in one process): a bf16 parameter with an f32 master of all its
+// elements steps as the f32 parameter does and holds the update's cast; a parameter without a master (undefined)
+// is its own master, as without masters; a bf16 parameter needs one.
+TEST(AdamW, WholeMastersUpdateAsF32Parameters) {
+  Rng rng(test_seed());
+  const Tensor w0 = random_tensor(rng, {4, 5}), b0 = random_tensor(rng, {5}), g = random_tensor(rng, {4, 5});
+  const Tensor gb = random_tensor(rng, {5});
+  OptimizerConfig cfg;
+  cfg.weight_decay = 0.1;
+  Variable w(w0.clone(), true, "w"), b(b0.clone(), true, "b");
+  AdamW plain({w, b}, cfg);
+  Variable w16(w0.to(DType::bf16), true, "w"), b32(b0.clone(), true, "b");
+  Tensor master = w0.reshape({20}).clone();
+  AdamW narrow({w16, b32}, cfg, {}, {master, Tensor()});
+  for (int t = 0; t < 3; ++t) {
+    for (Variable* v : {&w, &w16}) v->set_grad(g.clone());
+    for (Variable* v : {&b, &b32}) v->set_grad(gb.clone());
+    plain.step(0.01, 1.0);
+    narrow.step(0.01, 1.0);
+  }
+  EXPECT_EQ(floats(master), floats(w.data()));
+  EXPECT_EQ(floats(w16.data()), floats(w.data().to(DType::bf16)));
+  EXPECT_EQ(floats(b32.data()), floats(b.data()));
+  EXPECT_TRUE(throws_naming<DTypeError>([&] { AdamW({w16, b32}, cfg, {}, {Tensor(), Tensor()}); }, {"'w'", "bf16"}));
 }
 
 TEST(AdamWCuda, UpdateMatchesCpu) {

@@ -36,13 +36,6 @@ const char* kModel = "model.safetensors";
 const char* kOptim = "optimizer.safetensors";
 const char* kMeta = "meta.json";
 
-std::string read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 template <class T>
 const T& pick(Gen& g, const std::vector<T>& v) {
   return v[g() % v.size()];

@@ -184,12 +184,15 @@ TEST(MemoryEstimate, EvaluationIsNearTheMeasuredPeak) {
 
 TEST(MemoryEstimate, GpuAndFp8TermsFollowWhatTheyKeep) {
   const fs::path d = fresh_dir("memory_terms");
-  // f32 masters everywhere; the GPU also keeps a bf16 copy of each dense weight for backward (the
-  // allocator's rounding of small tensors adds under 1%).
+  // f32 masters everywhere; the GPU also keeps the bf16 weights (precision.param_dtype auto), or f32 weights
+  // and the bf16 cast each op keeps for backward (f32): 6 bytes either way (the allocator's rounding of small
+  // tensors adds under 1%).
   const Config dense = run_config(kDense, d);
   const double P = double(count_parameters(dense.model));
   EXPECT_NEAR(estimate_memory(dense, Device::cpu()).weight_bytes, 4 * P, 0.01 * 4 * P);
   EXPECT_NEAR(estimate_memory(dense, Device::cuda(0)).weight_bytes, 6 * P, 0.01 * 6 * P);
+  const Config dense_f32 = run_config(kDense, d, {"precision.param_dtype=f32"});
+  EXPECT_NEAR(estimate_memory(dense_f32, Device::cuda(0)).weight_bytes, 6 * P, 0.01 * 6 * P);
   // bf16 activations are half the size of the CPU's f32 ones.
   EXPECT_LT(estimate_memory(dense, Device::cuda(0)).activation_bytes,
             0.6 * estimate_memory(dense, Device::cpu()).activation_bytes);

@@ -1,7 +1,9 @@
-// What the tests that run the trainer share: a directory of their own, emptied, and options that
-// print nothing.
+// What the tests that run the trainer share: a directory of their own, emptied, options that print
+// nothing, and a file's bytes.
 #pragma once
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "tests/test_util.h"
@@ -17,6 +19,14 @@ inline std::filesystem::path fresh_dir(const std::string& name) {
   std::filesystem::remove_all(d);
   std::filesystem::create_directories(d);
   return d;
+}
+
+// A file's bytes ("" when it cannot be read): checkpoints compared byte for byte.
+inline std::string read_bytes(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
 }
 
 // Train without progress output (the test reads the returned losses and the files).

@@ -56,6 +56,9 @@ struct OptimizerConfig {
 struct PrecisionConfig {
   std::string recipe = "bf16";  // bf16 | fp8_blockwise | fp8_flow (the routed experts' GEMMs; DESIGN.md §1)
   int64_t align_size = 16;      // 16 | 32 | 64 | 128
+  // auto | f32: the dtype the model's weights are stored in. auto: the compute dtype (bf16 on the GPU) where the
+  // forward reads it, with f32 masters in the optimizer; f32: f32 weights, cast at each use.
+  std::string param_dtype = "auto";
 };
 
 // The data-parallel size is not a key: it is the number of processes the launcher started.

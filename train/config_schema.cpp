@@ -224,6 +224,10 @@ const std::vector<Field>& schema() {
                 "row alignment of each expert's segment",
                 FLOWMOE_CONFIG_REF(precision.align_size)};
     f.push_back(align);
+    f.push_back(choice("precision", "param_dtype", FLOWMOE_CONFIG_REF(precision.param_dtype), {"auto", "f32"},
+                       "the dtype the model's weights are kept in: auto stores those the forward reads in bf16 (on "
+                       "GPUs) in bf16, written once per step by AdamW from its f32 masters; f32 keeps f32 weights and "
+                       "casts them at each use. The same losses either way"));
     // parallel
     f.push_back(integer("parallel", "expert_parallel_size", FLOWMOE_CONFIG_REF(parallel.expert_parallel_size), 1, 4096,
                         "ranks per expert-parallel group, each holding n_routed_experts / this of the routed experts; "

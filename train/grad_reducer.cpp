@@ -15,7 +15,7 @@ namespace flowmoe {
 
 GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> params,
                                  const std::vector<ParamShard>& shards, bool overlap, size_t bucket_bytes, int max_ctas,
-                                 bool shard, DType compute)
+                                 bool shard, DType weight_dtype)
     : ps_(ps), params_(std::move(params)), overlap_(overlap), shard_(shard) {
   FLOWMOE_CHECK(shards.size() == params_.size(), Error, "GradientReducer: ", params_.size(), " parameters but ",
                 shards.size(), " shards");
@@ -28,16 +28,16 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
   // parameter becomes final. Sharded, a bucket's weights have one dtype: each group fills one bucket per dtype.
   const size_t max_numel = bucket_bytes / sizeof(float);
   std::vector<Bucket> closed;
-  Bucket open[2][2];  // [group][f32 weights, compute-dtype weights]
+  Bucket open[2][2];  // [group][f32 weights, weight_dtype weights]
   for (size_t k = 0; k < params_.size(); ++k) {
     const size_t i = params_.size() - 1 - k;
     const int g = shards[i].expert && ps.expert_parallel_size > 1 ? 1 : 0;
-    const bool narrow = shard_ && compute != DType::f32 && !shards[i].reads_f32;
+    const bool narrow = shard_ && weight_dtype != DType::f32 && !shards[i].reads_f32;
     Bucket& b = open[g][narrow];
     const int64_t n = params_[i].data().numel();
     if (!b.params.empty() && size_t(b.numel + n) > max_numel) closed.push_back(std::exchange(b, {}));
     b.group = g;
-    b.dtype = narrow ? compute : DType::f32;
+    b.dtype = narrow ? weight_dtype : DType::f32;
     b.params.push_back(i);
     b.numel += n;
     index_of_[params_[i].impl()] = i;

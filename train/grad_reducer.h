@@ -32,10 +32,11 @@ class GradientReducer {
   // kernels take at most max_ctas thread blocks (0: as many as nccl chooses), leaving the other SMs
   // to the backward that runs beside them.
   // shard: the sharded form above (the parameters' data move into the buckets' weight buffers here), its
-  // model weights in compute (the forward's dtype) except where shards[i].reads_f32.
+  // model weights in weight_dtype (precision.param_dtype: the forward's dtype, or f32) except where
+  // shards[i].reads_f32.
   GradientReducer(const ParallelState& ps, std::vector<Variable> params, const std::vector<ParamShard>& shards,
                   bool overlap, size_t bucket_bytes = kGradientBucketBytes, int max_ctas = 0, bool shard = false,
-                  DType compute = DType::f32);
+                  DType weight_dtype = DType::f32);
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;

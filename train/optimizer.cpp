@@ -37,29 +37,32 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
   FLOWMOE_CHECK(!params_.empty(), Error, "AdamW: no parameters");
   FLOWMOE_CHECK(ranges.empty() || ranges.size() == params_.size(), Error, "AdamW: ", ranges.size(), " ranges for ",
                 params_.size(), " parameters");
-  FLOWMOE_CHECK(masters_.empty() || (sharded_ && masters_.size() == params_.size()), Error, "AdamW: ", masters_.size(),
-                " master weights for ", params_.size(), " parameters and ", ranges.size(), " ranges");
+  FLOWMOE_CHECK(masters_.empty() || masters_.size() == params_.size(), Error, "AdamW: ", masters_.size(),
+                " master weights for ", params_.size(), " parameters");
   Device dev = params_[0].device();
   for (const Variable& p : params_) {
     FLOWMOE_CHECK(p.is_leaf() && p.requires_grad(), Error, "AdamW: parameter '", p.name(),
                   "' must be a leaf that requires grad");
-    FLOWMOE_CHECK(p.dtype() == DType::f32 || (!masters_.empty() && p.dtype() == DType::bf16), DTypeError,
-                  "AdamW: parameter '", p.name(), "' is ", p.data().describe(),
-                  masters_.empty() ? "; master weights must be f32" : "; copies of f32 masters are f32 or bf16");
     FLOWMOE_CHECK(p.device() == dev, DeviceError, "AdamW: parameter '", p.name(), "' is on ", p.device().str(),
                   ", the first on ", dev.str());
     FLOWMOE_CHECK(p.data().is_contiguous(), Error, "AdamW: parameter '", p.name(), "' is not contiguous");
+    const size_t i = ranges_.size();
     const int64_t numel = p.data().numel();
-    ranges_.push_back(sharded_ ? ranges[ranges_.size()] : std::pair<int64_t, int64_t>{0, numel});
+    ranges_.push_back(sharded_ ? ranges[i] : std::pair<int64_t, int64_t>{0, numel});
     const auto [begin, end] = ranges_.back();
     FLOWMOE_CHECK(0 <= begin && begin <= end && end <= numel, Error, "AdamW: range [", begin, ", ", end, ") of '",
                   p.name(), "', which has ", numel, " elements");
-    if (!masters_.empty() && end > begin) {
-      const Tensor& w = masters_[ranges_.size() - 1];
-      FLOWMOE_CHECK(w.defined() && w.dtype() == DType::f32 && w.shape() == Shape{end - begin} && w.device() == dev &&
-                        w.is_contiguous(),
-                    Error, "AdamW: the master of '", p.name(), "' is ", w.defined() ? w.describe() : "undefined",
-                    ", expected f32 [", end - begin, "] on ", dev.str());
+    // A bf16 parameter is a copy: AdamW writes it from its master, or leaves it to another rank (empty range).
+    const bool has_master = !masters_.empty() && masters_[i].defined();
+    FLOWMOE_CHECK(p.dtype() == DType::f32 || (p.dtype() == DType::bf16 && (has_master || begin == end)), DTypeError,
+                  "AdamW: parameter '", p.name(), "' is ", p.data().describe(),
+                  has_master ? "; copies of f32 masters are f32 or bf16" : "; master weights must be f32");
+    if (has_master) {
+      const Tensor& w = masters_[i];
+      FLOWMOE_CHECK(
+          w.dtype() == DType::f32 && w.shape() == Shape{end - begin} && w.device() == dev && w.is_contiguous(), Error,
+          "AdamW: the master of '", p.name(), "' is ", w.describe(), ", expected f32 [", end - begin, "] on ",
+          dev.str());
     }
     // Whole moments take the parameter's shape; a range's are flat.
     const Shape moment_shape = sharded_ ? Shape{end - begin} : p.shape();
@@ -148,9 +151,10 @@ void AdamW::update_each(F&& update) {
     base.eps = float(cfg_.eps);
     base.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
     const double lr_multiplier = router_[i] ? cfg_.router_lr_scale : 1.0;
-    float* master = masters_.empty() ? p.data().data<float>() + begin : masters_[i].data<float>();
+    const bool has_master = !masters_.empty() && masters_[i].defined();
+    float* master = has_master ? masters_[i].data<float>() : p.data().data<float>() + begin;
     WeightCopy copy;
-    if (!masters_.empty())
+    if (has_master)
       copy = {static_cast<char*>(p.data().raw_data()) + begin * int64_t(dtype_size(p.dtype())), p.dtype()};
     update(p.device(), base, lr_multiplier, master, g.data<float>(), exp_avg_[i].data<float>(),
            exp_avg_sq_[i].data<float>(), end - begin, copy);

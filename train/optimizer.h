@@ -32,10 +32,11 @@ class AdamW {
   // gradients are not the parameters' but set_range_grads()'s. The squared norms then cover the ranges, so
   // they are this rank's share of a sum over its group. Without ranges every parameter is whole.
   //
-  // masters, with ranges (train/grad_reducer.h): per parameter the f32 master weights of its range (1-D, the
-  // range's length; undefined where it is empty). Then the parameters are the model's copies (f32, or bf16 where
-  // the forward computes in it): AdamW updates the master and writes the parameter's elements of the range from
-  // it, in the parameter's dtype (kernels/adamw.h, WeightCopy). Without masters the parameters are the masters.
+  // masters (precision.param_dtype, train/grad_reducer.h): per parameter the f32 master weights of its range
+  // (1-D, the range's length: the whole parameter without ranges), or undefined where the parameter is its own
+  // master (f32) or its range is empty. A parameter with a master is the model's copy (f32, or bf16 where the
+  // forward computes in it): AdamW updates the master and writes the parameter's elements of the range from it,
+  // in the parameter's dtype (kernels/adamw.h, WeightCopy).
   AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
         const std::vector<std::pair<int64_t, int64_t>>& ranges = {}, std::vector<Tensor> masters = {});
 
@@ -59,7 +60,8 @@ class AdamW {
   // Clears the parameters' gradients and the ranges'.
   void zero_grad();
 
-  bool sharded() const { return sharded_; }  // built with ranges
+  bool sharded() const { return sharded_; }                        // built with ranges
+  const std::vector<Tensor>& masters() const { return masters_; }  // as built (empty: none)
   // Sharded: per parameter, the gradient of its range (1-D f32 of the range's length on the parameters'
   // device; undefined: none this step, the range is left alone), until zero_grad().
   void set_range_grads(std::vector<Tensor> grads);
@@ -82,7 +84,7 @@ class AdamW {
   std::vector<bool> router_;  // per parameter: an MoE router's gate, stepped with lr * router_lr_scale
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // per parameter: the flat elements this rank updates
   std::vector<Tensor> range_grads_;                  // sharded: their gradients (set_range_grads)
-  std::vector<Tensor> masters_;                      // sharded, optional: the ranges' f32 master weights
+  std::vector<Tensor> masters_;                      // optional: the ranges' f32 master weights
   bool sharded_ = false;
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;

@@ -149,19 +149,30 @@ static void check_router_lr_scale(const Config& cfg, const AdamW& opt) {
                 "first_k_dense_replace covers every layer)");
 }
 
+// Parameter i's f32 master in the parameter's shape when AdamW holds it whole (optimizer_masters), else undefined.
+static Tensor whole_master(const AdamW& opt, size_t i, const Shape& shape) {
+  if (opt.sharded() || opt.masters().empty() || !opt.masters()[i].defined()) return Tensor();
+  return opt.masters()[i].view(shape);
+}
+
 // Loads the weights, optimizer state, buffers and data position of run.resume_dir.
 static void resume_from_checkpoint(TrainRun& run) {
   const Config& cfg = run.cfg;
   // Every rank reads the full tensors and keeps its rows of each expert shard; a sharded optimizer reads
-  // the weights and moments whole, on the host, and keeps its ranges of them (train/grad_reducer.h).
+  // the weights and moments whole, on the host, and keeps its ranges of them (train/grad_reducer.h). Whole
+  // masters (optimizer_masters) take the weights, and the model's copies are cast from them.
   const bool sharded = run.opt.sharded();
-  std::vector<Variable> params = run.model.parameters();
+  const std::vector<Variable> model_params = run.model.parameters();
+  std::vector<Variable> params = model_params;
   std::vector<Tensor> whole[3];  // sharded: the weights, exp_avg, exp_avg_sq
   for (std::vector<Tensor>& w : whole)
     if (sharded)
       for (const Variable& p : params) w.push_back(Tensor::zeros(p.shape(), DType::f32, Device::cpu()));
-  if (sharded)
-    for (size_t i = 0; i < params.size(); ++i) params[i] = Variable(whole[0][i], false, params[i].name());
+  for (size_t i = 0; i < params.size(); ++i)
+    if (sharded)
+      params[i] = Variable(whole[0][i], false, params[i].name());
+    else if (const Tensor master = whole_master(run.opt, i, params[i].shape()); master.defined())
+      params[i] = Variable(master, false, params[i].name());
   std::vector<Tensor>* exp_avg = sharded ? &whole[1] : &run.opt.exp_avg();
   std::vector<Tensor>* exp_avg_sq = sharded ? &whole[2] : &run.opt.exp_avg_sq();
   CheckpointMeta meta = load_checkpoint(run.resume_dir, params, exp_avg, exp_avg_sq, run.model.buffers(),
@@ -169,6 +180,13 @@ static void resume_from_checkpoint(TrainRun& run) {
   if (sharded) {
     run.reducer->load_masters(whole[0]);
     run.opt.load_moment_ranges(whole[1], whole[2]);
+  } else {
+    for (size_t i = 0; i < params.size(); ++i)
+      if (const Tensor master = whole_master(run.opt, i, params[i].shape()); master.defined()) {
+        Tensor weights = model_params[i].data();  // the same storage
+        weights.copy_(master.to(weights.dtype()));
+        model_params[i].bump_version();
+      }
   }
   FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
                 ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
@@ -210,13 +228,37 @@ static StepSchedule run_step_schedule(const Config& c) {
   return p;
 }
 
+// precision.param_dtype: what the weights the forward reads in the compute dtype are stored in.
+static DType weight_dtype(const Config& c, const Transformer& model) {
+  return c.precision.param_dtype == "f32" ? DType::f32 : model.compute_dtype();
+}
+
 // Several ranks reduce their gradients through a GradientReducer; one rank has none.
 static std::unique_ptr<GradientReducer> make_reducer(const Config& c, const ParallelState& ps,
                                                      const Transformer& model) {
   if (ps.world->size() == 1) return nullptr;
   return std::make_unique<GradientReducer>(
       ps, model.parameters(), model.parameter_shards(), c.parallel.overlap_grad_reduce, kGradientBucketBytes,
-      int(c.parallel.grad_reduce_sms), c.parallel.shard_optimizer, model.compute_dtype());
+      int(c.parallel.grad_reduce_sms), c.parallel.shard_optimizer, weight_dtype(c, model));
+}
+
+// AdamW's f32 masters. Sharded: the reducer's segments. Otherwise, where the weights are stored narrower than
+// f32, each such parameter's f32 data becomes its master (flat) and the parameter holds its cast from now on,
+// rewritten by AdamW at each update: nothing casts it at use. Undefined where a parameter is its own master.
+static std::vector<Tensor> optimizer_masters(const Config& c, Transformer& model, const GradientReducer* reducer) {
+  if (reducer && reducer->sharded()) return reducer->master_ranges();
+  const DType dtype = weight_dtype(c, model);
+  if (dtype == DType::f32) return {};
+  std::vector<Variable> params = model.parameters();
+  const std::vector<ParamShard>& shards = model.parameter_shards();
+  std::vector<Tensor> masters(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (shards[i].reads_f32) continue;
+    masters[i] = params[i].data();
+    params[i].store_as(masters[i].to(dtype));
+    masters[i] = masters[i].view({masters[i].numel()});
+  }
+  return masters;
 }
 
 TrainRun::TrainRun(const Config& c, const TrainOptions& o)
@@ -238,7 +280,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       reducer(make_reducer(c, parallel, model)),
       opt(model.parameters(), c.optimizer,
           reducer && reducer->sharded() ? reducer->owned_ranges() : std::vector<std::pair<int64_t, int64_t>>{},
-          reducer && reducer->sharded() ? reducer->master_ranges() : std::vector<Tensor>{}),
+          optimizer_masters(c, model, reducer.get())),
       state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
   if (c.parallel.dual_microbatch) {
@@ -304,7 +346,8 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   // (the other groups hold copies of the same state), the rest as every rank holds it. The data
   // position counts global batches, so the files depend on neither the world nor the group size.
   // A sharded optimizer's f32 master weights and moments are first gathered whole over the data-parallel
-  // groups, on every rank (the model's bf16 weights are not what a checkpoint holds).
+  // groups, on every rank; whole masters are written as they are (the model's bf16 weights are not what a
+  // checkpoint holds).
   const int64_t group_size = run.parallel.expert_parallel_size;
   const bool keep = run.rank < group_size;
   std::vector<Variable> weights = run.model.parameters();
@@ -315,6 +358,10 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
     const std::vector<Tensor> masters = run.reducer->full_masters(keep);
     if (keep)
       for (size_t i = 0; i < weights.size(); ++i) weights[i] = Variable(masters[i], false, weights[i].name());
+  } else {
+    for (size_t i = 0; i < weights.size(); ++i)
+      if (const Tensor master = whole_master(run.opt, i, weights[i].shape()); master.defined())
+        weights[i] = Variable(master, false, weights[i].name());
   }
   const std::vector<Tensor>& exp_avg = run.opt.sharded() ? moments.first : run.opt.exp_avg();
   const std::vector<Tensor>& exp_avg_sq = run.opt.sharded() ? moments.second : run.opt.exp_avg_sq();

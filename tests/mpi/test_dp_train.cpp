@@ -177,9 +177,10 @@ TEST(DataParallelSharded, ShardedOptimizerTrainsTheSameWeights) {
 }
 
 // The sharded optimizer on the GPU, where the model's weights are bf16 copies of f32 masters that AdamW writes
-// once per step (train/grad_reducer.h), against a full f32 copy on every rank that casts the weights at each
-// use: the same losses and checkpoints, bit for bit at 2 ranks. bf16 and fp8_flow (whose expert weights stay
-// f32: they are quantized from it). Both ranks on one GPU through the mpi backend, so one GPU suffices.
+// once per step (train/grad_reducer.h), against a full copy on every rank, with bf16 weights and whole masters
+// (precision.param_dtype auto) and with f32 weights cast at each use (f32): the same losses and checkpoints,
+// bit for bit at 2 ranks. bf16 and fp8_flow (whose expert weights stay f32: they are quantized from it). Both
+// ranks on one GPU through the mpi backend, so one GPU suffices.
 TEST(DataParallelCuda, ShardedBf16WeightsTrainTheSameWeights) {
   if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
   const fs::path d = fresh_dir("dp_sharded_cuda");
@@ -188,18 +189,21 @@ TEST(DataParallelCuda, ShardedBf16WeightsTrainTheSameWeights) {
     SCOPED_TRACE(recipe);
     const std::string base = gpu + " --set precision.recipe=" + recipe;
     const std::vector<StepMetrics> on = train_run(d, 2, recipe + "_on", base);
-    const std::vector<StepMetrics> off =
-        train_run(d, 2, recipe + "_off", base + " --set parallel.shard_optimizer=false");
-    ASSERT_EQ(on.size(), 20u);
-    ASSERT_EQ(off.size(), on.size());
-    for (size_t i = 0; i < on.size(); ++i) {
-      EXPECT_EQ(on[i].loss, off[i].loss) << "step " << on[i].step;
-      EXPECT_NEAR(on[i].grad_norm, off[i].grad_norm, 2e-5 * off[i].grad_norm) << "step " << on[i].step;
+    const std::string unsharded = base + " --set parallel.shard_optimizer=false";
+    for (const std::string dtype : {"auto", "f32"}) {
+      const std::string name = recipe + "_off_" + dtype;
+      const std::vector<StepMetrics> off = train_run(d, 2, name, unsharded + " --set precision.param_dtype=" + dtype);
+      ASSERT_EQ(on.size(), 20u);
+      ASSERT_EQ(off.size(), on.size());
+      for (size_t i = 0; i < on.size(); ++i) {
+        EXPECT_EQ(on[i].loss, off[i].loss) << name << " step " << on[i].step;
+        EXPECT_NEAR(on[i].grad_norm, off[i].grad_norm, 2e-5 * off[i].grad_norm) << name << " step " << on[i].step;
+      }
+      for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+        EXPECT_EQ(read_text(d / (recipe + "_on") / "checkpoints" / "step_00000020" / file),
+                  read_text(d / name / "checkpoints" / "step_00000020" / file))
+            << name << " " << file;
     }
-    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-      EXPECT_EQ(read_text(d / (recipe + "_on") / "checkpoints" / "step_00000020" / file),
-                read_text(d / (recipe + "_off") / "checkpoints" / "step_00000020" / file))
-          << file;
   }
   fs::remove_all(d);
 }
