@@ -549,7 +549,7 @@ def build_model_classes(torch):
             return y.view(B, S, H), aux, counts
 
     class Block(nn.Module):
-        def __init__(self, m, i, align_size, experts_impl, recompute):
+        def __init__(self, m, i, align_size, experts_impl, recompute, recompute_attention=False):
             super().__init__()
             std = m["initializer_range"]
             # flowmoe's output projections (o_proj, down_proj, fc2) start smaller so the residual
@@ -559,14 +559,21 @@ def build_model_classes(torch):
             self.input_layernorm = RMSNorm(H, m["rms_norm_eps"])
             self.self_attn = Attention(m, std, out_std)
             self.post_attention_layernorm = RMSNorm(H, m["rms_norm_eps"])
+            self.recompute_attention = recompute_attention
             self.is_moe = m["n_routed_experts"] > 0 and i >= m["first_k_dense_replace"]
             if self.is_moe:
                 self.mlp = MoeLayer(m, align_size, experts_impl, recompute, std, out_std)
             else:
                 self.mlp = Mlp(H, m["intermediate_size"], std, out_std)
 
+        def attention_branch(self, x, cos, sin):
+            return self.self_attn(self.input_layernorm(x), cos, sin)
+
         def forward(self, x, cos, sin):
-            h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            if self.recompute_attention:  # train.recompute: [attention]
+                h = x + torch.utils.checkpoint.checkpoint(self.attention_branch, x, cos, sin, use_reentrant=False)
+            else:
+                h = x + self.attention_branch(x, cos, sin)
             n = self.post_attention_layernorm(h)
             if self.is_moe:
                 y, aux, counts = self.mlp(n)
@@ -574,22 +581,23 @@ def build_model_classes(torch):
             return h + self.mlp(n), None, None
 
     class Decoder(nn.Module):
-        def __init__(self, m, align_size, experts_impl, recompute):
+        def __init__(self, m, align_size, experts_impl, recompute, recompute_attention):
             super().__init__()
             self.embed_tokens = nn.Embedding(m["vocab_size"], m["hidden_size"])
             normal_(self.embed_tokens.weight, m["initializer_range"])
             self.layers = nn.ModuleList(
-                Block(m, i, align_size, experts_impl, recompute) for i in range(m["num_hidden_layers"])
+                Block(m, i, align_size, experts_impl, recompute, recompute_attention)
+                for i in range(m["num_hidden_layers"])
             )
             self.norm = RMSNorm(m["hidden_size"], m["rms_norm_eps"])
 
     class Transformer(nn.Module):
         """Parameter names as flowmoe's (Hugging Face's): model.layers.1.mlp.gate.weight, ..."""
 
-        def __init__(self, m, align_size=16, experts_impl="grouped_mm", recompute=False):
+        def __init__(self, m, align_size=16, experts_impl="grouped_mm", recompute=False, recompute_attention=False):
             super().__init__()
             self.m = m
-            self.model = Decoder(m, align_size, experts_impl, recompute)
+            self.model = Decoder(m, align_size, experts_impl, recompute, recompute_attention)
             self.lm_head = nn.Linear(m["hidden_size"], m["vocab_size"], bias=False)
             if m["tie_word_embeddings"]:
                 self.lm_head.weight = self.model.embed_tokens.weight
@@ -714,7 +722,7 @@ def main(argv=None):
 
     try:
         import torch  # noqa: PLC0415
-        import torch.utils.checkpoint  # noqa: PLC0415,F401  (train.recompute: [moe_expert])
+        import torch.utils.checkpoint  # noqa: PLC0415,F401  (train.recompute: [moe_expert, attention])
     except ImportError:
         print("torch_peer: error: PyTorch is not installed for this Python (pip install torch)", file=sys.stderr)
         return 1
@@ -742,11 +750,12 @@ def main(argv=None):
     seed = tc["seed"] if args.seed is None else args.seed
     config_name = os.path.splitext(os.path.basename(args.config))[0]
     recompute = "moe_expert" in tc["recompute"]
+    recompute_attention = "attention" in tc["recompute"]
 
     torch.manual_seed(seed)
     Transformer = build_model_classes(torch)
     with torch.device(device):  # made where it trains: a 2B-parameter init on the host would be slow
-        model = Transformer(m, cfg["precision"]["align_size"], experts_impl, recompute)
+        model = Transformer(m, cfg["precision"]["align_size"], experts_impl, recompute, recompute_attention)
     num_params = sum(p.numel() for p in model.parameters())  # all of them, as flowmoe counts
     expected = expected_parameters(m)
     if num_params != expected:

@@ -42,7 +42,15 @@ Variable TransformerBlock::forward(const Variable& x, DType compute) const {
 Variable TransformerBlock::attention_half(const Variable& x, DType compute) const {
   ProfileScope layer(scope_);
   ProfileScope part("attention");
-  return add(x, self_attn_.forward(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute));
+  if (!recompute_attention_) return add(x, attention_branch(x, compute));
+  const CheckpointFn branch = [this, compute](const std::vector<Variable>& in) {
+    return std::vector<Variable>{attention_branch(in[0], compute)};
+  };
+  return add(x, checkpoint(branch, {x})[0]);
+}
+
+Variable TransformerBlock::attention_branch(const Variable& x, DType compute) const {
+  return self_attn_.forward(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute);
 }
 
 MoeLayer::Pending TransformerBlock::moe_begin(const Variable& h, DType compute) const {
@@ -83,6 +91,10 @@ Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, u
   stages_.resize(f.params().size(), cfg.num_hidden_layers + 1);
   params_ = f.params();
   shards_ = f.shards();
+}
+
+void Transformer::set_recompute_attention(bool on) {
+  for (const std::unique_ptr<TransformerBlock>& block : layers_) block->set_recompute_attention(on);
 }
 
 int64_t Transformer::num_parameters() const {

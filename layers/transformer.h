@@ -1,9 +1,10 @@
 // The dense decoder-only transformer (DeepSeek-V3 layout with plain MHA and a dense MLP):
 //   h = embed(ids);  per block: h += attn(rmsnorm(h)); h += mlp(rmsnorm(h));
 //   logits = rmsnorm(h) · W_headᵀ   (W_head = the embedding when tie_word_embeddings).
-// Parameters are f32 master weights named as Hugging Face does ("model.layers.0.self_attn.q_proj.weight").
-// The forward computes in `compute` dtype: f32 on the CPU; bf16 on the GPU, where each weight is
-// cast per use and its gradient returns to f32. Init is seeded and identical on every device.
+// Parameters are created as f32 weights named as Hugging Face does ("model.layers.0.self_attn.q_proj.weight").
+// The forward computes in `compute` dtype: f32 on the CPU; bf16 on the GPU, where each f32 weight is cast per
+// use (a bf16 one, which training may store, is read as it is) and its gradient returns to f32. Init is seeded
+// and identical on every device.
 #pragma once
 #include <functional>
 #include <memory>
@@ -30,9 +31,15 @@ class TransformerBlock {
   MoeLayer::Pending moe_begin(const Variable& h, DType compute) const;
   void moe_experts(MoeLayer::Pending& p) const;
   Variable moe_finish(const Variable& h, MoeLayer::Pending& p) const;
+  // train.recompute attention: attn(rmsnorm(x)) runs under checkpoint(), which keeps only x and runs it again
+  // in backward (the same code, so the same bits).
+  void set_recompute_attention(bool on) { recompute_attention_ = on; }
 
  private:
+  Variable attention_branch(const Variable& x, DType compute) const;  // attn(rmsnorm(x))
+
   double eps_;
+  bool recompute_attention_ = false;
   std::string scope_;  // "layers.<i>", the profiler's name for the block
   Variable input_layernorm_, post_attention_layernorm_;
   Attention self_attn_;
@@ -60,6 +67,7 @@ class Transformer {
   // (the same tokens: the batch's mean up to the order of the sums), each layer's aux term too.
   Losses losses(const Tensor& ids, const Tensor& targets) const;
   void set_dual_microbatch(bool on) { dual_microbatch_ = on; }  // parallel.dual_microbatch
+  void set_recompute_attention(bool on);                        // train.recompute attention (TransformerBlock)
   Variable loss(const Tensor& ids, const Tensor& targets) const { return losses(ids, targets).total(); }
 
   // State that is not trained but belongs to the model (the MoE expert biases); saved in checkpoints.

@@ -119,6 +119,27 @@ TEST(MemoryEstimate, DenseTrainingIsNearTheMeasuredPeak) {
   fs::remove_all(d);
 }
 
+// train.recompute attention: each block keeps 3 of its attention half's 8 [N, H] tensors, and its backward
+// holds one block's again; the estimate stays near the measured peak, which falls (a wide, long-sequence
+// model, so that attention's tensors dominate).
+TEST(MemoryEstimate, AttentionRecomputeKeepsLessAndStaysNearThePeak) {
+  const fs::path d = fresh_dir("memory_recompute");
+  const std::vector<std::string> wide = {"model.hidden_size=256", "model.num_hidden_layers=4", "data.seq_len=64"};
+  std::vector<std::string> recompute = wide;
+  recompute.push_back("train.recompute=[attention]");
+  const Config plain = run_config(kDense, d / "plain", wide), less = run_config(kDense, d / "less", recompute);
+  const double tokens = 8 * 64, H = 256, L = 4;
+  const double kept =
+      estimate_memory(plain, Device::cpu()).activation_bytes - estimate_memory(less, Device::cpu()).activation_bytes;
+  // 5 N H f32 per block, less what one block's recompute holds again beyond the logits' gradient (N V).
+  EXPECT_NEAR(kept, 4 * (5 * L * tokens * H - std::max(0.0, 5 * tokens * H - tokens * 256)), 0.02 * kept);
+  EXPECT_EQ(estimate_memory(less, Device::cpu(), MemoryUse::eval).activation_bytes,
+            estimate_memory(plain, Device::cpu(), MemoryUse::eval).activation_bytes);
+  expect_estimate_near_peak(less, "dense, attention recomputed");
+  EXPECT_LT(measured_training_peak(less, Device::cpu()), measured_training_peak(plain, Device::cpu()));
+  fs::remove_all(d);
+}
+
 TEST(MemoryEstimate, AccumulatedTrainingIsNearTheMeasuredPeak) {
   // Gradients outweigh the activations, and the second micro-batch adds to the held ones.
   const fs::path d = fresh_dir("memory_accum");

@@ -181,9 +181,10 @@ const std::vector<Field>& schema() {
     f.push_back(integer("train", "seed", FLOWMOE_CONFIG_REF(train.seed), 0, 9.0e15, "seed of the weight init"));
     f.push_back(choice("train", "nonfinite", FLOWMOE_CONFIG_REF(train.nonfinite), {"skip", "stop"},
                        "on a non-finite loss or gradient: skip the step, or stop with an error"));
-    f.push_back(choice_list("train", "recompute", FLOWMOE_CONFIG_REF(train.recompute), {"moe_expert"},
+    f.push_back(choice_list("train", "recompute", FLOWMOE_CONFIG_REF(train.recompute), {"moe_expert", "attention"},
                             "modules recomputed in backward: moe_expert keeps only the expert input (FP8 in fp8_flow) "
-                            "and recomputes fc1 and SwiGLU"));
+                            "and recomputes fc1 and SwiGLU; attention keeps only each block's input and recomputes "
+                            "its norm, q/k/v, RoPE, attention and output projection. The same gradients bit for bit"));
     f.push_back(integer("train", "max_skipped_steps", FLOWMOE_CONFIG_REF(train.max_skipped_steps), 0, 1e12,
                         "with nonfinite: skip, stop after this many skipped steps"));
     f.push_back(choice("train", "cuda_graph", FLOWMOE_CONFIG_REF(train.cuda_graph), {"auto", "on", "off"},

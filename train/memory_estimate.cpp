@@ -160,8 +160,10 @@ double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bo
 
 // What the graph keeps of one block's attention half, 8 N H a: block input, its norm, q, k (after RoPE), v,
 // attention output, residual, its norm. Attention keeps no [T, T] scores: both backends recompute them from q
-// and k in backward; the GPU keeps a [B, heads, T] f32 logsumexp.
-std::vector<Tensors> attention_tensors(const ModelConfig& c, double tokens, double a, bool gpu) {
+// and k in backward; the GPU keeps a [B, heads, T] f32 logsumexp. train.recompute attention keeps the block
+// input, the residual and its norm, 3 N H a; its backward holds one block's branch again at a time.
+std::vector<Tensors> attention_tensors(const ModelConfig& c, double tokens, double a, bool gpu, bool recompute) {
+  if (recompute) return {{3, tokens * double(c.hidden_size), a}};
   std::vector<Tensors> t = {{8, tokens * double(c.hidden_size), a}};
   if (gpu) t.push_back({1, tokens * double(c.num_attention_heads), 4});
   return t;
@@ -318,7 +320,8 @@ std::string MemoryEstimate::summary() const { return "about " + format_bytes(tot
 // sharded optimizer's rank keeps 1/N of each.
 // activations: what the autograd graph of one micro-batch keeps for backward: per block the attention half
 // (attention_tensors) and a dense MLP (swiglu_mlp_tensors) or an MoE layer (moe_tensors); the head, 2 N H a (the
-// last block's output and its norm), logits N V a and, from the start of backward, their gradient N V a.
+// last block's output and its norm), logits N V a and, from the start of backward, their gradient N V a (or, when
+// larger, a block's recomputed attention tensors: train.recompute attention).
 // Evaluation keeps no graph: weights, and the larger of one block's and the head's tensors.
 MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, const OptimizerShards& shards) {
   const ModelConfig& c = cfg.model;
@@ -336,7 +339,11 @@ MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, 
   e.num_parameters = count_parameters(c);  // the whole model's, whatever this rank holds
   e.weight_bytes = weight_bytes(cfg, groups, gpu, use, shards);
 
-  const double attention = allocated_bytes(attention_tensors(c, tokens, a, gpu), gpu);
+  const bool recompute_attention = use == MemoryUse::train && cfg.train.recomputes("attention");
+  const double attention = allocated_bytes(attention_tensors(c, tokens, a, gpu, recompute_attention), gpu);
+  // What one block's recomputed branch holds again while its backward runs (only one block's at a time).
+  const double recomputed =
+      recompute_attention ? allocated_bytes(attention_tensors(c, tokens, a, gpu, false), gpu) - attention : 0;
   const double dense = attention + allocated_bytes(swiglu_mlp_tensors(tokens, double(c.intermediate_size), a), gpu);
   const double moe = moe_layers > 0 ? attention + allocated_bytes(moe_tensors(cfg, tokens, a, gpu), gpu) : 0;
   const double logits = allocated_bytes({{1, tokens * double(c.vocab_size), a}}, gpu);
@@ -348,7 +355,7 @@ MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, 
       e.optimizer_bytes += allocated_bytes({{g.count, g.elements / ranks, 8}}, gpu);
     }
     e.gradient_bytes = gradient_bytes(cfg, groups, gpu, shards);
-    e.activation_bytes = dense_layers * dense + moe_layers * moe + head + logits;  // + the logits' gradient
+    e.activation_bytes = dense_layers * dense + moe_layers * moe + head + std::max(logits, recomputed);
   } else {
     e.activation_bytes = std::max({dense_layers > 0 ? dense : 0.0, moe, head});
   }
