@@ -129,13 +129,17 @@ struct TrainRun {
 };
 
 // Closes the progress display, completes the result and prints the summary, its last line the run's
-// time by part (run_summary.cpp). Collective: every rank reaches the end of the run together.
+// time by part. Collective: every rank reaches the end of the run together.
 TrainResult finish_run(TrainRun& run);
+
+// Loads the weights (into the optimizer's f32 masters where it keeps them), the optimizer state, the buffers
+// and the data position of run.resume_dir (run_checkpoint.cpp; TrainRun's constructor calls it).
+void resume_from_checkpoint(TrainRun& run);
 
 // Saves the run's weights, optimizer state and data position as the checkpoint of step `at`, and
 // records it in run.res.last_checkpoint. Collective: the first expert-parallel group gathers the
 // expert shards, rank 0 writes the full state while the others wait at a barrier, so the checkpoint
-// is complete when any rank goes on.
+// is complete when any rank goes on (run_checkpoint.cpp).
 void save_run_checkpoint(TrainRun& run, int64_t at);
 
 }  // namespace flowmoe
