@@ -9,24 +9,24 @@ namespace flowmoe {
 
 struct ModelConfig {
   int64_t vocab_size = 256;
-  int64_t hidden_size = 128;
+  int64_t hidden_size = 128;  // H, the residual stream's width
   int64_t num_hidden_layers = 2;
-  int64_t num_attention_heads = 4;
-  int64_t intermediate_size = 384;
-  int64_t max_position_embeddings = 128;
+  int64_t num_attention_heads = 4;        // each head H / heads wide
+  int64_t intermediate_size = 384;        // the dense MLP's width
+  int64_t max_position_embeddings = 128;  // the longest sequence the model takes
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
   bool tie_word_embeddings = false;
   double initializer_range = 0.02;
   // MoE (DeepSeek-V3 names). n_routed_experts = 0 builds a dense model; with experts, the layers from
   // first_k_dense_replace on are MoE layers (layers/transformer.h).
-  int64_t n_routed_experts = 0;
+  int64_t n_routed_experts = 0;  // E
   int64_t n_shared_experts = 1;
-  int64_t num_experts_per_tok = 2;
-  int64_t moe_intermediate_size = 256;
+  int64_t num_experts_per_tok = 2;      // k, the routed experts each token takes
+  int64_t moe_intermediate_size = 256;  // F, each expert's width (a shared expert's too)
   int64_t first_k_dense_replace = 0;
-  int64_t n_group = 1;
-  int64_t topk_group = 1;
+  int64_t n_group = 1;     // group-limited routing: E in n_group groups,
+  int64_t topk_group = 1;  // of which each token picks from the best topk_group
   std::string scoring_func = "sigmoid";
   bool norm_topk_prob = true;
   double routed_scaling_factor = 1.0;
