@@ -112,8 +112,8 @@ class Variable {
   bool defined() const { return impl_ != nullptr; }
   const Tensor& data() const { return impl()->data; }
   void set_data(const Tensor& t);  // e.g. the optimizer's update; shape/dtype/device must match
-  // A leaf's values from now on in t's dtype (a sharded optimizer's bf16 model weights, their f32 masters
-  // in the optimizer), its gradients still in the dtype it had: each one that reaches it is cast back to
+  // A leaf's values from now on in t's dtype (the bf16 model weights of precision.param_dtype, their f32
+  // masters in the optimizer), its gradients still in the dtype it had: each one that reaches it is cast back to
   // that, so a weight used twice sums its gradients as the f32 weight would. Shape and device must match.
   void store_as(const Tensor& t);
   // Caches derived from the data (the FP8 copy of an expert weight) compare versions to stay fresh.

@@ -18,7 +18,8 @@ struct ParamShard {
   int64_t offset = 0;     // the full tensor's dim-0 row this rank's row 0 is
   int64_t full_rows = 0;  // the full tensor's dim 0 (== the local dim 0 when not sharded)
   // The forward reads the f32 values themselves, not a compute-dtype copy (a router's gate, which routes in
-  // f32; FP8 expert weights, quantized from f32): a sharded optimizer keeps its model weights in f32.
+  // f32; FP8 expert weights, quantized from f32): training keeps these weights in f32 where it stores the others
+  // in bf16 (precision.param_dtype).
   bool reads_f32 = false;
   bool sharded(const Variable& p) const { return full_rows != p.size(0); }
 };
