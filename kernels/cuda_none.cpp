@@ -41,11 +41,14 @@ FLOWMOE_NO_CUDA(void, adamw_cuda,
 FLOWMOE_NO_CUDA(void, adamw_scheduled_cuda,
                 (float*, const float*, float*, float*, int64_t, const AdamWStep&, const StepScalars*, double,
                  cudaStream_t, WeightCopy))
+FLOWMOE_NO_CUDA(void, adamw_multi_cuda, (const AdamWTensor*, int64_t, const StepScalars*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, advance_step_cuda,
                 (StepScalars*, const StepSchedule&, const float*, const float*, const float*, const int32_t*,
                  cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_squares_cuda, (const float*, int64_t, float*, float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_values_cuda, (const float*, int64_t, float*, float*, cudaStream_t))
+FLOWMOE_NO_CUDA(void, sum_squares_multi_cuda, (const SumSlice*, int64_t, float*, cudaStream_t))
+FLOWMOE_NO_CUDA(void, sum_values_multi_cuda, (const SumSlice*, int64_t, float*, cudaStream_t))
 
 // kernels/attention.h
 FLOWMOE_NO_CUDA(void, attention_forward_cuda,

@@ -2,6 +2,7 @@
 // double, CUDA against the CPU over edge sizes, determinism, and the AdamW class end to end.
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "kernels/adamw.h"
 #include "tests/test_util.h"
@@ -270,15 +271,27 @@ TEST(AdamWCuda, SumSquaresMatchesCpuAndIsDeterministic) {
   EXPECT_TRUE(std::isnan(out.to_floats()[0])) << "a NaN gradient must show in the norm";
 }
 
+// More parameters than one multi-tensor launch takes (kernels/adamw.h): matrices that decay, vectors that do not,
+// a router at its own learning rate, a size of one; norms included.
 TEST(AdamWCuda, OptimizerClassMatchesCpu) {
   FLOWMOE_REQUIRE_CUDA();
   Rng rng(test_seed());
-  std::vector<Tensor> init = {random_tensor(rng, {64, 33}), random_tensor(rng, {33}), random_tensor(rng, {7, 5})};
-  std::vector<Tensor> grads = {random_tensor(rng, {64, 33}), random_tensor(rng, {33}), random_tensor(rng, {7, 5})};
+  std::vector<Tensor> init, grads;
+  std::vector<std::string> names;
+  for (int i = 0; i < 2 * kTensorsPerLaunch + 7; ++i) {
+    const int64_t n = (i * 37) % 300 + 1;
+    const Shape shape = i % 2 ? Shape{3, n} : Shape{n};
+    init.push_back(random_tensor(rng, shape));
+    grads.push_back(random_tensor(rng, shape));
+    std::string name = "p";  // appended, not "p" + ...: GCC 12's -Wrestrict false positive
+    name += std::to_string(i);
+    names.push_back(i == 5 ? "layers.0.mlp.gate.weight" : name);
+  }
   OptimizerConfig cfg;
+  cfg.weight_decay = 0.1;
+  cfg.router_lr_scale = 0.5;
   auto run = [&](Device dev, double* norm) {
     std::vector<Variable> ps;
-    const char* names[] = {"p0", "p1", "p2"};  // literals: "p" + to_string trips GCC 12's -Wrestrict false positive
     for (size_t i = 0; i < init.size(); ++i) ps.push_back(Variable(init[i].to(dev).clone(), true, names[i]));
     AdamW opt(ps, cfg);
     for (int t = 0; t < 3; ++t) {

@@ -74,7 +74,7 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
   if (dev.is_cuda()) {
     norm_slots_ = Tensor::zeros({2 * int64_t(params_.size())}, DType::f32, dev);
     norm_total_ = Tensor::zeros({2}, DType::f32, dev);
-    partials_ = Tensor::zeros({kReduceMaxBlocks}, DType::f32, dev);
+    partials_ = Tensor::zeros({int64_t(kTensorsPerLaunch) * kReduceMaxBlocks}, DType::f32, dev);
   }
 }
 
@@ -123,73 +123,89 @@ Tensor AdamW::grad_square_sums_device(const std::vector<bool>& flagged) {
                 params_.size(), " parameters");
   FLOWMOE_CHECK(norm_total_.defined(), DeviceError, "AdamW: grad_square_sums_device needs CUDA parameters");
   const auto second = [&](size_t i) { return !flagged.empty() && flagged[i]; };
-  Device dev = params_[0].device();
-  cudaStream_t stream = current_stream(dev.index);
+  cudaStream_t stream = current_stream(params_[0].device().index);
   const int64_t n = int64_t(params_.size());
   norm_slots_.zero_();
   float* slots = norm_slots_.data<float>();
   float* totals = norm_total_.data<float>();
+  // Each gradient's sum of squares into its class's slot, then each class's slots added up: one kernel pair
+  // per kTensorsPerLaunch gradients, the same bits as one reduction per gradient.
+  std::vector<Tensor> grads;  // alive until the launches are queued (a gathered range's copy)
+  std::vector<SumSlice> slices;
   for (size_t i = 0; i < params_.size(); ++i)
-    if (const Tensor g = range_grad(i); g.defined())
-      sum_squares_cuda(g.data<float>(), g.numel(), slots + (second(i) ? n : 0) + i, partials_.data<float>(), stream);
-  sum_values_cuda(slots, n, totals, partials_.data<float>(), stream);
-  sum_values_cuda(slots + n, n, totals + 1, partials_.data<float>(), stream);
+    if (const Tensor g = range_grad(i); g.defined()) {
+      grads.push_back(g);
+      slices.push_back({g.data<float>(), g.numel(), slots + (second(i) ? n : 0) + int64_t(i)});
+    }
+  sum_squares_multi_cuda(slices.data(), int64_t(slices.size()), partials_.data<float>(), stream);
+  const SumSlice classes[2] = {{slots, n, totals}, {slots + n, n, totals + 1}};
+  sum_values_multi_cuda(classes, 2, partials_.data<float>(), stream);
   return norm_total_;
 }
 
-template <class F>
-void AdamW::update_each(F&& update) {
+AdamW::Update AdamW::update_tensors() const {
+  Update u;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Variable& p = params_[i];
     const auto [begin, end] = ranges_[i];
     if (begin == end) continue;  // another rank's to update
     const Tensor g = range_grad(i);
     if (!g.defined()) continue;
-    AdamWStep base;
-    base.beta1 = float(cfg_.beta1);
-    base.beta2 = float(cfg_.beta2);
-    base.eps = float(cfg_.eps);
-    base.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
-    const double lr_multiplier = router_[i] ? cfg_.router_lr_scale : 1.0;
+    AdamWTensor t;
+    t.step.beta1 = float(cfg_.beta1);
+    t.step.beta2 = float(cfg_.beta2);
+    t.step.eps = float(cfg_.eps);
+    t.step.weight_decay = decay_[i] ? float(cfg_.weight_decay) : 0.0f;
+    t.lr_multiplier = router_[i] ? cfg_.router_lr_scale : 1.0;
     const bool has_master = !masters_.empty() && masters_[i].defined();
-    float* master = has_master ? masters_[i].data<float>() : p.data().data<float>() + begin;
-    WeightCopy copy;
+    t.param = has_master ? masters_[i].data<float>() : p.data().data<float>() + begin;
+    t.grad = g.data<float>();
+    t.exp_avg = exp_avg_[i].data<float>();
+    t.exp_avg_sq = exp_avg_sq_[i].data<float>();
+    t.n = end - begin;
     if (has_master)
-      copy = {static_cast<char*>(p.data().raw_data()) + begin * int64_t(dtype_size(p.dtype())), p.dtype()};
-    update(p.device(), base, lr_multiplier, master, g.data<float>(), exp_avg_[i].data<float>(),
-           exp_avg_sq_[i].data<float>(), end - begin, copy);
-    p.bump_version();  // updated in place: FP8 weight caches must re-quantize
+      t.copy = {static_cast<char*>(p.data().raw_data()) + begin * int64_t(dtype_size(p.dtype())), p.dtype()};
+    u.tensors.push_back(t);
+    u.grads.push_back(g);
+    u.params.push_back(i);
   }
+  return u;
+}
+
+void AdamW::bump_versions(const Update& u) {
+  for (size_t i : u.params) params_[i].bump_version();  // updated in place: FP8 weight caches must re-quantize
 }
 
 void AdamW::step(double lr, double grad_scale) {
   ++num_updates_;
   const float bias_correction1 = float(1.0 - std::pow(cfg_.beta1, double(num_updates_)));
   const float bias_correction2 = float(1.0 - std::pow(cfg_.beta2, double(num_updates_)));
-  update_each([&](Device dev, AdamWStep s, double lr_multiplier, float* w, const float* g, float* m, float* v,
-                  int64_t n, WeightCopy copy) {
-    s.lr = float(lr * lr_multiplier);
-    s.grad_scale = float(grad_scale);
-    s.bias_correction1 = bias_correction1;
-    s.bias_correction2 = bias_correction2;
-    if (dev.is_cpu())
-      adamw_cpu(w, g, m, v, n, s, copy);
-    else
-      adamw_cuda(w, g, m, v, n, s, current_stream(dev.index), copy);
-  });
+  Update u = update_tensors();
+  for (AdamWTensor& t : u.tensors) {
+    t.step.lr = float(lr * t.lr_multiplier);
+    t.step.grad_scale = float(grad_scale);
+    t.step.bias_correction1 = bias_correction1;
+    t.step.bias_correction2 = bias_correction2;
+  }
+  const Device dev = params_[0].device();
+  if (dev.is_cpu())
+    adamw_multi_cpu(u.tensors.data(), int64_t(u.tensors.size()));
+  else
+    adamw_multi_cuda(u.tensors.data(), int64_t(u.tensors.size()), nullptr, current_stream(dev.index));
+  bump_versions(u);
 }
 
 void AdamW::step(const StepScalars* control) {
   FLOWMOE_CHECK(control, Error, "AdamW: null step scalars");
+  const Device dev = params_[0].device();
   // CPU parameters: control is host memory, so the host makes the decision the CUDA kernel makes.
-  if (params_[0].device().is_cpu() && !control->apply) return;
-  update_each([&](Device dev, const AdamWStep& base, double lr_multiplier, float* w, const float* g, float* m, float* v,
-                  int64_t n, WeightCopy copy) {
-    if (dev.is_cpu())
-      adamw_cpu(w, g, m, v, n, scheduled_adamw_step(base, *control, lr_multiplier), copy);
-    else
-      adamw_scheduled_cuda(w, g, m, v, n, base, control, lr_multiplier, current_stream(dev.index), copy);
-  });
+  if (dev.is_cpu() && !control->apply) return;
+  const Update u = update_tensors();
+  if (dev.is_cpu())
+    adamw_multi_cpu(u.tensors.data(), int64_t(u.tensors.size()), control);
+  else
+    adamw_multi_cuda(u.tensors.data(), int64_t(u.tensors.size()), control, current_stream(dev.index));
+  bump_versions(u);
 }
 
 int64_t AdamW::num_router_params() const { return std::count(router_.begin(), router_.end(), true); }

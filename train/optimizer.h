@@ -1,11 +1,12 @@
 // AdamW on fp32 master weights, with its moments in fp32 beside them, the warmup-then-cosine
 // learning-rate schedule and global-norm gradient clipping. The math is kernels/adamw.h; this
-// class walks the parameters and picks the CPU or CUDA launcher by device.
+// class gathers the parameters into one multi-tensor update and picks the CPU or CUDA launcher by device.
 #pragma once
 #include <utility>
 #include <vector>
 
 #include "engine/autograd.h"
+#include "kernels/adamw.h"
 #include "kernels/step_control.h"
 #include "train/config.h"
 
@@ -89,10 +90,16 @@ class AdamW {
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;
   Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction: two classes of slots, two totals
-  // Walks the parameters that have a gradient, giving update(device, base step (betas, eps, weight decay),
-  // lr multiplier, master, grad, exp_avg, exp_avg_sq, numel, copy) each, then bumps the parameter's version.
-  template <class F>
-  void update_each(F&& update);
+  // One step's update: a multi-tensor table (kernels/adamw.h) of every parameter that has a gradient and elements
+  // here, each with its step's base (betas, eps, weight decay) and lr multiplier; the gradients it points into,
+  // kept alive until the update is queued; the parameters' indices, whose versions the update bumps.
+  struct Update {
+    std::vector<AdamWTensor> tensors;
+    std::vector<Tensor> grads;
+    std::vector<size_t> params;
+  };
+  Update update_tensors() const;
+  void bump_versions(const Update& u);
   // Parameter i's gradient over its range, contiguous (the whole parameter's unsharded), or undefined when it has
   // none this step.
   Tensor range_grad(size_t i) const;

@@ -23,6 +23,16 @@ void adamw_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_s
   }
 }
 
+void adamw_multi_cpu(const AdamWTensor* tensors, int64_t num_tensors, const StepScalars* control) {
+  FLOWMOE_CHECK(num_tensors >= 0 && (tensors || num_tensors == 0), Error, "adamw_multi_cpu: ", num_tensors, " tensors");
+  if (control && !control->apply) return;  // a skipped step: parameters and moments stay as they are
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    const AdamWTensor& t = tensors[i];
+    const AdamWStep s = control ? scheduled_adamw_step(t.step, *control, t.lr_multiplier) : t.step;
+    adamw_cpu(t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.n, s, t.copy);
+  }
+}
+
 double sum_squares_cpu(const float* x, int64_t n) {
   double acc = 0;
   for (int64_t i = 0; i < n; ++i) acc += double(x[i]) * double(x[i]);

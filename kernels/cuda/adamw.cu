@@ -1,11 +1,15 @@
-// AdamW update and deterministic sum-of-squares reduction on the GPU (math in kernels/adamw.h).
-//   adamw:        one thread per element (grid-stride), f32 params, grads and moments, fp32 math; the
-//                 weights' copy (kernels/adamw.h) in C = float or bf16, or none.
-//   sum_squares:  pass 1 - each of G <= kReduceMaxBlocks blocks reduces a grid-stride slice to
-//                 partials[block]; pass 2 - one block adds the G partials. G depends on n only, and
-//                 no atomics are used, so a given input always gives the same bits.
+// AdamW update and deterministic sum reductions on the GPU, over many tensors per launch (math in
+// kernels/adamw.h).
+//   adamw:  a table of up to kTensorsPerLaunch tensors in the kernel's parameters; tensor t owns a run of
+//           blocks that grid-stride over its n elements (f32 params, grads and moments, fp32 math), writing
+//           its copy (f32, bf16 or none) beside. Elementwise, so the bits do not depend on the table.
+//   sums:   pass 1 - each of a slice's G(n) <= kReduceMaxBlocks blocks reduces a grid-stride slice of it to
+//           its partials; pass 2 - one block per slice adds its G partials. G depends on n only and no
+//           atomics are used, so a slice gives the same bits alone or among others, run after run.
 // CPU reference: kernels/cpu/adamw.cpp. Tests: tests/test_adamw.cpp.
 #include <cuda_bf16.h>
+
+#include <algorithm>
 
 #include "kernels/adamw.h"
 #include "kernels/common/cuda_check.h"
@@ -13,19 +17,47 @@
 
 namespace flowmoe {
 
+namespace {
+
+constexpr int kThreads = 256;
+
+// One launch's tensors (or slices) and the blocks each owns: tensor t takes blocks [block_end[t-1], block_end[t]).
+template <class Item>
+struct LaunchTable {
+  Item items[kTensorsPerLaunch];
+  int block_end[kTensorsPerLaunch];
+  int num_items;
+};
+static_assert(sizeof(LaunchTable<AdamWTensor>) <= 4096, "a launch's table must fit the kernel parameters");
+
+// The item this block works on, its first block and its number of blocks.
+template <class Item>
+__device__ __forceinline__ int find_item(const LaunchTable<Item>& table, int* first_block, int* num_blocks) {
+  int t = 0;
+  while (t + 1 < table.num_items && int(blockIdx.x) >= table.block_end[t]) ++t;
+  *first_block = t ? table.block_end[t - 1] : 0;
+  *num_blocks = table.block_end[t] - *first_block;
+  return t;
+}
+
+}  // namespace
+
 // ---- kernels ----------------------------------------------------------------------------------
 
-// control: null for a step given by value, else the step's scalars on the device (kernels/step_control.h).
-// copy: null, or the weights' copy to write.
-template <class C>
-__global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
-                             float* __restrict__ exp_avg_sq, int64_t n, AdamWStep s,
-                             const StepScalars* __restrict__ control, double lr_multiplier, C* __restrict__ copy) {
-  if (control) {
-    if (!control->apply) return;  // a skipped step: parameters and moments stay as they are
-    s = scheduled_adamw_step(s, *control, lr_multiplier);
-  }
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+// control: null for steps given by value, else the step's scalars on the device (kernels/step_control.h).
+__global__ void adamw_multi_kernel(const __grid_constant__ LaunchTable<AdamWTensor> table,
+                                   const StepScalars* __restrict__ control) {
+  if (control && !control->apply) return;  // a skipped step: parameters and moments stay as they are
+  int first_block = 0, num_blocks = 0;
+  const AdamWTensor& t = table.items[find_item(table, &first_block, &num_blocks)];
+  const AdamWStep s = control ? scheduled_adamw_step(t.step, *control, t.lr_multiplier) : t.step;
+  float* __restrict__ param = t.param;
+  const float* __restrict__ grad = t.grad;
+  float* __restrict__ exp_avg = t.exp_avg;
+  float* __restrict__ exp_avg_sq = t.exp_avg_sq;
+  const int64_t n = t.n;
+  const int64_t stride = int64_t(num_blocks) * blockDim.x;
+  for (int64_t i = (blockIdx.x - first_block) * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
     float g = s.grad_scale * grad[i];
     float m = s.beta1 * exp_avg[i] + (1.0f - s.beta1) * g;
     float v = s.beta2 * exp_avg_sq[i] + (1.0f - s.beta2) * g * g;
@@ -35,87 +67,141 @@ __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict_
     float p = param[i];
     p = p - s.lr * (update + s.weight_decay * p);
     param[i] = p;
-    if (copy) copy[i] = from_float<C>(p);
+    if (t.copy.dtype == DType::bf16 && t.copy.data)
+      static_cast<__nv_bfloat16*>(t.copy.data)[i] = from_float<__nv_bfloat16>(p);
+    else if (t.copy.data)
+      static_cast<float*>(t.copy.data)[i] = p;
   }
 }
 
+// Pass 1: slice t's block b writes partials[t * kReduceMaxBlocks + b].
 template <bool kSquare>
-__global__ void reduce_partials_kernel(const float* __restrict__ x, int64_t n, float* __restrict__ partials) {
+__global__ void sum_partials_kernel(const __grid_constant__ LaunchTable<SumSlice> table, float* __restrict__ partials) {
   __shared__ float scratch[32];
+  int first_block = 0, num_blocks = 0;
+  const int t = find_item(table, &first_block, &num_blocks);
+  const SumSlice& slice = table.items[t];
+  const float* __restrict__ x = slice.x;
+  const int64_t stride = int64_t(num_blocks) * blockDim.x;
   float acc = 0.f;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t i = (blockIdx.x - first_block) * int64_t(blockDim.x) + threadIdx.x; i < slice.n; i += stride) {
     float v = x[i];
     acc += kSquare ? v * v : v;
   }
   acc = block_sum(acc, scratch);
-  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+  if (threadIdx.x == 0) partials[t * kReduceMaxBlocks + (blockIdx.x - first_block)] = acc;
 }
 
-// One block of kReduceMaxBlocks threads: thread t holds partials[t] (or 0).
-__global__ void reduce_final_kernel(const float* __restrict__ partials, int num_partials, float* __restrict__ out) {
+// Pass 2: block t (kReduceMaxBlocks threads) adds slice t's partials; thread j holds partial j (or 0).
+__global__ void sum_final_kernel(const __grid_constant__ LaunchTable<SumSlice> table,
+                                 const float* __restrict__ partials) {
   __shared__ float scratch[32];
-  float v = int(threadIdx.x) < num_partials ? partials[threadIdx.x] : 0.f;
+  const int t = blockIdx.x;
+  const int num_partials = table.block_end[t] - (t ? table.block_end[t - 1] : 0);
+  float v = int(threadIdx.x) < num_partials ? partials[t * kReduceMaxBlocks + threadIdx.x] : 0.f;
   v = block_sum(v, scratch);
-  if (threadIdx.x == 0) *out = v;
+  if (threadIdx.x == 0) *table.items[t].out = v;
 }
 
 // ---- launchers --------------------------------------------------------------------------------
 
-// Picks the kernel for the copy's dtype.
-static void launch_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
-                         const AdamWStep& s, const StepScalars* control, double lr_multiplier, WeightCopy copy,
-                         cudaStream_t stream, const char* what) {
-  FLOWMOE_CHECK(n >= 0, Error, what, ": negative size ", n);
-  if (n == 0) return;
-  FLOWMOE_CHECK(param && grad && exp_avg && exp_avg_sq, Error, what, ": null buffer for ", n, " elements");
-  const int threads = 256, blocks = grid_size(n, threads);
-  if (copy.data && copy.dtype == DType::bf16)
-    adamw_kernel<<<blocks, threads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, s, control, lr_multiplier,
-                                                 static_cast<__nv_bfloat16*>(copy.data));
-  else if (copy.data && copy.dtype == DType::f32)
-    adamw_kernel<<<blocks, threads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, s, control, lr_multiplier,
-                                                 static_cast<float*>(copy.data));
-  else if (!copy.data)
-    adamw_kernel<<<blocks, threads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, s, control, lr_multiplier,
-                                                 static_cast<float*>(nullptr));
-  else
-    FLOWMOE_THROW(DTypeError, what, ": a weight copy in ", dtype_name(copy.dtype), " (f32 or bf16)");
-  FLOWMOE_CUDA_CHECK_LAUNCH();
+// A reduction slice's pass-1 blocks: about 4 elements per thread, at most kReduceMaxBlocks (0 for none).
+static int sum_blocks(int64_t n) {
+  const int64_t want = (n + kThreads * 4 - 1) / (kThreads * 4);
+  return int(std::min<int64_t>(want, kReduceMaxBlocks));
+}
+
+// An update's blocks per tensor: one element per thread, grid-stride beyond 65536 blocks (cuda_utils.cuh).
+static int update_blocks(int64_t n) { return int(grid_size(n, kThreads)); }
+
+void adamw_multi_cuda(const AdamWTensor* tensors, int64_t num_tensors, const StepScalars* control,
+                      cudaStream_t stream) {
+  FLOWMOE_CHECK(num_tensors >= 0 && (tensors || num_tensors == 0), Error, "adamw_multi_cuda: ", num_tensors,
+                " tensors");
+  for (int64_t i = 0; i < num_tensors; ++i) {  // all checked before any is updated
+    const AdamWTensor& t = tensors[i];
+    FLOWMOE_CHECK(t.n >= 0, Error, "adamw_multi_cuda: tensor ", i, " has negative size ", t.n);
+    FLOWMOE_CHECK(t.n == 0 || (t.param && t.grad && t.exp_avg && t.exp_avg_sq), Error, "adamw_multi_cuda: tensor ", i,
+                  " has a null buffer for ", t.n, " elements");
+    FLOWMOE_CHECK(!t.copy.data || t.copy.dtype == DType::f32 || t.copy.dtype == DType::bf16, DTypeError,
+                  "adamw_multi_cuda: tensor ", i, " has a weight copy in ", dtype_name(t.copy.dtype), " (f32 or bf16)");
+  }
+  LaunchTable<AdamWTensor> table{};
+  int num_blocks = 0;
+  auto launch = [&] {
+    if (table.num_items == 0) return;
+    adamw_multi_kernel<<<num_blocks, kThreads, 0, stream>>>(table, control);
+    FLOWMOE_CUDA_CHECK_LAUNCH();
+    table.num_items = 0;
+    num_blocks = 0;
+  };
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    if (tensors[i].n == 0) continue;  // nothing to update: no blocks
+    num_blocks += update_blocks(tensors[i].n);
+    table.items[table.num_items] = tensors[i];
+    table.block_end[table.num_items++] = num_blocks;
+    if (table.num_items == kTensorsPerLaunch) launch();
+  }
+  launch();
 }
 
 void adamw_cuda(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamWStep& s,
                 cudaStream_t stream, WeightCopy copy) {
-  launch_adamw(param, grad, exp_avg, exp_avg_sq, n, s, nullptr, 1.0, copy, stream, "adamw_cuda");
+  const AdamWTensor t{param, grad, exp_avg, exp_avg_sq, n, s, 1.0, copy};
+  adamw_multi_cuda(&t, 1, nullptr, stream);
 }
 
 void adamw_scheduled_cuda(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
                           const AdamWStep& base, const StepScalars* control, double lr_multiplier, cudaStream_t stream,
                           WeightCopy copy) {
   FLOWMOE_CHECK(control, Error, "adamw_scheduled_cuda: null step scalars");
-  launch_adamw(param, grad, exp_avg, exp_avg_sq, n, base, control, lr_multiplier, copy, stream, "adamw_scheduled_cuda");
+  const AdamWTensor t{param, grad, exp_avg, exp_avg_sq, n, base, lr_multiplier, copy};
+  adamw_multi_cuda(&t, 1, control, stream);
 }
 
+// Slices of size 0 still get their pass-2 block, which writes 0.
 template <bool kSquare>
-static void reduce_cuda(const float* x, int64_t n, float* out, float* partials, cudaStream_t stream) {
-  FLOWMOE_CHECK(n >= 0, Error, "sum reduction: negative size ", n);
-  FLOWMOE_CHECK(out && partials, Error, "sum reduction: null output or scratch");
-  const int threads = 256;
-  int64_t want = (n + threads * 4 - 1) / (threads * 4);  // about 4 elements per thread
-  int blocks = int(want < kReduceMaxBlocks ? want : kReduceMaxBlocks);
-  if (blocks > 0) {
-    reduce_partials_kernel<kSquare><<<blocks, threads, 0, stream>>>(x, n, partials);
+static void sum_multi_cuda(const SumSlice* slices, int64_t num_slices, float* partials, cudaStream_t stream,
+                           const char* what) {
+  FLOWMOE_CHECK(num_slices >= 0 && (slices || num_slices == 0), Error, what, ": ", num_slices, " slices");
+  FLOWMOE_CHECK(partials || num_slices == 0, Error, what, ": null scratch");
+  for (int64_t i = 0; i < num_slices; ++i)  // all checked before any is summed
+    FLOWMOE_CHECK(slices[i].n >= 0 && slices[i].out && (slices[i].x || slices[i].n == 0), Error, what, ": slice ", i,
+                  " of ", slices[i].n, " elements has a null buffer or a negative size");
+  for (int64_t begin = 0; begin < num_slices; begin += kTensorsPerLaunch) {
+    LaunchTable<SumSlice> table{};
+    int num_blocks = 0;
+    table.num_items = int(std::min<int64_t>(num_slices - begin, kTensorsPerLaunch));
+    for (int t = 0; t < table.num_items; ++t) {
+      num_blocks += sum_blocks(slices[begin + t].n);
+      table.items[t] = slices[begin + t];
+      table.block_end[t] = num_blocks;
+    }
+    if (num_blocks > 0) {
+      sum_partials_kernel<kSquare><<<num_blocks, kThreads, 0, stream>>>(table, partials);
+      FLOWMOE_CUDA_CHECK_LAUNCH();
+    }
+    sum_final_kernel<<<table.num_items, kReduceMaxBlocks, 0, stream>>>(table, partials);
     FLOWMOE_CUDA_CHECK_LAUNCH();
   }
-  reduce_final_kernel<<<1, kReduceMaxBlocks, 0, stream>>>(partials, blocks, out);
-  FLOWMOE_CUDA_CHECK_LAUNCH();
+}
+
+void sum_squares_multi_cuda(const SumSlice* slices, int64_t num_slices, float* partials, cudaStream_t stream) {
+  sum_multi_cuda<true>(slices, num_slices, partials, stream, "sum_squares_multi_cuda");
+}
+
+void sum_values_multi_cuda(const SumSlice* slices, int64_t num_slices, float* partials, cudaStream_t stream) {
+  sum_multi_cuda<false>(slices, num_slices, partials, stream, "sum_values_multi_cuda");
 }
 
 void sum_squares_cuda(const float* x, int64_t n, float* out, float* partials, cudaStream_t stream) {
-  reduce_cuda<true>(x, n, out, partials, stream);
+  const SumSlice s{x, n, out};
+  sum_squares_multi_cuda(&s, 1, partials, stream);
 }
 
 void sum_values_cuda(const float* x, int64_t n, float* out, float* partials, cudaStream_t stream) {
-  reduce_cuda<false>(x, n, out, partials, stream);
+  const SumSlice s{x, n, out};
+  sum_values_multi_cuda(&s, 1, partials, stream);
 }
 
 }  // namespace flowmoe
