@@ -130,7 +130,7 @@ Tensor AdamW::grad_square_sums_device(const std::vector<bool>& flagged) {
   float* totals = norm_total_.data<float>();
   // Each gradient's sum of squares into its class's slot, then each class's slots added up: one kernel pair
   // per kTensorsPerLaunch gradients, the same bits as one reduction per gradient.
-  std::vector<Tensor> grads;  // alive until the launches are queued (a gathered range's copy)
+  std::vector<Tensor> grads;  // alive until the launches are queued (a strided gradient's contiguous copy)
   std::vector<SumSlice> slices;
   for (size_t i = 0; i < params_.size(); ++i)
     if (const Tensor g = range_grad(i); g.defined()) {
