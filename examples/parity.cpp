@@ -193,7 +193,7 @@ std::vector<PlannedRun> plan_runs(const ParityOptions& o) {
     plan.push_back(std::move(p));
   };
   for (const std::string& r : o.recipes) add(r, r, false, {});
-  const Config& ref = plan.front().cfg;
+  const Config ref = plan.front().cfg;  // a copy: the adds below grow `plan`, which may move its elements
   for (int64_t k = 1; k <= o.num_controls; ++k) {
     const std::string name = o.num_controls == 1 ? "control" : "control" + std::to_string(k);
     if (o.control == "eps")
