@@ -83,7 +83,7 @@ bool same_bits(const Tensor& a, const Tensor& b) {
   if (!a.defined() || !b.defined()) return a.defined() == b.defined();
   const Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
   return x.dtype() == y.dtype() && x.numel() == y.numel() &&
-         std::memcmp(x.raw_data(), y.raw_data(), size_t(x.numel()) * dtype_size(x.dtype())) == 0;
+         (x.numel() == 0 || std::memcmp(x.raw_data(), y.raw_data(), size_t(x.numel()) * dtype_size(x.dtype())) == 0);
 }
 
 void expect_same_bits(const std::vector<Buffers>& got, const std::vector<Buffers>& want, const char* what) {

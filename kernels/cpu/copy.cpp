@@ -77,7 +77,7 @@ static void store(void* p, DType t, int64_t i, double v) {
 
 void cast_cpu(void* dst, DType dst_type, const void* src, DType src_type, int64_t n) {
   if (dst_type == src_type) {
-    std::memcpy(dst, src, size_t(n) * dtype_size(dst_type));
+    if (n > 0) std::memcpy(dst, src, size_t(n) * dtype_size(dst_type));  // an empty tensor may have no storage
     return;
   }
   if (src_type == DType::i64 && dst_type == DType::i32) {  // exact path, no double round trip

@@ -86,7 +86,8 @@ void fp8_transpose_cpu(const uint8_t* q, const float* scale_inv, int64_t M, int6
     seg_start += rows_per_segment[s];
   }
   // Columns past the segments (a worst-case sized buffer) are zero.
-  for (int64_t j = 0; j < K; ++j) std::memset(q_t + j * M + seg_start, 0, size_t(M - seg_start));
+  if (seg_start < M)
+    for (int64_t j = 0; j < K; ++j) std::memset(q_t + j * M + seg_start, 0, size_t(M - seg_start));
 }
 
 }  // namespace flowmoe

@@ -24,7 +24,7 @@ void check_args(const char* what, DType dtype, int64_t M, int64_t F) {
 // Row r of an [M, n] f32/bf16 matrix, widened to f32 (exact).
 void load_row(DType dtype, const void* x, int64_t r, int64_t n, float* out) {
   if (dtype == DType::f32) {
-    std::memcpy(out, static_cast<const float*>(x) + r * n, size_t(n) * sizeof(float));
+    if (n > 0) std::memcpy(out, static_cast<const float*>(x) + r * n, size_t(n) * sizeof(float));
   } else {
     const uint16_t* b = static_cast<const uint16_t*>(x) + r * n;
     for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits_to_f32(b[i]);
@@ -33,7 +33,7 @@ void load_row(DType dtype, const void* x, int64_t r, int64_t n, float* out) {
 
 void store_row(DType dtype, void* x, int64_t r, int64_t n, const float* in) {
   if (dtype == DType::f32) {
-    std::memcpy(static_cast<float*>(x) + r * n, in, size_t(n) * sizeof(float));
+    if (n > 0) std::memcpy(static_cast<float*>(x) + r * n, in, size_t(n) * sizeof(float));
   } else {
     uint16_t* b = static_cast<uint16_t*>(x) + r * n;
     for (int64_t i = 0; i < n; ++i) b[i] = f32_to_bf16_bits(in[i]);
