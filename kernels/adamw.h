@@ -7,7 +7,7 @@
 // parameters); each element's math is the one-tensor update's, so the bits are too.
 // sum_squares: out = sum_i x[i]^2 (sum_values: sum_i x[i]), deterministic: a fixed two-pass tree,
 // no atomics, so the same input always gives the same bits. CPU reference: kernels/cpu/adamw.cpp;
-// CUDA: kernels/cuda/adamw.cu; optimizer: train/optimizer.cpp; tests: tests/test_adamw.cpp.
+// CUDA: kernels/cuda/adamw.cu; optimizer: train/optimizer.cpp; tests: tests/test_adamw.cpp, test_adamw_multi.cpp.
 #pragma once
 #include <cstdint>
 

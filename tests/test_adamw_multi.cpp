@@ -79,20 +79,23 @@ StepScalars scalars(bool apply) {
   return c;
 }
 
-bool same_bits(const Tensor& a, const Tensor& b) {
-  if (!a.defined() || !b.defined()) return a.defined() == b.defined();
-  const Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
-  return x.dtype() == y.dtype() && x.numel() == y.numel() &&
-         (x.numel() == 0 || std::memcmp(x.raw_data(), y.raw_data(), size_t(x.numel()) * dtype_size(x.dtype())) == 0);
+// The step's scalars as device bytes, where the CUDA update reads them.
+Tensor on_device(const StepScalars& c) {
+  Tensor host = Tensor::zeros({int64_t(sizeof c)}, DType::u8);
+  std::memcpy(host.raw_data(), &c, sizeof c);
+  return host.to(Device::cuda());
 }
 
 void expect_same_bits(const std::vector<Buffers>& got, const std::vector<Buffers>& want, const char* what) {
   for (size_t i = 0; i < got.size(); ++i) {
     SCOPED_TRACE(std::string(what) + ", tensor " + std::to_string(i) + " of " + std::to_string(got[i].param.numel()));
-    EXPECT_TRUE(same_bits(got[i].param, want[i].param));
-    EXPECT_TRUE(same_bits(got[i].exp_avg, want[i].exp_avg));
-    EXPECT_TRUE(same_bits(got[i].exp_avg_sq, want[i].exp_avg_sq));
-    EXPECT_TRUE(same_bits(got[i].copy, want[i].copy));
+    EXPECT_TRUE(bit_equal(got[i].param, want[i].param));
+    EXPECT_TRUE(bit_equal(got[i].exp_avg, want[i].exp_avg));
+    EXPECT_TRUE(bit_equal(got[i].exp_avg_sq, want[i].exp_avg_sq));
+    ASSERT_EQ(got[i].copy.defined(), want[i].copy.defined());
+    if (got[i].copy.defined()) {
+      EXPECT_TRUE(bit_equal(got[i].copy, want[i].copy));
+    }
   }
 }
 
@@ -108,14 +111,9 @@ void update_all(std::vector<Buffers>& bs, const StepScalars* control) {
   std::vector<AdamWTensor> tables;
   for (size_t i = 0; i < bs.size(); ++i) tables.push_back(bs[i].table(step_of(int(i)), lr_multiplier_of(int(i))));
   if (bs[0].param.device().is_cpu()) return adamw_multi_cpu(tables.data(), int64_t(tables.size()), control);
-  Tensor on_device;
-  if (control) {
-    Tensor host = Tensor::zeros({int64_t(sizeof(StepScalars))}, DType::u8);
-    std::memcpy(host.raw_data(), control, sizeof *control);
-    on_device = host.to(Device::cuda());
-  }
+  const Tensor scalars = control ? on_device(*control) : Tensor();
   adamw_multi_cuda(tables.data(), int64_t(tables.size()),
-                   control ? reinterpret_cast<const StepScalars*>(on_device.raw_data()) : nullptr, current_stream(0));
+                   control ? static_cast<const StepScalars*>(scalars.raw_data()) : nullptr, current_stream(0));
 }
 
 }  // namespace
@@ -130,11 +128,9 @@ TEST(AdamWMulti, CpuIsEachTensorAlone) {
     std::vector<Buffers> all = clone_to(init, Device::cpu()), each = clone_to(init, Device::cpu());
     update_all(all, scheduled ? &c : nullptr);
     for (size_t i = 0; i < each.size(); ++i) {
-      Buffers& b = each[i];
-      const AdamWStep s =
-          scheduled ? scheduled_adamw_step(step_of(int(i)), c, lr_multiplier_of(int(i))) : step_of(int(i));
-      adamw_cpu(b.param.data<float>(), b.grad.data<float>(), b.exp_avg.data<float>(), b.exp_avg_sq.data<float>(),
-                b.param.numel(), s, b.copy.defined() ? WeightCopy{b.copy.raw_data(), b.copy.dtype()} : WeightCopy{});
+      const AdamWTensor t = each[i].table(step_of(int(i)), lr_multiplier_of(int(i)));
+      const AdamWStep s = scheduled ? scheduled_adamw_step(t.step, c, t.lr_multiplier) : t.step;
+      adamw_cpu(t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.n, s, t.copy);
     }
     expect_same_bits(all, each, "multi against each");
   }
@@ -155,16 +151,14 @@ TEST(AdamWMultiCuda, EachTensorsBitsAloneOrTogetherAndTheCpus) {
     SCOPED_TRACE(scheduled ? "step scalars" : "steps given");
     const StepScalars c = scalars(true);
     const StepScalars* control = scheduled ? &c : nullptr;
+    const Tensor scalars = on_device(c);
     std::vector<Buffers> all = clone_to(init, Device::cuda()), cpu = clone_to(init, Device::cpu());
     update_all(all, control);
     update_all(cpu, control);
     for (size_t i = 0; i < init.size(); ++i) {
       std::vector<Buffers> alone = {init[i].to(Device::cuda())};
       std::vector<AdamWTensor> one = {alone[0].table(step_of(int(i)), lr_multiplier_of(int(i)))};
-      Tensor on_device = Tensor::zeros({int64_t(sizeof c)}, DType::u8);
-      std::memcpy(on_device.raw_data(), &c, sizeof c);
-      on_device = on_device.to(Device::cuda());
-      adamw_multi_cuda(one.data(), 1, control ? reinterpret_cast<const StepScalars*>(on_device.raw_data()) : nullptr,
+      adamw_multi_cuda(one.data(), 1, control ? static_cast<const StepScalars*>(scalars.raw_data()) : nullptr,
                        current_stream(0));
       expect_same_bits({all[i]}, alone, "multi against one");
       SCOPED_TRACE("tensor " + std::to_string(i));
@@ -172,7 +166,7 @@ TEST(AdamWMultiCuda, EachTensorsBitsAloneOrTogetherAndTheCpus) {
       EXPECT_TRUE(all_close(all[i].exp_avg, cpu[i].exp_avg, 1e-6, 1e-8));
       EXPECT_TRUE(all_close(all[i].exp_avg_sq, cpu[i].exp_avg_sq, 1e-6, 1e-8));
       if (all[i].copy.defined()) {
-        EXPECT_TRUE(same_bits(all[i].copy, all[i].param.to(all[i].copy.dtype())));
+        EXPECT_TRUE(bit_equal(all[i].copy, all[i].param.to(all[i].copy.dtype())));
       }
     }
   }
@@ -225,7 +219,7 @@ TEST(AdamWMultiCuda, SumsOfManySlicesAreEachSlicesBits) {
     for (int64_t i = 0; i < n; ++i)
       (square ? sum_squares_cuda : sum_values_cuda)(on_device[size_t(i)].data<float>(), xs[size_t(i)].numel(),
                                                     alone.data<float>() + i, partials.data<float>(), current_stream(0));
-    EXPECT_TRUE(same_bits(together, alone));
+    EXPECT_TRUE(bit_equal(together, alone));
     const std::vector<float> got = together.to_floats();
     for (int64_t i = 0; i < n; ++i) {
       double want = 0;

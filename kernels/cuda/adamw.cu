@@ -6,7 +6,7 @@
 //   sums:   pass 1 - each of a slice's G(n) <= kReduceMaxBlocks blocks reduces a grid-stride slice of it to
 //           its partials; pass 2 - one block per slice adds its G partials. G depends on n only and no
 //           atomics are used, so a slice gives the same bits alone or among others, run after run.
-// CPU reference: kernels/cpu/adamw.cpp. Tests: tests/test_adamw.cpp.
+// CPU reference: kernels/cpu/adamw.cpp. Tests: tests/test_adamw.cpp, tests/test_adamw_multi.cpp.
 #include <cuda_bf16.h>
 
 #include <algorithm>
