@@ -5,7 +5,8 @@
 # (ep_sync, ep_zero_sync), EP N/2 x DP 2 (epdp, at 4 and more), dp with a full optimizer copy on every
 # rank (dp_unsharded: parallel.shard_optimizer=false), dp without the overlapped gradient reduction
 # (dp_serial), dp with each block's attention half recomputed in backward (dp_recompute:
-# train.recompute=attention, against the one-GPU run without it) and ep_zero_sync with the shared experts on the compute stream (ep_serial_shared:
+# train.recompute=attention, against the one-GPU run without it; dp_recompute_all: attention and
+# moe_expert) and ep_zero_sync with the shared experts on the compute stream (ep_serial_shared:
 # parallel.shared_expert_overlap=off), ep_chunks<C>[_sms<S>] (zero_sync in C token chunks whose exchanges
 # overlap the experts, the grouped GEMMs leaving S SMs to them: parallel.exchange_chunks, exchange_sms) and
 # ep_capacity<F> (zero_sync with receive buffers of F times an even load: parallel.ep_capacity_factor),
@@ -113,6 +114,7 @@ for config_name in ${CONFIGS:-gpu_moe gpu_moe_wide}; do
           dp_unsharded) ep=1; extra=(--set parallel.shard_optimizer=false) ;;
           dp_serial) ep=1; extra=(--set parallel.overlap_grad_reduce=false) ;;
           dp_recompute) ep=1; extra=(--set train.recompute=attention) ;;
+          dp_recompute_all) ep=1; extra=(--set 'train.recompute=[attention,moe_expert]') ;;
           ep_sync) ep=$n; extra=(--set parallel.ep_dispatch=sync) ;;
           ep_zero_sync) ep=$n; extra=(--set parallel.ep_dispatch=zero_sync) ;;
           ep_capacity*)  # ep_capacity<F>: zero_sync, receive buffers of F times an even load
