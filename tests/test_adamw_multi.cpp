@@ -35,8 +35,11 @@ struct Buffers {
     if (copy.defined()) t.copy = {copy.raw_data(), copy.dtype()};
     return t;
   }
+  // A copy on dev, even where the buffers are there already (Tensor::to would hand back the same storage,
+  // and the updates below work in place).
   Buffers to(Device dev) const {
-    return {param.to(dev), grad.to(dev), exp_avg.to(dev), exp_avg_sq.to(dev), copy.defined() ? copy.to(dev) : Tensor()};
+    auto copy_of = [&](const Tensor& t) { return t.defined() ? t.to(dev).clone() : Tensor(); };
+    return {copy_of(param), copy_of(grad), copy_of(exp_avg), copy_of(exp_avg_sq), copy_of(copy)};
   }
 };
 
@@ -99,6 +102,16 @@ void expect_same_bits(const std::vector<Buffers>& got, const std::vector<Buffers
   }
 }
 
+// Every non-empty tensor's weights and moments moved: the comparisons above are between updates, not copies.
+void expect_updated(const std::vector<Buffers>& got, const std::vector<Buffers>& init) {
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (init[i].param.numel() == 0) continue;
+    SCOPED_TRACE("updated, tensor " + std::to_string(i));
+    EXPECT_FALSE(bit_equal(got[i].param, init[i].param));
+    EXPECT_FALSE(bit_equal(got[i].exp_avg, init[i].exp_avg));
+  }
+}
+
 std::vector<Buffers> clone_to(const std::vector<Buffers>& bs, Device dev) {
   std::vector<Buffers> out;
   for (const Buffers& b : bs) out.push_back(b.to(dev));
@@ -133,6 +146,7 @@ TEST(AdamWMulti, CpuIsEachTensorAlone) {
       adamw_cpu(t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.n, s, t.copy);
     }
     expect_same_bits(all, each, "multi against each");
+    expect_updated(all, init);
   }
   const StepScalars skip = scalars(false);
   std::vector<Buffers> skipped = clone_to(init, Device::cpu());
@@ -155,6 +169,8 @@ TEST(AdamWMultiCuda, EachTensorsBitsAloneOrTogetherAndTheCpus) {
     std::vector<Buffers> all = clone_to(init, Device::cuda()), cpu = clone_to(init, Device::cpu());
     update_all(all, control);
     update_all(cpu, control);
+    expect_updated(all, init);
+    expect_updated(cpu, init);
     for (size_t i = 0; i < init.size(); ++i) {
       std::vector<Buffers> alone = {init[i].to(Device::cuda())};
       std::vector<AdamWTensor> one = {alone[0].table(step_of(int(i)), lr_multiplier_of(int(i)))};
