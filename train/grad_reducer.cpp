@@ -171,6 +171,7 @@ void GradientReducer::begin() {
   range_grads_.clear();
   next_ = 0;
   launched_in_backward_ = 0;
+  reduced_in_place_ = 0;
   armed_ = true;
   // A backward that threw left the last guard armed: it goes first, so the new one is the hook in force.
   hook_.reset();
@@ -192,9 +193,9 @@ void GradientReducer::on_leaf(VariableImpl& leaf) {
   }
 }
 
-// The bucket's gradients into one flat buffer (zeros for a parameter without one here), reduced in place;
-// the parameters' own tensors are freed at once: their gradients become views of it, or, sharded, live on
-// in the bucket's segment (retire).
+// The bucket's gradients into one flat buffer (zeros for a parameter without one here), or a lone gradient
+// as it is, reduced in place; the parameters' own tensors are freed at once: their gradients become views
+// of it, or, sharded, live on in the bucket's segment (retire).
 void GradientReducer::launch(Bucket& b) {
   const Device device = params_[b.params.front()].device();
   // Inside the backward, some of these gradients may come from a side branch (the shared experts,
@@ -205,20 +206,31 @@ void GradientReducer::launch(Bucket& b) {
     retire(buckets_[in_flight_.front()]);
     in_flight_.erase(in_flight_.begin());
   }
-  b.flat = Tensor::empty({shard_ ? b.padded : b.numel}, DType::f32, device);
-  if (shard_ && b.padded > b.numel) b.flat.slice(0, b.numel, b.padded).zero_();
-  int64_t offset = 0;
-  for (size_t i : b.params) {
-    const Variable& p = params_[i];
-    const int64_t n = p.data().numel();
-    Tensor slot = b.flat.slice(0, offset, offset + n);
-    if (p.grad().defined()) {
-      slot.view(p.shape()).copy_(p.grad());
-    } else {
-      slot.zero_();
-      missing_[i] = true;
+  const int64_t flat_numel = shard_ ? b.padded : b.numel;
+  const Tensor& only = params_[b.params.front()].grad();
+  if (b.params.size() == 1 && only.defined() && only.dtype() == DType::f32 && only.numel() == flat_numel &&
+      only.is_contiguous() && only.is_sole_owner()) {
+    // One parameter's gradient that nothing else refers to (a large weight's own bucket: autograd keeps a
+    // fresh wgrad as it is) is reduced where it lies: the same sums, without reading and writing every
+    // byte of it once more (an expert weight's gradient is most of a step's gradient bytes).
+    b.flat = only.view({flat_numel});
+    ++reduced_in_place_;
+  } else {
+    b.flat = Tensor::empty({flat_numel}, DType::f32, device);
+    if (shard_ && b.padded > b.numel) b.flat.slice(0, b.numel, b.padded).zero_();
+    int64_t offset = 0;
+    for (size_t i : b.params) {
+      const Variable& p = params_[i];
+      const int64_t n = p.data().numel();
+      Tensor slot = b.flat.slice(0, offset, offset + n);
+      if (p.grad().defined()) {
+        slot.view(p.shape()).copy_(p.grad());
+      } else {
+        slot.zero_();
+        missing_[i] = true;
+      }
+      offset += n;
     }
-    offset += n;
   }
   if (shard_) {
     for (size_t i : b.params) params_[i].zero_grad();

@@ -89,6 +89,8 @@ class GradientReducer {
   // Buckets the last backward launched before finish(): how much of the reduction it could overlap.
   int64_t num_launched_in_backward() const { return launched_in_backward_; }
   bool overlaps() const { return overlap_; }
+  // Buckets the last reduction reduced in their one gradient's own buffer, with no copy into a flat one.
+  int64_t num_reduced_in_place() const { return reduced_in_place_; }
 
  private:
   struct Bucket {
@@ -142,7 +144,7 @@ class GradientReducer {
   std::vector<bool> final_;    // per parameter, in this backward
   std::vector<bool> missing_;  // per parameter: no gradient here when its bucket was launched
   size_t next_ = 0;            // the next bucket to launch
-  int64_t launched_in_backward_ = 0;
+  int64_t launched_in_backward_ = 0, reduced_in_place_ = 0;
   bool overlap_ = false, armed_ = false, shard_ = false;
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // sharded: per parameter, its elements in our segments
   std::vector<size_t> gather_order_;                 // sharded: the buckets in the order the forward first reads them

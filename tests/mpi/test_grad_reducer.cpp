@@ -38,14 +38,18 @@ Tensor coded_ids(int rank, int a) {
   return Tensor::from_ints(ids, {2, 16}, DType::i32);
 }
 
-// The gradients after `micro_batches` forward/backward passes on `device`, reduced by a fresh reducer.
+// 16 KiB buckets: a dozen of them, so that the overlap has something to launch early.
+constexpr size_t kTestBucketBytes = 16 << 10;
+
+// The gradients after `micro_batches` forward/backward passes on `device`, reduced by a fresh reducer with
+// buckets of bucket_bytes (in_place: how many it reduced in their one gradient's own buffer).
 std::vector<std::vector<float>> reduced_gradients(const ParallelState& ps, bool overlap, int micro_batches,
                                                   int64_t* launched_early, int64_t* buckets,
-                                                  Device device = Device::cpu()) {
+                                                  Device device = Device::cpu(), size_t bucket_bytes = kTestBucketBytes,
+                                                  int64_t* in_place = nullptr) {
   const Config cfg = moe_config();
   Transformer model(cfg.model, device, device.is_cuda() ? DType::bf16 : DType::f32, 7, moe_options(cfg, ps));
-  // 16 KiB buckets: a dozen of them, so that the overlap has something to launch early.
-  GradientReducer reducer(ps, model.parameters(), model.parameter_shards(), overlap, 16 << 10);
+  GradientReducer reducer(ps, model.parameters(), model.parameter_shards(), overlap, bucket_bytes);
   const int me = ps.world->rank();
   for (int a = 0; a < micro_batches; ++a) {
     const Tensor ids = coded_ids(me, a), targets = coded_ids(me, a + 1);
@@ -55,6 +59,7 @@ std::vector<std::vector<float>> reduced_gradients(const ParallelState& ps, bool 
   reducer.finish();
   *launched_early = reducer.num_launched_in_backward();
   *buckets = reducer.num_buckets();
+  if (in_place) *in_place = reducer.num_reduced_in_place();
   std::vector<std::vector<float>> out;
   for (const Variable& p : model.parameters())
     out.push_back(p.grad().defined() ? p.grad().to_floats() : std::vector<float>{});
@@ -86,6 +91,39 @@ TEST(GradientReducer, OverlappedBucketsGiveThePlainSumsBitForBit) {
         EXPECT_FALSE(plain[p].empty()) << "parameter " << p;
         EXPECT_TRUE(same_bits(plain[p], overlapped[p])) << "parameter " << p;
       }
+    }
+  }
+}
+
+// A bucket of one parameter reduces that gradient where it lies, with no copy into a flat buffer: the
+// same sums as the gradients copied side by side into one bucket per group (bit for bit at 2 ranks,
+// where a + b is one sum; MPI may order 4 ranks' sums otherwise for messages of other sizes).
+TEST(GradientReducer, LoneGradientsReduceWhereTheyLieToThePlainSums) {
+  Communicator& world = test_world();
+  for (int e = 1; e <= world.size(); ++e) {
+    if (world.size() % e != 0 || kExperts % e != 0) continue;
+    SCOPED_TRACE("expert_parallel_size " + std::to_string(e));
+    const ParallelState ps = make_parallel_state(test_runtime().world, e, kExperts);
+    int64_t early = 0, lone_buckets = 0, whole_buckets = 0, lone_in_place = 0, whole_in_place = 0;
+    // 4-byte buckets: one parameter each. 1 GiB buckets: one per group, every gradient copied into it.
+    const auto lone = reduced_gradients(ps, true, 2, &early, &lone_buckets, Device::cpu(), 4, &lone_in_place);
+    const auto whole =
+        reduced_gradients(ps, true, 2, &early, &whole_buckets, Device::cpu(), size_t(1) << 30, &whole_in_place);
+    EXPECT_EQ(size_t(lone_buckets), lone.size());
+    EXPECT_EQ(lone_in_place, lone_buckets) << "every lone gradient is a fresh tensor here";
+    EXPECT_LE(whole_buckets, 2);
+    EXPECT_EQ(whole_in_place, 0);
+    ASSERT_EQ(lone.size(), whole.size());
+    for (size_t p = 0; p < lone.size(); ++p) {
+      ASSERT_EQ(lone[p].size(), whole[p].size()) << "parameter " << p;
+      if (world.size() <= 2) {
+        EXPECT_TRUE(same_bits(lone[p], whole[p])) << "parameter " << p;
+        continue;
+      }
+      double scale = 0;
+      for (float v : whole[p]) scale = std::max(scale, double(std::abs(v)));
+      for (size_t j = 0; j < lone[p].size(); ++j)
+        ASSERT_NEAR(lone[p][j], whole[p][j], 1e-6 * scale) << "parameter " << p << " element " << j;
     }
   }
 }
@@ -124,13 +162,15 @@ TEST(GradientReducer, OverlapOnItsOwnStreamThroughNcclGivesThePlainSums) {
 // bit at 2 ranks, where a + b is one sum; MPI's reduce-scatter may order 4 ranks' otherwise), the
 // segments of a group cover each parameter exactly once, and gather_weights() gives every rank of the
 // group the values each owner wrote into its segment.
-void check_sharded_reduction(const ParallelState& ps, Device device) {
+// bucket_bytes 4: a parameter per bucket, its gradient reduce-scattered where it lies wherever the group's
+// size divides it.
+void check_sharded_reduction(const ParallelState& ps, Device device, size_t bucket_bytes = kTestBucketBytes) {
   const Config cfg = moe_config();
   int64_t early = 0, buckets = 0;
   const auto plain = reduced_gradients(ps, false, 2, &early, &buckets, device);
   Transformer model(cfg.model, device, device.is_cuda() ? DType::bf16 : DType::f32, 7, moe_options(cfg, ps));
   const std::vector<Variable>& params = model.parameters();
-  GradientReducer reducer(ps, params, model.parameter_shards(), true, 16 << 10, 0, /*shard=*/true);
+  GradientReducer reducer(ps, params, model.parameter_shards(), true, bucket_bytes, 0, /*shard=*/true);
   ASSERT_TRUE(reducer.sharded());
   const int me = ps.world->rank();
   for (int a = 0; a < 2; ++a) {
@@ -138,6 +178,9 @@ void check_sharded_reduction(const ParallelState& ps, Device device) {
     model.loss(coded_ids(me, a), coded_ids(me, a + 1)).backward();
   }
   reducer.finish();
+  if (bucket_bytes < 16) {
+    EXPECT_GT(reducer.num_reduced_in_place(), 0);
+  }
   const auto& ranges = reducer.owned_ranges();
   const auto group = [&](size_t i) -> Communicator& {
     return model.parameter_shards()[i].expert && ps.expert_parallel_size > 1 ? *ps.expert_data_parallel : *ps.world;
@@ -187,7 +230,10 @@ TEST(GradientReducer, ShardedSegmentsHoldThePlainSumsAndGatherEveryWeight) {
   for (int e = 1; e <= world.size(); ++e) {
     if (world.size() % e != 0 || kExperts % e != 0) continue;
     SCOPED_TRACE("expert_parallel_size " + std::to_string(e));
-    check_sharded_reduction(make_parallel_state(test_runtime().world, e, kExperts), Device::cpu());
+    const ParallelState ps = make_parallel_state(test_runtime().world, e, kExperts);
+    check_sharded_reduction(ps, Device::cpu());
+    SCOPED_TRACE("a parameter per bucket");
+    check_sharded_reduction(ps, Device::cpu(), 4);
   }
 }
 
