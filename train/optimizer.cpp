@@ -172,7 +172,12 @@ AdamW::Update AdamW::update_tensors() const {
   return u;
 }
 
-void AdamW::bump_versions(const Update& u) {
+void AdamW::apply(const Update& u, const StepScalars* control) {
+  const Device dev = params_[0].device();
+  if (dev.is_cpu())
+    adamw_multi_cpu(u.tensors.data(), int64_t(u.tensors.size()), control);
+  else
+    adamw_multi_cuda(u.tensors.data(), int64_t(u.tensors.size()), control, current_stream(dev.index));
   for (size_t i : u.params) params_[i].bump_version();  // updated in place: FP8 weight caches must re-quantize
 }
 
@@ -187,25 +192,14 @@ void AdamW::step(double lr, double grad_scale) {
     t.step.bias_correction1 = bias_correction1;
     t.step.bias_correction2 = bias_correction2;
   }
-  const Device dev = params_[0].device();
-  if (dev.is_cpu())
-    adamw_multi_cpu(u.tensors.data(), int64_t(u.tensors.size()));
-  else
-    adamw_multi_cuda(u.tensors.data(), int64_t(u.tensors.size()), nullptr, current_stream(dev.index));
-  bump_versions(u);
+  apply(u, nullptr);
 }
 
 void AdamW::step(const StepScalars* control) {
   FLOWMOE_CHECK(control, Error, "AdamW: null step scalars");
-  const Device dev = params_[0].device();
   // CPU parameters: control is host memory, so the host makes the decision the CUDA kernel makes.
-  if (dev.is_cpu() && !control->apply) return;
-  const Update u = update_tensors();
-  if (dev.is_cpu())
-    adamw_multi_cpu(u.tensors.data(), int64_t(u.tensors.size()), control);
-  else
-    adamw_multi_cuda(u.tensors.data(), int64_t(u.tensors.size()), control, current_stream(dev.index));
-  bump_versions(u);
+  if (params_[0].device().is_cpu() && !control->apply) return;
+  apply(update_tensors(), control);
 }
 
 int64_t AdamW::num_router_params() const { return std::count(router_.begin(), router_.end(), true); }

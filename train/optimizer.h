@@ -99,7 +99,9 @@ class AdamW {
     std::vector<size_t> params;
   };
   Update update_tensors() const;
-  void bump_versions(const Update& u);
+  // Runs u on the parameters' device (control: the step's scalars, host or device memory as adamw_multi_cpu or
+  // adamw_multi_cuda reads them, or null for steps given in u), then bumps the updated parameters' versions.
+  void apply(const Update& u, const StepScalars* control);
   // Parameter i's gradient over its range, contiguous (the whole parameter's unsharded), or undefined when it has
   // none this step.
   Tensor range_grad(size_t i) const;
