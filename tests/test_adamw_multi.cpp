@@ -129,6 +129,14 @@ void update_all(std::vector<Buffers>& bs, const StepScalars* control) {
                    control ? static_cast<const StepScalars*>(scalars.raw_data()) : nullptr, current_stream(0));
 }
 
+// A skipped step (the step scalars' apply false) on copies of init on dev moves nothing.
+void expect_skip_moves_nothing(const std::vector<Buffers>& init, Device dev) {
+  const StepScalars skip = scalars(false);
+  std::vector<Buffers> skipped = clone_to(init, dev);
+  update_all(skipped, &skip);
+  expect_same_bits(skipped, init, "a skipped step");
+}
+
 }  // namespace
 
 // On the CPU the multi-tensor call is the one-tensor reference over each tensor; a skipped step moves nothing.
@@ -148,10 +156,7 @@ TEST(AdamWMulti, CpuIsEachTensorAlone) {
     expect_same_bits(all, each, "multi against each");
     expect_updated(all, init);
   }
-  const StepScalars skip = scalars(false);
-  std::vector<Buffers> skipped = clone_to(init, Device::cpu());
-  update_all(skipped, &skip);
-  expect_same_bits(skipped, init, "a skipped step");
+  expect_skip_moves_nothing(init, Device::cpu());
 }
 
 // On the GPU: one call over every tensor equals each tensor's own launch bit for bit (the blocks a tensor
@@ -186,10 +191,7 @@ TEST(AdamWMultiCuda, EachTensorsBitsAloneOrTogetherAndTheCpus) {
       }
     }
   }
-  const StepScalars skip = scalars(false);
-  std::vector<Buffers> skipped = clone_to(init, Device::cuda());
-  update_all(skipped, &skip);
-  expect_same_bits(skipped, init, "a skipped step");
+  expect_skip_moves_nothing(init, Device::cuda());
 }
 
 // Bad tables are refused before anything moves, naming the tensor.

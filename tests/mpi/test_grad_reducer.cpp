@@ -70,12 +70,36 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-TEST(GradientReducer, OverlappedBucketsGiveThePlainSumsBitForBit) {
-  Communicator& world = test_world();
-  for (int e = 1; e <= world.size(); ++e) {
-    if (world.size() % e != 0 || kExperts % e != 0) continue;
+// got[j] and want[j] sum the same terms over `ranks` ranks: bit for bit at 2, where a + b is one sum; at more,
+// MPI may add them in another order, off by ulps of the terms (scale: the largest), which may be far larger
+// than the sum.
+::testing::AssertionResult same_sums(const float* got, const float* want, size_t n, double scale, int ranks) {
+  for (size_t j = 0; j < n; ++j) {
+    const bool same = ranks <= 2 ? got[j] == want[j] : std::abs(double(got[j]) - want[j]) <= 1e-6 * scale;
+    if (!same) return ::testing::AssertionFailure() << "element " << j << ": " << got[j] << " against " << want[j];
+  }
+  return ::testing::AssertionSuccess();
+}
+
+double largest_magnitude(const std::vector<float>& v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, double(std::abs(x)));
+  return m;
+}
+
+// Runs check on the test's world at every expert-parallel size it allows.
+template <class F>
+void for_each_layout(F&& check) {
+  const int n = test_world().size();
+  for (int e = 1; e <= n; ++e) {
+    if (n % e != 0 || kExperts % e != 0) continue;
     SCOPED_TRACE("expert_parallel_size " + std::to_string(e));
-    const ParallelState ps = make_parallel_state(test_runtime().world, e, kExperts);
+    check(make_parallel_state(test_runtime().world, e, kExperts));
+  }
+}
+
+TEST(GradientReducer, OverlappedBucketsGiveThePlainSumsBitForBit) {
+  for_each_layout([](const ParallelState& ps) {
     for (int micro_batches : {1, 2}) {
       SCOPED_TRACE(std::to_string(micro_batches) + " micro-batches");
       int64_t early_plain = 0, early_overlap = 0, buckets = 0;
@@ -92,18 +116,14 @@ TEST(GradientReducer, OverlappedBucketsGiveThePlainSumsBitForBit) {
         EXPECT_TRUE(same_bits(plain[p], overlapped[p])) << "parameter " << p;
       }
     }
-  }
+  });
 }
 
 // A bucket of one parameter reduces that gradient where it lies, with no copy into a flat buffer: the
 // same sums as the gradients copied side by side into one bucket per group (bit for bit at 2 ranks,
 // where a + b is one sum; MPI may order 4 ranks' sums otherwise for messages of other sizes).
 TEST(GradientReducer, LoneGradientsReduceWhereTheyLieToThePlainSums) {
-  Communicator& world = test_world();
-  for (int e = 1; e <= world.size(); ++e) {
-    if (world.size() % e != 0 || kExperts % e != 0) continue;
-    SCOPED_TRACE("expert_parallel_size " + std::to_string(e));
-    const ParallelState ps = make_parallel_state(test_runtime().world, e, kExperts);
+  for_each_layout([](const ParallelState& ps) {
     int64_t early = 0, lone_buckets = 0, whole_buckets = 0, lone_in_place = 0, whole_in_place = 0;
     // 4-byte buckets: one parameter each. 1 GiB buckets: one per group, every gradient copied into it.
     const auto lone = reduced_gradients(ps, true, 2, &early, &lone_buckets, Device::cpu(), 4, &lone_in_place);
@@ -116,16 +136,11 @@ TEST(GradientReducer, LoneGradientsReduceWhereTheyLieToThePlainSums) {
     ASSERT_EQ(lone.size(), whole.size());
     for (size_t p = 0; p < lone.size(); ++p) {
       ASSERT_EQ(lone[p].size(), whole[p].size()) << "parameter " << p;
-      if (world.size() <= 2) {
-        EXPECT_TRUE(same_bits(lone[p], whole[p])) << "parameter " << p;
-        continue;
-      }
-      double scale = 0;
-      for (float v : whole[p]) scale = std::max(scale, double(std::abs(v)));
-      for (size_t j = 0; j < lone[p].size(); ++j)
-        ASSERT_NEAR(lone[p][j], whole[p][j], 1e-6 * scale) << "parameter " << p << " element " << j;
+      ASSERT_TRUE(
+          same_sums(lone[p].data(), whole[p].data(), lone[p].size(), largest_magnitude(whole[p]), ps.world->size()))
+          << "parameter " << p;
     }
-  }
+  });
 }
 
 // Runs check on an nccl world of a GPU per rank, at expert-parallel size 1 and the world's.
@@ -197,15 +212,9 @@ void check_sharded_reduction(const ParallelState& ps, Device device, size_t buck
     if (end == begin) continue;
     ASSERT_EQ(mine.numel(), end - begin) << "parameter " << i;
     const std::vector<float> got = mine.to_floats();
-    // A sum of 4 in another order: off by ulps of its terms, which may be far larger than the sum.
-    double scale = 0;
-    for (float v : plain[i]) scale = std::max(scale, double(std::abs(v)));
-    for (int64_t j = begin; j < end; ++j) {
-      if (ps.world->size() <= 2)
-        ASSERT_EQ(got[size_t(j - begin)], plain[i][size_t(j)]) << "parameter " << i << " element " << j;
-      else
-        ASSERT_NEAR(got[size_t(j - begin)], plain[i][size_t(j)], 1e-6 * scale) << "parameter " << i << " element " << j;
-    }
+    ASSERT_TRUE(
+        same_sums(got.data(), plain[i].data() + begin, got.size(), largest_magnitude(plain[i]), ps.world->size()))
+        << "parameter " << i << ", its range from element " << begin;
   }
   reducer.release_grads();
   EXPECT_TRUE(reducer.range_grads().empty()) << "the segments are released once read";
@@ -226,15 +235,11 @@ void check_sharded_reduction(const ParallelState& ps, Device device, size_t buck
 }
 
 TEST(GradientReducer, ShardedSegmentsHoldThePlainSumsAndGatherEveryWeight) {
-  Communicator& world = test_world();
-  for (int e = 1; e <= world.size(); ++e) {
-    if (world.size() % e != 0 || kExperts % e != 0) continue;
-    SCOPED_TRACE("expert_parallel_size " + std::to_string(e));
-    const ParallelState ps = make_parallel_state(test_runtime().world, e, kExperts);
+  for_each_layout([](const ParallelState& ps) {
     check_sharded_reduction(ps, Device::cpu());
     SCOPED_TRACE("a parameter per bucket");
     check_sharded_reduction(ps, Device::cpu(), 4);
-  }
+  });
 }
 
 TEST(GradientReducer, ShardedThroughNcclOnItsOwnStream) {
