@@ -5,10 +5,11 @@
 # grouped GEMMs build on them; it skips when they are already there).
 # Open MPI (openmpi-bin, libopenmpi-dev) builds the mpi backend of parallel/ and runs its tests under
 # mpirun; flowmoe still builds without it (single process only). clang-format (14 on Debian 12) checks
-# the sources' format in the test command (scripts/check_format.sh).
+# the sources' format in the test command (scripts/check_format.sh). python3-pip installs the pinned
+# CUTLASS headers and the interoperability tests' Python packages (scripts/install_python_deps.sh).
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libeigen3-dev libyaml-cpp-dev libgtest-dev gnuplot-nox
-      openmpi-bin libopenmpi-dev clang-format)
+      openmpi-bin libopenmpi-dev clang-format python3-pip)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -16,12 +17,17 @@ done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "[deps] all present: ${pkgs[*]}"
 else
-  echo "[deps] installing: ${missing[*]}"
+  # apt's own output (hundreds of lines) goes to a log, shown only when apt fails.
+  log="$(mktemp "${TMPDIR:-/tmp}/flowmoe-apt.XXXXXX.log")"
+  echo "[deps] installing ${#missing[@]} Debian packages (${missing[*]}); apt's output: $log"
   sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
   export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq
-  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  if ! { $sudo apt-get update -qq && $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "[deps] apt-get failed (its output is above, and in $log)" >&2
+    exit 1
+  fi
 fi
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   "$(dirname "$0")/install_cutlass.sh"

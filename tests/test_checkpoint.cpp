@@ -336,10 +336,14 @@ TEST(Checkpoint, OddDirectoryNamesAreNotCheckpoints) {
 }
 
 // Python's safetensors package opens a real checkpoint and sees the same names, shapes and values.
+// The packages come from scripts/install_python_deps.sh (run by the test command) in .deps/python.
 TEST(Checkpoint, PythonSafetensorsOpensCheckpoints) {
-  if (std::system("python3 -c 'import safetensors.numpy, numpy' >/dev/null 2>&1") != 0)
+  const char* inherited = std::getenv("PYTHONPATH");
+  const std::string python = "PYTHONPATH='" FLOWMOE_SOURCE_DIR "/.deps/python" +
+                             std::string(inherited && *inherited ? std::string(":") + inherited : "") + "' python3";
+  if (std::system((python + " -c 'import safetensors.numpy, numpy' >/dev/null 2>&1").c_str()) != 0)
     GTEST_SKIP() << "python3 with the safetensors and numpy packages is not available "
-                    "(pip install safetensors numpy): Python interoperability not checked";
+                    "(scripts/install_python_deps.sh installs them): Python interoperability not checked";
   fs::path d = fresh_dir("ckpt_python");
   Config c = tiny_config(d / "run");
   c.train.steps = 2;
@@ -382,7 +386,7 @@ TEST(Checkpoint, PythonSafetensorsOpensCheckpoints) {
                            "            seen += 1\n"
                            "assert seen == len(expect), (seen, len(expect))\n"
                            "print('python safetensors: %d tensors match' % seen)\n";
-  int status = std::system(("python3 " + script.string() + " " + ckpt.string()).c_str());
+  int status = std::system((python + " " + script.string() + " " + ckpt.string()).c_str());
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the Python check failed (its output is above)";
   fs::remove_all(d);
 }
