@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first command: installs the Debian packages, builds flowmoe (with CUDA when nvcc is found),
 # and trains the default config, configs/tiny.yaml: on the GPU when one is present, else on the
-# CPU (about 1 minute on 2 cores). Then draws the loss curve to runs/tiny/loss.png.
+# CPU (about 1 minute on 2 cores). Then draws the loss curve to runs/tiny_loss.png.
 #   scripts/quickstart.sh                         # as is
 #   scripts/quickstart.sh --set train.steps=100   # extra arguments go to `flowmoe train`
 #   BUILD_DIR=/tmp/b FLOWMOE_CUDA=OFF scripts/quickstart.sh
@@ -18,5 +18,5 @@ echo "[quickstart] building the flowmoe command"
 cmake --build "$build" --target flowmoe -j"$(nproc)"
 echo "[quickstart] training configs/tiny.yaml"
 "$build"/flowmoe train --config configs/tiny.yaml "$@"
-"$build"/flowmoe plot runs/tiny --output runs/tiny/loss.png --title "configs/tiny.yaml" \
+"$build"/flowmoe plot runs/tiny --output runs/tiny_loss.png --title "configs/tiny.yaml" \
   || echo "[quickstart] (no plot: install gnuplot-nox or matplotlib)"

@@ -96,7 +96,7 @@ static std::string make_run_dir(const Config& cfg) {
   FLOWMOE_CHECK(!ec, IoError, "cannot create the run directory '", dir, "': ", ec.message());
   std::ofstream out(fs::path(dir) / "config.yaml");
   out << to_yaml(cfg);
-  FLOWMOE_CHECK(out.good(), IoError, "cannot write '", (fs::path(dir) / "config.yaml").string(), "'");
+  FLOWMOE_CHECK(out.good(), IoError, os_error("write", (fs::path(dir) / "config.yaml").string(), errno));
   return dir;
 }
 

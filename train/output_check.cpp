@@ -1,0 +1,87 @@
+// The check of a file a command is about to write (see output_check.h).
+#include "train/output_check.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "kernels/common/error.h"
+#include "train/checkpoint.h"
+#include "train/dir_lock.h"
+#include "train/file_io.h"
+#include "train/metrics.h"
+
+namespace flowmoe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// What makes a folder a checkpoint's or a run's: a file only they hold.
+struct FolderMarker {
+  const char* kind;
+  const char* file;
+};
+
+std::vector<FolderMarker> folder_markers() {
+  std::vector<FolderMarker> markers = {{"checkpoint folder", kCheckpointModelFile}, {"run folder", kDirLockFile}};
+  for (const char* metrics : kMetricsFiles) markers.push_back({"run folder", metrics});
+  return markers;
+}
+
+}  // namespace
+
+std::vector<InputFile> config_inputs(const Config& cfg) {
+  std::vector<InputFile> inputs;
+  if (!cfg.file.empty()) inputs.push_back({"config file", cfg.file});
+  if (cfg.data.source == "synthetic" || cfg.data.path.empty()) return inputs;
+  std::error_code ec;
+  if (!fs::is_directory(cfg.data.path, ec)) {
+    inputs.push_back({"data file", cfg.data.path});
+    return inputs;
+  }
+  for (fs::directory_iterator it(cfg.data.path, ec), end; !ec && it != end; it.increment(ec))
+    inputs.push_back({"data file", it->path().string()});
+  return inputs;
+}
+
+std::string output_file_problem(const std::string& named, const std::string& path, const std::vector<InputFile>& inputs,
+                                const std::string& example_name) {
+  const fs::path folder = fs::path(path).parent_path();
+  const std::string folder_name = folder.empty() ? "." : folder.string();
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err != ENOENT) return named + " cannot be written: " + std::strerror(err);
+    std::error_code ec;
+    if (!fs::is_directory(folder_name, ec))
+      return named + ": its folder '" + folder_name + "' does not exist (create it first, or name another file)";
+  } else if (S_ISDIR(st.st_mode)) {
+    return named + " is a directory; name a file to write" +
+           (example_name.empty() ? "" : ", e.g. '" + (fs::path(path) / example_name).string() + "'");
+  } else if (!S_ISREG(st.st_mode)) {
+    return named + " is " + file_type_name(st) + ", not a regular file; name a regular file to write";
+  } else {
+    for (const InputFile& in : inputs)
+      if (same_file(path, in.path))
+        return named + " is the " + in.what + " '" + in.path + "'" + (in.path == path ? "" : " (the same file)") +
+               ": writing it would overwrite what is read; name another file to write";
+  }
+  for (const FolderMarker& m : folder_markers()) {
+    std::error_code ec;
+    if (fs::exists(fs::path(folder_name) / m.file, ec))
+      return named + " is in the " + m.kind + " '" + folder_name + "' (it holds " + m.file +
+             "), which holds a run's own files; write it elsewhere";
+  }
+  return "";
+}
+
+void check_output_file(const std::string& named, const std::string& path, const std::vector<InputFile>& inputs,
+                       const std::string& example_name) {
+  const std::string problem = output_file_problem(named, path, inputs, example_name);
+  FLOWMOE_CHECK(problem.empty(), ConfigError, problem);
+}
+
+}  // namespace flowmoe
