@@ -107,7 +107,9 @@ output file and its tokenizer are skipped. Each file is encoded on its own. Trai
 with data.source: tokens, data.path: FILE and model.vocab_size at least the vocab printed.
 
 options:
-  --output FILE        the token file to write (written to FILE.tmp, then renamed)
+  --output FILE        the token file to write (written to FILE.tmp, then renamed); refused
+                       before any work when it is not a regular file, is an input, or lies in a
+                       run or checkpoint folder
   --bpe-vocab N        train a BPE tokenizer of N tokens (257..65536: the 256 bytes, then one per
                        merge; fewer when no pair of tokens repeats) and save it beside the output
                        with the extension .bpe (data/books.bin -> data/books.bpe)
@@ -124,7 +126,8 @@ Draws the training (and validation) loss of each run into one PNG. RUN is a run 
 (holding metrics.jsonl or metrics.csv) or a metrics file. Uses gnuplot, or Python's matplotlib.
 
 options:
-  --output PNG    the image to write (default loss.png)
+  --output PNG    the image to write (default loss.png); refused when it is not a regular file,
+                  is a metrics file read, is a run folder's own file or lies in a checkpoint folder
   --title TEXT    the plot title (default "flowmoe loss")
   -h, --help      this text
 )";

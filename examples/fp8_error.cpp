@@ -2,12 +2,15 @@
 #include "examples/fp8_error.h"
 
 #include <cstdio>
-#include <fstream>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "examples/args.h"
+#include "train/checkpoint.h"
+#include "train/file_io.h"
 #include "train/fp8_error.h"
+#include "train/output_check.h"
 
 namespace flowmoe {
 
@@ -39,7 +42,8 @@ options:
                            step where a parity study saw a loss spike; with the checkpoint of step
                            S - 1 it is that step as it ran
   --set section.key=value  override one key (repeatable), e.g. --set train.batch_size=4
-  --json FILE              also write the figures as JSON
+  --json FILE              also write the figures as JSON; refused before the study when it is
+                           not a regular file, is a file read, or lies in a run or checkpoint folder
   -h, --help               this text
 )";
 
@@ -64,6 +68,12 @@ int cmd_fp8_error(int argc, char** argv) {
   }
   run.require("fp8-error");
   const Config cfg = load_config(run.config, run.sets);
+  if (!json.empty()) {  // before the study, which may take a while: a refusal after it would waste it
+    std::vector<InputFile> inputs = config_inputs(cfg);
+    for (const char* file : {kCheckpointModelFile, kCheckpointMetaFile})
+      inputs.push_back({"checkpoint file", (std::filesystem::path(run.checkpoint) / file).string()});
+    check_output_file("fp8-error: --json '" + json + "'", json, inputs, "fp8_error.json");
+  }
   // The study runs in one process; a checkpoint holds whole expert tensors, so any run's config serves.
   if (cfg.parallel.expert_parallel_size > 1)
     std::printf("fp8-error: parallel.expert_parallel_size = %lld taken as 1: the study runs in one process\n",
@@ -77,9 +87,8 @@ int cmd_fp8_error(int argc, char** argv) {
               static_cast<long long>(s.step), batches_read.c_str(), static_cast<long long>(s.num_tokens));
   std::fputs(fp8_error_table(s).c_str(), stdout);
   if (!json.empty()) {
-    std::ofstream out(json);
-    out << fp8_error_json(s);
-    if (!out.good()) throw IoError("fp8-error: cannot write '" + json + "'");
+    const std::string text = fp8_error_json(s);
+    write_file_synced(json, {&text});
     std::printf("wrote %s\n", json.c_str());
   }
   return 0;

@@ -1,12 +1,13 @@
 // `flowmoe parity` (see parity.h): the runs, one after another in this process, then the report.
 #include "examples/parity.h"
 
+#include <sys/stat.h>
+
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
 #include "train/file_io.h"
+#include "train/output_check.h"
 #include "train/parity.h"
 #include "train/trainer.h"
 
@@ -81,6 +83,9 @@ Under mpirun or srun every run trains on all the processes, as `flowmoe train` d
 the report. Ctrl-C (SIGINT) or SIGTERM stops the current run after its step with a checkpoint and
 exits with status 130 or 143; --resume continues it.
 )";
+
+constexpr const char* kParityJson = "parity.json";
+constexpr const char* kParityPng = "parity.png";
 
 struct ParityOptions {
   std::string config, out, control;
@@ -235,18 +240,35 @@ const std::vector<std::string> kPlacementKeys = {"logging.out_dir", "checkpoint.
 // Every run writes its resolved config.yaml before its first step, so a finished and an interrupted run
 // both have one; a folder without it holds no steps to reuse.
 void check_earlier_config(const PlannedRun& p) {
-  const fs::path file = fs::path(p.cfg.run_dir()) / "config.yaml";
+  const fs::path file = fs::path(p.cfg.run_dir()) / kRunConfigFile;
   std::error_code ec;
   if (!fs::exists(file, ec)) return;
   std::string diff;
   try {
-    diff = first_changed_key(read_file(file.string()), to_yaml(p.cfg), kPlacementKeys);
+    diff =
+        first_changed_key(read_file(file.string(), kMaxConfigFileBytes, "config file"), to_yaml(p.cfg), kPlacementKeys);
   } catch (const ConfigError& e) {
     FLOWMOE_THROW(ConfigError, "parity: --resume: ", file.string(), ": ", e.what());
   }
   FLOWMOE_CHECK(diff.empty(), ConfigError, "parity: --resume: the ", p.name, " run in ", p.cfg.run_dir(),
                 " was made with another config (", diff, "); give a new --out folder, or run without --resume to ",
                 "train every run again");
+}
+
+// --out, created when missing, must be a folder; the report's files in it are checked before any run
+// trains (with the config's files as the inputs), so a refusal never comes after hours of training.
+void prepare_out_folder(const ParityOptions& o, const Config& cfg) {
+  struct stat st {};
+  if (::stat(o.out.c_str(), &st) == 0)
+    FLOWMOE_CHECK(S_ISDIR(st.st_mode), ConfigError, "parity: --out '", o.out, "' is ", file_type_name(st),
+                  ", not a folder; name a folder for the runs and the report");
+  std::error_code ec;
+  fs::create_directories(o.out, ec);
+  FLOWMOE_CHECK(!ec, IoError, "parity: --out: ", os_error("create the folder", o.out, ec));
+  for (const char* name : {kParityJson, kParityPng}) {
+    const std::string path = (fs::path(o.out) / name).string();
+    check_output_file("parity: the report '" + path + "' (in --out)", path, config_inputs(cfg));
+  }
 }
 
 // The run's report entry from its metrics file, and from its TrainResult when it trained from step 1 now.
@@ -280,7 +302,7 @@ int cmd_parity(int argc, char** argv) {
   const DistributedRuntime ranks = start_ranks(plan.front().cfg, "parity");
   const bool root = ranks.world->rank() == 0;
   const int world_size = ranks.world->size();
-  if (root) fs::create_directories(o.out);
+  if (root) prepare_out_folder(o, plan.front().cfg);
   // Before any run trains: a refusal after the first recipes would leave the study half redone.
   // An error on rank 0 ends the other ranks (main's error path).
   if (root && o.resume)
@@ -324,10 +346,12 @@ int cmd_parity(int argc, char** argv) {
     report.config = o.config;
     report.world_size = world_size;
     report.expert_parallel_size = int(plan.front().cfg.parallel.expert_parallel_size);
-    const std::string json_path = (fs::path(o.out) / "parity.json").string();
-    std::ofstream(json_path) << parity_json(report);
-    const std::string png = (fs::path(o.out) / "parity.png").string();
-    fs::remove(png);  // an earlier report's image would not match this one where no plotter draws it
+    const std::string json_path = (fs::path(o.out) / kParityJson).string();
+    const std::string json = parity_json(report);
+    write_file_synced(json_path, {&json});
+    const std::string png = (fs::path(o.out) / kParityPng).string();
+    std::error_code ec;
+    fs::remove(png, ec);  // an earlier report's image would not match this one where no plotter draws it
     if (plot_parity(report, png))
       std::printf("parity: wrote %s and %s\n", json_path.c_str(), png.c_str());
     else

@@ -1,6 +1,7 @@
 // What a run refuses to load or share: a checkpoint with tensors the model does not have (named; or left
 // out with checkpoint.partial_load), a checkpoint holding NaN or Inf (named; or loaded with
-// checkpoint.allow_nonfinite), an output folder another run holds (train/dir_lock.h), and the small
+// checkpoint.allow_nonfinite), a safetensors file whose tensors overlap or leave a gap, an output
+// folder another run holds (train/dir_lock.h), and the small
 // pieces of the launch checks: the progress display under a launcher, the first key two ranks' configs
 // differ in, and the router's limits as config ranges.
 #include <gtest/gtest.h>
@@ -9,6 +10,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -85,6 +87,30 @@ std::string resume_error(Config cfg, const fs::path& checkpoint, const fs::path&
 }
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// A safetensors file by hand: the 8-byte little-endian length, the JSON header, `body_bytes` bytes of data.
+std::string safetensors_bytes(const std::string& header, size_t body_bytes) {
+  std::string b(8, '\0');
+  for (int i = 0; i < 8; ++i) b[size_t(i)] = char((header.size() >> (8 * i)) & 0xff);
+  return b + header + std::string(body_bytes, '\x01');
+}
+
+// A header entry of an F32 tensor of `n` elements at [begin, end).
+std::string f32_entry(const std::string& name, int n, int begin, int end) {
+  return "\"" + name + "\":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(n) + "],\"data_offsets\":[" +
+         std::to_string(begin) + "," + std::to_string(end) + "]}";
+}
+
+// What read_safetensors says of a file of these bytes: "" when it reads.
+std::string safetensors_error(const fs::path& file, const std::string& bytes) {
+  std::ofstream(file, std::ios::binary) << bytes;
+  try {
+    read_safetensors(file.string());
+  } catch (const IoError& e) {
+    return e.what();
+  }
+  return "";
+}
 
 }  // namespace
 
@@ -230,4 +256,32 @@ TEST(ConfigLimits, TheRouterLimitsAreTheConfigRanges) {
       EXPECT_TRUE(has(e.what(), ", " + std::to_string(limit) + "], got " + std::to_string(limit + 1))) << e.what();
     }
   }
+}
+
+// The tensors' byte ranges must tile the data section: a norm weight pointed at the embedding's bytes
+// (an overlap) is refused naming both, and bytes no tensor owns (a gap inside or at the end) naming them.
+TEST(CheckpointLoad, SafetensorsRangesOverlappingOrLeavingAGapAreRefused) {
+  const fs::path d = fresh_dir("ckpt_load_tiling");
+  const fs::path file = d / "model.safetensors";
+  const std::string embed = f32_entry("embed", 4, 0, 16), norm = f32_entry("norm", 2, 16, 24);
+  EXPECT_EQ(safetensors_error(file, safetensors_bytes("{" + norm + "," + embed + "}", 24)), "");
+  // An empty tensor takes no bytes: it may stand where a range begins or ends.
+  EXPECT_EQ(
+      safetensors_error(file, safetensors_bytes("{" + embed + "," + f32_entry("e", 0, 16, 16) + "," + norm + "}", 24)),
+      "");
+
+  const std::string prefix = "'" + file.string() + "': ";
+  EXPECT_EQ(safetensors_error(file, safetensors_bytes("{" + embed + "," + f32_entry("norm", 2, 8, 16) + "}", 16)),
+            prefix + "tensors 'embed' [0, 16) and 'norm' [8, 16) overlap in the data section");
+  EXPECT_EQ(safetensors_error(file, safetensors_bytes("{" + embed + "," + f32_entry("norm", 4, 0, 16) + "}", 16)),
+            prefix + "tensors 'embed' [0, 16) and 'norm' [0, 16) overlap in the data section");
+  EXPECT_EQ(safetensors_error(file, safetensors_bytes("{" + embed + "," + f32_entry("e", 0, 8, 8) + "}", 16)),
+            prefix + "tensors 'embed' [0, 16) and 'e' [8, 8) overlap in the data section");
+  EXPECT_EQ(safetensors_error(file, safetensors_bytes("{" + embed + "," + f32_entry("norm", 2, 24, 32) + "}", 32)),
+            prefix + "bytes [16, 24) of the data section belong to no tensor (the tensors must tile it with no gap)");
+  EXPECT_EQ(safetensors_error(file, safetensors_bytes("{" + f32_entry("norm", 2, 8, 16) + "}", 16)),
+            prefix + "bytes [0, 8) of the data section belong to no tensor (the tensors must tile it with no gap)");
+  EXPECT_EQ(safetensors_error(file, safetensors_bytes("{" + embed + "}", 20)),
+            prefix + "bytes [16, 20) of the data section belong to no tensor (the tensors must tile it with no gap)");
+  fs::remove_all(d);
 }

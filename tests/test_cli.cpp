@@ -360,9 +360,10 @@ TEST(Cli, PlotFailuresAreOneLineWithTheRealExitStatus) {
   std::ofstream(d / "run" / "metrics.jsonl") << "{\"step\": 1, \"loss\": 4.0}\n{\"step\": 2, \"loss\": 3.5}\n";
 
   Result missing = run(d, {"plot", (d / "run").string(), "--output", (d / "nowhere" / "loss.png").string()});
-  EXPECT_EQ(missing.exit_code, 1);
-  EXPECT_EQ(missing.err, "flowmoe: error: plot: the output directory '" + (d / "nowhere").string() +
-                             "' does not exist (create it first, or choose another --output)\n");
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_EQ(missing.err, "flowmoe: error: plot: --output '" + (d / "nowhere" / "loss.png").string() +
+                             "': its folder '" + (d / "nowhere").string() +
+                             "' does not exist (create it first, or name another file)\n");
 
   // A plotting program that fails with a multi-line message and status 3.
   const fs::path bin = d / "bin";

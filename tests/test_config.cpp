@@ -340,7 +340,7 @@ TEST(Config, LoadNamesTheFile) {
 }
 
 // A path that holds no config is an error, not a run of every default: a directory, an empty file,
-// one of only comments or whitespace, a null document, or /dev/null.
+// one of only comments or whitespace, a null document, or /dev/null (not a regular file).
 TEST(Config, LoadRefusesDirectoriesAndEmptyFiles) {
   auto dir = std::filesystem::temp_directory_path() / "flowmoe_test_config_empty";
   std::filesystem::remove_all(dir);
@@ -359,7 +359,8 @@ TEST(Config, LoadRefusesDirectoriesAndEmptyFiles) {
     EXPECT_HAS(m, "'" + path + "' is empty");
   }
   if (std::filesystem::exists("/dev/null")) {
-    EXPECT_HAS(config_error([] { load_config("/dev/null"); }), "'/dev/null' is empty");
+    EXPECT_HAS(config_error([] { load_config("/dev/null"); }),
+               "config file '/dev/null' is a character device, not a regular file");
   }
   // A top level that is not a mapping names the file and its line.
   const std::string scalar = (dir / "scalar.yaml").string(), list = (dir / "list.yaml").string();

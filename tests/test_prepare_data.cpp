@@ -1,7 +1,9 @@
 // flowmoe prepare-data: the order it reads its inputs in, what it skips and says, and the outputs it
 // refuses before reading anything: one of its inputs under any spelling (compared by device and
-// inode), a directory, and the files its tokenizer would overwrite; no PATH.tmp stays behind.
+// inode), a directory, a device or FIFO, and the files its tokenizer would overwrite; no PATH.tmp
+// stays behind.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <cstdlib>
@@ -125,9 +127,8 @@ TEST(PrepareData, RefusesAnOutputThatIsAnInputUnderAnySpelling) {
   fs::create_symlink(a, d / "link.txt");
   fs::create_hard_link(a, d / "hard.txt");
   const std::string input = a.string();
-  EXPECT_EQ(refusal({input}, input), "prepare-data: --output '" + input +
-                                         "' is also an input: writing it would "
-                                         "overwrite what is read; name another file to write");
+  EXPECT_EQ(refusal({input}, input), "prepare-data: --output '" + input + "' is the input '" + input +
+                                         "': writing it would overwrite what is read; name another file to write");
   for (const fs::path& spelling : {d / "." / "a.txt", d / "link.txt", d / "hard.txt"}) {
     const std::string m = refusal({input}, spelling.string());
     EXPECT_TRUE(has(m, "--output '" + spelling.string() + "' is the input '" + input + "' (the same file)")) << m;
@@ -170,8 +171,7 @@ TEST(PrepareData, RefusesToOverwriteTheTokenizerItReadsOrAnInputWithTheOneItWrit
   opts.bpe_vocab = 260;
   std::string m = refusal({(d / "a.txt").string(), (d / "books.bpe").string()}, (d / "books.bin").string(), opts);
   EXPECT_TRUE(has(m, "the tokenizer file '" + (d / "books.bpe").string() +
-                         "' (--bpe-vocab writes it beside --output) "
-                         "is also an input"))
+                         "' (--bpe-vocab writes it beside --output) is the input '" + (d / "books.bpe").string() + "'"))
       << m;
   EXPECT_FALSE(fs::exists(d / "books.bin"));
   opts = {};
@@ -190,7 +190,7 @@ TEST(PrepareData, RefusesADirectoryOutputAndLeavesNoTempFile) {
   fs::create_directories(d / "out");
   const std::string out = (d / "out").string();
   EXPECT_EQ(refusal({(d / "a.txt").string()}, out), "prepare-data: --output '" + out +
-                                                        "' is a directory; name the token file to write, e.g. '" +
+                                                        "' is a directory; name a file to write, e.g. '" +
                                                         (d / "out" / "tokens.bin").string() + "'");
   EXPECT_FALSE(fs::exists(out + ".tmp"));
   EXPECT_TRUE(test::throws_naming<IoError>([&] { write_token_file(out, {1, 2}); }, {"renaming", "out.tmp"}));
@@ -203,6 +203,34 @@ TEST(PrepareData, RefusesADirectoryOutputAndLeavesNoTempFile) {
   EXPECT_TRUE(has(m, "'" + (d / "books.bpe").string() + "' (--bpe-vocab writes it beside --output) is a directory"))
       << m;
   EXPECT_FALSE(fs::exists(d / "books.bin"));
+  fs::remove_all(d);
+}
+
+// A device or a FIFO is not replaced by the token file: the rename would put a regular file in the
+// node's place (as root, /dev/null itself; here a link to it, which the rename would replace) and a
+// FIFO's reader would get nothing. Refused before anything is read, the node left in place; also the
+// PATH.tmp the token file is written to first.
+TEST(PrepareData, RefusesADeviceOrAFifoOutputAndLeavesItInPlace) {
+  const fs::path d = temp_dir("nodes");
+  std::ofstream(d / "a.txt") << "abc";
+  const std::string input = (d / "a.txt").string();
+  const fs::path fifo = d / "fifo.bin", null_link = d / "null.bin";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  fs::create_symlink("/dev/null", null_link);
+  EXPECT_EQ(refusal({input}, fifo.string()), "prepare-data: --output '" + fifo.string() +
+                                                 "' is a FIFO, not a regular file; name a regular file to write");
+  EXPECT_EQ(refusal({input}, null_link.string()),
+            "prepare-data: --output '" + null_link.string() +
+                "' is a character device, not a regular file; name a regular file to write");
+  ASSERT_EQ(::mkfifo((d / "out.bin.tmp").c_str(), 0644), 0);
+  EXPECT_EQ(refusal({input}, (d / "out.bin").string()),
+            "prepare-data: '" + (d / "out.bin.tmp").string() + "' (written first, then renamed to '" +
+                (d / "out.bin").string() + "') is a FIFO, not a regular file; name a regular file to write");
+  EXPECT_TRUE(fs::is_fifo(fifo));
+  EXPECT_TRUE(fs::is_symlink(null_link));
+  EXPECT_FALSE(fs::exists(d / "fifo.bin.tmp"));
+  EXPECT_FALSE(fs::exists(d / "null.bin.tmp"));
+  EXPECT_FALSE(fs::exists(d / "out.bin"));
   fs::remove_all(d);
 }
 
@@ -223,8 +251,8 @@ TEST(PrepareData, TheCommandRefusesWithAUsageError) {
   run("--output a.txt a.txt");
   EXPECT_EQ(code, 2);
   EXPECT_EQ(err,
-            "flowmoe: error: prepare-data: --output 'a.txt' is also an input: writing it would overwrite what is "
-            "read; name another file to write\n");
+            "flowmoe: error: prepare-data: --output 'a.txt' is the input 'a.txt': writing it would overwrite what "
+            "is read; name another file to write\n");
   run("--output ./a.txt a.txt");
   EXPECT_EQ(code, 2);
   EXPECT_TRUE(has(err, "--output './a.txt' is the input 'a.txt' (the same file)")) << err;

@@ -195,6 +195,9 @@ class MergeTable {
 
 constexpr std::string_view kFileMagic = "flowmoe-bpe";
 constexpr int64_t kFileVersion = 1;
+// A tokenizer of the largest vocab is a header line and 65280 merge lines of two token numbers, under
+// 1 MiB; 4 MiB leaves room for blanks and line ends written by hand.
+constexpr uint64_t kMaxFileBytes = uint64_t(4) << 20;
 
 bool parse_int(std::string_view s, int64_t& value) {
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
@@ -294,7 +297,7 @@ void BpeTokenizer::save(const std::string& path) const {
 }
 
 BpeTokenizer BpeTokenizer::load(const std::string& path) {
-  const std::string text = read_file(path);
+  const std::string text = read_file(path, kMaxFileBytes, "bpe tokenizer");
   std::vector<std::string_view> lines;
   for (size_t i = 0; i < text.size();) {
     const size_t nl = std::min(text.find('\n', i), text.size());

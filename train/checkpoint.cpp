@@ -50,7 +50,7 @@ static std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const std::str
   std::error_code ec;
   for (const auto& e : list_dir(root)) {
     int64_t s = parse_step_dir(e.path().filename().string());
-    if (s >= 0 && e.is_directory(ec) && fs::exists(e.path() / "meta.json", ec)) out.push_back({s, e.path()});
+    if (s >= 0 && e.is_directory(ec) && fs::exists(e.path() / kCheckpointMetaFile, ec)) out.push_back({s, e.path()});
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -81,12 +81,12 @@ std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta,
                 " moments");
   std::error_code ec;
   fs::create_directories(root, ec);
-  FLOWMOE_CHECK(!ec, IoError, "cannot create checkpoint directory '", root, "': ", ec.message());
+  FLOWMOE_CHECK(!ec, IoError, os_error("create checkpoint directory", root, ec));
   const fs::path final_dir = fs::path(root) / step_dir_name(meta.step);
   const fs::path tmp_dir = fs::path(root) / (step_dir_name(meta.step) + ".tmp");
   fs::remove_all(tmp_dir, ec);  // left over from a crash
   fs::create_directory(tmp_dir, ec);
-  FLOWMOE_CHECK(!ec, IoError, "cannot create '", tmp_dir.string(), "': ", ec.message());
+  FLOWMOE_CHECK(!ec, IoError, os_error("create", tmp_dir.string(), ec));
 
   std::vector<NamedTensor> model, optim;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -95,7 +95,7 @@ std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta,
     optim.push_back({params[i].name() + ".exp_avg_sq", exp_avg_sq[i]});
   }
   for (const Variable& b : buffers) model.push_back({b.name(), b.data()});
-  write_safetensors((tmp_dir / "model.safetensors").string(), model, {{"format", "pt"}});
+  write_safetensors((tmp_dir / kCheckpointModelFile).string(), model, {{"format", "pt"}});
   write_safetensors((tmp_dir / "optimizer.safetensors").string(), optim, {{"format", "pt"}});
 
   std::ostringstream js;
@@ -109,7 +109,7 @@ std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta,
      << ", \"note\": \"after init only the batch order is random: a function of data_position\"},\n"
      << "  \"config\": " << json_escape(meta.config_yaml) << "\n}\n";
   std::string json = js.str();
-  write_file_synced((tmp_dir / "meta.json").string(), {&json});
+  write_file_synced((tmp_dir / kCheckpointMetaFile).string(), {&json});
   fsync_dir(tmp_dir.string());
 
   if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);  // the same step saved again (after a resume)
@@ -215,8 +215,8 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
   const auto shard = [&](size_t i) { return shards.empty() ? nullptr : &shards[i]; };
   const fs::path d(dir);
   std::error_code ec;
-  FLOWMOE_CHECK(fs::exists(d / "meta.json", ec), IoError, "'", dir, "' is not a checkpoint (no meta.json)");
-  CheckpointFile model((d / "model.safetensors").string(), options);
+  FLOWMOE_CHECK(fs::exists(d / kCheckpointMetaFile, ec), IoError, "'", dir, "' is not a checkpoint (no meta.json)");
+  CheckpointFile model((d / kCheckpointModelFile).string(), options);
   for (size_t i = 0; i < params.size(); ++i) {
     Tensor dst = params[i].data();
     model.fill(dst, params[i].name(), shard(i));
@@ -243,8 +243,10 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
     }
     for (std::string& name : optim.check_all_used()) unused.push_back(std::move(name));
   }
-  std::string meta_file = (d / "meta.json").string();
-  const YAML::Node j = parse_json(read_file(meta_file), meta_file);
+  std::string meta_file = (d / kCheckpointMetaFile).string();
+  // meta.json holds a few counts and the resolved config, JSON-escaped (at most 6 bytes per byte).
+  constexpr uint64_t kMaxMetaBytes = 8 * kMaxConfigFileBytes;
+  const YAML::Node j = parse_json(read_file(meta_file, kMaxMetaBytes, "checkpoint description"), meta_file);
   FLOWMOE_CHECK(j.IsMap() && j["format"] && j["format"].IsScalar() && j["format"].Scalar() == "flowmoe-checkpoint-1",
                 IoError, "'", meta_file,
                 "' is not a flowmoe checkpoint description (no \"format\": ", "\"flowmoe-checkpoint-1\")");

@@ -17,6 +17,10 @@
 
 namespace flowmoe {
 
+// The files of a checkpoint directory.
+constexpr const char* kCheckpointModelFile = "model.safetensors";
+constexpr const char* kCheckpointMetaFile = "meta.json";
+
 struct CheckpointMeta {
   int64_t step = 0;           // optimizer steps taken (including skipped ones)
   int64_t num_updates = 0;    // AdamW's t (skipped steps do not count)

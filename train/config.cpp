@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -217,16 +216,17 @@ Config parse_config(const std::string& yaml_text, const std::string& name, const
 }
 
 // A file that holds no section is refused rather than read as "every key at its default": it is
-// almost always the wrong path (a directory, /dev/null, a file not yet written).
+// almost always the wrong path (a directory, a file not yet written).
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) throw ConfigError("'" + path + "' is a directory, not a YAML config file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(path + ": cannot open the config file");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw ConfigError(path + ": cannot read the config file");
-  YAML::Node root = load_yaml(ss.str(), path);
+  std::string text;
+  try {
+    text = read_file(path, kMaxConfigFileBytes, "config file");
+  } catch (const IoError& e) {
+    throw ConfigError(e.what());  // a wrong --config is the user's to fix: exit status 2, as for a bad key
+  }
+  YAML::Node root = load_yaml(text, path);
   if (root.IsNull())
     throw ConfigError("'" + path + "' is empty (no YAML content, only comments, whitespace or null): a config " +
                       "needs at least one section, e.g. model: or train:");

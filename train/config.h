@@ -112,9 +112,16 @@ struct Config {
   std::string checkpoint_dir() const;  // checkpoint.dir, or <run_dir()>/checkpoints
 };
 
+// The largest config file read: a config is a few kilobytes, and a whole-file read without a bound
+// would take a wrong path (a log, a token file) into memory whole.
+constexpr uint64_t kMaxConfigFileBytes = uint64_t(1) << 20;
+// The resolved config a run writes into its run folder (and `parity --resume` reads back).
+constexpr const char* kRunConfigFile = "config.yaml";
+
 // Reads and validates a YAML file, applies the overrides ("section.key=value") and validates the
-// result. Throws ConfigError, also for a path that holds no config: a directory, or a file with no
-// YAML content (empty, only comments or whitespace, a null document, /dev/null).
+// result. Throws ConfigError, also for a path that holds no config: a directory, a file that is not a
+// regular file (/dev/null, /dev/zero, a FIFO), one over kMaxConfigFileBytes, or a file with no YAML
+// content (empty, only comments or whitespace, a null document).
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 // The same from YAML text; `name` stands for the file in messages. Empty text gives every default.
 Config parse_config(const std::string& yaml_text, const std::string& name,

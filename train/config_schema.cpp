@@ -381,6 +381,14 @@ void set_field(Config& cfg, const Field& f, const std::string& text, const std::
     fail(where, key, "expected " + describe_type(f) + ", got " + got_what);
   };
   FieldRef ref = f.ref(cfg);
+  // The string keys name paths (data.path, checkpoint.dir and .resume, logging.out_dir), and the OS
+  // reads a path up to its first NUL byte: "runs/a\0b" would write into runs/a.
+  const size_t nul = text.find('\0');
+  if ((f.kind == Kind::string || f.kind == Kind::bool_or_path) && nul != std::string::npos) {
+    std::string shown = where;  // a --set's origin holds the value: its NULs would cut the message short
+    for (size_t at = shown.find('\0'); at != std::string::npos; at = shown.find('\0', at)) shown.replace(at, 1, "\\0");
+    fail(shown, key, "a path cannot hold a NUL byte (one at byte " + std::to_string(nul) + ")");
+  }
   switch (f.kind) {
     case Kind::integer: {
       int64_t v = 0;

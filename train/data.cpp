@@ -2,6 +2,7 @@
 #include "train/data.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -10,6 +11,7 @@
 
 #include "engine/rng.h"
 #include "kernels/common/error.h"
+#include "train/file_io.h"
 
 namespace flowmoe {
 
@@ -26,9 +28,9 @@ std::vector<uint16_t> read_token_file(const std::string& path) {
                 "': ", ec ? ec.message() : "it does not exist");
   FLOWMOE_CHECK(fs::is_regular_file(st), IoError, "token file '", path, "' is not a regular file");
   const uintmax_t size = fs::file_size(path, ec);
-  FLOWMOE_CHECK(!ec, IoError, "cannot read the size of token file '", path, "': ", ec.message());
+  FLOWMOE_CHECK(!ec, IoError, os_error("read the size of token file", path, ec));
   std::ifstream in(path, std::ios::binary);
-  FLOWMOE_CHECK(in.good(), IoError, "cannot open token file '", path, "'");
+  FLOWMOE_CHECK(in.good(), IoError, os_error("open token file", path, errno));
   constexpr uintmax_t header_bytes = kTokenFileHeaderInts * sizeof(int32_t);
   FLOWMOE_CHECK(size >= header_bytes, IoError, "token file '", path, "' is ", size, " bytes, shorter than its ",
                 header_bytes, "-byte header");
@@ -65,7 +67,7 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
   header[2] = int32_t(tokens.size());
   const std::string tmp = path + ".tmp";
   std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-  FLOWMOE_CHECK(out.good(), IoError, "cannot write '", tmp, "'");
+  FLOWMOE_CHECK(out.good(), IoError, os_error("write", tmp, errno));
   // From here the temp file is ours: a failed write or rename removes it, so no half-written
   // PATH.tmp stays beside the output (the output itself is untouched until the rename).
   std::string failure;
@@ -86,23 +88,10 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
 
 // ---- text ---------------------------------------------------------------------------------------
 
-// The bytes of a file, whatever it holds.
-static void read_bytes(const fs::path& p, std::vector<char>& bytes) {
-  std::ifstream in(p, std::ios::binary);
-  FLOWMOE_CHECK(in.good(), IoError, "cannot open text file '", p.string(), "'");
-  bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  FLOWMOE_CHECK(!in.bad(), IoError, "reading '", p.string(), "' failed");
-}
-
-// Byte-level tokens: one token per byte.
-static void append_tokens(const std::vector<char>& bytes, std::vector<uint16_t>& out) {
-  for (char c : bytes) out.push_back(uint16_t(static_cast<unsigned char>(c)));
-}
-
+// Byte-level tokens: one token per byte of the file, whatever it holds.
 static void append_file_bytes(const fs::path& p, std::vector<uint16_t>& out) {
-  std::vector<char> bytes;
-  read_bytes(p, bytes);
-  append_tokens(bytes, out);
+  for (char c : read_file(p.string(), kNoSizeLimit, "text file"))
+    out.push_back(uint16_t(static_cast<unsigned char>(c)));
 }
 
 std::vector<uint16_t> read_text_tokens(const std::string& path) {

@@ -61,11 +61,12 @@ struct PrepareOptions {
 // by ".bpe" (data/books.bin -> data/books.bpe).
 std::string bpe_tokenizer_path(const std::string& token_file);
 
-// Why prepare-data must not write `output` (and the tokenizer --bpe-vocab writes beside it), as one
-// line, or "" when it may: it is a directory, or an input file, the --tokenizer file or a file an input
-// directory would read under another path. Files are compared by device and inode, so "./x", a symlink
-// and a hard link count as the file itself. The output's own path inside an input directory is allowed
-// (the directory's reading skips it).
+// Why prepare-data must not write `output` (and the tokenizer --bpe-vocab writes beside it, and either's
+// PATH.tmp), as one line, or "" when it may: output_file_problem's reasons (train/output_check.h: not a
+// regular file, an input file or the --tokenizer file, in a run or checkpoint folder, no such folder), or
+// a file an input directory would read under another path. Files are compared by device and inode, so
+// "./x", a symlink and a hard link count as the file itself. The output's own path inside an input
+// directory is allowed (the directory's reading skips it).
 std::string prepare_output_problem(const std::vector<std::string>& inputs, const std::string& output,
                                    const PrepareOptions& opts = {});
 

@@ -24,7 +24,7 @@ static std::string holder_pid(int fd) {
   return pid.empty() ? "unknown" : pid;
 }
 
-DirLock::DirLock(const std::string& dir, const std::string& what) : path_((fs::path(dir) / "run.lock").string()) {
+DirLock::DirLock(const std::string& dir, const std::string& what) : path_((fs::path(dir) / kDirLockFile).string()) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   FLOWMOE_CHECK(!ec, IoError, "cannot create ", what, " '", dir, "': ", ec.message());

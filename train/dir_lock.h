@@ -7,6 +7,8 @@
 
 namespace flowmoe {
 
+constexpr const char* kDirLockFile = "run.lock";  // in every run folder (and a checkpoint folder outside it)
+
 class DirLock {
  public:
   // Creates dir if needed and takes the lock, writing this process's pid into the file; throws IoError

@@ -1,4 +1,4 @@
-// Synced writes, reads at offsets, whole files and JSON strings (see file_io.h).
+// Synced writes, reads at offsets, whole files, JSON strings and OS errors (see file_io.h).
 #include "train/file_io.h"
 
 #include <fcntl.h>
@@ -8,12 +8,34 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "kernels/common/error.h"
 
 namespace flowmoe {
+
+std::string os_error(const std::string& action, const std::string& path, int err) {
+  return "cannot " + action + " '" + path + "': " + std::strerror(err);
+}
+
+std::string os_error(const std::string& action, const std::string& path, const std::error_code& ec) {
+  return "cannot " + action + " '" + path + "': " + ec.message();
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  struct stat sa {};
+  struct stat sb {};
+  return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+const char* file_type_name(const struct stat& st) {
+  if (S_ISREG(st.st_mode)) return "a regular file";
+  if (S_ISDIR(st.st_mode)) return "a directory";
+  if (S_ISCHR(st.st_mode)) return "a character device";
+  if (S_ISBLK(st.st_mode)) return "a block device";
+  if (S_ISFIFO(st.st_mode)) return "a FIFO";
+  if (S_ISSOCK(st.st_mode)) return "a socket";
+  return "not a file";
+}
 
 std::string json_escape(const std::string& s) {
   std::string out = "\"";
@@ -48,8 +70,8 @@ std::string json_escape(const std::string& s) {
 }
 
 SyncedFile::SyncedFile(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  FLOWMOE_CHECK(fd_ >= 0, IoError, "cannot create '", path, "': ", std::strerror(errno));
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  FLOWMOE_CHECK(fd_ >= 0, IoError, os_error("create", path, errno));
 }
 
 SyncedFile::~SyncedFile() {
@@ -83,13 +105,13 @@ void write_file_synced(const std::string& path, const std::vector<const std::str
 }
 
 FileReader::FileReader(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY);
-  FLOWMOE_CHECK(fd_ >= 0, IoError, "cannot open '", path, "'");
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  FLOWMOE_CHECK(fd_ >= 0, IoError, os_error("open", path, errno));
   struct stat st {};
   if (::fstat(fd_, &st) != 0) {
     const int err = errno;
     ::close(fd_);
-    FLOWMOE_THROW(IoError, "cannot read the size of '", path, "': ", std::strerror(err));
+    FLOWMOE_THROW(IoError, os_error("read the size of", path, err));
   }
   size_ = uint64_t(st.st_size);
 }
@@ -117,12 +139,41 @@ void fsync_dir(const std::string& dir) {
   ::close(fd);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  FLOWMOE_CHECK(in.good(), IoError, "cannot open '", path, "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+// "1048576 bytes (1 MiB)": a size limit as the messages give it.
+static std::string limit_text(uint64_t bytes) {
+  constexpr uint64_t kMiB = uint64_t(1) << 20;
+  return std::to_string(bytes) + " bytes" + (bytes % kMiB == 0 ? " (" + std::to_string(bytes / kMiB) + " MiB)" : "");
+}
+
+std::string read_file(const std::string& path, uint64_t max_bytes, const std::string& what) {
+  // O_NONBLOCK: a FIFO's open would otherwise wait for a writer before fstat could refuse it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  FLOWMOE_CHECK(fd >= 0, IoError, os_error("open " + what, path, errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  FLOWMOE_CHECK(::fstat(fd, &st) == 0, IoError, os_error("read the size of " + what, path, errno));
+  FLOWMOE_CHECK(S_ISREG(st.st_mode), IoError, what, " '", path, "' is ", file_type_name(st), ", not a regular file");
+  const auto check_size = [&](uint64_t n) {
+    FLOWMOE_CHECK(n <= max_bytes, IoError, what, " '", path, "' is over the limit of ", limit_text(max_bytes),
+                  " for a ", what, " (", n, " bytes", n == uint64_t(st.st_size) ? "" : " read and more", ")");
+  };
+  check_size(uint64_t(st.st_size));
+  std::string text(size_t(st.st_size), '\0');
+  size_t done = 0;
+  while (true) {  // past the size fstat gave, in case the file grew since: to its end, or past the limit
+    if (done == text.size()) text.resize(done + 65536);
+    const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    FLOWMOE_CHECK(n >= 0, IoError, os_error("read " + what, path, errno));
+    if (n == 0) break;
+    done += size_t(n);
+    check_size(done);
+  }
+  text.resize(done);
+  return text;
 }
 
 }  // namespace flowmoe

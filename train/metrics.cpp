@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -11,6 +12,7 @@
 #include <sstream>
 
 #include "kernels/common/error.h"
+#include "train/file_io.h"
 
 namespace flowmoe {
 
@@ -86,7 +88,7 @@ MetricsWriter::MetricsWriter(const std::string& path, const std::string& format,
     }
   }
   file_ = std::fopen(path.c_str(), "w");
-  FLOWMOE_CHECK(file_ != nullptr, IoError, "cannot write metrics file '", path, "'");
+  FLOWMOE_CHECK(file_ != nullptr, IoError, os_error("write metrics file", path, errno));
   if (csv_) std::fprintf(file_, "%s\n", kCsvHeader);
   const auto header_commas = std::count(kCsvHeader, kCsvHeader + std::strlen(kCsvHeader), ',');
   for (auto l : kept) {
@@ -113,7 +115,7 @@ static double field_double(const std::string& s) {
 
 std::vector<StepMetrics> read_metrics(const std::string& path) {
   std::ifstream in(path);
-  FLOWMOE_CHECK(in.good(), IoError, "cannot open metrics file '", path, "'");
+  FLOWMOE_CHECK(in.good(), IoError, os_error("open metrics file", path, errno));
   const bool csv = fs::path(path).extension() == ".csv";
   std::vector<StepMetrics> rows;
   std::vector<std::string> columns;
@@ -198,7 +200,7 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
 std::string find_metrics_file(const std::string& run_or_file) {
   std::error_code ec;
   if (fs::is_directory(run_or_file, ec)) {
-    for (const char* name : {"metrics.jsonl", "metrics.csv"}) {
+    for (const char* name : kMetricsFiles) {
       fs::path p = fs::path(run_or_file) / name;
       if (fs::exists(p)) return p.string();
     }

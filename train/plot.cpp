@@ -13,6 +13,7 @@
 #include "kernels/common/error.h"
 #include "train/file_io.h"
 #include "train/metrics.h"
+#include "train/output_check.h"
 
 namespace flowmoe {
 
@@ -67,16 +68,6 @@ static std::string last_error_line(const fs::path& file) {
   return last.size() > 300 ? last.substr(0, 300) + "..." : last;
 }
 
-// The image must go into an existing directory, and not onto one: checked before any work.
-static void check_plot_output(const std::string& png_path) {
-  std::error_code ec;
-  FLOWMOE_CHECK(!fs::is_directory(png_path, ec), IoError, "plot: the output '", png_path,
-                "' is a directory; give a file name, e.g. --output ", (fs::path(png_path) / "loss.png").string());
-  const fs::path parent = fs::path(png_path).parent_path();
-  FLOWMOE_CHECK(parent.empty() || fs::is_directory(parent, ec), IoError, "plot: the output directory '",
-                parent.string(), "' does not exist (create it first, or choose another --output)");
-}
-
 // After the plotting program ran: removes its work directory, and throws IoError with its last
 // message when it failed or wrote no image.
 static void finish_plot(const fs::path& work, const std::string& program, int rc, const std::string& png_path) {
@@ -89,13 +80,19 @@ static void finish_plot(const fs::path& work, const std::string& program, int rc
 
 void plot_runs(const std::vector<std::string>& runs, const std::string& png_path, const std::string& title) {
   FLOWMOE_CHECK(!runs.empty(), IoError, "plot: no runs given");
-  check_plot_output(png_path);
+  std::vector<std::string> files;
+  std::vector<InputFile> inputs;
+  for (const std::string& run : runs) {
+    files.push_back(find_metrics_file(run));
+    inputs.push_back({"metrics file", files.back()});
+  }
+  check_output_file("plot: --output '" + png_path + "'", png_path, inputs, "loss.png");
   const fs::path work = fs::temp_directory_path() / ("flowmoe-plot-" + std::to_string(::getpid()));
   fs::create_directories(work);
   std::vector<std::pair<std::string, std::string>> series;  // label, data file
   bool any_val = false;
   for (size_t i = 0; i < runs.size(); ++i) {
-    std::string file = find_metrics_file(runs[i]);
+    const std::string& file = files[i];
     std::vector<StepMetrics> rows = read_metrics(file);
     FLOWMOE_CHECK(!rows.empty(), IoError, "plot: '", file, "' has no rows");
     fs::path data = work / ("run" + std::to_string(i) + ".dat");
@@ -155,7 +152,7 @@ void plot_runs(const std::vector<std::string>& runs, const std::string& png_path
 }
 
 bool plot_two_panels(const TwoPanelPlot& p, const std::string& png_path) {
-  check_plot_output(png_path);
+  check_output_file("plot: '" + png_path + "'", png_path, {});
   const bool gnuplot = have_program("gnuplot");
   if (!gnuplot && std::system("python3 -c 'import matplotlib' >/dev/null 2>&1") != 0) return false;
   const fs::path work = fs::temp_directory_path() / ("flowmoe-plot2-" + std::to_string(::getpid()));

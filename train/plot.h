@@ -7,7 +7,9 @@
 namespace flowmoe {
 
 // Renders the loss (and validation loss) curves of the runs into a PNG, with gnuplot when it is
-// installed, else Python's matplotlib. Each run is a run directory or a metrics file.
+// installed, else Python's matplotlib. Each run is a run directory or a metrics file. Throws
+// ConfigError before any work when check_output_file (train/output_check.h) refuses png_path, the
+// runs' metrics files being its inputs.
 void plot_runs(const std::vector<std::string>& runs, const std::string& png_path, const std::string& title);
 
 struct PlotSeries {
@@ -26,7 +28,8 @@ struct TwoPanelPlot {
   std::string bottom_band_label;
 };
 // Draws it into a PNG with gnuplot or matplotlib. Returns false, drawing nothing, when neither is
-// installed (callers for whom the image is a by-product go on without it); throws IoError when one fails.
+// installed (callers for whom the image is a by-product go on without it); throws IoError when one fails,
+// and ConfigError when check_output_file refuses png_path (callers check it with their inputs first).
 bool plot_two_panels(const TwoPanelPlot& plot, const std::string& png_path);
 
 }  // namespace flowmoe

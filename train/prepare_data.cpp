@@ -2,14 +2,13 @@
 // The inputs are walked once to train a tokenizer and again to encode them, so a corpus is never
 // held in memory whole: only its tokens are.
 #include <fnmatch.h>
-#include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <optional>
 #include <string_view>
 #include <utility>
 
@@ -17,6 +16,7 @@
 #include "train/bpe.h"
 #include "train/data.h"
 #include "train/file_io.h"
+#include "train/output_check.h"
 
 namespace flowmoe {
 
@@ -30,7 +30,7 @@ constexpr size_t kBinaryProbeBytes = 8192;
 // NUL byte (no text encoding byte-level tokens are meant for has one).
 bool read_if_text(const fs::path& p, std::string& bytes) {
   std::ifstream in(p, std::ios::binary);
-  FLOWMOE_CHECK(in.good(), IoError, "prepare-data: cannot open '", p.string(), "'");
+  FLOWMOE_CHECK(in.good(), IoError, "prepare-data: ", os_error("open", p.string(), errno));
   bytes.assign(kBinaryProbeBytes, 0);
   in.read(bytes.data(), std::streamsize(bytes.size()));
   bytes.resize(size_t(in.gcount()));
@@ -50,7 +50,7 @@ std::vector<std::pair<std::string, fs::path>> files_below(const std::string& dir
     if (it->is_regular_file(type_ec))
       found.emplace_back(it->path().lexically_relative(dir).generic_string(), it->path());
   }
-  FLOWMOE_CHECK(!ec, IoError, "prepare-data: cannot list directory '", dir, "': ", ec.message());
+  FLOWMOE_CHECK(!ec, IoError, "prepare-data: ", os_error("list directory", dir, ec));
   std::sort(found.begin(), found.end());
   return found;
 }
@@ -110,7 +110,7 @@ void read_inputs(const std::vector<std::string>& inputs, const std::vector<std::
   for (const std::string& in : inputs) {
     std::error_code ec;
     if (!fs::is_directory(in, ec)) {
-      bytes = read_file(in);  // a file named as an input is read whatever it holds
+      bytes = read_file(in, kNoSizeLimit, "input");  // a file named as an input is read whatever it holds
       take(in);
       continue;
     }
@@ -132,50 +132,26 @@ void read_inputs(const std::vector<std::string>& inputs, const std::vector<std::
   }
 }
 
-// A file as the filesystem knows it: two paths name the same file when these agree, whatever their
-// spelling ("./x", a symlink, a hard link).
-struct FileId {
-  dev_t dev;
-  ino_t ino;
-  bool operator==(const FileId& o) const { return dev == o.dev && ino == o.ino; }
-};
-
-std::optional<FileId> file_id(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
-  return FileId{st.st_dev, st.st_ino};
-}
-
 bool same_path(const fs::path& a, const fs::path& b) {
   std::error_code ea, eb;
   const fs::path ca = fs::weakly_canonical(a, ea), cb = fs::weakly_canonical(b, eb);
   return !ea && !eb && ca == cb;
 }
 
-// Why writing `target` (what: how the message names it) would destroy or feed back what is read: it
-// is a named input or the --tokenizer file, or another path to a file an input directory reads.
+// Why writing `target` (named: how the message begins) would feed back what an input directory reads:
+// it is another path to one of the directory's files (a hard link), which --exclude does not leave out.
 // The target's own path inside an input directory is fine: read_inputs skips it.
-std::string overlap(const std::string& what, const std::string& target, const std::vector<std::string>& inputs,
-                    const PrepareOptions& opts) {
-  const std::optional<FileId> id = file_id(target);
-  if (!id) return "";  // not there yet: nothing to overwrite
-  const std::string again = "; name another file to write";
+std::string read_by_input_directory(const std::string& named, const std::string& target,
+                                    const std::vector<std::string>& inputs, const PrepareOptions& opts) {
+  std::error_code ec;
+  if (!fs::exists(target, ec)) return "";  // not there yet: nothing to overwrite
   for (const std::string& in : inputs) {
-    std::error_code ec;
-    if (!fs::is_directory(in, ec)) {
-      if (file_id(in) == id)
-        return "prepare-data: " + what +
-               (in == target ? " is also an input" : " is the input '" + in + "' (the same file)") +
-               ": writing it would overwrite what is read" + again;
-      continue;
-    }
+    if (!fs::is_directory(in, ec)) continue;
     for (const auto& [rel, p] : files_below(in))
-      if (file_id(p.string()) == id && !same_path(p, target) && !is_excluded(rel, opts.exclude))
-        return "prepare-data: " + what + " is also '" + p.string() + "' in the input directory '" + in +
-               "' (the same file by another path), which would be read" + again + " or --exclude it";
+      if (same_file(p.string(), target) && !same_path(p, target) && !is_excluded(rel, opts.exclude))
+        return named + " is also '" + p.string() + "' in the input directory '" + in +
+               "' (the same file by another path), which would be read; name another file to write or --exclude it";
   }
-  if (!opts.tokenizer.empty() && file_id(opts.tokenizer) == id)
-    return "prepare-data: " + what + " is the --tokenizer file '" + opts.tokenizer + "'" + again;
   return "";
 }
 
@@ -183,17 +159,29 @@ std::string overlap(const std::string& what, const std::string& target, const st
 
 std::string prepare_output_problem(const std::vector<std::string>& inputs, const std::string& output,
                                    const PrepareOptions& opts) {
+  std::vector<InputFile> read;  // the inputs named as files, and the --tokenizer file
   std::error_code ec;
-  // Refused before any input is read: the rename at the end would fail and the work be lost.
-  if (fs::is_directory(output, ec))
-    return "prepare-data: --output '" + output + "' is a directory; name the token file to write, e.g. '" +
-           (fs::path(output) / "tokens.bin").string() + "'";
-  std::string problem = overlap("--output '" + output + "'", output, inputs, opts);
-  if (!problem.empty() || opts.bpe_vocab == 0) return problem;
-  const std::string tokenizer = bpe_tokenizer_path(output);
-  const std::string what = "the tokenizer file '" + tokenizer + "' (--bpe-vocab writes it beside --output)";
-  if (fs::is_directory(tokenizer, ec)) return "prepare-data: " + what + " is a directory; name another --output";
-  return overlap(what, tokenizer, inputs, opts);
+  for (const std::string& in : inputs)
+    if (!fs::is_directory(in, ec)) read.push_back({"input", in});
+  if (!opts.tokenizer.empty()) read.push_back({"--tokenizer file", opts.tokenizer});
+  // What prepare-data writes, each first to PATH.tmp and then renamed: the token file, and the tokenizer
+  // --bpe-vocab trains. Refused before any input is read: the work would otherwise be lost at the end.
+  std::vector<std::pair<std::string, std::string>> writes = {{"prepare-data: --output '" + output + "'", output}};
+  if (opts.bpe_vocab > 0) {
+    const std::string tokenizer = bpe_tokenizer_path(output);
+    writes.push_back(
+        {"prepare-data: the tokenizer file '" + tokenizer + "' (--bpe-vocab writes it beside --output)", tokenizer});
+  }
+  for (size_t i = 0, n = writes.size(); i < n; ++i) {
+    const std::string tmp = writes[i].second + ".tmp";
+    writes.push_back({"prepare-data: '" + tmp + "' (written first, then renamed to '" + writes[i].second + "')", tmp});
+  }
+  for (const auto& [named, path] : writes) {
+    std::string problem = output_file_problem(named, path, read, path == output ? "tokens.bin" : "");
+    if (problem.empty()) problem = read_by_input_directory(named, path, inputs, opts);
+    if (!problem.empty()) return problem;
+  }
+  return "";
 }
 
 int64_t PreparedInputs::bytes() const {

@@ -94,9 +94,9 @@ static std::string make_run_dir(const Config& cfg) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   FLOWMOE_CHECK(!ec, IoError, "cannot create the run directory '", dir, "': ", ec.message());
-  std::ofstream out(fs::path(dir) / "config.yaml");
+  std::ofstream out(fs::path(dir) / kRunConfigFile);
   out << to_yaml(cfg);
-  FLOWMOE_CHECK(out.good(), IoError, "cannot write '", (fs::path(dir) / "config.yaml").string(), "'");
+  FLOWMOE_CHECK(out.good(), IoError, os_error("write", (fs::path(dir) / kRunConfigFile).string(), errno));
   return dir;
 }
 

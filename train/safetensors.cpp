@@ -166,6 +166,33 @@ SafetensorsIndex::SafetensorsIndex(const std::string& path, std::map<std::string
   } catch (const YAML::Exception& e) {  // a value of the wrong JSON type
     FLOWMOE_THROW(IoError, "'", path, "': malformed header (", e.msg, ")");
   }
+  check_tiling(file_.size() - data_start_);
+}
+
+// The format's rule: the tensors' byte ranges tile the data section, in some order, with no overlap
+// and no gap. An overlap would load one tensor from another's bytes (a norm weight from the
+// embedding's) without any other check noticing; a gap means bytes no tensor accounts for.
+void SafetensorsIndex::check_tiling(uint64_t body_size) const {
+  std::vector<std::pair<const std::string*, const SafetensorsEntry*>> order;
+  for (const auto& [name, l] : entries_) order.push_back({&name, &l});
+  std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+    return std::pair(x.second->begin, x.second->end) < std::pair(y.second->begin, y.second->end);
+  });
+  uint64_t covered = 0;               // the bytes [0, covered) belong to the tensors so far
+  const std::string* last = nullptr;  // the tensor that ends at `covered`
+  const auto range = [](const SafetensorsEntry& l) { return detail::cat("[", l.begin, ", ", l.end, ")"); };
+  const auto check_no_gap = [&](uint64_t next) {
+    FLOWMOE_CHECK(next == covered, IoError, "'", path_, "': bytes [", covered, ", ", next,
+                  ") of the data section belong to no tensor (the tensors must tile it with no gap)");
+  };
+  for (const auto& [name, l] : order) {
+    FLOWMOE_CHECK(l->begin >= covered, IoError, "'", path_, "': tensors '", *last, "' ", range(entries_.at(*last)),
+                  " and '", *name, "' ", range(*l), " overlap in the data section");
+    check_no_gap(l->begin);
+    if (l->end > l->begin) last = name;
+    covered = l->end;
+  }
+  check_no_gap(body_size);
 }
 
 std::vector<std::string> SafetensorsIndex::names_in_file_order() const {

@@ -41,7 +41,8 @@ struct SafetensorsEntry {
 
 // A safetensors file's header, read and checked; its tensors are read on request, each straight
 // from the file into host memory, so a reader holds one tensor at a time and an expert-parallel
-// rank reads only its rows of a sharded tensor. Throws IoError naming the file.
+// rank reads only its rows of a sharded tensor. Throws IoError naming the file, also when the
+// tensors' byte ranges overlap (naming two of them) or leave bytes of the data section to none.
 class SafetensorsIndex {
  public:
   SafetensorsIndex(const std::string& path, std::map<std::string, std::string>* metadata = nullptr);
@@ -53,6 +54,8 @@ class SafetensorsIndex {
   const std::string& path() const { return path_; }
 
  private:
+  void check_tiling(uint64_t body_size) const;  // IoError naming two overlapping tensors or a gap
+
   std::string path_;
   FileReader file_;
   uint64_t data_start_ = 0;

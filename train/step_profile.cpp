@@ -2,6 +2,7 @@
 #include "train/step_profile.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -10,6 +11,7 @@
 
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
+#include "train/file_io.h"
 #include "train/train_step.h"
 
 namespace flowmoe {
@@ -142,7 +144,7 @@ std::optional<StepMetrics> profiled_train_step(TrainRun& run) {
     const std::string path = run.res.out_dir + "/profile.txt";
     std::ofstream out(path);
     out << table;
-    FLOWMOE_CHECK(out.good(), IoError, "--profile: cannot write '", path, "'");
+    FLOWMOE_CHECK(out.good(), IoError, "--profile: ", os_error("write", path, errno));
   }
   return m;
 }
