@@ -169,6 +169,7 @@ static void announce_data(TrainRun& run) {
                          " CPUs (the launcher's binding), so set-up draws the weights on one thread; " +
                          "mpirun --bind-to none lets every rank use the machine");
   if (!run.resume_note.empty()) run.progress.message(run.resume_note);
+  if (run.metrics && !run.metrics->note().empty()) run.progress.message(run.metrics->note());
   if (run.val.capped) run.progress.message("evaluation: " + run.val.cap_note("train.eval_batches = "));
 }
 
