@@ -1,10 +1,12 @@
 // What a run refuses to load or share: a checkpoint with tensors the model does not have (named; or left
 // out with checkpoint.partial_load), a checkpoint holding NaN or Inf (named; or loaded with
 // checkpoint.allow_nonfinite), an output folder another run holds or that takes no files (train/dir_lock.h),
-// and the small pieces of the launch checks: the progress display under a launcher, the first key two
-// ranks' configs differ in, and the router's limits as config ranges.
+// a save that fails (it leaves no step_N.tmp behind), and the small pieces of the launch checks: the
+// progress display under a launcher, the first key two ranks' configs differ in, and the router's limits
+// as config ranges.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -280,6 +282,37 @@ TEST(RunDirLock, AReadOnlyCheckpointFolderInsideTheRunFolderIsRefusedAtStart) {
                                (ckpt / ".run.lock.probe").string() + "': Permission denied"))
       << message;
   EXPECT_FALSE(fs::exists(run / "metrics.jsonl")) << "a step ran before the refusal";
+  fs::remove_all(d);
+}
+
+// A save whose write fails (here the file size limit refuses it with EFBIG, as a full disk refuses with
+// ENOSPC) throws naming the file and the reason, and removes its step_N.tmp at once rather than leaving
+// it to hold the disk's space until the next run's start.
+TEST(CheckpointSave, AFailedSaveRemovesItsTemporaryDirectory) {
+  const fs::path d = fresh_dir("ckpt_failed_save");
+  const Variable w(Tensor::zeros({1 << 16}, DType::f32, Device::cpu()), true, "w");
+  const std::vector<Tensor> moments = {Tensor::zeros({1 << 16}, DType::f32, Device::cpu())};
+  CheckpointMeta meta;
+  meta.step = 7;
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  rlimit small = before;
+  small.rlim_cur = 4096;                                        // the weights file is 256 KiB
+  void (*const old_handler)(int) = ::signal(SIGXFSZ, SIG_IGN);  // a refused write, not the signal's exit
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string error = "(the save went through)";
+  try {
+    save_checkpoint(d.string(), meta, {w}, moments, moments, 3);
+  } catch (const IoError& e) {
+    error = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &before);
+  ::signal(SIGXFSZ, old_handler);
+  EXPECT_TRUE(
+      has(error, "writing '" + (d / "step_00000007.tmp" / "model.safetensors").string() + "' failed: File too large"))
+      << error;
+  EXPECT_FALSE(fs::exists(d / "step_00000007.tmp"));
+  EXPECT_FALSE(fs::exists(d / "step_00000007"));
   fs::remove_all(d);
 }
 
