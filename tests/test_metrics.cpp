@@ -1,6 +1,7 @@
 // The metrics file's writer as a run uses it: a write the OS refuses stops the run with the file and the
-// reason (/dev/full refuses every write with ENOSPC, as a full disk does), and a resume drops a last line
-// the earlier run left torn, saying so, so that the file reads back (and plots) whole.
+// reason (/dev/full refuses every write with ENOSPC, as a full disk does), a resume that cannot rewrite
+// the earlier rows leaves them as they were, and a resume drops a last line the earlier run left torn,
+// saying so, so that the file reads back (and plots) whole.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -135,6 +136,26 @@ TEST(MetricsWriter, AResumeDropsATornLastLine) {
                                         : "metrics: dropped line " + std::to_string(c.dropped_line) + " of " +
                                               file.string() + ", which the earlier run left " + c.why);
   }
+  fs::remove_all(d);
+}
+
+// A resume whose rewrite of the kept rows fails (the file size limit here, a full disk in use) leaves the
+// earlier file as it was, for the next resume, and no temporary file beside it.
+TEST(MetricsWriter, AResumeThatCannotRewriteTheRowsLeavesThemAsTheyWere) {
+  const fs::path d = fresh_dir("metrics_rewrite");
+  const fs::path file = d / "metrics.jsonl";
+  std::string rows;
+  for (int step = 1; step <= 20; ++step) rows += "{\"step\": " + std::to_string(step) + ", \"loss\": 2.5}\n";
+  write_text(file, rows);
+  try {
+    FileSizeLimit limit(64);
+    MetricsWriter w(file.string(), "jsonl", 20);
+    ADD_FAILURE() << "the rows were rewritten past the limit";
+  } catch (const IoError& e) {
+    EXPECT_TRUE(has(e.what(), "cannot write metrics file '" + file.string() + "': File too large")) << e.what();
+  }
+  EXPECT_EQ(read_bytes(file), rows);
+  EXPECT_FALSE(fs::exists(d / "metrics.jsonl.tmp"));
   fs::remove_all(d);
 }
 

@@ -145,16 +145,35 @@ MetricsWriter::MetricsWriter(const std::string& path, const std::string& format,
       if (s >= 0 && s <= keep_up_to_step) kept.push_back(line);
     }
   }
-  file_ = std::fopen(path.c_str(), "w");
-  FLOWMOE_CHECK(file_ != nullptr, IoError, "cannot write metrics file '", path, "': ", std::strerror(errno));
-  if (csv_) put(kCsvHeader);
-  const auto header_commas = std::count(kCsvHeader, kCsvHeader + std::strlen(kCsvHeader), ',');
-  for (auto l : kept) {
-    if (csv_)
-      for (auto c = std::count(l.begin(), l.end(), ','); c < header_commas; ++c) l += ',';
-    put(l);
+  // A resumed run's kept rows go to a temporary file renamed over the earlier one, so a write that fails
+  // (a full disk) leaves the earlier rows as they were; a fresh run's file starts empty.
+  const bool resumed = keep_up_to_step >= 0;
+  const std::string first = resumed ? path + ".tmp" : path;
+  file_ = std::fopen(first.c_str(), "w");
+  FLOWMOE_CHECK(file_ != nullptr, IoError, "cannot write metrics file '", first, "': ", std::strerror(errno));
+  try {
+    if (csv_) put(kCsvHeader);
+    const auto header_commas = std::count(kCsvHeader, kCsvHeader + std::strlen(kCsvHeader), ',');
+    for (auto l : kept) {
+      if (csv_)
+        for (auto c = std::count(l.begin(), l.end(), ','); c < header_commas; ++c) l += ',';
+      put(l);
+    }
+    flush();
+    if (!resumed) return;
+    const bool closed = std::fclose(file_) == 0;
+    file_ = nullptr;
+    FLOWMOE_CHECK(closed, IoError, "cannot write metrics file '", first, "': ", std::strerror(errno));
+    FLOWMOE_CHECK(std::rename(first.c_str(), path.c_str()) == 0, IoError, "cannot rename '", first, "' to '", path,
+                  "': ", std::strerror(errno));
+  } catch (...) {  // no destructor runs for a constructor that throws
+    if (file_) std::fclose(file_);
+    file_ = nullptr;
+    if (resumed) std::remove(first.c_str());
+    throw;
   }
-  flush();
+  file_ = std::fopen(path.c_str(), "a");
+  FLOWMOE_CHECK(file_ != nullptr, IoError, "cannot write metrics file '", path, "': ", std::strerror(errno));
 }
 
 MetricsWriter::~MetricsWriter() {
