@@ -70,7 +70,8 @@ options:
                            expert parallelism itself moves the loss by
   --threshold X            the largest relative EMA error that passes (default 0.0025, 0.25%)
   --margin X               the noise verdict's margin over the largest control (default 0.25)
-  --warmup-steps W         compare steps after W only (default: optimizer.warmup_steps)
+  --warmup-steps W         compare steps after W only (default: optimizer.warmup_steps); W must be
+                           below the steps
   --ema-alpha A            the loss curves' EMA, ema = A * ema + (1 - A) * loss, A in [0, 1) (default
                            0.9; 0 compares the raw losses): how the verdicts depend on the smoothing
   --resume                 keep the runs of DIR that finished (metrics up to the last step and its
@@ -218,6 +219,25 @@ std::vector<PlannedRun> plan_runs(const ParityOptions& o) {
   return plan;
 }
 
+// The verdicts compare the steps after this one: --warmup-steps, else the config's optimizer.warmup_steps.
+int64_t compared_after(const ParityOptions& o, const Config& ref) {
+  return o.warmup_steps >= 0 ? o.warmup_steps : ref.optimizer.warmup_steps;
+}
+
+// A warmup that covers every step leaves the verdicts nothing to compare: refused before any run trains,
+// not after all of them.
+void check_warmup(const ParityOptions& o, const Config& ref) {
+  const int64_t warmup = compared_after(o, ref), steps = ref.train.steps;
+  if (warmup < steps) return;
+  const std::string w = o.warmup_steps >= 0 ? "--warmup-steps " + std::to_string(warmup)
+                                            : "optimizer.warmup_steps " + std::to_string(warmup) + " (" +
+                                                  ref.origin("optimizer.warmup_steps") + ")";
+  const std::string n = o.steps > 0 ? "--steps " + std::to_string(steps)
+                                    : "train.steps " + std::to_string(steps) + " (" + ref.origin("train.steps") + ")";
+  throw UsageError("parity: " + w + " leaves no step to compare: the verdicts read the steps after the warmup, so " +
+                   "it must be below " + n + "; give a smaller --warmup-steps or more --steps");
+}
+
 // A run directory that holds a finished run: metrics up to the last step and that step's checkpoint.
 bool finished(const Config& cfg) {
   std::error_code ec;
@@ -299,6 +319,7 @@ ParityRun collect(const PlannedRun& p, const TrainResult* trained) {
 int cmd_parity(int argc, char** argv) {
   const ParityOptions o = parse(argc, argv);
   std::vector<PlannedRun> plan = plan_runs(o);
+  check_warmup(o, plan.front().cfg);
   const DistributedRuntime ranks = start_ranks(plan.front().cfg, "parity");
   const bool root = ranks.world->rank() == 0;
   const int world_size = ranks.world->size();
@@ -341,8 +362,8 @@ int cmd_parity(int argc, char** argv) {
   }
   int status = 0;
   if (root) {
-    const int64_t warmup = o.warmup_steps >= 0 ? o.warmup_steps : plan.front().cfg.optimizer.warmup_steps;
-    ParityReport report = make_parity_report(std::move(runs), o.threshold, warmup, o.margin, o.ema_alpha);
+    ParityReport report =
+        make_parity_report(std::move(runs), o.threshold, compared_after(o, plan.front().cfg), o.margin, o.ema_alpha);
     report.config = o.config;
     report.world_size = world_size;
     report.expert_parallel_size = int(plan.front().cfg.parallel.expert_parallel_size);

@@ -24,6 +24,19 @@
 
 namespace flowmoe {
 
+// The learning rates and bias corrections one step on the device may read, computed by the host: the
+// device's cos and pow may differ from the host's in the last bit, and the window keeps the two paths
+// bit-identical in a few bytes, whatever the number of steps. The host refills it before each step it
+// queues (train/step_state.h), for every step and update count the device may have reached by then: the
+// steps still queued before it may each have been applied, skipped (no update) or void (no step).
+constexpr int kScheduleWindow = 4;
+struct ScheduleWindow {
+  int64_t first_step = 0;    // lr[k] is step first_step + k's
+  int64_t first_update = 0;  // bias_correction*[k] are those after first_update + k updates
+  double lr[kScheduleWindow] = {};
+  float bias_correction1[kScheduleWindow] = {}, bias_correction2[kScheduleWindow] = {};
+};
+
 // The run's constants, passed by value.
 struct StepSchedule {
   double lr = 0, min_lr = 0;  // peak and final learning rate
@@ -34,13 +47,9 @@ struct StepSchedule {
   int32_t num_micro_batches = 1;
   int32_t has_aux = 0;            // the model has a balance loss (aux inputs are read)
   int32_t stop_on_nonfinite = 0;  // a non-finite step halts every later update
-  // Tables computed once by the host, [total_steps + 1] each, indexed by step (lr) and by applied
-  // updates (bias corrections), in the memory of whoever advances the step: the device's cos and pow
-  // may differ from the host's in the last bit, and the tables keep the two paths bit-identical. Null:
-  // computed here (scheduled_lr, pow).
-  const double* lr_by_step = nullptr;
-  const float* bias_correction1_by_update = nullptr;
-  const float* bias_correction2_by_update = nullptr;
+  // The host's values for the step being advanced, in the memory of whoever advances it (the device);
+  // null: computed here (scheduled_lr, bias_correction), as the host fills the window.
+  const ScheduleWindow* window = nullptr;
 };
 
 // One step's scalars. step, num_updates and halted carry over from the previous step.
@@ -66,6 +75,30 @@ FLOWMOE_HOST_DEVICE inline double scheduled_lr(const StepSchedule& p, int64_t st
   return p.min_lr + 0.5 * (p.lr - p.min_lr) * (1.0 + cos(M_PI * progress));
 }
 
+// Adam's bias correction after t updates, 1 - beta^t, as the kernels read it (f32).
+FLOWMOE_HOST_DEVICE inline float bias_correction(double beta, int64_t t) { return float(1.0 - pow(beta, double(t))); }
+
+// The window of a step queued after `last`, the last scalars the host read back (host only): from the step
+// after it and its update count on, the pending steps before the new one being 0 or more of the window's.
+inline ScheduleWindow schedule_window(const StepSchedule& p, const StepScalars& last) {
+  ScheduleWindow w;
+  w.first_step = last.step + 1;
+  w.first_update = last.num_updates;
+  for (int k = 0; k < kScheduleWindow; ++k) {
+    w.lr[k] = scheduled_lr(p, w.first_step + k);
+    w.bias_correction1[k] = bias_correction(p.beta1, w.first_update + k);
+    w.bias_correction2[k] = bias_correction(p.beta2, w.first_update + k);
+  }
+  return w;
+}
+
+// Entry k of a window's row; NaN outside it, which a host that filled the window for other steps would
+// make a loud failure (NaN weights), not a wrong schedule.
+template <typename T>
+FLOWMOE_HOST_DEVICE inline T window_entry(const T (&row)[kScheduleWindow], int64_t k) {
+  return k >= 0 && k < kScheduleWindow ? row[k] : T(NAN);
+}
+
 // The factor that brings a gradient of global norm `norm` down to max_norm (1 within it or at max_norm 0).
 FLOWMOE_HOST_DEVICE inline double clip_factor(double norm, double max_norm) {
   if (max_norm <= 0 || !(norm > max_norm)) return 1.0;
@@ -87,17 +120,15 @@ FLOWMOE_HOST_DEVICE inline void advance_step(StepScalars& s, const StepSchedule&
   s.loss = loss;
   s.aux_loss = aux;
   s.grad_norm = norm;
-  const int64_t step = s.step < p.total_steps ? s.step : p.total_steps;  // the tables' last entry past the end
-  s.lr = p.lr_by_step ? p.lr_by_step[step] : scheduled_lr(p, s.step);
+  const ScheduleWindow* w = p.window;
+  s.lr = w ? window_entry(w->lr, s.step - w->first_step) : scheduled_lr(p, s.step);
   if (!all_finite && p.stop_on_nonfinite) s.halted = 1;
   s.apply = all_finite && !s.halted;
   s.num_updates += s.apply;
   s.grad_scale = clip_factor(norm, p.grad_clip);
-  const int64_t t = s.num_updates < p.total_steps ? s.num_updates : p.total_steps;
-  s.bias_correction1 =
-      p.bias_correction1_by_update ? p.bias_correction1_by_update[t] : float(1.0 - pow(p.beta1, double(s.num_updates)));
-  s.bias_correction2 =
-      p.bias_correction2_by_update ? p.bias_correction2_by_update[t] : float(1.0 - pow(p.beta2, double(s.num_updates)));
+  const int64_t t = s.num_updates;
+  s.bias_correction1 = w ? window_entry(w->bias_correction1, t - w->first_update) : bias_correction(p.beta1, t);
+  s.bias_correction2 = w ? window_entry(w->bias_correction2, t - w->first_update) : bias_correction(p.beta2, t);
   s.bias_rate_scale = !s.apply ? 0.0 : !p.bias_follows_lr ? 1.0 : p.lr > 0 ? s.lr / p.lr : 0.0;
 }
 

@@ -1,9 +1,9 @@
 // What a run refuses to load or share: a checkpoint with tensors the model does not have (named; or left
 // out with checkpoint.partial_load), a checkpoint holding NaN or Inf (named; or loaded with
-// checkpoint.allow_nonfinite), a safetensors file whose tensors overlap or leave a gap, an output
-// folder another run holds (train/dir_lock.h), and the small
-// pieces of the launch checks: the progress display under a launcher, the first key two ranks' configs
-// differ in, and the router's limits as config ranges.
+// checkpoint.allow_nonfinite), a safetensors file whose tensors overlap or leave a gap, an output folder
+// another run holds or that takes no files (train/dir_lock.h), a save that fails (it leaves no step_N.tmp
+// behind), and the small pieces of the launch checks: the progress display under a launcher, the first key
+// two ranks' configs differ in, and the router's limits as config ranges.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -216,6 +216,119 @@ TEST(RunDirLock, ASecondRunIsRefusedAndAKilledOneBlocksNothing) {
     EXPECT_THROW(train(elsewhere, quiet()), IoError);
   }
   EXPECT_NO_THROW(DirLock((d / "ckpt").string(), "the checkpoint directory"));
+  fs::remove_all(d);
+}
+
+// A run holds its checkpoint folder inside its run folder too: a second run with a run folder of its own
+// but checkpoint.dir pointing at the first's checkpoints/ would write its weights as the first's step_N.
+// A checkpoint folder that is the run folder itself (however spelled) is locked once, not refused.
+TEST(RunDirLock, TheCheckpointFolderInsideTheRunFolderIsHeldToo) {
+  const fs::path d = fresh_dir("ckpt_dir_lock");
+  const Config first = small_config(d / "first");
+  Config second = small_config(d / "second");
+  second.checkpoint.dir = first.checkpoint.dir;
+  std::string refusal = "(the second run was not refused)";
+  TrainOptions o = quiet();
+  o.after_backward = [&](int64_t step, const std::vector<Variable>&) {
+    if (step != 1) return;
+    try {
+      train(second, quiet());
+    } catch (const IoError& e) {
+      refusal = e.what();
+    }
+  };
+  EXPECT_EQ(train(first, o).last_step, 2);
+  EXPECT_TRUE(has(refusal, "the checkpoint directory '" + first.checkpoint.dir +
+                               "' is in use by another flowmoe run (pid " + std::to_string(::getpid()) +
+                               "); wait for it to end or give this run another checkpoint.dir"))
+      << refusal;
+  EXPECT_FALSE(fs::exists(d / "second" / "metrics.jsonl"));
+
+  for (const std::string& spelling :
+       {(d / "same").string(), (d / "same").string() + "/", (d / "." / "same").string()}) {
+    Config same = small_config(d / "same");
+    same.checkpoint.dir = spelling;
+    EXPECT_EQ(train(same, quiet()).last_step, 2) << spelling;
+    EXPECT_TRUE(fs::exists(d / "same" / "step_00000002" / "meta.json")) << spelling;
+  }
+  fs::remove_all(d);
+}
+
+// A checkpoint folder that takes no new files is refused at start, as one outside the run folder is,
+// not at the first save after the steps before it. The run goes as another user where this one is root
+// (whom a mode of 0555 does not stop), in a child whose message comes back through a pipe.
+TEST(RunDirLock, AReadOnlyCheckpointFolderInsideTheRunFolderIsRefusedAtStart) {
+  const fs::path d = fresh_dir("ckpt_dir_read_only");
+  const fs::path run = d / "run", ckpt = run / "checkpoints";
+  fs::create_directories(ckpt);
+  // An earlier run's lock file, which still opens for writing where no new file can be made.
+  std::ofstream(ckpt / "run.lock") << "1\n";
+  fs::permissions(ckpt / "run.lock", fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                                         fs::perms::group_write | fs::perms::others_read | fs::perms::others_write);
+  fs::permissions(d, fs::perms::all);
+  fs::permissions(run, fs::perms::all);
+  fs::permissions(ckpt, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read | fs::perms::group_exec |
+                            fs::perms::others_read | fs::perms::others_exec);
+  Config cfg = small_config(run);
+  cfg.checkpoint.every = 1;
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::alarm(120);  // the test's time limit for the child
+    ::close(pipe_fds[0]);
+    std::string message = "(no error)";
+    if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) {
+      message = "skip: cannot become another user";
+    } else {
+      try {
+        train(cfg, quiet());
+      } catch (const Error& e) {
+        message = e.what();
+      }
+    }
+    const bool sent = ::write(pipe_fds[1], message.data(), message.size()) == ssize_t(message.size());
+    ::_exit(sent ? 0 : 1);
+  }
+  ::close(pipe_fds[1]);
+  std::string message;
+  char buf[512];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) message.append(buf, size_t(n));
+  ::close(pipe_fds[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  fs::permissions(ckpt, fs::perms::all);
+  if (message.rfind("skip:", 0) == 0) GTEST_SKIP() << message;
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  EXPECT_TRUE(has(message, "the checkpoint directory '" + ckpt.string() + "' is not writable: cannot create '" +
+                               (ckpt / ".run.lock.probe").string() + "': Permission denied"))
+      << message;
+  EXPECT_FALSE(fs::exists(run / "metrics.jsonl")) << "a step ran before the refusal";
+  fs::remove_all(d);
+}
+
+// A save whose write fails (here the file size limit refuses it with EFBIG, as a full disk refuses with
+// ENOSPC) throws naming the file and the reason, and removes its step_N.tmp at once rather than leaving
+// it to hold the disk's space until the next run's start.
+TEST(CheckpointSave, AFailedSaveRemovesItsTemporaryDirectory) {
+  const fs::path d = fresh_dir("ckpt_failed_save");
+  const Variable w(Tensor::zeros({1 << 16}, DType::f32, Device::cpu()), true, "w");
+  const std::vector<Tensor> moments = {Tensor::zeros({1 << 16}, DType::f32, Device::cpu())};
+  CheckpointMeta meta;
+  meta.step = 7;
+  std::string error = "(the save went through)";
+  try {
+    FileSizeLimit limit(4096);  // the weights file is 256 KiB
+    save_checkpoint(d.string(), meta, {w}, moments, moments, 3);
+  } catch (const IoError& e) {
+    error = e.what();
+  }
+  EXPECT_TRUE(
+      has(error, "writing '" + (d / "step_00000007.tmp" / "model.safetensors").string() + "' failed: File too large"))
+      << error;
+  EXPECT_FALSE(fs::exists(d / "step_00000007.tmp"));
+  EXPECT_FALSE(fs::exists(d / "step_00000007"));
   fs::remove_all(d);
 }
 

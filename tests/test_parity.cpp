@@ -252,6 +252,14 @@ TEST(ParityCommand, UsageErrorsExitTwo) {
   EXPECT_EQ(layout.exit_code, 2);
   EXPECT_NE(layout.out.find("--layout-control compares expert parallelism with data parallelism"), std::string::npos)
       << layout.out;
+  // A warmup past the last step leaves nothing to compare: refused before the first run trains.
+  const Ran warmup = run_parity(d, "--warmup-steps 99999 --steps 5");
+  EXPECT_EQ(warmup.exit_code, 2) << warmup.out;
+  EXPECT_EQ(warmup.out,
+            "flowmoe: error: parity: --warmup-steps 99999 leaves no step to compare: the verdicts read "
+            "the steps after the warmup, so it must be below --steps 5; give a smaller --warmup-steps or "
+            "more --steps\n");
+  EXPECT_FALSE(fs::exists(d / "parity" / "bf16"));
   fs::remove_all(d);
 }
 

@@ -1,19 +1,26 @@
 // The optimizer step's scalars (kernels/step_control.h): the host function against the trainer's
 // schedule and clipping, skips and the sticky halt; the CUDA kernel bit for bit against the host
 // function; AdamW and the expert-bias update reading them on the device against their by-value forms.
+#include <sys/resource.h>
+
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <vector>
 
 #include "engine/ops/router.h"
 #include "kernels/adamw.h"
 #include "kernels/common/cuda_check.h"
 #include "kernels/step_control.h"
-#include "tests/test_util.h"
+#include "tests/train_test_util.h"
 #include "train/optimizer.h"
+#include "train/step_state.h"
+#include "train/trainer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -133,28 +140,102 @@ TEST(StepControl, NoBalanceLossReadsNoAux) {
   EXPECT_EQ(s.loss, 1.5);
 }
 
-// With the host's tables (as the trainer gives them: the device's cos and pow may round differently).
+// The learning rate and bias corrections, computed per step, are the values the table of every step held
+// before (scheduled_lr and float(1 - pow(beta, t)) at each index), at steps near the start and the end of a
+// run of 1e12 steps; the window the device reads gives the same bits whichever way the pending steps went.
+TEST(StepControl, TheScheduleIsComputedPerStepWithTheTablesValues) {
+  StepSchedule p = test_schedule();
+  p.total_steps = 1000000000000;
+  p.warmup_steps = 1000;
+  const auto table_lr = [&](int64_t i) { return scheduled_lr(p, i); };
+  const auto table_bc = [](double beta, int64_t i) { return float(1.0 - std::pow(beta, double(i))); };
+  const int64_t starts[] = {0, 3, 999, 1000, 123456789, p.total_steps / 2, p.total_steps - 3};
+  for (const int64_t last : starts) {
+    SCOPED_TRACE("after step " + std::to_string(last));
+    // Every pattern of the step still pending before this one and this one: applied, skipped or (pending) void.
+    for (int pattern = 0; pattern < 9; ++pattern) {
+      StepScalars direct;
+      direct.step = last;
+      direct.num_updates = last / 2;
+      StepScalars windowed = direct;
+      const ScheduleWindow w = schedule_window(p, direct);
+      StepSchedule p_window = p;
+      p_window.window = &w;
+      const StepInputs finite = test_steps()[0], nonfinite = test_steps()[2];
+      const int32_t overflow = 5;
+      for (const int kind : {pattern / 3, pattern % 3}) {  // 0 applied, 1 skipped, 2 void
+        const StepInputs& in = kind == 1 ? nonfinite : finite;
+        const int32_t* void_step = kind == 2 ? &overflow : nullptr;
+        advance_step_from_sums(direct, p, in.lm, in.aux, in.sq, void_step);
+        advance_step_from_sums(windowed, p_window, in.lm, in.aux, in.sq, void_step);
+        EXPECT_TRUE(same_bits(direct, windowed)) << "pattern " << pattern;
+        if (kind == 2) {  // nothing moved but the overflow, which the host clears before it runs the step again
+          direct.exchange_overflow = windowed.exchange_overflow = 0;
+          continue;
+        }
+        EXPECT_EQ(direct.lr, table_lr(direct.step));
+        EXPECT_EQ(direct.bias_correction1, table_bc(p.beta1, direct.num_updates));
+        EXPECT_EQ(direct.bias_correction2, table_bc(p.beta2, direct.num_updates));
+      }
+    }
+  }
+  // A window filled for other steps gives NaN, not another step's rate.
+  StepScalars s;
+  s.step = 9;
+  const ScheduleWindow stale = schedule_window(p, s);
+  StepSchedule p_stale = p;
+  p_stale.window = &stale;
+  s.step = 20;
+  const StepInputs in = test_steps()[0];
+  advance_step_from_sums(s, p_stale, in.lm, in.aux, in.sq);
+  EXPECT_TRUE(std::isnan(s.lr));
+}
+
+// A run of any allowed length starts at once: nothing is sized by train.steps (a table of every step's
+// learning rate and bias corrections took 16 bytes a step, 16 GB and 111 s before step 1 at 1e9 steps).
+TEST(StepControl, ARunOfOneTrillionStepsStartsAtOnce) {
+  StepSchedule p = test_schedule();
+  p.total_steps = 1000000000000;
+  const auto t0 = std::chrono::steady_clock::now();
+  StepState state(Device::cpu(), p);
+  state.reset(p.total_steps - 1, 7);
+  const fs::path d = fresh_dir("trillion_steps");
+  Config cfg = parse_config(
+      "model: {vocab_size: 64, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,"
+      " intermediate_size: 64, max_position_embeddings: 16}\n"
+      "data: {seq_len: 16, synthetic_tokens: 20000, val_fraction: 0}\n"
+      "train: {device: cpu, steps: 1000000000000, batch_size: 4, eval_every: 0}\n"
+      "checkpoint: {final: false}\n",
+      "trillion.yaml");
+  cfg.logging.out_dir = d.string();
+  TrainOptions o = quiet();
+  o.stop_after = 1;
+  const TrainResult r = train(cfg, o);
+  EXPECT_EQ(r.last_step, 1);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  EXPECT_LT(usage.ru_maxrss, 1L << 20) << "peak resident KiB";  // below 1 GiB
+  fs::remove_all(d);
+}
+
+// With the host's window of values (as the trainer gives it: the device's cos and pow may round differently),
+// refilled before each step as StepState::prepare_device_step does.
 TEST(StepControlCuda, KernelMatchesTheHostBitForBit) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped";
-  StepSchedule p = test_schedule(), p_dev = p;
-  const int64_t n = p.total_steps + 1;
-  std::vector<double> lr(static_cast<size_t>(n));
-  std::vector<float> bc(static_cast<size_t>(2 * n));
-  for (int64_t i = 0; i < n; ++i) {
-    lr[size_t(i)] = scheduled_lr(p, i);
-    bc[size_t(i)] = float(1.0 - std::pow(p.beta1, double(i)));
-    bc[size_t(n + i)] = float(1.0 - std::pow(p.beta2, double(i)));
-  }
-  p.lr_by_step = lr.data(), p.bias_correction1_by_update = bc.data(), p.bias_correction2_by_update = bc.data() + n;
-  Tensor lr_dev = Tensor::from_doubles(lr, {n}, DType::f64, Device::cuda(0));
-  Tensor bc_dev = Tensor::zeros({2 * n}, DType::f32, Device::cuda(0));
-  copy_bytes(bc_dev.raw_data(), 0, bc.data(), -1, bc.size() * sizeof(float));
-  p_dev.lr_by_step = lr_dev.data<double>(), p_dev.bias_correction1_by_update = bc_dev.data<float>();
-  p_dev.bias_correction2_by_update = bc_dev.data<float>() + n;
+  const StepSchedule p = test_schedule();
+  StepSchedule p_dev = p;
+  Tensor window = Tensor::zeros({int64_t(sizeof(ScheduleWindow))}, DType::u8, Device::cuda(0));
+  p_dev.window = static_cast<const ScheduleWindow*>(window.raw_data());
+  const auto fill_window = [&](const StepScalars& last) {
+    const ScheduleWindow w = schedule_window(p, last);
+    copy_bytes(window.raw_data(), 0, &w, -1, sizeof w);
+  };
   Tensor dev = Tensor::zeros({int64_t(sizeof(StepScalars))}, DType::u8, Device::cuda(0));
   Tensor inputs = Tensor::zeros({6}, DType::f32, Device::cuda(0));
   StepScalars host;
   for (const StepInputs& in : test_steps()) {
+    fill_window(host);
     advance_step_from_sums(host, p, in.lm, in.aux, in.sq);
     const float flat[6] = {in.lm[0], in.lm[1], in.aux[0], in.aux[1], in.sq[0], in.sq[1]};
     copy_bytes(inputs.raw_data(), 0, flat, -1, sizeof(flat));
@@ -168,6 +249,7 @@ TEST(StepControlCuda, KernelMatchesTheHostBitForBit) {
   const int32_t overflow = 7;
   Tensor overflow_dev = Tensor::from_ints({overflow}, {1}, DType::i32, Device::cuda(0));
   const StepInputs in = test_steps().front();
+  fill_window(host);
   advance_step_from_sums(host, p, in.lm, in.aux, in.sq, &overflow);
   const float* d = inputs.data<float>();
   advance_step_cuda(static_cast<StepScalars*>(dev.raw_data()), p_dev, d, d + 2, d + 4, overflow_dev.data<int32_t>(),

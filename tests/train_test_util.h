@@ -1,6 +1,9 @@
 // What the tests that run the trainer share: a directory of their own, emptied, options that print
-// nothing, and a file's bytes.
+// nothing, a file's bytes, and a limit on the size of the files written.
 #pragma once
+#include <sys/resource.h>
+
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -35,5 +38,27 @@ inline TrainOptions quiet() {
   o.out = nullptr;
   return o;
 }
+
+// While it lives, a file of this process may not grow past `bytes`: a write beyond fails with EFBIG, as
+// one on a full disk fails with ENOSPC (SIGXFSZ, which would end the process, is ignored meanwhile).
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) : old_handler_(std::signal(SIGXFSZ, SIG_IGN)) {
+    ::getrlimit(RLIMIT_FSIZE, &before_);
+    rlimit small = before_;
+    small.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_FSIZE, &small);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &before_);
+    std::signal(SIGXFSZ, old_handler_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  void (*old_handler_)(int);
+  rlimit before_{};
+};
 
 }  // namespace flowmoe::test

@@ -73,6 +73,35 @@ std::vector<std::string> remove_stale_checkpoint_tmp(const std::string& root) {
   return removed;
 }
 
+// The files of a checkpoint, fsynced, into dir.
+static void write_checkpoint_files(const fs::path& dir, const CheckpointMeta& meta, const std::vector<Variable>& params,
+                                   const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq,
+                                   const std::vector<Variable>& buffers) {
+  std::vector<NamedTensor> model, optim;
+  for (size_t i = 0; i < params.size(); ++i) {
+    model.push_back({params[i].name(), params[i].data()});
+    optim.push_back({params[i].name() + ".exp_avg", exp_avg[i]});
+    optim.push_back({params[i].name() + ".exp_avg_sq", exp_avg_sq[i]});
+  }
+  for (const Variable& b : buffers) model.push_back({b.name(), b.data()});
+  write_safetensors((dir / kCheckpointModelFile).string(), model, {{"format", "pt"}});
+  write_safetensors((dir / "optimizer.safetensors").string(), optim, {{"format", "pt"}});
+
+  std::ostringstream js;
+  js << "{\n  \"format\": \"flowmoe-checkpoint-1\",\n"
+     << "  \"step\": " << meta.step << ",\n"
+     << "  \"num_updates\": " << meta.num_updates << ",\n"
+     << "  \"skipped_steps\": " << meta.skipped_steps << ",\n"
+     << "  \"data_position\": {\"epoch\": " << meta.data.epoch << ", \"cursor\": " << meta.data.cursor
+     << ", \"seed\": " << meta.data_seed << "},\n"
+     << "  \"rng\": {\"init_seed\": " << meta.init_seed
+     << ", \"note\": \"after init only the batch order is random: a function of data_position\"},\n"
+     << "  \"config\": " << json_escape(meta.config_yaml) << "\n}\n";
+  std::string json = js.str();
+  write_file_synced((dir / kCheckpointMetaFile).string(), {&json});
+  fsync_dir(dir.string());
+}
+
 std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta, const std::vector<Variable>& params,
                             const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq,
                             int64_t keep_last, const std::vector<Variable>& buffers) {
@@ -88,33 +117,18 @@ std::string save_checkpoint(const std::string& root, const CheckpointMeta& meta,
   fs::create_directory(tmp_dir, ec);
   FLOWMOE_CHECK(!ec, IoError, os_error("create", tmp_dir.string(), ec));
 
-  std::vector<NamedTensor> model, optim;
-  for (size_t i = 0; i < params.size(); ++i) {
-    model.push_back({params[i].name(), params[i].data()});
-    optim.push_back({params[i].name() + ".exp_avg", exp_avg[i]});
-    optim.push_back({params[i].name() + ".exp_avg_sq", exp_avg_sq[i]});
+  // From here the temporary directory is this save's: one that fails (a full disk) removes it at once, so
+  // it holds no disk space until the next run's start.
+  try {
+    write_checkpoint_files(tmp_dir, meta, params, exp_avg, exp_avg_sq, buffers);
+    if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);  // the same step saved again (after a resume)
+    fs::rename(tmp_dir, final_dir, ec);
+    FLOWMOE_CHECK(!ec, IoError, "renaming '", tmp_dir.string(), "' to '", final_dir.string(),
+                  "' failed: ", ec.message());
+  } catch (...) {
+    fs::remove_all(tmp_dir, ec);
+    throw;
   }
-  for (const Variable& b : buffers) model.push_back({b.name(), b.data()});
-  write_safetensors((tmp_dir / kCheckpointModelFile).string(), model, {{"format", "pt"}});
-  write_safetensors((tmp_dir / "optimizer.safetensors").string(), optim, {{"format", "pt"}});
-
-  std::ostringstream js;
-  js << "{\n  \"format\": \"flowmoe-checkpoint-1\",\n"
-     << "  \"step\": " << meta.step << ",\n"
-     << "  \"num_updates\": " << meta.num_updates << ",\n"
-     << "  \"skipped_steps\": " << meta.skipped_steps << ",\n"
-     << "  \"data_position\": {\"epoch\": " << meta.data.epoch << ", \"cursor\": " << meta.data.cursor
-     << ", \"seed\": " << meta.data_seed << "},\n"
-     << "  \"rng\": {\"init_seed\": " << meta.init_seed
-     << ", \"note\": \"after init only the batch order is random: a function of data_position\"},\n"
-     << "  \"config\": " << json_escape(meta.config_yaml) << "\n}\n";
-  std::string json = js.str();
-  write_file_synced((tmp_dir / kCheckpointMetaFile).string(), {&json});
-  fsync_dir(tmp_dir.string());
-
-  if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);  // the same step saved again (after a resume)
-  fs::rename(tmp_dir, final_dir, ec);
-  FLOWMOE_CHECK(!ec, IoError, "renaming '", tmp_dir.string(), "' to '", final_dir.string(), "' failed: ", ec.message());
   fsync_dir(root);
 
   auto all = list_checkpoints(root);

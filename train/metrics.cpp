@@ -76,36 +76,127 @@ static int64_t row_step(const std::string& line, bool csv) {
   return p == std::string::npos ? -1 : std::atoll(line.c_str() + p + 7);
 }
 
+// The cells of a CSV line; a trailing comma ends an empty last cell.
+static std::vector<std::string> csv_cells(const std::string& line) {
+  std::vector<std::string> cells;
+  std::stringstream ss(line);
+  std::string cell;
+  while (std::getline(ss, cell, ',')) cells.push_back(cell);
+  if (!line.empty() && line.back() == ',') cells.push_back("");
+  return cells;
+}
+
+// A JSONL line as a metrics row (JSON is YAML); *why says why when it is not one.
+static YAML::Node json_row(const std::string& line, std::string* why) {
+  try {
+    YAML::Node j = YAML::Load(line);
+    if (j.IsMap() && j["step"]) {
+      (void)j["step"].as<int64_t>();
+      return j;
+    }
+    *why = "not a metrics row";
+  } catch (const YAML::Exception& e) {
+    *why = "malformed JSON (" + e.msg + ")";
+  }
+  return YAML::Node();
+}
+
+// Whether a line of a metrics file whose CSV header has `num_columns` cells is a row (or that header).
+static bool is_row(const std::string& line, bool csv, size_t num_columns) {
+  if (!csv) {
+    std::string why;
+    json_row(line, &why);
+    return why.empty();
+  }
+  if (line.rfind("step,", 0) == 0) return true;
+  char* end = nullptr;
+  std::strtoll(line.c_str(), &end, 10);
+  return end != line.c_str() && *end == ',' && csv_cells(line).size() == num_columns;
+}
+
+// The lines of an earlier run's metrics file, less a last line it left torn: one with no line end (the
+// run stopped while writing it, or the disk filled) or that is not a row. *note then says so.
+static std::vector<std::string> whole_lines(const std::string& path, bool csv, std::string* note) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string all = text.str();
+  std::vector<std::string> lines;
+  for (size_t at = 0; at < all.size();) {
+    const size_t nl = std::min(all.find('\n', at), all.size());
+    lines.push_back(all.substr(at, nl - at));
+    at = nl + 1;
+  }
+  if (lines.empty()) return lines;
+  const bool ended = all.back() == '\n';
+  const size_t num_columns = csv ? csv_cells(lines.front()).size() : 0;
+  if (ended && (lines.back().empty() || is_row(lines.back(), csv, num_columns))) return lines;
+  *note = "metrics: dropped line " + std::to_string(lines.size()) + " of " + path + ", which the earlier run left " +
+          (ended ? "unreadable (not a metrics row)" : "unfinished (no line end)");
+  lines.pop_back();
+  return lines;
+}
+
 MetricsWriter::MetricsWriter(const std::string& path, const std::string& format, int64_t keep_up_to_step)
     : path_(path), csv_(format == "csv") {
   std::vector<std::string> kept;
   if (keep_up_to_step >= 0) {
-    std::ifstream in(path);
-    std::string line;
-    while (std::getline(in, line)) {
+    for (const std::string& line : whole_lines(path, csv_, &note_)) {
       int64_t s = row_step(line, csv_);
       if (s >= 0 && s <= keep_up_to_step) kept.push_back(line);
     }
   }
-  file_ = std::fopen(path.c_str(), "w");
-  FLOWMOE_CHECK(file_ != nullptr, IoError, os_error("write metrics file", path, errno));
-  if (csv_) std::fprintf(file_, "%s\n", kCsvHeader);
-  const auto header_commas = std::count(kCsvHeader, kCsvHeader + std::strlen(kCsvHeader), ',');
-  for (auto l : kept) {
-    if (csv_)
-      for (auto c = std::count(l.begin(), l.end(), ','); c < header_commas; ++c) l += ',';
-    std::fprintf(file_, "%s\n", l.c_str());
+  // A resumed run's kept rows go to a temporary file renamed over the earlier one, so a write that fails
+  // (a full disk) leaves the earlier rows as they were; a fresh run's file starts empty.
+  const bool resumed = keep_up_to_step >= 0;
+  const std::string first = resumed ? path + ".tmp" : path;
+  file_ = std::fopen(first.c_str(), "w");
+  FLOWMOE_CHECK(file_ != nullptr, IoError, os_error("write metrics file", first, errno));
+  try {
+    if (csv_) put(kCsvHeader);
+    const auto header_commas = std::count(kCsvHeader, kCsvHeader + std::strlen(kCsvHeader), ',');
+    for (auto l : kept) {
+      if (csv_)
+        for (auto c = std::count(l.begin(), l.end(), ','); c < header_commas; ++c) l += ',';
+      put(l);
+    }
+    flush();
+    if (!resumed) return;
+    const bool closed = std::fclose(file_) == 0;
+    file_ = nullptr;
+    FLOWMOE_CHECK(closed, IoError, os_error("write metrics file", first, errno));
+    FLOWMOE_CHECK(std::rename(first.c_str(), path.c_str()) == 0, IoError, "cannot rename '", first, "' to '", path,
+                  "': ", std::strerror(errno));
+  } catch (...) {  // no destructor runs for a constructor that throws
+    if (file_) std::fclose(file_);
+    file_ = nullptr;
+    if (resumed) std::remove(first.c_str());
+    throw;
   }
-  std::fflush(file_);
+  file_ = std::fopen(path.c_str(), "a");
+  FLOWMOE_CHECK(file_ != nullptr, IoError, os_error("write metrics file", path, errno));
 }
 
 MetricsWriter::~MetricsWriter() {
   if (file_) std::fclose(file_);
 }
 
+// A buffered write may fail only at the flush that sends it: both are checked, with the OS's reason.
+void MetricsWriter::put(const std::string& line) {
+  errno = 0;
+  const bool ok = std::fputs(line.c_str(), file_) >= 0 && std::fputc('\n', file_) != EOF;
+  FLOWMOE_CHECK(ok, IoError, "cannot write metrics file '", path_, "': ", std::strerror(errno ? errno : EIO));
+}
+
+void MetricsWriter::flush() {
+  errno = 0;
+  FLOWMOE_CHECK(std::fflush(file_) == 0, IoError, "cannot write metrics file '", path_,
+                "': ", std::strerror(errno ? errno : EIO));
+}
+
 void MetricsWriter::write(const StepMetrics& m) {
-  std::fprintf(file_, "%s\n", row_text(m, csv_).c_str());
-  std::fflush(file_);  // a crashed run keeps its rows
+  put(row_text(m, csv_));
+  flush();  // a crashed run keeps its rows
 }
 
 static double field_double(const std::string& s) {
@@ -126,11 +217,7 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
     if (line.empty()) continue;
     StepMetrics m;
     if (csv) {
-      std::vector<std::string> cells;
-      std::stringstream ss(line);
-      std::string cell;
-      while (std::getline(ss, cell, ',')) cells.push_back(cell);
-      if (line.back() == ',') cells.push_back("");
+      const std::vector<std::string> cells = csv_cells(line);
       if (columns.empty()) {
         columns = cells;
         continue;
@@ -169,13 +256,9 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
         }
       }
     } else {
-      YAML::Node j;
-      try {
-        j = YAML::Load(line);
-      } catch (const YAML::Exception& e) {
-        FLOWMOE_THROW(IoError, path, ":", line_no, ": malformed JSON (", e.msg, ")");
-      }
-      FLOWMOE_CHECK(j.IsMap() && j["step"], IoError, path, ":", line_no, ": not a metrics row");
+      std::string why;
+      const YAML::Node j = json_row(line, &why);
+      FLOWMOE_CHECK(why.empty(), IoError, path, ":", line_no, ": ", why);
       auto get = [&](const char* k) { return j[k] ? field_double(j[k].Scalar()) : NAN; };
       m.step = j["step"].as<int64_t>();
       m.loss = get("loss");

@@ -30,7 +30,10 @@ struct StepMetrics {
 };
 
 // Appends rows to <path>. With keep_up_to_step >= 0 (a resumed run) the rows of later steps an
-// interrupted run had written are dropped first; with -1 the file starts empty.
+// interrupted run had written are dropped first, and so is a last line it left torn (no line end, or
+// not a row), which note() then names; with -1 the file starts empty. Every write is flushed and
+// checked: one the OS refuses (a full disk) throws IoError naming the file and the reason, so a run
+// never goes on with rows missing.
 class MetricsWriter {
  public:
   MetricsWriter(const std::string& path, const std::string& format /*jsonl|csv*/, int64_t keep_up_to_step);
@@ -39,11 +42,16 @@ class MetricsWriter {
   MetricsWriter& operator=(const MetricsWriter&) = delete;
   void write(const StepMetrics& m);
   const std::string& path() const { return path_; }
+  // One line for the user about what the resume dropped beyond later steps' rows; "" when nothing.
+  const std::string& note() const { return note_; }
 
  private:
   std::string path_;
   bool csv_;
   std::FILE* file_ = nullptr;
+  std::string note_;
+  void put(const std::string& line);  // the line and its end, into the stream's buffer
+  void flush();
 };
 
 // Rows of a metrics file (format from its extension, .csv or else JSONL). Throws IoError.

@@ -100,16 +100,18 @@ static std::string make_run_dir(const Config& cfg) {
   return dir;
 }
 
-// Rank 0 locks the run directory, and the checkpoint directory when it is not inside that one: a second
-// run into either is refused (DirLock names its pid) before it writes or removes anything there.
+// Rank 0 locks the run directory and the checkpoint directory, wherever that lies: a second run into either
+// is refused (DirLock names its pid) before it writes or removes anything there, also one whose own run
+// directory differs but whose checkpoint.dir is this run's checkpoints/. The locks also prove both folders
+// writable. A checkpoint directory that is the run directory itself is locked once: a second lock on the
+// same file from this process would be refused by the first.
 static std::vector<std::unique_ptr<DirLock>> lock_run_dirs(const Config& cfg, bool is_root) {
   std::vector<std::unique_ptr<DirLock>> locks;
   if (!is_root) return locks;
   locks.push_back(std::make_unique<DirLock>(cfg.run_dir(), "the run directory"));
-  std::error_code ec;
-  const fs::path run = fs::weakly_canonical(cfg.run_dir(), ec), ckpt = fs::weakly_canonical(cfg.checkpoint_dir(), ec);
-  const auto [end, ignored] = std::mismatch(run.begin(), run.end(), ckpt.begin(), ckpt.end());
-  if (end != run.end()) locks.push_back(std::make_unique<DirLock>(cfg.checkpoint_dir(), "the checkpoint directory"));
+  std::error_code ec;  // a checkpoint directory that does not exist yet is not the run directory, which does
+  if (!fs::equivalent(cfg.checkpoint_dir(), cfg.run_dir(), ec))
+    locks.push_back(std::make_unique<DirLock>(cfg.checkpoint_dir(), "the checkpoint directory", "checkpoint.dir"));
   return locks;
 }
 
@@ -167,6 +169,7 @@ static void announce_data(TrainRun& run) {
                          " CPUs (the launcher's binding), so set-up draws the weights on one thread; " +
                          "mpirun --bind-to none lets every rank use the machine");
   if (!run.resume_note.empty()) run.progress.message(run.resume_note);
+  if (run.metrics && !run.metrics->note().empty()) run.progress.message(run.metrics->note());
   if (run.val.capped) run.progress.message("evaluation: " + run.val.cap_note("train.eval_batches = "));
 }
 

@@ -83,8 +83,8 @@ struct TrainRun {
   std::string resume_note;       // the start-up line about the resume; declared first: resume_dir fills it
   const std::string resume_dir;  // the checkpoint to resume from; "" for a fresh start
   Progress progress;
-  // Rank 0's locks on the run directory and, when it lies elsewhere, the checkpoint directory: taken
-  // before anything is written or cleaned up there.
+  // Rank 0's locks on the run directory and the checkpoint directory (one lock where they are the same
+  // folder): taken before anything is written or cleaned up there.
   std::vector<std::unique_ptr<DirLock>> dir_locks;
   TrainResult res;  // out_dir exists and holds config.yaml before the data is read
   SetupLap device_lap{clock, "device and memory check"};

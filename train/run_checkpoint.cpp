@@ -1,6 +1,9 @@
 // A training run's checkpoints (see run.h): the resume at set-up and each save, with the optimizer's f32
 // masters as the weights a checkpoint holds, whether AdamW keeps them whole or a sharded optimizer keeps
 // segments of them (train/grad_reducer.h).
+#include <yaml-cpp/yaml.h>
+
+#include <string>
 #include <vector>
 
 #include "train/checkpoint.h"
@@ -14,6 +17,57 @@ namespace flowmoe {
 static Tensor whole_master(const AdamW& opt, size_t i, const Shape& shape) {
   if (opt.sharded() || opt.masters().empty() || !opt.masters()[i].defined()) return Tensor();
   return opt.masters()[i].view(shape);
+}
+
+// The keys that decide which tokens a run reads, and in which order, each with the data sources it applies
+// to. A resumed run takes up its checkpoint's data position, a count of windows into the order of one
+// corpus, split, sequence length and seed, read a batch at a time: over any other it would go on silently
+// with other data than the run it continues.
+namespace {
+struct DataKey {
+  const char* key;
+  bool (*applies)(const std::string& source);  // data.source
+};
+const DataKey kDataKeys[] = {
+    {"data.source", [](const std::string&) { return true; }},
+    {"data.path", [](const std::string& source) { return source != "synthetic"; }},
+    {"data.synthetic_tokens", [](const std::string& source) { return source == "synthetic"; }},
+    {"data.synthetic_kind", [](const std::string& source) { return source == "synthetic"; }},
+    {"data.seed", [](const std::string&) { return true; }},
+    {"data.seq_len", [](const std::string&) { return true; }},
+    {"data.val_fraction", [](const std::string&) { return true; }},
+    {"train.batch_size", [](const std::string&) { return true; }},
+    {"train.grad_accum_steps", [](const std::string&) { return true; }},
+};
+}  // namespace
+
+// The value of "section.key" in a resolved config's YAML, as to_yaml wrote it; "" where it has none.
+static std::string yaml_value(const YAML::Node& config, const std::string& dotted) {
+  const size_t dot = dotted.find('.');
+  const YAML::Node section = config[dotted.substr(0, dot)];
+  if (!section || !section.IsMap()) return "";
+  const YAML::Node n = section[dotted.substr(dot + 1)];
+  return n && n.IsScalar() ? n.Scalar() : "";
+}
+
+// Refuses a resume whose config reads other data than its checkpoint's (kDataKeys), naming the first key that
+// differs and both values. A key the checkpoint's config lacks (an older run's) is not compared.
+static void check_same_data(const Config& cfg, const std::string& checkpoint_config, const std::string& dir) {
+  YAML::Node was;
+  try {
+    was = YAML::Load(checkpoint_config);
+  } catch (const YAML::Exception& e) {
+    FLOWMOE_THROW(IoError, "'", dir, "/meta.json': its config is not YAML (", e.msg, ")");
+  }
+  const YAML::Node now = YAML::Load(to_yaml(cfg));
+  for (const DataKey& k : kDataKeys) {
+    if (!k.applies(cfg.data.source)) continue;
+    const std::string before = yaml_value(was, k.key), after = yaml_value(now, k.key);
+    FLOWMOE_CHECK(before.empty() || before == after, ConfigError, cfg.origin(k.key), ": ", k.key, ": ", after,
+                  " differs from the checkpoint's ", before, " (", dir,
+                  "): a resumed run must read the data its checkpoint's position counts in (the same corpus, "
+                  "split, sequence length, seed and batch)");
+  }
 }
 
 // Loads the weights, optimizer state, buffers and data position of run.resume_dir.
@@ -49,9 +103,7 @@ void resume_from_checkpoint(TrainRun& run) {
         model_params[i].bump_version();
       }
   }
-  FLOWMOE_CHECK(meta.data_seed == uint64_t(cfg.data.seed), ConfigError, cfg.origin("data.seed"),
-                ": data.seed: ", cfg.data.seed, " differs from the checkpoint's ", meta.data_seed,
-                " (a resumed run must keep its data order)");
+  check_same_data(cfg, meta.config_yaml, run.resume_dir);
   run.data.set_position(meta.data);
   run.step = meta.step;
   run.skipped = meta.skipped_steps;

@@ -15,30 +15,11 @@ constexpr size_t kNumSlots = 2;  // the step being queued and the one before it
 }
 
 StepState::StepState(Device device, const StepSchedule& schedule)
-    : device_(device), schedule_(schedule), slots_(kNumSlots) {
+    : device_(device), schedule_(schedule), device_schedule_(schedule), slots_(kNumSlots) {
   FLOWMOE_CHECK(schedule.num_micro_batches >= 1, Error, "StepState: ", schedule.num_micro_batches, " micro-batches");
-  // The host's learning rates and bias corrections, once (step_control.h says why).
-  const size_t n = size_t(std::max<int64_t>(schedule.total_steps, 0)) + 1;
-  lr_by_step_.resize(n);
-  bias_corrections_.resize(2 * n);
-  for (size_t i = 0; i < n; ++i) {
-    lr_by_step_[i] = scheduled_lr(schedule, int64_t(i));
-    bias_corrections_[i] = float(1.0 - std::pow(schedule.beta1, double(i)));
-    bias_corrections_[n + i] = float(1.0 - std::pow(schedule.beta2, double(i)));
-  }
-  schedule_.lr_by_step = lr_by_step_.data();
-  schedule_.bias_correction1_by_update = bias_corrections_.data();
-  schedule_.bias_correction2_by_update = bias_corrections_.data() + n;
-  device_schedule_ = schedule_;
   if (!device_.is_cuda()) return;
-  const size_t lr_bytes = n * sizeof(double), bc_bytes = 2 * n * sizeof(float);
-  device_tables_ = Tensor::empty({int64_t(lr_bytes + bc_bytes)}, DType::u8, device_);
-  uint8_t* tables = device_tables_.data<uint8_t>();
-  copy_bytes(tables, device_.index, lr_by_step_.data(), -1, lr_bytes);
-  copy_bytes(tables + lr_bytes, device_.index, bias_corrections_.data(), -1, bc_bytes);
-  device_schedule_.lr_by_step = reinterpret_cast<const double*>(tables);
-  device_schedule_.bias_correction1_by_update = reinterpret_cast<const float*>(tables + lr_bytes);
-  device_schedule_.bias_correction2_by_update = reinterpret_cast<const float*>(tables + lr_bytes) + n;
+  device_window_ = Tensor::zeros({int64_t(sizeof(ScheduleWindow))}, DType::u8, device_);
+  device_schedule_.window = static_cast<const ScheduleWindow*>(device_window_.raw_data());
   device_scalars_ = Tensor::zeros({int64_t(sizeof(StepScalars))}, DType::u8, device_);
   loss_slots_ = Tensor::zeros({2 * int64_t(schedule.num_micro_batches)}, DType::f32, device_);
   for (Slot& s : slots_) s.scalars = static_cast<StepScalars*>(cuda_host_alloc(sizeof(StepScalars)));
@@ -64,6 +45,18 @@ void StepState::reset(int64_t last_step, int64_t num_updates) {
   host_.step = last_step;
   host_.num_updates = num_updates;
   if (device_.is_cuda()) copy_bytes(device_scalars_.raw_data(), device_.index, &host_, -1, sizeof(StepScalars));
+}
+
+// The step being queued is step host_.step + 1 + k and leaves num_updates at host_.num_updates + k' for k
+// up to the steps still pending and k' up to one more (each pending step and this one may or may not count;
+// host_ holds the last scalars read back).
+static_assert(kNumSlots + 1 <= size_t(kScheduleWindow), "the schedule window must cover every pending step");
+
+void StepState::prepare_device_step() {
+  FLOWMOE_CHECK(device_.is_cuda(), Error, "StepState::prepare_device_step on ", device_.str());
+  const ScheduleWindow w = schedule_window(schedule_, host_);
+  stage_to_device(&w, sizeof w, device_window_.raw_data());
+  window_prepared_ = true;
 }
 
 const StepScalars* StepState::scalars() const {
@@ -92,7 +85,8 @@ void StepState::reduce_losses(Communicator& world) {
 }
 
 void StepState::advance_on_device(const float* sq_sums, const int32_t* exchange_overflow) {
-  FLOWMOE_CHECK(device_.is_cuda(), Error, "StepState::advance_on_device on ", device_.str());
+  FLOWMOE_CHECK(device_.is_cuda() && window_prepared_, Error, "StepState::advance_on_device on ", device_.str(),
+                window_prepared_ ? "" : " before prepare_device_step");
   const float* lm = loss_slots_.data<float>();
   device_schedule_.has_aux = schedule_.has_aux;
   advance_step_cuda(static_cast<StepScalars*>(device_scalars_.raw_data()), device_schedule_, lm,
@@ -124,11 +118,14 @@ void StepState::upload_into(const Tensor& host, Tensor& out) {
   FLOWMOE_CHECK(device_.is_cuda() && host.device().is_cpu() && out.device() == device_ && out.shape() == host.shape() &&
                     out.dtype() == host.dtype() && out.is_contiguous(),
                 Error, "StepState::upload: ", host.describe(), " into ", out.describe());
+  Tensor src = host.contiguous();
+  stage_to_device(src.raw_data(), size_t(src.numel()) * dtype_size(src.dtype()), out.raw_data());
+}
+
+void StepState::stage_to_device(const void* src, size_t bytes, void* dst) {
   FLOWMOE_CHECK(pending_.size() < slots_.size(), Error, "StepState: ", pending_.size(), " steps already pending");
   // This slot's previous step was read back (complete()) before this one was issued: its copies are done.
   Slot& s = slots_[next_slot_];
-  Tensor src = host.contiguous();
-  const size_t bytes = size_t(src.numel()) * dtype_size(src.dtype());
   if (s.num_uploads == s.staging.size()) s.staging.emplace_back(nullptr, 0);
   auto& [buf, capacity] = s.staging[s.num_uploads++];
   if (capacity < bytes) {
@@ -136,14 +133,15 @@ void StepState::upload_into(const Tensor& host, Tensor& out) {
     buf = cuda_host_alloc(bytes);
     capacity = bytes;
   }
-  std::memcpy(buf, src.raw_data(), bytes);
-  copy_bytes_to_device_async(out.raw_data(), device_.index, buf, bytes);
+  std::memcpy(buf, src, bytes);
+  copy_bytes_to_device_async(dst, device_.index, buf, bytes);
 }
 
 void StepState::snapshot(const std::vector<Tensor>& loads) {
   FLOWMOE_CHECK(pending_.size() < slots_.size(), Error, "StepState: ", pending_.size(), " steps already pending");
   Slot& s = slots_[next_slot_];
   s.num_uploads = 0;  // the next step that takes this slot starts its uploads again
+  window_prepared_ = false;
   next_slot_ = (next_slot_ + 1) % slots_.size();
   size_t total = 0;
   s.layer_sizes.clear();

@@ -31,6 +31,10 @@ class StepState {
 
   // The next step is `last_step + 1`, after `num_updates` applied updates (a start, or a resume).
   void reset(int64_t last_step, int64_t num_updates);
+  // The device path, before each step is queued and outside a graph capture: the learning rates and bias
+  // corrections it may read (kernels/step_control.h, ScheduleWindow), copied from pinned memory of the
+  // step's own on the stream, so the host neither waits nor holds a table of every step.
+  void prepare_device_step();
   // Where the parameters' device reads the scalars: device memory on a GPU, host memory on the CPU.
   const StepScalars* scalars() const;
 
@@ -74,17 +78,18 @@ class StepState {
     size_t num_uploads = 0;                         // used by the step being issued
   };
   Device device_;
-  StepSchedule schedule_;         // with the host's tables
-  StepSchedule device_schedule_;  // with the device's copies of them
-  std::vector<double> lr_by_step_;
-  std::vector<float> bias_corrections_;  // [2, total_steps + 1]
-  Tensor device_tables_;                 // u8: the lr table, then the bias corrections
-  StepScalars host_;                     // the CPU's scalars, or the last ones the host path computed
-  Tensor device_scalars_;                // u8 [sizeof(StepScalars)] on a GPU
-  Tensor loss_slots_;                    // f32 [2 * micro-batches] on a GPU: lm then aux
+  StepSchedule schedule_;         // the host computes each step's values
+  StepSchedule device_schedule_;  // the device reads them from device_window_
+  Tensor device_window_;          // u8 [sizeof(ScheduleWindow)] on a GPU
+  bool window_prepared_ = false;  // for the step being queued
+  StepScalars host_;              // the CPU's scalars, or the last ones the host path computed
+  Tensor device_scalars_;         // u8 [sizeof(StepScalars)] on a GPU
+  Tensor loss_slots_;             // f32 [2 * micro-batches] on a GPU: lm then aux
   std::vector<Slot> slots_;
   std::deque<size_t> pending_;  // slot indices, oldest first
   size_t next_slot_ = 0;
+  // Queues a copy of `bytes` from src to dst (device memory) through pinned staging of the step being queued.
+  void stage_to_device(const void* src, size_t bytes, void* dst);
 };
 
 }  // namespace flowmoe

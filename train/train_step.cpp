@@ -260,6 +260,7 @@ void issue_step(TrainRun& run, bool profiled) {
   std::vector<Batch> batches = next_batches(run);
   IssuedStep issued;
   std::vector<Tensor> loads;
+  if (on_device) run.state.prepare_device_step();  // before a graph replays or captures the step
   const bool graphed = use_graph(run, profiled);
   if (graphed) {
     loads = graph_step(run, batches, issued);
