@@ -1,6 +1,6 @@
 // The training loop around train_step(): evaluation and checkpoints when due, the ranks' agreement
-// after each step, a stop request (see trainer.h); the run's set-up, checkpoints and summary are
-// run.cpp's.
+// after each step, a stop request (see trainer.h), the collectives' watchdog; the run's set-up,
+// checkpoints and summary are run.cpp's.
 #include "train/trainer.h"
 
 #include <algorithm>
@@ -14,6 +14,7 @@
 #include "kernels/common/device_api.h"
 #include "parallel/backends.h"
 #include "parallel/distributed.h"
+#include "parallel/watchdog.h"
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
 #include "train/evaluation.h"
@@ -160,6 +161,13 @@ static bool finish_step(TrainRun& run, StepMetrics m) {
   return stop;
 }
 
+// The step's read-back: on the GPUs it waits for the step's collectives too, so a peer that stopped answering
+// shows here (the collectives' watchdog, parallel/watchdog.h).
+static std::optional<StepMetrics> read_back_step(TrainRun& run) {
+  const WatchedWait watch("the read-back of a step (its collectives)", run.world->backend_name(), run.world_size);
+  return complete_step(run);
+}
+
 // Whether the step just queued may stay unread while the next one is queued: only when its scalars are
 // on the device, nothing reads the weights after it (evaluation, checkpoint, the run's end), the next
 // step is not the profiled one, and a non-finite step need not stop the run exactly there.
@@ -174,6 +182,8 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
   struct ClearStopOnReturn {
     ~ClearStopOnReturn() { clear_stop_request(); }
   } clear_stop;
+  const bool several = opts.world && opts.world->size() > 1;
+  const CollectiveWatchdog watchdog(several ? cfg.parallel.timeout_s : 0, several ? opts.world->rank() : 0);
   TrainRun run(cfg, opts);
   bool stop = agree_on_stop(run);  // a request during set-up (or a stop file left behind): no step at all
   while (run.step < run.end && !stop) {
@@ -190,10 +200,10 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     const int64_t keep = may_run_ahead(run) ? 1 : 0;
     // A void step (none is left pending then) goes round again: the loop takes it anew.
     while (run.state.num_pending() > keep && !stop)
-      if (std::optional<StepMetrics> m = complete_step(run)) stop = finish_step(run, *m);
+      if (std::optional<StepMetrics> m = read_back_step(run)) stop = finish_step(run, *m);
   }
   while (run.state.num_pending() > 0)  // a step queued before a stop
-    if (std::optional<StepMetrics> m = complete_step(run)) finish_step(run, *m);
+    if (std::optional<StepMetrics> m = read_back_step(run)) finish_step(run, *m);
   if (stop && run.step < run.end)
     stop_with_checkpoint(run);
   else if (stop && run.is_root)

@@ -66,7 +66,8 @@ struct TrainResult {
 // file; checkpoints go to cfg.checkpoint_dir(). A stop request (stop_request.h) ends it early with a
 // checkpoint of the last finished step: one process drops a step in progress at its next micro-batch
 // (none under a CUDA graph, which replays the step whole); several ranks agree on it once per step, after
-// the step's evaluation and after its checkpoint, and stop together.
+// the step's evaluation and after its checkpoint, and stop together. With several ranks,
+// parallel.timeout_s runs the collectives' watchdog (parallel/watchdog.h) for the call.
 TrainResult train(const Config& cfg, const TrainOptions& opts = {});
 
 }  // namespace flowmoe

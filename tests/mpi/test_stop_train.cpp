@@ -1,7 +1,8 @@
 // Stopping a multi-process run, through the built command under mpirun as a user launches it: the stop
 // file during an evaluation stops both ranks at that step with a checkpoint that resumes bit for bit; a
-// signal to mpirun stops with a checkpoint once Open MPI gives the ranks time (odls_base_sigkill_timeout).
-// Each script runs under run_shell's time limit, so a hang fails instead of waiting.
+// signal to mpirun stops with a checkpoint once Open MPI gives the ranks time (odls_base_sigkill_timeout);
+// and a rank that stops answering (SIGSTOP) ends the job after parallel.timeout_s with one line, its last
+// checkpoint intact. Each script runs under run_shell's time limit, so a hang fails instead of waiting.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "tests/mpi/train_launch.h"
+#include "train/checkpoint.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;
@@ -101,5 +103,46 @@ TEST(StopUnderMpirun, ASignalToMpirunSavesACheckpointWhenTheRanksAreGivenTime) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(interrupted at step ([0-9]+): checkpoint (\S+) )"))) << out;
   EXPECT_TRUE(fs::exists(fs::path(m[2].str()) / "meta.json")) << m[2];
+  fs::remove_all(d);
+}
+
+// Rank 1 paused (SIGSTOP) mid-run: rank 0 waits in its next collective, and after parallel.timeout_s = 3 its
+// watchdog prints one line naming it and the collective and ends it; mpirun then ends rank 1. Without the
+// watchdog the job waits forever (here: until run_shell's limit). The last checkpoint on disk loads.
+TEST(StopUnderMpirun, ARankThatStopsAnsweringEndsTheJobAfterTheTimeout) {
+  const fs::path d = fresh_dir("mpi_watchdog");
+  const fs::path run = d / "run", log = d / "run.log", err = d / "run.err";
+  const std::string args = train_args(run,
+                                      "--set train.steps=100000 --set checkpoint.every=5 --set train.eval_every=0"
+                                      " --set parallel.timeout_s=3");
+  // Rank 0 writes its pid into run.lock; mpirun's other child is rank 1.
+  const std::string script = launcher(2) + kBinary + " " + args + " > '" + log.string() + "' 2> '" + err.string() +
+                             "' & m=$!\n" + wait_for_text(log, " 7/100000 | loss") + "r0=$(cat '" +
+                             (run / "run.lock").string() +
+                             "')\n"
+                             "for p in $(pgrep -P $m); do [ \"$p\" != \"$r0\" ] && r1=$p; done\n"
+                             "kill -STOP $r1\nt0=$(date +%s.%N)\nwait $m\necho \"mpirun status $?\"\n"
+                             "echo \"ended after $(awk -v a=$t0 -v b=$(date +%s.%N) 'BEGIN { print b - a }') s\"\n"
+                             "kill -CONT $r1 2>/dev/null\n";
+  const Launch r = run_script(d, "watchdog", script, 90);
+  const std::string errors = read_text(err);
+  ASSERT_EQ(r.status, 0) << "the job hung: " << r.out << errors;
+  EXPECT_EQ(count(r.out, "mpirun status 0"), 0u) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(ended after ([0-9.]+) s)"))) << r.out;
+  EXPECT_LT(std::stod(m[1]), 3 + 15.0) << "the timeout is 3 s";
+  EXPECT_EQ(lines_starting(errors, "flowmoe: error: "), 1u) << errors;
+  EXPECT_TRUE(std::regex_search(errors, std::regex(R"(flowmoe: error: rank 0 has waited [0-9]+ s in [a-z_ ]+ over 2 )"
+                                                   R"(ranks \(mpi\), more than parallel.timeout_s = 3: another )"
+                                                   R"(rank stopped answering)")))
+      << errors;
+  const std::string last = latest_checkpoint((run / "checkpoints").string());
+  ASSERT_FALSE(last.empty());
+  const std::string eval = "eval --config " + kConfig +
+                           " --set train.device=cpu --set data.seq_len=64 --set data.synthetic_tokens=200000"
+                           " --checkpoint " +
+                           last;
+  const Launch loaded = run_shell(d, kBinary + " " + eval, 120);
+  EXPECT_EQ(loaded.status, 0) << loaded.err;
   fs::remove_all(d);
 }
