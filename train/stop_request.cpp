@@ -21,7 +21,6 @@ static_assert(std::atomic<bool>::is_always_lock_free, "request_stop is called fr
 }  // namespace
 
 void request_stop() { g_stop_requested = true; }
-bool stop_signalled() { return g_stop_requested; }
 void clear_stop_request() { g_stop_requested = false; }
 
 std::string stop_file_path(const std::string& out_dir) {

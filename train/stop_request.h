@@ -14,8 +14,6 @@ constexpr const char* kStopFileName = "stop";
 
 // Asks a running train() to stop with a checkpoint (async-signal-safe: one atomic store).
 void request_stop();
-// Whether request_stop() was called since the last clear.
-bool stop_signalled();
 // Forgets a request (train() does on return: the next run in the process starts afresh).
 void clear_stop_request();
 
