@@ -142,7 +142,7 @@ DEFAULTS = {
                  "shared_expert_overlap": "auto", "exchange_chunks": 1, "exchange_sms": 0,
                  "ep_capacity_factor": 0.0, "dual_microbatch": False,
                  "overlap_grad_reduce": True, "grad_reduce_sms": 0,
-                 "shard_optimizer": True},
+                 "shard_optimizer": True, "timeout_s": 600.0},
     "checkpoint": {"dir": "", "every": 0, "final": True, "keep_last": 3, "resume": "false",
                    "partial_load": False, "allow_nonfinite": False},
     "logging": {"out_dir": "", "metrics_format": "jsonl", "log_every": 10, "progress": "auto"},

@@ -1,6 +1,7 @@
 // The flowmoe command: train, eval, prepare-data, plot, parity, fp8-error, walkthrough (and config-reference).
 // Only main() catches: configuration and usage errors exit 2, other errors exit 1, a training run
-// stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143) after saving a checkpoint.
+// stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143) after saving a checkpoint, and
+// one stopped by its stop file (train/stop_request.h) exits 0 after saving one.
 // Under mpirun or srun, train and eval run data-parallel on every process (launch.h); rank 0 prints.
 #include <unistd.h>
 
@@ -72,9 +73,12 @@ options:
                            take a step after the first few, whose GEMM plans are still being made
   -h, --help               this text
 
-Ctrl-C (SIGINT) or SIGTERM (timeout, Slurm, Kubernetes) finishes the current step, saves a
-checkpoint and exits with status 130 or 143; --resume continues from it. A second signal stops
-at once, without a checkpoint.
+Ctrl-C (SIGINT) or SIGTERM (timeout, Slurm, Kubernetes) stops the run with a checkpoint of the last
+finished step and exits with status 130 or 143; --resume continues from it. One process drops the
+step in progress at its next micro-batch; several finish it. A second signal stops at once, without
+a checkpoint. `touch <logging.out_dir>/stop` does the same under any launcher (exit status 0; the
+file is removed once honoured). Use it under mpirun, which passes a signal on to the ranks only to
+kill them 1 s later, or give them time: OMPI_MCA_odls_base_sigkill_timeout=60 (docs/TRAINING.md).
 
 Several processes (mpirun -np N or srun -n N in front of the command) train data-parallel:
 train.batch_size is the global batch, split evenly over the processes; rank 0 prints and writes.
@@ -136,8 +140,9 @@ volatile std::sig_atomic_t g_stop_signal = 0;  // the signal that asked training
 bool g_quiet_signals = false;                  // a rank other than 0: rank 0 says it for all
 bool g_several_ranks = false;                  // a launcher started more than one process
 
-// SIGINT / SIGTERM: finish the step and save (train() polls the request). Either signal again
-// ends the process at once, as the default action does.
+// SIGINT / SIGTERM: stop with a checkpoint (train() polls the request between micro-batches, or steps
+// with several ranks). Either signal again ends the process at once, as the default action does: a
+// checkpoint being written then stays a step_N.tmp, which a resume ignores.
 void on_stop_signal(int sig) {
   g_stop_signal = sig;
   request_stop();
@@ -145,7 +150,9 @@ void on_stop_signal(int sig) {
   std::signal(SIGTERM, SIG_DFL);
   // With several ranks the checkpoint needs every rank to finish the step: a launcher also signals
   // the survivors when a rank dies, and then none is written, so the message does not promise one.
-  const char one[] = "flowmoe: stopping after this step and saving a checkpoint (signal again to stop at once)\n";
+  const char one[] =
+      "flowmoe: stopping at the next micro-batch and saving a checkpoint of the last finished step (signal again to "
+      "stop at once)\n";
   const char several[] =
       "flowmoe: stopping after this step; its checkpoint is written once every rank has finished the step "
       "(none if a rank died: the last one stands; signal again to stop at once)\n";
@@ -402,10 +409,10 @@ int run(int argc, char** argv) {
   if (cmd == "prepare-data") return cmd_prepare(argc, argv);
   if (cmd == "plot") return cmd_plot(argc, argv);
   if (cmd == "parity") {
-    install_stop_handlers();  // a run stops after its step and checkpoint, as under `flowmoe train`
+    install_stop_handlers();  // a run stops with a checkpoint, as under `flowmoe train`
     const int status = cmd_parity(argc, argv);
     if (status != kParityInterrupted) return status;
-    return g_stop_signal == 0 ? 1 : 128 + int(g_stop_signal);
+    return g_stop_signal == 0 ? 0 : 128 + int(g_stop_signal);  // no signal: the run's stop file
   }
   if (cmd == "fp8-error") return cmd_fp8_error(argc, argv);
   if (cmd == "walkthrough") return cmd_walkthrough(argc, argv);

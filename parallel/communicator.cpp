@@ -8,6 +8,8 @@
 #include <numeric>
 #include <string>
 
+#include "parallel/watchdog.h"
+
 namespace flowmoe {
 
 namespace {
@@ -89,6 +91,10 @@ void check_chunk_lists(const Tensor& send, const std::vector<Communicator::RowCh
                 join(to_self), " rows but receives from itself chunks of ", join(from_self), " rows");
 }
 
+// Arms the collectives' watchdog for the call (parallel/watchdog.h): the one place every backend's blocking
+// calls, and nccl's host waits, pass through.
+WatchedWait watched(const Communicator& c, const char* call) { return WatchedWait(call, c.backend_name(), c.size()); }
+
 }  // namespace
 
 template <class F>
@@ -101,6 +107,7 @@ void Communicator::timed_exchange(F&& move) {
 }
 
 double Communicator::take_exchange_ms() {
+  const WatchedWait watch = watched(*this, "the exchanges' timing events");
   const double device_ms = take_device_ms();
   double host_ms = exchange_host_ms_;
   for (double w : host_windows_) host_ms += w;
@@ -116,6 +123,7 @@ void Communicator::close_exchange_window() {
 }
 
 double Communicator::take_exchange_window_ms() {
+  const WatchedWait watch = watched(*this, "the exchanges' timing events");
   const double device_ms = take_device_window_ms();
   double host_ms = 0;
   if (!host_windows_.empty()) {
@@ -134,6 +142,7 @@ void Communicator::all_to_all_chunks(const Tensor& send_in, const std::vector<Ro
   check_output(recv, send_in, "all_to_all_chunks", "recv");
   check_chunk_lists(send_in, send_chunks, recv, recv_chunks, rank(), size());
   Tensor send = send_in.contiguous();
+  const WatchedWait watch = watched(*this, "all_to_all_chunks");
   timed_exchange([&] { do_all_to_all_chunks(send, send_chunks, recv, recv_chunks, row_bytes_of(send)); });
 }
 
@@ -151,6 +160,7 @@ void Communicator::all_to_all(const Tensor& send_in, const std::vector<int64_t>&
                 shape_str(row_shape(send_in)), " and recv rows ", shape_str(row_shape(recv)), " differ");
   check_output(recv, send_in, "all_to_all", "recv");
   Tensor send = send_in.contiguous();
+  const WatchedWait watch = watched(*this, "all_to_all");
   timed_exchange([&] { do_all_to_all(send, send_rows, recv, recv_rows, row_bytes_of(send)); });
 }
 
@@ -229,6 +239,7 @@ void Communicator::put_rows(const std::vector<RowPut>& tensors_in, const Tensor&
   FLOWMOE_CHECK(!o.defined() || (o.numel() == 1 && o.dtype() == DType::i32 && o.device() == in_table.device()),
                 ShapeError, "put_rows: overflow ", o.describe(), " must be [1] i32 beside in_table ",
                 in_table.describe());
+  const WatchedWait watch = watched(*this, "put_rows");
   timed_exchange([&] { do_put_rows(tensors, out_table, in_table, pad); });
 }
 
@@ -265,6 +276,7 @@ void Communicator::do_put_rows(const std::vector<RowPut>& tensors, const Tensor&
 
 std::vector<int64_t> Communicator::exchange_counts(const std::vector<int64_t>& send_rows) {
   check_counts(send_rows, size(), "exchange_counts", "send_rows");
+  const WatchedWait watch = watched(*this, "exchange_counts");
   return do_exchange_counts(send_rows);
 }
 
@@ -282,6 +294,7 @@ void Communicator::all_reduce(const Tensor& t, ReduceOp op) {
   FLOWMOE_CHECK(op != ReduceOp::avg || t.dtype() == DType::f32 || t.dtype() == DType::f64, DTypeError,
                 "all_reduce avg of ", t.describe(), ": a mean needs a floating type");
   FLOWMOE_CHECK(t.is_contiguous(), ShapeError, "all_reduce works in place: ", t.describe(), " must be contiguous");
+  const WatchedWait watch = watched(*this, "all_reduce");
   do_all_reduce(t, op);
 }
 
@@ -294,6 +307,7 @@ void Communicator::all_gather(const Tensor& send_in, const Tensor& recv) {
                 " (", size(), " ranks x ", send_in.size(0), " rows)");
   check_output(recv, send_in, "all_gather", "recv");
   Tensor send = send_in.contiguous();
+  const WatchedWait watch = watched(*this, "all_gather");
   do_all_gather(send, recv, row_bytes_of(send));
 }
 
@@ -310,11 +324,13 @@ void Communicator::reduce_scatter_in_place(const Tensor& t, ReduceOp op) {
   check_segments(t, size(), "reduce_scatter_in_place");
   check_dtype(t, {DType::f32, DType::f64}, "reduce_scatter_in_place");
   FLOWMOE_CHECK(op != ReduceOp::max, CommError, "reduce_scatter_in_place: sum or avg, not max");
+  const WatchedWait watch = watched(*this, "reduce_scatter_in_place");
   if (t.numel() > 0) do_reduce_scatter_in_place(t, op);
 }
 
 void Communicator::all_gather_in_place(const Tensor& t) {
   check_segments(t, size(), "all_gather_in_place");
+  const WatchedWait watch = watched(*this, "all_gather_in_place");
   if (t.numel() > 0) do_all_gather_in_place(t, t.nbytes() / size_t(size()));
 }
 
@@ -332,16 +348,24 @@ void Communicator::broadcast(const Tensor& t, int root) {
   FLOWMOE_CHECK(root >= 0 && root < size(), CommError, "broadcast: root ", root, " is not a rank of this ", size(),
                 "-rank communicator");
   FLOWMOE_CHECK(t.is_contiguous(), ShapeError, "broadcast works in place: ", t.describe(), " must be contiguous");
+  const WatchedWait watch = watched(*this, "broadcast");
   do_broadcast(t, root);
 }
 
-void Communicator::barrier() { do_barrier(); }
+void Communicator::barrier() {
+  const WatchedWait watch = watched(*this, "barrier");
+  do_barrier();
+}
 
-void Communicator::synchronize() { do_synchronize(); }
+void Communicator::synchronize() {
+  const WatchedWait watch = watched(*this, "synchronize");
+  do_synchronize();
+}
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key, int max_ctas) {
   FLOWMOE_CHECK(color >= 0, CommError, "split: color must be >= 0, got ", color);
   FLOWMOE_CHECK(max_ctas >= 0, CommError, "split: max_ctas must be >= 0, got ", max_ctas);
+  const WatchedWait watch = watched(*this, "split");
   return do_split(color, key, max_ctas);
 }
 

@@ -25,7 +25,7 @@ sets=(--set train.steps="$steps" --set optimizer.warmup_steps=3 --set train.eval
 rc=0
 for recipe in bf16 fp8_flow; do
   name="deep_${recipe}"
-  if timeout -k 15 "${TIMEOUT:-500}" mpirun --oversubscribe --bind-to none -np "$ngpu" \
+  if timeout -k "$kill_after" "${TIMEOUT:-500}" mpirun --oversubscribe --bind-to none -np "$ngpu" \
        "$build/flowmoe" train --config "$config" \
        "${sets[@]}" --set precision.recipe=$recipe --set logging.out_dir="$out/$name" >"$out/$name.log" 2>&1; then
     python3 - "$out/$name" "$out/$name.log" "$ngpu" "$recipe" <<'PY'

@@ -1,7 +1,14 @@
-# Sourced by the scripts that start ranks on this machine's GPUs (multi_gpu_runs.sh, scaling.sh,
-# big_model.sh, parity_noise.sh): Open MPI's settings for root in a container, NVLink multicast off,
-# and ngpu, the GPU count (GPUS overrides it: a host without GPUs can try a script on the CPU).
+# Sourced by the scripts that start ranks with mpirun (multi_gpu_runs.sh, scaling.sh, big_model.sh,
+# parity_noise.sh, parallel_runs.sh, parity_text.sh): Open MPI's settings for root in a container and for
+# stopping a run, NVLink multicast off, and ngpu, the GPU count (GPUS overrides it: a host without GPUs can
+# try a script on the CPU).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+# mpirun ends its ranks on SIGINT or SIGTERM (Ctrl-C, `timeout`, a stalled run below) by passing SIGTERM on
+# after odls_base_sigkill_timeout seconds and sending SIGKILL as long after that (Open MPI 4; 1 s by default:
+# too short for the ranks to finish a step and write its checkpoint, docs/TRAINING.md "Stopping a run").
+# 30 s each; kill_after, the time `timeout -k` gives mpirun after its SIGTERM, covers both.
+export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-30}
+kill_after=$((2 * OMPI_MCA_odls_base_sigkill_timeout + 15))
 export NCCL_NVLS_ENABLE=0  # no NVLink multicast
 ngpu=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 
@@ -34,7 +41,7 @@ config_value() {
 run_watched() {
   local log=$1 limit=$2 stall=$3
   shift 3
-  timeout -k 15 "$limit" "$@" >"$log" 2>&1 &
+  timeout -k "$kill_after" "$limit" "$@" >"$log" 2>&1 &
   local pid=$! size=-1 still=0 now last
   while kill -0 "$pid" 2>/dev/null; do
     sleep 1
@@ -43,7 +50,7 @@ run_watched() {
     if [ "$still" -ge "$stall" ]; then
       last=$(tail -1 "$log")
       kill -TERM "$pid" 2>/dev/null  # timeout passes it on to the launcher, which ends its ranks
-      for _ in $(seq 15); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+      for _ in $(seq "$kill_after"); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
       kill -KILL "$pid" 2>/dev/null
       wait "$pid" 2>/dev/null
       echo "stalled: no output for $stall s after: $last" >>"$log"

@@ -55,7 +55,7 @@ small=(--set data.synthetic_tokens=1000000 --set train.steps=20 --set optimizer.
 launch() {
   local np=$1 limit=$2 log=$3
   shift 3
-  timeout -k 15 "$limit" mpirun --oversubscribe --bind-to none -np "$np" "$@" >"$log" 2>&1
+  timeout -k "$kill_after" "$limit" mpirun --oversubscribe --bind-to none -np "$np" "$@" >"$log" 2>&1
 }
 # train_ep NP EP NAME [--set ...]: gpu_moe trained by NP ranks at expert-parallel size EP (NP 1: one process).
 train_ep() {
@@ -63,7 +63,7 @@ train_ep() {
   shift 3
   local cmd=("$build/flowmoe" train --config "$config" --set logging.out_dir="$out/$name" "$@")
   if [ "$np" -eq 1 ]; then
-    timeout -k 15 300 "${cmd[@]}" >"$out/$name.log" 2>&1
+    timeout -k "$kill_after" 300 "${cmd[@]}" >"$out/$name.log" 2>&1
   else
     launch "$np" 300 "$out/$name.log" "${cmd[@]}" --set parallel.backend=nccl --set parallel.expert_parallel_size="$ep"
   fi

@@ -15,7 +15,8 @@ cd "$(dirname "$0")/.."
 build=$1 out=$2 which=${3:-all}
 config=${PARALLEL_RUNS_CONFIG:-configs/gpu_moe.yaml}
 mkdir -p "$out"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+# shellcheck source=scripts/multi_gpu_env.sh
+. scripts/multi_gpu_env.sh
 steps=${PARALLEL_RUNS_STEPS:-20}
 common=(--set data.synthetic_tokens=1000000 --set train.steps=$steps --set optimizer.warmup_steps=$(( (steps + 3) / 4 )) --set logging.log_every=1)
 rc=0
@@ -49,7 +50,7 @@ if [ "$which" != nccl ]; then
   train_run "$build" "$config" "$out/par_ep1" "$out/par_ep1.log" "${ep_common[@]}" || rc=1
   ref=$(losses "$out/par_ep1" 2>/dev/null)
   for ep in 2 4; do
-    timeout -k 15 300 mpirun --oversubscribe --bind-to none -np $ep bash -c ". scripts/train_run.sh; train_run '$build' '$config' \
+    timeout -k "$kill_after" 300 mpirun --oversubscribe --bind-to none -np $ep bash -c ". scripts/train_run.sh; train_run '$build' '$config' \
       '$out/par_ep$ep' '$out/par_ep$ep.log'.\$OMPI_COMM_WORLD_RANK ${ep_common[*]} --set parallel.backend=mpi \
       --set parallel.expert_parallel_size=$ep" >"$out/par_ep$ep.mpirun.log" 2>&1 || rc=1
     got=$(losses "$out/par_ep$ep" 2>/dev/null)

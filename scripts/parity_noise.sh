@@ -21,7 +21,7 @@ mkdir -p "$out"
 # shellcheck source=scripts/multi_gpu_env.sh
 . scripts/multi_gpu_env.sh
 np=${NP:-1}
-launch=(timeout -k 15 "${TIMEOUT:-3000}")
+launch=(timeout -k "$kill_after" "${TIMEOUT:-3000}")
 [ "$np" -gt 1 ] && launch+=(mpirun --oversubscribe --bind-to none -np "$np")
 # shellcheck disable=SC2086
 resolved=$("$build/flowmoe" train --config "$config" ${EXTRA:-} --print-config)

@@ -37,14 +37,14 @@ mkdir -p "$out"
 steps=()
 [ -n "${STEPS:-}" ] && steps=(--steps "$STEPS")
 rc=0
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-export NCCL_NVLS_ENABLE=0  # no NVLink multicast
+# shellcheck source=scripts/multi_gpu_env.sh
+. scripts/multi_gpu_env.sh
 # parity NAME NP [args...]: one study into $out/NAME, by NP processes under mpirun (1: the plain
 # command), its summary lines printed; a study under mpirun that runs past TIMEOUT s (default 3000) fails.
 parity() {
   local name=$1 np=$2 launch=()
   shift 2
-  [ "$np" -gt 1 ] && launch=(timeout -k 15 "${TIMEOUT:-3000}" mpirun --oversubscribe --bind-to none -np "$np")
+  [ "$np" -gt 1 ] && launch=(timeout -k "$kill_after" "${TIMEOUT:-3000}" mpirun --oversubscribe --bind-to none -np "$np")
   "${launch[@]}" "$build/flowmoe" parity --config "$config" --out "$out/$name" --set logging.progress=plain "$@" \
     >"$out/$name.log" 2>&1
   local r=$?

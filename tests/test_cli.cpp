@@ -1,5 +1,6 @@
 // The flowmoe command as a user runs it: exit statuses, one-line errors (with the source location
-// only under --debug), SIGTERM and SIGINT during training, --resume of a folder of checkpoints,
+// only under --debug), SIGTERM and SIGINT during training (a long accumulation, a second signal during the
+// checkpoint's write), --resume of a folder of checkpoints,
 // eval's batch count and plot failures. Each test runs the built binary in a directory of its own.
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -8,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -275,33 +277,85 @@ TEST(Cli, SigtermSavesACheckpointAndResumeContinues) {
   fs::remove_all(d);
 }
 
-// A second signal does not wait for the step: the process ends at once, without a checkpoint.
-TEST(Cli, ASecondSignalStopsAtOnce) {
+// A signal while a step accumulates many micro-batches stops the run at the next one: the step is dropped
+// (nothing was finished, so nothing is saved) and the process ends in a small part of the step's time. It
+// used to finish the step first, and grad_accum_steps accepts 2^20 micro-batches: hours of waiting.
+TEST(Cli, ASignalDuringALongAccumulationStopsAtTheNextMicroBatch) {
+  const fs::path d = fresh_dir("cli_accum_signal");
+  const std::string cfg = write_config(d, ", grad_accum_steps: 10000").string();
+  Child c = spawn(d, {"train", "--config", cfg, "--set", "checkpoint.every=0"});
+  ASSERT_GT(c.pid, 0);
+  ASSERT_TRUE(wait_for_text(c.out, "data: ", 20)) << read_text(c.out) << read_text(c.err);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // into the first step's micro-batches
+  const auto signalled = std::chrono::steady_clock::now();
+  ::kill(c.pid, SIGTERM);
+  const int status = wait_exit(c.pid, 120);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - signalled).count();
+  const std::string out = read_text(c.out), err = read_text(c.err);
+  ASSERT_TRUE(status != -1 && WIFEXITED(status)) << "status " << status << "\n" << out << err;
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << err;
+  EXPECT_TRUE(has(out, "stopped before the first step: nothing trained, no checkpoint")) << out;
+  EXPECT_FALSE(has(out, "/4 | loss")) << out;
+  EXPECT_FALSE(fs::exists(d / "run" / "checkpoints" / step_dir(1)));
+  // One step of 10000 micro-batches takes 5-20 s here, a micro-batch a few milliseconds.
+  EXPECT_LT(seconds, 5.0) << out;
+  fs::remove_all(d);
+}
+
+// A second signal ends the process at once, even while it writes the checkpoint the first one asked for:
+// the write stops where it is, as a step_N.tmp directory that no resume takes and the next run removes.
+// A model of 13M parameters makes the write (160 MB, fsynced) last long enough to be caught in it.
+TEST(Cli, ASecondSignalStopsAtOnceAndLeavesNoPartialCheckpoint) {
   const fs::path d = fresh_dir("cli_second_signal");
-  // 40 micro-batches a step: the step the first signal lands in lasts long enough to pause the
-  // process (SIGSTOP) before it saves; the rare run that finishes first is repeated.
-  const std::string cfg = write_config(d, ", grad_accum_steps: 40").string();
-  for (int attempt = 0; attempt < 5; ++attempt) {
-    fs::remove_all(d / "run");
-    Child c = spawn(d, {"train", "--config", cfg, "--set", "train.steps=1000000", "--set", "checkpoint.every=0"});
-    ASSERT_GT(c.pid, 0);
-    ASSERT_TRUE(wait_for_text(c.out, "/1000000 | loss", 20)) << read_text(c.out) << read_text(c.err);
-    ::kill(c.pid, SIGINT);
-    ASSERT_TRUE(wait_for_text(c.err, "stopping after this step", 20)) << read_text(c.err);
-    ::kill(c.pid, SIGSTOP);
-    int status = wait_exit(c.pid, 20, WUNTRACED);
-    ASSERT_NE(status, -1);
-    if (!WIFSTOPPED(status)) continue;  // it saved and exited before the pause: try again
-    ::kill(c.pid, SIGTERM);             // the handler has reset the default action: this one ends the process
-    ::kill(c.pid, SIGCONT);
-    status = wait_exit(c.pid, 20);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "status " << status << "\n" << read_text(c.out) << read_text(c.err);
-    EXPECT_EQ(WTERMSIG(status), SIGTERM);
-    EXPECT_FALSE(has(read_text(c.out), "interrupted at step")) << read_text(c.out);
-    fs::remove_all(d);
-    return;
+  const std::string cfg = write_config(d).string();
+  std::vector<std::string> big;
+  for (const char* set :
+       {"model.vocab_size=8192", "model.hidden_size=512", "model.intermediate_size=1024", "checkpoint.every=0"})
+    big.insert(big.end(), {"--set", set});
+  std::vector<std::string> args = {"train", "--config", cfg, "--set", "train.steps=1000000"};
+  args.insert(args.end(), big.begin(), big.end());
+  Child c = spawn(d, args);
+  ASSERT_GT(c.pid, 0);
+  ASSERT_TRUE(wait_for_text(c.out, "/1000000 | loss", 60)) << read_text(c.out) << read_text(c.err);
+  ::kill(c.pid, SIGINT);
+  const fs::path ckpts = d / "run" / "checkpoints";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  bool writing = false;  // the stop's checkpoint directory exists, not yet renamed into place
+  while (!writing && std::chrono::steady_clock::now() < deadline && ::waitpid(c.pid, nullptr, WNOHANG) == 0) {
+    std::error_code ec;
+    for (fs::directory_iterator it(ckpts, ec), end; !ec && it != end; it.increment(ec))
+      writing = writing || it->path().extension() == ".tmp";
+    if (!writing) std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
-  FAIL() << "every attempt finished its step before it could be paused";
+  ASSERT_TRUE(writing) << "the checkpoint's write was not seen\n" << read_text(c.out);
+  ::kill(c.pid, SIGTERM);  // the handler has reset the default action: this one ends the process
+  const int status = wait_exit(c.pid, 20);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "status " << status << "\n" << read_text(c.out) << read_text(c.err);
+  EXPECT_EQ(WTERMSIG(status), SIGTERM);
+  EXPECT_FALSE(has(read_text(c.out), "interrupted at step")) << read_text(c.out);
+  // Every checkpoint directory is complete or a .tmp; the resume takes no .tmp, and removes it.
+  int64_t newest = 0;
+  size_t unfinished = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator(ckpts)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory()) continue;  // the folder's run.lock
+    if (name.ends_with(".tmp")) {
+      ++unfinished;
+      continue;
+    }
+    for (const char* f : {"meta.json", "model.safetensors", "optimizer.safetensors"})
+      EXPECT_TRUE(fs::exists(e.path() / f)) << e.path() / f;
+    newest = std::max<int64_t>(newest, std::stoll(name.substr(5)));
+  }
+  args = {"train", "--config", cfg, "--resume", "--set", "train.steps=" + std::to_string(newest + 1)};
+  args.insert(args.end(), big.begin(), big.end());
+  Result resumed = run(d, args);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(has(resumed.out, "removed 1 unfinished checkpoint directory"), unfinished == 1) << resumed.out;
+  EXPECT_TRUE(has(resumed.out, newest > 0 ? "resumed from " + (ckpts / step_dir(newest)).string()
+                                          : "no checkpoint in " + ckpts.string() + " yet"))
+      << resumed.out;
+  fs::remove_all(d);
 }
 
 TEST(Cli, ResumeTakesTheNewestCheckpointOfAFolderAndNamesWhatTheUserTyped) {

@@ -466,6 +466,20 @@ TEST(Config, CapacityFactorNeedsTheZeroSyncExchange) {
   EXPECT_NO_THROW(parse_config("parallel:\n  ep_dispatch: zero_sync\n  ep_capacity_factor: 1.5\n", "ok.yaml"));
 }
 
+// parallel.timeout_s: the collectives' watchdog (parallel/watchdog.h), on by default, 0 turns it off.
+TEST(Config, CollectiveTimeoutIsSecondsFromZero) {
+  EXPECT_EQ(parse_config("", "ok.yaml").parallel.timeout_s, 600.0);
+  Config c = parse_config("parallel:\n  timeout_s: 0\n", "ok.yaml");
+  EXPECT_EQ(c.parallel.timeout_s, 0.0);
+  EXPECT_NE(to_yaml(c).find("timeout_s: 0"), std::string::npos);
+  EXPECT_EQ(parse_config("", "ok.yaml", {"parallel.timeout_s=2.5"}).parallel.timeout_s, 2.5);
+  const std::string m = parse_error("parallel:\n  timeout_s: -1\n");
+  EXPECT_HAS(m, "bad.yaml:2");
+  EXPECT_HAS(m, "parallel.timeout_s");
+  EXPECT_HAS(m, "[0, 604800]");
+  EXPECT_HAS(parse_error("parallel:\n  timeout_s: forever\n"), "parallel.timeout_s");
+}
+
 TEST(Config, TrainingGuideDocumentsEveryKey) {
   std::ifstream in(std::string(FLOWMOE_SOURCE_DIR) + "/docs/TRAINING.md");
   ASSERT_TRUE(in.good()) << "docs/TRAINING.md is missing";

@@ -18,7 +18,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-Config tiny_config(const fs::path& out_dir, std::vector<std::string> sets = {}) {
+Config resume_config(const fs::path& out_dir, std::vector<std::string> sets = {}) {
   sets.push_back("logging.out_dir=" + out_dir.string());
   return parse_config(
       "model: {vocab_size: 64, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,"
@@ -36,7 +36,7 @@ TEST(ResumeData, EveryKeyThatChangesWhatTheRunReadsIsRefused) {
   const fs::path d = fresh_dir("resume_data");
   TrainOptions first = quiet();
   first.stop_after = 2;
-  const std::string checkpoint = train(tiny_config(d), first).last_checkpoint;
+  const std::string checkpoint = train(resume_config(d), first).last_checkpoint;
   ASSERT_FALSE(checkpoint.empty());
   // A token file of the synthetic corpus's size, for data.source.
   std::vector<uint16_t> tokens;
@@ -60,7 +60,7 @@ TEST(ResumeData, EveryKeyThatChangesWhatTheRunReadsIsRefused) {
   for (const Change& c : changes) {
     std::vector<std::string> sets = c.sets;
     sets.push_back("checkpoint.resume=true");
-    const Config cfg = tiny_config(d, sets);
+    const Config cfg = resume_config(d, sets);
     const std::string now = c.sets.front().substr(c.sets.front().find('=') + 1);
     try {
       train(cfg, quiet());
@@ -74,15 +74,15 @@ TEST(ResumeData, EveryKeyThatChangesWhatTheRunReadsIsRefused) {
   }
   // Keys that change nothing the run reads: the learning rate, and the synthetic corpus's keys of a run
   // that reads a token file (resumed from a checkpoint of its own).
-  TrainResult r = train(tiny_config(d, {"checkpoint.resume=true", "optimizer.lr=0.001"}), quiet());
+  TrainResult r = train(resume_config(d, {"checkpoint.resume=true", "optimizer.lr=0.001"}), quiet());
   EXPECT_EQ(r.first_step, 3);
   EXPECT_EQ(r.last_step, 4);
   const std::vector<std::string> file = {"data.source=tokens", "data.path=" + (d / "corpus.bin").string()};
-  train(tiny_config(d / "file", file), first);
+  train(resume_config(d / "file", file), first);
   std::vector<std::string> sets = file;
   sets.push_back("data.synthetic_kind=bigram");
   sets.push_back("checkpoint.resume=true");
-  r = train(tiny_config(d / "file", sets), quiet());
+  r = train(resume_config(d / "file", sets), quiet());
   EXPECT_EQ(r.first_step, 3);
   fs::remove_all(d);
 }

@@ -32,6 +32,22 @@ inline std::string read_bytes(const std::filesystem::path& p) {
   return ss.str();
 }
 
+// A model small enough to train a dozen steps in about a second: 12 steps of 2 micro-batches on the CPU,
+// evaluated every 4, saved every 6 (the last 2 kept), writing into out_dir.
+inline Config tiny_config(const std::filesystem::path& out_dir) {
+  Config c = parse_config(
+      "model: {vocab_size: 64, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2,"
+      " intermediate_size: 64, max_position_embeddings: 16}\n"
+      "data: {seq_len: 16, synthetic_tokens: 20000, val_fraction: 0.1}\n"
+      "train: {device: cpu, steps: 12, batch_size: 4, grad_accum_steps: 2, eval_every: 4, eval_batches: 2}\n"
+      "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: 3}\n"
+      "checkpoint: {every: 6, keep_last: 2}\n"
+      "logging: {progress: plain}\n",
+      "tiny_test.yaml");
+  c.logging.out_dir = out_dir.string();
+  return c;
+}
+
 // Train without progress output (the test reads the returned losses and the files).
 inline TrainOptions quiet() {
   TrainOptions o;

@@ -74,6 +74,7 @@ struct ParallelConfig {
   bool overlap_grad_reduce = true;  // reduce gradient buckets during the backward (train/grad_reducer.h)
   int64_t grad_reduce_sms = 0;      // nccl: thread blocks the overlapped reduction may take; 0: nccl's choice
   bool shard_optimizer = true;      // optimizer and gradients over the data-parallel ranks (train/grad_reducer.h)
+  double timeout_s = 600;           // a collective waiting longer ends the job (parallel/watchdog.h); 0: never
 };
 
 struct CheckpointConfig {

@@ -274,6 +274,11 @@ const std::vector<Field>& schema() {
                         "and updates 1/N of the weights (gradients reduce-scattered and the rest released, weights "
                         "all-gathered: bf16 on the GPU), so the optimizer state costs 8/N bytes per parameter, the "
                         "masters 4/N and the gradients 4/N; false keeps a full copy on every rank"));
+    f.push_back(number("parallel", "timeout_s", FLOWMOE_CONFIG_REF(parallel.timeout_s), 0, false, 604800, false,
+                       "several processes: a rank that has waited this many seconds in one collective (or for a "
+                       "step's collectives on the GPUs) ends the job with an error naming it and the collective, "
+                       "so a rank that stopped answering does not hang the others forever; waiting for rank 0's "
+                       "checkpoint write is not timed; 0: wait forever"));
     // checkpoint
     f.push_back(string("checkpoint", "dir", FLOWMOE_CONFIG_REF(checkpoint.dir),
                        "where checkpoints go; empty: <logging.out_dir>/checkpoints"));

@@ -336,6 +336,7 @@ static void print_summary(TrainRun& run, double peak_mem_bytes) {
 TrainResult finish_run(TrainRun& run) {
   run.progress.finish();
   TrainResult& res = run.res;
+  const bool stopped = res.interrupted;  // by a stop request (trainer.cpp said so), maybe before any step
   res.last_step = run.step;
   res.skipped_steps = run.skipped;
   res.interrupted = res.interrupted || run.step < run.cfg.train.steps;
@@ -343,7 +344,7 @@ TrainResult finish_run(TrainRun& run) {
   const double peak = all_reduce_values(*run.world, {double(memory_stats(run.device).peak_bytes)}, ReduceOp::max)[0];
   if (run.steps_done > 0)
     print_summary(run, peak);
-  else
+  else if (!stopped)
     run.progress.message("nothing to do: the run is already at step " + std::to_string(run.step) + " of " +
                          std::to_string(run.cfg.train.steps));
   print_times(run);

@@ -3,9 +3,11 @@
 // segments of them (train/grad_reducer.h).
 #include <yaml-cpp/yaml.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "parallel/watchdog.h"
 #include "train/checkpoint.h"
 #include "train/expert_parallel.h"
 #include "train/run.h"
@@ -153,7 +155,13 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
                                               full.exp_avg_sq, run.cfg.checkpoint.keep_last, run.model.buffers());
   else
     run.res.last_checkpoint = checkpoint_path(run.cfg.checkpoint_dir(), at);
-  if (run.world_size > 1) run.world->barrier();
+  if (run.world_size > 1) {
+    // The other ranks wait here for rank 0's write, as long as the model makes it: not timed
+    // (parallel/watchdog.h). Rank 0's own wait there is timed as any other.
+    std::optional<UnwatchedWait> untimed;
+    if (!run.is_root) untimed.emplace();
+    run.world->barrier();
+  }
   run.clock.checkpoint_seconds += RunClock::seconds_since(t0);
 }
 

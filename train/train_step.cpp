@@ -13,6 +13,7 @@
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
 #include "train/data_parallel.h"
+#include "train/stop_request.h"
 
 namespace flowmoe {
 
@@ -23,6 +24,7 @@ struct StepLosses {
   double lm = NAN;       // the language-model loss
   double aux = NAN;      // the MoE balance loss; NaN when the model has none
   bool has_aux = false;  // kept apart from aux: a balance loss that went non-finite is still one
+  bool dropped = false;  // a stop request came before one of the micro-batches (issue_step)
 };
 
 // This rank's slices of the step's micro-batches, on the host.
@@ -35,12 +37,17 @@ std::vector<Batch> next_batches(TrainRun& run) {
 
 // Forward and backward over the step's micro-batches; the gradients accumulate in the parameters. Each
 // micro-batch's loss is the mean over its tokens, weighted 1/grad_accum_steps. On the device path the
-// losses stay on the device (StepState::record_losses); otherwise they are read.
-StepLosses run_micro_batches(TrainRun& run, const std::vector<Batch>& batches, bool on_device) {
+// losses stay on the device (StepState::record_losses); otherwise they are read. `may_stop`: a stop request
+// before a micro-batch ends the loop there, the step dropped.
+StepLosses run_micro_batches(TrainRun& run, const std::vector<Batch>& batches, bool on_device, bool may_stop) {
   const int64_t num_micro_batches = int64_t(batches.size());
   StepLosses out;
   double loss_sum = 0, aux_sum = 0;
   for (int64_t a = 0; a < num_micro_batches; ++a) {
+    if (may_stop && stop_requested(run.res.out_dir, /*check_file=*/true)) {
+      out.dropped = true;
+      return out;
+    }
     const Transformer::Losses parts = run.model.losses(batches[size_t(a)].inputs, batches[size_t(a)].targets);
     const Variable loss = parts.total();
     out.has_aux = parts.aux.defined();
@@ -144,12 +151,20 @@ void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
 }
 
 // The step on the device, from the batches (on the device for the device path) to the expert-bias
-// update: what a CUDA graph captures. Returns the MoE layers' loads for the readout.
-std::vector<Tensor> step_body(TrainRun& run, const std::vector<Batch>& batches, bool on_device, IssuedStep& issued) {
+// update: what a CUDA graph captures. Returns the MoE layers' loads for the readout. `dropped` (eager steps
+// of one process): set when a stop request dropped the step before one of its micro-batches; the
+// gradients are zeroed and nothing else is done.
+std::vector<Tensor> step_body(TrainRun& run, const std::vector<Batch>& batches, bool on_device, IssuedStep& issued,
+                              bool* dropped = nullptr) {
   const uint64_t syncs_before = num_host_syncs();
   reset_cast_counts();
   run.opt.zero_grad();
-  StepLosses losses = run_micro_batches(run, batches, on_device);
+  StepLosses losses = run_micro_batches(run, batches, on_device, dropped != nullptr);
+  if (losses.dropped) {
+    run.opt.zero_grad();
+    *dropped = true;
+    return {};
+  }
   issued.has_aux = losses.has_aux;
   issued.host_syncs = int64_t(num_host_syncs() - syncs_before);  // the model's own; our loss reads are not counted
   if (run.cast_divisor > 0) {
@@ -248,7 +263,7 @@ bool step_scalars_on_device(const TrainRun& run) {
   return run.device.is_cuda() && device_collectives && !run.opts.after_loss;
 }
 
-void issue_step(TrainRun& run, bool profiled) {
+bool issue_step(TrainRun& run, bool profiled) {
   using clock = std::chrono::steady_clock;
   if (run.state.num_pending() == 0) run.step_clock = clock::now();
   Communicator* exchanges = run.parallel.expert_parallel_size > 1 ? run.parallel.expert_parallel.get() : nullptr;
@@ -267,7 +282,13 @@ void issue_step(TrainRun& run, bool profiled) {
   } else {
     if (on_device)  // a plain copy to the device would wait for the previous step to finish
       for (Batch& b : batches) b = {run.state.upload(b.inputs), run.state.upload(b.targets)};
-    loads = step_body(run, batches, on_device, issued);
+    bool dropped = false;
+    loads = step_body(run, batches, on_device, issued, run.world_size == 1 && !profiled ? &dropped : nullptr);
+    if (dropped) {
+      --run.step;
+      run.data.set_position(data_before);
+      return false;
+    }
     ++run.eager_steps;
     run.last_eager_host_syncs = issued.host_syncs;
   }
@@ -278,6 +299,7 @@ void issue_step(TrainRun& run, bool profiled) {
   if (issued.has_exchanges) exchanges->close_exchange_window();  // read with the step's scalars (complete_step)
   run.state.snapshot(loads);
   run.issued.push_back(issued);
+  return true;
 }
 
 namespace {
@@ -358,7 +380,7 @@ std::optional<StepMetrics> complete_step(TrainRun& run) {
 }
 
 std::optional<StepMetrics> train_step(TrainRun& run, bool profiled) {
-  issue_step(run, profiled);
+  if (!issue_step(run, profiled)) return std::nullopt;  // dropped by a stop request (never when profiled)
   return complete_step(run);
 }
 

@@ -20,7 +20,12 @@ std::optional<StepMetrics> train_step(TrainRun& run, bool profiled = false);
 // A void step voids every step queued after it too: complete_step then reads them all back and sets the
 // run back to the void one (nothing pending is left).
 // `profiled`: the step the step profiler times, always eager (train.cuda_graph is not used for it).
-void issue_step(TrainRun& run, bool profiled = false);
+// In one process an eager step that is not profiled checks for a stop request (stop_request.h) before each
+// micro-batch: on one, it drops the step (its partial gradients are never applied; run.step and the data go
+// back to before it) and returns false, so that a stop waits for a micro-batch, not for a step of any
+// number of them. Several ranks never drop a step: they agree on a stop once per step (trainer.cpp), as a
+// rank leaving the accumulation alone would leave the others waiting in the step's collectives.
+bool issue_step(TrainRun& run, bool profiled = false);
 std::optional<StepMetrics> complete_step(TrainRun& run);
 // Whether the run's steps compute their scalars on the device (one GPU, one rank, no loss hook), so
 // that a step may be queued before the previous one is read.

@@ -1,10 +1,9 @@
 // The training loop around train_step(): evaluation and checkpoints when due, the ranks' agreement
-// after each step, a stop request (see trainer.h); the run's set-up, checkpoints and summary are
-// run.cpp's.
+// after each step, a stop request (see trainer.h), the collectives' watchdog; the run's set-up,
+// checkpoints and summary are run.cpp's.
 #include "train/trainer.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +14,7 @@
 #include "kernels/common/device_api.h"
 #include "parallel/backends.h"
 #include "parallel/distributed.h"
+#include "parallel/watchdog.h"
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
 #include "train/evaluation.h"
@@ -28,9 +28,6 @@
 namespace flowmoe {
 
 namespace fs = std::filesystem;
-
-static std::atomic<bool> g_stop_requested{false};
-void request_stop() { g_stop_requested = true; }
 
 Device resolve_device(const Config& cfg) {
   const std::string& d = cfg.train.device;
@@ -92,20 +89,29 @@ static bool checkpoint_due(const TrainRun& run, int64_t step) {
 }
 
 // `step` is the step just read back; a step due for a checkpoint is never run ahead of (may_run_ahead),
-// so it is also the last one queued and the weights are its own.
-static void save_if_due(TrainRun& run, int64_t step) {
-  if (!checkpoint_due(run, step)) return;
+// so it is also the last one queued and the weights are its own. Returns whether it saved one.
+static bool save_if_due(TrainRun& run, int64_t step) {
+  if (!checkpoint_due(run, step)) return false;
   FLOWMOE_CHECK(step == run.step, Error, "checkpoint of step ", step, " while step ", run.step, " is queued");
   save_run_checkpoint(run, run.step);
   run.last_saved = run.step;
   run.progress.message("step " + std::to_string(run.step) + ": checkpoint " + run.res.last_checkpoint);
+  return true;
 }
 
-// A stop request ends the run after the current step, with a checkpoint to continue from.
+// A stop request ends the run after the last finished step, with a checkpoint to continue from. Before this
+// call's first step there is nothing new to save: the checkpoint it resumed from stands (none at step 0).
+// Rank 0 then removes the stop file, so that the resume does not stop at once.
 static void stop_with_checkpoint(TrainRun& run) {
-  if (run.last_saved != run.step) save_run_checkpoint(run, run.step);
-  run.progress.message("interrupted at step " + std::to_string(run.step) + ": checkpoint " + run.res.last_checkpoint +
-                       " (continue with --resume)");
+  if (run.steps_done > 0 && run.last_saved != run.step) save_run_checkpoint(run, run.step);
+  if (run.steps_done == 0) run.res.last_checkpoint = run.resume_dir;
+  const bool by_file = run.is_root && remove_stop_file(run.res.out_dir);
+  const std::string why = by_file ? " (asked by " + stop_file_path(run.res.out_dir) + ", now removed)" : "";
+  if (run.res.last_checkpoint.empty())
+    run.progress.message("stopped before the first step" + why + ": nothing trained, no checkpoint");
+  else
+    run.progress.message("interrupted at step " + std::to_string(run.step) + why + ": checkpoint " +
+                         run.res.last_checkpoint + " (continue with --resume)");
   run.res.interrupted = true;
 }
 
@@ -119,11 +125,21 @@ static void report_step(TrainRun& run, const StepMetrics& m) {
 
 // ---- the loop -------------------------------------------------------------------------------------
 
-// The peak memory and exchange time of the step as the most any rank used, and whether any rank was
-// asked to stop (a launcher delivers a signal to the ranks at slightly different times): all of them
-// stop after the same step.
+// Whether this rank was asked to stop: a signal, or on rank 0 the stop file.
+static bool asked_to_stop(const TrainRun& run) { return stop_requested(run.res.out_dir, run.is_root); }
+
+// Whether any rank was asked to stop (a launcher delivers a signal to the ranks at slightly different
+// times, and rank 0 alone reads the stop file): all of them stop at the same point.
+static bool agree_on_stop(TrainRun& run) {
+  const bool stop = asked_to_stop(run);
+  if (run.world_size == 1) return stop;
+  return all_reduce_values(*run.world, {stop ? 1.0 : 0.0}, ReduceOp::max)[0] > 0;
+}
+
+// The peak memory and exchange time of the step as the most any rank used, and agree_on_stop's answer,
+// in the step's one collective: all ranks stop after the same step.
 static bool agree_after_step(TrainRun& run, StepMetrics& m) {
-  const bool stop = g_stop_requested;
+  const bool stop = asked_to_stop(run);
   if (run.world_size == 1) return stop;
   const bool exchanged = !std::isnan(m.exchange_ms);  // the same on every rank: an expert-parallel run
   const std::vector<double> most = all_reduce_values(
@@ -134,14 +150,22 @@ static bool agree_after_step(TrainRun& run, StepMetrics& m) {
 }
 
 // After a step's metrics are read: its evaluation, metrics row and checkpoint. Returns whether the run
-// must stop (a signal on any rank).
+// must stop (a stop request on any rank). The ranks agree after the evaluation, and once more after a
+// checkpoint, so that a request that comes during either stops the run at this step, not one step later.
 static bool finish_step(TrainRun& run, StepMetrics m) {
-  const bool stop = agree_after_step(run, m);
   evaluate_if_due(run, m);
+  bool stop = agree_after_step(run, m);
   report_step(run, m);
-  save_if_due(run, m.step);
+  if (save_if_due(run, m.step) && !stop) stop = agree_on_stop(run);
   run.step_clock = std::chrono::steady_clock::now();  // evaluation and checkpoints are not training time
   return stop;
+}
+
+// The step's read-back: on the GPUs it waits for the step's collectives too, so a peer that stopped answering
+// shows here (the collectives' watchdog, parallel/watchdog.h).
+static std::optional<StepMetrics> read_back_step(TrainRun& run) {
+  const WatchedWait watch("the read-back of a step (its collectives)", run.world->backend_name(), run.world_size);
+  return complete_step(run);
 }
 
 // Whether the step just queued may stay unread while the next one is queued: only when its scalars are
@@ -156,25 +180,34 @@ static bool may_run_ahead(const TrainRun& run) {
 TrainResult train(const Config& cfg, const TrainOptions& opts) {
   // A stop requested before this point (a signal during start-up) holds: it is cleared on return.
   struct ClearStopOnReturn {
-    ~ClearStopOnReturn() { g_stop_requested = false; }
+    ~ClearStopOnReturn() { clear_stop_request(); }
   } clear_stop;
+  const bool several = opts.world && opts.world->size() > 1;
+  const CollectiveWatchdog watchdog(several ? cfg.parallel.timeout_s : 0, several ? opts.world->rank() : 0);
   TrainRun run(cfg, opts);
-  bool stop = false;
+  bool stop = agree_on_stop(run);  // a request during set-up (or a stop file left behind): no step at all
   while (run.step < run.end && !stop) {
     if (run.step + 1 == run.opts.profile_step) {
       if (std::optional<StepMetrics> m = profiled_train_step(run)) stop = finish_step(run, *m);
       continue;
     }
-    issue_step(run);
+    // One process: a stop request before one of the step's micro-batches drops the step (train_step.h).
+    if (!issue_step(run)) {
+      stop = true;
+      break;
+    }
     // On one GPU the host queues step N + 1 before it reads step N's loss: the GPU never waits for it.
     const int64_t keep = may_run_ahead(run) ? 1 : 0;
     // A void step (none is left pending then) goes round again: the loop takes it anew.
     while (run.state.num_pending() > keep && !stop)
-      if (std::optional<StepMetrics> m = complete_step(run)) stop = finish_step(run, *m);
+      if (std::optional<StepMetrics> m = read_back_step(run)) stop = finish_step(run, *m);
   }
   while (run.state.num_pending() > 0)  // a step queued before a stop
-    if (std::optional<StepMetrics> m = complete_step(run)) finish_step(run, *m);
-  if (stop && run.step < run.end) stop_with_checkpoint(run);
+    if (std::optional<StepMetrics> m = read_back_step(run)) finish_step(run, *m);
+  if (stop && run.step < run.end)
+    stop_with_checkpoint(run);
+  else if (stop && run.is_root)
+    remove_stop_file(run.res.out_dir);  // it came with the run's last step: moot, and the next run must not stop
   return finish_run(run);
 }
 

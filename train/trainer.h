@@ -18,6 +18,7 @@
 #include "parallel/process_group.h"
 #include "train/config.h"
 #include "train/data.h"
+#include "train/stop_request.h"  // request_stop: a signal or the stop file stops a run
 
 namespace flowmoe {
 
@@ -56,16 +57,17 @@ struct TrainResult {
   double final_val_loss = NAN;  // at the end (NaN: no validation data)
   double tokens_per_s = 0;      // over the whole run
   int64_t skipped_steps = 0;
-  bool interrupted = false;  // stopped by request_stop() or stop_after before train.steps
+  bool interrupted = false;  // stopped by a stop request (stop_request.h) or stop_after before train.steps
   int world_size = 1;        // the data-parallel ranks that trained
   std::string out_dir, metrics_file, last_checkpoint;
 };
 
-// Asks a running train() to finish its current step, save a checkpoint and return (SIGINT).
-void request_stop();
-
 // Runs the configured training. Writes <out_dir>/config.yaml (the resolved config) and the metrics
-// file; checkpoints go to cfg.checkpoint_dir().
+// file; checkpoints go to cfg.checkpoint_dir(). A stop request (stop_request.h) ends it early with a
+// checkpoint of the last finished step: one process drops a step in progress at its next micro-batch
+// (none under a CUDA graph, which replays the step whole); several ranks agree on it once per step, after
+// the step's evaluation and after its checkpoint, and stop together. With several ranks,
+// parallel.timeout_s runs the collectives' watchdog (parallel/watchdog.h) for the call.
 TrainResult train(const Config& cfg, const TrainOptions& opts = {});
 
 }  // namespace flowmoe
