@@ -28,9 +28,10 @@ class GradientReducer {
  public:
   // params and shards as the model lists them (shards[i].expert: over the expert-data-parallel group).
   // overlap: reduce each bucket during the backward as soon as it is complete; otherwise in finish().
-  // Collective when the world's backend is nccl: it splits off the communicators it reduces on, whose
-  // kernels take at most max_ctas thread blocks (0: as many as nccl chooses), leaving the other SMs
-  // to the backward that runs beside them.
+  // Collective when the world's backend is nccl (and it overlaps or max_ctas > 0): it splits off the
+  // communicators it reduces on, whose kernels take at most max_ctas thread blocks (0: as many as nccl
+  // chooses), leaving the other SMs to the backward that runs beside them. The plain schedule reduces
+  // under the same bound, since NCCL's algorithm depends on it: both schedules give the same sums.
   // shard: the sharded form above (the parameters' data move into the buckets' weight buffers here), its
   // model weights in weight_dtype (precision.param_dtype: the forward's dtype, or f32) except where
   // shards[i].reads_f32.
@@ -157,9 +158,6 @@ class GradientReducer {
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> grads_ready_, reduced_;
   std::unique_ptr<LeafGradHookGuard> hook_;
-  // Per group, a parameter-long vector of ones where the gradients live: the presence flags of a step
-  // in which this rank has every gradient start as a device copy of it, with no host round trip.
-  Tensor ones_[2];
 };
 
 }  // namespace flowmoe
