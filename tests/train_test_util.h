@@ -5,8 +5,10 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "tests/test_util.h"
+#include "train/safetensors.h"
 #include "train/trainer.h"
 
 namespace flowmoe::test {
@@ -27,6 +29,17 @@ inline std::string read_bytes(const std::filesystem::path& p) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// The model weights of two checkpoint directories, tensor by tensor, bit for bit.
+inline ::testing::AssertionResult same_model_weights(const std::string& checkpoint_a, const std::string& checkpoint_b) {
+  const std::vector<NamedTensor> a = read_safetensors(checkpoint_a + "/model.safetensors");
+  const std::vector<NamedTensor> b = read_safetensors(checkpoint_b + "/model.safetensors");
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " tensors against " << b.size();
+  for (size_t i = 0; i < a.size(); ++i)
+    if (const ::testing::AssertionResult same = bit_equal(a[i].tensor, b[i].tensor); !same)
+      return ::testing::AssertionFailure() << a[i].name << ": " << same.message();
+  return ::testing::AssertionSuccess();
 }
 
 // Train without progress output (the test reads the returned losses and the files).

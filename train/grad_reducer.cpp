@@ -13,6 +13,18 @@
 
 namespace flowmoe {
 
+namespace {
+GradientReducer::StreamHook g_stream_hook = nullptr;
+}  // namespace
+
+void GradientReducer::set_stream_hook(StreamHook hook) { g_stream_hook = hook; }
+
+void GradientReducer::call_hook(HookPoint point, const Tensor& buffer) const {
+  if (!g_stream_hook || !buffer.device().is_cuda()) return;
+  const bool reduction_stream = point != HookPoint::bucket_copy && stream_;
+  g_stream_hook(point, reduction_stream ? stream_->get() : current_stream(buffer.device().index), buffer);
+}
+
 GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> params,
                                  const std::vector<ParamShard>& shards, bool overlap, size_t bucket_bytes, int max_ctas,
                                  bool shard, DType weight_dtype)
@@ -220,6 +232,7 @@ void GradientReducer::launch(Bucket& b) {
     ++reduced_in_place_;
   } else {
     b.flat = Tensor::empty({flat_numel}, DType::f32, device);
+    call_hook(HookPoint::bucket_copy, b.flat);
     if (shard_ && b.padded > b.numel) b.flat.slice(0, b.numel, b.padded).zero_();
     int64_t offset = 0;
     for (size_t i : b.params) {
@@ -248,6 +261,7 @@ void GradientReducer::launch(Bucket& b) {
   // Dense gradients: the mean over the world (data_parallel.h says why). Expert shards: the sum over
   // their W / E replicas, divided by W in finish().
   const ReduceOp op = b.group == 0 ? ReduceOp::avg : ReduceOp::sum;
+  call_hook(HookPoint::reduction, b.flat);
   if (shard_)
     comm.reduce_scatter_in_place(b.flat, op);
   else
@@ -325,6 +339,7 @@ void GradientReducer::gather_weights() {
   }
   for (size_t k : gather_order_) {
     Bucket& b = buckets_[k];
+    call_hook(HookPoint::gather, b.weights);
     comms_[b.group]->all_gather_in_place(b.weights);
     if (!stream_) continue;
     b.gathered->record(stream_->get());

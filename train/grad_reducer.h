@@ -93,6 +93,18 @@ class GradientReducer {
   // Buckets the last reduction reduced in their one gradient's own buffer, with no copy into a flat one.
   int64_t num_reduced_in_place() const { return reduced_in_place_; }
 
+  // Tests only (null in a run): a hook that enqueues work of its own at these points of a GPU reduction,
+  // on the stream named, with the buffer concerned. A test delays one stream there, so that a wait the
+  // schedule lacks between the compute stream and the reduction's shows as wrong sums.
+  enum class HookPoint : uint8_t {
+    bucket_copy,  // the compute stream, before a bucket's gradients are copied into its new flat buffer
+    reduction,    // the reduction's stream, before a bucket's all-reduce or reduce-scatter
+    gather,       // the reduction's stream, before a bucket's weights are all-gathered
+  };
+  using StreamHook = void (*)(HookPoint point, cudaStream_t stream, const Tensor& buffer);
+  // Process-wide: the reducers a test makes itself and those of a training run it starts.
+  static void set_stream_hook(StreamHook hook);
+
  private:
   struct Bucket {
     int group = 0;               // 0: the world (dense), 1: the expert-data-parallel group
@@ -136,6 +148,8 @@ class GradientReducer {
   // b.flat (safe to reuse then: both streams are past it).
   void retire(Bucket& b);
   void exchange_presence(int group);
+  // Calls the stream hook, if any, on the stream `point` names.
+  void call_hook(HookPoint point, const Tensor& buffer) const;
 
   const ParallelState& ps_;
   std::vector<Variable> params_;
