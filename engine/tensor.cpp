@@ -267,6 +267,9 @@ void Tensor::copy_(const Tensor& src) {
   FLOWMOE_CHECK(is_contiguous(), ShapeError, "copy_ into a non-contiguous ", describe());
   if (numel() == 0) return;
   Tensor s = src.contiguous();
+  // Counted here, once for every way a tensor is read to the host: the trainer captures a step as a CUDA
+  // graph only after an eager one made no such read, which no capture could replay.
+  if (device_.is_cpu() && s.device_.is_cuda()) note_host_sync();
   copy_bytes(raw_data(), device_.is_cuda() ? device_.index : -1, s.raw_data(),
              s.device_.is_cuda() ? s.device_.index : -1, nbytes());
 }

@@ -92,7 +92,9 @@ class Tensor {
   Tensor clone() const;                                     // contiguous copy on the same device
   Tensor to(Device device) const;                           // copy across devices (self if already there)
   Tensor to(DType dtype) const;                             // cast (self if already that dtype)
-  void copy_(const Tensor& src);                            // same shape and dtype; any devices
+  // Same shape and dtype; any devices. A copy from a GPU into host memory waits for the GPU's stream: it
+  // counts as a host synchronisation (note_host_sync), as to(cpu), to_floats, to_doubles and to_ints do.
+  void copy_(const Tensor& src);
   void zero_();
   void fill_bytes_(uint8_t byte);  // every byte (contiguous tensors): 0xFF is NaN in every float dtype
   void fill_(double value);        // every element = value rounded to the dtype (contiguous tensors)

@@ -67,4 +67,8 @@ std::vector<double> all_reduce_values(Communicator& comm, const std::vector<doub
   return t.to_doubles();
 }
 
+bool on_every_rank(Communicator& comm, bool value) {
+  return all_reduce_values(comm, {value ? 0.0 : 1.0}, ReduceOp::max)[0] == 0;
+}
+
 }  // namespace flowmoe

@@ -20,4 +20,8 @@ void all_reduce_flat(Communicator& comm, const std::vector<Tensor>& tensors, Red
 // communicator's host side (Communicator::host_communicator): no device copy; blocks until done.
 std::vector<double> all_reduce_values(Communicator& comm, const std::vector<double>& values, ReduceOp op);
 
+// Whether `value` holds on every rank (a logical AND through the host side, as all_reduce_values): every
+// rank gets the same answer, for a decision that ranks must take alike.
+bool on_every_rank(Communicator& comm, bool value);
+
 }  // namespace flowmoe

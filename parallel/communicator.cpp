@@ -245,7 +245,6 @@ void Communicator::put_rows(const std::vector<RowPut>& tensors_in, const Tensor&
 
 void Communicator::do_put_rows(const std::vector<RowPut>& tensors, const Tensor& out_table, const Tensor& in_table,
                                const PadSegments& pad) {
-  if (out_table.device().is_cuda() || in_table.device().is_cuda()) note_host_sync();  // one wait for every read
   const int64_t C = out_table.size(1);
   const std::vector<RowChunk> send_chunks = table_chunks(out_table.to_ints(), C);
   const std::vector<RowChunk> recv_chunks = table_chunks(in_table.to_ints(), C);

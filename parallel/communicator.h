@@ -91,7 +91,7 @@ class Communicator {
   // nccl on load/store-reachable GPUs writes the rows of every tensor into the peers' memory from one
   // kernel that reads out_table on the device (parallel/nccl/lsa_put.h): no host read, and each recv
   // must have the same shape on every rank (a worst-case size). Elsewhere (none, mpi, nccl without
-  // NVLink/P2P reach) the tables are read to the host (one counted sync for device tables) and the rows
+  // NVLink/P2P reach) the tables are read to the host (each read of a device table a counted sync) and the rows
   // move by all_to_all_chunks. A chunk that runs past either buffer is an error (checked on the host
   // paths; skipped on the device). The host paths write the unspecified rows with NaN bytes (0xFF), so
   // that a reader of them fails loudly in tests; the device path leaves them as they were, which is

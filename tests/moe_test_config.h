@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/common/device_api.h"
 #include "layers/model_config.h"
 #include "layers/moe.h"
 
@@ -27,10 +28,12 @@ inline ModelConfig moe_test_config(int64_t E, int64_t k, int64_t H, int64_t F, i
 }
 
 // A layer's output, input gradient and parameter gradients (in ParamFactory order), on the CPU, y and dx
-// in f32 (exact for bf16 values).
+// in f32 (exact for bf16 values), and the host synchronisations of its forward and backward (the reads of
+// the results excluded).
 struct LayerRun {
   Tensor y, dx;
   std::vector<Tensor> grads;
+  uint64_t host_syncs = 0;
 };
 
 // One forward + backward of a fresh layer (the same seed gives the same weights) on `device`; `expert_bias`
@@ -44,9 +47,12 @@ inline LayerRun run_layer(const ModelConfig& c, const MoeOptions& o, const Tenso
     bias.copy_(expert_bias);
   }
   Variable xv(x.to(device).to(compute), true);
+  const Tensor dy_in = dy.to(device).to(compute);
+  const uint64_t syncs = num_host_syncs();
   Variable y = layer.forward(xv, compute);
-  y.backward(dy.to(device).to(compute));
-  LayerRun r{y.data().to(Device::cpu()).to(DType::f32), xv.grad().to(Device::cpu()).to(DType::f32), {}};
+  y.backward(dy_in);
+  const uint64_t host_syncs = num_host_syncs() - syncs;
+  LayerRun r{y.data().to(Device::cpu()).to(DType::f32), xv.grad().to(Device::cpu()).to(DType::f32), {}, host_syncs};
   for (const Variable& p : f.params()) r.grads.push_back(p.grad().to(Device::cpu()));
   return r;
 }

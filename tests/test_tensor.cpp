@@ -183,6 +183,28 @@ TEST(TensorCuda, ContiguousAndCopiesMatchCpu) {
   EXPECT_THROW(Tensor::empty({1}, DType::f32, Device::cuda(cuda_device_count())), DeviceError);
 }
 
+// Every read of a GPU tensor into host memory waits for the GPU and counts as a host synchronisation (what
+// train.cuda_graph: auto reads before it captures a step); copies that stay on one side do not.
+TEST(TensorCuda, EveryReadToTheHostCountsAsAHostSync) {
+  FLOWMOE_REQUIRE_CUDA();
+  Tensor host = Tensor::from_floats({1, 2, 3, 4}, {4});
+  const uint64_t before = num_host_syncs();
+  Tensor gpu = host.to(Device::cuda());  // host to device
+  Tensor other = gpu.clone();            // device to device
+  host.copy_(Tensor::from_floats({5, 6, 7, 8}, {4}));
+  EXPECT_EQ(num_host_syncs(), before) << "no read to the host yet";
+  EXPECT_EQ(gpu.to_floats(), (std::vector<float>{1, 2, 3, 4}));
+  EXPECT_EQ(num_host_syncs(), before + 1) << "to_floats";
+  EXPECT_EQ(Tensor::from_ints({3}, {1}, DType::i32, Device::cuda()).to_ints(), (std::vector<int64_t>{3}));
+  EXPECT_EQ(num_host_syncs(), before + 2) << "to_ints";
+  EXPECT_EQ(other.to_doubles().size(), 4u);
+  EXPECT_EQ(num_host_syncs(), before + 3) << "to_doubles";
+  EXPECT_TRUE(other.to(Device::cpu()).defined());
+  EXPECT_EQ(num_host_syncs(), before + 4) << "to(cpu)";
+  host.copy_(other);
+  EXPECT_EQ(num_host_syncs(), before + 5) << "copy_ into a host tensor";
+}
+
 TEST(TensorFp8, ScalesTravelWithTheValue) {
   Tensor data = Tensor::zeros({4, 256}, DType::e4m3);
   Tensor s = Tensor::full({4, 2}, 0.5, DType::f32);

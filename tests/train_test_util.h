@@ -8,8 +8,10 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "tests/test_util.h"
+#include "train/safetensors.h"
 #include "train/trainer.h"
 
 namespace flowmoe::test {
@@ -46,6 +48,17 @@ inline Config tiny_config(const std::filesystem::path& out_dir) {
       "tiny_test.yaml");
   c.logging.out_dir = out_dir.string();
   return c;
+}
+
+// The model weights of two checkpoint directories, tensor by tensor, bit for bit.
+inline ::testing::AssertionResult same_model_weights(const std::string& checkpoint_a, const std::string& checkpoint_b) {
+  const std::vector<NamedTensor> a = read_safetensors(checkpoint_a + "/model.safetensors");
+  const std::vector<NamedTensor> b = read_safetensors(checkpoint_b + "/model.safetensors");
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " tensors against " << b.size();
+  for (size_t i = 0; i < a.size(); ++i)
+    if (const ::testing::AssertionResult same = bit_equal(a[i].tensor, b[i].tensor); !same)
+      return ::testing::AssertionFailure() << a[i].name << ": " << same.message();
+  return ::testing::AssertionSuccess();
 }
 
 // Train without progress output (the test reads the returned losses and the files).

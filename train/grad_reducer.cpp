@@ -13,6 +13,18 @@
 
 namespace flowmoe {
 
+namespace {
+GradientReducer::StreamHook g_stream_hook = nullptr;
+}  // namespace
+
+void GradientReducer::set_stream_hook(StreamHook hook) { g_stream_hook = hook; }
+
+void GradientReducer::call_hook(HookPoint point, const Tensor& buffer) const {
+  if (!g_stream_hook || !buffer.device().is_cuda()) return;
+  const bool reduction_stream = point != HookPoint::bucket_copy && stream_;
+  g_stream_hook(point, reduction_stream ? stream_->get() : current_stream(buffer.device().index), buffer);
+}
+
 GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> params,
                                  const std::vector<ParamShard>& shards, bool overlap, size_t bucket_bytes, int max_ctas,
                                  bool shard, DType weight_dtype)
@@ -58,21 +70,24 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
 
   // nccl: the reductions get communicators of their own on a stream of their own, so that they run
   // beside the backward (a communicator serves one stream: the world's stays with the compute stream).
-  if (overlap_ && ps.world->backend_name() == std::string("nccl")) {
+  // Their kernels take at most max_ctas thread blocks, and NCCL picks its algorithm by the blocks it may
+  // take: the plain schedule, on the compute stream, reduces on communicators split with the same bound,
+  // so that both schedules give the same sums bit for bit at any number of ranks.
+  const bool nccl = ps.world->backend_name() == std::string("nccl");
+  if (nccl && (overlap_ || max_ctas > 0)) {
+    comms_[0] = ps.world->split(0, ps.world->rank(), max_ctas);
+    comms_[1] = ps.expert_parallel_size > 1
+                    ? ps.expert_data_parallel->split(0, ps.expert_data_parallel->rank(), max_ctas)
+                    : comms_[0];
+  }
+  if (nccl && overlap_) {
     const int device = ps.world->native_device().index;
     stream_ = std::make_unique<Stream>(device, /*high_priority=*/true);  // as the compute stream's
     grads_ready_ = std::make_unique<Event>();
     reduced_ = std::make_unique<Event>();
     if (shard_)
       for (Bucket& b : buckets_) b.gathered = std::make_unique<Event>(), b.reduced = std::make_unique<Event>();
-    comms_[0] = ps.world->split(0, ps.world->rank(), max_ctas);
-    comms_[0]->set_stream(stream_->get());
-    if (ps.expert_parallel_size > 1) {
-      comms_[1] = ps.expert_data_parallel->split(0, ps.expert_data_parallel->rank(), max_ctas);
-      comms_[1]->set_stream(stream_->get());
-    } else {
-      comms_[1] = comms_[0];
-    }
+    for (const std::shared_ptr<Communicator>& comm : comms_) comm->set_stream(stream_->get());
   }
 }
 
@@ -217,6 +232,7 @@ void GradientReducer::launch(Bucket& b) {
     ++reduced_in_place_;
   } else {
     b.flat = Tensor::empty({flat_numel}, DType::f32, device);
+    call_hook(HookPoint::bucket_copy, b.flat);
     if (shard_ && b.padded > b.numel) b.flat.slice(0, b.numel, b.padded).zero_();
     int64_t offset = 0;
     for (size_t i : b.params) {
@@ -245,6 +261,7 @@ void GradientReducer::launch(Bucket& b) {
   // Dense gradients: the mean over the world (data_parallel.h says why). Expert shards: the sum over
   // their W / E replicas, divided by W in finish().
   const ReduceOp op = b.group == 0 ? ReduceOp::avg : ReduceOp::sum;
+  call_hook(HookPoint::reduction, b.flat);
   if (shard_)
     comm.reduce_scatter_in_place(b.flat, op);
   else
@@ -267,31 +284,20 @@ void GradientReducer::release_grads() {
   range_grads_.clear();
 }
 
-// Which parameters have a gradient on any rank of the group: one small sum on the group's own
-// communicator. Where this rank has every gradient (the usual step) the flags are a device copy of
-// ones and nothing is read back; only a rank that lacks one builds them on the host and reads the sum.
+// Which parameters have a gradient on any rank of the group. The flags are host values: they travel
+// through the group's host side (all_reduce_values), with no device copy, so a rank that lacks a
+// gradient does nothing a captured step (train.cuda_graph) could not hold, and every rank of the
+// group makes the same call whatever it lacks.
 void GradientReducer::exchange_presence(int group) {
   std::vector<size_t> members;
-  bool lacking = false;
+  std::vector<double> present;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (buckets_[bucket_of_[i]].group != group) continue;
     members.push_back(i);
-    lacking = lacking || missing_[i];
+    present.push_back(missing_[i] ? 0.0 : 1.0);
   }
   if (members.empty()) return;
-  const Device device = params_[members[0]].device();
-  Tensor flags;
-  if (lacking) {
-    std::vector<float> present;
-    for (size_t i : members) present.push_back(missing_[i] ? 0.0f : 1.0f);
-    flags = Tensor::from_floats(present, {int64_t(present.size())}).to(device);
-  } else {
-    if (!ones_[group].defined()) ones_[group] = Tensor::full({int64_t(members.size())}, 1.0, DType::f32, device);
-    flags = ones_[group].clone();
-  }
-  group_communicator(group)->all_reduce(flags, ReduceOp::sum);
-  if (!lacking) return;
-  const std::vector<float> anywhere = flags.to_floats();
+  const std::vector<double> anywhere = all_reduce_values(*group_communicator(group), present, ReduceOp::max);
   for (size_t k = 0; k < members.size(); ++k) {
     if (anywhere[k] != 0) continue;
     params_[members[k]].zero_grad();  // no rank had one: AdamW leaves it alone
@@ -333,6 +339,7 @@ void GradientReducer::gather_weights() {
   }
   for (size_t k : gather_order_) {
     Bucket& b = buckets_[k];
+    call_hook(HookPoint::gather, b.weights);
     comms_[b.group]->all_gather_in_place(b.weights);
     if (!stream_) continue;
     b.gathered->record(stream_->get());

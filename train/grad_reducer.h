@@ -28,9 +28,10 @@ class GradientReducer {
  public:
   // params and shards as the model lists them (shards[i].expert: over the expert-data-parallel group).
   // overlap: reduce each bucket during the backward as soon as it is complete; otherwise in finish().
-  // Collective when the world's backend is nccl: it splits off the communicators it reduces on, whose
-  // kernels take at most max_ctas thread blocks (0: as many as nccl chooses), leaving the other SMs
-  // to the backward that runs beside them.
+  // Collective when the world's backend is nccl (and it overlaps or max_ctas > 0): it splits off the
+  // communicators it reduces on, whose kernels take at most max_ctas thread blocks (0: as many as nccl
+  // chooses), leaving the other SMs to the backward that runs beside them. The plain schedule reduces
+  // under the same bound, since NCCL's algorithm depends on it: both schedules give the same sums.
   // shard: the sharded form above (the parameters' data move into the buckets' weight buffers here), its
   // model weights in weight_dtype (precision.param_dtype: the forward's dtype, or f32) except where
   // shards[i].reads_f32.
@@ -92,6 +93,18 @@ class GradientReducer {
   // Buckets the last reduction reduced in their one gradient's own buffer, with no copy into a flat one.
   int64_t num_reduced_in_place() const { return reduced_in_place_; }
 
+  // Tests only (null in a run): a hook that enqueues work of its own at these points of a GPU reduction,
+  // on the stream named, with the buffer concerned. A test delays one stream there, so that a wait the
+  // schedule lacks between the compute stream and the reduction's shows as wrong sums.
+  enum class HookPoint : uint8_t {
+    bucket_copy,  // the compute stream, before a bucket's gradients are copied into its new flat buffer
+    reduction,    // the reduction's stream, before a bucket's all-reduce or reduce-scatter
+    gather,       // the reduction's stream, before a bucket's weights are all-gathered
+  };
+  using StreamHook = void (*)(HookPoint point, cudaStream_t stream, const Tensor& buffer);
+  // Process-wide: the reducers a test makes itself and those of a training run it starts.
+  static void set_stream_hook(StreamHook hook);
+
  private:
   struct Bucket {
     int group = 0;               // 0: the world (dense), 1: the expert-data-parallel group
@@ -135,6 +148,8 @@ class GradientReducer {
   // b.flat (safe to reuse then: both streams are past it).
   void retire(Bucket& b);
   void exchange_presence(int group);
+  // Calls the stream hook, if any, on the stream `point` names.
+  void call_hook(HookPoint point, const Tensor& buffer) const;
 
   const ParallelState& ps_;
   std::vector<Variable> params_;
@@ -157,9 +172,6 @@ class GradientReducer {
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> grads_ready_, reduced_;
   std::unique_ptr<LeafGradHookGuard> hook_;
-  // Per group, a parameter-long vector of ones where the gradients live: the presence flags of a step
-  // in which this rank has every gradient start as a device copy of it, with no host round trip.
-  Tensor ones_[2];
 };
 
 }  // namespace flowmoe

@@ -18,7 +18,7 @@ struct StepMetrics {
   double grad_norm = NAN;  // before clipping
   double tokens_per_s = 0;
   int64_t peak_mem_bytes = 0;             // peak tensor memory on the training device so far
-  int64_t host_syncs = 0;                 // deliberate host synchronisations inside the model during the step
+  int64_t host_syncs = 0;                 // host synchronisations of the model and gradient reduction in the step
   double moe_casts = NAN;                 // explicit activation quantize + dequantize calls per MoE layer and
                                           // micro-batch this step (engine/cast_stats.h; weight quantization not
                                           // included); NaN: dense

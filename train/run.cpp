@@ -187,10 +187,12 @@ static DType weight_dtype(const Config& c, const Transformer& model) {
   return c.precision.param_dtype == "f32" ? DType::f32 : model.compute_dtype();
 }
 
-// Several ranks reduce their gradients through a GradientReducer; one rank has none.
+// Several ranks reduce their gradients through a GradientReducer; one rank has none, unless its world is
+// nccl's (parallel.backend: nccl), which then takes the several-rank step on one GPU: its collectives, the
+// reducer's stream and the sharded optimizer.
 static std::unique_ptr<GradientReducer> make_reducer(const Config& c, const ParallelState& ps,
                                                      const Transformer& model) {
-  if (ps.world->size() == 1) return nullptr;
+  if (ps.world->size() == 1 && ps.world->backend_name() != std::string("nccl")) return nullptr;
   return std::make_unique<GradientReducer>(
       ps, model.parameters(), model.parameter_shards(), c.parallel.overlap_grad_reduce, kGradientBucketBytes,
       int(c.parallel.grad_reduce_sms), c.parallel.shard_optimizer, weight_dtype(c, model));

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,8 @@ struct StepLosses {
   double aux = NAN;      // the MoE balance loss; NaN when the model has none
   bool has_aux = false;  // kept apart from aux: a balance loss that went non-finite is still one
   bool dropped = false;  // a stop request came before one of the micro-batches (issue_step)
+  // The host path's per-micro-batch losses, read once the step's own host syncs are counted (read_losses).
+  std::vector<Tensor> lm_parts, aux_parts;
 };
 
 // This rank's slices of the step's micro-batches, on the host.
@@ -37,12 +40,11 @@ std::vector<Batch> next_batches(TrainRun& run) {
 
 // Forward and backward over the step's micro-batches; the gradients accumulate in the parameters. Each
 // micro-batch's loss is the mean over its tokens, weighted 1/grad_accum_steps. On the device path the
-// losses stay on the device (StepState::record_losses); otherwise they are read. `may_stop`: a stop request
-// before a micro-batch ends the loop there, the step dropped.
+// losses stay on the device (StepState::record_losses); otherwise they are kept for read_losses. `may_stop`:
+// a stop request before a micro-batch ends the loop there, the step dropped.
 StepLosses run_micro_batches(TrainRun& run, const std::vector<Batch>& batches, bool on_device, bool may_stop) {
   const int64_t num_micro_batches = int64_t(batches.size());
   StepLosses out;
-  double loss_sum = 0, aux_sum = 0;
   for (int64_t a = 0; a < num_micro_batches; ++a) {
     if (may_stop && stop_requested(run.res.out_dir, /*check_file=*/true)) {
       out.dropped = true;
@@ -54,19 +56,27 @@ StepLosses run_micro_batches(TrainRun& run, const std::vector<Batch>& batches, b
     if (on_device) {
       run.state.record_losses(a, parts.lm.data(), out.has_aux ? parts.aux.data() : Tensor());
     } else {
-      loss_sum += double(parts.lm.data().to_floats()[0]);
-      if (out.has_aux) aux_sum += double(parts.aux.data().to_floats()[0]);
+      out.lm_parts.push_back(parts.lm.data());
+      if (out.has_aux) out.aux_parts.push_back(parts.aux.data());
     }
     // The last micro-batch's backward finishes the gradients: the reducer starts on them as they are.
     if (run.reducer && a + 1 == num_micro_batches) run.reducer->begin();
     (num_micro_batches > 1 ? scale(loss, 1.0 / double(num_micro_batches)) : loss).backward();
   }
-  // The LM loss and the balance loss are logged apart; training minimizes their sum.
-  if (!on_device) {
-    out.lm = loss_sum / double(num_micro_batches);
-    out.aux = out.has_aux ? aux_sum / double(num_micro_batches) : NAN;
-  }
   return out;
+}
+
+// The host path's losses as the means over the micro-batches. The LM loss and the balance loss are
+// logged apart; training minimizes their sum.
+void read_losses(StepLosses& l) {
+  const auto mean = [](const std::vector<Tensor>& parts) {
+    double sum = 0;
+    for (const Tensor& t : parts) sum += double(t.to_floats()[0]);
+    return sum / double(parts.size());
+  };
+  if (l.lm_parts.empty()) return;  // the device path's
+  l.lm = mean(l.lm_parts);
+  l.aux = l.has_aux ? mean(l.aux_parts) : NAN;
 }
 
 // The gradient sync point: the ranks' gradients become the global batch's (grad_reducer.h: what the
@@ -166,7 +176,6 @@ std::vector<Tensor> step_body(TrainRun& run, const std::vector<Batch>& batches, 
     return {};
   }
   issued.has_aux = losses.has_aux;
-  issued.host_syncs = int64_t(num_host_syncs() - syncs_before);  // the model's own; our loss reads are not counted
   if (run.cast_divisor > 0) {
     run.last_casts = cast_counts();
     issued.moe_casts = double(run.last_casts.activation_casts()) / run.cast_divisor;
@@ -175,6 +184,9 @@ std::vector<Tensor> step_body(TrainRun& run, const std::vector<Batch>& batches, 
     OpTimer timer("gradient sync", OpPhase::step, "optimizer", run.device, 0, 0);
     sync_gradients(run);
   }
+  // The model's and the gradient reduction's own, which use_graph reads; the loss reads below are not counted.
+  issued.host_syncs = int64_t(num_host_syncs() - syncs_before);
+  read_losses(losses);
   if (run.opts.after_backward) run.opts.after_backward(run.step, run.model.parameters());
   advance_scalars(run, losses, on_device);
   {
@@ -192,7 +204,8 @@ std::vector<Tensor> step_body(TrainRun& run, const std::vector<Batch>& batches, 
 }
 
 // train.cuda_graph: whether this step replays (or first captures) the graph. auto takes it once an eager
-// step of this run made no host synchronisation; on insists, and says why when it cannot.
+// step of this run made no host synchronisation on any rank; on insists, and says why when it cannot.
+// Every rank decides alike: what it reads is the same on every rank, or agreed over the world.
 bool use_graph(TrainRun& run, bool profiled) {
   const std::string& mode = run.cfg.train.cuda_graph;
   if (mode == "off" || run.graph_failed || profiled) return false;
@@ -200,16 +213,16 @@ bool use_graph(TrainRun& run, bool profiled) {
   // Several ranks: nccl's collectives, the reducer's stream and the zero-sync exchange's device puts are
   // captured with the step. A sync exchange reads counts to the host, which no replay could repeat.
   const bool possible = step_scalars_on_device(run) && !run.opts.after_backward;
-  if (mode == "on") {
-    FLOWMOE_CHECK(possible, ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
-                  ") needs a GPU, one process or collectives on the device (nccl), and no test hooks");
-    FLOWMOE_CHECK(run.eager_steps == 0 || run.last_eager_host_syncs == 0, ConfigError, "train.cuda_graph: on (",
-                  run.cfg.origin("train.cuda_graph"), "), but the eager step made ", run.last_eager_host_syncs,
-                  " host synchronisations, which a graph cannot replay (expert parallelism needs "
-                  "parallel.ep_dispatch: zero_sync on GPUs that reach each other's memory)");
-  }
+  FLOWMOE_CHECK(possible || mode != "on", ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
+                ") needs a GPU, one process or collectives on the device (nccl), and no test hooks");
   // The first step of a run is eager: it creates the cuBLASLt plans and tells whether the step syncs.
-  return possible && run.eager_steps > 0 && run.last_eager_host_syncs == 0;
+  if (!possible || run.eager_steps == 0) return false;
+  const bool no_syncs = on_every_rank(*run.world, run.last_eager_host_syncs == 0);
+  FLOWMOE_CHECK(no_syncs || mode != "on", ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
+                "), but the eager step made host synchronisations (", run.last_eager_host_syncs,
+                " on this rank), which a graph cannot replay (expert parallelism needs "
+                "parallel.ep_dispatch: zero_sync on GPUs that reach each other's memory)");
+  return no_syncs;
 }
 
 // The graph step: the batches go into the captured step's static inputs, then one launch runs it all.
@@ -230,16 +243,25 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
     run.state.upload_into(batches[a].targets, run.graph_inputs[a].targets);
   }
   if (!run.graph->captured()) {
+    std::exception_ptr failure;
+    std::string why = "another rank could not capture it";
     try {
       run.graph->capture([&] { return step_body(run, run.graph_inputs, true, run.graph_issued); });
     } catch (const Error& e) {
-      // Nothing of the capture ran; FP8 weight caches made during it are dropped (their versions move).
+      failure = std::current_exception();
+      why = e.what();
+    }
+    const GraphDecision decision = agree_on_capture(*run.world, failure == nullptr, run.cfg.train.cuda_graph == "on");
+    if (decision != GraphDecision::replay) {
+      // Nothing of a capture ran, here or elsewhere; FP8 weight caches made during it are dropped (their
+      // versions move), and so is a graph this rank did capture.
       for (const Variable& p : run.model.parameters()) p.bump_version();
       run.graph.reset();
-      if (run.cfg.train.cuda_graph == "on") throw;
+      if (decision == GraphDecision::abort && failure) std::rethrow_exception(failure);
+      FLOWMOE_CHECK(decision != GraphDecision::abort, Error, "train.cuda_graph: on (",
+                    run.cfg.origin("train.cuda_graph"), "), but the step could not be captured: ", why);
       run.graph_failed = true;
-      run.progress.message(std::string("train.cuda_graph: the step could not be captured, so it runs eagerly (") +
-                           e.what() + ")");
+      run.progress.message("train.cuda_graph: the step could not be captured, so it runs eagerly (" + why + ")");
       return step_body(run, run.graph_inputs, true, issued);
     }
     run.graph_casts = run.last_casts;
@@ -256,6 +278,11 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
 }
 
 }  // namespace
+
+GraphDecision agree_on_capture(Communicator& world, bool captured_here, bool insist) {
+  if (on_every_rank(world, captured_here)) return GraphDecision::replay;
+  return insist ? GraphDecision::abort : GraphDecision::eager;
+}
 
 bool step_scalars_on_device(const TrainRun& run) {
   // Several ranks need device collectives (nccl) for it; the mpi backend stages through the host.

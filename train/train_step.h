@@ -1,6 +1,7 @@
 // One optimizer step over a training run (run.h): issued and read back in two halves, so that on the
 // GPU the next step can be queued before the last one is read (train_step.cpp).
 #pragma once
+#include <cstdint>
 #include <optional>
 
 #include "train/metrics.h"
@@ -27,6 +28,14 @@ std::optional<StepMetrics> train_step(TrainRun& run, bool profiled = false);
 // rank leaving the accumulation alone would leave the others waiting in the step's collectives.
 bool issue_step(TrainRun& run, bool profiled = false);
 std::optional<StepMetrics> complete_step(TrainRun& run);
+// train.cuda_graph over several ranks: what every rank does once each has tried to capture the step,
+// decided by all of them together. NCCL's collectives are captured on every rank or on none: a rank that
+// ran the step eagerly while the others replayed a graph would hang them or sum the wrong buffers.
+// replay: every rank captured it. eager: some rank could not, and every rank runs its steps eagerly
+// from then on (auto). abort: some rank could not and `insist` (train.cuda_graph: on): every rank stops.
+// captured_here: this rank's capture succeeded. Collective over the world's host side (on_every_rank).
+enum class GraphDecision : uint8_t { replay, eager, abort };
+GraphDecision agree_on_capture(Communicator& world, bool captured_here, bool insist);
 // Whether the run's steps compute their scalars on the device (one GPU, one rank, no loss hook), so
 // that a step may be queued before the previous one is read.
 bool step_scalars_on_device(const TrainRun& run);

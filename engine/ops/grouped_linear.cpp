@@ -18,10 +18,9 @@ std::vector<int64_t> read_counts_once(const Tensor& padded_tokens_per_expert) {
   const Tensor& c = padded_tokens_per_expert;
   FLOWMOE_CHECK(c.dim() == 1 && (c.dtype() == DType::i32 || c.dtype() == DType::i64), DTypeError,
                 "read_counts_once: expected per-expert counts [L] i32 or i64, got ", c.describe());
-  // The device -> host copy synchronises the engine stream (copy_bytes): this is the layer's one sync.
-  std::vector<int64_t> host = c.to_ints();
-  if (c.device().is_cuda()) note_host_sync();
-  return host;
+  // The device -> host copy synchronises the engine stream and counts itself (Tensor::copy_): this is
+  // the layer's one sync.
+  return c.to_ints();
 }
 
 double grouped_gemm_flops(const std::vector<int64_t>& padded_tokens_per_expert, const Tensor& weight) {

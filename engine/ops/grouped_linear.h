@@ -18,8 +18,8 @@
 namespace flowmoe {
 
 // THE one host synchronisation of an MoE layer: copies the per-expert counts ([L] i32 or i64, e.g.
-// PermuteResult::padded_tokens_per_expert) to the host, waiting for the engine stream, and counts it
-// with note_host_sync() (reported per step in the metrics). A CPU tensor is read without a sync and
+// PermuteResult::padded_tokens_per_expert) to the host, waiting for the engine stream, which counts
+// as one note_host_sync() (reported per step in the metrics). A CPU tensor is read without a sync and
 // is not counted.
 std::vector<int64_t> read_counts_once(const Tensor& padded_tokens_per_expert);
 

@@ -79,9 +79,10 @@ bool cuda_is_capturing(int device);  // the engine stream of that device is bein
 void cuda_graph_launch(CudaGraph graph, int device);
 void cuda_graph_destroy(CudaGraph graph);
 
-// Host synchronisations the engine makes on purpose (e.g. reading per-expert counts once per layer
-// so cuBLASLt gets each expert's M). Every such place calls note_host_sync(); the trainer reports
-// the count per step in the metrics.
+// Host synchronisations the engine makes (e.g. reading per-expert counts once per layer so cuBLASLt
+// gets each expert's M). Every read of a GPU tensor into host memory calls note_host_sync()
+// (Tensor::copy_, under to_floats, to_ints and to(cpu)); the trainer reports the count per step in
+// the metrics and captures a step as a CUDA graph only where an eager step counted none.
 void note_host_sync();
 uint64_t num_host_syncs();
 
