@@ -87,6 +87,41 @@ double largest_magnitude(const std::vector<float>& v) {
   return m;
 }
 
+// What the reduction must give, computed here without the reducer: each rank's own gradients (the backward of
+// reduced_gradients), gathered over the group that reduces a parameter (the world for dense ones, the ranks
+// holding the same experts for expert weights at expert-parallel size > 1), summed in double and divided by the
+// world's size (the loss is the mean over the world's batch); with the largest term's magnitude (the scale of
+// the sums' rounding).
+struct MeanGradients {
+  std::vector<std::vector<double>> mean;
+  std::vector<double> scale;
+};
+MeanGradients mean_of_ranks_gradients(const ParallelState& ps, int micro_batches) {
+  const Config cfg = moe_config();
+  Transformer model(cfg.model, Device::cpu(), DType::f32, 7, moe_options(cfg, ps));
+  const int me = ps.world->rank();
+  for (int a = 0; a < micro_batches; ++a) model.loss(coded_ids(me, a), coded_ids(me, a + 1)).backward();
+  MeanGradients out;
+  const std::vector<Variable>& params = model.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool expert = model.parameter_shards()[i].expert && ps.expert_parallel_size > 1;
+    Communicator& group = expert ? *ps.expert_data_parallel : *ps.world;
+    const Tensor g = params[i].grad().defined() ? params[i].grad() : Tensor::zeros(params[i].shape(), DType::f32);
+    const int64_t n = g.numel();
+    const std::vector<float> all = group.all_gather(g.contiguous().reshape({1, n})).to_floats();
+    std::vector<double> sum(size_t(n), 0.0);
+    double scale = 0;
+    for (size_t k = 0; k < all.size(); ++k) {
+      sum[k % size_t(n)] += all[k];
+      scale = std::max(scale, double(std::abs(all[k])));
+    }
+    for (double& v : sum) v /= double(ps.world->size());
+    out.mean.push_back(std::move(sum));
+    out.scale.push_back(scale);
+  }
+  return out;
+}
+
 // Runs check on the test's world at every expert-parallel size it allows.
 template <class F>
 void for_each_layout(F&& check) {
@@ -114,6 +149,26 @@ TEST(GradientReducer, OverlappedBucketsGiveThePlainSumsBitForBit) {
       for (size_t p = 0; p < plain.size(); ++p) {
         EXPECT_FALSE(plain[p].empty()) << "parameter " << p;
         EXPECT_TRUE(same_bits(plain[p], overlapped[p])) << "parameter " << p;
+      }
+    }
+  });
+}
+
+// The tests above compare schedules of the reducer with each other; this one compares what it computes with the
+// mean of the ranks' own gradients, plain and overlapped (the sharded segments are compared with the plain sums
+// above). At one rank the mean is the rank's own gradient: a mean that is a sum shows from 2 ranks on.
+TEST(GradientReducer, ReducedGradientsAreTheMeanOverTheRanks) {
+  for_each_layout([](const ParallelState& ps) {
+    const MeanGradients want = mean_of_ranks_gradients(ps, 2);
+    for (bool overlap : {false, true}) {
+      SCOPED_TRACE(overlap ? "overlapped" : "plain");
+      int64_t early = 0, buckets = 0;
+      const auto got = reduced_gradients(ps, overlap, 2, &early, &buckets);
+      ASSERT_EQ(got.size(), want.mean.size());
+      for (size_t p = 0; p < got.size(); ++p) {
+        ASSERT_EQ(got[p].size(), want.mean[p].size()) << "parameter " << p;
+        for (size_t j = 0; j < got[p].size(); ++j)
+          ASSERT_NEAR(got[p][j], want.mean[p][j], 1e-6 * want.scale[p]) << "parameter " << p << " element " << j;
       }
     }
   });
