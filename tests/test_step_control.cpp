@@ -3,6 +3,8 @@
 // function; AdamW and the expert-bias update reading them on the device against their by-value forms.
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/ops/router.h"
@@ -11,6 +13,7 @@
 #include "kernels/step_control.h"
 #include "tests/test_util.h"
 #include "train/optimizer.h"
+#include "train/step_state.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;
@@ -131,6 +134,33 @@ TEST(StepControl, NoBalanceLossReadsNoAux) {
   EXPECT_EQ(s.apply, 1);
   EXPECT_TRUE(std::isnan(s.aux_loss));
   EXPECT_EQ(s.loss, 1.5);
+}
+
+// The trainer's StepState keeps the learning rates and bias corrections as tables, computed once by the host (the
+// device path reads the device's copy; the CUDA test below compares the kernel with the host function over the
+// same tables). Its host path through them gives, step by step and bit for bit, the scalars of the formulas
+// (scheduled_lr, 1 - beta^t) that advance_step computes without tables: from the start and from a resume.
+TEST(StepControl, StepStateTablesGiveTheFormulasStepByStep) {
+  const StepSchedule p = test_schedule();
+  const std::vector<StepInputs> steps = test_steps();
+  for (const auto& [last_step, num_updates] : {std::pair<int64_t, int64_t>{0, 0}, {3, 2}}) {
+    SCOPED_TRACE("from step " + std::to_string(last_step));
+    StepState state(Device::cpu(), p);
+    state.reset(last_step, num_updates);
+    StepScalars want{};
+    want.step = last_step;
+    want.num_updates = num_updates;
+    for (int64_t step = last_step + 1; step <= p.total_steps; ++step) {
+      const StepInputs& in = steps[size_t(step) % steps.size()];
+      const double loss = (double(in.lm[0]) + double(in.lm[1])) / 2, aux = (double(in.aux[0]) + double(in.aux[1])) / 2;
+      const double norm = std::sqrt(double(in.sq[0]) + double(in.sq[1]));
+      const bool finite = std::isfinite(loss + aux) && std::isfinite(norm);
+      state.advance_on_host(loss, aux, norm, finite);
+      advance_step(want, p, loss, aux, norm, finite);
+      EXPECT_TRUE(same_bits(*state.scalars(), want)) << "step " << step;
+    }
+    EXPECT_EQ(state.scalars()->step, p.total_steps);
+  }
 }
 
 // With the host's tables (as the trainer gives them: the device's cos and pow may round differently).
