@@ -112,6 +112,8 @@ build_targets() {  # targets...; the build's output in $logs/build.log
 # ---- set up -----------------------------------------------------------------------------------------------------
 mkdir -p "$tree" "$logs" "$scratch/tmp"
 sync_tree
+# The pinned Python packages (scripts/install_python_deps.sh) for the tests that read files with them.
+if [ -d "$root/.deps" ] && [ ! -e "$tree/.deps" ]; then ln -s "$root/.deps" "$tree/.deps"; fi
 if [ ! -f "$build/build.ninja" ]; then
   launcher=()
   command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
