@@ -119,6 +119,23 @@ TEST(AdamW, RouterLearningRateScale) {
   EXPECT_EQ(floats(ps[1].data()), other);  // the dense MLP's gate_proj is not a router
   EXPECT_EQ(floats(ps[2].data()), other);  // nor is a name that only contains ".mlp.gate."
   EXPECT_NE(router, other);
+  // The scheduled form (the step's scalars, as the trainer's step control gives them) scales it the same.
+  std::vector<Variable> qs;
+  for (const std::string& n : names) {
+    qs.push_back(Variable(init.clone(), true, n));
+    qs.back().set_grad(grad.clone());
+  }
+  AdamW scheduled(qs, cfg);
+  StepScalars c{};
+  c.apply = 1;
+  c.lr = 0.01;
+  c.grad_scale = 1.0;
+  c.bias_correction1 = float(1 - cfg.beta1);
+  c.bias_correction2 = float(1 - cfg.beta2);
+  scheduled.step(&c);
+  EXPECT_EQ(floats(qs[0].data()), router);
+  EXPECT_EQ(floats(qs[1].data()), other);
+  EXPECT_EQ(floats(qs[2].data()), other);
 }
 
 // Master weights (a sharded optimizer's, train/grad_reducer.h): AdamW updates the masters of the ranges and

@@ -72,6 +72,18 @@ AdamWStep step_of(int i) {
 }
 double lr_multiplier_of(int i) { return i % 5 == 0 ? 0.25 : 1.0; }
 
+// Tensor i's step under the step scalars c, written out here rather than taken from scheduled_adamw_step (the
+// code under test): its own betas, eps and weight decay, c's lr times its multiplier, c's clip factor and
+// bias corrections.
+AdamWStep scheduled_step_of(int i, const StepScalars& c) {
+  AdamWStep s = step_of(i);
+  s.lr = float(c.lr * lr_multiplier_of(i));
+  s.grad_scale = float(c.grad_scale);
+  s.bias_correction1 = c.bias_correction1;
+  s.bias_correction2 = c.bias_correction2;
+  return s;
+}
+
 StepScalars scalars(bool apply) {
   StepScalars c{};
   c.apply = apply;
@@ -150,8 +162,8 @@ TEST(AdamWMulti, CpuIsEachTensorAlone) {
     update_all(all, scheduled ? &c : nullptr);
     for (size_t i = 0; i < each.size(); ++i) {
       const AdamWTensor t = each[i].table(step_of(int(i)), lr_multiplier_of(int(i)));
-      const AdamWStep s = scheduled ? scheduled_adamw_step(t.step, c, t.lr_multiplier) : t.step;
-      adamw_cpu(t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.n, s, t.copy);
+      adamw_cpu(t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.n, scheduled ? scheduled_step_of(int(i), c) : t.step,
+                t.copy);
     }
     expect_same_bits(all, each, "multi against each");
     expect_updated(all, init);

@@ -136,6 +136,9 @@ TEST(Config, InconsistentCombinations) {
   EXPECT_HAS(m, "optimizer.min_lr");
   m = parse_error("train:\n  steps: 10\noptimizer:\n  warmup_steps: 20\n");
   EXPECT_HAS(m, "bad.yaml:4: optimizer.warmup_steps");
+  m = parse_error("train:\n  steps: 10\noptimizer:\n  warmup_steps: 11\n");  // the boundary: 10 of 10 fits
+  EXPECT_HAS(m, "optimizer.warmup_steps = 11 exceeds train.steps = 10");
+  EXPECT_NO_THROW(parse_config("train:\n  steps: 10\noptimizer:\n  warmup_steps: 10\n", "ok.yaml"));
   m = parse_error("train:\n  steps: 10\n");  // the default warmup (20) no longer fits: train.steps is named
   EXPECT_HAS(m, "bad.yaml:2: train.steps: optimizer.warmup_steps = 20 exceeds train.steps = 10");
   m = parse_error("data:\n  path: corpus.txt\n");

@@ -2,7 +2,11 @@
 // expert GEMMs' device counts compute the rows the counts cover, bit for bit as without counts, and leave
 // the rest unwritten. Cases: counts summing to part of the rows (with an empty expert), to none, and to more
 // than the buffer (clamped); F = 136 (the general kernels) and 256 (the 128-aligned FP8 expert kernels).
+#include <algorithm>
+#include <cfenv>
+#include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "engine/ops/ops.h"
 #include "engine/ops/swiglu_quant.h"
@@ -93,6 +97,42 @@ TEST(CountedRows, SwigluComputesTheCountedRowsAsWithoutCounts) {
 
 TEST(CountedRows, SwigluQuantComputesTheCountedRowsAsWithoutCounts) {
   for (int64_t F : {136, 256}) check_swiglu_quant(Device::cpu(), DType::f32, F);
+}
+
+// On the CPU too the rows past the counts are not computed: tail rows whose SwiGLU would raise the IEEE invalid
+// flag (gate +inf, up 0: silu(inf) * 0) leave it clear in the forward and in the backward, of swiglu and of
+// swiglu_quant, while the counted rows' values are finite. (Their bytes are as allocated, so the comparisons above,
+// of the counted rows only, cannot tell.)
+TEST(CountedRows, RowsPastTheCountsAreNotComputedOnTheCpu) {
+  const int64_t F = 136, rows = 24;
+  const Tensor counts = counts_on({16, 0, 8}, Device::cpu());
+  Rng rng(5);
+  Tensor h = random_tensor(rng, {kRows, 2 * F}, DType::f32, Device::cpu(), -3, 3);
+  float* tail = h.data<float>() + rows * 2 * F;
+  for (int64_t r = rows; r < kRows; ++r, tail += 2 * F) {
+    std::fill(tail, tail + F, INFINITY);
+    std::fill(tail + F, tail + 2 * F, 0.0f);
+  }
+  const Tensor p = random_tensor(rng, {kRows}, DType::f32, Device::cpu(), 0, 1);
+  const Tensor dy = random_tensor(rng, {kRows, F});
+  const auto invalid_raised = [](const std::function<void()>& f) {
+    std::feclearexcept(FE_ALL_EXCEPT);
+    f();
+    return std::fetestexcept(FE_INVALID) != 0;
+  };
+  ASSERT_TRUE(invalid_raised([&] { swiglu(Variable(h, false)); })) << "the tail rows do raise it when computed";
+  {
+    Variable x(h, true);
+    Variable y;
+    EXPECT_FALSE(invalid_raised([&] { y = swiglu(x, counts); })) << "swiglu forward";
+    EXPECT_FALSE(invalid_raised([&] { y.backward(dy); })) << "swiglu backward";
+  }
+  {
+    Variable x(h, true), pv(p, true);
+    Variable a;
+    EXPECT_FALSE(invalid_raised([&] { a = swiglu_quant(x, pv, true, counts); })) << "swiglu_quant forward";
+    EXPECT_FALSE(invalid_raised([&] { a.backward(dy); })) << "swiglu_quant backward";
+  }
 }
 
 TEST(CountedRows, BadCountsAreShapeErrors) {

@@ -238,6 +238,50 @@ TEST(DataLoader, EpochVisitsEveryWindowOnceAndValIsHeldOut) {
   }
 }
 
+// Each epoch reads every window once in an order of its own: epoch 1 does not repeat epoch 0's.
+TEST(DataLoader, EachEpochShufflesAnew) {
+  const int64_t n = 4000, seq = 32;
+  std::vector<uint16_t> tokens(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) tokens[size_t(i)] = uint16_t(i);
+  DataLoader dl(tokens, 65536, seq, 0.0, 11, "positions");
+  std::vector<int64_t> order[2];
+  for (std::vector<int64_t>& o : order) {
+    for (int64_t i = 0; i < dl.num_train_windows(); ++i) o.push_back(ints(dl.next_train(1).inputs)[0] / seq);
+    std::vector<int64_t> sorted = o;
+    std::sort(sorted.begin(), sorted.end());
+    for (int64_t i = 0; i < dl.num_train_windows(); ++i) ASSERT_EQ(sorted[size_t(i)], i) << "not every window once";
+  }
+  EXPECT_EQ(dl.position().epoch, 1u);
+  EXPECT_NE(order[0], order[1]) << "epoch 1 repeats epoch 0's order";
+}
+
+// A batch's parts (data-parallel ranks) are its slices: part p of P reads sequences [p B / P, (p + 1) B / P) of
+// the batch one process reads, every part advancing the position by the whole batch; the same for validation.
+TEST(DataLoader, PartsOfABatchAreItsSlices) {
+  const int64_t n = 4000, seq = 16;
+  std::vector<uint16_t> tokens(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) tokens[size_t(i)] = uint16_t(i);
+  for (const auto& [batch, parts] : {std::pair<int64_t, int64_t>{8, 2}, {7, 3}, {4, 4}}) {
+    SCOPED_TRACE(std::to_string(batch) + " sequences in " + std::to_string(parts) + " parts");
+    DataLoader whole(tokens, 65536, seq, 0.1, 3, "positions");
+    std::vector<DataLoader> part(size_t(parts), whole);
+    for (int step = 0; step < 3; ++step) {
+      const std::vector<int64_t> want = ints(whole.next_train(batch).inputs),
+                                 want_val = ints(whole.val_batch(step, batch).inputs);
+      std::vector<int64_t> got, got_val;
+      for (int64_t p = 0; p < parts; ++p) {
+        const std::vector<int64_t> rows = ints(part[size_t(p)].next_train(batch, p, parts).inputs);
+        EXPECT_EQ(int64_t(rows.size()), ((p + 1) * batch / parts - p * batch / parts) * seq) << "part " << p;
+        got.insert(got.end(), rows.begin(), rows.end());
+        const std::vector<int64_t> val = ints(part[size_t(p)].val_batch(step, batch, p, parts).inputs);
+        got_val.insert(got_val.end(), val.begin(), val.end());
+      }
+      EXPECT_EQ(got, want) << "step " << step;
+      EXPECT_EQ(got_val, want_val) << "validation batch " << step;
+    }
+  }
+}
+
 TEST(DataLoader, OrderDependsOnlyOnSeed) {
   auto tokens = synthetic_corpus(64, 20000, 3);
   auto run = [&](uint64_t seed) {

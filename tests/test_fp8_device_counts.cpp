@@ -7,6 +7,7 @@
 // the layer that reads them (per-expert cuBLASLt GEMMs).
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/cast_stats.h"
@@ -187,11 +188,12 @@ void check_tail_unread(Device dev) {
       EXPECT_TRUE(bit_equal(got.dx.slice(0, 0, live).contiguous(), want.dx.slice(0, 0, live).contiguous())) << "dx";
       EXPECT_TRUE(bit_equal(got.dw, want.dw)) << "dW";
       if (!dev.is_cpu()) return;
-      for (double v : got.y.slice(0, live, c.m).to_doubles())
-        if (!std::isnan(v)) {
-          ADD_FAILURE() << "a tail row of y is not NaN on the CPU: " << v;
-          break;
-        }
+      for (const auto& [what, t] : {std::pair<const char*, Tensor>{"y", got.y}, {"dx", got.dx}})
+        for (double v : t.slice(0, live, c.m).to_doubles())
+          if (!std::isnan(v)) {
+            ADD_FAILURE() << "a tail row of " << what << " is not NaN on the CPU: " << v;
+            break;
+          }
     };
     for (Fp8Wgrad wgrad : {Fp8Wgrad::transpose, Fp8Wgrad::requantize}) {
       SCOPED_TRACE(wgrad == Fp8Wgrad::transpose ? "fp8, transpose" : "fp8, requantize");

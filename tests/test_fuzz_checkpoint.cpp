@@ -2,7 +2,9 @@
 // a few seeded random mutations (flipped bytes, truncation, extension, header lengths, dtypes,
 // shapes and offsets in the safetensors header, meta.json values, deleted files) and loads it. Every
 // case must end in success or a flowmoe::Error: no crash, no other exception (std::bad_alloc from
-// an unchecked length included), no hang.
+// an unchecked length included), no hang. A case that loads must have loaded what the damaged files say,
+// read here without the loader: every tensor an f32 entry of its shape whose byte range is its size, and
+// those bytes. Damage that makes a byte range disagree with its shape and dtype is refused (a test of its own).
 //
 // 2000 cases by default (a few seconds); FLOWMOE_FUZZ_CASES sets the count and FLOWMOE_TEST_SEED
 // the seed. Case i draws from seed + i, so a failing case replays alone.
@@ -13,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "kernels/common/error.h"
+#include "tests/safetensors_raw.h"
 #include "tests/train_test_util.h"
 #include "train/checkpoint.h"
 
@@ -64,13 +68,6 @@ void truncate(std::string& b, Gen& g) { b.resize(b.empty() ? 0 : g() % b.size())
 
 void extend(std::string& b, Gen& g) {
   for (int n = 1 + int(g() % 64); n > 0; --n) b += char(g() & 0xff);
-}
-
-uint64_t header_length(const std::string& b) {
-  uint64_t n = 0;
-  for (int i = 0; i < 8 && size_t(i) < b.size(); ++i)
-    n |= uint64_t(static_cast<unsigned char>(b[size_t(i)])) << (8 * i);
-  return n;
 }
 
 void put_header_length(std::string& b, uint64_t n) {
@@ -254,6 +251,22 @@ void mutate(Files& files, Gen& g) {
   }
 }
 
+// After a load that succeeded: every tensor of m against the damaged files; "" when all agree.
+std::string loaded_differs(const Files& files, const Model& m) {
+  const auto file = [&](const char* f) { return files.count(f) ? files.at(f) : std::string(); };
+  const std::string model = file(kModel), optim = file(kOptim);
+  for (const Variable& v : m.params)
+    if (std::string why = differs_from_file(v.data(), model, v.name()); !why.empty()) return why;
+  for (const Variable& v : m.buffers)
+    if (std::string why = differs_from_file(v.data(), model, v.name()); !why.empty()) return why;
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    const std::string name = m.params[i].name();
+    if (std::string why = differs_from_file(m.exp_avg[i], optim, name + ".exp_avg"); !why.empty()) return why;
+    if (std::string why = differs_from_file(m.exp_avg_sq[i], optim, name + ".exp_avg_sq"); !why.empty()) return why;
+  }
+  return "";
+}
+
 void write_files(const fs::path& dir, const Files& files) {
   fs::remove_all(dir);
   fs::create_directories(dir);
@@ -284,13 +297,8 @@ std::string load_case(const fs::path& dir, Model& m, bool* loaded) {
   return "";
 }
 
-}  // namespace
-
-TEST(FuzzCheckpoint, DamagedFilesLoadOrThrowFlowmoeErrors) {
-  const FuzzPlan plan = fuzz_plan(20240611, 2000);
-  const uint64_t seed = plan.seed, cases = uint64_t(plan.num_cases);
-  const fs::path d = fresh_dir("fuzz_checkpoint");
-  Model model;
+// The files of model's checkpoint, saved under d/source.
+Files source_checkpoint(const fs::path& d, const Model& model) {
   CheckpointMeta meta;
   meta.step = 12;
   meta.num_updates = 11;
@@ -301,15 +309,27 @@ TEST(FuzzCheckpoint, DamagedFilesLoadOrThrowFlowmoeErrors) {
   meta.config_yaml = "model:\n  vocab_size: 64\n";
   const fs::path ckpt =
       save_checkpoint((d / "source").string(), meta, model.params, model.exp_avg, model.exp_avg_sq, 1, model.buffers);
-  Files pristine;
-  for (const char* f : {kModel, kOptim, kMeta}) pristine[f] = read_bytes(ckpt / f);
+  Files files;
+  for (const char* f : {kModel, kOptim, kMeta}) files[f] = read_bytes(ckpt / f);
+  return files;
+}
 
-  // The undamaged copy loads, so the cases start from a valid checkpoint.
+}  // namespace
+
+TEST(FuzzCheckpoint, DamagedFilesLoadOrThrowFlowmoeErrors) {
+  const FuzzPlan plan = fuzz_plan(20240611, 2000);
+  const uint64_t seed = plan.seed, cases = uint64_t(plan.num_cases);
+  const fs::path d = fresh_dir("fuzz_checkpoint");
+  Model model;
+  const Files pristine = source_checkpoint(d, model);
+
+  // The undamaged copy loads what it holds, so the cases start from a valid checkpoint.
   const fs::path dir = d / "case";
   write_files(dir, pristine);
   bool loaded = false;
   ASSERT_EQ(load_case(dir, model, &loaded), "");
   ASSERT_TRUE(loaded);
+  ASSERT_EQ(loaded_differs(pristine, model), "");
 
   uint64_t ok = 0, refused = 0, failures = 0;
   for (uint64_t i = 0; i < cases && failures < 10; ++i) {
@@ -321,10 +341,13 @@ TEST(FuzzCheckpoint, DamagedFilesLoadOrThrowFlowmoeErrors) {
     loaded = false;
     const std::string escaped = load_case(dir, model, &loaded);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!escaped.empty() || seconds > 5) {
+    const std::string wrong = escaped.empty() && loaded ? loaded_differs(files, model) : "";
+    if (!escaped.empty() || !wrong.empty() || seconds > 5) {
       ++failures;
       ADD_FAILURE() << "case " << i << " (FLOWMOE_TEST_SEED=" << seed + i << " FLOWMOE_FUZZ_CASES=1): "
-                    << (escaped.empty() ? "took " + std::to_string(seconds) + " s" : escaped);
+                    << (!escaped.empty() ? escaped
+                        : !wrong.empty() ? wrong
+                                         : "took " + std::to_string(seconds) + " s");
       write_files(d / ("failed_case_" + std::to_string(i)), files);  // kept for a look
       continue;
     }
@@ -337,4 +360,50 @@ TEST(FuzzCheckpoint, DamagedFilesLoadOrThrowFlowmoeErrors) {
     EXPECT_GT(refused, cases / 2) << "most damage should be refused";
   }
   if (failures == 0) fs::remove_all(d);
+}
+
+// A tensor whose byte range is not its shape times its dtype's size is refused by the reader and the loader,
+// whichever of the three disagrees: the range shorter or longer (still inside the file), another shape, a
+// dtype of another size.
+TEST(FuzzCheckpoint, ByteRangesOtherThanShapeTimesDtypeAreRefused) {
+  const fs::path d = fresh_dir("fuzz_checkpoint_ranges");
+  Model model;
+  const Files pristine = source_checkpoint(d, model);
+  const std::string& file = pristine.at(kModel);
+  const std::optional<RawEntry> e = raw_entry(file, "emb.weight");  // [4, 3] f32: 48 bytes, not the last tensor
+  ASSERT_TRUE(e.has_value());
+  ASSERT_EQ(e->end - e->begin, 48u);
+  ASSERT_LT(e->data_start + e->end + 4, file.size());
+  const auto entry = [](const std::string& dtype, const std::string& shape, uint64_t begin, uint64_t end) {
+    return "\"emb.weight\":{\"dtype\":\"" + dtype + "\",\"shape\":" + shape + ",\"data_offsets\":[" +
+           std::to_string(begin) + "," + std::to_string(end) + "]}";
+  };
+  const std::string original = entry("F32", "[4,3]", e->begin, e->end);
+  const uint64_t n = header_length(file);
+  std::string header = file.substr(8, n);
+  const size_t at = header.find(original);
+  ASSERT_NE(at, std::string::npos) << header;
+  const std::vector<std::pair<const char*, std::string>> damaged = {
+      {"a shorter range", entry("F32", "[4,3]", e->begin, e->end - 4)},
+      {"a longer range", entry("F32", "[4,3]", e->begin, e->end + 4)},
+      {"another shape", entry("F32", "[4,2]", e->begin, e->end)},
+      {"a scalar", entry("F32", "[]", e->begin, e->end)},
+      {"a dtype of 2 bytes", entry("BF16", "[4,3]", e->begin, e->end)},
+      {"a dtype of 8 bytes", entry("F64", "[4,3]", e->begin, e->end)},
+  };
+  const fs::path dir = d / "case";
+  for (const auto& [what, replacement] : damaged) {
+    SCOPED_TRACE(what);
+    Files files = pristine;
+    std::string h = header;
+    h.replace(at, original.size(), replacement);
+    std::string prefix(8, '\0');
+    put_header_length(prefix, h.size());
+    files[kModel] = prefix + h + file.substr(8 + n);
+    write_files(dir, files);
+    EXPECT_THROW(read_safetensors((dir / kModel).string()), IoError);
+    EXPECT_THROW(load_checkpoint(dir.string(), model.params, &model.exp_avg, &model.exp_avg_sq, model.buffers),
+                 IoError);
+  }
+  fs::remove_all(d);
 }

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/ops/router.h"
@@ -217,6 +219,31 @@ TEST(StepControl, ARunOfOneTrillionStepsStartsAtOnce) {
   ::getrusage(RUSAGE_SELF, &usage);
   EXPECT_LT(usage.ru_maxrss, 1L << 20) << "peak resident KiB";  // below 1 GiB
   fs::remove_all(d);
+}
+
+// The trainer's StepState on its host path gives, step by step and bit for bit, the scalars of the formulas
+// (scheduled_lr, 1 - beta^t) that advance_step computes: from the start and from a resume.
+TEST(StepControl, StepStateGivesTheFormulasStepByStep) {
+  const StepSchedule p = test_schedule();
+  const std::vector<StepInputs> steps = test_steps();
+  for (const auto& [last_step, num_updates] : {std::pair<int64_t, int64_t>{0, 0}, {3, 2}}) {
+    SCOPED_TRACE("from step " + std::to_string(last_step));
+    StepState state(Device::cpu(), p);
+    state.reset(last_step, num_updates);
+    StepScalars want{};
+    want.step = last_step;
+    want.num_updates = num_updates;
+    for (int64_t step = last_step + 1; step <= p.total_steps; ++step) {
+      const StepInputs& in = steps[size_t(step) % steps.size()];
+      const double loss = (double(in.lm[0]) + double(in.lm[1])) / 2, aux = (double(in.aux[0]) + double(in.aux[1])) / 2;
+      const double norm = std::sqrt(double(in.sq[0]) + double(in.sq[1]));
+      const bool finite = std::isfinite(loss + aux) && std::isfinite(norm);
+      state.advance_on_host(loss, aux, norm, finite);
+      advance_step(want, p, loss, aux, norm, finite);
+      EXPECT_TRUE(same_bits(*state.scalars(), want)) << "step " << step;
+    }
+    EXPECT_EQ(state.scalars()->step, p.total_steps);
+  }
 }
 
 // With the host's window of values (as the trainer gives it: the device's cos and pow may round differently),

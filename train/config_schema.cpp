@@ -234,7 +234,9 @@ const std::vector<Field>& schema() {
                         "ranks per expert-parallel group, each holding n_routed_experts / this of the routed experts; "
                         "must divide the number of processes"));
     f.push_back(choice("parallel", "backend", FLOWMOE_CONFIG_REF(parallel.backend), {"auto", "nccl", "mpi", "none"},
-                       "collectives between ranks; auto: none for one process, nccl on GPUs, mpi on the CPU"));
+                       "collectives between ranks; auto: none for one process, nccl on GPUs, mpi on the CPU; nccl "
+                       "asked for by name in one process runs the several-rank step on one GPU (the gradient "
+                       "reducer and the sharded optimizer through NCCL)"));
     f.push_back(choice("parallel", "ep_dispatch", FLOWMOE_CONFIG_REF(parallel.ep_dispatch),
                        {"auto", "sync", "zero_sync"},
                        "the expert-parallel token exchange: sync reads the per-expert counts to the host once per "
@@ -268,7 +270,8 @@ const std::vector<Field>& schema() {
                         "of its own with nccl), not after the backward; the same sums either way"));
     f.push_back(integer("parallel", "grad_reduce_sms", FLOWMOE_CONFIG_REF(parallel.grad_reduce_sms), 0, 1024,
                         "nccl, overlap_grad_reduce: the thread blocks (SMs) the gradient reduction's kernels may "
-                        "take beside the backward; 0: as many as nccl chooses"));
+                        "take beside the backward; 0: as many as nccl chooses. `overlap_grad_reduce: false` "
+                        "reduces under the same bound, so that both give the same sums bit for bit"));
     f.push_back(boolean("parallel", "shard_optimizer", FLOWMOE_CONFIG_REF(parallel.shard_optimizer),
                         "each data-parallel rank keeps AdamW's moments and f32 master weights for, the gradient of "
                         "and updates 1/N of the weights (gradients reduce-scattered and the rest released, weights "

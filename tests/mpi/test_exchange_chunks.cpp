@@ -93,18 +93,34 @@ TEST(ExchangeChunks, ChunkedLayerEqualsTheLayerAtOnce) {
   check_chunks(test_runtime().world, Device::cpu(), DType::f32, 1e-6);
 }
 
+// Token chunks overlap a zero-sync exchange only: with no group (one rank) or over the sync exchange, which would
+// read each chunk's counts to the host, exchange_chunks 4 gives a layer of one chunk, the same forward and
+// backward bit for bit as exchange_chunks 1. A count below 1 is refused.
 TEST(ExchangeChunks, OneRankOrTheSyncExchangeTakesTheTokensAtOnce) {
   const ModelConfig c = moe_test_config(8, 2, 128, 128, 0, 0.05);
   const Inputs in = rank_inputs(test_world().rank(), 5, 128);
-  MoeOptions o;
-  o.exchange_chunks = 4;  // no group: nothing to overlap, and the layer is the plain one
-  const LayerRun four = run_layer(c, o, in.x, in.dy, Device::cpu(), DType::f32);
-  o.exchange_chunks = 1;
-  const LayerRun one = run_layer(c, o, in.x, in.dy, Device::cpu(), DType::f32);
-  EXPECT_TRUE(bit_equal(four.y, one.y));
-  o.exchange_chunks = 0;
-  EXPECT_TRUE(throws_naming<ConfigError>([&] { run_layer(c, o, in.x, in.dy, Device::cpu(), DType::f32); },
-                                         {"parallel.exchange_chunks", "at least 1"}));
+  MoeOptions no_group, sync;
+  sync.expert_parallel = test_runtime().world;
+  sync.ep_dispatch = EpDispatch::sync;
+  for (MoeOptions o : {no_group, sync}) {
+    SCOPED_TRACE(o.expert_parallel ? "the sync exchange" : "no group");
+    o.exchange_chunks = 4;
+    {
+      ParamFactory f(11, Device::cpu());
+      EXPECT_EQ(MoeLayer(f, c, "mlp", o, Device::cpu()).num_chunks(), 1);
+    }
+    const LayerRun four = run_layer(c, o, in.x, in.dy, Device::cpu(), DType::f32);
+    o.exchange_chunks = 1;
+    const LayerRun one = run_layer(c, o, in.x, in.dy, Device::cpu(), DType::f32);
+    EXPECT_TRUE(bit_equal(four.y, one.y)) << "y";
+    EXPECT_TRUE(bit_equal(four.dx, one.dx)) << "dx";
+    ASSERT_EQ(four.grads.size(), one.grads.size());
+    for (size_t i = 0; i < one.grads.size(); ++i)
+      EXPECT_TRUE(bit_equal(four.grads[i], one.grads[i])) << "gradient " << i;
+    o.exchange_chunks = 0;
+    EXPECT_TRUE(throws_naming<ConfigError>([&] { run_layer(c, o, in.x, in.dy, Device::cpu(), DType::f32); },
+                                           {"parallel.exchange_chunks", "at least 1"}));
+  }
 }
 
 TEST(ExchangeChunksCuda, CommStreamEqualsTheComputeStreamBitForBit) {

@@ -5,6 +5,8 @@
 // ranks have a gradient for is summed as zero where it is missing and one no rank has keeps none, the
 // ranks telling each other which they have through the host side. The checks themselves are
 // grad_reducer_cases.h's.
+#include <algorithm>
+#include <cmath>
 #include <memory>
 #include <string>
 
@@ -14,6 +16,7 @@
 #include "tests/mpi/comm_test_util.h"
 #include "tests/mpi/grad_reducer_cases.h"
 #include "train/grad_reducer.h"
+#include "train/trainer.h"
 
 namespace flowmoe::test {
 namespace {
@@ -21,6 +24,41 @@ namespace {
 // Whether n ranks split into expert-parallel groups of e over kExperts experts: the one rule both
 // layout loops below follow (check_parallel_sizes refuses the others).
 bool layout_fits(int n, int e) { return n % e == 0 && kExperts % e == 0; }
+
+// What the reduction must give, computed here without the reducer: each rank's own gradients (the backward of
+// reduced_gradients), gathered over the group that reduces a parameter (the world for dense ones, the ranks
+// holding the same experts for expert weights at expert-parallel size > 1), summed in double and divided by the
+// world's size (the loss is the mean over the world's batch); with the largest term's magnitude (the scale of
+// the sums' rounding).
+struct MeanGradients {
+  std::vector<std::vector<double>> mean;
+  std::vector<double> scale;
+};
+MeanGradients mean_of_ranks_gradients(const ParallelState& ps, int micro_batches) {
+  const Config cfg = moe_config();
+  Transformer model(cfg.model, Device::cpu(), DType::f32, 7, moe_options(cfg, ps));
+  const int me = ps.world->rank();
+  for (int a = 0; a < micro_batches; ++a) model.loss(coded_ids(me, a), coded_ids(me, a + 1)).backward();
+  MeanGradients out;
+  const std::vector<Variable>& params = model.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool expert = model.parameter_shards()[i].expert && ps.expert_parallel_size > 1;
+    Communicator& group = expert ? *ps.expert_data_parallel : *ps.world;
+    const Tensor g = params[i].grad().defined() ? params[i].grad() : Tensor::zeros(params[i].shape(), DType::f32);
+    const int64_t n = g.numel();
+    const std::vector<float> all = group.all_gather(g.contiguous().reshape({1, n})).to_floats();
+    std::vector<double> sum(size_t(n), 0.0);
+    double scale = 0;
+    for (size_t k = 0; k < all.size(); ++k) {
+      sum[k % size_t(n)] += all[k];
+      scale = std::max(scale, double(std::abs(all[k])));
+    }
+    for (double& v : sum) v /= double(ps.world->size());
+    out.mean.push_back(std::move(sum));
+    out.scale.push_back(scale);
+  }
+  return out;
+}
 
 // Runs check on the test's world at every expert-parallel size it allows.
 template <class F>
@@ -40,6 +78,27 @@ TEST(GradientReducer, OverlappedBucketsGiveThePlainSumsBitForBit) {
       ReduceRun run;
       run.micro_batches = micro_batches;
       check_overlap_gives_plain_sums(ps, run);
+    }
+  });
+}
+
+// The tests above compare schedules of the reducer with each other; this one compares what it computes with the
+// mean of the ranks' own gradients, plain and overlapped (the sharded segments are compared with the plain sums
+// above). At one rank the mean is the rank's own gradient: a mean that is a sum shows from 2 ranks on.
+TEST(GradientReducer, ReducedGradientsAreTheMeanOverTheRanks) {
+  for_each_layout([](const ParallelState& ps) {
+    const MeanGradients want = mean_of_ranks_gradients(ps, 2);
+    for (bool overlap : {false, true}) {
+      SCOPED_TRACE(overlap ? "overlapped" : "plain");
+      ReduceRun run;
+      run.overlap = overlap;
+      const std::vector<std::vector<float>> got = reduced_gradients(ps, run).grads;
+      ASSERT_EQ(got.size(), want.mean.size());
+      for (size_t p = 0; p < got.size(); ++p) {
+        ASSERT_EQ(got[p].size(), want.mean[p].size()) << "parameter " << p;
+        for (size_t j = 0; j < got[p].size(); ++j)
+          ASSERT_NEAR(got[p][j], want.mean[p][j], 1e-6 * want.scale[p]) << "parameter " << p << " element " << j;
+      }
     }
   });
 }
