@@ -5,6 +5,7 @@
 // own progress output marks (a stream that watches what the run prints), so each lands where it is meant to.
 // Signals through the built command: tests/test_cli.cpp; several ranks: tests/mpi/test_stop_train.cpp.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <chrono>
 #include <cstdio>
@@ -164,6 +165,38 @@ TEST(Stop, TheStopFileDropsTheStepInProgressAndResumeRepeatsTheRun) {
   // Steps 1-3 and a few micro-batches: well under the 6 whole steps of the straight run.
   std::printf("stopped after %.2f s\n", seconds);
   expect_resume_repeats(cfg, straight, 3);
+  fs::remove_all(d);
+}
+
+// A step of 2^20 micro-batches (the most train.grad_accum_steps takes) holds one micro-batch at a time, so it
+// starts at once and a stop file made as it begins ends the run within seconds: nothing is applied, no
+// checkpoint written. Taking every micro-batch of the step before the first one ran held them all (about a
+// gigabyte here) and kept the stop waiting until they were made.
+TEST(Stop, AStepOfAMillionMicroBatchesHoldsOneAtATimeAndStopsAtOnce) {
+  const fs::path d = fresh_dir("stop_million");
+  const Config cfg = stop_config(
+      d / "run", {"train.steps=4", "train.grad_accum_steps=1048576", "train.eval_every=0", "checkpoint.every=0"});
+  const fs::path stop_file = d / "run" / "stop";
+  std::thread touch;
+  WatchedOutput out("data:", [&] {
+    touch = std::thread([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      std::ofstream(stop_file).put('\n');
+    });
+  });
+  TrainOptions opts;
+  opts.out = out.file();
+  const auto started = std::chrono::steady_clock::now();
+  const TrainResult r = train(cfg, opts);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  if (touch.joinable()) touch.join();
+  ASSERT_TRUE(out.reacted()) << out.text();
+  EXPECT_TRUE(r.interrupted);
+  EXPECT_EQ(r.last_step, 0) << out.text();
+  EXPECT_LT(seconds, 20.0) << out.text();
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  EXPECT_LT(usage.ru_maxrss, 512L << 10) << "peak resident KiB";
   fs::remove_all(d);
 }
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -30,27 +31,32 @@ struct StepLosses {
   std::vector<Tensor> lm_parts, aux_parts;
 };
 
-// This rank's slices of the step's micro-batches, on the host.
-std::vector<Batch> next_batches(TrainRun& run) {
-  std::vector<Batch> batches;
-  for (int64_t a = 0; a < run.cfg.train.grad_accum_steps; ++a)
-    batches.push_back(run.data.next_train(run.cfg.train.batch_size, run.rank, run.world_size));
-  return batches;
+// This rank's slice of the step's next micro-batch, on the host.
+Batch next_batch(TrainRun& run) { return run.data.next_train(run.cfg.train.batch_size, run.rank, run.world_size); }
+
+// The step's micro-batch a. An eager step takes each from the data as it reaches it, so a step of many
+// micro-batches holds one at a time and a stop request between two of them is honoured at once; a graph's
+// step reads the inputs it was captured with.
+using MicroBatches = std::function<Batch(int64_t a)>;
+
+MicroBatches prepared(const std::vector<Batch>& batches) {
+  return [&batches](int64_t a) { return batches[size_t(a)]; };
 }
 
 // Forward and backward over the step's micro-batches; the gradients accumulate in the parameters. Each
 // micro-batch's loss is the mean over its tokens, weighted 1/grad_accum_steps. On the device path the
 // losses stay on the device (StepState::record_losses); otherwise they are kept for read_losses. `may_stop`:
 // a stop request before a micro-batch ends the loop there, the step dropped.
-StepLosses run_micro_batches(TrainRun& run, const std::vector<Batch>& batches, bool on_device, bool may_stop) {
-  const int64_t num_micro_batches = int64_t(batches.size());
+StepLosses run_micro_batches(TrainRun& run, const MicroBatches& batches, bool on_device, bool may_stop) {
+  const int64_t num_micro_batches = run.cfg.train.grad_accum_steps;
   StepLosses out;
   for (int64_t a = 0; a < num_micro_batches; ++a) {
     if (may_stop && stop_requested(run.res.out_dir, /*check_file=*/true)) {
       out.dropped = true;
       return out;
     }
-    const Transformer::Losses parts = run.model.losses(batches[size_t(a)].inputs, batches[size_t(a)].targets);
+    const Batch batch = batches(a);
+    const Transformer::Losses parts = run.model.losses(batch.inputs, batch.targets);
     const Variable loss = parts.total();
     out.has_aux = parts.aux.defined();
     if (on_device) {
@@ -164,7 +170,7 @@ void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
 // update: what a CUDA graph captures. Returns the MoE layers' loads for the readout. `dropped` (eager steps
 // of one process): set when a stop request dropped the step before one of its micro-batches; the
 // gradients are zeroed and nothing else is done.
-std::vector<Tensor> step_body(TrainRun& run, const std::vector<Batch>& batches, bool on_device, IssuedStep& issued,
+std::vector<Tensor> step_body(TrainRun& run, const MicroBatches& batches, bool on_device, IssuedStep& issued,
                               bool* dropped = nullptr) {
   const uint64_t syncs_before = num_host_syncs();
   reset_cast_counts();
@@ -246,7 +252,7 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
     std::exception_ptr failure;
     std::string why = "another rank could not capture it";
     try {
-      run.graph->capture([&] { return step_body(run, run.graph_inputs, true, run.graph_issued); });
+      run.graph->capture([&] { return step_body(run, prepared(run.graph_inputs), true, run.graph_issued); });
     } catch (const Error& e) {
       failure = std::current_exception();
       why = e.what();
@@ -262,7 +268,7 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
                     run.cfg.origin("train.cuda_graph"), "), but the step could not be captured: ", why);
       run.graph_failed = true;
       run.progress.message("train.cuda_graph: the step could not be captured, so it runs eagerly (" + why + ")");
-      return step_body(run, run.graph_inputs, true, issued);
+      return step_body(run, prepared(run.graph_inputs), true, issued);
     }
     run.graph_casts = run.last_casts;
     run.progress.message("train.cuda_graph: step " + std::to_string(run.step) +
@@ -299,18 +305,22 @@ bool issue_step(TrainRun& run, bool profiled) {
   const bool on_device = step_scalars_on_device(run);
   ++run.step;
   const DataPosition data_before = run.data.position();
-  std::vector<Batch> batches = next_batches(run);
   IssuedStep issued;
   std::vector<Tensor> loads;
   if (on_device) run.state.prepare_device_step();  // before a graph replays or captures the step
   const bool graphed = use_graph(run, profiled);
   if (graphed) {
+    std::vector<Batch> batches;
+    for (int64_t a = 0; a < run.cfg.train.grad_accum_steps; ++a) batches.push_back(next_batch(run));
     loads = graph_step(run, batches, issued);
   } else {
-    if (on_device)  // a plain copy to the device would wait for the previous step to finish
-      for (Batch& b : batches) b = {run.state.upload(b.inputs), run.state.upload(b.targets)};
+    const MicroBatches take = [&](int64_t) {
+      Batch b = next_batch(run);
+      // A plain copy to the device would wait for the previous step to finish.
+      return on_device ? Batch{run.state.upload(b.inputs), run.state.upload(b.targets)} : b;
+    };
     bool dropped = false;
-    loads = step_body(run, batches, on_device, issued, run.world_size == 1 && !profiled ? &dropped : nullptr);
+    loads = step_body(run, take, on_device, issued, run.world_size == 1 && !profiled ? &dropped : nullptr);
     if (dropped) {
       --run.step;
       run.data.set_position(data_before);
