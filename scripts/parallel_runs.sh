@@ -7,7 +7,7 @@
 #    and the tokens/s ratio;
 # 2. expert parallelism 2 and 4 on this one GPU, ranks sharing it through the mpi backend's host
 #    staging (a test transport, so its tokens/s say nothing about speed): the loss sequence against
-#    the one-process run's, and the most host syncs of any step (one per MoE layer expected). bf16 GEMMs over a half or quarter batch may round differently, and the
+#    the one-process run's, and the most host syncs of any step (every read of a GPU tensor to the host counts: the counts and the staged exchanges' tables, a few per MoE layer). bf16 GEMMs over a half or quarter batch may round differently, and the
 #    gradients are summed over the ranks in another order, so the losses agree to about 1e-3, not bitwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
