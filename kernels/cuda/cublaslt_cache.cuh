@@ -1,8 +1,8 @@
 // The cuBLASLt plumbing that kernels/cuda/linear.cu (BF16/f32 GEMM) and fp8_grouped_linear.cu (FP8
-// block-scaled GEMMs) share: operand alignment, plan-key hashing, row-count buckets, and the two-level
-// cache of handles, workspaces, heuristic answers and plans. Each .cu defines its own PlanKey, Choice
-// (what a heuristic query returns) and Plan (descriptors + choice) and instantiates LtCache with them,
-// so the two GEMM families keep separate caches.
+// block-scaled GEMMs) share: operand alignment, plan-key hashing, row-count buckets (kernels/plan_keys.h), and the
+// two-level cache of handles, workspaces, heuristic answers and plans. Each .cu defines its own PlanKey, Choice (what a
+// heuristic query returns) and Plan (descriptors + choice) and instantiates LtCache with them, so the two GEMM families
+// keep separate caches.
 //   shared (per device, all host threads, under mutex()): the handle, one workspace per stream (GEMMs
 //          on two streams may overlap), and the heuristic's answers, keyed by problem
 //   thread (per device and host thread, no lock): the built plans and this thread's view of the
@@ -25,30 +25,11 @@
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device_api.h"
+#include "kernels/plan_keys.h"  // alignment_of, hash_mix, quarter_octave_bucket: host logic, tested on the CPU
 
 namespace flowmoe {
 
 constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
-
-// Largest power of two (at most 256) dividing the address: cuBLASLt picks algorithms by alignment.
-inline uint32_t alignment_of(const void* p) {
-  auto v = reinterpret_cast<uintptr_t>(p);
-  return v == 0 ? 256u : uint32_t(1) << std::min(8, std::countr_zero(v));
-}
-
-// Folds v into the running hash h (boost's hash_combine).
-inline void hash_mix(size_t& h, uint64_t v) {
-  h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-}
-
-// v rounded up to a quarter octave (16, 20, 24, 28, 32, 40, ..., 1024, 1280, ...), at least 16, with
-// steps of at least min_step: at most 25% over, so a heuristic asked for the bucket sees nearly the real
-// tile and wave counts, while a step's fresh per-expert row counts fall into a handful of buckets.
-inline int64_t quarter_octave_bucket(int64_t v, int64_t min_step = 1) {
-  if (v <= 16) return 16;
-  const int64_t step = std::max<int64_t>(min_step, int64_t(1) << (std::bit_width(uint64_t(v - 1)) - 3));
-  return (v + step - 1) / step * step;
-}
 
 // A heuristic query's preference: kLtWorkspaceBytes of workspace and the four operands' alignments in bytes
 // (A, B, C, D as cuBLASLt names them: a caller that swaps operands passes them swapped).

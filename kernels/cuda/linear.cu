@@ -80,36 +80,9 @@ namespace {
 
 cudaDataType_t cuda_type(DType t) { return t == DType::f32 ? CUDA_R_32F : CUDA_R_16BF; }
 
-// Everything the algorithm choice depends on (the bias pointer's alignment included: the heuristic reads it).
-struct PlanKey {
-  int64_t m, n, k, lda, ldb, ldc;
-  bool trans_a, trans_b, accumulate, has_bias;
-  DType ab_dtype, c_dtype;
-  uint32_t align_a, align_b, align_c, align_bias;
-  bool operator==(const PlanKey&) const = default;
-};
-struct PlanKeyHash {
-  size_t operator()(const PlanKey& k) const {
-    size_t h = 0;
-    for (int64_t v : {k.m, k.n, k.k, k.lda, k.ldb, k.ldc}) hash_mix(h, uint64_t(v));
-    hash_mix(h, uint64_t(k.trans_a) | uint64_t(k.trans_b) << 1 | uint64_t(k.accumulate) << 2 |
-                    uint64_t(k.has_bias) << 3 | uint64_t(k.ab_dtype) << 8 | uint64_t(k.c_dtype) << 16);
-    hash_mix(
-        h, uint64_t(k.align_a) | uint64_t(k.align_b) << 16 | uint64_t(k.align_c) << 32 | uint64_t(k.align_bias) << 48);
-    return h;
-  }
-};
-
-// The key whose heuristic result `key` borrows: m and k (they count rows or tokens in our callers, n
-// is a feature size) bucketed where they are never an operand's contiguous dimension, so vector widths
-// and row tails stay those of the exact problem: m unless a is stored [k, m] (trans_a), k only when a
-// is [k, m] and b is [k, n]. This covers grouped_linear's varying counts: m of fprop and dgrad, k of
-// wgrad.
-PlanKey bucket_key(PlanKey key) {
-  if (!key.trans_a) key.m = quarter_octave_bucket(key.m);
-  if (key.trans_a && !key.trans_b) key.k = quarter_octave_bucket(key.k);
-  return key;
-}
+// The plan key and the bucket whose heuristic answer it borrows: kernels/plan_keys.h.
+using PlanKey = LinearPlanKey;
+using PlanKeyHash = LinearPlanKeyHash;
 
 struct Choice {
   cublasLtMatmulAlgo_t algo;
@@ -197,7 +170,7 @@ void build_plan(Cache::Thread& td, Plan& p, const PlanKey& key, const void* bias
   init_layouts(p.layouts, key);
   std::lock_guard<std::mutex> lock(Cache::mutex());  // heuristic queries are rare: holding the lock keeps this simple
   const Cache::Chosen c = Cache::choose(
-      Cache::shared(td.device), key, bucket_key(key), exact_only,
+      Cache::shared(td.device), key, linear_bucket_key(key), exact_only,
       [&](const PlanKey& k) { return query_heuristic(td.handle, k, bias); },
       [&](const Choice& choice) { return check_choice(td.handle, p, key, bias, choice); });
   if (c.bucket_refused) g_bucket_rejects.fetch_add(1, std::memory_order_relaxed);
