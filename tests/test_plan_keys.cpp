@@ -34,9 +34,9 @@ TEST(PlanKeys, AlignmentIsTheLargestPowerOfTwoDividingTheAddressUpTo256) {
 }
 
 TEST(PlanKeys, QuarterOctaveBucketsAreAtMostAQuarterOverAndStable) {
-  const std::vector<std::pair<int64_t, int64_t>> known = {{0, 16},   {1, 16},    {16, 16},   {17, 20},  {20, 20},
-                                                          {21, 24},  {29, 32},   {33, 40},   {41, 48},  {1000, 1024},
-                                                          {1024, 1024}, {1025, 1280}, {1281, 1536}};
+  const std::vector<std::pair<int64_t, int64_t>> known = {
+      {0, 16},  {1, 16},  {16, 16},     {17, 20},     {20, 20},     {21, 24},    {29, 32},
+      {33, 40}, {41, 48}, {1000, 1024}, {1024, 1024}, {1025, 1280}, {1281, 1536}};
   for (const auto& [v, want] : known) EXPECT_EQ(quarter_octave_bucket(v), want) << v;
   int64_t previous = 16;
   for (int64_t v = 1; v <= 100000; ++v) {
