@@ -130,6 +130,34 @@ TEST(Stop, DuringACheckpointEndsTheRunAtThatStep) { expect_stop_at("stop_save", 
 // micro-batch, the checkpoint is step 3's, the file is removed, and the resumed run takes step 4 again
 // and repeats the straight run bit for bit (its partial gradients were never applied, its batches not
 // consumed).
+// A run of cfg whose stop file (in its out_dir) is made `delay` after its output first shows `mark`.
+struct StoppedRun {
+  TrainResult result;
+  double seconds = 0;  // the run's wall time
+  bool touched = false;
+  std::string text;  // what it printed
+};
+static StoppedRun train_with_stop_file(const Config& cfg, const std::string& mark, std::chrono::milliseconds delay) {
+  const fs::path stop_file = fs::path(cfg.logging.out_dir) / "stop";
+  std::thread touch;
+  WatchedOutput out(mark, [&] {
+    touch = std::thread([&] {
+      std::this_thread::sleep_for(delay);
+      std::ofstream(stop_file).put('\n');
+    });
+  });
+  TrainOptions opts;
+  opts.out = out.file();
+  StoppedRun run;
+  const auto started = std::chrono::steady_clock::now();
+  run.result = train(cfg, opts);
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  if (touch.joinable()) touch.join();
+  run.touched = out.reacted();
+  run.text = out.text();
+  return run;
+}
+
 TEST(Stop, TheStopFileDropsTheStepInProgressAndResumeRepeatsTheRun) {
   const fs::path d = fresh_dir("stop_file_accum");
   const std::vector<std::string> sets = {"train.steps=6", "train.grad_accum_steps=200", "train.eval_every=0",
@@ -139,29 +167,19 @@ TEST(Stop, TheStopFileDropsTheStepInProgressAndResumeRepeatsTheRun) {
 
   const Config cfg = stop_config(d / "stopped", sets);
   const fs::path stop_file = d / "stopped" / "stop";
-  std::thread touch;
   // Step 3's line is printed as step 4 begins; the file comes a few micro-batches into it.
-  WatchedOutput out(" 3/6 | loss", [&] {
-    touch = std::thread([&] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      std::ofstream(stop_file).put('\n');
-    });
-  });
-  TrainOptions opts;
-  opts.out = out.file();
-  const auto started = std::chrono::steady_clock::now();
-  const TrainResult r = train(cfg, opts);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  if (touch.joinable()) touch.join();
-  ASSERT_TRUE(out.reacted()) << out.text();
+  const StoppedRun run = train_with_stop_file(cfg, " 3/6 | loss", std::chrono::milliseconds(5));
+  const TrainResult& r = run.result;
+  const double seconds = run.seconds;
+  ASSERT_TRUE(run.touched) << run.text;
   EXPECT_TRUE(r.interrupted);
-  EXPECT_EQ(r.last_step, 3) << out.text();
+  EXPECT_EQ(r.last_step, 3) << run.text;
   EXPECT_EQ(r.last_checkpoint, step_dir(d / "stopped", 3));
   EXPECT_EQ(read_metrics(r.metrics_file).back().step, 3);
   EXPECT_FALSE(fs::exists(stop_file)) << "a resume would stop at once";
-  EXPECT_NE(out.text().find("interrupted at step 3 (asked by " + stop_file.string() + ", now removed): checkpoint "),
+  EXPECT_NE(run.text.find("interrupted at step 3 (asked by " + stop_file.string() + ", now removed): checkpoint "),
             std::string::npos)
-      << out.text();
+      << run.text;
   // Steps 1-3 and a few micro-batches: well under the 6 whole steps of the straight run.
   std::printf("stopped after %.2f s\n", seconds);
   expect_resume_repeats(cfg, straight, 3);
@@ -176,24 +194,11 @@ TEST(Stop, AStepOfAMillionMicroBatchesHoldsOneAtATimeAndStopsAtOnce) {
   const fs::path d = fresh_dir("stop_million");
   const Config cfg = stop_config(
       d / "run", {"train.steps=4", "train.grad_accum_steps=1048576", "train.eval_every=0", "checkpoint.every=0"});
-  const fs::path stop_file = d / "run" / "stop";
-  std::thread touch;
-  WatchedOutput out("data:", [&] {
-    touch = std::thread([&] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      std::ofstream(stop_file).put('\n');
-    });
-  });
-  TrainOptions opts;
-  opts.out = out.file();
-  const auto started = std::chrono::steady_clock::now();
-  const TrainResult r = train(cfg, opts);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  if (touch.joinable()) touch.join();
-  ASSERT_TRUE(out.reacted()) << out.text();
-  EXPECT_TRUE(r.interrupted);
-  EXPECT_EQ(r.last_step, 0) << out.text();
-  EXPECT_LT(seconds, 20.0) << out.text();
+  const StoppedRun run = train_with_stop_file(cfg, "data:", std::chrono::milliseconds(200));
+  ASSERT_TRUE(run.touched) << run.text;
+  EXPECT_TRUE(run.result.interrupted);
+  EXPECT_EQ(run.result.last_step, 0) << run.text;
+  EXPECT_LT(run.seconds, 20.0) << run.text;
   rusage usage{};
   ::getrusage(RUSAGE_SELF, &usage);
   EXPECT_LT(usage.ru_maxrss, 512L << 10) << "peak resident KiB";
