@@ -185,13 +185,12 @@ MetricsWriter::~MetricsWriter() {
 void MetricsWriter::put(const std::string& line) {
   errno = 0;
   const bool ok = std::fputs(line.c_str(), file_) >= 0 && std::fputc('\n', file_) != EOF;
-  FLOWMOE_CHECK(ok, IoError, "cannot write metrics file '", path_, "': ", std::strerror(errno ? errno : EIO));
+  FLOWMOE_CHECK(ok, IoError, os_error("write metrics file", path_, errno ? errno : EIO));
 }
 
 void MetricsWriter::flush() {
   errno = 0;
-  FLOWMOE_CHECK(std::fflush(file_) == 0, IoError, "cannot write metrics file '", path_,
-                "': ", std::strerror(errno ? errno : EIO));
+  FLOWMOE_CHECK(std::fflush(file_) == 0, IoError, os_error("write metrics file", path_, errno ? errno : EIO));
 }
 
 void MetricsWriter::write(const StepMetrics& m) {
