@@ -151,7 +151,7 @@ class GradientReducer {
   // Calls the stream hook, if any, on the stream `point` names.
   void call_hook(HookPoint point, const Tensor& buffer) const;
 
-  const ParallelState& ps_;
+  const ParallelState ps_;  // a copy: a few shared pointers, and no tie to the caller's lifetime
   std::vector<Variable> params_;
   std::unordered_map<const VariableImpl*, size_t> index_of_;
   std::vector<size_t> bucket_of_;

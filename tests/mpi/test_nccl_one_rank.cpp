@@ -12,11 +12,12 @@
 // its reduction ended (the compute stream not waiting for the reduction stream: read undoubled) are both
 // wrong sums against twice the plain schedule's, which runs on the compute stream and is not doubled.
 // Negative control, a one-line change: delete `grads_ready_->wait(stream_->get());` in
-// GradientReducer::launch (the Overlap, Sharded and MissingGradients tests then fail with undoubled sums),
-// or `if (stream_) reduced_->wait(current_stream(...));` in GradientReducer::finish (Overlap and the whole
-// MissingGradients cases fail; a sharded bucket's own event still orders its segment's copy). The weight
-// gathers are only delayed: at one rank an all-gather moves nothing, so a missing wait around one cannot
-// show here.
+// GradientReducer::launch and the Overlap, Sharded, LoneGradients and MissingGradientsCountAsZero tests
+// fail, eagerly with undoubled sums (1200 for 2400) and captured with "dependency created on uncaptured
+// work in another stream" (seen on an H100); or delete `if (stream_) reduced_->wait(current_stream(...));`
+// in GradientReducer::finish (Overlap and the whole MissingGradients cases fail; a sharded bucket's own
+// event still orders its segment's copy). The weight gathers are only delayed: at one rank an all-gather
+// moves nothing, so a missing wait around one cannot show here.
 #include <gtest/gtest.h>
 
 #include <filesystem>
