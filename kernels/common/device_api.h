@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 // Same declaration as cuda_runtime_api.h, so launchers can be declared in host-only headers.
 typedef struct CUstream_st* cudaStream_t;
@@ -18,6 +19,8 @@ bool cuda_available();    // cuda_device_count() > 0
 
 void cuda_set_device(int index);
 int cuda_current_device();
+// The name the driver gives the device ("NVIDIA H100 80GB HBM3"): what picks its peak FLOP/s (train/model_flops.h).
+std::string cuda_device_name(int device);
 cudaStream_t current_stream(int device);  // the engine's compute stream on that device (or its side stream)
 // A second engine stream per device, for a branch of work that runs beside the compute stream (the shared
 // experts beside the exchange: engine/side_stream.h). While this thread has it on, current_stream returns

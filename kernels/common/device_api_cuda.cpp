@@ -42,6 +42,13 @@ int cuda_current_device() {
   return d;
 }
 
+std::string cuda_device_name(int device) {
+  check_index(device);
+  cudaDeviceProp prop{};
+  FLOWMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return prop.name;
+}
+
 // One non-blocking compute stream per device, created on first use and kept for the process, and
 // beside it the side stream. Everything the engine launches goes to the compute stream unless a side
 // branch is open (engine/side_stream.h, which also keeps freed memory from moving between the two).

@@ -13,6 +13,7 @@ int cuda_device_count() { return 0; }
 bool cuda_available() { return false; }
 void cuda_set_device(int) { no_cuda("cuda_set_device"); }
 int cuda_current_device() { no_cuda("cuda_current_device"); }
+std::string cuda_device_name(int) { no_cuda("cuda_device_name"); }
 cudaStream_t current_stream(int) { no_cuda("current_stream"); }
 // No side stream here, but the flag is kept: autograd tags the ops of a side branch on the CPU too.
 static thread_local bool t_on_side = false;
