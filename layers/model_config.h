@@ -2,6 +2,7 @@
 // (DESIGN.md §5). The run configuration's model: section (train/config.h) fills it from YAML; the
 // cross-key checks of routing keys call validate_router_config (engine/ops/router.h) on the same values.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -35,5 +36,13 @@ struct ModelConfig {
   std::string bias_update_schedule = "constant";  // constant | lr: the step scales with lr(step)/optimizer.lr
   std::string bias_update_rule = "sign";          // sign (DeepSeek-V3) | proportional to the load error
 };
+
+// Whether block i is an MoE layer: with routed experts, from first_k_dense_replace on; the others are dense.
+inline bool is_moe_layer(const ModelConfig& c, int64_t i) {
+  return c.n_routed_experts > 0 && i >= c.first_k_dense_replace;
+}
+inline int64_t num_moe_layers(const ModelConfig& c) {
+  return c.n_routed_experts > 0 ? std::max<int64_t>(0, c.num_hidden_layers - c.first_k_dense_replace) : 0;
+}
 
 }  // namespace flowmoe

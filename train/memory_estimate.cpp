@@ -66,16 +66,11 @@ double shard_ranks(const ParamGroup& g, const OptimizerShards& shards) {
   return double(std::max<int64_t>(1, g.role == Role::routed_expert ? shards.experts : shards.dense));
 }
 
-double num_moe_layers(const ModelConfig& c) {
-  if (c.n_routed_experts <= 0) return 0;
-  return double(std::max<int64_t>(0, c.num_hidden_layers - c.first_k_dense_replace));
-}
-
 // Mirrors the parameters Transformer, TransformerBlock, Attention, Mlp and MoeLayer create. Counted in
 // double: exact below 2^53, and no overflow for absurd sizes.
 std::vector<ParamGroup> parameter_groups(const ModelConfig& c) {
   const double H = double(c.hidden_size), L = double(c.num_hidden_layers), V = double(c.vocab_size);
-  const double moe = num_moe_layers(c), dense = L - moe;
+  const double moe = double(num_moe_layers(c)), dense = L - moe;
   const double E = double(c.n_routed_experts), F = double(c.moe_intermediate_size);
   std::vector<ParamGroup> g = {
       {Role::embedding, c.tie_word_embeddings ? 1.0 : 2.0, V * H},  // embed_tokens, lm_head
@@ -155,7 +150,7 @@ double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bo
     }
   }
   const double E = double(cfg.model.n_routed_experts);
-  return bytes + allocated_bytes({{2 * num_moe_layers(cfg.model), E, 4}}, gpu);  // expert_bias, counts
+  return bytes + allocated_bytes({{2 * double(num_moe_layers(cfg.model)), E, 4}}, gpu);  // expert_bias, counts
 }
 
 // What the graph keeps of one block's attention half, 8 N H a: block input, its norm, q, k (after RoPE), v,
@@ -333,7 +328,7 @@ MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, 
   const bool gpu = device.is_cuda();
   const double a = double(dtype_size(compute_dtype_for(device)));
   const double tokens = double(cfg.train.batch_size) * double(cfg.data.seq_len);
-  const double moe_layers = num_moe_layers(c), dense_layers = double(c.num_hidden_layers) - moe_layers;
+  const double moe_layers = double(num_moe_layers(c)), dense_layers = double(c.num_hidden_layers) - moe_layers;
 
   MemoryEstimate e;
   e.num_parameters = count_parameters(c);  // the whole model's, whatever this rank holds
