@@ -1,13 +1,16 @@
 // The metrics file's writer as a run uses it: a write the OS refuses stops the run with the file and the
 // reason (/dev/full refuses every write with ENOSPC, as a full disk does), a resume that cannot rewrite
 // the earlier rows leaves them as they were, and a resume drops a last line the earlier run left torn,
-// saying so, so that the file reads back (and plots) whole.
+// saying so, so that the file reads back (and plots) whole. Rows read back as written, and rows from before a
+// column existed (tflops, mfu) read back without it.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/common/error.h"
@@ -105,8 +108,8 @@ TEST(MetricsWriter, AResumeDropsATornLastLine) {
   const std::string a = "{\"step\": 1, \"loss\": 2.5}\n", b = "{\"step\": 2, \"loss\": 2.4}\n";
   const std::string head =
       "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,moe_casts,skipped,moe_max_over_mean,"
-      "aux_loss,exchange_ms\n";
-  const std::string c1 = "1,2.5,,0.001,1,10,0,0,,0,,,\n";
+      "aux_loss,exchange_ms,tflops,mfu\n";
+  const std::string c1 = "1,2.5,,0.001,1,10,0,0,,0,,,,,\n";
   const std::string unfinished = "unfinished (no line end)", unreadable = "unreadable (not a metrics row)";
   struct Case {
     std::string format, text, kept;
@@ -181,5 +184,108 @@ TEST(MetricsWriter, AResumedRunReadsBackWholeAfterATornRow) {
   std::vector<int64_t> steps;
   for (const StepMetrics& m : read_metrics(r.metrics_file)) steps.push_back(m.step);
   EXPECT_EQ(steps, (std::vector<int64_t>{1, 3, 4}));
+  fs::remove_all(d);
+}
+
+// Every column reads back as written, in both formats; tflops and mfu too, and an absent MFU (no peak known)
+// stays absent: null in JSONL, an empty cell in CSV.
+TEST(MetricsWriter, RowsReadBackAsWritten) {
+  const fs::path d = fresh_dir("metrics_round_trip");
+  StepMetrics a = row(1);
+  a.val_loss = 2.25;
+  a.grad_norm = 0.5;
+  a.tokens_per_s = 353000.5;
+  a.peak_mem_bytes = 123456789;
+  a.host_syncs = 3;
+  a.moe_casts = 2;
+  a.moe_max_over_mean = {1.25, 1.5};
+  a.aux_loss = 0.0125;
+  a.exchange_ms = 1.5;
+  a.tflops = 412.345;
+  a.mfu = 0.416763;
+  StepMetrics b = row(2);
+  b.skipped = true;
+  b.tokens_per_s = 3400;
+  b.tflops = 0.0102345;  // a CPU's: no peak, no MFU
+  for (const char* format : {"jsonl", "csv"}) {
+    SCOPED_TRACE(format);
+    const fs::path file = d / (std::string("metrics.") + format);
+    {
+      MetricsWriter w(file.string(), format, -1);
+      w.write(a);
+      w.write(b);
+    }
+    const std::vector<StepMetrics> back = read_metrics(file.string());
+    ASSERT_EQ(back.size(), 2u);
+    const StepMetrics &x = back[0], &y = back[1];
+    EXPECT_EQ(x.step, 1);
+    EXPECT_EQ(x.loss, 2.5);
+    EXPECT_EQ(x.val_loss, 2.25);
+    EXPECT_EQ(x.lr, 1e-3);
+    EXPECT_EQ(x.grad_norm, 0.5);
+    EXPECT_EQ(x.tokens_per_s, 353000.5);
+    EXPECT_EQ(x.peak_mem_bytes, 123456789);
+    EXPECT_EQ(x.host_syncs, 3);
+    EXPECT_EQ(x.moe_casts, 2);
+    EXPECT_EQ(x.moe_max_over_mean, (std::vector<double>{1.25, 1.5}));
+    EXPECT_EQ(x.aux_loss, 0.0125);
+    EXPECT_EQ(x.exchange_ms, 1.5);
+    EXPECT_EQ(x.tflops, 412.345);
+    EXPECT_EQ(x.mfu, 0.416763);
+    EXPECT_FALSE(x.skipped);
+    EXPECT_EQ(y.step, 2);
+    EXPECT_TRUE(y.skipped);
+    EXPECT_TRUE(std::isnan(y.val_loss));
+    EXPECT_EQ(y.tflops, 0.0102345);
+    EXPECT_TRUE(std::isnan(y.mfu));
+    EXPECT_TRUE(std::isnan(y.exchange_ms));
+  }
+  EXPECT_TRUE(has(read_bytes(d / "metrics.jsonl"), "\"tflops\": 0.0102345, \"mfu\": null}\n"));
+  EXPECT_TRUE(has(read_bytes(d / "metrics.csv"), ",0.0102345,\n"));
+  fs::remove_all(d);
+}
+
+// A run resumed on a metrics file from before the tflops and mfu columns keeps its rows, which read back
+// without them (NaN), beside the new rows with them; the CSV gets the new header, its old rows padded.
+TEST(MetricsWriter, AResumeKeepsRowsWrittenBeforeTheFlopsColumns) {
+  const fs::path d = fresh_dir("metrics_old_columns");
+  const std::string old_head =
+      "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,moe_casts,skipped,moe_max_over_mean,"
+      "aux_loss,exchange_ms\n";
+  const std::vector<std::pair<std::string, std::string>> files = {
+      {"jsonl",
+       "{\"step\": 1, \"loss\": 2.5, \"tokens_per_s\": 10.0, \"exchange_ms\": null}\n"
+       "{\"step\": 2, \"loss\": 2.4, \"tokens_per_s\": 11.0, \"exchange_ms\": null}\n"},
+      {"csv", old_head + "1,2.5,,0.001,1,10.0,0,0,,0,,,\n2,2.4,,0.001,1,11.0,0,0,,0,,,\n"},
+  };
+  for (const auto& [format, text] : files) {
+    SCOPED_TRACE(format);
+    const fs::path file = d / ("metrics." + format);
+    write_text(file, text);
+    EXPECT_EQ(read_metrics(file.string()).size(), 2u);  // the old file reads as it is
+    {
+      MetricsWriter w(file.string(), format, 2);
+      StepMetrics m = row(3);
+      m.tokens_per_s = 12;
+      m.tflops = 0.25;
+      m.mfu = 0.5;
+      w.write(m);
+    }
+    const std::vector<StepMetrics> rows = read_metrics(file.string());
+    ASSERT_EQ(rows.size(), 3u);
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(rows[size_t(i)].step, i + 1);
+      EXPECT_EQ(rows[size_t(i)].tokens_per_s, 10.0 + i);
+      EXPECT_TRUE(std::isnan(rows[size_t(i)].tflops));
+      EXPECT_TRUE(std::isnan(rows[size_t(i)].mfu));
+    }
+    EXPECT_EQ(rows[2].tflops, 0.25);
+    EXPECT_EQ(rows[2].mfu, 0.5);
+    if (format == "csv") {
+      const std::string kept = old_head.substr(0, old_head.size() - 1) +
+                               ",tflops,mfu\n1,2.5,,0.001,1,10.0,0,0,,0,,,,,\n2,2.4,,0.001,1,11.0,0,0,,0,,,,,\n";
+      EXPECT_EQ(read_bytes(file).substr(0, kept.size()), kept);
+    }
+  }
   fs::remove_all(d);
 }

@@ -1,7 +1,7 @@
 // The quick-start output that README.md and docs/TRAINING.md show is a copy of real output: this
 // trains configs/tiny.yaml on the CPU as the quick start does and checks that every line they show
 // is a line the run printed.
-// Timings (tok/s, ETA, durations, the time line) and the memory available differ between machines
+// Timings (tok/s, TFLOP/s, ETA, durations, the time line) and the memory available differ between machines
 // and are masked on both sides.
 #include <gtest/gtest.h>
 
@@ -46,10 +46,11 @@ std::vector<std::string> shown_block(const std::string& doc, const std::string& 
 
 // Replaces what depends on the machine's speed and memory with placeholders.
 std::string mask_timings(std::string s) {
-  static const std::regex rate(R"([0-9.]+k? tok/s)"), eta(R"(ETA [0-9hms]+)"), took(R"( in [0-9hms]+ \|)"),
-      available(R"(of [0-9.]+ [KMGT]?i?B available)"), time_line(R"(^time: .*)");
+  static const std::regex rate(R"([0-9.]+k? tok/s)"), flop_rate(R"([0-9.]+ TFLOP/s)"), eta(R"(ETA [0-9hms]+)"),
+      took(R"( in [0-9hms]+ \|)"), available(R"(of [0-9.]+ [KMGT]?i?B available)"), time_line(R"(^time: .*)");
   if (std::regex_match(s, time_line)) return "time: T";  // every figure of it, and which parts it names
   s = std::regex_replace(s, rate, "R tok/s");
+  s = std::regex_replace(s, flop_rate, "F TFLOP/s");
   s = std::regex_replace(s, eta, "ETA T");
   s = std::regex_replace(s, available, "of A available");
   return std::regex_replace(s, took, " in T |");

@@ -27,6 +27,9 @@ struct StepMetrics {
   double exchange_ms = NAN;               // expert parallelism: the step's time in token exchanges (dispatch and
                                           // combine, forward and backward; Communicator::take_exchange_ms), the
                                           // slowest rank's; NaN: no expert-parallel group
+  double tflops = NAN;  // model TFLOP/s per GPU: model FLOPs per token (train/model_flops.h) x tokens_per_s / ranks;
+                        // NaN: a row written before the column existed
+  double mfu = NAN;     // tflops over the GPU's bf16 dense peak (a fraction); NaN: no peak known (the CPU)
 };
 
 // Appends rows to <path>. With keep_up_to_step >= 0 (a resumed run) the rows of later steps an

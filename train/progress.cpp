@@ -3,9 +3,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <exception>
+#include <iterator>
 
 #include "parallel/distributed.h"
 
@@ -39,6 +41,28 @@ std::string format_rate(double v) {
   else
     std::snprintf(buf, sizeof buf, "%.0f", v);
   return buf;
+}
+
+// 3 significant digits, without an exponent: 412, 41.2, 4.12, 0.0412.
+static std::string three_digits(double v) {
+  const int decimals = v > 0 ? std::clamp(2 - int(std::floor(std::log10(v))), 0, 9) : 0;
+  return format_fixed(v, decimals);
+}
+
+std::string format_flops(double flops) {
+  static const char* prefixes[] = {"", "k", "M", "G", "T", "P", "E"};
+  size_t p = 0;
+  while (flops >= 1000 && p + 1 < std::size(prefixes)) {
+    flops /= 1000;
+    ++p;
+  }
+  return three_digits(flops) + " " + prefixes[p] + "FLOP";
+}
+
+std::string model_flops_fields(double tflops, double mfu) {
+  if (std::isnan(tflops)) return "";
+  return " | " + three_digits(tflops) + " TFLOP/s" +
+         (std::isnan(mfu) ? "" : " | MFU " + format_fixed(100 * mfu, 1) + "%");
 }
 
 bool auto_progress_bar(bool out_is_terminal, const char* term, bool under_launcher) {
@@ -78,9 +102,10 @@ void Progress::update(const StepMetrics& m, double eta_s) {
     int filled = int(frac * width);
     std::string bar(size_t(filled), '#');
     bar += std::string(size_t(width - filled), '.');
-    std::fprintf(out_, "\r\033[Kstep %*lld/%lld [%s] %3d%% | loss %s | lr %s | %s tok/s | ETA %s", digits,
+    std::fprintf(out_, "\r\033[Kstep %*lld/%lld [%s] %3d%% | loss %s | lr %s | %s tok/s%s | ETA %s", digits,
                  static_cast<long long>(m.step), static_cast<long long>(total_), bar.c_str(), int(frac * 100 + 0.5),
-                 loss, lr, format_rate(m.tokens_per_s).c_str(), format_duration(eta_s).c_str());
+                 loss, lr, format_rate(m.tokens_per_s).c_str(), model_flops_fields(m.tflops, m.mfu).c_str(),
+                 format_duration(eta_s).c_str());
     drawn_ = true;
     std::fflush(out_);
     return;
@@ -90,9 +115,10 @@ void Progress::update(const StepMetrics& m, double eta_s) {
   if (m.step % log_every_ != 0 && m.step != total_ && !first) return;
   char gn[32];
   std::snprintf(gn, sizeof gn, "%.3f", m.grad_norm);
-  std::fprintf(out_, "step %*lld/%lld | loss %s | lr %s | grad norm %s | %s tok/s | ETA %s%s\n", digits,
+  std::fprintf(out_, "step %*lld/%lld | loss %s | lr %s | grad norm %s | %s tok/s%s | ETA %s%s\n", digits,
                static_cast<long long>(m.step), static_cast<long long>(total_), loss, lr, gn,
-               format_rate(m.tokens_per_s).c_str(), format_duration(eta_s).c_str(), m.skipped ? " | SKIPPED" : "");
+               format_rate(m.tokens_per_s).c_str(), model_flops_fields(m.tflops, m.mfu).c_str(),
+               format_duration(eta_s).c_str(), m.skipped ? " | SKIPPED" : "");
   std::fflush(out_);
 }
 

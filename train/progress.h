@@ -35,5 +35,9 @@ class Progress {
 std::string format_duration(double seconds);     // "1h02m", "3m07s", "12s"
 std::string format_rate(double per_s);           // "12.3k"
 std::string format_fixed(double v, int digits);  // "%.*f": format_fixed(2.46241, 4) == "2.4624"
+std::string format_flops(double flops);          // "2.98 MFLOP", "15.6 GFLOP"
+// The progress line's and the summary's model FLOP/s fields (StepMetrics::tflops and mfu): " | 412 TFLOP/s | MFU
+// 41.6%", the TFLOP/s to 3 significant digits; without MFU where it is NaN, and "" where tflops is.
+std::string model_flops_fields(double tflops, double mfu);
 
 }  // namespace flowmoe

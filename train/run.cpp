@@ -71,7 +71,8 @@ static void remove_unfinished_checkpoints(const Config& cfg, std::FILE* out) {
 // The opening line (parameters, device, the expected initial loss) and the memory estimate. Counted
 // and sized from the config before anything is allocated, so a model that cannot fit is refused at
 // once instead of allocating until the system kills the process.
-static void check_memory(const Config& cfg, Device device, DType compute, int world_size, Progress& progress) {
+static void check_memory(const Config& cfg, Device device, DType compute, int world_size, const ModelFlops& flops,
+                         Progress& progress) {
   Config per_rank = cfg;  // each rank runs its slice of every micro-batch
   per_rank.train.batch_size = cfg.train.batch_size / world_size;
   OptimizerShards shards;
@@ -79,9 +80,11 @@ static void check_memory(const Config& cfg, Device device, DType compute, int wo
   const MemoryEstimate need = estimate_memory(per_rank, device, MemoryUse::train, shards);
   progress.message("flowmoe: " + format_count(double(need.num_parameters)) + " parameters (" +
                    std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
-                   std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) + ") on " +
-                   device.str() + ", " + dtype_name(compute) +
+                   std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) + "), " +
+                   format_flops(flops.flops_per_token) + " per token (forward + backward) on " + device.str() + ", " +
+                   dtype_name(compute) +
                    " compute; initial loss ~ ln(vocab) = " + format_fixed(std::log(double(cfg.model.vocab_size)), 3));
+  if (!flops.peak_note().empty()) progress.message(flops.peak_note());
   const double available = available_memory_bytes(device);
   progress.message("memory: " + need.summary() + " of " + format_bytes(available) + " available on " + device.str() +
                    (world_size > 1 ? " (per rank)" : ""));
@@ -119,9 +122,9 @@ static std::vector<std::unique_ptr<DirLock>> lock_run_dirs(const Config& cfg, bo
 // the run directory (rank 0 alone touches the files; the others wait until it has). The result
 // starts with the run directory's path.
 // Rank 0's folder locks go into `locks` once the memory check has passed: a refused run writes nothing.
-static TrainResult prepare_run(const Config& cfg, Device device, DType compute, std::FILE* out, Progress& progress,
-                               Communicator& world, std::vector<std::unique_ptr<DirLock>>& locks) {
-  check_memory(cfg, device, compute, world.size(), progress);
+static TrainResult prepare_run(const Config& cfg, Device device, DType compute, const ModelFlops& flops, std::FILE* out,
+                               Progress& progress, Communicator& world, std::vector<std::unique_ptr<DirLock>>& locks) {
+  check_memory(cfg, device, compute, world.size(), flops, progress);
   locks = lock_run_dirs(cfg, world.rank() == 0);
   if (world.rank() == 0) remove_unfinished_checkpoints(cfg, out);
   TrainResult res;
@@ -228,9 +231,10 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       is_root(rank == 0),
       device(o.device ? *o.device : resolve_device(c)),
       compute(compute_dtype_for(device)),
+      flops(run_model_flops(c.model, c.data.seq_len, device, world_size)),
       resume_dir(resume_target(c, &resume_note)),
       progress(c.logging.progress, c.train.steps, c.logging.log_every, is_root ? o.out : nullptr),
-      res(prepare_run(c, device, compute, is_root ? o.out : nullptr, progress, *world, dir_locks)),
+      res(prepare_run(c, device, compute, flops, is_root ? o.out : nullptr, progress, *world, dir_locks)),
       data(DataLoader::from_config(c)),
       model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c, parallel)),
       reducer(make_reducer(c, parallel, model)),
@@ -326,8 +330,9 @@ static void print_summary(TrainRun& run, double peak_mem_bytes) {
                      format_duration(run.train_seconds) + " | loss " + format_fixed(res.losses.front(), 4) + " -> " +
                      format_fixed(res.losses.back(), 4);
   if (!std::isnan(res.final_val_loss)) line += " | val loss " + format_fixed(res.final_val_loss, 4);
-  line += " | " + format_rate(res.tokens_per_s) + " tok/s | peak mem " + format_fixed(peak_mem_bytes / (1 << 20), 1) +
-          " MiB";
+  line += " | " + format_rate(res.tokens_per_s) + " tok/s" +
+          model_flops_fields(run.flops.tflops(res.tokens_per_s), run.flops.mfu(res.tokens_per_s)) + " | peak mem " +
+          format_fixed(peak_mem_bytes / (1 << 20), 1) + " MiB";
   if (run.world_size > 1) line += " (max over ranks) | " + std::to_string(run.world_size) + " ranks";
   run.progress.message(line);
   if (run.cast_divisor > 0) print_cast_summary(run);

@@ -23,6 +23,7 @@
 #include "train/evaluation.h"
 #include "train/grad_reducer.h"
 #include "train/metrics.h"
+#include "train/model_flops.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
 #include "train/step_state.h"
@@ -80,6 +81,7 @@ struct TrainRun {
   const bool is_root;                         // rank 0: prints, writes the metrics and the checkpoints
   const Device device;
   const DType compute;
+  const ModelFlops flops;        // model FLOPs per token and this GPU's peak: the metrics' tflops and mfu
   std::string resume_note;       // the start-up line about the resume; declared first: resume_dir fills it
   const std::string resume_dir;  // the checkpoint to resume from; "" for a fresh start
   Progress progress;

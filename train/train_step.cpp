@@ -406,6 +406,7 @@ std::optional<StepMetrics> complete_step(TrainRun& run) {
   run.train_seconds += dt;
   ++run.steps_done;
   m.tokens_per_s = double(run.tokens_per_step) / dt;
+  run.flops.set_rates(m);
   m.peak_mem_bytes = int64_t(memory_stats(run.device).peak_bytes);
   run.res.losses.push_back(m.loss);
   if (!r.scalars.apply) {

@@ -120,6 +120,7 @@ static void report_step(TrainRun& run, const StepMetrics& m) {
   if (run.metrics) run.metrics->write(m);  // rank 0's alone
   StepMetrics shown = m;
   shown.tokens_per_s = double(run.tokens_per_step * run.steps_done) / run.train_seconds;  // smoothed for display
+  run.flops.set_rates(shown);
   run.progress.update(shown, run.train_seconds / double(run.steps_done) * double(run.cfg.train.steps - run.step));
 }
 

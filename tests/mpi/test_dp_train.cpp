@@ -49,6 +49,12 @@ TEST_P(DataParallel, LossesMatchOneProcessOnTheSameGlobalBatch) {
     const std::vector<StepMetrics> many = train_and_compare(
         d, one, np, std::string(recipe.name) + "_np" + std::to_string(np), recipe.sets, recipe.rel_tol, &launch);
     ASSERT_EQ(many.size(), 20u);
+    // tokens_per_s counts every rank's tokens, tflops is per rank: per token, 1/np of one process's (to the
+    // rounding of the written digits).
+    for (size_t i = 0; i < many.size(); ++i) {
+      const double per_token = one[i].tflops / one[i].tokens_per_s;
+      EXPECT_NEAR(many[i].tflops / many[i].tokens_per_s * np, per_token, 2e-4 * per_token) << "step " << i + 1;
+    }
     // Rank 0 alone prints: one start-up line about the ranks, one summary naming them.
     EXPECT_EQ(count(launch.out, "data-parallel: " + std::to_string(np) + " ranks (backend mpi), each reads " +
                                     std::to_string(8 / np) + " of every batch of 8 sequences"),

@@ -1,0 +1,61 @@
+// Model FLOPs per token, the GPUs' peaks and MFU (see model_flops.h).
+#include "train/model_flops.h"
+
+#include <cctype>
+#include <cstring>
+
+#include "kernels/common/device_api.h"
+#include "train/progress.h"
+
+namespace flowmoe {
+
+double model_flops_per_token(const ModelConfig& c, int64_t seq_len) {
+  const double H = double(c.hidden_size), T = double(seq_len), L = double(c.num_hidden_layers);
+  const double moe_layers = double(num_moe_layers(c)), dense_layers = L - moe_layers;
+  const double F = double(c.moe_intermediate_size);
+  const double swiglu = 3 * H;  // the weights of one unit of a SwiGLU MLP's width: gate, up and down
+  // N_active, the weights a token multiplies: attention, dense MLPs, the head; the router, k routed and the shared
+  // experts of each MoE layer.
+  double active = L * 4 * H * H + dense_layers * swiglu * double(c.intermediate_size) + H * double(c.vocab_size);
+  active +=
+      moe_layers * (H * double(c.n_routed_experts) + swiglu * F * double(c.num_experts_per_tok + c.n_shared_experts));
+  const double causal_attention = L * 2 * T * H;  // forward: q·kᵀ and p·v, 2·2·T·H halved
+  return 3 * (2 * active + causal_attention);
+}
+
+double bf16_dense_peak_tflops(const std::string& name) {
+  for (const DevicePeak& p : kDevicePeaks) {
+    const size_t n = std::strlen(p.name);
+    if (name.compare(0, n, p.name) != 0) continue;
+    // The entry alone, or with the memory size after it; another word makes it another GPU ("NVIDIA H200 NVL").
+    if (name.size() == n ||
+        (name.size() > n + 1 && name[n] == ' ' && std::isdigit(static_cast<unsigned char>(name[n + 1]))))
+      return p.bf16_dense_tflops;
+  }
+  return NAN;
+}
+
+void ModelFlops::set_rates(StepMetrics& m) const {
+  m.tflops = tflops(m.tokens_per_s);
+  m.mfu = mfu(m.tokens_per_s);
+}
+
+std::string ModelFlops::peak_note() const {
+  if (device_name.empty()) return "";
+  if (std::isnan(peak_tflops))
+    return "mfu: not reported: " + device_name + " has no bf16 dense peak in train/model_flops.h (TFLOP/s per GPU are)";
+  return "mfu: of " + device_name + "'s bf16 dense peak, " + format_fixed(peak_tflops, 1) + " TFLOP/s per GPU";
+}
+
+ModelFlops run_model_flops(const ModelConfig& model, int64_t seq_len, Device device, int num_ranks) {
+  ModelFlops f;
+  f.flops_per_token = model_flops_per_token(model, seq_len);
+  f.num_ranks = num_ranks;
+  if (device.is_cuda()) {
+    f.device_name = cuda_device_name(device.index);
+    f.peak_tflops = bf16_dense_peak_tflops(f.device_name);
+  }
+  return f;
+}
+
+}  // namespace flowmoe
