@@ -1,0 +1,39 @@
+// fp8_linear (engine/ops/fp8_linear.h): a dense linear as fp8_grouped_linear with one group.
+#include "engine/ops/fp8_linear.h"
+
+#include <vector>
+
+#include "engine/ops/fp8_grouped_linear.h"
+#include "engine/ops/ops.h"
+#include "kernels/fp8.h"
+
+namespace flowmoe {
+
+void check_fp8_linear_dims(int64_t out_features, int64_t in_features, const std::string& what) {
+  FLOWMOE_CHECK(out_features % kFp8BlockSize == 0 && in_features % kFp8BlockSize == 0, ShapeError, what,
+                ": an FP8 linear needs out_features (", out_features, ") and in_features (", in_features,
+                ") to be multiples of ", kFp8BlockSize, " (FP8 weight blocks are 128x128)");
+}
+
+QuantizedWeight quantize_linear_weight(const Tensor& w, const std::string& site) {
+  FLOWMOE_CHECK(w.dim() == 2, ShapeError, "quantize_linear_weight at '", site, "': w must be [N, K], got ",
+                w.describe());
+  return quantize_weight(w.reshape({1, w.size(0), w.size(1)}), site);
+}
+
+Variable fp8_linear(const Variable& xq, const Variable& weight, const QuantizedWeight& wq, const std::string& site) {
+  const Tensor &x = xq.data(), &w = weight.data();
+  FLOWMOE_CHECK(w.dtype() == DType::f32 && w.dim() == 2, DTypeError, "fp8_linear at '", site,
+                "': weight must be the f32 master [N, K], got ", w.describe());
+  check_fp8_linear_dims(w.size(0), w.size(1), "fp8_linear at '" + site + "'");
+  FLOWMOE_CHECK(x.dim() == 2 && x.size(1) == w.size(1), ShapeError, "fp8_linear at '", site, "': x ", x.describe(),
+                " must be [M, ", w.size(1), "] for weight ", w.describe());
+  FLOWMOE_CHECK(x.size(0) % kFp8LinearRowMultiple == 0, ShapeError, "fp8_linear at '", site, "': x ", x.describe(),
+                " has ", x.size(0), " rows, not a multiple of ", kFp8LinearRowMultiple,
+                " (the FP8 GEMMs' leading dimension; data.seq_len sets it in training)");
+  // One group of all M rows: the weight's gradient comes back [1, N, K] and the reshape returns it to [N, K].
+  const Variable grouped = reshape(weight, {1, w.size(0), w.size(1)});
+  return fp8_grouped_linear(xq, grouped, wq, std::vector<int64_t>{x.size(0)}, Fp8Wgrad::transpose, site);
+}
+
+}  // namespace flowmoe
