@@ -30,9 +30,10 @@ weight gradient dW[e] = dy[e]ᵀ·x[e] from three colwise FP8 versions of x and 
   requantize  rowwise quantize, dequantize, colwise quantize (double quantization, fp8_blockwise)
   colwise     one colwise quantize of the bf16 operands (a floor: no recipe can skip the rowwise copy)
 The table also gives x's and dy's rowwise quantization errors and the ratio requantize/transpose.
-Last, the LM loss of the same batches through the same weights in each recipe: a loss gap between
-two runs that this does not show came from their weights drifting apart, not from one step's
-arithmetic. One process; the device is train.device.
+Last, the LM loss of the same batches through the same weights in each recipe (fp8_full where the
+config's widths and data.seq_len take it): a loss gap between two runs that this does not show came
+from their weights drifting apart, not from one step's arithmetic. One process; the device is
+train.device.
 
 options:
   --config FILE            the YAML config of the run

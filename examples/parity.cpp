@@ -53,8 +53,8 @@ config error.
 options:
   --config FILE            the YAML config
   --out DIR                where the runs and the report go
-  --recipes LIST           comma-separated precision.recipe values, the reference first
-                           (default bf16,fp8_blockwise,fp8_flow)
+  --recipes LIST           comma-separated precision.recipe values (bf16, fp8_blockwise, fp8_flow,
+                           fp8_full), the reference first (default bf16,fp8_blockwise,fp8_flow)
   --steps N                train.steps of every run (default: the config's)
   --set section.key=value  override one key of every run (repeatable)
   --controls N             N runs of the reference recipe, each perturbed (--control), into

@@ -3,19 +3,28 @@
 namespace flowmoe {
 
 Attention::Attention(ParamFactory& f, const std::string& prefix, int64_t hidden, int64_t num_heads, double rope_theta,
-                     double init_std, double out_init_std)
-    : hidden_(hidden), num_heads_(num_heads), rope_theta_(rope_theta) {
+                     double init_std, double out_init_std, bool fp8)
+    : hidden_(hidden),
+      num_heads_(num_heads),
+      rope_theta_(rope_theta),
+      fp8_(fp8),
+      site_(prefix.substr(prefix.rfind('.') + 1)) {
   FLOWMOE_CHECK(hidden % num_heads == 0 && (hidden / num_heads) % 2 == 0, ShapeError, "attention: hidden ", hidden,
                 " with ", num_heads, " heads needs an even head size");
   q_proj_ = f.normal(prefix + ".q_proj.weight", {hidden, hidden}, init_std);
   k_proj_ = f.normal(prefix + ".k_proj.weight", {hidden, hidden}, init_std);
   v_proj_ = f.normal(prefix + ".v_proj.weight", {hidden, hidden}, init_std);
   o_proj_ = f.normal(prefix + ".o_proj.weight", {hidden, hidden}, out_init_std);
+  if (fp8) {
+    check_fp8_linear_dims(hidden, hidden, prefix);
+    for (const Variable* w : {&q_proj_, &k_proj_, &v_proj_, &o_proj_}) f.read_in_f32(*w);  // quantized from f32
+  }
 }
 
 Variable Attention::forward(const Variable& x, DType compute) const {
   FLOWMOE_CHECK(x.data().dim() == 3 && x.size(2) == hidden_, ShapeError, "attention: input ", x.data().describe(),
                 ", expected [B, T, ", hidden_, "]");
+  if (fp8_) return forward_fp8(x, compute);
   const int64_t b = x.size(0), t = x.size(1), hd = hidden_ / num_heads_;
   const Shape heads = {b, t, num_heads_, hd};
   Variable q = rope(reshape(linear(x, compute_weight(q_proj_, compute)), heads), rope_theta_);
@@ -23,6 +32,21 @@ Variable Attention::forward(const Variable& x, DType compute) const {
   Variable v = reshape(linear(x, compute_weight(v_proj_, compute)), heads);
   Variable o = reshape(causal_attention(q, k, v), {b, t, hidden_});
   return linear(o, compute_weight(o_proj_, compute));
+}
+
+// The same with fp8_linear projections over [B·T, H] rows: x quantized once for q, k and v.
+Variable Attention::forward_fp8(const Variable& x, DType compute) const {
+  const int64_t b = x.size(0), t = x.size(1), hd = hidden_ / num_heads_;
+  const Shape heads = {b, t, num_heads_, hd};
+  const Variable xq = quantize_rowwise(reshape(x, {b * t, hidden_}), site_ + ": x");
+  auto project = [&](const Variable& w, const Fp8WeightCache& cache, const char* name) {
+    return reshape(cached_fp8_linear(xq, w, cache, site_ + "." + name, compute), heads);
+  };
+  const Variable q = rope(project(q_proj_, q_fp8_, "q_proj"), rope_theta_);
+  const Variable k = rope(project(k_proj_, k_fp8_, "k_proj"), rope_theta_);
+  const Variable v = project(v_proj_, v_fp8_, "v_proj");
+  const Variable oq = quantize_rowwise(reshape(causal_attention(q, k, v), {b * t, hidden_}), site_ + ".o_proj: x");
+  return reshape(cached_fp8_linear(oq, o_proj_, o_fp8_, site_ + ".o_proj", compute), {b, t, hidden_});
 }
 
 }  // namespace flowmoe

@@ -2,23 +2,34 @@
 //   q, k, v = x·Wqᵀ, x·Wkᵀ, x·Wvᵀ  -> [B,T,nh,hd];  q, k rotated by RoPE;
 //   o = softmax(q·kᵀ/sqrt(hd), causal)·v -> [B,T,H];  y = o·Woᵀ.
 // Parameters (HF names): <prefix>.{q,k,v,o}_proj.weight, each [H, H].
+// In FP8 (the fp8_full recipe; layers/moe.h MoeFlow::fp8_linears) the four projections are fp8_linear: x is
+// quantized once for q, k and v, o once for o_proj, and each backward quantizes its dy (casts at "self_attn: x",
+// "self_attn.o_proj: x", "self_attn.q_proj.dgrad: dy rowwise", ...); RoPE and the attention core stay bf16/f32.
 #pragma once
 #include <string>
 
+#include "layers/fp8_weight.h"
 #include "layers/param.h"
 
 namespace flowmoe {
 
 class Attention {
  public:
+  // fp8: the projections run in FP8 from the f32 weights (read in f32, ParamShard::reads_f32); hidden must then
+  // be a multiple of 128 (ShapeError naming the prefix).
   Attention(ParamFactory& f, const std::string& prefix, int64_t hidden, int64_t num_heads, double rope_theta,
-            double init_std, double out_init_std);
+            double init_std, double out_init_std, bool fp8 = false);
   Variable forward(const Variable& x /*[B,T,H]*/, DType compute) const;  // -> [B,T,H]
 
  private:
+  Variable forward_fp8(const Variable& x, DType compute) const;
+
   int64_t hidden_, num_heads_;
   double rope_theta_;
+  bool fp8_;
+  std::string site_;  // the casts' site: the prefix's last part
   Variable q_proj_, k_proj_, v_proj_, o_proj_;
+  Fp8WeightCache q_fp8_, k_fp8_, v_fp8_, o_fp8_;
 };
 
 }  // namespace flowmoe

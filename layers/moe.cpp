@@ -14,7 +14,8 @@ MoeRecipe moe_recipe_from_name(const std::string& name) {
   if (name == "bf16") return MoeRecipe::bf16;
   if (name == "fp8_blockwise") return MoeRecipe::fp8_blockwise;
   if (name == "fp8_flow") return MoeRecipe::fp8_flow;
-  FLOWMOE_THROW(ConfigError, "precision.recipe: '", name, "' is not one of bf16, fp8_blockwise, fp8_flow");
+  if (name == "fp8_full") return MoeRecipe::fp8_full;
+  FLOWMOE_THROW(ConfigError, "precision.recipe: '", name, "' is not one of bf16, fp8_blockwise, fp8_flow, fp8_full");
 }
 
 const char* moe_recipe_name(MoeRecipe r) {
@@ -25,15 +26,19 @@ const char* moe_recipe_name(MoeRecipe r) {
       return "fp8_blockwise";
     case MoeRecipe::fp8_flow:
       return "fp8_flow";
+    case MoeRecipe::fp8_full:
+      return "fp8_full";
   }
   return "?";
 }
 
 MoeFlow moe_flow(MoeRecipe r) {
   MoeFlow f;
+  const bool flow = r == MoeRecipe::fp8_flow || r == MoeRecipe::fp8_full;  // fp8_full's experts are fp8_flow's
   f.fp8_experts = r != MoeRecipe::bf16;
-  f.quantize_once = f.probs_in_experts = r == MoeRecipe::fp8_flow;
-  f.wgrad = r == MoeRecipe::fp8_flow ? Fp8Wgrad::transpose : Fp8Wgrad::requantize;
+  f.quantize_once = f.probs_in_experts = flow;
+  f.wgrad = flow ? Fp8Wgrad::transpose : Fp8Wgrad::requantize;
+  f.fp8_linears = r == MoeRecipe::fp8_full;
   return f;
 }
 
@@ -91,7 +96,7 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
   }
   if (cfg.n_shared_experts > 0)
     shared_ = std::make_unique<Mlp>(f, prefix + ".shared_experts", H, F * cfg.n_shared_experts, cfg.initializer_range,
-                                    out_std);
+                                    out_std, flow_.fp8_linears);
   expert_bias_ = Variable(Tensor::zeros({E}, DType::f32, device), false, prefix + ".gate.e_score_correction_bias");
   tokens_since_update_ = Tensor::zeros({E}, DType::i32, device);
 }
@@ -136,13 +141,17 @@ MoeLayer::Pending MoeLayer::prepare(const Variable& x, DType compute) const {
   p.in_shape = x.shape();
   Variable x2 = reshape(x, {-1, p.in_shape.back()});  // [T, H]
 
+  // fp8_full quantizes x (step 2) first: the shared experts' FP8 GEMMs read the same xq as the dispatch, one
+  // cast for both.
+  const Variable xq = flow_.fp8_linears ? quantize_rowwise(x2, "dispatch: x") : Variable();
+
   // 0. The shared experts, a dense SwiGLU MLP on every token (summed in at 6). They wait for nothing the
   //    routed path makes, so with shared_expert_overlap they run on a side stream beside steps 1-5, and
   //    so do their backward's ops (engine/side_stream.h); issued first, so that a sync dispatch's host
   //    read does not hold them back.
   if (shared_) {
     SideBranch side(x2.device(), options_.shared_expert_overlap);
-    p.shared_y = shared_->forward(x2, compute);
+    p.shared_y = shared_->forward(xq.defined() ? xq : x2, compute);
   }
 
   // 1. Router, in fp32 as DeepSeek-V3 does: the top-k choice is sensitive to rounding.
@@ -153,7 +162,10 @@ MoeLayer::Pending MoeLayer::prepare(const Variable& x, DType compute) const {
   if (x2.device().is_cpu() && p.topk_prob.dtype() != x2.dtype()) p.topk_prob = cast(p.topk_prob, x2.dtype());
 
   // 2. Quantize once (fp8_flow): x becomes e4m3 with 1x128 scales, and stays FP8 until fc1.
-  p.tokens = flow_.quantize_once ? quantize_rowwise(x2, "dispatch: x") : x2;
+  if (xq.defined())
+    p.tokens = xq;
+  else
+    p.tokens = flow_.quantize_once ? quantize_rowwise(x2, "dispatch: x") : x2;
   return p;
 }
 
@@ -263,7 +275,7 @@ Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const Ex
   // (most of a zero-sync one) unwritten instead of zeroing it.
   ExpertCounts counts = dispatched;
   counts.tail_unread = counts.on_device();
-  const QuantizedWeight* w1q = flow.fp8_experts ? &quantized(fc1_, fc1_cache_) : nullptr;
+  const QuantizedWeight* w1q = flow.fp8_experts ? &fc1_fp8_.get(fc1_) : nullptr;
   auto fc1_swiglu = [this, flow, w1q, counts](const std::vector<Variable>& in) -> std::vector<Variable> {
     // With device counts SwiGLU computes only the rows they cover: a zero-sync buffer's tail is most of it.
     if (!flow.fp8_experts) return {swiglu(grouped_linear(in[0], fc1_, counts), counts.device)};
@@ -278,15 +290,7 @@ Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const Ex
   if (flow.probs_in_experts) in.push_back(probs);
   Variable a = options_.recompute_expert ? checkpoint(fc1_swiglu, in)[0] : fc1_swiglu(in)[0];
   if (!flow.fp8_experts) return grouped_linear(a, fc2_, counts);
-  return fp8_grouped_linear(a, fc2_, quantized(fc2_, fc2_cache_), counts, flow.wgrad, "fc2");
-}
-
-const QuantizedWeight& MoeLayer::quantized(const Variable& w, WeightCache& cache) const {
-  if (!cache.wq.q.defined() || cache.version != w.version()) {  // set_data and in-place updates bump it
-    cache.wq = quantize_weight(w.data(), w.name());
-    cache.version = w.version();
-  }
-  return cache.wq;
+  return fp8_grouped_linear(a, fc2_, fc2_fp8_.get(fc2_), counts, flow.wgrad, "fc2");
 }
 
 int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int align_size, MoeRecipe recipe) {

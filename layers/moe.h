@@ -5,7 +5,8 @@
 //   bf16:          the rows stay bf16; the probs are applied at the unpermute (fp32 accumulation)
 //   fp8_blockwise: each expert GEMM quantizes its own input and re-quantizes its wgrad operands (the classic recipe)
 //   fp8_flow:      x quantized once, before dispatch; the experts run FP8 forward and backward (MoeFlow has the detail)
-//   + shared experts: a dense bf16 SwiGLU MLP of width n_shared_experts·F on x (every recipe).
+//   fp8_full:      fp8_flow, and the shared experts in FP8 too, reading the same quantized x
+//   + shared experts: a dense SwiGLU MLP of width n_shared_experts·F on x (bf16 but in fp8_full).
 #pragma once
 #include <memory>
 #include <string>
@@ -14,13 +15,14 @@
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
+#include "layers/fp8_weight.h"
 #include "layers/mlp.h"
 #include "layers/model_config.h"
 #include "parallel/dispatch.h"
 
 namespace flowmoe {
 
-enum class MoeRecipe { bf16, fp8_blockwise, fp8_flow };
+enum class MoeRecipe { bf16, fp8_blockwise, fp8_flow, fp8_full };
 MoeRecipe moe_recipe_from_name(const std::string& name);  // precision.recipe; throws ConfigError
 const char* moe_recipe_name(MoeRecipe r);
 
@@ -69,12 +71,15 @@ struct MoeOptions {
 //                  FP8 fc1 → SwiGLU×prob+quantize (fused) → FP8 fc2 → unpermute+unpad (no probs);
 //                  combine's backward quantizes dy once and the experts' backward stays FP8, with
 //                  wgrad operands from the scaling-aware transpose. Two activation casts per layer.
+//   fp8_full:      the routed experts as fp8_flow; beside them every other linear but the router and the LM head
+//                  runs FP8 (fp8_linear: attention projections, dense MLPs, shared experts; DESIGN.md §7).
 struct MoeFlow {
   bool fp8_experts = false;               // FP8 grouped GEMMs for fc1 and fc2 (fp8_blockwise, fp8_flow)
   bool quantize_once = false;             // fp8_flow: x quantized before dispatch, SwiGLU emits FP8, and
                                           // combine's backward quantizes dy once
   bool probs_in_experts = false;          // fp8_flow: probs move with the rows and SwiGLU applies them
   Fp8Wgrad wgrad = Fp8Wgrad::requantize;  // transpose (fp8_flow) or requantize (fp8_blockwise)
+  bool fp8_linears = false;               // fp8_full: attention, dense MLPs and shared experts in FP8 as well
 };
 MoeFlow moe_flow(MoeRecipe r);
 
@@ -137,12 +142,6 @@ class MoeLayer {
   const Mlp* shared_experts() const { return shared_.get(); }
 
  private:
-  // Expert weights are quantized (128x128 blocks, with their exact transpose) once per optimizer step: the cache
-  // follows the parameter's version (Variable::bump_version).
-  struct WeightCache {  // the FP8 copy of one expert weight, valid for one parameter version
-    QuantizedWeight wq;
-    uint64_t version = 0;
-  };
   RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
   Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& dispatched) const;
   Pending prepare(const Variable& x, DType compute) const;          // steps 0-2
@@ -151,7 +150,6 @@ class MoeLayer {
   Variable add_shared(const Pending& p, Variable y) const;          // step 6
   Variable forward_in_chunks(const Variable& x, DType compute) const;
   Variable routed_in_chunks(const Pending& whole) const;  // steps 3-5 per token chunk
-  const QuantizedWeight& quantized(const Variable& w, WeightCache& cache) const;
   DispatchOptions dispatch_options(int64_t num_tokens) const;
 
   RouterConfig router_;
@@ -159,9 +157,9 @@ class MoeLayer {
   int64_t num_local_experts_, expert_offset_;  // this rank's experts: [offset, offset + num_local)
   MoeOptions options_;
   MoeFlow flow_;
-  bool zero_sync_ = false;  // options_.ep_dispatch resolved for this layer's group (training forwards)
-  int num_chunks_ = 1;      // options_.exchange_chunks where the exchange is zero_sync, else 1
-  mutable WeightCache fc1_cache_, fc2_cache_;
+  bool zero_sync_ = false;            // options_.ep_dispatch resolved for this layer's group (training forwards)
+  int num_chunks_ = 1;                // options_.exchange_chunks where the exchange is zero_sync, else 1
+  Fp8WeightCache fc1_fp8_, fc2_fp8_;  // expert weights quantized once per optimizer step (layers/fp8_weight.h)
   double bias_update_rate_;
   BiasUpdateRule bias_update_rule_;
   Variable gate_, fc1_, fc2_;

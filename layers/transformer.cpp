@@ -21,12 +21,12 @@ TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_
       scope_("layers." + std::to_string(i)),
       input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})),
       self_attn_(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads, c.rope_theta,
-                 c.initializer_range, out_std(c)) {
+                 c.initializer_range, out_std(c), moe_flow(moe.recipe).fp8_linears) {
   if (is_moe_layer(c, i))
     moe_ = std::make_unique<MoeLayer>(f, c, layer_prefix(i) + ".mlp", moe, device);
   else
     mlp_ = std::make_unique<Mlp>(f, layer_prefix(i) + ".mlp", c.hidden_size, c.intermediate_size, c.initializer_range,
-                                 out_std(c));
+                                 out_std(c), moe_flow(moe.recipe).fp8_linears);
   post_attention_layernorm_ = f.ones(layer_prefix(i) + ".post_attention_layernorm.weight", {c.hidden_size});
 }
 

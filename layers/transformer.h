@@ -4,7 +4,8 @@
 // Parameters are created as f32 weights named as Hugging Face does ("model.layers.0.self_attn.q_proj.weight").
 // The forward computes in `compute` dtype: f32 on the CPU; bf16 on the GPU, where each f32 weight is cast per
 // use (a bf16 one, which training may store, is read as it is) and its gradient returns to f32. Init is seeded
-// and identical on every device.
+// and identical on every device. The MoE options' recipe also sets the other linears' precision: fp8_full runs
+// the attention projections and dense MLPs in FP8 (MoeFlow::fp8_linears); the embedding, norms and head stay.
 #pragma once
 #include <functional>
 #include <memory>

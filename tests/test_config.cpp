@@ -420,12 +420,43 @@ TEST(Config, Fp8RecipesNeedMoeLayers) {
   m = parse_error(moe, {"model.first_k_dense_replace=1", "model.moe_intermediate_size=192"});
   EXPECT_HAS(m, "--set model.moe_intermediate_size=192: model.moe_intermediate_size: 192 is not a multiple of 128");
   EXPECT_HAS(m, "precision.recipe (bad.yaml:8) = fp8_blockwise");
-  for (const char* recipe : {"fp8_blockwise", "fp8_flow"}) {
+  for (const char* recipe : {"fp8_blockwise", "fp8_flow", "fp8_full"}) {
     Config c =
         parse_config(moe, "ok.yaml", {"model.first_k_dense_replace=1", std::string("precision.recipe=") + recipe});
     EXPECT_EQ(c.precision.recipe, recipe);
   }
   EXPECT_EQ(parse_config(moe, "ok.yaml", {"precision.recipe=bf16"}).model.first_k_dense_replace, 2);
+}
+
+// fp8_full runs the dense linears in FP8 too: a dense model takes it, and a width or a sequence length its FP8
+// GEMMs cannot take is refused at its key, naming the value and the recipe's line; a width no FP8 GEMM of the
+// model reads is not checked.
+TEST(Config, Fp8FullChecksEveryFp8Linear) {
+  const std::string dense =
+      "model:\n  hidden_size: 128\n  intermediate_size: 384\ndata:\n  seq_len: 64\nprecision:\n  recipe: fp8_full\n";
+  EXPECT_EQ(parse_config(dense, "ok.yaml").precision.recipe, "fp8_full");
+  std::string m = parse_error(dense, {"model.intermediate_size=200"});
+  EXPECT_HAS(m, "--set model.intermediate_size=200: model.intermediate_size: 200 is not a multiple of 128");
+  EXPECT_HAS(m, "precision.recipe (bad.yaml:7) = fp8_full needs: it runs the dense MLPs' GEMMs");
+  m = parse_error(dense, {"data.seq_len=100"});
+  EXPECT_HAS(m,
+             "--set data.seq_len=100: data.seq_len: 100 is not a multiple of 16, which precision.recipe (bad.yaml:7)");
+  m = parse_error("model:\n  hidden_size: 192\n  num_attention_heads: 4\nprecision:\n  recipe: fp8_full\n");
+  EXPECT_HAS(m, "bad.yaml:2: model.hidden_size: 192 is not a multiple of 128");
+  EXPECT_HAS(m, "every linear but the routers and the LM head");
+  // All blocks MoE: intermediate_size serves no block; the experts' width does.
+  const std::string moe =
+      "model:\n  hidden_size: 128\n  intermediate_size: 200\n  n_routed_experts: 8\n  moe_intermediate_size: 128\n"
+      "data:\n  seq_len: 32\nprecision:\n  recipe: fp8_full\n";
+  EXPECT_EQ(parse_config(moe, "ok.yaml").model.intermediate_size, 200);
+  m = parse_error(moe, {"model.moe_intermediate_size=192"});
+  EXPECT_HAS(m, "model.moe_intermediate_size: 192 is not a multiple of 128");
+  m = parse_error(moe, {"model.first_k_dense_replace=1"});
+  EXPECT_HAS(m, "model.intermediate_size: 200 is not a multiple of 128");
+  // The other FP8 recipes run no dense FP8 GEMM: neither key binds them.
+  for (const char* recipe : {"fp8_blockwise", "fp8_flow"})
+    EXPECT_EQ(parse_config(moe, "ok.yaml", {std::string("precision.recipe=") + recipe, "data.seq_len=40"}).data.seq_len,
+              40);
 }
 
 // Products of sizes at the top of their ranges are checked without overflowing int64.

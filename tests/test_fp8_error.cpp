@@ -141,8 +141,9 @@ TEST(Fp8Error, TheStudyOfATinyMoeCheckpointNamesEveryExpertGemm) {
   }
   EXPECT_NEAR(s.pooled.ratio(), 1.0, 0.1);
   EXPECT_FALSE(tap_enabled());  // the study's tap is gone with it
-  ASSERT_EQ(s.recipe_losses.size(), 3u);
+  ASSERT_EQ(s.recipe_losses.size(), 4u);
   EXPECT_EQ(s.recipe_losses[0].first, "bf16");
+  EXPECT_EQ(s.recipe_losses[3].first, "fp8_full");
   for (const auto& [recipe, loss] : s.recipe_losses)  // the same weights: FP8 moves the loss a little
     EXPECT_NEAR(loss, s.recipe_losses[0].second, 0.05 * s.recipe_losses[0].second) << recipe;
 
@@ -152,6 +153,12 @@ TEST(Fp8Error, TheStudyOfATinyMoeCheckpointNamesEveryExpertGemm) {
   EXPECT_EQ(step3.num_batches, 1);
   EXPECT_EQ(step3.num_tokens, 4 * 32);
   EXPECT_THROW(fp8_error_study(cfg, trained.last_checkpoint, 1, 5), ConfigError);  // the run has 4 steps
+  // Sequences fp8_full's dense FP8 GEMMs cannot take: its loss is left out, the others' stay.
+  Config odd = cfg;
+  odd.data.seq_len = 40;
+  const Fp8ErrorStudy without_full = fp8_error_study(odd, trained.last_checkpoint, 1);
+  ASSERT_EQ(without_full.recipe_losses.size(), 3u);
+  EXPECT_EQ(without_full.recipe_losses[2].first, "fp8_flow");
 
   // The command: the table, the JSON file, and its usage errors.
   const std::string cmd = std::string(FLOWMOE_BINARY_DIR) + "/flowmoe fp8-error --config " + FLOWMOE_SOURCE_DIR +
@@ -165,6 +172,7 @@ TEST(Fp8Error, TheStudyOfATinyMoeCheckpointNamesEveryExpertGemm) {
   EXPECT_EQ(j["pooled"]["weight"].as<std::string>(), "all");
   EXPECT_GT(j["pooled"]["wgrad_rel_err"]["requantize"].as<double>(), 0);
   EXPECT_GT(j["lm_loss"]["fp8_flow"].as<double>(), 0);
+  EXPECT_GT(j["lm_loss"]["fp8_full"].as<double>(), 0);
   EXPECT_EQ(WEXITSTATUS(std::system((cmd + " --batches 0 2>/dev/null").c_str())), 2);
   EXPECT_EQ(WEXITSTATUS(std::system((cmd + " --bogus 2>/dev/null").c_str())), 2);
   EXPECT_EQ(WEXITSTATUS(std::system((cmd + " --train-step 1000 2>/dev/null").c_str())), 2);  // past train.steps

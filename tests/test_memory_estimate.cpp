@@ -159,6 +159,7 @@ TEST(MemoryEstimate, MoeTrainingIsNearTheMeasuredPeak) {
 TEST(MemoryEstimate, Fp8MoeTrainingIsNearTheMeasuredPeak) {
   const fs::path d = fresh_dir("memory_fp8");
   expect_estimate_near_peak(run_config(kFp8Moe, d / "flow", {"precision.recipe=fp8_flow"}), "moe fp8_flow");
+  expect_estimate_near_peak(run_config(kFp8Moe, d / "full", {"precision.recipe=fp8_full"}), "moe fp8_full");
   expect_estimate_near_peak(
       run_config(kFp8Moe, d / "recompute", {"precision.recipe=fp8_blockwise", "train.recompute=moe_expert"}),
       "moe fp8_blockwise recompute");
@@ -178,6 +179,7 @@ TEST(MemoryEstimate, GpuTrainingIsNearTheMeasuredPeak) {
   expect_estimate_near_peak(run_config(kMoe, d / "moe", with({"train.grad_accum_steps=2"})),
                             "gpu moe bf16, 2 micro-batches");
   expect_estimate_near_peak(run_config(kFp8Moe, d / "flow", with({"precision.recipe=fp8_flow"})), "gpu moe fp8_flow");
+  expect_estimate_near_peak(run_config(kFp8Moe, d / "full", with({"precision.recipe=fp8_full"})), "gpu moe fp8_full");
   fs::remove_all(d);
 }
 

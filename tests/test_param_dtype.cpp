@@ -34,12 +34,13 @@ void expect_same_checkpoints(const fs::path& a, const fs::path& b) {
 
 // bf16 weights with f32 masters against f32 weights cast at each use: the forward reads the same bf16 values
 // and each gradient reaches the f32 sum as the cast's would, so losses, norms, evaluations and checkpoints agree
-// bit for bit. bf16 (a tied embedding too: read by two ops, its two gradients summed in f32) and fp8_flow
-// (whose expert weights stay f32: they are quantized from it); the step graphed, as by default.
+// bit for bit. bf16 (a tied embedding too: read by two ops, its two gradients summed in f32), fp8_flow
+// (whose expert weights stay f32: they are quantized from it) and fp8_full (so do its attention, dense MLP and
+// shared expert weights); the step graphed, as by default.
 TEST(ParamDtypeCuda, Bf16WeightsTrainAsF32WeightsCastAtUse) {
   FLOWMOE_REQUIRE_CUDA();
   const fs::path d = fresh_dir("param_dtype");
-  for (const std::string recipe : {"bf16", "fp8_flow"}) {
+  for (const std::string recipe : {"bf16", "fp8_flow", "fp8_full"}) {
     SCOPED_TRACE(recipe);
     const std::vector<std::string> sets = {"precision.recipe=" + recipe, std::string("model.tie_word_embeddings=") +
                                                                              (recipe == "bf16" ? "true" : "false")};

@@ -115,11 +115,14 @@ TEST(SideBranch, ACheckpointInTheBranchStaysThere) {
 }
 
 // The MoE layer (shared experts on the side stream) against itself on one stream: the same bits, for 0,
-// 1, 100 and 1000 tokens (sizes not multiples of 128), in each recipe, and no memory left held.
+// 1, 100 and 1000 tokens (sizes not multiples of 128), in each recipe, and no memory left held. fp8_full's
+// shared experts are FP8 linears, whose rows come in multiples of 16: 0, 16, 112 and 1008 tokens; they read
+// the dispatch's quantized x, so their backward adds into that tensor's gradient from the side stream.
 TEST(SideBranchCuda, MoeLayerWithSharedExpertOverlapEqualsOneStream) {
   FLOWMOE_REQUIRE_CUDA();
-  for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow})
-    for (int64_t T : {0, 1, 100, 1000}) {
+  for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow, MoeRecipe::fp8_full})
+    for (int64_t T : recipe == MoeRecipe::fp8_full ? std::vector<int64_t>{0, 16, 112, 1008}
+                                                   : std::vector<int64_t>{0, 1, 100, 1000}) {
       SCOPED_TRACE(std::string(moe_recipe_name(recipe)) + ", T=" + std::to_string(T));
       const ModelConfig c = moe_test_config(16, 4, 256, 128, 2, 0.05, 4, 2);
       Rng rng(test_seed());

@@ -395,7 +395,7 @@ TEST(TrainerCuda, DeviceStepScalarsMatchTheHostPath) {
 TEST(TrainerCuda, GraphReplayMatchesEagerBitForBit) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device: GPU test skipped";
   fs::path d = fresh_dir("trainer_cuda_graph");
-  for (const std::string recipe : {"bf16", "fp8_flow", "fp8_blockwise"}) {
+  for (const std::string recipe : {"bf16", "fp8_flow", "fp8_blockwise", "fp8_full"}) {
     SCOPED_TRACE("precision.recipe " + recipe);
     auto run = [&](const std::string& mode) {
       Config c =

@@ -54,7 +54,8 @@ struct OptimizerConfig {
 };
 
 struct PrecisionConfig {
-  std::string recipe = "bf16";  // bf16 | fp8_blockwise | fp8_flow (the routed experts' GEMMs; DESIGN.md §1)
+  std::string recipe = "bf16";  // bf16 | fp8_blockwise | fp8_flow (the routed experts' GEMMs) | fp8_full (every
+                                // linear but the routers and the head; DESIGN.md §1, §7)
   int64_t align_size = 16;      // 16 | 32 | 64 | 128
   // auto | f32: the dtype the model's weights are stored in. auto: the compute dtype (bf16 on the GPU) where the
   // forward reads it, with f32 masters in the optimizer; f32: f32 weights, cast at each use.

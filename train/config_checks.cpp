@@ -7,6 +7,7 @@
 #include <sstream>
 #include <utility>
 
+#include "engine/ops/fp8_linear.h"
 #include "kernels/common/error.h"
 #include "layers/moe.h"
 
@@ -145,13 +146,34 @@ void check_parallel(const Config& c, const KeyReport& r) {
                "two ways of putting the exchange beside compute; choose one (dual_microbatch, or exchange_chunks > 1)");
 }
 
-// The FP8 recipes change only the routed experts' fc1 and fc2 GEMMs (layers/moe.cpp; fp8_flow also
+// fp8_blockwise and fp8_flow change only the routed experts' fc1 and fc2 GEMMs (layers/moe.cpp; fp8_flow also
 // quantizes the MoE input before dispatch). Refused where that would leave nothing to change, so a
 // run never reports a recipe it did not use; and before the MoE layer's own shape check, with the key.
+// fp8_full runs every linear but the routers and the LM head in FP8, in dense models too; its dense GEMMs take
+// the batch's tokens as rows, so data.seq_len must give a row count they take.
 void check_precision_recipe(const Config& c, const KeyReport& r) {
   const std::string& recipe = c.precision.recipe;
   if (recipe == "bf16") return;
   const ModelConfig& m = c.model;
+  // FP8 GEMMs use 128x128 weight blocks and 1x128 activation blocks (DESIGN.md §3-4).
+  auto need128 = [&](const char* key, int64_t v, const std::string& gemms) {
+    if (v % 128 != 0)
+      r.err(key, std::to_string(v) + " is not a multiple of 128, which " + r.from("precision.recipe") + " = " + recipe +
+                     " needs: it runs " + gemms + " on FP8 blocks 128 wide");
+  };
+  if (moe_flow(moe_recipe_from_name(recipe)).fp8_linears) {
+    const int64_t moe_layers = num_moe_layers(m), dense_layers = m.num_hidden_layers - moe_layers;
+    need128("model.hidden_size", m.hidden_size, "every linear but the routers and the LM head");
+    if (dense_layers > 0) need128("model.intermediate_size", m.intermediate_size, "the dense MLPs' GEMMs");
+    if (moe_layers > 0) need128("model.moe_intermediate_size", m.moe_intermediate_size, "the experts' GEMMs");
+    if (c.data.seq_len % kFp8LinearRowMultiple != 0)
+      r.err("data.seq_len", std::to_string(c.data.seq_len) + " is not a multiple of " +
+                                std::to_string(kFp8LinearRowMultiple) + ", which " + r.from("precision.recipe") +
+                                " = " + recipe +
+                                " needs: its FP8 linears take a batch's sequences x data.seq_len tokens as rows, and "
+                                "the FP8 GEMMs take row counts in multiples of 16");
+    return;
+  }
   const std::string scope = recipe + " applies only to the routed experts' GEMMs of MoE layers";
   if (m.n_routed_experts == 0)
     r.conflict({"precision.recipe", "model.n_routed_experts"},
@@ -161,14 +183,8 @@ void check_precision_recipe(const Config& c, const KeyReport& r) {
                scope + ", and model.first_k_dense_replace = " + std::to_string(m.first_k_dense_replace) +
                    " keeps all model.num_hidden_layers = " + std::to_string(m.num_hidden_layers) +
                    " blocks dense (use bf16, or fewer dense blocks)");
-  // FP8 GEMMs use 128x128 weight blocks and 1x128 activation blocks (DESIGN.md §3-4).
-  auto need128 = [&](const char* key, int64_t v) {
-    if (v % 128 != 0)
-      r.err(key, std::to_string(v) + " is not a multiple of 128, which " + r.from("precision.recipe") + " = " + recipe +
-                     " needs: it runs the routed experts' GEMMs on FP8 blocks 128 wide");
-  };
-  need128("model.hidden_size", m.hidden_size);
-  need128("model.moe_intermediate_size", m.moe_intermediate_size);
+  need128("model.hidden_size", m.hidden_size, "the routed experts' GEMMs");
+  need128("model.moe_intermediate_size", m.moe_intermediate_size, "the routed experts' GEMMs");
 }
 
 namespace {

@@ -33,7 +33,8 @@ void check_moe_routing(const Config& c, const KeyReport& r);
 void check_data_source(const Config& c, const KeyReport& r);
 // The learning-rate schedule: min_lr below lr, warm-up within the run.
 void check_lr_schedule(const Config& c, const KeyReport& r);
-// An FP8 recipe needs MoE layers to act on, and 128-wide widths for its FP8 blocks.
+// An FP8 recipe needs layers to act on (MoE layers, but for fp8_full), 128-wide widths for its FP8 blocks, and
+// (fp8_full) a data.seq_len its dense FP8 GEMMs take.
 void check_precision_recipe(const Config& c, const KeyReport& r);
 // The largest activations of one micro-batch must stay indexable with int64 byte counts.
 void check_tensor_sizes(const Config& c, const KeyReport& r);

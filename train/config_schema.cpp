@@ -209,11 +209,15 @@ const std::vector<Field>& schema() {
                        "multiplies the learning rate of the MoE routers' gate weights (*.mlp.gate.weight); 1 trains "
                        "them like every other matrix"));
     // precision
-    f.push_back(
-        choice("precision", "recipe", FLOWMOE_CONFIG_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow"},
-               "routed-expert GEMM precision: bf16 (fp32 on CPU); fp8_blockwise (FP8 GEMMs, each quantizing its own "
-               "inputs); fp8_flow (quantize once before dispatch, FP8 through the experts). FP8 needs MoE layers and "
-               "hidden_size, moe_intermediate_size multiples of 128. Master weights and gradients stay fp32"));
+    f.push_back(choice(
+        "precision", "recipe", FLOWMOE_CONFIG_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow", "fp8_full"},
+        "GEMM precision: bf16 (fp32 on CPU); fp8_blockwise (the routed experts' GEMMs in FP8, each quantizing "
+        "its own inputs); fp8_flow (quantize once before dispatch, FP8 through the experts); fp8_full "
+        "(fp8_flow, and the attention projections, dense MLPs and shared experts in FP8 too; the embedding, "
+        "routers, norms, attention core and LM head stay). fp8_blockwise and fp8_flow need MoE layers; the "
+        "FP8 recipes need hidden_size and the FP8 GEMMs' widths (moe_intermediate_size; fp8_full also "
+        "intermediate_size) multiples of 128, fp8_full also data.seq_len a multiple of 16. Master weights and "
+        "gradients stay fp32"));
     Field align{"precision",
                 "align_size",
                 Kind::int_choice,

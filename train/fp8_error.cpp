@@ -187,6 +187,17 @@ std::vector<Batch> study_batches(const Config& cfg, DataLoader& data, int64_t nu
   return batches;
 }
 
+// Whether the config's shapes take `recipe` (fp8_full's dense FP8 GEMMs need more of them than the experts' do).
+bool admits_recipe(Config cfg, const std::string& recipe) {
+  cfg.precision.recipe = recipe;
+  try {
+    validate(cfg);
+  } catch (const ConfigError&) {
+    return false;
+  }
+  return true;
+}
+
 // The mean LM loss of `batches` under `recipe` through the weights and buffers of `loaded`, the same
 // model in another recipe (no graph; the checkpoint is not read again).
 double recipe_loss(Config cfg, const std::string& recipe, const Transformer& loaded,
@@ -252,8 +263,8 @@ Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t
   }
   study.pooled.weight = "all";
   study.recipe_losses.push_back({"bf16", bf16_loss});  // the tapped pass is the bf16 forward
-  for (const char* recipe : {"fp8_blockwise", "fp8_flow"})
-    study.recipe_losses.push_back({recipe, recipe_loss(cfg, recipe, model, batches)});
+  for (const char* recipe : {"fp8_blockwise", "fp8_flow", "fp8_full"})
+    if (admits_recipe(cfg, recipe)) study.recipe_losses.push_back({recipe, recipe_loss(cfg, recipe, model, batches)});
   return study;
 }
 

@@ -59,7 +59,8 @@ struct Fp8ErrorStudy {
   std::string split;               // "validation" or "training"
   std::vector<GemmErrorRow> rows;  // layer order, fc1 before fc2
   GemmErrorRow pooled;             // every row's sums added
-  // The batches' mean LM loss through the same weights in each recipe: how much of a loss gap
+  // The batches' mean LM loss through the same weights in each recipe (bf16, fp8_blockwise, fp8_flow, and fp8_full
+  // where the config takes it): how much of a loss gap
   // between two runs the arithmetic of one step makes, apart from their weights having drifted apart.
   std::vector<std::pair<std::string, double>> recipe_losses;
 };
@@ -67,7 +68,8 @@ struct Fp8ErrorStudy {
 // Runs num_batches batches of the config's data (its validation split, else its first training
 // windows; with train_step N > 0, the micro-batches the run trained on at step N) forward and backward
 // in bf16 through the weights of `checkpoint`, one process, and measures every expert GEMM; then the
-// same batches' loss in each recipe. Throws ConfigError for a model without routed experts.
+// same batches' loss in each FP8 recipe its shapes take (fp8_full's only where its dense widths and data.seq_len
+// suit FP8 GEMMs). Throws ConfigError for a model without routed experts.
 // The bf16 recipe keeps the operands unquantized, so the f64 reference has no FP8 error in it. (It applies the
 // routing probs at combine, so fc2's dy carries them where fp8_flow's fc2 input does; fc1's operands are the same
 // in both.)

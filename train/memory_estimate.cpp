@@ -121,7 +121,8 @@ int64_t saturate(double count) { return count < 9.2e18 ? int64_t(count) : std::n
 // In bytes: 4 P f32 master weights on every device, + 8 E per MoE layer (expert_bias, counts).
 // GPU: 2 (P - P_x - routers): each op keeps the bf16 copy of the weight it was cast for until backward (a tied
 // embedding is cast twice); with the bf16 recipe also 2 P_x, grouped_linear's bf16 copy of the experts.
-// FP8 recipes (CPU and GPU): 2 P_x + scales, the cached FP8 expert weights and their transpose.
+// FP8 recipes (CPU and GPU): 2 P_x + scales, the cached FP8 expert weights and their transpose; fp8_full keeps
+// the same of its FP8 linears' weights (attention, dense MLPs, shared experts), which count into P_x here.
 // precision.param_dtype auto trains on the GPU with the model's weights in the compute dtype instead, a P (4 for
 // what the forward reads in f32: routers, FP8 experts), and their f32 masters in the optimizer, 4 P; nothing is
 // cast at use. A sharded optimizer (train/grad_reducer.h) keeps the masters of this rank's segments alone, of
@@ -129,19 +130,23 @@ int64_t saturate(double count) { return count < 9.2e18 ? int64_t(count) : std::n
 double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu, MemoryUse use,
                     const OptimizerShards& shards) {
   const bool fp8 = cfg.precision.recipe != "bf16";
+  const bool fp8_linears = moe_flow(moe_recipe_from_name(cfg.precision.recipe)).fp8_linears;
   const bool sharded = use == MemoryUse::train && shards.any();
   const bool narrow = gpu && use == MemoryUse::train && cfg.precision.param_dtype != "f32";
   const bool keeps_casts = gpu && use == MemoryUse::train && !narrow;
   double bytes = 0;
   for (const ParamGroup& g : groups) {
-    const bool reads_f32 = g.role == Role::router || (g.role == Role::routed_expert && fp8);
+    const bool fp8_weight =
+        (g.role == Role::routed_expert && fp8) ||
+        (fp8_linears && (g.role == Role::attention || g.role == Role::dense_mlp || g.role == Role::shared_expert));
+    const bool reads_f32 = g.role == Role::router || fp8_weight;
     const bool stored_narrow = narrow && !reads_f32;
     bytes += allocated_bytes({{g.count, g.elements, stored_narrow ? 2.0 : 4.0}}, gpu);
     if (sharded)
       bytes += allocated_bytes({{g.count, g.elements / shard_ranks(g, shards), 4}}, gpu);
     else if (stored_narrow)
       bytes += allocated_bytes({{g.count, g.elements, 4}}, gpu);
-    if (g.role == Role::routed_expert && fp8) {
+    if (fp8_weight) {
       for (int copy = 0; copy < 2; ++copy)  // the quantized weight and its transpose, with 128x128 scales
         bytes += allocated_bytes({{g.count, g.elements, 1}, {g.count, g.elements / (128 * 128), 4}}, gpu);
     } else if (keeps_casts && g.role != Role::router) {

@@ -43,7 +43,7 @@ Device resolve_device(const Config& cfg) {
 }
 
 DType compute_dtype_for(Device device) {
-  // Every recipe computes in bf16 on the GPU outside the FP8 expert GEMMs (and fp32 on the CPU).
+  // Every recipe computes in bf16 on the GPU outside its FP8 GEMMs (and fp32 on the CPU).
   return device.is_cuda() ? DType::bf16 : DType::f32;
 }
 

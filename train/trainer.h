@@ -25,9 +25,10 @@ namespace flowmoe {
 // train.device resolved: auto picks cuda:0 when a GPU is usable. Throws ConfigError naming
 // train.device when cuda is asked for and not available.
 Device resolve_device(const Config& cfg);
-// bf16 on the GPU (every recipe: FP8 is confined to the MoE expert GEMMs), f32 on the CPU.
+// bf16 on the GPU (every recipe: FP8 is confined to the recipe's FP8 GEMMs), f32 on the CPU.
 DType compute_dtype_for(Device device);
-// The MoE layers' options a run's config asks for (precision.recipe, precision.align_size, train.recompute).
+// The MoE layers' options a run's config asks for (precision.recipe, precision.align_size, train.recompute); the
+// recipe also sets the other linears' precision (fp8_full, layers/transformer.h).
 MoeOptions moe_options(const Config& cfg);
 // The same on the ranks of `ps`: with expert-parallel size > 1, the layers hold this rank's experts.
 MoeOptions moe_options(const Config& cfg, const ParallelState& ps);

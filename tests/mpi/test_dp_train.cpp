@@ -9,7 +9,7 @@
 //  - bf16 (f32 on the CPU): every loss within rel 2e-5. One f32 rounding is 6e-8 relative; a sum of
 //    n terms taken in another order moves by about sqrt(n) of them, and 20 AdamW steps carry that
 //    along without growing it much (measured: at most 3e-7).
-//  - fp8_blockwise, fp8_flow: within rel 5e-3. A rank's forward sees B/N sequences, so the 1x128
+//  - fp8_blockwise, fp8_flow, fp8_full: within rel 5e-3. A rank's forward sees B/N sequences, so the 1x128
 //    column blocks that scale its wgrad operands hold other tokens than one forward of B; and an f32
 //    ulp in a weight can move a value across an e4m3 rounding boundary (3 mantissa bits: a step of
 //    6-12% of it), which later steps carry on. Both are the FP8 recipes' own noise (fp8_flow costs up

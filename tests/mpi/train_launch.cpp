@@ -20,11 +20,12 @@ const std::string kConfig = std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny_moe
 
 void PrintTo(const Recipe& r, std::ostream* os) { *os << r.name; }
 
-const Recipe kRecipes[3] = {
+const Recipe kRecipes[4] = {
     {"bf16", "--set precision.recipe=bf16 --set train.grad_accum_steps=2 --set model.aux_loss_alpha=0.01", kF32Rel,
      false},
     {"fp8_blockwise", "--set precision.recipe=fp8_blockwise", kFp8Rel, true},
     {"fp8_flow", "--set precision.recipe=fp8_flow", kFp8Rel, true},
+    {"fp8_full", "--set precision.recipe=fp8_full", kFp8Rel, true},
 };
 
 std::string read_text(const fs::path& p) {

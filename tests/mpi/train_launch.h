@@ -66,7 +66,7 @@ struct Recipe {
 void PrintTo(const Recipe& r, std::ostream* os);  // test names and messages, not bytes
 // bf16 also accumulates two micro-batches and adds the balance loss: the means over ranks, micro-
 // batches and tokens must still give the single process's gradient.
-extern const Recipe kRecipes[3];  // bf16, fp8_blockwise, fp8_flow
+extern const Recipe kRecipes[4];  // bf16, fp8_blockwise, fp8_flow, fp8_full
 
 struct Agreement {
   double max_abs = 0, max_rel = 0;
