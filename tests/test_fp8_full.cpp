@@ -103,7 +103,8 @@ TEST(Fp8Full, Fp8FlowRunsNoDenseFp8Linear) {
     for (size_t i = 0; i < shards.size(); ++i) {
       const std::string& n = model.parameters()[i].name();
       const bool dense_fp8 = n.find("_proj.weight") != std::string::npos;
-      const bool expert_or_router = n.find(".experts.fc") != std::string::npos || n.find(".gate.weight") != std::string::npos;
+      const bool expert_or_router =
+          n.find(".experts.fc") != std::string::npos || n.find(".gate.weight") != std::string::npos;
       EXPECT_EQ(shards[i].reads_f32, expert_or_router || (r == MoeRecipe::fp8_full && dense_fp8)) << n;
     }
     if (r == MoeRecipe::fp8_full) continue;

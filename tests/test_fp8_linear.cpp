@@ -82,7 +82,7 @@ LinearRun run_fp8_linear(const Tensor& x, const Tensor& w, const Tensor& dy, Dev
   reset_cast_counts();
   y.backward(dy.to(device).to(y.dtype()));
   LinearRun r{y.data().to(Device::cpu()).to(DType::f32), xv.grad().to(Device::cpu()).to(DType::f32),
-        wv.grad().to(Device::cpu()), cast_counts(), num_host_syncs() - syncs};
+              wv.grad().to(Device::cpu()), cast_counts(), num_host_syncs() - syncs};
   return r;
 }
 
@@ -160,14 +160,18 @@ TEST(Fp8LinearCpu, MatchesTheFp8ProductsOfItsOperands) {
     EXPECT_TRUE(bit_equal(dequantize_tensor(wq.q_t, DType::f32, "").reshape({s.k, s.n}),
                           dequantize_tensor(wq.q, DType::f32, "").reshape({s.n, s.k}).transpose(0, 1).contiguous()))
         << "the dgrad weight is the exact transpose";
-    const Mat dyc = deq(fp8_transpose(dyq, std::vector<int64_t>{})), xc = deq(fp8_transpose(xq, std::vector<int64_t>{}));
+    const Mat dyc = deq(fp8_transpose(dyq, std::vector<int64_t>{})),
+              xc = deq(fp8_transpose(xq, std::vector<int64_t>{}));
     Mat y, y_abs, dx, dx_abs, dw, dw_abs;
-    products(s.m, s.n, s.k, [&](int64_t i, int64_t p) { return xh.at(i, p); },
-             [&](int64_t j, int64_t p) { return wh.at(j, p); }, y, y_abs);
-    products(s.m, s.k, s.n, [&](int64_t i, int64_t p) { return dyh.at(i, p); },
-             [&](int64_t j, int64_t p) { return wh.at(p, j); }, dx, dx_abs);
-    products(s.n, s.k, s.m, [&](int64_t i, int64_t p) { return dyc.at(p, i); },
-             [&](int64_t j, int64_t p) { return xc.at(p, j); }, dw, dw_abs);
+    products(
+        s.m, s.n, s.k, [&](int64_t i, int64_t p) { return xh.at(i, p); },
+        [&](int64_t j, int64_t p) { return wh.at(j, p); }, y, y_abs);
+    products(
+        s.m, s.k, s.n, [&](int64_t i, int64_t p) { return dyh.at(i, p); },
+        [&](int64_t j, int64_t p) { return wh.at(p, j); }, dx, dx_abs);
+    products(
+        s.n, s.k, s.m, [&](int64_t i, int64_t p) { return dyc.at(p, i); },
+        [&](int64_t j, int64_t p) { return xc.at(p, j); }, dw, dw_abs);
     EXPECT_TRUE(within(r.y, y, accumulation_bound(y, y_abs, s.k), "y"));
     EXPECT_TRUE(within(r.dx, dx, accumulation_bound(dx, dx_abs, s.n), "dx"));
     EXPECT_TRUE(within(r.dw, dw, accumulation_bound(dw, dw_abs, s.m), "dW"));
@@ -181,16 +185,18 @@ TEST(Fp8LinearCpu, GradientsStayWithinE4m3sStepOfTheDequantizedComposition) {
     const Tensor x = make_x(gen, s.m, s.k, true), w = make_w(gen(), s.n, s.k), dy = make_dy(gen, s.m, s.n);
     const LinearRun r = run_fp8_linear(x, w, dy, Device::cpu());
     const Tensor xq = quantize_rowwise_tensor(x, "ref"), dyq = quantize_rowwise_tensor(dy, "ref");
-    const Mat xh = deq(xq), wh = mat(dequantize_tensor(quantize_linear_weight(w, "ref").q, DType::f32, "")
-                                         .reshape({s.n, s.k}));
+    const Mat xh = deq(xq),
+              wh = mat(dequantize_tensor(quantize_linear_weight(w, "ref").q, DType::f32, "").reshape({s.n, s.k}));
     const Mat d = mat(dy);
 
     // The composition's analytic gradients, checked by central differences of L = Σ dy ⊙ (x̂·Ŵᵀ).
     Mat dx, dx_abs, dw, dw_abs;
-    products(s.m, s.k, s.n, [&](int64_t i, int64_t p) { return d.at(i, p); },
-             [&](int64_t j, int64_t p) { return wh.at(p, j); }, dx, dx_abs);
-    products(s.n, s.k, s.m, [&](int64_t i, int64_t p) { return d.at(p, i); },
-             [&](int64_t j, int64_t p) { return xh.at(p, j); }, dw, dw_abs);
+    products(
+        s.m, s.k, s.n, [&](int64_t i, int64_t p) { return d.at(i, p); },
+        [&](int64_t j, int64_t p) { return wh.at(p, j); }, dx, dx_abs);
+    products(
+        s.n, s.k, s.m, [&](int64_t i, int64_t p) { return d.at(p, i); },
+        [&](int64_t j, int64_t p) { return xh.at(p, j); }, dw, dw_abs);
     // L and Σ|terms| (the difference's f64 rounding is about 2^-52·Σ|terms| per evaluation).
     auto loss = [&](const Mat& a, const Mat& b) {
       double l = 0, l_abs = 0;
@@ -223,7 +229,8 @@ TEST(Fp8LinearCpu, GradientsStayWithinE4m3sStepOfTheDequantizedComposition) {
     }
 
     // Per-element FP8 error bounds: e(v) = 2^-4·|v| + 2^-10·s (rowwise quantize), + 2^-10·S (transpose).
-    const std::vector<double> sdy = dyq.fp8_scales()->scale_inv.to_doubles(), sx = xq.fp8_scales()->scale_inv.to_doubles();
+    const std::vector<double> sdy = dyq.fp8_scales()->scale_inv.to_doubles(),
+                              sx = xq.fp8_scales()->scale_inv.to_doubles();
     auto block_max = [&](const std::vector<double>& scales, int64_t cols, int64_t i, int64_t j) {
       const int64_t nb = fp8_num_blocks(cols), b = j / 128, r0 = i / 128 * 128;
       double S = 0;
@@ -307,15 +314,20 @@ TEST(Fp8LinearCpu, RefusesShapesItCannotRun) {
   const Tensor w = make_w(2, 128, 128);
   Variable wv(w, true, "w");
   const QuantizedWeight wq = quantize_linear_weight(w, "w");
-  EXPECT_TRUE(throws_naming<DTypeError>([&] { fp8_linear(Variable(make_x(gen, 16, 128, false)), wv, wq, "p"); },
-                                        {"e4m3"}));
+  EXPECT_TRUE(
+      throws_naming<DTypeError>([&] { fp8_linear(Variable(make_x(gen, 16, 128, false)), wv, wq, "p"); }, {"e4m3"}));
   EXPECT_TRUE(throws_naming<DTypeError>(
-      [&] { fp8_linear(quantize_rowwise(Variable(make_x(gen, 16, 128, false)), "x"), Variable(w.to(DType::bf16)), wq, "p"); },
+      [&] {
+        fp8_linear(quantize_rowwise(Variable(make_x(gen, 16, 128, false)), "x"), Variable(w.to(DType::bf16)), wq, "p");
+      },
       {"'p'", "f32 master [N, K]"}));
   EXPECT_TRUE(throws_naming<ShapeError>(
       [&] { fp8_linear(quantize_rowwise(Variable(make_x(gen, 16, 256, false)), "x"), wv, wq, "p"); }, {"[M, 128]"}));
-  EXPECT_TRUE(throws_naming<ShapeError>([&] { quantize_linear_weight(Tensor::zeros({1, 128, 128}, DType::f32), "w3"); },
-                                        {"w3", "[N, K]"}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] {
+        quantize_linear_weight(Tensor::zeros({1, 128, 128}, DType::f32), "w3");
+      },
+      {"w3", "[N, K]"}));
 }
 
 // The GPU path (one cuBLASLt call per GEMM over host counts, the transposes' kernels) against the CPU reference
@@ -324,8 +336,8 @@ TEST(Fp8LinearCpu, RefusesShapesItCannotRun) {
 TEST(Fp8LinearCuda, MatchesCpu) {
   FLOWMOE_REQUIRE_CUDA();
   std::mt19937_64 gen(test_seed());
-  for (const Shape3& s : {Shape3{16, 128, 128}, Shape3{48, 256, 384}, Shape3{272, 384, 256}, Shape3{0, 128, 256},
-                          Shape3{1024, 512, 640}})
+  for (const Shape3& s :
+       {Shape3{16, 128, 128}, Shape3{48, 256, 384}, Shape3{272, 384, 256}, Shape3{0, 128, 256}, Shape3{1024, 512, 640}})
     for (bool edges : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "M " << s.m << " K " << s.k << " N " << s.n << (edges ? " edges" : ""));
       const Tensor x = make_x(gen, s.m, s.k, edges), w = make_w(gen(), s.n, s.k), dy = make_dy(gen, s.m, s.n);
