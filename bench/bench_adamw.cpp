@@ -2,10 +2,12 @@
 // configs/gpu_moe.yaml): the gradient norm's sums and AdamW with bf16 copies of the matrices (as
 // precision.param_dtype auto writes them), one multi-tensor launch per kTensorsPerLaunch tensors
 // (kernels/adamw.h) against the baseline in the same run, one launch per tensor (two for its norm), both
-// queued from the host and replayed as a CUDA graph (the trainer's step). Bytes = the update's f32 param,
-// grad and moments read, param and moments written, the bf16 copies written, and the norm's gradient read.
-// Ceiling: the device's D2D cudaMemcpyAsync bandwidth (read + written) measured in the same run. Times are
-// medians of event-timed runs. No GPU: prints a skip line and exits 0.
+// queued from the host and replayed as a CUDA graph (the trainer's step); with f32 moments and with bf16
+// moments (optimizer.moment_dtype, stochastically rounded), or the one named: `bench_adamw [f32|bf16]`.
+// Bytes = the update's f32 param and grad read, param written, moments read and written (4 x 4 bytes per
+// parameter in f32, 4 x 2 in bf16), the bf16 copies written, and the norm's gradient read; the table gives
+// them per parameter too. Ceiling: the device's D2D cudaMemcpyAsync bandwidth (read + written) measured in the
+// same run. Times are medians of event-timed runs. No GPU: prints a skip line and exits 0.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "engine/cuda_graph.h"
 #include "engine/tensor.h"
 #include "kernels/adamw.h"
+#include "kernels/common/error.h"
 #include "layers/transformer.h"
 #include "train/config.h"
 
@@ -21,12 +24,12 @@ using namespace flowmoe;
 
 namespace {
 
-// One parameter's buffers: f32 weights, gradient and moments, a bf16 copy for a matrix.
+// One parameter's buffers: f32 weights and gradient, moments of the benchmark's dtype, a bf16 copy for a matrix.
 struct ParamBuffers {
   Tensor param, grad, exp_avg, exp_avg_sq, copy;
 };
 
-std::vector<ParamBuffers> model_buffers(const std::string& config) {
+std::vector<ParamBuffers> model_buffers(const std::string& config, DType moment_dtype) {
   const Config cfg = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/" + config + ".yaml");
   std::vector<Shape> shapes;
   {
@@ -36,9 +39,9 @@ std::vector<ParamBuffers> model_buffers(const std::string& config) {
   std::vector<ParamBuffers> out;
   for (const Shape& shape : shapes) {
     const int64_t n = shape_numel(shape);
-    ParamBuffers b{Tensor::full({n}, 0.01, DType::f32, Device::cuda()),
-                   Tensor::full({n}, 1e-3, DType::f32, Device::cuda()), Tensor::zeros({n}, DType::f32, Device::cuda()),
-                   Tensor::zeros({n}, DType::f32, Device::cuda()), Tensor()};
+    ParamBuffers b{
+        Tensor::full({n}, 0.01, DType::f32, Device::cuda()), Tensor::full({n}, 1e-3, DType::f32, Device::cuda()),
+        Tensor::zeros({n}, moment_dtype, Device::cuda()), Tensor::zeros({n}, moment_dtype, Device::cuda()), Tensor()};
     if (shape.size() >= 2) b.copy = Tensor::zeros({n}, DType::bf16, Device::cuda());
     out.push_back(b);
   }
@@ -63,8 +66,8 @@ Timing time_both(F&& body, cudaStream_t stream) {
   return t;
 }
 
-void run(const std::string& config, double copy_ceiling, cudaStream_t stream) {
-  std::vector<ParamBuffers> bs = model_buffers(config);
+void run(const std::string& config, DType moment_dtype, double copy_ceiling, cudaStream_t stream) {
+  std::vector<ParamBuffers> bs = model_buffers(config, moment_dtype);
   const int64_t num = int64_t(bs.size());
   Tensor slots = Tensor::zeros({num}, DType::f32, Device::cuda()),
          total = Tensor::zeros({1}, DType::f32, Device::cuda());
@@ -72,19 +75,27 @@ void run(const std::string& config, double copy_ceiling, cudaStream_t stream) {
   AdamWStep step;
   step.lr = 1e-4f;
   step.weight_decay = 0.1f;
+  step.update = 1;
+  const double moment_bytes = double(dtype_size(moment_dtype));
   std::vector<AdamWTensor> tensors;
   std::vector<SumSlice> slices;
   double bytes = 0, elements = 0;
   for (int64_t i = 0; i < num; ++i) {
     ParamBuffers& b = bs[size_t(i)];
     const int64_t n = b.param.numel();
-    AdamWTensor t{
-        b.param.data<float>(), b.grad.data<float>(), b.exp_avg.data<float>(), b.exp_avg_sq.data<float>(), n, step, 1.0,
-        WeightCopy{}};
+    AdamWTensor t;
+    t.param = b.param.data<float>();
+    t.grad = b.grad.data<float>();
+    t.exp_avg = b.exp_avg.raw_data();
+    t.exp_avg_sq = b.exp_avg_sq.raw_data();
+    t.n = n;
+    t.step = step;
+    t.moment_dtype = moment_dtype;
+    t.rounding = {rounding_key(1, uint64_t(i)), 0};
     if (b.copy.defined()) t.copy = {b.copy.raw_data(), DType::bf16};
     tensors.push_back(t);
     slices.push_back({b.grad.data<float>(), n, slots.data<float>() + i});
-    bytes += double(n) * (7 * 4 + (b.copy.defined() ? 2 : 0) + 4);
+    bytes += double(n) * (3 * 4 + 4 * moment_bytes + (b.copy.defined() ? 2 : 0) + 4);
     elements += double(n);
   }
   const SumSlice sum_of_slots{slots.data<float>(), num, total.data<float>()};
@@ -92,7 +103,7 @@ void run(const std::string& config, double copy_ceiling, cudaStream_t stream) {
     for (const SumSlice& s : slices) sum_squares_cuda(s.x, s.n, s.out, partials.data<float>(), stream);
     sum_values_cuda(sum_of_slots.x, sum_of_slots.n, sum_of_slots.out, partials.data<float>(), stream);
     for (const AdamWTensor& t : tensors)
-      adamw_cuda(t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.n, t.step, stream, t.copy);
+      adamw_cuda(t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.n, t.step, stream, t.copy, t.moment_dtype, t.rounding);
   };
   auto multi = [&] {
     sum_squares_multi_cuda(slices.data(), num, partials.data<float>(), stream);
@@ -102,8 +113,9 @@ void run(const std::string& config, double copy_ceiling, cudaStream_t stream) {
   const Timing base = time_both(per_tensor, stream), fused = time_both(multi, stream);
   const int64_t launches_base = 3 * num + 2, chunks = (num + kTensorsPerLaunch - 1) / kTensorsPerLaunch;
   const int64_t launches_multi = 3 * chunks + 2;
-  std::printf("%-12s %5lld tensors %7.1fM elements %8.1f MB\n", config.c_str(), (long long)num, elements / 1e6,
-              bytes / 1e6);
+  const char* moments = dtype_name(moment_dtype);
+  std::printf("%-12s %s moments %5lld tensors %7.1fM elements %8.1f MB (%.2f bytes per parameter)\n", config.c_str(),
+              moments, (long long)num, elements / 1e6, bytes / 1e6, bytes / elements);
   const struct {
     const char* name;
     double ms;
@@ -118,17 +130,31 @@ void run(const std::string& config, double copy_ceiling, cudaStream_t stream) {
         "%.2fx\n",
         r.name, r.ms, (long long)r.launches, r.base_ms, (long long)launches_base, rate, rate / copy_ceiling,
         r.base_ms / r.ms);
-    std::printf("BENCH adamw %s %s: %.3f ms, %.1f GB/s (%.3f of copy), %.2fx the per-tensor launches (%.3f ms)\n",
-                config.c_str(), r.name, r.ms, rate, rate / copy_ceiling, r.base_ms / r.ms, r.base_ms);
+    std::printf(
+        "BENCH adamw %s %s moments %s: %.3f ms, %.2f bytes per parameter, %.1f GB/s (%.3f of copy), %.2fx the "
+        "per-tensor launches (%.3f ms)\n",
+        config.c_str(), moments, r.name, r.ms, bytes / elements, rate, rate / copy_ceiling, r.base_ms / r.ms,
+        r.base_ms);
   }
+}
+
+// The moment dtypes named on the command line (none: both).
+std::vector<DType> moment_dtypes(int argc, char** argv) {
+  if (argc < 2) return {DType::f32, DType::bf16};
+  DType t = DType::f32;
+  FLOWMOE_CHECK(argc == 2 && dtype_from_name(argv[1], &t) && (t == DType::f32 || t == DType::bf16), ConfigError,
+                "usage: bench_adamw [f32|bf16] (the moments' dtype; none: both)");
+  return {t};
 }
 
 }  // namespace
 
-int main() {
-  return bench_main("bench_adamw", [](const cudaDeviceProp& prop, cudaStream_t stream) {
+int main(int argc, char** argv) {
+  return bench_main("bench_adamw", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
+    const std::vector<DType> dtypes = moment_dtypes(argc, argv);
     const double copy_ceiling = copy_gbps(stream).queued;
     std::printf("bench_adamw on %s: copy ceiling %.1f GB/s (read + written)\n", prop.name, copy_ceiling);
-    for (const char* config : {"gpu_small", "gpu_moe"}) run(config, copy_ceiling, stream);
+    for (DType moments : dtypes)
+      for (const char* config : {"gpu_small", "gpu_moe"}) run(config, moments, copy_ceiling, stream);
   });
 }

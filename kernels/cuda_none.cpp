@@ -37,10 +37,11 @@
 
 // kernels/adamw.h
 FLOWMOE_NO_CUDA(void, adamw_cuda,
-                (float*, const float*, float*, float*, int64_t, const AdamWStep&, cudaStream_t, WeightCopy))
+                (float*, const float*, void*, void*, int64_t, const AdamWStep&, cudaStream_t, WeightCopy, DType,
+                 MomentRounding))
 FLOWMOE_NO_CUDA(void, adamw_scheduled_cuda,
-                (float*, const float*, float*, float*, int64_t, const AdamWStep&, const StepScalars*, double,
-                 cudaStream_t, WeightCopy))
+                (float*, const float*, void*, void*, int64_t, const AdamWStep&, const StepScalars*, double,
+                 cudaStream_t, WeightCopy, DType, MomentRounding))
 FLOWMOE_NO_CUDA(void, adamw_multi_cuda, (const AdamWTensor*, int64_t, const StepScalars*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, advance_step_cuda,
                 (StepScalars*, const StepSchedule&, const float*, const float*, const float*, const int32_t*,

@@ -202,6 +202,12 @@ TEST(Checkpoint, ResumeOfAnMoeModelRepeatsTheLossSequenceBitForBit) {
        "model.moe_intermediate_size=32", "model.bias_update_rule=proportional", "train.eval_every=3"});
 }
 
+// bf16 moments round stochastically from (train.seed, AdamW's update count, tensor, element): a resumed run
+// draws what the uninterrupted one drew, so it repeats it bit for bit too, its bf16 moment files included.
+TEST(Checkpoint, ResumeWithBf16MomentsRepeatsTheLossSequenceBitForBit) {
+  expect_resume_repeats_bit_for_bit("ckpt_resume_bf16_moments", {"optimizer.moment_dtype=bf16"});
+}
+
 TEST(Checkpoint, ResumeFromAMissingPathIsAConfigError) {
   fs::path d = fresh_dir("ckpt_badresume");
   Config c = tiny_config(d / "run");

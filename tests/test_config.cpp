@@ -276,6 +276,25 @@ TEST(Config, BiasUpdateRuleIsSignOrProportional) {
   EXPECT_HAS(parse_error("model:\n  bias_update_rule: linear\n"), "model.bias_update_rule");
 }
 
+// optimizer.moment_dtype: parsed once into a DType, f32 by default; anything but f32 or bf16 is refused in one
+// line naming the file and line (or the --set), the key and the allowed values; the resolved YAML reads back.
+TEST(Config, MomentDtypeIsF32OrBf16) {
+  EXPECT_EQ(parse_config("", "ok.yaml").optimizer.moment_dtype, DType::f32);
+  Config c = parse_config("optimizer:\n  moment_dtype: bf16\n", "ok.yaml");
+  EXPECT_EQ(c.optimizer.moment_dtype, DType::bf16);
+  EXPECT_HAS(to_yaml(c), "  moment_dtype: bf16\n");
+  EXPECT_EQ(parse_config(to_yaml(c), "resolved.yaml").optimizer.moment_dtype, DType::bf16);
+  EXPECT_EQ(parse_config("", "ok.yaml", {"optimizer.moment_dtype=bf16"}).optimizer.moment_dtype, DType::bf16);
+  for (const char* bad : {"f16", "e4m3", "f64", "BF16", "\"\""}) {
+    const std::string m = parse_error(std::string("optimizer:\n  moment_dtype: ") + bad + "\n");
+    EXPECT_HAS(m, "bad.yaml:2: optimizer.moment_dtype: expected one of f32, bf16, got '");
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+  EXPECT_HAS(parse_error("optimizer:\n  moment_dtype: bf61\n"), "(did you mean 'bf16'?)");
+  EXPECT_HAS(parse_error("", {"optimizer.moment_dtype=fp16"}),
+             "--set optimizer.moment_dtype=fp16: optimizer.moment_dtype: expected one of f32, bf16");
+}
+
 TEST(Config, SetOverridesAreValidatedTheSameWay) {
   Config c = parse_config("train:\n  steps: 50\n", "base.yaml",
                           {"train.steps=7", "optimizer.lr=1e-4", "optimizer.min_lr=0", "optimizer.warmup_steps=2"});

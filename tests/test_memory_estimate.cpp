@@ -216,6 +216,16 @@ TEST(MemoryEstimate, GpuAndFp8TermsFollowWhatTheyKeep) {
   EXPECT_NEAR(estimate_memory(dense, Device::cuda(0)).weight_bytes, 6 * P, 0.01 * 6 * P);
   const Config dense_f32 = run_config(kDense, d, {"precision.param_dtype=f32"});
   EXPECT_NEAR(estimate_memory(dense_f32, Device::cuda(0)).weight_bytes, 6 * P, 0.01 * 6 * P);
+  // AdamW's two moments: 8 bytes per parameter in f32, 4 in bf16 (optimizer.moment_dtype), on either device;
+  // nothing else changes.
+  const Config dense_bf16_moments = run_config(kDense, d, {"optimizer.moment_dtype=bf16"});
+  for (Device device : {Device::cpu(), Device::cuda(0)}) {
+    const MemoryEstimate f32 = estimate_memory(dense, device), bf16 = estimate_memory(dense_bf16_moments, device);
+    EXPECT_NEAR(f32.optimizer_bytes, 8 * P, 0.01 * 8 * P);
+    EXPECT_NEAR(bf16.optimizer_bytes, 4 * P, 0.01 * 4 * P);
+    EXPECT_EQ(bf16.weight_bytes + bf16.gradient_bytes + bf16.activation_bytes,
+              f32.weight_bytes + f32.gradient_bytes + f32.activation_bytes);
+  }
   // bf16 activations are half the size of the CPU's f32 ones.
   EXPECT_LT(estimate_memory(dense, Device::cuda(0)).activation_bytes,
             0.6 * estimate_memory(dense, Device::cpu()).activation_bytes);

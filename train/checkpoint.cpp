@@ -141,11 +141,15 @@ std::string latest_checkpoint(const std::string& root) {
   return all.empty() ? "" : all.back().second.string();
 }
 
-// The index of the first NaN or Inf of a host f32 or f64 tensor, or -1 (other dtypes: -1).
+// The index of the first NaN or Inf of a host f32, f64 or bf16 tensor, or -1 (other dtypes: -1).
 static int64_t first_nonfinite(const Tensor& host) {
   const int64_t n = host.numel();
   const Tensor c = host.contiguous();  // kept alive while its data is read
-  if (c.dtype() == DType::f32) {
+  if (c.dtype() == DType::bf16) {
+    const bf16* p = c.data<bf16>();
+    for (int64_t i = 0; i < n; ++i)
+      if ((p[i].bits & 0x7F80) == 0x7F80) return i;  // all exponent bits set: inf or NaN
+  } else if (c.dtype() == DType::f32) {
     const float* p = c.data<float>();
     for (int64_t i = 0; i < n; ++i)
       if (!std::isfinite(p[i])) return i;
@@ -168,14 +172,19 @@ struct CheckpointFile {
   // Reads tensor `name` into `dst`, after checking it is the one expected: rows [offset, offset + rows)
   // of it for a shard of a larger tensor, which are all that is read. A NaN or Inf is refused: resuming
   // from it would train on garbage without a word, since the step only checks the loss and gradients.
-  void fill(Tensor& dst, const std::string& name, const ParamShard* shard = nullptr) {
+  // moment: an AdamW moment, which may be f32 or bf16 in the file and in dst alike (optimizer.moment_dtype may
+  // change between a save and its resume): converted, f32 to bf16 rounded to nearest even, bf16 to f32 exactly.
+  void fill(Tensor& dst, const std::string& name, const ParamShard* shard = nullptr, bool moment = false) {
     const SafetensorsEntry& src = index.entry(name);
     const bool sharded = shard && dst.dim() > 0 && shard->full_rows != dst.size(0);
     Shape want = dst.shape();
     if (sharded) want[0] = shard->full_rows;
-    FLOWMOE_CHECK(src.shape == want && src.dtype == dst.dtype(), IoError, "'", index.path(), "': tensor '", name,
-                  "' is ", dtype_name(src.dtype), shape_str(src.shape), " on cpu, the model expects ",
-                  dtype_name(dst.dtype()), shape_str(want), " (was the checkpoint made with another model config?)");
+    const auto moment_dtype = [](DType t) { return t == DType::f32 || t == DType::bf16; };
+    const bool convertible = moment && moment_dtype(src.dtype) && moment_dtype(dst.dtype());
+    FLOWMOE_CHECK(src.shape == want && (src.dtype == dst.dtype() || convertible), IoError, "'", index.path(),
+                  "': tensor '", name, "' is ", dtype_name(src.dtype), shape_str(src.shape),
+                  " on cpu, the model expects ", dtype_name(dst.dtype()), shape_str(want),
+                  " (was the checkpoint made with another model config?)");
     const Tensor host = sharded ? index.read_rows(name, shard->offset, dst.size(0)) : index.read(name);
     if (!options.allow_nonfinite) {
       const int64_t bad = first_nonfinite(host);
@@ -186,7 +195,7 @@ struct CheckpointFile {
                     bad + (sharded ? shard->offset * row_elems : 0),
                     " (set checkpoint.allow_nonfinite: true to load a checkpoint with NaN or Inf anyway)");
     }
-    dst.copy_(host);
+    dst.copy_(host.to(dst.dtype()));
     used.insert(name);
   }
 
@@ -245,8 +254,8 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
   if (exp_avg || exp_avg_sq) {
     CheckpointFile optim((d / "optimizer.safetensors").string(), options);
     for (size_t i = 0; i < params.size(); ++i) {
-      if (exp_avg) optim.fill((*exp_avg)[i], params[i].name() + ".exp_avg", shard(i));
-      if (exp_avg_sq) optim.fill((*exp_avg_sq)[i], params[i].name() + ".exp_avg_sq", shard(i));
+      if (exp_avg) optim.fill((*exp_avg)[i], params[i].name() + ".exp_avg", shard(i), true);
+      if (exp_avg_sq) optim.fill((*exp_avg_sq)[i], params[i].name() + ".exp_avg_sq", shard(i), true);
     }
     // Only moments of the model's own parameters count as used; a file read for one of the two
     // moment kinds leaves the other kind out of the check.

@@ -1,8 +1,9 @@
 // Checkpoints: weights and optimizer state in the safetensors format (safetensors.h), plus meta.json.
 // A checkpoint is a directory <root>/step_00000100/ with model.safetensors (fp32 master weights,
-// Hugging Face names), optimizer.safetensors (<name>.exp_avg, <name>.exp_avg_sq) and meta.json
-// (step, optimizer step count, data position, the resolved config). It is written into a temporary
-// directory, every file fsynced, then renamed into place, so a crash never leaves a half checkpoint.
+// Hugging Face names), optimizer.safetensors (<name>.exp_avg, <name>.exp_avg_sq, in
+// optimizer.moment_dtype: f32 or bf16) and meta.json (step, optimizer step count, data position, the
+// resolved config). It is written into a temporary directory, every file fsynced, then renamed into
+// place, so a crash never leaves a half checkpoint.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -63,13 +64,14 @@ std::string latest_checkpoint(const std::string& root);
 // calls it before its first save). Returns their names, sorted; throws IoError if one cannot go.
 std::vector<std::string> remove_stale_checkpoint_tmp(const std::string& root);
 // Fills params (and the moments, when given) from the checkpoint at dir; names, shapes and dtypes
-// must match (IoError names the first that does not). Every tensor of the files read must be used, so
-// a checkpoint of a larger model (more layers, untied embeddings, shared experts) is refused naming
-// the tensors left over, and a weight or moment holding NaN or Inf is refused naming the tensor;
-// `options` relaxes either. A damaged checkpoint throws IoError, never anything else. Returns its meta.
-// shards (one per parameter, or empty: all whole): a sharded parameter and its moments take their rows
-// [offset, offset + rows) of the file's tensor, which must have the full shape, and only those rows
-// are read. A checkpoint holds full tensors, so it loads at any expert-parallel size. Each tensor goes
+// must match (IoError names the first that does not), but for the moments' dtype: an f32 or bf16
+// moment loads into an f32 or bf16 one, converted (f32 to bf16 rounded to nearest even, bf16 to f32
+// exactly). Every tensor of the files read must be used, so a checkpoint of a larger model (more
+// layers, untied embeddings, shared experts) is refused naming the tensors left over, and a weight or
+// moment holding NaN or Inf is refused naming the tensor; `options` relaxes either. A damaged checkpoint throws
+// IoError, never anything else. Returns its meta. shards (one per parameter, or empty: all whole): a sharded parameter
+// and its moments take their rows [offset, offset + rows) of the file's tensor, which must have the full shape, and
+// only those rows are read. A checkpoint holds full tensors, so it loads at any expert-parallel size. Each tensor goes
 // from the file to its parameter through a host copy of its own: the host never holds the file.
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
                                std::vector<Tensor>* exp_avg = nullptr, std::vector<Tensor>* exp_avg_sq = nullptr,

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/common/dtype.h"
 #include "layers/model_config.h"
 
 namespace flowmoe {
@@ -51,6 +52,8 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double grad_clip = 1.0;        // 0 disables clipping
   double router_lr_scale = 1.0;  // multiplies the learning rate of the MoE routers' gate weights
+  // f32 | bf16: AdamW's exp_avg and exp_avg_sq (kernels/adamw.h)
+  DType moment_dtype = DType::f32;
 };
 
 struct PrecisionConfig {

@@ -44,6 +44,13 @@ Field choice(const char* s, const char* k, std::function<FieldRef(Config&)> r, s
   return Field{s, k, Kind::choice, 0, 0, false, false, std::move(choices), doc, std::move(r)};
 }
 
+Field dtype(const char* s, const char* k, std::function<FieldRef(Config&)> r, std::vector<DType> choices,
+            const char* doc) {
+  std::vector<std::string> names;
+  for (DType t : choices) names.push_back(dtype_name(t));
+  return Field{s, k, Kind::dtype, 0, 0, false, false, std::move(names), doc, std::move(r)};
+}
+
 size_t edit_distance(const std::string& a, const std::string& b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
@@ -208,6 +215,11 @@ const std::vector<Field>& schema() {
                        false,
                        "multiplies the learning rate of the MoE routers' gate weights (*.mlp.gate.weight); 1 trains "
                        "them like every other matrix"));
+    f.push_back(dtype("optimizer", "moment_dtype", FLOWMOE_CONFIG_REF(optimizer.moment_dtype),
+                      {DType::f32, DType::bf16},
+                      "AdamW's exp_avg and exp_avg_sq (and the checkpoint's copy of them): bf16 halves their memory "
+                      "(DeepSeek-V3's optimizer state), updated in f32 and rounded back stochastically; a "
+                      "checkpoint of either resumes under either"));
     // precision
     f.push_back(choice(
         "precision", "recipe", FLOWMOE_CONFIG_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow", "fp8_full"},
@@ -371,7 +383,8 @@ std::string describe_type(const Field& f) {
       return s + " (possibly empty: [])";
     }
     case Kind::choice:
-    case Kind::int_choice: {
+    case Kind::int_choice:
+    case Kind::dtype: {
       std::string s = "one of ";
       for (size_t i = 0; i < f.choices.size(); ++i) s += (i ? ", " : "") + f.choices[i];
       return s;
@@ -432,6 +445,11 @@ void set_field(Config& cfg, const Field& f, const std::string& text, const std::
         bad("'" + text + "'" + suggestion(text, f.choices));
       *std::get<std::string*>(ref) = text;
       break;
+    case Kind::dtype:
+      if (std::find(f.choices.begin(), f.choices.end(), text) == f.choices.end() ||
+          !dtype_from_name(text, std::get<DType*>(ref)))
+        bad("'" + text + "'" + suggestion(text, f.choices));
+      break;
     case Kind::int_choice: {
       int64_t v = 0;
       if (!parse_int(text, v) || std::find(f.choices.begin(), f.choices.end(), std::to_string(v)) == f.choices.end())
@@ -474,6 +492,7 @@ std::string field_value(const Config& cfg, const Field& f) {
   if (auto* i = std::get_if<int64_t*>(&ref)) return std::to_string(**i);
   if (auto* b = std::get_if<bool*>(&ref)) return **b ? "true" : "false";
   if (auto* s = std::get_if<std::string*>(&ref)) return **s;
+  if (auto* t = std::get_if<DType*>(&ref)) return dtype_name(**t);
   double d = *std::get<double*>(ref);
   char buf[64];
   auto r = std::to_chars(buf, buf + sizeof buf, d);  // shortest form that reads back exactly

@@ -13,15 +13,16 @@
 
 namespace flowmoe::config_schema {
 
-enum class Kind { integer, number, boolean, string, choice, int_choice, bool_or_path, choice_list };
-using FieldRef = std::variant<int64_t*, double*, bool*, std::string*>;
+// dtype: one of `choices`, dtype names (kernels/common/dtype.h), parsed once into a DType.
+enum class Kind { integer, number, boolean, string, choice, int_choice, bool_or_path, choice_list, dtype };
+using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, DType*>;
 
 struct Field {
   std::string section, key;
   Kind kind;
   double lo = -INFINITY, hi = INFINITY;   // allowed range (numbers and integers)
   bool lo_open = false, hi_open = false;  // exclusive bounds
-  std::vector<std::string> choices;       // choice / int_choice
+  std::vector<std::string> choices;       // choice / int_choice / dtype
   std::string doc;
   std::function<FieldRef(Config&)> ref;
   std::string dotted() const { return section + "." + key; }

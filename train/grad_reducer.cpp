@@ -378,12 +378,12 @@ void GradientReducer::wait_stage(int64_t stage) {
 }
 
 template <class Fill>
-std::vector<Tensor> GradientReducer::gather_segments(Fill&& fill, bool keep) {
+std::vector<Tensor> GradientReducer::gather_segments(Fill&& fill, DType dtype, bool keep) {
   FLOWMOE_CHECK(shard_, Error, "GradientReducer: gathering whole state of an optimizer that is not sharded");
   std::vector<Tensor> whole(params_.size());
   for (const Bucket& b : buckets_) {
     const auto [begin, end] = segment(b);
-    Tensor flat = Tensor::zeros({b.padded}, DType::f32, params_[b.params.front()].device());
+    Tensor flat = Tensor::zeros({b.padded}, dtype, params_[b.params.front()].device());
     Tensor mine = flat.slice(0, begin, end);
     fill(b, mine);
     group_communicator(b.group)->all_gather_in_place(flat);
@@ -415,13 +415,13 @@ std::pair<std::vector<Tensor>, std::vector<Tensor>> GradientReducer::full_moment
           FLOWMOE_CHECK(at <= segment.numel(), Error, "full_moments: a segment of ", segment.numel(),
                         " elements holds ", at);
         },
-        keep);
+        opt.moment_dtype(), keep);
   }
   return {std::move(full[0]), std::move(full[1])};
 }
 
 std::vector<Tensor> GradientReducer::full_masters(bool keep) {
-  return gather_segments([](const Bucket& b, Tensor& segment) { segment.copy_(b.master); }, keep);
+  return gather_segments([](const Bucket& b, Tensor& segment) { segment.copy_(b.master); }, DType::f32, keep);
 }
 
 void GradientReducer::load_masters(const std::vector<Tensor>& whole) {

@@ -77,8 +77,8 @@ class GradientReducer {
   void set_stages(const std::vector<int64_t>& stages);
   void wait_stage(int64_t stage);
   void wait_weights() { wait_stage(INT64_MAX); }
-  // Sharded: the full moments and f32 master weights of every parameter (its local shape) from the ranks'
-  // segments, for a checkpoint; collective over the data-parallel groups, a bucket at a time. keep false:
+  // Sharded: the full moments (in their dtype) and f32 master weights of every parameter (its local shape) from
+  // the ranks' segments, for a checkpoint; collective over the data-parallel groups, a bucket at a time. keep false:
   // gathered and dropped (a rank that writes nothing); kept ones are on the host.
   std::pair<std::vector<Tensor>, std::vector<Tensor>> full_moments(const AdamW& opt, bool keep);
   std::vector<Tensor> full_masters(bool keep);
@@ -126,10 +126,10 @@ class GradientReducer {
   // Sharded: this rank's segment [begin, end) of bucket b's flat layout.
   std::pair<int64_t, int64_t> segment(const Bucket& b) const;
   void shard_buckets();
-  // Sharded: per parameter, its whole f32 values (its local shape; on the host) from every rank's segment of
-  // each bucket, which fill(b, segment) writes ([padded / G] f32 on the bucket's device). Collective.
+  // Sharded: per parameter, its whole values (its local shape; on the host) from every rank's segment of
+  // each bucket, which fill(b, segment) writes ([padded / G] of dtype on the bucket's device). Collective.
   template <class Fill>
-  std::vector<Tensor> gather_segments(Fill&& fill, bool keep);
+  std::vector<Tensor> gather_segments(Fill&& fill, DType dtype, bool keep);
   // The group's own communicator (the world, or the expert-data-parallel group with expert parallelism).
   const std::shared_ptr<Communicator>& group_communicator(int group) const;
   // The bucket's parameters' gradients become views of b.flat.

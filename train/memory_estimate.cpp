@@ -316,8 +316,8 @@ std::string format_count(double count) {
 
 std::string MemoryEstimate::summary() const { return "about " + format_bytes(total_bytes()) + " " + breakdown(*this); }
 
-// optimizer: 8 P, AdamW's exp_avg and exp_avg_sq, f32 beside every parameter (train/optimizer.cpp); a
-// sharded optimizer's rank keeps 1/N of each.
+// optimizer: 8 P, AdamW's exp_avg and exp_avg_sq, f32 beside every parameter (train/optimizer.cpp), or 4 P in
+// bf16 (optimizer.moment_dtype); a sharded optimizer's rank keeps 1/N of each.
 // activations: what the autograd graph of one micro-batch keeps for backward: per block the attention half
 // (attention_tensors) and a dense MLP (swiglu_mlp_tensors) or an MoE layer (moe_tensors); the head, 2 N H a (the
 // last block's output and its norm), logits N V a and, from the start of backward, their gradient N V a (or, when
@@ -350,9 +350,10 @@ MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, 
   // The last block's output and its norm, the logits, their logsumexp, the ids and the targets.
   const double head = logits + allocated_bytes({{2, tokens * double(c.hidden_size), a}, {3, tokens, 4}}, gpu);
   if (use == MemoryUse::train) {
+    const double moment_bytes = 2.0 * double(dtype_size(cfg.optimizer.moment_dtype));
     for (const ParamGroup& g : groups) {
       const double ranks = shard_ranks(g, shards);
-      e.optimizer_bytes += allocated_bytes({{g.count, g.elements / ranks, 8}}, gpu);
+      e.optimizer_bytes += allocated_bytes({{g.count, g.elements / ranks, moment_bytes}}, gpu);
     }
     e.gradient_bytes = gradient_bytes(cfg, groups, gpu, shards);
     e.activation_bytes = dense_layers * dense + moe_layers * moe + head + std::max(logits, recomputed);

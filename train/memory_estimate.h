@@ -25,7 +25,7 @@ enum class MemoryUse {
 struct MemoryEstimate {
   int64_t num_parameters = 0;
   double weight_bytes = 0;      // f32 master weights, MoE buffers, compute-dtype copies, FP8 weight caches
-  double optimizer_bytes = 0;   // AdamW exp_avg and exp_avg_sq (f32)
+  double optimizer_bytes = 0;   // AdamW exp_avg and exp_avg_sq (optimizer.moment_dtype)
   double gradient_bytes = 0;    // f32 parameter gradients
   double activation_bytes = 0;  // what one micro-batch keeps alive, logits and their gradient included
   std::string drivers;          // the config keys that drive the estimate, "model.hidden_size, ..."

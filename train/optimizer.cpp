@@ -39,6 +39,8 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
                 params_.size(), " parameters");
   FLOWMOE_CHECK(masters_.empty() || masters_.size() == params_.size(), Error, "AdamW: ", masters_.size(),
                 " master weights for ", params_.size(), " parameters");
+  FLOWMOE_CHECK(cfg_.moment_dtype == DType::f32 || cfg_.moment_dtype == DType::bf16, DTypeError, "AdamW: moments in ",
+                dtype_name(cfg_.moment_dtype), " (f32 or bf16)");
   Device dev = params_[0].device();
   for (const Variable& p : params_) {
     FLOWMOE_CHECK(p.is_leaf() && p.requires_grad(), Error, "AdamW: parameter '", p.name(),
@@ -66,8 +68,8 @@ AdamW::AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
     }
     // Whole moments take the parameter's shape; a range's are flat.
     const Shape moment_shape = sharded_ ? Shape{end - begin} : p.shape();
-    exp_avg_.push_back(Tensor::zeros(moment_shape, DType::f32, dev));
-    exp_avg_sq_.push_back(Tensor::zeros(moment_shape, DType::f32, dev));
+    exp_avg_.push_back(Tensor::zeros(moment_shape, cfg_.moment_dtype, dev));
+    exp_avg_sq_.push_back(Tensor::zeros(moment_shape, cfg_.moment_dtype, dev));
     decay_.push_back(p.data().dim() >= 2);
     router_.push_back(is_router_weight(p.name()));
   }
@@ -160,9 +162,11 @@ AdamW::Update AdamW::update_tensors() const {
     const bool has_master = !masters_.empty() && masters_[i].defined();
     t.param = has_master ? masters_[i].data<float>() : p.data().data<float>() + begin;
     t.grad = g.data<float>();
-    t.exp_avg = exp_avg_[i].data<float>();
-    t.exp_avg_sq = exp_avg_sq_[i].data<float>();
+    t.exp_avg = exp_avg_[i].raw_data();
+    t.exp_avg_sq = exp_avg_sq_[i].raw_data();
     t.n = end - begin;
+    t.moment_dtype = cfg_.moment_dtype;
+    t.rounding = {rounding_key(rounding_seed_, i), begin};
     if (has_master)
       t.copy = {static_cast<char*>(p.data().raw_data()) + begin * int64_t(dtype_size(p.dtype())), p.dtype()};
     u.tensors.push_back(t);
@@ -191,6 +195,7 @@ void AdamW::step(double lr, double grad_scale) {
     t.step.grad_scale = float(grad_scale);
     t.step.bias_correction1 = bias_correction1;
     t.step.bias_correction2 = bias_correction2;
+    t.step.update = uint32_t(num_updates_);
   }
   apply(u, nullptr);
 }

@@ -1,5 +1,5 @@
-// AdamW on fp32 master weights, with its moments in fp32 beside them, the warmup-then-cosine
-// learning-rate schedule and global-norm gradient clipping. The math is kernels/adamw.h; this
+// AdamW on fp32 master weights, with its moments in fp32 or bf16 beside them (optimizer.moment_dtype), the
+// warmup-then-cosine learning-rate schedule and global-norm gradient clipping. The math is kernels/adamw.h; this
 // class gathers the parameters into one multi-tensor update and picks the CPU or CUDA launcher by device.
 #pragma once
 #include <utility>
@@ -38,6 +38,10 @@ class AdamW {
   // master (f32) or its range is empty. A parameter with a master is the model's copy (f32, or bf16 where the
   // forward computes in it): AdamW updates the master and writes the parameter's elements of the range from it,
   // in the parameter's dtype (kernels/adamw.h, WeightCopy).
+  //
+  // The moments are of cfg.moment_dtype; bf16 ones are rounded stochastically from a hash of the rounding seed
+  // (set_rounding_seed), the update count, the parameter's index here and the element's index in the parameter,
+  // so ranges round as whole parameters do.
   AdamW(std::vector<Variable> params, const OptimizerConfig& cfg,
         const std::vector<std::pair<int64_t, int64_t>>& ranges = {}, std::vector<Tensor> masters = {});
 
@@ -67,7 +71,11 @@ class AdamW {
   // device; undefined: none this step, the range is left alone), until zero_grad().
   void set_range_grads(std::vector<Tensor> grads);
   // The moments of the ranges from full ones (a checkpoint's, of the parameters' shapes, on any device).
+  // The moments' dtype must be theirs (a checkpoint converts on load: train/checkpoint.h).
   void load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq);
+  // bf16 moments' rounding seed (the run's train.seed; 0 until set).
+  void set_rounding_seed(uint64_t seed) { rounding_seed_ = seed; }
+  DType moment_dtype() const { return cfg_.moment_dtype; }
 
   int64_t num_updates() const { return num_updates_; }  // the t of the bias corrections
   int64_t num_router_params() const;                    // parameters stepped with router_lr_scale
@@ -89,6 +97,7 @@ class AdamW {
   bool sharded_ = false;
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;
+  uint64_t rounding_seed_ = 0;
   Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction: two classes of slots, two totals
   // One step's update: a multi-tensor table (kernels/adamw.h) of every parameter that has a gradient and elements
   // here, each with its step's base (betas, eps, weight decay) and lr multiplier; the gradients it points into,

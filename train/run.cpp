@@ -243,6 +243,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
           optimizer_masters(c, model, reducer.get())),
       state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
+  opt.set_rounding_seed(uint64_t(c.train.seed));
   model.set_recompute_attention(c.train.recomputes("attention"));
   if (c.parallel.dual_microbatch) {
     const int64_t per_rank = c.train.batch_size / world_size;

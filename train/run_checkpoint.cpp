@@ -81,10 +81,11 @@ void resume_from_checkpoint(TrainRun& run) {
   const bool sharded = run.opt.sharded();
   const std::vector<Variable> model_params = run.model.parameters();
   std::vector<Variable> params = model_params;
-  std::vector<Tensor> whole[3];  // sharded: the weights, exp_avg, exp_avg_sq
-  for (std::vector<Tensor>& w : whole)
+  std::vector<Tensor> whole[3];  // sharded: the weights, exp_avg, exp_avg_sq (the moments in the optimizer's dtype)
+  for (int k = 0; k < 3; ++k)
     if (sharded)
-      for (const Variable& p : params) w.push_back(Tensor::zeros(p.shape(), DType::f32, Device::cpu()));
+      for (const Variable& p : params)
+        whole[k].push_back(Tensor::zeros(p.shape(), k == 0 ? DType::f32 : run.opt.moment_dtype(), Device::cpu()));
   for (size_t i = 0; i < params.size(); ++i)
     if (sharded)
       params[i] = Variable(whole[0][i], false, params[i].name());

@@ -52,6 +52,12 @@ const char* dtype_name(DType t) {
   return "unknown";
 }
 
+bool dtype_from_name(const std::string& name, DType* out) {
+  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::e4m3, DType::e5m2, DType::i32, DType::i64, DType::u8})
+    if (name == dtype_name(t)) return *out = t, true;
+  return false;
+}
+
 bool is_floating(DType t) { return t == DType::f32 || t == DType::f64 || t == DType::bf16 || is_fp8(t); }
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
 

@@ -11,6 +11,8 @@ enum class DType : uint8_t { f32, f64, bf16, e4m3, e5m2, i32, i64, u8 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
+// The dtype dtype_name calls `name`; false when none is.
+bool dtype_from_name(const std::string& name, DType* out);
 bool is_floating(DType t);  // f32, f64, bf16, e4m3, e5m2
 bool is_fp8(DType t);
 

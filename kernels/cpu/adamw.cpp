@@ -1,23 +1,31 @@
 // CPU reference for the AdamW update and the squared-norm reduction (see kernels/adamw.h).
-#include <cmath>
-
 #include "kernels/adamw.h"
 #include "kernels/common/error.h"
 
 namespace flowmoe {
 
-void adamw_cpu(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamWStep& s,
-               WeightCopy copy) {
+void adamw_cpu(float* param, const float* grad, void* exp_avg, void* exp_avg_sq, int64_t n, const AdamWStep& s,
+               WeightCopy copy, DType moment_dtype, MomentRounding rounding) {
   FLOWMOE_CHECK(!copy.data || copy.dtype == DType::f32 || copy.dtype == DType::bf16, DTypeError,
                 "adamw_cpu: a weight copy in ", dtype_name(copy.dtype), " (f32 or bf16)");
+  FLOWMOE_CHECK(moment_dtype == DType::f32 || moment_dtype == DType::bf16, DTypeError, "adamw_cpu: moments in ",
+                dtype_name(moment_dtype), " (f32 or bf16)");
+  const bool narrow = moment_dtype == DType::bf16;
+  const uint64_t stream = rounding_stream(rounding.key, s.update);
+  float* m32 = static_cast<float*>(exp_avg);
+  float* v32 = static_cast<float*>(exp_avg_sq);
+  uint16_t* m16 = static_cast<uint16_t*>(exp_avg);
+  uint16_t* v16 = static_cast<uint16_t*>(exp_avg_sq);
   for (int64_t i = 0; i < n; ++i) {
-    float g = s.grad_scale * grad[i];
-    float m = s.beta1 * exp_avg[i] + (1.0f - s.beta1) * g;
-    float v = s.beta2 * exp_avg_sq[i] + (1.0f - s.beta2) * g * g;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    float update = (m / s.bias_correction1) / (std::sqrt(v / s.bias_correction2) + s.eps);
-    param[i] -= s.lr * (update + s.weight_decay * param[i]);
+    float m = narrow ? bf16_bits_value(m16[i]) : m32[i];
+    float v = narrow ? bf16_bits_value(v16[i]) : v32[i];
+    adamw_element(param[i], m, v, grad[i], s);
+    if (narrow) {
+      round_moments_bf16(m, v, stream, rounding.first_index + i, &m16[i], &v16[i]);
+    } else {
+      m32[i] = m;
+      v32[i] = v;
+    }
     if (copy.data && copy.dtype == DType::f32) static_cast<float*>(copy.data)[i] = param[i];
     if (copy.data && copy.dtype == DType::bf16) static_cast<bf16*>(copy.data)[i] = to_bf16(param[i]);
   }
@@ -29,7 +37,7 @@ void adamw_multi_cpu(const AdamWTensor* tensors, int64_t num_tensors, const Step
   for (int64_t i = 0; i < num_tensors; ++i) {
     const AdamWTensor& t = tensors[i];
     const AdamWStep s = control ? scheduled_adamw_step(t.step, *control, t.lr_multiplier) : t.step;
-    adamw_cpu(t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.n, s, t.copy);
+    adamw_cpu(t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.n, s, t.copy, t.moment_dtype, t.rounding);
   }
 }
 

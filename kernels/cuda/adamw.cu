@@ -1,15 +1,19 @@
 // AdamW update and deterministic sum reductions on the GPU, over many tensors per launch (math in
 // kernels/adamw.h).
 //   adamw:  a table of up to kTensorsPerLaunch tensors in the kernel's parameters; tensor t owns a run of
-//           blocks that grid-stride over its n elements (f32 params, grads and moments, fp32 math), writing
-//           its copy (f32, bf16 or none) beside. Elementwise, so the bits do not depend on the table.
+//           blocks that grid-stride over its n elements (f32 params and grads, f32 or bf16 moments, fp32 math),
+//           writing its copy (f32, bf16 or none) beside: 8 elements per thread in 16-byte accesses (f32: two
+//           per buffer) where every buffer of the tensor is 16-byte aligned, then one element per thread for
+//           the rest. Elementwise, so the bits depend on neither the table nor the path.
 //   sums:   pass 1 - each of a slice's G(n) <= kReduceMaxBlocks blocks reduces a grid-stride slice of it to
 //           its partials; pass 2 - one block per slice adds its G partials. G depends on n only and no
 //           atomics are used, so a slice gives the same bits alone or among others, run after run.
-// CPU reference: kernels/cpu/adamw.cpp. Tests: tests/test_adamw.cpp, tests/test_adamw_multi.cpp.
+// CPU reference: kernels/cpu/adamw.cpp. Tests: tests/test_adamw.cpp, tests/test_adamw_multi.cpp,
+// tests/test_bf16_moments.cpp.
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "kernels/adamw.h"
 #include "kernels/common/cuda_check.h"
@@ -40,9 +44,100 @@ __device__ __forceinline__ int find_item(const LaunchTable<Item>& table, int* fi
   return t;
 }
 
-}  // namespace
-
 // ---- kernels ----------------------------------------------------------------------------------
+
+// Elements a thread updates at once on the 16-byte path.
+constexpr int kVec = 8;
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// kVec consecutive values at p (16-byte aligned) as f32, and back.
+__device__ __forceinline__ void load_vec(const float* p, float (&x)[kVec]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+__device__ __forceinline__ void load_vec(const uint16_t* p, float (&x)[kVec]) {
+  const uint4 a = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x[2 * k] = bits_to_float(w[k] << 16);
+    x[2 * k + 1] = bits_to_float(w[k] & 0xFFFF0000u);
+  }
+}
+__device__ __forceinline__ void store_vec(float* p, const float (&x)[kVec]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
+}
+__device__ __forceinline__ void store_vec(uint16_t* p, const uint16_t (&b)[kVec]) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(b[0] | uint32_t(b[1]) << 16, b[2] | uint32_t(b[3]) << 16,
+                                            b[4] | uint32_t(b[5]) << 16, b[6] | uint32_t(b[7]) << 16);
+}
+
+__device__ __forceinline__ float load_moment(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_moment(const uint16_t* p, int64_t i) { return bf16_bits_value(p[i]); }
+
+__device__ __forceinline__ uint16_t bf16_bits_rn(float x) { return __bfloat16_as_ushort(from_float<__nv_bfloat16>(x)); }
+
+// Tensor t's elements this thread owns (thread `tid` of `stride`), with moments of type M (float, or uint16_t:
+// bf16 bits).
+template <class M>
+__device__ __forceinline__ void update_tensor(const AdamWTensor& t, const AdamWStep& s, int64_t tid, int64_t stride) {
+  float* __restrict__ param = t.param;
+  const float* __restrict__ grad = t.grad;
+  M* __restrict__ exp_avg = static_cast<M*>(t.exp_avg);
+  M* __restrict__ exp_avg_sq = static_cast<M*>(t.exp_avg_sq);
+  constexpr bool kNarrow = sizeof(M) == 2;
+  const uint64_t stream = kNarrow ? rounding_stream(t.rounding.key, s.update) : 0;
+  const int64_t n = t.n, first = t.rounding.first_index;
+  const bool copy_f32 = t.copy.data && t.copy.dtype == DType::f32;
+  const bool copy_bf16 = t.copy.data && t.copy.dtype == DType::bf16;
+  const bool vec = aligned16(param) && aligned16(grad) && aligned16(exp_avg) && aligned16(exp_avg_sq) &&
+                   (!t.copy.data || aligned16(t.copy.data));
+  const int64_t n_vec = vec ? n / kVec * kVec : 0;
+  for (int64_t i = tid * kVec; i < n_vec; i += stride * kVec) {
+    float p[kVec], g[kVec], m[kVec], v[kVec];
+    load_vec(param + i, p);
+    load_vec(grad + i, g);
+    load_vec(exp_avg + i, m);
+    load_vec(exp_avg_sq + i, v);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) adamw_element(p[k], m[k], v[k], g[k], s);
+    store_vec(param + i, p);
+    if constexpr (kNarrow) {
+      uint16_t mb[kVec], vb[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) round_moments_bf16(m[k], v[k], stream, first + i + k, &mb[k], &vb[k]);
+      store_vec(exp_avg + i, mb);
+      store_vec(exp_avg_sq + i, vb);
+    } else {
+      store_vec(exp_avg + i, m);
+      store_vec(exp_avg_sq + i, v);
+    }
+    if (copy_f32) store_vec(static_cast<float*>(t.copy.data) + i, p);
+    if (copy_bf16) {
+      uint16_t c[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) c[k] = bf16_bits_rn(p[k]);
+      store_vec(static_cast<uint16_t*>(t.copy.data) + i, c);
+    }
+  }
+  for (int64_t i = n_vec + tid; i < n; i += stride) {
+    float p = param[i], m = load_moment(exp_avg, i), v = load_moment(exp_avg_sq, i);
+    adamw_element(p, m, v, grad[i], s);
+    param[i] = p;
+    if constexpr (kNarrow) {
+      round_moments_bf16(m, v, stream, first + i, &exp_avg[i], &exp_avg_sq[i]);
+    } else {
+      exp_avg[i] = m;
+      exp_avg_sq[i] = v;
+    }
+    if (copy_f32) static_cast<float*>(t.copy.data)[i] = p;
+    if (copy_bf16) static_cast<uint16_t*>(t.copy.data)[i] = bf16_bits_rn(p);
+  }
+}
+
+}  // namespace
 
 // control: null for steps given by value, else the step's scalars on the device (kernels/step_control.h).
 __global__ void adamw_multi_kernel(const __grid_constant__ LaunchTable<AdamWTensor> table,
@@ -51,27 +146,12 @@ __global__ void adamw_multi_kernel(const __grid_constant__ LaunchTable<AdamWTens
   int first_block = 0, num_blocks = 0;
   const AdamWTensor& t = table.items[find_item(table, &first_block, &num_blocks)];
   const AdamWStep s = control ? scheduled_adamw_step(t.step, *control, t.lr_multiplier) : t.step;
-  float* __restrict__ param = t.param;
-  const float* __restrict__ grad = t.grad;
-  float* __restrict__ exp_avg = t.exp_avg;
-  float* __restrict__ exp_avg_sq = t.exp_avg_sq;
-  const int64_t n = t.n;
+  const int64_t tid = (blockIdx.x - first_block) * int64_t(blockDim.x) + threadIdx.x;
   const int64_t stride = int64_t(num_blocks) * blockDim.x;
-  for (int64_t i = (blockIdx.x - first_block) * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
-    float g = s.grad_scale * grad[i];
-    float m = s.beta1 * exp_avg[i] + (1.0f - s.beta1) * g;
-    float v = s.beta2 * exp_avg_sq[i] + (1.0f - s.beta2) * g * g;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    float update = (m / s.bias_correction1) / (sqrtf(v / s.bias_correction2) + s.eps);
-    float p = param[i];
-    p = p - s.lr * (update + s.weight_decay * p);
-    param[i] = p;
-    if (t.copy.dtype == DType::bf16 && t.copy.data)
-      static_cast<__nv_bfloat16*>(t.copy.data)[i] = from_float<__nv_bfloat16>(p);
-    else if (t.copy.data)
-      static_cast<float*>(t.copy.data)[i] = p;
-  }
+  if (t.moment_dtype == DType::bf16)
+    update_tensor<uint16_t>(t, s, tid, stride);
+  else
+    update_tensor<float>(t, s, tid, stride);
 }
 
 // Pass 1: slice t's block b writes partials[t * kReduceMaxBlocks + b].
@@ -111,8 +191,8 @@ static int sum_blocks(int64_t n) {
   return int(std::min<int64_t>(want, kReduceMaxBlocks));
 }
 
-// An update's blocks per tensor: one element per thread, grid-stride beyond 65536 blocks (cuda_utils.cuh).
-static int update_blocks(int64_t n) { return int(grid_size(n, kThreads)); }
+// An update's blocks per tensor: kVec elements per thread, grid-stride beyond 65536 blocks (cuda_utils.cuh).
+static int update_blocks(int64_t n) { return int(grid_size((n + kVec - 1) / kVec, kThreads)); }
 
 void adamw_multi_cuda(const AdamWTensor* tensors, int64_t num_tensors, const StepScalars* control,
                       cudaStream_t stream) {
@@ -125,6 +205,8 @@ void adamw_multi_cuda(const AdamWTensor* tensors, int64_t num_tensors, const Ste
                   " has a null buffer for ", t.n, " elements");
     FLOWMOE_CHECK(!t.copy.data || t.copy.dtype == DType::f32 || t.copy.dtype == DType::bf16, DTypeError,
                   "adamw_multi_cuda: tensor ", i, " has a weight copy in ", dtype_name(t.copy.dtype), " (f32 or bf16)");
+    FLOWMOE_CHECK(t.moment_dtype == DType::f32 || t.moment_dtype == DType::bf16, DTypeError,
+                  "adamw_multi_cuda: tensor ", i, " has moments in ", dtype_name(t.moment_dtype), " (f32 or bf16)");
   }
   LaunchTable<AdamWTensor> table{};
   int num_blocks = 0;
@@ -145,17 +227,17 @@ void adamw_multi_cuda(const AdamWTensor* tensors, int64_t num_tensors, const Ste
   launch();
 }
 
-void adamw_cuda(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamWStep& s,
-                cudaStream_t stream, WeightCopy copy) {
-  const AdamWTensor t{param, grad, exp_avg, exp_avg_sq, n, s, 1.0, copy};
+void adamw_cuda(float* param, const float* grad, void* exp_avg, void* exp_avg_sq, int64_t n, const AdamWStep& s,
+                cudaStream_t stream, WeightCopy copy, DType moment_dtype, MomentRounding rounding) {
+  const AdamWTensor t{param, grad, exp_avg, exp_avg_sq, n, s, moment_dtype, 1.0, copy, rounding};
   adamw_multi_cuda(&t, 1, nullptr, stream);
 }
 
-void adamw_scheduled_cuda(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+void adamw_scheduled_cuda(float* param, const float* grad, void* exp_avg, void* exp_avg_sq, int64_t n,
                           const AdamWStep& base, const StepScalars* control, double lr_multiplier, cudaStream_t stream,
-                          WeightCopy copy) {
+                          WeightCopy copy, DType moment_dtype, MomentRounding rounding) {
   FLOWMOE_CHECK(control, Error, "adamw_scheduled_cuda: null step scalars");
-  const AdamWTensor t{param, grad, exp_avg, exp_avg_sq, n, base, lr_multiplier, copy};
+  const AdamWTensor t{param, grad, exp_avg, exp_avg_sq, n, base, moment_dtype, lr_multiplier, copy, rounding};
   adamw_multi_cuda(&t, 1, control, stream);
 }
 

@@ -202,6 +202,26 @@ TEST(DataParallelSharded, ShardedOptimizerTrainsTheSameWeights) {
   fs::remove_all(d);
 }
 
+// bf16 moments (optimizer.moment_dtype) round stochastically from each element's index in its whole parameter,
+// so 2 ranks that each keep the moments of their segments train the same weights, bf16 moments and losses, bit
+// for bit, as 2 ranks that keep them whole (clipping off, as above); and the whole run's step-10 checkpoint
+// resumes sharded (each rank keeps its ranges of the bf16 moments) on the sharded run's losses.
+TEST(DataParallelSharded, Bf16MomentsTrainTheSameWeights) {
+  const fs::path d = fresh_dir("dp_sharded_bf16_moments");
+  const std::string base = " --set optimizer.moment_dtype=bf16 --set optimizer.grad_clip=0";
+  const std::vector<StepMetrics> on = train_run(d, 2, "on", base);
+  const std::vector<StepMetrics> off = train_run(d, 2, "off", base + " --set parallel.shard_optimizer=false");
+  ASSERT_EQ(on.size(), 20u);
+  ASSERT_EQ(off.size(), on.size());
+  for (size_t i = 0; i < on.size(); ++i) EXPECT_EQ(on[i].loss, off[i].loss) << "step " << on[i].step;
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_EQ(read_text(d / "on" / "checkpoints" / "step_00000020" / file),
+              read_text(d / "off" / "checkpoints" / "step_00000020" / file))
+        << file;
+  resume_and_compare(d, on, "off", 2, "off_resumed_sharded", base);
+  fs::remove_all(d);
+}
+
 // The sharded optimizer on the GPU, where the model's weights are bf16 copies of f32 masters that AdamW writes
 // once per step (train/grad_reducer.h), against a full copy on every rank, with bf16 weights and whole masters
 // (precision.param_dtype auto) and with f32 weights cast at each use (f32): the same losses and checkpoints,
