@@ -37,6 +37,8 @@ bf16 grouped GEMMs (torch._grouped_mm over the expert-sorted, padded rows, int32
 Where the peer differs from flowmoe's step (none of it changes the work by more than a few rows):
   - the routed experts compute in bf16 whatever precision.recipe says: the FP8 recipes are
     flowmoe's own, so they are compared against this bf16 peer;
+  - AdamW's moments stay f32 (torch's fused AdamW keeps them in the masters' dtype) whatever
+    optimizer.moment_dtype says;
   - an expert that gets no tokens still computes align_size zero rows (see MoeLayer.forward);
   - the weights start from torch's RNG (the same distributions, not flowmoe's bits), and top-k
     ties go wherever torch.topk puts them (flowmoe: the lower expert id);
@@ -136,6 +138,7 @@ DEFAULTS = {
         "eps": 1e-8,
         "grad_clip": 1.0,
         "router_lr_scale": 1.0,
+        "moment_dtype": "f32",
     },
     "precision": {"recipe": "bf16", "align_size": 16, "param_dtype": "auto"},
     "parallel": {"expert_parallel_size": 1, "backend": "auto", "ep_dispatch": "auto",
