@@ -26,6 +26,7 @@
 #include "train/model_flops.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
+#include "train/run_tokenizer.h"
 #include "train/step_state.h"
 #include "train/trainer.h"
 
@@ -108,8 +109,9 @@ struct TrainRun {
   int64_t exchange_min_rows = 0;
 
   int64_t tokens_per_step = 0;
-  ValBatches val;           // what an evaluation reads; no batches when the data holds out no validation
-  int64_t end = 0;          // the last step this call takes: train.steps, or opts.stop_after
+  ValBatches val;  // what an evaluation reads; no batches when the data holds out no validation
+  std::optional<RunTokenizer> sample_tokenizer;  // train.sample_every's, looked up at the first sample
+  int64_t end = 0;                               // the last step this call takes: train.steps, or opts.stop_after
   double cast_divisor = 0;  // MoE layers x micro-batches: casts are reported per layer and micro-batch
   CastCounts last_casts;    // of the last step taken
 
