@@ -143,8 +143,8 @@ int cmd_generate(int argc, char** argv) {
   if (p + num_new > max_positions) {
     num_new = max_positions - p;
     std::fprintf(stderr, "generate: --max-new-tokens %lld cut to %lld (%lld prompt tokens of %lld positions)\n",
-                 static_cast<long long>(g.max_new_tokens), static_cast<long long>(num_new),
-                 static_cast<long long>(p), static_cast<long long>(max_positions));
+                 static_cast<long long>(g.max_new_tokens), static_cast<long long>(num_new), static_cast<long long>(p),
+                 static_cast<long long>(max_positions));
   }
   cfg.train.device = g.device;
   const Device device = resolve_device(cfg);

@@ -15,8 +15,8 @@ namespace flowmoe {
 struct KvCache {
   // Room for `capacity` positions (at most max_position_embeddings) in every layer.
   KvCache(const ModelConfig& cfg, int64_t capacity, DType dtype, Device device) : capacity(capacity) {
-    FLOWMOE_CHECK(capacity >= 1 && capacity <= cfg.max_position_embeddings, ShapeError, "KvCache: capacity ",
-                  capacity, " outside [1, max_position_embeddings = ", cfg.max_position_embeddings, "]");
+    FLOWMOE_CHECK(capacity >= 1 && capacity <= cfg.max_position_embeddings, ShapeError, "KvCache: capacity ", capacity,
+                  " outside [1, max_position_embeddings = ", cfg.max_position_embeddings, "]");
     const Shape shape = {cfg.num_attention_heads, capacity, cfg.hidden_size / cfg.num_attention_heads};
     for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
       keys.push_back(Tensor::zeros(shape, dtype, device));
