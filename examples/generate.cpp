@@ -2,7 +2,9 @@
 // config (meta.json), the tokens sampled over the K/V cache and printed as they come.
 #include "examples/generate.h"
 
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <iterator>
 #include <string>
@@ -88,7 +90,12 @@ GenerateArgs parse_generate_args(int argc, char** argv) {
         throw UsageError("generate: --top-p needs a number in (0, 1], got '" + v + "'");
       g.sampling.top_p = p;
     } else if (a == "--seed") {
-      g.sampling.seed = uint64_t(non_negative_number("generate", a, args.value(a), true));
+      const std::string v = args.value(a);
+      char* end = nullptr;
+      errno = 0;
+      g.sampling.seed = std::strtoull(v.c_str(), &end, 10);
+      if (v.empty() || v[0] == '-' || *end != '\0' || errno == ERANGE)
+        throw UsageError("generate: --seed needs a whole number from 0 to 2^64 - 1, got '" + v + "'");
     } else if (a == "--device") {
       g.device = args.value(a);
       if (g.device != "cpu" && g.device != "cuda")
@@ -128,6 +135,9 @@ int cmd_generate(int argc, char** argv) {
   const GenerateArgs g = parse_generate_args(argc, argv);
   const CheckpointMeta meta = read_checkpoint_meta(g.checkpoint);
   Config cfg = parse_config(meta.config_yaml, g.checkpoint + "/meta.json");
+  cfg.train.device = g.device;
+  cfg.origins["train.device"] = "--device " + g.device;  // what a refusal of the device names
+  const Device device = resolve_device(cfg);
   RunTokenizer tokenizer = RunTokenizer::for_config(cfg, g.tokenizer);
   if (!tokenizer.found())
     throw ConfigError("generate: no tokenizer for this checkpoint: " + tokenizer.missing() +
@@ -146,8 +156,6 @@ int cmd_generate(int argc, char** argv) {
                  static_cast<long long>(g.max_new_tokens), static_cast<long long>(num_new), static_cast<long long>(p),
                  static_cast<long long>(max_positions));
   }
-  cfg.train.device = g.device;
-  const Device device = resolve_device(cfg);
   const DType compute = compute_dtype_for(device);
   // The bf16 recipe whatever trained the weights (Transformer::forward_cached); the weights are converted once to
   // the compute dtype, but those read in f32 (the routers' gates), so no step casts them again.

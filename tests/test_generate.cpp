@@ -279,6 +279,7 @@ TEST(Generate, RunTokenizerFollowsTheData) {
   EXPECT_LT(ids.size(), 7u) << "merged";
   EXPECT_EQ(bpe.decode(ids), "the hat");
   EXPECT_EQ(escape_one_line("a\nb\t\\\x01"), "a\\nb\\t\\\\\\x01");
+  fs::remove_all(d);
 }
 
 // train.sample_every prints a sample every N steps and leaves training as it was: the same losses bit for bit.
@@ -308,6 +309,7 @@ TEST(Generate, SampleEveryLeavesTheLossesBitForBit) {
     EXPECT_NE(text.find(want), std::string::npos) << want << " in:\n" << text;  // token ids: synthetic data
   }
   EXPECT_EQ(text.find("step 4: sample"), std::string::npos);
+  fs::remove_all(d);
 }
 
 // bf16 on the GPU: the cached decode's logits within bf16 rounding of the GPU's full forward and of the CPU's, and
@@ -340,16 +342,17 @@ TEST(GenerateCuda, SampleEveryLeavesAGraphRunsLossesBitForBit) {
   for (const std::string recipe : {"bf16", "fp8_flow"}) {
     SCOPED_TRACE("precision.recipe " + recipe);
     const auto losses = [&](int64_t sample_every) {
-      const Config c = load_config(
-          std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny_moe.yaml",
-          {"train.device=cuda", "train.steps=8", "optimizer.warmup_steps=3", "checkpoint.every=0",
-           "checkpoint.final=false", "train.eval_every=4", "train.cuda_graph=on", "precision.recipe=" + recipe,
-           "train.sample_every=" + std::to_string(sample_every),
-           "logging.out_dir=" + (d / recipe / std::to_string(sample_every)).string()});
+      const Config c =
+          load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny_moe.yaml",
+                      {"train.device=cuda", "train.steps=8", "optimizer.warmup_steps=3", "checkpoint.every=0",
+                       "checkpoint.final=false", "train.eval_every=4", "train.cuda_graph=on",
+                       "precision.recipe=" + recipe, "train.sample_every=" + std::to_string(sample_every),
+                       "logging.out_dir=" + (d / recipe / std::to_string(sample_every)).string()});
       return train(c, quiet()).losses;
     };
     const std::vector<double> plain = losses(0), sampled = losses(3);
     ASSERT_EQ(plain.size(), 8u);
     EXPECT_EQ(plain, sampled);
   }
+  fs::remove_all(d);
 }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/common/device_api.h"
 #include "tests/train_test_util.h"
 
 using namespace flowmoe;
@@ -70,9 +71,14 @@ std::string train_text_model(const fs::path& dir, const std::string& source) {
 TEST(GenerateCli, ContinuesAPromptAndTimesBothPhases) {
   const fs::path d = fresh_dir("generate_cli");
   const std::string ckpt = train_text_model(d, "text");
-  const std::vector<std::string> greedy = {
-      "generate", "--checkpoint", ckpt, "--prompt", "the quick", "--temperature", "0", "--max-new-tokens", "20"};
-  const Ran r = run_flowmoe(d, greedy);
+  // `flowmoe generate --checkpoint CKPT ARGS... --device DEVICE`
+  const auto generate = [&](std::vector<std::string> args, const std::string& device = "cpu") {
+    args.insert(args.begin(), {"generate", "--checkpoint", ckpt});
+    args.insert(args.end(), {"--device", device});
+    return args;
+  };
+  const std::vector<std::string> greedy = {"--prompt", "the quick", "--temperature", "0", "--max-new-tokens", "20"};
+  const Ran r = run_flowmoe(d, generate(greedy));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(lines(r.out), 1u) << r.out;
   EXPECT_EQ(r.out.rfind("the quick", 0), 0u) << r.out;
@@ -83,25 +89,33 @@ TEST(GenerateCli, ContinuesAPromptAndTimesBothPhases) {
   EXPECT_TRUE(has(r.err, "tok/s")) << r.err;
 
   // A seed repeats its tokens; the prompt from a file and from stdin is the same prompt.
-  const std::vector<std::string> sampled = {"generate", "--checkpoint", ckpt, "--prompt", "over", "--top-k",
-                                            "5",        "--seed",       "3"};
+  const std::vector<std::string> sampled = generate({"--prompt", "over", "--top-k", "5", "--seed", "3"});
   const Ran a = run_flowmoe(d, sampled), b = run_flowmoe(d, sampled);
   ASSERT_EQ(a.code, 0) << a.err;
   EXPECT_EQ(a.out, b.out);
   std::ofstream(d / "prompt.txt") << "the quick";
-  const Ran from_file = run_flowmoe(d, {"generate", "--checkpoint", ckpt, "--prompt-file", "prompt.txt",
-                                        "--temperature", "0", "--max-new-tokens", "20"});
+  const Ran from_file =
+      run_flowmoe(d, generate({"--prompt-file", "prompt.txt", "--temperature", "0", "--max-new-tokens", "20"}));
   EXPECT_EQ(from_file.out, r.out) << from_file.err;
   const Ran from_stdin =
-      run_flowmoe(d, {"generate", "--checkpoint", ckpt, "--temperature", "0", "--max-new-tokens", "20"},
-                  (d / "prompt.txt").string());
+      run_flowmoe(d, generate({"--temperature", "0", "--max-new-tokens", "20"}), (d / "prompt.txt").string());
   EXPECT_EQ(from_stdin.out, r.out) << from_stdin.err;
 
   // More new tokens than positions left: cut, and said.
-  const Ran cut = run_flowmoe(d, {"generate", "--checkpoint", ckpt, "--prompt", "the", "--max-new-tokens", "100"});
+  const Ran cut = run_flowmoe(d, generate({"--prompt", "the", "--max-new-tokens", "100"}));
   ASSERT_EQ(cut.code, 0) << cut.err;
   EXPECT_TRUE(has(cut.err, "--max-new-tokens 100 cut to 45")) << cut.err;
   EXPECT_EQ(cut.out.size(), 48u + 1);
+
+  // On a GPU (bf16, the weights converted once at load): the same command, 20 tokens after the prompt.
+  if (cuda_available()) {
+    const Ran g = run_flowmoe(d, generate(greedy, "cuda"));
+    ASSERT_EQ(g.code, 0) << g.err;
+    EXPECT_EQ(g.out.rfind("the quick", 0), 0u) << g.out;
+    EXPECT_EQ(g.out.size(), r.out.size()) << g.out;
+    EXPECT_TRUE(has(g.err, "on cuda:0")) << g.err;
+  }
+  fs::remove_all(d);
 }
 
 TEST(GenerateCli, BadInputIsOneLineAndANonZeroExit) {
@@ -124,6 +138,12 @@ TEST(GenerateCli, BadInputIsOneLineAndANonZeroExit) {
   refused({"generate", "--checkpoint", ckpt, "--prompt", "x", "--prompt-file", "p.txt"}, 2, "not both");
   refused({"generate", "--prompt", "x"}, 2, "--checkpoint DIR is required");
   refused({"generate", "--checkpoint", ckpt, "--prompt", "x", "--device", "tpu"}, 2, "--device");
+  refused({"generate", "--checkpoint", ckpt, "--prompt", "x", "--seed", "-1"}, 2, "--seed");
+  refused({"generate", "--checkpoint", ckpt, "--prompt", "x", "--top-k", "1.5"}, 2, "--top-k");
+  if (!cuda_available())
+    refused({"generate", "--checkpoint", ckpt, "--prompt", "x", "--device", "cuda"}, 2,
+            "--device cuda: train.device: cuda was requested");
   const std::string synthetic = train_text_model(d, "synthetic");
   refused({"generate", "--checkpoint", synthetic, "--prompt", "x"}, 2, "data.source synthetic has no tokenizer");
+  fs::remove_all(d);
 }
