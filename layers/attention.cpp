@@ -76,10 +76,8 @@ Variable Attention::forward_cached(const Variable& x, DType compute, const Tenso
                 "]");
   FLOWMOE_CHECK(pos + t <= keys.size(1), ShapeError, "attention: positions [", pos, ", ", pos + t,
                 ") exceed the K/V cache's ", keys.size(1));
-  FLOWMOE_CHECK(pos == 0 || t == 1, ShapeError,
-                "attention: a cached forward takes the prompt at position 0 or one "
-                "token after it, got ",
-                t, " tokens at position ", pos);
+  FLOWMOE_CHECK(pos == 0 || t == 1, ShapeError, "attention: a cached forward takes the prompt at position 0 or one",
+                " token after it, got ", t, " tokens at position ", pos);
   const Shape heads = {1, t, num_heads_, hd};
   const Variable q = rope(reshape(linear(x, compute_weight(q_proj_, compute)), heads), rope_theta_, pos);
   const Variable k = rope(reshape(linear(x, compute_weight(k_proj_, compute)), heads), rope_theta_, pos);

@@ -107,11 +107,12 @@ struct TrainRun {
   // have grown to since.
   Tensor exchange_overflow;
   int64_t exchange_min_rows = 0;
+  // train.sample_every's tokenizer, looked up at the first sample.
+  std::optional<RunTokenizer> sample_tokenizer;
 
   int64_t tokens_per_step = 0;
-  ValBatches val;  // what an evaluation reads; no batches when the data holds out no validation
-  std::optional<RunTokenizer> sample_tokenizer;  // train.sample_every's, looked up at the first sample
-  int64_t end = 0;                               // the last step this call takes: train.steps, or opts.stop_after
+  ValBatches val;           // what an evaluation reads; no batches when the data holds out no validation
+  int64_t end = 0;          // the last step this call takes: train.steps, or opts.stop_after
   double cast_divisor = 0;  // MoE layers x micro-batches: casts are reported per layer and micro-batch
   CastCounts last_casts;    // of the last step taken
 
