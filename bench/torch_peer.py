@@ -121,6 +121,7 @@ DEFAULTS = {
         "batch_size": 8,
         "grad_accum_steps": 1,
         "eval_every": 100,
+        "sample_every": 0,
         "eval_batches": 4,
         "seed": 42,
         "nonfinite": "skip",

@@ -1,5 +1,6 @@
 // The command line's option reader and its usage errors, shared by the flowmoe subcommands.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -92,6 +93,18 @@ inline int64_t positive_integer(const std::string& command, const std::string& o
   if (value.empty() || *end != '\0' || n < 1)
     throw UsageError(command + ": " + opt + " needs " + what + ", got '" + value + "'");
   return n;
+}
+
+// An option's value as a finite number of at least 0 (a whole one when `integer`), or a UsageError:
+// "<command>: <opt> needs a non-negative number, got '<value>'".
+inline double non_negative_number(const std::string& command, const std::string& opt, const std::string& value,
+                                  bool integer = false) {
+  char* end = nullptr;
+  const double x = integer ? double(std::strtoll(value.c_str(), &end, 10)) : std::strtod(value.c_str(), &end);
+  if (value.empty() || *end != '\0' || !std::isfinite(x) || x < 0)
+    throw UsageError(command + ": " + opt + " needs a non-negative " + (integer ? "integer" : "number") + ", got '" +
+                     value + "'");
+  return x;
 }
 
 }  // namespace flowmoe

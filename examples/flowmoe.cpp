@@ -1,5 +1,5 @@
-// The flowmoe command: train, eval, prepare-data, plot, parity, fp8-error, walkthrough (and config-reference).
-// Only main() catches: configuration and usage errors exit 2, other errors exit 1, a training run
+// The flowmoe command: train, eval, generate, prepare-data, plot, parity, fp8-error, walkthrough (and
+// config-reference). Only main() catches: configuration and usage errors exit 2, other errors exit 1, a training run
 // stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143) after saving a checkpoint, and
 // one stopped by its stop file (train/stop_request.h) exits 0 after saving one.
 // Under mpirun or srun, train and eval run data-parallel on every process (launch.h); rank 0 prints.
@@ -18,6 +18,7 @@
 
 #include "examples/args.h"
 #include "examples/fp8_error.h"
+#include "examples/generate.h"
 #include "examples/launch.h"
 #include "examples/parity.h"
 #include "examples/walkthrough.h"
@@ -42,6 +43,7 @@ Trains DeepSeek-style decoder-only transformers described by a YAML config.
 commands:
   train            train a model:          flowmoe train --config configs/tiny.yaml
   eval             validation loss of a checkpoint
+  generate         text from a checkpoint: a prompt continued by sampling, with a K/V cache
   prepare-data     text files -> a token file (llm.c .bin format; byte-level or BPE tokens)
   plot             loss curves of one or several runs -> PNG
   parity           loss parity of precision recipes: one run each, a JSON report and a plot
@@ -415,6 +417,7 @@ int run(int argc, char** argv) {
     return g_stop_signal == 0 ? 0 : 128 + int(g_stop_signal);  // no signal: the run's stop file
   }
   if (cmd == "fp8-error") return cmd_fp8_error(argc, argv);
+  if (cmd == "generate") return cmd_generate(argc, argv);
   if (cmd == "walkthrough") return cmd_walkthrough(argc, argv);
   if (cmd == "config-reference") {
     if (argc > 2) {
@@ -425,7 +428,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   throw UsageError("unknown command '" + cmd +
-                   "' (commands: train, eval, prepare-data, plot, parity, fp8-error, config-reference, walkthrough)");
+                   "' (commands: train, eval, generate, prepare-data, plot, parity, fp8-error, config-reference, "
+                   "walkthrough)");
 }
 
 // Runs the command; one that ended without starting the ranks meets its peers under a launcher

@@ -110,12 +110,7 @@ struct PlannedRun {
 };
 
 double parse_number(const std::string& opt, const std::string& v, bool integer) {
-  char* end = nullptr;
-  const double x = integer ? double(std::strtoll(v.c_str(), &end, 10)) : std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !std::isfinite(x) || x < 0)
-    throw UsageError("parity: " + opt + " needs a non-negative " + (integer ? "integer" : "number") + ", got '" + v +
-                     "'");
-  return x;
+  return non_negative_number("parity", opt, v, integer);
 }
 
 std::vector<std::string> split_list(const std::string& s) {

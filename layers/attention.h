@@ -20,6 +20,13 @@ class Attention {
   Attention(ParamFactory& f, const std::string& prefix, int64_t hidden, int64_t num_heads, double rope_theta,
             double init_std, double out_init_std, bool fp8 = false);
   Variable forward(const Variable& x /*[B,T,H]*/, DType compute) const;  // -> [B,T,H]
+  // Inference with a K/V cache (layers/kv_cache.h: keys and values [nh, capacity, hd] of this layer): x holds one
+  // sequence's positions [pos, pos + T), which are rotated at those positions and written into the cache. The
+  // prompt (pos 0) runs the training forward's causal attention; a later call takes one token, whose attention
+  // reads the cached positions [0, pos] head by head through linear, softmax and matmul. Under NoGradGuard only.
+  // In FP8 the projections run in the compute dtype here: one row is no FP8 GEMM's row count.
+  Variable forward_cached(const Variable& x /*[1,T,H]*/, DType compute, const Tensor& keys, const Tensor& values,
+                          int64_t pos) const;
 
  private:
   Variable forward_fp8(const Variable& x, DType compute) const;

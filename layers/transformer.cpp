@@ -39,6 +39,15 @@ Variable TransformerBlock::forward(const Variable& x, DType compute) const {
   return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
 }
 
+Variable TransformerBlock::forward_cached(const Variable& x, DType compute, const Tensor& keys, const Tensor& values,
+                                          int64_t pos) const {
+  const Variable a = self_attn_.forward_cached(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute,
+                                               keys, values, pos);
+  const Variable h = add(x, a);
+  Variable n = rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_);
+  return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
+}
+
 Variable TransformerBlock::attention_half(const Variable& x, DType compute) const {
   ProfileScope layer(scope_);
   ProfileScope part("attention");
@@ -72,7 +81,7 @@ Variable TransformerBlock::moe_finish(const Variable& h, MoeLayer::Pending& p) c
 }
 
 Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, const MoeOptions& moe)
-    : cfg_(cfg), device_(device), compute_(compute), comm_stream_(moe.exchange_comm_stream) {
+    : cfg_(cfg), device_(device), compute_(compute), recipe_(moe.recipe), comm_stream_(moe.exchange_comm_stream) {
   FLOWMOE_CHECK(compute == DType::f32 || (compute == DType::bf16 && device.is_cuda()), DTypeError,
                 "Transformer: compute dtype ", dtype_name(compute), " on ", device.str(),
                 " (the CPU computes in f32, the GPU in bf16 or f32)");
@@ -134,6 +143,22 @@ Variable Transformer::forward(const Tensor& ids) const {
     h = layers_[i]->forward(h, compute_);
   }
   stage(int64_t(layers_.size()) + 1);
+  return head(h);
+}
+
+Variable Transformer::forward_cached(const Tensor& ids, KvCache& cache) const {
+  check_ids(ids);
+  FLOWMOE_CHECK(ids.size(0) == 1, ShapeError, "Transformer: a cached forward takes one sequence, got ids ",
+                ids.describe());
+  FLOWMOE_CHECK(recipe_ == MoeRecipe::bf16, ConfigError, "Transformer: a cached forward runs the bf16 recipe, not ",
+                moe_recipe_name(recipe_), " (build the model for inference with precision.recipe bf16)");
+  FLOWMOE_CHECK(cache.keys.size() == layers_.size(), ShapeError, "Transformer: a K/V cache of ", cache.keys.size(),
+                " layers for a model of ", layers_.size());
+  const int64_t pos = cache.length;
+  Variable h = embed(ids);
+  for (size_t i = 0; i < layers_.size(); ++i)
+    h = layers_[i]->forward_cached(h, compute_, cache.keys[i], cache.values[i], pos);
+  cache.length += ids.size(1);
   return head(h);
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "layers/attention.h"
+#include "layers/kv_cache.h"
 #include "layers/mlp.h"
 #include "layers/model_config.h"
 #include "layers/moe.h"
@@ -24,6 +25,9 @@ class TransformerBlock {
   // Layers from first_k_dense_replace on use an MoE block when n_routed_experts > 0.
   TransformerBlock(ParamFactory& f, const ModelConfig& cfg, int64_t layer_idx, const MoeOptions& moe, Device device);
   Variable forward(const Variable& x /*[B,T,H]*/, DType compute) const;
+  // forward for one sequence with this layer's K/V cache at positions [pos, pos + T) (Attention::forward_cached).
+  Variable forward_cached(const Variable& x /*[1,T,H]*/, DType compute, const Tensor& keys, const Tensor& values,
+                          int64_t pos) const;
   MoeLayer* moe() const { return moe_.get(); }  // null for a dense block
   // forward in parts, for an MoE block whose caller interleaves two micro-batches (Transformer, dual_microbatch):
   // h = attention_half(x) = x + attn(rmsnorm(x)); then moe_begin(h), moe_experts and moe_finish(h) = h +
@@ -55,6 +59,11 @@ class Transformer {
   Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, const MoeOptions& moe = {});
 
   Variable forward(const Tensor& ids /*[B,T] i32*/) const;  // -> logits [B,T,V] in the compute dtype
+  // Inference over a K/V cache (layers/kv_cache.h): ids [1,T] are the positions [cache.length, cache.length + T)
+  // of one sequence, either its prompt (length 0, the same ops as forward) or one token after it; their keys
+  // and values join the cache and length grows by T. -> logits [1,T,V]. Under NoGradGuard, on a model built with
+  // the bf16 recipe (FP8 GEMMs take no single rows: ConfigError otherwise).
+  Variable forward_cached(const Tensor& ids /*[1,T] i32*/, KvCache& cache) const;
   // The two terms of the training objective, kept apart so the language-model loss is reported alone.
   struct Losses {
     Variable lm;             // mean next-token cross-entropy, an f32 scalar
@@ -120,6 +129,7 @@ class Transformer {
   std::vector<int64_t> stages_;
   std::function<void(int64_t)> stage_hook_;
   bool dual_microbatch_ = false;
+  MoeRecipe recipe_;
   bool comm_stream_;  // MoeOptions::exchange_comm_stream: the dual micro-batches' exchanges on the comm stream
   Variable embed_tokens_, norm_, lm_head_;
   std::vector<std::unique_ptr<TransformerBlock>> layers_;

@@ -533,6 +533,19 @@ TEST(Config, CollectiveTimeoutIsSecondsFromZero) {
   EXPECT_HAS(parse_error("parallel:\n  timeout_s: forever\n"), "parallel.timeout_s");
 }
 
+TEST(Config, SampleEveryIsStepsFromZero) {
+  EXPECT_EQ(parse_config("", "ok.yaml").train.sample_every, 0) << "off by default";
+  Config c = parse_config("train:\n  sample_every: 50\n", "ok.yaml");
+  EXPECT_EQ(c.train.sample_every, 50);
+  EXPECT_NE(to_yaml(c).find("sample_every: 50"), std::string::npos);
+  EXPECT_EQ(parse_config("", "ok.yaml", {"train.sample_every=7"}).train.sample_every, 7);
+  const std::string m = parse_error("train:\n  sample_every: -1\n");
+  EXPECT_HAS(m, "bad.yaml:2");
+  EXPECT_HAS(m, "train.sample_every");
+  EXPECT_HAS(parse_error("train:\n  sample_every: 2.5\n"), "train.sample_every");
+  EXPECT_HAS(parse_error("", {"train.sample_every=often"}), "train.sample_every");
+}
+
 TEST(Config, TrainingGuideDocumentsEveryKey) {
   std::ifstream in(std::string(FLOWMOE_SOURCE_DIR) + "/docs/TRAINING.md");
   ASSERT_TRUE(in.good()) << "docs/TRAINING.md is missing";

@@ -229,6 +229,37 @@ std::string partial_load_note(const CheckpointMeta& meta) {
   return left.size() == 1 ? note : note + ", ...";
 }
 
+CheckpointMeta read_checkpoint_meta(const std::string& dir) {
+  const fs::path d(dir);
+  std::error_code ec;
+  FLOWMOE_CHECK(fs::exists(d / kCheckpointMetaFile, ec), IoError, "'", dir, "' is not a checkpoint (no meta.json)");
+  std::string meta_file = (d / kCheckpointMetaFile).string();
+  // meta.json holds a few counts and the resolved config, JSON-escaped (at most 6 bytes per byte).
+  constexpr uint64_t kMaxMetaBytes = 8 * kMaxConfigFileBytes;
+  const YAML::Node j = parse_json(read_file(meta_file, kMaxMetaBytes, "checkpoint description"), meta_file);
+  FLOWMOE_CHECK(j.IsMap() && j["format"] && j["format"].IsScalar() && j["format"].Scalar() == "flowmoe-checkpoint-1",
+                IoError, "'", meta_file,
+                "' is not a flowmoe checkpoint description (no \"format\": ", "\"flowmoe-checkpoint-1\")");
+  CheckpointMeta meta;
+  try {
+    meta.step = j["step"].as<int64_t>();
+    meta.num_updates = j["num_updates"].as<int64_t>();
+    meta.skipped_steps = j["skipped_steps"].as<int64_t>();
+    meta.data.epoch = j["data_position"]["epoch"].as<uint64_t>();
+    meta.data.cursor = j["data_position"]["cursor"].as<uint64_t>();
+    meta.data_seed = j["data_position"]["seed"].as<uint64_t>();
+    meta.init_seed = j["rng"]["init_seed"].as<uint64_t>();
+    meta.config_yaml = j["config"].as<std::string>();
+  } catch (const YAML::Exception& e) {
+    FLOWMOE_THROW(IoError, "'", meta_file, "': missing or malformed field (", e.msg, ")");
+  }
+  FLOWMOE_CHECK(meta.step >= 0 && meta.num_updates >= 0 && meta.skipped_steps >= 0 && meta.num_updates <= meta.step &&
+                    meta.skipped_steps <= meta.step - meta.num_updates,
+                IoError, "'", meta_file, "': inconsistent counts (step ", meta.step, ", num_updates ", meta.num_updates,
+                ", skipped_steps ", meta.skipped_steps, ")");
+  return meta;
+}
+
 CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variable>& params,
                                std::vector<Tensor>* exp_avg, std::vector<Tensor>* exp_avg_sq,
                                const std::vector<Variable>& buffers, const std::vector<ParamShard>& shards,
@@ -266,30 +297,7 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Variabl
     }
     for (std::string& name : optim.check_all_used()) unused.push_back(std::move(name));
   }
-  std::string meta_file = (d / kCheckpointMetaFile).string();
-  // meta.json holds a few counts and the resolved config, JSON-escaped (at most 6 bytes per byte).
-  constexpr uint64_t kMaxMetaBytes = 8 * kMaxConfigFileBytes;
-  const YAML::Node j = parse_json(read_file(meta_file, kMaxMetaBytes, "checkpoint description"), meta_file);
-  FLOWMOE_CHECK(j.IsMap() && j["format"] && j["format"].IsScalar() && j["format"].Scalar() == "flowmoe-checkpoint-1",
-                IoError, "'", meta_file,
-                "' is not a flowmoe checkpoint description (no \"format\": ", "\"flowmoe-checkpoint-1\")");
-  CheckpointMeta meta;
-  try {
-    meta.step = j["step"].as<int64_t>();
-    meta.num_updates = j["num_updates"].as<int64_t>();
-    meta.skipped_steps = j["skipped_steps"].as<int64_t>();
-    meta.data.epoch = j["data_position"]["epoch"].as<uint64_t>();
-    meta.data.cursor = j["data_position"]["cursor"].as<uint64_t>();
-    meta.data_seed = j["data_position"]["seed"].as<uint64_t>();
-    meta.init_seed = j["rng"]["init_seed"].as<uint64_t>();
-    meta.config_yaml = j["config"].as<std::string>();
-  } catch (const YAML::Exception& e) {
-    FLOWMOE_THROW(IoError, "'", meta_file, "': missing or malformed field (", e.msg, ")");
-  }
-  FLOWMOE_CHECK(meta.step >= 0 && meta.num_updates >= 0 && meta.skipped_steps >= 0 && meta.num_updates <= meta.step &&
-                    meta.skipped_steps <= meta.step - meta.num_updates,
-                IoError, "'", meta_file, "': inconsistent counts (step ", meta.step, ", num_updates ", meta.num_updates,
-                ", skipped_steps ", meta.skipped_steps, ")");
+  CheckpointMeta meta = read_checkpoint_meta(dir);
   meta.unused_tensors = std::move(unused);
   return meta;
 }

@@ -63,6 +63,9 @@ std::string latest_checkpoint(const std::string& root);
 // Deletes the step_N.tmp directories under root that a crash during a save left behind (a run
 // calls it before its first save). Returns their names, sorted; throws IoError if one cannot go.
 std::vector<std::string> remove_stale_checkpoint_tmp(const std::string& root);
+// The meta.json of the checkpoint at dir (its counts and the resolved config of its run), read alone: IoError
+// when dir holds none or it is damaged. load_checkpoint returns the same.
+CheckpointMeta read_checkpoint_meta(const std::string& dir);
 // Fills params (and the moments, when given) from the checkpoint at dir; names, shapes and dtypes
 // must match (IoError names the first that does not), but for the moments' dtype: an f32 or bf16
 // moment loads into an f32 or bf16 one, converted (f32 to bf16 rounded to nearest even, bf16 to f32

@@ -34,6 +34,7 @@ struct TrainConfig {
   int64_t grad_accum_steps = 1;
   int64_t eval_every = 100;  // 0: evaluate only at the end
   int64_t eval_batches = 4;
+  int64_t sample_every = 0;  // steps between the greedy samples rank 0 prints (train/generate.h); 0: none
   int64_t seed = 42;
   std::string nonfinite = "skip";  // skip | stop
   std::string recompute;           // comma-joined modules recomputed in backward: "" or "moe_expert"

@@ -183,6 +183,9 @@ const std::vector<Field>& schema() {
                         "micro-batches per optimizer step"));
     f.push_back(integer("train", "eval_every", FLOWMOE_CONFIG_REF(train.eval_every), 0, 1e12,
                         "steps between validation passes; 0: only at the end"));
+    f.push_back(integer("train", "sample_every", FLOWMOE_CONFIG_REF(train.sample_every), 0, 1e12,
+                        "steps between greedy samples: rank 0 prints the first 8 tokens of the first validation "
+                        "window and 32 greedy tokens after them (token ids without a tokenizer); 0: none"));
     f.push_back(integer("train", "eval_batches", FLOWMOE_CONFIG_REF(train.eval_batches), 1, 1 << 20,
                         "micro-batches per validation pass"));
     f.push_back(integer("train", "seed", FLOWMOE_CONFIG_REF(train.seed), 0, 9.0e15, "seed of the weight init"));

@@ -26,6 +26,7 @@
 #include "train/model_flops.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
+#include "train/run_tokenizer.h"
 #include "train/step_state.h"
 #include "train/trainer.h"
 
@@ -106,6 +107,8 @@ struct TrainRun {
   // have grown to since.
   Tensor exchange_overflow;
   int64_t exchange_min_rows = 0;
+  // train.sample_every's tokenizer, looked up at the first sample.
+  std::optional<RunTokenizer> sample_tokenizer;
 
   int64_t tokens_per_step = 0;
   ValBatches val;           // what an evaluation reads; no batches when the data holds out no validation

@@ -19,6 +19,7 @@
 #include "train/data_parallel.h"
 #include "train/evaluation.h"
 #include "train/expert_parallel.h"
+#include "train/generate.h"
 #include "train/memory_estimate.h"
 #include "train/progress.h"
 #include "train/run.h"
@@ -80,6 +81,18 @@ static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
   run.res.final_val_loss = m.val_loss;
   run.progress.message("step " + std::to_string(m.step) + ": val loss " + format_fixed(m.val_loss, 4) +
                        " (train loss " + format_fixed(m.loss, 4) + ")");
+}
+
+// train.sample_every: a greedy sample of the weights after this step (train/generate.h), taken on every rank (an
+// expert-parallel forward is collective) and printed by rank 0, timed as evaluation. Without gradients it counts
+// no expert loads and it draws no random numbers, so training goes on as it would without it.
+static void sample_if_due(TrainRun& run, int64_t step) {
+  if (!due(step, run.cfg.train.sample_every, -1)) return;
+  const RunClock::Clock::time_point t0 = RunClock::Clock::now();
+  if (!run.sample_tokenizer) run.sample_tokenizer = RunTokenizer::for_config(run.cfg);
+  const std::string line = training_sample(run.model, run.data, *run.sample_tokenizer);
+  run.clock.evaluation_seconds += RunClock::seconds_since(t0);
+  run.progress.message("step " + std::to_string(step) + ": sample " + line);
 }
 
 // Every checkpoint.every steps, and at train.steps unless checkpoint.final is false.
@@ -155,6 +168,7 @@ static bool agree_after_step(TrainRun& run, StepMetrics& m) {
 // checkpoint, so that a request that comes during either stops the run at this step, not one step later.
 static bool finish_step(TrainRun& run, StepMetrics m) {
   evaluate_if_due(run, m);
+  sample_if_due(run, m.step);
   bool stop = agree_after_step(run, m);
   report_step(run, m);
   if (save_if_due(run, m.step) && !stop) stop = agree_on_stop(run);
@@ -170,12 +184,13 @@ static std::optional<StepMetrics> read_back_step(TrainRun& run) {
 }
 
 // Whether the step just queued may stay unread while the next one is queued: only when its scalars are
-// on the device, nothing reads the weights after it (evaluation, checkpoint, the run's end), the next
+// on the device, nothing reads the weights after it (evaluation, a sample, checkpoint, the run's end), the next
 // step is not the profiled one, and a non-finite step need not stop the run exactly there.
 static bool may_run_ahead(const TrainRun& run) {
   const TrainConfig& tc = run.cfg.train;
   return step_scalars_on_device(run) && run.step < run.end && run.step + 1 != run.opts.profile_step &&
-         tc.nonfinite != "stop" && !due(run.step, tc.eval_every, tc.steps) && !checkpoint_due(run, run.step);
+         tc.nonfinite != "stop" && !due(run.step, tc.eval_every, tc.steps) && !due(run.step, tc.sample_every, -1) &&
+         !checkpoint_due(run, run.step);
 }
 
 TrainResult train(const Config& cfg, const TrainOptions& opts) {

@@ -1,8 +1,8 @@
 // Expert-parallel training through the built command, as a user launches it: `mpirun -np N flowmoe
 // train --set parallel.expert_parallel_size=E` against the plain single-process run on the same global
 // batch, for each recipe (bf16 also with parallel.ep_dispatch: zero_sync); checkpoints that resume at another
-// expert-parallel size; evaluation with empty slices; and the start-up errors of a size that does not fit the launch,
-// which every rank must report without leaving a peer waiting.
+// expert-parallel size; evaluation with empty slices; train.sample_every's collective sample; and the start-up errors
+// of a size that does not fit the launch, which every rank must report without leaving a peer waiting.
 //
 // Tolerance: the data-parallel ones (test_dp_train.cpp says why), for the same reasons. Every rank
 // still runs its B/N sequences through the dense layers and sums the dense gradients over the world.
@@ -150,6 +150,26 @@ TEST(ExpertParallelResume, CheckpointsDoNotDependOnTheExpertParallelSize) {
   const Launch error = run_shell(d, kBinary + " fp8-error --config " + (d / "np4_ep4" / "config.yaml").string() + ckpt);
   EXPECT_EQ(error.status, 0) << error.err;
   EXPECT_EQ(count(error.out, "parallel.expert_parallel_size = 4 taken as 1"), 1u) << error.out;
+  fs::remove_all(d);
+}
+
+// train.sample_every under expert parallelism: every rank takes the sample (its forwards are collective), rank 0
+// alone prints it, and the losses are those of the same launch without samples, bit for bit.
+TEST(ExpertParallelSample, SampleEveryIsTakenByEveryRankAndPrintedByRankZero) {
+  const fs::path d = fresh_dir("ep_sample");
+  const std::string sets = std::string(kRecipes[0].sets) + ep(2);
+  Launch sampled;
+  const std::vector<StepMetrics> plain = train_run(d, 2, "np2_ep2", sets),
+                                 with_samples = train_run(d, 2, "np2_ep2_sampled",
+                                                          sets + " --set train.sample_every=10", &sampled);
+  ASSERT_EQ(plain.size(), 20u);
+  ASSERT_EQ(with_samples.size(), plain.size()) << sampled.out << sampled.err;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(with_samples[i].loss, plain[i].loss) << "step " << plain[i].step;
+    EXPECT_EQ(with_samples[i].grad_norm, plain[i].grad_norm) << "step " << plain[i].step;
+  }
+  EXPECT_EQ(count(sampled.out, "step 10: sample ["), 1u) << sampled.out;
+  EXPECT_EQ(count(sampled.out, "step 20: sample ["), 1u) << sampled.out;
   fs::remove_all(d);
 }
 

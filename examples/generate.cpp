@@ -1,0 +1,187 @@
+// `flowmoe generate`: the prompt through the run's tokenizer, a checkpoint's weights into a model of its own
+// config (meta.json), the tokens sampled over the K/V cache and printed as they come.
+#include "examples/generate.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "examples/args.h"
+#include "train/checkpoint.h"
+#include "train/file_io.h"
+#include "train/generate.h"
+#include "train/run_tokenizer.h"
+#include "train/trainer.h"
+
+namespace flowmoe {
+
+namespace {
+
+const char* kGenerateHelp =
+    R"(usage: flowmoe generate --checkpoint DIR [--prompt TEXT | --prompt-file FILE] [--max-new-tokens N]
+                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--device cpu|cuda]
+                        [--tokenizer BPE]
+
+Continues a prompt with a trained model: the checkpoint's meta.json gives the model and data config of
+its run, whose tokenizer encodes the prompt and decodes the new tokens. The prompt is run in one
+forward (prefill), then each new token in one step over a cache of every layer's keys and values.
+Prints the prompt and its continuation on stdout as the tokens come, then on stderr a line with the
+prefill's and the decoding's tokens/s.
+
+The tokenizer: data.source text is one token per byte; data.source tokens uses the BPE file
+prepare-data --bpe-vocab saved beside the token file (data/books.bin -> data/books.bpe), or one token
+per byte where there is none and every token is below 256; synthetic data has none (an error).
+
+options:
+  --checkpoint DIR      a checkpoint directory (e.g. runs/tiny/checkpoints/step_00000300)
+  --prompt TEXT         the prompt (without --prompt or --prompt-file: stdin, read to its end)
+  --prompt-file FILE    the prompt, read from FILE
+  --max-new-tokens N    new tokens to generate (default 64); prompt and new tokens together take at most
+                        model.max_position_embeddings positions: a longer prompt is refused, and N is
+                        cut to the positions left (said on stderr)
+  --temperature T       softmax temperature, 0 for greedy decoding (default 1.0)
+  --top-k K             sample among the K most likely tokens; 0: all (default 0)
+  --top-p P             nucleus sampling: among the fewest most likely tokens whose probability
+                        reaches P, in (0, 1] (default 1.0)
+  --seed S              the sampling seed: a seed gives the same tokens on every run (default 0)
+  --device DEV          cpu or cuda (default: the GPU when one is present, else the CPU)
+  --tokenizer BPE       a BPE tokenizer file to use instead of the run's (prepare-data --tokenizer runs)
+  -h, --help            this text
+
+The model runs in bf16 on the GPU and f32 on the CPU whatever precision.recipe trained it.
+)";
+
+constexpr int64_t kDefaultMaxNewTokens = 64;
+
+struct GenerateArgs {
+  std::string checkpoint, prompt, prompt_file, device = "auto", tokenizer;
+  bool has_prompt = false;
+  int64_t max_new_tokens = kDefaultMaxNewTokens;
+  SamplingOptions sampling;
+};
+
+GenerateArgs parse_generate_args(int argc, char** argv) {
+  Args args(argc, argv, 2, kGenerateHelp);
+  GenerateArgs g;
+  while (!args.done()) {
+    const std::string a = args.next();
+    if (a == "--checkpoint") {
+      g.checkpoint = args.value(a);
+    } else if (a == "--prompt") {
+      g.prompt = args.value(a);
+      g.has_prompt = true;
+    } else if (a == "--prompt-file") {
+      g.prompt_file = args.value(a);
+    } else if (a == "--max-new-tokens") {
+      g.max_new_tokens = positive_integer("generate", a, args.value(a));
+    } else if (a == "--temperature") {
+      g.sampling.temperature = non_negative_number("generate", a, args.value(a));
+    } else if (a == "--top-k") {
+      g.sampling.top_k = int64_t(non_negative_number("generate", a, args.value(a), true));
+    } else if (a == "--top-p") {
+      const std::string v = args.value(a);
+      char* end = nullptr;
+      const double p = std::strtod(v.c_str(), &end);
+      if (v.empty() || *end != '\0' || !(p > 0 && p <= 1))
+        throw UsageError("generate: --top-p needs a number in (0, 1], got '" + v + "'");
+      g.sampling.top_p = p;
+    } else if (a == "--seed") {
+      const std::string v = args.value(a);
+      char* end = nullptr;
+      errno = 0;
+      g.sampling.seed = std::strtoull(v.c_str(), &end, 10);
+      if (v.empty() || v[0] == '-' || *end != '\0' || errno == ERANGE)
+        throw UsageError("generate: --seed needs a whole number from 0 to 2^64 - 1, got '" + v + "'");
+    } else if (a == "--device") {
+      g.device = args.value(a);
+      if (g.device != "cpu" && g.device != "cuda")
+        throw UsageError("generate: --device needs cpu or cuda, got '" + g.device + "'");
+    } else if (a == "--tokenizer") {
+      g.tokenizer = args.value(a);
+    } else {
+      throw UsageError("generate: unknown argument '" + a + "' (see flowmoe generate --help)");
+    }
+  }
+  if (g.checkpoint.empty()) throw UsageError("generate: --checkpoint DIR is required");
+  if (g.has_prompt && !g.prompt_file.empty()) throw UsageError("generate: give --prompt or --prompt-file, not both");
+  return g;
+}
+
+std::string read_prompt(const GenerateArgs& g) {
+  if (g.has_prompt) return g.prompt;
+  if (!g.prompt_file.empty()) return read_file(g.prompt_file, kNoSizeLimit, "prompt file");
+  return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+}
+
+// "12 tokens in 3.4 ms (3.5k tok/s)"; a rate of nothing is not shown.
+std::string timing(int64_t tokens, double seconds) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%lld tokens in %.1f ms", static_cast<long long>(tokens), seconds * 1e3);
+  std::string s = buf;
+  if (tokens > 0 && seconds > 0) {
+    std::snprintf(buf, sizeof buf, " (%.1f tok/s)", double(tokens) / seconds);
+    s += buf;
+  }
+  return s;
+}
+
+}  // namespace
+
+int cmd_generate(int argc, char** argv) {
+  const GenerateArgs g = parse_generate_args(argc, argv);
+  const CheckpointMeta meta = read_checkpoint_meta(g.checkpoint);
+  Config cfg = parse_config(meta.config_yaml, g.checkpoint + "/meta.json");
+  cfg.train.device = g.device;
+  cfg.origins["train.device"] = "--device " + g.device;  // what a refusal of the device names
+  const Device device = resolve_device(cfg);
+  RunTokenizer tokenizer = RunTokenizer::for_config(cfg, g.tokenizer);
+  if (!tokenizer.found())
+    throw ConfigError("generate: no tokenizer for this checkpoint: " + tokenizer.missing() +
+                      " (give --tokenizer FILE)");
+  const std::vector<int32_t> prompt = tokenizer.encode(read_prompt(g));
+  const int64_t max_positions = cfg.model.max_position_embeddings, p = int64_t(prompt.size());
+  if (p == 0) throw UsageError("generate: the prompt is empty (give --prompt TEXT, --prompt-file FILE or stdin)");
+  if (p >= max_positions)
+    throw UsageError("generate: the prompt is " + std::to_string(p) + " tokens; the model takes " +
+                     std::to_string(max_positions) + " positions (model.max_position_embeddings), so at most " +
+                     std::to_string(max_positions - 1) + " prompt tokens leave room for one new token");
+  int64_t num_new = g.max_new_tokens;
+  if (p + num_new > max_positions) {
+    num_new = max_positions - p;
+    std::fprintf(stderr, "generate: --max-new-tokens %lld cut to %lld (%lld prompt tokens of %lld positions)\n",
+                 static_cast<long long>(g.max_new_tokens), static_cast<long long>(num_new), static_cast<long long>(p),
+                 static_cast<long long>(max_positions));
+  }
+  const DType compute = compute_dtype_for(device);
+  // The bf16 recipe whatever trained the weights (Transformer::forward_cached); the weights are converted once to
+  // the compute dtype, but those read in f32 (the routers' gates), so no step casts them again.
+  Transformer model(cfg.model, device, compute, meta.init_seed, MoeOptions(int(cfg.precision.align_size)));
+  load_checkpoint(g.checkpoint, model.parameters(), nullptr, nullptr, model.buffers(), model.parameter_shards(),
+                  checkpoint_load_options(cfg));
+  for (size_t i = 0; i < model.parameters().size(); ++i) {
+    Variable w = model.parameters()[i];  // shares the model's weight
+    if (!model.parameter_shards()[i].reads_f32 && w.dtype() != compute) w.store_as(w.data().to(compute));
+  }
+  std::fprintf(stderr, "generate: checkpoint %s (step %lld) on %s, tokenizer %s, %lld prompt tokens\n",
+               g.checkpoint.c_str(), static_cast<long long>(meta.step), device.str().c_str(),
+               tokenizer.describe().c_str(), static_cast<long long>(p));
+  std::fputs(tokenizer.decode(prompt).c_str(), stdout);
+  std::fflush(stdout);
+  // A byte-level BPE token decodes to its own bytes, so printing each as it comes gives the whole text.
+  const Generation out = generate(model, prompt, num_new, g.sampling, [&](int32_t token) {
+    const std::string piece = tokenizer.decode({token});
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+  });
+  std::fputs("\n", stdout);
+  std::fflush(stdout);
+  std::fprintf(stderr, "prefill: %s | decode: %s\n", timing(p, out.prefill_seconds).c_str(),
+               timing(int64_t(out.tokens.size()) - 1, out.decode_seconds).c_str());
+  return 0;
+}
+
+}  // namespace flowmoe
