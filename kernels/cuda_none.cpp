@@ -23,6 +23,7 @@
 #include "kernels/quantize.h"
 #include "kernels/reduce.h"
 #include "kernels/rmsnorm.h"
+#include "kernels/rmsnorm_quant.h"
 #include "kernels/rope.h"
 #include "kernels/router.h"
 #include "kernels/silu.h"
@@ -174,6 +175,10 @@ FLOWMOE_NO_CUDA(int64_t, rmsnorm_backward_workspace_floats, (int64_t, int64_t))
 FLOWMOE_NO_CUDA(void, rmsnorm_backward_cuda,
                 (DType, void*, void*, const void*, const void*, const void*, int64_t, int64_t, double, float*, int64_t,
                  cudaStream_t))
+
+// kernels/rmsnorm_quant.h
+FLOWMOE_NO_CUDA(void, rmsnorm_quant_forward_cuda,
+                (DType, void*, uint8_t*, float*, const void*, const void*, int64_t, int64_t, double, cudaStream_t))
 
 // kernels/rope.h
 FLOWMOE_NO_CUDA(void, rope_forward_cuda,
