@@ -18,6 +18,7 @@ static double out_std(const ModelConfig& c) {
 TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i, const MoeOptions& moe,
                                    Device device)
     : eps_(c.rms_norm_eps),
+      fp8_norms_(moe_flow(moe.recipe).fp8_linears),
       scope_("layers." + std::to_string(i)),
       input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})),
       self_attn_(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads, c.rope_theta,
@@ -35,8 +36,18 @@ Variable TransformerBlock::forward(const Variable& x, DType compute) const {
   const Variable h = attention_half(x, compute);
   ProfileScope layer(scope_);
   ProfileScope part(moe_ ? "moe" : "mlp");
-  Variable n = rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_);
-  return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
+  const NormQuantized n = post_norm(h, compute);
+  if (moe_) return add(h, moe_->forward(n.y, compute, n.q));
+  return add(h, n.q.defined() ? reshape(mlp_->forward(n.q, compute), h.shape()) : mlp_->forward(n.y, compute));
+}
+
+// rmsnorm(h) as y; under fp8_full the same kernel also quantizes it (q), the MLP reading q alone and the MoE layer
+// q (dispatch, shared experts) and y (the router).
+NormQuantized TransformerBlock::post_norm(const Variable& h, DType compute) const {
+  const Variable w = compute_weight(post_attention_layernorm_, compute);
+  if (!fp8_norms_) return {Variable(), rmsnorm(h, w, eps_)};
+  if (moe_) return rmsnorm_quantize(h, w, eps_, MoeLayer::input_site(), /*keep_y=*/true);
+  return rmsnorm_quantize(h, w, eps_, mlp_->input_site(), /*keep_y=*/false);
 }
 
 Variable TransformerBlock::attention_half(const Variable& x, DType compute) const {
@@ -50,13 +61,17 @@ Variable TransformerBlock::attention_half(const Variable& x, DType compute) cons
 }
 
 Variable TransformerBlock::attention_branch(const Variable& x, DType compute) const {
-  return self_attn_.forward(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute);
+  const Variable w = compute_weight(input_layernorm_, compute);
+  if (!fp8_norms_) return self_attn_.forward(rmsnorm(x, w, eps_), compute);
+  const Variable xq = rmsnorm_quantize(x, w, eps_, self_attn_.input_site(), /*keep_y=*/false).q;
+  return self_attn_.forward_quantized(xq, x.size(0), x.size(1), compute);
 }
 
 MoeLayer::Pending TransformerBlock::moe_begin(const Variable& h, DType compute) const {
   ProfileScope layer(scope_);
   ProfileScope part("moe");
-  return moe_->begin(rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_), compute);
+  const NormQuantized n = post_norm(h, compute);
+  return moe_->begin(n.y, compute, n.q);
 }
 
 void TransformerBlock::moe_experts(MoeLayer::Pending& p) const {

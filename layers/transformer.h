@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/ops/rmsnorm_quant.h"
 #include "layers/attention.h"
 #include "layers/mlp.h"
 #include "layers/model_config.h"
@@ -38,8 +39,12 @@ class TransformerBlock {
 
  private:
   Variable attention_branch(const Variable& x, DType compute) const;  // attn(rmsnorm(x))
+  NormQuantized post_norm(const Variable& h, DType compute) const;    // the MLP's or MoE layer's input
 
   double eps_;
+  // fp8_full: a norm whose output feeds FP8 linears emits their FP8 input in its own kernel (rmsnorm_quantize),
+  // counting the cast at the site where the layer would have quantized it.
+  bool fp8_norms_ = false;
   bool recompute_attention_ = false;
   std::string scope_;  // "layers.<i>", the profiler's name for the block
   Variable input_layernorm_, post_attention_layernorm_;

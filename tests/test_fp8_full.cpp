@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/cast_stats.h"
+#include "engine/profiler.h"
 #include "layers/transformer.h"
 #include "tests/moe_test_config.h"
 #include "tests/test_util.h"
@@ -113,6 +114,32 @@ TEST(Fp8Full, Fp8FlowRunsNoDenseFp8Linear) {
                         {"weight_quantize model.layers.1.mlp.experts.fc1.weight", 1},
                         {"weight_quantize model.layers.1.mlp.experts.fc2.weight", 1}};
     EXPECT_EQ(step_casts(model).by_site, want);
+  }
+}
+
+// Under fp8_full each norm that feeds FP8 linears quantizes its own output in its kernel (rmsnorm_quantize): the
+// attention's, the dense MLP's and the MoE layer's input norms; what remains of quantize_rowwise in a block's
+// forward is o_proj's and down_proj's input. fp8_flow keeps the plain norm.
+TEST(Fp8Full, NormsQuantizeTheirOutput) {
+  for (MoeRecipe r : {MoeRecipe::fp8_flow, MoeRecipe::fp8_full}) {
+    SCOPED_TRACE(moe_recipe_name(r));
+    const Transformer model(two_block_model(), Device::cpu(), DType::f32, 3, with_recipe(r));
+    Rng rng(7);
+    const Tensor ids = rng.randint({2, 16}, 0, 64), targets = rng.randint({2, 16}, 0, 64);
+    profile_begin();
+    model.loss(ids, targets);
+    std::map<std::string, int64_t> calls;  // "scope op" -> forward calls
+    for (const OpTiming& t : profile_end())
+      if (t.phase == OpPhase::forward) calls[t.scope + " " + t.op] += t.calls;
+    const bool full = r == MoeRecipe::fp8_full;
+    for (const char* scope : {"layers.0.attention", "layers.0.mlp", "layers.1.attention", "layers.1.moe"}) {
+      SCOPED_TRACE(scope);
+      EXPECT_EQ(calls[std::string(scope) + " rmsnorm_quantize"], full ? 1 : 0);
+      EXPECT_EQ(calls[std::string(scope) + " rmsnorm"], full ? 0 : 1);
+    }
+    if (!full) continue;
+    for (const char* scope : {"layers.0.attention", "layers.0.mlp", "layers.1.attention", "layers.1.moe"})
+      EXPECT_EQ(calls[std::string(scope) + " quantize_rowwise"], 1) << scope;
   }
 }
 
