@@ -21,6 +21,7 @@
 #include "kernels/rmsnorm.h"
 #include "kernels/rmsnorm_quant.h"
 #include "tests/fp8_rows_check.h"
+#include "tests/norm_test_data.h"
 #include "tests/test_util.h"
 
 using namespace flowmoe;
@@ -29,36 +30,6 @@ using namespace flowmoe::test;
 namespace {
 
 constexpr double kEps = 1e-6;
-
-struct Case {
-  int64_t rows, hidden;
-};
-// Widths of the model (multiples of 128, up to 7168 and 16384) and, for the kernels' general path, a few that
-// are not (partial last blocks, rows not 16-byte aligned).
-const Case kCases[] = {{0, 128},  {1, 128},   {4, 256}, {6, 1024}, {5, 2048}, {3, 4096},
-                       {2, 7168}, {2, 16384}, {3, 129}, {4, 1001}, {2, 7}};
-
-// x [rows, hidden] in [-2, 2), its first rows made edge rows where there are enough: zeros, huge (2^40 scale: the
-// f32 sum of x^2 stays finite up to 16384 columns), tiny (2^-100: x^2 underflows in f32 and is negligible beside
-// eps in double, so both backends take rstd = 1/sqrt(eps)), and one spike among small values.
-Tensor edge_rows(Rng& rng, const Case& c) {
-  std::vector<float> v = random_tensor(rng, {c.rows, c.hidden}, DType::f32, Device::cpu(), -2, 2).to_floats();
-  auto row = [&](int64_t r) { return v.begin() + r * c.hidden; };
-  if (c.rows > 1) std::fill(row(0), row(1), 0.f);
-  if (c.rows > 2)
-    for (auto it = row(1); it != row(2); ++it) *it *= 0x1p40f;
-  if (c.rows > 3)
-    for (auto it = row(2); it != row(3); ++it) *it *= 0x1p-100f;
-  if (c.rows > 4) {
-    for (auto it = row(3); it != row(4); ++it) *it *= 0x1p-20f;
-    *(row(3) + c.hidden / 2) = 1000.f;
-  }
-  return Tensor::from_floats(v, {c.rows, c.hidden});
-}
-
-Tensor norm_weight(Rng& rng, int64_t hidden) {
-  return random_tensor(rng, {hidden}, DType::f32, Device::cpu(), -1.5, 1.5);
-}
 
 struct Fused {
   Tensor y;  // x's dtype
@@ -118,7 +89,7 @@ void expect_same(const Fused& got, const Fused& ref, int64_t hidden) {
 
 TEST(RmsnormQuant, CpuMatchesComposition) {
   Rng rng(test_seed());
-  for (const Case& c : kCases) {
+  for (const NormCase& c : kNormCases) {
     SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " hidden " << c.hidden);
     const Tensor x = edge_rows(rng, c), w = norm_weight(rng, c.hidden);
     const Fused ref = run_cpu<float>(x, w, false, true);
@@ -134,7 +105,7 @@ TEST(RmsnormQuant, CpuMatchesComposition) {
 // finite positive scales like any other row.
 TEST(RmsnormQuant, EdgeRows) {
   Rng rng(test_seed());
-  const Case c{5, 256};
+  const NormCase c{5, 256};
   const Tensor x = edge_rows(rng, c), w = norm_weight(rng, c.hidden);
   const Fused f = run_cpu<float>(x, w, true, true);
   for (int64_t j = 0; j < c.hidden; ++j) EXPECT_EQ(f.q.q[size_t(j)] & 0x7F, 0) << j;  // +-0 (w's sign)
@@ -197,7 +168,7 @@ void expect_node_same(const NodeRun& got, const NodeRun& ref) {
 
 void node_matches_composition(Device dev, DType dtype) {
   Rng rng(test_seed());
-  for (const Case& c : {Case{6, 256}, Case{32, 1024}, Case{3, 129}}) {
+  for (const NormCase& c : {NormCase{6, 256}, NormCase{32, 1024}, NormCase{3, 129}}) {
     for (bool keep_y : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " hidden " << c.hidden << " keep_y " << keep_y);
       const Tensor x2 = edge_rows(rng, c), w = norm_weight(rng, c.hidden);
@@ -262,7 +233,7 @@ TEST(RmsnormQuantCuda, MatchesUnfusedBitwise) {
   FLOWMOE_REQUIRE_CUDA();
   Rng rng(test_seed());
   for (DType dtype : {DType::bf16, DType::f32})
-    for (const Case& c : kCases) {
+    for (const NormCase& c : kNormCases) {
       SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " rows " << c.rows << " hidden " << c.hidden);
       const Tensor x = edge_rows(rng, c), w = norm_weight(rng, c.hidden);
       const Fused ref = run_cuda(x, w, dtype, false, true);
@@ -276,7 +247,7 @@ TEST(RmsnormQuantCuda, MatchesUnfusedBitwise) {
 TEST(RmsnormQuantCuda, MatchesCpu) {
   FLOWMOE_REQUIRE_CUDA();
   Rng rng(test_seed());
-  for (const Case& c : kCases) {
+  for (const NormCase& c : kNormCases) {
     SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " hidden " << c.hidden);
     const Tensor x = edge_rows(rng, c), w = norm_weight(rng, c.hidden);
     const Fused ref = run_cpu<float>(x, w, true, true);

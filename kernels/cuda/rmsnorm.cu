@@ -25,7 +25,7 @@ __global__ void rmsnorm_forward_kernel(T* __restrict__ y, const T* __restrict__ 
   __shared__ float scratch[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * hidden;
-    const float rstd = rmsnorm_row_rstd(xr, hidden, eps, scratch);
+    const float rstd = rmsnorm_row_rstd(hidden, eps, scratch, [&](int64_t j) { return to_float(xr[j]); });
     for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x)
       y[r * hidden + j] = from_float<T>(rmsnorm_value(to_float(xr[j]), rstd, to_float(weight[j])));
   }
@@ -84,14 +84,6 @@ __global__ void rmsnorm_dweight_kernel(T* __restrict__ d_weight,
 }
 
 // ---- launchers --------------------------------------------------------------------------------
-
-static void check_rmsnorm_args(const char* what, DType dtype, int64_t rows, int64_t hidden, double eps) {
-  FLOWMOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, DTypeError, what, " supports f32 and bf16, got ",
-                dtype_name(dtype));
-  FLOWMOE_CHECK(rows >= 0 && hidden >= 0, ShapeError, what, ": bad shape rows ", rows, ", hidden ", hidden);
-  FLOWMOE_CHECK(rows <= int64_t(0x7fffffff), ShapeError, what, ": ", rows, " rows exceed the grid limit");
-  FLOWMOE_CHECK(eps >= 0, Error, what, ": eps must be >= 0, got ", eps);
-}
 
 void rmsnorm_forward_cuda(DType dtype, void* y, const void* x, const void* weight, int64_t rows, int64_t hidden,
                           double eps, cudaStream_t stream) {
