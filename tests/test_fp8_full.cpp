@@ -117,11 +117,13 @@ TEST(Fp8Full, Fp8FlowRunsNoDenseFp8Linear) {
   }
 }
 
-// Under fp8_full each norm that feeds FP8 linears quantizes its own output in its kernel (rmsnorm_quantize): the
-// attention's, the dense MLP's and the MoE layer's input norms; what remains of quantize_rowwise in a block's
-// forward is o_proj's and down_proj's input. fp8_flow keeps the plain norm.
+// Under fp8_full each norm that feeds FP8 linears quantizes its own output in its kernel: the attention's input norm
+// (rmsnorm_quantize) and the post-attention norm, fused with the residual add before it in every recipe
+// (add_rmsnorm, charged to the attention part), for the dense MLP's or the MoE layer's input. What remains of
+// quantize_rowwise in a block's forward is o_proj's and down_proj's input (and fp8_flow's dispatch); the other
+// recipes keep the plain input norm.
 TEST(Fp8Full, NormsQuantizeTheirOutput) {
-  for (MoeRecipe r : {MoeRecipe::fp8_flow, MoeRecipe::fp8_full}) {
+  for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_flow, MoeRecipe::fp8_full}) {
     SCOPED_TRACE(moe_recipe_name(r));
     const Transformer model(two_block_model(), Device::cpu(), DType::f32, 3, with_recipe(r));
     Rng rng(7);
@@ -132,14 +134,17 @@ TEST(Fp8Full, NormsQuantizeTheirOutput) {
     for (const OpTiming& t : profile_end())
       if (t.phase == OpPhase::forward) calls[t.scope + " " + t.op] += t.calls;
     const bool full = r == MoeRecipe::fp8_full;
-    for (const char* scope : {"layers.0.attention", "layers.0.mlp", "layers.1.attention", "layers.1.moe"}) {
-      SCOPED_TRACE(scope);
-      EXPECT_EQ(calls[std::string(scope) + " rmsnorm_quantize"], full ? 1 : 0);
-      EXPECT_EQ(calls[std::string(scope) + " rmsnorm"], full ? 0 : 1);
+    for (const std::string layer : {"layers.0", "layers.1"}) {
+      SCOPED_TRACE(layer);
+      const std::string attn = layer + ".attention ", ffn = layer + (layer == "layers.0" ? ".mlp " : ".moe ");
+      EXPECT_EQ(calls[attn + "rmsnorm_quantize"], full ? 1 : 0);
+      EXPECT_EQ(calls[attn + "rmsnorm"], full ? 0 : 1);
+      EXPECT_EQ(calls[attn + "add_rmsnorm"], 1);
+      EXPECT_EQ(calls[ffn + "rmsnorm"], 0);
+      EXPECT_EQ(calls[attn + "quantize_rowwise"], full ? 1 : 0);
+      const bool dispatch_quantize = r == MoeRecipe::fp8_flow && layer == "layers.1";
+      EXPECT_EQ(calls[ffn + "quantize_rowwise"], full || dispatch_quantize ? 1 : 0);
     }
-    if (!full) continue;
-    for (const char* scope : {"layers.0.attention", "layers.0.mlp", "layers.1.attention", "layers.1.moe"})
-      EXPECT_EQ(calls[std::string(scope) + " quantize_rowwise"], 1) << scope;
   }
 }
 
