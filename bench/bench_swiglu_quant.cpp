@@ -35,19 +35,6 @@ double median_gpu_ms(F&& run, cudaStream_t stream) {
   return flowmoe::median_gpu_ms([] {}, run, stream, true, kWarmup, kReps);
 }
 
-// Uniform values on the device: a 4M-element random tile drawn on the host, repeated (host draws of
-// the full 277M-element h would take seconds).
-Tensor random_device(Rng& rng, const Shape& shape, double lo, double hi, DType dtype, cudaStream_t stream) {
-  const int64_t n = shape_numel(shape), tile = std::min<int64_t>(n, int64_t(1) << 22);
-  Tensor t = Tensor::empty(shape, dtype, Device::cuda(0)), src = rng.uniform({tile}, lo, hi, dtype, Device::cuda(0));
-  const size_t es = dtype_size(dtype);
-  for (int64_t off = 0; off < n; off += tile)
-    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(t.raw_data()) + size_t(off) * es, src.raw_data(),
-                                       size_t(std::min(tile, n - off)) * es, cudaMemcpyDeviceToDevice, stream));
-  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return t;
-}
-
 struct Config {
   int64_t M, F;
   const char* what;
@@ -63,8 +50,8 @@ struct Result {
 Result bench(const Config& c, Rng& rng, cudaStream_t stream) {
   const Device dev = Device::cuda(0);
   const int64_t M = c.M, F = c.F, nb = fp8_num_blocks(F), nb2 = fp8_num_blocks(2 * F);
-  Tensor h = random_device(rng, {M, 2 * F}, -4, 4, DType::bf16, stream);
-  Tensor d_a = random_device(rng, {M, F}, -1, 1, DType::bf16, stream);
+  Tensor h = random_tiled_device(rng, {M, 2 * F}, -4, 4, DType::bf16, stream);
+  Tensor d_a = random_tiled_device(rng, {M, F}, -1, 1, DType::bf16, stream);
   Tensor prob = rng.uniform({M}, 0, 1, DType::f32, dev);
   Tensor q = Tensor::empty({M, F}, DType::e4m3, dev), s = Tensor::empty({M, nb}, DType::f32, dev);
   Tensor q2 = Tensor::empty({M, 2 * F}, DType::e4m3, dev), s2 = Tensor::empty({M, nb2}, DType::f32, dev);

@@ -1,6 +1,7 @@
 // What the benchmarks share: their main() (bench_main), the median of `reps` event-timed runs on
 // `stream` after `warmup` untimed ones (module load, handle creation and cuBLASLt plans stay out of
-// the numbers), and the device's copy bandwidth, the ceiling of the bandwidth-bound kernels.
+// the numbers), the device's copy bandwidth, the ceiling of the bandwidth-bound kernels, and large
+// random inputs made quickly.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -10,7 +11,9 @@
 #include <exception>
 #include <vector>
 
+#include "engine/rng.h"
 #include "engine/stream.h"
+#include "engine/tensor.h"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device_api.h"
 
@@ -79,6 +82,20 @@ inline CopyGbps copy_gbps(cudaStream_t stream, bool gpu_only = false, size_t cop
   cuda_free_raw(src, 0);
   cuda_free_raw(dst, 0);
   return r;
+}
+
+// Uniform values on device 0: a 4M-element random tile drawn on the host, repeated (host draws of a
+// 277M-element tensor would take seconds).
+inline Tensor random_tiled_device(Rng& rng, const Shape& shape, double lo, double hi, DType dtype,
+                                  cudaStream_t stream) {
+  const int64_t n = shape_numel(shape), tile = std::min<int64_t>(n, int64_t(1) << 22);
+  Tensor t = Tensor::empty(shape, dtype, Device::cuda(0)), src = rng.uniform({tile}, lo, hi, dtype, Device::cuda(0));
+  const size_t es = dtype_size(dtype);
+  for (int64_t off = 0; off < n; off += tile)
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(t.raw_data()) + size_t(off) * es, src.raw_data(),
+                                       size_t(std::min(tile, n - off)) * es, cudaMemcpyDeviceToDevice, stream));
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return t;
 }
 
 // A benchmark's main(): without a CUDA device it prints "<name>: no CUDA device, skipped" and

@@ -7,6 +7,7 @@
 // that code link. Each definition is qualified (flowmoe::name), so a signature that no longer matches
 // its declaration in kernels/*.h is a compile error here rather than a silent overload.
 #include "kernels/adamw.h"
+#include "kernels/add_rmsnorm.h"
 #include "kernels/attention.h"
 #include "kernels/common/device_api.h"
 #include "kernels/copy.h"
@@ -23,6 +24,7 @@
 #include "kernels/quantize.h"
 #include "kernels/reduce.h"
 #include "kernels/rmsnorm.h"
+#include "kernels/rmsnorm_quant.h"
 #include "kernels/rope.h"
 #include "kernels/router.h"
 #include "kernels/silu.h"
@@ -50,6 +52,11 @@ FLOWMOE_NO_CUDA(void, sum_squares_cuda, (const float*, int64_t, float*, float*, 
 FLOWMOE_NO_CUDA(void, sum_values_cuda, (const float*, int64_t, float*, float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_squares_multi_cuda, (const SumSlice*, int64_t, float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_values_multi_cuda, (const SumSlice*, int64_t, float*, cudaStream_t))
+
+// kernels/add_rmsnorm.h
+FLOWMOE_NO_CUDA(void, add_rmsnorm_forward_cuda,
+                (DType, void*, void*, uint8_t*, float*, const void*, const void*, const void*, int64_t, int64_t, double,
+                 cudaStream_t))
 
 // kernels/attention.h
 FLOWMOE_NO_CUDA(void, attention_forward_cuda,
@@ -174,6 +181,10 @@ FLOWMOE_NO_CUDA(int64_t, rmsnorm_backward_workspace_floats, (int64_t, int64_t))
 FLOWMOE_NO_CUDA(void, rmsnorm_backward_cuda,
                 (DType, void*, void*, const void*, const void*, const void*, int64_t, int64_t, double, float*, int64_t,
                  cudaStream_t))
+
+// kernels/rmsnorm_quant.h
+FLOWMOE_NO_CUDA(void, rmsnorm_quant_forward_cuda,
+                (DType, void*, uint8_t*, float*, const void*, const void*, int64_t, int64_t, double, cudaStream_t))
 
 // kernels/rope.h
 FLOWMOE_NO_CUDA(void, rope_forward_cuda,

@@ -27,7 +27,9 @@ Attention::Attention(ParamFactory& f, const std::string& prefix, int64_t hidden,
 Variable Attention::forward(const Variable& x, DType compute) const {
   FLOWMOE_CHECK(x.data().dim() == 3 && x.size(2) == hidden_, ShapeError, "attention: input ", x.data().describe(),
                 ", expected [B, T, ", hidden_, "]");
-  if (fp8_) return forward_fp8(x, compute);
+  if (fp8_)
+    return forward_quantized(quantize_rowwise(reshape(x, {x.size(0) * x.size(1), hidden_}), input_site()), x.size(0),
+                             x.size(1), compute);
   const int64_t b = x.size(0), t = x.size(1), hd = hidden_ / num_heads_;
   const Shape heads = {b, t, num_heads_, hd};
   Variable q = rope(reshape(linear(x, compute_weight(q_proj_, compute)), heads), rope_theta_);
@@ -89,10 +91,12 @@ Variable Attention::forward_cached(const Variable& x, DType compute, const Tenso
 }
 
 // The same with fp8_linear projections over [B·T, H] rows: x quantized once for q, k and v.
-Variable Attention::forward_fp8(const Variable& x, DType compute) const {
-  const int64_t b = x.size(0), t = x.size(1), hd = hidden_ / num_heads_;
+Variable Attention::forward_quantized(const Variable& xq, int64_t b, int64_t t, DType compute) const {
+  FLOWMOE_CHECK(fp8_ && is_fp8(xq.dtype()) && xq.data().dim() == 2 && xq.size(0) == b * t && xq.size(1) == hidden_,
+                ShapeError, "attention: quantized input ", xq.data().describe(), ", expected FP8 [", b * t, ", ",
+                hidden_, "] for an FP8 attention");
+  const int64_t hd = hidden_ / num_heads_;
   const Shape heads = {b, t, num_heads_, hd};
-  const Variable xq = quantize_rowwise(reshape(x, {b * t, hidden_}), site_ + ": x");
   auto project = [&](const Variable& w, const Fp8WeightCache& cache, const char* name) {
     return reshape(cached_fp8_linear(xq, w, cache, site_ + "." + name, compute), heads);
   };

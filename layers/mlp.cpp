@@ -24,7 +24,7 @@ Variable Mlp::forward(const Variable& x, DType compute) const {
 Variable Mlp::forward_fp8(const Variable& x, DType compute) const {
   const bool quantized = is_fp8(x.dtype());
   const Shape shape = x.shape();
-  const Variable xq = quantized ? x : quantize_rowwise(reshape(x, {-1, shape.back()}), site_ + ": x");
+  const Variable xq = quantized ? x : quantize_rowwise(reshape(x, {-1, shape.back()}), input_site());
   const Variable gate = cached_fp8_linear(xq, gate_proj_, gate_fp8_, site_ + ".gate_proj", compute);
   const Variable up = cached_fp8_linear(xq, up_proj_, up_fp8_, site_ + ".up_proj", compute);
   const Variable a = quantize_rowwise(mul(silu(gate), up), site_ + ".down_proj: x");

@@ -20,6 +20,7 @@ class Mlp {
   // x [..., H]; in FP8 also an already quantized x (e4m3 [M, H] with rowwise scales: the MoE layer's dispatch
   // input), whose cast the caller counted. -> [..., H].
   Variable forward(const Variable& x, DType compute) const;
+  std::string input_site() const { return site_ + ": x"; }  // where x's quantize is counted ("mlp: x")
 
  private:
   Variable forward_fp8(const Variable& x, DType compute) const;

@@ -128,22 +128,25 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
 // (tests/test_moe_fp8.cpp checks this order against the ops the backward runs.)
 // The backward reads nothing to the host: the GEMMs and exchanges reuse the forward's counts.
 // The steps below run in begin (0-3, prepare holding 0-2), run_experts (4 and the rows' return) and finish (5-6).
-Variable MoeLayer::forward(const Variable& x, DType compute) const {
-  if (num_chunks_ > 1 && grad_enabled()) return forward_in_chunks(x, compute);
-  Pending p = begin(x, compute);
+Variable MoeLayer::forward(const Variable& x, DType compute, const Variable& xq) const {
+  if (num_chunks_ > 1 && grad_enabled()) return forward_in_chunks(x, compute, xq);
+  Pending p = begin(x, compute, xq);
   run_experts(p);
   return finish(p);
 }
 
 // Steps 0-2: what every token goes through before the routed experts.
-MoeLayer::Pending MoeLayer::prepare(const Variable& x, DType compute) const {
+MoeLayer::Pending MoeLayer::prepare(const Variable& x, DType compute, const Variable& x_quantized) const {
   Pending p;
   p.in_shape = x.shape();
   Variable x2 = reshape(x, {-1, p.in_shape.back()});  // [T, H]
 
   // fp8_full quantizes x (step 2) first: the shared experts' FP8 GEMMs read the same xq as the dispatch, one
-  // cast for both.
-  const Variable xq = flow_.fp8_linears ? quantize_rowwise(x2, "dispatch: x") : Variable();
+  // cast for both. In a transformer block the norm before this layer has quantized it already (x_quantized).
+  FLOWMOE_CHECK(!x_quantized.defined() || flow_.fp8_linears, Error, "moe: a quantized input is for fp8_full, not ",
+                moe_recipe_name(options_.recipe));
+  Variable xq = x_quantized;
+  if (flow_.fp8_linears && !xq.defined()) xq = quantize_rowwise(x2, input_site());
 
   // 0. The shared experts, a dense SwiGLU MLP on every token (summed in at 6). They wait for nothing the
   //    routed path makes, so with shared_expert_overlap they run on a side stream beside steps 1-5, and
@@ -165,12 +168,12 @@ MoeLayer::Pending MoeLayer::prepare(const Variable& x, DType compute) const {
   if (xq.defined())
     p.tokens = xq;
   else
-    p.tokens = flow_.quantize_once ? quantize_rowwise(x2, "dispatch: x") : x2;
+    p.tokens = flow_.quantize_once ? quantize_rowwise(x2, input_site()) : x2;
   return p;
 }
 
-MoeLayer::Pending MoeLayer::begin(const Variable& x, DType compute) const {
-  Pending p = prepare(x, compute);
+MoeLayer::Pending MoeLayer::begin(const Variable& x, DType compute, const Variable& xq) const {
+  Pending p = prepare(x, compute, xq);
   dispatch_routed(p, p.tokens.size(0));
   return p;
 }
@@ -222,8 +225,8 @@ Variable MoeLayer::add_shared(const Pending& p, Variable y) const {
 }
 
 // forward with exchange_chunks: steps 0-2 and 6 as above, steps 3-5 per token chunk.
-Variable MoeLayer::forward_in_chunks(const Variable& x, DType compute) const {
-  Pending p = prepare(x, compute);
+Variable MoeLayer::forward_in_chunks(const Variable& x, DType compute, const Variable& xq) const {
+  Pending p = prepare(x, compute, xq);
   return add_shared(p, routed_in_chunks(p));
 }
 

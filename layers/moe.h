@@ -94,7 +94,10 @@ class MoeLayer {
   // across ranks the transfers need their sizes. Not at all on one GPU (any recipe: the one-launch GEMMs and the
   // FP8 wgrad operands' colwise layouts read the counts on the device), nor across ranks on GPUs with ep_dispatch
   // zero_sync.
-  Variable forward(const Variable& x /*[..., H]*/, DType compute) const;  // -> [..., H]
+  // xq: under fp8_full, x already quantized (e4m3 [T, H] with rowwise scales, the block's fused norm emits it,
+  // counting its cast at input_site()); undefined: the layer quantizes x itself where its recipe does. -> [..., H].
+  Variable forward(const Variable& x /*[..., H]*/, DType compute, const Variable& xq = Variable()) const;
+  static const char* input_site() { return "dispatch: x"; }  // where x's quantize before dispatch is counted
 
   // The forward in three parts, for a caller that interleaves two micro-batches (Transformer::losses with
   // dual_microbatch): begin runs steps 0-3 (the shared experts issued, router, quantize, dispatch: on the comm
@@ -108,7 +111,7 @@ class MoeLayer {
     Dispatched d;
     uint64_t arrived = 0, back = 0;  // comm lane tickets: the dispatch, the return
   };
-  Pending begin(const Variable& x /*[..., H]*/, DType compute) const;
+  Pending begin(const Variable& x /*[..., H]*/, DType compute, const Variable& xq = Variable()) const;
   void run_experts(Pending& p) const;
   Variable finish(Pending& p) const;  // -> [..., H]
 
@@ -144,11 +147,11 @@ class MoeLayer {
  private:
   RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
   Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& dispatched) const;
-  Pending prepare(const Variable& x, DType compute) const;          // steps 0-2
-  void dispatch_routed(Pending& p, int64_t tokens_per_rank) const;  // step 3
-  Variable unpermute_routed(Pending& p) const;                      // step 5's unpermute
-  Variable add_shared(const Pending& p, Variable y) const;          // step 6
-  Variable forward_in_chunks(const Variable& x, DType compute) const;
+  Pending prepare(const Variable& x, DType compute, const Variable& xq) const;  // steps 0-2
+  void dispatch_routed(Pending& p, int64_t tokens_per_rank) const;              // step 3
+  Variable unpermute_routed(Pending& p) const;                                  // step 5's unpermute
+  Variable add_shared(const Pending& p, Variable y) const;                      // step 6
+  Variable forward_in_chunks(const Variable& x, DType compute, const Variable& xq) const;
   Variable routed_in_chunks(const Pending& whole) const;  // steps 3-5 per token chunk
   DispatchOptions dispatch_options(int64_t num_tokens) const;
 

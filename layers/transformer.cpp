@@ -18,6 +18,7 @@ static double out_std(const ModelConfig& c) {
 TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i, const MoeOptions& moe,
                                    Device device)
     : eps_(c.rms_norm_eps),
+      fp8_norms_(moe_flow(moe.recipe).fp8_linears),
       scope_("layers." + std::to_string(i)),
       input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})),
       self_attn_(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads, c.rope_theta,
@@ -30,13 +31,15 @@ TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_
   post_attention_layernorm_ = f.ones(layer_prefix(i) + ".post_attention_layernorm.weight", {c.hidden_size});
 }
 
-// The profiler's scopes (engine/profiler.h): "layers.3.attention", then "layers.3.moe" or ".mlp".
+// The profiler's scopes (engine/profiler.h): "layers.3.attention" (with the residual add and the norm after it,
+// one kernel), then "layers.3.moe" or ".mlp".
 Variable TransformerBlock::forward(const Variable& x, DType compute) const {
-  const Variable h = attention_half(x, compute);
+  const AddNormed a = attention_half(x, compute);
   ProfileScope layer(scope_);
   ProfileScope part(moe_ ? "moe" : "mlp");
-  Variable n = rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_);
-  return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
+  if (moe_) return add(a.h, moe_->forward(a.n.y, compute, a.n.q));
+  if (a.n.q.defined()) return add(a.h, reshape(mlp_->forward(a.n.q, compute), a.h.shape()));
+  return add(a.h, mlp_->forward(a.n.y, compute));
 }
 
 Variable TransformerBlock::forward_cached(const Variable& x, DType compute, const Tensor& keys, const Tensor& values,
@@ -48,24 +51,37 @@ Variable TransformerBlock::forward_cached(const Variable& x, DType compute, cons
   return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
 }
 
-Variable TransformerBlock::attention_half(const Variable& x, DType compute) const {
+// h = x + attn(rmsnorm(x)) and the post-attention norm of h in one kernel (add_rmsnorm): its y, and under fp8_full
+// its FP8 copy from the same pass, the MLP reading that alone, the MoE layer both (the router reads y).
+AddNormed TransformerBlock::attention_half(const Variable& x, DType compute) const {
   ProfileScope layer(scope_);
   ProfileScope part("attention");
-  if (!recompute_attention_) return add(x, attention_branch(x, compute));
-  const CheckpointFn branch = [this, compute](const std::vector<Variable>& in) {
-    return std::vector<Variable>{attention_branch(in[0], compute)};
-  };
-  return add(x, checkpoint(branch, {x})[0]);
+  Variable attn;
+  if (!recompute_attention_) {
+    attn = attention_branch(x, compute);
+  } else {
+    const CheckpointFn branch = [this, compute](const std::vector<Variable>& in) {
+      return std::vector<Variable>{attention_branch(in[0], compute)};
+    };
+    attn = checkpoint(branch, {x})[0];
+  }
+  const Variable w = compute_weight(post_attention_layernorm_, compute);
+  if (!fp8_norms_) return add_rmsnorm(x, attn, w, eps_);
+  if (moe_) return add_rmsnorm(x, attn, w, eps_, MoeLayer::input_site(), /*keep_y=*/true);
+  return add_rmsnorm(x, attn, w, eps_, mlp_->input_site(), /*keep_y=*/false);
 }
 
 Variable TransformerBlock::attention_branch(const Variable& x, DType compute) const {
-  return self_attn_.forward(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute);
+  const Variable w = compute_weight(input_layernorm_, compute);
+  if (!fp8_norms_) return self_attn_.forward(rmsnorm(x, w, eps_), compute);
+  const Variable xq = rmsnorm_quantize(x, w, eps_, self_attn_.input_site(), /*keep_y=*/false).q;
+  return self_attn_.forward_quantized(xq, x.size(0), x.size(1), compute);
 }
 
-MoeLayer::Pending TransformerBlock::moe_begin(const Variable& h, DType compute) const {
+MoeLayer::Pending TransformerBlock::moe_begin(const AddNormed& a, DType compute) const {
   ProfileScope layer(scope_);
   ProfileScope part("moe");
-  return moe_->begin(rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_), compute);
+  return moe_->begin(a.n.y, compute, a.n.q);
 }
 
 void TransformerBlock::moe_experts(MoeLayer::Pending& p) const {
@@ -215,7 +231,7 @@ Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& ta
       for (Variable& x : h) x = block.forward(x, compute_);
       continue;
     }
-    Variable a[2];
+    AddNormed a[2];
     MoeLayer::Pending p[2];
     for (int k = 0; k < 2; ++k) {
       a[k] = block.attention_half(h[k], compute_);
@@ -223,7 +239,7 @@ Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& ta
     }
     for (MoeLayer::Pending& pk : p) block.moe_experts(pk);
     for (int k = 0; k < 2; ++k) {
-      h[k] = block.moe_finish(a[k], p[k]);
+      h[k] = block.moe_finish(a[k].h, p[k]);
       if (p[k].aux_loss.defined()) layer_aux[k].push_back(p[k].aux_loss);
     }
   }

@@ -1,17 +1,20 @@
 // The dense decoder-only transformer (DeepSeek-V3 layout with plain MHA and a dense MLP):
-//   h = embed(ids);  per block: h += attn(rmsnorm(h)); h += mlp(rmsnorm(h));
+//   h = embed(ids);  per block: h += attn(rmsnorm(h)); h += mlp(rmsnorm(h))  (the first += and the norm after it
+//   one kernel, add_rmsnorm);
 //   logits = rmsnorm(h) · W_headᵀ   (W_head = the embedding when tie_word_embeddings).
 // Parameters are created as f32 weights named as Hugging Face does ("model.layers.0.self_attn.q_proj.weight").
 // The forward computes in `compute` dtype: f32 on the CPU; bf16 on the GPU, where each f32 weight is cast per
 // use (a bf16 one, which training may store, is read as it is) and its gradient returns to f32. Init is seeded
 // and identical on every device. The MoE options' recipe also sets the other linears' precision: fp8_full runs
-// the attention projections and dense MLPs in FP8 (MoeFlow::fp8_linears); the embedding, norms and head stay.
+// the attention projections and dense MLPs in FP8 (MoeFlow::fp8_linears), their input norms writing the FP8
+// inputs; the embedding, the norms' arithmetic and the head stay.
 #pragma once
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "engine/ops/add_rmsnorm.h"
 #include "layers/attention.h"
 #include "layers/kv_cache.h"
 #include "layers/mlp.h"
@@ -30,10 +33,10 @@ class TransformerBlock {
                           int64_t pos) const;
   MoeLayer* moe() const { return moe_.get(); }  // null for a dense block
   // forward in parts, for an MoE block whose caller interleaves two micro-batches (Transformer, dual_microbatch):
-  // h = attention_half(x) = x + attn(rmsnorm(x)); then moe_begin(h), moe_experts and moe_finish(h) = h +
-  // the MoE layer's output (MoeLayer::begin, run_experts, finish).
-  Variable attention_half(const Variable& x, DType compute) const;
-  MoeLayer::Pending moe_begin(const Variable& h, DType compute) const;
+  // a = attention_half(x): a.h = x + attn(rmsnorm(x)) and a.n its post-attention norm; then moe_begin(a),
+  // moe_experts and moe_finish(a.h) = a.h + the MoE layer's output (MoeLayer::begin, run_experts, finish).
+  AddNormed attention_half(const Variable& x, DType compute) const;
+  MoeLayer::Pending moe_begin(const AddNormed& a, DType compute) const;
   void moe_experts(MoeLayer::Pending& p) const;
   Variable moe_finish(const Variable& h, MoeLayer::Pending& p) const;
   // train.recompute attention: attn(rmsnorm(x)) runs under checkpoint(), which keeps only x and runs it again
@@ -44,6 +47,9 @@ class TransformerBlock {
   Variable attention_branch(const Variable& x, DType compute) const;  // attn(rmsnorm(x))
 
   double eps_;
+  // fp8_full: a norm whose output feeds FP8 linears emits their FP8 input in its own kernel (rmsnorm_quantize),
+  // counting the cast at the site where the layer would have quantized it.
+  bool fp8_norms_ = false;
   bool recompute_attention_ = false;
   std::string scope_;  // "layers.<i>", the profiler's name for the block
   Variable input_layernorm_, post_attention_layernorm_;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/cast_stats.h"
+#include "engine/profiler.h"
 #include "layers/transformer.h"
 #include "tests/moe_test_config.h"
 #include "tests/test_util.h"
@@ -113,6 +114,37 @@ TEST(Fp8Full, Fp8FlowRunsNoDenseFp8Linear) {
                         {"weight_quantize model.layers.1.mlp.experts.fc1.weight", 1},
                         {"weight_quantize model.layers.1.mlp.experts.fc2.weight", 1}};
     EXPECT_EQ(step_casts(model).by_site, want);
+  }
+}
+
+// Under fp8_full each norm that feeds FP8 linears quantizes its own output in its kernel: the attention's input norm
+// (rmsnorm_quantize) and the post-attention norm, fused with the residual add before it in every recipe
+// (add_rmsnorm, charged to the attention part), for the dense MLP's or the MoE layer's input. What remains of
+// quantize_rowwise in a block's forward is o_proj's and down_proj's input (and fp8_flow's dispatch); the other
+// recipes keep the plain input norm.
+TEST(Fp8Full, NormsQuantizeTheirOutput) {
+  for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_flow, MoeRecipe::fp8_full}) {
+    SCOPED_TRACE(moe_recipe_name(r));
+    const Transformer model(two_block_model(), Device::cpu(), DType::f32, 3, with_recipe(r));
+    Rng rng(7);
+    const Tensor ids = rng.randint({2, 16}, 0, 64), targets = rng.randint({2, 16}, 0, 64);
+    profile_begin();
+    model.loss(ids, targets);
+    std::map<std::string, int64_t> calls;  // "scope op" -> forward calls
+    for (const OpTiming& t : profile_end())
+      if (t.phase == OpPhase::forward) calls[t.scope + " " + t.op] += t.calls;
+    const bool full = r == MoeRecipe::fp8_full;
+    for (const std::string layer : {"layers.0", "layers.1"}) {
+      SCOPED_TRACE(layer);
+      const std::string attn = layer + ".attention ", ffn = layer + (layer == "layers.0" ? ".mlp " : ".moe ");
+      EXPECT_EQ(calls[attn + "rmsnorm_quantize"], full ? 1 : 0);
+      EXPECT_EQ(calls[attn + "rmsnorm"], full ? 0 : 1);
+      EXPECT_EQ(calls[attn + "add_rmsnorm"], 1);
+      EXPECT_EQ(calls[ffn + "rmsnorm"], 0);
+      EXPECT_EQ(calls[attn + "quantize_rowwise"], full ? 1 : 0);
+      const bool dispatch_quantize = r == MoeRecipe::fp8_flow && layer == "layers.1";
+      EXPECT_EQ(calls[ffn + "quantize_rowwise"], full || dispatch_quantize ? 1 : 0);
+    }
   }
 }
 

@@ -90,9 +90,7 @@ class QuantizeRowwise : public SharedBodyPrimitive<Primitive> {
 
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>&) override {
-    const Tensor& d = d_out[0];
-    if (is_fp8(d.dtype())) return {dequantize_tensor(d, x_dtype_, "")};  // not a cast of the forward
-    return {d.to(x_dtype_)};
+    return {straight_through_grad(d_out[0], x_dtype_)};
   }
 
  private:
@@ -268,6 +266,11 @@ Variable dequantize(const Variable& q, DType dtype, const std::string& site) {
   Variable y = apply(std::make_shared<Dequantize>(dtype, site), {q})[0];
   note_cast(CastKind::dequantize, site);
   return y;
+}
+
+Tensor straight_through_grad(const Tensor& d_q, DType dtype) {
+  if (is_fp8(d_q.dtype())) return dequantize_tensor(d_q, dtype, "");  // not a cast of the forward
+  return d_q.to(dtype);
 }
 
 Tensor quantize_rowwise_tensor(const Tensor& x, const std::string& site) {

@@ -23,6 +23,10 @@ Variable dequantize(const Variable& q, DType dtype, const std::string& site);
 
 // ---- non-differentiable helpers (used inside other ops' backward) ----------------------------
 
+// The straight-through gradient of a rowwise quantize whose input had `dtype`: d_q converted to it, an FP8 d_q
+// with scales dequantized (part of the backward, not a cast: not counted).
+Tensor straight_through_grad(const Tensor& d_q, DType dtype);
+
 // As quantize_rowwise, on a tensor. Counts one quantize.
 Tensor quantize_rowwise_tensor(const Tensor& x, const std::string& site);
 // x [M,K] f32/bf16 -> e4m3 [K,M] with colwise_1x128 scale_inv [num_blocks, K] and the segments attached

@@ -1,15 +1,14 @@
 // rmsnorm(x, weight, eps) over the last dim as an autograd primitive; its backward (dx and d_weight
 // in one pass, rstd recomputed rather than saved) is a primitive on the same device.
 // Reference: kernels/cpu/rmsnorm.cpp. Tests: tests/test_rmsnorm.cpp.
-#include "kernels/rmsnorm.h"
+#include "engine/ops/rmsnorm.h"
+
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
+#include "kernels/rmsnorm.h"
 
 namespace flowmoe {
 
-namespace {
-
-// x [..., H] and weight [H] agree in dtype and width; returns H.
 int64_t check_rmsnorm(const Tensor& x, const Tensor& weight, double eps, const char* what) {
   check_same_dtype(x, weight, what);
   FLOWMOE_CHECK(x.dim() >= 1, ShapeError, what, ": x must be [..., H], got ", x.describe());
@@ -18,6 +17,8 @@ int64_t check_rmsnorm(const Tensor& x, const Tensor& weight, double eps, const c
   FLOWMOE_CHECK(eps >= 0, Error, what, ": eps must be >= 0, got ", eps);
   return x.size(-1);
 }
+
+namespace {
 
 int64_t rows_of(const Tensor& x, int64_t hidden) { return hidden > 0 ? x.numel() / hidden : 0; }
 
@@ -91,8 +92,7 @@ class Rmsnorm : public Primitive {
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
-    RmsnormBackward bwd(eps_);
-    std::vector<Tensor> d = eval(bwd, {d_out[0], in[0], in[1]});
+    std::vector<Tensor> d = rmsnorm_backward(d_out[0], in[0], in[1], eps_);
     return {needs[0] ? d[0] : Tensor(), needs[1] ? d[1] : Tensor()};
   }
 
@@ -101,6 +101,11 @@ class Rmsnorm : public Primitive {
 };
 
 }  // namespace
+
+std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& weight, double eps) {
+  RmsnormBackward bwd(eps);
+  return eval(bwd, {d_y, x, weight});
+}
 
 Variable rmsnorm(const Variable& x, const Variable& weight, double eps) {
   return apply(std::make_shared<Rmsnorm>(eps), {x, weight})[0];

@@ -1,7 +1,8 @@
 // Rowwise 1x128 FP8 quantize building blocks on the GPU (layout: kernels/fp8.h): 16-byte chunk loads,
 // the e4m3 conversion, a lane group's amax and the grid-stride quantize loop over (row, block) groups.
-// Used by the fused SwiGLU quantize (kernels/cuda/swiglu_quant.cu) and by its unfused baseline in
-// bench/baselines/swiglu_quant_baseline.cu, so the baseline's quantize runs the same instructions.
+// Used by the fused SwiGLU quantize (kernels/cuda/swiglu_quant.cu), the fused RMSNorm quantize
+// (kernels/cuda/rmsnorm_quant.cu) and the SwiGLU's unfused baseline in bench/baselines/swiglu_quant_baseline.cu,
+// so the baseline's quantize runs the same instructions.
 #pragma once
 #include <cuda_fp8.h>
 
@@ -67,6 +68,22 @@ __device__ __forceinline__ void store_e4m3(uint8_t* __restrict__ out, const floa
   }
 }
 
+// One (row, block) group's quantize once each of its L lanes holds its N values v (zeros past the row): the
+// group's amax, scale_inv stored by its first lane (sub 0), the bytes stored at q_at (the row's column j0). Every
+// lane of the warp calls it, for the shuffles; a lane with `in` false only joins them.
+template <int L, bool kVec, int N>
+__device__ __forceinline__ void quantize_group(const float (&v)[N], bool in, int sub, uint8_t* __restrict__ q_at,
+                                               float* __restrict__ scale_inv_at, int64_t j0, int64_t n) {
+  float amax = 0.f;
+#pragma unroll
+  for (int e = 0; e < N; ++e) amax = fp8_amax_update(amax, v[e]);
+  amax = group_amax<L>(amax);
+  if (!in) return;
+  const float s_inv = fp8_scale_inv(amax);
+  if (sub == 0) *scale_inv_at = s_inv;
+  store_e4m3<kVec>(q_at, v, fp8_scale_from_inv(s_inv), j0, n);
+}
+
 // Rowwise 1x128 quantize of M rows of K values made on the fly by produce(r, j0, v) (v[0..N) =
 // columns j0.. of row r). A group of L = 128 / N lanes per (row, block); the loop's trip count is
 // warp-uniform so the shuffles always see the whole warp.
@@ -89,14 +106,7 @@ __device__ __forceinline__ void quantize_rows(int64_t M, int64_t K, uint8_t* __r
 #pragma unroll
       for (int e = 0; e < N; ++e) v[e] = 0.f;
     }
-    float amax = 0.f;
-#pragma unroll
-    for (int e = 0; e < N; ++e) amax = fp8_amax_update(amax, v[e]);
-    amax = group_amax<L>(amax);
-    if (!valid || j0 >= K) continue;
-    const float s_inv = fp8_scale_inv(amax);
-    if (sub == 0) scale_inv[r * nb + b] = s_inv;
-    store_e4m3<kVec>(q + r * K + j0, v, fp8_scale_from_inv(s_inv), j0, K);
+    quantize_group<L, kVec>(v, valid && j0 < K, sub, q + r * K + j0, scale_inv + r * nb + b, j0, K);
   }
 }
 

@@ -3,11 +3,13 @@
 //   backward: dx = rstd * dy * w - x * rstd^3 * g / hidden, g = sum(dy * w * x); rstd is recomputed
 //             (same pass as g). d_weight = sum_rows dy * x * rstd: each block adds its rows into its
 //             own fp32 partial row, a second kernel sums the partials in a fixed order (deterministic).
+// The forward's row pieces live in kernels/cuda/rmsnorm_row.cuh (the fused quantize shares them).
 // CPU reference: kernels/cpu/rmsnorm.cpp. Tests: tests/test_rmsnorm.cpp.
 #include <cuda_bf16.h>
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/cuda/cuda_utils.cuh"
+#include "kernels/cuda/rmsnorm_row.cuh"
 #include "kernels/rmsnorm.h"
 
 namespace flowmoe {
@@ -23,14 +25,9 @@ __global__ void rmsnorm_forward_kernel(T* __restrict__ y, const T* __restrict__ 
   __shared__ float scratch[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * hidden;
-    float sum_sq = 0.f;
-    for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) {
-      float v = to_float(xr[j]);
-      sum_sq += v * v;
-    }
-    float rstd = rsqrtf(block_sum(sum_sq, scratch) / float(hidden) + eps);
+    const float rstd = rmsnorm_row_rstd(hidden, eps, scratch, [&](int64_t j) { return to_float(xr[j]); });
     for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x)
-      y[r * hidden + j] = from_float<T>(to_float(xr[j]) * rstd * to_float(weight[j]));
+      y[r * hidden + j] = from_float<T>(rmsnorm_value(to_float(xr[j]), rstd, to_float(weight[j])));
   }
 }
 
@@ -87,20 +84,6 @@ __global__ void rmsnorm_dweight_kernel(T* __restrict__ d_weight,
 }
 
 // ---- launchers --------------------------------------------------------------------------------
-
-// About 4 columns per thread, a multiple of 32 in [32, 1024] (what block_sum needs).
-static int rmsnorm_threads(int64_t hidden) {
-  int64_t t = ((hidden + 3) / 4 + 31) / 32 * 32;
-  return int(t < 32 ? 32 : (t > 1024 ? 1024 : t));
-}
-
-static void check_rmsnorm_args(const char* what, DType dtype, int64_t rows, int64_t hidden, double eps) {
-  FLOWMOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, DTypeError, what, " supports f32 and bf16, got ",
-                dtype_name(dtype));
-  FLOWMOE_CHECK(rows >= 0 && hidden >= 0, ShapeError, what, ": bad shape rows ", rows, ", hidden ", hidden);
-  FLOWMOE_CHECK(rows <= int64_t(0x7fffffff), ShapeError, what, ": ", rows, " rows exceed the grid limit");
-  FLOWMOE_CHECK(eps >= 0, Error, what, ": eps must be >= 0, got ", eps);
-}
 
 void rmsnorm_forward_cuda(DType dtype, void* y, const void* x, const void* weight, int64_t rows, int64_t hidden,
                           double eps, cudaStream_t stream) {
