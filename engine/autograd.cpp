@@ -186,6 +186,10 @@ std::vector<Variable> apply(std::shared_ptr<Primitive> p, const std::vector<Vari
   }
   if (p->saves_inputs()) node->saved_inputs = in;
   if (p->saves_outputs()) node->saved_outputs = outs;
+  for (size_t i = 0; i < node->saved_inputs.size(); ++i)
+    if (!p->keeps_input(i)) node->saved_inputs[i] = Tensor();
+  for (size_t i = 0; i < node->saved_outputs.size(); ++i)
+    if (!p->keeps_output(i)) node->saved_outputs[i] = Tensor();
   if (profiling()) node->scope = profile_scope();
   mark_order(*node, p->backward_first());
   for (const Tensor& t : in)

@@ -32,6 +32,10 @@ class Primitive {
                                   const std::vector<Tensor>& d_outputs, const std::vector<bool>& needs_grad) = 0;
   virtual bool saves_inputs() const { return true; }
   virtual bool saves_outputs() const { return false; }
+  // Of what saves_inputs / saves_outputs keep, whether input / output i is kept (all by default): an op whose
+  // backward needs one tensor of several keeps that one alone, and its vjp sees the others undefined.
+  virtual bool keeps_input(size_t i) const { return true; }
+  virtual bool keeps_output(size_t i) const { return true; }
   // Floating-point operations of one call on these inputs, for the step profiler's TFLOP/s
   // (engine/profiler.h); 0 where an op does not count them. Its vjp's: by default twice the
   // forward's, a GEMM's dgrad and wgrad. Either may be asked with no inputs (a vjp that saves none).

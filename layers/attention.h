@@ -31,9 +31,9 @@ class Attention {
   // In FP8: the forward from x already quantized, e4m3 [B·T, H] with rowwise scales (the block's fused norm
   // emits it, counting its cast at input_site()). -> [B,T,H].
   Variable forward_quantized(const Variable& xq, int64_t b, int64_t t, DType compute) const;
-  bool fp8() const { return fp8_; }
   std::string input_site() const { return site_ + ": x"; }  // where x's quantize is counted ("self_attn: x")
 
+ private:
   int64_t hidden_, num_heads_;
   double rope_theta_;
   bool fp8_;

@@ -1,11 +1,12 @@
 // add_rmsnorm: the fused residual add + RMSNorm (+ rowwise FP8 quantize) against the unfused composition (add, then
 // rmsnorm, then quantize_rowwise) bit for bit on each backend, h, y, data and scales, in its three forms (y; q; y and
 // q) on random and edge rows; the autograd node (its gradients are the composition's bit for bit, with cotangents on
-// h, y and q; central differences of h + y in f64; one cast counted at its site, none without one); errors; CUDA
-// against its own composition bit for bit and against the CPU within the bound of tests/test_rmsnorm_quant.cpp (h
-// exact: one f32 add rounded once on both).
+// h, y and q; the graph keeps h alone; central differences of h + y in f64; one cast counted at its site, none without
+// one); errors; CUDA against its own composition bit for bit and against the CPU within the bound of
+// tests/test_rmsnorm_quant.cpp (h exact: one f32 add rounded once on both).
 #include <vector>
 
+#include "engine/allocator.h"
 #include "engine/cast_stats.h"
 #include "engine/ops/add_rmsnorm.h"
 #include "engine/ops/ops.h"
@@ -184,6 +185,22 @@ void node_matches_composition(Device dev, DType dtype) {
 }  // namespace
 
 TEST(AddRmsnorm, NodeMatchesComposition) { node_matches_composition(Device::cpu(), DType::f32); }
+
+// The graph keeps h and the weight of the node, not y and q (their readers keep them if they need them): after the
+// outputs are dropped, what stays live is about h.
+TEST(AddRmsnorm, KeepsOnlyH) {
+  Rng rng(1);
+  const Variable x(random_tensor(rng, {512, 1024}), true), a(random_tensor(rng, {512, 1024}), true);
+  const Variable w(norm_weight(rng, 1024), true);
+  const size_t base = memory_stats(Device::cpu()).live_bytes, h_bytes = 512 * 1024 * 4;
+  AddNormed r = add_rmsnorm(x, a, w, kEps, "x", /*keep_y=*/true);
+  r.n = NormQuantized();
+  const size_t kept = memory_stats(Device::cpu()).live_bytes - base;
+  EXPECT_GE(kept, h_bytes);
+  EXPECT_LT(kept, h_bytes + h_bytes / 4) << "the node keeps " << kept << " bytes, h is " << h_bytes;
+  r.h.backward(Tensor::full({512, 1024}, 1.0, DType::f32));
+  EXPECT_TRUE(x.grad().defined() && w.grad().defined());
+}
 
 // h + y by central differences in f64 (q is piecewise constant; its straight-through gradient is the
 // composition's, above).

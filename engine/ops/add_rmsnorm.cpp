@@ -1,7 +1,7 @@
-// add_rmsnorm (engine/ops/add_rmsnorm.h) as an autograd primitive. It saves its output h and the weight, not its
-// inputs (the backward needs h alone, which the unfused rmsnorm saved too): RMSNorm's backward (rstd recomputed from
-// h) on d_y + the straight-through d_q, plus h's own gradient, is x's and a's. The cast is counted in the public
-// function, once per call, as quantize_rowwise counts its own.
+// add_rmsnorm (engine/ops/add_rmsnorm.h) as an autograd primitive. It keeps the weight and its output h, nothing
+// else (what the unfused rmsnorm kept: y and q are kept by their readers if they need them): RMSNorm's backward
+// (rstd recomputed from h) on d_y + the straight-through d_q, plus h's own gradient, is x's and a's. The cast is
+// counted in the public function, once per call, as quantize_rowwise counts its own.
 #include "engine/ops/add_rmsnorm.h"
 
 #include <memory>
@@ -24,11 +24,12 @@ class AddRmsnorm : public SharedBodyPrimitive<Primitive> {
   AddRmsnorm(double eps, const std::string& site, bool keep_y)
       : eps_(eps), quantize_(!site.empty()), keep_y_(keep_y || site.empty()), what_("add_rmsnorm at '" + site + "'") {}
   const char* name() const override { return "add_rmsnorm"; }
-  bool saves_inputs() const override { return false; }
   bool saves_outputs() const override { return true; }
+  bool keeps_input(size_t i) const override { return i == 2; }   // the weight
+  bool keeps_output(size_t i) const override { return i == 0; }  // h
 
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>& out, const std::vector<Tensor>& d_out,
-                          const std::vector<bool>& needs) override {
+  std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>& out,
+                          const std::vector<Tensor>& d_out, const std::vector<bool>& needs) override {
     const Tensor& h = out[0];
     Tensor d_n;
     if (keep_y_) d_n = d_out[1].to(h.dtype());
@@ -36,7 +37,7 @@ class AddRmsnorm : public SharedBodyPrimitive<Primitive> {
       const Tensor d_q = straight_through_grad(d_out.back(), h.dtype()).reshape(h.shape());
       d_n = d_n.defined() ? tensor_add(d_n, d_q) : d_q;
     }
-    std::vector<Tensor> d = rmsnorm_backward(d_n, h, weight_, eps_);
+    std::vector<Tensor> d = rmsnorm_backward(d_n, h, in[2], eps_);
     const Tensor d_h = tensor_add(d_out[0].to(h.dtype()), d[0]);
     return {needs[0] ? d_h : Tensor(), needs[1] ? d_h : Tensor(), needs[2] ? d[1] : Tensor()};
   }
@@ -45,7 +46,6 @@ class AddRmsnorm : public SharedBodyPrimitive<Primitive> {
   double eps_;
   bool quantize_, keep_y_;
   std::string what_;
-  Tensor weight_;  // the backward's (the inputs are not saved)
 
   std::vector<Tensor> run(const std::vector<Tensor>& in, bool cuda) override {
     const int64_t hidden = check_rmsnorm(in[0], in[2], eps_, what_.c_str());
@@ -55,8 +55,7 @@ class AddRmsnorm : public SharedBodyPrimitive<Primitive> {
       check_dtype(in[0], {DType::f32, DType::bf16}, what_.c_str());
     else
       check_dtype(in[0], {DType::f32, DType::f64}, what_.c_str());
-    const Tensor x = in[0].contiguous(), a = in[1].contiguous();
-    weight_ = in[2].contiguous();
+    const Tensor x = in[0].contiguous(), a = in[1].contiguous(), w = in[2].contiguous();
     const Device dev = x.device();
     const int64_t rows = leading_rows(x);
     Tensor h = Tensor::empty(x.shape(), x.dtype(), dev);
@@ -67,13 +66,13 @@ class AddRmsnorm : public SharedBodyPrimitive<Primitive> {
     auto* q_ptr = quantize_ ? static_cast<uint8_t*>(q.raw_data()) : nullptr;
     float* s_ptr = quantize_ ? s.data<float>() : nullptr;
     if (cuda) {
-      add_rmsnorm_forward_cuda(x.dtype(), h.raw_data(), y_ptr, q_ptr, s_ptr, x.raw_data(), a.raw_data(),
-                               weight_.raw_data(), rows, hidden, eps_, current_stream(dev.index));
+      add_rmsnorm_forward_cuda(x.dtype(), h.raw_data(), y_ptr, q_ptr, s_ptr, x.raw_data(), a.raw_data(), w.raw_data(),
+                               rows, hidden, eps_, current_stream(dev.index));
     } else {
       FLOWMOE_DISPATCH_CPU_FLOAT(x.dtype(), name(),
                                  add_rmsnorm_forward_cpu<scalar_t>(h.data<scalar_t>(), static_cast<scalar_t*>(y_ptr),
                                                                    q_ptr, s_ptr, x.data<scalar_t>(), a.data<scalar_t>(),
-                                                                   weight_.data<scalar_t>(), rows, hidden, eps_));
+                                                                   w.data<scalar_t>(), rows, hidden, eps_));
     }
     std::vector<Tensor> outs = {h};
     if (keep_y_) outs.push_back(y);

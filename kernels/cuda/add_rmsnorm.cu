@@ -36,7 +36,7 @@ __global__ void add_rmsnorm_kernel(T* __restrict__ h, T* __restrict__ y, uint8_t
     return to_float(hv);
   });
   rmsnorm_write_row<T, kVec>(y ? y + r * hidden : nullptr, q ? q + r * hidden : nullptr,
-                             scale_inv + r * fp8_num_blocks(hidden), weight, hidden, rstd,
+                             q ? scale_inv + r * fp8_num_blocks(hidden) : nullptr, weight, hidden, rstd,
                              [&](int64_t j0, float(&v)[V]) {
                                float xv[V], av[V];
                                load_chunk<T, kVec>(xr, j0, hidden, xv);
