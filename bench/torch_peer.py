@@ -148,7 +148,7 @@ DEFAULTS = {
                  "overlap_grad_reduce": True, "grad_reduce_sms": 0,
                  "shard_optimizer": True, "timeout_s": 600.0},
     "checkpoint": {"dir": "", "every": 0, "final": True, "keep_last": 3, "resume": "false",
-                   "partial_load": False, "allow_nonfinite": False},
+                   "partial_load": False, "allow_nonfinite": False, "init_from": ""},
     "logging": {"out_dir": "", "metrics_format": "jsonl", "log_every": 10, "progress": "auto"},
 }
 

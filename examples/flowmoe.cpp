@@ -1,5 +1,6 @@
-// The flowmoe command: train, eval, generate, prepare-data, plot, parity, fp8-error, walkthrough (and
-// config-reference). Only main() catches: configuration and usage errors exit 2, other errors exit 1, a training run
+// The flowmoe command: train, eval, generate, prepare-data, plot, parity, fp8-error, export, import,
+// walkthrough (and config-reference). Only main() catches: configuration and usage errors exit 2, other errors
+// exit 1, a training run
 // stopped by SIGINT or SIGTERM exits 128 + the signal number (130, 143) after saving a checkpoint, and
 // one stopped by its stop file (train/stop_request.h) exits 0 after saving one.
 // Under mpirun or srun, train and eval run data-parallel on every process (launch.h); rank 0 prints.
@@ -19,6 +20,7 @@
 #include "examples/args.h"
 #include "examples/fp8_error.h"
 #include "examples/generate.h"
+#include "examples/hf.h"
 #include "examples/launch.h"
 #include "examples/parity.h"
 #include "examples/walkthrough.h"
@@ -48,6 +50,8 @@ commands:
   plot             loss curves of one or several runs -> PNG
   parity           loss parity of precision recipes: one run each, a JSON report and a plot
   fp8-error        where FP8 error enters each expert GEMM, on a checkpoint's activations
+  export           a checkpoint as a Hugging Face folder (--format hf: transformers' glm4_moe)
+  import           a Hugging Face glm4_moe folder as a config and a checkpoint to train from
   config-reference print every config key with its type, range and default (Markdown)
   walkthrough      one small fp8_flow MoE layer, forward and backward, step by step (docs/WALKTHROUGH.md)
 
@@ -418,6 +422,8 @@ int run(int argc, char** argv) {
   }
   if (cmd == "fp8-error") return cmd_fp8_error(argc, argv);
   if (cmd == "generate") return cmd_generate(argc, argv);
+  if (cmd == "export") return cmd_export(argc, argv);
+  if (cmd == "import") return cmd_import(argc, argv);
   if (cmd == "walkthrough") return cmd_walkthrough(argc, argv);
   if (cmd == "config-reference") {
     if (argc > 2) {
@@ -428,7 +434,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   throw UsageError("unknown command '" + cmd +
-                   "' (commands: train, eval, generate, prepare-data, plot, parity, fp8-error, config-reference, "
+                   "' (commands: train, eval, generate, prepare-data, plot, parity, fp8-error, export, import, "
+                   "config-reference, "
                    "walkthrough)");
 }
 

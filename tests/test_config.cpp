@@ -546,6 +546,17 @@ TEST(Config, SampleEveryIsStepsFromZero) {
   EXPECT_HAS(parse_error("", {"train.sample_every=often"}), "train.sample_every");
 }
 
+// checkpoint.init_from: empty, or hf: and a folder (tests/test_hf_roundtrip.cpp trains from one).
+TEST(Config, InitFromIsAHuggingFaceFolder) {
+  EXPECT_EQ(parse_config("", "ok.yaml").checkpoint.init_from, "");
+  EXPECT_EQ(parse_config("checkpoint:\n  init_from: hf:models/x\n", "ok.yaml").checkpoint.init_from, "hf:models/x");
+  for (const char* bad : {"models/x", "hf:", "gguf:x"}) {
+    const std::string m = parse_error(std::string("checkpoint:\n  init_from: '") + bad + "'\n");
+    EXPECT_HAS(m, "bad.yaml:2");
+    EXPECT_HAS(m, "checkpoint.init_from: '" + std::string(bad) + "' is not hf:DIR");
+  }
+}
+
 TEST(Config, TrainingGuideDocumentsEveryKey) {
   std::ifstream in(std::string(FLOWMOE_SOURCE_DIR) + "/docs/TRAINING.md");
   ASSERT_TRUE(in.good()) << "docs/TRAINING.md is missing";

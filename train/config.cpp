@@ -205,6 +205,7 @@ void validate(const Config& c) {
   check_model_shape(c, report);
   check_moe_routing(c, report);
   check_data_source(c, report);
+  check_init_from(c, report);
   check_lr_schedule(c, report);
   check_precision_recipe(c, report);
   check_tensor_sizes(c, report);

@@ -82,6 +82,9 @@ struct ParallelConfig {
   double timeout_s = 600;           // a collective waiting longer ends the job (parallel/watchdog.h); 0: never
 };
 
+// checkpoint.init_from's form: this prefix, then the folder.
+constexpr const char* kInitFromHfPrefix = "hf:";
+
 struct CheckpointConfig {
   std::string dir;    // empty: <logging.out_dir>/checkpoints
   int64_t every = 0;  // steps between checkpoints; 0: only the final one
@@ -90,6 +93,7 @@ struct CheckpointConfig {
   std::string resume = "false";  // false | true (latest in dir) | path of a checkpoint directory
   bool partial_load = false;     // a loaded checkpoint may hold tensors the model does not have
   bool allow_nonfinite = false;  // a loaded checkpoint may hold NaN or Inf
+  std::string init_from;         // "" | hf:DIR: a fresh run's weights from a Hugging Face glm4_moe folder
 };
 
 struct LoggingConfig {

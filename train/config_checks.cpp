@@ -119,6 +119,13 @@ void check_data_source(const Config& c, const KeyReport& r) {
     check_data_files(c, r);
 }
 
+void check_init_from(const Config& c, const KeyReport& r) {
+  const std::string& v = c.checkpoint.init_from;
+  if (!v.empty() && (v.rfind(kInitFromHfPrefix, 0) != 0 || v.size() == std::string(kInitFromHfPrefix).size()))
+    r.err("checkpoint.init_from", "'" + v + "' is not " + kInitFromHfPrefix +
+                                      "DIR (a Hugging Face glm4_moe folder: config.json and model.safetensors)");
+}
+
 void check_lr_schedule(const Config& c, const KeyReport& r) {
   const OptimizerConfig& o = c.optimizer;
   if (o.min_lr > o.lr)

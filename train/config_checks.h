@@ -31,6 +31,8 @@ void check_model_shape(const Config& c, const KeyReport& r);
 void check_moe_routing(const Config& c, const KeyReport& r);
 // A synthetic corpus big enough for one sequence per split, or a data.path that exists and suits the source.
 void check_data_source(const Config& c, const KeyReport& r);
+// checkpoint.init_from: empty or hf:DIR with a DIR.
+void check_init_from(const Config& c, const KeyReport& r);
 // The learning-rate schedule: min_lr below lr, warm-up within the run.
 void check_lr_schedule(const Config& c, const KeyReport& r);
 // An FP8 recipe needs layers to act on (MoE layers, but for fp8_full), 128-wide widths for its FP8 blocks, and

@@ -327,6 +327,10 @@ const std::vector<Field>& schema() {
     f.push_back(boolean("checkpoint", "allow_nonfinite", FLOWMOE_CONFIG_REF(checkpoint.allow_nonfinite),
                         "loading accepts weights and moments holding NaN or Inf; false refuses them, naming the "
                         "tensor"));
+    f.push_back(string("checkpoint", "init_from", FLOWMOE_CONFIG_REF(checkpoint.init_from),
+                       "hf:DIR: a fresh run starts from the weights of a Hugging Face glm4_moe folder (flowmoe "
+                       "export --format hf writes one), whose config.json must describe the model; a resume takes "
+                       "its checkpoint's instead; empty: the seeded init"));
     // logging
     f.push_back(string("logging", "out_dir", FLOWMOE_CONFIG_REF(logging.out_dir),
                        "run outputs (resolved config, metrics); empty: runs/<config file name>"));

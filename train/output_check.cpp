@@ -89,4 +89,35 @@ void check_output_file(const std::string& named, const std::string& path, const 
   FLOWMOE_CHECK(problem.empty(), ConfigError, problem);
 }
 
+std::string output_folder_problem(const std::string& named, const std::string& path) {
+  if (path.empty()) return named + ": the path is empty";
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (!S_ISDIR(st.st_mode))
+      return named + " exists and is " + file_type_name(st) + ", not a folder; name a new folder";
+    std::error_code ec;
+    const bool empty = fs::is_empty(path, ec);
+    if (ec) return named + " cannot be read: " + ec.message();
+    if (!empty) return named + " exists and is not empty; name a new folder (nothing is written over)";
+  } else if (const int err = errno; err != ENOENT) {
+    return named + " cannot be written: " + std::strerror(err);
+  }
+  // The parent of "runs/x/" is "runs/x" to std::filesystem: the path without its trailing separators.
+  fs::path p(path);
+  while (p.has_parent_path() && p.filename().empty()) p = p.parent_path();
+  const std::string parent = p.parent_path().empty() ? "." : p.parent_path().string();
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec))
+    return named + ": its parent folder '" + parent + "' does not exist (create it first, or name another folder)";
+  if (holds(parent, kCheckpointModelFile))
+    return named + " is in the checkpoint folder '" + parent + "' (it holds " + kCheckpointModelFile +
+           "), whose files are the checkpoint's; write it elsewhere";
+  return "";
+}
+
+void check_output_folder(const std::string& named, const std::string& path) {
+  const std::string problem = output_folder_problem(named, path);
+  FLOWMOE_CHECK(problem.empty(), ConfigError, problem);
+}
+
 }  // namespace flowmoe

@@ -37,4 +37,11 @@ std::string output_file_problem(const std::string& named, const std::string& pat
 void check_output_file(const std::string& named, const std::string& path, const std::vector<InputFile>& inputs,
                        const std::string& example_name = "");
 
+// Why a command must not fill the folder at `path` (export's OUT_DIR, import's checkpoint folder), as one line
+// that begins with `named`, or "" when it may: a folder that exists must be an empty directory (the command
+// renames its output into place, over nothing); a new one's parent must exist and not be a checkpoint folder,
+// whose files are all the checkpoint's (keep_last deletes it whole); the OS's reason where it refuses to look.
+std::string output_folder_problem(const std::string& named, const std::string& path);
+void check_output_folder(const std::string& named, const std::string& path);  // ConfigError with that line
+
 }  // namespace flowmoe

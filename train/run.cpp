@@ -18,6 +18,7 @@
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
 #include "train/expert_parallel.h"
+#include "train/hf_export.h"
 #include "train/memory_estimate.h"
 #include "train/progress.h"
 
@@ -172,6 +173,7 @@ static void announce_data(TrainRun& run) {
                          " CPUs (the launcher's binding), so set-up draws the weights on one thread; " +
                          "mpirun --bind-to none lets every rank use the machine");
   if (!run.resume_note.empty()) run.progress.message(run.resume_note);
+  if (!run.init_note.empty()) run.progress.message(run.init_note);
   if (run.metrics && !run.metrics->note().empty()) run.progress.message(run.metrics->note());
   if (run.val.capped) run.progress.message("evaluation: " + run.val.cap_note("train.eval_batches = "));
 }
@@ -199,6 +201,21 @@ static std::unique_ptr<GradientReducer> make_reducer(const Config& c, const Para
   return std::make_unique<GradientReducer>(
       ps, model.parameters(), model.parameter_shards(), c.parallel.overlap_grad_reduce, kGradientBucketBytes,
       int(c.parallel.grad_reduce_sms), c.parallel.shard_optimizer, weight_dtype(c, model));
+}
+
+// checkpoint.init_from: a fresh run's weights from a Hugging Face folder (train/hf_export.h); a resumed run's
+// come from its checkpoint. Returns the start-up line.
+static std::string init_weights(const Config& c, Transformer& model, const std::string& resume_dir) {
+  const std::string& from = c.checkpoint.init_from;
+  if (from.empty()) return "";
+  const std::string dir = from.substr(std::string(kInitFromHfPrefix).size());
+  if (!resume_dir.empty())
+    return "checkpoint.init_from " + from + " passed over: the resumed checkpoint holds the weights";
+  std::string line = "weights from " + dir + " (checkpoint.init_from)";
+  for (const std::string& note :
+       load_hf_weights(dir, c.model, model.parameters(), model.parameter_shards(), model.buffers()))
+    line += "; " + note;
+  return line;
 }
 
 // AdamW's f32 masters. Sharded: the reducer's segments. Otherwise, where the weights are stored narrower than
@@ -237,6 +254,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       res(prepare_run(c, device, compute, flops, is_root ? o.out : nullptr, progress, *world, dir_locks)),
       data(DataLoader::from_config(c)),
       model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c, parallel)),
+      init_note(init_weights(c, model, resume_dir)),
       reducer(make_reducer(c, parallel, model)),
       opt(model.parameters(), c.optimizer,
           reducer && reducer->sharded() ? reducer->owned_ranges() : std::vector<std::pair<int64_t, int64_t>>{},

@@ -95,6 +95,9 @@ struct TrainRun {
   SetupLap data_lap{clock, "data"};
   Transformer model;
   SetupLap model_lap{clock, "model"};
+  // checkpoint.init_from's start-up line ("" without one): the weights are loaded here, before the reducer and
+  // the optimizer take their copies of them.
+  const std::string init_note;
   // Several ranks: the gradient buckets and their schedule; before the optimizer, whose moments a
   // sharded reducer sizes to this rank's segments.
   std::unique_ptr<GradientReducer> reducer;

@@ -27,6 +27,8 @@ class RunTokenizer {
   const std::string& missing() const { return missing_; }  // "" when found
   std::string describe() const;                            // "byte-level" or "BPE 'data/books.bpe' (vocab 512)"
   int64_t vocab_size() const { return kind_ == Kind::bpe ? bpe_.vocab_size() : kBpeByteTokens; }
+  // As a BPE tokenizer: byte-level is the one without merges (found() must hold).
+  const BpeTokenizer& bpe() const { return bpe_; }
 
   std::vector<int32_t> encode(std::string_view text);
   // The text of `tokens`; a token outside the tokenizer's vocab (a model's vocab may be larger) becomes U+FFFD.

@@ -49,7 +49,7 @@ DType dtype_from_safetensors(const std::string& s) {
 
 // The 8-byte length and the JSON header of a safetensors file: names, dtypes, shapes and offsets,
 // which the tensors' shapes alone give. The tensors' bytes follow it in the same order.
-static std::string safetensors_header(const std::vector<NamedTensor>& tensors,
+static std::string safetensors_header(const std::vector<TensorSpec>& tensors,
                                       const std::map<std::string, std::string>& metadata) {
   std::ostringstream h;
   h << "{";
@@ -62,15 +62,15 @@ static std::string safetensors_header(const std::vector<NamedTensor>& tensors,
     first = false;
   }
   size_t offset = 0;
-  for (const NamedTensor& nt : tensors) {
-    FLOWMOE_CHECK(nt.name != "__metadata__" && !nt.name.empty(), IoError, "safetensors: bad tensor name '", nt.name,
-                  "'");
-    h << (first ? "" : ",") << json_escape(nt.name) << ":{\"dtype\":\"" << safetensors_dtype(nt.tensor.dtype())
+  for (const TensorSpec& t : tensors) {
+    FLOWMOE_CHECK(t.name != "__metadata__" && !t.name.empty(), IoError, "safetensors: bad tensor name '", t.name, "'");
+    h << (first ? "" : ",") << json_escape(t.name) << ":{\"dtype\":\"" << safetensors_dtype(t.dtype)
       << "\",\"shape\":[";
-    for (int d = 0; d < nt.tensor.dim(); ++d) h << (d ? "," : "") << nt.tensor.size(d);
-    h << "],\"data_offsets\":[" << offset << "," << offset + nt.tensor.nbytes() << "]}";
+    for (size_t d = 0; d < t.shape.size(); ++d) h << (d ? "," : "") << t.shape[d];
+    const size_t nbytes = size_t(shape_numel(t.shape)) * dtype_size(t.dtype);
+    h << "],\"data_offsets\":[" << offset << "," << offset + nbytes << "]}";
     first = false;
-    offset += nt.tensor.nbytes();
+    offset += nbytes;
   }
   h << "}";
   std::string header = h.str();
@@ -85,12 +85,24 @@ static std::string safetensors_header(const std::vector<NamedTensor>& tensors,
 // the whole file.
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                        const std::map<std::string, std::string>& metadata) {
-  const std::string head = safetensors_header(tensors, metadata);
+  std::vector<TensorSpec> specs;
+  for (const NamedTensor& nt : tensors) specs.push_back({nt.name, nt.tensor.dtype(), nt.tensor.shape()});
+  write_safetensors(
+      path, specs, [&](size_t i) { return tensors[i].tensor; }, metadata);
+}
+
+void write_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
+                       const std::function<Tensor(size_t)>& make, const std::map<std::string, std::string>& metadata) {
+  const std::string head = safetensors_header(specs, metadata);
   SyncedFile f(path);
   f.write(head.data(), head.size());
-  for (const NamedTensor& nt : tensors) {
-    if (nt.tensor.numel() == 0) continue;
-    const Tensor host = nt.tensor.to(Device::cpu()).contiguous();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (shape_numel(specs[i].shape) == 0) continue;
+    const Tensor host = make(i).to(Device::cpu()).contiguous();
+    // The header already promised these bytes: another shape or dtype would shift every later tensor.
+    FLOWMOE_CHECK(host.dtype() == specs[i].dtype && host.shape() == specs[i].shape, IoError, "safetensors '", path,
+                  "': tensor '", specs[i].name, "' is ", host.describe(), ", its header entry says ",
+                  dtype_name(specs[i].dtype), shape_str(specs[i].shape));
     f.write(host.raw_data(), host.nbytes());
   }
   f.close();

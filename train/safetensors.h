@@ -6,6 +6,7 @@
 // which reads a tensor (or rows of it) at its offset, so neither side holds a whole file in memory.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -25,6 +26,17 @@ const char* safetensors_dtype(DType t);
 DType dtype_from_safetensors(const std::string& s);
 
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+// A tensor of a file named before its values exist: the header needs every name, dtype and shape first.
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::f32;
+  Shape shape;
+};
+// The same, with tensor i made by make(i) only when its bytes are due (it must have specs[i]'s dtype and shape), so
+// a conversion holds one tensor at a time, not the file.
+void write_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
+                       const std::function<Tensor(size_t)>& make,
                        const std::map<std::string, std::string>& metadata = {});
 // Tensors on the CPU in file order. Throws IoError naming the file on any inconsistency; every
 // length, offset and shape is checked against the file's size before memory is allocated.
