@@ -175,9 +175,9 @@ namespace {
 
 // The same weights and batch in bf16 (f32 on the CPU) and fp8_full: the loss within 1%, and each parameter's
 // gradient within 15% (relative Frobenius error; measured 4-9% on the CPU: each FP8 GEMM's rms error is 3-4%, and
-// a gradient passes through several). The MoE layer's routed path within 35% (measured 14-23%, against
-// fp8_flow's 4-7%): its router reads an x that passed FP8 attention, so the top-k choices of tokens near a tie
-// flip and move whole rows of the expert gradients. A wrong gradient (a transposed or mis-scaled wgrad, a dgrad
+// a gradient passes through several). The MoE layer's routed path within 45% (measured 14-23% on the CPU and 35% on an
+// H100, against fp8_flow's 4-7%): its router reads an x that passed FP8 attention, so the top-k choices of tokens near
+// a tie flip and move whole rows of the expert gradients. A wrong gradient (a transposed or mis-scaled wgrad, a dgrad
 // through the wrong weight) is off by about 100%. On a GPU both sides compute in bf16 and fp8_full's step makes
 // no host synchronisation.
 void expect_gradients_follow_bf16s(Device device, DType compute) {
@@ -207,7 +207,7 @@ void expect_gradients_follow_bf16s(Device device, DType compute) {
     const std::string& n = names.parameters()[i].name();
     const bool routed = n.find(".mlp.gate.") != std::string::npos || n.find(".mlp.experts.") != std::string::npos ||
                         n == "model.layers.1.post_attention_layernorm.weight";
-    EXPECT_LE(err, routed ? 0.35 : 0.15) << n;
+    EXPECT_LE(err, routed ? 0.45 : 0.15) << n;
   }
   std::printf("largest relative gradient error against bf16 on %s: %.3g\n", device.str().c_str(), worst);
 }

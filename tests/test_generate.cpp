@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -119,6 +120,45 @@ void expect_cache_matches_full_forward(const Transformer& model, int64_t prompt_
       EXPECT_EQ(run.tokens[size_t(i)], argmax(want)) << "position " << pos;
     }
   }
+}
+
+// In bf16 on a GPU the cached decode and the full forward round at different places (the decode attends with
+// matmul and softmax per head, the full forward with the attention kernel), so neither is the other's bits and a
+// fixed tolerance says little: measured on an H100, single logits of this model differ by up to 0.1 between the
+// two. Both are held against the same weights computed in f32 on the GPU: over the decoded positions, the cached
+// logits' relative error (Frobenius) stays within twice the full bf16 forward's (a decode at a wrong position or
+// over a wrong slice of the cache is off by the logits' whole size), and where a position's best two f32 logits
+// are more than `margin` apart, the cached greedy token is their argmax.
+void expect_cache_as_close_as_full_forward(const ModelConfig& m, uint64_t seed, int64_t prompt_len, int64_t num_new,
+                                           double margin = 0.25) {
+  const Transformer bf16(m, Device::cuda(), DType::bf16, seed), f32(m, Device::cuda(), DType::f32, seed);
+  const std::vector<int32_t> prompt = random_tokens(test_seed(), prompt_len, m.vocab_size);
+  const CachedRun run = cached_greedy(bf16, prompt, num_new);
+  std::vector<int32_t> all = prompt;
+  all.insert(all.end(), run.tokens.begin(), run.tokens.end() - 1);
+  NoGradGuard no_grad;
+  const Tensor ref = f32.forward(ids_of(all)).data().to(Device::cpu()).to(DType::f32);
+  const Tensor full = bf16.forward(ids_of(all)).data().to(Device::cpu()).to(DType::f32);
+  std::vector<float> got_all, full_all, ref_all;
+  for (int64_t i = 0; i < num_new; ++i) {
+    const int64_t pos = prompt_len - 1 + i;  // the position whose logits chose new token i
+    const std::vector<float> want = row(ref, pos), by_full = row(full, pos);
+    const std::vector<float> got = i == 0 ? row(run.logits[0], prompt_len - 1) : row(run.logits[size_t(i)], 0);
+    got_all.insert(got_all.end(), got.begin(), got.end());
+    full_all.insert(full_all.end(), by_full.begin(), by_full.end());
+    ref_all.insert(ref_all.end(), want.begin(), want.end());
+    std::vector<float> sorted = want;
+    std::sort(sorted.rbegin(), sorted.rend());
+    if (sorted[0] - sorted[1] > margin) {
+      EXPECT_EQ(run.tokens[size_t(i)], argmax(want)) << "position " << pos;
+    }
+  }
+  const Shape shape{int64_t(ref_all.size())};
+  const double err_cached = rel_error(Tensor::from_floats(got_all, shape), Tensor::from_floats(ref_all, shape));
+  const double err_full = rel_error(Tensor::from_floats(full_all, shape), Tensor::from_floats(ref_all, shape));
+  EXPECT_LE(err_cached, 2 * err_full + 1e-3) << "the full bf16 forward's error: " << err_full;
+  std::printf("bf16 logits against f32 over %lld decoded positions: cached %.3g, full forward %.3g\n",
+              static_cast<long long>(num_new), err_cached, err_full);
 }
 
 }  // namespace
@@ -316,10 +356,7 @@ TEST(Generate, SampleEveryLeavesTheLossesBitForBit) {
 // the greedy tokens the full forward's argmax wherever its best two logits are clearly apart.
 TEST(GenerateCuda, CachedGreedyMatchesTheFullForward) {
   FLOWMOE_REQUIRE_CUDA();
-  for (const ModelConfig& m : {dense_model(), moe_model()}) {
-    Transformer gpu(m, Device::cuda(), DType::bf16, 7);
-    expect_cache_matches_full_forward(gpu, 5, 15, 5e-2, false, 0.25);
-  }
+  for (const ModelConfig& m : {dense_model(), moe_model()}) expect_cache_as_close_as_full_forward(m, 7, 5, 15);
 }
 
 TEST(GenerateCuda, SeedGivesTheCpusTokensWhereTheLogitsAgree) {

@@ -15,9 +15,9 @@
 // GradientReducer::launch and the Overlap, Sharded, LoneGradients and MissingGradientsCountAsZero tests
 // fail, eagerly with undoubled sums (1200 for 2400) and captured with "dependency created on uncaptured
 // work in another stream" (seen on an H100); or delete `if (stream_) reduced_->wait(current_stream(...));`
-// in GradientReducer::finish (Overlap and the whole MissingGradients cases fail; a sharded bucket's own
-// event still orders its segment's copy). The weight gathers are only delayed: at one rank an all-gather
-// moves nothing, so a missing wait around one cannot show here.
+// in GradientReducer::finish and the same four fail (seen on an H100: the sums read before the reduction
+// stream wrote them), while MissingGradientsReadNothingToTheHost and the graphed training run still pass. The weight
+// gathers are only delayed: at one rank an all-gather moves nothing, so a missing wait around one cannot show here.
 #include <gtest/gtest.h>
 
 #include <filesystem>
