@@ -40,7 +40,7 @@ struct TrainConfig {
   std::string recompute;           // comma-joined modules recomputed in backward: "" or "moe_expert"
   bool recomputes(const std::string& module) const;
   int64_t max_skipped_steps = 10;
-  std::string cuda_graph = "auto";  // auto | on | off: replay the step as one CUDA graph (train/graph_step.h)
+  std::string cuda_graph = "auto";  // auto | on | off: replay the step as one CUDA graph (train/train_step.cpp)
 };
 
 struct OptimizerConfig {

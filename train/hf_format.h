@@ -69,7 +69,7 @@ struct HfTensorGroup {
   std::vector<HfTensor> hf;
 };
 // Every tensor of the model's checkpoint (its parameters in creation order, then its buffers), each with its
-// Hugging Face tensors, then the empty HF tensors (tests/test_hf_export.cpp checks the names and shapes
+// Hugging Face tensors, then the empty HF tensors (tests/test_hf_format.cpp checks the names and shapes
 // against the Transformer's own).
 std::vector<HfTensorGroup> hf_tensor_plan(const ModelConfig& m);
 

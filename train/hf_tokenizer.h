@@ -4,7 +4,7 @@
 // kHfWordPattern, then ByteLevel without its own regex, which maps each byte to GPT-2's printable
 // character); a BPE model whose vocab gives token id i the mapped bytes of its piece (ids 0-255 the bytes
 // themselves) and whose merges are flowmoe's, in rank order; the ByteLevel decoder. Encoding a text with
-// it gives flowmoe's tokens (tests/interop/check_tokenizer.py checks it against the tokenizers package).
+// it gives flowmoe's tokens (tests/interop/check_hf_export.py checks it against transformers' AutoTokenizer).
 #pragma once
 #include <cstdint>
 #include <string>
