@@ -18,6 +18,7 @@
 #include "layers/model_config.h"
 #include "layers/moe.h"
 #include "layers/param.h"
+#include "train/trainer.h"
 
 using namespace flowmoe;
 
@@ -46,9 +47,9 @@ void train_one_recipe(MoeRecipe recipe, Device device, int num_steps) {
   // CPU and the GPU; it keeps the list of parameters that the update below walks.
   ParamFactory params(/*seed=*/1, device);
   MoeLayer layer(params, cfg, "mlp", options, device);
-  // The CPU computes in f32 (it has no fast bf16); the GPU in bf16, as training does. The FP8 recipes round
-  // their GEMM operands to e4m3 on either, bit for bit alike.
-  const DType compute = device.is_cpu() ? DType::f32 : DType::bf16;
+  // The dtype outside the FP8 GEMMs, as the trainer picks it: bf16 on the GPU, f32 on the CPU. The FP8 recipes
+  // quantize the same way on either: the CPU's quantize matches the GPU's bit for bit.
+  const DType compute = compute_dtype_for(device);
 
   // The task: learn y = (x·W)² for a fixed random W, on one batch of tokens. A smooth teacher that the experts'
   // SwiGLU can fit keeps the example about the layer, not about the data; one fixed batch makes the loss fall
@@ -86,7 +87,7 @@ void train_one_recipe(MoeRecipe recipe, Device device, int num_steps) {
     // set_data bumps the weight's version, which is how the FP8 recipes know to quantize it again
     // (layers/fp8_weight.h): once per update, not once per use.
     for (Variable& p : params.params()) {
-      if (!p.grad().defined()) continue;  // an expert no token chose this step
+      if (!p.grad().defined()) continue;  // a parameter this step's backward did not reach
       p.set_data(tensor_add(p.data(), tensor_scale(p.grad().to(DType::f32), -kLearningRate)));
       p.zero_grad();
     }
