@@ -4,8 +4,8 @@
 #   scripts/check_docs.sh               check this repository
 #   scripts/check_docs.sh --root DIR    check the tree at DIR
 #   scripts/check_docs.sh --self-test   show that a citation of a missing file fails (run by CTest)
-# The rule, for each citation (a backticked word or a link target; in comments, a word that starts with a
-# top-level folder or docs/):
+# The rule, for each citation (in the docs a backticked word or a link target; in a comment a path that starts
+# with a top-level folder, or a file name ending .h, .cpp, .cu, .cuh, .md, .sh, .py or .yaml):
 #   - a URL, a placeholder (<op>, $VAR, ...), an option (--x) or a word with no file extension and no
 #     top-level folder is not a path: skipped;
 #   - braces expand (`config_schema.{h,cpp}` is two citations) and a * globs (it must match a file);
@@ -44,7 +44,9 @@ if [[ "${1:-}" == "--self-test" ]]; then
   printf '# Guide\n' >"$tmp/docs/GUIDE.md"
   printf '// The layer (docs/MISSING.md).\n' >"$tmp/layers/moe.cpp"
   expect "a comment citing a missing doc fails" 1 "layers/moe.cpp:1: \`docs/MISSING.md\`"
-  printf '// The layer.\n' >"$tmp/layers/moe.cpp"
+  printf '// The layer (its header: moe_layer.h).\n' >"$tmp/layers/moe.cpp"
+  expect "a comment citing a missing bare name fails" 1 "layers/moe.cpp:1: \`moe_layer.h\`"
+  printf '// The layer (moe.h).\n' >"$tmp/layers/moe.cpp"
   printf 'See `gone.cpp`.\n' >"$tmp/docs/GUIDE.md"
   expect "a bare name found nowhere fails" 1 "\`gone.cpp\`"
   exit $((failures > 0))
@@ -80,6 +82,11 @@ ALLOWED = {
     "val.bin": "a token file `prepare-data` writes",
     "tokenizer.bpe": "the tokenizer `prepare-data` writes",
     "tokenizer_config.json": "a Hugging Face folder's file, written by export",
+    "cuda_runtime_api.h": "the CUDA toolkit's header",
+    "nccl.h": "NCCL's header",
+    "nccl_device.h": "NCCL's device API header",
+    "GroupMMCommon.cuh": "a PyTorch source file that bench/torch_peer.py's comment names",
+    "a.h": "not a file: layers/transformer.h's comment on the member h of a value a",
     "profile.txt": "the table `flowmoe train --profile N` writes",
 }
 # Whole citations that are examples or build outputs, not files of the tree, each with why.
@@ -120,6 +127,7 @@ files = sorted({f for f in listed if f and os.path.exists(f)})
 dirs = {os.path.dirname(f) for f in files}
 dirs |= {d[: i] for d in list(dirs) for i in range(len(d)) if d[i] == "/"}
 top = {p.split("/")[0] for p in files}
+COMMENT_NAME_RE = re.compile(r"(?<![\w./<>*{},-])([\w-]+\.(?:h|cpp|cu|cuh|md|sh|py|yaml))\b(?![\w/-])")
 COMMENT_PATH_RE = re.compile(r"(?<![\w./-])((?:%s)/[\w.*{},/<>-]*[\w*}>])" % "|".join(
     re.escape(t) for t in sorted(top) if os.path.isdir(t) and not t.startswith(".")))
 
@@ -173,11 +181,12 @@ def words_of_markdown(text):
 
 
 def words_of_source(text):
-    """(line, word) for each path starting with a top-level folder in a comment (// or # lines)."""
+    """(line, word) for each path starting with a top-level folder, and each file name of a source or doc, in a
+    comment (// or # lines)."""
     for n, line in enumerate(text.splitlines(), 1):
         m = re.search(r"(//|^\s*#(?!include|pragma|define|if|endif|else|undef))(.*)", line)
         if m:
-            for w in COMMENT_PATH_RE.findall(m.group(2)):
+            for w in COMMENT_PATH_RE.findall(m.group(2)) + COMMENT_NAME_RE.findall(m.group(2)):
                 yield n, w
 
 
