@@ -65,7 +65,7 @@ double reference_mtp_loss(const Transformer& model, const Tensor& ids, const Ten
   for (int64_t k = 1; k <= c.num_nextn_predict_layers; ++k) {
     const std::string p = "model.layers." + std::to_string(c.num_hidden_layers + k - 1);
     const std::vector<double>&enorm = w[p + ".enorm.weight"], &hnorm = w[p + ".hnorm.weight"],
-                      &proj = w[p + ".eh_proj.weight"], &snorm = w[p + ".shared_head.norm.weight"];
+          &proj = w[p + ".eh_proj.weight"], &snorm = w[p + ".shared_head.norm.weight"];
     std::vector<double> x(size_t(B * T * H));
     for (int64_t r = 0; r < B * T; ++r) {
       const int64_t b = r / T, i = r % T;
@@ -177,8 +177,8 @@ TEST(Mtp, LossMatchesAnF64CompositionAtDepthsOneAndTwo) {
 TEST(Mtp, MoeModelsGetAnMoeModule) {
   const Transformer model(mtp_model(1, /*moe=*/true), Device::cpu(), DType::f32, 3);
   EXPECT_NE(model.mtp_module(1).block().moe(), nullptr);
-  EXPECT_EQ(model.num_moe_layers(), 2);         // layer 1 and the module's block
-  EXPECT_EQ(model.buffers().size(), 2u);        // their expert biases
+  EXPECT_EQ(model.num_moe_layers(), 2);   // layer 1 and the module's block
+  EXPECT_EQ(model.buffers().size(), 2u);  // their expert biases
   expect_loss_matches_reference(mtp_model(1, true));
   ModelConfig last_dense = mtp_model(1, true);  // the last block dense: so is the module's
   last_dense.first_k_dense_replace = 2;
@@ -191,8 +191,7 @@ TEST(Mtp, GradientsThroughAModuleMatchFiniteDifferences) {
   const MtpModule& m = model.mtp_module(1);
   Rng rng(9);
   const Tensor h = random_tensor(rng, {1, 5, 16}, DType::f64), e = random_tensor(rng, {1, 5, 16}, DType::f64);
-  EXPECT_TRUE(gradcheck([&m](const std::vector<Variable>& in) { return m.forward(in[0], in[1], DType::f64); },
-                        {h, e}));
+  EXPECT_TRUE(gradcheck([&m](const std::vector<Variable>& in) { return m.forward(in[0], in[1], DType::f64); }, {h, e}));
 }
 
 TEST(Mtp, EveryParameterGetsAGradientAndEvaluationSkipsTheModules) {
