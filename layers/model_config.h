@@ -48,6 +48,10 @@ struct ModelConfig {
 inline bool is_moe_layer(const ModelConfig& c, int64_t i) {
   return c.n_routed_experts > 0 && std::min(i, c.num_hidden_layers - 1) >= c.first_k_dense_replace;
 }
+// The MTP modules' MoE blocks: all D of them when the model's last block is MoE, else none.
+inline int64_t num_mtp_moe_layers(const ModelConfig& c) {
+  return c.num_nextn_predict_layers > 0 && is_moe_layer(c, c.num_hidden_layers) ? c.num_nextn_predict_layers : 0;
+}
 // The layer number of MTP module k (1..num_nextn_predict_layers), as DeepSeek-V3's checkpoints number it.
 inline int64_t mtp_layer_index(const ModelConfig& c, int64_t k) { return c.num_hidden_layers + k - 1; }
 inline int64_t num_moe_layers(const ModelConfig& c) {
