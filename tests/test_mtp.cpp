@@ -211,6 +211,21 @@ TEST(Mtp, EveryParameterGetsAGradientAndEvaluationSkipsTheModules) {
   EXPECT_FALSE(model.losses(ids, targets).mtp.defined());
 }
 
+// parallel.dual_microbatch: the two halves' MTP losses average to the batch's (the same tokens), as the LM
+// loss does, and so do the gradients.
+TEST(Mtp, DualMicroBatchesGiveTheBatchsMtpLoss) {
+  Transformer model(mtp_model(2, true), Device::cpu(), DType::f32, 3);
+  Rng rng(4);
+  const Tensor ids = rng.randint({4, 8}, 0, 40), targets = rng.randint({4, 8}, 0, 40);
+  const Transformer::Losses whole = model.losses(ids, targets);
+  model.set_dual_microbatch(true);
+  const Transformer::Losses dual = model.losses(ids, targets);
+  ASSERT_TRUE(dual.mtp.defined());
+  const double w = whole.mtp.data().to_doubles()[0], d = dual.mtp.data().to_doubles()[0];
+  EXPECT_NEAR(d, w, 1e-6 * w);
+  EXPECT_NEAR(dual.lm.data().to_doubles()[0], whole.lm.data().to_doubles()[0], 1e-6);
+}
+
 TEST(Mtp, TinyTrainingRunLearnsAndLogsTheMtpLoss) {
   const fs::path d = fresh_dir("mtp_learns");
   Config c = tiny_config(d / "run");
