@@ -105,6 +105,7 @@ DEFAULTS = {
         "bias_update_rate": 0.001,
         "bias_update_schedule": "constant",
         "bias_update_rule": "sign",
+        "num_nextn_predict_layers": 0,
     },
     "data": {
         "source": "synthetic",
@@ -127,6 +128,7 @@ DEFAULTS = {
         "nonfinite": "skip",
         "recompute": [],
         "max_skipped_steps": 10,
+        "mtp_loss_weight": 0.3,
         "cuda_graph": "auto",
     },
     "optimizer": {
@@ -280,6 +282,8 @@ def check_config(cfg):
         raise ConfigError(f"model.hidden_size {H} with {nh} heads needs an even head size")
     if cfg["data"]["seq_len"] > m["max_position_embeddings"]:
         raise ConfigError("data.seq_len exceeds model.max_position_embeddings")
+    if m["num_nextn_predict_layers"] != 0:
+        raise ConfigError("model.num_nextn_predict_layers: this peer has no multi-token prediction modules (use 0)")
     E = m["n_routed_experts"]
     if E > 0:
         if E % m["n_group"] or m["topk_group"] > m["n_group"]:

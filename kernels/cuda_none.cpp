@@ -47,7 +47,7 @@ FLOWMOE_NO_CUDA(void, adamw_scheduled_cuda,
 FLOWMOE_NO_CUDA(void, adamw_multi_cuda, (const AdamWTensor*, int64_t, const StepScalars*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, advance_step_cuda,
                 (StepScalars*, const StepSchedule&, const float*, const float*, const float*, const int32_t*,
-                 cudaStream_t))
+                 cudaStream_t, const float*))
 FLOWMOE_NO_CUDA(void, sum_squares_cuda, (const float*, int64_t, float*, float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_values_cuda, (const float*, int64_t, float*, float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_squares_multi_cuda, (const SumSlice*, int64_t, float*, cudaStream_t))

@@ -1,5 +1,6 @@
 // The optimizer step's scalars, computed where the gradients live so that the host never waits for them:
 //   loss = Σ_a lm_a / A,  aux = Σ_a aux_a / A (A micro-batches),  norm = sqrt(sq_sums[0] + sq_sums[1])
+//   mtp = Σ_a mtp_a / A, the multi-token prediction loss, reported only (a non-finite one shows in the norm)
 //   finite = isfinite(loss + aux) && isfinite(norm);  apply = finite && !halted (halted: sticky, set by a
 //   non-finite step when the run stops on one);  t += apply;  lr = schedule(step);  grad_scale = clip(norm)
 //   bias_correction_i = 1 - beta_i^t;  bias_rate_scale = apply ? (lr / peak lr, or 1) : 0
@@ -46,6 +47,7 @@ struct StepSchedule {
   int32_t bias_follows_lr = 0;  // the expert-bias rate scales with lr / (peak) lr; 0: constant
   int32_t num_micro_batches = 1;
   int32_t has_aux = 0;            // the model has a balance loss (aux inputs are read)
+  int32_t has_mtp = 0;            // the model has MTP modules (mtp inputs are read)
   int32_t stop_on_nonfinite = 0;  // a non-finite step halts every later update
   // The host's values for the step being advanced, in the memory of whoever advances it (the device);
   // null: computed here (scheduled_lr, bias_correction), as the host fills the window.
@@ -57,6 +59,7 @@ struct StepScalars {
   int64_t step = 0;         // 1-based, the step these scalars are for
   int64_t num_updates = 0;  // applied updates so far, this step's included
   double lr = 0, loss = NAN, aux_loss = NAN, grad_norm = NAN;
+  double mtp_loss = NAN;  // NaN without MTP modules
   double grad_scale = 1, bias_rate_scale = 0;
   float bias_correction1 = 1, bias_correction2 = 1;
   int32_t apply = 0, halted = 0;
@@ -107,9 +110,11 @@ FLOWMOE_HOST_DEVICE inline double clip_factor(double norm, double max_norm) {
 
 // Advances s to the next step, given that step's loss, balance loss (NaN: none), norm, whether every
 // rank found them finite (one process: their own finiteness) and the most rows any rank's exchange needed
-// past its buffers (0: none; then, or while an earlier one is sticky, the step is void).
+// past its buffers (0: none; then, or while an earlier one is sticky, the step is void); mtp: the MTP loss
+// (NaN: none).
 FLOWMOE_HOST_DEVICE inline void advance_step(StepScalars& s, const StepSchedule& p, double loss, double aux,
-                                             double norm, bool all_finite, int32_t exchange_overflow = 0) {
+                                             double norm, bool all_finite, int32_t exchange_overflow = 0,
+                                             double mtp = NAN) {
   if (exchange_overflow > 0 || s.exchange_overflow > 0) {
     if (exchange_overflow > s.exchange_overflow) s.exchange_overflow = exchange_overflow;
     s.apply = 0;
@@ -119,6 +124,7 @@ FLOWMOE_HOST_DEVICE inline void advance_step(StepScalars& s, const StepSchedule&
   s.step += 1;
   s.loss = loss;
   s.aux_loss = aux;
+  s.mtp_loss = mtp;
   s.grad_norm = norm;
   const ScheduleWindow* w = p.window;
   s.lr = w ? window_entry(w->lr, s.step - w->first_step) : scheduled_lr(p, s.step);
@@ -132,27 +138,31 @@ FLOWMOE_HOST_DEVICE inline void advance_step(StepScalars& s, const StepSchedule&
   s.bias_rate_scale = !s.apply ? 0.0 : !p.bias_follows_lr ? 1.0 : p.lr > 0 ? s.lr / p.lr : 0.0;
 }
 
-// From the step's own values: lm/aux one float per micro-batch (aux unread without p.has_aux), sq_sums
-// the two squared-norm classes of AdamW::grad_square_sums, exchange_overflow [1] (or null: none).
+// From the step's own values: lm/aux/mtp one float per micro-batch (aux unread without p.has_aux, mtp without
+// p.has_mtp), sq_sums the two squared-norm classes of AdamW::grad_square_sums, exchange_overflow [1] (or null:
+// none).
 FLOWMOE_HOST_DEVICE inline void advance_step_from_sums(StepScalars& s, const StepSchedule& p, const float* lm /*[A]*/,
                                                        const float* aux /*[A]*/, const float* sq_sums /*[2]*/,
-                                                       const int32_t* exchange_overflow = nullptr) {
-  double lm_sum = 0, aux_sum = 0;
+                                                       const int32_t* exchange_overflow = nullptr,
+                                                       const float* mtp /*[A]*/ = nullptr) {
+  double lm_sum = 0, aux_sum = 0, mtp_sum = 0;
   for (int a = 0; a < p.num_micro_batches; ++a) {
     lm_sum += double(lm[a]);
     if (p.has_aux) aux_sum += double(aux[a]);
+    if (p.has_mtp) mtp_sum += double(mtp[a]);
   }
   const double loss = lm_sum / double(p.num_micro_batches);
   const double aux_loss = p.has_aux ? aux_sum / double(p.num_micro_batches) : NAN;
   const double norm = sqrt(double(sq_sums[0]) + double(sq_sums[1]));
   const double objective = loss + (p.has_aux ? aux_loss : 0.0);
   advance_step(s, p, loss, aux_loss, norm, is_finite_value(objective) && is_finite_value(norm),
-               exchange_overflow ? *exchange_overflow : 0);
+               exchange_overflow ? *exchange_overflow : 0, p.has_mtp ? mtp_sum / double(p.num_micro_batches) : NAN);
 }
 
 // The same on the device, in one thread: s, lm, aux and sq_sums are device pointers.
 void advance_step_cuda(StepScalars* s /*[1] device*/, const StepSchedule& p, const float* lm /*[A] device*/,
                        const float* aux /*[A] device, or null without p.has_aux*/, const float* sq_sums /*[2] device*/,
-                       const int32_t* exchange_overflow /*[1] device, or null*/, cudaStream_t stream);
+                       const int32_t* exchange_overflow /*[1] device, or null*/, cudaStream_t stream,
+                       const float* mtp /*[A] device, or null without p.has_mtp*/ = nullptr);
 
 }  // namespace flowmoe

@@ -8,6 +8,9 @@
 
 namespace flowmoe {
 
+// The deepest multi-token prediction the config takes (DeepSeek-V3 trains with 1).
+constexpr int64_t kMaxMtpDepth = 16;
+
 struct ModelConfig {
   int64_t vocab_size = 256;
   int64_t hidden_size = 128;  // H, the residual stream's width
@@ -35,12 +38,22 @@ struct ModelConfig {
   double bias_update_rate = 0.001;
   std::string bias_update_schedule = "constant";  // constant | lr: the step scales with lr(step)/optimizer.lr
   std::string bias_update_rule = "sign";          // sign (DeepSeek-V3) | proportional to the load error
+  // Multi-token prediction depth D (layers/mtp.h): modules after the main model, trained to predict the tokens
+  // 2..D+1 ahead; 0 builds none. The name transformers' deepseek_v3 and glm4_moe configs use.
+  int64_t num_nextn_predict_layers = 0;
 };
 
 // Whether block i is an MoE layer: with routed experts, from first_k_dense_replace on; the others are dense.
+// An MTP module's block (i >= num_hidden_layers) is the kind of the model's last block.
 inline bool is_moe_layer(const ModelConfig& c, int64_t i) {
-  return c.n_routed_experts > 0 && i >= c.first_k_dense_replace;
+  return c.n_routed_experts > 0 && std::min(i, c.num_hidden_layers - 1) >= c.first_k_dense_replace;
 }
+// The MTP modules' MoE blocks: all D of them when the model's last block is MoE, else none.
+inline int64_t num_mtp_moe_layers(const ModelConfig& c) {
+  return c.num_nextn_predict_layers > 0 && is_moe_layer(c, c.num_hidden_layers) ? c.num_nextn_predict_layers : 0;
+}
+// The layer number of MTP module k (1..num_nextn_predict_layers), as DeepSeek-V3's checkpoints number it.
+inline int64_t mtp_layer_index(const ModelConfig& c, int64_t k) { return c.num_hidden_layers + k - 1; }
 inline int64_t num_moe_layers(const ModelConfig& c) {
   return c.n_routed_experts > 0 ? std::max<int64_t>(0, c.num_hidden_layers - c.first_k_dense_replace) : 0;
 }

@@ -5,6 +5,7 @@
 
 #include "engine/comm_lane.h"
 #include "engine/profiler.h"
+#include "layers/mtp.h"
 
 namespace flowmoe {
 
@@ -114,12 +115,25 @@ Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, u
                  ? embed_tokens_
                  : f.normal("lm_head.weight", {cfg.vocab_size, cfg.hidden_size}, cfg.initializer_range);
   stages_.resize(f.params().size(), cfg.num_hidden_layers + 1);
+  // After every other parameter, so that the model's draws do not depend on the MTP depth.
+  for (int64_t k = 1; k <= cfg.num_nextn_predict_layers; ++k) {
+    mtp_.push_back(std::make_shared<MtpModule>(f, cfg, k, moe, device));
+    if (mtp_.back()->block().moe()) buffers_.push_back(mtp_.back()->block().moe()->expert_bias());
+    stages_.resize(f.params().size(), cfg.num_hidden_layers + 1 + k);
+  }
   params_ = f.params();
   shards_ = f.shards();
 }
 
+std::vector<TransformerBlock*> Transformer::all_blocks() const {
+  std::vector<TransformerBlock*> blocks;
+  for (const std::unique_ptr<TransformerBlock>& block : layers_) blocks.push_back(block.get());
+  for (const std::shared_ptr<MtpModule>& m : mtp_) blocks.push_back(&m->block());
+  return blocks;
+}
+
 void Transformer::set_recompute_attention(bool on) {
-  for (const std::unique_ptr<TransformerBlock>& block : layers_) block->set_recompute_attention(on);
+  for (TransformerBlock* block : all_blocks()) block->set_recompute_attention(on);
 }
 
 int64_t Transformer::num_parameters() const {
@@ -144,13 +158,15 @@ Variable Transformer::embed(const Tensor& ids) const {
   return embedding(compute_weight(embed_tokens_, compute_), ids.to(device_));
 }
 
-Variable Transformer::head(const Variable& h) const {
+Variable Transformer::head(const Variable& h) const { return head(h, norm_); }
+
+Variable Transformer::head(const Variable& h, const Variable& norm) const {
   ProfileScope scope("head");
   // A tied head casts the embedding again, so each use's gradient returns to f32 before they are added.
-  return linear(rmsnorm(h, compute_weight(norm_, compute_), cfg_.rms_norm_eps), compute_weight(lm_head_, compute_));
+  return linear(rmsnorm(h, compute_weight(norm, compute_), cfg_.rms_norm_eps), compute_weight(lm_head_, compute_));
 }
 
-Variable Transformer::forward(const Tensor& ids) const {
+Variable Transformer::hidden(const Tensor& ids) const {
   check_ids(ids);
   stage(0);
   Variable h = embed(ids);
@@ -159,8 +175,10 @@ Variable Transformer::forward(const Tensor& ids) const {
     h = layers_[i]->forward(h, compute_);
   }
   stage(int64_t(layers_.size()) + 1);
-  return head(h);
+  return h;
 }
+
+Variable Transformer::forward(const Tensor& ids) const { return head(hidden(ids)); }
 
 Variable Transformer::forward_cached(const Tensor& ids, KvCache& cache) const {
   check_ids(ids);
@@ -184,9 +202,23 @@ Variable Transformer::lm_loss(const Variable& logits, const Tensor& targets) con
   return cross_entropy(reshape(logits, {n, cfg_.vocab_size}), targets.contiguous().to(device_).reshape({n}));
 }
 
-Variable Transformer::Losses::total() const { return aux.defined() ? add(lm, aux) : lm; }
+Variable Transformer::Losses::total() const {
+  Variable t = aux.defined() ? add(lm, aux) : lm;
+  return mtp.defined() ? add(t, scale(mtp, mtp_weight)) : t;
+}
 
 namespace {
+
+// x [B,T] i32 moved k positions left along T, the last k filled with `pad`, on x's device: through the
+// transpose, so that each copy is of whole rows (copy_ writes contiguous tensors only).
+Tensor shift_left(const Tensor& x, int64_t k, int32_t pad) {
+  const int64_t B = x.size(0), T = x.size(1);
+  const Tensor xt = x.transpose(0, 1).contiguous();  // [T,B]
+  Tensor out = Tensor::empty({T, B}, DType::i32, x.device());
+  out.fill_(pad);
+  if (k < T) out.slice(0, 0, T - k).copy_(xt.slice(0, k, T));
+  return out.transpose(0, 1).contiguous();
+}
 
 // An aux term in the LM loss's dtype, added to the sum so far.
 Variable add_aux(const Variable& sum, const Variable& a, DType dtype) {
@@ -201,12 +233,38 @@ Transformer::Losses Transformer::losses(const Tensor& ids, const Tensor& targets
                 " vs ids ", ids.describe());
   if (dual_microbatch_ && grad_enabled()) return dual_losses(ids, targets);
   Losses out;
-  out.lm = lm_loss(forward(ids), targets);
+  const Variable h0 = hidden(ids);
+  out.lm = lm_loss(head(h0), targets);
+  if (!mtp_.empty() && grad_enabled()) {
+    out.mtp = mtp_loss(h0, ids, targets);
+    out.mtp_weight = mtp_weight_;
+  }
   ProfileScope scope("head");
-  for (const auto& layer : layers_)
-    if (layer->moe() && layer->moe()->aux_loss().defined())
-      out.aux = add_aux(out.aux, layer->moe()->aux_loss(), out.lm.dtype());
+  const std::vector<TransformerBlock*> blocks = all_blocks();
+  // The MTP blocks' aux terms only where they ran.
+  const size_t num_run = out.mtp.defined() ? blocks.size() : layers_.size();
+  for (size_t i = 0; i < num_run; ++i)
+    if (blocks[i]->moe() && blocks[i]->moe()->aux_loss().defined())
+      out.aux = add_aux(out.aux, blocks[i]->moe()->aux_loss(), out.lm.dtype());
   return out;
+}
+
+// Depth k's input at position i is the embedding of ids[i + k] and its target targets[i + k] (= t_{i+k+1});
+// the last k positions have neither: their embedding input is token 0 and their target is ignored. Attention
+// is causal, so those tail positions change no other position's output (an MoE block routes them too:
+// they count in its expert loads and balance loss).
+Variable Transformer::mtp_loss(const Variable& h0, const Tensor& ids, const Tensor& targets) const {
+  const Tensor dev_ids = ids.contiguous().to(device_), dev_targets = targets.contiguous().to(device_);
+  Variable h = h0, sum;
+  for (size_t j = 0; j < mtp_.size(); ++j) {
+    const int64_t k = int64_t(j) + 1;
+    stage(cfg_.num_hidden_layers + 1 + k);
+    const Variable emb = embed(shift_left(dev_ids, k, 0));
+    h = mtp_[j]->forward(h, emb, compute_);
+    const Variable ce = lm_loss(head(h, mtp_[j]->head_norm()), shift_left(dev_targets, k, -100));
+    sum = sum.defined() ? add(sum, ce) : ce;
+  }
+  return scale(sum, 1.0 / double(mtp_.size()));
 }
 
 // Two halves of the batch through every layer in step: a dense block runs one half then the other; an MoE
@@ -249,40 +307,55 @@ Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& ta
   for (int k = 0; k < 2; ++k) lm[k] = lm_loss(head(h[k]), half_targets[k]);
   Losses out;
   out.lm = scale(add(lm[0], lm[1]), 0.5);
+  if (!mtp_.empty()) {
+    Variable mtp[2];
+    for (int k = 0; k < 2; ++k) {
+      mtp[k] = mtp_loss(h[k], half_ids[k], half_targets[k]);
+      for (const std::shared_ptr<MtpModule>& m : mtp_)
+        if (m->block().moe() && m->block().moe()->aux_loss().defined())
+          layer_aux[k].push_back(m->block().moe()->aux_loss());
+    }
+    comm_lane_join(device_);
+    out.mtp = scale(add(mtp[0], mtp[1]), 0.5);
+    out.mtp_weight = mtp_weight_;
+  }
   for (size_t j = 0; j < layer_aux[0].size(); ++j)
     out.aux = add_aux(out.aux, scale(add(layer_aux[0][j], layer_aux[1][j]), 0.5), out.lm.dtype());
   return out;
 }
 
 int64_t Transformer::num_moe_layers() const {
-  return std::count_if(layers_.begin(), layers_.end(), [](const auto& l) { return l->moe() != nullptr; });
+  const std::vector<TransformerBlock*> blocks = all_blocks();
+  return std::count_if(blocks.begin(), blocks.end(), [](const auto* l) { return l->moe() != nullptr; });
 }
 
 bool Transformer::overlaps_exchanges() const {
   if (dual_microbatch_ && num_moe_layers() > 0) return true;
-  return std::any_of(layers_.begin(), layers_.end(),
-                     [](const auto& l) { return l->moe() && l->moe()->num_chunks() > 1; });
+  const std::vector<TransformerBlock*> blocks = all_blocks();
+  return std::any_of(blocks.begin(), blocks.end(),
+                     [](const auto* l) { return l->moe() && l->moe()->num_chunks() > 1; });
 }
 
 std::vector<Tensor> Transformer::moe_load_counts() const {
   std::vector<Tensor> counts;
-  for (const auto& layer : layers_)
+  for (TransformerBlock* layer : all_blocks())
     if (layer->moe()) counts.push_back(layer->moe()->load_counts());
   return counts;
 }
 
 bool Transformer::exchanges_zero_sync() const {
-  return std::any_of(layers_.begin(), layers_.end(), [](const auto& l) { return l->moe() && l->moe()->zero_sync(); });
+  const std::vector<TransformerBlock*> blocks = all_blocks();
+  return std::any_of(blocks.begin(), blocks.end(), [](const auto* l) { return l->moe() && l->moe()->zero_sync(); });
 }
 
 void Transformer::set_exchange_buffers(double capacity_factor, int64_t min_rows, const Tensor& overflow) {
-  for (const auto& layer : layers_)
+  for (TransformerBlock* layer : all_blocks())
     if (layer->moe()) layer->moe()->set_exchange_buffers(capacity_factor, min_rows, overflow);
 }
 
 std::vector<Tensor> Transformer::update_moe_bias(const StepScalars* control) {
   std::vector<Tensor> loads;
-  for (const auto& layer : layers_)
+  for (TransformerBlock* layer : all_blocks())
     if (layer->moe()) loads.push_back(layer->moe()->update_bias(control));
   return loads;
 }

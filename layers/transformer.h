@@ -23,6 +23,8 @@
 
 namespace flowmoe {
 
+class MtpModule;  // layers/mtp.h
+
 class TransformerBlock {
  public:
   // Layers from first_k_dense_replace on use an MoE block when n_routed_experts > 0.
@@ -72,9 +74,13 @@ class Transformer {
   Variable forward_cached(const Tensor& ids /*[1,T] i32*/, KvCache& cache) const;
   // The two terms of the training objective, kept apart so the language-model loss is reported alone.
   struct Losses {
-    Variable lm;             // mean next-token cross-entropy, an f32 scalar
-    Variable aux;            // sum over MoE layers of aux_loss_alpha * L_Bal; undefined when aux_loss_alpha == 0
-    Variable total() const;  // lm + aux: what training minimizes
+    Variable lm;   // mean next-token cross-entropy, an f32 scalar
+    Variable aux;  // sum over MoE layers of aux_loss_alpha * L_Bal; undefined when aux_loss_alpha == 0
+    // Multi-token prediction (layers/mtp.h): (1/D) Σ_k CE_k, the mean over depths of each depth's mean
+    // cross-entropy, unweighted; undefined without MTP modules. mtp_weight is λ (train.mtp_loss_weight).
+    Variable mtp;
+    double mtp_weight = 0;
+    Variable total() const;  // lm + aux + mtp_weight * mtp: what training minimizes
   };
   // ids and targets [B,T] i32 (moved to the device). With dual micro-batches on and grad enabled (training),
   // the batch runs as two halves of B/2 sequences interleaved layer by layer: in each MoE layer both halves'
@@ -83,7 +89,14 @@ class Transformer {
   // (the same tokens: the batch's mean up to the order of the sums), each layer's aux term too.
   Losses losses(const Tensor& ids, const Tensor& targets) const;
   void set_dual_microbatch(bool on) { dual_microbatch_ = on; }  // parallel.dual_microbatch
-  void set_recompute_attention(bool on);                        // train.recompute attention (TransformerBlock)
+  // λ of the MTP loss (train.mtp_loss_weight). The MTP modules run in losses() with grad enabled (training)
+  // only: evaluation, forward and generation use the main model alone.
+  void set_mtp_loss_weight(double w) { mtp_weight_ = w; }
+  int64_t num_mtp_modules() const { return int64_t(mtp_.size()); }
+  const MtpModule& mtp_module(int64_t k) const { return *mtp_.at(size_t(k - 1)); }  // k in [1, D]
+  // The last block's output [B,T,H] before the final norm: h^0 of the MTP modules.
+  Variable hidden(const Tensor& ids) const;
+  void set_recompute_attention(bool on);  // train.recompute attention (TransformerBlock)
   Variable loss(const Tensor& ids, const Tensor& targets) const { return losses(ids, targets).total(); }
 
   // State that is not trained but belongs to the model (the MoE expert biases); saved in checkpoints.
@@ -92,7 +105,8 @@ class Transformer {
   // (MoeLayer::update_bias); returns each MoE layer's loads since the last call, in layer order, still on
   // the device (empty for a dense model).
   std::vector<Tensor> update_moe_bias(const StepScalars* control);
-  // Every MoE layer's counts since the last update_moe_bias (MoeLayer::load_counts), in layer order.
+  // Every MoE layer's counts since the last update_moe_bias (MoeLayer::load_counts), in layer order (the MTP
+  // modules' blocks after the model's).
   std::vector<Tensor> moe_load_counts() const;
   int64_t num_moe_layers() const;
   // Whether a training forward runs MoE exchanges beside compute (token chunks, or dual micro-batches):
@@ -109,7 +123,8 @@ class Transformer {
   const std::vector<ParamShard>& parameter_shards() const { return shards_; }
   int64_t num_parameters() const;
   // The stage of the forward that first reads each parameter, in parameters()' order: 0 the embedding,
-  // 1 + i layer i, num_hidden_layers + 1 the final norm and the head. A stage hook, when set, is called
+  // 1 + i layer i, num_hidden_layers + 1 the final norm and the head, num_hidden_layers + 1 + k MTP module k.
+  // A stage hook, when set, is called
   // with each stage before the forward reads its weights: a sharded optimizer waits there for the
   // weights it is still gathering (train/grad_reducer.h), so the gather overlaps the earlier stages.
   const std::vector<int64_t>& parameter_stages() const { return stages_; }
@@ -123,6 +138,11 @@ class Transformer {
   void stage(int64_t s) const;
   Variable embed(const Tensor& ids) const;
   Variable head(const Variable& h) const;
+  Variable head(const Variable& h, const Variable& norm) const;  // with the final norm's weight or an MTP one's
+  // The MTP term from h^0 [B,T,H], the main model's last hidden states (Losses::mtp).
+  Variable mtp_loss(const Variable& h0, const Tensor& ids, const Tensor& targets) const;
+  // The model's blocks, then the MTP modules' blocks.
+  std::vector<TransformerBlock*> all_blocks() const;
   // The mean cross-entropy of logits [..., V] against targets [...] i32 (any device).
   Variable lm_loss(const Variable& logits, const Tensor& targets) const;
   Losses dual_losses(const Tensor& ids, const Tensor& targets) const;
@@ -139,6 +159,8 @@ class Transformer {
   bool comm_stream_;  // MoeOptions::exchange_comm_stream: the dual micro-batches' exchanges on the comm stream
   Variable embed_tokens_, norm_, lm_head_;
   std::vector<std::unique_ptr<TransformerBlock>> layers_;
+  std::vector<std::shared_ptr<MtpModule>> mtp_;  // shared_ptr: MtpModule is incomplete here
+  double mtp_weight_ = 0;
 };
 
 }  // namespace flowmoe

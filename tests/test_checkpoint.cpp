@@ -202,6 +202,13 @@ TEST(Checkpoint, ResumeOfAnMoeModelRepeatsTheLossSequenceBitForBit) {
        "model.moe_intermediate_size=32", "model.bias_update_rule=proportional", "train.eval_every=3"});
 }
 
+// Multi-token prediction modules (an MoE one, with its expert bias) are saved and resumed like the model's layers.
+TEST(Checkpoint, ResumeWithMtpModulesRepeatsTheLossSequenceBitForBit) {
+  expect_resume_repeats_bit_for_bit(
+      "ckpt_resume_mtp", {"model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.first_k_dense_replace=1",
+                          "model.moe_intermediate_size=32", "model.num_nextn_predict_layers=2"});
+}
+
 // bf16 moments round stochastically from (train.seed, AdamW's update count, tensor, element): a resumed run
 // draws what the uninterrupted one drew, so it repeats it bit for bit too, its bf16 moment files included.
 TEST(Checkpoint, ResumeWithBf16MomentsRepeatsTheLossSequenceBitForBit) {

@@ -269,6 +269,26 @@ TEST(Config, BiasUpdateScheduleIsConstantOrLr) {
   EXPECT_HAS(m, "one of constant, lr");
 }
 
+// Multi-token prediction: off by default, λ 0.3 (DeepSeek-V3's early value); D must leave its deepest module a
+// target in the window, λ must not be negative.
+TEST(Config, MultiTokenPredictionKeys) {
+  const Config d = parse_config("", "ok.yaml");
+  EXPECT_EQ(d.model.num_nextn_predict_layers, 0);
+  EXPECT_EQ(d.train.mtp_loss_weight, 0.3);
+  const Config c = parse_config("model:\n  num_nextn_predict_layers: 2\ntrain:\n  mtp_loss_weight: 0.1\n", "ok.yaml");
+  EXPECT_EQ(c.model.num_nextn_predict_layers, 2);
+  EXPECT_EQ(c.train.mtp_loss_weight, 0.1);
+  EXPECT_HAS(to_yaml(c), "num_nextn_predict_layers: 2");
+  EXPECT_EQ(parse_config(to_yaml(c), "resolved.yaml").model.num_nextn_predict_layers, 2);
+  EXPECT_HAS(parse_error("model:\n  num_nextn_predict_layers: -1\n"), "model.num_nextn_predict_layers");
+  EXPECT_HAS(parse_error("model:\n  num_nextn_predict_layers: 17\n"), "model.num_nextn_predict_layers");
+  EXPECT_HAS(parse_error("train:\n  mtp_loss_weight: -0.1\n"), "train.mtp_loss_weight");
+  const std::string m = parse_error("model:\n  num_nextn_predict_layers: 4\ndata:\n  seq_len: 4\n");
+  EXPECT_HAS(m, "model.num_nextn_predict_layers = 4");
+  EXPECT_HAS(m, "data.seq_len = 4");
+  EXPECT_NO_THROW(parse_config("model:\n  num_nextn_predict_layers: 3\ndata:\n  seq_len: 4\n", "ok.yaml"));
+}
+
 TEST(Config, BiasUpdateRuleIsSignOrProportional) {
   EXPECT_EQ(parse_config("", "ok.yaml").model.bias_update_rule, "sign");
   EXPECT_EQ(parse_config("model:\n  bias_update_rule: proportional\n", "ok.yaml").model.bias_update_rule,

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <regex>
+#include <set>
 
 #include "tests/hf_test_util.h"
 #include "tests/train_test_util.h"
@@ -77,6 +78,39 @@ TEST(HfRoundTrip, ExportThenImportIsBitIdenticalAndTrains) {
     ASSERT_EQ(r.losses.size(), size_t(imported.train.steps));
     for (double loss : r.losses) EXPECT_TRUE(std::isfinite(loss));
   }
+}
+
+// MTP modules go to mtp.safetensors under DeepSeek-V3's layer numbers (model.safetensors keeps exactly what
+// transformers' glm4_moe loads), config.json declares them, and the import reads them back bit for bit. A folder
+// that declares MTP layers but lacks their tensors imports without them, noted.
+TEST(HfRoundTrip, MtpLayersRoundTripBitIdentical) {
+  ModelConfig m = hf_moe_model();
+  m.num_nextn_predict_layers = 2;
+  const fs::path d = fresh_dir("hf_roundtrip_mtp");
+  const Exported e = export_model(m, d);
+  EXPECT_EQ(listing(e.hf), std::vector<std::string>({kHfConfigFile, kHfModelFile, kHfMtpFile}));
+  const std::string L = std::to_string(m.num_hidden_layers);
+  for (const NamedTensor& t : read_safetensors((e.hf / kHfModelFile).string()))
+    EXPECT_LT(hf_layer_of(t.name), m.num_hidden_layers) << t.name;
+  std::set<std::string> mtp_names;
+  for (const NamedTensor& t : read_safetensors((e.hf / kHfMtpFile).string())) mtp_names.insert(t.name);
+  for (const std::string& n : {"model.layers." + L + ".eh_proj.weight", "model.layers." + L + ".enorm.weight",
+                               "model.layers." + L + ".hnorm.weight", "model.layers." + L + ".shared_head.norm.weight",
+                               "model.layers." + L + ".mlp.gate.e_score_correction_bias",
+                               "model.layers." + std::to_string(m.num_hidden_layers + 1) + ".self_attn.q_proj.weight"})
+    EXPECT_TRUE(mtp_names.count(n)) << n;
+  EXPECT_NE(read_file((e.hf / kHfConfigFile).string(), 1 << 20, "config").find("\"num_nextn_predict_layers\": 2,"),
+            std::string::npos);
+  import_hf(e.hf.string(), import_options(d));
+  EXPECT_TRUE(same_model_weights(e.checkpoint, (d / "imp" / "step_00000000").string()));
+  const Config imported = load_config((d / "imported.yaml").string());
+  EXPECT_EQ(imported.model.num_nextn_predict_layers, 2);
+  // Without its MTP file the folder is the model alone.
+  fs::remove(e.hf / kHfMtpFile);
+  const HfFolder plain(e.hf.string());
+  EXPECT_EQ(plain.model().num_nextn_predict_layers, 0);
+  ASSERT_FALSE(plain.notes().empty());
+  EXPECT_NE(plain.notes().back().find("left out the 2 MTP layers"), std::string::npos) << plain.notes().back();
 }
 
 // checkpoint.init_from: hf:DIR starts a run from the folder's weights: it trains as the imported checkpoint

@@ -86,6 +86,9 @@ TEST(MemoryEstimate, ParameterCountMatchesTheBuiltModel) {
       {kMoe, {"model.n_shared_experts=0", "model.tie_word_embeddings=true"}},
       {kMoe, {"model.first_k_dense_replace=3"}},  // every block dense although experts are configured
       {kFp8Moe, {"precision.recipe=fp8_flow"}},
+      {kDense, {"model.num_nextn_predict_layers=2"}},  // MTP modules: dense, then MoE, then dense after MoE layers
+      {kMoe, {"model.num_nextn_predict_layers=1"}},
+      {kMoe, {"model.num_nextn_predict_layers=2", "model.first_k_dense_replace=3"}},
   };
   for (const auto& [yaml, sets] : variants) {
     const Config c = run_config(yaml, d, sets);
@@ -147,6 +150,13 @@ TEST(MemoryEstimate, AccumulatedTrainingIsNearTheMeasuredPeak) {
       run_config(kDense, d / "run",
                  {"model.vocab_size=8192", "train.batch_size=1", "data.seq_len=16", "train.grad_accum_steps=2"}),
       "dense, vocab 8192, 2 micro-batches");
+  fs::remove_all(d);
+}
+
+// MTP modules (a block, a head, the projection's inputs each) stay within the estimate's band of the peak.
+TEST(MemoryEstimate, MtpTrainingIsNearTheMeasuredPeak) {
+  const fs::path d = fresh_dir("memory_mtp");
+  expect_estimate_near_peak(run_config(kMoe, d / "run", {"model.num_nextn_predict_layers=2"}), "moe bf16, 2 MTP");
   fs::remove_all(d);
 }
 

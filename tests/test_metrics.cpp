@@ -108,8 +108,8 @@ TEST(MetricsWriter, AResumeDropsATornLastLine) {
   const std::string a = "{\"step\": 1, \"loss\": 2.5}\n", b = "{\"step\": 2, \"loss\": 2.4}\n";
   const std::string head =
       "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,moe_casts,skipped,moe_max_over_mean,"
-      "aux_loss,exchange_ms,tflops,mfu\n";
-  const std::string c1 = "1,2.5,,0.001,1,10,0,0,,0,,,,,\n";
+      "aux_loss,exchange_ms,tflops,mfu,mtp_loss\n";
+  const std::string c1 = "1,2.5,,0.001,1,10,0,0,,0,,,,,,\n";
   const std::string unfinished = "unfinished (no line end)", unreadable = "unreadable (not a metrics row)";
   struct Case {
     std::string format, text, kept;
@@ -203,6 +203,7 @@ TEST(MetricsWriter, RowsReadBackAsWritten) {
   a.exchange_ms = 1.5;
   a.tflops = 412.345;
   a.mfu = 0.416763;
+  a.mtp_loss = 2.875;
   StepMetrics b = row(2);
   b.skipped = true;
   b.tokens_per_s = 3400;
@@ -232,6 +233,7 @@ TEST(MetricsWriter, RowsReadBackAsWritten) {
     EXPECT_EQ(x.exchange_ms, 1.5);
     EXPECT_EQ(x.tflops, 412.345);
     EXPECT_EQ(x.mfu, 0.416763);
+    EXPECT_EQ(x.mtp_loss, 2.875);
     EXPECT_FALSE(x.skipped);
     EXPECT_EQ(y.step, 2);
     EXPECT_TRUE(y.skipped);
@@ -239,9 +241,10 @@ TEST(MetricsWriter, RowsReadBackAsWritten) {
     EXPECT_EQ(y.tflops, 0.0102345);
     EXPECT_TRUE(std::isnan(y.mfu));
     EXPECT_TRUE(std::isnan(y.exchange_ms));
+    EXPECT_TRUE(std::isnan(y.mtp_loss));  // no MTP modules: null / empty
   }
-  EXPECT_TRUE(has(read_bytes(d / "metrics.jsonl"), "\"tflops\": 0.0102345, \"mfu\": null}\n"));
-  EXPECT_TRUE(has(read_bytes(d / "metrics.csv"), ",0.0102345,\n"));
+  EXPECT_TRUE(has(read_bytes(d / "metrics.jsonl"), "\"tflops\": 0.0102345, \"mfu\": null, \"mtp_loss\": null}\n"));
+  EXPECT_TRUE(has(read_bytes(d / "metrics.csv"), ",0.0102345,,\n"));
   fs::remove_all(d);
 }
 
@@ -282,8 +285,9 @@ TEST(MetricsWriter, AResumeKeepsRowsWrittenBeforeTheFlopsColumns) {
     EXPECT_EQ(rows[2].tflops, 0.25);
     EXPECT_EQ(rows[2].mfu, 0.5);
     if (format == "csv") {
-      const std::string kept = old_head.substr(0, old_head.size() - 1) +
-                               ",tflops,mfu\n1,2.5,,0.001,1,10.0,0,0,,0,,,,,\n2,2.4,,0.001,1,11.0,0,0,,0,,,,,\n";
+      const std::string kept =
+          old_head.substr(0, old_head.size() - 1) +
+          ",tflops,mfu,mtp_loss\n1,2.5,,0.001,1,10.0,0,0,,0,,,,,,\n2,2.4,,0.001,1,11.0,0,0,,0,,,,,,\n";
       EXPECT_EQ(read_bytes(file).substr(0, kept.size()), kept);
     }
   }

@@ -64,6 +64,29 @@ TEST(ModelFlops, SmallMoeModelMatchesTheCountByHand) {
   EXPECT_EQ(model_flops_per_token(small_moe(), T), 3 * forward);  // backward = 2 x forward
 }
 
+// One MTP module of an MoE model: eh_proj [16,32], one MoE layer (its q, k, v, o, attention core, router, routed
+// and shared experts) and the head again, all in the step's FLOPs.
+TEST(ModelFlops, MtpModulesAddTheirProjectionABlockAndTheHead) {
+  const int64_t T = 10;
+  ModelConfig c = small_moe();
+  c.num_nextn_predict_layers = 1;
+  const double eh_proj = 2 * 16 * 32;                                // 1024
+  const double block = 4 * 2 * 16 * 16 + 2 * T * 16 + 2 * 16 * 4 +   // q, k, v, o; core; router
+                       2 * (3 * 2 * 16 * 8) + 3 * 2 * 16 * (2 * 8);  // routed and shared experts
+  const double head = 2 * 16 * 32;                                   // 1024
+  ASSERT_EQ(eh_proj + block + head, 7616.0);
+  EXPECT_EQ(model_flops_per_token(c, T), model_flops_per_token(small_moe(), T) + 3 * (eh_proj + block + head));
+  c.num_nextn_predict_layers = 2;
+  EXPECT_EQ(model_flops_per_token(c, T), model_flops_per_token(small_moe(), T) + 6 * (eh_proj + block + head));
+  // A model whose last layer is dense gets a dense module: its SwiGLU MLP instead.
+  ModelConfig dense = small_moe();
+  dense.first_k_dense_replace = 3;
+  ModelConfig dense_mtp = dense;
+  dense_mtp.num_nextn_predict_layers = 1;
+  const double dense_block = 4 * 2 * 16 * 16 + 2 * T * 16 + 3 * 2 * 16 * 24;
+  EXPECT_EQ(model_flops_per_token(dense_mtp, T), model_flops_per_token(dense, T) + 3 * (eh_proj + dense_block + head));
+}
+
 // Each expert more per token adds its three GEMMs in each MoE layer; more experts to choose from add only to
 // the router; a tied head is still a GEMM; longer sequences add only to attention's q·kᵀ and p·v.
 TEST(ModelFlops, TopKAddsTheRoutedExpertsShareOnly) {
@@ -170,10 +193,10 @@ TEST(ModelFlops, ACpuRunHasTflopsAndNoMfu) {
     }
     const std::string text = read_bytes(r.metrics_file);
     if (std::string(format) == "jsonl")
-      EXPECT_NE(text.find("\"mfu\": null}\n"), std::string::npos) << text;
-    else  // the header, then 3 rows whose last cell, mfu, is empty
-      EXPECT_EQ(text.find(",tflops,mfu\n"), text.find('\n') - 11) << text;
-    EXPECT_EQ(count_of(text, ",\n"), std::string(format) == "csv" ? 3u : 0u) << text;
+      EXPECT_NE(text.find("\"mfu\": null, \"mtp_loss\": null}\n"), std::string::npos) << text;
+    else  // the header, then 3 rows whose last cells, mfu and mtp_loss, are empty
+      EXPECT_EQ(text.find(",tflops,mfu,mtp_loss\n"), text.find('\n') - 20) << text;
+    EXPECT_EQ(count_of(text, ",,\n"), std::string(format) == "csv" ? 3u : 0u) << text;
     EXPECT_EQ(text.find("nan"), std::string::npos) << text;
     EXPECT_NE(printed.find(" TFLOP/s | ETA"), std::string::npos) << printed;
     EXPECT_EQ(printed.find("MFU"), std::string::npos) << printed;

@@ -1,4 +1,4 @@
-// split_rows and concat_rows (engine/ops/rows.cpp): the chunks' values and FP8 scales, empty chunks, the
+// split_rows, concat_rows and concat_last (engine/ops/rows.cpp): the chunks' values and FP8 scales, empty chunks, the
 // gradients (finite differences), bad bounds, and on a GPU the same results as on the CPU.
 #include <gtest/gtest.h>
 
@@ -53,6 +53,28 @@ TEST(Rows, GradientsMatchFiniteDifferences) {
   for (size_t i = 0; i < g.size(); ++i) EXPECT_EQ(g[i], i < 4 ? 0.0 : 1.0) << "element " << i;
 }
 
+TEST(Rows, ConcatLastPutsAThenBInEachRow) {
+  Rng rng(test_seed());
+  const Tensor a = rng.normal({2, 3, 4}, 0, 1), b = rng.normal({2, 3, 4}, 0, 1);
+  const Tensor y = concat_last(Variable(a), Variable(b)).data();
+  ASSERT_EQ(y.shape(), (Shape{2, 3, 8}));
+  const std::vector<double> av = a.to_doubles(), bv = b.to_doubles(), yv = y.to_doubles();
+  for (size_t r = 0; r < 6; ++r)
+    for (size_t j = 0; j < 4; ++j) {
+      EXPECT_EQ(yv[r * 8 + j], av[r * 4 + j]) << "row " << r << " column " << j;
+      EXPECT_EQ(yv[r * 8 + 4 + j], bv[r * 4 + j]) << "row " << r << " column " << 4 + j;
+    }
+  // Each half scaled differently, so a gradient sent to the wrong input is caught.
+  const Tensor x64 = a.to(DType::f64), z64 = b.to(DType::f64);
+  EXPECT_TRUE(gradcheck([](const std::vector<Variable>& v) { return concat_last(scale(v[0], 2.0), scale(v[1], -0.5)); },
+                        {x64, z64}));
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] {
+        concat_last(Variable(a), Variable(Tensor::zeros({2, 3, 5}, DType::f32)));
+      },
+      {"concat_last", "share shape"}));
+}
+
 TEST(Rows, BadBoundsAndShapesAreNamed) {
   const Variable x(Tensor::zeros({4, 2}, DType::f32));
   EXPECT_TRUE(throws_naming<ShapeError>([&] { split_rows(x, {0, 3}); }, {"bounds", "4 rows"}));
@@ -62,6 +84,23 @@ TEST(Rows, BadBoundsAndShapesAreNamed) {
         concat_rows({x, Variable(Tensor::zeros({4, 3}, DType::f32))});
       },
       {"concat_rows", "does not stack"}));
+}
+
+TEST(RowsCuda, ConcatLastSameAsTheCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  const Tensor a = rng.normal({5, 6}, 0, 1).to(DType::bf16), b = rng.normal({5, 6}, 0, 1).to(DType::bf16);
+  const Tensor dy = rng.normal({5, 12}, 0, 1).to(DType::bf16);
+  std::vector<Tensor> outs;
+  for (Device device : {Device::cpu(), Device::cuda(0)}) {
+    Variable av(a.to(device), true), bv(b.to(device), true);
+    Variable y = concat_last(av, bv);
+    y.backward(dy.to(device));
+    outs.push_back(y.data().to(Device::cpu()));
+    outs.push_back(av.grad().to(Device::cpu()));
+    outs.push_back(bv.grad().to(Device::cpu()));
+  }
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(bit_equal(outs[3 + i], outs[i])) << "output " << i;
 }
 
 TEST(RowsCuda, SameAsTheCpu) {

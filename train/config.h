@@ -40,6 +40,9 @@ struct TrainConfig {
   std::string recompute;           // comma-joined modules recomputed in backward: "" or "moe_expert"
   bool recomputes(const std::string& module) const;
   int64_t max_skipped_steps = 10;
+  // λ of the multi-token prediction loss (model.num_nextn_predict_layers > 0). DeepSeek-V3 trained with 0.3 for
+  // its first 10T tokens and 0.1 after; flowmoe's runs are short, the regime of that first phase.
+  double mtp_loss_weight = 0.3;
   std::string cuda_graph = "auto";  // auto | on | off: replay the step as one CUDA graph (train/train_step.cpp)
 };
 

@@ -63,6 +63,12 @@ void check_model_shape(const Config& c, const KeyReport& r) {
     r.conflict({"data.seq_len", "model.max_position_embeddings"},
                "data.seq_len = " + str(c.data.seq_len) +
                    " exceeds model.max_position_embeddings = " + str(m.max_position_embeddings));
+  // Depth D's targets are the tokens D + 1 ahead: a window no longer than D gives that depth none.
+  if (m.num_nextn_predict_layers >= c.data.seq_len)
+    r.conflict({"model.num_nextn_predict_layers", "data.seq_len"},
+               "model.num_nextn_predict_layers = " + str(m.num_nextn_predict_layers) +
+                   " leaves its deepest module no target in a window of data.seq_len = " + str(c.data.seq_len) +
+                   " tokens (it must be below data.seq_len)");
 }
 
 // The router's own check (validate_router_config, the one place its limits are enforced), with its

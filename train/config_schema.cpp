@@ -156,6 +156,10 @@ const std::vector<Field>& schema() {
         "model", "bias_update_rule", FLOWMOE_CONFIG_REF(model.bias_update_rule), {"sign", "proportional"},
         "sign: each step moves expert_bias by the bias step toward the mean load (DeepSeek-V3); proportional: by the "
         "bias step * (mean - load) / mean, so near-balanced experts barely move and overloaded ones move more"));
+    f.push_back(integer("model", "num_nextn_predict_layers", FLOWMOE_CONFIG_REF(model.num_nextn_predict_layers), 0,
+                        kMaxMtpDepth,
+                        "multi-token prediction depth D (DeepSeek-V3): modules after the model trained to predict "
+                        "the tokens 2..D+1 ahead; 0: none"));
     // data
     f.push_back(choice("data", "source", FLOWMOE_CONFIG_REF(data.source), {"synthetic", "text", "tokens"},
                        "synthetic (built in, no download), text (bytes of files), tokens (llm.c .bin file)"));
@@ -195,6 +199,9 @@ const std::vector<Field>& schema() {
                             "modules recomputed in backward: moe_expert keeps only the expert input (FP8 in fp8_flow) "
                             "and recomputes fc1 and SwiGLU; attention keeps only each block's input and recomputes "
                             "its norm, q/k/v, RoPE, attention and output projection. The same gradients bit for bit"));
+    f.push_back(number("train", "mtp_loss_weight", FLOWMOE_CONFIG_REF(train.mtp_loss_weight), 0, false, kInf, false,
+                       "lambda of the multi-token prediction loss: training minimizes loss + lambda * mtp_loss "
+                       "(with model.num_nextn_predict_layers > 0)"));
     f.push_back(integer("train", "max_skipped_steps", FLOWMOE_CONFIG_REF(train.max_skipped_steps), 0, 1e12,
                         "with nonfinite: skip, stop after this many skipped steps"));
     f.push_back(choice("train", "cuda_graph", FLOWMOE_CONFIG_REF(train.cuda_graph), {"auto", "on", "off"},

@@ -176,7 +176,7 @@ ModelConfig model_config_from_hf(const std::string& json_text, const std::string
   if (mtp > 0 && notes)
     notes->push_back("left out the " + std::to_string(mtp) + " MTP layer" + (mtp == 1 ? "" : "s") +
                      " (num_nextn_predict_layers; model.layers." + std::to_string(m.num_hidden_layers) +
-                     ".*): flowmoe has none, and they do not change the logits");
+                     ".*): they do not change the logits");
   // The run config's own checks at the model's keys (the data keys' defaults fit any model that fits them).
   c.data.seq_len = std::min(c.data.seq_len, m.max_position_embeddings);
   validate(c);

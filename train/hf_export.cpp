@@ -110,38 +110,50 @@ std::vector<std::string> export_hf(const std::string& checkpoint, const std::str
   const std::vector<HfTensorGroup> plan = hf_tensor_plan(m);
   const SafetensorsIndex file((fs::path(checkpoint) / kCheckpointModelFile).string());
   check_checkpoint_tensors(file, plan);
-  std::vector<TensorSpec> specs;
-  std::vector<std::pair<const HfTensorGroup*, const HfTensor*>> source;  // spec i's group and HF tensor
+  // Two files: the model's tensors, and the MTP layers' (kHfMtpFile) where the model has them.
+  struct HfFile {
+    std::vector<TensorSpec> specs;
+    std::vector<std::pair<const HfTensorGroup*, const HfTensor*>> source;  // spec i's group and HF tensor
+  };
+  HfFile files[2];
   for (const HfTensorGroup& g : plan)
     for (const HfTensor& t : g.hf) {
-      specs.push_back({t.name, DType::f32, t.shape});
-      source.push_back({&g, &t});
+      HfFile& f = files[hf_layer_of(t.name) >= m.num_hidden_layers ? 1 : 0];
+      f.specs.push_back({t.name, DType::f32, t.shape});
+      f.source.push_back({&g, &t});
     }
   // A group's tensor is read once, for its HF tensors in a row (the experts' gate, up and down).
   const HfTensorGroup* held_group = nullptr;
   Tensor held;
-  const auto make = [&](size_t i) {
-    const auto [g, t] = source[i];
-    if (g->name.empty()) return hf_tensor_from(Tensor(), *t, m);
-    if (g != held_group) {
-      held = file.read(g->name).to(DType::f32);
-      held_group = g;
-    }
-    return hf_tensor_from(held, *t, m);
+  const auto write = [&](const fs::path& path, const HfFile& f) {
+    const auto make = [&](size_t i) {
+      const auto [g, t] = f.source[i];
+      if (g->name.empty()) return hf_tensor_from(Tensor(), *t, m);
+      if (g != held_group) {
+        held = file.read(g->name).to(DType::f32);
+        held_group = g;
+      }
+      return hf_tensor_from(held, *t, m);
+    };
+    write_safetensors(path.string(), f.specs, make, {{"format", "pt"}});
   };
-
   publish_folder(out_dir, [&](const fs::path& dir) {
     write_file_synced((dir / kHfConfigFile).string(), {&config_json});
-    write_safetensors((dir / kHfModelFile).string(), specs, make, {{"format", "pt"}});
+    write(dir / kHfModelFile, files[0]);
+    if (!files[1].specs.empty()) write(dir / kHfMtpFile, files[1]);
     if (tokenizer) {
       const std::string tokenizer_config = hf_tokenizer_config_json(m.max_position_embeddings);
       write_file_synced((dir / kHfTokenizerFile).string(), {&tokenizer_json});
       write_file_synced((dir / kHfTokenizerConfigFile).string(), {&tokenizer_config});
     }
   });
+  const std::string mtp_note =
+      files[1].specs.empty() ? ""
+                             : std::string(", ") + kHfMtpFile + " (the " + std::to_string(m.num_nextn_predict_layers) +
+                                   " MTP layers, " + std::to_string(files[1].specs.size()) + " tensors)";
   return {"exported " + checkpoint + " (step " + std::to_string(meta.step) + ") as " + kHfArchitecture + " to " +
-              out_dir + ": " + kHfConfigFile + ", " + kHfModelFile + " (" + std::to_string(specs.size()) +
-              " tensors, f32)" +
+              out_dir + ": " + kHfConfigFile + ", " + kHfModelFile + " (" + std::to_string(files[0].specs.size()) +
+              " tensors, f32)" + mtp_note +
               (tokenizer ? std::string(", ") + kHfTokenizerFile + ", " + kHfTokenizerConfigFile : ""),
           tokenizer_note};
 }

@@ -28,18 +28,6 @@ bool is_expert_group(const HfTensorGroup& g) {
   return !g.hf.empty() && (g.hf.front().part == HfPart::expert_gate || g.hf.front().part == HfPart::expert_down);
 }
 
-// The layer number of "model.layers.N.<...>", or -1.
-int64_t layer_of(const std::string& name) {
-  const std::string prefix = "model.layers.";
-  if (name.rfind(prefix, 0) != 0) return -1;
-  const size_t dot = name.find('.', prefix.size());
-  try {
-    return std::stoll(name.substr(prefix.size(), dot - prefix.size()));
-  } catch (const std::exception&) {
-    return -1;
-  }
-}
-
 }  // namespace
 
 HfFolder::HfFolder(const std::string& dir) : dir_(dir) {
@@ -59,6 +47,7 @@ HfFolder::HfFolder(const std::string& dir) : dir_(dir) {
     FLOWMOE_CHECK(fs::exists(single, ec), IoError, "'", dir, "' has neither ", kHfModelFile, " nor ", kHfIndexFile);
     files_.push_back(std::make_unique<SafetensorsIndex>(single));
     for (const std::string& name : files_.back()->names_in_file_order()) where_[name] = files_.back().get();
+    open_mtp_layers();
     return;
   }
   const YAML::Node j = parse_json(read_file(index.string(), kMaxJsonBytes, "safetensors index"), index.string());
@@ -77,6 +66,33 @@ HfFolder::HfFolder(const std::string& dir) : dir_(dir) {
     where_[name] = opened[file];
     where_[name]->entry(name);  // IoError when the shard lacks it
   }
+  open_mtp_layers();
+}
+
+// flowmoe's export writes the MTP layers to kHfMtpFile; other folders hold them among the model's tensors. The
+// model gets MTP modules when every declared layer's eh_proj is there; otherwise they are left out, noted.
+void HfFolder::open_mtp_layers() {
+  std::error_code ec;
+  const fs::path mtp_file = fs::path(dir_) / kHfMtpFile;
+  if (fs::exists(mtp_file, ec) &&
+      !where_.count("model.layers." + std::to_string(model_.num_hidden_layers) + ".eh_proj.weight")) {
+    files_.push_back(std::make_unique<SafetensorsIndex>(mtp_file.string()));
+    for (const std::string& name : files_.back()->names_in_file_order()) where_[name] = files_.back().get();
+  }
+  if (num_mtp_layers_ == 0) return;
+  bool all = num_mtp_layers_ <= kMaxMtpDepth;
+  for (int64_t k = 1; k <= num_mtp_layers_ && all; ++k)
+    all = find("model.layers." + std::to_string(mtp_layer_index(model_, k)) + ".eh_proj.weight") != nullptr;
+  // model_config_from_hf noted them as left out: so they are where the folder lacks some of their tensors.
+  if (!all) return;
+  model_.num_nextn_predict_layers = num_mtp_layers_;
+  notes_.erase(std::remove_if(notes_.begin(), notes_.end(),
+                              [](const std::string& n) {
+                                return n.rfind("left out the ", 0) == 0 && n.find("MTP") != std::string::npos;
+                              }),
+               notes_.end());
+  notes_.push_back("read the " + std::to_string(num_mtp_layers_) + " MTP layer" + (num_mtp_layers_ == 1 ? "" : "s") +
+                   " (num_nextn_predict_layers) as the model's multi-token prediction modules");
 }
 
 std::vector<InputFile> HfFolder::inputs() const {
@@ -130,7 +146,7 @@ void HfFolder::fill(Tensor& dst, const HfTensorGroup& g, int64_t expert_offset) 
 void HfFolder::check_all_used() const {
   std::vector<std::string> left;
   for (const auto& [name, file] : where_) {
-    const int64_t layer = layer_of(name);
+    const int64_t layer = hf_layer_of(name);
     const bool mtp = layer >= model_.num_hidden_layers && layer < model_.num_hidden_layers + num_mtp_layers_;
     if (!used_.count(name) && !mtp) left.push_back(name);
   }

@@ -29,13 +29,15 @@ class HfFolder {
   // Fills `dst` (CPU f32) with group g's values: the whole tensor, or for an expert shard the experts
   // [expert_offset, expert_offset + dst.size(0)). IoError names a missing tensor or one of another shape.
   void fill(Tensor& dst, const HfTensorGroup& g, int64_t expert_offset = 0);
-  // Refuses (IoError) the folder's tensors no fill() took, but the MTP layers' (notes()), naming them.
+  // Refuses (IoError) the folder's tensors no fill() took, but the MTP layers' (DeepSeek-V3's checkpoints hold
+  // copies of the embedding and the head there, which flowmoe shares with the model), naming them.
   void check_all_used() const;
 
  private:
   Tensor read(const std::string& name, const Shape& want);  // f32, after the shape check; marks it used
   Tensor read_experts(const std::string& name, const Shape& want, int64_t first, int64_t count);
   const SafetensorsIndex* find(const std::string& name) const;
+  void open_mtp_layers();
 
   std::string dir_;
   ModelConfig model_;

@@ -72,7 +72,7 @@ std::string hf_config_json(const ModelConfig& m) {
     << "  \"num_experts_per_tok\": " << m.num_experts_per_tok << ",\n"
     << "  \"num_hidden_layers\": " << m.num_hidden_layers << ",\n"
     << "  \"num_key_value_heads\": " << m.num_attention_heads << ",\n"
-    << "  \"num_nextn_predict_layers\": 0,\n"
+    << "  \"num_nextn_predict_layers\": " << m.num_nextn_predict_layers << ",\n"
     << "  \"output_router_logits\": false,\n"
     << "  \"pad_token_id\": null,\n"
     << "  \"rms_norm_eps\": " << json_number(m.rms_norm_eps) << ",\n"
@@ -94,6 +94,17 @@ std::string hf_config_json(const ModelConfig& m) {
 
 // ---- tensors --------------------------------------------------------------------------------------
 
+int64_t hf_layer_of(const std::string& name) {
+  const std::string prefix = "model.layers.";
+  if (name.rfind(prefix, 0) != 0) return -1;
+  const size_t dot = name.find('.', prefix.size());
+  try {
+    return std::stoll(name.substr(prefix.size(), dot - prefix.size()));
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
 std::vector<HfTensorGroup> hf_tensor_plan(const ModelConfig& m) {
   const int64_t H = m.hidden_size, V = m.vocab_size, E = m.n_routed_experts, F = m.moe_intermediate_size,
                 I = m.intermediate_size, S = m.n_shared_experts * m.moe_intermediate_size;
@@ -114,7 +125,8 @@ std::vector<HfTensorGroup> hf_tensor_plan(const ModelConfig& m) {
     whole(prefix + ".down_proj.weight", {H, width});
   };
   whole("model.embed_tokens.weight", {V, H});
-  for (int64_t i = 0; i < m.num_hidden_layers; ++i) {
+  // Block i's tensors, in the order the Transformer creates them (a main layer's or an MTP module's block).
+  const auto block = [&](int64_t i) {
     const std::string p = "model.layers." + std::to_string(i);
     whole(p + ".input_layernorm.weight", {H});
     whole(p + ".self_attn.q_proj.weight", {H, H}, HfPart::rope_rows);
@@ -140,9 +152,19 @@ std::vector<HfTensorGroup> hf_tensor_plan(const ModelConfig& m) {
       mlp(p + ".mlp", I);
     }
     whole(p + ".post_attention_layernorm.weight", {H});
-  }
+  };
+  for (int64_t i = 0; i < m.num_hidden_layers; ++i) block(i);
   whole("model.norm.weight", {H});
   if (!m.tie_word_embeddings) whole("lm_head.weight", {V, H});  // tied: transformers ties it to the embedding
+  // The MTP modules (layers/mtp.h) under DeepSeek-V3's numbering; the embedding and the head are the model's.
+  for (int64_t k = 1; k <= m.num_nextn_predict_layers; ++k) {
+    const std::string p = "model.layers." + std::to_string(mtp_layer_index(m, k));
+    whole(p + ".enorm.weight", {H});
+    whole(p + ".hnorm.weight", {H});
+    whole(p + ".eh_proj.weight", {H, 2 * H});
+    block(mtp_layer_index(m, k));
+    whole(p + ".shared_head.norm.weight", {H});
+  }
   for (HfTensorGroup& b : buffers) plan.push_back(std::move(b));
   if (!empty.hf.empty()) plan.push_back(std::move(empty));
   return plan;

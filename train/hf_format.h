@@ -27,6 +27,13 @@ constexpr const char* kHfTransformersVersion = "5.25.0";
 constexpr const char* kHfConfigFile = "config.json";
 constexpr const char* kHfModelFile = "model.safetensors";
 constexpr const char* kHfIndexFile = "model.safetensors.index.json";  // a sharded folder's tensor -> file map
+// The MTP layers' tensors (model.num_nextn_predict_layers > 0), apart from model.safetensors: transformers'
+// glm4_moe has no MTP module and ignores on load only GLM-4.5's own MTP layer numbers (46 and 92), so in
+// model.safetensors they would be reported as unexpected; it reads model.safetensors alone, while loaders that
+// take every *.safetensors of a folder get them too.
+constexpr const char* kHfMtpFile = "mtp.safetensors";
+// The layer number of "model.layers.N.<...>", or -1; an MTP layer's is num_hidden_layers or more.
+int64_t hf_layer_of(const std::string& name);
 
 // Throws ConfigError naming the model.* key and its value when the model has no exact glm4_moe counterpart
 // (a softmax router; groups of one expert, or one expert, which glm4_moe's top-2 group score cannot take).
@@ -39,8 +46,8 @@ std::string hf_config_json(const ModelConfig& m);
 // other than glm4_moe, a field flowmoe does not map, or a value it has no counterpart for (grouped-query
 // attention, a partial or scaled RoPE, attention biases, q/k norms, top-1 routing with norm_topk_prob, ...).
 // A value out of a model.* key's range is refused as the config file would refuse it. Fields that change
-// nothing in the model's math (dtype, use_cache, token ids) are passed over; MTP layers are noted in
-// *notes (their tensors are not read).
+// nothing in the model's math (dtype, use_cache, token ids) are passed over; num_nextn_predict_layers is
+// taken (the MTP layers' tensors are then read, HfFolder).
 ModelConfig model_config_from_hf(const std::string& json_text, const std::string& path,
                                  std::vector<std::string>* notes = nullptr);
 // The MTP (next-token prediction) layers a config.json declares: glm4_moe's num_nextn_predict_layers.

@@ -53,7 +53,8 @@ double allocated_bytes(const std::vector<Tensors>& tensors, bool gpu) {
 // An FP8 tensor of `elements` (1 byte each) and its 1x128 f32 scales.
 std::vector<Tensors> fp8_rowwise(double elements) { return {{1, elements, 1}, {1, elements / 128, 4}}; }
 
-enum class Role { embedding, norm, attention, dense_mlp, router, routed_expert, shared_expert };
+// mtp_proj: the MTP modules' eh_proj, a plain linear in every recipe.
+enum class Role { embedding, norm, attention, dense_mlp, router, routed_expert, shared_expert, mtp_proj };
 
 // `count` parameter tensors of `elements` each.
 struct ParamGroup {
@@ -69,15 +70,18 @@ double shard_ranks(const ParamGroup& g, const OptimizerShards& shards) {
 // Mirrors the parameters Transformer, TransformerBlock, Attention, Mlp and MoeLayer create. Counted in
 // double: exact below 2^53, and no overflow for absurd sizes.
 std::vector<ParamGroup> parameter_groups(const ModelConfig& c) {
-  const double H = double(c.hidden_size), L = double(c.num_hidden_layers), V = double(c.vocab_size);
-  const double moe = double(num_moe_layers(c)), dense = L - moe;
+  // L counts the MTP modules' blocks beside the model's (MtpModule: enorm, hnorm, eh_proj, a block, its norm).
+  const double D = double(c.num_nextn_predict_layers);
+  const double H = double(c.hidden_size), L = double(c.num_hidden_layers) + D, V = double(c.vocab_size);
+  const double moe = double(num_moe_layers(c) + num_mtp_moe_layers(c)), dense = L - moe;
   const double E = double(c.n_routed_experts), F = double(c.moe_intermediate_size);
   std::vector<ParamGroup> g = {
       {Role::embedding, c.tie_word_embeddings ? 1.0 : 2.0, V * H},  // embed_tokens, lm_head
-      {Role::norm, 2 * L + 1, H},                                   // two per block, the final norm
+      {Role::norm, 2 * L + 1 + 3 * D, H},                           // two per block, the final norm; MTP's three
       {Role::attention, 4 * L, H * H},                              // q, k, v, o
       {Role::dense_mlp, 3 * dense, double(c.intermediate_size) * H},
   };
+  if (D > 0) g.push_back({Role::mtp_proj, D, 2 * H * H});
   if (moe > 0) {
     g.push_back({Role::router, moe, E * H});
     g.push_back({Role::routed_expert, moe, E * 2 * F * H});  // fc1 [E, 2F, H]
@@ -155,7 +159,8 @@ double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bo
     }
   }
   const double E = double(cfg.model.n_routed_experts);
-  return bytes + allocated_bytes({{2 * double(num_moe_layers(cfg.model)), E, 4}}, gpu);  // expert_bias, counts
+  const double moe_layers = double(num_moe_layers(cfg.model) + num_mtp_moe_layers(cfg.model));
+  return bytes + allocated_bytes({{2 * moe_layers, E, 4}}, gpu);  // expert_bias, counts
 }
 
 // What the graph keeps of one block's attention half, 8 N H a: block input, its norm, q, k (after RoPE), v,
@@ -321,7 +326,8 @@ std::string MemoryEstimate::summary() const { return "about " + format_bytes(tot
 // activations: what the autograd graph of one micro-batch keeps for backward: per block the attention half
 // (attention_tensors) and a dense MLP (swiglu_mlp_tensors) or an MoE layer (moe_tensors); the head, 2 N H a (the
 // last block's output and its norm), logits N V a and, from the start of backward, their gradient N V a (or, when
-// larger, a block's recomputed attention tensors: train.recompute attention).
+// larger, a block's recomputed attention tensors: train.recompute attention); each MTP module adds its inputs'
+// tensors, its block's and a head's.
 // Evaluation keeps no graph: weights, and the larger of one block's and the head's tensors.
 MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, const OptimizerShards& shards) {
   const ModelConfig& c = cfg.model;
@@ -357,6 +363,12 @@ MemoryEstimate estimate_memory(const Config& cfg, Device device, MemoryUse use, 
     }
     e.gradient_bytes = gradient_bytes(cfg, groups, gpu, shards);
     e.activation_bytes = dense_layers * dense + moe_layers * moe + head + std::max(logits, recomputed);
+    // Each MTP module: the shifted embedding, both norms, their concatenation (2 H) and eh_proj's output, 6 N H a;
+    // its block; its head's tensors as the model's.
+    if (c.num_nextn_predict_layers > 0)
+      e.activation_bytes +=
+          double(c.num_nextn_predict_layers) * (allocated_bytes({{6, tokens * double(c.hidden_size), a}}, gpu) +
+                                                (num_mtp_moe_layers(c) > 0 ? moe : dense) + head);
   } else {
     e.activation_bytes = std::max({dense_layers > 0 ? dense : 0.0, moe, head});
   }

@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 
 static const char* kCsvHeader =
     "step,loss,val_loss,lr,grad_norm,tokens_per_s,peak_mem_bytes,host_syncs,moe_casts,skipped,moe_max_over_mean,aux_"
-    "loss,exchange_ms,tflops,mfu";
+    "loss,exchange_ms,tflops,mfu,mtp_loss";
 // Columns added later go last: the rows an older run wrote are padded with empty cells on resume.
 
 // Per-MoE-layer max/mean load: "1.02;1.10" in CSV, [1.02, 1.10] in JSON; empty for a dense model.
@@ -52,7 +52,8 @@ static std::string row_text(const StepMetrics& m, bool csv) {
        << (std::isnan(m.aux_loss) ? "" : num(m.aux_loss, "%.9g", false)) << ","
        << (std::isnan(m.exchange_ms) ? "" : num(m.exchange_ms, "%.4f", false)) << ","
        << (std::isnan(m.tflops) ? "" : num(m.tflops, "%.6g", false)) << ","
-       << (std::isnan(m.mfu) ? "" : num(m.mfu, "%.6g", false));
+       << (std::isnan(m.mfu) ? "" : num(m.mfu, "%.6g", false)) << ","
+       << (std::isnan(m.mtp_loss) ? "" : num(m.mtp_loss, "%.9g", false));
   } else {
     os << "{\"step\": " << m.step << ", \"loss\": " << num(m.loss, "%.9g", true)
        << ", \"val_loss\": " << num(m.val_loss, "%.9g", true) << ", \"lr\": " << num(m.lr, "%.6g", true)
@@ -63,7 +64,7 @@ static std::string row_text(const StepMetrics& m, bool csv) {
        << ", \"moe_max_over_mean\": " << layer_list(m.moe_max_over_mean, true)
        << ", \"aux_loss\": " << num(m.aux_loss, "%.9g", true)
        << ", \"exchange_ms\": " << num(m.exchange_ms, "%.4f", true) << ", \"tflops\": " << num(m.tflops, "%.6g", true)
-       << ", \"mfu\": " << num(m.mfu, "%.6g", true) << "}";
+       << ", \"mfu\": " << num(m.mfu, "%.6g", true) << ", \"mtp_loss\": " << num(m.mtp_loss, "%.9g", true) << "}";
   }
   return os.str();
 }
@@ -256,6 +257,8 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
           m.tflops = field_double(cells[i]);
         else if (c == "mfu")
           m.mfu = field_double(cells[i]);
+        else if (c == "mtp_loss")
+          m.mtp_loss = cells[i].empty() ? NAN : field_double(cells[i]);
         else if (c == "moe_max_over_mean") {
           std::stringstream layers(cells[i]);
           for (std::string v; std::getline(layers, v, ';');) m.moe_max_over_mean.push_back(field_double(v));
@@ -279,6 +282,7 @@ std::vector<StepMetrics> read_metrics(const std::string& path) {
       m.exchange_ms = get("exchange_ms");
       m.tflops = get("tflops");
       m.mfu = get("mfu");
+      m.mtp_loss = get("mtp_loss");
       m.skipped = j["skipped"] && j["skipped"].Scalar() == "true";
       if (j["moe_max_over_mean"] && j["moe_max_over_mean"].IsSequence())
         for (const YAML::Node& v : j["moe_max_over_mean"]) m.moe_max_over_mean.push_back(field_double(v.Scalar()));

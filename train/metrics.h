@@ -30,6 +30,9 @@ struct StepMetrics {
   double tflops = NAN;  // model TFLOP/s per GPU: model FLOPs per token (train/model_flops.h) x tokens_per_s / ranks;
                         // NaN: a row written before the column existed
   double mfu = NAN;     // tflops over the GPU's bf16 dense peak (a fraction); NaN: no peak known (the CPU)
+  // mean multi-token prediction loss (1/D) Σ_k CE_k, unweighted (training minimizes loss + aux_loss +
+  // train.mtp_loss_weight * mtp_loss); NaN: no MTP modules
+  double mtp_loss = NAN;
 };
 
 // Appends rows to <path>. With keep_up_to_step >= 0 (a resumed run) the rows of later steps an

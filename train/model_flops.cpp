@@ -16,10 +16,19 @@ double model_flops_per_token(const ModelConfig& c, int64_t seq_len) {
   const double swiglu = 3 * H;  // the weights of one unit of a SwiGLU MLP's width: gate, up and down
   // N_active, the weights a token multiplies: attention, dense MLPs, the head; the router, k routed and the shared
   // experts of each MoE layer.
+  const double moe_mlp =
+      H * double(c.n_routed_experts) + swiglu * F * double(c.num_experts_per_tok + c.n_shared_experts);
   double active = L * 4 * H * H + dense_layers * swiglu * double(c.intermediate_size) + H * double(c.vocab_size);
-  active +=
-      moe_layers * (H * double(c.n_routed_experts) + swiglu * F * double(c.num_experts_per_tok + c.n_shared_experts));
-  const double causal_attention = L * 2 * T * H;  // forward: q·kᵀ and p·v, 2·2·T·H halved
+  active += moe_layers * moe_mlp;
+  double causal_attention = L * 2 * T * H;  // forward: q·kᵀ and p·v, 2·2·T·H halved
+  // Each MTP module: eh_proj [H, 2H], one block of the last block's kind, and the shared head again.
+  const double D = double(c.num_nextn_predict_layers);
+  if (D > 0) {
+    const bool moe = is_moe_layer(c, mtp_layer_index(c, 1));
+    active +=
+        D * (2 * H * H + 4 * H * H + (moe ? moe_mlp : swiglu * double(c.intermediate_size)) + H * double(c.vocab_size));
+    causal_attention += D * 2 * T * H;
+  }
   return 3 * (2 * active + causal_attention);
 }
 

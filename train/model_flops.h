@@ -14,6 +14,9 @@
 //                  and fc2
 //                  shared experts                     3 · 2·H·(n_shared_experts · F)
 //   the output head                                   2·H·V (the embedding is a lookup: 0)
+//   each MTP module (model.num_nextn_predict_layers)  2·H·2H (eh_proj), one layer as above of the last layer's
+//                                                     kind, and the output head again: the modules run in every
+//                                                     training step, so their FLOPs count in the step's (and MFU)
 // Backward is twice the forward (the inputs' and the weights' gradients), so a training step is 3x forward:
 //   6·N_active + 6·L·H·T,
 // N_active the weights a token multiplies and L the layers: PaLM's 6·N + 12·L·H·T with the attention term

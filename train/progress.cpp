@@ -91,8 +91,12 @@ Progress::Progress(const std::string& mode, int64_t total_steps, int64_t log_eve
 
 void Progress::update(const StepMetrics& m, double eta_s) {
   if (!out_) return;
-  char loss[32];
-  std::snprintf(loss, sizeof loss, "%.4f", m.loss);
+  // With MTP modules the MTP loss follows the LM loss: "loss 2.3456 | mtp 2.9876".
+  char loss[64];
+  if (std::isnan(m.mtp_loss))
+    std::snprintf(loss, sizeof loss, "%.4f", m.loss);
+  else
+    std::snprintf(loss, sizeof loss, "%.4f | mtp %.4f", m.loss, m.mtp_loss);
   char lr[32];
   std::snprintf(lr, sizeof lr, "%.2e", m.lr);
   const int digits = int(std::to_string(total_).size());

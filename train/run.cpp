@@ -263,6 +263,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
   check_router_lr_scale(cfg, opt);
   opt.set_rounding_seed(uint64_t(c.train.seed));
   model.set_recompute_attention(c.train.recomputes("attention"));
+  model.set_mtp_loss_weight(c.train.mtp_loss_weight);
   if (c.parallel.dual_microbatch) {
     const int64_t per_rank = c.train.batch_size / world_size;
     if (per_rank % 2 != 0)

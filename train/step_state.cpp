@@ -21,7 +21,7 @@ StepState::StepState(Device device, const StepSchedule& schedule)
   device_window_ = Tensor::zeros({int64_t(sizeof(ScheduleWindow))}, DType::u8, device_);
   device_schedule_.window = static_cast<const ScheduleWindow*>(device_window_.raw_data());
   device_scalars_ = Tensor::zeros({int64_t(sizeof(StepScalars))}, DType::u8, device_);
-  loss_slots_ = Tensor::zeros({2 * int64_t(schedule.num_micro_batches)}, DType::f32, device_);
+  loss_slots_ = Tensor::zeros({3 * int64_t(schedule.num_micro_batches)}, DType::f32, device_);
   for (Slot& s : slots_) s.scalars = static_cast<StepScalars*>(cuda_host_alloc(sizeof(StepScalars)));
 }
 
@@ -63,7 +63,7 @@ const StepScalars* StepState::scalars() const {
   return device_.is_cuda() ? static_cast<const StepScalars*>(device_scalars_.raw_data()) : &host_;
 }
 
-void StepState::record_losses(int64_t micro_batch, const Tensor& lm, const Tensor& aux) {
+void StepState::record_losses(int64_t micro_batch, const Tensor& lm, const Tensor& aux, const Tensor& mtp) {
   FLOWMOE_CHECK(device_.is_cuda() && micro_batch >= 0 && micro_batch < schedule_.num_micro_batches, Error,
                 "StepState::record_losses: micro-batch ", micro_batch, " of ", schedule_.num_micro_batches, " on ",
                 device_.str());
@@ -76,6 +76,8 @@ void StepState::record_losses(int64_t micro_batch, const Tensor& lm, const Tenso
   put(lm, micro_batch);
   schedule_.has_aux = aux.defined();  // the same for every micro-batch of a model
   if (aux.defined()) put(aux, schedule_.num_micro_batches + micro_batch);
+  schedule_.has_mtp = mtp.defined();
+  if (mtp.defined()) put(mtp, 2 * schedule_.num_micro_batches + micro_batch);
 }
 
 void StepState::reduce_losses(Communicator& world) {
@@ -89,15 +91,17 @@ void StepState::advance_on_device(const float* sq_sums, const int32_t* exchange_
                 window_prepared_ ? "" : " before prepare_device_step");
   const float* lm = loss_slots_.data<float>();
   device_schedule_.has_aux = schedule_.has_aux;
+  device_schedule_.has_mtp = schedule_.has_mtp;
   advance_step_cuda(static_cast<StepScalars*>(device_scalars_.raw_data()), device_schedule_, lm,
                     schedule_.has_aux ? lm + schedule_.num_micro_batches : nullptr, sq_sums, exchange_overflow,
-                    current_stream(device_.index));
+                    current_stream(device_.index), schedule_.has_mtp ? lm + 2 * schedule_.num_micro_batches : nullptr);
 }
 
-void StepState::advance_on_host(double loss, double aux, double norm, bool all_finite, int64_t exchange_overflow) {
+void StepState::advance_on_host(double loss, double aux, double norm, bool all_finite, int64_t exchange_overflow,
+                                double mtp) {
   FLOWMOE_CHECK(pending_.empty() || !device_.is_cuda(), Error,
                 "StepState: the host path needs the previous step's scalars read back first");
-  advance_step(host_, schedule_, loss, aux, norm, all_finite, int32_t(exchange_overflow));
+  advance_step(host_, schedule_, loss, aux, norm, all_finite, int32_t(exchange_overflow), mtp);
   if (device_.is_cuda()) copy_bytes(device_scalars_.raw_data(), device_.index, &host_, -1, sizeof(StepScalars));
 }
 

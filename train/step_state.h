@@ -39,9 +39,9 @@ class StepState {
   const StepScalars* scalars() const;
 
   // The device path. Micro-batch a's losses (f32 scalars on the device; aux undefined without a
-  // balance loss) go to the step's slots; advance_on_device then computes the scalars from them and
-  // the gradients' squared-norm sums ([2] on the device).
-  void record_losses(int64_t micro_batch, const Tensor& lm, const Tensor& aux);
+  // balance loss, mtp without MTP modules) go to the step's slots; advance_on_device then computes the
+  // scalars from them and the gradients' squared-norm sums ([2] on the device).
+  void record_losses(int64_t micro_batch, const Tensor& lm, const Tensor& aux, const Tensor& mtp = Tensor());
   // Several ranks: the recorded losses become their means over `world`'s ranks (each rank's slice
   // holds as many tokens), by a sum on the device; a NaN on any rank reaches every rank.
   void reduce_losses(Communicator& world);
@@ -49,8 +49,9 @@ class StepState {
   // rank ([1] i32 on the device, or null: none); nonzero voids the step (kernels/step_control.h).
   void advance_on_device(const float* sq_sums /*[2] device*/, const int32_t* exchange_overflow = nullptr);
   // The host path: from values the host has (several ranks agreed on them, or the CPU computed them);
-  // aux is NaN without a balance loss.
-  void advance_on_host(double loss, double aux, double norm, bool all_finite, int64_t exchange_overflow = 0);
+  // aux is NaN without a balance loss, mtp without MTP modules.
+  void advance_on_host(double loss, double aux, double norm, bool all_finite, int64_t exchange_overflow = 0,
+                       double mtp = NAN);
   // After a void step has been read back and nothing is pending: the next step goes on from the last applied
   // one (a host write to the device's scalars; the trainer runs the void steps again).
   void clear_exchange_overflow();
@@ -84,7 +85,7 @@ class StepState {
   bool window_prepared_ = false;  // for the step being queued
   StepScalars host_;              // the CPU's scalars, or the last ones the host path computed
   Tensor device_scalars_;         // u8 [sizeof(StepScalars)] on a GPU
-  Tensor loss_slots_;             // f32 [2 * micro-batches] on a GPU: lm then aux
+  Tensor loss_slots_;             // f32 [3 * micro-batches] on a GPU: lm, aux, then mtp
   std::vector<Slot> slots_;
   std::deque<size_t> pending_;  // slot indices, oldest first
   size_t next_slot_ = 0;

@@ -26,9 +26,10 @@ struct StepLosses {
   double lm = NAN;       // the language-model loss
   double aux = NAN;      // the MoE balance loss; NaN when the model has none
   bool has_aux = false;  // kept apart from aux: a balance loss that went non-finite is still one
+  double mtp = NAN;      // the MTP loss (Transformer::Losses::mtp, unweighted); NaN without MTP modules
   bool dropped = false;  // a stop request came before one of the micro-batches (issue_step)
   // The host path's per-micro-batch losses, read once the step's own host syncs are counted (read_losses).
-  std::vector<Tensor> lm_parts, aux_parts;
+  std::vector<Tensor> lm_parts, aux_parts, mtp_parts;
 };
 
 // This rank's slice of the step's next micro-batch, on the host.
@@ -59,11 +60,13 @@ StepLosses run_micro_batches(TrainRun& run, const MicroBatches& batches, bool on
     const Transformer::Losses parts = run.model.losses(batch.inputs, batch.targets);
     const Variable loss = parts.total();
     out.has_aux = parts.aux.defined();
+    const Tensor mtp = parts.mtp.defined() ? parts.mtp.data() : Tensor();
     if (on_device) {
-      run.state.record_losses(a, parts.lm.data(), out.has_aux ? parts.aux.data() : Tensor());
+      run.state.record_losses(a, parts.lm.data(), out.has_aux ? parts.aux.data() : Tensor(), mtp);
     } else {
       out.lm_parts.push_back(parts.lm.data());
       if (out.has_aux) out.aux_parts.push_back(parts.aux.data());
+      if (mtp.defined()) out.mtp_parts.push_back(mtp);
     }
     // The last micro-batch's backward finishes the gradients: the reducer starts on them as they are.
     if (run.reducer && a + 1 == num_micro_batches) run.reducer->begin();
@@ -83,6 +86,7 @@ void read_losses(StepLosses& l) {
   if (l.lm_parts.empty()) return;  // the device path's
   l.lm = mean(l.lm_parts);
   l.aux = l.has_aux ? mean(l.aux_parts) : NAN;
+  l.mtp = l.mtp_parts.empty() ? NAN : mean(l.mtp_parts);
 }
 
 // The gradient sync point: the ranks' gradients become the global batch's (grad_reducer.h: what the
@@ -101,10 +105,12 @@ bool agree_on_losses(TrainRun& run, StepLosses& l, double grad_norm) {
   const double objective = l.lm + (l.has_aux ? l.aux : 0.0);
   const bool finite = std::isfinite(objective) && std::isfinite(grad_norm);
   if (run.world_size == 1) return finite;
-  const std::vector<double> sums =
-      all_reduce_values(*run.world, {l.lm, l.has_aux ? l.aux : 0.0, finite ? 0.0 : 1.0}, ReduceOp::sum);
+  const bool has_mtp = !std::isnan(l.mtp);
+  const std::vector<double> sums = all_reduce_values(
+      *run.world, {l.lm, l.has_aux ? l.aux : 0.0, finite ? 0.0 : 1.0, has_mtp ? l.mtp : 0.0}, ReduceOp::sum);
   l.lm = sums[0] / double(run.world_size);
   if (l.has_aux) l.aux = sums[1] / double(run.world_size);
+  if (has_mtp) l.mtp = sums[3] / double(run.world_size);
   return sums[2] == 0;
 }
 
@@ -163,7 +169,8 @@ void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
   }
   if (run.opts.after_loss) run.opts.after_loss(run.step, &losses.lm);
   const bool all_finite = agree_on_losses(run, losses, norm);
-  run.state.advance_on_host(losses.lm, losses.aux, norm, all_finite, overflow.defined() ? overflow.to_ints()[0] : 0);
+  run.state.advance_on_host(losses.lm, losses.aux, norm, all_finite, overflow.defined() ? overflow.to_ints()[0] : 0,
+                            losses.mtp);
 }
 
 // The step on the device, from the batches (on the device for the device path) to the expert-bias
@@ -392,6 +399,7 @@ std::optional<StepMetrics> complete_step(TrainRun& run) {
   m.lr = r.scalars.lr;
   m.loss = r.scalars.loss;
   m.aux_loss = r.scalars.aux_loss;
+  m.mtp_loss = r.scalars.mtp_loss;
   m.grad_norm = r.scalars.grad_norm;
   m.host_syncs = issued.host_syncs;
   m.moe_casts = issued.moe_casts;

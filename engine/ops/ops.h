@@ -72,6 +72,8 @@ Variable reshape(const Variable& x, const Shape& shape);
 // rows of their rowwise scales. concat_rows stacks [n_i, ...] tensors of one dtype into [Σ n_i, ...].
 std::vector<Variable> split_rows(const Variable& x, const std::vector<int64_t>& bounds);
 Variable concat_rows(const std::vector<Variable>& xs);
+// [a, b] along the last dim: a and b of one shape [..., C] and dtype -> [..., 2C].
+Variable concat_last(const Variable& a, const Variable& b);
 // num_chunks + 1 bounds over rows: chunks of ceil(rows / num_chunks), the last ones shorter or empty.
 std::vector<int64_t> even_row_bounds(int64_t rows, int num_chunks);
 // Rows [begin, end) of x as a view; FP8 rows keep the same rows of their rowwise 1x128 scales (Tensor::slice

@@ -4,6 +4,8 @@
 //     rowwise 1x128 scales. vjp: the chunks' cotangents copied into one [N, ...] gradient (zero rows where a
 //     chunk got none).
 //   concat_rows(xs): one [Σ n_i, ...] tensor; vjp: row views of the cotangent.
+//   concat_last(a, b): [..., Ca + Cb], a's columns then b's (the MTP modules' [norm(h); norm(emb)], layers/mtp.h);
+//     both stacked as rows, then one strided copy interleaves them; vjp: the cotangent's column slices, copied.
 // Data movement through Tensor::slice and copy_, which run on the tensors' device: the CPU reference and the
 // GPU path are the same code. Tests: tests/test_rows.cpp (values, FP8 scales, empty chunks, a
 // finite-difference check; on a GPU, against the CPU).
@@ -95,7 +97,46 @@ class ConcatRows : public Primitive {
   std::vector<int64_t> bounds_;
 };
 
+// Both inputs [N, C] as the two rows of a [2, N, C] tensor, then its transpose copied contiguous is [N, 2, C],
+// i.e. [N, 2C]: a's columns then b's. Only when both widths agree; that is the MTP projection's case.
+class ConcatLast : public Primitive {
+ public:
+  const char* name() const override { return "concat_last"; }
+  bool saves_inputs() const override { return false; }
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    const Tensor &a = in[0], &b = in[1];
+    FLOWMOE_CHECK(
+        a.dim() >= 1 && a.shape() == b.shape() && a.dtype() == b.dtype() && !a.fp8_scales() && !b.fp8_scales(),
+        ShapeError, "concat_last: ", a.describe(), " and ", b.describe(),
+        " must share shape and dtype (no FP8 scales)");
+    shape_ = a.shape();
+    const int64_t c = shape_.back(), n = a.numel() / std::max<int64_t>(c, 1);
+    Tensor rows = Tensor::empty({2, n, c}, a.dtype(), a.device());
+    rows.slice(0, 0, 1).copy_(a.reshape({1, n, c}));
+    rows.slice(0, 1, 2).copy_(b.reshape({1, n, c}));
+    Shape out = shape_;
+    out.back() = 2 * c;
+    return {rows.transpose(0, 1).contiguous().reshape(out)};
+  }
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return eval_cpu(in); }
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>& needs) override {
+    const int64_t c = shape_.back();
+    const Tensor d = d_out[0].contiguous();
+    const int last = d.dim() - 1;
+    return {needs[0] ? d.slice(last, 0, c).contiguous().reshape(shape_) : Tensor(),
+            needs[1] ? d.slice(last, c, 2 * c).contiguous().reshape(shape_) : Tensor()};
+  }
+
+ private:
+  Shape shape_;
+};
+
 }  // namespace
+
+Variable concat_last(const Variable& a, const Variable& b) {
+  return flowmoe::apply(std::make_shared<ConcatLast>(), {a, b})[0];
+}
 
 std::vector<Variable> split_rows(const Variable& x, const std::vector<int64_t>& bounds) {
   return flowmoe::apply(std::make_shared<SplitRows>(bounds), {x});

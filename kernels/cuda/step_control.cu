@@ -11,19 +11,19 @@ namespace flowmoe {
 // ---- kernels ----------------------------------------------------------------------------------
 
 __global__ void advance_step_kernel(StepScalars* s, StepSchedule p, const float* lm, const float* aux,
-                                    const float* sq_sums, const int32_t* exchange_overflow) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) advance_step_from_sums(*s, p, lm, aux, sq_sums, exchange_overflow);
+                                    const float* sq_sums, const int32_t* exchange_overflow, const float* mtp) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) advance_step_from_sums(*s, p, lm, aux, sq_sums, exchange_overflow, mtp);
 }
 
 // ---- launchers --------------------------------------------------------------------------------
 
 void advance_step_cuda(StepScalars* s, const StepSchedule& p, const float* lm, const float* aux, const float* sq_sums,
-                       const int32_t* exchange_overflow, cudaStream_t stream) {
-  FLOWMOE_CHECK(s && lm && sq_sums && (aux || !p.has_aux), Error,
+                       const int32_t* exchange_overflow, cudaStream_t stream, const float* mtp) {
+  FLOWMOE_CHECK(s && lm && sq_sums && (aux || !p.has_aux) && (mtp || !p.has_mtp), Error,
                 "advance_step_cuda: null scalars, losses or norm sums");
   FLOWMOE_CHECK(p.num_micro_batches >= 1, Error, "advance_step_cuda: num_micro_batches ", p.num_micro_batches,
                 " must be >= 1");
-  advance_step_kernel<<<1, 32, 0, stream>>>(s, p, lm, aux, sq_sums, exchange_overflow);
+  advance_step_kernel<<<1, 32, 0, stream>>>(s, p, lm, aux, sq_sums, exchange_overflow, mtp);
   FLOWMOE_CUDA_CHECK_LAUNCH();
 }
 

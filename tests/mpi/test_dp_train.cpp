@@ -75,6 +75,36 @@ TEST_P(DataParallel, LossesMatchOneProcessOnTheSameGlobalBatch) {
 INSTANTIATE_TEST_SUITE_P(Recipes, DataParallel, ::testing::ValuesIn(kRecipes),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// With an MTP module (an MoE block, as configs/tiny_moe.yaml's last layer is), 2 data-parallel ranks train as one
+// process that runs the batch as 2 micro-batches of 4 does, bit for bit: the LM losses, the MTP losses and the
+// gradient norms (the same forwards, and a + b summed once either way). Against one batch of 8 the sums are
+// ordered otherwise, and the MTP block's routing, moved by its expert bias, carries that along: within 1e-4.
+// Disabled: steps 1-4 agree bit for bit, but from step 5 on (the end of warmup here) the two runs differ by about
+// 3e-5 relative in both losses and the gradient norm, with or without the sharded optimizer; the same run
+// without MTP agrees bit for bit. Not yet explained.
+TEST(DataParallelMtp, DISABLED_LossesAndMtpLossesMatchOneProcess) {
+  const fs::path d = fresh_dir("dataparallelmtp");
+  const std::string mtp = " --set model.num_nextn_predict_layers=1";
+  const std::vector<StepMetrics> halves =
+      train_run(d, 0, "np1_halves", mtp + " --set train.batch_size=4 --set train.grad_accum_steps=2");
+  const std::vector<StepMetrics> one = train_run(d, 0, "np1", mtp);
+  Launch launch;
+  const std::vector<StepMetrics> many = train_run(d, 2, "np2", mtp, &launch);
+  ASSERT_EQ(halves.size(), 20u);
+  ASSERT_EQ(many.size(), 20u) << launch.out << launch.err;
+  ASSERT_EQ(one.size(), 20u);
+  for (size_t i = 0; i < many.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(halves[i].mtp_loss)) << "step " << i + 1;
+    EXPECT_EQ(many[i].loss, halves[i].loss) << "step " << i + 1;
+    EXPECT_EQ(many[i].mtp_loss, halves[i].mtp_loss) << "step " << i + 1;
+    EXPECT_EQ(many[i].grad_norm, halves[i].grad_norm) << "step " << i + 1;
+    EXPECT_NEAR(many[i].mtp_loss, one[i].mtp_loss, 1e-4 * one[i].mtp_loss) << "step " << i + 1;
+    EXPECT_NEAR(many[i].loss, one[i].loss, 1e-4 * one[i].loss) << "step " << i + 1;
+  }
+  EXPECT_LT(one.back().mtp_loss, one.front().mtp_loss);
+  fs::remove_all(d);
+}
+
 // The checkpoint holds the global data position and the state every rank shares: a run saved by
 // two processes continues under one, and the reverse, on the losses of the run that did not stop.
 // np2 runs with the sharded optimizer (the default): its checkpoint holds whole moments, so one process

@@ -111,6 +111,24 @@ TEST_P(ExpertParallel, LossesMatchOneProcessOnTheSameGlobalBatch) {
 INSTANTIATE_TEST_SUITE_P(Recipes, ExpertParallel, ::testing::ValuesIn(kRecipes),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// With an MTP module (an MoE block, as configs/tiny_moe.yaml's last layer is), 2 ranks of expert parallelism train
+// as one process does: the LM losses and the MTP losses alike, within the f32 tolerance.
+TEST(ExpertParallelMtp, LossesAndMtpLossesMatchOneProcess) {
+  const fs::path d = fresh_dir("expertparallelmtp");
+  const std::string mtp = " --set model.num_nextn_predict_layers=1";
+  const std::vector<StepMetrics> one = train_run(d, 0, "np1", mtp);
+  ASSERT_EQ(one.size(), 20u);
+  Launch launch;
+  const std::vector<StepMetrics> many = train_and_compare(d, one, 2, "np2", mtp + ep(2), kF32Rel, &launch);
+  ASSERT_EQ(many.size(), 20u);
+  for (size_t i = 0; i < many.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(one[i].mtp_loss)) << "step " << i + 1;
+    EXPECT_NEAR(many[i].mtp_loss, one[i].mtp_loss, kF32Rel * std::abs(one[i].mtp_loss)) << "step " << i + 1;
+  }
+  EXPECT_LT(one.back().mtp_loss, one.front().mtp_loss);
+  fs::remove_all(d);
+}
+
 // A checkpoint holds the full expert tensors, as one process writes them: a run saved at expert-
 // parallel size 4 continues under one process, and one process's run continues at size 2, on the
 // losses of the run that did not stop. Its evaluation at size 4 matches one process's, with validation
