@@ -233,12 +233,10 @@ Transformer::Losses Transformer::losses(const Tensor& ids, const Tensor& targets
                 " vs ids ", ids.describe());
   if (dual_microbatch_ && grad_enabled()) return dual_losses(ids, targets);
   Losses out;
-  const Variable h0 = hidden(ids);
-  out.lm = lm_loss(head(h0), targets);
-  if (!mtp_.empty() && grad_enabled()) {
-    out.mtp = mtp_loss(h0, ids, targets);
-    out.mtp_weight = mtp_weight_;
-  }
+  if (!mtp_.empty() && grad_enabled())
+    joint_losses(ids, targets, out);
+  else
+    out.lm = lm_loss(forward(ids), targets);
   ProfileScope scope("head");
   const std::vector<TransformerBlock*> blocks = all_blocks();
   // The MTP blocks' aux terms only where they ran.
@@ -247,6 +245,46 @@ Transformer::Losses Transformer::losses(const Tensor& ids, const Tensor& targets
     if (blocks[i]->moe() && blocks[i]->moe()->aux_loss().defined())
       out.aux = add_aux(out.aux, blocks[i]->moe()->aux_loss(), out.lm.dtype());
   return out;
+}
+
+// The model and its MTP modules with one embedding op over [ids; ids shifted 1; ...; shifted D] and one head GEMM
+// over every depth's normed rows: the embedding and the head then each get one gradient per backward, so that
+// micro-batches accumulate them as ranks sum them (data parallelism repeats gradient accumulation bit for bit).
+void Transformer::joint_losses(const Tensor& ids, const Tensor& targets, Losses& out) const {
+  check_ids(ids);
+  const int64_t B = ids.size(0), T = ids.size(1), D = int64_t(mtp_.size());
+  const Tensor dev_ids = ids.contiguous().to(device_), dev_targets = targets.contiguous().to(device_);
+  Tensor all_ids = Tensor::empty({(D + 1) * B, T}, DType::i32, device_);
+  std::vector<int64_t> bounds = {0};
+  for (int64_t k = 0; k <= D; ++k) {
+    all_ids.slice(0, k * B, (k + 1) * B).copy_(k == 0 ? dev_ids : shift_left(dev_ids, k, 0));
+    bounds.push_back((k + 1) * B);
+  }
+  stage(0);
+  const std::vector<Variable> emb = split_rows(embed(all_ids), bounds);
+  Variable h = emb[0];
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    stage(int64_t(i) + 1);
+    h = layers_[i]->forward(h, compute_);
+  }
+  stage(cfg_.num_hidden_layers + 1);
+  std::vector<Variable> normed = {rmsnorm(h, compute_weight(norm_, compute_), cfg_.rms_norm_eps)};
+  for (int64_t k = 1; k <= D; ++k) {
+    stage(cfg_.num_hidden_layers + 1 + k);
+    h = mtp_[size_t(k - 1)]->forward(h, emb[size_t(k)], compute_);
+    normed.push_back(rmsnorm(h, compute_weight(mtp_[size_t(k - 1)]->head_norm(), compute_), cfg_.rms_norm_eps));
+  }
+  ProfileScope scope("head");
+  const std::vector<Variable> logits =
+      split_rows(linear(concat_rows(normed), compute_weight(lm_head_, compute_)), bounds);
+  out.lm = lm_loss(logits[0], dev_targets);
+  Variable sum;
+  for (int64_t k = 1; k <= D; ++k) {
+    const Variable ce = lm_loss(logits[size_t(k)], shift_left(dev_targets, k, -100));
+    sum = sum.defined() ? add(sum, ce) : ce;
+  }
+  out.mtp = scale(sum, 1.0 / double(D));
+  out.mtp_weight = mtp_weight_;
 }
 
 // Depth k's input at position i is the embedding of ids[i + k] and its target targets[i + k] (= t_{i+k+1});

@@ -139,7 +139,10 @@ class Transformer {
   Variable embed(const Tensor& ids) const;
   Variable head(const Variable& h) const;
   Variable head(const Variable& h, const Variable& norm) const;  // with the final norm's weight or an MTP one's
-  // The MTP term from h^0 [B,T,H], the main model's last hidden states (Losses::mtp).
+  // Training with MTP modules: lm and mtp of out (Losses), the embedding and the head each used once.
+  void joint_losses(const Tensor& ids, const Tensor& targets, Losses& out) const;
+  // The MTP term from h^0 [B,T,H], the main model's last hidden states (Losses::mtp); each depth its own
+  // embedding and head (the dual micro-batches' halves).
   Variable mtp_loss(const Variable& h0, const Tensor& ids, const Tensor& targets) const;
   // The model's blocks, then the MTP modules' blocks.
   std::vector<TransformerBlock*> all_blocks() const;

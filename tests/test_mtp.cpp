@@ -243,3 +243,33 @@ TEST(Mtp, TinyTrainingRunLearnsAndLogsTheMtpLoss) {
   EXPECT_TRUE(std::isnan(read_metrics(p.metrics_file).front().mtp_loss));
   fs::remove_all(d);
 }
+
+// Two micro-batches accumulated (each loss halved) give each parameter the bits two data-parallel ranks give it
+// (each rank's gradient, summed and halved): the embedding and the head, read at every depth, get one gradient
+// per backward, not one per depth added to what the first micro-batch left.
+TEST(Mtp, AccumulatedMicroBatchesSumAsRanksDo) {
+  for (int64_t D : {0, 1, 2}) {
+    ModelConfig cfg = mtp_model(D);
+    Transformer model(cfg, Device::cpu(), DType::f32, 3);
+    model.set_mtp_loss_weight(0.3);
+    Rng rng(4);
+    const Tensor ids = rng.randint({4, 8}, 0, 40), targets = rng.randint({4, 8}, 0, 40);
+    const Tensor i1 = ids.slice(0, 0, 2).contiguous(), i2 = ids.slice(0, 2, 4).contiguous();
+    const Tensor t1 = targets.slice(0, 0, 2).contiguous(), t2 = targets.slice(0, 2, 4).contiguous();
+    for (const Variable& p : model.parameters()) p.impl()->grad = Tensor();
+    scale(model.losses(i1, t1).total(), 0.5).backward();
+    scale(model.losses(i2, t2).total(), 0.5).backward();
+    std::vector<Tensor> acc;
+    for (const Variable& p : model.parameters()) acc.push_back(p.grad().clone());
+    for (const Variable& p : model.parameters()) p.impl()->grad = Tensor();
+    model.losses(i1, t1).total().backward();
+    std::vector<Tensor> g1;
+    for (const Variable& p : model.parameters()) g1.push_back(p.grad().clone());
+    for (const Variable& p : model.parameters()) p.impl()->grad = Tensor();
+    model.losses(i2, t2).total().backward();
+    for (size_t i = 0; i < acc.size(); ++i) {
+      const Tensor sep = tensor_scale(tensor_add(g1[i], model.parameters()[i].grad()), 0.5);
+      EXPECT_TRUE(bit_equal(acc[i], sep)) << "depth " << D << ": " << model.parameters()[i].name();
+    }
+  }
+}
