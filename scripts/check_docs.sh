@@ -72,6 +72,7 @@ ALLOWED = {
     "config.json": "a Hugging Face folder's file, written by export",
     "tokenizer.json": "a Hugging Face folder's file, written by export",
     "model.safetensors.index.json": "a Hugging Face folder's shard index",
+    "mtp.safetensors": "a Hugging Face folder's file of the MTP layers, written by export",
     "loss.png": "the plot a run or `flowmoe plot` writes",
     "parity.json": "the report `flowmoe parity` writes",
     "parity.png": "the plot `flowmoe parity` writes",
