@@ -2,7 +2,6 @@
 // its tokenizer, imported back and trained from; each refusal one line with exit status 2 (what the user
 // named) or 1 (a damaged folder), nothing written.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -12,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/cli_run.h"
 #include "tests/train_test_util.h"
 #include "train/hf_format.h"
 #include "train/hf_tokenizer.h"
@@ -22,22 +22,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Ran {
-  int code = -1;  // the exit status; 124 when the timeout ended it
-  std::string out, err;
-};
-
 // Runs the built command in `dir` under a 120 s timeout.
 Ran run_flowmoe(const fs::path& dir, const std::vector<std::string>& args) {
-  std::string cmd = "cd '" + dir.string() + "' && timeout 120 " + FLOWMOE_BINARY_DIR + "/flowmoe";
-  for (const std::string& a : args) cmd += " '" + a + "'";
-  cmd += " >out.txt 2>err.txt";
-  const int status = std::system(cmd.c_str());
-  Ran r;
-  r.code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = read_bytes(dir / "out.txt");
-  r.err = read_bytes(dir / "err.txt");
-  return r;
+  return run_flowmoe_command(dir, args, 120);
 }
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }

@@ -3,7 +3,6 @@
 // a prompt from a file or stdin, and bad input refused with one line and a non-zero exit: no checkpoint, no
 // tokenizer (synthetic data), a prompt past the model's positions, a --top-p outside (0, 1].
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -12,6 +11,7 @@
 #include <vector>
 
 #include "kernels/common/device_api.h"
+#include "tests/cli_run.h"
 #include "tests/train_test_util.h"
 
 using namespace flowmoe;
@@ -20,22 +20,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Ran {
-  int code = -1;  // the exit status; 124 when the timeout ended it
-  std::string out, err;
-};
-
 // Runs the built command in `dir` with `args` under a 60 s timeout, stdin from `stdin_file` (default /dev/null).
 Ran run_flowmoe(const fs::path& dir, const std::vector<std::string>& args, const std::string& stdin_file = "") {
-  std::string cmd = "cd '" + dir.string() + "' && timeout 60 " + FLOWMOE_BINARY_DIR + "/flowmoe";
-  for (const std::string& a : args) cmd += " '" + a + "'";
-  cmd += " <'" + (stdin_file.empty() ? std::string("/dev/null") : stdin_file) + "' >out.txt 2>err.txt";
-  const int status = std::system(cmd.c_str());
-  Ran r;
-  if (status != -1 && WIFEXITED(status)) r.code = WEXITSTATUS(status);
-  r.out = read_bytes(dir / "out.txt");
-  r.err = read_bytes(dir / "err.txt");
-  return r;
+  return run_flowmoe_command(dir, args, 60, stdin_file);
 }
 
 size_t lines(const std::string& s) {
