@@ -7,6 +7,7 @@
 // that code link. Each definition is qualified (flowmoe::name), so a signature that no longer matches
 // its declaration in kernels/*.h is a compile error here rather than a silent overload.
 #include "kernels/adamw.h"
+#include "kernels/adamw_fp8.h"
 #include "kernels/add_rmsnorm.h"
 #include "kernels/attention.h"
 #include "kernels/common/device_api.h"
@@ -52,6 +53,9 @@ FLOWMOE_NO_CUDA(void, sum_squares_cuda, (const float*, int64_t, float*, float*, 
 FLOWMOE_NO_CUDA(void, sum_values_cuda, (const float*, int64_t, float*, float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_squares_multi_cuda, (const SumSlice*, int64_t, float*, cudaStream_t))
 FLOWMOE_NO_CUDA(void, sum_values_multi_cuda, (const SumSlice*, int64_t, float*, cudaStream_t))
+
+// kernels/adamw_fp8.h
+FLOWMOE_NO_CUDA(void, adamw_fp8_cuda, (const AdamWFp8Tensor*, int64_t, const StepScalars*, cudaStream_t))
 
 // kernels/add_rmsnorm.h
 FLOWMOE_NO_CUDA(void, add_rmsnorm_forward_cuda,

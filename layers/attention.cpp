@@ -20,7 +20,10 @@ Attention::Attention(ParamFactory& f, const std::string& prefix, int64_t hidden,
   o_proj_ = f.normal(prefix + ".o_proj.weight", {hidden, hidden}, out_init_std);
   if (fp8) {
     check_fp8_linear_dims(hidden, hidden, prefix);
-    for (const Variable* w : {&q_proj_, &k_proj_, &v_proj_, &o_proj_}) f.read_in_f32(*w);  // quantized from f32
+    f.read_in_fp8(q_proj_, q_fp8_);  // quantized from f32
+    f.read_in_fp8(k_proj_, k_fp8_);
+    f.read_in_fp8(v_proj_, v_fp8_);
+    f.read_in_fp8(o_proj_, o_fp8_);
   }
 }
 

@@ -1,10 +1,13 @@
-// The FP8 copies of the weights the FP8 GEMMs read (128x128 blocks and their exact transpose, DESIGN.md §3),
-// made once per parameter version: the optimizer, a checkpoint load and a replayed CUDA graph move the version
-// (Variable::bump_version), so a forward after them quantizes again and every other forward reuses the copy.
-// The routed experts' fc1 and fc2 (fp8_blockwise, fp8_flow, fp8_full) and, under fp8_full, every attention
-// projection, dense MLP and shared expert weight (fp8_linear) keep one each.
+// The FP8 copies of the weights the FP8 GEMMs read (128x128 blocks and their exact transpose, DESIGN.md §3), one per
+// parameter version. AdamW writes them (kernels/adamw_fp8.h) from the weights it updates, in the same kernel, once
+// per optimizer step, and marks them current for the version it moves the weight to; the forward then reads them as
+// they are. Otherwise (the first forward, a checkpoint load, a sharded optimizer whose all-gather moves the weights)
+// the version has moved without a copy, and the next forward quantizes once (a weight_quantize). The routed
+// experts' fc1 and fc2 (fp8_blockwise, fp8_flow, fp8_full) and, under fp8_full, every attention projection, dense
+// MLP and shared expert weight (fp8_linear) keep one each; ParamShard::fp8 hands it to the optimizer.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "engine/ops/fp8_linear.h"
@@ -13,24 +16,41 @@
 
 namespace flowmoe {
 
+// The FP8 copy of one weight and the weight and version it holds, shared by the layer that reads it and the
+// optimizer that writes it.
+struct Fp8WeightCopy {
+  QuantizedWeight wq;
+  uint64_t version = 0;
+  const VariableImpl* of = nullptr;  // the weight wq was made from (compared, never read)
+
+  bool current_for(const Variable& w) const { return wq.q.defined() && version == w.version() && of == w.impl(); }
+  void mark_current(const Variable& w) {
+    version = w.version();
+    of = w.impl();
+  }
+};
+
+// A fresh quantize of w written into `into`'s buffers where it has them, so the buffers a captured step
+// (train.cuda_graph) reads and AdamW writes stay where they are.
+void store_fp8_weight(QuantizedWeight& into, const QuantizedWeight& fresh);
+
 class Fp8WeightCache {
  public:
   // w [E, N, K] (routed experts, quantize_weight) or [N, K] (a dense linear, as one group:
   // quantize_linear_weight). Counted as a weight_quantize at w's name when it quantizes.
   const QuantizedWeight& get(const Variable& w) const {
     // set_data and in-place updates bump the version; another weight (a cache handed the wrong one) is stale too.
-    if (!wq_.q.defined() || version_ != w.version() || of_ != w.impl()) {
-      wq_ = w.data().dim() == 2 ? quantize_linear_weight(w.data(), w.name()) : quantize_weight(w.data(), w.name());
-      version_ = w.version();
-      of_ = w.impl();
+    if (!copy_->current_for(w)) {
+      store_fp8_weight(copy_->wq, w.data().dim() == 2 ? quantize_linear_weight(w.data(), w.name())
+                                                      : quantize_weight(w.data(), w.name()));
+      copy_->mark_current(w);
     }
-    return wq_;
+    return copy_->wq;
   }
+  const std::shared_ptr<Fp8WeightCopy>& copy() const { return copy_; }
 
  private:
-  mutable QuantizedWeight wq_;
-  mutable uint64_t version_ = 0;
-  mutable const VariableImpl* of_ = nullptr;  // the weight wq_ was quantized from (compared, never read)
+  std::shared_ptr<Fp8WeightCopy> copy_ = std::make_shared<Fp8WeightCopy>();
 };
 
 // A dense FP8 linear, weight w [N, K] with its cache: y [M, N] = xq · wᵀ (fp8_linear) in the compute dtype

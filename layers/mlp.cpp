@@ -10,7 +10,9 @@ Mlp::Mlp(ParamFactory& f, const std::string& prefix, int64_t hidden, int64_t int
   down_proj_ = f.normal(prefix + ".down_proj.weight", {hidden, intermediate}, out_init_std);
   if (fp8) {
     check_fp8_linear_dims(intermediate, hidden, prefix);
-    for (const Variable* w : {&gate_proj_, &up_proj_, &down_proj_}) f.read_in_f32(*w);  // quantized from f32
+    f.read_in_fp8(gate_proj_, gate_fp8_);  // quantized from f32
+    f.read_in_fp8(up_proj_, up_fp8_);
+    f.read_in_fp8(down_proj_, down_fp8_);
   }
 }
 

@@ -91,8 +91,8 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
   fc2_ = f.expert_normal(prefix + ".experts.fc2.weight", {E, H, F}, out_std, expert_offset_, num_local_experts_);
   f.read_in_f32(gate_);     // the router runs in f32
   if (flow_.fp8_experts) {  // quantized from the f32 values
-    f.read_in_f32(fc1_);
-    f.read_in_f32(fc2_);
+    f.read_in_fp8(fc1_, fc1_fp8_);
+    f.read_in_fp8(fc2_, fc2_fp8_);
   }
   if (cfg.n_shared_experts > 0)
     shared_ = std::make_unique<Mlp>(f, prefix + ".shared_experts", H, F * cfg.n_shared_experts, cfg.initializer_range,

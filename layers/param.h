@@ -3,11 +3,13 @@
 // gives the same weights on the CPU and the GPU, and on every rank: an expert-sharded parameter draws
 // the full tensor and keeps this rank's rows, so its values do not depend on the expert-parallel size.
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "engine/ops/ops.h"
 #include "engine/rng.h"
+#include "layers/fp8_weight.h"
 
 namespace flowmoe {
 
@@ -21,6 +23,9 @@ struct ParamShard {
   // f32; FP8 expert weights, quantized from f32): training keeps these weights in f32 where it stores the others
   // in bf16 (precision.param_dtype).
   bool reads_f32 = false;
+  // The FP8 copy the forward reads in place of the weight (layers/fp8_weight.h), which the optimizer writes; null
+  // where the forward reads the weight itself.
+  std::shared_ptr<Fp8WeightCopy> fp8 = nullptr;
   bool sharded(const Variable& p) const { return full_rows != p.size(0); }
 };
 
@@ -44,6 +49,12 @@ class ParamFactory {
   void read_in_f32(const Variable& p) {
     for (size_t i = 0; i < params_.size(); ++i)
       if (params_[i].impl() == p.impl()) shards_[i].reads_f32 = true;
+  }
+  // Marks p as read through `cache`'s FP8 copy, made from its f32 values (reads_f32 too).
+  void read_in_fp8(const Variable& p, const Fp8WeightCache& cache) {
+    read_in_f32(p);
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].impl() == p.impl()) shards_[i].fp8 = cache.copy();
   }
   std::vector<Variable>& params() { return params_; }
   std::vector<ParamShard>& shards() { return shards_; }  // one per parameter, in the same order

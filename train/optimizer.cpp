@@ -169,20 +169,47 @@ AdamW::Update AdamW::update_tensors() const {
     t.rounding = {rounding_key(rounding_seed_, i), begin};
     if (has_master)
       t.copy = {static_cast<char*>(p.data().raw_data()) + begin * int64_t(dtype_size(p.dtype())), p.dtype()};
-    u.tensors.push_back(t);
     u.grads.push_back(g);
     u.params.push_back(i);
+    // Sharded, the all-gather moves every weight after the update: the forward quantizes them (GradientReducer).
+    const Fp8WeightCopy* fp8 = sharded_ || fp8_.empty() ? nullptr : fp8_[i].get();
+    if (fp8 && fp8->current_for(p)) {
+      const Tensor& q = fp8->wq.q;
+      const int64_t B = q.dim() == 3 ? q.size(0) : 1;
+      u.fp8_tensors.push_back({t,
+                               {q.data<uint8_t>(), q.fp8_scales()->scale_inv.data<float>(), fp8->wq.q_t.data<uint8_t>(),
+                                fp8->wq.q_t.fp8_scales()->scale_inv.data<float>(), B, q.size(-2), q.size(-1)}});
+      u.fp8_params.push_back(i);
+    } else {
+      u.tensors.push_back(t);
+    }
   }
   return u;
 }
 
+void AdamW::set_fp8_copies(std::vector<std::shared_ptr<Fp8WeightCopy>> copies) {
+  FLOWMOE_CHECK(copies.empty() || copies.size() == params_.size(), Error, "AdamW::set_fp8_copies: ", copies.size(),
+                " FP8 copies for ", params_.size(), " parameters");
+  fp8_ = std::move(copies);
+  fp8_written_.clear();
+}
+
+void AdamW::mark_fp8_copies_current() const {
+  for (size_t i : fp8_written_) fp8_[i]->mark_current(params_[i]);
+}
+
 void AdamW::apply(const Update& u, const StepScalars* control) {
   const Device dev = params_[0].device();
-  if (dev.is_cpu())
+  if (dev.is_cpu()) {
     adamw_multi_cpu(u.tensors.data(), int64_t(u.tensors.size()), control);
-  else
+    adamw_fp8_cpu(u.fp8_tensors.data(), int64_t(u.fp8_tensors.size()), control);
+  } else {
     adamw_multi_cuda(u.tensors.data(), int64_t(u.tensors.size()), control, current_stream(dev.index));
-  for (size_t i : u.params) params_[i].bump_version();  // updated in place: FP8 weight caches must re-quantize
+    adamw_fp8_cuda(u.fp8_tensors.data(), int64_t(u.fp8_tensors.size()), control, current_stream(dev.index));
+  }
+  for (size_t i : u.params) params_[i].bump_version();  // updated in place: other FP8 copies must re-quantize
+  fp8_written_ = u.fp8_params;
+  mark_fp8_copies_current();  // written by the update from the new values
 }
 
 void AdamW::step(double lr, double grad_scale) {
@@ -190,13 +217,15 @@ void AdamW::step(double lr, double grad_scale) {
   const float bias_correction1 = float(1.0 - std::pow(cfg_.beta1, double(num_updates_)));
   const float bias_correction2 = float(1.0 - std::pow(cfg_.beta2, double(num_updates_)));
   Update u = update_tensors();
-  for (AdamWTensor& t : u.tensors) {
+  const auto set_step = [&](AdamWTensor& t) {
     t.step.lr = float(lr * t.lr_multiplier);
     t.step.grad_scale = float(grad_scale);
     t.step.bias_correction1 = bias_correction1;
     t.step.bias_correction2 = bias_correction2;
     t.step.update = uint32_t(num_updates_);
-  }
+  };
+  for (AdamWTensor& t : u.tensors) set_step(t);
+  for (AdamWFp8Tensor& t : u.fp8_tensors) set_step(t.t);
   apply(u, nullptr);
 }
 

@@ -2,12 +2,15 @@
 // warmup-then-cosine learning-rate schedule and global-norm gradient clipping. The math is kernels/adamw.h; this
 // class gathers the parameters into one multi-tensor update and picks the CPU or CUDA launcher by device.
 #pragma once
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "engine/autograd.h"
 #include "kernels/adamw.h"
+#include "kernels/adamw_fp8.h"
 #include "kernels/step_control.h"
+#include "layers/fp8_weight.h"
 #include "train/config.h"
 
 namespace flowmoe {
@@ -73,6 +76,15 @@ class AdamW {
   // The moments of the ranges from full ones (a checkpoint's, of the parameters' shapes, on any device).
   // The moments' dtype must be theirs (a checkpoint converts on load: train/checkpoint.h).
   void load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq);
+  // Per parameter, the FP8 copy the forward reads in its place (layers/fp8_weight.h, ParamShard::fp8; null: none, an
+  // empty list: none at all). A parameter this rank updates whole whose copy is current for it then steps in
+  // adamw_fp8 (kernels/adamw_fp8.h): the update writes the copy too and marks it current for the new version, so
+  // the next forward quantizes nothing. A copy that is not current (no forward yet since the weight moved) and a
+  // parameter with a range are left to the forward, which quantizes them once.
+  void set_fp8_copies(std::vector<std::shared_ptr<Fp8WeightCopy>> copies);
+  // Marks current again the copies the last update wrote, whose weights' versions have moved since without a
+  // change of values: a replayed CUDA graph runs that update again on the device (train.cuda_graph).
+  void mark_fp8_copies_current() const;
   // bf16 moments' rounding seed (the run's train.seed; 0 until set).
   void set_rounding_seed(uint64_t seed) { rounding_seed_ = seed; }
   DType moment_dtype() const { return cfg_.moment_dtype; }
@@ -98,12 +110,17 @@ class AdamW {
   OptimizerConfig cfg_;
   int64_t num_updates_ = 0;
   uint64_t rounding_seed_ = 0;
-  Tensor norm_slots_, norm_total_, partials_;  // CUDA scratch for the reduction: two classes of slots, two totals
+  std::vector<std::shared_ptr<Fp8WeightCopy>> fp8_;  // per parameter, or empty (set_fp8_copies)
+  std::vector<size_t> fp8_written_;                  // the parameters whose copies the last update wrote
+  Tensor norm_slots_, norm_total_, partials_;        // CUDA scratch for the reduction: two classes of slots, two totals
   // One step's update: a multi-tensor table (kernels/adamw.h) of every parameter that has a gradient and elements
   // here, each with its step's base (betas, eps, weight decay) and lr multiplier; the gradients it points into,
   // kept alive until the update is queued; the parameters' indices, whose versions the update bumps.
+  // Those whose FP8 copies the update writes go in fp8_tensors (fp8_params: their indices) instead.
   struct Update {
     std::vector<AdamWTensor> tensors;
+    std::vector<AdamWFp8Tensor> fp8_tensors;
+    std::vector<size_t> fp8_params;
     std::vector<Tensor> grads;
     std::vector<size_t> params;
   };

@@ -283,8 +283,9 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
   }
   run.graph->replay();
   // What the captured host code did once, each replay does on the device; the versions move as an
-  // eager AdamW step moves them (FP8 weight caches then re-quantize in evaluation).
+  // eager AdamW step moves them, and the FP8 copies the update wrote are current for the new versions.
   for (const Variable& p : run.model.parameters()) p.bump_version();
+  run.opt.mark_fp8_copies_current();
   issued = run.graph_issued;
   run.last_casts = run.graph_casts;
   return run.graph->outputs();

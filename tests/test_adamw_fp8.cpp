@@ -1,0 +1,285 @@
+// AdamW writing the FP8 weights (kernels/adamw_fp8.h): the fused, tile-shaped update gives bit for bit what
+// adamw_multi_cpu then quantize_block_cpu of the updated weights as the forward reads them give (weights, moments,
+// copy, data, scales and transpose), on shapes with tails, zero, huge and non-finite blocks, f32 and bf16 moments
+// and copies; a skipped step moves nothing; the GPU agrees with the CPU. In training (train/optimizer.h), the
+// forward then quantizes no weight in steady state under fp8_flow and fp8_full, and the losses are those of the
+// forward quantizing every weight itself.
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/cast_stats.h"
+#include "kernels/adamw_fp8.h"
+#include "kernels/fp8.h"
+#include "kernels/quantize.h"
+#include "tests/test_util.h"
+#include "tests/train_test_util.h"
+#include "train/trainer.h"
+
+using namespace flowmoe;
+using namespace flowmoe::test;
+
+namespace {
+
+// One weight [B, N, K]: its update's buffers and its FP8 copy's.
+struct Weight {
+  int64_t B = 0, N = 0, K = 0;
+  Tensor param, grad, exp_avg, exp_avg_sq, copy, q, scale_inv, q_t, scale_inv_t;
+
+  Weight to(Device dev) const {
+    auto on = [&](const Tensor& t) { return t.defined() ? t.to(dev).clone() : Tensor(); };
+    return {B,
+            N,
+            K,
+            on(param),
+            on(grad),
+            on(exp_avg),
+            on(exp_avg_sq),
+            on(copy),
+            on(q),
+            on(scale_inv),
+            on(q_t),
+            on(scale_inv_t)};
+  }
+  AdamWTensor update(const AdamWStep& step) const {
+    AdamWTensor t;
+    t.param = param.data<float>();
+    t.grad = grad.data<float>();
+    t.exp_avg = exp_avg.raw_data();
+    t.exp_avg_sq = exp_avg_sq.raw_data();
+    t.n = B * N * K;
+    t.step = step;
+    t.moment_dtype = exp_avg.dtype();
+    t.rounding = {rounding_key(11, uint64_t(N)), 0};
+    if (copy.defined()) t.copy = {copy.raw_data(), copy.dtype()};
+    return t;
+  }
+  AdamWFp8Tensor fused(const AdamWStep& step) const {
+    return {update(step),
+            {q.data<uint8_t>(), scale_inv.data<float>(), q_t.data<uint8_t>(), scale_inv_t.data<float>(), B, N, K}};
+  }
+};
+
+// Random weights; moments and copy in the given dtypes (copy f64: none); the FP8 buffers filled with garbage.
+Weight make_weight(Rng& rng, int64_t B, int64_t N, int64_t K, DType moments, DType copy) {
+  Weight w;
+  w.B = B, w.N = N, w.K = K;
+  w.param = random_tensor(rng, {B, N, K}, DType::f32, Device::cpu(), -0.5, 0.5);
+  w.grad = random_tensor(rng, {B, N, K}, DType::f32, Device::cpu(), -3, 3);
+  w.exp_avg = random_tensor(rng, {B, N, K}, DType::f32, Device::cpu(), -0.1, 0.1).to(moments);
+  w.exp_avg_sq = random_tensor(rng, {B, N, K}, DType::f32, Device::cpu(), 0, 0.1).to(moments);
+  if (copy != DType::f64) w.copy = Tensor::zeros({B, N, K}, copy);
+  const int64_t nbn = fp8_num_blocks(N), nbk = fp8_num_blocks(K);
+  w.q = Tensor::full({B, N, K}, 0x55, DType::u8);
+  w.q_t = Tensor::full({B, K, N}, 0x55, DType::u8);
+  w.scale_inv = Tensor::full({B, nbn, nbk}, 3.0, DType::f32);
+  w.scale_inv_t = Tensor::full({B, nbk, nbn}, 3.0, DType::f32);
+  return w;
+}
+
+// Sets element (b, n, k)'s weight, gradient and moments.
+void set_element(Weight& w, int64_t b, int64_t n, int64_t k, float p, float g, float m, float v) {
+  const int64_t i = (b * w.N + n) * w.K + k;
+  w.param.data<float>()[i] = p;
+  w.grad.data<float>()[i] = g;
+  const bool narrow = w.exp_avg.dtype() == DType::bf16;
+  if (narrow) {
+    w.exp_avg.data<uint16_t>()[i] = f32_to_bf16_bits(m);
+    w.exp_avg_sq.data<uint16_t>()[i] = f32_to_bf16_bits(v);
+  } else {
+    w.exp_avg.data<float>()[i] = m;
+    w.exp_avg_sq.data<float>()[i] = v;
+  }
+}
+
+// The oracle: the plain update, then the 128x128 quantize of the weights as the forward reads them.
+Weight unfused(const Weight& before, const AdamWStep& step) {
+  Weight w = before.to(Device::cpu());
+  const AdamWTensor t = w.update(step);
+  adamw_multi_cpu(&t, 1);
+  const Tensor& read = w.copy.defined() ? w.copy : w.param;
+  quantize_block_cpu(read.dtype(), read.raw_data(), w.B, w.N, w.K, w.q.data<uint8_t>(), w.scale_inv.data<float>(),
+                     w.q_t.data<uint8_t>(), w.scale_inv_t.data<float>());
+  return w;
+}
+
+void expect_same(const Weight& got, const Weight& want) {
+  const Weight g = got.to(Device::cpu());
+  EXPECT_TRUE(bit_equal(g.param, want.param)) << "param";
+  EXPECT_TRUE(bit_equal(g.exp_avg, want.exp_avg)) << "exp_avg";
+  EXPECT_TRUE(bit_equal(g.exp_avg_sq, want.exp_avg_sq)) << "exp_avg_sq";
+  if (want.copy.defined()) {
+    EXPECT_TRUE(bit_equal(g.copy, want.copy)) << "copy";
+  }
+  EXPECT_TRUE(bit_equal(g.q, want.q)) << "q";
+  EXPECT_TRUE(bit_equal(g.scale_inv, want.scale_inv)) << "scale_inv";
+  EXPECT_TRUE(bit_equal(g.q_t, want.q_t)) << "q_t";
+  EXPECT_TRUE(bit_equal(g.scale_inv_t, want.scale_inv_t)) << "scale_inv_t";
+}
+
+AdamWStep test_step() {
+  AdamWStep s;
+  s.lr = 0.01f;
+  s.weight_decay = 0.1f;
+  s.grad_scale = 0.75f;
+  s.bias_correction1 = 0.19f;
+  s.bias_correction2 = 0.0199f;
+  s.update = 2;
+  return s;
+}
+
+struct Case {
+  int64_t B, N, K;
+  DType moments, copy;  // copy f64: none
+};
+
+// Whole blocks, tails in N, in K and in both, a row or a column thinner than a block, several matrices.
+std::vector<Case> cases() {
+  return {{1, 128, 128, DType::f32, DType::f64}, {2, 130, 200, DType::f32, DType::f64},
+          {1, 5, 7, DType::bf16, DType::f64},    {3, 257, 129, DType::bf16, DType::bf16},
+          {1, 256, 1, DType::f32, DType::f32},   {2, 1, 300, DType::f32, DType::bf16},
+          {1, 384, 256, DType::bf16, DType::f64}};
+}
+
+std::string describe(const Case& c) {
+  std::ostringstream s;
+  s << "[" << c.B << ", " << c.N << ", " << c.K << "] moments " << dtype_name(c.moments) << " copy "
+    << (c.copy == DType::f64 ? "none" : dtype_name(c.copy));
+  return s.str();
+}
+
+// Block (0, 0) all zero (it stays zero: scale 1), block (0, last) huge (about e4m3's and f32's top), and, where
+// the weight has more than one row block, block (1, 0) with an infinite gradient (its weights turn NaN: NaN scale).
+void add_edge_blocks(Weight& w) {
+  const int64_t nbn = fp8_num_blocks(w.N), nbk = fp8_num_blocks(w.K);
+  for (int64_t n = 0; n < std::min<int64_t>(w.N, 128); ++n)
+    for (int64_t k = 0; k < std::min<int64_t>(w.K, 128); ++k) set_element(w, 0, n, k, 0.f, 0.f, 0.f, 0.f);
+  if (nbk > 1)
+    for (int64_t n = 0; n < std::min<int64_t>(w.N, 128); ++n)
+      for (int64_t k = (nbk - 1) * 128; k < w.K; ++k)
+        set_element(w, 0, n, k, (n + k) % 2 ? 3.0e38f : -448.f * float(n + 1), 1.f, 0.f, 1.f);
+  if (nbn > 1) set_element(w, 0, 130 % w.N, 3 % w.K, 1.f, std::numeric_limits<float>::infinity(), 0.f, 0.f);
+}
+
+// check(w) on each case's random weights, then on them with the edge blocks.
+template <class F>
+void for_each_weight(F check) {
+  Rng rng(test_seed());
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(describe(c));
+    for (bool edges : {false, true}) {
+      Weight w = make_weight(rng, c.B, c.N, c.K, c.moments, c.copy);
+      if (edges) add_edge_blocks(w);
+      check(w);
+    }
+  }
+}
+
+}  // namespace
+
+TEST(AdamWFp8, FusedEqualsUpdateThenQuantize) {
+  for_each_weight([](Weight& w) {
+    const Weight want = unfused(w, test_step());
+    const AdamWFp8Tensor t = w.fused(test_step());
+    adamw_fp8_cpu(&t, 1);
+    expect_same(w, want);
+  });
+}
+
+// A step with scalars: scheduled as adamw_multi_cpu schedules it; a skipped one (apply 0) moves nothing.
+TEST(AdamWFp8, StepScalarsAndSkippedSteps) {
+  Rng rng(test_seed());
+  Weight w = make_weight(rng, 2, 130, 200, DType::f32, DType::f64);
+  StepScalars control;
+  control.lr = 0.02;
+  control.grad_scale = 0.5;
+  control.bias_correction1 = 0.1f;
+  control.bias_correction2 = 0.01f;
+  control.num_updates = 1;
+  control.apply = 0;
+  const Weight before = w.to(Device::cpu());
+  AdamWFp8Tensor t = w.fused(test_step());
+  adamw_fp8_cpu(&t, 1, &control);
+  expect_same(w, before);
+  control.apply = 1;
+  const Weight want = unfused(w, scheduled_adamw_step(test_step(), control, 1.0));
+  adamw_fp8_cpu(&t, 1, &control);
+  expect_same(w, want);
+}
+
+TEST(AdamWFp8, RejectsRangesAndWrongShapes) {
+  Rng rng(test_seed());
+  const Weight w = make_weight(rng, 1, 130, 200, DType::f32, DType::f64);
+  AdamWFp8Tensor t = w.fused(test_step());
+  t.fp8.N = 129;
+  EXPECT_THROW(adamw_fp8_cpu(&t, 1), ShapeError);
+  t = w.fused(test_step());
+  t.t.rounding.first_index = 128;
+  EXPECT_THROW(adamw_fp8_cpu(&t, 1), Error);
+}
+
+TEST(AdamWFp8Cuda, MatchesCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  for_each_weight([](Weight& cpu) {
+    const Weight gpu = cpu.to(Device::cuda(0));
+    const AdamWFp8Tensor tc = cpu.fused(test_step()), tg = gpu.fused(test_step());
+    adamw_fp8_cpu(&tc, 1);
+    adamw_fp8_cuda(&tg, 1, nullptr, current_stream(0));
+    expect_same(gpu, cpu);
+  });
+}
+
+namespace {
+
+// A tiny MoE model in `recipe`, every width 128 (the FP8 GEMMs' block), on the CPU: one dense block, one MoE block.
+Config fp8_config(const std::string& recipe) {
+  Config c = parse_config(
+      "model: {vocab_size: 64, hidden_size: 128, num_hidden_layers: 2, num_attention_heads: 4,"
+      " intermediate_size: 128, max_position_embeddings: 32, n_routed_experts: 4, num_experts_per_tok: 2,"
+      " moe_intermediate_size: 128, n_shared_experts: 1, first_k_dense_replace: 1}\n"
+      "data: {seq_len: 16, synthetic_tokens: 20000, val_fraction: 0.1}\n"
+      "train: {device: cpu, steps: 4, batch_size: 2, eval_every: 0}\n"
+      "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: 1}\n"
+      "logging: {progress: plain}\n",
+      "fp8_weights.yaml", {"precision.recipe=" + recipe});
+  c.logging.out_dir = fresh_dir("adamw_fp8_" + recipe).string();
+  return c;
+}
+
+struct Steps {
+  std::vector<double> losses;
+  std::vector<int64_t> weight_quantizes;  // in each step's forward and backward
+};
+
+// `steps` steps; with fused false every weight's version moves after the backward, so the optimizer finds no FP8
+// copy current and the next forward quantizes every weight itself (the path without AdamW writing them).
+Steps train_steps(const std::string& recipe, bool fused) {
+  Steps out;
+  TrainOptions o = quiet();
+  o.after_backward = [&](int64_t, const std::vector<Variable>& params) {
+    out.weight_quantizes.push_back(cast_counts().weight_quantize);
+    if (!fused)
+      for (const Variable& p : params) p.bump_version();
+  };
+  out.losses = train(fp8_config(recipe), o).losses;
+  return out;
+}
+
+}  // namespace
+
+// The first forward quantizes each FP8 weight once; from then on AdamW writes them and no step quantizes one, and
+// the losses are, bit for bit, those of the forward quantizing each weight after every update.
+TEST(AdamWFp8, TrainingQuantizesNoWeightInSteadyState) {
+  for (const std::string recipe : {"fp8_flow", "fp8_full"}) {
+    SCOPED_TRACE(recipe);
+    const Steps fused = train_steps(recipe, true), unfused_run = train_steps(recipe, false);
+    const int64_t num_fp8 = recipe == "fp8_flow" ? 2 : 2 * 4 + 3 + 2 + 3;  // MoE fc1, fc2 (+ every linear)
+    EXPECT_EQ(fused.weight_quantizes, (std::vector<int64_t>{num_fp8, 0, 0, 0}));
+    EXPECT_EQ(unfused_run.weight_quantizes, (std::vector<int64_t>(4, num_fp8)));
+    ASSERT_EQ(fused.losses.size(), unfused_run.losses.size());
+    for (size_t i = 0; i < fused.losses.size(); ++i)
+      EXPECT_EQ(fused.losses[i], unfused_run.losses[i]) << "step " << i + 1;  // bit for bit
+  }
+}
