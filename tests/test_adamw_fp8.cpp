@@ -253,17 +253,26 @@ struct Steps {
   std::vector<int64_t> weight_quantizes;  // in each step's forward and backward
 };
 
+// The FP8 copies' count per step of the model above: the MoE layer's fc1 and fc2 (and, under fp8_full, 4
+// attention projections per block, the dense MLP's 3 and the shared expert's 3).
+int64_t num_fp8_weights(const std::string& recipe) { return recipe == "fp8_flow" ? 2 : 2 * 4 + 3 + 2 + 3; }
+
 // `steps` steps; with fused false every weight's version moves after the backward, so the optimizer finds no FP8
 // copy current and the next forward quantizes every weight itself (the path without AdamW writing them).
-Steps train_steps(const std::string& recipe, bool fused) {
+Steps train_steps(const std::string& recipe, bool fused, const std::string& out_dir = "",
+                  const std::vector<std::string>& sets = {}, int64_t stop_after = -1) {
   Steps out;
   TrainOptions o = quiet();
+  o.stop_after = stop_after;
+  Config c = fp8_config(recipe);
+  if (!out_dir.empty()) c.logging.out_dir = out_dir;
+  for (const std::string& s : sets) apply_override(c, s);
   o.after_backward = [&](int64_t, const std::vector<Variable>& params) {
     out.weight_quantizes.push_back(cast_counts().weight_quantize);
     if (!fused)
       for (const Variable& p : params) p.bump_version();
   };
-  out.losses = train(fp8_config(recipe), o).losses;
+  out.losses = train(c, o).losses;
   return out;
 }
 
@@ -275,11 +284,31 @@ TEST(AdamWFp8, TrainingQuantizesNoWeightInSteadyState) {
   for (const std::string recipe : {"fp8_flow", "fp8_full"}) {
     SCOPED_TRACE(recipe);
     const Steps fused = train_steps(recipe, true), unfused_run = train_steps(recipe, false);
-    const int64_t num_fp8 = recipe == "fp8_flow" ? 2 : 2 * 4 + 3 + 2 + 3;  // MoE fc1, fc2 (+ every linear)
+    const int64_t num_fp8 = num_fp8_weights(recipe);
     EXPECT_EQ(fused.weight_quantizes, (std::vector<int64_t>{num_fp8, 0, 0, 0}));
     EXPECT_EQ(unfused_run.weight_quantizes, (std::vector<int64_t>(4, num_fp8)));
     ASSERT_EQ(fused.losses.size(), unfused_run.losses.size());
     for (size_t i = 0; i < fused.losses.size(); ++i)
       EXPECT_EQ(fused.losses[i], unfused_run.losses[i]) << "step " << i + 1;  // bit for bit
   }
+}
+
+// A checkpoint load moves the weights without their FP8 copies: the resumed run's first forward quantizes each
+// once, then AdamW writes them again; 2 + 2 steps repeat 4 straight ones bit for bit.
+TEST(AdamWFp8, ResumedRunQuantizesOnceThenRepeatsTheStraightRun) {
+  const std::filesystem::path d = fresh_dir("adamw_fp8_resume");
+  const std::string recipe = "fp8_full";
+  const std::vector<std::string> every2 = {"checkpoint.every=2"};
+  const Steps straight = train_steps(recipe, true, (d / "straight").string(), every2);
+  const Steps first = train_steps(recipe, true, (d / "split").string(), every2, 2);
+  std::vector<std::string> resume = every2;
+  resume.push_back("checkpoint.resume=true");
+  const Steps second = train_steps(recipe, true, (d / "split").string(), resume);
+  ASSERT_EQ(straight.losses.size(), 4u);
+  ASSERT_EQ(first.losses.size(), 2u);
+  ASSERT_EQ(second.losses.size(), 2u);
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_EQ(straight.losses[i], i < 2 ? first.losses[i] : second.losses[i - 2]) << "step " << i + 1;
+  EXPECT_EQ(second.weight_quantizes, (std::vector<int64_t>{num_fp8_weights(recipe), 0}));
+  std::filesystem::remove_all(d);
 }
