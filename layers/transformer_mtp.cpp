@@ -42,7 +42,7 @@ void Transformer::joint_losses(const Tensor& ids, const Tensor& targets, Losses&
     x = layers_[i]->forward(x, compute_);
   }
   stage(cfg_.num_hidden_layers + 1);
-  AddNormed h = head_norm(x, norm_);  // h.h: h^0 of the MTP modules
+  AddNormed h = head_norm(x, norm_);  // its stream, h^0 of the MTP modules, and the normed rows
   std::vector<Variable> normed = {h.n.y};
   for (int64_t k = 1; k <= D; ++k) {
     stage(cfg_.num_hidden_layers + 1 + k);
