@@ -1,7 +1,8 @@
 // A block's second residual add fused into the norm that reads the stream next (layers/transformer.h Residual:
 // the next block's input norm, the final norm, an MTP module's head norm): training gives the losses of the
 // unfused arithmetic bit for bit in every recipe, with MTP, dual micro-batches and attention recompute; a cached
-// forward gives its logits; and gradients through a pending add match finite differences.
+// forward gives its logits; gradients through a pending add match finite differences; and on the GPU the fused
+// norms give the unfused loss and gradients.
 #include <string>
 #include <vector>
 
@@ -133,4 +134,29 @@ TEST(FusedResidual, GradientsThroughAPendingAddMatchFiniteDifferences) {
         return add(n.h, n.n.y);
       },
       {h, pending, w2}));
+}
+
+// On the GPU (bf16 compute) the fused norms give the unfused adds' loss and gradients bit for bit too, with an MTP
+// module, in the bf16 recipe and in fp8_full (whose input norms quantize).
+TEST(FusedResidualCuda, GradientsMatchTheUnfusedAddsBitwise) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(8);
+  const Tensor ids = rng.randint({4, 16}, 0, 64), targets = rng.randint({4, 16}, 0, 64);
+  for (MoeRecipe recipe : {MoeRecipe::bf16, MoeRecipe::fp8_full}) {
+    SCOPED_TRACE(moe_recipe_name(recipe));
+    MoeOptions o(16);
+    o.recipe = recipe;
+    std::vector<std::vector<double>> run[2];  // [fused]: the loss, then every parameter's gradient
+    for (bool fused : {false, true}) {
+      Transformer model(small_model(1), Device::cuda(), DType::bf16, 5, o);
+      model.set_fused_residual(fused);
+      model.set_mtp_loss_weight(0.3);
+      const Variable loss = model.loss(ids, targets);
+      loss.backward();
+      run[fused].push_back(loss.data().to_doubles());
+      for (const Variable& p : model.parameters()) run[fused].push_back(p.grad().to_doubles());
+    }
+    ASSERT_EQ(run[1].size(), run[0].size());
+    for (size_t i = 0; i < run[1].size(); ++i) EXPECT_EQ(run[1][i], run[0][i]) << (i == 0 ? "loss" : "gradient");
+  }
 }
