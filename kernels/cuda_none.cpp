@@ -195,6 +195,12 @@ FLOWMOE_NO_CUDA(void, rope_forward_cuda,
                 (DType, void*, const void*, int64_t, int64_t, int64_t, int64_t, double, int64_t, cudaStream_t))
 FLOWMOE_NO_CUDA(void, rope_backward_cuda,
                 (DType, void*, const void*, int64_t, int64_t, int64_t, int64_t, double, int64_t, cudaStream_t))
+FLOWMOE_NO_CUDA(void, rope_qk_forward_cuda,
+                (DType, void*, void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                 int64_t, cudaStream_t))
+FLOWMOE_NO_CUDA(void, rope_qk_backward_cuda,
+                (DType, void*, void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                 int64_t, cudaStream_t))
 
 // kernels/router.h
 FLOWMOE_NO_CUDA(void, router_topk_cuda,

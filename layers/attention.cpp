@@ -35,8 +35,11 @@ Variable Attention::forward(const Variable& x, DType compute) const {
                              x.size(1), compute);
   const int64_t b = x.size(0), t = x.size(1), hd = hidden_ / num_heads_;
   const Shape heads = {b, t, num_heads_, hd};
-  Variable q = rope(reshape(linear(x, compute_weight(q_proj_, compute)), heads), rope_theta_);
-  Variable k = rope(reshape(linear(x, compute_weight(k_proj_, compute)), heads), rope_theta_);
+  // q's projection before k's (named, not rope_qk's arguments, whose order C++ leaves open): the backward walk runs
+  // the later-recorded node first, so this keeps the order of x's gradient sum, and its bits, of two separate ropes.
+  const Variable q_raw = reshape(linear(x, compute_weight(q_proj_, compute)), heads);
+  const Variable k_raw = reshape(linear(x, compute_weight(k_proj_, compute)), heads);
+  const auto [q, k] = rope_qk(q_raw, k_raw, rope_theta_);
   Variable v = reshape(linear(x, compute_weight(v_proj_, compute)), heads);
   Variable o = reshape(causal_attention(q, k, v), {b, t, hidden_});
   return linear(o, compute_weight(o_proj_, compute));
@@ -84,8 +87,9 @@ Variable Attention::forward_cached(const Variable& x, DType compute, const Tenso
   FLOWMOE_CHECK(pos == 0 || t == 1, ShapeError, "attention: a cached forward takes the prompt at position 0 or one",
                 " token after it, got ", t, " tokens at position ", pos);
   const Shape heads = {1, t, num_heads_, hd};
-  const Variable q = rope(reshape(linear(x, compute_weight(q_proj_, compute)), heads), rope_theta_, pos);
-  const Variable k = rope(reshape(linear(x, compute_weight(k_proj_, compute)), heads), rope_theta_, pos);
+  const Variable q_raw = reshape(linear(x, compute_weight(q_proj_, compute)), heads);
+  const Variable k_raw = reshape(linear(x, compute_weight(k_proj_, compute)), heads);
+  const auto [q, k] = rope_qk(q_raw, k_raw, rope_theta_, pos);
   const Variable v = reshape(linear(x, compute_weight(v_proj_, compute)), heads);
   write_positions(keys, k.data(), pos);
   write_positions(values, v.data(), pos);
@@ -103,8 +107,9 @@ Variable Attention::forward_quantized(const Variable& xq, int64_t b, int64_t t, 
   auto project = [&](const Variable& w, const Fp8WeightCache& cache, const char* name) {
     return reshape(cached_fp8_linear(xq, w, cache, site_ + "." + name, compute), heads);
   };
-  const Variable q = rope(project(q_proj_, q_fp8_, "q_proj"), rope_theta_);
-  const Variable k = rope(project(k_proj_, k_fp8_, "k_proj"), rope_theta_);
+  const Variable q_raw = project(q_proj_, q_fp8_, "q_proj");  // before k's, as in forward
+  const Variable k_raw = project(k_proj_, k_fp8_, "k_proj");
+  const auto [q, k] = rope_qk(q_raw, k_raw, rope_theta_);
   const Variable v = project(v_proj_, v_fp8_, "v_proj");
   const Variable oq = quantize_rowwise(reshape(causal_attention(q, k, v), {b * t, hidden_}), site_ + ".o_proj: x");
   return reshape(cached_fp8_linear(oq, o_proj_, o_fp8_, site_ + ".o_proj", compute), {b, t, hidden_});

@@ -1,5 +1,5 @@
 // Causal multi-head self-attention with RoPE (DESIGN.md §5: no MLA).
-//   q, k, v = x·Wqᵀ, x·Wkᵀ, x·Wvᵀ  -> [B,T,nh,hd];  q, k rotated by RoPE;
+//   q, k, v = x·Wqᵀ, x·Wkᵀ, x·Wvᵀ  -> [B,T,nh,hd];  q, k rotated by RoPE (one rope_qk node);
 //   o = softmax(q·kᵀ/sqrt(hd), causal)·v -> [B,T,H];  y = o·Woᵀ.
 // Parameters (HF names): <prefix>.{q,k,v,o}_proj.weight, each [H, H].
 // In FP8 (the fp8_full recipe; layers/moe.h MoeFlow::fp8_linears) the four projections are fp8_linear: x is

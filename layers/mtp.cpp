@@ -14,10 +14,10 @@ MtpModule::MtpModule(ParamFactory& f, const ModelConfig& c, int64_t k, const Moe
 }
 
 // DeepSeek-V3's order: the embedding's half first (enorm), then the hidden state's (hnorm).
-Variable MtpModule::forward(const Variable& h_prev, const Variable& emb_ahead, DType compute) const {
+Residual MtpModule::forward(const Variable& h_prev, const Variable& emb_ahead, DType compute) const {
   const Variable e = rmsnorm(emb_ahead, compute_weight(enorm_, compute), eps_);
   const Variable h = rmsnorm(h_prev, compute_weight(hnorm_, compute), eps_);
-  return block_->forward(linear(concat_last(e, h), compute_weight(eh_proj_, compute)), compute);
+  return block_->forward({linear(concat_last(e, h), compute_weight(eh_proj_, compute)), Variable()}, compute);
 }
 
 }  // namespace flowmoe

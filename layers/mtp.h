@@ -20,8 +20,9 @@ class MtpModule {
   // depth k in [1, num_nextn_predict_layers]; parameters are created in this order: enorm, hnorm, eh_proj,
   // the block, shared_head.norm.
   MtpModule(ParamFactory& f, const ModelConfig& cfg, int64_t depth, const MoeOptions& moe, Device device);
-  // h^k from h^{k-1} [B,T,H] and the embeddings of the tokens k ahead [B,T,H] (compute dtype).
-  Variable forward(const Variable& h_prev, const Variable& emb_ahead, DType compute) const;
+  // h^k from h^{k-1} [B,T,H] and the embeddings of the tokens k ahead [B,T,H] (compute dtype), its block's last
+  // residual add pending (Residual: the head norm does it).
+  Residual forward(const Variable& h_prev, const Variable& emb_ahead, DType compute) const;
   const Variable& head_norm() const { return head_norm_; }  // shared_head.norm.weight
   TransformerBlock& block() const { return *block_; }
 

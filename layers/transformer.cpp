@@ -32,51 +32,73 @@ TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_
   post_attention_layernorm_ = f.ones(layer_prefix(i) + ".post_attention_layernorm.weight", {c.hidden_size});
 }
 
-// The profiler's scopes (engine/profiler.h): "layers.3.attention" (with the residual add and the norm after it,
-// one kernel), then "layers.3.moe" or ".mlp".
-Variable TransformerBlock::forward(const Variable& x, DType compute) const {
+Variable Residual::sum() const { return pending.defined() ? add(h, pending) : h; }
+
+AddNormed norm_residual(const Residual& x, const Variable& weight, double eps, const std::string& site, bool keep_y) {
+  if (x.pending.defined()) return add_rmsnorm(x.h, x.pending, weight, eps, site, keep_y);
+  if (site.empty()) return {x.h, {Variable(), rmsnorm(x.h, weight, eps)}};
+  return {x.h, rmsnorm_quantize(x.h, weight, eps, site, keep_y)};
+}
+
+// The profiler's scopes (engine/profiler.h): "layers.3.attention" (with the previous block's residual add and the
+// input norm, one kernel, and this block's first add and the norm after it, another), then "layers.3.moe" or ".mlp".
+Residual TransformerBlock::forward(const Residual& x, DType compute) const {
   const AddNormed a = attention_half(x, compute);
   ProfileScope layer(scope_);
   ProfileScope part(moe_ ? "moe" : "mlp");
-  if (moe_) return add(a.h, moe_->forward(a.n.y, compute, a.n.q));
-  if (a.n.q.defined()) return add(a.h, reshape(mlp_->forward(a.n.q, compute), a.h.shape()));
-  return add(a.h, mlp_->forward(a.n.y, compute));
+  if (moe_) return hand_on(a.h, moe_->forward(a.n.y, compute, a.n.q));
+  if (a.n.q.defined()) return hand_on(a.h, reshape(mlp_->forward(a.n.q, compute), a.h.shape()));
+  return hand_on(a.h, mlp_->forward(a.n.y, compute));
 }
 
-Variable TransformerBlock::forward_cached(const Variable& x, DType compute, const Tensor& keys, const Tensor& values,
+// A cached forward runs the bf16 recipe (Transformer::forward_cached): no norm quantizes.
+Residual TransformerBlock::forward_cached(const Residual& x, DType compute, const Tensor& keys, const Tensor& values,
                                           int64_t pos) const {
-  const Variable a = self_attn_.forward_cached(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute,
-                                               keys, values, pos);
-  const Variable h = add(x, a);
-  Variable n = rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_);
-  return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
+  const AddNormed in = input_norm(x, compute);
+  const Variable attn = self_attn_.forward_cached(in.n.y, compute, keys, values, pos);
+  const AddNormed a = add_rmsnorm(in.h, attn, compute_weight(post_attention_layernorm_, compute), eps_);
+  return hand_on(a.h, moe_ ? moe_->forward(a.n.y, compute) : mlp_->forward(a.n.y, compute));
+}
+
+Residual TransformerBlock::hand_on(const Variable& h, const Variable& out) const {
+  if (fused_residual_) return {h, out};
+  return {add(h, out), Variable()};
+}
+
+// fp8_full: the input norm emits attention's FP8 input alone (counting the cast at attention's site).
+AddNormed TransformerBlock::input_norm(const Residual& x, DType compute) const {
+  const Variable w = compute_weight(input_layernorm_, compute);
+  if (!fp8_norms_) return norm_residual(x, w, eps_);
+  return norm_residual(x, w, eps_, self_attn_.input_site(), /*keep_y=*/false);
 }
 
 // h = x + attn(rmsnorm(x)) and the post-attention norm of h in one kernel (add_rmsnorm): its y, and under fp8_full
 // its FP8 copy from the same pass, the MLP reading that alone, the MoE layer both (the router reads y).
-AddNormed TransformerBlock::attention_half(const Variable& x, DType compute) const {
+AddNormed TransformerBlock::attention_half(const Residual& x, DType compute) const {
   ProfileScope layer(scope_);
   ProfileScope part("attention");
-  Variable attn;
+  Variable h, attn;
   if (!recompute_attention_) {
-    attn = attention_branch(x, compute);
+    const AddNormed in = input_norm(x, compute);
+    h = in.h;
+    attn = attention_branch(in, compute);
   } else {
+    // The checkpoint keeps the stream alone, so the pending add runs before it and the norm inside.
+    h = x.sum();
     const CheckpointFn branch = [this, compute](const std::vector<Variable>& in) {
-      return std::vector<Variable>{attention_branch(in[0], compute)};
+      return std::vector<Variable>{attention_branch(input_norm(Residual{in[0], Variable()}, compute), compute)};
     };
-    attn = checkpoint(branch, {x})[0];
+    attn = checkpoint(branch, {h})[0];
   }
   const Variable w = compute_weight(post_attention_layernorm_, compute);
-  if (!fp8_norms_) return add_rmsnorm(x, attn, w, eps_);
-  if (moe_) return add_rmsnorm(x, attn, w, eps_, MoeLayer::input_site(), /*keep_y=*/true);
-  return add_rmsnorm(x, attn, w, eps_, mlp_->input_site(), /*keep_y=*/false);
+  if (!fp8_norms_) return add_rmsnorm(h, attn, w, eps_);
+  if (moe_) return add_rmsnorm(h, attn, w, eps_, MoeLayer::input_site(), /*keep_y=*/true);
+  return add_rmsnorm(h, attn, w, eps_, mlp_->input_site(), /*keep_y=*/false);
 }
 
-Variable TransformerBlock::attention_branch(const Variable& x, DType compute) const {
-  const Variable w = compute_weight(input_layernorm_, compute);
-  if (!fp8_norms_) return self_attn_.forward(rmsnorm(x, w, eps_), compute);
-  const Variable xq = rmsnorm_quantize(x, w, eps_, self_attn_.input_site(), /*keep_y=*/false).q;
-  return self_attn_.forward_quantized(xq, x.size(0), x.size(1), compute);
+Variable TransformerBlock::attention_branch(const AddNormed& in, DType compute) const {
+  if (!in.n.q.defined()) return self_attn_.forward(in.n.y, compute);
+  return self_attn_.forward_quantized(in.n.q, in.h.size(0), in.h.size(1), compute);
 }
 
 MoeLayer::Pending TransformerBlock::moe_begin(const AddNormed& a, DType compute) const {
@@ -91,10 +113,10 @@ void TransformerBlock::moe_experts(MoeLayer::Pending& p) const {
   moe_->run_experts(p);
 }
 
-Variable TransformerBlock::moe_finish(const Variable& h, MoeLayer::Pending& p) const {
+Residual TransformerBlock::moe_finish(const Variable& h, MoeLayer::Pending& p) const {
   ProfileScope layer(scope_);
   ProfileScope part("moe");
-  return add(h, moe_->finish(p));
+  return hand_on(h, moe_->finish(p));
 }
 
 Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, const MoeOptions& moe)
@@ -136,6 +158,10 @@ void Transformer::set_recompute_attention(bool on) {
   for (TransformerBlock* block : all_blocks()) block->set_recompute_attention(on);
 }
 
+void Transformer::set_fused_residual(bool on) {
+  for (TransformerBlock* block : all_blocks()) block->set_fused_residual(on);
+}
+
 int64_t Transformer::num_parameters() const {
   int64_t n = 0;
   for (const Variable& p : params_) n += p.data().numel();
@@ -158,18 +184,21 @@ Variable Transformer::embed(const Tensor& ids) const {
   return embedding(compute_weight(embed_tokens_, compute_), ids.to(device_));
 }
 
-Variable Transformer::head(const Variable& h) const { return head(h, norm_); }
-
-Variable Transformer::head(const Variable& h, const Variable& norm) const {
+AddNormed Transformer::head_norm(const Residual& x, const Variable& norm) const {
   ProfileScope scope("head");
-  // A tied head casts the embedding again, so each use's gradient returns to f32 before they are added.
-  return linear(rmsnorm(h, compute_weight(norm, compute_), cfg_.rms_norm_eps), compute_weight(lm_head_, compute_));
+  return norm_residual(x, compute_weight(norm, compute_), cfg_.rms_norm_eps);
 }
 
-Variable Transformer::hidden(const Tensor& ids) const {
+Variable Transformer::head(const Variable& normed) const {
+  ProfileScope scope("head");
+  // A tied head casts the embedding again, so each use's gradient returns to f32 before they are added.
+  return linear(normed, compute_weight(lm_head_, compute_));
+}
+
+Residual Transformer::stream(const Tensor& ids) const {
   check_ids(ids);
   stage(0);
-  Variable h = embed(ids);
+  Residual h{embed(ids), Variable()};
   for (size_t i = 0; i < layers_.size(); ++i) {
     stage(int64_t(i) + 1);
     h = layers_[i]->forward(h, compute_);
@@ -178,7 +207,9 @@ Variable Transformer::hidden(const Tensor& ids) const {
   return h;
 }
 
-Variable Transformer::forward(const Tensor& ids) const { return head(hidden(ids)); }
+Variable Transformer::hidden(const Tensor& ids) const { return stream(ids).sum(); }
+
+Variable Transformer::forward(const Tensor& ids) const { return head(head_norm(stream(ids), norm_).n.y); }
 
 Variable Transformer::forward_cached(const Tensor& ids, KvCache& cache) const {
   check_ids(ids);
@@ -189,11 +220,11 @@ Variable Transformer::forward_cached(const Tensor& ids, KvCache& cache) const {
   FLOWMOE_CHECK(cache.keys.size() == layers_.size(), ShapeError, "Transformer: a K/V cache of ", cache.keys.size(),
                 " layers for a model of ", layers_.size());
   const int64_t pos = cache.length;
-  Variable h = embed(ids);
+  Residual h{embed(ids), Variable()};
   for (size_t i = 0; i < layers_.size(); ++i)
     h = layers_[i]->forward_cached(h, compute_, cache.keys[i], cache.values[i], pos);
   cache.length += ids.size(1);
-  return head(h);
+  return head(head_norm(h, norm_).n.y);
 }
 
 Variable Transformer::lm_loss(const Variable& logits, const Tensor& targets) const {
@@ -208,17 +239,6 @@ Variable Transformer::Losses::total() const {
 }
 
 namespace {
-
-// x [B,T] i32 moved k positions left along T, the last k filled with `pad`, on x's device: through the
-// transpose, so that each copy is of whole rows (copy_ writes contiguous tensors only).
-Tensor shift_left(const Tensor& x, int64_t k, int32_t pad) {
-  const int64_t B = x.size(0), T = x.size(1);
-  const Tensor xt = x.transpose(0, 1).contiguous();  // [T,B]
-  Tensor out = Tensor::empty({T, B}, DType::i32, x.device());
-  out.fill_(pad);
-  if (k < T) out.slice(0, 0, T - k).copy_(xt.slice(0, k, T));
-  return out.transpose(0, 1).contiguous();
-}
 
 // An aux term in the LM loss's dtype, added to the sum so far.
 Variable add_aux(const Variable& sum, const Variable& a, DType dtype) {
@@ -247,64 +267,6 @@ Transformer::Losses Transformer::losses(const Tensor& ids, const Tensor& targets
   return out;
 }
 
-// The model and its MTP modules with one embedding op over [ids; ids shifted 1; ...; shifted D] and one head GEMM
-// over every depth's normed rows: the embedding and the head then each get one gradient per backward, so that
-// micro-batches accumulate them as ranks sum them (data parallelism repeats gradient accumulation bit for bit).
-void Transformer::joint_losses(const Tensor& ids, const Tensor& targets, Losses& out) const {
-  check_ids(ids);
-  const int64_t B = ids.size(0), T = ids.size(1), D = int64_t(mtp_.size());
-  const Tensor dev_ids = ids.contiguous().to(device_), dev_targets = targets.contiguous().to(device_);
-  Tensor all_ids = Tensor::empty({(D + 1) * B, T}, DType::i32, device_);
-  std::vector<int64_t> bounds = {0};
-  for (int64_t k = 0; k <= D; ++k) {
-    all_ids.slice(0, k * B, (k + 1) * B).copy_(k == 0 ? dev_ids : shift_left(dev_ids, k, 0));
-    bounds.push_back((k + 1) * B);
-  }
-  stage(0);
-  const std::vector<Variable> emb = split_rows(embed(all_ids), bounds);
-  Variable h = emb[0];
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    stage(int64_t(i) + 1);
-    h = layers_[i]->forward(h, compute_);
-  }
-  stage(cfg_.num_hidden_layers + 1);
-  std::vector<Variable> normed = {rmsnorm(h, compute_weight(norm_, compute_), cfg_.rms_norm_eps)};
-  for (int64_t k = 1; k <= D; ++k) {
-    stage(cfg_.num_hidden_layers + 1 + k);
-    h = mtp_[size_t(k - 1)]->forward(h, emb[size_t(k)], compute_);
-    normed.push_back(rmsnorm(h, compute_weight(mtp_[size_t(k - 1)]->head_norm(), compute_), cfg_.rms_norm_eps));
-  }
-  ProfileScope scope("head");
-  const std::vector<Variable> logits =
-      split_rows(linear(concat_rows(normed), compute_weight(lm_head_, compute_)), bounds);
-  out.lm = lm_loss(logits[0], dev_targets);
-  Variable sum;
-  for (int64_t k = 1; k <= D; ++k) {
-    const Variable ce = lm_loss(logits[size_t(k)], shift_left(dev_targets, k, -100));
-    sum = sum.defined() ? add(sum, ce) : ce;
-  }
-  out.mtp = scale(sum, 1.0 / double(D));
-  out.mtp_weight = mtp_weight_;
-}
-
-// Depth k's input at position i is the embedding of ids[i + k] and its target targets[i + k] (= t_{i+k+1});
-// the last k positions have neither: their embedding input is token 0 and their target is ignored. Attention
-// is causal, so those tail positions change no other position's output (an MoE block routes them too:
-// they count in its expert loads and balance loss).
-Variable Transformer::mtp_loss(const Variable& h0, const Tensor& ids, const Tensor& targets) const {
-  const Tensor dev_ids = ids.contiguous().to(device_), dev_targets = targets.contiguous().to(device_);
-  Variable h = h0, sum;
-  for (size_t j = 0; j < mtp_.size(); ++j) {
-    const int64_t k = int64_t(j) + 1;
-    stage(cfg_.num_hidden_layers + 1 + k);
-    const Variable emb = embed(shift_left(dev_ids, k, 0));
-    h = mtp_[j]->forward(h, emb, compute_);
-    const Variable ce = lm_loss(head(h, mtp_[j]->head_norm()), shift_left(dev_targets, k, -100));
-    sum = sum.defined() ? add(sum, ce) : ce;
-  }
-  return scale(sum, 1.0 / double(mtp_.size()));
-}
-
 // Two halves of the batch through every layer in step: a dense block runs one half then the other; an MoE
 // block runs both halves' attention and dispatch, then both halves' experts, then both combines, with the
 // exchanges on the comm lane. The weights of each stage are waited for once.
@@ -316,15 +278,15 @@ Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& ta
   const Tensor half_ids[2] = {ids.slice(0, 0, B / 2), ids.slice(0, B / 2, B)};
   const Tensor half_targets[2] = {targets.slice(0, 0, B / 2), targets.slice(0, B / 2, B)};
   CommLaneScope lane(true, comm_stream_);
-  Variable h[2];
+  Residual h[2];
   std::vector<Variable> layer_aux[2];
   stage(0);
-  for (int k = 0; k < 2; ++k) h[k] = embed(half_ids[k].contiguous());
+  for (int k = 0; k < 2; ++k) h[k] = {embed(half_ids[k].contiguous()), Variable()};
   for (size_t i = 0; i < layers_.size(); ++i) {
     stage(int64_t(i) + 1);
     const TransformerBlock& block = *layers_[i];
     if (!block.moe()) {
-      for (Variable& x : h) x = block.forward(x, compute_);
+      for (Residual& x : h) x = block.forward(x, compute_);
       continue;
     }
     AddNormed a[2];
@@ -341,14 +303,18 @@ Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& ta
   }
   comm_lane_join(device_);
   stage(int64_t(layers_.size()) + 1);
-  Variable lm[2];
-  for (int k = 0; k < 2; ++k) lm[k] = lm_loss(head(h[k]), half_targets[k]);
+  Variable lm[2], top[2];  // top: the last block's output, h^0 of the MTP modules
+  for (int k = 0; k < 2; ++k) {
+    const AddNormed n = head_norm(h[k], norm_);
+    top[k] = n.h;
+    lm[k] = lm_loss(head(n.n.y), half_targets[k]);
+  }
   Losses out;
   out.lm = scale(add(lm[0], lm[1]), 0.5);
   if (!mtp_.empty()) {
     Variable mtp[2];
     for (int k = 0; k < 2; ++k) {
-      mtp[k] = mtp_loss(h[k], half_ids[k], half_targets[k]);
+      mtp[k] = mtp_loss(top[k], half_ids[k], half_targets[k]);
       for (const std::shared_ptr<MtpModule>& m : mtp_)
         if (m->block().moe() && m->block().moe()->aux_loss().defined())
           layer_aux[k].push_back(m->block().moe()->aux_loss());

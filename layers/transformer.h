@@ -1,7 +1,9 @@
 // The dense decoder-only transformer (DeepSeek-V3 layout with plain MHA and a dense MLP):
-//   h = embed(ids);  per block: h += attn(rmsnorm(h)); h += mlp(rmsnorm(h))  (the first += and the norm after it
-//   one kernel, add_rmsnorm);
+//   h = embed(ids);  per block: h += attn(rmsnorm(h)); h += mlp(rmsnorm(h));
 //   logits = rmsnorm(h) · W_headᵀ   (W_head = the embedding when tie_word_embeddings).
+// Each residual add runs in the kernel of the norm that next reads h (add_rmsnorm): the first += with the block's
+// post-attention norm, the second with the next block's input norm or, after the last block, the final norm (so a
+// block hands on h and its MLP's output, Residual, and the add waits for that norm).
 // Parameters are created as f32 weights named as Hugging Face does ("model.layers.0.self_attn.q_proj.weight").
 // The forward computes in `compute` dtype: f32 on the CPU; bf16 on the GPU, where each f32 weight is cast per
 // use (a bf16 one, which training may store, is read as it is) and its gradient returns to f32. Init is seeded
@@ -25,34 +27,55 @@ namespace flowmoe {
 
 class MtpModule;  // layers/mtp.h
 
+// The residual stream between blocks, h + pending: a block leaves its last residual add pending so that the norm
+// that reads the stream next does it in its own kernel. pending is undefined where nothing is pending (the embedding's
+// output).
+struct Residual {
+  Variable h, pending;
+  Variable sum() const;  // h + pending in a plain add, for a reader that is no norm (h alone if nothing is pending)
+};
+
+// The stream x normed by weight, as AddNormed: .h = x.sum(), .n = its norm (add_rmsnorm's arguments site and keep_y;
+// rmsnorm, or rmsnorm_quantize with a site, where nothing is pending).
+AddNormed norm_residual(const Residual& x, const Variable& weight, double eps, const std::string& site = "",
+                        bool keep_y = true);
+
 class TransformerBlock {
  public:
   // Layers from first_k_dense_replace on use an MoE block when n_routed_experts > 0.
   TransformerBlock(ParamFactory& f, const ModelConfig& cfg, int64_t layer_idx, const MoeOptions& moe, Device device);
-  Variable forward(const Variable& x /*[B,T,H]*/, DType compute) const;
+  // x: the stream [B,T,H] with the previous block's add pending; -> this block's h and its MLP's (MoE layer's)
+  // output, to add.
+  Residual forward(const Residual& x, DType compute) const;
   // forward for one sequence with this layer's K/V cache at positions [pos, pos + T) (Attention::forward_cached).
-  Variable forward_cached(const Variable& x /*[1,T,H]*/, DType compute, const Tensor& keys, const Tensor& values,
+  Residual forward_cached(const Residual& x /*[1,T,H]*/, DType compute, const Tensor& keys, const Tensor& values,
                           int64_t pos) const;
   MoeLayer* moe() const { return moe_.get(); }  // null for a dense block
   // forward in parts, for an MoE block whose caller interleaves two micro-batches (Transformer, dual_microbatch):
   // a = attention_half(x): a.h = x + attn(rmsnorm(x)) and a.n its post-attention norm; then moe_begin(a),
-  // moe_experts and moe_finish(a.h) = a.h + the MoE layer's output (MoeLayer::begin, run_experts, finish).
-  AddNormed attention_half(const Variable& x, DType compute) const;
+  // moe_experts and moe_finish(a.h): a.h and the MoE layer's output (MoeLayer::begin, run_experts, finish).
+  AddNormed attention_half(const Residual& x, DType compute) const;
   MoeLayer::Pending moe_begin(const AddNormed& a, DType compute) const;
   void moe_experts(MoeLayer::Pending& p) const;
-  Variable moe_finish(const Variable& h, MoeLayer::Pending& p) const;
-  // train.recompute attention: attn(rmsnorm(x)) runs under checkpoint(), which keeps only x and runs it again
-  // in backward (the same code, so the same bits).
+  Residual moe_finish(const Variable& h, MoeLayer::Pending& p) const;
+  // train.recompute attention: attn(rmsnorm(x)) runs under checkpoint(), which keeps only x (the stream, added up
+  // before it) and runs it again in backward (the same code, so the same bits).
   void set_recompute_attention(bool on) { recompute_attention_ = on; }
+  // Off: the block adds its MLP's output itself and hands on nothing pending, the unfused arithmetic that the fused
+  // one repeats bit for bit (the reference tests/test_fused_residual.cpp compares against). On by default.
+  void set_fused_residual(bool on) { fused_residual_ = on; }
 
  private:
-  Variable attention_branch(const Variable& x, DType compute) const;  // attn(rmsnorm(x))
+  AddNormed input_norm(const Residual& x, DType compute) const;         // x.sum() and rmsnorm(x.sum())
+  Variable attention_branch(const AddNormed& in, DType compute) const;  // attn(in.n), in the input norm
+  Residual hand_on(const Variable& h, const Variable& out) const;       // h + out, pending where fused
 
   double eps_;
   // fp8_full: a norm whose output feeds FP8 linears emits their FP8 input in its own kernel (rmsnorm_quantize),
   // counting the cast at the site where the layer would have quantized it.
   bool fp8_norms_ = false;
   bool recompute_attention_ = false;
+  bool fused_residual_ = true;
   std::string scope_;  // "layers.<i>", the profiler's name for the block
   Variable input_layernorm_, post_attention_layernorm_;
   Attention self_attn_;
@@ -97,6 +120,7 @@ class Transformer {
   // The last block's output [B,T,H] before the final norm: h^0 of the MTP modules.
   Variable hidden(const Tensor& ids) const;
   void set_recompute_attention(bool on);  // train.recompute attention (TransformerBlock)
+  void set_fused_residual(bool on);       // every block's (TransformerBlock::set_fused_residual)
   Variable loss(const Tensor& ids, const Tensor& targets) const { return losses(ids, targets).total(); }
 
   // State that is not trained but belongs to the model (the MoE expert biases); saved in checkpoints.
@@ -137,8 +161,10 @@ class Transformer {
   void check_ids(const Tensor& ids) const;
   void stage(int64_t s) const;
   Variable embed(const Tensor& ids) const;
-  Variable head(const Variable& h) const;
-  Variable head(const Variable& h, const Variable& norm) const;  // with the final norm's weight or an MTP one's
+  Residual stream(const Tensor& ids) const;  // the embedding through every block, the last add pending
+  // The stream normed by the final norm's weight or an MTP module's (shared_head.norm), with its sum .h.
+  AddNormed head_norm(const Residual& x, const Variable& norm) const;
+  Variable head(const Variable& normed) const;  // the logits of normed rows
   // Training with MTP modules: lm and mtp of out (Losses), the embedding and the head each used once.
   void joint_losses(const Tensor& ids, const Tensor& targets, Losses& out) const;
   // The MTP term from h^0 [B,T,H], the main model's last hidden states (Losses::mtp); each depth its own

@@ -118,10 +118,11 @@ TEST(Fp8Full, Fp8FlowRunsNoDenseFp8Linear) {
 }
 
 // Under fp8_full each norm that feeds FP8 linears quantizes its own output in its kernel: the attention's input norm
-// (rmsnorm_quantize) and the post-attention norm, fused with the residual add before it in every recipe
-// (add_rmsnorm, charged to the attention part), for the dense MLP's or the MoE layer's input. What remains of
-// quantize_rowwise in a block's forward is o_proj's and down_proj's input (and fp8_flow's dispatch); the other
-// recipes keep the plain input norm.
+// (rmsnorm_quantize in the first block) and the post-attention norm, for the dense MLP's or the MoE layer's input.
+// In every recipe each norm after the embedding's is fused with the residual add before it (add_rmsnorm, charged to
+// the attention part: a block's input norm does the previous block's second add; the head's, the last block's).
+// What remains of quantize_rowwise in a block's forward is o_proj's and down_proj's input (and fp8_flow's dispatch);
+// the other recipes keep the plain input norm.
 TEST(Fp8Full, NormsQuantizeTheirOutput) {
   for (MoeRecipe r : {MoeRecipe::bf16, MoeRecipe::fp8_flow, MoeRecipe::fp8_full}) {
     SCOPED_TRACE(moe_recipe_name(r));
@@ -137,14 +138,17 @@ TEST(Fp8Full, NormsQuantizeTheirOutput) {
     for (const std::string layer : {"layers.0", "layers.1"}) {
       SCOPED_TRACE(layer);
       const std::string attn = layer + ".attention ", ffn = layer + (layer == "layers.0" ? ".mlp " : ".moe ");
-      EXPECT_EQ(calls[attn + "rmsnorm_quantize"], full ? 1 : 0);
-      EXPECT_EQ(calls[attn + "rmsnorm"], full ? 0 : 1);
-      EXPECT_EQ(calls[attn + "add_rmsnorm"], 1);
+      const bool first = layer == "layers.0";
+      EXPECT_EQ(calls[attn + "rmsnorm_quantize"], full && first ? 1 : 0);
+      EXPECT_EQ(calls[attn + "rmsnorm"], full || !first ? 0 : 1);
+      EXPECT_EQ(calls[attn + "add_rmsnorm"], first ? 1 : 2);
       EXPECT_EQ(calls[ffn + "rmsnorm"], 0);
       EXPECT_EQ(calls[attn + "quantize_rowwise"], full ? 1 : 0);
       const bool dispatch_quantize = r == MoeRecipe::fp8_flow && layer == "layers.1";
       EXPECT_EQ(calls[ffn + "quantize_rowwise"], full || dispatch_quantize ? 1 : 0);
     }
+    EXPECT_EQ(calls["head add_rmsnorm"], 1);
+    EXPECT_EQ(calls["head rmsnorm"], 0);
   }
 }
 

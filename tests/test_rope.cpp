@@ -1,7 +1,9 @@
 // rope: rotation identities and gradient check of the CPU reference; CUDA vs CPU (f32, bf16), forward
-// and backward, over edge shapes; shape errors.
+// and backward, over edge shapes; shape errors. rope_qk: the queries' and keys' rope in one node, each output and
+// gradient rope's own bit for bit (CPU, and on the GPU where one launch does both), its gradient check and errors.
 #include <cmath>
 
+#include "layers/attention.h"
 #include "tests/test_util.h"
 
 using namespace flowmoe;
@@ -21,7 +23,65 @@ Tensor rope_grad(const Tensor& x, const Tensor& d_out, double theta, int64_t pos
   return xv.grad();
 }
 
+// Same shape, dtype and bits (read back on the CPU).
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && a.dtype() == b.dtype() &&
+         a.to(Device::cpu()).to_doubles() == b.to(Device::cpu()).to_doubles();
+}
+
+// rope_qk of q and k, and the gradients of sum(q' * d_q + k' * d_k) with respect to q and k: {q', k', dq, dk}.
+std::vector<Tensor> rope_qk_run(const Tensor& q, const Tensor& k, const Tensor& d_q, const Tensor& d_k, double theta,
+                                int64_t pos_offset) {
+  Variable qv(q, true), kv(k, true);
+  const auto [qr, kr] = rope_qk(qv, kv, theta, pos_offset);
+  backward({qr, kr}, {d_q, d_k});
+  return {qr.data(), kr.data(), qv.grad(), kv.grad()};
+}
+
+// rope_qk's outputs and gradients are rope's of q and of k alone, bit for bit, on q's device.
+void expect_rope_qk_is_rope_of_each(const Tensor& q, const Tensor& k, const Tensor& d_q, const Tensor& d_k,
+                                    double theta, int64_t pos_offset) {
+  const std::vector<Tensor> got = rope_qk_run(q, k, d_q, d_k, theta, pos_offset);
+  EXPECT_TRUE(bitwise_equal(got[0], rope_of(q, theta, pos_offset)));
+  EXPECT_TRUE(bitwise_equal(got[1], rope_of(k, theta, pos_offset)));
+  EXPECT_TRUE(bitwise_equal(got[2], rope_grad(q, d_q, theta, pos_offset)));
+  EXPECT_TRUE(bitwise_equal(got[3], rope_grad(k, d_k, theta, pos_offset)));
+}
+
 }  // namespace
+
+// Queries of 3 heads beside keys of 3 heads, and of 1 (a shared rope key), at position offsets 0 and 5.
+TEST(RopeQk, IsRopeOfEachBitwise) {
+  Rng rng(test_seed());
+  for (int64_t k_heads : {3, 1}) {
+    for (DType dt : {DType::f32, DType::f64}) {
+      SCOPED_TRACE(std::to_string(k_heads) + " key heads, " + dtype_name(dt));
+      const Tensor q = random_tensor(rng, {2, 5, 3, 8}, dt), d_q = random_tensor(rng, {2, 5, 3, 8}, dt);
+      const Tensor k = random_tensor(rng, {2, 5, k_heads, 8}, dt), d_k = random_tensor(rng, {2, 5, k_heads, 8}, dt);
+      expect_rope_qk_is_rope_of_each(q, k, d_q, d_k, 10000.0, 0);
+      expect_rope_qk_is_rope_of_each(q, k, d_q, d_k, 500.0, 5);
+    }
+  }
+}
+
+TEST(RopeQk, Gradcheck) {
+  Rng rng(test_seed());
+  const Tensor q = random_tensor(rng, {2, 3, 2, 6}, DType::f64), k = random_tensor(rng, {2, 3, 1, 6}, DType::f64);
+  EXPECT_TRUE(gradcheck(
+      [](const std::vector<Variable>& v) {
+        const auto [q2, k2] = rope_qk(v[0], v[1], 500.0, 7);
+        return add(sum(mul(q2, q2)), sum(k2));  // both outputs reach the result
+      },
+      {q, k}));
+}
+
+TEST(RopeQk, Errors) {
+  const Variable q(Tensor::zeros({1, 4, 2, 8}, DType::f32));
+  EXPECT_THROW(rope_qk(q, Variable(Tensor::zeros({1, 3, 2, 8}, DType::f32)), 10000.0), ShapeError);  // T
+  EXPECT_THROW(rope_qk(q, Variable(Tensor::zeros({1, 4, 2, 6}, DType::f32)), 10000.0), ShapeError);  // head_dim
+  EXPECT_THROW(rope_qk(q, Variable(Tensor::zeros({1, 4, 2, 8}, DType::f64)), 10000.0), DTypeError);
+  EXPECT_THROW(rope_qk(q, Variable(Tensor::zeros({1, 4, 2, 7}, DType::f32)), 10000.0), ShapeError);  // odd
+}
 
 TEST(Rope, Gradcheck) {
   Rng rng(test_seed());
@@ -128,4 +188,63 @@ TEST(RopeCuda, MatchesCpu) {
 TEST(RopeCuda, Errors) {
   FLOWMOE_REQUIRE_CUDA();
   EXPECT_THROW(rope(Variable(Tensor::zeros({1, 2, 2, 9}, DType::f32, Device::cuda())), 10000.0), ShapeError);
+}
+
+// The attention layer rotates q and k in one rope_qk node: its output and every gradient are those of two separate
+// ropes bit for bit (the gradient sums run in the same order), with the layer's own weights.
+TEST(RopeQk, AttentionLayerGivesTheBitsOfSeparateRopes) {
+  ParamFactory f(3, Device::cpu());
+  const Attention attn(f, "self_attn", 16, 2, 10000.0, 0.2, 0.2);
+  const std::vector<Variable>& w = f.params();  // q, k, v, o
+  ASSERT_EQ(w.size(), 4u);
+  Rng rng(test_seed());
+  const Tensor x = random_tensor(rng, {2, 5, 16}), dy = random_tensor(rng, {2, 5, 16});
+  std::vector<Tensor> got, want;
+  for (bool layer : {true, false}) {
+    for (Variable p : w) p.zero_grad();  // a handle: clears the parameter's own gradient
+    Variable xv(x, true), y;
+    if (layer) {
+      y = attn.forward(xv, DType::f32);
+    } else {
+      const Shape heads = {2, 5, 2, 8};
+      const Variable q = rope(reshape(linear(xv, w[0]), heads), 10000.0);
+      const Variable k = rope(reshape(linear(xv, w[1]), heads), 10000.0);
+      const Variable v = reshape(linear(xv, w[2]), heads);
+      y = linear(reshape(causal_attention(q, k, v), {2, 5, 16}), w[3]);
+    }
+    y.backward(dy);
+    std::vector<Tensor>& out = layer ? got : want;
+    out = {y.data(), xv.grad()};
+    for (const Variable& p : w) out.push_back(p.grad());
+  }
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(bitwise_equal(got[i], want[i])) << i;
+}
+
+// One launch for q and k gives each tensor's own launch bit for bit (f32, bf16: the same table and arithmetic), and
+// the CPU's within rope's tolerances; key heads 1 and as many as the queries', edge shapes included.
+TEST(RopeQkCuda, MatchesRopeOfEachAndCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  const Shape q_shapes[] = {{2, 37, 3, 16}, {1, 100, 4, 128}, {2, 0, 2, 16}, {1, 3, 8, 64}};
+  for (const Shape& qs : q_shapes) {
+    for (int64_t k_heads : {qs[2], int64_t(1)}) {
+      const Shape ks = {qs[0], qs[1], k_heads, qs[3]};
+      SCOPED_TRACE(shape_str(qs) + " keys " + shape_str(ks));
+      const Tensor q = random_tensor(rng, qs), k = random_tensor(rng, ks);
+      const Tensor d_q = random_tensor(rng, qs), d_k = random_tensor(rng, ks);
+      const Tensor cpu[2] = {rope_of(q, 10000.0, 3), rope_of(k, 10000.0, 3)};
+      const Tensor cpu_grad[2] = {rope_grad(q, d_q, 10000.0, 3), rope_grad(k, d_k, 10000.0, 3)};
+      for (DType dt : {DType::f32, DType::bf16}) {
+        SCOPED_TRACE(dtype_name(dt));
+        const Tensor gq = q.to(dt).to(Device::cuda()), gk = k.to(dt).to(Device::cuda());
+        const Tensor gdq = d_q.to(dt).to(Device::cuda()), gdk = d_k.to(dt).to(Device::cuda());
+        expect_rope_qk_is_rope_of_each(gq, gk, gdq, gdk, 10000.0, 3);
+        const std::vector<Tensor> got = rope_qk_run(gq, gk, gdq, gdk, 10000.0, 3);
+        // bf16: the inputs' rounding (2^-9 relative, |x| <= 1) and the output's.
+        const double rtol = dt == DType::f32 ? 1e-5 : 1.0 / 64, atol = dt == DType::f32 ? 1e-6 : 1e-2;
+        const Tensor want[4] = {cpu[0], cpu[1], cpu_grad[0], cpu_grad[1]};
+        for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(all_close(got[i].to(DType::f32), want[i], rtol, atol)) << i;
+      }
+    }
+  }
 }

@@ -6,6 +6,8 @@
 // f32 or bf16 (bf16 in and out, fp32 inside). All floating inputs of one op share one dtype and one
 // device; a mismatch throws DTypeError / DeviceError naming both sides.
 #pragma once
+#include <utility>
+
 #include "engine/autograd.h"
 #include "kernels/common/counted_rows.h"
 
@@ -56,6 +58,10 @@ Variable cross_entropy(const Variable& logits /*[N,V]*/, const Tensor& targets /
 // ---- attention: engine/ops/rope.cpp, engine/ops/attention.cpp ---------------------------------
 // Rotary embedding on pairs (x[2i], x[2i+1]) of each head, angle = (pos_offset + t) * theta^(-2i/hd).
 Variable rope(const Variable& x /*[B,T,nh,hd]*/, double theta, int64_t pos_offset = 0);
+// rope of an attention's queries and of its keys in one node (one kernel each way on the GPU), each the same bit for
+// bit as rope alone; q and k share B, T, head_dim and dtype, their head counts may differ.
+std::pair<Variable, Variable> rope_qk(const Variable& q /*[B,T,nh,hd]*/, const Variable& k /*[B,T,nk,hd]*/,
+                                      double theta, int64_t pos_offset = 0);
 // softmax(q·kᵀ / sqrt(hd) with a causal mask) · v, per batch and head.
 Variable causal_attention(const Variable& q /*[B,T,nh,hd]*/, const Variable& k /*[B,T,nh,hd]*/,
                           const Variable& v /*[B,T,nh,hd]*/);  // -> [B,T,nh,hd]
