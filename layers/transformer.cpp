@@ -5,6 +5,7 @@
 
 #include "engine/comm_lane.h"
 #include "engine/profiler.h"
+#include "layers/mla.h"
 #include "layers/mtp.h"
 
 namespace flowmoe {
@@ -21,9 +22,14 @@ TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_
     : eps_(c.rms_norm_eps),
       fp8_norms_(moe_flow(moe.recipe).fp8_linears),
       scope_("layers." + std::to_string(i)),
-      input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})),
-      self_attn_(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads, c.rope_theta,
-                 c.initializer_range, out_std(c), moe_flow(moe.recipe).fp8_linears) {
+      input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})) {
+  if (c.attention == AttentionType::mla)
+    self_attn_ = std::make_unique<LatentAttention>(f, layer_prefix(i) + ".self_attn", c, out_std(c),
+                                                   moe_flow(moe.recipe).fp8_linears);
+  else
+    self_attn_ =
+        std::make_unique<Attention>(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads,
+                                    c.rope_theta, c.initializer_range, out_std(c), moe_flow(moe.recipe).fp8_linears);
   if (is_moe_layer(c, i))
     moe_ = std::make_unique<MoeLayer>(f, c, layer_prefix(i) + ".mlp", moe, device);
   else
@@ -45,8 +51,8 @@ Variable TransformerBlock::forward(const Variable& x, DType compute) const {
 
 Variable TransformerBlock::forward_cached(const Variable& x, DType compute, const Tensor& keys, const Tensor& values,
                                           int64_t pos) const {
-  const Variable a = self_attn_.forward_cached(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute,
-                                               keys, values, pos);
+  const Variable a = self_attn_->forward_cached(rmsnorm(x, compute_weight(input_layernorm_, compute), eps_), compute,
+                                                keys, values, pos);
   const Variable h = add(x, a);
   Variable n = rmsnorm(h, compute_weight(post_attention_layernorm_, compute), eps_);
   return add(h, moe_ ? moe_->forward(n, compute) : mlp_->forward(n, compute));
@@ -74,9 +80,9 @@ AddNormed TransformerBlock::attention_half(const Variable& x, DType compute) con
 
 Variable TransformerBlock::attention_branch(const Variable& x, DType compute) const {
   const Variable w = compute_weight(input_layernorm_, compute);
-  if (!fp8_norms_) return self_attn_.forward(rmsnorm(x, w, eps_), compute);
-  const Variable xq = rmsnorm_quantize(x, w, eps_, self_attn_.input_site(), /*keep_y=*/false).q;
-  return self_attn_.forward_quantized(xq, x.size(0), x.size(1), compute);
+  if (!fp8_norms_) return self_attn_->forward(rmsnorm(x, w, eps_), compute);
+  const NormQuantized n = rmsnorm_quantize(x, w, eps_, self_attn_->input_site(), self_attn_->keeps_norm_output());
+  return self_attn_->forward_quantized(n.q, n.y, x.size(0), x.size(1), compute);
 }
 
 MoeLayer::Pending TransformerBlock::moe_begin(const AddNormed& a, DType compute) const {

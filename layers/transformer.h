@@ -1,4 +1,4 @@
-// The dense decoder-only transformer (DeepSeek-V3 layout with plain MHA and a dense MLP):
+// The decoder-only transformer (DeepSeek-V3 layout; model.attention picks plain MHA or MLA, layers/mla.h):
 //   h = embed(ids);  per block: h += attn(rmsnorm(h)); h += mlp(rmsnorm(h))  (the first += and the norm after it
 //   one kernel, add_rmsnorm);
 //   logits = rmsnorm(h) · W_headᵀ   (W_head = the embedding when tie_word_embeddings).
@@ -55,7 +55,7 @@ class TransformerBlock {
   bool recompute_attention_ = false;
   std::string scope_;  // "layers.<i>", the profiler's name for the block
   Variable input_layernorm_, post_attention_layernorm_;
-  Attention self_attn_;
+  std::unique_ptr<AttentionLayer> self_attn_;  // Attention (mha) or LatentAttention (mla)
   std::unique_ptr<Mlp> mlp_;
   std::unique_ptr<MoeLayer> moe_;
 };
