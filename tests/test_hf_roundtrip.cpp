@@ -113,6 +113,26 @@ TEST(HfRoundTrip, MtpLayersRoundTripBitIdentical) {
   EXPECT_NE(plain.notes().back().find("left out the 2 MTP layers"), std::string::npos) << plain.notes().back();
 }
 
+// An MLA model (deepseek_v3) with its MTP module, with and without the query bottleneck: every tensor back bit
+// for bit, the MTP layer's attention from mtp.safetensors.
+TEST(HfRoundTrip, MlaRoundTripsBitIdentical) {
+  for (int64_t q_lora_rank : {12, 0}) {
+    SCOPED_TRACE(q_lora_rank);
+    const ModelConfig m = hf_mla_model(q_lora_rank);
+    const fs::path d = fresh_dir("hf_roundtrip_mla");
+    const Exported e = export_model(m, d);
+    EXPECT_EQ(listing(e.hf), std::vector<std::string>({kHfConfigFile, kHfModelFile, kHfMtpFile}));
+    std::set<std::string> mtp_names;
+    for (const NamedTensor& t : read_safetensors((e.hf / kHfMtpFile).string())) mtp_names.insert(t.name);
+    EXPECT_TRUE(mtp_names.count("model.layers.3.self_attn.kv_a_proj_with_mqa.weight"));
+    import_hf(e.hf.string(), import_options(d));
+    EXPECT_TRUE(same_model_weights(e.checkpoint, (d / "imp" / "step_00000000").string()));
+    const Config imported = load_config((d / "imported.yaml").string());
+    EXPECT_EQ(imported.model.attention, AttentionType::mla);
+    EXPECT_EQ(hf_config_json(imported.model), hf_config_json(m));
+  }
+}
+
 // checkpoint.init_from: hf:DIR starts a run from the folder's weights: it trains as the imported checkpoint
 // resumed does, loss for loss; a folder of another model is refused naming the field.
 TEST(HfRoundTrip, InitFromTrainsAsTheImport) {

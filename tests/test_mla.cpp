@@ -31,6 +31,7 @@ ModelConfig mla_config(int64_t q_lora_rank) {
   c.v_head_dim = 5;
   c.rope_theta = 50.0;
   c.initializer_range = 0.3;  // large enough that the softmax is far from uniform
+  c.rms_norm_eps = 0.05;      // not the latent norms' 1e-6: a layer that took this for them is caught
   return c;
 }
 
