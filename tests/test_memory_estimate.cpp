@@ -178,6 +178,25 @@ TEST(MemoryEstimate, MlaTrainingIsNearTheMeasuredPeak) {
   fs::remove_all(d);
 }
 
+// configs/gpu_mla.yaml fits one 80 GB GPU as configs/gpu_moe.yaml does, its MLA attention no heavier than MHA's
+// there, and its parameter count is the built model's.
+TEST(MemoryEstimate, GpuMlaConfigFitsOneGpu) {
+  const std::string dir = std::string(FLOWMOE_SOURCE_DIR) + "/configs/";
+  const Config mla = load_config(dir + "gpu_mla.yaml"), mha = load_config(dir + "gpu_moe.yaml");
+  const MemoryEstimate e = estimate_memory(mla, Device::cuda()), base = estimate_memory(mha, Device::cuda());
+  std::printf("gpu_mla: %s; gpu_moe: %s\n", e.summary().c_str(), base.summary().c_str());
+  EXPECT_LT(e.total_bytes(), 70.0 * (1 << 30));
+  EXPECT_LT(e.total_bytes(), 1.1 * base.total_bytes());
+  ModelConfig small = mla.model;  // the count by the built model, at fewer layers and experts
+  small.num_hidden_layers = 2;
+  small.n_routed_experts = 4;
+  small.n_group = 2;
+  small.topk_group = 1;
+  small.num_experts_per_tok = 2;
+  small.vocab_size = 256;
+  EXPECT_EQ(count_parameters(small), Transformer(small, Device::cpu(), DType::f32, 1).num_parameters());
+}
+
 TEST(MemoryEstimate, MoeTrainingIsNearTheMeasuredPeak) {
   const fs::path d = fresh_dir("memory_moe");
   expect_estimate_near_peak(run_config(kMoe, d / "run"), "moe bf16");
