@@ -113,12 +113,16 @@ TEST(HfRoundTrip, MtpLayersRoundTripBitIdentical) {
   EXPECT_NE(plain.notes().back().find("left out the 2 MTP layers"), std::string::npos) << plain.notes().back();
 }
 
-// An MLA model (deepseek_v3) with its MTP module, with and without the query bottleneck: every tensor back bit
-// for bit, the MTP layer's attention from mtp.safetensors.
+// An MLA model (deepseek_v3) with its MTP module, with and without the query bottleneck, and with DeepSeek-V3's
+// head widths (imported with train.device: cpu): every tensor back bit for bit, the MTP layer's attention from
+// mtp.safetensors.
 TEST(HfRoundTrip, MlaRoundTripsBitIdentical) {
-  for (int64_t q_lora_rank : {12, 0}) {
-    SCOPED_TRACE(q_lora_rank);
-    const ModelConfig m = hf_mla_model(q_lora_rank);
+  ModelConfig wide = hf_mla_model();  // DeepSeek-V3's head widths: wider than the CUDA kernels take
+  wide.qk_nope_head_dim = 128;
+  wide.qk_rope_head_dim = 64;
+  wide.v_head_dim = 128;
+  for (const ModelConfig& m : {hf_mla_model(12), hf_mla_model(0), wide}) {
+    SCOPED_TRACE(hf_config_json(m));
     const fs::path d = fresh_dir("hf_roundtrip_mla");
     const Exported e = export_model(m, d);
     EXPECT_EQ(listing(e.hf), std::vector<std::string>({kHfConfigFile, kHfModelFile, kHfMtpFile}));
@@ -130,6 +134,7 @@ TEST(HfRoundTrip, MlaRoundTripsBitIdentical) {
     const Config imported = load_config((d / "imported.yaml").string());
     EXPECT_EQ(imported.model.attention, AttentionType::mla);
     EXPECT_EQ(hf_config_json(imported.model), hf_config_json(m));
+    EXPECT_EQ(imported.train.device, attention_fits_cuda(m) ? "auto" : "cpu");
   }
 }
 

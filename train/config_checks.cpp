@@ -50,13 +50,18 @@ void KeyReport::conflict(const std::vector<std::string>& keys, const std::string
   err(key, msg + " (" + others + ")");
 }
 
+bool attention_fits_cuda(const ModelConfig& m) {
+  return m.attention != AttentionType::mla ||
+         (attention_qk_head_dim(m) <= kAttentionMaxHeadDimCuda && m.v_head_dim <= attention_qk_head_dim(m));
+}
+
 // MLA's shapes (layers/mla.h): RoPE rotates pairs, and the CUDA attention kernels take a query/key head of at
 // most kAttentionMaxHeadDimCuda and a value head no wider (the GPU pads the value to the key's width).
 static void check_mla_shape(const Config& c, const KeyReport& r) {
   const ModelConfig& m = c.model;
   if (m.qk_rope_head_dim % 2 != 0)
     r.err("model.qk_rope_head_dim", str(m.qk_rope_head_dim) + " must be even (RoPE rotates pairs)");
-  if (c.train.device == "cpu") return;
+  if (c.train.device == "cpu" || attention_fits_cuda(m)) return;
   const int64_t qk = attention_qk_head_dim(m);
   if (qk > kAttentionMaxHeadDimCuda)
     r.conflict({"model.qk_nope_head_dim", "model.qk_rope_head_dim"},
