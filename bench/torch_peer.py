@@ -105,6 +105,12 @@ DEFAULTS = {
         "bias_update_rate": 0.001,
         "bias_update_schedule": "constant",
         "bias_update_rule": "sign",
+        "attention": "mha",
+        "q_lora_rank": None,  # null, or an integer
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
         "num_nextn_predict_layers": 0,
     },
     "data": {
@@ -252,6 +258,11 @@ def set_key(cfg, dotted, value, origin):
         value = [] if value is None else [value]
     if isinstance(default, str) and value is None:
         value = ""
+    if default is None:  # model.q_lora_rank: null or an integer
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{origin}: {dotted} expects null or an int, got {value!r}")
+        cfg[section][key] = value
+        return
     if type(value) is not type(default) and not (isinstance(default, str) and isinstance(value, (int, float))):
         raise ConfigError(f"{origin}: {dotted} expects a {type(default).__name__}, got {value!r}")
     cfg[section][key] = str(value) if isinstance(default, str) else value
@@ -282,6 +293,8 @@ def check_config(cfg):
         raise ConfigError(f"model.hidden_size {H} with {nh} heads needs an even head size")
     if cfg["data"]["seq_len"] > m["max_position_embeddings"]:
         raise ConfigError("data.seq_len exceeds model.max_position_embeddings")
+    if m["attention"] != "mha":
+        raise ConfigError("model.attention: this peer has plain multi-head attention only (use mha)")
     if m["num_nextn_predict_layers"] != 0:
         raise ConfigError("model.num_nextn_predict_layers: this peer has no multi-token prediction modules (use 0)")
     E = m["n_routed_experts"]

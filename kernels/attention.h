@@ -1,5 +1,7 @@
 // Causal self-attention per (batch, head): o_i = sum_{j<=i} P_ij v_j, P_i = softmax_j(q_i·k_j / sqrt(hd)).
-// q, k, v, o are [batch, seq_len, num_heads, head_dim]. Backward, with dS_ij = P_ij (dO_i·v_j - dO_i·o_i):
+// q, k, v, o are [batch, seq_len, num_heads, head_dim]; on the CPU v and o may have their own v_head_dim (MLA's
+// value head, layers/mla.h), which the CUDA callers reach by padding v to head_dim (engine/ops/attention.cpp).
+// Backward, with dS_ij = P_ij (dO_i·v_j - dO_i·o_i):
 //   dv_j = sum_i P_ij dO_i,   dq_i = sum_j dS_ij k_j / sqrt(hd),   dk_j = sum_i dS_ij q_i / sqrt(hd).
 // CPU reference: kernels/cpu/attention.cpp (f32, f64; naive O(T^2) with explicit probabilities).
 // CUDA: two kernel families (AttentionKernel) sharing one contract (a saved natural-log logsumexp, a delta
@@ -14,14 +16,16 @@
 namespace flowmoe {
 
 template <class T>
-void attention_forward_cpu(T* out /*[batch, seq_len, num_heads, head_dim]*/, const T* q /*[same]*/,
-                           const T* k /*[same]*/, const T* v /*[same]*/, int64_t batch, int64_t seq_len,
-                           int64_t num_heads, int64_t head_dim);
+void attention_forward_cpu(T* out /*[batch, seq_len, num_heads, v_head_dim]*/, const T* q /*[.., head_dim]*/,
+                           const T* k /*[.., head_dim]*/, const T* v /*[.., v_head_dim]*/, int64_t batch,
+                           int64_t seq_len, int64_t num_heads, int64_t head_dim, int64_t v_head_dim);
 // Recomputes the probabilities from q and k; every gradient is written (no accumulation into them).
 template <class T>
-void attention_backward_cpu(T* d_q /*[batch, seq_len, num_heads, head_dim]*/, T* d_k /*[same]*/, T* d_v /*[same]*/,
-                            const T* d_out /*[same]*/, const T* q /*[same]*/, const T* k /*[same]*/,
-                            const T* v /*[same]*/, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim);
+void attention_backward_cpu(T* d_q /*[batch, seq_len, num_heads, head_dim]*/, T* d_k /*[same]*/,
+                            T* d_v /*[.., v_head_dim]*/, const T* d_out /*[.., v_head_dim]*/,
+                            const T* q /*[.., head_dim]*/, const T* k /*[.., head_dim]*/,
+                            const T* v /*[.., v_head_dim]*/, int64_t batch, int64_t seq_len, int64_t num_heads,
+                            int64_t head_dim, int64_t v_head_dim);
 
 constexpr int64_t kAttentionMaxHeadDimCuda = 128;
 

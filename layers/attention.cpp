@@ -3,6 +3,8 @@
 #include <cmath>
 #include <vector>
 
+#include "layers/kv_cache.h"
+
 namespace flowmoe {
 
 Attention::Attention(ParamFactory& f, const std::string& prefix, int64_t hidden, int64_t num_heads, double rope_theta,
@@ -31,7 +33,7 @@ Variable Attention::forward(const Variable& x, DType compute) const {
   FLOWMOE_CHECK(x.data().dim() == 3 && x.size(2) == hidden_, ShapeError, "attention: input ", x.data().describe(),
                 ", expected [B, T, ", hidden_, "]");
   if (fp8_)
-    return forward_quantized(quantize_rowwise(reshape(x, {x.size(0) * x.size(1), hidden_}), input_site()), x.size(0),
+    return forward_quantized(quantize_rowwise(reshape(x, {x.size(0) * x.size(1), hidden_}), input_site()), x, x.size(0),
                              x.size(1), compute);
   const int64_t b = x.size(0), t = x.size(1), hd = hidden_ / num_heads_;
   const Shape heads = {b, t, num_heads_, hd};
@@ -45,60 +47,23 @@ Variable Attention::forward(const Variable& x, DType compute) const {
   return linear(o, compute_weight(o_proj_, compute));
 }
 
-namespace {
-
-// Writes x [1, T, nh, hd] into cache [nh, capacity, hd] at positions [pos, pos + T), head by head.
-void write_positions(const Tensor& cache, const Tensor& x, int64_t pos) {
-  const int64_t nh = cache.size(0), capacity = cache.size(1), hd = cache.size(2), t = x.size(1);
-  const Tensor rows = cache.view({nh * capacity, hd});
-  const Tensor heads = x.reshape({t, nh, hd});
-  for (int64_t h = 0; h < nh; ++h)
-    rows.slice(0, h * capacity + pos, h * capacity + pos + t).copy_(heads.slice(1, h, h + 1).reshape({t, hd}));
-}
-
-// One query q [1, 1, nh, hd] against the cache's first n positions: per head softmax(q·Kᵀ/sqrt(hd))·V.
-Variable attend_cached(const Variable& q, const Tensor& keys, const Tensor& values, int64_t n) {
-  const int64_t nh = keys.size(0), capacity = keys.size(1), hd = keys.size(2);
-  const Tensor q_heads = q.data().reshape({nh, hd});
-  const Tensor k_rows = keys.view({nh * capacity, hd}), v_rows = values.view({nh * capacity, hd});
-  std::vector<Variable> heads;
-  for (int64_t h = 0; h < nh; ++h) {
-    const Variable k(k_rows.slice(0, h * capacity, h * capacity + n)),
-        v(v_rows.slice(0, h * capacity, h * capacity + n));
-    const Variable scores = scale(linear(Variable(q_heads.slice(0, h, h + 1)), k), 1.0 / std::sqrt(double(hd)));
-    heads.push_back(matmul(softmax(scores), v));  // [1, hd]
-  }
-  return reshape(concat_rows(heads), {1, 1, nh, hd});
-}
-
-}  // namespace
-
 Variable Attention::forward_cached(const Variable& x, DType compute, const Tensor& keys, const Tensor& values,
                                    int64_t pos) const {
   FLOWMOE_CHECK(!grad_enabled(), Error, "attention: the cached forward is for inference (under NoGradGuard)");
   FLOWMOE_CHECK(x.data().dim() == 3 && x.size(0) == 1 && x.size(2) == hidden_, ShapeError, "attention: input ",
                 x.data().describe(), ", expected one sequence [1, T, ", hidden_, "]");
   const int64_t t = x.size(1), hd = hidden_ / num_heads_;
-  FLOWMOE_CHECK(keys.dim() == 3 && keys.size(0) == num_heads_ && keys.size(2) == hd && values.shape() == keys.shape(),
-                ShapeError, "attention: K/V cache ", keys.describe(), ", expected [", num_heads_, ", capacity, ", hd,
-                "]");
-  FLOWMOE_CHECK(pos + t <= keys.size(1), ShapeError, "attention: positions [", pos, ", ", pos + t,
-                ") exceed the K/V cache's ", keys.size(1));
-  FLOWMOE_CHECK(pos == 0 || t == 1, ShapeError, "attention: a cached forward takes the prompt at position 0 or one",
-                " token after it, got ", t, " tokens at position ", pos);
   const Shape heads = {1, t, num_heads_, hd};
   const Variable q_raw = reshape(linear(x, compute_weight(q_proj_, compute)), heads);
   const Variable k_raw = reshape(linear(x, compute_weight(k_proj_, compute)), heads);
   const auto [q, k] = rope_qk(q_raw, k_raw, rope_theta_, pos);
   const Variable v = reshape(linear(x, compute_weight(v_proj_, compute)), heads);
-  write_positions(keys, k.data(), pos);
-  write_positions(values, v.data(), pos);
-  const Variable o = pos == 0 ? causal_attention(q, k, v) : attend_cached(q, keys, values, pos + 1);
+  const Variable o = attend_with_cache(q, k, v, keys, values, pos, "attention");
   return linear(reshape(o, {1, t, hidden_}), compute_weight(o_proj_, compute));
 }
 
 // The same with fp8_linear projections over [B·T, H] rows: x quantized once for q, k and v.
-Variable Attention::forward_quantized(const Variable& xq, int64_t b, int64_t t, DType compute) const {
+Variable Attention::forward_quantized(const Variable& xq, const Variable&, int64_t b, int64_t t, DType compute) const {
   FLOWMOE_CHECK(fp8_ && is_fp8(xq.dtype()) && xq.data().dim() == 2 && xq.size(0) == b * t && xq.size(1) == hidden_,
                 ShapeError, "attention: quantized input ", xq.data().describe(), ", expected FP8 [", b * t, ", ",
                 hidden_, "] for an FP8 attention");

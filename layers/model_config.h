@@ -11,6 +11,17 @@ namespace flowmoe {
 // The deepest multi-token prediction the config takes (DeepSeek-V3 trains with 1).
 constexpr int64_t kMaxMtpDepth = 16;
 
+// The attention block: plain multi-head attention (layers/attention.h) or DeepSeek-V3's multi-head latent
+// attention (layers/mla.h). Parsed once from model.attention.
+enum class AttentionType { mha, mla };
+inline const char* attention_type_name(AttentionType t) { return t == AttentionType::mla ? "mla" : "mha"; }
+// False (out untouched) for a name that is neither.
+inline bool attention_type_from_name(const std::string& name, AttentionType* out) {
+  if (name != "mha" && name != "mla") return false;
+  *out = name == "mla" ? AttentionType::mla : AttentionType::mha;
+  return true;
+}
+
 struct ModelConfig {
   int64_t vocab_size = 256;
   int64_t hidden_size = 128;  // H, the residual stream's width
@@ -38,10 +49,29 @@ struct ModelConfig {
   double bias_update_rate = 0.001;
   std::string bias_update_schedule = "constant";  // constant | lr: the step scales with lr(step)/optimizer.lr
   std::string bias_update_rule = "sign";          // sign (DeepSeek-V3) | proportional to the load error
+  // Attention. mha: num_attention_heads heads of H / heads. mla (DeepSeek-V3's keys): queries through a
+  // q_lora_rank bottleneck (0, null in YAML and config.json: one direct projection), keys and values from one
+  // kv_lora_rank latent per token; each head's query and key are qk_nope_head_dim + qk_rope_head_dim wide (the
+  // rope part of the key one per token, shared by the heads), its value v_head_dim.
+  AttentionType attention = AttentionType::mha;
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 64;
+  int64_t qk_nope_head_dim = 32;
+  int64_t qk_rope_head_dim = 16;
+  int64_t v_head_dim = 32;
   // Multi-token prediction depth D (layers/mtp.h): modules after the main model, trained to predict the tokens
   // 2..D+1 ahead; 0 builds none. The name transformers' deepseek_v3 and glm4_moe configs use.
   int64_t num_nextn_predict_layers = 0;
 };
+
+// Each head's query/key width and value width: H / heads under mha.
+inline int64_t attention_qk_head_dim(const ModelConfig& c) {
+  return c.attention == AttentionType::mla ? c.qk_nope_head_dim + c.qk_rope_head_dim
+                                           : c.hidden_size / c.num_attention_heads;
+}
+inline int64_t attention_v_head_dim(const ModelConfig& c) {
+  return c.attention == AttentionType::mla ? c.v_head_dim : c.hidden_size / c.num_attention_heads;
+}
 
 // Whether block i is an MoE layer: with routed experts, from first_k_dense_replace on; the others are dense.
 // An MTP module's block (i >= num_hidden_layers) is the kind of the model's last block.

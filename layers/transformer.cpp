@@ -5,6 +5,7 @@
 
 #include "engine/comm_lane.h"
 #include "engine/profiler.h"
+#include "layers/mla.h"
 #include "layers/mtp.h"
 
 namespace flowmoe {
@@ -21,9 +22,14 @@ TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_
     : eps_(c.rms_norm_eps),
       fp8_norms_(moe_flow(moe.recipe).fp8_linears),
       scope_("layers." + std::to_string(i)),
-      input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})),
-      self_attn_(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads, c.rope_theta,
-                 c.initializer_range, out_std(c), moe_flow(moe.recipe).fp8_linears) {
+      input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})) {
+  if (c.attention == AttentionType::mla)
+    self_attn_ = std::make_unique<LatentAttention>(f, layer_prefix(i) + ".self_attn", c, out_std(c),
+                                                   moe_flow(moe.recipe).fp8_linears);
+  else
+    self_attn_ =
+        std::make_unique<Attention>(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads,
+                                    c.rope_theta, c.initializer_range, out_std(c), moe_flow(moe.recipe).fp8_linears);
   if (is_moe_layer(c, i))
     moe_ = std::make_unique<MoeLayer>(f, c, layer_prefix(i) + ".mlp", moe, device);
   else
@@ -55,7 +61,7 @@ Residual TransformerBlock::forward(const Residual& x, DType compute) const {
 Residual TransformerBlock::forward_cached(const Residual& x, DType compute, const Tensor& keys, const Tensor& values,
                                           int64_t pos) const {
   const AddNormed in = input_norm(x, compute);
-  const Variable attn = self_attn_.forward_cached(in.n.y, compute, keys, values, pos);
+  const Variable attn = self_attn_->forward_cached(in.n.y, compute, keys, values, pos);
   const AddNormed a = add_rmsnorm(in.h, attn, compute_weight(post_attention_layernorm_, compute), eps_);
   return hand_on(a.h, moe_ ? moe_->forward(a.n.y, compute) : mlp_->forward(a.n.y, compute));
 }
@@ -69,7 +75,7 @@ Residual TransformerBlock::hand_on(const Variable& h, const Variable& out) const
 AddNormed TransformerBlock::input_norm(const Residual& x, DType compute) const {
   const Variable w = compute_weight(input_layernorm_, compute);
   if (!fp8_norms_) return norm_residual(x, w, eps_);
-  return norm_residual(x, w, eps_, self_attn_.input_site(), /*keep_y=*/false);
+  return norm_residual(x, w, eps_, self_attn_->input_site(), self_attn_->keeps_norm_output());
 }
 
 // h = x + attn(rmsnorm(x)) and the post-attention norm of h in one kernel (add_rmsnorm): its y, and under fp8_full
@@ -97,8 +103,8 @@ AddNormed TransformerBlock::attention_half(const Residual& x, DType compute) con
 }
 
 Variable TransformerBlock::attention_branch(const AddNormed& in, DType compute) const {
-  if (!in.n.q.defined()) return self_attn_.forward(in.n.y, compute);
-  return self_attn_.forward_quantized(in.n.q, in.h.size(0), in.h.size(1), compute);
+  if (!in.n.q.defined()) return self_attn_->forward(in.n.y, compute);
+  return self_attn_->forward_quantized(in.n.q, in.n.y, in.h.size(0), in.h.size(1), compute);
 }
 
 MoeLayer::Pending TransformerBlock::moe_begin(const AddNormed& a, DType compute) const {

@@ -1,5 +1,6 @@
-// The dense decoder-only transformer (DeepSeek-V3 layout with plain MHA and a dense MLP):
-//   h = embed(ids);  per block: h += attn(rmsnorm(h)); h += mlp(rmsnorm(h));
+// The decoder-only transformer (DeepSeek-V3 layout; model.attention picks plain MHA or MLA, layers/mla.h):
+//   h = embed(ids);  per block: h += attn(rmsnorm(h)); h += mlp(rmsnorm(h))  (the first += and the norm after it
+//   one kernel, add_rmsnorm);
 //   logits = rmsnorm(h) · W_headᵀ   (W_head = the embedding when tie_word_embeddings).
 // Each residual add runs in the kernel of the norm that next reads h (add_rmsnorm): the first += with the block's
 // post-attention norm, the second with the next block's input norm or, after the last block, the final norm (so a
@@ -78,7 +79,7 @@ class TransformerBlock {
   bool fused_residual_ = true;
   std::string scope_;  // "layers.<i>", the profiler's name for the block
   Variable input_layernorm_, post_attention_layernorm_;
-  Attention self_attn_;
+  std::unique_ptr<AttentionLayer> self_attn_;  // Attention (mha) or LatentAttention (mla)
   std::unique_ptr<Mlp> mlp_;
   std::unique_ptr<MoeLayer> moe_;
 };

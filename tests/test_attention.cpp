@@ -4,6 +4,7 @@
 // called directly, with their lse; masking checked exactly (future and past rows that must not matter).
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "kernels/attention.h"
@@ -123,6 +124,28 @@ Tensor redraw_rows(Rng& rng, const Tensor& x, int64_t t0, int64_t t1) {
   return Tensor::from_doubles(xs, s, DType::bf16, x.device());
 }
 
+// The GPU's output and gradients for q, k [s] and v, d_out [s with head width v_hd] against the CPU's f64 kernels.
+// f32: elementwise within 1e-3 relative + 1e-5 * max|ref|, and 2e-5 normwise; bf16: the tensor-core tolerances.
+void expect_cuda_matches_f64(Rng& rng, const Shape& s, int64_t v_hd, DType dtype) {
+  SCOPED_TRACE(shape_str(s) + " v " + std::to_string(v_hd) + " " + dtype_name(dtype));
+  const Shape vs = {s[0], s[1], s[2], v_hd};
+  Tensor q = random_tensor(rng, s, dtype), k = random_tensor(rng, s, dtype), v = random_tensor(rng, vs, dtype);
+  Tensor d_out = random_tensor(rng, vs, dtype);
+  Result ref = attend_with_grads(q.to(DType::f64), k.to(DType::f64), v.to(DType::f64), d_out.to(DType::f64));
+  Result got =
+      attend_with_grads(q.to(Device::cuda()), k.to(Device::cuda()), v.to(Device::cuda()), d_out.to(Device::cuda()));
+  ASSERT_EQ(got.out.dtype(), dtype);
+  ASSERT_EQ(got.out.shape(), vs);
+  ASSERT_EQ(got.d_v.shape(), vs);
+  const bool f32 = dtype == DType::f32;
+  const double rtol = f32 ? 1e-3 : kFlashRtol, atol_frac = f32 ? 1e-5 : kFlashAtolFrac;
+  const double max_rel = f32 ? 2e-5 : kFlashMaxRel;
+  EXPECT_TRUE(close_to(got.out, ref.out, rtol, atol_frac, max_rel)) << "out";
+  EXPECT_TRUE(close_to(got.d_q, ref.d_q, rtol, atol_frac, max_rel)) << "d_q";
+  EXPECT_TRUE(close_to(got.d_k, ref.d_k, rtol, atol_frac, max_rel)) << "d_k";
+  EXPECT_TRUE(close_to(got.d_v, ref.d_v, rtol, atol_frac, max_rel)) << "d_v";
+}
+
 }  // namespace
 
 TEST(Attention, Gradcheck) {
@@ -134,6 +157,42 @@ TEST(Attention, Gradcheck) {
     EXPECT_TRUE(
         gradcheck([](const std::vector<Variable>& x) { return causal_attention(x[0], x[1], x[2]); }, {q, k, v}));
   }
+}
+
+// MLA's value head is a width of its own (layers/mla.h). Gradients in f64 for a narrower and a wider v.
+TEST(Attention, ValueHeadOfItsOwnWidthGradcheck) {
+  Rng rng(test_seed());
+  for (int64_t v_hd : {2, 5}) {
+    SCOPED_TRACE(v_hd);
+    const Shape s = {2, 5, 2, 3};
+    Tensor q = random_tensor(rng, s, DType::f64), k = random_tensor(rng, s, DType::f64);
+    Tensor v = random_tensor(rng, {2, 5, 2, v_hd}, DType::f64);
+    EXPECT_TRUE(
+        gradcheck([](const std::vector<Variable>& x) { return causal_attention(x[0], x[1], x[2]); }, {q, k, v}));
+  }
+}
+
+// A narrower v gives the first columns of the same attention over a wider v (whose other columns change
+// nothing), and a v wider than q equals attention with q and k padded by zeros to its width, q scaled so that the
+// scores keep their 1/sqrt(q's width).
+TEST(Attention, ValueHeadOfItsOwnWidthMatchesOneWidth) {
+  Rng rng(test_seed());
+  const Shape s = {2, 6, 3, 4};
+  Tensor q = random_tensor(rng, s, DType::f64), k = random_tensor(rng, s, DType::f64);
+  Tensor v_wide = random_tensor(rng, s, DType::f64);
+  Tensor narrow = attend(q, k, v_wide.slice(3, 0, 3).contiguous());
+  ASSERT_EQ(narrow.shape(), (Shape{2, 6, 3, 3}));
+  EXPECT_TRUE(all_close(narrow, attend(q, k, v_wide).slice(3, 0, 3).contiguous(), 1e-12, 1e-12));
+
+  const int64_t wide = 7;
+  Tensor v = random_tensor(rng, {2, 6, 3, wide}, DType::f64);
+  auto pad = [&](const Tensor& x, double scale) {
+    std::vector<double> in = x.to_doubles(), out(size_t(2 * 6 * 3 * wide), 0.0);
+    for (size_t r = 0; r < size_t(2 * 6 * 3); ++r)
+      for (size_t c = 0; c < 4; ++c) out[r * size_t(wide) + c] = scale * in[r * 4 + c];
+    return Tensor::from_doubles(out, {2, 6, 3, wide}, DType::f64);
+  };
+  EXPECT_TRUE(all_close(attend(q, k, v), attend(pad(q, std::sqrt(7.0 / 4.0)), pad(k, 1.0), v), 1e-12, 1e-12));
 }
 
 // With q = 0 every visible key gets the same weight, so o_t is the mean of v_0..v_t. v encodes its
@@ -242,24 +301,17 @@ TEST(AttentionCuda, MatchesCpu) {
   const Shape shapes[] = {{1, 1, 1, 16},   {2, 37, 3, 16}, {1, 100, 2, 64},  {2, 65, 2, 128},
                           {1, 129, 1, 24}, {1, 64, 2, 32}, {2, 1024, 8, 64}, {1, 2048, 1, 128},
                           {2, 33, 2, 12},  {0, 16, 2, 64}, {2, 0, 2, 64}};
-  for (const Shape& s : shapes) {
-    for (DType dtype : {DType::f32, DType::bf16}) {
-      SCOPED_TRACE(shape_str(s) + " " + dtype_name(dtype));
-      Tensor q = random_tensor(rng, s, dtype), k = random_tensor(rng, s, dtype), v = random_tensor(rng, s, dtype);
-      Tensor d_out = random_tensor(rng, s, dtype);
-      Result ref = attend_with_grads(q.to(DType::f64), k.to(DType::f64), v.to(DType::f64), d_out.to(DType::f64));
-      Result got =
-          attend_with_grads(q.to(Device::cuda()), k.to(Device::cuda()), v.to(Device::cuda()), d_out.to(Device::cuda()));
-      ASSERT_EQ(got.out.dtype(), dtype);
-      const bool f32 = dtype == DType::f32;
-      const double rtol = f32 ? 1e-3 : kFlashRtol, atol_frac = f32 ? 1e-5 : kFlashAtolFrac;
-      const double max_rel = f32 ? 2e-5 : kFlashMaxRel;
-      EXPECT_TRUE(close_to(got.out, ref.out, rtol, atol_frac, max_rel)) << "out";
-      EXPECT_TRUE(close_to(got.d_q, ref.d_q, rtol, atol_frac, max_rel)) << "d_q";
-      EXPECT_TRUE(close_to(got.d_k, ref.d_k, rtol, atol_frac, max_rel)) << "d_k";
-      EXPECT_TRUE(close_to(got.d_v, ref.d_v, rtol, atol_frac, max_rel)) << "d_v";
-    }
-  }
+  for (const Shape& s : shapes)
+    for (DType dtype : {DType::f32, DType::bf16}) expect_cuda_matches_f64(rng, s, s[3], dtype);
+}
+
+// MLA's narrower value head on the GPU (v padded to q's width in engine/ops/attention.cpp), forward and backward,
+// against the CPU's f64 kernels that take it as it is; flash (head 24) and CUDA-core (head 12) shapes.
+TEST(AttentionCuda, ValueHeadNarrowerThanQkMatchesCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  for (const auto& [s, v_hd] : std::vector<std::pair<Shape, int64_t>>{{{2, 37, 3, 24}, 16}, {{1, 20, 2, 12}, 6}})
+    for (DType dtype : {DType::f32, DType::bf16}) expect_cuda_matches_f64(rng, s, v_hd, dtype);
 }
 
 // No atomics: two runs give the same bits.
@@ -283,6 +335,7 @@ TEST(AttentionCuda, Errors) {
   Variable q(Tensor::zeros({1, 4, 2, 8}, DType::f32, Device::cuda()));
   Variable k(Tensor::zeros({1, 4, 2, 16}, DType::f32, Device::cuda()));
   EXPECT_THROW(causal_attention(q, k, q), ShapeError);
+  EXPECT_THROW(causal_attention(q, q, k), ShapeError);  // a value head wider than q's: the GPU pads v only
   Variable on_cpu(Tensor::zeros({1, 4, 2, 8}, DType::f32));
   EXPECT_THROW(causal_attention(q, on_cpu, q), DeviceError);
 }

@@ -592,3 +592,51 @@ TEST(Config, TrainingGuideDocumentsEveryKey) {
     }
   EXPECT_GT(rows, 50);
 }
+
+// model.attention is parsed once into its enum; MLA's keys take DeepSeek-V3's names, q_lora_rank null.
+TEST(Config, MlaKeys) {
+  Config c = parse_config(
+      "model:\n  attention: mla\n  q_lora_rank: null\n  kv_lora_rank: 24\n  qk_nope_head_dim: 8\n"
+      "  qk_rope_head_dim: 4\n  v_head_dim: 6\n",
+      "ok.yaml");
+  EXPECT_EQ(c.model.attention, AttentionType::mla);
+  EXPECT_EQ(c.model.q_lora_rank, 0);
+  EXPECT_EQ(c.model.kv_lora_rank, 24);
+  EXPECT_EQ(attention_qk_head_dim(c.model), 12);
+  EXPECT_EQ(attention_v_head_dim(c.model), 6);
+  EXPECT_HAS(to_yaml(c), "q_lora_rank: null");
+  EXPECT_HAS(to_yaml(c), "attention: mla");
+  EXPECT_EQ(parse_config(to_yaml(c), "again.yaml").model.q_lora_rank, 0);  // the resolved config reads back
+  c = parse_config("", "ok.yaml", {"model.attention=mla", "model.q_lora_rank=32"});
+  EXPECT_EQ(c.model.q_lora_rank, 32);
+  EXPECT_EQ(parse_config("", "ok.yaml").model.attention, AttentionType::mha);
+  EXPECT_EQ(attention_qk_head_dim(parse_config("", "ok.yaml").model), 128 / 4);
+
+  std::string m = parse_error("model:\n  attention: mlaa\n");
+  EXPECT_HAS(m, "bad.yaml:2: model.attention: expected one of mha, mla, got 'mlaa' (did you mean 'mla'?)");
+  m = parse_error("model:\n  q_lora_rank: -3\n");
+  EXPECT_HAS(m, "model.q_lora_rank: expected null or an integer in [1, 65536], got -3");
+  m = parse_error("model:\n  attention: mla\n  qk_rope_head_dim: 5\n");
+  EXPECT_HAS(m, "bad.yaml:3: model.qk_rope_head_dim: 5 must be even");
+  // Under mla the heads need not divide hidden_size.
+  EXPECT_NO_THROW(parse_config("model:\n  attention: mla\n  num_attention_heads: 3\n", "ok.yaml"));
+  m = parse_error(
+      "model:\n  attention: mla\n  qk_nope_head_dim: 120\n  qk_rope_head_dim: 16\ntrain:\n  device: cuda\n");
+  EXPECT_HAS(m, "model.qk_nope_head_dim + model.qk_rope_head_dim = 136 exceeds the CUDA attention kernels' 128");
+  EXPECT_NO_THROW(
+      parse_config("model:\n  attention: mla\n  qk_nope_head_dim: 120\n  qk_rope_head_dim: 16\n"
+                   "train:\n  device: cpu\n",
+                   "ok.yaml"));
+  m = parse_error("model:\n  attention: mla\n  v_head_dim: 64\ntrain:\n  device: cuda\n");
+  EXPECT_HAS(m, "model.v_head_dim = 64 exceeds the query/key head 48");
+  // fp8_full: the MLA GEMMs' widths, by their keys.
+  const std::string fp8 =
+      "model:\n  hidden_size: 256\n  attention: mla\n  num_attention_heads: 4\n  q_lora_rank: 128\n"
+      "  kv_lora_rank: 128\n  qk_nope_head_dim: 32\n  qk_rope_head_dim: 32\n  v_head_dim: 32\n"
+      "  intermediate_size: 256\nprecision:\n  recipe: fp8_full\n";
+  EXPECT_NO_THROW(parse_config(fp8, "ok.yaml"));
+  m = parse_error(fp8, {"model.kv_lora_rank=96"});
+  EXPECT_HAS(m, "model.kv_lora_rank: 96 is not a multiple of 128");
+  m = parse_error(fp8, {"model.v_head_dim=16"});
+  EXPECT_HAS(m, "model.num_attention_heads x (qk_nope_head_dim + v_head_dim) = 192 is not a multiple of 128");
+}

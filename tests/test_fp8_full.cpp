@@ -94,6 +94,33 @@ TEST(Fp8Full, CastsEachActivationOncePerStep) {
   EXPECT_EQ(step_casts(model).by_site, fp8_full_sites(model));
 }
 
+// MLA (layers/mla.h) under fp8_full: x, q_a_layernorm's and kv_a_layernorm's outputs and o quantized once each,
+// each FP8 projection's dy once; kv_a_proj_with_mqa stays in the compute dtype (no cast, no FP8 weight).
+TEST(Fp8Full, MlaCastsEachActivationOncePerStep) {
+  ModelConfig m = two_block_model();
+  m.attention = AttentionType::mla;
+  m.q_lora_rank = 128;
+  m.kv_lora_rank = 128;
+  m.qk_nope_head_dim = 32;
+  m.qk_rope_head_dim = 32;
+  m.v_head_dim = 32;
+  const Transformer model(m, Device::cpu(), DType::f32, 3, with_recipe(MoeRecipe::fp8_full));
+  const CastCounts c = step_casts(model);
+  Sites want = fp8_full_sites(model);
+  for (const char* site : {"self_attn.q_proj.dgrad: dy rowwise", "self_attn.k_proj.dgrad: dy rowwise",
+                           "self_attn.v_proj.dgrad: dy rowwise"})
+    want.erase(std::string("quantize ") + site);
+  for (const char* site : {"self_attn.q_b_proj: x", "self_attn.kv_b_proj: x", "self_attn.q_a_proj.dgrad: dy rowwise",
+                           "self_attn.q_b_proj.dgrad: dy rowwise", "self_attn.kv_b_proj.dgrad: dy rowwise"})
+    want[std::string("quantize ") + site] = 2;
+  for (int64_t i = 0; i < 2; ++i)
+    want.erase("weight_quantize model.layers." + std::to_string(i) + ".self_attn.kv_a_proj_with_mqa.weight");
+  EXPECT_EQ(c.by_site, want);
+  EXPECT_EQ(c.dequantize, 0);
+  // 8 per attention (x, the two latents, o; four dy), 5 per dense MLP, 6 per MoE layer.
+  EXPECT_EQ(c.activation_casts(), 2 * 8 + 5 + 6);
+}
+
 // fp8_flow is untouched: its casts are its two per MoE layer and its expert weights', nothing of the dense
 // FP8 linears; only the routers and the expert weights are read in f32.
 TEST(Fp8Full, Fp8FlowRunsNoDenseFp8Linear) {

@@ -52,6 +52,19 @@ ModelConfig moe_model() {
   return m;
 }
 
+// moe_model() with multi-head latent attention (layers/mla.h): its expanded K/V cache holds keys 12 wide and values
+// 6 wide per head, so a cache laid out at one width would be caught.
+ModelConfig mla_model() {
+  ModelConfig m = moe_model();
+  m.attention = AttentionType::mla;
+  m.q_lora_rank = 12;
+  m.kv_lora_rank = 10;
+  m.qk_nope_head_dim = 8;
+  m.qk_rope_head_dim = 4;
+  m.v_head_dim = 6;
+  return m;
+}
+
 std::vector<int32_t> random_tokens(uint64_t seed, int64_t n, int64_t vocab) {
   const std::vector<int64_t> ids = Rng(seed).randint({n}, 0, vocab).to_ints();
   return std::vector<int32_t>(ids.begin(), ids.end());
@@ -177,6 +190,14 @@ TEST(Generate, CachedMoeWithDenseFirstLayerAndSharedExperts) {
 }
 
 // generate() and the training sampler's fixed window (train.sample_every) choose the same greedy tokens.
+TEST(Generate, CachedMlaWithDenseFirstLayerAndSharedExperts) {
+  Transformer model(mla_model(), Device::cpu(), DType::f32, 13);
+  const KvCache cache(model.config(), 4, DType::f32, Device::cpu());
+  EXPECT_EQ(cache.keys[0].shape(), (Shape{4, 4, 12}));
+  EXPECT_EQ(cache.values[0].shape(), (Shape{4, 4, 6}));
+  expect_cache_matches_full_forward(model, 4, 20, 1e-4, true, 0);
+}
+
 TEST(Generate, GreedyGenerateEqualsTheFixedWindowSampler) {
   Transformer model(moe_model(), Device::cpu(), DType::f32, 3);
   const std::vector<int32_t> prompt = random_tokens(test_seed() + 1, 6, 50);
@@ -356,7 +377,8 @@ TEST(Generate, SampleEveryLeavesTheLossesBitForBit) {
 // the greedy tokens the full forward's argmax wherever its best two logits are clearly apart.
 TEST(GenerateCuda, CachedGreedyMatchesTheFullForward) {
   FLOWMOE_REQUIRE_CUDA();
-  for (const ModelConfig& m : {dense_model(), moe_model()}) expect_cache_as_close_as_full_forward(m, 7, 5, 15);
+  for (const ModelConfig& m : {dense_model(), moe_model(), mla_model()})
+    expect_cache_as_close_as_full_forward(m, 7, 5, 15);
 }
 
 TEST(GenerateCuda, SeedGivesTheCpusTokensWhereTheLogitsAgree) {

@@ -61,6 +61,8 @@ std::string edited_json(const ModelConfig& m, const std::string& field, const st
 }  // namespace
 
 TEST(HfFormat, PlanIsTheTransformersParameters) {
+  expect_plan_matches_model(hf_mla_model());
+  expect_plan_matches_model(hf_mla_model(0));
   expect_plan_matches_model(hf_moe_model());
   expect_plan_matches_model(hf_dense_model());
   expect_plan_matches_model(hf_moe_unshared_model());
@@ -115,6 +117,82 @@ TEST(HfFormat, ConfigJsonRoundTrip) {
   EXPECT_NE(hf_config_json(hf_moe_unshared_model()).find("\"norm_topk_prob\": false"), std::string::npos);
 }
 
+// MLA is deepseek_v3 under DeepseekV3Attention's names, row for row (rope_interleave: transformers rotates the
+// interleaved pairs itself); q_lora_rank 0 is null and back.
+TEST(HfFormat, MlaIsDeepseekV3) {
+  const std::map<std::string, Shape> names = hf_names(hf_mla_model());
+  const std::string a = "model.layers.1.self_attn.";
+  const std::map<std::string, Shape> want = {
+      {a + "q_a_proj.weight", {12, 32}},     {a + "q_a_layernorm.weight", {12}},
+      {a + "q_b_proj.weight", {4 * 10, 12}}, {a + "kv_a_proj_with_mqa.weight", {10 + 4, 32}},
+      {a + "kv_a_layernorm.weight", {10}},   {a + "kv_b_proj.weight", {4 * (6 + 5), 10}},
+      {a + "o_proj.weight", {32, 4 * 5}},    {"model.layers.3.self_attn.kv_b_proj.weight", {4 * (6 + 5), 10}}};
+  for (const auto& [name, shape] : want) {
+    ASSERT_TRUE(names.count(name)) << name;
+    EXPECT_EQ(names.at(name), shape) << name;
+  }
+  EXPECT_FALSE(names.count(a + "k_proj.weight"));
+  for (const HfTensorGroup& g : hf_tensor_plan(hf_mla_model()))
+    for (const HfTensor& t : g.hf) EXPECT_NE(t.part, HfPart::rope_rows) << t.name;
+  EXPECT_EQ(hf_names(hf_mla_model(0)).at(a + "q_proj.weight"), Shape({4 * 10, 32}));
+  for (const ModelConfig& m : {hf_mla_model(), hf_mla_model(0)}) {
+    const std::string json = hf_config_json(m);
+    ModelConfig back = model_config_from_hf(json, "config.json");
+    EXPECT_EQ(back.num_nextn_predict_layers, 0);  // the MTP layers come with their tensors (HfFolder)
+    back.num_nextn_predict_layers = m.num_nextn_predict_layers;
+    EXPECT_EQ(hf_config_json(back), json);
+    EXPECT_EQ(back.attention, AttentionType::mla);
+    EXPECT_EQ(back.q_lora_rank, m.q_lora_rank);
+    EXPECT_EQ(back.v_head_dim, 5);
+  }
+  const std::string json = hf_config_json(hf_mla_model());
+  for (const char* line : {"\"model_type\": \"deepseek_v3\"", "\"DeepseekV3ForCausalLM\"", "\"rope_interleave\": true",
+                           "\"q_lora_rank\": 12", "\"kv_lora_rank\": 10", "\"qk_nope_head_dim\": 6",
+                           "\"qk_rope_head_dim\": 4", "\"v_head_dim\": 5", "\"num_nextn_predict_layers\": 1"})
+    EXPECT_NE(json.find(line), std::string::npos) << line;
+  EXPECT_NE(hf_config_json(hf_mla_model(0)).find("\"q_lora_rank\": null"), std::string::npos);
+  // DeepSeek-V3's own head widths (128 + 64) import, as a model the CPU trains.
+  ModelConfig wide = hf_mla_model();
+  wide.qk_nope_head_dim = 128;
+  wide.qk_rope_head_dim = 64;
+  wide.v_head_dim = 128;
+  EXPECT_FALSE(attention_fits_cuda(wide));
+  EXPECT_EQ(model_config_from_hf(hf_config_json(wide), "config.json").qk_rope_head_dim, 64);
+  // What import refuses, naming the field.
+  const struct {
+    const char* field;
+    const char* line;
+    std::vector<const char*> parts;
+  } refusals[] = {
+      {"rope_interleave", "\"rope_interleave\": false,", {"rope_interleave", "interleaved pairs"}},
+      {"rope_parameters",
+       "\"rope_parameters\": {\"rope_type\": \"yarn\", \"rope_theta\": 10000.0},",
+       {"rope_parameters.rope_type", "yarn"}},
+      {"rope_parameters",
+       "\"rope_parameters\": {\"factor\": 40, \"mscale\": 1.0, \"rope_theta\": 10000.0},",
+       {"rope_parameters.factor"}},
+      {"kv_lora_rank", "", {"kv_lora_rank", "absent"}},
+      {"q_lora_rank", "", {"q_lora_rank", "absent"}},
+      {"n_group", "", {"n_group", "absent (deepseek_v3's default"}},
+  };
+  for (const auto& r : refusals) {
+    SCOPED_TRACE(r.field);
+    std::string edited = edited_json(hf_mla_model(), r.field, r.line);
+    if (std::string(r.field) == "rope_parameters")  // the object's other lines go with it
+      edited = std::regex_replace(edited, std::regex("(\\n    \"rope_t[^\\n]*)+\\n  \\},"), "");
+    try {
+      model_config_from_hf(edited, "config.json");
+      ADD_FAILURE() << "accepted";
+    } catch (const ConfigError& e) {
+      for (const char* part : r.parts) EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  }
+  // A glm4_moe folder does not take MLA's fields.
+  EXPECT_TRUE(throws_naming<ConfigError>(
+      [&] { model_config_from_hf(edited_json(hf_moe_model(), "use_qk_norm", "\"kv_lora_rank\": 8,"), "config.json"); },
+      {"kv_lora_rank", "a field flowmoe does not map (glm4_moe"}));
+}
+
 TEST(HfFormat, ExportRefusesWhatGlm4MoeCannotHold) {
   ModelConfig m = hf_moe_model();
   m.scoring_func = "softmax";
@@ -132,7 +210,7 @@ TEST(HfFormat, ImportRefusesEachFieldItCannotRepresent) {
     std::string line;
     const char* named;
   } cases[] = {
-      {"model_type", "\"model_type\": \"deepseek_v3\",", "model_type: 'deepseek_v3' is not glm4_moe"},
+      {"model_type", "\"model_type\": \"qwen2_moe\",", "model_type: 'qwen2_moe' is not glm4_moe or deepseek_v3"},
       {"num_key_value_heads", "\"num_key_value_heads\": 2,", "num_key_value_heads: 2"},
       {"attention_bias", "\"attention_bias\": true,", "attention_bias: true"},
       {"use_qk_norm", "\"use_qk_norm\": true,", "use_qk_norm: true"},

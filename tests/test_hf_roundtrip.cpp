@@ -113,6 +113,31 @@ TEST(HfRoundTrip, MtpLayersRoundTripBitIdentical) {
   EXPECT_NE(plain.notes().back().find("left out the 2 MTP layers"), std::string::npos) << plain.notes().back();
 }
 
+// An MLA model (deepseek_v3) with its MTP module, with and without the query bottleneck, and with DeepSeek-V3's
+// head widths (imported with train.device: cpu): every tensor back bit for bit, the MTP layer's attention from
+// mtp.safetensors.
+TEST(HfRoundTrip, MlaRoundTripsBitIdentical) {
+  ModelConfig wide = hf_mla_model();  // DeepSeek-V3's head widths: wider than the CUDA kernels take
+  wide.qk_nope_head_dim = 128;
+  wide.qk_rope_head_dim = 64;
+  wide.v_head_dim = 128;
+  for (const ModelConfig& m : {hf_mla_model(12), hf_mla_model(0), wide}) {
+    SCOPED_TRACE(hf_config_json(m));
+    const fs::path d = fresh_dir("hf_roundtrip_mla");
+    const Exported e = export_model(m, d);
+    EXPECT_EQ(listing(e.hf), std::vector<std::string>({kHfConfigFile, kHfModelFile, kHfMtpFile}));
+    std::set<std::string> mtp_names;
+    for (const NamedTensor& t : read_safetensors((e.hf / kHfMtpFile).string())) mtp_names.insert(t.name);
+    EXPECT_TRUE(mtp_names.count("model.layers.3.self_attn.kv_a_proj_with_mqa.weight"));
+    import_hf(e.hf.string(), import_options(d));
+    EXPECT_TRUE(same_model_weights(e.checkpoint, (d / "imp" / "step_00000000").string()));
+    const Config imported = load_config((d / "imported.yaml").string());
+    EXPECT_EQ(imported.model.attention, AttentionType::mla);
+    EXPECT_EQ(hf_config_json(imported.model), hf_config_json(m));
+    EXPECT_EQ(imported.train.device, attention_fits_cuda(m) ? "auto" : "cpu");
+  }
+}
+
 // checkpoint.init_from: hf:DIR starts a run from the folder's weights: it trains as the imported checkpoint
 // resumed does, loss for loss; a folder of another model is refused naming the field.
 TEST(HfRoundTrip, InitFromTrainsAsTheImport) {

@@ -51,6 +51,10 @@ const char* kFp8Moe =
     " max_position_embeddings: 64, n_routed_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 128,"
     " n_shared_experts: 0, tie_word_embeddings: true";
 
+// Multi-head latent attention with a query bottleneck and heads of three widths.
+const std::vector<std::string> kMla = {"model.attention=mla",       "model.q_lora_rank=48",     "model.kv_lora_rank=32",
+                                       "model.qk_nope_head_dim=24", "model.qk_rope_head_dim=8", "model.v_head_dim=16"};
+
 // The peak memory of two training steps of cfg on its device, from a clean peak.
 double measured_training_peak(const Config& cfg, Device device) {
   TrainOptions o = quiet();
@@ -89,6 +93,8 @@ TEST(MemoryEstimate, ParameterCountMatchesTheBuiltModel) {
       {kDense, {"model.num_nextn_predict_layers=2"}},  // MTP modules: dense, then MoE, then dense after MoE layers
       {kMoe, {"model.num_nextn_predict_layers=1"}},
       {kMoe, {"model.num_nextn_predict_layers=2", "model.first_k_dense_replace=3"}},
+      {kMoe, kMla},  // MLA (layers/mla.h): the q bottleneck, its norm, the latent's projections and norm
+      {kMoe, {"model.attention=mla", "model.q_lora_rank=null", "model.num_nextn_predict_layers=1"}},
   };
   for (const auto& [yaml, sets] : variants) {
     const Config c = run_config(yaml, d, sets);
@@ -158,6 +164,37 @@ TEST(MemoryEstimate, MtpTrainingIsNearTheMeasuredPeak) {
   const fs::path d = fresh_dir("memory_mtp");
   expect_estimate_near_peak(run_config(kMoe, d / "run", {"model.num_nextn_predict_layers=2"}), "moe bf16, 2 MTP");
   fs::remove_all(d);
+}
+
+// MLA's kept tensors (q_a's output and norm, the latent and its norm, q, k, v and o at their widths) and the
+// recomputed attention's, within the band of the measured peak.
+TEST(MemoryEstimate, MlaTrainingIsNearTheMeasuredPeak) {
+  const fs::path d = fresh_dir("memory_mla");
+  std::vector<std::string> sets = kMla;
+  sets.push_back("model.hidden_size=128");  // so that attention's tensors weigh
+  expect_estimate_near_peak(run_config(kMoe, d / "run", sets), "moe bf16, mla");
+  sets.push_back("train.recompute=[attention]");
+  expect_estimate_near_peak(run_config(kMoe, d / "recompute", sets), "moe bf16, mla, attention recomputed");
+  fs::remove_all(d);
+}
+
+// configs/gpu_mla.yaml fits one 80 GB GPU as configs/gpu_moe.yaml does, its MLA attention no heavier than MHA's
+// there, and its parameter count is the built model's.
+TEST(MemoryEstimate, GpuMlaConfigFitsOneGpu) {
+  const std::string dir = std::string(FLOWMOE_SOURCE_DIR) + "/configs/";
+  const Config mla = load_config(dir + "gpu_mla.yaml"), mha = load_config(dir + "gpu_moe.yaml");
+  const MemoryEstimate e = estimate_memory(mla, Device::cuda()), base = estimate_memory(mha, Device::cuda());
+  std::printf("gpu_mla: %s; gpu_moe: %s\n", e.summary().c_str(), base.summary().c_str());
+  EXPECT_LT(e.total_bytes(), 70.0 * (1 << 30));
+  EXPECT_LT(e.total_bytes(), 1.1 * base.total_bytes());
+  ModelConfig small = mla.model;  // the count by the built model, at fewer layers and experts
+  small.num_hidden_layers = 2;
+  small.n_routed_experts = 4;
+  small.n_group = 2;
+  small.topk_group = 1;
+  small.num_experts_per_tok = 2;
+  small.vocab_size = 256;
+  EXPECT_EQ(count_parameters(small), Transformer(small, Device::cpu(), DType::f32, 1).num_parameters());
 }
 
 TEST(MemoryEstimate, MoeTrainingIsNearTheMeasuredPeak) {

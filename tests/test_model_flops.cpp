@@ -64,6 +64,30 @@ TEST(ModelFlops, SmallMoeModelMatchesTheCountByHand) {
   EXPECT_EQ(model_flops_per_token(small_moe(), T), 3 * forward);  // backward = 2 x forward
 }
 
+// MLA (layers/mla.h) in place of the q, k, v, o projections: its five projections, and the core's products at the
+// query/key width (nope + rope) and the value width.
+TEST(ModelFlops, MlaCountsItsProjectionsAndHeadWidths) {
+  const int64_t T = 10;
+  ModelConfig c = small_moe();
+  c.attention = AttentionType::mla;
+  c.q_lora_rank = 6;
+  c.kv_lora_rank = 4;
+  c.qk_nope_head_dim = 5;
+  c.qk_rope_head_dim = 2;
+  c.v_head_dim = 3;
+  // Per layer: q_a [6,16], q_b [2*7,6], kv_a [4+2,16], kv_b [2*(5+3),4], o [16,2*3]
+  const double proj = 6 * 16 + 14 * 6 + 6 * 16 + 16 * 4 + 16 * 6;
+  // q·kᵀ over 7 dims and p·v over 3, per head, halved: T * 2 * (7 + 3)
+  const double core = double(T) * 2 * (7 + 3);
+  const double mha_proj = 4 * 16 * 16, mha_core = 2.0 * double(T) * 16;
+  EXPECT_EQ(model_flops_per_token(c, T),
+            model_flops_per_token(small_moe(), T) + 3 * 3 * (2 * (proj - mha_proj) + (core - mha_core)));
+  c.q_lora_rank = 0;  // one q_proj [2*7, 16]
+  const double direct = 14 * 16 + 6 * 16 + 16 * 4 + 16 * 6;
+  EXPECT_EQ(model_flops_per_token(c, T),
+            model_flops_per_token(small_moe(), T) + 3 * 3 * (2 * (direct - mha_proj) + (core - mha_core)));
+}
+
 // One MTP module of an MoE model: eh_proj [16,32], one MoE layer (its q, k, v, o, attention core, router, routed
 // and shared experts) and the head again, all in the step's FLOPs.
 TEST(ModelFlops, MtpModulesAddTheirProjectionABlockAndTheHead) {

@@ -186,6 +186,23 @@ TEST(Mtp, MoeModelsGetAnMoeModule) {
   EXPECT_EQ(dense.mtp_module(1).block().moe(), nullptr);
 }
 
+// The modules' blocks take the model's attention: MLA's (layers/mla.h) named as DeepSeek-V3 names it.
+TEST(Mtp, MlaModelsGetAnMlaModule) {
+  ModelConfig c = mtp_model(1, true);
+  c.attention = AttentionType::mla;
+  c.q_lora_rank = 8;
+  c.kv_lora_rank = 6;
+  c.qk_nope_head_dim = 4;
+  c.qk_rope_head_dim = 4;
+  c.v_head_dim = 6;
+  const Transformer model(c, Device::cpu(), DType::f32, 3);
+  std::map<std::string, Shape> shapes;
+  for (const Variable& p : model.parameters()) shapes[p.name()] = p.data().shape();
+  EXPECT_EQ(shapes.at("model.layers.2.self_attn.kv_b_proj.weight"), (Shape{2 * (4 + 6), 6}));
+  EXPECT_EQ(shapes.count("model.layers.2.self_attn.k_proj.weight"), 0u);
+  expect_loss_matches_reference(c);
+}
+
 TEST(Mtp, GradientsThroughAModuleMatchFiniteDifferences) {
   const Transformer model(mtp_model(1), Device::cpu(), DType::f32, 3);
   const MtpModule& m = model.mtp_module(1);

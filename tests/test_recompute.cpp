@@ -21,23 +21,24 @@ namespace {
 
 // 8 steps of configs/tiny_moe.yaml (a dense block, then two MoE blocks) on `device`, its final checkpoint in out.
 std::vector<StepMetrics> train_tiny_moe(const fs::path& out, const std::string& device, const std::string& recipe,
-                                        const std::string& recompute) {
-  const Config c = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny_moe.yaml",
+                                        const std::string& recompute, const std::string& config = "tiny_moe") {
+  const Config c = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/" + config + ".yaml",
                                {"train.device=" + device, "train.steps=8", "train.batch_size=4", "data.seq_len=64",
                                 "optimizer.warmup_steps=2", "train.eval_every=4", "precision.recipe=" + recipe,
                                 "train.recompute=[" + recompute + "]", "logging.out_dir=" + out.string()});
   return read_metrics(train(c, quiet()).metrics_file);
 }
 
-void expect_recompute_changes_nothing(const std::string& device, const std::string& recipe) {
-  SCOPED_TRACE(recipe);
-  const fs::path d = fresh_dir("recompute_" + device + "_" + recipe);
-  const std::vector<StepMetrics> plain = train_tiny_moe(d / "plain", device, recipe, "");
+void expect_recompute_changes_nothing(const std::string& device, const std::string& recipe,
+                                      const std::string& config = "tiny_moe") {
+  SCOPED_TRACE(recipe + " " + config);
+  const fs::path d = fresh_dir("recompute_" + device + "_" + recipe + "_" + config);
+  const std::vector<StepMetrics> plain = train_tiny_moe(d / "plain", device, recipe, "", config);
   ASSERT_EQ(plain.size(), 8u);
   for (const std::string recompute : {"attention", "attention,moe_expert"}) {
     SCOPED_TRACE(recompute);
     const fs::path out = d / (recompute == "attention" ? "attention" : "both");
-    const std::vector<StepMetrics> rows = train_tiny_moe(out, device, recipe, recompute);
+    const std::vector<StepMetrics> rows = train_tiny_moe(out, device, recipe, recompute, config);
     ASSERT_EQ(rows.size(), plain.size());
     for (size_t i = 0; i < rows.size(); ++i) {
       EXPECT_EQ(rows[i].loss, plain[i].loss) << "step " << i + 1;
@@ -61,7 +62,15 @@ TEST(Recompute, AttentionGivesTheSameTrainingBitForBit) {
   for (const char* recipe : {"bf16", "fp8_full"}) expect_recompute_changes_nothing("cpu", recipe);
 }
 
+// MLA (layers/mla.h) with an MTP module: its q_a/kv_a norms, splits and joins recomputed too.
+TEST(Recompute, MlaAttentionGivesTheSameTrainingBitForBit) {
+  for (const char* recipe : {"bf16", "fp8_full"}) expect_recompute_changes_nothing("cpu", recipe, "tiny_mla");
+}
+
 TEST(RecomputeCuda, AttentionGivesTheSameTrainingBitForBit) {
   FLOWMOE_REQUIRE_CUDA();
-  for (const char* recipe : {"bf16", "fp8_full"}) expect_recompute_changes_nothing("cuda", recipe);
+  for (const char* recipe : {"bf16", "fp8_full"}) {
+    expect_recompute_changes_nothing("cuda", recipe);
+    expect_recompute_changes_nothing("cuda", recipe, "tiny_mla");
+  }
 }

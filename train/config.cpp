@@ -75,7 +75,7 @@ void read_yaml(Config& cfg, const YAML::Node& root, const std::string& name) {
       if (!f) fail_unknown_key(at(name, kn), section, key);
       if (!seen_keys.insert(key).second) fail(at(name, kn), f->dotted(), "key given twice");
       YAML::Node v = kv->second;
-      if (v.IsNull() && f->kind != Kind::string)
+      if (v.IsNull() && f->kind != Kind::string && f->kind != Kind::optional_integer)
         fail(at(name, kn), f->dotted(), "missing value (expected " + describe_type(*f) + ")");
       if (f->kind == Kind::choice_list && v.IsSequence()) {
         std::string joined;

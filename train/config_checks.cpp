@@ -6,8 +6,10 @@
 #include <limits>
 #include <sstream>
 #include <utility>
+#include <vector>
 
 #include "engine/ops/fp8_linear.h"
+#include "kernels/attention.h"
 #include "kernels/common/error.h"
 #include "layers/moe.h"
 
@@ -48,13 +50,38 @@ void KeyReport::conflict(const std::vector<std::string>& keys, const std::string
   err(key, msg + " (" + others + ")");
 }
 
+bool attention_fits_cuda(const ModelConfig& m) {
+  return m.attention != AttentionType::mla ||
+         (attention_qk_head_dim(m) <= kAttentionMaxHeadDimCuda && m.v_head_dim <= attention_qk_head_dim(m));
+}
+
+// MLA's shapes (layers/mla.h): RoPE rotates pairs, and the CUDA attention kernels take a query/key head of at
+// most kAttentionMaxHeadDimCuda and a value head no wider (the GPU pads the value to the key's width).
+static void check_mla_shape(const Config& c, const KeyReport& r) {
+  const ModelConfig& m = c.model;
+  if (m.qk_rope_head_dim % 2 != 0)
+    r.err("model.qk_rope_head_dim", str(m.qk_rope_head_dim) + " must be even (RoPE rotates pairs)");
+  if (c.train.device == "cpu" || attention_fits_cuda(m)) return;
+  const int64_t qk = attention_qk_head_dim(m);
+  if (qk > kAttentionMaxHeadDimCuda)
+    r.conflict({"model.qk_nope_head_dim", "model.qk_rope_head_dim"},
+               "the query/key head model.qk_nope_head_dim + model.qk_rope_head_dim = " + str(qk) +
+                   " exceeds the CUDA attention kernels' " + str(kAttentionMaxHeadDimCuda) +
+                   " (train.device: cpu takes any width)");
+  if (m.v_head_dim > qk)
+    r.conflict({"model.v_head_dim", "model.qk_nope_head_dim", "model.qk_rope_head_dim"},
+               "model.v_head_dim = " + str(m.v_head_dim) + " exceeds the query/key head " + str(qk) +
+                   ", which the CUDA attention kernels need at least as wide (train.device: cpu takes any width)");
+}
+
 void check_model_shape(const Config& c, const KeyReport& r) {
   const ModelConfig& m = c.model;
-  if (m.hidden_size % m.num_attention_heads != 0)
+  if (m.attention == AttentionType::mla) check_mla_shape(c, r);
+  if (m.attention == AttentionType::mha && m.hidden_size % m.num_attention_heads != 0)
     r.conflict({"model.hidden_size", "model.num_attention_heads"},
                "model.hidden_size = " + str(m.hidden_size) +
                    " is not divisible by model.num_attention_heads = " + str(m.num_attention_heads));
-  if ((m.hidden_size / m.num_attention_heads) % 2 != 0)
+  if (m.attention == AttentionType::mha && (m.hidden_size / m.num_attention_heads) % 2 != 0)
     r.conflict({"model.num_attention_heads", "model.hidden_size"},
                "the head size model.hidden_size / model.num_attention_heads = " + str(m.hidden_size) + " / " +
                    str(m.num_attention_heads) + " = " + str(m.hidden_size / m.num_attention_heads) +
@@ -179,6 +206,23 @@ void check_precision_recipe(const Config& c, const KeyReport& r) {
     need128("model.hidden_size", m.hidden_size, "every linear but the routers and the LM head");
     if (dense_layers > 0) need128("model.intermediate_size", m.intermediate_size, "the dense MLPs' GEMMs");
     if (moe_layers > 0) need128("model.moe_intermediate_size", m.moe_intermediate_size, "the experts' GEMMs");
+    if (m.attention == AttentionType::mla) {
+      const std::string gemms = "the MLA projections' GEMMs";
+      if (m.q_lora_rank > 0) need128("model.q_lora_rank", m.q_lora_rank, gemms);
+      need128("model.kv_lora_rank", m.kv_lora_rank, gemms);
+      // The other widths are products of keys: q_b_proj (or q_proj) writes heads x (nope + rope), kv_b_proj
+      // heads x (nope + v), o_proj reads heads x v. kv_a_proj_with_mqa stays in the compute dtype (layers/mla.h).
+      const int64_t nh = m.num_attention_heads;
+      for (const auto& [width, keys] : std::vector<std::pair<int64_t, std::string>>{
+               {nh * attention_qk_head_dim(m), "model.num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)"},
+               {nh * (m.qk_nope_head_dim + m.v_head_dim),
+                "model.num_attention_heads x (qk_nope_head_dim + v_head_dim)"},
+               {nh * m.v_head_dim, "model.num_attention_heads x v_head_dim"}})
+        if (width % 128 != 0)
+          r.err("model.attention", keys + " = " + str(width) + " is not a multiple of 128, which " +
+                                       r.from("precision.recipe") + " = " + recipe + " needs: it runs " + gemms +
+                                       " on FP8 blocks 128 wide");
+    }
     if (c.data.seq_len % kFp8LinearRowMultiple != 0)
       r.err("data.seq_len", std::to_string(c.data.seq_len) + " is not a multiple of " +
                                 std::to_string(kFp8LinearRowMultiple) + ", which " + r.from("precision.recipe") +

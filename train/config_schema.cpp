@@ -25,6 +25,10 @@ const double kInf = INFINITY;
 Field integer(const char* s, const char* k, std::function<FieldRef(Config&)> r, double lo, double hi, const char* doc) {
   return Field{s, k, Kind::integer, lo, hi, false, false, {}, doc, std::move(r)};
 }
+Field optional_integer(const char* s, const char* k, std::function<FieldRef(Config&)> r, double lo, double hi,
+                       const char* doc) {
+  return Field{s, k, Kind::optional_integer, lo, hi, false, false, {}, doc, std::move(r)};
+}
 Field number(const char* s, const char* k, std::function<FieldRef(Config&)> r, double lo, bool lo_open, double hi,
              bool hi_open, const char* doc) {
   return Field{s, k, Kind::number, lo, hi, lo_open, hi_open, {}, doc, std::move(r)};
@@ -156,6 +160,18 @@ const std::vector<Field>& schema() {
         "model", "bias_update_rule", FLOWMOE_CONFIG_REF(model.bias_update_rule), {"sign", "proportional"},
         "sign: each step moves expert_bias by the bias step toward the mean load (DeepSeek-V3); proportional: by the "
         "bias step * (mean - load) / mean, so near-balanced experts barely move and overloaded ones move more"));
+    f.push_back(choice("model", "attention", FLOWMOE_CONFIG_REF(model.attention), {"mha", "mla"},
+                       "mha: multi-head attention; mla: DeepSeek-V3's multi-head latent attention (the keys below)"));
+    f.push_back(optional_integer("model", "q_lora_rank", FLOWMOE_CONFIG_REF(model.q_lora_rank), 1, 65536,
+                                 "mla: the query bottleneck's width; null: one direct query projection"));
+    f.push_back(integer("model", "kv_lora_rank", FLOWMOE_CONFIG_REF(model.kv_lora_rank), 1, 65536,
+                        "mla: the width of the latent each token's keys and values come from"));
+    f.push_back(integer("model", "qk_nope_head_dim", FLOWMOE_CONFIG_REF(model.qk_nope_head_dim), 1, 1024,
+                        "mla: each head's query/key part without RoPE"));
+    f.push_back(integer("model", "qk_rope_head_dim", FLOWMOE_CONFIG_REF(model.qk_rope_head_dim), 2, 1024,
+                        "mla: each head's query/key part with RoPE (even; the key's part shared by the heads)"));
+    f.push_back(
+        integer("model", "v_head_dim", FLOWMOE_CONFIG_REF(model.v_head_dim), 1, 1024, "mla: each head's value width"));
     f.push_back(integer("model", "num_nextn_predict_layers", FLOWMOE_CONFIG_REF(model.num_nextn_predict_layers), 0,
                         kMaxMtpDepth,
                         "multi-token prediction depth D (DeepSeek-V3): modules after the model trained to predict "
@@ -382,6 +398,8 @@ std::string describe_type(const Field& f) {
   switch (f.kind) {
     case Kind::integer:
       return "an integer in [" + fmt_bound(f.lo) + ", " + fmt_bound(f.hi) + "]";
+    case Kind::optional_integer:
+      return "null or an integer in [" + fmt_bound(f.lo) + ", " + fmt_bound(f.hi) + "]";
     case Kind::number:
       return std::string("a number in ") + (f.lo_open ? "(" : "[") + fmt_bound(f.lo) + ", " + fmt_bound(f.hi) +
              (f.hi_open || std::isinf(f.hi) ? ")" : "]");
@@ -436,6 +454,15 @@ void set_field(Config& cfg, const Field& f, const std::string& text, const std::
       *std::get<int64_t*>(ref) = v;
       break;
     }
+    case Kind::optional_integer: {
+      int64_t v = 0;
+      if (text != "" && text != "null" && text != "~") {
+        if (!parse_int(text, v)) bad("'" + text + "'");
+        if (double(v) < f.lo || double(v) > f.hi) bad(text);
+      }
+      *std::get<int64_t*>(ref) = v;
+      break;
+    }
     case Kind::number: {
       double v = 0;
       if (!parse_double(text, v)) bad("'" + text + "'");
@@ -457,7 +484,11 @@ void set_field(Config& cfg, const Field& f, const std::string& text, const std::
     case Kind::choice:
       if (std::find(f.choices.begin(), f.choices.end(), text) == f.choices.end())
         bad("'" + text + "'" + suggestion(text, f.choices));
-      *std::get<std::string*>(ref) = text;
+      if (auto* a = std::get_if<AttentionType*>(&ref)) {
+        if (!attention_type_from_name(text, *a)) bad("'" + text + "'");
+      } else {
+        *std::get<std::string*>(ref) = text;
+      }
       break;
     case Kind::dtype:
       if (std::find(f.choices.begin(), f.choices.end(), text) == f.choices.end() ||
@@ -503,7 +534,9 @@ void set_field(Config& cfg, const Field& f, const std::string& text, const std::
 
 std::string field_value(const Config& cfg, const Field& f) {
   FieldRef ref = f.ref(const_cast<Config&>(cfg));
-  if (auto* i = std::get_if<int64_t*>(&ref)) return std::to_string(**i);
+  if (auto* i = std::get_if<int64_t*>(&ref))
+    return f.kind == Kind::optional_integer && **i == 0 ? "null" : std::to_string(**i);
+  if (auto* a = std::get_if<AttentionType*>(&ref)) return attention_type_name(**a);
   if (auto* b = std::get_if<bool*>(&ref)) return **b ? "true" : "false";
   if (auto* s = std::get_if<std::string*>(&ref)) return **s;
   if (auto* t = std::get_if<DType*>(&ref)) return dtype_name(**t);

@@ -13,9 +13,22 @@
 
 namespace flowmoe::config_schema {
 
-// dtype: one of `choices`, dtype names (kernels/common/dtype.h), parsed once into a DType.
-enum class Kind { integer, number, boolean, string, choice, int_choice, bool_or_path, choice_list, dtype };
-using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, DType*>;
+// dtype: one of `choices`, dtype names (kernels/common/dtype.h), parsed once into a DType. A choice stores its
+// text, or parses it once into a typed enum where the field refers to one (AttentionType).
+// optional_integer: an integer in range, or null (YAML null, "null" or "" in an override), stored as 0.
+enum class Kind {
+  integer,
+  optional_integer,
+  number,
+  boolean,
+  string,
+  choice,
+  int_choice,
+  bool_or_path,
+  choice_list,
+  dtype
+};
+using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, DType*, AttentionType*>;
 
 struct Field {
   std::string section, key;

@@ -47,6 +47,10 @@ const char* const kPassedOver[] = {"architectures",
                                    "return_dict",
                                    "num_nextn_predict_layers",
                                    "num_mtp_layers"};
+// deepseek_v3's multi-head latent attention: model.* keys of the same name (q_lora_rank null: a direct q_proj).
+const char* const kMlaFields[] = {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"};
+// deepseek_v3 fields that change nothing in the model's math, or are checked below.
+const char* const kMlaPassedOver[] = {"pretraining_tp", "rope_interleave", "qk_head_dim"};
 // Fields checked for the one value flowmoe's model has, handled below.
 const char* const kChecked[] = {"model_type",     "hidden_act",        "num_key_value_heads",  "head_dim",
                                 "attention_bias", "attention_dropout", "use_qk_norm",          "rope_parameters",
@@ -83,7 +87,8 @@ struct HfConfigReader {
   }
   // RoPE: a non-nested parameter dict (rope_scaling, as transformers reads it, wins over rope_parameters),
   // falling back to the top-level rope_theta and partial_rotary_factor of older config.json files.
-  double rope_theta() const {
+  // mla: deepseek_v3 rotates qk_rope_head_dim dims of each head, so an absent partial_rotary_factor is fine.
+  double rope_theta(bool mla) const {
     YAML::Node rope = !is_null(j["rope_scaling"]) ? j["rope_scaling"] : j["rope_parameters"];
     const std::string where = !is_null(j["rope_scaling"]) ? "rope_scaling" : "rope_parameters";
     if (!is_null(rope) && !rope.IsMap()) refuse(where, "expected an object, got " + scalar_text(rope));
@@ -101,6 +106,7 @@ struct HfConfigReader {
     const YAML::Node factor =
         !is_null(rope["partial_rotary_factor"]) ? rope["partial_rotary_factor"] : j["partial_rotary_factor"];
     // Absent, glm4_moe takes 0.5: only half of each head's dims rotate.
+    if (mla && is_null(factor)) return number(theta, "rope_theta");
     if (is_null(factor) || number(factor, "partial_rotary_factor") != 1.0)
       refuse(where + ".partial_rotary_factor",
              (is_null(factor) ? std::string("absent (glm4_moe then rotates half of each head)") : scalar_text(factor)) +
@@ -124,19 +130,39 @@ ModelConfig model_config_from_hf(const std::string& json_text, const std::string
   FLOWMOE_CHECK(j.IsMap(), ConfigError, "'", path, "': not a JSON object");
   const HfConfigReader r{j, path};
   const YAML::Node type = j["model_type"];
-  if (is_null(type) || !type.IsScalar() || type.Scalar() != kHfModelType)
+  const bool mla = !is_null(type) && type.IsScalar() && type.Scalar() == kHfMlaModelType;
+  if (!mla && (is_null(type) || !type.IsScalar() || type.Scalar() != kHfModelType))
     r.refuse("model_type", (is_null(type) ? std::string("absent") : "'" + scalar_text(type) + "'") + " is not " +
-                               kHfModelType + " (flowmoe imports transformers' " + kHfArchitecture + ")");
+                               kHfModelType + " or " + kHfMlaModelType + " (flowmoe imports transformers' " +
+                               kHfArchitecture + " and " + kHfMlaArchitecture + ")");
+  const std::string model_type = mla ? kHfMlaModelType : kHfModelType;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string field = it->first.Scalar();
-    if (!listed(field, kSameFields) && !listed(field, kPassedOver) && !listed(field, kChecked))
-      r.refuse(field, "a field flowmoe does not map (" + std::string(kHfModelType) + " as transformers " +
-                          kHfTransformersVersion + " writes it has none such)");
+    if (!listed(field, kSameFields) && !listed(field, kPassedOver) && !listed(field, kChecked) &&
+        !(mla && (listed(field, kMlaFields) || listed(field, kMlaPassedOver))))
+      r.refuse(field, "a field flowmoe does not map (" + model_type + " as transformers " + kHfTransformersVersion +
+                          " writes it has none such)");
   }
   Config c;
+  if (mla) {
+    c.model.attention = AttentionType::mla;
+    for (const char* field : kMlaFields) {
+      const YAML::Node n = j[field];
+      // transformers' deepseek_v3 defaults are DeepSeek-V3's own sizes, not flowmoe's: each must be given.
+      if (!n) r.refuse(field, "absent (deepseek_v3's default is not flowmoe's; give it)");
+      if (!n.IsNull() && !n.IsScalar()) r.refuse(field, "expected a value, got " + scalar_text(n));
+      config_schema::set_field(c, *config_schema::find_field("model", field), n.IsNull() ? "null" : n.Scalar(),
+                               "'" + path + "'");
+      c.origins[std::string("model.") + field] = "'" + path + "'";
+    }
+    r.require("rope_interleave", "true", true, "flowmoe's RoPE rotates interleaved pairs");
+    // deepseek_v3's other defaults that are not flowmoe's.
+    for (const char* field : {"n_group", "topk_group", "n_shared_experts", "routed_scaling_factor", "norm_topk_prob"})
+      if (is_null(j[field])) r.refuse(field, "absent (deepseek_v3's default is not flowmoe's; give it)");
+  }
   for (const char* field : kSameFields) {
     const YAML::Node n = j[field];
-    if (is_null(n)) continue;  // transformers' glm4_moe default differs from flowmoe's: check below
+    if (is_null(n)) continue;  // transformers' default differs from flowmoe's: checked below
     if (!n.IsScalar()) r.refuse(field, "expected a value, got " + scalar_text(n));
     config_schema::set_field(c, *config_schema::find_field("model", field), n.Scalar(), "'" + path + "'");
     c.origins[std::string("model.") + field] = "'" + path + "'";
@@ -145,9 +171,9 @@ ModelConfig model_config_from_hf(const std::string& json_text, const std::string
   for (const char* field : {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                             "intermediate_size", "max_position_embeddings", "rms_norm_eps", "moe_intermediate_size",
                             "num_experts_per_tok", "n_routed_experts", "first_k_dense_replace"})
-    if (is_null(j[field])) r.refuse(field, "absent (glm4_moe's default is not flowmoe's; give it)");
+    if (is_null(j[field])) r.refuse(field, "absent (" + model_type + "'s default is not flowmoe's; give it)");
   ModelConfig& m = c.model;
-  m.rope_theta = r.rope_theta();
+  m.rope_theta = r.rope_theta(mla);
   c.origins["model.rope_theta"] = "'" + path + "'";
   r.require("hidden_act", "silu", true, "its MLPs are SwiGLU");
   r.require("attention_bias", "false", true, "its projections have no bias");
@@ -159,7 +185,15 @@ ModelConfig model_config_from_hf(const std::string& json_text, const std::string
     r.refuse("num_key_value_heads", scalar_text(j["num_key_value_heads"]) +
                                         " is not num_attention_heads = " + scalar_text(j["num_attention_heads"]) +
                                         ": flowmoe's attention is multi-head (no grouped-query)");
-  if (m.num_attention_heads > 0 && !is_null(j["head_dim"]) &&
+  if (mla && !is_null(j["qk_head_dim"]) &&
+      j["qk_head_dim"].as<std::string>() != std::to_string(attention_qk_head_dim(m)))
+    r.refuse("qk_head_dim", scalar_text(j["qk_head_dim"]) + " is not qk_nope_head_dim + qk_rope_head_dim = " +
+                                std::to_string(attention_qk_head_dim(m)));
+  // deepseek_v3's head_dim is its qk_rope_head_dim (the rotary width).
+  if (mla && !is_null(j["head_dim"]) && j["head_dim"].as<std::string>() != std::to_string(m.qk_rope_head_dim))
+    r.refuse("head_dim", scalar_text(j["head_dim"]) + " is not qk_rope_head_dim = " +
+                             std::to_string(m.qk_rope_head_dim) + " (deepseek_v3's rotary width)");
+  if (!mla && m.num_attention_heads > 0 && !is_null(j["head_dim"]) &&
       j["head_dim"].as<std::string>() != std::to_string(m.hidden_size / m.num_attention_heads))
     r.refuse("head_dim", scalar_text(j["head_dim"]) + " is not hidden_size / num_attention_heads = " +
                              std::to_string(m.hidden_size / m.num_attention_heads) + " (flowmoe's head width)");
@@ -179,6 +213,7 @@ ModelConfig model_config_from_hf(const std::string& json_text, const std::string
                      ".*): they do not change the logits");
   // The run config's own checks at the model's keys (the data keys' defaults fit any model that fits them).
   c.data.seq_len = std::min(c.data.seq_len, m.max_position_embeddings);
+  if (!attention_fits_cuda(m)) c.train.device = "cpu";  // DeepSeek-V3's own heads (192 wide) are a CPU model here
   validate(c);
   return m;
 }

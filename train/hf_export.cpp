@@ -151,7 +151,7 @@ std::vector<std::string> export_hf(const std::string& checkpoint, const std::str
       files[1].specs.empty() ? ""
                              : std::string(", ") + kHfMtpFile + " (the " + std::to_string(m.num_nextn_predict_layers) +
                                    " MTP layers, " + std::to_string(files[1].specs.size()) + " tensors)";
-  return {"exported " + checkpoint + " (step " + std::to_string(meta.step) + ") as " + kHfArchitecture + " to " +
+  return {"exported " + checkpoint + " (step " + std::to_string(meta.step) + ") as " + hf_architecture(m) + " to " +
               out_dir + ": " + kHfConfigFile + ", " + kHfModelFile + " (" + std::to_string(files[0].specs.size()) +
               " tensors, f32)" + mtp_note +
               (tokenizer ? std::string(", ") + kHfTokenizerFile + ", " + kHfTokenizerConfigFile : ""),

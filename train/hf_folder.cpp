@@ -108,7 +108,7 @@ const SafetensorsIndex* HfFolder::find(const std::string& name) const {
 
 Tensor HfFolder::read_experts(const std::string& name, const Shape& want, int64_t first, int64_t count) {
   const SafetensorsIndex* file = find(name);
-  FLOWMOE_CHECK(file, IoError, "'", dir_, "': tensor '", name, "' is missing (the ", kHfModelType,
+  FLOWMOE_CHECK(file, IoError, "'", dir_, "': tensor '", name, "' is missing (the ", hf_model_type(model_),
                 " model of its config.json has it)");
   const SafetensorsEntry& e = file->entry(name);
   FLOWMOE_CHECK(e.shape == want, IoError, "'", file->path(), "': tensor '", name, "' is ", shape_str(e.shape),
@@ -155,7 +155,7 @@ void HfFolder::check_all_used() const {
   for (size_t i = 0; i < left.size() && i < 4; ++i) names += (i ? ", '" : "'") + left[i] + "'";
   if (left.size() > 4) names += ", ... (" + std::to_string(left.size()) + " in all)";
   FLOWMOE_THROW(IoError, "'", dir_, "': ", left.size(), left.size() == 1 ? " tensor is" : " tensors are",
-                " not in the ", kHfModelType, " model of its config.json: ", names);
+                " not in the ", hf_model_type(model_), " model of its config.json: ", names);
 }
 
 }  // namespace flowmoe

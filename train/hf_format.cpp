@@ -4,7 +4,7 @@
 
 #include <charconv>
 #include <cstring>
-#include <sstream>
+#include <map>
 
 #include "kernels/common/error.h"
 
@@ -31,65 +31,82 @@ bool hf_norm_topk_prob(const ModelConfig& m) { return m.norm_topk_prob && m.num_
 
 void check_hf_exportable(const ModelConfig& m) {
   if (m.n_routed_experts == 0) return;  // a dense model: no router to map
-  const auto refuse = [](const std::string& key, const std::string& value, const std::string& why) {
-    FLOWMOE_THROW(ConfigError, "model.", key, ": ", value, " has no glm4_moe counterpart (", why, ")");
+  const auto refuse = [&m](const std::string& key, const std::string& value, const std::string& why) {
+    FLOWMOE_THROW(ConfigError, "model.", key, ": ", value, " has no ", hf_model_type(m), " counterpart (", why, ")");
   };
   if (m.scoring_func != "sigmoid")
-    refuse("scoring_func", m.scoring_func, "transformers' glm4_moe router scores with sigmoid only");
+    refuse("scoring_func", m.scoring_func, "transformers' glm4_moe and deepseek_v3 routers score with sigmoid only");
   if (m.n_routed_experts / m.n_group < 2)
     refuse(m.n_group > 1 ? "n_group" : "n_routed_experts",
            std::to_string(m.n_group > 1 ? m.n_group : m.n_routed_experts),
-           "glm4_moe scores each group by its top two experts, so a group needs at least 2 of them; here " +
+           "its router scores each group by its top two experts, so a group needs at least 2 of them; here " +
                std::to_string(m.n_routed_experts) + " experts in " + std::to_string(m.n_group) + " group(s)");
 }
 
 std::string hf_config_json(const ModelConfig& m) {
   check_hf_exportable(m);
-  const bool dense = m.n_routed_experts == 0;
-  // Every field transformers writes for a Glm4MoeConfig, in its order: a folder that reads the same.
-  std::ostringstream j;
-  j << "{\n"
-    << "  \"architectures\": [\n    \"" << kHfArchitecture << "\"\n  ],\n"
-    << "  \"attention_bias\": false,\n"
-    << "  \"attention_dropout\": 0.0,\n"
-    << "  \"bos_token_id\": null,\n"
-    << "  \"dtype\": \"float32\",\n"
-    << "  \"eos_token_id\": null,\n"
-    << "  \"first_k_dense_replace\": " << (dense ? m.num_hidden_layers : m.first_k_dense_replace) << ",\n"
-    << "  \"head_dim\": " << head_dim(m) << ",\n"
-    << "  \"hidden_act\": \"silu\",\n"
-    << "  \"hidden_size\": " << m.hidden_size << ",\n"
-    << "  \"initializer_range\": " << json_number(m.initializer_range) << ",\n"
-    << "  \"intermediate_size\": " << m.intermediate_size << ",\n"
-    << "  \"max_position_embeddings\": " << m.max_position_embeddings << ",\n"
-    << "  \"model_type\": \"" << kHfModelType << "\",\n"
-    << "  \"moe_intermediate_size\": " << m.moe_intermediate_size << ",\n"
-    << "  \"n_group\": " << m.n_group << ",\n"
-    << "  \"n_routed_experts\": " << m.n_routed_experts << ",\n"
-    << "  \"n_shared_experts\": " << m.n_shared_experts << ",\n"
-    << "  \"norm_topk_prob\": " << (hf_norm_topk_prob(m) ? "true" : "false") << ",\n"
-    << "  \"num_attention_heads\": " << m.num_attention_heads << ",\n"
-    << "  \"num_experts_per_tok\": " << m.num_experts_per_tok << ",\n"
-    << "  \"num_hidden_layers\": " << m.num_hidden_layers << ",\n"
-    << "  \"num_key_value_heads\": " << m.num_attention_heads << ",\n"
-    << "  \"num_nextn_predict_layers\": " << m.num_nextn_predict_layers << ",\n"
-    << "  \"output_router_logits\": false,\n"
-    << "  \"pad_token_id\": null,\n"
-    << "  \"rms_norm_eps\": " << json_number(m.rms_norm_eps) << ",\n"
-    << "  \"rope_parameters\": {\n"
-    << "    \"partial_rotary_factor\": 1.0,\n"  // every dim rotates; glm4_moe's default is 0.5
-    << "    \"rope_theta\": " << json_number(m.rope_theta) << ",\n"
-    << "    \"rope_type\": \"default\"\n"
-    << "  },\n"
-    << "  \"routed_scaling_factor\": " << json_number(m.routed_scaling_factor) << ",\n"
-    << "  \"tie_word_embeddings\": " << (m.tie_word_embeddings ? "true" : "false") << ",\n"
-    << "  \"topk_group\": " << m.topk_group << ",\n"
-    << "  \"transformers_version\": \"" << kHfTransformersVersion << "\",\n"
-    << "  \"use_cache\": true,\n"
-    << "  \"use_qk_norm\": false,\n"
-    << "  \"vocab_size\": " << m.vocab_size << "\n"
-    << "}\n";
-  return j.str();
+  const bool dense = m.n_routed_experts == 0, mla = m.attention == AttentionType::mla;
+  const auto text = [](const std::string& v) { return "\"" + v + "\""; };
+  const auto integer = [](int64_t v) { return std::to_string(v); };
+  const auto boolean = [](bool v) { return std::string(v ? "true" : "false"); };
+  // Every field transformers writes for a Glm4MoeConfig (mha) or a DeepseekV3Config (mla), written in its sorted
+  // order: a folder that reads the same.
+  std::map<std::string, std::string> f = {
+      {"architectures", "[\n    " + text(hf_architecture(m)) + "\n  ]"},
+      {"attention_bias", "false"},
+      {"attention_dropout", "0.0"},
+      {"bos_token_id", "null"},
+      {"dtype", text("float32")},
+      {"eos_token_id", "null"},
+      {"first_k_dense_replace", integer(dense ? m.num_hidden_layers : m.first_k_dense_replace)},
+      {"hidden_act", text("silu")},
+      {"hidden_size", integer(m.hidden_size)},
+      {"initializer_range", json_number(m.initializer_range)},
+      {"intermediate_size", integer(m.intermediate_size)},
+      {"max_position_embeddings", integer(m.max_position_embeddings)},
+      {"model_type", text(hf_model_type(m))},
+      {"moe_intermediate_size", integer(m.moe_intermediate_size)},
+      {"n_group", integer(m.n_group)},
+      {"n_routed_experts", integer(m.n_routed_experts)},
+      {"n_shared_experts", integer(m.n_shared_experts)},
+      {"norm_topk_prob", boolean(hf_norm_topk_prob(m))},
+      {"num_attention_heads", integer(m.num_attention_heads)},
+      {"num_experts_per_tok", integer(m.num_experts_per_tok)},
+      {"num_hidden_layers", integer(m.num_hidden_layers)},
+      {"num_key_value_heads", integer(m.num_attention_heads)},
+      {"num_nextn_predict_layers", integer(m.num_nextn_predict_layers)},
+      {"output_router_logits", "false"},
+      {"pad_token_id", "null"},
+      {"rms_norm_eps", json_number(m.rms_norm_eps)},
+      {"routed_scaling_factor", json_number(m.routed_scaling_factor)},
+      {"tie_word_embeddings", boolean(m.tie_word_embeddings)},
+      {"topk_group", integer(m.topk_group)},
+      {"transformers_version", text(kHfTransformersVersion)},
+      {"use_cache", "true"},
+      {"vocab_size", integer(m.vocab_size)},
+  };
+  const std::string theta =
+      "    \"rope_theta\": " + json_number(m.rope_theta) + ",\n    \"rope_type\": \"default\"\n  }";
+  if (mla) {
+    f["kv_lora_rank"] = integer(m.kv_lora_rank);
+    f["q_lora_rank"] = m.q_lora_rank > 0 ? integer(m.q_lora_rank) : "null";
+    f["qk_nope_head_dim"] = integer(m.qk_nope_head_dim);
+    f["qk_rope_head_dim"] = integer(m.qk_rope_head_dim);
+    f["v_head_dim"] = integer(m.v_head_dim);
+    f["qk_head_dim"] = integer(attention_qk_head_dim(m));
+    f["head_dim"] = integer(m.qk_rope_head_dim);  // deepseek_v3's head_dim is its rotary width
+    f["pretraining_tp"] = "1";
+    f["rope_interleave"] = "true";  // flowmoe's interleaved pairs (hf_format.h)
+    f["rope_parameters"] = "{\n" + theta;
+  } else {
+    f["head_dim"] = integer(head_dim(m));
+    f["use_qk_norm"] = "false";
+    // Every dim rotates; glm4_moe's own default is 0.5.
+    f["rope_parameters"] = "{\n    \"partial_rotary_factor\": 1.0,\n" + theta;
+  }
+  std::string j = "{\n";
+  for (const auto& [key, value] : f) j += "  \"" + key + "\": " + value + (key == f.rbegin()->first ? "\n" : ",\n");
+  return j + "}\n";
 }
 
 // ---- tensors --------------------------------------------------------------------------------------
@@ -124,15 +141,34 @@ std::vector<HfTensorGroup> hf_tensor_plan(const ModelConfig& m) {
     whole(prefix + ".up_proj.weight", {width, H});
     whole(prefix + ".down_proj.weight", {H, width});
   };
+  // Attention's tensors in the order its layer creates them (layers/attention.h, layers/mla.h).
+  const auto attention = [&](const std::string& p) {
+    if (m.attention == AttentionType::mla) {
+      const int64_t nh = m.num_attention_heads, qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+      if (m.q_lora_rank > 0) {
+        whole(p + ".q_a_proj.weight", {m.q_lora_rank, H});
+        whole(p + ".q_a_layernorm.weight", {m.q_lora_rank});
+        whole(p + ".q_b_proj.weight", {nh * qk, m.q_lora_rank});
+      } else {
+        whole(p + ".q_proj.weight", {nh * qk, H});
+      }
+      whole(p + ".kv_a_proj_with_mqa.weight", {m.kv_lora_rank + m.qk_rope_head_dim, H});
+      whole(p + ".kv_a_layernorm.weight", {m.kv_lora_rank});
+      whole(p + ".kv_b_proj.weight", {nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank});
+      whole(p + ".o_proj.weight", {H, nh * m.v_head_dim});
+      return;
+    }
+    whole(p + ".q_proj.weight", {H, H}, HfPart::rope_rows);
+    whole(p + ".k_proj.weight", {H, H}, HfPart::rope_rows);
+    whole(p + ".v_proj.weight", {H, H});
+    whole(p + ".o_proj.weight", {H, H});
+  };
   whole("model.embed_tokens.weight", {V, H});
   // Block i's tensors, in the order the Transformer creates them (a main layer's or an MTP module's block).
   const auto block = [&](int64_t i) {
     const std::string p = "model.layers." + std::to_string(i);
     whole(p + ".input_layernorm.weight", {H});
-    whole(p + ".self_attn.q_proj.weight", {H, H}, HfPart::rope_rows);
-    whole(p + ".self_attn.k_proj.weight", {H, H}, HfPart::rope_rows);
-    whole(p + ".self_attn.v_proj.weight", {H, H});
-    whole(p + ".self_attn.o_proj.weight", {H, H});
+    attention(p + ".self_attn");
     if (is_moe_layer(m, i)) {
       whole(p + ".mlp.gate.weight", {E, H});
       HfTensorGroup fc1{p + ".mlp.experts.fc1.weight", {E, 2 * F, H}, false, {}};

@@ -1,14 +1,17 @@
 // The Hugging Face form of a flowmoe model: transformers' glm4_moe (Glm4MoeForCausalLM), which is
 // DeepSeek-V3's MoE (sigmoid group-limited router with e_score_correction_bias, shared experts,
-// first_k_dense_replace, routed_scaling_factor, norm_topk_prob) with plain multi-head attention, as
-// flowmoe's model is (layers/transformer.h). The config.json fields, the tensor names and shapes, and the
+// first_k_dense_replace, routed_scaling_factor, norm_topk_prob) with plain multi-head attention, for a model
+// with model.attention mha; transformers' deepseek_v3 (DeepseekV3ForCausalLM), the same MoE with multi-head
+// latent attention (layers/mla.h), for one with mla. The config.json fields, the tensor names and shapes, and the
 // one layout difference (RoPE's pairs, below) are decided here, for `flowmoe export --format hf`,
 // `flowmoe import --format hf` (train/hf_export.h) and checkpoint.init_from: hf:DIR alike.
 //
 // RoPE: flowmoe rotates the interleaved pairs (x[2i], x[2i+1]) of each head (kernels/rope.h), transformers'
 // rotate_half the pairs (x[i], x[i + hd/2]), both at angle pos·theta^(-2i/hd). So the q_proj and k_proj rows
 // of each head go to transformers in the order 0, 2, 4, ..., hd-2, 1, 3, ..., hd-1 (and back on import):
-// the same permutation of q and k leaves every q·k, hence the attention, as it was.
+// the same permutation of q and k leaves every q·k, hence the attention, as it was. deepseek_v3 is written with
+// rope_interleave true: transformers then rotates the interleaved pairs of q_pe and k_pe itself, so its
+// q_b_proj (q_proj) and kv_a_proj_with_mqa rows keep flowmoe's order.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -21,6 +24,15 @@ namespace flowmoe {
 
 constexpr const char* kHfModelType = "glm4_moe";
 constexpr const char* kHfArchitecture = "Glm4MoeForCausalLM";
+constexpr const char* kHfMlaModelType = "deepseek_v3";
+constexpr const char* kHfMlaArchitecture = "DeepseekV3ForCausalLM";
+// The model type and architecture a model is exported as: glm4_moe for mha, deepseek_v3 for mla.
+inline const char* hf_model_type(const ModelConfig& m) {
+  return m.attention == AttentionType::mla ? kHfMlaModelType : kHfModelType;
+}
+inline const char* hf_architecture(const ModelConfig& m) {
+  return m.attention == AttentionType::mla ? kHfMlaArchitecture : kHfArchitecture;
+}
 // The transformers release whose glm4_moe this mapping was checked against (tests/interop/check_hf_export.py,
 // with the pin of scripts/install_interop_deps.sh).
 constexpr const char* kHfTransformersVersion = "5.25.0";
@@ -43,11 +55,11 @@ void check_hf_exportable(const ModelConfig& m);
 // norm_topk_prob, which flowmoe (as DeepSeek-V3) does not normalise, is written as norm_topk_prob false.
 std::string hf_config_json(const ModelConfig& m);
 // The model of a config.json text read from `path`. ConfigError names the file and the field: a model_type
-// other than glm4_moe, a field flowmoe does not map, or a value it has no counterpart for (grouped-query
-// attention, a partial or scaled RoPE, attention biases, q/k norms, top-1 routing with norm_topk_prob, ...).
-// A value out of a model.* key's range is refused as the config file would refuse it. Fields that change
-// nothing in the model's math (dtype, use_cache, token ids) are passed over; num_nextn_predict_layers is
-// taken (the MTP layers' tensors are then read, HfFolder).
+// other than glm4_moe or deepseek_v3 (rope_interleave false, yarn rope_scaling and their mscale refused), a field
+// flowmoe does not map, or a value it has no counterpart for (grouped-query attention, a partial or scaled RoPE,
+// attention biases, q/k norms, top-1 routing with norm_topk_prob, ...). A value out of a model.* key's range is refused
+// as the config file would refuse it. Fields that change nothing in the model's math (dtype, use_cache, token ids) are
+// passed over; num_nextn_predict_layers is taken (the MTP layers' tensors are then read, HfFolder).
 ModelConfig model_config_from_hf(const std::string& json_text, const std::string& path,
                                  std::vector<std::string>* notes = nullptr);
 // The MTP (next-token prediction) layers a config.json declares: glm4_moe's num_nextn_predict_layers.

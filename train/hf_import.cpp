@@ -80,6 +80,7 @@ std::vector<std::string> import_hf(const std::string& dir, const HfImportOptions
   cfg.data.seq_len = std::min(cfg.data.seq_len, cfg.model.max_position_embeddings);
   cfg.checkpoint.resume = "true";
   if (!options.checkpoint_dir.empty()) cfg.checkpoint.dir = options.checkpoint_dir;
+  if (!attention_fits_cuda(cfg.model)) cfg.train.device = "cpu";  // written so: the config then loads as it is
   validate(cfg);
   const std::string root = cfg.checkpoint_dir();
   const std::string bpe_file =
@@ -118,14 +119,19 @@ std::vector<std::string> import_hf(const std::string& dir, const HfImportOptions
   meta.config_yaml = yaml_section(to_yaml(cfg), "model");
   const std::string checkpoint = save_checkpoint(root, meta, params, exp_avg, exp_avg_sq, 1, buffers);
   if (!bpe_file.empty()) tokenizer->bpe.save(bpe_file);
-  const std::string yaml = "# imported from the " + std::string(kHfModelType) + " folder " + dir +
+  const std::string yaml = "# imported from the " + std::string(hf_model_type(cfg.model)) + " folder " + dir +
                            " by `flowmoe import --format hf`; `flowmoe train --config " + options.config_out +
                            "` starts from its weights (checkpoint.resume: true)\n" + to_yaml(cfg);
   write_file_synced(options.config_out, {&yaml});
 
   std::vector<std::string> lines = folder.notes();
-  lines.push_back("imported " + dir + " (" + kHfArchitecture + ", " + std::to_string(params.size() + buffers.size()) +
-                  " tensors) as " + checkpoint + "; wrote " + options.config_out);
+  if (cfg.train.device == "cpu")
+    lines.push_back("train.device: cpu: the attention heads (qk_nope_head_dim + qk_rope_head_dim = " +
+                    std::to_string(attention_qk_head_dim(cfg.model)) + ", v_head_dim " +
+                    std::to_string(cfg.model.v_head_dim) + ") are wider than the CUDA attention kernels take");
+  lines.push_back("imported " + dir + " (" + hf_architecture(cfg.model) + ", " +
+                  std::to_string(params.size() + buffers.size()) + " tensors) as " + checkpoint + "; wrote " +
+                  options.config_out);
   if (!bpe_file.empty())
     lines.push_back("tokenizer: wrote " + bpe_file + " (flowmoe prepare-data --tokenizer " + bpe_file + ")");
   else if (tokenizer)

@@ -54,7 +54,18 @@ double allocated_bytes(const std::vector<Tensors>& tensors, bool gpu) {
 std::vector<Tensors> fp8_rowwise(double elements) { return {{1, elements, 1}, {1, elements / 128, 4}}; }
 
 // mtp_proj: the MTP modules' eh_proj, a plain linear in every recipe.
-enum class Role { embedding, norm, attention, dense_mlp, router, routed_expert, shared_expert, mtp_proj };
+// attention_compute: MLA's kv_a_proj_with_mqa, which stays in the compute dtype under fp8_full (layers/mla.h).
+enum class Role {
+  embedding,
+  norm,
+  attention,
+  attention_compute,
+  dense_mlp,
+  router,
+  routed_expert,
+  shared_expert,
+  mtp_proj
+};
 
 // `count` parameter tensors of `elements` each.
 struct ParamGroup {
@@ -78,9 +89,25 @@ std::vector<ParamGroup> parameter_groups(const ModelConfig& c) {
   std::vector<ParamGroup> g = {
       {Role::embedding, c.tie_word_embeddings ? 1.0 : 2.0, V * H},  // embed_tokens, lm_head
       {Role::norm, 2 * L + 1 + 3 * D, H},                           // two per block, the final norm; MTP's three
-      {Role::attention, 4 * L, H * H},                              // q, k, v, o
       {Role::dense_mlp, 3 * dense, double(c.intermediate_size) * H},
   };
+  if (c.attention == AttentionType::mla) {  // layers/mla.h
+    const double nh = double(c.num_attention_heads), ql = double(c.q_lora_rank), kv = double(c.kv_lora_rank);
+    const double qk = double(c.qk_nope_head_dim + c.qk_rope_head_dim), rope = double(c.qk_rope_head_dim);
+    if (c.q_lora_rank > 0) {
+      g.push_back({Role::attention, L, ql * H});        // q_a_proj
+      g.push_back({Role::norm, L, ql});                 // q_a_layernorm
+      g.push_back({Role::attention, L, nh * qk * ql});  // q_b_proj
+    } else {
+      g.push_back({Role::attention, L, nh * qk * H});  // q_proj
+    }
+    g.push_back({Role::attention_compute, L, (kv + rope) * H});                              // kv_a_proj_with_mqa
+    g.push_back({Role::norm, L, kv});                                                        // kv_a_layernorm
+    g.push_back({Role::attention, L, nh * double(c.qk_nope_head_dim + c.v_head_dim) * kv});  // kv_b_proj
+    g.push_back({Role::attention, L, H * nh * double(c.v_head_dim)});                        // o_proj
+  } else {
+    g.push_back({Role::attention, 4 * L, H * H});  // q, k, v, o
+  }
   if (D > 0) g.push_back({Role::mtp_proj, D, 2 * H * H});
   if (moe > 0) {
     g.push_back({Role::router, moe, E * H});
@@ -164,12 +191,23 @@ double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bo
 }
 
 // What the graph keeps of one block's attention half, 8 N H a: block input, its norm, q, k (after RoPE), v,
-// attention output, residual, its norm. Attention keeps no [T, T] scores: both backends recompute them from q
-// and k in backward; the GPU keeps a [B, heads, T] f32 logsumexp. train.recompute attention keeps the block
-// input, the residual and its norm, 3 N H a; its backward holds one block's branch again at a time.
+// attention output, residual, its norm. MLA (layers/mla.h) keeps the block input, its norm, the residual and its
+// norm (4 N H a), q_a_proj's output and its norm (2 N q_lora_rank a), the latent and its norm (2 N kv_lora_rank a),
+// q and k (2 N heads (nope + rope) a), v and the attention output (2 N heads v_head_dim a). Attention keeps no
+// [T, T] scores: both backends recompute them from q and k in backward; the GPU keeps a [B, heads, T] f32
+// logsumexp. train.recompute attention keeps the block input, the residual and its norm, 3 N H a; its backward
+// holds one block's branch again at a time.
 std::vector<Tensors> attention_tensors(const ModelConfig& c, double tokens, double a, bool gpu, bool recompute) {
   if (recompute) return {{3, tokens * double(c.hidden_size), a}};
-  std::vector<Tensors> t = {{8, tokens * double(c.hidden_size), a}};
+  const double nh = double(c.num_attention_heads);
+  std::vector<Tensors> t =
+      c.attention == AttentionType::mla
+          ? std::vector<Tensors>{{4, tokens * double(c.hidden_size), a},
+                                 {2, tokens * double(c.q_lora_rank), a},
+                                 {2, tokens * double(c.kv_lora_rank), a},
+                                 {2, tokens * nh * double(c.qk_nope_head_dim + c.qk_rope_head_dim), a},
+                                 {2, tokens * nh * double(c.v_head_dim), a}}
+          : std::vector<Tensors>{{8, tokens * double(c.hidden_size), a}};
   if (gpu) t.push_back({1, tokens * double(c.num_attention_heads), 4});
   return t;
 }

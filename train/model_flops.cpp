@@ -9,6 +9,21 @@
 
 namespace flowmoe {
 
+namespace {
+
+// The weights of one block's attention a token multiplies: q, k, v and o [H, H]; MLA's projections (layers/mla.h).
+double attention_weights(const ModelConfig& c) {
+  const double H = double(c.hidden_size);
+  if (c.attention != AttentionType::mla) return 4 * H * H;
+  const double nh = double(c.num_attention_heads), qk = double(attention_qk_head_dim(c));
+  const double ql = double(c.q_lora_rank), kv = double(c.kv_lora_rank);
+  const double q = c.q_lora_rank > 0 ? ql * H + nh * qk * ql : nh * qk * H;
+  return q + (kv + double(c.qk_rope_head_dim)) * H + nh * double(c.qk_nope_head_dim + c.v_head_dim) * kv +
+         H * nh * double(c.v_head_dim);
+}
+
+}  // namespace
+
 double model_flops_per_token(const ModelConfig& c, int64_t seq_len) {
   const double H = double(c.hidden_size), T = double(seq_len), L = double(c.num_hidden_layers);
   const double moe_layers = double(num_moe_layers(c)), dense_layers = L - moe_layers;
@@ -18,16 +33,19 @@ double model_flops_per_token(const ModelConfig& c, int64_t seq_len) {
   // experts of each MoE layer.
   const double moe_mlp =
       H * double(c.n_routed_experts) + swiglu * F * double(c.num_experts_per_tok + c.n_shared_experts);
-  double active = L * 4 * H * H + dense_layers * swiglu * double(c.intermediate_size) + H * double(c.vocab_size);
+  const double attn = attention_weights(c);
+  double active = L * attn + dense_layers * swiglu * double(c.intermediate_size) + H * double(c.vocab_size);
   active += moe_layers * moe_mlp;
-  double causal_attention = L * 2 * T * H;  // forward: q·kᵀ and p·v, 2·2·T·H halved
+  // forward: q·kᵀ and p·v over every head, 2·T·heads·(qk + v) halved (2·T·H under mha)
+  const double core = T * double(c.num_attention_heads) * double(attention_qk_head_dim(c) + attention_v_head_dim(c));
+  double causal_attention = L * core;
   // Each MTP module: eh_proj [H, 2H], one block of the last block's kind, and the shared head again.
   const double D = double(c.num_nextn_predict_layers);
   if (D > 0) {
     const bool moe = is_moe_layer(c, mtp_layer_index(c, 1));
     active +=
-        D * (2 * H * H + 4 * H * H + (moe ? moe_mlp : swiglu * double(c.intermediate_size)) + H * double(c.vocab_size));
-    causal_attention += D * 2 * T * H;
+        D * (2 * H * H + attn + (moe ? moe_mlp : swiglu * double(c.intermediate_size)) + H * double(c.vocab_size));
+    causal_attention += D * core;
   }
   return 3 * (2 * active + causal_attention);
 }

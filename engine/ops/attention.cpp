@@ -1,6 +1,9 @@
 // Causal self-attention as an autograd primitive. The CPU path recomputes probabilities in its vjp;
 // the GPU path keeps the forward's per-row logsumexp in the primitive (one primitive per call) and
 // saves the output, as flash-attention's backward needs both.
+// v may be narrower than q and k (MLA's value head, layers/mla.h): the CPU kernels take its own width; the CUDA
+// kernels take one head width, so the GPU path pads v with zero columns to q's width, runs them, and keeps the
+// output's first v columns (the padded columns of o are P·0 = 0, so dO·o, the backward's delta, is unchanged).
 // Reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp.
 #include "kernels/attention.h"
 #include "engine/ops/ops.h"
@@ -13,12 +16,27 @@ namespace {
 void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const char* what) {
   FLOWMOE_CHECK(q.dim() == 4, ShapeError, what, ": expects q, k, v [B, T, nh, hd], got q ", shape_str(q.shape()));
   check_same_shape(q, k, "causal_attention (q vs k)");
-  check_same_shape(q, v, "causal_attention (q vs v)");
+  FLOWMOE_CHECK(
+      v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2) && v.size(3) >= 1,
+      ShapeError, what, ": v ", shape_str(v.shape()), " must be [B, T, nh, v_hd] for q ", shape_str(q.shape()));
+  FLOWMOE_CHECK(v.device().is_cpu() || v.size(3) <= q.size(3), ShapeError, what, ": v's head width ", v.size(3),
+                " exceeds q's ", q.size(3), " (the CUDA kernels pad v to q's width)");
   check_same_dtype(q, k, "causal_attention (q vs k)");
   check_same_dtype(q, v, "causal_attention (q vs v)");
   check_same_device(q, k, "causal_attention (q vs k)");
   check_same_device(q, v, "causal_attention (q vs v)");
 }
+
+// x [.., d] as [.., width] with zero columns after its d.
+Tensor pad_last(const Tensor& x, int64_t width) {
+  const int64_t d = x.size(x.dim() - 1), n = x.numel() / d;
+  Tensor cols = Tensor::zeros({width, n}, x.dtype(), x.device());
+  cols.slice(0, 0, d).copy_(x.contiguous().reshape({n, d}).transpose(0, 1));
+  Shape shape = x.shape();
+  shape.back() = width;
+  return cols.transpose(0, 1).contiguous().reshape(shape);
+}
+Tensor narrow_last(const Tensor& x, int64_t d) { return x.slice(x.dim() - 1, 0, d).contiguous(); }
 
 class CausalAttention : public Primitive {
  public:
@@ -28,7 +46,8 @@ class CausalAttention : public Primitive {
   double flops(const std::vector<Tensor>& in) const override {
     if (in.empty() || in[0].dim() != 4) return 0;
     const double B = double(in[0].size(0)), T = double(in[0].size(1)), nh = double(in[0].size(2));
-    return 2.0 * B * nh * T * T * double(in[0].size(3));
+    const double dv = in.size() > 2 && in[2].dim() == 4 ? double(in[2].size(3)) : double(in[0].size(3));
+    return B * nh * T * T * (double(in[0].size(3)) + dv);
   }
   double vjp_flops(const std::vector<Tensor>& in) const override { return 2.5 * flops(in); }
   bool saves_outputs() const override { return true; }  // the GPU backward reads o (delta = dO·o)
@@ -36,50 +55,59 @@ class CausalAttention : public Primitive {
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
     check_qkv(in[0], in[1], in[2], name());
     Tensor q = in[0].contiguous(), k = in[1].contiguous(), v = in[2].contiguous();
-    Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
+    Tensor out = Tensor::empty(v.shape(), q.dtype(), q.device());
     const Shape& s = q.shape();
     FLOWMOE_DISPATCH_CPU_FLOAT(
         q.dtype(), name(),
         attention_forward_cpu<scalar_t>(out.data<scalar_t>(), q.data<scalar_t>(), k.data<scalar_t>(),
-                                        v.data<scalar_t>(), s[0], s[1], s[2], s[3]));
+                                        v.data<scalar_t>(), s[0], s[1], s[2], s[3], v.size(3)));
     return {out};
   }
 
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override {
     check_qkv(in[0], in[1], in[2], name());
     Tensor q = in[0].contiguous(), k = in[1].contiguous(), v = in[2].contiguous();
-    Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
     const Shape& s = q.shape();
+    const int64_t v_hd = v.size(3);
+    if (v_hd != s[3]) v = pad_last(v, s[3]);
+    Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
     lse_ = Tensor::empty({s[0], s[2], s[1]}, DType::f32, q.device());
     attention_forward_cuda(q.dtype(), out.raw_data(), lse_.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(),
                            s[0], s[1], s[2], s[3], current_stream(q.device().index));
-    return {out};
+    return {v_hd == s[3] ? out : narrow_last(out, v_hd)};
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>& outs,
                           const std::vector<Tensor>& d_outs, const std::vector<bool>&) override {
     Tensor q = in[0].contiguous(), k = in[1].contiguous(), v = in[2].contiguous();
     Tensor d_out = d_outs[0].contiguous();
-    check_same_shape(q, d_out, "causal_attention backward (q vs d_out)");
+    check_same_shape(v, d_out, "causal_attention backward (v vs d_out)");
     check_same_dtype(q, d_out, "causal_attention backward (q vs d_out)");
     Tensor d_q = Tensor::empty(q.shape(), q.dtype(), q.device());
     Tensor d_k = Tensor::empty(q.shape(), q.dtype(), q.device());
-    Tensor d_v = Tensor::empty(q.shape(), q.dtype(), q.device());
     const Shape& s = q.shape();
+    const int64_t v_hd = v.size(3);
     if (q.device().is_cpu()) {
+      Tensor d_v = Tensor::empty(v.shape(), q.dtype(), q.device());
       FLOWMOE_DISPATCH_CPU_FLOAT(
           q.dtype(), "causal_attention backward",
           attention_backward_cpu<scalar_t>(d_q.data<scalar_t>(), d_k.data<scalar_t>(), d_v.data<scalar_t>(),
                                            d_out.data<scalar_t>(), q.data<scalar_t>(), k.data<scalar_t>(),
-                                           v.data<scalar_t>(), s[0], s[1], s[2], s[3]));
+                                           v.data<scalar_t>(), s[0], s[1], s[2], s[3], v_hd));
       return {d_q, d_k, d_v};
     }
     Tensor out = outs[0].contiguous();
+    if (v_hd != s[3]) {  // the forward's padded operands again (module comment)
+      v = pad_last(v, s[3]);
+      out = pad_last(out, s[3]);
+      d_out = pad_last(d_out, s[3]);
+    }
+    Tensor d_v = Tensor::empty(q.shape(), q.dtype(), q.device());
     Tensor delta = Tensor::empty({s[0], s[2], s[1]}, DType::f32, q.device());
     attention_backward_cuda(q.dtype(), d_q.raw_data(), d_k.raw_data(), d_v.raw_data(), delta.data<float>(),
                             d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(),
                             lse_.data<float>(), s[0], s[1], s[2], s[3], current_stream(q.device().index));
-    return {d_q, d_k, d_v};
+    return {d_q, d_k, v_hd == s[3] ? d_v : narrow_last(d_v, v_hd)};
   }
 
  private:

@@ -62,9 +62,10 @@ Variable rope(const Variable& x /*[B,T,nh,hd]*/, double theta, int64_t pos_offse
 // bit as rope alone; q and k share B, T, head_dim and dtype, their head counts may differ.
 std::pair<Variable, Variable> rope_qk(const Variable& q /*[B,T,nh,hd]*/, const Variable& k /*[B,T,nk,hd]*/,
                                       double theta, int64_t pos_offset = 0);
-// softmax(q·kᵀ / sqrt(hd) with a causal mask) · v, per batch and head.
+// softmax(q·kᵀ / sqrt(hd) with a causal mask) · v, per batch and head. v's head width v_hd may differ from hd
+// (MLA); on a GPU it must not exceed hd.
 Variable causal_attention(const Variable& q /*[B,T,nh,hd]*/, const Variable& k /*[B,T,nh,hd]*/,
-                          const Variable& v /*[B,T,nh,hd]*/);  // -> [B,T,nh,hd]
+                          const Variable& v /*[B,T,nh,v_hd]*/);  // -> [B,T,nh,v_hd]
 
 // ---- reductions: engine/ops/reduce.cpp ---------------------------------------------------------
 Variable sum(const Variable& x);   // over all elements -> shape {} (f32 for bf16 input)
@@ -80,6 +81,10 @@ std::vector<Variable> split_rows(const Variable& x, const std::vector<int64_t>& 
 Variable concat_rows(const std::vector<Variable>& xs);
 // [a, b] along the last dim: a and b of one shape [..., C] and dtype -> [..., 2C].
 Variable concat_last(const Variable& a, const Variable& b);
+// xs [..., C_i] of one leading shape and dtype -> [..., Σ C_i], each one's columns in turn.
+Variable concat_last(const std::vector<Variable>& xs);
+// x [..., Σ widths] -> the parts [..., widths[i]] in turn (copies).
+std::vector<Variable> split_last(const Variable& x, const std::vector<int64_t>& widths);
 // num_chunks + 1 bounds over rows: chunks of ceil(rows / num_chunks), the last ones shorter or empty.
 std::vector<int64_t> even_row_bounds(int64_t rows, int num_chunks);
 // Rows [begin, end) of x as a view; FP8 rows keep the same rows of their rowwise 1x128 scales (Tensor::slice

@@ -4,8 +4,10 @@
 //     rowwise 1x128 scales. vjp: the chunks' cotangents copied into one [N, ...] gradient (zero rows where a
 //     chunk got none).
 //   concat_rows(xs): one [Σ n_i, ...] tensor; vjp: row views of the cotangent.
-//   concat_last(a, b): [..., Ca + Cb], a's columns then b's (the MTP modules' [norm(h); norm(emb)], layers/mtp.h);
-//     both stacked as rows, then one strided copy interleaves them; vjp: the cotangent's column slices, copied.
+//   concat_last(xs): [..., Σ C_i], each input's columns in turn (the MTP modules' [norm(h); norm(emb)],
+//     layers/mtp.h; MLA's query and key parts, layers/mla.h): the inputs stacked as rows of their transposes,
+//     then one strided copy interleaves them; vjp: the cotangent's column slices, copied.
+//   split_last(x, widths): the column slices, copied; vjp: the cotangents joined back.
 // Data movement through Tensor::slice and copy_, which run on the tensors' device: the CPU reference and the
 // GPU path are the same code. Tests: tests/test_rows.cpp (values, FP8 scales, empty chunks, a
 // finite-difference check; on a GPU, against the CPU).
@@ -97,45 +99,116 @@ class ConcatRows : public Primitive {
   std::vector<int64_t> bounds_;
 };
 
-// Both inputs [N, C] as the two rows of a [2, N, C] tensor, then its transpose copied contiguous is [N, 2, C],
-// i.e. [N, 2C]: a's columns then b's. Only when both widths agree; that is the MTP projection's case.
+// Each input [.., C_i] transposed into rows [C_i, N] of one [Σ C_i, N] tensor, whose transpose copied contiguous
+// is [N, Σ C_i]: the inputs' columns side by side. The MTP projection joins two of one width, MLA (layers/mla.h)
+// parts of different widths.
 class ConcatLast : public Primitive {
  public:
   const char* name() const override { return "concat_last"; }
   bool saves_inputs() const override { return false; }
   std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
-    const Tensor &a = in[0], &b = in[1];
-    FLOWMOE_CHECK(
-        a.dim() >= 1 && a.shape() == b.shape() && a.dtype() == b.dtype() && !a.fp8_scales() && !b.fp8_scales(),
-        ShapeError, "concat_last: ", a.describe(), " and ", b.describe(),
-        " must share shape and dtype (no FP8 scales)");
-    shape_ = a.shape();
-    const int64_t c = shape_.back(), n = a.numel() / std::max<int64_t>(c, 1);
-    Tensor rows = Tensor::empty({2, n, c}, a.dtype(), a.device());
-    rows.slice(0, 0, 1).copy_(a.reshape({1, n, c}));
-    rows.slice(0, 1, 2).copy_(b.reshape({1, n, c}));
-    Shape out = shape_;
-    out.back() = 2 * c;
-    return {rows.transpose(0, 1).contiguous().reshape(out)};
+    FLOWMOE_CHECK(!in.empty() && in[0].dim() >= 1, ShapeError, "concat_last: no tensors with columns");
+    shapes_.clear();
+    int64_t width = 0;
+    for (const Tensor& t : in) {
+      Shape lead = t.shape(), lead0 = in[0].shape();
+      lead.pop_back();
+      lead0.pop_back();
+      FLOWMOE_CHECK(t.dim() == in[0].dim() && lead == lead0 && t.dtype() == in[0].dtype() && !t.fp8_scales(),
+                    ShapeError, "concat_last: ", t.describe(), " does not join ", in[0].describe(),
+                    " (same leading shape and dtype, no FP8 scales)");
+      shapes_.push_back(t.shape());
+      width += t.shape().back();
+    }
+    const int64_t n = in[0].numel() / std::max<int64_t>(in[0].shape().back(), 1);
+    Tensor cols = Tensor::empty({width, n}, in[0].dtype(), in[0].device());
+    int64_t at = 0;
+    for (const Tensor& t : in) {
+      const int64_t c = t.shape().back();
+      if (c > 0 && n > 0) cols.slice(0, at, at + c).copy_(t.contiguous().reshape({n, c}).transpose(0, 1));
+      at += c;
+    }
+    Shape out = in[0].shape();
+    out.back() = width;
+    return {cols.transpose(0, 1).contiguous().reshape(out)};
   }
   std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return eval_cpu(in); }
   std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
                           const std::vector<bool>& needs) override {
-    const int64_t c = shape_.back();
     const Tensor d = d_out[0].contiguous();
     const int last = d.dim() - 1;
-    return {needs[0] ? d.slice(last, 0, c).contiguous().reshape(shape_) : Tensor(),
-            needs[1] ? d.slice(last, c, 2 * c).contiguous().reshape(shape_) : Tensor()};
+    std::vector<Tensor> d_in;
+    int64_t at = 0;
+    for (size_t i = 0; i < shapes_.size(); ++i) {
+      const int64_t c = shapes_[i].back();
+      d_in.push_back(needs[i] ? d.slice(last, at, at + c).contiguous().reshape(shapes_[i]) : Tensor());
+      at += c;
+    }
+    return d_in;
   }
 
  private:
+  std::vector<Shape> shapes_;
+};
+
+// Column slices [.., widths[i]] of x [.., Σ widths], each copied contiguous; vjp: the cotangents joined back
+// (zero columns where a part got none).
+class SplitLast : public Primitive {
+ public:
+  explicit SplitLast(std::vector<int64_t> widths) : widths_(std::move(widths)) {}
+  const char* name() const override { return "split_last"; }
+  bool saves_inputs() const override { return false; }
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override {
+    const Tensor& x = in[0];
+    int64_t total = 0;
+    for (int64_t w : widths_) total += w;
+    FLOWMOE_CHECK(x.dim() >= 1 && x.shape().back() == total && !x.fp8_scales(), ShapeError,
+                  "split_last: ", x.describe(), " does not split into widths adding up to ", total, " (no FP8 scales)");
+    shape_ = x.shape();
+    device_ = x.device();
+    std::vector<Tensor> out;
+    int64_t at = 0;
+    for (int64_t w : widths_) {
+      out.push_back(x.slice(x.dim() - 1, at, at + w).contiguous());
+      at += w;
+    }
+    return out;
+  }
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return eval_cpu(in); }
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>&) override {
+    DType dtype = DType::f32;
+    for (const Tensor& d : d_out)
+      if (d.defined()) dtype = d.dtype();
+    const int64_t n = shape_.back() > 0 ? shape_numel(shape_) / shape_.back() : 0;
+    Tensor cols = Tensor::zeros({shape_.back(), n}, dtype, device_);
+    int64_t at = 0;
+    for (size_t i = 0; i < widths_.size(); ++i) {
+      if (d_out[i].defined() && widths_[i] > 0 && n > 0)
+        cols.slice(0, at, at + widths_[i]).copy_(d_out[i].contiguous().reshape({n, widths_[i]}).transpose(0, 1));
+      at += widths_[i];
+    }
+    return {cols.transpose(0, 1).contiguous().reshape(shape_)};
+  }
+
+ private:
+  std::vector<int64_t> widths_;
   Shape shape_;
+  Device device_;
 };
 
 }  // namespace
 
 Variable concat_last(const Variable& a, const Variable& b) {
-  return flowmoe::apply(std::make_shared<ConcatLast>(), {a, b})[0];
+  FLOWMOE_CHECK(a.data().shape() == b.data().shape(), ShapeError, "concat_last: ", a.data().describe(), " and ",
+                b.data().describe(), " must share shape and dtype (no FP8 scales)");
+  return concat_last(std::vector<Variable>{a, b});
+}
+
+Variable concat_last(const std::vector<Variable>& xs) { return flowmoe::apply(std::make_shared<ConcatLast>(), xs)[0]; }
+
+std::vector<Variable> split_last(const Variable& x, const std::vector<int64_t>& widths) {
+  return flowmoe::apply(std::make_shared<SplitLast>(widths), {x});
 }
 
 std::vector<Variable> split_rows(const Variable& x, const std::vector<int64_t>& bounds) {

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """`flowmoe export --format hf` against transformers itself (CPU, f32).
 
-For two small models (an MoE with a dense first layer, shared experts and group-limited routing trained on
-BPE tokens; an MoE without shared experts, with tied embeddings and top-1 routing trained on bytes), it trains
-a few steps with the built `flowmoe`, exports the checkpoint and checks that
+For four small models (an MoE with a dense first layer, shared experts and group-limited routing trained on
+BPE tokens; an MoE without shared experts, with tied embeddings and top-1 routing trained on bytes; the first
+with multi-head latent attention and an MTP module, exported as deepseek_v3; a latent-attention one with a direct
+query projection, q_lora_rank null), it trains a few steps with the built `flowmoe`, exports the checkpoint and
+checks that
   - AutoModelForCausalLM.from_pretrained loads the folder with no missing, unexpected or mismatched tensors;
   - its logits on a text sample equal flowmoe's (tests/interop/hf_reference.cpp) within 1e-4 relative;
   - AutoTokenizer's encoding of the sample equals flowmoe's (prepare-data --tokenizer);
@@ -43,6 +45,26 @@ data: {source: tokens, path: DATA, seq_len: 32, val_fraction: 0.0}
   intermediate_size: 64, max_position_embeddings: 256, tie_word_embeddings: true,
   n_routed_experts: 4, n_shared_experts: 0, num_experts_per_tok: 1, moe_intermediate_size: 16,
   first_k_dense_replace: 0, bias_update_rate: 0.05}
+data: {source: text, path: TEXT, seq_len: 32, val_fraction: 0.0}
+""",
+    },
+    "mla_mtp_bpe": {
+        "bpe_vocab": 320,
+        "yaml": """model: {vocab_size: 336, hidden_size: 64, num_hidden_layers: 3, num_attention_heads: 4,
+  attention: mla, q_lora_rank: 24, kv_lora_rank: 16, qk_nope_head_dim: 12, qk_rope_head_dim: 8, v_head_dim: 10,
+  intermediate_size: 96, max_position_embeddings: 256, rope_theta: 5000.0, rms_norm_eps: 1.0e-5,
+  n_routed_experts: 8, n_shared_experts: 1, num_experts_per_tok: 2, moe_intermediate_size: 32,
+  first_k_dense_replace: 1, n_group: 2, topk_group: 1, routed_scaling_factor: 2.5, bias_update_rate: 0.05,
+  num_nextn_predict_layers: 1}
+data: {source: tokens, path: DATA, seq_len: 32, val_fraction: 0.0}
+""",
+    },
+    "mla_direct_q_bytes": {
+        "bpe_vocab": 0,
+        "yaml": """model: {vocab_size: 256, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2,
+  attention: mla, q_lora_rank: null, kv_lora_rank: 12, qk_nope_head_dim: 6, qk_rope_head_dim: 4, v_head_dim: 8,
+  intermediate_size: 64, max_position_embeddings: 256, n_routed_experts: 4, n_shared_experts: 1,
+  num_experts_per_tok: 2, moe_intermediate_size: 16, first_k_dense_replace: 1, bias_update_rate: 0.05}
 data: {source: text, path: TEXT, seq_len: 32, val_fraction: 0.0}
 """,
     },
