@@ -229,7 +229,8 @@ TEST(AdamWFp8, StepScalarsAndSkippedSteps) {
   expect_same(w, want);
 }
 
-TEST(AdamWFp8, RejectsRangesAndWrongShapes) {
+// Ranges of whole block rows only, and those of a weight whose N is a multiple of 128.
+TEST(AdamWFp8, RejectsRangesOffBlockRowsAndWrongShapes) {
   Rng rng(test_seed());
   const Weight w = make_weight(rng, 1, 130, 200, DType::f32, DType::f64);
   AdamWFp8Tensor t = w.fused(test_step());
@@ -237,7 +238,106 @@ TEST(AdamWFp8, RejectsRangesAndWrongShapes) {
   EXPECT_THROW(adamw_fp8_cpu(&t, 1), ShapeError);
   t = w.fused(test_step());
   t.t.rounding.first_index = 128;
-  EXPECT_THROW(adamw_fp8_cpu(&t, 1), Error);
+  EXPECT_THROW(adamw_fp8_cpu(&t, 1), ShapeError);  // past the end
+  t.t.n = 128 * 200;
+  t.t.rounding.first_index = 0;
+  EXPECT_THROW(adamw_fp8_cpu(&t, 1), Error);  // N 130: the block rows are not all 128 K elements
+  const Weight v = make_weight(rng, 1, 256, 200, DType::f32, DType::f64);
+  t = v.fused(test_step());
+  t.t.n = 128 * 200;
+  t.t.rounding.first_index = 200;
+  EXPECT_THROW(adamw_fp8_cpu(&t, 1), Error);  // starts off a block row
+  t.t.rounding.first_index = 128 * 200;
+  t.fp8.q_t = nullptr;
+  EXPECT_THROW(adamw_fp8_cpu(&t, 1), Error);  // a transpose without its scales
+  t.fp8.scale_inv_t = nullptr;
+  EXPECT_NO_THROW(adamw_fp8_cpu(&t, 1));  // the second block row, without the transpose
+}
+
+namespace {
+
+// The weights whose block rows the sharded optimizer splits (N a multiple of 128), tails in K, several matrices.
+std::vector<Case> row_cases() {
+  return {{1, 128, 128, DType::f32, DType::f64},
+          {1, 256, 1, DType::f32, DType::f32},
+          {2, 256, 200, DType::bf16, DType::bf16},
+          {3, 128, 129, DType::f32, DType::f64}};
+}
+
+// w updated as the sharded optimizer's ranks update it: block rows [cuts[j], cuts[j + 1]) one range each, their
+// buffers the range's alone, then the transpose rebuilt from the whole copy.
+void update_by_ranges(Weight& w, const std::vector<int64_t>& cuts, Device dev) {
+  const int64_t row = 128 * w.K;
+  const int64_t moment_size = int64_t(dtype_size(w.exp_avg.dtype()));
+  for (size_t j = 0; j + 1 < cuts.size(); ++j) {
+    AdamWFp8Tensor t = w.fused(test_step());
+    const int64_t first = cuts[j] * row;
+    t.t.param += first;
+    t.t.grad += first;
+    t.t.exp_avg = static_cast<char*>(t.t.exp_avg) + first * moment_size;
+    t.t.exp_avg_sq = static_cast<char*>(t.t.exp_avg_sq) + first * moment_size;
+    if (t.t.copy.data) t.t.copy.data = static_cast<char*>(t.t.copy.data) + first * int64_t(dtype_size(t.t.copy.dtype));
+    t.t.n = (cuts[j + 1] - cuts[j]) * row;
+    t.t.rounding.first_index = first;
+    t.fp8.q_t = nullptr;
+    t.fp8.scale_inv_t = nullptr;
+    if (dev.is_cpu())
+      adamw_fp8_cpu(&t, 1);
+    else
+      adamw_fp8_cuda(&t, 1, nullptr, current_stream(dev.index));
+  }
+  w.q_t.fill_(0.0);
+  w.scale_inv_t.fill_(0.0);
+  const AdamWFp8Tensor whole = w.fused(test_step());
+  if (dev.is_cpu())
+    fp8_block_transpose_cpu(whole.fp8);
+  else
+    fp8_block_transpose_cuda(whole.fp8, current_stream(dev.index));
+}
+
+// Each block row a range of its own, and two ranges of about half.
+std::vector<std::vector<int64_t>> row_cuts(const Weight& w) {
+  const int64_t rows = w.B * w.N / 128;
+  std::vector<int64_t> each(size_t(rows + 1));
+  for (int64_t r = 0; r <= rows; ++r) each[size_t(r)] = r;
+  return {each, {0, rows / 2, rows}};
+}
+
+}  // namespace
+
+// The sharded optimizer's update: ranges of block rows, then the block transpose, are the whole tensor's fused
+// update bit for bit (weights, moments, copy, data, scales and transpose), edge blocks included.
+TEST(AdamWFp8, RangesOfBlockRowsEqualTheWholeTensor) {
+  Rng rng(test_seed());
+  for (const Case& c : row_cases()) {
+    SCOPED_TRACE(describe(c));
+    for (bool edges : {false, true}) {
+      Weight w = make_weight(rng, c.B, c.N, c.K, c.moments, c.copy);
+      if (edges) add_edge_blocks(w);
+      Weight want = w.to(Device::cpu());
+      const AdamWFp8Tensor t = want.fused(test_step());
+      adamw_fp8_cpu(&t, 1);
+      for (const std::vector<int64_t>& cuts : row_cuts(w)) {
+        Weight got = w.to(Device::cpu());
+        update_by_ranges(got, cuts, Device::cpu());
+        expect_same(got, want);
+      }
+    }
+  }
+}
+
+// The block transpose alone: each block's bytes and the scale grid, as the fused update writes them, tails too.
+TEST(AdamWFp8, BlockTransposeEqualsTheFusedTranspose) {
+  for_each_weight([](Weight& w) {
+    const AdamWFp8Tensor t = w.fused(test_step());
+    adamw_fp8_cpu(&t, 1);
+    const Tensor q_t = w.q_t.clone(), scale_inv_t = w.scale_inv_t.clone();
+    w.q_t.fill_(0.0);
+    w.scale_inv_t.fill_(0.0);
+    fp8_block_transpose_cpu(t.fp8);
+    EXPECT_TRUE(bit_equal(w.q_t, q_t));
+    EXPECT_TRUE(bit_equal(w.scale_inv_t, scale_inv_t));
+  });
 }
 
 TEST(AdamWFp8Cuda, MatchesCpu) {
@@ -249,6 +349,21 @@ TEST(AdamWFp8Cuda, MatchesCpu) {
     adamw_fp8_cuda(&tg, 1, nullptr, current_stream(0));
     expect_same(gpu, cpu, true);
   });
+}
+
+TEST(AdamWFp8Cuda, RangesAndBlockTransposeMatchCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  for (const Case& c : row_cases()) {
+    SCOPED_TRACE(describe(c));
+    Weight cpu = make_weight(rng, c.B, c.N, c.K, c.moments, c.copy);
+    add_edge_blocks(cpu);
+    const std::vector<int64_t> cuts = row_cuts(cpu)[1];
+    Weight gpu = cpu.to(Device::cuda(0));
+    update_by_ranges(cpu, cuts, Device::cpu());
+    update_by_ranges(gpu, cuts, Device::cuda(0));
+    expect_same(gpu, cpu, true);
+  }
 }
 
 namespace {
