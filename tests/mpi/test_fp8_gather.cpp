@@ -74,7 +74,8 @@ TEST(Fp8Gather, ShardedEqualsUnshardedAndQuantizesNoWeight) {
   world.barrier();
   // fc1 and fc2 of the MoE layer; fp8_full also 4 attention projections per block, the dense MLP's 3 and the
   // shared expert's 3.
-  for (const auto& [recipe, num_fp8] : {std::pair<std::string, int64_t>{"fp8_flow", 2}, {"fp8_full", 2 * 4 + 3 + 2 + 3}}) {
+  for (const auto& [recipe, num_fp8] :
+       {std::pair<std::string, int64_t>{"fp8_flow", 2}, {"fp8_full", 2 * 4 + 3 + 2 + 3}}) {
     SCOPED_TRACE(recipe);
     const TinyRun sharded = train_tiny(recipe, true, d / (recipe + "_sharded"));
     const TinyRun whole = train_tiny(recipe, false, d / (recipe + "_whole"));
