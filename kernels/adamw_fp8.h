@@ -23,7 +23,11 @@ struct Fp8BlockCopy {
   int64_t B = 0, N = 0, K = 0;
 };
 
-// One weight's update (t: a whole tensor, t.n == B * N * K, t.rounding.first_index 0) and its FP8 copy.
+// One weight's update and its FP8 copy: a whole tensor (t.n == B * N * K, t.rounding.first_index 0), or a range of
+// whole 128-row block rows (the sharded optimizer's segment: N a multiple of 128, t.rounding.first_index and t.n
+// multiples of 128 * K; t's buffers hold the range alone, fp8's the whole copy). A range writes its blocks of q and
+// scale_inv. q_t and scale_inv_t may be both null (a range's transpose needs every block row: the sharded optimizer
+// has fp8_block_transpose_* write it once the copy is whole).
 struct AdamWFp8Tensor {
   AdamWTensor t;
   Fp8BlockCopy fp8;
@@ -39,5 +43,11 @@ void adamw_fp8_cuda(const AdamWFp8Tensor* tensors /*[num_tensors]*/, int64_t num
 
 // The checks both launchers make before anything is updated (Error / ShapeError / DTypeError naming the tensor).
 void check_adamw_fp8(const AdamWFp8Tensor* tensors, int64_t num_tensors, const char* what);
+
+// q_t and scale_inv_t of c from its q and scale_inv: each 128x128 block's bytes transposed, and the scale grid
+// transposed, which is bit for bit what adamw_fp8 and quantize_block write (each block's transpose keeps its
+// scale). The sharded optimizer's ranks gather q and scale_inv and rebuild the transpose each.
+void fp8_block_transpose_cpu(const Fp8BlockCopy& c);
+void fp8_block_transpose_cuda(const Fp8BlockCopy& c, cudaStream_t stream);
 
 }  // namespace flowmoe

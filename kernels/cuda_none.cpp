@@ -56,6 +56,7 @@ FLOWMOE_NO_CUDA(void, sum_values_multi_cuda, (const SumSlice*, int64_t, float*, 
 
 // kernels/adamw_fp8.h
 FLOWMOE_NO_CUDA(void, adamw_fp8_cuda, (const AdamWFp8Tensor*, int64_t, const StepScalars*, cudaStream_t))
+FLOWMOE_NO_CUDA(void, fp8_block_transpose_cuda, (const Fp8BlockCopy&, cudaStream_t))
 
 // kernels/add_rmsnorm.h
 FLOWMOE_NO_CUDA(void, add_rmsnorm_forward_cuda,

@@ -3,6 +3,17 @@
 
 namespace flowmoe {
 
+Fp8BlockCopy block_copy(const QuantizedWeight& wq) {
+  const Tensor& q = wq.q;
+  return {q.data<uint8_t>(),
+          q.fp8_scales()->scale_inv.data<float>(),
+          wq.q_t.data<uint8_t>(),
+          wq.q_t.fp8_scales()->scale_inv.data<float>(),
+          q.dim() == 3 ? q.size(0) : 1,
+          q.size(-2),
+          q.size(-1)};
+}
+
 void store_fp8_weight(QuantizedWeight& into, const QuantizedWeight& fresh) {
   const auto fits = [](const Tensor& a, const Tensor& b) {
     return a.defined() && a.shape() == b.shape() && a.device() == b.device() && a.fp8_scales() &&

@@ -13,6 +13,7 @@
 #include "engine/ops/fp8_linear.h"
 #include "engine/ops/ops.h"
 #include "engine/ops/quantize.h"
+#include "kernels/adamw_fp8.h"
 
 namespace flowmoe {
 
@@ -29,6 +30,9 @@ struct Fp8WeightCopy {
     of = w.impl();
   }
 };
+
+// The kernels' view of a copy's four buffers (kernels/adamw_fp8.h): wq.q [B, N, K] or [N, K] (B = 1).
+Fp8BlockCopy block_copy(const QuantizedWeight& wq);
 
 // A fresh quantize of w written into `into`'s buffers where it has them, so the buffers a captured step
 // (train.cuda_graph) reads and AdamW writes stay where they are.

@@ -1,9 +1,8 @@
 // AdamW writing the FP8 weights (kernels/adamw_fp8.h): the fused, tile-shaped update gives bit for bit what
 // adamw_multi_cpu then quantize_block_cpu of the updated weights as the forward reads them give (weights, moments,
 // copy, data, scales and transpose), on shapes with tails, zero, huge and non-finite blocks, f32 and bf16 moments
-// and copies; a skipped step moves nothing; the GPU agrees with the CPU. In training (train/optimizer.h), the
-// forward then quantizes no weight in steady state under fp8_flow and fp8_full, and the losses are those of the
-// forward quantizing every weight itself.
+// and copies; a skipped step moves nothing; ranges of whole block rows (the sharded optimizer's) and the block
+// transpose give the whole tensor's update; the GPU agrees with the CPU. In training: test_adamw_fp8_training.cpp.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -11,13 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/cast_stats.h"
 #include "kernels/adamw_fp8.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"
 #include "tests/test_util.h"
-#include "tests/train_test_util.h"
-#include "train/trainer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;
@@ -229,7 +225,8 @@ TEST(AdamWFp8, StepScalarsAndSkippedSteps) {
   expect_same(w, want);
 }
 
-TEST(AdamWFp8, RejectsRangesAndWrongShapes) {
+// Ranges of whole block rows only, and those of a weight whose N is a multiple of 128.
+TEST(AdamWFp8, RejectsRangesOffBlockRowsAndWrongShapes) {
   Rng rng(test_seed());
   const Weight w = make_weight(rng, 1, 130, 200, DType::f32, DType::f64);
   AdamWFp8Tensor t = w.fused(test_step());
@@ -237,7 +234,106 @@ TEST(AdamWFp8, RejectsRangesAndWrongShapes) {
   EXPECT_THROW(adamw_fp8_cpu(&t, 1), ShapeError);
   t = w.fused(test_step());
   t.t.rounding.first_index = 128;
-  EXPECT_THROW(adamw_fp8_cpu(&t, 1), Error);
+  EXPECT_THROW(adamw_fp8_cpu(&t, 1), ShapeError);  // past the end
+  t.t.n = 128 * 200;
+  t.t.rounding.first_index = 0;
+  EXPECT_THROW(adamw_fp8_cpu(&t, 1), Error);  // N 130: the block rows are not all 128 K elements
+  const Weight v = make_weight(rng, 1, 256, 200, DType::f32, DType::f64);
+  t = v.fused(test_step());
+  t.t.n = 128 * 200;
+  t.t.rounding.first_index = 200;
+  EXPECT_THROW(adamw_fp8_cpu(&t, 1), Error);  // starts off a block row
+  t.t.rounding.first_index = 128 * 200;
+  t.fp8.q_t = nullptr;
+  EXPECT_THROW(adamw_fp8_cpu(&t, 1), Error);  // a transpose without its scales
+  t.fp8.scale_inv_t = nullptr;
+  EXPECT_NO_THROW(adamw_fp8_cpu(&t, 1));  // the second block row, without the transpose
+}
+
+namespace {
+
+// The weights whose block rows the sharded optimizer splits (N a multiple of 128), tails in K, several matrices.
+std::vector<Case> row_cases() {
+  return {{1, 128, 128, DType::f32, DType::f64},
+          {1, 256, 1, DType::f32, DType::f32},
+          {2, 256, 200, DType::bf16, DType::bf16},
+          {3, 128, 129, DType::f32, DType::f64}};
+}
+
+// w updated as the sharded optimizer's ranks update it: block rows [cuts[j], cuts[j + 1]) one range each, their
+// buffers the range's alone, then the transpose rebuilt from the whole copy.
+void update_by_ranges(Weight& w, const std::vector<int64_t>& cuts, Device dev) {
+  const int64_t row = 128 * w.K;
+  const int64_t moment_size = int64_t(dtype_size(w.exp_avg.dtype()));
+  for (size_t j = 0; j + 1 < cuts.size(); ++j) {
+    AdamWFp8Tensor t = w.fused(test_step());
+    const int64_t first = cuts[j] * row;
+    t.t.param += first;
+    t.t.grad += first;
+    t.t.exp_avg = static_cast<char*>(t.t.exp_avg) + first * moment_size;
+    t.t.exp_avg_sq = static_cast<char*>(t.t.exp_avg_sq) + first * moment_size;
+    if (t.t.copy.data) t.t.copy.data = static_cast<char*>(t.t.copy.data) + first * int64_t(dtype_size(t.t.copy.dtype));
+    t.t.n = (cuts[j + 1] - cuts[j]) * row;
+    t.t.rounding.first_index = first;
+    t.fp8.q_t = nullptr;
+    t.fp8.scale_inv_t = nullptr;
+    if (dev.is_cpu())
+      adamw_fp8_cpu(&t, 1);
+    else
+      adamw_fp8_cuda(&t, 1, nullptr, current_stream(dev.index));
+  }
+  w.q_t.fill_(0.0);
+  w.scale_inv_t.fill_(0.0);
+  const AdamWFp8Tensor whole = w.fused(test_step());
+  if (dev.is_cpu())
+    fp8_block_transpose_cpu(whole.fp8);
+  else
+    fp8_block_transpose_cuda(whole.fp8, current_stream(dev.index));
+}
+
+// Each block row a range of its own, and two ranges of about half.
+std::vector<std::vector<int64_t>> row_cuts(const Weight& w) {
+  const int64_t rows = w.B * w.N / 128;
+  std::vector<int64_t> each(size_t(rows + 1));
+  for (int64_t r = 0; r <= rows; ++r) each[size_t(r)] = r;
+  return {each, {0, rows / 2, rows}};
+}
+
+}  // namespace
+
+// The sharded optimizer's update: ranges of block rows, then the block transpose, are the whole tensor's fused
+// update bit for bit (weights, moments, copy, data, scales and transpose), edge blocks included.
+TEST(AdamWFp8, RangesOfBlockRowsEqualTheWholeTensor) {
+  Rng rng(test_seed());
+  for (const Case& c : row_cases()) {
+    SCOPED_TRACE(describe(c));
+    for (bool edges : {false, true}) {
+      Weight w = make_weight(rng, c.B, c.N, c.K, c.moments, c.copy);
+      if (edges) add_edge_blocks(w);
+      Weight want = w.to(Device::cpu());
+      const AdamWFp8Tensor t = want.fused(test_step());
+      adamw_fp8_cpu(&t, 1);
+      for (const std::vector<int64_t>& cuts : row_cuts(w)) {
+        Weight got = w.to(Device::cpu());
+        update_by_ranges(got, cuts, Device::cpu());
+        expect_same(got, want);
+      }
+    }
+  }
+}
+
+// The block transpose alone: each block's bytes and the scale grid, as the fused update writes them, tails too.
+TEST(AdamWFp8, BlockTransposeEqualsTheFusedTranspose) {
+  for_each_weight([](Weight& w) {
+    const AdamWFp8Tensor t = w.fused(test_step());
+    adamw_fp8_cpu(&t, 1);
+    const Tensor q_t = w.q_t.clone(), scale_inv_t = w.scale_inv_t.clone();
+    w.q_t.fill_(0.0);
+    w.scale_inv_t.fill_(0.0);
+    fp8_block_transpose_cpu(t.fp8);
+    EXPECT_TRUE(bit_equal(w.q_t, q_t));
+    EXPECT_TRUE(bit_equal(w.scale_inv_t, scale_inv_t));
+  });
 }
 
 TEST(AdamWFp8Cuda, MatchesCpu) {
@@ -251,84 +347,17 @@ TEST(AdamWFp8Cuda, MatchesCpu) {
   });
 }
 
-namespace {
-
-// A tiny MoE model in `recipe`, every width 128 (the FP8 GEMMs' block), on the CPU: one dense block, one MoE block.
-Config fp8_config(const std::string& recipe) {
-  Config c = parse_config(
-      "model: {vocab_size: 64, hidden_size: 128, num_hidden_layers: 2, num_attention_heads: 4,"
-      " intermediate_size: 128, max_position_embeddings: 32, n_routed_experts: 4, num_experts_per_tok: 2,"
-      " moe_intermediate_size: 128, n_shared_experts: 1, first_k_dense_replace: 1}\n"
-      "data: {seq_len: 16, synthetic_tokens: 20000, val_fraction: 0.1}\n"
-      "train: {device: cpu, steps: 4, batch_size: 2, eval_every: 0}\n"
-      "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: 1}\n"
-      "logging: {progress: plain}\n",
-      "fp8_weights.yaml", {"precision.recipe=" + recipe});
-  c.logging.out_dir = fresh_dir("adamw_fp8_" + recipe).string();
-  return c;
-}
-
-struct Steps {
-  std::vector<double> losses;
-  std::vector<int64_t> weight_quantizes;  // in each step's forward and backward
-};
-
-// The FP8 copies' count per step of the model above: the MoE layer's fc1 and fc2 (and, under fp8_full, 4
-// attention projections per block, the dense MLP's 3 and the shared expert's 3).
-int64_t num_fp8_weights(const std::string& recipe) { return recipe == "fp8_flow" ? 2 : 2 * 4 + 3 + 2 + 3; }
-
-// `steps` steps; with fused false every weight's version moves after the backward, so the optimizer finds no FP8
-// copy current and the next forward quantizes every weight itself (the path without AdamW writing them).
-Steps train_steps(const std::string& recipe, bool fused, const std::string& out_dir = "",
-                  const std::vector<std::string>& sets = {}, int64_t stop_after = -1) {
-  Steps out;
-  TrainOptions o = quiet();
-  o.stop_after = stop_after;
-  Config c = fp8_config(recipe);
-  if (!out_dir.empty()) c.logging.out_dir = out_dir;
-  for (const std::string& s : sets) apply_override(c, s);
-  o.after_backward = [&](int64_t, const std::vector<Variable>& params) {
-    out.weight_quantizes.push_back(cast_counts().weight_quantize);
-    if (!fused)
-      for (const Variable& p : params) p.bump_version();
-  };
-  out.losses = train(c, o).losses;
-  return out;
-}
-
-}  // namespace
-
-// The first forward quantizes each FP8 weight once; from then on AdamW writes them and no step quantizes one, and
-// the losses are, bit for bit, those of the forward quantizing each weight after every update.
-TEST(AdamWFp8, TrainingQuantizesNoWeightInSteadyState) {
-  for (const std::string recipe : {"fp8_flow", "fp8_full"}) {
-    SCOPED_TRACE(recipe);
-    const Steps fused = train_steps(recipe, true), unfused_run = train_steps(recipe, false);
-    const int64_t num_fp8 = num_fp8_weights(recipe);
-    EXPECT_EQ(fused.weight_quantizes, (std::vector<int64_t>{num_fp8, 0, 0, 0}));
-    EXPECT_EQ(unfused_run.weight_quantizes, (std::vector<int64_t>(4, num_fp8)));
-    ASSERT_EQ(fused.losses.size(), unfused_run.losses.size());
-    for (size_t i = 0; i < fused.losses.size(); ++i)
-      EXPECT_EQ(fused.losses[i], unfused_run.losses[i]) << "step " << i + 1;  // bit for bit
+TEST(AdamWFp8Cuda, RangesAndBlockTransposeMatchCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  for (const Case& c : row_cases()) {
+    SCOPED_TRACE(describe(c));
+    Weight cpu = make_weight(rng, c.B, c.N, c.K, c.moments, c.copy);
+    add_edge_blocks(cpu);
+    const std::vector<int64_t> cuts = row_cuts(cpu)[1];
+    Weight gpu = cpu.to(Device::cuda(0));
+    update_by_ranges(cpu, cuts, Device::cpu());
+    update_by_ranges(gpu, cuts, Device::cuda(0));
+    expect_same(gpu, cpu, true);
   }
-}
-
-// A checkpoint load moves the weights without their FP8 copies: the resumed run's first forward quantizes each
-// once, then AdamW writes them again; 2 + 2 steps repeat 4 straight ones bit for bit.
-TEST(AdamWFp8, ResumedRunQuantizesOnceThenRepeatsTheStraightRun) {
-  const std::filesystem::path d = fresh_dir("adamw_fp8_resume");
-  const std::string recipe = "fp8_full";
-  const std::vector<std::string> every2 = {"checkpoint.every=2"};
-  const Steps straight = train_steps(recipe, true, (d / "straight").string(), every2);
-  const Steps first = train_steps(recipe, true, (d / "split").string(), every2, 2);
-  std::vector<std::string> resume = every2;
-  resume.push_back("checkpoint.resume=true");
-  const Steps second = train_steps(recipe, true, (d / "split").string(), resume);
-  ASSERT_EQ(straight.losses.size(), 4u);
-  ASSERT_EQ(first.losses.size(), 2u);
-  ASSERT_EQ(second.losses.size(), 2u);
-  for (size_t i = 0; i < 4; ++i)
-    EXPECT_EQ(straight.losses[i], i < 2 ? first.losses[i] : second.losses[i - 2]) << "step " << i + 1;
-  EXPECT_EQ(second.weight_quantizes, (std::vector<int64_t>{num_fp8_weights(recipe), 0}));
-  std::filesystem::remove_all(d);
 }

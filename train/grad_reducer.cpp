@@ -10,6 +10,7 @@
 #include "engine/side_stream.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
+#include "kernels/fp8.h"
 
 namespace flowmoe {
 
@@ -44,6 +45,16 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
   for (size_t k = 0; k < params_.size(); ++k) {
     const size_t i = params_.size() - 1 - k;
     const int g = shards[i].expert && ps.expert_parallel_size > 1 ? 1 : 0;
+    index_of_[params_[i].impl()] = i;
+    if (shard_ && gathers_fp8(params_[i], shards[i])) {  // a bucket of its own, in whole block rows
+      Bucket own;
+      own.group = g;
+      own.params = {i};
+      own.numel = params_[i].data().numel();
+      own.fp8 = shards[i].fp8;
+      closed.push_back(std::move(own));
+      continue;
+    }
     const bool narrow = shard_ && weight_dtype != DType::f32 && !shards[i].reads_f32;
     Bucket& b = open[g][narrow];
     const int64_t n = params_[i].data().numel();
@@ -52,7 +63,6 @@ GradientReducer::GradientReducer(const ParallelState& ps, std::vector<Variable> 
     b.dtype = narrow ? weight_dtype : DType::f32;
     b.params.push_back(i);
     b.numel += n;
-    index_of_[params_[i].impl()] = i;
   }
   for (Bucket(&by_dtype)[2] : open)
     for (Bucket& b : by_dtype)
@@ -109,7 +119,9 @@ void GradientReducer::shard_buckets() {
   for (Bucket& b : buckets_) {
     const Device device = params_[b.params.front()].device();
     const int64_t size = group_communicator(b.group)->size();
-    b.padded = (b.numel + size - 1) / size * size;
+    // Segments of whole block rows (a row of 128 K elements) for an FP8 copy's bucket, whole elements otherwise.
+    const int64_t unit = b.fp8 ? kFp8BlockSize * params_[b.params.front()].size(-1) * size : size;
+    b.padded = (b.numel + unit - 1) / unit * unit;
     b.weights = Tensor::empty({b.padded}, b.dtype, device);
     b.master = Tensor::empty({b.padded / size}, DType::f32, device);
     set_values(b, packed_values(b, [&](size_t i) { return params_[i].data(); }));
@@ -127,6 +139,7 @@ void GradientReducer::shard_buckets() {
       offset += n;
     }
     view_ranges(b, b.master, master_ranges_);
+    if (b.fp8) shard_fp8_copy(b);
   }
 }
 
@@ -339,8 +352,11 @@ void GradientReducer::gather_weights() {
   }
   for (size_t k : gather_order_) {
     Bucket& b = buckets_[k];
-    call_hook(HookPoint::gather, b.weights);
-    comms_[b.group]->all_gather_in_place(b.weights);
+    call_hook(HookPoint::gather, b.fp8 ? b.fp8_q : b.weights);
+    if (b.fp8)
+      gather_fp8(b);
+    else
+      comms_[b.group]->all_gather_in_place(b.weights);
     if (!stream_) continue;
     b.gathered->record(stream_->get());
     b.awaited = false;
@@ -348,7 +364,8 @@ void GradientReducer::gather_weights() {
   // A captured step (train.cuda_graph) joins the reducer's stream before it ends: the next replay's
   // forward cannot wait on events of this one.
   if (stream_ && cuda_is_capturing(params_[0].device().index)) wait_weights();
-  for (const Variable& p : params_) p.bump_version();  // FP8 weight caches re-quantize
+  for (const Variable& p : params_) p.bump_version();  // FP8 weight caches re-quantize, but for the gathered ones
+  mark_fp8_current();
 }
 
 void GradientReducer::set_stages(const std::vector<int64_t>& stages) {

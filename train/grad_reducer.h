@@ -6,8 +6,13 @@
 // (with nccl on a stream of its own), in one order on every rank, so the sums equal those of reducing after
 // the backward, bit for bit. Sharded, a bucket is reduce-scattered: each rank keeps its segment's gradient,
 // f32 master weights and AdamW moments, and the model's weights (bf16 where the forward computes in bf16)
-// are all-gathered after the update. docs/DESIGN.md §9 has the streams and the memory; tests:
-// tests/mpi/test_dp_train.cpp, test_grad_reducer.cpp, test_data_parallel.cpp.
+// are all-gathered after the update. A weight the forward reads as an FP8 copy (ParamShard::fp8, 128x128
+// blocks) has a bucket of its own whose segments are whole 128-row block rows: AdamW writes the copy's data
+// and scales of its segment (kernels/adamw_fp8.h), those are what is gathered (Megatron-LM's
+// --fp8-param-gather), and each rank rebuilds the transpose; the f32 weights of the other segments are
+// stale then (nothing reads them: the forward reads the copy, a checkpoint the gathered masters).
+// docs/DESIGN.md §9 has the streams and the memory; tests: tests/mpi/test_dp_train.cpp, test_grad_reducer.cpp,
+// test_data_parallel.cpp, test_fp8_gather.cpp.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -64,6 +69,12 @@ class GradientReducer {
   // undefined where the range is empty): AdamW's masters.
   const std::vector<Tensor>& master_ranges() const { return master_ranges_; }
   const std::vector<Tensor>& range_grads() const { return range_grads_; }
+  // Sharded: per parameter, the FP8 copy whose data and scales the gather moves in place of the weight (AdamW
+  // writes its segment: AdamW::set_fp8_copies); null for the others.
+  std::vector<std::shared_ptr<Fp8WeightCopy>> gathered_fp8_copies() const;
+  // Marks the gathered FP8 copies current for their weights' versions (after gather_weights; after a CUDA
+  // graph's replay, which moved the versions without running the host code).
+  void mark_fp8_current() const;
   // Sharded: frees the gradient segments once the optimizer has read them (they exist from a bucket's
   // reduction until then, so the forward's and the early backward's peak does not hold them).
   void release_grads();
@@ -122,10 +133,19 @@ class GradientReducer {
     int64_t stage = 0;                // the first forward stage that reads one of its parameters
     std::unique_ptr<Event> gathered;  // nccl: recorded on the reduction stream after its all-gather
     bool awaited = true;              // the compute stream waits for its last gather already
+    // Sharded, a weight read as an FP8 copy: the copy, whose q and scale_inv are views of these [padded] e4m3
+    // and [padded / (128 K) * ceil(K / 128)] f32 buffers, gathered in place of weights.
+    std::shared_ptr<Fp8WeightCopy> fp8;
+    Tensor fp8_q, fp8_scales;
   };
   // Sharded: this rank's segment [begin, end) of bucket b's flat layout.
   std::pair<int64_t, int64_t> segment(const Bucket& b) const;
   void shard_buckets();
+  // Sharded: whether p's FP8 copy is gathered in its place (a bucket of its own), b's copy's buffers laid out as
+  // its segments (shard_buckets), and their gather with the transpose rebuilt (grad_reducer_fp8.cpp).
+  static bool gathers_fp8(const Variable& p, const ParamShard& s);
+  void shard_fp8_copy(Bucket& b);
+  void gather_fp8(Bucket& b);
   // Sharded: per parameter, its whole values (its local shape; on the host) from every rank's segment of
   // each bucket, which fill(b, segment) writes ([padded / G] of dtype on the bucket's device). Collective.
   template <class Fill>

@@ -171,15 +171,14 @@ AdamW::Update AdamW::update_tensors() const {
       t.copy = {static_cast<char*>(p.data().raw_data()) + begin * int64_t(dtype_size(p.dtype())), p.dtype()};
     u.grads.push_back(g);
     u.params.push_back(i);
-    // Sharded, the all-gather moves every weight after the update: the forward quantizes them (GradientReducer).
-    const Fp8WeightCopy* fp8 = sharded_ || fp8_.empty() ? nullptr : fp8_[i].get();
-    if (fp8 && fp8->current_for(p)) {
-      const Tensor& q = fp8->wq.q;
-      const int64_t B = q.dim() == 3 ? q.size(0) : 1;
-      u.fp8_tensors.push_back({t,
-                               {q.data<uint8_t>(), q.fp8_scales()->scale_inv.data<float>(), fp8->wq.q_t.data<uint8_t>(),
-                                fp8->wq.q_t.fp8_scales()->scale_inv.data<float>(), B, q.size(-2), q.size(-1)}});
-      u.fp8_params.push_back(i);
+    // Sharded, a copy here is one the reducer gathers: its buffers exist from the start, the update writes the
+    // range's block rows of its data and scales whatever its version, and the gather marks it current.
+    const Fp8WeightCopy* fp8 = fp8_.empty() ? nullptr : fp8_[i].get();
+    if (fp8 && (sharded_ || fp8->current_for(p))) {
+      Fp8BlockCopy c = block_copy(fp8->wq);
+      if (sharded_) c.q_t = nullptr, c.scale_inv_t = nullptr;  // rebuilt from the gathered copy
+      u.fp8_tensors.push_back({t, c});
+      if (!sharded_) u.fp8_params.push_back(i);
     } else {
       u.tensors.push_back(t);
     }

@@ -79,8 +79,10 @@ class AdamW {
   // Per parameter, the FP8 copy the forward reads in its place (layers/fp8_weight.h, ParamShard::fp8; null: none, an
   // empty list: none at all). A parameter this rank updates whole whose copy is current for it then steps in
   // adamw_fp8 (kernels/adamw_fp8.h): the update writes the copy too and marks it current for the new version, so
-  // the next forward quantizes nothing. A copy that is not current (no forward yet since the weight moved) and a
-  // parameter with a range are left to the forward, which quantizes them once.
+  // the next forward quantizes nothing. A copy that is not current (no forward yet since the weight moved) is left
+  // to the forward, which quantizes it once. Sharded, the copies are the reducer's gathered ones
+  // (GradientReducer::gathered_fp8_copies): the update writes the data and scales of its range's block rows, and
+  // the gather moves them and marks the copies current.
   void set_fp8_copies(std::vector<std::shared_ptr<Fp8WeightCopy>> copies);
   // Marks current again the copies the last update wrote, whose weights' versions have moved since without a
   // change of values: a replayed CUDA graph runs that update again on the device (train.cuda_graph).

@@ -262,8 +262,12 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
   opt.set_rounding_seed(uint64_t(c.train.seed));
-  std::vector<std::shared_ptr<Fp8WeightCopy>> fp8_copies;  // AdamW writes the FP8 weights the forward reads
-  for (const ParamShard& s : model.parameter_shards()) fp8_copies.push_back(s.fp8);
+  // AdamW writes the FP8 weights the forward reads; sharded, those the reducer gathers.
+  std::vector<std::shared_ptr<Fp8WeightCopy>> fp8_copies;
+  if (reducer && reducer->sharded())
+    fp8_copies = reducer->gathered_fp8_copies();
+  else
+    for (const ParamShard& s : model.parameter_shards()) fp8_copies.push_back(s.fp8);
   opt.set_fp8_copies(std::move(fp8_copies));
   model.set_recompute_attention(c.train.recomputes("attention"));
   model.set_mtp_loss_weight(c.train.mtp_loss_weight);

@@ -269,6 +269,9 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
       // Nothing of a capture ran, here or elsewhere; FP8 weight caches made during it are dropped (their
       // versions move), and so is a graph this rank did capture.
       for (const Variable& p : run.model.parameters()) p.bump_version();
+      // The gathered copies hold the weights still (nothing ran); their f32 weights are stale outside this
+      // rank's segments, so the forward must not quantize them again.
+      if (run.reducer && run.reducer->sharded()) run.reducer->mark_fp8_current();
       run.graph.reset();
       if (decision == GraphDecision::abort && failure) std::rethrow_exception(failure);
       FLOWMOE_CHECK(decision != GraphDecision::abort, Error, "train.cuda_graph: on (",
@@ -286,6 +289,7 @@ std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches,
   // eager AdamW step moves them, and the FP8 copies the update wrote are current for the new versions.
   for (const Variable& p : run.model.parameters()) p.bump_version();
   run.opt.mark_fp8_copies_current();
+  if (run.reducer && run.reducer->sharded()) run.reducer->mark_fp8_current();
   issued = run.graph_issued;
   run.last_casts = run.graph_casts;
   return run.graph->outputs();

@@ -25,10 +25,11 @@ constexpr int kColsPerThread = kBlk / 32;      // 4: lane l takes columns l, l +
 __device__ __forceinline__ float load_moment(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float load_moment(const uint16_t* p, int64_t i) { return bf16_bits_value(p[i]); }
 
-// M: the moments' type (float, or uint16_t: bf16 bits).
+// M: the moments' type (float, or uint16_t: bf16 bits). Block row r0 + blockIdx.y (r = b * nbn + bn): a range's
+// (kernels/adamw_fp8.h), whose buffers in t start at element t.rounding.first_index.
 template <class M>
 __global__ void adamw_fp8_kernel(const __grid_constant__ AdamWTensor t, const __grid_constant__ Fp8BlockCopy c,
-                                 const StepScalars* __restrict__ control) {
+                                 int64_t r0, const StepScalars* __restrict__ control) {
   if (control && !control->apply) return;  // a skipped step: nothing moves, the copy stays the weights'
   const AdamWStep s = control ? scheduled_adamw_step(t.step, *control, t.lr_multiplier) : t.step;
   __shared__ uint8_t tile[kBlk][kBlk + 4];  // the block's bytes, [row][column]
@@ -38,7 +39,8 @@ __global__ void adamw_fp8_kernel(const __grid_constant__ AdamWTensor t, const __
   M* __restrict__ exp_avg_sq = static_cast<M*>(t.exp_avg_sq);
   const uint64_t stream = kNarrow ? rounding_stream(t.rounding.key, s.update) : 0;
   const int64_t N = c.N, K = c.K, nbn = fp8_num_blocks(N), nbk = fp8_num_blocks(K);
-  const int64_t bk = blockIdx.x, bn = blockIdx.y, b = blockIdx.z, n0 = bn * kBlk, k0 = bk * kBlk, base = b * N * K;
+  const int64_t r = r0 + blockIdx.y, bk = blockIdx.x, bn = r % nbn, b = r / nbn;
+  const int64_t n0 = bn * kBlk, k0 = bk * kBlk, base = b * N * K, first = t.rounding.first_index;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   float x[kRowsPerThread][kColsPerThread], amax = 0.f;
 #pragma unroll
@@ -48,21 +50,21 @@ __global__ void adamw_fp8_kernel(const __grid_constant__ AdamWTensor t, const __
       const int64_t n = n0 + warp + kWarps * p, k = k0 + lane + 32 * j;
       float value = 0.f;  // outside the weight: zeros, which leave the amax as it is
       if (n < N && k < K) {
-        const int64_t i = base + n * K + k;
-        float w = t.param[i], m = load_moment(exp_avg, i), v = load_moment(exp_avg_sq, i);
-        adamw_element(w, m, v, t.grad[i], s);
-        t.param[i] = w;
+        const int64_t i = base + n * K + k, at = i - first;  // in the whole tensor; in t's buffers
+        float w = t.param[at], m = load_moment(exp_avg, at), v = load_moment(exp_avg_sq, at);
+        adamw_element(w, m, v, t.grad[at], s);
+        t.param[at] = w;
         if constexpr (kNarrow) {
-          round_moments_bf16(m, v, stream, i, &exp_avg[i], &exp_avg_sq[i]);
+          round_moments_bf16(m, v, stream, i, &exp_avg[at], &exp_avg_sq[at]);
         } else {
-          exp_avg[i] = m;
-          exp_avg_sq[i] = v;
+          exp_avg[at] = m;
+          exp_avg_sq[at] = v;
         }
         value = w;
-        if (t.copy.data && t.copy.dtype == DType::f32) static_cast<float*>(t.copy.data)[i] = w;
+        if (t.copy.data && t.copy.dtype == DType::f32) static_cast<float*>(t.copy.data)[at] = w;
         if (t.copy.data && t.copy.dtype == DType::bf16) {
           const uint16_t bits = __bfloat16_as_ushort(__float2bfloat16_rn(w));
-          static_cast<uint16_t*>(t.copy.data)[i] = bits;
+          static_cast<uint16_t*>(t.copy.data)[at] = bits;
           value = bf16_bits_value(bits);  // the forward reads the bf16 copy
         }
       }
@@ -77,17 +79,18 @@ __global__ void adamw_fp8_kernel(const __grid_constant__ AdamWTensor t, const __
   const float s_inv = fp8_scale_inv(amax), scale = fp8_scale_from_inv(s_inv);
   if (threadIdx.x == 0) {
     c.scale_inv[(b * nbn + bn) * nbk + bk] = s_inv;
-    c.scale_inv_t[(b * nbk + bk) * nbn + bn] = s_inv;
+    if (c.scale_inv_t) c.scale_inv_t[(b * nbk + bk) * nbn + bn] = s_inv;
   }
 #pragma unroll
   for (int p = 0; p < kRowsPerThread; ++p)
 #pragma unroll
     for (int j = 0; j < kColsPerThread; ++j) {
-      const int r = warp + kWarps * p, col = lane + 32 * j;
+      const int row = warp + kWarps * p, col = lane + 32 * j;
       const uint8_t byte = uint8_t(__nv_cvt_float_to_fp8(__fmul_rn(x[p][j], scale), __NV_SATFINITE, __NV_E4M3));
-      if (n0 + r < N && k0 + col < K) c.q[base + (n0 + r) * K + k0 + col] = byte;
-      tile[r][col] = byte;
+      if (n0 + row < N && k0 + col < K) c.q[base + (n0 + row) * K + k0 + col] = byte;
+      tile[row][col] = byte;
     }
+  if (!c.q_t) return;  // a range: the transpose is rebuilt once the copy is whole (fp8_block_transpose_cuda)
   __syncthreads();
   // q_t [B, K, N]: row k0 + kk holds the block's column kk; consecutive threads write consecutive n.
   for (int e = int(threadIdx.x); e < kBlk * kBlk; e += kThreads) {
@@ -96,7 +99,34 @@ __global__ void adamw_fp8_kernel(const __grid_constant__ AdamWTensor t, const __
   }
 }
 
+// One CTA per 128x128 block (grid: nbk, nbn, B): the block's bytes through a shared tile, read along k and written
+// along n, as adamw_fp8_kernel's transpose; thread 0 moves the block's scale.
+__global__ void fp8_block_transpose_kernel(const __grid_constant__ Fp8BlockCopy c) {
+  __shared__ uint8_t tile[kBlk][kBlk + 4];
+  const int64_t N = c.N, K = c.K, nbn = fp8_num_blocks(N), nbk = fp8_num_blocks(K);
+  const int64_t bk = blockIdx.x, bn = blockIdx.y, b = blockIdx.z, n0 = bn * kBlk, k0 = bk * kBlk, base = b * N * K;
+  if (threadIdx.x == 0) c.scale_inv_t[(b * nbk + bk) * nbn + bn] = c.scale_inv[(b * nbn + bn) * nbk + bk];
+  for (int e = int(threadIdx.x); e < kBlk * kBlk; e += kThreads) {
+    const int nn = e / kBlk, kk = e % kBlk;
+    if (n0 + nn < N && k0 + kk < K) tile[nn][kk] = c.q[base + (n0 + nn) * K + k0 + kk];
+  }
+  __syncthreads();
+  for (int e = int(threadIdx.x); e < kBlk * kBlk; e += kThreads) {
+    const int kk = e / kBlk, nn = e % kBlk;
+    if (k0 + kk < K && n0 + nn < N) c.q_t[base + (k0 + kk) * N + n0 + nn] = tile[nn][kk];
+  }
+}
+
 }  // namespace
+
+void fp8_block_transpose_cuda(const Fp8BlockCopy& c, cudaStream_t stream) {
+  FLOWMOE_CHECK(c.B < 65536 && fp8_num_blocks(c.N) < 65536, ShapeError, "fp8_block_transpose_cuda: [", c.B, ", ", c.N,
+                ", ", c.K, "] has too many matrices or row blocks for one launch");
+  if (c.B * c.N * c.K == 0) return;
+  const dim3 grid(unsigned(fp8_num_blocks(c.K)), unsigned(fp8_num_blocks(c.N)), unsigned(c.B));
+  fp8_block_transpose_kernel<<<grid, kThreads, 0, stream>>>(c);
+  FLOWMOE_CUDA_CHECK_LAUNCH();
+}
 
 void adamw_fp8_cuda(const AdamWFp8Tensor* tensors, int64_t num_tensors, const StepScalars* control,
                     cudaStream_t stream) {
@@ -104,17 +134,21 @@ void adamw_fp8_cuda(const AdamWFp8Tensor* tensors, int64_t num_tensors, const St
   check_adamw_fp8(tensors, num_tensors, what);
   for (int64_t i = 0; i < num_tensors; ++i) {
     const Fp8BlockCopy& c = tensors[i].fp8;
-    FLOWMOE_CHECK(c.B < 65536 && fp8_num_blocks(c.N) < 65536, ShapeError, what, ": tensor ", i, " [", c.B, ", ", c.N,
-                  ", ", c.K, "] has too many matrices or row blocks for one launch");
+    FLOWMOE_CHECK(c.B * fp8_num_blocks(c.N) < 65536, ShapeError, what, ": tensor ", i, " [", c.B, ", ", c.N, ", ", c.K,
+                  "] has too many row blocks for one launch");
   }
   for (int64_t i = 0; i < num_tensors; ++i) {
     const AdamWFp8Tensor& w = tensors[i];
     if (w.t.n == 0) continue;
-    const dim3 grid(unsigned(fp8_num_blocks(w.fp8.K)), unsigned(fp8_num_blocks(w.fp8.N)), unsigned(w.fp8.B));
+    // The range's block rows (kernels/adamw_fp8.h; a whole tensor: all of them).
+    const int64_t nbn = fp8_num_blocks(w.fp8.N), row = kFp8BlockSize * w.fp8.K;
+    const bool whole = w.t.n == w.fp8.B * w.fp8.N * w.fp8.K;
+    const int64_t r0 = whole ? 0 : w.t.rounding.first_index / row, rows = whole ? w.fp8.B * nbn : w.t.n / row;
+    const dim3 grid(unsigned(fp8_num_blocks(w.fp8.K)), unsigned(rows), 1);
     if (w.t.moment_dtype == DType::bf16)
-      adamw_fp8_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(w.t, w.fp8, control);
+      adamw_fp8_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(w.t, w.fp8, r0, control);
     else
-      adamw_fp8_kernel<float><<<grid, kThreads, 0, stream>>>(w.t, w.fp8, control);
+      adamw_fp8_kernel<float><<<grid, kThreads, 0, stream>>>(w.t, w.fp8, r0, control);
     FLOWMOE_CUDA_CHECK_LAUNCH();
   }
 }

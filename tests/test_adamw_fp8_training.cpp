@@ -1,0 +1,97 @@
+// AdamW writing the FP8 weights (kernels/adamw_fp8.h, train/optimizer.h) in training: the forward quantizes no
+// weight in steady state under fp8_flow and fp8_full, and the losses are those of the forward quantizing every
+// weight itself; a resumed run quantizes each weight once, then repeats the straight run. The kernels' own tests:
+// test_adamw_fp8.cpp.
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "engine/cast_stats.h"
+#include "tests/test_util.h"
+#include "tests/train_test_util.h"
+#include "train/trainer.h"
+
+using namespace flowmoe;
+using namespace flowmoe::test;
+
+namespace {
+
+// A tiny MoE model in `recipe`, every width 128 (the FP8 GEMMs' block), on the CPU: one dense block, one MoE block.
+Config fp8_config(const std::string& recipe) {
+  Config c = parse_config(
+      "model: {vocab_size: 64, hidden_size: 128, num_hidden_layers: 2, num_attention_heads: 4,"
+      " intermediate_size: 128, max_position_embeddings: 32, n_routed_experts: 4, num_experts_per_tok: 2,"
+      " moe_intermediate_size: 128, n_shared_experts: 1, first_k_dense_replace: 1}\n"
+      "data: {seq_len: 16, synthetic_tokens: 20000, val_fraction: 0.1}\n"
+      "train: {device: cpu, steps: 4, batch_size: 2, eval_every: 0}\n"
+      "optimizer: {lr: 0.01, min_lr: 0.001, warmup_steps: 1}\n"
+      "logging: {progress: plain}\n",
+      "fp8_weights.yaml", {"precision.recipe=" + recipe});
+  c.logging.out_dir = fresh_dir("adamw_fp8_" + recipe).string();
+  return c;
+}
+
+struct Steps {
+  std::vector<double> losses;
+  std::vector<int64_t> weight_quantizes;  // in each step's forward and backward
+};
+
+// The FP8 copies' count per step of the model above: the MoE layer's fc1 and fc2 (and, under fp8_full, 4
+// attention projections per block, the dense MLP's 3 and the shared expert's 3).
+int64_t num_fp8_weights(const std::string& recipe) { return recipe == "fp8_flow" ? 2 : 2 * 4 + 3 + 2 + 3; }
+
+// `steps` steps; with fused false every weight's version moves after the backward, so the optimizer finds no FP8
+// copy current and the next forward quantizes every weight itself (the path without AdamW writing them).
+Steps train_steps(const std::string& recipe, bool fused, const std::string& out_dir = "",
+                  const std::vector<std::string>& sets = {}, int64_t stop_after = -1) {
+  Steps out;
+  TrainOptions o = quiet();
+  o.stop_after = stop_after;
+  Config c = fp8_config(recipe);
+  if (!out_dir.empty()) c.logging.out_dir = out_dir;
+  for (const std::string& s : sets) apply_override(c, s);
+  o.after_backward = [&](int64_t, const std::vector<Variable>& params) {
+    out.weight_quantizes.push_back(cast_counts().weight_quantize);
+    if (!fused)
+      for (const Variable& p : params) p.bump_version();
+  };
+  out.losses = train(c, o).losses;
+  return out;
+}
+
+}  // namespace
+
+// The first forward quantizes each FP8 weight once; from then on AdamW writes them and no step quantizes one, and
+// the losses are, bit for bit, those of the forward quantizing each weight after every update.
+TEST(AdamWFp8, TrainingQuantizesNoWeightInSteadyState) {
+  for (const std::string recipe : {"fp8_flow", "fp8_full"}) {
+    SCOPED_TRACE(recipe);
+    const Steps fused = train_steps(recipe, true), unfused_run = train_steps(recipe, false);
+    const int64_t num_fp8 = num_fp8_weights(recipe);
+    EXPECT_EQ(fused.weight_quantizes, (std::vector<int64_t>{num_fp8, 0, 0, 0}));
+    EXPECT_EQ(unfused_run.weight_quantizes, (std::vector<int64_t>(4, num_fp8)));
+    ASSERT_EQ(fused.losses.size(), unfused_run.losses.size());
+    for (size_t i = 0; i < fused.losses.size(); ++i)
+      EXPECT_EQ(fused.losses[i], unfused_run.losses[i]) << "step " << i + 1;  // bit for bit
+  }
+}
+
+// A checkpoint load moves the weights without their FP8 copies: the resumed run's first forward quantizes each
+// once, then AdamW writes them again; 2 + 2 steps repeat 4 straight ones bit for bit.
+TEST(AdamWFp8, ResumedRunQuantizesOnceThenRepeatsTheStraightRun) {
+  const std::filesystem::path d = fresh_dir("adamw_fp8_resume");
+  const std::string recipe = "fp8_full";
+  const std::vector<std::string> every2 = {"checkpoint.every=2"};
+  const Steps straight = train_steps(recipe, true, (d / "straight").string(), every2);
+  const Steps first = train_steps(recipe, true, (d / "split").string(), every2, 2);
+  std::vector<std::string> resume = every2;
+  resume.push_back("checkpoint.resume=true");
+  const Steps second = train_steps(recipe, true, (d / "split").string(), resume);
+  ASSERT_EQ(straight.losses.size(), 4u);
+  ASSERT_EQ(first.losses.size(), 2u);
+  ASSERT_EQ(second.losses.size(), 2u);
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_EQ(straight.losses[i], i < 2 ? first.losses[i] : second.losses[i - 2]) << "step " << i + 1;
+  EXPECT_EQ(second.weight_quantizes, (std::vector<int64_t>{num_fp8_weights(recipe), 0}));
+  std::filesystem::remove_all(d);
+}
