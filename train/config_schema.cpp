@@ -317,7 +317,8 @@ const std::vector<Field>& schema() {
     f.push_back(boolean("parallel", "shard_optimizer", FLOWMOE_CONFIG_REF(parallel.shard_optimizer),
                         "each data-parallel rank keeps AdamW's moments and f32 master weights for, the gradient of "
                         "and updates 1/N of the weights (gradients reduce-scattered and the rest released, weights "
-                        "all-gathered: bf16 on the GPU), so the optimizer state costs 8/N bytes per parameter, the "
+                        "all-gathered: bf16 on the GPU, the FP8 GEMMs' weights as their FP8 copies), so the optimizer "
+                        "state costs 8/N bytes per parameter, the "
                         "masters 4/N and the gradients 4/N; false keeps a full copy on every rank"));
     f.push_back(number("parallel", "timeout_s", FLOWMOE_CONFIG_REF(parallel.timeout_s), 0, false, 604800, false,
                        "several processes: a rank that has waited this many seconds in one collective (or for a "
