@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "checkpoint/checkpoint.h"
 #include "engine/allocator.h"
 #include "engine/cast_stats.h"
 #include "engine/host_threads.h"
@@ -15,7 +16,6 @@
 #include "parallel/backends.h"
 #include "parallel/distributed.h"
 #include "parallel/watchdog.h"
-#include "train/checkpoint.h"
 #include "train/data_parallel.h"
 #include "train/evaluation.h"
 #include "train/expert_parallel.h"

@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "config/config.h"
+#include "dataset/data.h"
 #include "engine/device.h"
 #include "layers/transformer.h"
 #include "parallel/communicator.h"
 #include "parallel/process_group.h"
-#include "train/config.h"
-#include "train/data.h"
 #include "train/stop_request.h"  // request_stop: a signal or the stop file stops a run
 
 namespace flowmoe {
