@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "config/config.h"
+#include "config/config_types.h"
 
 namespace flowmoe {
 

@@ -9,7 +9,7 @@
 #include <variant>
 #include <vector>
 
-#include "config/config.h"
+#include "config/config_types.h"
 
 namespace flowmoe::config_schema {
 

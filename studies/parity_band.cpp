@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <string>
 
-#include "studies/parity.h"
+#include "studies/parity_report.h"
 
 namespace flowmoe {
 

@@ -7,24 +7,9 @@
 // the test is. Final-loss parity is reported beside it: each run's final validation loss relative to
 // the reference's, with the controls' spread of the same figure. Tests: tests/test_parity_band.cpp.
 #pragma once
-#include <cmath>
-#include <cstdint>
-#include <vector>
+#include "studies/parity_report.h"
 
 namespace flowmoe {
-
-struct ParityReport;
-
-struct NoiseBand {
-  int num_controls = 0;
-  double margin = 0.25;
-  std::vector<double> upper;       // per report step: the largest control's EMA error (NaN: none)
-  double control_mean_max = NAN;   // the largest of the controls' mean EMA errors after warmup
-  double control_max_max = NAN;    // the largest of their maximum EMA errors after warmup
-  double final_val_rel_min = NAN;  // the controls' final validation loss relative to the reference's:
-  double final_val_rel_max = NAN;  //   its smallest and largest (signed: positive is worse)
-  bool defined() const { return num_controls > 0; }
-};
 
 // (final - reference) / reference: signed, NaN unless both are finite and the reference is not 0.
 double signed_relative(double value, double reference);

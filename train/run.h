@@ -28,7 +28,7 @@
 #include "train/optimizer.h"
 #include "train/progress.h"
 #include "train/step_state.h"
-#include "train/trainer.h"
+#include "train/train_options.h"
 
 namespace flowmoe {
 
