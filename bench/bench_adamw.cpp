@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "config/config.h"
 #include "engine/cuda_graph.h"
 #include "engine/tensor.h"
 #include "kernels/adamw.h"
 #include "kernels/common/error.h"
 #include "layers/transformer.h"
-#include "train/config.h"
 
 using namespace flowmoe;
 

@@ -75,7 +75,7 @@ import time
 
 # ---- the config ------------------------------------------------------------------------------------
 
-# Every key flowmoe's config schema knows (train/config_schema.cpp) with its default (train/config.h,
+# Every key flowmoe's config schema knows (config/config_schema.cpp) with its default (config/config.h,
 # layers/model_config.h). The peer uses the model, data.seq_len, train and optimizer keys and
 # precision.align_size; the others are accepted so that any flowmoe config loads, and an unknown key
 # is refused as flowmoe refuses it.

@@ -17,6 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
+#include "config/config.h"
+#include "dataset/data.h"
 #include "examples/args.h"
 #include "examples/fp8_error.h"
 #include "examples/generate.h"
@@ -25,13 +28,10 @@
 #include "examples/parity.h"
 #include "examples/walkthrough.h"
 #include "kernels/common/error.h"
-#include "train/checkpoint.h"
-#include "train/config.h"
-#include "train/data.h"
+#include "studies/plot.h"
 #include "train/evaluation.h"
 #include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
-#include "train/plot.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;

@@ -6,11 +6,11 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
+#include "config/output_check.h"
 #include "examples/args.h"
-#include "train/checkpoint.h"
-#include "train/file_io.h"
-#include "train/fp8_error.h"
-#include "train/output_check.h"
+#include "io/file_io.h"
+#include "studies/fp8_error.h"
 
 namespace flowmoe {
 

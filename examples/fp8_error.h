@@ -1,5 +1,5 @@
 // `flowmoe fp8-error`: the FP8 error of the expert GEMMs' weight gradients on a checkpoint's own
-// activations and gradients, the scaling-aware transpose against double quantization (train/fp8_error.h).
+// activations and gradients, the scaling-aware transpose against double quantization (studies/fp8_error.h).
 #pragma once
 
 namespace flowmoe {

@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
+#include "dataset/run_tokenizer.h"
 #include "examples/args.h"
-#include "train/checkpoint.h"
-#include "train/file_io.h"
+#include "io/file_io.h"
 #include "train/generate.h"
-#include "train/run_tokenizer.h"
 #include "train/trainer.h"
 
 namespace flowmoe {

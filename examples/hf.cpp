@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/hf_export.h"
 #include "examples/args.h"
-#include "train/hf_export.h"
 
 namespace flowmoe {
 

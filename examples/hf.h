@@ -1,5 +1,5 @@
 // `flowmoe export --format hf` and `flowmoe import --format hf`: a checkpoint as a Hugging Face glm4_moe folder
-// and back (train/hf_export.h).
+// and back (checkpoint/hf_export.h).
 #pragma once
 
 namespace flowmoe {

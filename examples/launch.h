@@ -5,8 +5,8 @@
 #include <exception>
 #include <string>
 
+#include "config/config.h"
 #include "parallel/distributed.h"
-#include "train/config.h"
 
 namespace flowmoe {
 

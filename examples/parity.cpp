@@ -12,13 +12,13 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
+#include "config/output_check.h"
 #include "examples/args.h"
 #include "examples/launch.h"
-#include "train/checkpoint.h"
+#include "io/file_io.h"
+#include "studies/parity.h"
 #include "train/data_parallel.h"
-#include "train/file_io.h"
-#include "train/output_check.h"
-#include "train/parity.h"
 #include "train/trainer.h"
 
 namespace flowmoe {

@@ -1,5 +1,5 @@
 // `flowmoe parity`: trains one config once per precision recipe and reports the loss parity of each
-// candidate against the reference (train/parity.h holds the report math).
+// candidate against the reference (studies/parity.h holds the report math).
 #pragma once
 
 namespace flowmoe {

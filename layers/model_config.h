@@ -1,5 +1,5 @@
 // The model's shape and MoE keys as the layers read them, under the Hugging Face DeepSeek-V3 names
-// (DESIGN.md §5). The run configuration's model: section (train/config.h) fills it from YAML; the
+// (DESIGN.md §5). The run configuration's model: section (config/config.h) fills it from YAML; the
 // cross-key checks of routing keys call validate_router_config (engine/ops/router.h) on the same values.
 #pragma once
 #include <algorithm>

@@ -9,7 +9,7 @@
 //   [rank 0] flowmoe: error: all_reduce over 2 ranks (mpi) did not complete within parallel.timeout_s = 3 s: ...
 // and ends the process with kWatchdogExitStatus; the launcher (mpirun, srun) then ends the other ranks.
 // Ending a process there never tears a checkpoint: each is written into step_N.tmp and renamed into place
-// once complete (train/checkpoint.h), and a resume ignores, and the next run removes, a step_N.tmp.
+// once complete (checkpoint/checkpoint.h), and a resume ignores, and the next run removes, a step_N.tmp.
 // Tests: tests/mpi/test_stop_train.cpp.
 #pragma once
 #include <condition_variable>

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The folders' include order, checked without a build:
-#   kernels -> engine -> parallel -> layers -> train -> examples
+#   kernels -> engine -> parallel -> layers -> io -> config -> dataset -> checkpoint -> train -> studies -> examples
 # A file in one of these folders may include (#include "<folder>/...") only its own folder and the
 # folders before it. Each include of a later folder, or of a folder outside the order (tests/,
 # bench/), is reported as file:line with its arrow, and the check fails. The build enforces the same
@@ -8,7 +8,7 @@
 #   scripts/check_layers.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-order=(kernels engine parallel layers train examples)
+order=(kernels engine parallel layers io config dataset checkpoint train studies examples)
 present=()
 for d in "${order[@]}"; do [[ -d "$d" ]] && present+=("$d"); done
 [[ ${#present[@]} -gt 0 ]] || { echo "check_layers: none of ${order[*]} found" >&2; exit 1; }

@@ -9,7 +9,7 @@
 #   INTEROP_DEPS_DEST=/path scripts/install_interop_deps.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# transformers' glm4_moe as train/hf_format.h's kHfTransformersVersion names it; torch for its CPU forward.
+# transformers' glm4_moe as checkpoint/hf_format.h's kHfTransformersVersion names it; torch for its CPU forward.
 pins=(transformers==5.25.0 torch==2.15.0)
 dest="${INTEROP_DEPS_DEST:-.deps/interop}"
 stamp="${pins[*]} $(python3 -c 'import sys; print("python%d.%d" % sys.version_info[:2])')"

@@ -4,10 +4,10 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
+#include "config/config.h"
 #include "layers/transformer.h"
 #include "tests/test_util.h"
-#include "train/checkpoint.h"
-#include "train/config.h"
 
 namespace flowmoe::test {
 

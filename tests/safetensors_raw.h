@@ -1,4 +1,4 @@
-// A safetensors file read the long way, apart from train/safetensors.cpp, for tests that check what the loader
+// A safetensors file read the long way, apart from checkpoint/safetensors.cpp, for tests that check what the loader
 // made of a file (tests/test_fuzz_checkpoint.cpp): the length prefix, a tensor's header entry as the writer spells
 // it, and its bytes.
 #pragma once

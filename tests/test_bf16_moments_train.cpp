@@ -11,11 +11,11 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/safetensors.h"
 #include "kernels/common/error.h"
 #include "tests/train_test_util.h"
-#include "train/checkpoint.h"
 #include "train/optimizer.h"
-#include "train/safetensors.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -1,4 +1,4 @@
-// Byte-level BPE (train/bpe.h) and `flowmoe prepare-data` with it: the word split, merges worked out
+// Byte-level BPE (dataset/bpe.h) and `flowmoe prepare-data` with it: the word split, merges worked out
 // by hand and against the textbook loop, ties, the vocab cap, exact round trips of any bytes, the
 // tokenizer file and its errors, words that stop at file boundaries, --exclude, and the command end
 // to end.
@@ -14,11 +14,11 @@
 #include <string>
 #include <vector>
 
+#include "dataset/bpe.h"
+#include "dataset/data.h"
+#include "io/file_io.h"
 #include "kernels/common/error.h"
 #include "tests/train_test_util.h"
-#include "train/bpe.h"
-#include "train/data.h"
-#include "train/file_io.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -9,9 +9,9 @@
 #include <fstream>
 #include <sstream>
 
+#include "checkpoint/checkpoint.h"
 #include "kernels/common/error.h"
 #include "tests/train_test_util.h"
-#include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 

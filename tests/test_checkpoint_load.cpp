@@ -1,7 +1,7 @@
 // What a run refuses to load or share: a checkpoint with tensors the model does not have (named; or left
 // out with checkpoint.partial_load), a checkpoint holding NaN or Inf (named; or loaded with
 // checkpoint.allow_nonfinite), a safetensors file whose tensors overlap or leave a gap, an output folder
-// another run holds or that takes no files (train/dir_lock.h), a save that fails (it leaves no step_N.tmp
+// another run holds or that takes no files (io/dir_lock.h), a save that fails (it leaves no step_N.tmp
 // behind), and the small pieces of the launch checks: the progress display under a launcher, the first key
 // two ranks' configs differ in, and the router's limits as config ranges.
 #include <gtest/gtest.h>
@@ -14,14 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/safetensors.h"
+#include "io/dir_lock.h"
 #include "kernels/common/error.h"
 #include "kernels/router.h"
 #include "parallel/distributed.h"
 #include "tests/train_test_util.h"
-#include "train/checkpoint.h"
-#include "train/dir_lock.h"
 #include "train/progress.h"
-#include "train/safetensors.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;

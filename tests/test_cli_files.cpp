@@ -1,5 +1,5 @@
 // The files the flowmoe commands write and read whole. Every file a command writes at a path the user
-// named goes through one check (train/output_check.h), made before anything is read or written: a device
+// named goes through one check (config/output_check.h), made before anything is read or written: a device
 // or FIFO, one of the command's inputs under any spelling, and a file inside a run or checkpoint folder
 // are refused with one line naming the option, the path and why, and left as they were. Whole-file
 // reads take regular files only (a read of /dev/zero never ends), a config at most 1 MiB, and name the
@@ -15,12 +15,12 @@
 #include <string>
 #include <vector>
 
+#include "config/config.h"
+#include "config/output_check.h"
+#include "dataset/data.h"
+#include "io/file_io.h"
 #include "kernels/common/error.h"
 #include "tests/train_test_util.h"
-#include "train/config.h"
-#include "train/data.h"
-#include "train/file_io.h"
-#include "train/output_check.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

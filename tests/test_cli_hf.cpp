@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/hf_format.h"
+#include "dataset/hf_tokenizer.h"
 #include "tests/cli_run.h"
 #include "tests/train_test_util.h"
-#include "train/hf_format.h"
-#include "train/hf_tokenizer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -7,8 +7,8 @@
 #include <functional>
 #include <sstream>
 
+#include "config/config.h"
 #include "kernels/common/error.h"
-#include "train/config.h"
 
 using namespace flowmoe;
 

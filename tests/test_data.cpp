@@ -11,9 +11,9 @@
 #include <map>
 #include <set>
 
+#include "dataset/data.h"
 #include "kernels/common/error.h"
 #include "tests/test_util.h"
-#include "train/data.h"
 
 using namespace flowmoe;
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-// The FP8 error study of the expert GEMMs (train/fp8_error.h, `flowmoe fp8-error`): the error sums on
+// The FP8 error study of the expert GEMMs (studies/fp8_error.h, `flowmoe fp8-error`): the error sums on
 // operands whose every FP8 path is exact, on rows of equal scales (where the transpose and double
 // quantization agree bit for bit) and of spread magnitudes, over ragged segments with an empty
 // expert and a tail to ignore; then the study on a tiny_moe checkpoint trained on the CPU, and the
@@ -14,8 +14,8 @@
 #include <random>
 
 #include "engine/tap.h"
+#include "studies/fp8_error.h"
 #include "tests/train_test_util.h"
-#include "train/fp8_error.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -22,10 +22,10 @@
 #include <typeinfo>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "kernels/common/error.h"
 #include "tests/safetensors_raw.h"
 #include "tests/train_test_util.h"
-#include "train/checkpoint.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -21,9 +21,9 @@
 #include <typeinfo>
 #include <vector>
 
+#include "config/config.h"
 #include "kernels/common/error.h"
 #include "tests/test_util.h"
-#include "train/config.h"
 
 using namespace flowmoe;
 namespace fs = std::filesystem;

@@ -19,9 +19,9 @@
 #include <typeinfo>
 #include <vector>
 
+#include "dataset/data.h"
 #include "kernels/common/error.h"
 #include "tests/test_util.h"
-#include "train/data.h"
 
 using namespace flowmoe;
 namespace fs = std::filesystem;

@@ -15,12 +15,12 @@
 #include <string>
 #include <vector>
 
+#include "dataset/bpe.h"
+#include "dataset/data.h"
+#include "dataset/run_tokenizer.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
-#include "train/bpe.h"
-#include "train/data.h"
 #include "train/generate.h"
-#include "train/run_tokenizer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

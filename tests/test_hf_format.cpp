@@ -1,4 +1,4 @@
-// The glm4_moe mapping (train/hf_format.h): the tensor plan against the Transformer's own parameters, config.json
+// The glm4_moe mapping (checkpoint/hf_format.h): the tensor plan against the Transformer's own parameters, config.json
 // both ways, what either direction refuses, and RoPE's row permutation, by hand and by attention scores.
 #include <gtest/gtest.h>
 
@@ -6,10 +6,10 @@
 #include <map>
 #include <regex>
 
+#include "checkpoint/hf_format.h"
 #include "engine/autograd.h"
 #include "engine/ops/ops.h"
 #include "tests/hf_test_util.h"
-#include "train/hf_format.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -1,4 +1,4 @@
-// export_hf and import_hf (train/hf_export.h): a checkpoint exported and imported back is the same bits and
+// export_hf and import_hf (checkpoint/hf_export.h): a checkpoint exported and imported back is the same bits and
 // trains; a folder transformers may write (fused experts, shards with an index) reads the same; every refusal
 // of either direction writes nothing.
 #include <gtest/gtest.h>
@@ -11,12 +11,12 @@
 #include <regex>
 #include <set>
 
+#include "checkpoint/hf_export.h"
+#include "checkpoint/hf_folder.h"
+#include "dataset/hf_tokenizer.h"
+#include "io/file_io.h"
 #include "tests/hf_test_util.h"
 #include "tests/train_test_util.h"
-#include "train/file_io.h"
-#include "train/hf_export.h"
-#include "train/hf_folder.h"
-#include "train/hf_tokenizer.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

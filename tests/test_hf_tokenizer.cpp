@@ -1,12 +1,12 @@
-// flowmoe's byte-level BPE as a tokenizers tokenizer.json and back (train/hf_tokenizer.h). That the
+// flowmoe's byte-level BPE as a tokenizers tokenizer.json and back (dataset/hf_tokenizer.h). That the
 // tokenizers package encodes text with it as flowmoe does is checked by tests/interop/check_hf_export.py.
 #include <gtest/gtest.h>
 
 #include <regex>
 
+#include "dataset/hf_tokenizer.h"
+#include "io/json.h"
 #include "tests/test_util.h"
-#include "train/hf_tokenizer.h"
-#include "train/json.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

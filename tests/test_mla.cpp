@@ -6,11 +6,11 @@
 #include <cmath>
 #include <map>
 
+#include "config/config.h"
 #include "layers/mla.h"
 #include "layers/transformer.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
-#include "train/config.h"
 #include "train/metrics.h"
 
 using namespace flowmoe;

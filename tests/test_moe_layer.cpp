@@ -7,12 +7,12 @@
 #include <filesystem>
 #include <map>
 
+#include "checkpoint/checkpoint.h"
 #include "engine/ops/router.h"
 #include "layers/moe.h"
 #include "tests/moe_test_config.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
-#include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/trainer.h"

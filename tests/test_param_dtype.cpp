@@ -7,8 +7,8 @@
 #include <cmath>
 #include <filesystem>
 
+#include "config/config.h"
 #include "tests/train_test_util.h"
-#include "train/config.h"
 #include "train/metrics.h"
 
 using namespace flowmoe;

@@ -9,8 +9,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "studies/parity.h"
 #include "tests/train_test_util.h"
-#include "train/parity.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -1,4 +1,4 @@
-// The noise band of a parity study (train/parity_band.h): the statistic on a hand-computed case, the
+// The noise band of a parity study (studies/parity_band.h): the statistic on a hand-computed case, the
 // verdicts and the exit status they give, and on real CPU training a candidate trained at 3x the
 // reference's learning rate falls outside the band that data-order controls make, while one more
 // data-order run does not.
@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "studies/parity.h"
 #include "tests/train_test_util.h"
 #include "train/metrics.h"
-#include "train/parity.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

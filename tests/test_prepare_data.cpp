@@ -12,9 +12,9 @@
 #include <sstream>
 #include <string>
 
+#include "dataset/data.h"
 #include "kernels/common/error.h"
 #include "tests/test_util.h"
-#include "train/data.h"
 
 using namespace flowmoe;
 namespace fs = std::filesystem;

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "dataset/data.h"
 #include "kernels/common/error.h"
 #include "tests/train_test_util.h"
-#include "train/data.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;

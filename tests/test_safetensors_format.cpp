@@ -1,4 +1,4 @@
-// The safetensors format (train/safetensors.h) as its bytes: a small file of every dtype the writer knows,
+// The safetensors format (checkpoint/safetensors.h) as its bytes: a small file of every dtype the writer knows,
 // compared with the bytes the format gives it, written out here by hand; the same bytes read back. The round
 // trip (tests/test_checkpoint.cpp) and Python's reader (ibid.) check the rest.
 #include <gtest/gtest.h>
@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/safetensors.h"
 #include "tests/train_test_util.h"
-#include "train/safetensors.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

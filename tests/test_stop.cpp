@@ -17,8 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "tests/train_test_util.h"
-#include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 

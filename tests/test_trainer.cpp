@@ -9,13 +9,13 @@
 #include <map>
 #include <set>
 
+#include "checkpoint/checkpoint.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
+#include "studies/plot.h"
 #include "tests/train_test_util.h"
-#include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
-#include "train/plot.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/safetensors.h"
 #include "tests/test_util.h"
-#include "train/safetensors.h"
 #include "train/trainer.h"
 
 namespace flowmoe::test {

@@ -12,12 +12,10 @@
 #include "parallel/collectives.h"
 #include "parallel/communicator.h"
 #include "parallel/process_group.h"
+#include "train/grad_reducer.h"  // kGradientBucketBytes
 #include "train/optimizer.h"
 
 namespace flowmoe {
-
-// 25 MiB of f32 per all-reduce, as PyTorch DDP buckets: few calls, each large enough to run at bandwidth.
-constexpr size_t kGradientBucketBytes = kFlatBucketBytes;
 
 // The gradient of the global batch from each rank's gradient of its slice: every slice holds B/N
 // sequences of the same length and each rank's loss is the mean over its slice's tokens, so the

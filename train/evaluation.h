@@ -4,9 +4,9 @@
 #include <cstdint>
 #include <string>
 
+#include "dataset/data.h"
 #include "layers/transformer.h"
 #include "parallel/communicator.h"
-#include "train/data.h"
 
 namespace flowmoe {
 

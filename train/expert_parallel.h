@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "config/config.h"
 #include "layers/param.h"
 #include "parallel/process_group.h"
-#include "train/config.h"
 
 namespace flowmoe {
 

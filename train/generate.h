@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "dataset/data.h"
+#include "dataset/run_tokenizer.h"
 #include "layers/transformer.h"
-#include "train/data.h"
-#include "train/run_tokenizer.h"
 
 namespace flowmoe {
 

@@ -24,10 +24,14 @@
 #include "engine/autograd.h"
 #include "engine/stream.h"
 #include "layers/param.h"
+#include "parallel/collectives.h"
 #include "parallel/process_group.h"
-#include "train/data_parallel.h"
+#include "train/optimizer.h"
 
 namespace flowmoe {
+
+// 25 MiB of f32 per all-reduce, as PyTorch DDP buckets: few calls, each large enough to run at bandwidth.
+constexpr size_t kGradientBucketBytes = kFlatBucketBytes;
 
 class GradientReducer {
  public:

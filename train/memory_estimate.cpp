@@ -24,7 +24,7 @@
 #include "kernels/common/error.h"
 #include "layers/moe.h"
 #include "train/grad_reducer.h"
-#include "train/trainer.h"
+#include "train/train_options.h"
 
 namespace flowmoe {
 

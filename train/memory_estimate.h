@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "config/config.h"
 #include "engine/device.h"
-#include "train/config.h"
 
 namespace flowmoe {
 

@@ -11,8 +11,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "io/file_io.h"
 #include "kernels/common/error.h"
-#include "train/file_io.h"
 
 namespace flowmoe {
 

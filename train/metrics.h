@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "io/run_files.h"  // kMetricsFiles
+
 namespace flowmoe {
 
 struct StepMetrics {
@@ -62,8 +64,6 @@ class MetricsWriter {
 
 // Rows of a metrics file (format from its extension, .csv or else JSONL). Throws IoError.
 std::vector<StepMetrics> read_metrics(const std::string& path);
-// The names of a run directory's metrics file, one per logging.metrics_format.
-constexpr const char* kMetricsFiles[] = {"metrics.jsonl", "metrics.csv"};
 // The metrics file inside a run directory (metrics.jsonl or metrics.csv), or path itself if a file.
 std::string find_metrics_file(const std::string& run_or_file);
 

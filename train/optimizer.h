@@ -6,12 +6,12 @@
 #include <utility>
 #include <vector>
 
+#include "config/config.h"
 #include "engine/autograd.h"
 #include "kernels/adamw.h"
 #include "kernels/adamw_fp8.h"
 #include "kernels/step_control.h"
 #include "layers/fp8_weight.h"
-#include "train/config.h"
 
 namespace flowmoe {
 
@@ -74,7 +74,7 @@ class AdamW {
   // device; undefined: none this step, the range is left alone), until zero_grad().
   void set_range_grads(std::vector<Tensor> grads);
   // The moments of the ranges from full ones (a checkpoint's, of the parameters' shapes, on any device).
-  // The moments' dtype must be theirs (a checkpoint converts on load: train/checkpoint.h).
+  // The moments' dtype must be theirs (a checkpoint converts on load: checkpoint/checkpoint.h).
   void load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq);
   // Per parameter, the FP8 copy the forward reads in its place (layers/fp8_weight.h, ParamShard::fp8; null: none, an
   // empty list: none at all). A parameter this rank updates whole whose copy is current for it then steps in

@@ -9,16 +9,16 @@
 #include <fstream>
 #include <string>
 
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/hf_export.h"
 #include "engine/allocator.h"
 #include "engine/cast_stats.h"
 #include "engine/host_threads.h"
 #include "kernels/common/device_api.h"
 #include "parallel/backends.h"
 #include "parallel/distributed.h"
-#include "train/checkpoint.h"
 #include "train/data_parallel.h"
 #include "train/expert_parallel.h"
-#include "train/hf_export.h"
 #include "train/memory_estimate.h"
 #include "train/progress.h"
 
@@ -203,7 +203,7 @@ static std::unique_ptr<GradientReducer> make_reducer(const Config& c, const Para
       int(c.parallel.grad_reduce_sms), c.parallel.shard_optimizer, weight_dtype(c, model));
 }
 
-// checkpoint.init_from: a fresh run's weights from a Hugging Face folder (train/hf_export.h); a resumed run's
+// checkpoint.init_from: a fresh run's weights from a Hugging Face folder (checkpoint/hf_export.h); a resumed run's
 // come from its checkpoint. Returns the start-up line.
 static std::string init_weights(const Config& c, Transformer& model, const std::string& resume_dir) {
   const std::string& from = c.checkpoint.init_from;

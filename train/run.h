@@ -11,24 +11,24 @@
 #include <utility>
 #include <vector>
 
+#include "config/config.h"
+#include "dataset/data.h"
+#include "dataset/run_tokenizer.h"
 #include "engine/cast_stats.h"
 #include "engine/cuda_graph.h"
 #include "engine/device.h"
+#include "io/dir_lock.h"
 #include "layers/transformer.h"
 #include "parallel/communicator.h"
 #include "parallel/process_group.h"
-#include "train/config.h"
-#include "train/data.h"
-#include "train/dir_lock.h"
 #include "train/evaluation.h"
 #include "train/grad_reducer.h"
 #include "train/metrics.h"
 #include "train/model_flops.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
-#include "train/run_tokenizer.h"
 #include "train/step_state.h"
-#include "train/trainer.h"
+#include "train/train_options.h"
 
 namespace flowmoe {
 

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "parallel/watchdog.h"
-#include "train/checkpoint.h"
 #include "train/expert_parallel.h"
 #include "train/run.h"
 

@@ -9,9 +9,9 @@
 #include <map>
 #include <tuple>
 
+#include "io/file_io.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
-#include "train/file_io.h"
 #include "train/train_step.h"
 
 namespace flowmoe {

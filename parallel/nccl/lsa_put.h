@@ -2,8 +2,9 @@
 // dispatch): each rank's kernel writes its rows straight into the peers' receive windows over NVLink
 // or PCIe P2P, reading the row table on the device, so no count or offset ever reaches the host.
 // Built on NCCL's device API (NCCL >= 2.28: ncclMemAlloc + ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC),
-// ncclDevCommCreate with one LSA barrier per CTA); lsa_put.cu implements it, lsa_none.cpp stands in
-// when the build's NCCL lacks the device headers. No multimem/NVLink SHARP is requested.
+// ncclDevCommCreate with one LSA barrier per CTA); lsa_put.cpp implements it over the kernels of
+// kernels/lsa_put.h, lsa_none.cpp stands in when the build's NCCL lacks the device headers. No
+// multimem/NVLink SHARP is requested.
 // Tests: tests/mpi/test_exchange.cpp (EveryCheckThroughNcclOnAGpuPerRank, zero-sync cases).
 #pragma once
 #include <cuda_runtime.h>
@@ -31,7 +32,7 @@ class LsaPut {
   // the in_table chunks (the same rows as the peers list them for this rank) from this rank's window
   // into the recvs and sets pad's rows (Communicator::PadSegments, on the device). Rows that neither
   // covers are not written. All on `stream`; at most kMaxTensors tensors.
-  static constexpr int kMaxTensors = 4;
+  static constexpr int kMaxTensors = 4;  // = kLsaPutMaxTensors (kernels/lsa_put.h; lsa_put.cpp checks)
   virtual void put(const std::vector<Communicator::RowPut>& tensors, const Tensor& out_table, const Tensor& in_table,
                    const Communicator::PadSegments& pad, cudaStream_t stream) = 0;
 };

@@ -1,5 +1,5 @@
 // FLOWMOE_NCCL_CHECK: a failed NCCL call throws CommError naming the call, NCCL's error string and its
-// last error message. Shared by the nccl backend's files (comm_nccl.cpp, lsa_put.cu).
+// last error message. Shared by the nccl backend's files (comm_nccl.cpp, lsa_put.cpp).
 #pragma once
 #include <nccl.h>
 

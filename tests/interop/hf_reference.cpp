@@ -1,5 +1,5 @@
 // flowmoe's side of tests/interop/check_hf_export.py: the logits of a checkpoint's model on the CPU in f32, for
-// the token ids of a token file (train/data.h), written as raw f32 [T, V] for transformers' to be compared with.
+// the token ids of a token file (dataset/data.h), written as raw f32 [T, V] for transformers' to be compared with.
 //   hf_reference CHECKPOINT TOKENS.bin LOGITS.f32
 #include <cstdio>
 #include <exception>
@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "train/checkpoint.h"
-#include "train/config.h"
-#include "train/data.h"
-#include "train/file_io.h"
+#include "checkpoint/checkpoint.h"
+#include "config/config.h"
+#include "dataset/data.h"
+#include "io/file_io.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;

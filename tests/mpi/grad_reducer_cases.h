@@ -9,10 +9,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "config/config.h"
 #include "engine/device.h"
 #include "engine/tensor.h"
 #include "parallel/process_group.h"
-#include "train/config.h"
 
 namespace flowmoe::test {
 

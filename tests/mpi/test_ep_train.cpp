@@ -24,8 +24,8 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "tests/mpi/train_launch.h"
-#include "train/checkpoint.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -6,11 +6,11 @@
 #include <cmath>
 #include <filesystem>
 
+#include "checkpoint/checkpoint.h"
+#include "config/config.h"
 #include "parallel/process_group.h"
 #include "tests/mpi/comm_test_util.h"
 #include "tests/test_util.h"
-#include "train/checkpoint.h"
-#include "train/config.h"
 #include "train/data_parallel.h"
 #include "train/expert_parallel.h"
 #include "train/optimizer.h"

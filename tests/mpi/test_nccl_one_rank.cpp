@@ -24,6 +24,7 @@
 #include <memory>
 #include <string>
 
+#include "config/config.h"
 #include "engine/device.h"
 #include "kernels/common/device_api.h"
 #include "parallel/backends.h"
@@ -31,7 +32,6 @@
 #include "tests/mpi/grad_reducer_cases.h"
 #include "tests/mpi/stream_delay.h"
 #include "tests/train_test_util.h"
-#include "train/config.h"
 #include "train/grad_reducer.h"
 #include "train/metrics.h"
 #include "train/trainer.h"

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "tests/mpi/train_launch.h"
-#include "train/checkpoint.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

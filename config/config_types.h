@@ -1,0 +1,135 @@
+// The run configuration: one YAML file with sections model, data, train, optimizer, precision,
+// parallel, checkpoint and logging, plus "section.key=value" overrides from the command line.
+//
+// Validation is strict and happens before any work: an unknown key, a wrong type, an out-of-range
+// value or an inconsistent combination throws ConfigError naming the file, the line and the key
+// ("configs/tiny.yaml:7: model.hidden_size: ..."). Overrides go through the same checks and are
+// named "--set key=value". Model keys use the Hugging Face DeepSeek-V3 names (DESIGN.md §5); the
+// model: section fills the layers' ModelConfig (layers/model_config.h).
+// This header holds the sections as structs, which the schema and the checks read; config.h reads them.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kernels/common/dtype.h"
+#include "layers/model_config.h"
+
+namespace flowmoe {
+
+struct DataConfig {
+  std::string source = "synthetic";  // synthetic | text | tokens
+  std::string path;                  // text: a file or a directory of files; tokens: a .bin file
+  int64_t seq_len = 128;
+  double val_fraction = 0.05;
+  int64_t seed = 1234;
+  int64_t synthetic_tokens = 1 << 20;    // size of the generated corpus
+  std::string synthetic_kind = "words";  // words | bigram (dataset/data.h)
+};
+
+struct TrainConfig {
+  std::string device = "auto";  // auto | cpu | cuda
+  int64_t steps = 300;
+  int64_t batch_size = 8;  // sequences per micro-batch
+  int64_t grad_accum_steps = 1;
+  int64_t eval_every = 100;  // 0: evaluate only at the end
+  int64_t eval_batches = 4;
+  int64_t sample_every = 0;  // steps between the greedy samples rank 0 prints (train/generate.h); 0: none
+  int64_t seed = 42;
+  std::string nonfinite = "skip";  // skip | stop
+  std::string recompute;           // comma-joined modules recomputed in backward: "" or "moe_expert"
+  bool recomputes(const std::string& module) const;
+  int64_t max_skipped_steps = 10;
+  // λ of the multi-token prediction loss (model.num_nextn_predict_layers > 0). DeepSeek-V3 trained with 0.3 for
+  // its first 10T tokens and 0.1 after; flowmoe's runs are short, the regime of that first phase.
+  double mtp_loss_weight = 0.3;
+  std::string cuda_graph = "auto";  // auto | on | off: replay the step as one CUDA graph (train/train_step.cpp)
+};
+
+struct OptimizerConfig {
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t warmup_steps = 20;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;        // 0 disables clipping
+  double router_lr_scale = 1.0;  // multiplies the learning rate of the MoE routers' gate weights
+  // f32 | bf16: AdamW's exp_avg and exp_avg_sq (kernels/adamw.h)
+  DType moment_dtype = DType::f32;
+};
+
+struct PrecisionConfig {
+  std::string recipe = "bf16";  // bf16 | fp8_blockwise | fp8_flow (the routed experts' GEMMs) | fp8_full (every
+                                // linear but the routers and the head; DESIGN.md §1, §7)
+  int64_t align_size = 16;      // 16 | 32 | 64 | 128
+  // auto | f32: the dtype the model's weights are stored in. auto: the compute dtype (bf16 on the GPU) where the
+  // forward reads it, with f32 masters in the optimizer; f32: f32 weights, cast at each use.
+  std::string param_dtype = "auto";
+};
+
+// The data-parallel size is not a key: it is the number of processes the launcher started.
+struct ParallelConfig {
+  int64_t expert_parallel_size = 1;
+  std::string backend = "auto";                // auto | nccl | mpi | none (parallel/distributed.h)
+  std::string ep_dispatch = "auto";            // auto | sync | zero_sync (parallel/dispatch.h EpDispatch)
+  std::string shared_expert_overlap = "auto";  // auto | on | off: shared experts on a side stream (layers/moe.h)
+  int64_t exchange_chunks = 1;      // zero_sync: token chunks whose exchanges overlap the experts (layers/moe.h)
+  int64_t exchange_sms = 0;         // chunks or dual micro-batches: SMs the grouped GEMMs leave to the exchanges
+  double ep_capacity_factor = 0;    // zero_sync: receive rows as a multiple of an even load; 0: worst case
+  bool dual_microbatch = false;     // two halves of the batch interleaved layer by layer (layers/transformer.h)
+  bool overlap_grad_reduce = true;  // reduce gradient buckets during the backward (train/grad_reducer.h)
+  int64_t grad_reduce_sms = 0;      // nccl: thread blocks the overlapped reduction may take; 0: nccl's choice
+  bool shard_optimizer = true;      // optimizer and gradients over the data-parallel ranks (train/grad_reducer.h)
+  double timeout_s = 600;           // a collective waiting longer ends the job (parallel/watchdog.h); 0: never
+};
+
+// checkpoint.init_from's form: this prefix, then the folder.
+constexpr const char* kInitFromHfPrefix = "hf:";
+
+struct CheckpointConfig {
+  std::string dir;    // empty: <logging.out_dir>/checkpoints
+  int64_t every = 0;  // steps between checkpoints; 0: only the final one
+  bool final = true;  // a checkpoint at train.steps (false: timing runs skip writing it)
+  int64_t keep_last = 3;
+  std::string resume = "false";  // false | true (latest in dir) | path of a checkpoint directory
+  bool partial_load = false;     // a loaded checkpoint may hold tensors the model does not have
+  bool allow_nonfinite = false;  // a loaded checkpoint may hold NaN or Inf
+  std::string init_from;         // "" | hf:DIR: a fresh run's weights from a Hugging Face glm4_moe folder
+};
+
+struct LoggingConfig {
+  std::string out_dir;                   // empty: runs/<config file name without extension>
+  std::string metrics_format = "jsonl";  // jsonl | csv
+  int64_t log_every = 10;
+  std::string progress = "auto";  // auto | bar | plain
+};
+
+struct Config {
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  OptimizerConfig optimizer;
+  PrecisionConfig precision;
+  ParallelConfig parallel;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+
+  std::string file;                            // the YAML file it came from ("" when built in code)
+  std::map<std::string, std::string> origins;  // "section.key" -> "file:line" or "--set ..."
+
+  // Where a key's value came from, for messages: "configs/tiny.yaml:7", "--set k=v" or "default".
+  std::string origin(const std::string& dotted_key) const;
+  std::string run_dir() const;         // logging.out_dir, or runs/<config file name>
+  std::string checkpoint_dir() const;  // checkpoint.dir, or <run_dir()>/checkpoints
+};
+
+// The largest config file read: a config is a few kilobytes, and a whole-file read without a bound
+// would take a wrong path (a log, a token file) into memory whole.
+constexpr uint64_t kMaxConfigFileBytes = uint64_t(1) << 20;
+// The resolved config a run writes into its run folder (and `parity --resume` reads back).
+constexpr const char* kRunConfigFile = "config.yaml";
+
+}  // namespace flowmoe
