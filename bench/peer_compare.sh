@@ -91,7 +91,7 @@ import json, os, sys
 run_dir, skip, bench = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 sys.path.insert(0, bench)
 from torch_peer import load_config
-cfg = load_config(os.path.join(run_dir, "config.yaml"), [], "builtin")
+cfg = load_config(os.path.join(run_dir, "config.yaml"), [], "builtin", check=False)  # any model flowmoe ran
 tokens_per_step = cfg["train"]["batch_size"] * cfg["data"]["seq_len"] * cfg["train"]["grad_accum_steps"]
 rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
 timed = [r for r in rows if r["step"] > skip and r.get("tokens_per_s")]

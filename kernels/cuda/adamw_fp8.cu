@@ -21,6 +21,7 @@ constexpr int kBlk = kFp8BlockSize;  // 128
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kRowsPerThread = kBlk / kWarps;  // 16: warp w takes rows w, w + 8, ...
 constexpr int kColsPerThread = kBlk / 32;      // 4: lane l takes columns l, l + 32, ...
+constexpr int kBatchRows = 2;                  // rows whose loads are in flight together (16 per thread)
 
 __device__ __forceinline__ float load_moment(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float load_moment(const uint16_t* p, int64_t i) { return bf16_bits_value(p[i]); }
@@ -28,8 +29,9 @@ __device__ __forceinline__ float load_moment(const uint16_t* p, int64_t i) { ret
 // M: the moments' type (float, or uint16_t: bf16 bits). Block row r0 + blockIdx.y (r = b * nbn + bn): a range's
 // (kernels/adamw_fp8.h), whose buffers in t start at element t.rounding.first_index.
 template <class M>
-__global__ void adamw_fp8_kernel(const __grid_constant__ AdamWTensor t, const __grid_constant__ Fp8BlockCopy c,
-                                 int64_t r0, const StepScalars* __restrict__ control) {
+__global__ void __launch_bounds__(kThreads, 2)
+    adamw_fp8_kernel(const __grid_constant__ AdamWTensor t, const __grid_constant__ Fp8BlockCopy c, int64_t r0,
+                     const StepScalars* __restrict__ control) {
   if (control && !control->apply) return;  // a skipped step: nothing moves, the copy stays the weights'
   const AdamWStep s = control ? scheduled_adamw_step(t.step, *control, t.lr_multiplier) : t.step;
   __shared__ uint8_t tile[kBlk][kBlk + 4];  // the block's bytes, [row][column]
@@ -43,34 +45,53 @@ __global__ void adamw_fp8_kernel(const __grid_constant__ AdamWTensor t, const __
   const int64_t n0 = bn * kBlk, k0 = bk * kBlk, base = b * N * K, first = t.rounding.first_index;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   float x[kRowsPerThread][kColsPerThread], amax = 0.f;
+  // The loads of kBatchRows rows go out together before any store: the stores may alias the next loads as far as
+  // the compiler knows, so element by element each update would wait a whole memory latency.
 #pragma unroll
-  for (int p = 0; p < kRowsPerThread; ++p)
+  for (int p0 = 0; p0 < kRowsPerThread; p0 += kBatchRows) {
+    float w[kBatchRows][kColsPerThread], m[kBatchRows][kColsPerThread], v[kBatchRows][kColsPerThread],
+        g[kBatchRows][kColsPerThread];
 #pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) {
-      const int64_t n = n0 + warp + kWarps * p, k = k0 + lane + 32 * j;
-      float value = 0.f;  // outside the weight: zeros, which leave the amax as it is
-      if (n < N && k < K) {
-        const int64_t i = base + n * K + k, at = i - first;  // in the whole tensor; in t's buffers
-        float w = t.param[at], m = load_moment(exp_avg, at), v = load_moment(exp_avg_sq, at);
-        adamw_element(w, m, v, t.grad[at], s);
-        t.param[at] = w;
-        if constexpr (kNarrow) {
-          round_moments_bf16(m, v, stream, i, &exp_avg[at], &exp_avg_sq[at]);
-        } else {
-          exp_avg[at] = m;
-          exp_avg_sq[at] = v;
-        }
-        value = w;
-        if (t.copy.data && t.copy.dtype == DType::f32) static_cast<float*>(t.copy.data)[at] = w;
-        if (t.copy.data && t.copy.dtype == DType::bf16) {
-          const uint16_t bits = __bfloat16_as_ushort(__float2bfloat16_rn(w));
-          static_cast<uint16_t*>(t.copy.data)[at] = bits;
-          value = bf16_bits_value(bits);  // the forward reads the bf16 copy
+    for (int pp = 0; pp < kBatchRows; ++pp)
+#pragma unroll
+      for (int j = 0; j < kColsPerThread; ++j) {
+        const int64_t n = n0 + warp + kWarps * (p0 + pp), k = k0 + lane + 32 * j;
+        if (n < N && k < K) {
+          const int64_t at = base + n * K + k - first;  // in t's buffers
+          w[pp][j] = t.param[at];
+          m[pp][j] = load_moment(exp_avg, at);
+          v[pp][j] = load_moment(exp_avg_sq, at);
+          g[pp][j] = t.grad[at];
         }
       }
-      x[p][j] = value;
-      amax = fp8_amax_update(amax, value);
-    }
+#pragma unroll
+    for (int pp = 0; pp < kBatchRows; ++pp)
+#pragma unroll
+      for (int j = 0; j < kColsPerThread; ++j) {
+        const int64_t n = n0 + warp + kWarps * (p0 + pp), k = k0 + lane + 32 * j;
+        float value = 0.f;  // outside the weight: zeros, which leave the amax as it is
+        if (n < N && k < K) {
+          const int64_t i = base + n * K + k, at = i - first;  // in the whole tensor; in t's buffers
+          adamw_element(w[pp][j], m[pp][j], v[pp][j], g[pp][j], s);
+          t.param[at] = w[pp][j];
+          if constexpr (kNarrow) {
+            round_moments_bf16(m[pp][j], v[pp][j], stream, i, &exp_avg[at], &exp_avg_sq[at]);
+          } else {
+            exp_avg[at] = m[pp][j];
+            exp_avg_sq[at] = v[pp][j];
+          }
+          value = w[pp][j];
+          if (t.copy.data && t.copy.dtype == DType::f32) static_cast<float*>(t.copy.data)[at] = value;
+          if (t.copy.data && t.copy.dtype == DType::bf16) {
+            const uint16_t bits = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+            static_cast<uint16_t*>(t.copy.data)[at] = bits;
+            value = bf16_bits_value(bits);  // the forward reads the bf16 copy
+          }
+        }
+        x[p0 + pp][j] = value;
+        amax = fp8_amax_update(amax, value);
+      }
+  }
   for (int o = 16; o > 0; o >>= 1) amax = fp8_amax_update(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (lane == 0) warp_amaxes[warp] = amax;
   __syncthreads();
