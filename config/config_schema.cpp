@@ -271,6 +271,11 @@ const std::vector<Field>& schema() {
                        "the dtype the model's weights are kept in: auto stores those the forward reads in bf16 (on "
                        "GPUs) in bf16, written once per step by AdamW from its f32 masters; f32 keeps f32 weights and "
                        "casts them at each use. The same losses either way"));
+    f.push_back(choice("precision", "fp8_weights", FLOWMOE_CONFIG_REF(precision.fp8_weights), {"forward", "optimizer"},
+                       "who writes the FP8 copies of the FP8 GEMMs' weights: forward quantizes each once per "
+                       "optimizer step, at its first use; optimizer has AdamW write them in its update (sharded, "
+                       "the all-gather moves them in place of the weights). The same losses either way; no effect "
+                       "under bf16 (docs/DESIGN.md §7)"));
     // parallel
     f.push_back(integer("parallel", "expert_parallel_size", FLOWMOE_CONFIG_REF(parallel.expert_parallel_size), 1, 4096,
                         "ranks per expert-parallel group, each holding n_routed_experts / this of the routed experts; "
@@ -317,7 +322,8 @@ const std::vector<Field>& schema() {
     f.push_back(boolean("parallel", "shard_optimizer", FLOWMOE_CONFIG_REF(parallel.shard_optimizer),
                         "each data-parallel rank keeps AdamW's moments and f32 master weights for, the gradient of "
                         "and updates 1/N of the weights (gradients reduce-scattered and the rest released, weights "
-                        "all-gathered: bf16 on the GPU, the FP8 GEMMs' weights as their FP8 copies), so the optimizer "
+                        "all-gathered: bf16 on the GPU, the FP8 GEMMs' weights in f32, or as their FP8 copies under "
+                        "precision.fp8_weights: optimizer), so the optimizer "
                         "state costs 8/N bytes per parameter, the "
                         "masters 4/N and the gradients 4/N; false keeps a full copy on every rank"));
     f.push_back(number("parallel", "timeout_s", FLOWMOE_CONFIG_REF(parallel.timeout_s), 0, false, 604800, false,
@@ -487,6 +493,8 @@ void set_field(Config& cfg, const Field& f, const std::string& text, const std::
         bad("'" + text + "'" + suggestion(text, f.choices));
       if (auto* a = std::get_if<AttentionType*>(&ref)) {
         if (!attention_type_from_name(text, *a)) bad("'" + text + "'");
+      } else if (auto* w = std::get_if<Fp8WeightWriter*>(&ref)) {
+        if (!fp8_weight_writer_from_name(text, *w)) bad("'" + text + "'");
       } else {
         *std::get<std::string*>(ref) = text;
       }
@@ -538,6 +546,7 @@ std::string field_value(const Config& cfg, const Field& f) {
   if (auto* i = std::get_if<int64_t*>(&ref))
     return f.kind == Kind::optional_integer && **i == 0 ? "null" : std::to_string(**i);
   if (auto* a = std::get_if<AttentionType*>(&ref)) return attention_type_name(**a);
+  if (auto* w = std::get_if<Fp8WeightWriter*>(&ref)) return fp8_weight_writer_name(**w);
   if (auto* b = std::get_if<bool*>(&ref)) return **b ? "true" : "false";
   if (auto* s = std::get_if<std::string*>(&ref)) return **s;
   if (auto* t = std::get_if<DType*>(&ref)) return dtype_name(**t);

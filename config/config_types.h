@@ -47,6 +47,20 @@ struct TrainConfig {
   std::string cuda_graph = "auto";  // auto | on | off: replay the step as one CUDA graph (train/train_step.cpp)
 };
 
+// precision.fp8_weights: who writes the FP8 copies the FP8 GEMMs read. forward: the forward quantizes each FP8
+// weight once per parameter version; optimizer: AdamW writes them in its update (sharded, they are what is
+// all-gathered). Parsed once; no effect under the bf16 recipe, which has no FP8 weights.
+enum class Fp8WeightWriter { forward, optimizer };
+inline const char* fp8_weight_writer_name(Fp8WeightWriter w) {
+  return w == Fp8WeightWriter::optimizer ? "optimizer" : "forward";
+}
+// False (out untouched) for a name that is neither.
+inline bool fp8_weight_writer_from_name(const std::string& name, Fp8WeightWriter* out) {
+  if (name != "forward" && name != "optimizer") return false;
+  *out = name == "optimizer" ? Fp8WeightWriter::optimizer : Fp8WeightWriter::forward;
+  return true;
+}
+
 struct OptimizerConfig {
   double lr = 3e-3;
   double min_lr = 3e-4;
@@ -68,6 +82,7 @@ struct PrecisionConfig {
   // auto | f32: the dtype the model's weights are stored in. auto: the compute dtype (bf16 on the GPU) where the
   // forward reads it, with f32 masters in the optimizer; f32: f32 weights, cast at each use.
   std::string param_dtype = "auto";
+  Fp8WeightWriter fp8_weights = Fp8WeightWriter::forward;
 };
 
 // The data-parallel size is not a key: it is the number of processes the launcher started.

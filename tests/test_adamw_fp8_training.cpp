@@ -1,7 +1,7 @@
-// AdamW writing the FP8 weights (kernels/adamw_fp8.h, train/optimizer.h) in training: the forward quantizes no
-// weight in steady state under fp8_flow and fp8_full, and the losses are those of the forward quantizing every
-// weight itself; a resumed run quantizes each weight once, then repeats the straight run. The kernels' own tests:
-// test_adamw_fp8.cpp.
+// Who writes the FP8 weights in training (precision.fp8_weights): by default the forward quantizes each FP8 weight
+// once per step; under optimizer AdamW writes them (kernels/adamw_fp8.h, train/optimizer.h) and the forward quantizes
+// none in steady state under fp8_flow and fp8_full. The losses are the same bit for bit; a resumed run quantizes
+// each weight once, then repeats the straight run. The kernels' own tests: test_adamw_fp8.cpp.
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -40,20 +40,18 @@ struct Steps {
 // attention projections per block, the dense MLP's 3 and the shared expert's 3).
 int64_t num_fp8_weights(const std::string& recipe) { return recipe == "fp8_flow" ? 2 : 2 * 4 + 3 + 2 + 3; }
 
-// `steps` steps; with fused false every weight's version moves after the backward, so the optimizer finds no FP8
-// copy current and the next forward quantizes every weight itself (the path without AdamW writing them).
-Steps train_steps(const std::string& recipe, bool fused, const std::string& out_dir = "",
+// `steps` steps; with by_optimizer precision.fp8_weights is optimizer, else the default (forward).
+Steps train_steps(const std::string& recipe, bool by_optimizer, const std::string& out_dir = "",
                   const std::vector<std::string>& sets = {}, int64_t stop_after = -1) {
   Steps out;
   TrainOptions o = quiet();
   o.stop_after = stop_after;
   Config c = fp8_config(recipe);
   if (!out_dir.empty()) c.logging.out_dir = out_dir;
+  if (by_optimizer) apply_override(c, "precision.fp8_weights=optimizer");
   for (const std::string& s : sets) apply_override(c, s);
-  o.after_backward = [&](int64_t, const std::vector<Variable>& params) {
+  o.after_backward = [&](int64_t, const std::vector<Variable>&) {
     out.weight_quantizes.push_back(cast_counts().weight_quantize);
-    if (!fused)
-      for (const Variable& p : params) p.bump_version();
   };
   out.losses = train(c, o).losses;
   return out;
@@ -61,23 +59,26 @@ Steps train_steps(const std::string& recipe, bool fused, const std::string& out_
 
 }  // namespace
 
-// The first forward quantizes each FP8 weight once; from then on AdamW writes them and no step quantizes one, and
-// the losses are, bit for bit, those of the forward quantizing each weight after every update.
-TEST(AdamWFp8, TrainingQuantizesNoWeightInSteadyState) {
+// By default every step's forward quantizes each FP8 weight once. Under precision.fp8_weights: optimizer the first
+// forward quantizes each once; from then on AdamW writes them and no step quantizes one, and the losses are, bit for
+// bit, those of the forward quantizing each weight after every update.
+TEST(AdamWFp8, ForwardQuantizesEachStepOptimizerNoneInSteadyStateSameLosses) {
   for (const std::string recipe : {"fp8_flow", "fp8_full"}) {
     SCOPED_TRACE(recipe);
-    const Steps fused = train_steps(recipe, true), unfused_run = train_steps(recipe, false);
+    const Steps by_optimizer = train_steps(recipe, true), by_forward = train_steps(recipe, false);
     const int64_t num_fp8 = num_fp8_weights(recipe);
-    EXPECT_EQ(fused.weight_quantizes, (std::vector<int64_t>{num_fp8, 0, 0, 0}));
-    EXPECT_EQ(unfused_run.weight_quantizes, (std::vector<int64_t>(4, num_fp8)));
-    ASSERT_EQ(fused.losses.size(), unfused_run.losses.size());
-    for (size_t i = 0; i < fused.losses.size(); ++i)
-      EXPECT_EQ(fused.losses[i], unfused_run.losses[i]) << "step " << i + 1;  // bit for bit
+    EXPECT_EQ(by_optimizer.weight_quantizes, (std::vector<int64_t>{num_fp8, 0, 0, 0}));
+    EXPECT_EQ(by_forward.weight_quantizes, (std::vector<int64_t>(4, num_fp8)));
+    ASSERT_EQ(by_optimizer.losses.size(), 4u);
+    ASSERT_EQ(by_forward.losses.size(), 4u);
+    for (size_t i = 0; i < by_optimizer.losses.size(); ++i)
+      EXPECT_EQ(by_optimizer.losses[i], by_forward.losses[i]) << "step " << i + 1;  // bit for bit
   }
 }
 
-// A checkpoint load moves the weights without their FP8 copies: the resumed run's first forward quantizes each
-// once, then AdamW writes them again; 2 + 2 steps repeat 4 straight ones bit for bit.
+// Under precision.fp8_weights: optimizer a checkpoint load moves the weights without their FP8 copies: the resumed
+// run's first forward quantizes each once, then AdamW writes them again; 2 + 2 steps repeat 4 straight ones bit for
+// bit.
 TEST(AdamWFp8, ResumedRunQuantizesOnceThenRepeatsTheStraightRun) {
   const std::filesystem::path d = fresh_dir("adamw_fp8_resume");
   const std::string recipe = "fp8_full";

@@ -315,6 +315,28 @@ TEST(Config, MomentDtypeIsF32OrBf16) {
              "--set optimizer.moment_dtype=fp16: optimizer.moment_dtype: expected one of f32, bf16");
 }
 
+// precision.fp8_weights parses once into Fp8WeightWriter; forward by default, and taken under bf16 too (no FP8
+// weights there, so it changes nothing).
+TEST(Config, Fp8WeightsIsForwardOrOptimizer) {
+  EXPECT_EQ(parse_config("", "ok.yaml").precision.fp8_weights, Fp8WeightWriter::forward);
+  Config c = parse_config("precision:\n  fp8_weights: optimizer\n", "ok.yaml");  // under bf16
+  EXPECT_EQ(c.precision.fp8_weights, Fp8WeightWriter::optimizer);
+  EXPECT_HAS(to_yaml(c), "  fp8_weights: optimizer\n");
+  EXPECT_EQ(parse_config(to_yaml(c), "resolved.yaml").precision.fp8_weights, Fp8WeightWriter::optimizer);
+  EXPECT_EQ(parse_config("", "ok.yaml", {"precision.fp8_weights=optimizer"}).precision.fp8_weights,
+            Fp8WeightWriter::optimizer);
+  EXPECT_EQ(parse_config("", "ok.yaml", {"precision.fp8_weights=forward"}).precision.fp8_weights,
+            Fp8WeightWriter::forward);
+  for (const char* bad : {"adamw", "Forward", "true", "\"\""}) {
+    const std::string m = parse_error(std::string("precision:\n  fp8_weights: ") + bad + "\n");
+    EXPECT_HAS(m, "bad.yaml:2: precision.fp8_weights: expected one of forward, optimizer, got '");
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+  EXPECT_HAS(parse_error("precision:\n  fp8_weights: optimiser\n"), "(did you mean 'optimizer'?)");
+  EXPECT_HAS(parse_error("", {"precision.fp8_weights=both"}),
+             "--set precision.fp8_weights=both: precision.fp8_weights: expected one of forward, optimizer");
+}
+
 TEST(Config, SetOverridesAreValidatedTheSameWay) {
   Config c = parse_config("train:\n  steps: 50\n", "base.yaml",
                           {"train.steps=7", "optimizer.lr=1e-4", "optimizer.min_lr=0", "optimizer.warmup_steps=2"});

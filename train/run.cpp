@@ -192,6 +192,16 @@ static DType weight_dtype(const Config& c, const Transformer& model) {
   return c.precision.param_dtype == "f32" ? DType::f32 : model.compute_dtype();
 }
 
+// The model's shards as the optimizer sees them: their FP8 copies only where AdamW writes them
+// (precision.fp8_weights: optimizer). Without them the reducer builds no FP8 buckets, AdamW writes no copy, and the
+// forward quantizes each FP8 weight once per parameter version.
+static std::vector<ParamShard> optimizer_shards(const Config& c, const Transformer& model) {
+  std::vector<ParamShard> shards = model.parameter_shards();
+  if (c.precision.fp8_weights != Fp8WeightWriter::optimizer)
+    for (ParamShard& s : shards) s.fp8 = nullptr;
+  return shards;
+}
+
 // Several ranks reduce their gradients through a GradientReducer; one rank has none, unless its world is
 // nccl's (parallel.backend: nccl), which then takes the several-rank step on one GPU: its collectives, the
 // reducer's stream and the sharded optimizer.
@@ -199,7 +209,7 @@ static std::unique_ptr<GradientReducer> make_reducer(const Config& c, const Para
                                                      const Transformer& model) {
   if (ps.world->size() == 1 && ps.world->backend_name() != std::string("nccl")) return nullptr;
   return std::make_unique<GradientReducer>(
-      ps, model.parameters(), model.parameter_shards(), c.parallel.overlap_grad_reduce, kGradientBucketBytes,
+      ps, model.parameters(), optimizer_shards(c, model), c.parallel.overlap_grad_reduce, kGradientBucketBytes,
       int(c.parallel.grad_reduce_sms), c.parallel.shard_optimizer, weight_dtype(c, model));
 }
 
@@ -262,12 +272,13 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
       state(device, run_step_schedule(c)) {
   check_router_lr_scale(cfg, opt);
   opt.set_rounding_seed(uint64_t(c.train.seed));
-  // AdamW writes the FP8 weights the forward reads; sharded, those the reducer gathers.
+  // AdamW writes the FP8 weights the forward reads where precision.fp8_weights asks it to; sharded, those the
+  // reducer gathers.
   std::vector<std::shared_ptr<Fp8WeightCopy>> fp8_copies;
   if (reducer && reducer->sharded())
     fp8_copies = reducer->gathered_fp8_copies();
   else
-    for (const ParamShard& s : model.parameter_shards()) fp8_copies.push_back(s.fp8);
+    for (const ParamShard& s : optimizer_shards(c, model)) fp8_copies.push_back(s.fp8);
   opt.set_fp8_copies(std::move(fp8_copies));
   model.set_recompute_attention(c.train.recomputes("attention"));
   model.set_mtp_loss_weight(c.train.mtp_loss_weight);

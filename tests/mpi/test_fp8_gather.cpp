@@ -1,11 +1,12 @@
 // The sharded optimizer's FP8 weights (train/grad_reducer.h, Megatron-LM's --fp8-param-gather) on the world this
-// test runs in: each rank's AdamW writes the FP8 data and scales of its block rows, the all-gather moves those in
-// place of the weights, and each rank rebuilds the transpose. Against the unsharded optimizer, whose AdamW writes
-// every whole copy, on the same world: the same losses and checkpoints bit for bit under fp8_flow and fp8_full,
-// and no weight quantized in a steady-state step. Clipping is off: the sharded norm sums its segments in another
-// order. At 4 ranks MPI's reduce-scatter may add the ranks in another order than its all-reduce
+// test runs in, under precision.fp8_weights: optimizer: each rank's AdamW writes the FP8 data and scales of its block
+// rows, the all-gather moves those in place of the weights, and each rank rebuilds the transpose. Against the unsharded
+// optimizer, whose AdamW writes every whole copy, on the same world: the same losses and checkpoints bit for bit under
+// fp8_flow and fp8_full, and no weight quantized in a steady-state step. Clipping is off: the sharded norm sums its
+// segments in another order. At 4 ranks MPI's reduce-scatter may add the ranks in another order than its all-reduce
 // (tests/mpi/test_dp_train.cpp), and an f32 ulp moves e4m3 roundings: there the losses agree within the FP8
-// recipes' noise. A sharded resume quantizes each FP8 weight once, from the whole weights the load wrote.
+// recipes' noise. A sharded resume quantizes each FP8 weight once, from the whole weights the load wrote. Under the
+// default (forward) the gather moves the weights, each step quantizes each FP8 weight, and the losses are the same.
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -52,7 +53,8 @@ struct TinyRun {
   std::string checkpoint;
 };
 
-// A tiny MoE model in `recipe`, every width 128 (the FP8 weights' block), 4 steps and a checkpoint at the last.
+// A tiny MoE model in `recipe`, every width 128 (the FP8 weights' block), 4 steps and a checkpoint at the last;
+// precision.fp8_weights: optimizer unless `sets` says otherwise.
 TinyRun train_tiny(const std::string& recipe, bool shard, const fs::path& dir,
                    const std::vector<std::string>& sets = {}, int64_t stop_after = -1) {
   Config c = parse_config(
@@ -66,7 +68,7 @@ TinyRun train_tiny(const std::string& recipe, bool shard, const fs::path& dir,
       "logging: {progress: plain}\n",
       "fp8_gather.yaml",
       {"precision.recipe=" + recipe, std::string("parallel.shard_optimizer=") + (shard ? "true" : "false"),
-       "logging.out_dir=" + dir.string()});
+       "logging.out_dir=" + dir.string(), "precision.fp8_weights=optimizer"});
   for (const std::string& set : sets) apply_override(c, set);
   TinyRun out;
   TrainOptions o = quiet();
@@ -91,16 +93,22 @@ TEST(Fp8Gather, ShardedEqualsUnshardedAndQuantizesNoWeight) {
     SCOPED_TRACE(recipe);
     const TinyRun sharded = train_tiny(recipe, true, d / (recipe + "_sharded"));
     const TinyRun whole = train_tiny(recipe, false, d / (recipe + "_whole"));
+    const TinyRun forward = train_tiny(recipe, true, d / (recipe + "_forward"), {"precision.fp8_weights=forward"});
     ASSERT_EQ(sharded.losses.size(), 4u);
     ASSERT_EQ(whole.losses.size(), 4u);
+    ASSERT_EQ(forward.losses.size(), 4u);
     EXPECT_EQ(sharded.weight_quantizes, (std::vector<int64_t>{num_fp8, 0, 0, 0}));
     EXPECT_EQ(whole.weight_quantizes, (std::vector<int64_t>{num_fp8, 0, 0, 0}));
+    EXPECT_EQ(forward.weight_quantizes, (std::vector<int64_t>(4, num_fp8)));
     const bool same_sums = world.size() <= 2;
     for (size_t i = 0; i < whole.losses.size(); ++i) {
-      if (same_sums)
+      if (same_sums) {
         EXPECT_EQ(sharded.losses[i], whole.losses[i]) << "step " << i + 1;
-      else
+        EXPECT_EQ(forward.losses[i], whole.losses[i]) << "step " << i + 1;
+      } else {
         EXPECT_NEAR(sharded.losses[i], whole.losses[i], 5e-3 * whole.losses[i]) << "step " << i + 1;
+        EXPECT_NEAR(forward.losses[i], whole.losses[i], 5e-3 * whole.losses[i]) << "step " << i + 1;
+      }
     }
     if (world.rank() != 0 || !same_sums) continue;
     for (const char* file : {"model.safetensors", "optimizer.safetensors"})
