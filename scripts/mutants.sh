@@ -37,13 +37,20 @@ fail_setup() {
 # ---- the scratch copy: the repository's files (tracked and untracked, not ignored), copied where they differ ----
 sync_tree() {
   local f
+  local -A kept=()
   while IFS= read -r -d '' f; do
     [ -f "$root/$f" ] || continue
+    kept["$f"]=1
     if ! cmp -s "$root/$f" "$tree/$f"; then
       mkdir -p "$(dirname "$tree/$f")"
       cp "$root/$f" "$tree/$f"  # a fresh mtime: whatever was built from another version is rebuilt
     fi
   done < <(git -C "$root" ls-files -z --cached --others --exclude-standard)
+  # A file the repository no longer has (moved or removed) leaves the copy too, or the build would still see it.
+  while IFS= read -r -d '' f; do
+    f=${f#./}
+    [ -n "${kept[$f]:-}" ] || rm -f "$tree/$f"
+  done < <(cd "$tree" && find . \( -path ./build-cpu -o -path ./.deps \) -prune -o -type f -print0)
 }
 
 # ---- the mutants ------------------------------------------------------------------------------------------------
