@@ -149,7 +149,7 @@ DEFAULTS = {
         "router_lr_scale": 1.0,
         "moment_dtype": "f32",
     },
-    "precision": {"recipe": "bf16", "align_size": 16, "param_dtype": "auto"},
+    "precision": {"recipe": "bf16", "align_size": 16, "param_dtype": "auto", "fp8_weights": "forward"},
     "parallel": {"expert_parallel_size": 1, "backend": "auto", "ep_dispatch": "auto",
                  "shared_expert_overlap": "auto", "exchange_chunks": 1, "exchange_sms": 0,
                  "ep_capacity_factor": 0.0, "dual_microbatch": False,
