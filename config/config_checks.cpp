@@ -196,10 +196,11 @@ void check_precision_recipe(const Config& c, const KeyReport& r) {
   if (recipe == "bf16") return;
   const ModelConfig& m = c.model;
   // FP8 GEMMs use 128x128 weight blocks and 1x128 activation blocks (DESIGN.md §3-4).
-  auto need128 = [&](const char* key, int64_t v, const std::string& gemms) {
+  // `what`: how the message names the value when it is not key's own (a product of keys, "... = ").
+  auto need128 = [&](const std::string& key, int64_t v, const std::string& gemms, const std::string& what = "") {
     if (v % 128 != 0)
-      r.err(key, std::to_string(v) + " is not a multiple of 128, which " + r.from("precision.recipe") + " = " + recipe +
-                     " needs: it runs " + gemms + " on FP8 blocks 128 wide");
+      r.err(key, what + std::to_string(v) + " is not a multiple of 128, which " + r.from("precision.recipe") + " = " +
+                     recipe + " needs: it runs " + gemms + " on FP8 blocks 128 wide");
   };
   if (moe_flow(moe_recipe_from_name(recipe)).fp8_linears) {
     const int64_t moe_layers = num_moe_layers(m), dense_layers = m.num_hidden_layers - moe_layers;
@@ -218,10 +219,7 @@ void check_precision_recipe(const Config& c, const KeyReport& r) {
                {nh * (m.qk_nope_head_dim + m.v_head_dim),
                 "model.num_attention_heads x (qk_nope_head_dim + v_head_dim)"},
                {nh * m.v_head_dim, "model.num_attention_heads x v_head_dim"}})
-        if (width % 128 != 0)
-          r.err("model.attention", keys + " = " + str(width) + " is not a multiple of 128, which " +
-                                       r.from("precision.recipe") + " = " + recipe + " needs: it runs " + gemms +
-                                       " on FP8 blocks 128 wide");
+        need128("model.attention", width, gemms, keys + " = ");
     }
     if (c.data.seq_len % kFp8LinearRowMultiple != 0)
       r.err("data.seq_len", std::to_string(c.data.seq_len) + " is not a multiple of " +
