@@ -14,12 +14,13 @@ Fp8BlockCopy block_copy(const QuantizedWeight& wq) {
           q.size(-1)};
 }
 
-void store_fp8_weight(QuantizedWeight& into, const QuantizedWeight& fresh) {
+void store_fp8_weight(Fp8WeightCopy& copy, const QuantizedWeight& fresh) {
+  QuantizedWeight& into = copy.wq;
   const auto fits = [](const Tensor& a, const Tensor& b) {
     return a.defined() && a.shape() == b.shape() && a.device() == b.device() && a.fp8_scales() &&
            a.fp8_scales()->scale_inv.shape() == b.fp8_scales()->scale_inv.shape();
   };
-  if (!fits(into.q, fresh.q) || !fits(into.q_t, fresh.q_t)) {
+  if (!copy.held || !fits(into.q, fresh.q) || !fits(into.q_t, fresh.q_t)) {
     into = fresh;
     return;
   }

@@ -23,6 +23,9 @@ struct Fp8WeightCopy {
   QuantizedWeight wq;
   uint64_t version = 0;
   const VariableImpl* of = nullptr;  // the weight wq was made from (compared, never read)
+  // Its buffers are written in place by others (AdamW's update, a sharded all-gather), whose pointers (and a
+  // captured step's) must stay valid: a forward's quantize is stored into them. Otherwise it takes their place.
+  bool held = false;
 
   bool current_for(const Variable& w) const { return wq.q.defined() && version == w.version() && of == w.impl(); }
   void mark_current(const Variable& w) {
@@ -34,9 +37,10 @@ struct Fp8WeightCopy {
 // The kernels' view of a copy's four buffers (kernels/adamw_fp8.h): wq.q [B, N, K] or [N, K] (B = 1).
 Fp8BlockCopy block_copy(const QuantizedWeight& wq);
 
-// A fresh quantize of w written into `into`'s buffers where it has them, so the buffers a captured step
-// (train.cuda_graph) reads and AdamW writes stay where they are.
-void store_fp8_weight(QuantizedWeight& into, const QuantizedWeight& fresh);
+// A fresh quantize of a weight into its copy: written into the copy's buffers where they are held (and fit), so
+// the buffers a captured step (train.cuda_graph) reads and AdamW writes stay where they are; else it replaces them,
+// which costs no copy.
+void store_fp8_weight(Fp8WeightCopy& copy, const QuantizedWeight& fresh);
 
 class Fp8WeightCache {
  public:
@@ -45,8 +49,8 @@ class Fp8WeightCache {
   const QuantizedWeight& get(const Variable& w) const {
     // set_data and in-place updates bump the version; another weight (a cache handed the wrong one) is stale too.
     if (!copy_->current_for(w)) {
-      store_fp8_weight(copy_->wq, w.data().dim() == 2 ? quantize_linear_weight(w.data(), w.name())
-                                                      : quantize_weight(w.data(), w.name()));
+      store_fp8_weight(*copy_, w.data().dim() == 2 ? quantize_linear_weight(w.data(), w.name())
+                                                   : quantize_weight(w.data(), w.name()));
       copy_->mark_current(w);
     }
     return copy_->wq;

@@ -30,6 +30,7 @@ void GradientReducer::shard_fp8_copy(Bucket& b) {
   wq.q = q.with_scales(scales, ScalingMode::block_128x128);
   wq.q_t = Tensor::zeros({B, K, N}, DType::e4m3, device)
                .with_scales(Tensor::zeros({B, nbk, nbn}, DType::f32, device), ScalingMode::block_128x128);
+  b.fp8->held = true;  // the all-gather moves q and its scales in place
   b.fp8->version = 0;
   b.fp8->of = nullptr;  // not current: the first forward quantizes into these buffers
 }

@@ -190,6 +190,8 @@ void AdamW::set_fp8_copies(std::vector<std::shared_ptr<Fp8WeightCopy>> copies) {
   FLOWMOE_CHECK(copies.empty() || copies.size() == params_.size(), Error, "AdamW::set_fp8_copies: ", copies.size(),
                 " FP8 copies for ", params_.size(), " parameters");
   fp8_ = std::move(copies);
+  for (const auto& c : fp8_)
+    if (c) c->held = true;  // the update writes their buffers
   fp8_written_.clear();
 }
 
