@@ -2,11 +2,15 @@
 // once per step; under optimizer AdamW writes them (kernels/adamw_fp8.h, train/optimizer.h) and the forward quantizes
 // none in steady state under fp8_flow and fp8_full. The losses are the same bit for bit; a resumed run quantizes
 // each weight once, then repeats the straight run. The kernels' own tests: test_adamw_fp8.cpp.
+#include <cstdint>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/cast_stats.h"
+#include "engine/rng.h"
+#include "layers/fp8_weight.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
 #include "train/trainer.h"
@@ -95,4 +99,32 @@ TEST(AdamWFp8, ResumedRunQuantizesOnceThenRepeatsTheStraightRun) {
     EXPECT_EQ(straight.losses[i], i < 2 ? first.losses[i] : second.losses[i - 2]) << "step " << i + 1;
   EXPECT_EQ(second.weight_quantizes, (std::vector<int64_t>{num_fp8_weights(recipe), 0}));
   std::filesystem::remove_all(d);
+}
+
+// A forward's quantize goes into a copy's buffers only where others hold them (AdamW writes them, the all-gather
+// moves them, a captured step reads them): there the buffers stay and take the fresh bytes; elsewhere the fresh
+// quantize takes their place, with no copy.
+TEST(AdamWFp8, AQuantizeIsStoredIntoHeldBuffersAndReplacesTheOthers) {
+  Rng rng(11);
+  const Variable w(random_tensor(rng, {256, 128}), false, "w");
+  const Fp8WeightCache cache;
+  const uint8_t* first = cache.get(w).q.data<uint8_t>();
+  w.bump_version();
+  const uint8_t* fresh = cache.get(w).q.data<uint8_t>();
+  EXPECT_NE(fresh, first);  // replaced: the new quantize was made while the old buffers were alive
+
+  cache.copy()->held = true;
+  w.data().data<float>()[5] = 100.0f;  // new values, new scales
+  w.bump_version();
+  const QuantizedWeight& stored = cache.get(w);
+  EXPECT_EQ(stored.q.data<uint8_t>(), fresh);  // the same buffers, holding the new quantize's bytes
+  const QuantizedWeight expected = quantize_linear_weight(w.data(), "w");
+  const auto bytes = [](const Tensor& q) {
+    const uint8_t* p = q.data<uint8_t>();
+    return std::vector<uint8_t>(p, p + q.numel());
+  };
+  for (const auto& [got, want] : {std::pair{stored.q, expected.q}, std::pair{stored.q_t, expected.q_t}}) {
+    EXPECT_EQ(bytes(got), bytes(want));
+    EXPECT_EQ(got.fp8_scales()->scale_inv.to_floats(), want.fp8_scales()->scale_inv.to_floats());
+  }
 }
