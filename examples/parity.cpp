@@ -3,6 +3,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -29,7 +30,8 @@ namespace {
 
 const char* kParityHelp =
     R"(usage: flowmoe parity --config FILE --out DIR [--recipes bf16,fp8_blockwise,fp8_flow] [--steps N]
-                      [--set section.key=value ...] [--controls N] [--control data|seed|eps]
+                      [--set section.key=value ...] [--candidate NAME:section.key=value ...]
+                      [--controls N] [--control data|seed|eps]
                       [--layout-control] [--threshold 0.0025] [--margin 0.25] [--warmup-steps W]
                       [--ema-alpha 0.9] [--resume]
 
@@ -57,6 +59,11 @@ options:
                            fp8_full), the reference first (default bf16,fp8_blockwise,fp8_flow)
   --steps N                train.steps of every run (default: the config's)
   --set section.key=value  override one key of every run (repeatable)
+  --candidate NAME:section.key=value
+                           one more candidate, DIR/NAME: the reference's recipe with this key
+                           overridden (repeat the NAME to override several keys), judged like the
+                           recipes; e.g. bf16_moments:optimizer.moment_dtype=bf16 (a setting, not
+                           a recipe, against the same controls)
   --controls N             N runs of the reference recipe, each perturbed (--control), into
                            DIR/control1 .. DIR/controlN (DIR/control for one): the noise band,
                            reported like candidates but not judged; the noise verdict needs 2 or more
@@ -94,6 +101,8 @@ struct ParityOptions {
   double margin = 0.25;
   std::vector<std::string> recipes = {"bf16", "fp8_blockwise", "fp8_flow"};
   std::vector<std::string> sets;
+  // --candidate: each named candidate's overrides, in the order first named.
+  std::vector<std::pair<std::string, std::vector<std::string>>> candidates;
   int64_t steps = -1, warmup_steps = -1;
   double threshold = 0.0025;
   double ema_alpha = kParityEmaAlpha;
@@ -124,6 +133,30 @@ std::vector<std::string> split_list(const std::string& s) {
   return out;
 }
 
+// --candidate NAME:section.key=value: NAME a folder name of its own (letters, digits, '_', '-', '.'), not a
+// recipe's or a control's (those folders are the study's too).
+void add_candidate(ParityOptions& o, const std::string& v) {
+  const size_t colon = v.find(':');
+  const std::string name = colon == std::string::npos ? "" : v.substr(0, colon);
+  const std::string set = colon == std::string::npos ? "" : v.substr(colon + 1);
+  const bool plain = !name.empty() && name.find_first_not_of(
+                                          "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                          "0123456789_-.") == std::string::npos;
+  if (!plain || name == "." || name == ".." || set.find('=') == std::string::npos)
+    throw UsageError(
+        "parity: --candidate takes NAME:section.key=value with NAME of letters, digits, '_', '-' or "
+        "'.', got '" +
+        v + "'");
+  if (name.rfind("control", 0) == 0)
+    throw UsageError("parity: --candidate " + name + ": names starting with 'control' are the controls' folders");
+  for (auto& c : o.candidates)
+    if (c.first == name) {
+      c.second.push_back(set);
+      return;
+    }
+  o.candidates.push_back({name, {set}});
+}
+
 std::string format_g(double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.17g", v);
@@ -145,6 +178,8 @@ ParityOptions parse(int argc, char** argv) {
       o.steps = int64_t(parse_number(a, args.value(a), true));
     else if (a == "--set")
       o.sets.push_back(args.value(a));
+    else if (a == "--candidate")
+      add_candidate(o, args.value(a));
     else if (a == "--control")
       o.control = args.value(a);
     else if (a == "--controls")
@@ -168,6 +203,9 @@ ParityOptions parse(int argc, char** argv) {
   if (o.recipes.size() < 2) throw UsageError("parity: --recipes needs the reference and at least one candidate");
   if (std::set<std::string>(o.recipes.begin(), o.recipes.end()).size() != o.recipes.size())
     throw UsageError("parity: --recipes names a recipe twice");
+  for (const auto& c : o.candidates)
+    if (std::find(o.recipes.begin(), o.recipes.end(), c.first) != o.recipes.end())
+      throw UsageError("parity: --candidate " + c.first + " has a recipe's name, whose run folder it would share");
   if (!o.control.empty() && o.control != "eps" && o.control != "seed" && o.control != "data")
     throw UsageError("parity: --control is data, seed or eps, got '" + o.control + "'");
   if (o.num_controls > 64) throw UsageError("parity: --controls is at most 64, got " + std::to_string(o.num_controls));
@@ -194,6 +232,10 @@ std::vector<PlannedRun> plan_runs(const ParityOptions& o) {
     plan.push_back(std::move(p));
   };
   for (const std::string& r : o.recipes) add(r, r, false, {});
+  for (const auto& [name, sets] : o.candidates) {
+    add(name, o.recipes.front(), false, sets);
+    plan.back().recipe = plan.back().cfg.precision.recipe;  // a candidate's override may name another recipe
+  }
   const Config ref = plan.front().cfg;  // a copy: the adds below grow `plan`, which may move its elements
   for (int64_t k = 1; k <= o.num_controls; ++k) {
     const std::string name = o.num_controls == 1 ? "control" : "control" + std::to_string(k);

@@ -263,6 +263,45 @@ TEST(ParityCommand, UsageErrorsExitTwo) {
   fs::remove_all(d);
 }
 
+// --candidate: a setting judged like a recipe against the same controls. The candidate trains the reference's
+// recipe with its overrides (two for one NAME), or the recipe an override names; bad specs exit 2, naming it.
+TEST(ParityCommand, CandidatesAreSettingsJudgedLikeRecipes) {
+  const fs::path d = fresh_dir("parity_candidate");
+  const Ran r = run_parity(d,
+                           "--recipes bf16,fp8_flow --threshold 1 --candidate eps3:optimizer.eps=3e-8"
+                           " --candidate eps3:optimizer.beta1=0.85 --candidate full:precision.recipe=fp8_full");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const YAML::Node j = YAML::LoadFile((d / "parity" / "parity.json").string());
+  ASSERT_EQ(j["runs"].size(), 4u) << r.out;
+  EXPECT_EQ(j["runs"][2]["name"].as<std::string>(), "eps3");
+  EXPECT_EQ(j["runs"][2]["recipe"].as<std::string>(), "bf16");
+  EXPECT_EQ(j["runs"][3]["name"].as<std::string>(), "full");
+  EXPECT_EQ(j["runs"][3]["recipe"].as<std::string>(), "fp8_full");
+  ASSERT_EQ(j["candidates"].size(), 3u);
+  EXPECT_EQ(j["candidates"][1]["name"].as<std::string>(), "eps3");
+  EXPECT_EQ(j["candidates"][1]["verdict"].as<std::string>(), "pass");
+  const YAML::Node eps3 = YAML::LoadFile((d / "parity" / "eps3" / "config.yaml").string());
+  EXPECT_DOUBLE_EQ(eps3["optimizer"]["eps"].as<double>(), 3e-8);
+  EXPECT_DOUBLE_EQ(eps3["optimizer"]["beta1"].as<double>(), 0.85);
+  EXPECT_EQ(eps3["precision"]["recipe"].as<std::string>(), "bf16");
+  EXPECT_NE(r.out.find("eps3 vs bf16: max EMA rel err"), std::string::npos) << r.out;
+
+  const fs::path e = fresh_dir("parity_candidate_usage");
+  for (const char* bad : {"--candidate eps3", "--candidate :optimizer.eps=1", "--candidate a/b:optimizer.eps=1",
+                          "--candidate control1:optimizer.eps=1", "--candidate fp8_flow:optimizer.eps=1"}) {
+    const Ran u = run_parity(e, std::string("--recipes bf16,fp8_flow ") + bad);
+    EXPECT_EQ(u.exit_code, 2) << bad << ": " << u.out;
+    EXPECT_NE(u.out.find("parity: --candidate"), std::string::npos) << bad << ": " << u.out;
+  }
+  // An override of an unknown key is the config's error, before anything trains.
+  const Ran unknown = run_parity(e, "--recipes bf16,fp8_flow --candidate x:optimizer.nope=1");
+  EXPECT_EQ(unknown.exit_code, 2) << unknown.out;
+  EXPECT_NE(unknown.out.find("optimizer.nope"), std::string::npos) << unknown.out;
+  EXPECT_FALSE(fs::exists(e / "parity" / "bf16"));
+  fs::remove_all(d);
+  fs::remove_all(e);
+}
+
 // An interrupted run (its final checkpoint missing) is continued from its newest checkpoint; its
 // config_hash in the report is the one it had when it trained from step 1.
 TEST(ParityCommand, ResumeContinuesRunsThatStoppedEarlier) {
