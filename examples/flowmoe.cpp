@@ -50,8 +50,8 @@ commands:
   plot             loss curves of one or several runs -> PNG
   parity           loss parity of precision recipes: one run each, a JSON report and a plot
   fp8-error        where FP8 error enters each expert GEMM, on a checkpoint's activations
-  export           a checkpoint as a Hugging Face folder (--format hf: transformers' glm4_moe)
-  import           a Hugging Face glm4_moe folder as a config and a checkpoint to train from
+  export           a checkpoint as a Hugging Face folder (--format hf: glm4_moe, or deepseek_v3 for MLA)
+  import           a Hugging Face glm4_moe or deepseek_v3 folder as a config and a checkpoint to train from
   config-reference print every config key with its type, range and default (Markdown)
   walkthrough      one small fp8_flow MoE layer, forward and backward, step by step (docs/WALKTHROUGH.md)
 

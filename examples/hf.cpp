@@ -15,11 +15,13 @@ namespace {
 const char* kExportHelp = R"(usage: flowmoe export --format hf CHECKPOINT OUT_DIR [--tokenizer FILE | --no-tokenizer]
 
 Writes the model of a checkpoint as a Hugging Face folder that transformers loads with
-AutoModelForCausalLM.from_pretrained(OUT_DIR): its glm4_moe (Glm4MoeForCausalLM), DeepSeek-V3's MoE
-with multi-head attention. OUT_DIR gets config.json, model.safetensors (f32, transformers' names)
-and, where the run had a BPE tokenizer, tokenizer.json and tokenizer_config.json. It is written into
-a temporary folder beside OUT_DIR and renamed into place. A model glm4_moe cannot hold (a softmax
-router; fewer than 2 experts in a group) is refused naming the model.* key.
+AutoModelForCausalLM.from_pretrained(OUT_DIR): a model with multi-head attention as glm4_moe
+(Glm4MoeForCausalLM: DeepSeek-V3's MoE with multi-head attention), one with model.attention mla as
+deepseek_v3 (DeepseekV3ForCausalLM), MTP layers numbered as DeepSeek-V3 numbers them. OUT_DIR gets
+config.json, model.safetensors (f32, transformers' names) and, where the run had a BPE tokenizer,
+tokenizer.json and tokenizer_config.json. It is written into a temporary folder beside OUT_DIR and
+renamed into place. A model these cannot hold (a softmax router; fewer than 2 experts in a group) is
+refused naming the model.* key.
 
 options:
   --format hf        the format (the only one)
@@ -34,7 +36,7 @@ options:
 
 const char* kImportHelp = R"(usage: flowmoe import --format hf DIR --config-out FILE [--checkpoint-dir D]
 
-Reads a Hugging Face glm4_moe folder (config.json, model.safetensors or its shards with
+Reads a Hugging Face glm4_moe or deepseek_v3 folder (config.json, model.safetensors or its shards with
 model.safetensors.index.json, and tokenizer.json when there) and writes a flowmoe config and a
 checkpoint of step 0 with its weights, zero AdamW moments and data position 0, so that
 `flowmoe train --config FILE` starts from them (the config sets checkpoint.resume: true; edit its
