@@ -44,8 +44,10 @@ data and train sections). A tokenizer.json in flowmoe's form is also written as 
 `prepare-data --tokenizer`. What flowmoe's model cannot represent (grouped-query attention, a
 partial or scaled RoPE, attention biases, q/k norms, another model_type, ...) is refused naming the
 config.json field; a missing tensor, a tensor of another shape, or a tokenizer whose vocab exceeds
-vocab_size is refused too. Nothing is written then. MTP layers (num_nextn_predict_layers) are left
-out with a note.
+vocab_size is refused too. Nothing is written then. The MTP layers (num_nextn_predict_layers) become
+the model's multi-token prediction modules when every declared layer's tensors are there (export writes
+them to mtp.safetensors, as DeepSeek-V3's releases hold them apart); otherwise they are left out with a
+note.
 
 options:
   --format hf          the format (the only one)
