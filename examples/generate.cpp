@@ -2,6 +2,7 @@
 // config (meta.json), the tokens sampled over the K/V cache and printed as they come.
 #include "examples/generate.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -34,7 +35,8 @@ prefill's and the decoding's tokens/s.
 
 The tokenizer: data.source text is one token per byte; data.source tokens uses the BPE file
 prepare-data --bpe-vocab saved beside the token file (data/books.bin -> data/books.bpe), or one token
-per byte where there is none and every token is below 256; synthetic data has none (an error).
+per byte where there is none and every token is below 256. Synthetic data is no text: its prompt is token ids
+separated by spaces (e.g. --prompt "0 17 42"), and the ids are printed.
 
 options:
   --checkpoint DIR      a checkpoint directory (e.g. runs/tiny/checkpoints/step_00000300)
@@ -129,6 +131,35 @@ std::string timing(int64_t tokens, double seconds) {
   return s;
 }
 
+// A synthetic-data prompt: token ids below vocab_size separated by white space.
+std::vector<int32_t> parse_token_ids(const std::string& text, int64_t vocab_size) {
+  std::vector<int32_t> ids;
+  size_t at = text.find_first_not_of(" \t\n");
+  while (at != std::string::npos) {
+    const size_t end = std::min(text.find_first_of(" \t\n", at), text.size());
+    const std::string word = text.substr(at, end - at);
+    char* stop = nullptr;
+    errno = 0;
+    const long long id = std::strtoll(word.c_str(), &stop, 10);
+    if (*stop != '\0' || errno == ERANGE || id < 0 || id >= vocab_size)
+      throw UsageError("generate: data.source synthetic has no text, so the prompt is token ids from 0 to " +
+                       std::to_string(vocab_size - 1) + " separated by spaces; got '" + word + "'");
+    ids.push_back(int32_t(id));
+    at = text.find_first_not_of(" \t\n", end);
+  }
+  return ids;
+}
+
+// " 0 17 42": each id after a space, so that the prompt's and each new token's pieces print as one line.
+std::string spaced_ids(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (int32_t id : ids) {
+    s.push_back(' ');
+    s.append(std::to_string(id));
+  }
+  return s;
+}
+
 }  // namespace
 
 int cmd_generate(int argc, char** argv) {
@@ -139,10 +170,13 @@ int cmd_generate(int argc, char** argv) {
   cfg.origins["train.device"] = "--device " + g.device;  // what a refusal of the device names
   const Device device = resolve_device(cfg);
   RunTokenizer tokenizer = RunTokenizer::for_config(cfg, g.tokenizer);
-  if (!tokenizer.found())
+  // Synthetic tokens are ids of a generated corpus: they go in and come out as numbers.
+  const bool ids = !tokenizer.found() && cfg.data.source == "synthetic";
+  if (!tokenizer.found() && !ids)
     throw ConfigError("generate: no tokenizer for this checkpoint: " + tokenizer.missing() +
                       " (give --tokenizer FILE)");
-  const std::vector<int32_t> prompt = tokenizer.encode(read_prompt(g));
+  const std::vector<int32_t> prompt =
+      ids ? parse_token_ids(read_prompt(g), cfg.model.vocab_size) : tokenizer.encode(read_prompt(g));
   const int64_t max_positions = cfg.model.max_position_embeddings, p = int64_t(prompt.size());
   if (p == 0) throw UsageError("generate: the prompt is empty (give --prompt TEXT, --prompt-file FILE or stdin)");
   if (p >= max_positions)
@@ -168,12 +202,12 @@ int cmd_generate(int argc, char** argv) {
   }
   std::fprintf(stderr, "generate: checkpoint %s (step %lld) on %s, tokenizer %s, %lld prompt tokens\n",
                g.checkpoint.c_str(), static_cast<long long>(meta.step), device.str().c_str(),
-               tokenizer.describe().c_str(), static_cast<long long>(p));
-  std::fputs(tokenizer.decode(prompt).c_str(), stdout);
+               ids ? "none (token ids)" : tokenizer.describe().c_str(), static_cast<long long>(p));
+  std::fputs((ids ? spaced_ids(prompt).substr(1) : tokenizer.decode(prompt)).c_str(), stdout);
   std::fflush(stdout);
   // A byte-level BPE token decodes to its own bytes, so printing each as it comes gives the whole text.
   const Generation out = generate(model, prompt, num_new, g.sampling, [&](int32_t token) {
-    const std::string piece = tokenizer.decode({token});
+    const std::string piece = ids ? spaced_ids({token}) : tokenizer.decode({token});
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
   });

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The first command: installs the Debian packages, builds the flowmoe command, and trains the default
 # config, configs/tiny.yaml, on the GPU when one is present, else on the CPU (about 1 minute on 2 cores).
-# Then draws the loss curve to runs/tiny/loss.png. It builds what it will run: the CUDA kernels only when
+# Then draws the loss curve to runs/tiny/loss.png and continues a prompt with the trained model (`flowmoe generate`
+# on the run's last checkpoint; synthetic data has no text, so prompt and continuation are token ids). It builds what it will run: the CUDA kernels only when
 # nvcc is found AND a GPU is visible (on 2 cores they are most of a build's time); FLOWMOE_CUDA=ON|OFF
 # decides instead.
 #   scripts/quickstart.sh                         # as is
@@ -40,3 +41,7 @@ echo "[quickstart] training configs/tiny.yaml"
 "$build"/flowmoe train --config configs/tiny.yaml "$@"
 "$build"/flowmoe plot runs/tiny --output runs/tiny/loss.png --title "configs/tiny.yaml" \
   || echo "[quickstart] (no plot: install gnuplot-nox or matplotlib)"
+# The checkpoint names are zero-padded step numbers: the last in order is the run's final one.
+final=$(ls -d runs/tiny/checkpoints/step_* | tail -n 1)
+echo "[quickstart] continuing a prompt with $final"
+"$build"/flowmoe generate --checkpoint "$final" --prompt "0" --max-new-tokens 32 --seed 1

@@ -1,12 +1,14 @@
 // `flowmoe generate` as a user runs it: a text model trained by the built command, continued greedily (stdout the
 // prompt and its continuation, stderr the prefill's and the decoding's tokens/s), a seed that repeats its tokens,
-// a prompt from a file or stdin, and bad input refused with one line and a non-zero exit: no checkpoint, no
-// tokenizer (synthetic data), a prompt past the model's positions, a --top-p outside (0, 1].
+// a prompt from a file or stdin, token ids in and out for synthetic data, and bad input refused with one line and a
+// non-zero exit: no checkpoint, no tokenizer, a synthetic-data prompt that is not token ids, a prompt past the model's
+// positions, a --top-p outside (0, 1].
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -140,7 +142,15 @@ TEST(GenerateCli, BadInputIsOneLineAndANonZeroExit) {
     refused({"generate", "--checkpoint", ckpt, "--prompt", "x", "--device", "cuda"}, 2,
             "--device cuda: train.device: cuda was requested");
   const std::string synthetic = train_text_model(d, "synthetic");
-  refused({"generate", "--checkpoint", synthetic, "--prompt", "x"}, 2, "data.source synthetic has no tokenizer");
+  refused({"generate", "--checkpoint", synthetic, "--prompt", "x"}, 2,
+          "data.source synthetic has no text, so the prompt is token ids from 0 to 255 separated by spaces; got 'x'");
+  refused({"generate", "--checkpoint", synthetic, "--prompt", "0 256"}, 2, "got '256'");
+  // Synthetic data: the prompt's ids and the new ones, on one line.
+  const Ran ids =
+      run_flowmoe(d, {"generate", "--checkpoint", synthetic, "--prompt", " 0  7\n", "--max-new-tokens", "5"});
+  ASSERT_EQ(ids.code, 0) << ids.err;
+  EXPECT_TRUE(std::regex_match(ids.out, std::regex("0 7( [0-9]+){5}\n"))) << ids.out;
+  EXPECT_TRUE(has(ids.err, "tokenizer none (token ids), 2 prompt tokens")) << ids.err;
   fs::remove_all(d);
 }
 

@@ -1,6 +1,7 @@
 // The quick-start output that README.md and docs/TRAINING.md show is a copy of real output: this
-// trains configs/tiny.yaml on the CPU as the quick start does and checks that every line they show
-// is a line the run printed.
+// trains configs/tiny.yaml on the CPU as the quick start does, runs the `flowmoe generate` line the
+// README's quick start ends with on that run's final checkpoint (through the built command, as
+// scripts/quickstart.sh does), and checks that every line they show is a line the two printed.
 // Timings (tok/s, TFLOP/s, ETA, durations, the time line) and the memory available differ between machines
 // and are masked on both sides.
 #include <gtest/gtest.h>
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/cli_run.h"
 #include "tests/train_test_util.h"
 #include "train/trainer.h"
 
@@ -47,12 +49,14 @@ std::vector<std::string> shown_block(const std::string& doc, const std::string& 
 // Replaces what depends on the machine's speed and memory with placeholders.
 std::string mask_timings(std::string s) {
   static const std::regex rate(R"([0-9.]+k? tok/s)"), flop_rate(R"([0-9.]+ TFLOP/s)"), eta(R"(ETA [0-9hms]+)"),
-      took(R"( in [0-9hms]+ \|)"), available(R"(of [0-9.]+ [KMGT]?i?B available)"), time_line(R"(^time: .*)");
+      took(R"( in [0-9hms]+ \|)"), took_ms(R"( in [0-9.]+ ms)"), available(R"(of [0-9.]+ [KMGT]?i?B available)"),
+      time_line(R"(^time: .*)");
   if (std::regex_match(s, time_line)) return "time: T";  // every figure of it, and which parts it names
   s = std::regex_replace(s, rate, "R tok/s");
   s = std::regex_replace(s, flop_rate, "F TFLOP/s");
   s = std::regex_replace(s, eta, "ETA T");
   s = std::regex_replace(s, available, "of A available");
+  s = std::regex_replace(s, took_ms, " in T ms");
   return std::regex_replace(s, took, " in T |");
 }
 
@@ -74,6 +78,39 @@ std::string replace_all(std::string s, const std::string& from, const std::strin
   return s;
 }
 
+// The words of a shell command line, a double-quoted word without its quotes.
+std::vector<std::string> shell_words(const std::string& line) {
+  std::vector<std::string> words;
+  std::string word;
+  bool quoted = false, any = false;
+  for (char c : line) {
+    if (c == '"') {
+      quoted = !quoted;
+      any = true;
+    } else if (c == ' ' && !quoted) {
+      if (any) words.push_back(word);
+      word.clear();
+      any = false;
+    } else {
+      word += c;
+      any = true;
+    }
+  }
+  if (any) words.push_back(word);
+  return words;
+}
+
+// The words of the first line of `file` (from the line holding `from` on) that holds `command`.
+std::vector<std::string> command_line(const std::string& file, const std::string& from, const std::string& command) {
+  std::ifstream in(fs::path(FLOWMOE_SOURCE_DIR) / file);
+  std::string line;
+  while (std::getline(in, line) && line.find(from) == std::string::npos) {
+  }
+  while (std::getline(in, line))
+    if (line.find(command) != std::string::npos) return shell_words(line);
+  return {};
+}
+
 }  // namespace
 
 TEST(Readme, QuickStartOutputIsRealOutput) {
@@ -81,16 +118,51 @@ TEST(Readme, QuickStartOutputIsRealOutput) {
       {"README.md", "Expected output on a CPU:"}, {"docs/TRAINING.md", "progress is printed as plain lines:"}};
 
   const fs::path d = fresh_dir("readme");
-  Config cfg = load_config((fs::path(FLOWMOE_SOURCE_DIR) / "configs/tiny.yaml").string(),
-                           {"train.device=cpu", "logging.progress=plain", "logging.out_dir=" + (d / "tiny").string()});
+  Config cfg =
+      load_config((fs::path(FLOWMOE_SOURCE_DIR) / "configs/tiny.yaml").string(),
+                  {"train.device=cpu", "logging.progress=plain", "logging.out_dir=" + (d / "runs" / "tiny").string()});
   std::FILE* out = std::tmpfile();
   ASSERT_NE(out, nullptr);
   TrainOptions opts;
   opts.out = out;
   train(cfg, opts);
   std::vector<std::string> printed;
-  for (const std::string& l : read_lines(out)) printed.push_back(mask_timings(replace_all(l, d.string(), "runs")));
+  for (const std::string& l : read_lines(out)) printed.push_back(mask_timings(replace_all(l, d.string() + "/", "")));
   std::fclose(out);
+
+  const auto summary =
+      std::find_if(printed.begin(), printed.end(), [](const std::string& l) { return l.rfind("metrics: ", 0) == 0; });
+  ASSERT_NE(summary, printed.end());
+  const std::string printed_checkpoint = summary->substr(summary->find("checkpoint: ") + 12);
+  // The quick start's last command, from the README as a user copies it, run in the folder that holds runs/.
+  std::vector<std::string> generate = command_line("README.md", "## Quick start", "flowmoe generate ");
+  ASSERT_GE(generate.size(), 4u) << "README.md's quick start shows no flowmoe generate line";
+  EXPECT_EQ(generate[0], "build/flowmoe");
+  const Ran sampled = run_flowmoe_command(d, std::vector<std::string>(generate.begin() + 1, generate.end()), 60);
+  ASSERT_EQ(sampled.code, 0) << "README.md's generate line failed on the quick start's run:\n" << sampled.err;
+  const auto prompt = std::find(generate.begin(), generate.end(), "--prompt");
+  ASSERT_LT(prompt + 1, generate.end()) << "README.md's generate line gives no --prompt";
+  const std::string first_line = sampled.out.substr(0, sampled.out.find('\n'));
+  EXPECT_EQ(first_line.rfind(prompt[1], 0), 0u) << "generate did not print the prompt: " << sampled.out;
+  EXPECT_GT(first_line.size(), prompt[1].size() + 1) << "generate printed no continuation: " << sampled.out;
+  const std::regex rates(R"(^prefill: .* tok/s\) \| decode: .* tok/s\)$)");
+  std::istringstream err(sampled.err), text(sampled.out);
+  size_t num_rate_lines = 0;
+  for (std::string l; std::getline(err, l);) {
+    num_rate_lines += std::regex_match(l, rates);
+    printed.push_back(mask_timings(l));
+  }
+  EXPECT_EQ(num_rate_lines, 1u) << "generate printed no tokens/s line: " << sampled.err;
+  for (std::string l; std::getline(text, l);) printed.push_back(l);
+  // scripts/quickstart.sh runs the same command on the run's last checkpoint.
+  std::vector<std::string> script = command_line("scripts/quickstart.sh", "training configs/tiny.yaml", " generate ");
+  ASSERT_EQ(generate[2], "--checkpoint");
+  ASSERT_EQ(script.size(), generate.size()) << "scripts/quickstart.sh's generate line differs from README.md's";
+  script[0] = generate[0];  // "$build"/flowmoe
+  script[3] = generate[3];  // the checkpoint it finds
+  EXPECT_EQ(script, generate) << "scripts/quickstart.sh's generate line differs from README.md's";
+  EXPECT_EQ(generate[3], printed_checkpoint)
+      << "README.md's generate line names another checkpoint than the run's last";
   std::ostringstream all;
   for (const std::string& p : printed) all << "\n  " << p;
 
