@@ -15,6 +15,7 @@
 // multi-tensor update of the same tensors writing a bf16 copy (the same bytes), and that update followed by the
 // forward's quantize of each copy (quantize_block_cuda: 4 more), as graphs.
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -258,8 +259,10 @@ Args parse_args(int argc, char** argv) {
     const bool yaml = arg.size() > 5 && arg.compare(arg.size() - 5, 5, ".yaml") == 0;
     if (dtype_from_name(arg, &t) && (t == DType::f32 || t == DType::bf16) && a.moments.empty())
       a.moments = {t};
-    else if (yaml && a.configs.empty())
-      a.configs = {arg};
+    else if (yaml && a.configs.empty())  // as given, else in the source tree (configs/gpu_moe_wide.yaml from a build)
+      a.configs = {std::filesystem::path(arg).is_absolute() || std::filesystem::exists(arg)
+                       ? arg
+                       : std::string(FLOWMOE_SOURCE_DIR) + "/" + arg};
     else
       throw ConfigError("bad argument '" + arg +
                         "' (usage: bench_adamw [<config>.yaml] [f32|bf16]: a config, the moments' dtype; none: both)");
