@@ -1,14 +1,21 @@
 // bench_adamw: the optimizer's update over a real model's parameter list (configs/gpu_small.yaml,
-// configs/gpu_moe.yaml): the gradient norm's sums and AdamW with bf16 copies of the matrices (as
-// precision.param_dtype auto writes them), one multi-tensor launch per kTensorsPerLaunch tensors
+// configs/gpu_moe.yaml, or the config named): the gradient norm's sums and AdamW with bf16 copies of the matrices
+// (as precision.param_dtype auto writes them), one multi-tensor launch per kTensorsPerLaunch tensors
 // (kernels/adamw.h) against the baseline in the same run, one launch per tensor (two for its norm), both
 // queued from the host and replayed as a CUDA graph (the trainer's step); with f32 moments and with bf16
-// moments (optimizer.moment_dtype, stochastically rounded), or the one named: `bench_adamw [f32|bf16]`.
+// moments (optimizer.moment_dtype, stochastically rounded), or the one named:
+// `bench_adamw [<config>.yaml] [f32|bf16]`.
 // Bytes = the update's f32 param and grad read, param written, moments read and written (4 x 4 bytes per
 // parameter in f32, 4 x 2 in bf16), the bf16 copies written, and the norm's gradient read; the table gives
 // them per parameter too. Ceiling: the device's D2D cudaMemcpyAsync bandwidth (read + written) measured in the
 // same run. Times are medians of event-timed runs. No GPU: prints a skip line and exits 0.
+// Then the FP8 weights of the config under precision.recipe fp8_full (those train/optimizer.cpp hands to
+// adamw_fp8 with precision.fp8_weights optimizer: f32 weights, no other copy): the fused update that writes their
+// FP8 copies (kernels/adamw_fp8.h: 30 bytes per parameter with f32 moments, 22 with bf16) against the plain
+// multi-tensor update of the same tensors writing a bf16 copy (the same bytes), and that update followed by the
+// forward's quantize of each copy (quantize_block_cuda: 4 more), as graphs.
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -17,8 +24,12 @@
 #include "engine/cuda_graph.h"
 #include "engine/tensor.h"
 #include "kernels/adamw.h"
+#include "kernels/adamw_fp8.h"
 #include "kernels/common/error.h"
+#include "kernels/fp8.h"
+#include "kernels/quantize.h"
 #include "layers/transformer.h"
+#include "train/train_options.h"
 
 using namespace flowmoe;
 
@@ -29,13 +40,19 @@ struct ParamBuffers {
   Tensor param, grad, exp_avg, exp_avg_sq, copy;
 };
 
-std::vector<ParamBuffers> model_buffers(const std::string& config, DType moment_dtype) {
-  const Config cfg = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/" + config + ".yaml");
+// The shapes of a config's parameters; fp8_only: those of its FP8 weights under precision.recipe fp8_full (the
+// parameters whose shard holds an FP8 copy).
+std::vector<Shape> parameter_shapes(const std::string& config_path, bool fp8_only) {
+  Config cfg = load_config(config_path);
+  if (fp8_only) cfg.precision.recipe = "fp8_full";
+  const Transformer model(cfg.model, Device::cuda(), DType::bf16, 1, moe_options(cfg));
   std::vector<Shape> shapes;
-  {
-    const Transformer model(cfg.model, Device::cuda(), DType::bf16, 1);
-    for (const Variable& p : model.parameters()) shapes.push_back(p.shape());
-  }
+  for (size_t i = 0; i < model.parameters().size(); ++i)
+    if (!fp8_only || model.parameter_shards()[i].fp8) shapes.push_back(model.parameters()[i].shape());
+  return shapes;
+}
+
+std::vector<ParamBuffers> model_buffers(const std::vector<Shape>& shapes, DType moment_dtype) {
   std::vector<ParamBuffers> out;
   for (const Shape& shape : shapes) {
     const int64_t n = shape_numel(shape);
@@ -66,8 +83,9 @@ Timing time_both(F&& body, cudaStream_t stream) {
   return t;
 }
 
-void run(const std::string& config, DType moment_dtype, double copy_ceiling, cudaStream_t stream) {
-  std::vector<ParamBuffers> bs = model_buffers(config, moment_dtype);
+void run(const std::string& config, const std::string& config_path, DType moment_dtype, double copy_ceiling,
+         cudaStream_t stream) {
+  std::vector<ParamBuffers> bs = model_buffers(parameter_shapes(config_path, false), moment_dtype);
   const int64_t num = int64_t(bs.size());
   Tensor slots = Tensor::zeros({num}, DType::f32, Device::cuda()),
          total = Tensor::zeros({1}, DType::f32, Device::cuda());
@@ -138,23 +156,142 @@ void run(const std::string& config, DType moment_dtype, double copy_ceiling, cud
   }
 }
 
-// The moment dtypes named on the command line (none: both).
-std::vector<DType> moment_dtypes(int argc, char** argv) {
-  if (argc < 2) return {DType::f32, DType::bf16};
-  DType t = DType::f32;
-  FLOWMOE_CHECK(argc == 2 && dtype_from_name(argv[1], &t) && (t == DType::f32 || t == DType::bf16), ConfigError,
-                "usage: bench_adamw [f32|bf16] (the moments' dtype; none: both)");
-  return {t};
+// One FP8 weight's buffers beside its update's: its block copy (kernels/adamw_fp8.h), B = 1 for a matrix.
+struct Fp8Buffers {
+  Tensor q, scale_inv, q_t, scale_inv_t;
+  Fp8BlockCopy copy;
+};
+
+Fp8Buffers fp8_buffers(const Shape& shape) {
+  const int64_t B = shape.size() == 3 ? shape[0] : 1, N = shape[shape.size() - 2], K = shape.back();
+  const int64_t nbn = fp8_num_blocks(N), nbk = fp8_num_blocks(K);
+  Fp8Buffers f{Tensor::zeros({B, N, K}, DType::u8, Device::cuda()),
+               Tensor::zeros({B, nbn, nbk}, DType::f32, Device::cuda()),
+               Tensor::zeros({B, K, N}, DType::u8, Device::cuda()),
+               Tensor::zeros({B, nbk, nbn}, DType::f32, Device::cuda()),
+               {}};
+  f.copy = {
+      f.q.data<uint8_t>(), f.scale_inv.data<float>(), f.q_t.data<uint8_t>(), f.scale_inv_t.data<float>(), B, N, K};
+  return f;
+}
+
+// The config's FP8 weights: the fused update writing their FP8 copies against the plain update of the same buffers
+// writing a bf16 copy, alone and followed by the quantize of each copy, each replayed as a graph.
+void run_fp8(const std::string& config, const std::string& config_path, DType moment_dtype, double copy_ceiling,
+             cudaStream_t stream) {
+  const std::vector<Shape> shapes = parameter_shapes(config_path, true);
+  if (shapes.empty()) {
+    std::printf("%-12s %s moments: no FP8 weights under fp8_full\n", config.c_str(), dtype_name(moment_dtype));
+    return;
+  }
+  std::vector<ParamBuffers> bs = model_buffers(shapes, moment_dtype);
+  std::vector<Fp8Buffers> fs;
+  AdamWStep step;
+  step.lr = 1e-4f;
+  step.weight_decay = 0.1f;
+  step.update = 1;
+  std::vector<AdamWTensor> plain;
+  std::vector<AdamWFp8Tensor> fused;
+  double elements = 0;
+  for (size_t i = 0; i < bs.size(); ++i) {
+    ParamBuffers& b = bs[i];
+    AdamWTensor t;
+    t.param = b.param.data<float>();
+    t.grad = b.grad.data<float>();
+    t.exp_avg = b.exp_avg.raw_data();
+    t.exp_avg_sq = b.exp_avg_sq.raw_data();
+    t.n = b.param.numel();
+    t.step = step;
+    t.moment_dtype = moment_dtype;
+    t.rounding = {rounding_key(1, uint64_t(i)), 0};
+    fs.push_back(fp8_buffers(shapes[i]));
+    fused.push_back({t, fs.back().copy});  // the optimizer's: the forward reads the f32 weights' FP8 copy
+    t.copy = {b.copy.raw_data(), DType::bf16};
+    plain.push_back(t);
+    elements += double(t.n);
+  }
+  const int64_t num = int64_t(plain.size());
+  auto update = [&] { adamw_multi_cuda(plain.data(), num, nullptr, stream); };
+  auto update_quantize = [&] {
+    update();
+    for (size_t i = 0; i < fs.size(); ++i) {
+      const Fp8BlockCopy& c = fs[i].copy;
+      quantize_block_cuda(DType::bf16, bs[i].copy.raw_data(), c.B, c.N, c.K, c.q, c.scale_inv, c.q_t, c.scale_inv_t,
+                          stream);
+    }
+  };
+  auto fused_update = [&] { adamw_fp8_cuda(fused.data(), num, nullptr, stream); };
+  // Per parameter: param read and written, grad read, moments read and written; then the fused update writes q and
+  // q_t, the plain one the bf16 copy, which the quantize reads to write q and q_t.
+  const double update_bytes = 3 * 4 + 4 * double(dtype_size(moment_dtype));
+  const struct {
+    const char* name;
+    double ms, bytes_per_param;
+  } rows[] = {{"fused", time_both(fused_update, stream).graph_ms, update_bytes + 2},
+              {"update", time_both(update, stream).graph_ms, update_bytes + 2},
+              {"update+quantize", time_both(update_quantize, stream).graph_ms, update_bytes + 6}};
+  const char* moments = dtype_name(moment_dtype);
+  std::printf("%-12s %s moments %5lld FP8 weights %7.1fM elements (fp8_full, graph replays)\n", config.c_str(), moments,
+              (long long)num, elements / 1e6);
+  for (const auto& r : rows) {
+    const double rate = gbps(r.bytes_per_param * elements, r.ms);
+    std::printf("  %-16s %8.3f ms  %5.2f bytes per parameter  %7.1f GB/s  %.3f of copy  %.2fx the fused\n", r.name,
+                r.ms, r.bytes_per_param, rate, rate / copy_ceiling, r.ms / rows[0].ms);
+    std::printf(
+        "BENCH adamw_fp8 %s %s moments %s: %.3f ms, %.2f bytes per parameter, %.1f GB/s (%.3f of copy), %.2fx the "
+        "fused update\n",
+        config.c_str(), moments, r.name, r.ms, r.bytes_per_param, rate, rate / copy_ceiling, r.ms / rows[0].ms);
+  }
+}
+
+// The configs and moment dtypes named on the command line: a path ending in .yaml, f32 or bf16, each at most once
+// (none: configs/gpu_small.yaml and configs/gpu_moe.yaml; both dtypes).
+struct Args {
+  std::vector<std::string> configs;
+  std::vector<DType> moments;
+};
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    DType t = DType::f32;
+    const bool yaml = arg.size() > 5 && arg.compare(arg.size() - 5, 5, ".yaml") == 0;
+    if (dtype_from_name(arg, &t) && (t == DType::f32 || t == DType::bf16) && a.moments.empty())
+      a.moments = {t};
+    else if (yaml && a.configs.empty())  // as given, else in the source tree (configs/gpu_moe_wide.yaml from a build)
+      a.configs = {std::filesystem::path(arg).is_absolute() || std::filesystem::exists(arg)
+                       ? arg
+                       : std::string(FLOWMOE_SOURCE_DIR) + "/" + arg};
+    else
+      throw ConfigError("bad argument '" + arg +
+                        "' (usage: bench_adamw [<config>.yaml] [f32|bf16]: a config, the moments' dtype; none: both)");
+  }
+  if (a.configs.empty())
+    for (const char* name : {"gpu_small", "gpu_moe"})
+      a.configs.push_back(std::string(FLOWMOE_SOURCE_DIR) + "/configs/" + name + ".yaml");
+  if (a.moments.empty()) a.moments = {DType::f32, DType::bf16};
+  return a;
+}
+
+// A config's name in the table: its file name without .yaml.
+std::string config_name(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  const std::string file = slash == std::string::npos ? path : path.substr(slash + 1);
+  return file.substr(0, file.size() - 5);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   return bench_main("bench_adamw", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
-    const std::vector<DType> dtypes = moment_dtypes(argc, argv);
+    const Args args = parse_args(argc, argv);
     const double copy_ceiling = copy_gbps(stream).queued;
     std::printf("bench_adamw on %s: copy ceiling %.1f GB/s (read + written)\n", prop.name, copy_ceiling);
-    for (DType moments : dtypes)
-      for (const char* config : {"gpu_small", "gpu_moe"}) run(config, moments, copy_ceiling, stream);
+    for (DType moments : args.moments)
+      for (const std::string& path : args.configs) {
+        run(config_name(path), path, moments, copy_ceiling, stream);
+        run_fp8(config_name(path), path, moments, copy_ceiling, stream);
+      }
   });
 }

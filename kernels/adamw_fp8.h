@@ -36,8 +36,9 @@ struct AdamWFp8Tensor {
 // As adamw_multi_cpu (control: host memory or null), and each tensor's FP8 copy written from its update.
 void adamw_fp8_cpu(const AdamWFp8Tensor* tensors /*[num_tensors]*/, int64_t num_tensors,
                    const StepScalars* control = nullptr);
-// The same on the GPU (tensors: a host table of device buffers; control: device memory or null): one launch per
-// tensor, one CTA per 128x128 block; a skipped step (control->apply false) writes nothing. No host synchronisation.
+// The same on the GPU (tensors: a host table of device buffers; control: device memory or null): one CTA per
+// 128x128 block, up to 16 tensors of one moment and copy dtype per launch; a skipped step (control->apply false)
+// writes nothing. No host synchronisation.
 void adamw_fp8_cuda(const AdamWFp8Tensor* tensors /*[num_tensors]*/, int64_t num_tensors,
                     const StepScalars* control /*[1] device, or null*/, cudaStream_t stream);
 

@@ -2,7 +2,8 @@
 // adamw_multi_cpu then quantize_block_cpu of the updated weights as the forward reads them give (weights, moments,
 // copy, data, scales and transpose), on shapes with tails, zero, huge and non-finite blocks, f32 and bf16 moments
 // and copies; a skipped step moves nothing; ranges of whole block rows (the sharded optimizer's) and the block
-// transpose give the whole tensor's update; the GPU agrees with the CPU. In training: test_adamw_fp8_training.cpp.
+// transpose give the whole tensor's update; many weights in one call are each updated as alone; the GPU agrees with
+// the CPU. In training: test_adamw_fp8_training.cpp.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -24,6 +25,7 @@ namespace {
 struct Weight {
   int64_t B = 0, N = 0, K = 0;
   Tensor param, grad, exp_avg, exp_avg_sq, copy, q, scale_inv, q_t, scale_inv_t;
+  int64_t grad_offset = 0;  // the gradient's first element in grad (1: not 16-byte aligned)
 
   Weight to(Device dev) const {
     auto on = [&](const Tensor& t) { return t.defined() ? t.to(dev).clone() : Tensor(); };
@@ -38,12 +40,13 @@ struct Weight {
             on(q),
             on(scale_inv),
             on(q_t),
-            on(scale_inv_t)};
+            on(scale_inv_t),
+            grad_offset};
   }
   AdamWTensor update(const AdamWStep& step) const {
     AdamWTensor t;
     t.param = param.data<float>();
-    t.grad = grad.data<float>();
+    t.grad = grad.data<float>() + grad_offset;
     t.exp_avg = exp_avg.raw_data();
     t.exp_avg_sq = exp_avg_sq.raw_data();
     t.n = B * N * K;
@@ -151,12 +154,14 @@ struct Case {
   DType moments, copy;  // copy f64: none
 };
 
-// Whole blocks, tails in N, in K and in both, a row or a column thinner than a block, several matrices.
+// Whole blocks, tails in N, in K and in both, a row or a column thinner than a block, several matrices; N and K
+// multiples of 4 or not (the CUDA kernel's 4-wide and element-wise accesses), with tails of either.
 std::vector<Case> cases() {
-  return {{1, 128, 128, DType::f32, DType::f64}, {2, 130, 200, DType::f32, DType::f64},
-          {1, 5, 7, DType::bf16, DType::f64},    {3, 257, 129, DType::bf16, DType::bf16},
-          {1, 256, 1, DType::f32, DType::f32},   {2, 1, 300, DType::f32, DType::bf16},
-          {1, 384, 256, DType::bf16, DType::f64}};
+  return {{1, 128, 128, DType::f32, DType::f64},  {2, 130, 200, DType::f32, DType::f64},
+          {1, 5, 7, DType::bf16, DType::f64},     {3, 257, 129, DType::bf16, DType::bf16},
+          {1, 256, 1, DType::f32, DType::f32},    {2, 1, 300, DType::f32, DType::bf16},
+          {1, 384, 256, DType::bf16, DType::f64}, {1, 132, 136, DType::f32, DType::bf16},
+          {2, 260, 68, DType::bf16, DType::f32}};
 }
 
 std::string describe(const Case& c) {
@@ -257,7 +262,8 @@ std::vector<Case> row_cases() {
   return {{1, 128, 128, DType::f32, DType::f64},
           {1, 256, 1, DType::f32, DType::f32},
           {2, 256, 200, DType::bf16, DType::bf16},
-          {3, 128, 129, DType::f32, DType::f64}};
+          {3, 128, 129, DType::f32, DType::f64},
+          {1, 384, 260, DType::bf16, DType::f32}};
 }
 
 // w updated as the sharded optimizer's ranks update it: block rows [cuts[j], cuts[j + 1]) one range each, their
@@ -336,6 +342,56 @@ TEST(AdamWFp8, BlockTransposeEqualsTheFusedTranspose) {
   });
 }
 
+namespace {
+
+// w with its gradient moved one element into a longer buffer: not 16-byte aligned, where the CUDA kernel falls back
+// to element-wise accesses although K is a multiple of 4.
+Weight misalign_grad(Weight w) {
+  const int64_t n = w.grad.numel();
+  Tensor g = Tensor::zeros({n + 1}, DType::f32);
+  std::memcpy(g.data<float>() + 1, w.grad.data<float>(), size_t(n) * sizeof(float));
+  w.grad = g;
+  w.grad_offset = 1;
+  return w;
+}
+
+// Weights for one call: more of one moment and copy dtype than a CUDA launch takes (16), each mix of moment and copy
+// dtypes, an empty weight, one with edge blocks and one with a misaligned gradient.
+std::vector<Weight> many_weights(Rng& rng) {
+  std::vector<Weight> ws;
+  for (int64_t i = 0; i < 18; ++i)
+    ws.push_back(make_weight(rng, 1 + i % 2, 40 + 17 * i, 36 + 12 * i, DType::bf16, DType::bf16));
+  for (DType moments : {DType::f32, DType::bf16})
+    for (DType copy : {DType::f64, DType::f32, DType::bf16}) ws.push_back(make_weight(rng, 2, 130, 132, moments, copy));
+  ws.push_back(make_weight(rng, 1, 0, 128, DType::f32, DType::f64));
+  ws.push_back(make_weight(rng, 1, 260, 264, DType::f32, DType::f64));
+  add_edge_blocks(ws.back());
+  ws.push_back(misalign_grad(make_weight(rng, 1, 136, 264, DType::f32, DType::bf16)));
+  return ws;
+}
+
+std::vector<AdamWFp8Tensor> fused_all(const std::vector<Weight>& ws) {
+  std::vector<AdamWFp8Tensor> ts;
+  for (const Weight& w : ws) ts.push_back(w.fused(test_step()));
+  return ts;
+}
+
+}  // namespace
+
+// Many weights in one call: each updated as it is alone.
+TEST(AdamWFp8, ManyWeightsInOneCallEqualEachAlone) {
+  Rng rng(test_seed());
+  std::vector<Weight> ws = many_weights(rng);
+  std::vector<Weight> want;
+  for (const Weight& w : ws) want.push_back(unfused(w, test_step()));
+  const std::vector<AdamWFp8Tensor> ts = fused_all(ws);
+  adamw_fp8_cpu(ts.data(), int64_t(ts.size()));
+  for (size_t i = 0; i < ws.size(); ++i) {
+    SCOPED_TRACE("weight " + std::to_string(i));
+    expect_same(ws[i], want[i]);
+  }
+}
+
 TEST(AdamWFp8Cuda, MatchesCpu) {
   FLOWMOE_REQUIRE_CUDA();
   for_each_weight([](Weight& cpu) {
@@ -359,5 +415,20 @@ TEST(AdamWFp8Cuda, RangesAndBlockTransposeMatchCpu) {
     update_by_ranges(cpu, cuts, Device::cpu());
     update_by_ranges(gpu, cuts, Device::cuda(0));
     expect_same(gpu, cpu, true);
+  }
+}
+
+// One call over many weights: several launches of mixed dtypes on the GPU, each weight as the CPU updates it.
+TEST(AdamWFp8Cuda, ManyWeightsInOneCallMatchCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  std::vector<Weight> cpu = many_weights(rng), gpu;
+  for (const Weight& w : cpu) gpu.push_back(w.to(Device::cuda(0)));
+  const std::vector<AdamWFp8Tensor> tc = fused_all(cpu), tg = fused_all(gpu);
+  adamw_fp8_cpu(tc.data(), int64_t(tc.size()));
+  adamw_fp8_cuda(tg.data(), int64_t(tg.size()), nullptr, current_stream(0));
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    SCOPED_TRACE("weight " + std::to_string(i));
+    expect_same(gpu[i], cpu[i], true);
   }
 }

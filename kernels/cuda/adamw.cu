@@ -17,6 +17,7 @@
 
 #include "kernels/adamw.h"
 #include "kernels/common/cuda_check.h"
+#include "kernels/cuda/adamw_common.cuh"
 #include "kernels/cuda/cuda_utils.cuh"
 
 namespace flowmoe {
@@ -25,31 +26,12 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One launch's tensors (or slices) and the blocks each owns: tensor t takes blocks [block_end[t-1], block_end[t]).
-template <class Item>
-struct LaunchTable {
-  Item items[kTensorsPerLaunch];
-  int block_end[kTensorsPerLaunch];
-  int num_items;
-};
 static_assert(sizeof(LaunchTable<AdamWTensor>) <= 4096, "a launch's table must fit the kernel parameters");
-
-// The item this block works on, its first block and its number of blocks.
-template <class Item>
-__device__ __forceinline__ int find_item(const LaunchTable<Item>& table, int* first_block, int* num_blocks) {
-  int t = 0;
-  while (t + 1 < table.num_items && int(blockIdx.x) >= table.block_end[t]) ++t;
-  *first_block = t ? table.block_end[t - 1] : 0;
-  *num_blocks = table.block_end[t] - *first_block;
-  return t;
-}
 
 // ---- kernels ----------------------------------------------------------------------------------
 
 // Elements a thread updates at once on the 16-byte path.
 constexpr int kVec = 8;
-
-__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // kVec consecutive values at p (16-byte aligned) as f32, and back.
 __device__ __forceinline__ void load_vec(const float* p, float (&x)[kVec]) {
@@ -74,11 +56,6 @@ __device__ __forceinline__ void store_vec(uint16_t* p, const uint16_t (&b)[kVec]
                                             b[4] | uint32_t(b[5]) << 16, b[6] | uint32_t(b[7]) << 16);
 }
 
-__device__ __forceinline__ float load_moment(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load_moment(const uint16_t* p, int64_t i) { return bf16_bits_value(p[i]); }
-
-__device__ __forceinline__ uint16_t bf16_bits_rn(float x) { return __bfloat16_as_ushort(from_float<__nv_bfloat16>(x)); }
-
 // Tensor t's elements this thread owns (thread `tid` of `stride`), with moments of type M (float, or uint16_t:
 // bf16 bits).
 template <class M>
@@ -92,8 +69,8 @@ __device__ __forceinline__ void update_tensor(const AdamWTensor& t, const AdamWS
   const int64_t n = t.n, first = t.rounding.first_index;
   const bool copy_f32 = t.copy.data && t.copy.dtype == DType::f32;
   const bool copy_bf16 = t.copy.data && t.copy.dtype == DType::bf16;
-  const bool vec = aligned16(param) && aligned16(grad) && aligned16(exp_avg) && aligned16(exp_avg_sq) &&
-                   (!t.copy.data || aligned16(t.copy.data));
+  const bool vec = aligned_to(param, 16) && aligned_to(grad, 16) && aligned_to(exp_avg, 16) &&
+                   aligned_to(exp_avg_sq, 16) && (!t.copy.data || aligned_to(t.copy.data, 16));
   const int64_t n_vec = vec ? n / kVec * kVec : 0;
   for (int64_t i = tid * kVec; i < n_vec; i += stride * kVec) {
     float p[kVec], g[kVec], m[kVec], v[kVec];
