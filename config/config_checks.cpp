@@ -198,9 +198,8 @@ void check_precision_recipe(const Config& c, const KeyReport& r) {
   // FP8 GEMMs use 128x128 weight blocks and 1x128 activation blocks (DESIGN.md §3-4).
   // `what`: how the message names the value when it is not key's own (a product of keys, "... = ").
   auto need128 = [&](const std::string& key, int64_t v, const std::string& gemms, const std::string& what = "") {
-    if (v % 128 != 0)
-      r.err(key, what + std::to_string(v) + " is not a multiple of 128, which " + r.from("precision.recipe") + " = " +
-                     recipe + " needs: it runs " + gemms + " on FP8 blocks 128 wide");
+    const std::string e = fp8_width_error(v, r.from("precision.recipe") + " = " + recipe, gemms);
+    if (!e.empty()) r.err(key, what + e);
   };
   if (moe_flow(moe_recipe_from_name(recipe)).fp8_linears) {
     const int64_t moe_layers = num_moe_layers(m), dense_layers = m.num_hidden_layers - moe_layers;

@@ -1,9 +1,11 @@
 #include "layers/moe.h"
 
 #include <cmath>
+#include <utility>
 
 #include "engine/comm_lane.h"
 #include "engine/ops/fp8_grouped_linear.h"
+#include "engine/ops/fp8_linear.h"
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/swiglu_quant.h"
 #include "engine/side_stream.h"
@@ -67,9 +69,11 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
   validate_router_config(router_);
   const int64_t H = cfg.hidden_size, F = cfg.moe_intermediate_size, E = cfg.n_routed_experts;
   if (options.recipe != MoeRecipe::bf16)
-    FLOWMOE_CHECK(H % 128 == 0 && F % 128 == 0, ShapeError, prefix, ": the ", moe_recipe_name(options.recipe),
-                  " recipe needs hidden_size (", H, ") and moe_intermediate_size (", F,
-                  ") to be multiples of 128 (FP8 blocks are 128 wide)");
+    for (const auto& [name, n] : {std::pair<const char*, int64_t>{"hidden_size", H}, {"moe_intermediate_size", F}}) {
+      const std::string e = fp8_width_error(n, std::string("the ") + moe_recipe_name(options.recipe) + " recipe",
+                                            "the routed experts' GEMMs");
+      FLOWMOE_CHECK(e.empty(), ShapeError, prefix, ": ", name, " ", e);
+    }
   const Communicator* ep = options.expert_parallel.get();
   const int64_t ep_size = ep ? ep->size() : 1;
   FLOWMOE_CHECK(E % ep_size == 0, ConfigError, prefix, ": n_routed_experts (", E,

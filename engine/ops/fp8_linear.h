@@ -24,8 +24,13 @@ namespace flowmoe {
 // backends hold to it, so a shape the CPU runs, the GPU runs too.
 constexpr int64_t kFp8LinearRowMultiple = 16;
 
+// The one check of a width an FP8 GEMM takes (a linear's, an expert's, a config key's): "" where n is a multiple of
+// the 128-wide FP8 blocks (kernels/fp8.h), else the message every caller gives after the width's name:
+// "<n> is not a multiple of 128, which <user> needs: it runs <gemms> on FP8 blocks 128 wide".
+std::string fp8_width_error(int64_t n, const std::string& user, const std::string& gemms);
+
 // Throws ShapeError naming `what` unless out_features N and in_features K are multiples of the 128-wide FP8
-// blocks (kernels/fp8.h): what every FP8 linear, and a layer building one, checks.
+// blocks (fp8_width_error): what every FP8 linear, and a layer building one, checks.
 void check_fp8_linear_dims(int64_t out_features, int64_t in_features, const std::string& what);
 
 // w [N, K] (f32 or bf16) as one group [1, N, K] in 128x128 blocks with its exact transpose, the form fp8_linear
