@@ -220,10 +220,10 @@ void check_precision_recipe(const Config& c, const KeyReport& r) {
                {nh * m.v_head_dim, "model.num_attention_heads x v_head_dim"}})
         need128("model.attention", width, gemms, keys + " = ");
     }
-    if (c.data.seq_len % kFp8LinearRowMultiple != 0)
+    if (c.data.seq_len % kFp8RowMultiple != 0)
       r.err("data.seq_len", std::to_string(c.data.seq_len) + " is not a multiple of " +
-                                std::to_string(kFp8LinearRowMultiple) + ", which " + r.from("precision.recipe") +
-                                " = " + recipe +
+                                std::to_string(kFp8RowMultiple) + ", which " + r.from("precision.recipe") + " = " +
+                                recipe +
                                 " needs: its FP8 linears take a batch's sequences x data.seq_len tokens as rows, and "
                                 "the FP8 GEMMs take row counts in multiples of 16");
     return;

@@ -300,9 +300,13 @@ Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const Ex
   return fp8_grouped_linear(a, fc2_, fc2_fp8_.get(fc2_), counts, flow.wgrad, "fc2");
 }
 
+// What a permuted buffer's rows round up to: the FP8 GEMMs' row multiple where the experts run in FP8.
+static int moe_row_multiple(MoeRecipe recipe) { return moe_flow(recipe).fp8_experts ? kFp8RowMultiple : 1; }
+
 int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int align_size, MoeRecipe recipe) {
   const int64_t worst = permute_worst_case_rows(num_tokens, top_k, num_experts, align_size);
-  return recipe == MoeRecipe::bf16 ? worst : (worst + 15) / 16 * 16;
+  const int64_t m = moe_row_multiple(recipe);
+  return (worst + m - 1) / m * m;
 }
 
 DispatchOptions MoeLayer::dispatch_options(int64_t num_tokens) const {
@@ -310,7 +314,7 @@ DispatchOptions MoeLayer::dispatch_options(int64_t num_tokens) const {
   o.num_experts = int(num_experts_);
   o.align_size = options_.align_size;
   o.num_rows = moe_permuted_rows(num_tokens, router_.top_k, int(num_experts_), options_.align_size, options_.recipe);
-  o.row_multiple = flow_.fp8_experts ? 16 : 1;  // as moe_permuted_rows rounds the one-rank buffer
+  o.row_multiple = moe_row_multiple(options_.recipe);  // as moe_permuted_rows rounds the one-rank buffer
   o.fp8_experts = flow_.fp8_experts;
   o.device_counts = options_.device_counts;
   if (options_.expert_parallel && options_.expert_parallel->size() > 1) {

@@ -173,8 +173,8 @@ class MoeLayer {
 };
 
 // The rows of the permuted buffer for num_tokens tokens: the worst case (permute_worst_case_rows),
-// rounded up to a multiple of 16 for the FP8 recipes (their GEMMs' leading dimension over the whole
-// buffer, in wgrad, must be a multiple of 16).
+// rounded up to a multiple of kFp8RowMultiple for the FP8 recipes (their GEMMs' leading dimension over the whole
+// buffer, in wgrad).
 int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int align_size, MoeRecipe recipe);
 
 // RouterConfig from the model config's HF keys.

@@ -5,14 +5,15 @@
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/unpermute.h"
+#include "kernels/fp8.h"
 
 namespace flowmoe {
 
 namespace {
 
 // The sender's permute groups copies by global expert. Its segments only need to be contiguous, but
-// permute_pad pads them to a multiple of 16; the pad rows never travel.
-constexpr int kSortedAlign = 16;
+// permute_pad pads them to at least its smallest align_size, the FP8 row multiple; the pad rows never travel.
+constexpr int kSortedAlign = kFp8RowMultiple;
 
 // Input: [y]. Output: y. Its vjp quantizes dy once (rowwise 1x128): the fp8_flow cast "combine backward: dy".
 class CombineGradToFp8 : public Primitive {

@@ -37,8 +37,10 @@ Variable fp8_linear(const Variable& xq, const Variable& weight, const QuantizedW
   check_fp8_linear_dims(w.size(0), w.size(1), "fp8_linear at '" + site + "'");
   FLOWMOE_CHECK(x.dim() == 2 && x.size(1) == w.size(1), ShapeError, "fp8_linear at '", site, "': x ", x.describe(),
                 " must be [M, ", w.size(1), "] for weight ", w.describe());
-  FLOWMOE_CHECK(x.size(0) % kFp8LinearRowMultiple == 0, ShapeError, "fp8_linear at '", site, "': x ", x.describe(),
-                " has ", x.size(0), " rows, not a multiple of ", kFp8LinearRowMultiple,
+  // The wgrad operands are [K, M] and [N, M]: both backends hold to the GPU's row multiple, so a shape the CPU
+  // runs, the GPU runs too.
+  FLOWMOE_CHECK(x.size(0) % kFp8RowMultiple == 0, ShapeError, "fp8_linear at '", site, "': x ", x.describe(), " has ",
+                x.size(0), " rows, not a multiple of ", kFp8RowMultiple,
                 " (the FP8 GEMMs' leading dimension; data.seq_len sets it in training)");
   // One group of all M rows: the weight's gradient comes back [1, N, K] and the reshape returns it to [N, K].
   const Variable grouped = reshape(weight, {1, w.size(0), w.size(1)});
