@@ -3,6 +3,7 @@
 // cross-key checks of routing keys call validate_router_config (engine/ops/router.h) on the same values.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -71,6 +72,12 @@ inline int64_t attention_qk_head_dim(const ModelConfig& c) {
 }
 inline int64_t attention_v_head_dim(const ModelConfig& c) {
   return c.attention == AttentionType::mla ? c.v_head_dim : c.hidden_size / c.num_attention_heads;
+}
+
+// The init std of the output projections (attention's o_proj, an MLP's or expert's down projection): smaller than
+// initializer_range so the residual stream's variance does not grow with depth.
+inline double output_init_std(const ModelConfig& c) {
+  return c.initializer_range / std::sqrt(2.0 * double(c.num_hidden_layers));
 }
 
 // Whether block i is an MoE layer: with routed experts, from first_k_dense_replace on; the others are dense.

@@ -1,6 +1,5 @@
 #include "layers/moe.h"
 
-#include <cmath>
 #include <utility>
 
 #include "engine/comm_lane.h"
@@ -88,7 +87,7 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
   // Chunks overlap a zero-sync exchange; a sync one reads counts to the host per chunk, which would stall the
   // stream the overlap needs, and one rank exchanges nothing.
   num_chunks_ = zero_sync_ ? options.exchange_chunks : 1;
-  const double out_std = cfg.initializer_range / std::sqrt(2.0 * double(cfg.num_hidden_layers));
+  const double out_std = output_init_std(cfg);
   gate_ = f.normal(prefix + ".gate.weight", {E, H}, cfg.initializer_range);
   fc1_ = f.expert_normal(prefix + ".experts.fc1.weight", {E, 2 * F, H}, cfg.initializer_range, expert_offset_,
                          num_local_experts_);
