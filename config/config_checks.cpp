@@ -177,10 +177,9 @@ void check_parallel(const Config& c, const KeyReport& r) {
     r.err("parallel.expert_parallel_size",
           std::to_string(e) + " needs routed experts to share out over the ranks, but " +
               r.from("model.n_routed_experts") + " is 0: a dense model (use 1: the ranks then train data-parallel)");
-  if (c.parallel.ep_capacity_factor > 0 && c.parallel.ep_dispatch == "sync")
-    r.conflict({"parallel.ep_capacity_factor", "parallel.ep_dispatch"},
-               "the capacity bounds the zero-sync exchange's receive buffers; the sync exchange sizes its own "
-               "(use ep_dispatch: zero_sync, or capacity factor 0)");
+  const std::string capacity = capacity_factor_error(c.parallel.ep_capacity_factor, c.parallel.ep_dispatch == "sync",
+                                                     "parallel.ep_dispatch: sync");
+  if (!capacity.empty()) r.conflict({"parallel.ep_capacity_factor", "parallel.ep_dispatch"}, capacity);
   if (c.parallel.dual_microbatch && c.parallel.exchange_chunks > 1)
     r.conflict({"parallel.dual_microbatch", "parallel.exchange_chunks"},
                "two ways of putting the exchange beside compute; choose one (dual_microbatch, or exchange_chunks > 1)");

@@ -2,6 +2,8 @@
 // rank, with the exchange of parallel/exchange.h between them and the experts when there are several.
 #include "parallel/dispatch.h"
 
+#include <sstream>
+
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/unpermute.h"
@@ -93,6 +95,14 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
   d.tokens_per_expert = Tensor::from_ints(plan->tokens_per_expert, {int64_t(plan->tokens_per_expert.size())});
   d.plan = std::move(plan);
   return d;
+}
+
+std::string capacity_factor_error(double capacity_factor, bool sync, const std::string& why_sync) {
+  if (capacity_factor <= 0 || !sync) return "";
+  std::ostringstream os;
+  os << capacity_factor << " bounds the zero-sync exchange's receive buffers, but this run's exchange is sync ("
+     << why_sync << "), which sizes its own: set parallel.ep_dispatch: zero_sync, or parallel.ep_capacity_factor: 0";
+  return os.str();
 }
 
 EpDispatch ep_dispatch_from_name(const std::string& name) {
