@@ -9,8 +9,12 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "engine/ops/router.h"
 #include "kernels/common/error.h"
 #include "kernels/router.h"
+#include "layers/moe.h"
+#include "parallel/dispatch.h"
+#include "parallel/distributed.h"
 
 namespace flowmoe::config_schema {
 
@@ -142,7 +146,7 @@ const std::vector<Field>& schema() {
                         "expert groups for group-limited routing"));
     f.push_back(integer("model", "topk_group", FLOWMOE_CONFIG_REF(model.topk_group), 1, kRouterMaxGroups,
                         "groups a token may route to"));
-    f.push_back(choice("model", "scoring_func", FLOWMOE_CONFIG_REF(model.scoring_func), {"sigmoid", "softmax"},
+    f.push_back(choice("model", "scoring_func", FLOWMOE_CONFIG_REF(model.scoring_func), enum_names(kRouterScoringNames),
                        "router score function"));
     f.push_back(boolean("model", "norm_topk_prob", FLOWMOE_CONFIG_REF(model.norm_topk_prob),
                         "normalise the top-k probabilities"));
@@ -157,10 +161,10 @@ const std::vector<Field>& schema() {
                "constant: every step moves expert_bias by bias_update_rate (DeepSeek-V3); lr: by bias_update_rate * "
                "lr(step) / optimizer.lr, so the bias step follows the learning-rate schedule"));
     f.push_back(choice(
-        "model", "bias_update_rule", FLOWMOE_CONFIG_REF(model.bias_update_rule), {"sign", "proportional"},
+        "model", "bias_update_rule", FLOWMOE_CONFIG_REF(model.bias_update_rule), enum_names(kBiasUpdateRuleNames),
         "sign: each step moves expert_bias by the bias step toward the mean load (DeepSeek-V3); proportional: by the "
         "bias step * (mean - load) / mean, so near-balanced experts barely move and overloaded ones move more"));
-    f.push_back(choice("model", "attention", FLOWMOE_CONFIG_REF(model.attention), {"mha", "mla"},
+    f.push_back(choice("model", "attention", FLOWMOE_CONFIG_REF(model.attention), enum_names(kAttentionTypeNames),
                        "mha: multi-head attention; mla: DeepSeek-V3's multi-head latent attention (the keys below)"));
     f.push_back(optional_integer("model", "q_lora_rank", FLOWMOE_CONFIG_REF(model.q_lora_rank), 1, 65536,
                                  "mla: the query bottleneck's width; null: one direct query projection"));
@@ -247,15 +251,15 @@ const std::vector<Field>& schema() {
                       "(DeepSeek-V3's optimizer state), updated in f32 and rounded back stochastically; a "
                       "checkpoint of either resumes under either"));
     // precision
-    f.push_back(choice(
-        "precision", "recipe", FLOWMOE_CONFIG_REF(precision.recipe), {"bf16", "fp8_blockwise", "fp8_flow", "fp8_full"},
-        "GEMM precision: bf16 (fp32 on CPU); fp8_blockwise (the routed experts' GEMMs in FP8, each quantizing "
-        "its own inputs); fp8_flow (quantize once before dispatch, FP8 through the experts); fp8_full "
-        "(fp8_flow, and the attention projections, dense MLPs and shared experts in FP8 too; the embedding, "
-        "routers, norms, attention core and LM head stay). fp8_blockwise and fp8_flow need MoE layers; the "
-        "FP8 recipes need hidden_size and the FP8 GEMMs' widths (moe_intermediate_size; fp8_full also "
-        "intermediate_size) multiples of 128, fp8_full also data.seq_len a multiple of 16. Master weights and "
-        "gradients stay fp32"));
+    f.push_back(
+        choice("precision", "recipe", FLOWMOE_CONFIG_REF(precision.recipe), enum_names(kMoeRecipeNames),
+               "GEMM precision: bf16 (fp32 on CPU); fp8_blockwise (the routed experts' GEMMs in FP8, each quantizing "
+               "its own inputs); fp8_flow (quantize once before dispatch, FP8 through the experts); fp8_full "
+               "(fp8_flow, and the attention projections, dense MLPs and shared experts in FP8 too; the embedding, "
+               "routers, norms, attention core and LM head stay). fp8_blockwise and fp8_flow need MoE layers; the "
+               "FP8 recipes need hidden_size and the FP8 GEMMs' widths (moe_intermediate_size; fp8_full also "
+               "intermediate_size) multiples of 128, fp8_full also data.seq_len a multiple of 16. Master weights and "
+               "gradients stay fp32"));
     Field align{"precision",
                 "align_size",
                 Kind::int_choice,
@@ -271,7 +275,8 @@ const std::vector<Field>& schema() {
                        "the dtype the model's weights are kept in: auto stores those the forward reads in bf16 (on "
                        "GPUs) in bf16, written once per step by AdamW from its f32 masters; f32 keeps f32 weights and "
                        "casts them at each use. The same losses either way"));
-    f.push_back(choice("precision", "fp8_weights", FLOWMOE_CONFIG_REF(precision.fp8_weights), {"forward", "optimizer"},
+    f.push_back(choice("precision", "fp8_weights", FLOWMOE_CONFIG_REF(precision.fp8_weights),
+                       enum_names(kFp8WeightWriterNames),
                        "who writes the FP8 copies of the FP8 GEMMs' weights: forward quantizes each once per "
                        "optimizer step, at its first use; optimizer has AdamW write them in its update (sharded, "
                        "the all-gather moves them in place of the weights). The same losses either way; no effect "
@@ -280,12 +285,12 @@ const std::vector<Field>& schema() {
     f.push_back(integer("parallel", "expert_parallel_size", FLOWMOE_CONFIG_REF(parallel.expert_parallel_size), 1, 4096,
                         "ranks per expert-parallel group, each holding n_routed_experts / this of the routed experts; "
                         "must divide the number of processes"));
-    f.push_back(choice("parallel", "backend", FLOWMOE_CONFIG_REF(parallel.backend), {"auto", "nccl", "mpi", "none"},
+    f.push_back(choice("parallel", "backend", FLOWMOE_CONFIG_REF(parallel.backend), enum_names(kCommBackendNames),
                        "collectives between ranks; auto: none for one process, nccl on GPUs, mpi on the CPU; nccl "
                        "asked for by name in one process runs the several-rank step on one GPU (the gradient "
                        "reducer and the sharded optimizer through NCCL)"));
     f.push_back(choice("parallel", "ep_dispatch", FLOWMOE_CONFIG_REF(parallel.ep_dispatch),
-                       {"auto", "sync", "zero_sync"},
+                       enum_names(kEpDispatchNames),
                        "the expert-parallel token exchange: sync reads the per-expert counts to the host once per "
                        "MoE layer; zero_sync keeps them on the device (worst-case receive buffers; nccl writes rows "
                        "into the peers' GPUs); auto: zero_sync for a group of 2 load/store-reachable GPUs, sync "
@@ -492,9 +497,9 @@ void set_field(Config& cfg, const Field& f, const std::string& text, const std::
       if (std::find(f.choices.begin(), f.choices.end(), text) == f.choices.end())
         bad("'" + text + "'" + suggestion(text, f.choices));
       if (auto* a = std::get_if<AttentionType*>(&ref)) {
-        if (!attention_type_from_name(text, *a)) bad("'" + text + "'");
+        if (!enum_from_name(kAttentionTypeNames, text, *a)) bad("'" + text + "'");
       } else if (auto* w = std::get_if<Fp8WeightWriter*>(&ref)) {
-        if (!fp8_weight_writer_from_name(text, *w)) bad("'" + text + "'");
+        if (!enum_from_name(kFp8WeightWriterNames, text, *w)) bad("'" + text + "'");
       } else {
         *std::get<std::string*>(ref) = text;
       }

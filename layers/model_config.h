@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/common/name_table.h"
+
 namespace flowmoe {
 
 // The deepest multi-token prediction the config takes (DeepSeek-V3 trains with 1).
@@ -15,13 +17,9 @@ constexpr int64_t kMaxMtpDepth = 16;
 // The attention block: plain multi-head attention (layers/attention.h) or DeepSeek-V3's multi-head latent
 // attention (layers/mla.h). Parsed once from model.attention.
 enum class AttentionType { mha, mla };
-inline const char* attention_type_name(AttentionType t) { return t == AttentionType::mla ? "mla" : "mha"; }
-// False (out untouched) for a name that is neither.
-inline bool attention_type_from_name(const std::string& name, AttentionType* out) {
-  if (name != "mha" && name != "mla") return false;
-  *out = name == "mla" ? AttentionType::mla : AttentionType::mha;
-  return true;
-}
+inline constexpr EnumName<AttentionType> kAttentionTypeNames[] = {{AttentionType::mha, "mha"},
+                                                                  {AttentionType::mla, "mla"}};
+inline const char* attention_type_name(AttentionType t) { return enum_name(kAttentionTypeNames, t); }
 
 struct ModelConfig {
   int64_t vocab_size = 256;

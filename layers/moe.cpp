@@ -12,26 +12,10 @@
 namespace flowmoe {
 
 MoeRecipe moe_recipe_from_name(const std::string& name) {
-  if (name == "bf16") return MoeRecipe::bf16;
-  if (name == "fp8_blockwise") return MoeRecipe::fp8_blockwise;
-  if (name == "fp8_flow") return MoeRecipe::fp8_flow;
-  if (name == "fp8_full") return MoeRecipe::fp8_full;
-  FLOWMOE_THROW(ConfigError, "precision.recipe: '", name, "' is not one of bf16, fp8_blockwise, fp8_flow, fp8_full");
+  return parse_enum(kMoeRecipeNames, name, "precision.recipe");
 }
 
-const char* moe_recipe_name(MoeRecipe r) {
-  switch (r) {
-    case MoeRecipe::bf16:
-      return "bf16";
-    case MoeRecipe::fp8_blockwise:
-      return "fp8_blockwise";
-    case MoeRecipe::fp8_flow:
-      return "fp8_flow";
-    case MoeRecipe::fp8_full:
-      return "fp8_full";
-  }
-  return "?";
-}
+const char* moe_recipe_name(MoeRecipe r) { return enum_name(kMoeRecipeNames, r); }
 
 MoeFlow moe_flow(MoeRecipe r) {
   MoeFlow f;

@@ -15,6 +15,7 @@
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
+#include "kernels/common/name_table.h"
 #include "layers/fp8_weight.h"
 #include "layers/mlp.h"
 #include "layers/model_config.h"
@@ -23,6 +24,11 @@
 namespace flowmoe {
 
 enum class MoeRecipe { bf16, fp8_blockwise, fp8_flow, fp8_full };
+// precision.recipe's names (kernels/common/name_table.h).
+inline constexpr EnumName<MoeRecipe> kMoeRecipeNames[] = {{MoeRecipe::bf16, "bf16"},
+                                                          {MoeRecipe::fp8_blockwise, "fp8_blockwise"},
+                                                          {MoeRecipe::fp8_flow, "fp8_flow"},
+                                                          {MoeRecipe::fp8_full, "fp8_full"}};
 MoeRecipe moe_recipe_from_name(const std::string& name);  // precision.recipe; throws ConfigError
 const char* moe_recipe_name(MoeRecipe r);
 

@@ -106,23 +106,10 @@ std::string capacity_factor_error(double capacity_factor, bool sync, const std::
 }
 
 EpDispatch ep_dispatch_from_name(const std::string& name) {
-  if (name == "auto") return EpDispatch::automatic;
-  if (name == "sync") return EpDispatch::sync;
-  if (name == "zero_sync") return EpDispatch::zero_sync;
-  FLOWMOE_THROW(ConfigError, "parallel.ep_dispatch: unknown mode '", name, "' (auto, sync, zero_sync)");
+  return parse_enum(kEpDispatchNames, name, "parallel.ep_dispatch");
 }
 
-const char* ep_dispatch_name(EpDispatch mode) {
-  switch (mode) {
-    case EpDispatch::automatic:
-      return "auto";
-    case EpDispatch::sync:
-      return "sync";
-    case EpDispatch::zero_sync:
-      return "zero_sync";
-  }
-  return "?";
-}
+const char* ep_dispatch_name(EpDispatch mode) { return enum_name(kEpDispatchNames, mode); }
 
 bool resolve_ep_dispatch(EpDispatch mode, Communicator* group) {
   if (!group || group->size() <= 1 || mode == EpDispatch::sync) return false;

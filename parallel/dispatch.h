@@ -14,6 +14,7 @@
 #include "engine/autograd.h"
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/permute.h"
+#include "kernels/common/name_table.h"
 #include "parallel/exchange.h"
 
 namespace flowmoe {
@@ -67,6 +68,8 @@ struct Dispatched {
 //     nccl writes the rows into the owners' memory from a kernel (NVLink/P2P; else it falls back to a
 //     host read of the tables, and says so once).
 enum class EpDispatch { automatic, sync, zero_sync };
+inline constexpr EnumName<EpDispatch> kEpDispatchNames[] = {
+    {EpDispatch::automatic, "auto"}, {EpDispatch::sync, "sync"}, {EpDispatch::zero_sync, "zero_sync"}};
 EpDispatch ep_dispatch_from_name(const std::string& name);  // auto, sync, zero_sync; throws ConfigError
 const char* ep_dispatch_name(EpDispatch mode);
 // Whether a layer with this mode exchanges without host syncs over `group` (null or one rank: false).
