@@ -21,6 +21,7 @@
 #include "engine/ops/quantize.h"
 #include "engine/rng.h"
 #include "kernels/common/device_api.h"
+#include "kernels/fp8.h"
 #include "parallel/dispatch.h"
 
 using namespace flowmoe;
@@ -183,7 +184,7 @@ class ShapeBench {
       const char* payload = fp8 ? "fp8" : dtype_name(act);
       DispatchOptions sync_opt;
       sync_opt.num_experts = experts_;
-      sync_opt.row_multiple = fp8 ? 16 : 1;  // as the layer rounds the FP8 GEMMs' rows
+      sync_opt.row_multiple = fp8 ? kFp8RowMultiple : 1;  // as the layer rounds the FP8 GEMMs' rows
       sync_opt.expert_parallel = w_.comm;
       Variable tokens(fp8 ? xq : x, true);
       Variable probs = fp8 ? Variable(prob, true) : Variable();  // fp8_flow: the probs travel with the rows

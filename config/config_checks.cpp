@@ -177,10 +177,10 @@ void check_parallel(const Config& c, const KeyReport& r) {
     r.err("parallel.expert_parallel_size",
           std::to_string(e) + " needs routed experts to share out over the ranks, but " +
               r.from("model.n_routed_experts") + " is 0: a dense model (use 1: the ranks then train data-parallel)");
-  if (c.parallel.ep_capacity_factor > 0 && c.parallel.ep_dispatch == "sync")
-    r.conflict({"parallel.ep_capacity_factor", "parallel.ep_dispatch"},
-               "the capacity bounds the zero-sync exchange's receive buffers; the sync exchange sizes its own "
-               "(use ep_dispatch: zero_sync, or capacity factor 0)");
+  const std::string capacity = capacity_factor_error(c.parallel.ep_capacity_factor,
+                                                     ep_dispatch_from_name(c.parallel.ep_dispatch) == EpDispatch::sync,
+                                                     "parallel.ep_dispatch: sync");
+  if (!capacity.empty()) r.conflict({"parallel.ep_capacity_factor", "parallel.ep_dispatch"}, capacity);
   if (c.parallel.dual_microbatch && c.parallel.exchange_chunks > 1)
     r.conflict({"parallel.dual_microbatch", "parallel.exchange_chunks"},
                "two ways of putting the exchange beside compute; choose one (dual_microbatch, or exchange_chunks > 1)");
@@ -193,16 +193,16 @@ void check_parallel(const Config& c, const KeyReport& r) {
 // the batch's tokens as rows, so data.seq_len must give a row count they take.
 void check_precision_recipe(const Config& c, const KeyReport& r) {
   const std::string& recipe = c.precision.recipe;
-  if (recipe == "bf16") return;
+  const MoeRecipe moe_recipe = moe_recipe_from_name(recipe);
+  if (moe_recipe == MoeRecipe::bf16) return;
   const ModelConfig& m = c.model;
   // FP8 GEMMs use 128x128 weight blocks and 1x128 activation blocks (DESIGN.md §3-4).
   // `what`: how the message names the value when it is not key's own (a product of keys, "... = ").
   auto need128 = [&](const std::string& key, int64_t v, const std::string& gemms, const std::string& what = "") {
-    if (v % 128 != 0)
-      r.err(key, what + std::to_string(v) + " is not a multiple of 128, which " + r.from("precision.recipe") + " = " +
-                     recipe + " needs: it runs " + gemms + " on FP8 blocks 128 wide");
+    const std::string e = fp8_width_error(v, r.from("precision.recipe") + " = " + recipe, gemms);
+    if (!e.empty()) r.err(key, what + e);
   };
-  if (moe_flow(moe_recipe_from_name(recipe)).fp8_linears) {
+  if (moe_flow(moe_recipe).fp8_linears) {
     const int64_t moe_layers = num_moe_layers(m), dense_layers = m.num_hidden_layers - moe_layers;
     need128("model.hidden_size", m.hidden_size, "every linear but the routers and the LM head");
     if (dense_layers > 0) need128("model.intermediate_size", m.intermediate_size, "the dense MLPs' GEMMs");
@@ -221,10 +221,10 @@ void check_precision_recipe(const Config& c, const KeyReport& r) {
                {nh * m.v_head_dim, "model.num_attention_heads x v_head_dim"}})
         need128("model.attention", width, gemms, keys + " = ");
     }
-    if (c.data.seq_len % kFp8LinearRowMultiple != 0)
+    if (c.data.seq_len % kFp8RowMultiple != 0)
       r.err("data.seq_len", std::to_string(c.data.seq_len) + " is not a multiple of " +
-                                std::to_string(kFp8LinearRowMultiple) + ", which " + r.from("precision.recipe") +
-                                " = " + recipe +
+                                std::to_string(kFp8RowMultiple) + ", which " + r.from("precision.recipe") + " = " +
+                                recipe +
                                 " needs: its FP8 linears take a batch's sequences x data.seq_len tokens as rows, and "
                                 "the FP8 GEMMs take row counts in multiples of 16");
     return;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/common/dtype.h"
+#include "kernels/common/name_table.h"
 #include "layers/model_config.h"
 
 namespace flowmoe {
@@ -51,15 +52,9 @@ struct TrainConfig {
 // weight once per parameter version; optimizer: AdamW writes them in its update (sharded, they are what is
 // all-gathered). Parsed once; no effect under the bf16 recipe, which has no FP8 weights.
 enum class Fp8WeightWriter { forward, optimizer };
-inline const char* fp8_weight_writer_name(Fp8WeightWriter w) {
-  return w == Fp8WeightWriter::optimizer ? "optimizer" : "forward";
-}
-// False (out untouched) for a name that is neither.
-inline bool fp8_weight_writer_from_name(const std::string& name, Fp8WeightWriter* out) {
-  if (name != "forward" && name != "optimizer") return false;
-  *out = name == "optimizer" ? Fp8WeightWriter::optimizer : Fp8WeightWriter::forward;
-  return true;
-}
+inline constexpr EnumName<Fp8WeightWriter> kFp8WeightWriterNames[] = {{Fp8WeightWriter::forward, "forward"},
+                                                                      {Fp8WeightWriter::optimizer, "optimizer"}};
+inline const char* fp8_weight_writer_name(Fp8WeightWriter w) { return enum_name(kFp8WeightWriterNames, w); }
 
 struct OptimizerConfig {
   double lr = 3e-3;

@@ -20,6 +20,9 @@
 namespace flowmoe {
 
 constexpr int kFp8BlockSize = 128;
+// The FP8 GEMMs take row counts in multiples of this (the wgrad operands' leading dimension): an FP8 linear's rows,
+// each expert's padded segment (permute_pad's smallest align_size) and a permuted buffer's rows round up to it.
+constexpr int kFp8RowMultiple = 16;
 constexpr float kFp8E4m3Max = 448.0f;
 
 FLOWMOE_HD int64_t fp8_num_blocks(int64_t n) { return (n + kFp8BlockSize - 1) / kFp8BlockSize; }

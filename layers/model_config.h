@@ -3,8 +3,11 @@
 // cross-key checks of routing keys call validate_router_config (engine/ops/router.h) on the same values.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
+
+#include "kernels/common/name_table.h"
 
 namespace flowmoe {
 
@@ -14,13 +17,9 @@ constexpr int64_t kMaxMtpDepth = 16;
 // The attention block: plain multi-head attention (layers/attention.h) or DeepSeek-V3's multi-head latent
 // attention (layers/mla.h). Parsed once from model.attention.
 enum class AttentionType { mha, mla };
-inline const char* attention_type_name(AttentionType t) { return t == AttentionType::mla ? "mla" : "mha"; }
-// False (out untouched) for a name that is neither.
-inline bool attention_type_from_name(const std::string& name, AttentionType* out) {
-  if (name != "mha" && name != "mla") return false;
-  *out = name == "mla" ? AttentionType::mla : AttentionType::mha;
-  return true;
-}
+inline constexpr EnumName<AttentionType> kAttentionTypeNames[] = {{AttentionType::mha, "mha"},
+                                                                  {AttentionType::mla, "mla"}};
+inline const char* attention_type_name(AttentionType t) { return enum_name(kAttentionTypeNames, t); }
 
 struct ModelConfig {
   int64_t vocab_size = 256;
@@ -71,6 +70,12 @@ inline int64_t attention_qk_head_dim(const ModelConfig& c) {
 }
 inline int64_t attention_v_head_dim(const ModelConfig& c) {
   return c.attention == AttentionType::mla ? c.v_head_dim : c.hidden_size / c.num_attention_heads;
+}
+
+// The init std of the output projections (attention's o_proj, an MLP's or expert's down projection): smaller than
+// initializer_range so the residual stream's variance does not grow with depth.
+inline double output_init_std(const ModelConfig& c) {
+  return c.initializer_range / std::sqrt(2.0 * double(c.num_hidden_layers));
 }
 
 // Whether block i is an MoE layer: with routed experts, from first_k_dense_replace on; the others are dense.

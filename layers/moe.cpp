@@ -1,9 +1,10 @@
 #include "layers/moe.h"
 
-#include <cmath>
+#include <utility>
 
 #include "engine/comm_lane.h"
 #include "engine/ops/fp8_grouped_linear.h"
+#include "engine/ops/fp8_linear.h"
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/swiglu_quant.h"
 #include "engine/side_stream.h"
@@ -11,26 +12,10 @@
 namespace flowmoe {
 
 MoeRecipe moe_recipe_from_name(const std::string& name) {
-  if (name == "bf16") return MoeRecipe::bf16;
-  if (name == "fp8_blockwise") return MoeRecipe::fp8_blockwise;
-  if (name == "fp8_flow") return MoeRecipe::fp8_flow;
-  if (name == "fp8_full") return MoeRecipe::fp8_full;
-  FLOWMOE_THROW(ConfigError, "precision.recipe: '", name, "' is not one of bf16, fp8_blockwise, fp8_flow, fp8_full");
+  return parse_enum(kMoeRecipeNames, name, "precision.recipe");
 }
 
-const char* moe_recipe_name(MoeRecipe r) {
-  switch (r) {
-    case MoeRecipe::bf16:
-      return "bf16";
-    case MoeRecipe::fp8_blockwise:
-      return "fp8_blockwise";
-    case MoeRecipe::fp8_flow:
-      return "fp8_flow";
-    case MoeRecipe::fp8_full:
-      return "fp8_full";
-  }
-  return "?";
-}
+const char* moe_recipe_name(MoeRecipe r) { return enum_name(kMoeRecipeNames, r); }
 
 MoeFlow moe_flow(MoeRecipe r) {
   MoeFlow f;
@@ -67,9 +52,11 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
   validate_router_config(router_);
   const int64_t H = cfg.hidden_size, F = cfg.moe_intermediate_size, E = cfg.n_routed_experts;
   if (options.recipe != MoeRecipe::bf16)
-    FLOWMOE_CHECK(H % 128 == 0 && F % 128 == 0, ShapeError, prefix, ": the ", moe_recipe_name(options.recipe),
-                  " recipe needs hidden_size (", H, ") and moe_intermediate_size (", F,
-                  ") to be multiples of 128 (FP8 blocks are 128 wide)");
+    for (const auto& [name, n] : {std::pair<const char*, int64_t>{"hidden_size", H}, {"moe_intermediate_size", F}}) {
+      const std::string e = fp8_width_error(n, std::string("the ") + moe_recipe_name(options.recipe) + " recipe",
+                                            "the routed experts' GEMMs");
+      FLOWMOE_CHECK(e.empty(), ShapeError, prefix, ": ", name, " ", e);
+    }
   const Communicator* ep = options.expert_parallel.get();
   const int64_t ep_size = ep ? ep->size() : 1;
   FLOWMOE_CHECK(E % ep_size == 0, ConfigError, prefix, ": n_routed_experts (", E,
@@ -84,7 +71,7 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
   // Chunks overlap a zero-sync exchange; a sync one reads counts to the host per chunk, which would stall the
   // stream the overlap needs, and one rank exchanges nothing.
   num_chunks_ = zero_sync_ ? options.exchange_chunks : 1;
-  const double out_std = cfg.initializer_range / std::sqrt(2.0 * double(cfg.num_hidden_layers));
+  const double out_std = output_init_std(cfg);
   gate_ = f.normal(prefix + ".gate.weight", {E, H}, cfg.initializer_range);
   fc1_ = f.expert_normal(prefix + ".experts.fc1.weight", {E, 2 * F, H}, cfg.initializer_range, expert_offset_,
                          num_local_experts_);
@@ -296,9 +283,13 @@ Variable MoeLayer::experts(const Variable& rows, const Variable& probs, const Ex
   return fp8_grouped_linear(a, fc2_, fc2_fp8_.get(fc2_), counts, flow.wgrad, "fc2");
 }
 
+// What a permuted buffer's rows round up to: the FP8 GEMMs' row multiple where the experts run in FP8.
+static int moe_row_multiple(MoeRecipe recipe) { return moe_flow(recipe).fp8_experts ? kFp8RowMultiple : 1; }
+
 int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int align_size, MoeRecipe recipe) {
   const int64_t worst = permute_worst_case_rows(num_tokens, top_k, num_experts, align_size);
-  return recipe == MoeRecipe::bf16 ? worst : (worst + 15) / 16 * 16;
+  const int64_t m = moe_row_multiple(recipe);
+  return (worst + m - 1) / m * m;
 }
 
 DispatchOptions MoeLayer::dispatch_options(int64_t num_tokens) const {
@@ -306,7 +297,7 @@ DispatchOptions MoeLayer::dispatch_options(int64_t num_tokens) const {
   o.num_experts = int(num_experts_);
   o.align_size = options_.align_size;
   o.num_rows = moe_permuted_rows(num_tokens, router_.top_k, int(num_experts_), options_.align_size, options_.recipe);
-  o.row_multiple = flow_.fp8_experts ? 16 : 1;  // as moe_permuted_rows rounds the one-rank buffer
+  o.row_multiple = moe_row_multiple(options_.recipe);  // as moe_permuted_rows rounds the one-rank buffer
   o.fp8_experts = flow_.fp8_experts;
   o.device_counts = options_.device_counts;
   if (options_.expert_parallel && options_.expert_parallel->size() > 1) {

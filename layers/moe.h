@@ -15,6 +15,7 @@
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
+#include "kernels/common/name_table.h"
 #include "layers/fp8_weight.h"
 #include "layers/mlp.h"
 #include "layers/model_config.h"
@@ -23,6 +24,11 @@
 namespace flowmoe {
 
 enum class MoeRecipe { bf16, fp8_blockwise, fp8_flow, fp8_full };
+// precision.recipe's names (kernels/common/name_table.h).
+inline constexpr EnumName<MoeRecipe> kMoeRecipeNames[] = {{MoeRecipe::bf16, "bf16"},
+                                                          {MoeRecipe::fp8_blockwise, "fp8_blockwise"},
+                                                          {MoeRecipe::fp8_flow, "fp8_flow"},
+                                                          {MoeRecipe::fp8_full, "fp8_full"}};
 MoeRecipe moe_recipe_from_name(const std::string& name);  // precision.recipe; throws ConfigError
 const char* moe_recipe_name(MoeRecipe r);
 
@@ -173,8 +179,8 @@ class MoeLayer {
 };
 
 // The rows of the permuted buffer for num_tokens tokens: the worst case (permute_worst_case_rows),
-// rounded up to a multiple of 16 for the FP8 recipes (their GEMMs' leading dimension over the whole
-// buffer, in wgrad, must be a multiple of 16).
+// rounded up to a multiple of kFp8RowMultiple for the FP8 recipes (their GEMMs' leading dimension over the whole
+// buffer, in wgrad).
 int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int align_size, MoeRecipe recipe);
 
 // RouterConfig from the model config's HF keys.

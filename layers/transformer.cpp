@@ -1,7 +1,6 @@
 #include "layers/transformer.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include "engine/comm_lane.h"
 #include "engine/profiler.h"
@@ -12,11 +11,6 @@ namespace flowmoe {
 
 static std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i); }
 
-// Output projections start smaller so the residual stream's variance does not grow with depth.
-static double out_std(const ModelConfig& c) {
-  return c.initializer_range / std::sqrt(2.0 * double(c.num_hidden_layers));
-}
-
 TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_t i, const MoeOptions& moe,
                                    Device device)
     : eps_(c.rms_norm_eps),
@@ -24,17 +18,17 @@ TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_
       scope_("layers." + std::to_string(i)),
       input_layernorm_(f.ones(layer_prefix(i) + ".input_layernorm.weight", {c.hidden_size})) {
   if (c.attention == AttentionType::mla)
-    self_attn_ = std::make_unique<LatentAttention>(f, layer_prefix(i) + ".self_attn", c, out_std(c),
+    self_attn_ = std::make_unique<LatentAttention>(f, layer_prefix(i) + ".self_attn", c, output_init_std(c),
                                                    moe_flow(moe.recipe).fp8_linears);
   else
-    self_attn_ =
-        std::make_unique<Attention>(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads,
-                                    c.rope_theta, c.initializer_range, out_std(c), moe_flow(moe.recipe).fp8_linears);
+    self_attn_ = std::make_unique<Attention>(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads,
+                                             c.rope_theta, c.initializer_range, output_init_std(c),
+                                             moe_flow(moe.recipe).fp8_linears);
   if (is_moe_layer(c, i))
     moe_ = std::make_unique<MoeLayer>(f, c, layer_prefix(i) + ".mlp", moe, device);
   else
     mlp_ = std::make_unique<Mlp>(f, layer_prefix(i) + ".mlp", c.hidden_size, c.intermediate_size, c.initializer_range,
-                                 out_std(c), moe_flow(moe.recipe).fp8_linears);
+                                 output_init_std(c), moe_flow(moe.recipe).fp8_linears);
   post_attention_layernorm_ = f.ones(layer_prefix(i) + ".post_attention_layernorm.weight", {c.hidden_size});
 }
 

@@ -2,17 +2,20 @@
 // rank, with the exchange of parallel/exchange.h between them and the experts when there are several.
 #include "parallel/dispatch.h"
 
+#include <sstream>
+
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/unpermute.h"
+#include "kernels/fp8.h"
 
 namespace flowmoe {
 
 namespace {
 
 // The sender's permute groups copies by global expert. Its segments only need to be contiguous, but
-// permute_pad pads them to a multiple of 16; the pad rows never travel.
-constexpr int kSortedAlign = 16;
+// permute_pad pads them to at least its smallest align_size, the FP8 row multiple; the pad rows never travel.
+constexpr int kSortedAlign = kFp8RowMultiple;
 
 // Input: [y]. Output: y. Its vjp quantizes dy once (rowwise 1x128): the fp8_flow cast "combine backward: dy".
 class CombineGradToFp8 : public Primitive {
@@ -94,24 +97,19 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
   return d;
 }
 
-EpDispatch ep_dispatch_from_name(const std::string& name) {
-  if (name == "auto") return EpDispatch::automatic;
-  if (name == "sync") return EpDispatch::sync;
-  if (name == "zero_sync") return EpDispatch::zero_sync;
-  FLOWMOE_THROW(ConfigError, "parallel.ep_dispatch: unknown mode '", name, "' (auto, sync, zero_sync)");
+std::string capacity_factor_error(double capacity_factor, bool sync, const std::string& why_sync) {
+  if (capacity_factor <= 0 || !sync) return "";
+  std::ostringstream os;
+  os << capacity_factor << " bounds the zero-sync exchange's receive buffers, but this run's exchange is sync ("
+     << why_sync << "), which sizes its own: set parallel.ep_dispatch: zero_sync, or parallel.ep_capacity_factor: 0";
+  return os.str();
 }
 
-const char* ep_dispatch_name(EpDispatch mode) {
-  switch (mode) {
-    case EpDispatch::automatic:
-      return "auto";
-    case EpDispatch::sync:
-      return "sync";
-    case EpDispatch::zero_sync:
-      return "zero_sync";
-  }
-  return "?";
+EpDispatch ep_dispatch_from_name(const std::string& name) {
+  return parse_enum(kEpDispatchNames, name, "parallel.ep_dispatch");
 }
+
+const char* ep_dispatch_name(EpDispatch mode) { return enum_name(kEpDispatchNames, mode); }
 
 bool resolve_ep_dispatch(EpDispatch mode, Communicator* group) {
   if (!group || group->size() <= 1 || mode == EpDispatch::sync) return false;

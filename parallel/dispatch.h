@@ -14,6 +14,7 @@
 #include "engine/autograd.h"
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/permute.h"
+#include "kernels/common/name_table.h"
 #include "parallel/exchange.h"
 
 namespace flowmoe {
@@ -67,10 +68,17 @@ struct Dispatched {
 //     nccl writes the rows into the owners' memory from a kernel (NVLink/P2P; else it falls back to a
 //     host read of the tables, and says so once).
 enum class EpDispatch { automatic, sync, zero_sync };
+inline constexpr EnumName<EpDispatch> kEpDispatchNames[] = {
+    {EpDispatch::automatic, "auto"}, {EpDispatch::sync, "sync"}, {EpDispatch::zero_sync, "zero_sync"}};
 EpDispatch ep_dispatch_from_name(const std::string& name);  // auto, sync, zero_sync; throws ConfigError
 const char* ep_dispatch_name(EpDispatch mode);
 // Whether a layer with this mode exchanges without host syncs over `group` (null or one rank: false).
 bool resolve_ep_dispatch(EpDispatch mode, Communicator* group);
+// A capacity factor (DispatchOptions::capacity_factor) bounds the zero-sync exchange's receive buffers; the sync
+// exchange sizes its own, so the two are refused together: at parsing for ep_dispatch: sync, at start-up for an auto
+// that resolves to sync. "" where they fit (no factor, or not sync); else the message after
+// "parallel.ep_capacity_factor: ", `why_sync` saying what made the exchange sync.
+std::string capacity_factor_error(double capacity_factor, bool sync, const std::string& why_sync);
 
 // tokens [T,H] any dtype; topk_idx [T,k] i32 in [0, E); probs [T,k] or undefined.
 // Several ranks: permutes by global expert, exchanges the counts and moves the rows to the owners' padded

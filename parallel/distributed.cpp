@@ -14,26 +14,10 @@
 namespace flowmoe {
 
 CommBackend parse_comm_backend(const std::string& name) {
-  if (name == "auto") return CommBackend::automatic;
-  if (name == "none") return CommBackend::none;
-  if (name == "mpi") return CommBackend::mpi;
-  if (name == "nccl") return CommBackend::nccl;
-  FLOWMOE_THROW(ConfigError, "unknown communication backend '", name, "' (expected auto, nccl, mpi or none)");
+  return parse_enum(kCommBackendNames, name, "parallel.backend");
 }
 
-const char* comm_backend_name(CommBackend backend) {
-  switch (backend) {
-    case CommBackend::automatic:
-      return "auto";
-    case CommBackend::none:
-      return "none";
-    case CommBackend::mpi:
-      return "mpi";
-    case CommBackend::nccl:
-      return "nccl";
-  }
-  return "?";
-}
+const char* comm_backend_name(CommBackend backend) { return enum_name(kCommBackendNames, backend); }
 
 namespace {
 

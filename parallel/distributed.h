@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "kernels/common/name_table.h"
 #include "parallel/communicator.h"
 
 namespace flowmoe {
@@ -22,6 +23,11 @@ class AllRanksConfigError : public ConfigError {
 
 // auto: none for world size 1; nccl for a CUDA run when the build has NCCL; mpi otherwise.
 enum class CommBackend : uint8_t { automatic, none, mpi, nccl };
+// parallel.backend's names, in the order its choices are listed.
+inline constexpr EnumName<CommBackend> kCommBackendNames[] = {{CommBackend::automatic, "auto"},
+                                                              {CommBackend::nccl, "nccl"},
+                                                              {CommBackend::mpi, "mpi"},
+                                                              {CommBackend::none, "none"}};
 CommBackend parse_comm_backend(const std::string& name);  // "auto", "nccl", "mpi", "none"; ConfigError otherwise
 const char* comm_backend_name(CommBackend backend);
 

@@ -7,6 +7,7 @@
 #include "checkpoint/checkpoint.h"
 #include "config/config.h"
 #include "layers/transformer.h"
+#include "tests/mla_test_config.h"
 #include "tests/test_util.h"
 
 namespace flowmoe::test {
@@ -55,13 +56,9 @@ inline ModelConfig hf_moe_unshared_model() {
 // hf_moe_model() with multi-head latent attention (transformers' deepseek_v3), an MTP module, and query, key
 // and value heads of three widths; q_lora_rank 0 takes the direct q_proj.
 inline ModelConfig hf_mla_model(int64_t q_lora_rank = 12) {
-  ModelConfig m = hf_moe_model();
-  m.attention = AttentionType::mla;
-  m.q_lora_rank = q_lora_rank;
-  m.kv_lora_rank = 10;
-  m.qk_nope_head_dim = 6;
-  m.qk_rope_head_dim = 4;
-  m.v_head_dim = 5;
+  ModelConfig m = with_mla(
+      hf_moe_model(),
+      {.q_lora_rank = q_lora_rank, .kv_lora_rank = 10, .qk_nope_head_dim = 6, .qk_rope_head_dim = 4, .v_head_dim = 5});
   m.num_nextn_predict_layers = 1;
   return m;
 }

@@ -11,6 +11,7 @@
 #include "engine/cast_stats.h"
 #include "engine/profiler.h"
 #include "layers/transformer.h"
+#include "tests/mla_test_config.h"
 #include "tests/moe_test_config.h"
 #include "tests/test_util.h"
 
@@ -97,13 +98,9 @@ TEST(Fp8Full, CastsEachActivationOncePerStep) {
 // MLA (layers/mla.h) under fp8_full: x, q_a_layernorm's and kv_a_layernorm's outputs and o quantized once each,
 // each FP8 projection's dy once; kv_a_proj_with_mqa stays in the compute dtype (no cast, no FP8 weight).
 TEST(Fp8Full, MlaCastsEachActivationOncePerStep) {
-  ModelConfig m = two_block_model();
-  m.attention = AttentionType::mla;
-  m.q_lora_rank = 128;
-  m.kv_lora_rank = 128;
-  m.qk_nope_head_dim = 32;
-  m.qk_rope_head_dim = 32;
-  m.v_head_dim = 32;
+  const ModelConfig m = with_mla(
+      two_block_model(),
+      {.q_lora_rank = 128, .kv_lora_rank = 128, .qk_nope_head_dim = 32, .qk_rope_head_dim = 32, .v_head_dim = 32});
   const Transformer model(m, Device::cpu(), DType::f32, 3, with_recipe(MoeRecipe::fp8_full));
   const CastCounts c = step_casts(model);
   Sites want = fp8_full_sites(model);

@@ -18,6 +18,7 @@
 #include "dataset/bpe.h"
 #include "dataset/data.h"
 #include "dataset/run_tokenizer.h"
+#include "tests/mla_test_config.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
 #include "train/generate.h"
@@ -55,14 +56,9 @@ ModelConfig moe_model() {
 // moe_model() with multi-head latent attention (layers/mla.h): its expanded K/V cache holds keys 12 wide and values
 // 6 wide per head, so a cache laid out at one width would be caught.
 ModelConfig mla_model() {
-  ModelConfig m = moe_model();
-  m.attention = AttentionType::mla;
-  m.q_lora_rank = 12;
-  m.kv_lora_rank = 10;
-  m.qk_nope_head_dim = 8;
-  m.qk_rope_head_dim = 4;
-  m.v_head_dim = 6;
-  return m;
+  return with_mla(
+      moe_model(),
+      {.q_lora_rank = 12, .kv_lora_rank = 10, .qk_nope_head_dim = 8, .qk_rope_head_dim = 4, .v_head_dim = 6});
 }
 
 std::vector<int32_t> random_tokens(uint64_t seed, int64_t n, int64_t vocab) {

@@ -9,6 +9,7 @@
 #include "config/config.h"
 #include "layers/mla.h"
 #include "layers/transformer.h"
+#include "tests/mla_test_config.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
 #include "train/metrics.h"
@@ -20,15 +21,11 @@ namespace fs = std::filesystem;
 namespace {
 
 ModelConfig mla_config(int64_t q_lora_rank) {
-  ModelConfig c;
+  ModelConfig c = with_mla(
+      ModelConfig{},
+      {.q_lora_rank = q_lora_rank, .kv_lora_rank = 6, .qk_nope_head_dim = 4, .qk_rope_head_dim = 6, .v_head_dim = 5});
   c.hidden_size = 16;
   c.num_attention_heads = 3;
-  c.attention = AttentionType::mla;
-  c.q_lora_rank = q_lora_rank;
-  c.kv_lora_rank = 6;
-  c.qk_nope_head_dim = 4;
-  c.qk_rope_head_dim = 6;
-  c.v_head_dim = 5;
   c.rope_theta = 50.0;
   c.initializer_range = 0.3;  // large enough that the softmax is far from uniform
   c.rms_norm_eps = 0.05;      // not the latent norms' 1e-6: a layer that took this for them is caught

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <string>
 
+#include "tests/mla_test_config.h"
 #include "tests/train_test_util.h"
 #include "train/metrics.h"
 #include "train/model_flops.h"
@@ -68,13 +69,9 @@ TEST(ModelFlops, SmallMoeModelMatchesTheCountByHand) {
 // query/key width (nope + rope) and the value width.
 TEST(ModelFlops, MlaCountsItsProjectionsAndHeadWidths) {
   const int64_t T = 10;
-  ModelConfig c = small_moe();
-  c.attention = AttentionType::mla;
-  c.q_lora_rank = 6;
-  c.kv_lora_rank = 4;
-  c.qk_nope_head_dim = 5;
-  c.qk_rope_head_dim = 2;
-  c.v_head_dim = 3;
+  ModelConfig c =
+      with_mla(small_moe(),
+               {.q_lora_rank = 6, .kv_lora_rank = 4, .qk_nope_head_dim = 5, .qk_rope_head_dim = 2, .v_head_dim = 3});
   // Per layer: q_a [6,16], q_b [2*7,6], kv_a [4+2,16], kv_b [2*(5+3),4], o [16,2*3]
   const double proj = 6 * 16 + 14 * 6 + 6 * 16 + 16 * 4 + 16 * 6;
   // q·kᵀ over 7 dims and p·v over 3, per head, halved: T * 2 * (7 + 3)

@@ -172,7 +172,7 @@ TEST(MoeFp8, RejectsWidthsFp8CannotServe) {
   ParamFactory f(1, Device::cpu());
   EXPECT_TRUE(throws_naming<ShapeError>(
       [&] { MoeLayer(f, fp8_config(4, 2, 96, 128, 0), "mlp", options(MoeRecipe::fp8_flow), Device::cpu()); },
-      {"hidden_size", "96", "multiples of 128", "fp8_flow"}));
+      {"hidden_size", "96", "not a multiple of 128", "fp8_flow"}));
   EXPECT_TRUE(throws_naming<ShapeError>(
       [&] { MoeLayer(f, fp8_config(4, 2, 128, 100, 0), "mlp", options(MoeRecipe::fp8_blockwise), Device::cpu()); },
       {"moe_intermediate_size", "100"}));

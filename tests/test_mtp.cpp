@@ -5,6 +5,7 @@
 #include <map>
 
 #include "layers/mtp.h"
+#include "tests/mla_test_config.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
 #include "train/metrics.h"
@@ -188,13 +189,9 @@ TEST(Mtp, MoeModelsGetAnMoeModule) {
 
 // The modules' blocks take the model's attention: MLA's (layers/mla.h) named as DeepSeek-V3 names it.
 TEST(Mtp, MlaModelsGetAnMlaModule) {
-  ModelConfig c = mtp_model(1, true);
-  c.attention = AttentionType::mla;
-  c.q_lora_rank = 8;
-  c.kv_lora_rank = 6;
-  c.qk_nope_head_dim = 4;
-  c.qk_rope_head_dim = 4;
-  c.v_head_dim = 6;
+  const ModelConfig c =
+      with_mla(mtp_model(1, true),
+               {.q_lora_rank = 8, .kv_lora_rank = 6, .qk_nope_head_dim = 4, .qk_rope_head_dim = 4, .v_head_dim = 6});
   const Transformer model(c, Device::cpu(), DType::f32, 3);
   std::map<std::string, Shape> shapes;
   for (const Variable& p : model.parameters()) shapes[p.name()] = p.data().shape();

@@ -160,8 +160,8 @@ int64_t saturate(double count) { return count < 9.2e18 ? int64_t(count) : std::n
 // every parameter: 4 P / N.
 double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu, MemoryUse use,
                     const OptimizerShards& shards) {
-  const bool fp8 = cfg.precision.recipe != "bf16";
-  const bool fp8_linears = moe_flow(moe_recipe_from_name(cfg.precision.recipe)).fp8_linears;
+  const MoeFlow flow = moe_flow(moe_recipe_from_name(cfg.precision.recipe));
+  const bool fp8 = flow.fp8_experts, fp8_linears = flow.fp8_linears;
   const bool sharded = use == MemoryUse::train && shards.any();
   const bool narrow = gpu && use == MemoryUse::train && cfg.precision.param_dtype != "f32";
   const bool keeps_casts = gpu && use == MemoryUse::train && !narrow;
@@ -218,40 +218,39 @@ std::vector<Tensors> swiglu_mlp_tensors(double tokens, double width, double a) {
 // What the graph keeps of one MoE layer: router, dispatch, routed and shared experts.
 //   router: f32 logits N E, top-k ids, probs and row map 12 N k (GPU: the f32 copy of x the router reads, 4 N H).
 //   M = the permuted buffer's worst case, N k + min(E, N k) (align - 1) rows.
+//   What the recipe keeps follows its MoeFlow (layers/moe.h), as the layer reads it:
 //   bf16: rows M H, fc1 out M 2F, SwiGLU out M F, fc2 out M H, all a.
-//   fp8_blockwise: FP8 rows M H (+ 1x128 f32 scales), fc1 out, FP8 SwiGLU out, fc2 out.
-//   fp8_flow: FP8 rows and probs, fc1 out, FP8 SwiGLU out (fc2's output is not kept).
-//   train.recompute moe_expert drops fc1's output (fp8_blockwise then keeps the high-precision rows instead of
-//   the FP8 ones). Shared experts: 4 N S F a, as a dense MLP.
+//   fp8_experts (fp8_blockwise): FP8 rows M H (+ 1x128 f32 scales), fc1 out, FP8 SwiGLU out, fc2 out.
+//   probs_in_experts (fp8_flow, fp8_full): FP8 rows and probs, fc1 out, FP8 SwiGLU out (fc2's output is not kept:
+//   the probs' gradient comes from SwiGLU, not from combine).
+//   train.recompute moe_expert drops fc1's output (where fc1 quantizes its own input, fp8_blockwise, the layer
+//   then keeps the high-precision rows instead of the FP8 ones). Shared experts: 4 N S F a, as a dense MLP.
 std::vector<Tensors> moe_tensors(const Config& cfg, double tokens, double a, bool gpu) {
   const ModelConfig& c = cfg.model;
   const double H = double(c.hidden_size), F = double(c.moe_intermediate_size), E = double(c.n_routed_experts);
   const double k = double(c.num_experts_per_tok);
-  const std::string& recipe = cfg.precision.recipe;
+  const MoeRecipe recipe = moe_recipe_from_name(cfg.precision.recipe);
+  const MoeFlow flow = moe_flow(recipe);
   const bool recompute = cfg.train.recomputes("moe_expert");
   // The permuted buffer, as the layer sizes it.
-  const double rows = double(
-      moe_permuted_rows(int64_t(tokens), int(k), int(E), int(cfg.precision.align_size), moe_recipe_from_name(recipe)));
+  const double rows = double(moe_permuted_rows(int64_t(tokens), int(k), int(E), int(cfg.precision.align_size), recipe));
 
   std::vector<Tensors> t = {{1, tokens * E, 4}, {3, tokens * k, 4}};  // logits; ids, probs, row map
   if (gpu) t.push_back({1, tokens * H, 4});                           // the router's f32 copy of x
   auto add = [&t](const std::vector<Tensors>& more) { t.insert(t.end(), more.begin(), more.end()); };
   if (!recompute) t.push_back({1, rows * 2 * F, a});  // fc1's output
-  if (recipe == "bf16") {
-    t.push_back({2, rows * H, a});  // the permuted rows and fc2's output
-    t.push_back({1, rows * F, a});  // SwiGLU's output, fc2's input
-  } else if (recipe == "fp8_blockwise") {
-    if (recompute)
-      t.push_back({1, rows * H, a});
-    else
-      add(fp8_rowwise(rows * H));
-    add(fp8_rowwise(rows * F));
-    t.push_back({1, rows * H, a});  // fc2's output, for the probs' gradient
-  } else {                          // fp8_flow: fc2's output is not kept
+  // The permuted rows: FP8 where the experts run in FP8, unless fc1 quantizes them itself and recompute re-runs it.
+  if (flow.fp8_experts && (flow.quantize_once || !recompute))
     add(fp8_rowwise(rows * H));
-    t.push_back({1, rows, 4});  // the probs that travel with the rows
+  else
+    t.push_back({1, rows * H, a});
+  if (flow.probs_in_experts) t.push_back({1, rows, 4});  // the probs that travel with the rows
+  // SwiGLU's output, fc2's input.
+  if (flow.fp8_experts)
     add(fp8_rowwise(rows * F));
-  }
+  else
+    t.push_back({1, rows * F, a});
+  if (!flow.probs_in_experts) t.push_back({1, rows * H, a});  // fc2's output, for the probs' gradient at combine
   if (c.n_shared_experts > 0) add(swiglu_mlp_tensors(tokens, F * double(c.n_shared_experts), a));
   return t;
 }

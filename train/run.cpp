@@ -294,12 +294,11 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
   // Zero-sync receive buffers of a capacity, not the worst case: a step that needs more is void and runs again
   // with larger ones (complete_step).
   if (c.parallel.ep_capacity_factor > 0 && parallel.expert_parallel_size > 1) {
-    if (!model.exchanges_zero_sync())
-      throw ConfigError(c.origin("parallel.ep_capacity_factor") +
-                        ": parallel.ep_capacity_factor bounds the zero-sync exchange's receive buffers, but this "
-                        "run's exchange is sync (parallel.ep_dispatch " +
-                        c.parallel.ep_dispatch + " at expert-parallel size " +
-                        std::to_string(parallel.expert_parallel_size) + "): set parallel.ep_dispatch: zero_sync");
+    const std::string e =
+        capacity_factor_error(c.parallel.ep_capacity_factor, !model.exchanges_zero_sync(),
+                              "parallel.ep_dispatch " + c.parallel.ep_dispatch + " at expert-parallel size " +
+                                  std::to_string(parallel.expert_parallel_size));
+    if (!e.empty()) throw ConfigError(c.origin("parallel.ep_capacity_factor") + ": parallel.ep_capacity_factor: " + e);
     exchange_overflow = Tensor::zeros({1}, DType::i32, device);
     model.set_exchange_buffers(c.parallel.ep_capacity_factor, 0, exchange_overflow);
   }

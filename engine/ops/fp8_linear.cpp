@@ -1,6 +1,7 @@
 // fp8_linear (engine/ops/fp8_linear.h): a dense linear as fp8_grouped_linear with one group.
 #include "engine/ops/fp8_linear.h"
 
+#include <utility>
 #include <vector>
 
 #include "engine/ops/fp8_grouped_linear.h"
@@ -9,10 +10,18 @@
 
 namespace flowmoe {
 
+std::string fp8_width_error(int64_t n, const std::string& user, const std::string& gemms) {
+  if (n % kFp8BlockSize == 0) return "";
+  return std::to_string(n) + " is not a multiple of " + std::to_string(kFp8BlockSize) + ", which " + user +
+         " needs: it runs " + gemms + " on FP8 blocks " + std::to_string(kFp8BlockSize) + " wide";
+}
+
 void check_fp8_linear_dims(int64_t out_features, int64_t in_features, const std::string& what) {
-  FLOWMOE_CHECK(out_features % kFp8BlockSize == 0 && in_features % kFp8BlockSize == 0, ShapeError, what,
-                ": an FP8 linear needs out_features (", out_features, ") and in_features (", in_features,
-                ") to be multiples of ", kFp8BlockSize, " (FP8 weight blocks are 128x128)");
+  for (const auto& [name, n] :
+       {std::pair<const char*, int64_t>{"out_features", out_features}, {"in_features", in_features}}) {
+    const std::string e = fp8_width_error(n, "an FP8 linear", "its GEMMs");
+    FLOWMOE_CHECK(e.empty(), ShapeError, what, ": ", name, " ", e);
+  }
 }
 
 QuantizedWeight quantize_linear_weight(const Tensor& w, const std::string& site) {
@@ -28,8 +37,10 @@ Variable fp8_linear(const Variable& xq, const Variable& weight, const QuantizedW
   check_fp8_linear_dims(w.size(0), w.size(1), "fp8_linear at '" + site + "'");
   FLOWMOE_CHECK(x.dim() == 2 && x.size(1) == w.size(1), ShapeError, "fp8_linear at '", site, "': x ", x.describe(),
                 " must be [M, ", w.size(1), "] for weight ", w.describe());
-  FLOWMOE_CHECK(x.size(0) % kFp8LinearRowMultiple == 0, ShapeError, "fp8_linear at '", site, "': x ", x.describe(),
-                " has ", x.size(0), " rows, not a multiple of ", kFp8LinearRowMultiple,
+  // The wgrad operands are [K, M] and [N, M]: both backends hold to the GPU's row multiple, so a shape the CPU
+  // runs, the GPU runs too.
+  FLOWMOE_CHECK(x.size(0) % kFp8RowMultiple == 0, ShapeError, "fp8_linear at '", site, "': x ", x.describe(), " has ",
+                x.size(0), " rows, not a multiple of ", kFp8RowMultiple,
                 " (the FP8 GEMMs' leading dimension; data.seq_len sets it in training)");
   // One group of all M rows: the weight's gradient comes back [1, N, K] and the reshape returns it to [N, K].
   const Variable grouped = reshape(weight, {1, w.size(0), w.size(1)});

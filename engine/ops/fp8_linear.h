@@ -16,23 +16,24 @@
 
 #include "engine/autograd.h"
 #include "engine/ops/quantize.h"
+#include "kernels/fp8.h"
 
 namespace flowmoe {
 
-// The rows of an FP8 linear's x must be a multiple of this: the wgrad operands are [K, M] and [N, M], and
-// cuBLASLt's FP8 GEMMs take leading dimensions of multiples of 16 (kernels/fp8_grouped_linear.h). Both
-// backends hold to it, so a shape the CPU runs, the GPU runs too.
-constexpr int64_t kFp8LinearRowMultiple = 16;
+// The one check of a width an FP8 GEMM takes (a linear's, an expert's, a config key's): "" where n is a multiple of
+// the 128-wide FP8 blocks (kernels/fp8.h), else the message every caller gives after the width's name:
+// "<n> is not a multiple of 128, which <user> needs: it runs <gemms> on FP8 blocks 128 wide".
+std::string fp8_width_error(int64_t n, const std::string& user, const std::string& gemms);
 
 // Throws ShapeError naming `what` unless out_features N and in_features K are multiples of the 128-wide FP8
-// blocks (kernels/fp8.h): what every FP8 linear, and a layer building one, checks.
+// blocks (fp8_width_error): what every FP8 linear, and a layer building one, checks.
 void check_fp8_linear_dims(int64_t out_features, int64_t in_features, const std::string& what);
 
 // w [N, K] (f32 or bf16) as one group [1, N, K] in 128x128 blocks with its exact transpose, the form fp8_linear
 // takes. Counts one CastKind::weight_quantize at `site`.
 QuantizedWeight quantize_linear_weight(const Tensor& w, const std::string& site);
 
-// y [M, N] = xq · weightᵀ. xq: e4m3 [M, K] with rowwise_1x128 scales, M a multiple of kFp8LinearRowMultiple
+// y [M, N] = xq · weightᵀ. xq: e4m3 [M, K] with rowwise_1x128 scales, M a multiple of kFp8RowMultiple
 // (0 allowed); weight: the f32 master [N, K] (it receives dW in f32); wq = quantize_linear_weight(weight) for
 // this parameter version. A gradient arriving at y in bf16/f32 is quantized rowwise once, at
 // "<site>.dgrad: dy rowwise"; an FP8 rowwise one is used as it is. `site` names the linear ("attention.q_proj").

@@ -23,7 +23,7 @@ RouterParams params_of(const RouterConfig& cfg) {
   p.top_k = cfg.top_k;
   p.n_group = cfg.n_group;
   p.topk_group = cfg.topk_group;
-  p.scoring = cfg.scoring_func == "softmax" ? RouterScoring::softmax : RouterScoring::sigmoid;
+  enum_from_name(kRouterScoringNames, cfg.scoring_func, &p.scoring);  // validate_router_config refuses another name
   p.norm_topk_prob = cfg.norm_topk_prob;
   p.routed_scaling_factor = cfg.routed_scaling_factor;
   return p;
@@ -245,7 +245,8 @@ void validate_router_config(const RouterConfig& c, const std::string& key_prefix
                ({"num_experts_per_tok", "topk_group", "n_group", "n_routed_experts"}),
                "num_experts_per_tok = ", c.top_k, " exceeds the experts in the kept groups (topk_group ", c.topk_group,
                " x ", E / c.n_group, " experts per group)");
-  ROUTER_CHECK(c.scoring_func == "sigmoid" || c.scoring_func == "softmax", ({"scoring_func"}), "'", c.scoring_func,
+  RouterScoring scoring{};
+  ROUTER_CHECK(enum_from_name(kRouterScoringNames, c.scoring_func, &scoring), ({"scoring_func"}), "'", c.scoring_func,
                "' must be 'sigmoid' or 'softmax'");
   ROUTER_CHECK(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0, ({"routed_scaling_factor"}),
                c.routed_scaling_factor, " must be finite and > 0");
@@ -296,9 +297,7 @@ Variable router_balance_loss(const Variable& logits, const Tensor& topk_idx, con
 }
 
 BiasUpdateRule bias_update_rule_from_name(const std::string& name) {
-  if (name == "sign") return BiasUpdateRule::sign;
-  if (name == "proportional") return BiasUpdateRule::proportional;
-  FLOWMOE_THROW(ConfigError, "bias_update_rule '", name, "' is not one of sign, proportional");
+  return parse_enum(kBiasUpdateRuleNames, name, "model.bias_update_rule");
 }
 
 void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, double rate, BiasUpdateRule rule) {

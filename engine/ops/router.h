@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "engine/autograd.h"
+#include "kernels/common/name_table.h"
 #include "kernels/router.h"  // BiasUpdateRule
 
 namespace flowmoe {
@@ -75,7 +76,13 @@ void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, do
 // so a skipped step moves nothing and the host need not know yet.
 void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, double rate, BiasUpdateRule rule,
                         const StepScalars* control);
-// model.bias_update_rule ("sign" | "proportional"); throws ConfigError otherwise.
+// model.scoring_func's names.
+inline constexpr EnumName<RouterScoring> kRouterScoringNames[] = {{RouterScoring::sigmoid, "sigmoid"},
+                                                                  {RouterScoring::softmax, "softmax"}};
+// model.bias_update_rule's names.
+inline constexpr EnumName<BiasUpdateRule> kBiasUpdateRuleNames[] = {{BiasUpdateRule::sign, "sign"},
+                                                                    {BiasUpdateRule::proportional, "proportional"}};
+// model.bias_update_rule; throws ConfigError for a name kBiasUpdateRuleNames does not hold.
 BiasUpdateRule bias_update_rule_from_name(const std::string& name);
 // total += counts (i32 [E], same device): sums the counts of several micro-batches before one update.
 void add_tokens_per_expert(Tensor& total, const Tensor& counts);

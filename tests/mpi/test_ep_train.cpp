@@ -218,8 +218,8 @@ TEST(ExpertParallelErrors, SizesThatDoNotFitTheLaunchFailOnEveryRank) {
   const Launch capacity = run_shell(
       d, launcher(2) + kBinary + " " + train_args(d / "run", ep(2) + " --set parallel.ep_capacity_factor=1.5"), 120);
   expect_error_on_every_rank(capacity, 2,
-                             "parallel.ep_capacity_factor bounds the zero-sync exchange's receive buffers, but this "
-                             "run's exchange is sync");
+                             "parallel.ep_capacity_factor: 1.5 bounds the zero-sync exchange's receive buffers, but "
+                             "this run's exchange is sync");
   fs::remove_all(d);
 }
 

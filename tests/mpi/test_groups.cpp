@@ -133,7 +133,7 @@ TEST(Launch, BackendChoice) {
   EXPECT_EQ(parse_comm_backend("auto"), CommBackend::automatic);
   EXPECT_EQ(parse_comm_backend("nccl"), CommBackend::nccl);
   EXPECT_STREQ(comm_backend_name(parse_comm_backend("mpi")), "mpi");
-  EXPECT_TRUE(throws_naming<ConfigError>([] { parse_comm_backend("gloo"); }, {"gloo", "auto, nccl, mpi or none"}));
+  EXPECT_TRUE(throws_naming<ConfigError>([] { parse_comm_backend("gloo"); }, {"gloo", "auto, nccl, mpi, none"}));
   EXPECT_EQ(resolve_backend(CommBackend::automatic, 1, true, true), CommBackend::none);
   EXPECT_EQ(resolve_backend(CommBackend::automatic, 4, true, true), CommBackend::nccl);
   EXPECT_EQ(resolve_backend(CommBackend::automatic, 4, true, false), CommBackend::mpi);
