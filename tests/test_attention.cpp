@@ -63,24 +63,25 @@ struct KernelResult {
 };
 
 // Forward by `fwd`, then the backward by `bwd` with that forward's o and lse, through the launchers of
-// kernels/attention.h. Inputs are bf16 on the GPU.
+// kernels/attention.h. Inputs are bf16 on the GPU; v and d_out may be narrower than q and k (wide heads).
 KernelResult run_kernels(Kernel fwd, Kernel bwd, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& d_out) {
   const Shape& s = q.shape();
+  const int64_t v_hd = v.size(3);
   const Device dev = q.device();
   cudaStream_t stream = current_stream(dev.index);
   KernelResult r;
-  r.out = Tensor::empty(s, q.dtype(), dev);
+  r.out = Tensor::empty(v.shape(), q.dtype(), dev);
   r.lse = Tensor::empty({s[0], s[2], s[1]}, DType::f32, dev);
   attention_forward_cuda(q.dtype(), r.out.raw_data(), r.lse.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(),
-                         s[0], s[1], s[2], s[3], stream, fwd);
+                         s[0], s[1], s[2], s[3], v_hd, stream, fwd);
   Tensor delta = Tensor::empty({s[0], s[2], s[1]}, DType::f32, dev);
   r.d_q = Tensor::empty(s, q.dtype(), dev);
   r.d_k = Tensor::empty(s, q.dtype(), dev);
-  r.d_v = Tensor::empty(s, q.dtype(), dev);
+  r.d_v = Tensor::empty(v.shape(), q.dtype(), dev);
   attention_backward_cuda(q.dtype(), r.d_q.raw_data(), r.d_k.raw_data(), r.d_v.raw_data(), delta.data<float>(),
                           d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), r.out.raw_data(),
-                          r.lse.data<float>(), s[0], s[1], s[2], s[3], stream, bwd);
+                          r.lse.data<float>(), s[0], s[1], s[2], s[3], v_hd, stream, bwd);
   cuda_synchronize(dev.index);
   return r;
 }
@@ -108,6 +109,15 @@ Tensor reference_lse(const Tensor& q, const Tensor& k) {
         lse[size_t((b * nh + h) * T + i)] = m + std::log(sum);
       }
   return Tensor::from_doubles(lse, {B, nh, T});
+}
+
+// The outputs and gradients of the tensor-core kernels against `want` within the tensor-core tolerances.
+void expect_flash(const KernelResult& r, const Result& want, const char* what) {
+  SCOPED_TRACE(what);
+  EXPECT_TRUE(close_to(r.out, want.out, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "out";
+  EXPECT_TRUE(close_to(r.d_q, want.d_q, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "d_q";
+  EXPECT_TRUE(close_to(r.d_k, want.d_k, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "d_k";
+  EXPECT_TRUE(close_to(r.d_v, want.d_v, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "d_v";
 }
 
 // Equal values elementwise (+0 == -0).
@@ -314,6 +324,22 @@ TEST(AttentionCuda, ValueHeadNarrowerThanQkMatchesCpu) {
     for (DType dtype : {DType::f32, DType::bf16}) expect_cuda_matches_f64(rng, s, v_hd, dtype);
 }
 
+// The wide heads (kernels/attention.h: q, k up to 192 wide, v up to 128, flash only) through the op against the
+// CPU's f64 kernels: DeepSeek-V3's 192 / 128 at T = 1, T not a multiple of any tile (32-key forward tiles, 64-row
+// backward tiles and their 32- and 16-row steps) and T past several tiles; a query/key head between 128 and 192
+// (136) with a value head the op pads to a multiple of 8 (100 -> 104).
+TEST(AttentionCuda, WideHeadsMatchCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  for (const auto& [s, v_hd] : std::vector<std::pair<Shape, int64_t>>{{{1, 1, 1, 192}, 128},
+                                                                      {{2, 77, 3, 192}, 128},
+                                                                      {{1, 300, 2, 192}, 128},
+                                                                      {{1, 1024, 1, 192}, 128},
+                                                                      {{2, 45, 2, 136}, 100},
+                                                                      {{1, 70, 1, 192}, 64}})
+    expect_cuda_matches_f64(rng, s, v_hd, DType::bf16);
+}
+
 // No atomics: two runs give the same bits.
 TEST(AttentionCuda, Deterministic) {
   FLOWMOE_REQUIRE_CUDA();
@@ -332,6 +358,15 @@ TEST(AttentionCuda, Errors) {
   FLOWMOE_REQUIRE_CUDA();
   Variable big(Tensor::zeros({1, 4, 1, 256}, DType::f32, Device::cuda()));
   EXPECT_THROW(causal_attention(big, big, big), ShapeError);  // head_dim > 128
+  // Wide heads: a value head past 128 beside a query/key head past 128, a query/key head past 192 or past 128
+  // and not a multiple of 8; in f32 (the flash kernels are bf16 only).
+  auto zeros = [](int64_t hd, DType dtype) { return Variable(Tensor::zeros({1, 4, 2, hd}, dtype, Device::cuda())); };
+  EXPECT_TRUE(throws_naming<ShapeError>(
+      [&] { causal_attention(zeros(192, DType::bf16), zeros(192, DType::bf16), zeros(192, DType::bf16)); },
+      {"[1, 4, 2, 192]", "no shape the CUDA kernels take"}));
+  EXPECT_THROW(causal_attention(zeros(200, DType::bf16), zeros(200, DType::bf16), zeros(128, DType::bf16)), ShapeError);
+  EXPECT_THROW(causal_attention(zeros(140, DType::bf16), zeros(140, DType::bf16), zeros(128, DType::bf16)), ShapeError);
+  EXPECT_THROW(causal_attention(zeros(192, DType::f32), zeros(192, DType::f32), zeros(128, DType::f32)), DTypeError);
   Variable q(Tensor::zeros({1, 4, 2, 8}, DType::f32, Device::cuda()));
   Variable k(Tensor::zeros({1, 4, 2, 16}, DType::f32, Device::cuda()));
   EXPECT_THROW(causal_attention(q, k, q), ShapeError);
@@ -367,13 +402,6 @@ TEST(AttentionCuda, FlashMatchesCpuAndSimt) {
 
     EXPECT_TRUE(all_close(flash.lse, ref_lse, 0, 1e-3)) << "flash lse";
     EXPECT_TRUE(all_close(simt.lse, ref_lse, 0, 1e-3)) << "simt lse";
-    auto expect_flash = [&](const KernelResult& r, const Result& want, const char* what) {
-      SCOPED_TRACE(what);
-      EXPECT_TRUE(close_to(r.out, want.out, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "out";
-      EXPECT_TRUE(close_to(r.d_q, want.d_q, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "d_q";
-      EXPECT_TRUE(close_to(r.d_k, want.d_k, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "d_k";
-      EXPECT_TRUE(close_to(r.d_v, want.d_v, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "d_v";
-    };
     expect_flash(flash, ref, "flash vs f64");
     expect_flash(flash_fwd, ref, "flash forward, simt backward vs f64");
     expect_flash(simt_fwd, ref, "simt forward, flash backward vs f64");
@@ -387,6 +415,32 @@ TEST(AttentionCuda, FlashMatchesCpuAndSimt) {
   }
 }
 
+// The wide heads (q, k 192 or 136, v 128 or 64) on the tensor-core kernels called directly, against the f64 CPU
+// reference on the same bf16 values: lse within 1e-3 (absolute), outputs and gradients within the tensor-core
+// tolerances. T = 1, T inside the forward's first 32-key tile, T not a multiple of 32, 64 or 128, T past several
+// tiles; B·nh = 1 and more.
+TEST(AttentionCuda, FlashWideHeadsMatchCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  for (const auto& [s, v_hd] : std::vector<std::pair<Shape, int64_t>>{{{1, 1, 1, 192}, 128},
+                                                                      {{1, 17, 2, 192}, 128},
+                                                                      {{2, 100, 3, 192}, 128},
+                                                                      {{1, 257, 2, 192}, 128},
+                                                                      {{1, 1024, 1, 192}, 128},
+                                                                      {{3, 200, 1, 136}, 64}}) {
+    SCOPED_TRACE(shape_str(s) + " v " + std::to_string(v_hd));
+    const Shape v_shape = {s[0], s[1], s[2], v_hd};
+    Tensor q = random_tensor(rng, s, DType::bf16), k = random_tensor(rng, s, DType::bf16);
+    Tensor v = random_tensor(rng, v_shape, DType::bf16), d_out = random_tensor(rng, v_shape, DType::bf16);
+    Result ref = attend_with_grads(q.to(DType::f64), k.to(DType::f64), v.to(DType::f64), d_out.to(DType::f64));
+    const Device gpu = Device::cuda();
+    KernelResult flash = run_kernels(Kernel::flash, Kernel::flash, q.to(gpu), k.to(gpu), v.to(gpu), d_out.to(gpu));
+    ASSERT_EQ(flash.out.shape(), v_shape);
+    EXPECT_TRUE(all_close(flash.lse, reference_lse(q.to(DType::f64), k.to(DType::f64)), 0, 1e-3)) << "lse";
+    expect_flash(flash, ref, "flash vs f64");
+  }
+}
+
 // Masking, exactly. Rows t <= p of o, lse and d_q depend only on rows <= p of q, k, v and d_out: redrawing
 // every input after p leaves their values unchanged. Rows t >= p of d_k and d_v see only queries >= p
 // (through q, d_out and those rows' lse and delta, which do not change): redrawing q and d_out before p
@@ -396,11 +450,15 @@ TEST(AttentionCuda, FlashMatchesCpuAndSimt) {
 TEST(AttentionCuda, FlashMaskingIsExact) {
   FLOWMOE_REQUIRE_CUDA();
   Rng rng(test_seed());
-  for (const Shape& s : {Shape{2, 300, 2, 128}, Shape{1, 200, 3, 64}}) {
-    SCOPED_TRACE(shape_str(s));
+  // (q's shape, v's head width): one width, and the wide heads' 192 / 128.
+  for (const auto& shape_v : std::vector<std::pair<Shape, int64_t>>{
+           {{2, 300, 2, 128}, 128}, {{1, 200, 3, 64}, 64}, {{2, 300, 2, 192}, 128}}) {
+    const Shape& s = shape_v.first;
+    const int64_t v_hd = shape_v.second;
+    SCOPED_TRACE(shape_str(s) + " v " + std::to_string(v_hd));
     const Device gpu = Device::cuda();
-    auto draw = [&] { return random_tensor(rng, s, DType::bf16, gpu); };
-    Tensor q = draw(), k = draw(), v = draw(), d_out = draw();
+    auto draw = [&](int64_t hd) { return random_tensor(rng, {s[0], s[1], s[2], hd}, DType::bf16, gpu); };
+    Tensor q = draw(s[3]), k = draw(s[3]), v = draw(v_hd), d_out = draw(v_hd);
     KernelResult base = run_kernels(Kernel::flash, Kernel::flash, q, k, v, d_out);
     for (int64_t p : {int64_t(0), int64_t(70), int64_t(129), s[1] - 2}) {
       SCOPED_TRACE("p = " + std::to_string(p));
@@ -423,20 +481,23 @@ TEST(AttentionCuda, FlashMaskingIsExact) {
 
 // With q = 0 every visible key weighs the same, so o_i is the mean of v_0..v_i: fp32 sums of exact bf16
 // products (P = 1 before the division), so the only error is o's bf16 rounding. A key wrongly hidden or
-// shown changes the mean by about |v_j - o_i| / (i + 1), far above that rounding up to T = 1024.
+// shown changes the mean by about |v_j - o_i| / (i + 1), far above that rounding up to T = 1024. The wide heads
+// (q, k 192, v 128) at a T past several of their 32-key tiles and not a multiple of one.
 TEST(AttentionCuda, FlashZeroQueriesAverageThePast) {
   FLOWMOE_REQUIRE_CUDA();
   Rng rng(test_seed());
-  for (const Shape& s : {Shape{1, 1024, 2, 128}, Shape{2, 333, 1, 64}, Shape{1, 130, 1, 96}}) {
-    SCOPED_TRACE(shape_str(s));
-    const int64_t B = s[0], T = s[1], nh = s[2], hd = s[3];
+  for (const auto& [s, hd] : std::vector<std::pair<Shape, int64_t>>{
+           {{1, 1024, 2, 128}, 128}, {{2, 333, 1, 64}, 64}, {{1, 130, 1, 96}, 96}, {{2, 333, 2, 192}, 128}}) {
+    SCOPED_TRACE(shape_str(s) + " v " + std::to_string(hd));
+    const int64_t B = s[0], T = s[1], nh = s[2], qk_hd = s[3];
+    const Shape v_shape = {B, T, nh, hd};
     Tensor q = Tensor::zeros(s, DType::bf16, Device::cuda());
-    Tensor k = random_tensor(rng, s, DType::bf16, Device::cuda()), v = random_tensor(rng, s, DType::bf16);
-    Tensor out = Tensor::empty(s, DType::bf16, Device::cuda());
+    Tensor k = random_tensor(rng, s, DType::bf16, Device::cuda()), v = random_tensor(rng, v_shape, DType::bf16);
+    Tensor out = Tensor::empty(v_shape, DType::bf16, Device::cuda());
     Tensor lse = Tensor::empty({B, nh, T}, DType::f32, Device::cuda());
     Tensor vg = v.to(Device::cuda());
     attention_forward_cuda(DType::bf16, out.raw_data(), lse.data<float>(), q.raw_data(), k.raw_data(), vg.raw_data(), B,
-                           T, nh, hd, current_stream(0), Kernel::flash);
+                           T, nh, qk_hd, hd, current_stream(0), Kernel::flash);
     const std::vector<double> vs = v.to_doubles(), got = out.to_doubles(), got_lse = lse.to_doubles();
     int64_t bad = 0;
     for (int64_t b = 0; b < B; ++b)
@@ -464,15 +525,26 @@ TEST(AttentionCuda, FlashErrors) {
   float lse = 0;
   int64_t dummy[4] = {};
   cudaStream_t stream = current_stream(0);
-  auto forward = [&](DType dtype, void* out, const void* q, int64_t seq_len, int64_t head_dim) {
-    attention_forward_cuda(dtype, out, &lse, q, dummy, dummy, 1, seq_len, 1, head_dim, stream, Kernel::flash);
+  auto forward = [&](DType dtype, void* out, const void* q, int64_t seq_len, int64_t head_dim,
+                     int64_t v_head_dim = -1) {
+    attention_forward_cuda(dtype, out, &lse, q, dummy, dummy, 1, seq_len, 1, head_dim,
+                           v_head_dim < 0 ? head_dim : v_head_dim, stream, Kernel::flash);
   };
   EXPECT_THROW(forward(DType::f32, dummy, dummy, 4, 64), DTypeError);
-  EXPECT_THROW(forward(DType::bf16, dummy, dummy, 4, 12), ShapeError);   // head_dim not a multiple of 8
-  EXPECT_THROW(forward(DType::bf16, dummy, dummy, 4, 136), ShapeError);  // head_dim > 128
+  EXPECT_THROW(forward(DType::bf16, dummy, dummy, 4, 12), ShapeError);  // head_dim not a multiple of 8
+  // Wide heads: v past 128, q/k past 192, v not a multiple of 8, and two widths both up to 128.
+  EXPECT_TRUE(throws_naming<ShapeError>([&] { forward(DType::bf16, dummy, dummy, 4, 136); },
+                                        {"head_dim 136 with v_head_dim 136", "not a shape the kernels take"}));
+  EXPECT_THROW(forward(DType::bf16, dummy, dummy, 4, 200, 128), ShapeError);
+  EXPECT_THROW(forward(DType::bf16, dummy, dummy, 4, 192, 100), ShapeError);
+  EXPECT_THROW(forward(DType::bf16, dummy, dummy, 4, 128, 64), ShapeError);
   EXPECT_THROW(attention_backward_cuda(DType::f32, dummy, dummy, dummy, &lse, dummy, dummy, dummy, dummy, dummy, &lse,
-                                       1, 4, 1, 64, stream, Kernel::flash),
+                                       1, 4, 1, 64, 64, stream, Kernel::flash),
                DTypeError);
+  // The CUDA-core kernels take one width.
+  EXPECT_THROW(
+      attention_forward_cuda(DType::f32, dummy, &lse, dummy, dummy, dummy, 1, 4, 1, 192, 128, stream, Kernel::simt),
+      ShapeError);
   Tensor x = Tensor::zeros({1, 4, 1, 72}, DType::bf16, Device::cuda());
   const char* base = static_cast<const char*>(x.raw_data());
   EXPECT_THROW(forward(DType::bf16, x.raw_data(), base + 2, 2, 64), Error);  // misaligned q
