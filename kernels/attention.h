@@ -7,7 +7,8 @@
 // CPU reference: kernels/cpu/attention.cpp (f32, f64; naive O(T^2) with explicit probabilities).
 // CUDA: two kernel families (AttentionKernel) sharing one contract (a saved natural-log logsumexp, a delta
 // scratch): flash (kernels/cuda/flash_attention.cu, flash_attention_backward.cu) and simt (kernels/cuda/attention.cu).
-// Node: engine/ops/attention.cpp. Tests: tests/test_attention.cpp. Benchmark: bench/bench_attention.cpp.
+// Node: engine/ops/attention.cpp. Tests: tests/test_attention.cpp (the op), tests/test_flash_attention.cpp (the
+// CUDA kernels called directly). Benchmark: bench/bench_attention.cpp.
 #pragma once
 #include <cstdint>
 

@@ -9,7 +9,7 @@
 // q, k, v, o [B, T, nh, hd] with hd <= 128, zero-padded to 32, 64 or 128 columns in shared memory. The wide heads
 // (kernels/attention.h: q and k wider than v) are the flash kernels' alone.
 // Tiles and the products on them: kernels/cuda/attention_tile.cuh.
-// CPU reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp.
+// CPU reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp, tests/test_flash_attention.cpp.
 #include <cuda_bf16.h>
 
 #include <cmath>

@@ -8,7 +8,7 @@
 // 32-key K/V tiles, which keep two CTAs' shared memory within an SM's (92 KB each; 64-key tiles would take 134).
 // Only keys past a warp's first row are masked; key tiles past the diagonal are never loaded.
 // Backward: flash_attention_backward.cu; tiles, fragments: flash_attention.cuh. CPU reference:
-// kernels/cpu/attention.cpp; GPU reference: the fp32 kernels of attention.cu. Tests: tests/test_attention.cpp.
+// kernels/cpu/attention.cpp; GPU reference: the fp32 kernels of attention.cu. Tests: tests/test_flash_attention.cpp.
 #include <cuda_bf16.h>
 
 #include <cmath>

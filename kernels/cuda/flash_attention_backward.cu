@@ -10,7 +10,7 @@
 // dK and dV accumulators without spilling (dk/dv at 32 would spill 108 bytes); their tiles need 126 and 127 KB of
 // shared memory, one CTA per SM.
 // Forward and shapes: flash_attention.cu; tiles, fragments: flash_attention.cuh. CPU reference:
-// kernels/cpu/attention.cpp; GPU reference: the fp32 kernels of attention.cu. Tests: tests/test_attention.cpp.
+// kernels/cpu/attention.cpp; GPU reference: the fp32 kernels of attention.cu. Tests: tests/test_flash_attention.cpp.
 #include <cuda_bf16.h>
 
 #include <cstdint>
