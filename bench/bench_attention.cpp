@@ -1,8 +1,9 @@
 // bench_attention: causal attention on bf16, forward and backward, through the launchers of
 // kernels/attention.h: the tensor-core kernels (kernels/cuda/flash_attention.cu, what the engine runs for
 // bf16) against the fp32 CUDA-core kernels (kernels/cuda/attention.cu) timed in the same run.
-// FLOPs as engine/ops/attention.cpp counts them: forward 2·B·nh·T²·hd (q·kᵀ and p·v over the causal
-// half), backward 2.5 times that. The ceiling is a bf16 8192³ GEMM through gemm_cuda (kernels/linear.h),
+// FLOPs as engine/ops/attention.cpp counts them: forward B·nh·T²·(hd + v_hd) (q·kᵀ and p·v over the causal
+// half), backward 2.5 times that. The wide heads (DeepSeek-V3's q, k 192 and v 128) run on the tensor-core
+// kernels alone: no CUDA-core row, no rel_diff. The ceiling is a bf16 8192³ GEMM through gemm_cuda (kernels/linear.h),
 // timed in this run (707 TFLOP/s on the H200, DESIGN.md §6). Each time is the median of kReps event-timed
 // runs after kWarmup. rel_diff is the largest normwise difference between the two kernel families' o,
 // d_q, d_k and d_v (a few 1e-3: P and dS in bf16), a check that the timed kernels agree. No GPU: prints a
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -30,18 +32,19 @@ constexpr int kReps = 20;
 constexpr int64_t kCeilingSize = 8192;
 
 struct AttnShape {
-  int64_t batch, seq_len, num_heads, head_dim;
+  int64_t batch, seq_len, num_heads, head_dim, v_head_dim;
+  bool simt() const { return head_dim == v_head_dim && head_dim <= kAttentionMaxHeadDimCuda; }
 };
 
 // One kernel family's buffers for a shape, all on the GPU.
 struct Buffers {
   Tensor out, lse, delta, d_q, d_k, d_v;
   Buffers(const AttnShape& s, Device dev)
-      : out(Tensor::empty({s.batch, s.seq_len, s.num_heads, s.head_dim}, DType::bf16, dev)),
+      : out(Tensor::empty({s.batch, s.seq_len, s.num_heads, s.v_head_dim}, DType::bf16, dev)),
         lse(Tensor::empty({s.batch, s.num_heads, s.seq_len}, DType::f32, dev)),
         delta(Tensor::empty({s.batch, s.num_heads, s.seq_len}, DType::f32, dev)),
-        d_q(Tensor::empty(out.shape(), DType::bf16, dev)),
-        d_k(Tensor::empty(out.shape(), DType::bf16, dev)),
+        d_q(Tensor::empty({s.batch, s.seq_len, s.num_heads, s.head_dim}, DType::bf16, dev)),
+        d_k(Tensor::empty(d_q.shape(), DType::bf16, dev)),
         d_v(Tensor::empty(out.shape(), DType::bf16, dev)) {}
 };
 
@@ -53,12 +56,13 @@ Times time_family(AttentionKernel kernel, const AttnShape& s, Buffers& b, const 
                   const Tensor& v, const Tensor& d_out, cudaStream_t stream) {
   auto fwd = [&] {
     attention_forward_cuda(DType::bf16, b.out.raw_data(), b.lse.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(),
-                           s.batch, s.seq_len, s.num_heads, s.head_dim, stream, kernel);
+                           s.batch, s.seq_len, s.num_heads, s.head_dim, s.v_head_dim, stream, kernel);
   };
   auto bwd = [&] {
     attention_backward_cuda(DType::bf16, b.d_q.raw_data(), b.d_k.raw_data(), b.d_v.raw_data(), b.delta.data<float>(),
                             d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), b.out.raw_data(),
-                            b.lse.data<float>(), s.batch, s.seq_len, s.num_heads, s.head_dim, stream, kernel);
+                            b.lse.data<float>(), s.batch, s.seq_len, s.num_heads, s.head_dim, s.v_head_dim, stream,
+                            kernel);
   };
   Times t;
   t.fwd_ms = median_ms(fwd, stream, kWarmup, kReps);
@@ -103,46 +107,56 @@ int main() {
     const double ceiling = gemm_ceiling_tflops(rng, stream);
     std::printf("  bf16 GEMM %lld^3 ceiling: %.1f TFLOP/s\n", (long long)kCeilingSize, ceiling);
 
-    const AttnShape shapes[] = {{32, 512, 8, 128}, {4, 2048, 16, 128}};
-    std::printf("\n%-22s %-6s %9s %9s %9s %9s %9s %9s %8s\n", "B x T x nh x hd", "kernel", "fwd ms", "bwd ms", "f+b ms",
-                "fwd TF/s", "bwd TF/s", "f+b TF/s", "of ceil");
+    // gpu_moe's and gpu_moe_wide's heads, and DeepSeek-V3's MLA heads (q, k 192, v 128) at gpu_moe_wide's B, T, nh.
+    const AttnShape shapes[] = {{32, 512, 8, 128, 128}, {4, 2048, 16, 128, 128}, {4, 2048, 16, 192, 128}};
+    std::printf("\n%-26s %-6s %9s %9s %9s %9s %9s %9s %8s\n", "B x T x nh x hd (/ v_hd)", "kernel", "fwd ms", "bwd ms",
+                "f+b ms", "fwd TF/s", "bwd TF/s", "f+b TF/s", "of ceil");
     for (const AttnShape& s : shapes) {
       const Device dev = Device::cuda(0);
-      const Shape shape{s.batch, s.seq_len, s.num_heads, s.head_dim};
       // Random, not zero: data-dependent power draw changes clocks.
-      auto draw = [&] { return rng.uniform(shape, -1.0, 1.0, DType::f32).to(DType::bf16).to(dev); };
-      Tensor q = draw(), k = draw(), v = draw(), d_out = draw();
+      auto draw = [&](int64_t hd) {
+        return rng.uniform({s.batch, s.seq_len, s.num_heads, hd}, -1.0, 1.0, DType::f32).to(DType::bf16).to(dev);
+      };
+      Tensor q = draw(s.head_dim), k = draw(s.head_dim), v = draw(s.v_head_dim), d_out = draw(s.v_head_dim);
       Buffers flash(s, dev), simt(s, dev);
       const Times tf = time_family(AttentionKernel::flash, s, flash, q, k, v, d_out, stream);
-      const Times ts = time_family(AttentionKernel::simt, s, simt, q, k, v, d_out, stream);
+      const Times ts = s.simt() ? time_family(AttentionKernel::simt, s, simt, q, k, v, d_out, stream) : Times{};
       double rel_diff = 0;
-      for (auto [a, b] : {std::pair{&flash.out, &simt.out}, std::pair{&flash.d_q, &simt.d_q},
-                          std::pair{&flash.d_k, &simt.d_k}, std::pair{&flash.d_v, &simt.d_v}}) {
-        const std::vector<double> x = a->to_doubles(), y = b->to_doubles();
-        double num = 0, den = 0;
-        for (size_t i = 0; i < x.size(); ++i) num += (x[i] - y[i]) * (x[i] - y[i]), den += y[i] * y[i];
-        rel_diff = std::max(rel_diff, den > 0 ? std::sqrt(num / den) : 0.0);
-      }
+      if (s.simt())
+        for (auto [a, b] : {std::pair{&flash.out, &simt.out}, std::pair{&flash.d_q, &simt.d_q},
+                            std::pair{&flash.d_k, &simt.d_k}, std::pair{&flash.d_v, &simt.d_v}}) {
+          const std::vector<double> x = a->to_doubles(), y = b->to_doubles();
+          double num = 0, den = 0;
+          for (size_t i = 0; i < x.size(); ++i) num += (x[i] - y[i]) * (x[i] - y[i]), den += y[i] * y[i];
+          rel_diff = std::max(rel_diff, den > 0 ? std::sqrt(num / den) : 0.0);
+        }
 
-      const double fwd_flops =
-          2.0 * double(s.batch) * double(s.num_heads) * double(s.seq_len) * double(s.seq_len) * double(s.head_dim);
+      const double fwd_flops = double(s.batch) * double(s.num_heads) * double(s.seq_len) * double(s.seq_len) *
+                               double(s.head_dim + s.v_head_dim);
       const double bwd_flops = 2.5 * fwd_flops, all_flops = fwd_flops + bwd_flops;
       char name[64];
       std::snprintf(name, sizeof(name), "%lldx%lldx%lldx%lld", (long long)s.batch, (long long)s.seq_len,
                     (long long)s.num_heads, (long long)s.head_dim);
+      if (s.v_head_dim != s.head_dim)
+        std::snprintf(name + std::strlen(name), sizeof(name) - std::strlen(name), " / %lld", (long long)s.v_head_dim);
       for (const auto& [label, t] : {std::pair{"flash", tf}, std::pair{"simt", ts}})
-        std::printf("%-22s %-6s %9.3f %9.3f %9.3f %9.1f %9.1f %9.1f %8.3f\n", name, label, t.fwd_ms, t.bwd_ms,
-                    t.fwdbwd_ms, tflops(fwd_flops, t.fwd_ms), tflops(bwd_flops, t.bwd_ms),
-                    tflops(all_flops, t.fwdbwd_ms), tflops(all_flops, t.fwdbwd_ms) / ceiling);
+        if (t.fwdbwd_ms > 0)
+          std::printf("%-26s %-6s %9.3f %9.3f %9.3f %9.1f %9.1f %9.1f %8.3f\n", name, label, t.fwd_ms, t.bwd_ms,
+                      t.fwdbwd_ms, tflops(fwd_flops, t.fwd_ms), tflops(bwd_flops, t.bwd_ms),
+                      tflops(all_flops, t.fwdbwd_ms), tflops(all_flops, t.fwdbwd_ms) / ceiling);
       std::printf(
-          "BENCH attention dtype=bf16 B=%lld T=%lld nh=%lld hd=%lld fwd_ms=%.4f bwd_ms=%.4f fwdbwd_ms=%.4f "
-          "fwd_tflops=%.1f bwd_tflops=%.1f fwdbwd_tflops=%.1f ceiling_tflops=%.1f frac_ceiling=%.4f "
-          "simt_fwdbwd_ms=%.4f speedup_vs_simt=%.2f fwd_speedup_vs_simt=%.2f bwd_speedup_vs_simt=%.2f "
-          "rel_diff=%.2e\n",
-          (long long)s.batch, (long long)s.seq_len, (long long)s.num_heads, (long long)s.head_dim, tf.fwd_ms, tf.bwd_ms,
-          tf.fwdbwd_ms, tflops(fwd_flops, tf.fwd_ms), tflops(bwd_flops, tf.bwd_ms), tflops(all_flops, tf.fwdbwd_ms),
-          ceiling, tflops(all_flops, tf.fwdbwd_ms) / ceiling, ts.fwdbwd_ms, ts.fwdbwd_ms / tf.fwdbwd_ms,
-          ts.fwd_ms / tf.fwd_ms, ts.bwd_ms / tf.bwd_ms, rel_diff);
+          "BENCH attention dtype=bf16 B=%lld T=%lld nh=%lld hd=%lld v_hd=%lld fwd_ms=%.4f bwd_ms=%.4f fwdbwd_ms=%.4f "
+          "fwd_tflops=%.1f bwd_tflops=%.1f fwdbwd_tflops=%.1f ceiling_tflops=%.1f frac_ceiling=%.4f",
+          (long long)s.batch, (long long)s.seq_len, (long long)s.num_heads, (long long)s.head_dim,
+          (long long)s.v_head_dim, tf.fwd_ms, tf.bwd_ms, tf.fwdbwd_ms, tflops(fwd_flops, tf.fwd_ms),
+          tflops(bwd_flops, tf.bwd_ms), tflops(all_flops, tf.fwdbwd_ms), ceiling,
+          tflops(all_flops, tf.fwdbwd_ms) / ceiling);
+      if (s.simt())
+        std::printf(
+            " simt_fwdbwd_ms=%.4f speedup_vs_simt=%.2f fwd_speedup_vs_simt=%.2f bwd_speedup_vs_simt=%.2f "
+            "rel_diff=%.2e",
+            ts.fwdbwd_ms, ts.fwdbwd_ms / tf.fwdbwd_ms, ts.fwd_ms / tf.fwd_ms, ts.bwd_ms / tf.bwd_ms, rel_diff);
+      std::printf("\n");
     }
     FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
   });

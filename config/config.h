@@ -21,9 +21,11 @@ Config parse_config(const std::string& yaml_text, const std::string& name,
 void apply_override(Config& cfg, const std::string& assignment);
 // The cross-key checks (divisibility, ranges that depend on other keys, unavailable features).
 void validate(const Config& cfg);
-// Whether the CUDA attention kernels take the model's heads: MLA's query/key head at most
-// kAttentionMaxHeadDimCuda wide and its value head no wider (the GPU pads the value); plain MHA's always. A model
-// that does not fit trains on the CPU only (model.* checks at train.device other than cpu).
+// Whether the CUDA attention kernels take the model's heads (attention_value_width_cuda): MLA's query/key head at
+// most kAttentionMaxHeadDimCuda wide and its value head no wider (the GPU pads the value), or a query/key head up
+// to kAttentionMaxWideHeadDimCuda (a multiple of 8; DeepSeek-V3's 128 + 64) with a value head of at most
+// kAttentionMaxHeadDimCuda; plain MHA's always. A model that does not fit trains on the CPU only (model.* checks
+// at train.device other than cpu).
 bool attention_fits_cuda(const ModelConfig& m);
 
 // The resolved configuration as YAML, every key included (written beside a run's outputs).

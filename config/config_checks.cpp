@@ -51,27 +51,37 @@ void KeyReport::conflict(const std::vector<std::string>& keys, const std::string
 }
 
 bool attention_fits_cuda(const ModelConfig& m) {
-  return m.attention != AttentionType::mla ||
-         (attention_qk_head_dim(m) <= kAttentionMaxHeadDimCuda && m.v_head_dim <= attention_qk_head_dim(m));
+  return m.attention != AttentionType::mla || attention_value_width_cuda(attention_qk_head_dim(m), m.v_head_dim) > 0;
 }
 
 // MLA's shapes (layers/mla.h): RoPE rotates pairs, and the CUDA attention kernels take a query/key head of at
-// most kAttentionMaxHeadDimCuda and a value head no wider (the GPU pads the value to the key's width).
+// most kAttentionMaxHeadDimCuda and a value head no wider (the GPU pads the value to the key's width), or a
+// query/key head past it, a multiple of 8 up to kAttentionMaxWideHeadDimCuda, with a value head of at most
+// kAttentionMaxHeadDimCuda (attention_value_width_cuda).
 static void check_mla_shape(const Config& c, const KeyReport& r) {
   const ModelConfig& m = c.model;
   if (m.qk_rope_head_dim % 2 != 0)
     r.err("model.qk_rope_head_dim", str(m.qk_rope_head_dim) + " must be even (RoPE rotates pairs)");
   if (c.train.device == "cpu" || attention_fits_cuda(m)) return;
   const int64_t qk = attention_qk_head_dim(m);
-  if (qk > kAttentionMaxHeadDimCuda)
+  const std::string qk_keys = "the query/key head model.qk_nope_head_dim + model.qk_rope_head_dim = " + str(qk);
+  if (qk > kAttentionMaxWideHeadDimCuda)
+    r.conflict({"model.qk_nope_head_dim", "model.qk_rope_head_dim"}, qk_keys + " exceeds the CUDA attention kernels' " +
+                                                                         str(kAttentionMaxWideHeadDimCuda) +
+                                                                         " (train.device: cpu takes any width)");
+  if (qk > kAttentionMaxHeadDimCuda && qk % 8 != 0)
     r.conflict({"model.qk_nope_head_dim", "model.qk_rope_head_dim"},
-               "the query/key head model.qk_nope_head_dim + model.qk_rope_head_dim = " + str(qk) +
-                   " exceeds the CUDA attention kernels' " + str(kAttentionMaxHeadDimCuda) +
-                   " (train.device: cpu takes any width)");
-  if (m.v_head_dim > qk)
+               qk_keys + " is past " + str(kAttentionMaxHeadDimCuda) +
+                   " and not a multiple of 8, which the CUDA attention kernels need there (train.device: cpu takes "
+                   "any width)");
+  if (qk > kAttentionMaxHeadDimCuda)
     r.conflict({"model.v_head_dim", "model.qk_nope_head_dim", "model.qk_rope_head_dim"},
-               "model.v_head_dim = " + str(m.v_head_dim) + " exceeds the query/key head " + str(qk) +
-                   ", which the CUDA attention kernels need at least as wide (train.device: cpu takes any width)");
+               "model.v_head_dim = " + str(m.v_head_dim) + " exceeds " + str(kAttentionMaxHeadDimCuda) +
+                   ", the widest value head the CUDA attention kernels take beside a query/key head past " +
+                   str(kAttentionMaxHeadDimCuda) + " (here " + str(qk) + "; train.device: cpu takes any width)");
+  r.conflict({"model.v_head_dim", "model.qk_nope_head_dim", "model.qk_rope_head_dim"},
+             "model.v_head_dim = " + str(m.v_head_dim) + " exceeds the query/key head " + str(qk) +
+                 ", which the CUDA attention kernels need at least as wide (train.device: cpu takes any width)");
 }
 
 void check_model_shape(const Config& c, const KeyReport& r) {

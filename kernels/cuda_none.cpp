@@ -66,10 +66,10 @@ FLOWMOE_NO_CUDA(void, add_rmsnorm_forward_cuda,
 // kernels/attention.h
 FLOWMOE_NO_CUDA(void, attention_forward_cuda,
                 (DType, void*, float*, const void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t,
-                 cudaStream_t, AttentionKernel))
+                 int64_t, cudaStream_t, AttentionKernel))
 FLOWMOE_NO_CUDA(void, attention_backward_cuda,
                 (DType, void*, void*, void*, float*, const void*, const void*, const void*, const void*, const void*,
-                 const float*, int64_t, int64_t, int64_t, int64_t, cudaStream_t, AttentionKernel))
+                 const float*, int64_t, int64_t, int64_t, int64_t, int64_t, cudaStream_t, AttentionKernel))
 
 // kernels/copy.h
 FLOWMOE_NO_CUDA(void, strided_copy_cuda, (void*, const void*, size_t, const StridedLayout&, cudaStream_t))

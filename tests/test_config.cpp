@@ -642,12 +642,24 @@ TEST(Config, MlaKeys) {
   EXPECT_HAS(m, "bad.yaml:3: model.qk_rope_head_dim: 5 must be even");
   // Under mla the heads need not divide hidden_size.
   EXPECT_NO_THROW(parse_config("model:\n  attention: mla\n  num_attention_heads: 3\n", "ok.yaml"));
-  m = parse_error(
-      "model:\n  attention: mla\n  qk_nope_head_dim: 120\n  qk_rope_head_dim: 16\ntrain:\n  device: cuda\n");
-  EXPECT_HAS(m, "model.qk_nope_head_dim + model.qk_rope_head_dim = 136 exceeds the CUDA attention kernels' 128");
+  // The CUDA kernels' head widths: one up to 128, or query/key heads up to 192 (multiples of 8; DeepSeek-V3's
+  // 128 + 64) with value heads up to 128; train.device: cpu takes any.
+  const std::string mla_cuda = "model:\n  attention: mla\ntrain:\n  device: cuda\n";
+  EXPECT_NO_THROW(parse_config(mla_cuda, "ok.yaml",
+                               {"model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64", "model.v_head_dim=128"}));
+  EXPECT_NO_THROW(parse_config(mla_cuda, "ok.yaml",
+                               {"model.qk_nope_head_dim=120", "model.qk_rope_head_dim=16", "model.v_head_dim=100"}));
+  m = parse_error(mla_cuda, {"model.qk_nope_head_dim=136", "model.qk_rope_head_dim=64"});
+  EXPECT_HAS(m, "model.qk_nope_head_dim + model.qk_rope_head_dim = 200 exceeds the CUDA attention kernels' 192");
+  m = parse_error(mla_cuda, {"model.qk_nope_head_dim=122", "model.qk_rope_head_dim=16"});
+  EXPECT_HAS(m, "model.qk_nope_head_dim + model.qk_rope_head_dim = 138 is past 128 and not a multiple of 8");
+  m = parse_error(mla_cuda, {"model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64", "model.v_head_dim=192"});
+  EXPECT_HAS(m,
+             "model.v_head_dim = 192 exceeds 128, the widest value head the CUDA attention kernels take beside a "
+             "query/key head past 128 (here 192;");
   EXPECT_NO_THROW(
-      parse_config("model:\n  attention: mla\n  qk_nope_head_dim: 120\n  qk_rope_head_dim: 16\n"
-                   "train:\n  device: cpu\n",
+      parse_config("model:\n  attention: mla\n  qk_nope_head_dim: 136\n  qk_rope_head_dim: 64\n"
+                   "  v_head_dim: 192\ntrain:\n  device: cpu\n",
                    "ok.yaml"));
   m = parse_error("model:\n  attention: mla\n  v_head_dim: 64\ntrain:\n  device: cuda\n");
   EXPECT_HAS(m, "model.v_head_dim = 64 exceeds the query/key head 48");

@@ -151,13 +151,17 @@ TEST(HfFormat, MlaIsDeepseekV3) {
                            "\"qk_rope_head_dim\": 4", "\"v_head_dim\": 5", "\"num_nextn_predict_layers\": 1"})
     EXPECT_NE(json.find(line), std::string::npos) << line;
   EXPECT_NE(hf_config_json(hf_mla_model(0)).find("\"q_lora_rank\": null"), std::string::npos);
-  // DeepSeek-V3's own head widths (128 + 64) import, as a model the CPU trains.
+  // DeepSeek-V3's own head widths (128 + 64, values 128) import, as a model the GPU trains; a value head as wide
+  // as that query/key head, as one the CPU trains.
   ModelConfig wide = hf_mla_model();
   wide.qk_nope_head_dim = 128;
   wide.qk_rope_head_dim = 64;
   wide.v_head_dim = 128;
-  EXPECT_FALSE(attention_fits_cuda(wide));
+  EXPECT_TRUE(attention_fits_cuda(wide));
   EXPECT_EQ(model_config_from_hf(hf_config_json(wide), "config.json").qk_rope_head_dim, 64);
+  wide.v_head_dim = 192;
+  EXPECT_FALSE(attention_fits_cuda(wide));
+  EXPECT_EQ(model_config_from_hf(hf_config_json(wide), "config.json").v_head_dim, 192);
   // What import refuses, naming the field.
   const struct {
     const char* field;

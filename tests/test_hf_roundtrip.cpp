@@ -117,10 +117,10 @@ TEST(HfRoundTrip, MtpLayersRoundTripBitIdentical) {
 // head widths (imported with train.device: cpu): every tensor back bit for bit, the MTP layer's attention from
 // mtp.safetensors.
 TEST(HfRoundTrip, MlaRoundTripsBitIdentical) {
-  ModelConfig wide = hf_mla_model();  // DeepSeek-V3's head widths: wider than the CUDA kernels take
+  ModelConfig wide = hf_mla_model();  // DeepSeek-V3's query/key heads with values as wide: more than the GPU takes
   wide.qk_nope_head_dim = 128;
   wide.qk_rope_head_dim = 64;
-  wide.v_head_dim = 128;
+  wide.v_head_dim = 192;
   for (const ModelConfig& m : {hf_mla_model(12), hf_mla_model(0), wide}) {
     SCOPED_TRACE(hf_config_json(m));
     const fs::path d = fresh_dir("hf_roundtrip_mla");

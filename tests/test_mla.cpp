@@ -1,7 +1,8 @@
 // Multi-head latent attention (layers/mla.h): the layer against a hand-written f64 DeepSeek-V3 attention that
 // follows transformers' DeepseekV3Attention step by step (its rope_interleave permutation and rotate_half
 // included), with and without the query bottleneck; finite-difference gradients through the layer; every weight
-// reached by the backward; the model's names and shapes; the errors; and configs/tiny_mla.yaml training.
+// reached by the backward; the model's names and shapes; the errors; configs/tiny_mla.yaml training; and
+// DeepSeek-V3's head widths on the GPU against the CPU.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -210,6 +211,42 @@ TEST(Mla, ErrorsNameTheLayer) {
   ParamFactory h(5, Device::cpu());
   EXPECT_TRUE(throws_naming<ShapeError>([&] { LatentAttention(h, "a.self_attn", mla_config(8), 0.3, true); },
                                         {"q_a_proj", "128"}));
+}
+
+// DeepSeek-V3's head widths (query/key 128 + 64, values 128: the CUDA attention kernels' wide heads) on the GPU:
+// the same layer and weights in bf16 against the CPU in f32, output and every gradient (input and weights), with
+// and without the query bottleneck; T not a multiple of the attention kernels' tiles (T = 1 would make the query
+// weights' gradients 0 in exact math, which no relative error measures: tests/test_attention.cpp covers it).
+TEST(MlaCuda, DeepSeekV3HeadsMatchCpu) {
+  FLOWMOE_REQUIRE_CUDA();
+  Rng rng(test_seed());
+  for (int64_t q_lora_rank : {0, 96})
+    for (int64_t T : {77, 300}) {
+      SCOPED_TRACE("q_lora_rank " + std::to_string(q_lora_rank) + " T " + std::to_string(T));
+      ModelConfig c = mla_config(q_lora_rank);
+      c.hidden_size = 128;
+      c.num_attention_heads = 2;
+      c.kv_lora_rank = 64;
+      c.qk_nope_head_dim = 128;
+      c.qk_rope_head_dim = 64;
+      c.v_head_dim = 128;
+      c.rope_theta = 10000.0;
+      c.initializer_range = 0.05;
+      ParamFactory fc(5, Device::cpu()), fg(5, Device::cuda());
+      const LatentAttention cpu(fc, "a.self_attn", c, 0.05, false), gpu(fg, "a.self_attn", c, 0.05, false);
+      const Tensor x = random_tensor(rng, {2, T, c.hidden_size}).to(DType::bf16).to(DType::f32);
+      const Tensor dy = random_tensor(rng, {2, T, c.hidden_size}).to(DType::bf16).to(DType::f32);
+      Variable xc(x, true), xg(x.to(Device::cuda()).to(DType::bf16), true);
+      Variable yc = cpu.forward(xc, DType::f32), yg = gpu.forward(xg, DType::bf16);
+      ASSERT_EQ(yg.data().shape(), yc.data().shape());
+      EXPECT_LT(rel_error(yg.data(), yc.data()), 2e-2) << "y";
+      yc.backward(dy);
+      yg.backward(dy.to(Device::cuda()).to(DType::bf16));
+      EXPECT_LT(rel_error(xg.grad(), xc.grad()), 3e-2) << "d_x";
+      ASSERT_EQ(fg.params().size(), fc.params().size());
+      for (size_t i = 0; i < fc.params().size(); ++i)
+        EXPECT_LT(rel_error(fg.params()[i].grad(), fc.params()[i].grad()), 3e-2) << fc.params()[i].name();
+    }
 }
 
 // configs/tiny_mla.yaml (MLA, MoE, shared experts, an MTP module) trains: a few CPU steps lower the loss.

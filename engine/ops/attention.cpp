@@ -2,8 +2,9 @@
 // the GPU path keeps the forward's per-row logsumexp in the primitive (one primitive per call) and
 // saves the output, as flash-attention's backward needs both.
 // v may be narrower than q and k (MLA's value head, layers/mla.h): the CPU kernels take its own width; the CUDA
-// kernels take one head width, so the GPU path pads v with zero columns to q's width, runs them, and keeps the
-// output's first v columns (the padded columns of o are P·0 = 0, so dO·o, the backward's delta, is unchanged).
+// kernels take the widths of attention_value_width_cuda (one width up to 128, or q/k heads up to 192 with v heads
+// up to 128), so the GPU path pads v with zero columns to that width, runs them, and keeps the output's first v
+// columns (the padded columns of o are P·0 = 0, so dO·o, the backward's delta, is unchanged).
 // Reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp.
 #include "kernels/attention.h"
 #include "engine/ops/ops.h"
@@ -19,12 +20,20 @@ void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const char* wh
   FLOWMOE_CHECK(
       v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2) && v.size(3) >= 1,
       ShapeError, what, ": v ", shape_str(v.shape()), " must be [B, T, nh, v_hd] for q ", shape_str(q.shape()));
-  FLOWMOE_CHECK(v.device().is_cpu() || v.size(3) <= q.size(3), ShapeError, what, ": v's head width ", v.size(3),
-                " exceeds q's ", q.size(3), " (the CUDA kernels pad v to q's width)");
   check_same_dtype(q, k, "causal_attention (q vs k)");
   check_same_dtype(q, v, "causal_attention (q vs v)");
   check_same_device(q, k, "causal_attention (q vs k)");
   check_same_device(q, v, "causal_attention (q vs v)");
+}
+
+// The width the CUDA kernels run v at (module comment), for q [B, T, nh, hd] and v [B, T, nh, v_hd].
+int64_t cuda_value_width(const Tensor& q, const Tensor& v, const char* what) {
+  const int64_t width = attention_value_width_cuda(q.size(3), v.size(3));
+  FLOWMOE_CHECK(width > 0, ShapeError, what, ": q ", shape_str(q.shape()), " with v ", shape_str(v.shape()),
+                " is no shape the CUDA kernels take (one head width up to ", kAttentionMaxHeadDimCuda,
+                ", v no wider than q; or q, k heads up to ", kAttentionMaxWideHeadDimCuda, " with v heads up to ",
+                kAttentionMaxHeadDimCuda, ", multiples of 8, in bf16)");
+  return width;
 }
 
 // x [.., d] as [.., width] with zero columns after its d.
@@ -68,13 +77,13 @@ class CausalAttention : public Primitive {
     check_qkv(in[0], in[1], in[2], name());
     Tensor q = in[0].contiguous(), k = in[1].contiguous(), v = in[2].contiguous();
     const Shape& s = q.shape();
-    const int64_t v_hd = v.size(3);
-    if (v_hd != s[3]) v = pad_last(v, s[3]);
-    Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
+    const int64_t v_hd = v.size(3), v_width = cuda_value_width(q, v, name());
+    if (v_hd != v_width) v = pad_last(v, v_width);
+    Tensor out = Tensor::empty({s[0], s[1], s[2], v_width}, q.dtype(), q.device());
     lse_ = Tensor::empty({s[0], s[2], s[1]}, DType::f32, q.device());
     attention_forward_cuda(q.dtype(), out.raw_data(), lse_.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(),
-                           s[0], s[1], s[2], s[3], current_stream(q.device().index));
-    return {v_hd == s[3] ? out : narrow_last(out, v_hd)};
+                           s[0], s[1], s[2], s[3], v_width, current_stream(q.device().index));
+    return {v_hd == v_width ? out : narrow_last(out, v_hd)};
   }
 
   std::vector<Tensor> vjp(const std::vector<Tensor>& in, const std::vector<Tensor>& outs,
@@ -97,17 +106,18 @@ class CausalAttention : public Primitive {
       return {d_q, d_k, d_v};
     }
     Tensor out = outs[0].contiguous();
-    if (v_hd != s[3]) {  // the forward's padded operands again (module comment)
-      v = pad_last(v, s[3]);
-      out = pad_last(out, s[3]);
-      d_out = pad_last(d_out, s[3]);
+    const int64_t v_width = cuda_value_width(q, v, "causal_attention backward");
+    if (v_hd != v_width) {  // the forward's padded operands again (module comment)
+      v = pad_last(v, v_width);
+      out = pad_last(out, v_width);
+      d_out = pad_last(d_out, v_width);
     }
-    Tensor d_v = Tensor::empty(q.shape(), q.dtype(), q.device());
+    Tensor d_v = Tensor::empty({s[0], s[1], s[2], v_width}, q.dtype(), q.device());
     Tensor delta = Tensor::empty({s[0], s[2], s[1]}, DType::f32, q.device());
     attention_backward_cuda(q.dtype(), d_q.raw_data(), d_k.raw_data(), d_v.raw_data(), delta.data<float>(),
                             d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(),
-                            lse_.data<float>(), s[0], s[1], s[2], s[3], current_stream(q.device().index));
-    return {d_q, d_k, v_hd == s[3] ? d_v : narrow_last(d_v, v_hd)};
+                            lse_.data<float>(), s[0], s[1], s[2], s[3], v_width, current_stream(q.device().index));
+    return {d_q, d_k, v_hd == v_width ? d_v : narrow_last(d_v, v_hd)};
   }
 
  private:

@@ -6,9 +6,10 @@
 //   backward: delta_i = dO_i·o_i; then P = exp(s - lse) is recomputed twice: by one block per key tile
 //             (dk, dv, looping over query tiles from the diagonal on) and by one block per query tile (dq).
 //             Every block owns its output rows, so there are no atomics and results are deterministic.
-// q, k, v, o [B, T, nh, hd] with hd <= 128, zero-padded to 32, 64 or 128 columns in shared memory.
+// q, k, v, o [B, T, nh, hd] with hd <= 128, zero-padded to 32, 64 or 128 columns in shared memory. The wide heads
+// (kernels/attention.h: q and k wider than v) are the flash kernels' alone.
 // Tiles and the products on them: kernels/cuda/attention_tile.cuh.
-// CPU reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp.
+// CPU reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp, tests/test_flash_attention.cpp.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -240,11 +241,13 @@ __global__ void __launch_bounds__(kThreads)
 // ---- launchers --------------------------------------------------------------------------------
 
 // Checks sizes; false when there is nothing to compute.
-bool make_dims(AttnDims& dims, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, const char* what) {
+bool make_dims(AttnDims& dims, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
+               const char* what) {
   FLOWMOE_CHECK(batch >= 0 && seq_len >= 0 && num_heads >= 0 && head_dim >= 0, ShapeError, what, ": negative size [",
                 batch, ", ", seq_len, ", ", num_heads, ", ", head_dim, "]");
-  FLOWMOE_CHECK(head_dim <= kAttentionMaxHeadDimCuda, ShapeError, what, ": head_dim ", head_dim, " is larger than the ",
-                kAttentionMaxHeadDimCuda, " the kernel supports");
+  FLOWMOE_CHECK(head_dim <= kAttentionMaxHeadDimCuda && v_head_dim == head_dim, ShapeError, what, ": head_dim ",
+                head_dim, " with v_head_dim ", v_head_dim,
+                " is not a shape the kernels take (v_head_dim = head_dim <= ", kAttentionMaxHeadDimCuda, ")");
   if (batch * seq_len * num_heads * head_dim == 0) return false;
   const int64_t num_tiles = (seq_len + kTile - 1) / kTile;
   FLOWMOE_CHECK(batch * num_heads * num_tiles < (int64_t(1) << 31) && seq_len < (int64_t(1) << 30), ShapeError, what,
@@ -271,10 +274,10 @@ void dispatch_head_dim(int head_dim, F&& f) {
 // Checks the sizes (nothing to do when one is 0), then runs launch.template operator()<T, HD>(dims) for
 // dtype's element type T and head_dim rounded up to HD.
 template <class F>
-void dispatch_simt(DType dtype, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, const char* what,
-                   F&& launch) {
+void dispatch_simt(DType dtype, int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
+                   const char* what, F&& launch) {
   AttnDims dims{};
-  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, what)) return;
+  if (!make_dims(dims, batch, seq_len, num_heads, head_dim, v_head_dim, what)) return;
   dispatch_cuda_float(dtype, what, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     dispatch_head_dim(dims.head_dim,
@@ -284,20 +287,20 @@ void dispatch_simt(DType dtype, int64_t batch, int64_t seq_len, int64_t num_head
 
 void attention_forward_simt_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
                                  int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                                 cudaStream_t stream) {
+                                 int64_t v_head_dim, cudaStream_t stream) {
   auto launch = [&]<class T, int HD>(const AttnDims& dims) {
     allow_smem(attention_forward_kernel<T, HD>, ForwardSmem<HD>::bytes);
     attention_forward_kernel<T, HD><<<num_tile_blocks(dims), kThreads, ForwardSmem<HD>::bytes, stream>>>(
         static_cast<T*>(out), lse, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), dims);
     FLOWMOE_CUDA_CHECK_LAUNCH();
   };
-  dispatch_simt(dtype, batch, seq_len, num_heads, head_dim, "attention_forward_simt_cuda", launch);
+  dispatch_simt(dtype, batch, seq_len, num_heads, head_dim, v_head_dim, "attention_forward_simt_cuda", launch);
 }
 
 void attention_backward_simt_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
                                   const void* q, const void* k, const void* v, const void* out, const float* lse,
                                   int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                                  cudaStream_t stream) {
+                                  int64_t v_head_dim, cudaStream_t stream) {
   auto launch = [&]<class T, int HD>(const AttnDims& dims) {
     auto input = [](const void* p) { return static_cast<const T*>(p); };
     const int64_t num_rows = batch * seq_len * num_heads;
@@ -315,12 +318,15 @@ void attention_backward_simt_cuda(DType dtype, void* d_q, void* d_k, void* d_v, 
         <<<num_tile_blocks(dims), kThreads, DqSmem<HD>::bytes, stream>>>(static_cast<T*>(d_q), in, dims);
     FLOWMOE_CUDA_CHECK_LAUNCH();
   };
-  dispatch_simt(dtype, batch, seq_len, num_heads, head_dim, "attention_backward_simt_cuda", launch);
+  dispatch_simt(dtype, batch, seq_len, num_heads, head_dim, v_head_dim, "attention_backward_simt_cuda", launch);
 }
 
-// The tensor-core kernels take bf16 rows of whole 16-byte chunks: head_dim % 8 == 0, aligned pointers.
-bool use_flash(AttentionKernel kernel, DType dtype, int64_t head_dim, std::initializer_list<const void*> ptrs) {
+// The tensor-core kernels take bf16 rows of whole 16-byte chunks: head_dim % 8 == 0, aligned pointers. Wide heads
+// are theirs alone, which then name what they lack.
+bool use_flash(AttentionKernel kernel, DType dtype, int64_t head_dim, int64_t v_head_dim,
+               std::initializer_list<const void*> ptrs) {
   if (kernel != AttentionKernel::automatic) return kernel == AttentionKernel::flash;
+  if (head_dim > kAttentionMaxHeadDimCuda || v_head_dim != head_dim) return true;
   if (dtype != DType::bf16 || head_dim % 8 != 0) return false;
   for (const void* p : ptrs)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
@@ -330,24 +336,24 @@ bool use_flash(AttentionKernel kernel, DType dtype, int64_t head_dim, std::initi
 }  // namespace
 
 void attention_forward_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
-                            int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, cudaStream_t stream,
-                            AttentionKernel kernel) {
-  if (use_flash(kernel, dtype, head_dim, {out, q, k, v}))
-    attention_forward_flash_cuda(dtype, out, lse, q, k, v, batch, seq_len, num_heads, head_dim, stream);
+                            int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
+                            cudaStream_t stream, AttentionKernel kernel) {
+  if (use_flash(kernel, dtype, head_dim, v_head_dim, {out, q, k, v}))
+    attention_forward_flash_cuda(dtype, out, lse, q, k, v, batch, seq_len, num_heads, head_dim, v_head_dim, stream);
   else
-    attention_forward_simt_cuda(dtype, out, lse, q, k, v, batch, seq_len, num_heads, head_dim, stream);
+    attention_forward_simt_cuda(dtype, out, lse, q, k, v, batch, seq_len, num_heads, head_dim, v_head_dim, stream);
 }
 
 void attention_backward_cuda(DType dtype, void* d_q, void* d_k, void* d_v, float* delta, const void* d_out,
                              const void* q, const void* k, const void* v, const void* out, const float* lse,
-                             int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, cudaStream_t stream,
-                             AttentionKernel kernel) {
-  if (use_flash(kernel, dtype, head_dim, {d_q, d_k, d_v, d_out, q, k, v, out}))
+                             int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
+                             cudaStream_t stream, AttentionKernel kernel) {
+  if (use_flash(kernel, dtype, head_dim, v_head_dim, {d_q, d_k, d_v, d_out, q, k, v, out}))
     attention_backward_flash_cuda(dtype, d_q, d_k, d_v, delta, d_out, q, k, v, out, lse, batch, seq_len, num_heads,
-                                  head_dim, stream);
+                                  head_dim, v_head_dim, stream);
   else
     attention_backward_simt_cuda(dtype, d_q, d_k, d_v, delta, d_out, q, k, v, out, lse, batch, seq_len, num_heads,
-                                 head_dim, stream);
+                                 head_dim, v_head_dim, stream);
 }
 
 }  // namespace flowmoe

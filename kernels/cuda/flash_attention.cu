@@ -3,10 +3,12 @@
 // tile) walks the 64-key tiles up to the diagonal, double-buffered by cp.async, 32 keys per online-softmax
 // step: S = Q·Kᵀ, m and l in registers with exp2 of scores pre-scaled by log2(e)/sqrt(hd), O += P·V with P
 // rounded to bf16. Writes o and lse = m/sqrt(hd) + log(l), the natural-log normaliser the backward reads.
-// q, k, v, o [B, T, nh, hd] bf16, hd % 8 == 0, hd <= 128, zero-padded to HD = 64 or 128 in shared memory.
+// q, k, v, o [B, T, nh, hd] bf16, hd % 8 == 0, hd <= 128, zero-padded to HD = 64 or 128 in shared memory; or
+// wide heads (kernels/attention.h): q, k of hd <= 192 in HD = 192 columns, v, o of v_hd <= 128 in HDV = 128, and
+// 32-key K/V tiles, which keep two CTAs' shared memory within an SM's (92 KB each; 64-key tiles would take 134).
 // Only keys past a warp's first row are masked; key tiles past the diagonal are never loaded.
 // Backward: flash_attention_backward.cu; tiles, fragments: flash_attention.cuh. CPU reference:
-// kernels/cpu/attention.cpp; GPU reference: the fp32 kernels of attention.cu. Tests: tests/test_attention.cpp.
+// kernels/cpu/attention.cpp; GPU reference: the fp32 kernels of attention.cu. Tests: tests/test_flash_attention.cpp.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -23,12 +25,17 @@ namespace {
 using namespace flash;
 
 constexpr int kFwdRows = 128;     // queries per CTA: 4 warps x 2 m16 tiles
-constexpr int kFwdKeys = 64;      // keys per K/V tile (one cp.async group, one barrier pair)
 constexpr int kFwdSubKeys = 32;   // keys per online-softmax step
 constexpr int kFwdThreads = 128;  // 4 warps
 
+// Keys per K/V tile (one cp.async group, one barrier pair): 64, or 32 for wide heads (the file's comment).
 template <int HD>
-constexpr size_t kFwdSmem = size_t(kFwdRows + 4 * kFwdKeys) * kStride<HD> * sizeof(Bf16);  // Q, 2 x (K, V)
+constexpr int kFwdTileKeys = HD > 128 ? 32 : 64;
+
+// Q, 2 x (K, V)
+template <int HD, int HDV>
+constexpr size_t kFwdSmem = sizeof(Bf16) * (size_t(kFwdRows + 2 * kFwdTileKeys<HD>) * kStride<HD> +
+                                            size_t(2 * kFwdTileKeys<HD>) * kStride<HDV>);
 
 // acc[i][2n], acc[i][2n + 1] += a[i]·B_n for the warp's two m16 row groups i and each 16-column block n of
 // B (N8 / 2 of them), the fragment B_n from load_b_frag(b, n): loaded once, it feeds both row groups.
@@ -44,32 +51,33 @@ __device__ __forceinline__ void mma_both_row_groups(float (&acc)[2][N8][4], cons
   }
 }
 
-template <int HD>
+template <int HD, int HDV>
 __global__ void __launch_bounds__(kFwdThreads, 2)
-    flash_forward_kernel(Bf16* __restrict__ out /*[B, T, nh, hd]*/, float* __restrict__ lse /*[B, nh, T]*/,
+    flash_forward_kernel(Bf16* __restrict__ out /*[B, T, nh, v_hd]*/, float* __restrict__ lse /*[B, nh, T]*/,
                          const Bf16* __restrict__ q /*[B, T, nh, hd]*/, const Bf16* __restrict__ k /*[same]*/,
-                         const Bf16* __restrict__ v /*[same]*/, FlashDims dims) {
-  constexpr int S = kStride<HD>;
+                         const Bf16* __restrict__ v /*[B, T, nh, v_hd]*/, FlashDims dims) {
+  constexpr int S = kStride<HD>, SV = kStride<HDV>, kFwdKeys = kFwdTileKeys<HD>;
   extern __shared__ __align__(16) unsigned char smem[];
   Bf16* q_s = reinterpret_cast<Bf16*>(smem);  // [128, S]
-  Bf16* k_s = q_s + kFwdRows * S;             // [2][64, S]
-  Bf16* v_s = k_s + 2 * kFwdKeys * S;         // [2][64, S]
+  Bf16* k_s = q_s + kFwdRows * S;             // [2][kFwdKeys, S]
+  Bf16* v_s = k_s + 2 * kFwdKeys * S;         // [2][kFwdKeys, SV]
   const int num_bh = dims.batch * dims.num_heads, num_q_tiles = (dims.seq_len + kFwdRows - 1) / kFwdRows;
   const int q_tile = num_q_tiles - 1 - int(blockIdx.x) / num_bh;  // tiles with the most keys start first
   const int bh = int(blockIdx.x) % num_bh, b = bh / dims.num_heads, h = bh % dims.num_heads;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
   const int q0 = q_tile * kFwdRows, row0 = 32 * warp;  // the warp's rows: q0 + row0 + 16i + {g, g+8}, i = 0, 1
   const int64_t stride = dims.row_stride(), off = dims.slice_offset(b, h);
+  const ValueSide<HD, HDV> vs(dims, stride, off, b, h);
   // Key tiles up to the diagonal, and none wholly past the end of the sequence.
   const int num_k_tiles = min((q0 + kFwdRows + kFwdKeys - 1) / kFwdKeys, (dims.seq_len + kFwdKeys - 1) / kFwdKeys);
   const float scale_log2 = dims.scale * kLog2e;
 
   load_tile<kFwdRows, HD, kFwdThreads>(q_s, q + off, stride, q0, dims.seq_len, dims.head_dim);
   load_tile<kFwdKeys, HD, kFwdThreads>(k_s, k + off, stride, 0, dims.seq_len, dims.head_dim);
-  load_tile<kFwdKeys, HD, kFwdThreads>(v_s, v + off, stride, 0, dims.seq_len, dims.head_dim);
+  load_tile<kFwdKeys, HDV, kFwdThreads>(v_s, v + vs.off, vs.stride, 0, dims.seq_len, vs.head_dim);
   cp_async_commit();
 
-  float o[2][HD / 8][4] = {};
+  float o[2][HDV / 8][4] = {};
   float m[2][2], l[2][2];  // per row: running max of the raw scores; this thread's part of the running sum
 #pragma unroll
   for (int i = 0; i < 2; ++i) m[i][0] = m[i][1] = -INFINITY, l[i][0] = l[i][1] = 0.f;
@@ -79,8 +87,8 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
     if (n + 1 < num_k_tiles) {  // prefetch the next K/V tile into the other buffer while this one is used
       load_tile<kFwdKeys, HD, kFwdThreads>(k_s + (buf ^ 1) * kFwdKeys * S, k + off, stride, (n + 1) * kFwdKeys,
                                            dims.seq_len, dims.head_dim);
-      load_tile<kFwdKeys, HD, kFwdThreads>(v_s + (buf ^ 1) * kFwdKeys * S, v + off, stride, (n + 1) * kFwdKeys,
-                                           dims.seq_len, dims.head_dim);
+      load_tile<kFwdKeys, HDV, kFwdThreads>(v_s + (buf ^ 1) * kFwdKeys * SV, v + vs.off, vs.stride, (n + 1) * kFwdKeys,
+                                            dims.seq_len, vs.head_dim);
     }
     cp_async_commit();  // possibly empty: the wait below always leaves exactly the newest group in flight
     cp_async_wait<1>();
@@ -93,7 +101,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
       // Keys after all the warp's rows (warps 0, 1 on a CTA's last tile) or past the sequence: nothing to add.
       if (key0 > q0 + row0 + 31 || key0 >= dims.seq_len) break;
       const Bf16* kb = k_s + (buf * kFwdKeys + sub * kFwdSubKeys) * S;
-      const Bf16* vb = v_s + (buf * kFwdKeys + sub * kFwdSubKeys) * S;
+      const Bf16* vb = v_s + (buf * kFwdKeys + sub * kFwdSubKeys) * SV;
       float s[2][kFwdSubKeys / 8][4] = {};
 #pragma unroll
       for (int kk = 0; kk < HD / 16; ++kk) {
@@ -137,7 +145,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
           }
           l[i][r] = l[i][r] * alpha + sum;  // the quad's partial sums are added once, after the last step
 #pragma unroll
-          for (int d = 0; d < HD / 8; ++d) o[i][d][2 * r] *= alpha, o[i][d][2 * r + 1] *= alpha;
+          for (int d = 0; d < HDV / 8; ++d) o[i][d][2 * r] *= alpha, o[i][d][2 * r + 1] *= alpha;
         }
         // O += P·V: the probabilities go from the S accumulators straight into A fragments.
 #pragma unroll
@@ -145,7 +153,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
         uint32_t p[2][4];
         pack_a(p[0], s[0], kk);
         pack_a(p[1], s[1], kk);
-        mma_both_row_groups(o, p, [&](uint32_t(&bv)[4], int dd) { load_b_trans<HD>(bv, vb, 16 * kk, 16 * dd, lane); });
+        mma_both_row_groups(o, p, [&](uint32_t(&bv)[4], int dd) { load_b_trans<HDV>(bv, vb, 16 * kk, 16 * dd, lane); });
       }
     }
     __syncthreads();  // this buffer is refilled by the next iteration's prefetch
@@ -165,25 +173,26 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
       const int row = q0 + row0 + 16 * i + g + 8 * r;
       if (t == 0 && row < dims.seq_len) lse[int64_t(bh) * dims.seq_len + row] = m[i][r] * dims.scale + logf(sum);
     }
-    stage_rows<HD>(q_s, row0 + 16 * i, o[i], inv_l[0], inv_l[1], lane);
+    stage_rows<HDV, S>(q_s, row0 + 16 * i, o[i], inv_l[0], inv_l[1], lane);
   }
   __syncwarp();
-  store_rows<32, HD>(out + off, stride, q_s, row0, q0, dims.seq_len, dims.head_dim, lane);
+  store_rows<32, HDV, S>(out + vs.off, vs.stride, q_s, row0, q0, dims.seq_len, vs.head_dim, lane);
 }
 
 }  // namespace
 
 void attention_forward_flash_cuda(DType dtype, void* out, float* lse, const void* q, const void* k, const void* v,
                                   int64_t batch, int64_t seq_len, int64_t num_heads, int64_t head_dim,
-                                  cudaStream_t stream) {
+                                  int64_t v_head_dim, cudaStream_t stream) {
   FlashDims dims{};
-  if (!make_flash_dims(dims, dtype, batch, seq_len, num_heads, head_dim, "attention_forward_flash_cuda")) return;
+  if (!make_flash_dims(dims, dtype, batch, seq_len, num_heads, head_dim, v_head_dim, "attention_forward_flash_cuda"))
+    return;
   check_flash_aligned({out, q, k, v}, "attention_forward_flash_cuda");
   const unsigned num_blocks = unsigned(batch * num_heads * ((seq_len + kFwdRows - 1) / kFwdRows));
-  dispatch_flash_head_dim(dims.head_dim, [&](auto hd_tag) {
-    constexpr int HD = decltype(hd_tag)::value;
-    allow_smem(flash_forward_kernel<HD>, kFwdSmem<HD>);
-    flash_forward_kernel<HD><<<num_blocks, kFwdThreads, kFwdSmem<HD>, stream>>>(
+  dispatch_flash_head_dim(dims, [&](auto hd_tag, auto hdv_tag) {
+    constexpr int HD = decltype(hd_tag)::value, HDV = decltype(hdv_tag)::value;
+    allow_smem(flash_forward_kernel<HD, HDV>, kFwdSmem<HD, HDV>);
+    flash_forward_kernel<HD, HDV><<<num_blocks, kFwdThreads, kFwdSmem<HD, HDV>, stream>>>(
         static_cast<Bf16*>(out), lse, static_cast<const Bf16*>(q), static_cast<const Bf16*>(k),
         static_cast<const Bf16*>(v), dims);
     FLOWMOE_CUDA_CHECK_LAUNCH();
