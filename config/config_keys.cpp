@@ -229,10 +229,10 @@ const std::vector<Field>& schema() {
                        "casts them at each use. The same losses either way"));
     f.push_back(choice("precision", "fp8_weights", FLOWMOE_CONFIG_REF(precision.fp8_weights),
                        enum_names(kFp8WeightWriterNames),
-                       "who writes the FP8 copies of the FP8 GEMMs' weights: forward quantizes each once per "
-                       "optimizer step, at its first use; optimizer has AdamW write them in its update (sharded, "
-                       "the all-gather moves them in place of the weights). The same losses either way; no effect "
-                       "under bf16 (docs/DESIGN.md §7)"));
+                       "who writes the FP8 copies of the FP8 GEMMs' weights: optimizer has AdamW write them in its "
+                       "update (sharded, the all-gather moves them in place of the weights); forward quantizes each "
+                       "once per optimizer step, at its first use. The same losses either way; no effect under bf16 "
+                       "(docs/DESIGN.md §7)"));
     // parallel
     f.push_back(integer("parallel", "expert_parallel_size", FLOWMOE_CONFIG_REF(parallel.expert_parallel_size), 1, 4096,
                         "ranks per expert-parallel group, each holding n_routed_experts / this of the routed experts; "

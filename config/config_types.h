@@ -48,9 +48,10 @@ struct TrainConfig {
   std::string cuda_graph = "auto";  // auto | on | off: replay the step as one CUDA graph (train/train_step.cpp)
 };
 
-// precision.fp8_weights: who writes the FP8 copies the FP8 GEMMs read. forward: the forward quantizes each FP8
-// weight once per parameter version; optimizer: AdamW writes them in its update (sharded, they are what is
-// all-gathered). Parsed once; no effect under the bf16 recipe, which has no FP8 weights.
+// precision.fp8_weights: who writes the FP8 copies the FP8 GEMMs read. optimizer (the default): AdamW writes them in
+// its update (sharded, they are what is all-gathered), which moves fewer bytes than an update followed by a quantize;
+// forward: the forward quantizes each FP8 weight once per parameter version. Parsed once; no effect under the bf16
+// recipe, which has no FP8 weights.
 enum class Fp8WeightWriter { forward, optimizer };
 inline constexpr EnumName<Fp8WeightWriter> kFp8WeightWriterNames[] = {{Fp8WeightWriter::forward, "forward"},
                                                                       {Fp8WeightWriter::optimizer, "optimizer"}};
@@ -77,7 +78,7 @@ struct PrecisionConfig {
   // auto | f32: the dtype the model's weights are stored in. auto: the compute dtype (bf16 on the GPU) where the
   // forward reads it, with f32 masters in the optimizer; f32: f32 weights, cast at each use.
   std::string param_dtype = "auto";
-  Fp8WeightWriter fp8_weights = Fp8WeightWriter::forward;
+  Fp8WeightWriter fp8_weights = Fp8WeightWriter::optimizer;
 };
 
 // The data-parallel size is not a key: it is the number of processes the launcher started.

@@ -1,5 +1,5 @@
-// Who writes the FP8 weights in training (precision.fp8_weights): by default the forward quantizes each FP8 weight
-// once per step; under optimizer AdamW writes them (kernels/adamw_fp8.h, train/optimizer.h) and the forward quantizes
+// Who writes the FP8 weights in training (precision.fp8_weights): under forward the forward quantizes each FP8 weight
+// once per step; under optimizer (the default) AdamW writes them (kernels/adamw_fp8.h, train/optimizer.h) and the forward quantizes
 // none in steady state under fp8_flow and fp8_full. The losses are the same bit for bit; a resumed run quantizes
 // each weight once, then repeats the straight run. The kernels' own tests: test_adamw_fp8.cpp.
 #include <cstdint>
@@ -44,7 +44,7 @@ struct Steps {
 // attention projections per block, the dense MLP's 3 and the shared expert's 3).
 int64_t num_fp8_weights(const std::string& recipe) { return recipe == "fp8_flow" ? 2 : 2 * 4 + 3 + 2 + 3; }
 
-// `steps` steps; with by_optimizer precision.fp8_weights is optimizer, else the default (forward).
+// `steps` steps; with by_optimizer precision.fp8_weights is optimizer (the default), else forward.
 Steps train_steps(const std::string& recipe, bool by_optimizer, const std::string& out_dir = "",
                   const std::vector<std::string>& sets = {}, int64_t stop_after = -1) {
   Steps out;
@@ -52,7 +52,7 @@ Steps train_steps(const std::string& recipe, bool by_optimizer, const std::strin
   o.stop_after = stop_after;
   Config c = fp8_config(recipe);
   if (!out_dir.empty()) c.logging.out_dir = out_dir;
-  if (by_optimizer) apply_override(c, "precision.fp8_weights=optimizer");
+  apply_override(c, by_optimizer ? "precision.fp8_weights=optimizer" : "precision.fp8_weights=forward");
   for (const std::string& s : sets) apply_override(c, s);
   o.after_backward = [&](int64_t, const std::vector<Variable>&) {
     out.weight_quantizes.push_back(cast_counts().weight_quantize);
@@ -63,7 +63,7 @@ Steps train_steps(const std::string& recipe, bool by_optimizer, const std::strin
 
 }  // namespace
 
-// By default every step's forward quantizes each FP8 weight once. Under precision.fp8_weights: optimizer the first
+// Under precision.fp8_weights: forward every step's forward quantizes each FP8 weight once. Under optimizer the first
 // forward quantizes each once; from then on AdamW writes them and no step quantizes one, and the losses are, bit for
 // bit, those of the forward quantizing each weight after every update.
 TEST(AdamWFp8, ForwardQuantizesEachStepOptimizerNoneInSteadyStateSameLosses) {

@@ -315,14 +315,14 @@ TEST(Config, MomentDtypeIsF32OrBf16) {
              "--set optimizer.moment_dtype=fp16: optimizer.moment_dtype: expected one of f32, bf16");
 }
 
-// precision.fp8_weights parses once into Fp8WeightWriter; forward by default, and taken under bf16 too (no FP8
+// precision.fp8_weights parses once into Fp8WeightWriter; optimizer by default, and taken under bf16 too (no FP8
 // weights there, so it changes nothing).
 TEST(Config, Fp8WeightsIsForwardOrOptimizer) {
-  EXPECT_EQ(parse_config("", "ok.yaml").precision.fp8_weights, Fp8WeightWriter::forward);
-  Config c = parse_config("precision:\n  fp8_weights: optimizer\n", "ok.yaml");  // under bf16
-  EXPECT_EQ(c.precision.fp8_weights, Fp8WeightWriter::optimizer);
-  EXPECT_HAS(to_yaml(c), "  fp8_weights: optimizer\n");
-  EXPECT_EQ(parse_config(to_yaml(c), "resolved.yaml").precision.fp8_weights, Fp8WeightWriter::optimizer);
+  EXPECT_EQ(parse_config("", "ok.yaml").precision.fp8_weights, Fp8WeightWriter::optimizer);
+  Config c = parse_config("precision:\n  fp8_weights: forward\n", "ok.yaml");  // under bf16
+  EXPECT_EQ(c.precision.fp8_weights, Fp8WeightWriter::forward);
+  EXPECT_HAS(to_yaml(c), "  fp8_weights: forward\n");
+  EXPECT_EQ(parse_config(to_yaml(c), "resolved.yaml").precision.fp8_weights, Fp8WeightWriter::forward);
   EXPECT_EQ(parse_config("", "ok.yaml", {"precision.fp8_weights=optimizer"}).precision.fp8_weights,
             Fp8WeightWriter::optimizer);
   EXPECT_EQ(parse_config("", "ok.yaml", {"precision.fp8_weights=forward"}).precision.fp8_weights,
