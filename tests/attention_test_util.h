@@ -29,7 +29,7 @@ inline double max_abs(const Tensor& t) {
 
 // Elementwise within rtol plus an absolute slack of atol_frac * max|ref|, and normwise within max_rel.
 inline ::testing::AssertionResult close_to(const Tensor& got, const Tensor& ref, double rtol, double atol_frac,
-                                    double max_rel) {
+                                           double max_rel) {
   // Inputs are O(1), so the absolute floor never drops below atol_frac: a gradient that is exactly
   // zero in exact math (T = 1: d_q = d_k = 0) still gets fp32 rounding residue on the GPU, and the f64
   // reference's own residue (about 1e-17) is no scale to measure a relative error against.

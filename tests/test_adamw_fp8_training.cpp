@@ -1,7 +1,7 @@
 // Who writes the FP8 weights in training (precision.fp8_weights): under forward the forward quantizes each FP8 weight
-// once per step; under optimizer (the default) AdamW writes them (kernels/adamw_fp8.h, train/optimizer.h) and the forward quantizes
-// none in steady state under fp8_flow and fp8_full. The losses are the same bit for bit; a resumed run quantizes
-// each weight once, then repeats the straight run. The kernels' own tests: test_adamw_fp8.cpp.
+// once per step; under optimizer (the default) AdamW writes them (kernels/adamw_fp8.h, train/optimizer.h) and the
+// forward quantizes none in steady state under fp8_flow and fp8_full. The losses are the same bit for bit; a resumed
+// run quantizes each weight once, then repeats the straight run. The kernels' own tests: test_adamw_fp8.cpp.
 #include <cstdint>
 #include <filesystem>
 #include <string>
