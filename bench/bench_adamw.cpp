@@ -4,7 +4,7 @@
 // (kernels/adamw.h) against the baseline in the same run, one launch per tensor (two for its norm), both
 // queued from the host and replayed as a CUDA graph (the trainer's step); with f32 moments and with bf16
 // moments (optimizer.moment_dtype, stochastically rounded), or the one named:
-// `bench_adamw [<config>.yaml] [f32|bf16]`.
+// `bench_adamw [<config>.yaml] [f32|bf16] [section.key=value ...]` (overrides of the config, as --set).
 // Bytes = the update's f32 param and grad read, param written, moments read and written (4 x 4 bytes per
 // parameter in f32, 4 x 2 in bf16), the bf16 copies written, and the norm's gradient read; the table gives
 // them per parameter too. Ceiling: the device's D2D cudaMemcpyAsync bandwidth (read + written) measured in the
@@ -42,8 +42,9 @@ struct ParamBuffers {
 
 // The shapes of a config's parameters; fp8_only: those of its FP8 weights under precision.recipe fp8_full (the
 // parameters whose shard holds an FP8 copy).
-std::vector<Shape> parameter_shapes(const std::string& config_path, bool fp8_only) {
-  Config cfg = load_config(config_path);
+std::vector<Shape> parameter_shapes(const std::string& config_path, const std::vector<std::string>& sets,
+                                    bool fp8_only) {
+  Config cfg = load_config(config_path, sets);
   if (fp8_only) cfg.precision.recipe = "fp8_full";
   const Transformer model(cfg.model, Device::cuda(), DType::bf16, 1, moe_options(cfg));
   std::vector<Shape> shapes;
@@ -83,9 +84,9 @@ Timing time_both(F&& body, cudaStream_t stream) {
   return t;
 }
 
-void run(const std::string& config, const std::string& config_path, DType moment_dtype, double copy_ceiling,
-         cudaStream_t stream) {
-  std::vector<ParamBuffers> bs = model_buffers(parameter_shapes(config_path, false), moment_dtype);
+void run(const std::string& config, const std::string& config_path, const std::vector<std::string>& sets,
+         DType moment_dtype, double copy_ceiling, cudaStream_t stream) {
+  std::vector<ParamBuffers> bs = model_buffers(parameter_shapes(config_path, sets, false), moment_dtype);
   const int64_t num = int64_t(bs.size());
   Tensor slots = Tensor::zeros({num}, DType::f32, Device::cuda()),
          total = Tensor::zeros({1}, DType::f32, Device::cuda());
@@ -177,9 +178,9 @@ Fp8Buffers fp8_buffers(const Shape& shape) {
 
 // The config's FP8 weights: the fused update writing their FP8 copies against the plain update of the same buffers
 // writing a bf16 copy, alone and followed by the quantize of each copy, each replayed as a graph.
-void run_fp8(const std::string& config, const std::string& config_path, DType moment_dtype, double copy_ceiling,
-             cudaStream_t stream) {
-  const std::vector<Shape> shapes = parameter_shapes(config_path, true);
+void run_fp8(const std::string& config, const std::string& config_path, const std::vector<std::string>& sets,
+             DType moment_dtype, double copy_ceiling, cudaStream_t stream) {
+  const std::vector<Shape> shapes = parameter_shapes(config_path, sets, true);
   if (shapes.empty()) {
     std::printf("%-12s %s moments: no FP8 weights under fp8_full\n", config.c_str(), dtype_name(moment_dtype));
     return;
@@ -245,10 +246,12 @@ void run_fp8(const std::string& config, const std::string& config_path, DType mo
 }
 
 // The configs and moment dtypes named on the command line: a path ending in .yaml, f32 or bf16, each at most once
-// (none: configs/gpu_small.yaml and configs/gpu_moe.yaml; both dtypes).
+// (none: configs/gpu_small.yaml and configs/gpu_moe.yaml; both dtypes), and section.key=value overrides (e.g.
+// model.intermediate_size=11008: fp8_full takes gpu_moe_wide's dense MLP at a multiple of 128).
 struct Args {
   std::vector<std::string> configs;
   std::vector<DType> moments;
+  std::vector<std::string> sets;
 };
 
 Args parse_args(int argc, char** argv) {
@@ -263,9 +266,12 @@ Args parse_args(int argc, char** argv) {
       a.configs = {std::filesystem::path(arg).is_absolute() || std::filesystem::exists(arg)
                        ? arg
                        : std::string(FLOWMOE_SOURCE_DIR) + "/" + arg};
+    else if (arg.find('=') != std::string::npos)
+      a.sets.push_back(arg);
     else
       throw ConfigError("bad argument '" + arg +
-                        "' (usage: bench_adamw [<config>.yaml] [f32|bf16]: a config, the moments' dtype; none: both)");
+                        "' (usage: bench_adamw [<config>.yaml] [f32|bf16] [section.key=value ...]: a config, the "
+                        "moments' dtype (none: both), overrides of the config)");
   }
   if (a.configs.empty())
     for (const char* name : {"gpu_small", "gpu_moe"})
@@ -290,8 +296,8 @@ int main(int argc, char** argv) {
     std::printf("bench_adamw on %s: copy ceiling %.1f GB/s (read + written)\n", prop.name, copy_ceiling);
     for (DType moments : args.moments)
       for (const std::string& path : args.configs) {
-        run(config_name(path), path, moments, copy_ceiling, stream);
-        run_fp8(config_name(path), path, moments, copy_ceiling, stream);
+        run(config_name(path), path, args.sets, moments, copy_ceiling, stream);
+        run_fp8(config_name(path), path, args.sets, moments, copy_ceiling, stream);
       }
   });
 }
