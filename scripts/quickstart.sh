@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The first command: installs the Debian packages, builds the flowmoe command, and trains the default
-# config, configs/tiny.yaml, on the GPU when one is present, else on the CPU (about 1 minute on 2 cores).
-# Then draws the loss curve to runs/tiny/loss.png and continues a prompt with the trained model (`flowmoe generate`
-# on the run's last checkpoint; synthetic data has no text, so prompt and continuation are token ids). It builds what it will run: the CUDA kernels only when
-# nvcc is found AND a GPU is visible (on 2 cores they are most of a build's time); FLOWMOE_CUDA=ON|OFF
-# decides instead.
+# The first command: installs the Debian packages, builds the flowmoe command, and trains
+# configs/tiny.yaml's small model on a short English text, one token per byte (configs/tiny_text.yaml,
+# whose text is configs/corpus/quickstart.txt), on the GPU when one is present, else on the CPU (about
+# 1 minute on 2 cores). Then draws the loss curve to runs/tiny_text/loss.png and continues a prompt in
+# words with the trained model (`flowmoe generate` on the run's last checkpoint). It builds what it
+# will run: the CUDA kernels only when nvcc is found AND a GPU is visible (on 2 cores they are most of
+# a build's time); FLOWMOE_CUDA=ON|OFF decides instead.
 #   scripts/quickstart.sh                         # as is
 #   scripts/quickstart.sh --set train.steps=100   # extra arguments go to `flowmoe train`
 #   BUILD_DIR=/tmp/b FLOWMOE_CUDA=ON scripts/quickstart.sh
@@ -37,11 +38,11 @@ cmake -G Ninja -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DFLOWMOE_CUDA="$cuda
 grep "flowmoe:" "$build/configure.log" || true
 echo "[quickstart] building the flowmoe command"
 cmake --build "$build" --target flowmoe -j"$(nproc)"
-echo "[quickstart] training configs/tiny.yaml"
-"$build"/flowmoe train --config configs/tiny.yaml "$@"
-"$build"/flowmoe plot runs/tiny --output runs/tiny/loss.png --title "configs/tiny.yaml" \
+echo "[quickstart] training configs/tiny_text.yaml"
+"$build"/flowmoe train --config configs/tiny_text.yaml "$@"
+"$build"/flowmoe plot runs/tiny_text --output runs/tiny_text/loss.png --title "configs/tiny_text.yaml" \
   || echo "[quickstart] (no plot: install gnuplot-nox or matplotlib)"
 # The checkpoint names are zero-padded step numbers: the last in order is the run's final one.
-final=$(ls -d runs/tiny/checkpoints/step_* | tail -n 1)
+final=$(ls -d runs/tiny_text/checkpoints/step_* | tail -n 1)
 echo "[quickstart] continuing a prompt with $final"
-"$build"/flowmoe generate --checkpoint "$final" --prompt "0" --max-new-tokens 32 --seed 1
+"$build"/flowmoe generate --checkpoint "$final" --prompt "The router" --max-new-tokens 63 --temperature 0.3 --seed 1

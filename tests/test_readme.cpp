@@ -1,6 +1,7 @@
 // The quick-start output that README.md and docs/TRAINING.md show is a copy of real output: this
-// trains configs/tiny.yaml on the CPU as the quick start does, runs the `flowmoe generate` line the
-// README's quick start ends with on that run's final checkpoint (through the built command, as
+// trains the config scripts/quickstart.sh trains (configs/tiny_text.yaml, on its committed text) on the
+// CPU from the repository root as the quick start does, runs the `flowmoe generate` line the README's
+// quick start ends with on that run's final checkpoint (through the built command, as
 // scripts/quickstart.sh does), and checks that every line they show is a line the two printed.
 // Timings (tok/s, TFLOP/s, ETA, durations, the time line) and the memory available differ between machines
 // and are masked on both sides.
@@ -111,21 +112,44 @@ std::vector<std::string> command_line(const std::string& file, const std::string
   return {};
 }
 
+// Runs from `dir` while it lives: the quick start runs from the repository root, where the config's
+// relative data.path points.
+class WorkingDirectory {
+ public:
+  explicit WorkingDirectory(const fs::path& dir) : before_(fs::current_path()) { fs::current_path(dir); }
+  ~WorkingDirectory() { fs::current_path(before_); }
+  WorkingDirectory(const WorkingDirectory&) = delete;
+  WorkingDirectory& operator=(const WorkingDirectory&) = delete;
+
+ private:
+  fs::path before_;
+};
+
 }  // namespace
 
 TEST(Readme, QuickStartOutputIsRealOutput) {
   const std::vector<std::pair<std::string, std::string>> blocks = {
       {"README.md", "Expected output on a CPU:"}, {"docs/TRAINING.md", "progress is printed as plain lines:"}};
 
+  // The config the quick start trains, as scripts/quickstart.sh names it.
+  const std::vector<std::string> trains = command_line("scripts/quickstart.sh", "set -euo", "flowmoe train ");
+  const auto config_arg = std::find(trains.begin(), trains.end(), "--config");
+  ASSERT_LT(config_arg + 1, trains.end()) << "scripts/quickstart.sh has no flowmoe train --config line";
+  const std::string config = config_arg[1];
+  EXPECT_NE(command_line("scripts/quickstart.sh", "set -euo", "[quickstart] training " + config + "\"").size(), 0u)
+      << "scripts/quickstart.sh does not say it trains " << config;
+
   const fs::path d = fresh_dir("readme");
-  Config cfg =
-      load_config((fs::path(FLOWMOE_SOURCE_DIR) / "configs/tiny.yaml").string(),
-                  {"train.device=cpu", "logging.progress=plain", "logging.out_dir=" + (d / "runs" / "tiny").string()});
   std::FILE* out = std::tmpfile();
   ASSERT_NE(out, nullptr);
-  TrainOptions opts;
-  opts.out = out;
-  train(cfg, opts);
+  {
+    const WorkingDirectory at_root(FLOWMOE_SOURCE_DIR);
+    const std::string out_dir = (d / load_config(config).logging.out_dir).string();
+    Config cfg = load_config(config, {"train.device=cpu", "logging.progress=plain", "logging.out_dir=" + out_dir});
+    TrainOptions opts;
+    opts.out = out;
+    train(cfg, opts);
+  }
   std::vector<std::string> printed;
   for (const std::string& l : read_lines(out)) printed.push_back(mask_timings(replace_all(l, d.string() + "/", "")));
   std::fclose(out);
@@ -134,7 +158,10 @@ TEST(Readme, QuickStartOutputIsRealOutput) {
       std::find_if(printed.begin(), printed.end(), [](const std::string& l) { return l.rfind("metrics: ", 0) == 0; });
   ASSERT_NE(summary, printed.end());
   const std::string printed_checkpoint = summary->substr(summary->find("checkpoint: ") + 12);
-  // The quick start's last command, from the README as a user copies it, run in the folder that holds runs/.
+  // The quick start's last command, from the README as a user copies it, run in the folder that holds runs/
+  // and, as the repository root does, the config's text (generate loads the run's config, whose data.path
+  // is relative).
+  fs::create_directory_symlink(fs::path(FLOWMOE_SOURCE_DIR) / "configs", d / "configs");
   std::vector<std::string> generate = command_line("README.md", "## Quick start", "flowmoe generate ");
   ASSERT_GE(generate.size(), 4u) << "README.md's quick start shows no flowmoe generate line";
   EXPECT_EQ(generate[0], "build/flowmoe");
@@ -155,7 +182,7 @@ TEST(Readme, QuickStartOutputIsRealOutput) {
   EXPECT_EQ(num_rate_lines, 1u) << "generate printed no tokens/s line: " << sampled.err;
   for (std::string l; std::getline(text, l);) printed.push_back(l);
   // scripts/quickstart.sh runs the same command on the run's last checkpoint.
-  std::vector<std::string> script = command_line("scripts/quickstart.sh", "training configs/tiny.yaml", " generate ");
+  std::vector<std::string> script = command_line("scripts/quickstart.sh", "set -euo", " generate ");
   ASSERT_EQ(generate[2], "--checkpoint");
   ASSERT_EQ(script.size(), generate.size()) << "scripts/quickstart.sh's generate line differs from README.md's";
   script[0] = generate[0];  // "$build"/flowmoe
