@@ -97,7 +97,7 @@ std::vector<std::string> export_hf(const std::string& checkpoint, const std::str
   check_output_folder("export: OUT_DIR '" + out_dir + "'", out_dir);
   const CheckpointMeta meta = read_checkpoint_meta(checkpoint);
   const std::string meta_file = (fs::path(checkpoint) / kCheckpointMetaFile).string();
-  const Config cfg = parse_config(meta.config_yaml, meta_file);
+  const Config cfg = parse_checkpoint_config(meta.config_yaml, meta_file);
   const ModelConfig& m = cfg.model;
   const std::string config_json = hf_config_json(m);  // refuses a model glm4_moe cannot hold
   std::string tokenizer_note;

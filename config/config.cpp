@@ -159,12 +159,13 @@ YAML::Node load_yaml(const std::string& text, const std::string& name) {
   return root;
 }
 
-Config config_from_yaml(const YAML::Node& root, const std::string& name, const std::vector<std::string>& overrides) {
+Config config_from_yaml(const YAML::Node& root, const std::string& name, const std::vector<std::string>& overrides,
+                        bool data_files = true) {
   Config cfg;
   cfg.file = name;
   read_yaml(cfg, root, name);
   for (const std::string& o : overrides) apply_override(cfg, o);
-  validate(cfg);
+  validate(cfg, data_files);
   return cfg;
 }
 
@@ -200,11 +201,11 @@ void apply_override(Config& cfg, const std::string& assignment) {
 }
 
 // Each section's own cross-key checks, in a fixed order: the first problem found is the one reported.
-void validate(const Config& c) {
+void validate(const Config& c, bool data_files) {
   const KeyReport report(c);
   check_model_shape(c, report);
   check_moe_routing(c, report);
-  check_data_source(c, report);
+  check_data_source(c, report, data_files);
   check_init_from(c, report);
   check_lr_schedule(c, report);
   check_precision_recipe(c, report);
@@ -214,6 +215,10 @@ void validate(const Config& c) {
 
 Config parse_config(const std::string& yaml_text, const std::string& name, const std::vector<std::string>& overrides) {
   return config_from_yaml(load_yaml(yaml_text, name), name, overrides);
+}
+
+Config parse_checkpoint_config(const std::string& yaml_text, const std::string& name) {
+  return config_from_yaml(load_yaml(yaml_text, name), name, {}, false);
 }
 
 // A file that holds no section is refused rather than read as "every key at its default": it is

@@ -17,10 +17,15 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 // The same from YAML text; `name` stands for the file in messages. Empty text gives every default.
 Config parse_config(const std::string& yaml_text, const std::string& name,
                     const std::vector<std::string>& overrides = {});
+// The config a checkpoint's meta.json holds (its run's), for the commands that read the checkpoint (generate,
+// export, eval of another folder): validated like parse_config's but for the data files, which need not exist
+// where the checkpoint is read (the model is the checkpoint's; a tokenizer file is looked for by its own reader).
+Config parse_checkpoint_config(const std::string& yaml_text, const std::string& name);
 // One "section.key=value" override, type- and range-checked (call validate() afterwards).
 void apply_override(Config& cfg, const std::string& assignment);
 // The cross-key checks (divisibility, ranges that depend on other keys, unavailable features).
-void validate(const Config& cfg);
+// data_files false: leaves out the checks that data.path exists and is a token file (parse_checkpoint_config).
+void validate(const Config& cfg, bool data_files = true);
 // Whether the CUDA attention kernels take the model's heads (attention_value_width_cuda): MLA's query/key head at
 // most kAttentionMaxHeadDimCuda wide and its value head no wider (the GPU pads the value), or a query/key head up
 // to kAttentionMaxWideHeadDimCuda (a multiple of 8; DeepSeek-V3's 128 + 64) with a value head of at most

@@ -142,24 +142,25 @@ static void check_synthetic_data(const Config& c, const KeyReport& r) {
                    str(d.seq_len) + " tokens, with data.val_fraction = " + str(d.val_fraction) + " held out");
 }
 
-static void check_data_files(const Config& c, const KeyReport& r) {
+// exists: whether data.path must be there (not where a checkpoint is read: parse_checkpoint_config).
+static void check_data_files(const Config& c, const KeyReport& r, bool exists) {
   const DataConfig& d = c.data;
   if (d.path.empty()) r.err("data.source", d.source + " needs data.path");
   std::error_code ec;
   fs::file_status st = fs::status(d.path, ec);
-  if (ec || !fs::exists(st)) r.err("data.path", "'" + d.path + "' does not exist");
-  if (d.source == "tokens" && !fs::is_regular_file(st))
+  if (exists && (ec || !fs::exists(st))) r.err("data.path", "'" + d.path + "' does not exist");
+  if (exists && d.source == "tokens" && !fs::is_regular_file(st))
     r.err("data.path", "'" + d.path + "' is not a file (tokens needs a .bin token file)");
   if (d.source == "text" && c.model.vocab_size < 256)
     r.err("model.vocab_size", std::to_string(c.model.vocab_size) + " is too small for byte-level text (" +
                                   r.from("data.source") + "); use vocab_size >= 256");
 }
 
-void check_data_source(const Config& c, const KeyReport& r) {
+void check_data_source(const Config& c, const KeyReport& r, bool data_files) {
   if (c.data.source == "synthetic")
     check_synthetic_data(c, r);
   else
-    check_data_files(c, r);
+    check_data_files(c, r, data_files);
 }
 
 void check_init_from(const Config& c, const KeyReport& r) {

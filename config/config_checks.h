@@ -30,7 +30,7 @@ void check_model_shape(const Config& c, const KeyReport& r);
 // the router's own validate_router_config, reported at the model.* keys.
 void check_moe_routing(const Config& c, const KeyReport& r);
 // A synthetic corpus big enough for one sequence per split, or a data.path that exists and suits the source.
-void check_data_source(const Config& c, const KeyReport& r);
+void check_data_source(const Config& c, const KeyReport& r, bool data_files = true);
 // checkpoint.init_from: empty or hf:DIR with a DIR.
 void check_init_from(const Config& c, const KeyReport& r);
 // The learning-rate schedule: min_lr below lr, warm-up within the run.

@@ -165,7 +165,7 @@ std::string spaced_ids(const std::vector<int32_t>& ids) {
 int cmd_generate(int argc, char** argv) {
   const GenerateArgs g = parse_generate_args(argc, argv);
   const CheckpointMeta meta = read_checkpoint_meta(g.checkpoint);
-  Config cfg = parse_config(meta.config_yaml, g.checkpoint + "/meta.json");
+  Config cfg = parse_checkpoint_config(meta.config_yaml, g.checkpoint + "/meta.json");
   cfg.train.device = g.device;
   cfg.origins["train.device"] = "--device " + g.device;  // what a refusal of the device names
   const Device device = resolve_device(cfg);

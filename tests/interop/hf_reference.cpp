@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
   try {
     const std::string checkpoint = argv[1];
     const CheckpointMeta meta = read_checkpoint_meta(checkpoint);
-    const Config cfg = parse_config(meta.config_yaml, checkpoint + "/meta.json");
+    const Config cfg = parse_checkpoint_config(meta.config_yaml, checkpoint + "/meta.json");
     const std::vector<uint16_t> tokens = read_token_file(argv[2]);
     Transformer model(cfg.model, Device::cpu(), DType::f32, 0, moe_options(cfg));
     load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers());
