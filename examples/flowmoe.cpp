@@ -32,6 +32,7 @@
 #include "train/evaluation.h"
 #include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
+#include "train/run_setup.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;
@@ -268,26 +269,23 @@ int cmd_eval(int argc, char** argv) {
           static_cast<long long>(ep), ranks.world->size(), ranks.world->size() == 1 ? "" : "s");
     cfg.parallel.expert_parallel_size = 1;
   }
-  const ParallelState groups = run_parallel_state(cfg, ranks.world);
-  const Device device = ranks.device;
-  DataLoader data = DataLoader::from_config(cfg);
+  RunSetup setup(cfg, ranks.world, ranks.device);
+  const DataLoader& data = setup.read_data();
   if (data.num_val_windows() == 0)
     throw UsageError("eval: the config holds out no validation data (data.val_fraction is 0)");
   const ValBatches val = whole_val_batches(data, batches, cfg.train.batch_size);
   if (val.capped && root) std::printf("eval: %s\n", val.cap_note(batches_label).c_str());
   batches = val.num_batches;
   const int64_t batch_size = val.batch_size;
-  const MemoryEstimate need = estimate_memory(cfg, device, MemoryUse::eval);
-  check_fits(need, device);
-  Transformer model(cfg.model, device, compute_dtype_for(device), uint64_t(cfg.train.seed), moe_options(cfg, groups));
-  const CheckpointMeta meta = load_checkpoint(run.checkpoint, model.parameters(), nullptr, nullptr, model.buffers(),
-                                              model.parameter_shards(), checkpoint_load_options(cfg));
+  setup.check_fits(MemoryUse::eval);
+  const Transformer& model = setup.build_model();
+  const CheckpointMeta meta = setup.load_weights(run.checkpoint);
   if (root && !meta.unused_tensors.empty()) std::printf("eval: %s\n", partial_load_note(meta).substr(2).c_str());
   double loss = evaluate(model, data, batches, batch_size, ranks.world.get());
   if (!root) return 0;
   std::printf("checkpoint %s (step %lld) on %s: val loss %.4f | perplexity %.3f | %lld sequences of %lld tokens\n",
-              run.checkpoint.c_str(), static_cast<long long>(meta.step), device.str().c_str(), loss, std::exp(loss),
-              static_cast<long long>(batches * batch_size), static_cast<long long>(cfg.data.seq_len));
+              run.checkpoint.c_str(), static_cast<long long>(meta.step), setup.device.str().c_str(), loss,
+              std::exp(loss), static_cast<long long>(batches * batch_size), static_cast<long long>(cfg.data.seq_len));
   return 0;
 }
 

@@ -16,6 +16,7 @@
 #include "examples/args.h"
 #include "io/file_io.h"
 #include "train/generate.h"
+#include "train/run_setup.h"
 #include "train/trainer.h"
 
 namespace flowmoe {
@@ -168,7 +169,10 @@ int cmd_generate(int argc, char** argv) {
   Config cfg = parse_checkpoint_config(meta.config_yaml, g.checkpoint + "/meta.json");
   cfg.train.device = g.device;
   cfg.origins["train.device"] = "--device " + g.device;  // what a refusal of the device names
-  const Device device = resolve_device(cfg);
+  // One process holds every expert: the MoE options below are a single process's, whatever trained the weights.
+  cfg.parallel.expert_parallel_size = 1;
+  RunSetup setup(cfg);
+  const Device device = setup.device;
   RunTokenizer tokenizer = RunTokenizer::for_config(cfg, g.tokenizer);
   // Synthetic tokens are ids of a generated corpus: they go in and come out as numbers.
   const bool ids = !tokenizer.found() && cfg.data.source == "synthetic";
@@ -190,12 +194,11 @@ int cmd_generate(int argc, char** argv) {
                  static_cast<long long>(g.max_new_tokens), static_cast<long long>(num_new), static_cast<long long>(p),
                  static_cast<long long>(max_positions));
   }
-  const DType compute = compute_dtype_for(device);
+  const DType compute = setup.compute;
   // The bf16 recipe whatever trained the weights (Transformer::forward_cached); the weights are converted once to
   // the compute dtype, but those read in f32 (the routers' gates), so no step casts them again.
-  Transformer model(cfg.model, device, compute, meta.init_seed, MoeOptions(int(cfg.precision.align_size)));
-  load_checkpoint(g.checkpoint, model.parameters(), nullptr, nullptr, model.buffers(), model.parameter_shards(),
-                  checkpoint_load_options(cfg));
+  Transformer& model = setup.build_model(meta.init_seed, MoeOptions(int(cfg.precision.align_size)));
+  setup.load_weights(g.checkpoint);
   for (size_t i = 0; i < model.parameters().size(); ++i) {
     Variable w = model.parameters()[i];  // shares the model's weight
     if (!model.parameter_shards()[i].reads_f32 && w.dtype() != compute) w.store_as(w.data().to(compute));

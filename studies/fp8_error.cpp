@@ -20,6 +20,7 @@
 #include "kernels/linear.h"
 #include "kernels/quantize.h"
 #include "train/memory_estimate.h"
+#include "train/run_setup.h"
 #include "train/trainer.h"
 
 namespace flowmoe {
@@ -226,12 +227,11 @@ Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t
   cfg.precision.recipe = "bf16";  // unquantized operands: the reference holds no FP8 error
   cfg.train.recompute = "";
   cfg.parallel.expert_parallel_size = 1;
-  const Device device = resolve_device(cfg);
-  DataLoader data = DataLoader::from_config(cfg);
-  check_fits(estimate_memory(cfg, device, MemoryUse::train), device);
-  Transformer model(cfg.model, device, compute_dtype_for(device), uint64_t(cfg.train.seed), moe_options(cfg));
-  const CheckpointMeta meta = load_checkpoint(checkpoint, model.parameters(), nullptr, nullptr, model.buffers(), {},
-                                              checkpoint_load_options(cfg));
+  RunSetup setup(cfg);
+  DataLoader& data = setup.read_data();
+  setup.check_fits(MemoryUse::train);
+  Transformer& model = setup.build_model(uint64_t(cfg.train.seed), moe_options(cfg));
+  const CheckpointMeta meta = setup.load_weights(checkpoint);
 
   Fp8ErrorStudy study;
   study.checkpoint = checkpoint;

@@ -72,8 +72,10 @@ static void remove_unfinished_checkpoints(const Config& cfg, std::FILE* out) {
 // The opening line (parameters, device, the expected initial loss) and the memory estimate. Counted
 // and sized from the config before anything is allocated, so a model that cannot fit is refused at
 // once instead of allocating until the system kills the process.
-static void check_memory(const Config& cfg, Device device, DType compute, int world_size, const ModelFlops& flops,
-                         Progress& progress) {
+static void check_memory(const RunSetup& setup, const ModelFlops& flops, Progress& progress) {
+  const Config& cfg = setup.cfg;
+  const Device device = setup.device;
+  const int world_size = setup.world_size;
   Config per_rank = cfg;  // each rank runs its slice of every micro-batch
   per_rank.train.batch_size = cfg.train.batch_size / world_size;
   OptimizerShards shards;
@@ -83,7 +85,7 @@ static void check_memory(const Config& cfg, Device device, DType compute, int wo
                    std::to_string(cfg.model.num_hidden_layers) + " layers, hidden " +
                    std::to_string(cfg.model.hidden_size) + ", vocab " + std::to_string(cfg.model.vocab_size) + "), " +
                    format_flops(flops.flops_per_token) + " per token (forward + backward) on " + device.str() + ", " +
-                   dtype_name(compute) +
+                   dtype_name(setup.compute) +
                    " compute; initial loss ~ ln(vocab) = " + format_fixed(std::log(double(cfg.model.vocab_size)), 3));
   if (!flops.peak_note().empty()) progress.message(flops.peak_note());
   const double available = available_memory_bytes(device);
@@ -123,57 +125,51 @@ static std::vector<std::unique_ptr<DirLock>> lock_run_dirs(const Config& cfg, bo
 // the run directory (rank 0 alone touches the files; the others wait until it has). The result
 // starts with the run directory's path.
 // Rank 0's folder locks go into `locks` once the memory check has passed: a refused run writes nothing.
-static TrainResult prepare_run(const Config& cfg, Device device, DType compute, const ModelFlops& flops, std::FILE* out,
-                               Progress& progress, Communicator& world, std::vector<std::unique_ptr<DirLock>>& locks) {
-  check_memory(cfg, device, compute, world.size(), flops, progress);
-  locks = lock_run_dirs(cfg, world.rank() == 0);
-  if (world.rank() == 0) remove_unfinished_checkpoints(cfg, out);
+static TrainResult prepare_run(const RunSetup& setup, const ModelFlops& flops, std::FILE* out, Progress& progress,
+                               std::vector<std::unique_ptr<DirLock>>& locks) {
+  const Config& cfg = setup.cfg;
+  check_memory(setup, flops, progress);
+  locks = lock_run_dirs(cfg, setup.is_root);
+  if (setup.is_root) remove_unfinished_checkpoints(cfg, out);
   TrainResult res;
-  res.out_dir = world.rank() == 0 ? make_run_dir(cfg) : cfg.run_dir();
-  res.world_size = world.size();
-  if (world.size() > 1) world.barrier();
+  res.out_dir = setup.is_root ? make_run_dir(cfg) : cfg.run_dir();
+  res.world_size = setup.world_size;
+  if (setup.world_size > 1) setup.world->barrier();
   return res;
 }
 
-// train.batch_size is the global batch: it must split evenly over the ranks. Checked on every rank
-// alike, so all of them stop together.
-static int checked_world_size(const Config& cfg, const Communicator& world) {
-  const int n = world.size();
+// train.batch_size is the global batch: it must split evenly over the ranks of `world` (null: this process
+// alone). Checked on every rank alike, so all of them stop together, before the groups are split.
+static std::shared_ptr<Communicator> checked_world(const Config& cfg, std::shared_ptr<Communicator> world) {
+  const int n = world ? world->size() : 1;
   if (cfg.train.batch_size % n != 0)
     throw AllRanksConfigError(
         cfg.origin("train.batch_size") + ": train.batch_size: " + std::to_string(cfg.train.batch_size) +
         " sequences do not split evenly over " + std::to_string(n) +
         " processes (the batch is global: each rank reads batch_size / " + "processes of it); use a multiple of " +
         std::to_string(n) + ", or a number of processes that divides " + std::to_string(cfg.train.batch_size));
-  return n;
-}
-
-static void check_router_lr_scale(const Config& cfg, const AdamW& opt) {
-  FLOWMOE_CHECK(cfg.optimizer.router_lr_scale == 1.0 || opt.num_router_params() > 0, ConfigError,
-                cfg.origin("optimizer.router_lr_scale"), ": optimizer.router_lr_scale is ",
-                cfg.optimizer.router_lr_scale, " but the model has no MoE router (n_routed_experts is 0 or ",
-                "first_k_dense_replace covers every layer)");
+  return world;
 }
 
 // The data line, the resume note and a capped evaluation, before the first step.
-static void announce_data(TrainRun& run) {
+static void announce_data(TrainRun& run, const std::string& init_note) {
   const Config& cfg = run.cfg;
   const TrainConfig& tc = cfg.train;
   const std::string source =
       cfg.data.source == "synthetic" ? "synthetic (" + cfg.data.synthetic_kind + ")" : cfg.data.source;
-  run.progress.message("data: " + source + ", " + std::to_string(run.data.num_train_windows()) + " train / " +
-                       std::to_string(run.data.num_val_windows()) + " val sequences of " +
+  run.progress.message("data: " + source + ", " + std::to_string(run.setup.data().num_train_windows()) + " train / " +
+                       std::to_string(run.setup.data().num_val_windows()) + " val sequences of " +
                        std::to_string(cfg.data.seq_len) + " tokens; " + std::to_string(tc.steps) + " steps x " +
                        std::to_string(run.tokens_per_step) + " tokens; outputs in " + run.res.out_dir);
-  if (run.world_size > 1) run.progress.message(describe_ranks(run.parallel, cfg));
+  if (run.setup.world_size > 1) run.progress.message(describe_ranks(run.setup.parallel, cfg));
   // OpenMPI binds each of 2 ranks to one core by default; the host work (the weights' draws, the
   // checkpoints) then runs on one thread, which made set-up 9x slower in a 2-GPU run.
-  if (run.world_size > 1 && usable_cpu_count() == 1 && machine_cpu_count() > 1)
+  if (run.setup.world_size > 1 && usable_cpu_count() == 1 && machine_cpu_count() > 1)
     run.progress.message("host: rank 0 may run on 1 of " + std::to_string(machine_cpu_count()) +
                          " CPUs (the launcher's binding), so set-up draws the weights on one thread; " +
                          "mpirun --bind-to none lets every rank use the machine");
   if (!run.resume_note.empty()) run.progress.message(run.resume_note);
-  if (!run.init_note.empty()) run.progress.message(run.init_note);
+  if (!init_note.empty()) run.progress.message(init_note);
   if (run.metrics && !run.metrics->note().empty()) run.progress.message(run.metrics->note());
   if (run.val.capped) run.progress.message("evaluation: " + run.val.cap_note("train.eval_batches = "));
 }
@@ -185,32 +181,6 @@ static StepSchedule run_step_schedule(const Config& c) {
   p.bias_follows_lr = c.model.bias_update_schedule == "lr";
   p.stop_on_nonfinite = c.train.nonfinite == "stop";
   return p;
-}
-
-// precision.param_dtype: what the weights the forward reads in the compute dtype are stored in.
-static DType weight_dtype(const Config& c, const Transformer& model) {
-  return c.precision.param_dtype == "f32" ? DType::f32 : model.compute_dtype();
-}
-
-// The model's shards as the optimizer sees them: their FP8 copies only where AdamW writes them
-// (precision.fp8_weights: optimizer). Without them the reducer builds no FP8 buckets, AdamW writes no copy, and the
-// forward quantizes each FP8 weight once per parameter version.
-static std::vector<ParamShard> optimizer_shards(const Config& c, const Transformer& model) {
-  std::vector<ParamShard> shards = model.parameter_shards();
-  if (c.precision.fp8_weights != Fp8WeightWriter::optimizer)
-    for (ParamShard& s : shards) s.fp8 = nullptr;
-  return shards;
-}
-
-// Several ranks reduce their gradients through a GradientReducer; one rank has none, unless its world is
-// nccl's (parallel.backend: nccl), which then takes the several-rank step on one GPU: its collectives, the
-// reducer's stream and the sharded optimizer.
-static std::unique_ptr<GradientReducer> make_reducer(const Config& c, const ParallelState& ps,
-                                                     const Transformer& model) {
-  if (ps.world->size() == 1 && ps.world->backend_name() != std::string("nccl")) return nullptr;
-  return std::make_unique<GradientReducer>(
-      ps, model.parameters(), optimizer_shards(c, model), c.parallel.overlap_grad_reduce, kGradientBucketBytes,
-      int(c.parallel.grad_reduce_sms), c.parallel.shard_optimizer, weight_dtype(c, model));
 }
 
 // checkpoint.init_from: a fresh run's weights from a Hugging Face folder (checkpoint/hf_export.h); a resumed run's
@@ -228,101 +198,70 @@ static std::string init_weights(const Config& c, Transformer& model, const std::
   return line;
 }
 
-// AdamW's f32 masters. Sharded: the reducer's segments. Otherwise, where the weights are stored narrower than
-// f32, each such parameter's f32 data becomes its master (flat) and the parameter holds its cast from now on,
-// rewritten by AdamW at each update: nothing casts it at use. Undefined where a parameter is its own master.
-static std::vector<Tensor> optimizer_masters(const Config& c, Transformer& model, const GradientReducer* reducer) {
-  if (reducer && reducer->sharded()) return reducer->master_ranges();
-  const DType dtype = weight_dtype(c, model);
-  if (dtype == DType::f32) return {};
-  std::vector<Variable> params = model.parameters();
-  const std::vector<ParamShard>& shards = model.parameter_shards();
-  std::vector<Tensor> masters(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (shards[i].reads_f32) continue;
-    masters[i] = params[i].data();
-    params[i].store_as(masters[i].to(dtype));
-    masters[i] = masters[i].view({masters[i].numel()});
-  }
-  return masters;
-}
-
 TrainRun::TrainRun(const Config& c, const TrainOptions& o)
     : clock(o.started),
       cfg(c),
       opts(o),
-      world(o.world ? o.world : make_none_communicator()),
-      rank(world->rank()),
-      world_size(checked_world_size(c, *world)),
-      parallel(run_parallel_state(c, world)),
-      is_root(rank == 0),
-      device(o.device ? *o.device : resolve_device(c)),
-      compute(compute_dtype_for(device)),
-      flops(run_model_flops(c.model, c.data.seq_len, device, world_size)),
+      setup(c, checked_world(c, o.world), o.device),
+      flops(run_model_flops(c.model, c.data.seq_len, setup.device, setup.world_size)),
       resume_dir(resume_target(c, &resume_note)),
-      progress(c.logging.progress, c.train.steps, c.logging.log_every, is_root ? o.out : nullptr),
-      res(prepare_run(c, device, compute, flops, is_root ? o.out : nullptr, progress, *world, dir_locks)),
-      data(DataLoader::from_config(c)),
-      model(c.model, device, compute, uint64_t(c.train.seed), moe_options(c, parallel)),
-      init_note(init_weights(c, model, resume_dir)),
-      reducer(make_reducer(c, parallel, model)),
-      opt(model.parameters(), c.optimizer,
-          reducer && reducer->sharded() ? reducer->owned_ranges() : std::vector<std::pair<int64_t, int64_t>>{},
-          optimizer_masters(c, model, reducer.get())),
-      state(device, run_step_schedule(c)) {
-  check_router_lr_scale(cfg, opt);
-  opt.set_rounding_seed(uint64_t(c.train.seed));
-  // AdamW writes the FP8 weights the forward reads where precision.fp8_weights asks it to; sharded, those the
-  // reducer gathers.
-  std::vector<std::shared_ptr<Fp8WeightCopy>> fp8_copies;
-  if (reducer && reducer->sharded())
-    fp8_copies = reducer->gathered_fp8_copies();
-  else
-    for (const ParamShard& s : optimizer_shards(c, model)) fp8_copies.push_back(s.fp8);
-  opt.set_fp8_copies(std::move(fp8_copies));
+      progress(c.logging.progress, c.train.steps, c.logging.log_every, setup.is_root ? o.out : nullptr),
+      res(prepare_run(setup, flops, setup.is_root ? o.out : nullptr, progress, dir_locks)),
+      loop(setup.device, run_step_schedule(c)),
+      tokens_per_step(c.train.batch_size * c.data.seq_len * c.train.grad_accum_steps),
+      end(o.stop_after >= 0 ? std::min(c.train.steps, o.stop_after) : c.train.steps) {
+  setup.read_data();
+  clock.lap("data");
+  Transformer& model = setup.build_model();
+  clock.lap("model");
+  // checkpoint.init_from's weights are loaded before the reducer and the optimizer take their copies of them.
+  const std::string init_note = init_weights(c, model, resume_dir);
+  setup.build_optimizer();
+  clock.lap("optimizer");
   model.set_recompute_attention(c.train.recomputes("attention"));
   model.set_mtp_loss_weight(c.train.mtp_loss_weight);
   if (c.parallel.dual_microbatch) {
-    const int64_t per_rank = c.train.batch_size / world_size;
+    const int64_t per_rank = c.train.batch_size / setup.world_size;
     if (per_rank % 2 != 0)
       throw ConfigError(c.origin("parallel.dual_microbatch") + ": parallel.dual_microbatch: each rank's batch (" +
                         std::to_string(per_rank) + " sequences: train.batch_size " +
-                        std::to_string(c.train.batch_size) + " over " + std::to_string(world_size) +
+                        std::to_string(c.train.batch_size) + " over " + std::to_string(setup.world_size) +
                         " processes) must be even to split into two halves");
     model.set_dual_microbatch(true);
   }
   // Zero-sync receive buffers of a capacity, not the worst case: a step that needs more is void and runs again
   // with larger ones (complete_step).
-  if (c.parallel.ep_capacity_factor > 0 && parallel.expert_parallel_size > 1) {
-    const std::string e =
-        capacity_factor_error(c.parallel.ep_capacity_factor, !model.exchanges_zero_sync(),
-                              "parallel.ep_dispatch " + c.parallel.ep_dispatch + " at expert-parallel size " +
-                                  std::to_string(parallel.expert_parallel_size));
+  const int64_t ep = setup.parallel.expert_parallel_size;
+  if (c.parallel.ep_capacity_factor > 0 && ep > 1) {
+    const std::string e = capacity_factor_error(
+        c.parallel.ep_capacity_factor, !model.exchanges_zero_sync(),
+        "parallel.ep_dispatch " + c.parallel.ep_dispatch + " at expert-parallel size " + std::to_string(ep));
     if (!e.empty()) throw ConfigError(c.origin("parallel.ep_capacity_factor") + ": parallel.ep_capacity_factor: " + e);
-    exchange_overflow = Tensor::zeros({1}, DType::i32, device);
-    model.set_exchange_buffers(c.parallel.ep_capacity_factor, 0, exchange_overflow);
+    loop.exchange_overflow = Tensor::zeros({1}, DType::i32, setup.device);
+    model.set_exchange_buffers(c.parallel.ep_capacity_factor, 0, loop.exchange_overflow);
   }
   // Process-wide, as the streams are: the grouped GEMMs leave these SMs to the exchange kernels beside them.
-  if (device.is_cuda() && model.overlaps_exchanges()) cuda_set_comm_sms(int(c.parallel.exchange_sms));
-  if (reducer && reducer->sharded()) {
+  if (setup.device.is_cuda() && model.overlaps_exchanges()) cuda_set_comm_sms(int(c.parallel.exchange_sms));
+  if (GradientReducer* reducer = setup.reducer(); reducer && reducer->sharded()) {
     reducer->set_stages(model.parameter_stages());
-    model.set_stage_hook([r = reducer.get()](int64_t stage) { r->wait_stage(stage); });
+    model.set_stage_hook([reducer](int64_t stage) { reducer->wait_stage(stage); });
   }
   if (!resume_dir.empty()) {
-    resume_from_checkpoint(*this);
+    const CheckpointMeta meta = resume_from_checkpoint(setup, resume_dir);
+    loop.step = meta.step;
+    loop.skipped = meta.skipped_steps;
+    resume_note = "resumed from " + resume_dir + " at step " + std::to_string(meta.step) + partial_load_note(meta);
     clock.lap("checkpoint load");
   }
-  state.reset(step, opt.num_updates());
-  res.first_step = step + 1;
-  res.skipped_steps = skipped;
+  loop.step_state.reset(loop.step, setup.optimizer().num_updates());
+  res.first_step = loop.step + 1;
+  res.skipped_steps = loop.skipped;
   res.metrics_file = (fs::path(res.out_dir) / ("metrics." + cfg.logging.metrics_format)).string();
-  if (is_root) metrics.emplace(res.metrics_file, cfg.logging.metrics_format, resume_dir.empty() ? -1 : step);
+  if (setup.is_root) metrics.emplace(res.metrics_file, cfg.logging.metrics_format, resume_dir.empty() ? -1 : loop.step);
 
   const TrainConfig& tc = cfg.train;
-  tokens_per_step = tc.batch_size * cfg.data.seq_len * tc.grad_accum_steps;
-  if (data.num_val_windows() > 0) val = whole_val_batches(data, tc.eval_batches, tc.batch_size);
-  announce_data(*this);
-  end = opts.stop_after >= 0 ? std::min(tc.steps, opts.stop_after) : tc.steps;
+  if (setup.data().num_val_windows() > 0) val = whole_val_batches(setup.data(), tc.eval_batches, tc.batch_size);
+  announce_data(*this, init_note);
   // Casts are reported per MoE layer and micro-batch (what one forward + backward of a layer makes).
   cast_divisor = double(model.num_moe_layers() * tc.grad_accum_steps);
   clock.lap("rest");
@@ -332,7 +271,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
 
 // Where each explicit cast of the last step happened (DESIGN.md §1: the published flow has 2).
 static void print_cast_summary(TrainRun& run) {
-  const CastCounts& casts = run.last_casts;
+  const CastCounts& casts = run.loop.last_casts;
   std::string line = "casts per MoE layer per micro-batch (" + run.cfg.precision.recipe +
                      "): " + format_fixed(double(casts.activation_casts()) / run.cast_divisor, 1);
   for (const auto& [site, n] : casts.by_site)
@@ -353,24 +292,24 @@ static void print_times(TrainRun& run) {
     setup += seconds;
     if (seconds >= 0.05) parts += (parts.empty() ? "" : ", ") + name + " " + format_fixed(seconds, 1);
   }
-  const double other = total - setup - run.train_seconds - c.evaluation_seconds - c.checkpoint_seconds;
-  run.progress.message("time: " + format_fixed(total, 1) + " s in all: set-up " + format_fixed(setup, 1) + " s" +
-                       (parts.empty() ? "" : " (" + parts + ")") + ", training " + format_fixed(run.train_seconds, 1) +
-                       " s, evaluation " + format_fixed(c.evaluation_seconds, 1) + " s, checkpoints " +
-                       format_fixed(c.checkpoint_seconds, 1) + " s, other " + format_fixed(std::max(other, 0.0), 1) +
-                       " s");
+  const double other = total - setup - run.loop.time.seconds() - c.evaluation_seconds - c.checkpoint_seconds;
+  run.progress.message(
+      "time: " + format_fixed(total, 1) + " s in all: set-up " + format_fixed(setup, 1) + " s" +
+      (parts.empty() ? "" : " (" + parts + ")") + ", training " + format_fixed(run.loop.time.seconds(), 1) +
+      " s, evaluation " + format_fixed(c.evaluation_seconds, 1) + " s, checkpoints " +
+      format_fixed(c.checkpoint_seconds, 1) + " s, other " + format_fixed(std::max(other, 0.0), 1) + " s");
 }
 
 static void print_summary(TrainRun& run, double peak_mem_bytes) {
   const TrainResult& res = run.res;
-  std::string line = "done: step " + std::to_string(run.step) + "/" + std::to_string(run.cfg.train.steps) + " in " +
-                     format_duration(run.train_seconds) + " | loss " + format_fixed(res.losses.front(), 4) + " -> " +
-                     format_fixed(res.losses.back(), 4);
+  std::string line = "done: step " + std::to_string(run.loop.step) + "/" + std::to_string(run.cfg.train.steps) +
+                     " in " + format_duration(run.loop.time.seconds()) + " | loss " +
+                     format_fixed(res.losses.front(), 4) + " -> " + format_fixed(res.losses.back(), 4);
   if (!std::isnan(res.final_val_loss)) line += " | val loss " + format_fixed(res.final_val_loss, 4);
   line += " | " + format_rate(res.tokens_per_s) + " tok/s" +
           model_flops_fields(run.flops.tflops(res.tokens_per_s), run.flops.mfu(res.tokens_per_s)) + " | peak mem " +
           format_fixed(peak_mem_bytes / (1 << 20), 1) + " MiB";
-  if (run.world_size > 1) line += " (max over ranks) | " + std::to_string(run.world_size) + " ranks";
+  if (run.setup.world_size > 1) line += " (max over ranks) | " + std::to_string(run.setup.world_size) + " ranks";
   run.progress.message(line);
   if (run.cast_divisor > 0) print_cast_summary(run);
   run.progress.message("metrics: " + res.metrics_file +
@@ -381,15 +320,17 @@ TrainResult finish_run(TrainRun& run) {
   run.progress.finish();
   TrainResult& res = run.res;
   const bool stopped = res.interrupted;  // by a stop request (trainer.cpp said so), maybe before any step
-  res.last_step = run.step;
-  res.skipped_steps = run.skipped;
-  res.interrupted = res.interrupted || run.step < run.cfg.train.steps;
-  res.tokens_per_s = run.train_seconds > 0 ? double(run.tokens_per_step * run.steps_done) / run.train_seconds : 0;
-  const double peak = all_reduce_values(*run.world, {double(memory_stats(run.device).peak_bytes)}, ReduceOp::max)[0];
-  if (run.steps_done > 0)
+  res.last_step = run.loop.step;
+  res.skipped_steps = run.loop.skipped;
+  res.interrupted = res.interrupted || run.loop.step < run.cfg.train.steps;
+  res.tokens_per_s =
+      run.loop.time.seconds() > 0 ? double(run.tokens_per_step * run.loop.steps_done) / run.loop.time.seconds() : 0;
+  const double peak =
+      all_reduce_values(*run.setup.world, {double(memory_stats(run.setup.device).peak_bytes)}, ReduceOp::max)[0];
+  if (run.loop.steps_done > 0)
     print_summary(run, peak);
   else if (!stopped)
-    run.progress.message("nothing to do: the run is already at step " + std::to_string(run.step) + " of " +
+    run.progress.message("nothing to do: the run is already at step " + std::to_string(run.loop.step) + " of " +
                          std::to_string(run.cfg.train.steps));
   print_times(run);
   return std::move(res);

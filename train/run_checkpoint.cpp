@@ -14,7 +14,7 @@
 
 namespace flowmoe {
 
-// Parameter i's f32 master in the parameter's shape when AdamW holds it whole (run.cpp, optimizer_masters),
+// Parameter i's f32 master in the parameter's shape when AdamW holds it whole (run_setup.cpp, optimizer_masters),
 // else undefined.
 static Tensor whole_master(const AdamW& opt, size_t i, const Shape& shape) {
   if (opt.sharded() || opt.masters().empty() || !opt.masters()[i].defined()) return Tensor();
@@ -72,55 +72,55 @@ static void check_same_data(const Config& cfg, const std::string& checkpoint_con
   }
 }
 
-// Loads the weights, optimizer state, buffers and data position of run.resume_dir.
-void resume_from_checkpoint(TrainRun& run) {
-  const Config& cfg = run.cfg;
+CheckpointMeta resume_from_checkpoint(RunSetup& setup, const std::string& dir) {
+  const Config& cfg = setup.cfg;
+  AdamW& opt = setup.optimizer();
   // Every rank reads the full tensors and keeps its rows of each expert shard; a sharded optimizer reads
   // the weights and moments whole, on the host, and keeps its ranges of them (train/grad_reducer.h). Whole
   // masters (optimizer_masters) take the weights, and the model's copies are cast from them.
-  const bool sharded = run.opt.sharded();
-  const std::vector<Variable> model_params = run.model.parameters();
+  const bool sharded = opt.sharded();
+  const std::vector<Variable> model_params = setup.model().parameters();
   std::vector<Variable> params = model_params;
   std::vector<Tensor> whole[3];  // sharded: the weights, exp_avg, exp_avg_sq (the moments in the optimizer's dtype)
   for (int k = 0; k < 3; ++k)
     if (sharded)
       for (const Variable& p : params)
-        whole[k].push_back(Tensor::zeros(p.shape(), k == 0 ? DType::f32 : run.opt.moment_dtype(), Device::cpu()));
+        whole[k].push_back(Tensor::zeros(p.shape(), k == 0 ? DType::f32 : opt.moment_dtype(), Device::cpu()));
   for (size_t i = 0; i < params.size(); ++i)
     if (sharded)
       params[i] = Variable(whole[0][i], false, params[i].name());
-    else if (const Tensor master = whole_master(run.opt, i, params[i].shape()); master.defined())
+    else if (const Tensor master = whole_master(opt, i, params[i].shape()); master.defined())
       params[i] = Variable(master, false, params[i].name());
-  std::vector<Tensor>* exp_avg = sharded ? &whole[1] : &run.opt.exp_avg();
-  std::vector<Tensor>* exp_avg_sq = sharded ? &whole[2] : &run.opt.exp_avg_sq();
-  CheckpointMeta meta = load_checkpoint(run.resume_dir, params, exp_avg, exp_avg_sq, run.model.buffers(),
-                                        run.model.parameter_shards(), checkpoint_load_options(cfg));
+  std::vector<Tensor>* exp_avg = sharded ? &whole[1] : &opt.exp_avg();
+  std::vector<Tensor>* exp_avg_sq = sharded ? &whole[2] : &opt.exp_avg_sq();
+  CheckpointMeta meta = load_checkpoint(dir, params, exp_avg, exp_avg_sq, setup.model().buffers(),
+                                        setup.model().parameter_shards(), checkpoint_load_options(cfg));
   if (sharded) {
-    run.reducer->load_masters(whole[0]);
-    run.opt.load_moment_ranges(whole[1], whole[2]);
+    setup.reducer()->load_masters(whole[0]);
+    opt.load_moment_ranges(whole[1], whole[2]);
   } else {
     for (size_t i = 0; i < params.size(); ++i)
-      if (const Tensor master = whole_master(run.opt, i, params[i].shape()); master.defined()) {
+      if (const Tensor master = whole_master(opt, i, params[i].shape()); master.defined()) {
         Tensor weights = model_params[i].data();  // the same storage
         weights.copy_(master.to(weights.dtype()));
         model_params[i].bump_version();
       }
   }
-  check_same_data(cfg, meta.config_yaml, run.resume_dir);
-  run.data.set_position(meta.data);
-  run.step = meta.step;
-  run.skipped = meta.skipped_steps;
-  run.opt.set_num_updates(meta.num_updates);
-  run.resume_note = "resumed from " + run.resume_dir + " at step " + std::to_string(run.step) + partial_load_note(meta);
+  check_same_data(cfg, meta.config_yaml, dir);
+  setup.data().set_position(meta.data);
+  opt.set_num_updates(meta.num_updates);
+  return meta;
 }
 
 void save_run_checkpoint(TrainRun& run, int64_t at) {
   const RunClock::Clock::time_point t0 = RunClock::Clock::now();
+  RunSetup& setup = run.setup;
+  const AdamW& opt = setup.optimizer();
   CheckpointMeta meta;
   meta.step = at;
-  meta.num_updates = run.opt.num_updates();
-  meta.skipped_steps = run.skipped;
-  meta.data = run.data.position();
+  meta.num_updates = opt.num_updates();
+  meta.skipped_steps = run.loop.skipped;
+  meta.data = setup.data().position();
   meta.data_seed = uint64_t(run.cfg.data.seed);
   meta.init_seed = uint64_t(run.cfg.train.seed);
   meta.config_yaml = to_yaml(run.cfg);
@@ -130,38 +130,38 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   // A sharded optimizer's f32 master weights and moments are first gathered whole over the data-parallel
   // groups, on every rank; whole masters are written as they are (the model's bf16 weights are not what a
   // checkpoint holds).
-  const int64_t group_size = run.parallel.expert_parallel_size;
-  const bool keep = run.rank < group_size;
-  std::vector<Variable> weights = run.model.parameters();
+  const int64_t group_size = setup.parallel.expert_parallel_size;
+  const bool keep = setup.rank < group_size;
+  std::vector<Variable> weights = setup.model().parameters();
   std::pair<std::vector<Tensor>, std::vector<Tensor>> moments;
-  if (run.opt.sharded()) {
-    run.reducer->wait_weights();
-    moments = run.reducer->full_moments(run.opt, keep);
-    const std::vector<Tensor> masters = run.reducer->full_masters(keep);
+  if (opt.sharded()) {
+    setup.reducer()->wait_weights();
+    moments = setup.reducer()->full_moments(opt, keep);
+    const std::vector<Tensor> masters = setup.reducer()->full_masters(keep);
     if (keep)
       for (size_t i = 0; i < weights.size(); ++i) weights[i] = Variable(masters[i], false, weights[i].name());
   } else {
     for (size_t i = 0; i < weights.size(); ++i)
-      if (const Tensor master = whole_master(run.opt, i, weights[i].shape()); master.defined())
+      if (const Tensor master = whole_master(opt, i, weights[i].shape()); master.defined())
         weights[i] = Variable(master, false, weights[i].name());
   }
-  const std::vector<Tensor>& exp_avg = run.opt.sharded() ? moments.first : run.opt.exp_avg();
-  const std::vector<Tensor>& exp_avg_sq = run.opt.sharded() ? moments.second : run.opt.exp_avg_sq();
+  const std::vector<Tensor>& exp_avg = opt.sharded() ? moments.first : opt.exp_avg();
+  const std::vector<Tensor>& exp_avg_sq = opt.sharded() ? moments.second : opt.exp_avg_sq();
   FullState full;
   if (keep)
-    full = gather_full_state(*run.parallel.expert_parallel, weights, run.model.parameter_shards(), exp_avg, exp_avg_sq,
-                             run.is_root);
-  if (run.is_root)
+    full = gather_full_state(*setup.parallel.expert_parallel, weights, setup.model().parameter_shards(), exp_avg,
+                             exp_avg_sq, setup.is_root);
+  if (setup.is_root)
     run.res.last_checkpoint = save_checkpoint(run.cfg.checkpoint_dir(), meta, full.params, full.exp_avg,
-                                              full.exp_avg_sq, run.cfg.checkpoint.keep_last, run.model.buffers());
+                                              full.exp_avg_sq, run.cfg.checkpoint.keep_last, setup.model().buffers());
   else
     run.res.last_checkpoint = checkpoint_path(run.cfg.checkpoint_dir(), at);
-  if (run.world_size > 1) {
+  if (setup.world_size > 1) {
     // The other ranks wait here for rank 0's write, as long as the model makes it: not timed
     // (parallel/watchdog.h). Rank 0's own wait there is timed as any other.
     std::optional<UnwatchedWait> untimed;
-    if (!run.is_root) untimed.emplace();
-    run.world->barrier();
+    if (!setup.is_root) untimed.emplace();
+    setup.world->barrier();
   }
   run.clock.checkpoint_seconds += RunClock::seconds_since(t0);
 }

@@ -116,12 +116,12 @@ std::string profile_table(const StepProfile& p, size_t max_ops) {
 std::optional<StepMetrics> profiled_train_step(TrainRun& run) {
   using clock = std::chrono::steady_clock;
   const auto drain = [&] {
-    if (run.device.is_cuda()) cuda_synchronize(run.device.index);
+    if (run.setup.device.is_cuda()) cuda_synchronize(run.setup.device.index);
   };
   drain();
   StepProfile p;
-  p.step = run.step + 1;
-  p.device = run.device.str();
+  p.step = run.loop.step + 1;
+  p.device = run.setup.device.str();
   const auto t0 = clock::now();
   profile_begin();
   std::optional<StepMetrics> m;
@@ -134,7 +134,7 @@ std::optional<StepMetrics> profiled_train_step(TrainRun& run) {
   }
   p.wall_ms = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
   p.ops = profile_end();
-  if (run.is_root) {
+  if (run.setup.is_root) {
     const std::string table = profile_table(p);
     for (size_t at = 0; at < table.size();) {  // one progress line per table line
       const size_t nl = table.find('\n', at);

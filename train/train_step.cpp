@@ -1,15 +1,12 @@
 // One optimizer step of the training loop (see train_step.h).
 #include "train/train_step.h"
 
-#include <chrono>
 #include <cmath>
-#include <exception>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "engine/allocator.h"
-#include "engine/cuda_graph.h"
 #include "engine/ops/router.h"
 #include "engine/profiler.h"
 #include "kernels/common/device_api.h"
@@ -33,7 +30,9 @@ struct StepLosses {
 };
 
 // This rank's slice of the step's next micro-batch, on the host.
-Batch next_batch(TrainRun& run) { return run.data.next_train(run.cfg.train.batch_size, run.rank, run.world_size); }
+Batch next_batch(TrainRun& run) {
+  return run.setup.data().next_train(run.cfg.train.batch_size, run.setup.rank, run.setup.world_size);
+}
 
 // The step's micro-batch a. An eager step takes each from the data as it reaches it, so a step of many
 // micro-batches holds one at a time and a stop request between two of them is honoured at once; a graph's
@@ -57,19 +56,19 @@ StepLosses run_micro_batches(TrainRun& run, const MicroBatches& batches, bool on
       return out;
     }
     const Batch batch = batches(a);
-    const Transformer::Losses parts = run.model.losses(batch.inputs, batch.targets);
+    const Transformer::Losses parts = run.setup.model().losses(batch.inputs, batch.targets);
     const Variable loss = parts.total();
     out.has_aux = parts.aux.defined();
     const Tensor mtp = parts.mtp.defined() ? parts.mtp.data() : Tensor();
     if (on_device) {
-      run.state.record_losses(a, parts.lm.data(), out.has_aux ? parts.aux.data() : Tensor(), mtp);
+      run.loop.step_state.record_losses(a, parts.lm.data(), out.has_aux ? parts.aux.data() : Tensor(), mtp);
     } else {
       out.lm_parts.push_back(parts.lm.data());
       if (out.has_aux) out.aux_parts.push_back(parts.aux.data());
       if (mtp.defined()) out.mtp_parts.push_back(mtp);
     }
     // The last micro-batch's backward finishes the gradients: the reducer starts on them as they are.
-    if (run.reducer && a + 1 == num_micro_batches) run.reducer->begin();
+    if (run.setup.reducer() && a + 1 == num_micro_batches) run.setup.reducer()->begin();
     (num_micro_batches > 1 ? scale(loss, 1.0 / double(num_micro_batches)) : loss).backward();
   }
   return out;
@@ -93,10 +92,12 @@ void read_losses(StepLosses& l) {
 // backward did not already reduce is reduced now, and the optimizer waits for it); at world size 1 they
 // are already complete.
 void sync_gradients(TrainRun& run) {
-  if (!run.reducer) return;
-  run.reducer->finish();
+  GradientReducer* reducer = run.setup.reducer();
+  AdamW& opt = run.setup.optimizer();
+  if (!reducer) return;
+  reducer->finish();
   // Sharded: the parameters keep no gradient; AdamW reads this rank's segments of them.
-  if (run.opt.sharded()) run.opt.set_range_grads(run.reducer->range_grads());
+  if (opt.sharded()) opt.set_range_grads(reducer->range_grads());
 }
 
 // The host path's losses as the means over the ranks (each slice holds as many tokens) and whether any
@@ -104,13 +105,13 @@ void sync_gradients(TrainRun& run) {
 bool agree_on_losses(TrainRun& run, StepLosses& l, double grad_norm) {
   const double objective = l.lm + (l.has_aux ? l.aux : 0.0);
   const bool finite = std::isfinite(objective) && std::isfinite(grad_norm);
-  if (run.world_size == 1) return finite;
+  if (run.setup.world_size == 1) return finite;
   const bool has_mtp = !std::isnan(l.mtp);
   const std::vector<double> sums = all_reduce_values(
-      *run.world, {l.lm, l.has_aux ? l.aux : 0.0, finite ? 0.0 : 1.0, has_mtp ? l.mtp : 0.0}, ReduceOp::sum);
-  l.lm = sums[0] / double(run.world_size);
-  if (l.has_aux) l.aux = sums[1] / double(run.world_size);
-  if (has_mtp) l.mtp = sums[3] / double(run.world_size);
+      *run.setup.world, {l.lm, l.has_aux ? l.aux : 0.0, finite ? 0.0 : 1.0, has_mtp ? l.mtp : 0.0}, ReduceOp::sum);
+  l.lm = sums[0] / double(run.setup.world_size);
+  if (l.has_aux) l.aux = sums[1] / double(run.setup.world_size);
+  if (has_mtp) l.mtp = sums[3] / double(run.setup.world_size);
   return sums[2] == 0;
 }
 
@@ -130,16 +131,16 @@ void apply_non_finite_policy(TrainRun& run, const std::string& what) {
   if (tc.nonfinite == "stop") {
     // The update was not applied: the checkpoint holds the weights of the last good step, and a
     // --resume continues after the batch that failed.
-    save_run_checkpoint(run, run.step);
+    save_run_checkpoint(run, run.loop.step);
     FLOWMOE_THROW(Error, what, "; stopping because train.nonfinite is 'stop' (", run.cfg.origin("train.nonfinite"),
                   "); the weights before this step are in ", run.res.last_checkpoint,
                   ". Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nonfinite: skip");
   }
-  if (run.skipped > tc.max_skipped_steps)
-    FLOWMOE_THROW(Error, what, "; ", run.skipped,
+  if (run.loop.skipped > tc.max_skipped_steps)
+    FLOWMOE_THROW(Error, what, "; ", run.loop.skipped,
                   " steps skipped so far, more than train.max_skipped_steps = ", tc.max_skipped_steps,
                   ": the run is diverging. Lower optimizer.lr or raise warmup_steps");
-  run.progress.message(what + ": update skipped (" + std::to_string(run.skipped) + " of at most " +
+  run.progress.message(what + ": update skipped (" + std::to_string(run.loop.skipped) + " of at most " +
                        std::to_string(tc.max_skipped_steps) + ")");
 }
 
@@ -149,28 +150,31 @@ void apply_non_finite_policy(TrainRun& run, const std::string& what) {
 // expert shards' squared norms the sum over the expert-parallel group, by collectives on the device:
 // every rank then holds the same scalars, so all of them apply, skip or stop the step alike.
 void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
+  AdamW& opt = run.setup.optimizer();
+  const Transformer& model = run.setup.model();
+  StepState& state = run.loop.step_state;
   // An exchange that ran out of rows voids the step on every rank (kernels/step_control.h): the expert-parallel
   // groups each agree already, the data-parallel copies of them through the maximum.
-  const Tensor& overflow = run.exchange_overflow;
-  if (overflow.defined() && run.world_size > 1) run.world->all_reduce(overflow, ReduceOp::max);
+  const Tensor& overflow = run.loop.exchange_overflow;
+  if (overflow.defined() && run.setup.world_size > 1) run.setup.world->all_reduce(overflow, ReduceOp::max);
   if (on_device) {
-    OpTimer timer("gradient norm", OpPhase::step, "optimizer", run.device, 0, 0);
-    if (run.world_size > 1) run.state.reduce_losses(*run.world);
-    const std::vector<bool> experts = expert_shard_flags(run.parallel, run.model.parameter_shards());
-    Tensor sums = run.opt.grad_square_sums_device(experts);  // {dense, expert shards}
-    reduce_square_sums(run.parallel, sums, run.opt.sharded());
-    run.state.advance_on_device(sums.data<float>(), overflow.defined() ? overflow.data<int32_t>() : nullptr);
+    OpTimer timer("gradient norm", OpPhase::step, "optimizer", run.setup.device, 0, 0);
+    if (run.setup.world_size > 1) state.reduce_losses(*run.setup.world);
+    const std::vector<bool> experts = expert_shard_flags(run.setup.parallel, model.parameter_shards());
+    Tensor sums = opt.grad_square_sums_device(experts);  // {dense, expert shards}
+    reduce_square_sums(run.setup.parallel, sums, opt.sharded());
+    state.advance_on_device(sums.data<float>(), overflow.defined() ? overflow.data<int32_t>() : nullptr);
     return;
   }
   double norm = NAN;
   {
-    OpTimer timer("gradient norm", OpPhase::step, "optimizer", run.device, 0, 0);
-    norm = global_grad_norm(run.parallel, run.opt, run.model.parameter_shards());  // of the synced gradients
+    OpTimer timer("gradient norm", OpPhase::step, "optimizer", run.setup.device, 0, 0);
+    norm = global_grad_norm(run.setup.parallel, opt, model.parameter_shards());  // of the synced gradients
   }
-  if (run.opts.after_loss) run.opts.after_loss(run.step, &losses.lm);
+  if (run.opts.after_loss) run.opts.after_loss(run.loop.step, &losses.lm);
   const bool all_finite = agree_on_losses(run, losses, norm);
-  run.state.advance_on_host(losses.lm, losses.aux, norm, all_finite, overflow.defined() ? overflow.to_ints()[0] : 0,
-                            losses.mtp);
+  state.advance_on_host(losses.lm, losses.aux, norm, all_finite, overflow.defined() ? overflow.to_ints()[0] : 0,
+                        losses.mtp);
 }
 
 // The step on the device, from the batches (on the device for the device path) to the expert-bias
@@ -179,175 +183,95 @@ void advance_scalars(TrainRun& run, StepLosses& losses, bool on_device) {
 // gradients are zeroed and nothing else is done.
 std::vector<Tensor> step_body(TrainRun& run, const MicroBatches& batches, bool on_device, IssuedStep& issued,
                               bool* dropped = nullptr) {
+  AdamW& opt = run.setup.optimizer();
+  Transformer& model = run.setup.model();
+  GradientReducer* reducer = run.setup.reducer();
   const uint64_t syncs_before = num_host_syncs();
   reset_cast_counts();
-  run.opt.zero_grad();
+  opt.zero_grad();
   StepLosses losses = run_micro_batches(run, batches, on_device, dropped != nullptr);
   if (losses.dropped) {
-    run.opt.zero_grad();
+    opt.zero_grad();
     *dropped = true;
     return {};
   }
   issued.has_aux = losses.has_aux;
   if (run.cast_divisor > 0) {
-    run.last_casts = cast_counts();
-    issued.moe_casts = double(run.last_casts.activation_casts()) / run.cast_divisor;
+    run.loop.last_casts = cast_counts();
+    issued.moe_casts = double(run.loop.last_casts.activation_casts()) / run.cast_divisor;
   }
   {
-    OpTimer timer("gradient sync", OpPhase::step, "optimizer", run.device, 0, 0);
+    OpTimer timer("gradient sync", OpPhase::step, "optimizer", run.setup.device, 0, 0);
     sync_gradients(run);
   }
-  // The model's and the gradient reduction's own, which use_graph reads; the loss reads below are not counted.
+  // The model's and the gradient reduction's own, which StepGraph::use reads; the loss reads below are not counted.
   issued.host_syncs = int64_t(num_host_syncs() - syncs_before);
   read_losses(losses);
-  if (run.opts.after_backward) run.opts.after_backward(run.step, run.model.parameters());
+  if (run.opts.after_backward) run.opts.after_backward(run.loop.step, model.parameters());
   advance_scalars(run, losses, on_device);
   {
-    OpTimer timer("adamw", OpPhase::step, "optimizer", run.device, 0, 0);
-    run.opt.step(run.state.scalars());  // a skipped step changes nothing (step_control.h: apply)
-    run.opt.zero_grad();
-    if (run.opt.sharded()) run.reducer->release_grads();  // the sharded gradients, read by AdamW
+    OpTimer timer("adamw", OpPhase::step, "optimizer", run.setup.device, 0, 0);
+    opt.step(run.loop.step_state.scalars());  // a skipped step changes nothing (step_control.h: apply)
+    opt.zero_grad();
+    if (opt.sharded()) reducer->release_grads();  // the sharded gradients, read by AdamW
   }
   // Each rank updated its segments: every rank gets all of them, while the next forward begins.
-  if (run.opt.sharded()) run.reducer->gather_weights();
-  OpTimer timer("expert bias", OpPhase::step, "optimizer", run.device, 0, 0);
+  if (opt.sharded()) reducer->gather_weights();
+  OpTimer timer("expert bias", OpPhase::step, "optimizer", run.setup.device, 0, 0);
   // Every rank moves its bias by the loads of the global batch.
-  if (run.world_size > 1) all_reduce_flat(*run.world, run.model.moe_load_counts(), ReduceOp::sum);
-  return run.model.update_moe_bias(run.state.scalars());  // a skipped step moves nothing; loads still logged
-}
-
-// train.cuda_graph: whether this step replays (or first captures) the graph. auto takes it once an eager
-// step of this run made no host synchronisation on any rank; on insists, and says why when it cannot.
-// Every rank decides alike: what it reads is the same on every rank, or agreed over the world.
-bool use_graph(TrainRun& run, bool profiled) {
-  const std::string& mode = run.cfg.train.cuda_graph;
-  if (mode == "off" || run.graph_failed || profiled) return false;
-  if (run.graph && run.graph->captured()) return true;
-  // Several ranks: nccl's collectives, the reducer's stream and the zero-sync exchange's device puts are
-  // captured with the step. A sync exchange reads counts to the host, which no replay could repeat.
-  const bool possible = step_scalars_on_device(run) && !run.opts.after_backward;
-  FLOWMOE_CHECK(possible || mode != "on", ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
-                ") needs a GPU, one process or collectives on the device (nccl), and no test hooks");
-  // The first step of a run is eager: it creates the cuBLASLt plans and tells whether the step syncs.
-  if (!possible || run.eager_steps == 0) return false;
-  const bool no_syncs = on_every_rank(*run.world, run.last_eager_host_syncs == 0);
-  FLOWMOE_CHECK(no_syncs || mode != "on", ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
-                "), but the eager step made host synchronisations (", run.last_eager_host_syncs,
-                " on this rank), which a graph cannot replay (expert parallelism needs "
-                "parallel.ep_dispatch: zero_sync on GPUs that reach each other's memory)");
-  return no_syncs;
-}
-
-// The graph step: the batches go into the captured step's static inputs, then one launch runs it all.
-std::vector<Tensor> graph_step(TrainRun& run, const std::vector<Batch>& batches, IssuedStep& issued) {
-  // A weight gather an eager step left in flight (the last before the capture, or the profiled one):
-  // neither the capture nor a replay may wait on an event from outside the graph, whose own gathers
-  // are joined inside it.
-  if (run.reducer) run.reducer->wait_weights();
-  if (!run.graph) {
-    run.graph = std::make_unique<CudaGraphCapture>(run.device);
-    run.graph_inputs.clear();
-    for (const Batch& b : batches)
-      run.graph_inputs.push_back({Tensor::empty(b.inputs.shape(), b.inputs.dtype(), run.device),
-                                  Tensor::empty(b.targets.shape(), b.targets.dtype(), run.device)});
-  }
-  for (size_t a = 0; a < batches.size(); ++a) {
-    run.state.upload_into(batches[a].inputs, run.graph_inputs[a].inputs);
-    run.state.upload_into(batches[a].targets, run.graph_inputs[a].targets);
-  }
-  if (!run.graph->captured()) {
-    std::exception_ptr failure;
-    std::string why = "another rank could not capture it";
-    try {
-      run.graph->capture([&] { return step_body(run, prepared(run.graph_inputs), true, run.graph_issued); });
-    } catch (const Error& e) {
-      failure = std::current_exception();
-      why = e.what();
-    }
-    const GraphDecision decision = agree_on_capture(*run.world, failure == nullptr, run.cfg.train.cuda_graph == "on");
-    if (decision != GraphDecision::replay) {
-      // Nothing of a capture ran, here or elsewhere; FP8 weight caches made during it are dropped (their
-      // versions move), and so is a graph this rank did capture.
-      for (const Variable& p : run.model.parameters()) p.bump_version();
-      // The gathered copies hold the weights still (nothing ran); their f32 weights are stale outside this
-      // rank's segments, so the forward must not quantize them again.
-      if (run.reducer && run.reducer->sharded()) run.reducer->mark_fp8_current();
-      run.graph.reset();
-      if (decision == GraphDecision::abort && failure) std::rethrow_exception(failure);
-      FLOWMOE_CHECK(decision != GraphDecision::abort, Error, "train.cuda_graph: on (",
-                    run.cfg.origin("train.cuda_graph"), "), but the step could not be captured: ", why);
-      run.graph_failed = true;
-      run.progress.message("train.cuda_graph: the step could not be captured, so it runs eagerly (" + why + ")");
-      return step_body(run, prepared(run.graph_inputs), true, issued);
-    }
-    run.graph_casts = run.last_casts;
-    run.progress.message("train.cuda_graph: step " + std::to_string(run.step) +
-                         " captured; it and later steps replay it");
-  }
-  run.graph->replay();
-  // What the captured host code did once, each replay does on the device; the versions move as an
-  // eager AdamW step moves them, and the FP8 copies the update wrote are current for the new versions.
-  for (const Variable& p : run.model.parameters()) p.bump_version();
-  run.opt.mark_fp8_copies_current();
-  if (run.reducer && run.reducer->sharded()) run.reducer->mark_fp8_current();
-  issued = run.graph_issued;
-  run.last_casts = run.graph_casts;
-  return run.graph->outputs();
+  if (run.setup.world_size > 1) all_reduce_flat(*run.setup.world, model.moe_load_counts(), ReduceOp::sum);
+  return model.update_moe_bias(run.loop.step_state.scalars());  // a skipped step moves nothing; loads still logged
 }
 
 }  // namespace
 
-GraphDecision agree_on_capture(Communicator& world, bool captured_here, bool insist) {
-  if (on_every_rank(world, captured_here)) return GraphDecision::replay;
-  return insist ? GraphDecision::abort : GraphDecision::eager;
-}
-
 bool step_scalars_on_device(const TrainRun& run) {
   // Several ranks need device collectives (nccl) for it; the mpi backend stages through the host.
-  const bool device_collectives = run.world_size == 1 || run.world->native_device().is_cuda();
-  return run.device.is_cuda() && device_collectives && !run.opts.after_loss;
+  const bool device_collectives = run.setup.world_size == 1 || run.setup.world->native_device().is_cuda();
+  return run.setup.device.is_cuda() && device_collectives && !run.opts.after_loss;
 }
 
 bool issue_step(TrainRun& run, bool profiled) {
-  using clock = std::chrono::steady_clock;
-  if (run.state.num_pending() == 0) run.step_clock = clock::now();
-  Communicator* exchanges = run.parallel.expert_parallel_size > 1 ? run.parallel.expert_parallel.get() : nullptr;
+  if (run.loop.step_state.num_pending() == 0) run.loop.time.restart();
+  Communicator* exchanges =
+      run.setup.parallel.expert_parallel_size > 1 ? run.setup.parallel.expert_parallel.get() : nullptr;
   // An evaluation's exchanges are not this step's (one runs only while no step is pending).
-  if (exchanges && run.state.num_pending() == 0) exchanges->take_exchange_ms();
+  if (exchanges && run.loop.step_state.num_pending() == 0) exchanges->take_exchange_ms();
   const bool on_device = step_scalars_on_device(run);
-  ++run.step;
-  const DataPosition data_before = run.data.position();
+  ++run.loop.step;
+  const DataPosition data_before = run.setup.data().position();
   IssuedStep issued;
   std::vector<Tensor> loads;
-  if (on_device) run.state.prepare_device_step();  // before a graph replays or captures the step
-  const bool graphed = use_graph(run, profiled);
+  if (on_device) run.loop.step_state.prepare_device_step();  // before a graph replays or captures the step
+  const bool graphed = run.graph.use(run, profiled);
   if (graphed) {
     std::vector<Batch> batches;
     for (int64_t a = 0; a < run.cfg.train.grad_accum_steps; ++a) batches.push_back(next_batch(run));
-    loads = graph_step(run, batches, issued);
+    loads = run.graph.step(run, batches, issued, [&run](const std::vector<Batch>& inputs, IssuedStep& is) {
+      return step_body(run, prepared(inputs), true, is);
+    });
   } else {
     const MicroBatches take = [&](int64_t) {
       Batch b = next_batch(run);
       // A plain copy to the device would wait for the previous step to finish.
-      return on_device ? Batch{run.state.upload(b.inputs), run.state.upload(b.targets)} : b;
+      return on_device ? Batch{run.loop.step_state.upload(b.inputs), run.loop.step_state.upload(b.targets)} : b;
     };
     bool dropped = false;
-    loads = step_body(run, take, on_device, issued, run.world_size == 1 && !profiled ? &dropped : nullptr);
+    loads = step_body(run, take, on_device, issued, run.setup.world_size == 1 && !profiled ? &dropped : nullptr);
     if (dropped) {
-      --run.step;
-      run.data.set_position(data_before);
+      --run.loop.step;
+      run.setup.data().set_position(data_before);
       return false;
     }
-    ++run.eager_steps;
-    run.last_eager_host_syncs = issued.host_syncs;
+    run.graph.count_eager_step(issued.host_syncs);
   }
   // A graph step's `issued` is its capture's: the data position is this step's own.
   issued.data_before = data_before;
   // The step's exchanges are timed unless it is a graph's (its replays record no timing events).
   issued.has_exchanges = exchanges != nullptr && !graphed;
   if (issued.has_exchanges) exchanges->close_exchange_window();  // read with the step's scalars (complete_step)
-  run.state.snapshot(loads);
-  run.issued.push_back(issued);
+  run.loop.step_state.snapshot(loads);
+  run.loop.issued.push_back(issued);
   return true;
 }
 
@@ -356,46 +280,41 @@ namespace {
 // A void step, read back with the scalars of the last step that was applied (last_step): its exchange needed
 // `need` rows on some rank, more than the buffers hold. Every step queued after it is void too (the overflow
 // is sticky on the device); they are read back and dropped. The buffers grow to the need and an eighth, the
-// graph (sized for the old buffers) is dropped, and run.step and the data go back to before the void step, which
+// graph (sized for the old buffers) is dropped, and run.loop.step and the data go back to before the void step, which
 // the loop then takes again, as if it had never run: it changed nothing.
 void rerun_after_overflow(TrainRun& run, int64_t last_step, int64_t need, const DataPosition& data_before) {
-  while (run.state.num_pending() > 0) {
-    run.state.complete();
-    if (run.issued.front().has_exchanges) run.parallel.expert_parallel->take_exchange_window_ms();
-    run.issued.pop_front();
+  while (run.loop.step_state.num_pending() > 0) {
+    run.loop.step_state.complete();
+    if (run.loop.issued.front().has_exchanges) run.setup.parallel.expert_parallel->take_exchange_window_ms();
+    run.loop.issued.pop_front();
   }
-  run.exchange_min_rows = std::max(run.exchange_min_rows, need + need / 8);
-  run.model.set_exchange_buffers(run.cfg.parallel.ep_capacity_factor, run.exchange_min_rows, run.exchange_overflow);
-  run.exchange_overflow.zero_();
-  run.state.clear_exchange_overflow();
-  // The graph holds the old buffers' shapes. The next step runs eagerly (an exchange window grows there,
-  // which a capture could not do) and the one after it is captured anew.
-  run.graph.reset();
-  run.eager_steps = 0;
-  const int64_t queued_after = run.step - last_step - 1;
+  run.loop.exchange_min_rows = std::max(run.loop.exchange_min_rows, need + need / 8);
+  run.setup.model().set_exchange_buffers(run.cfg.parallel.ep_capacity_factor, run.loop.exchange_min_rows,
+                                         run.loop.exchange_overflow);
+  run.loop.exchange_overflow.zero_();
+  run.loop.step_state.clear_exchange_overflow();
+  run.graph.drop();  // it holds the old buffers' shapes
+  const int64_t queued_after = run.loop.step - last_step - 1;
   const std::string also = queued_after == 1  ? ", as does the step queued after it"
                            : queued_after > 1 ? ", as do the " + std::to_string(queued_after) + " steps queued after it"
                                               : std::string();
   run.progress.message("step " + std::to_string(last_step + 1) + ": an expert exchange needed " + std::to_string(need) +
                        " receive rows, more than its buffers hold (parallel.ep_capacity_factor " +
                        format_fixed(run.cfg.parallel.ep_capacity_factor, 2) + "); they grow to " +
-                       std::to_string(run.exchange_min_rows) + " rows and the step runs again" + also);
-  run.step = last_step;
-  run.data.set_position(data_before);
-  const auto now = std::chrono::steady_clock::now();  // the void steps' time is training time too
-  run.train_seconds += std::chrono::duration<double>(now - run.step_clock).count();
-  run.step_clock = now;
+                       std::to_string(run.loop.exchange_min_rows) + " rows and the step runs again" + also);
+  run.loop.step = last_step;
+  run.setup.data().set_position(data_before);
+  run.loop.time.lap();  // the void steps' time is training time too
 }
 
 }  // namespace
 
 std::optional<StepMetrics> complete_step(TrainRun& run) {
-  using clock = std::chrono::steady_clock;
-  const StepReadout r = run.state.complete();
-  const IssuedStep issued = run.issued.front();
-  run.issued.pop_front();
+  const StepReadout r = run.loop.step_state.complete();
+  const IssuedStep issued = run.loop.issued.front();
+  run.loop.issued.pop_front();
   if (r.scalars.exchange_overflow > 0) {
-    if (issued.has_exchanges) run.parallel.expert_parallel->take_exchange_window_ms();
+    if (issued.has_exchanges) run.setup.parallel.expert_parallel->take_exchange_window_ms();
     rerun_after_overflow(run, r.scalars.step, r.scalars.exchange_overflow, issued.data_before);
     return std::nullopt;
   }
@@ -409,22 +328,19 @@ std::optional<StepMetrics> complete_step(TrainRun& run) {
   m.host_syncs = issued.host_syncs;
   m.moe_casts = issued.moe_casts;
   // The step has finished: its exchanges' window is read without waiting on a step queued after it.
-  if (issued.has_exchanges) m.exchange_ms = run.parallel.expert_parallel->take_exchange_window_ms();
+  if (issued.has_exchanges) m.exchange_ms = run.setup.parallel.expert_parallel->take_exchange_window_ms();
   for (const std::vector<int64_t>& l : r.loads) m.moe_max_over_mean.push_back(load_stats(l).max_over_mean);
-  run.opt.set_num_updates(r.scalars.num_updates);
+  run.setup.optimizer().set_num_updates(r.scalars.num_updates);
 
-  const auto now = clock::now();
-  const double dt = std::chrono::duration<double>(now - run.step_clock).count();
-  run.step_clock = now;
-  run.train_seconds += dt;
-  ++run.steps_done;
+  const double dt = run.loop.time.lap();
+  ++run.loop.steps_done;
   m.tokens_per_s = double(run.tokens_per_step) / dt;
   run.flops.set_rates(m);
-  m.peak_mem_bytes = int64_t(memory_stats(run.device).peak_bytes);
+  m.peak_mem_bytes = int64_t(memory_stats(run.setup.device).peak_bytes);
   run.res.losses.push_back(m.loss);
   if (!r.scalars.apply) {
     m.skipped = true;
-    ++run.skipped;
+    ++run.loop.skipped;
     apply_non_finite_policy(run, describe_non_finite(m, issued.has_aux));
   }
   return m;

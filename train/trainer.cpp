@@ -40,7 +40,8 @@ static bool due(int64_t step, int64_t every, int64_t last_step) {
 static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
   if (run.val.num_batches == 0 || !due(m.step, run.cfg.train.eval_every, run.cfg.train.steps)) return;
   const RunClock::Clock::time_point t0 = RunClock::Clock::now();
-  m.val_loss = evaluate(run.model, run.data, run.val.num_batches, run.val.batch_size, run.world.get());
+  m.val_loss =
+      evaluate(run.setup.model(), run.setup.data(), run.val.num_batches, run.val.batch_size, run.setup.world.get());
   run.clock.evaluation_seconds += RunClock::seconds_since(t0);
   if (std::isnan(run.res.first_val_loss)) run.res.first_val_loss = m.val_loss;
   run.res.final_val_loss = m.val_loss;
@@ -55,7 +56,7 @@ static void sample_if_due(TrainRun& run, int64_t step) {
   if (!due(step, run.cfg.train.sample_every, -1)) return;
   const RunClock::Clock::time_point t0 = RunClock::Clock::now();
   if (!run.sample_tokenizer) run.sample_tokenizer = RunTokenizer::for_config(run.cfg);
-  const std::string line = training_sample(run.model, run.data, *run.sample_tokenizer);
+  const std::string line = training_sample(run.setup.model(), run.setup.data(), *run.sample_tokenizer);
   run.clock.evaluation_seconds += RunClock::seconds_since(t0);
   run.progress.message("step " + std::to_string(step) + ": sample " + line);
 }
@@ -70,10 +71,10 @@ static bool checkpoint_due(const TrainRun& run, int64_t step) {
 // so it is also the last one queued and the weights are its own. Returns whether it saved one.
 static bool save_if_due(TrainRun& run, int64_t step) {
   if (!checkpoint_due(run, step)) return false;
-  FLOWMOE_CHECK(step == run.step, Error, "checkpoint of step ", step, " while step ", run.step, " is queued");
-  save_run_checkpoint(run, run.step);
-  run.last_saved = run.step;
-  run.progress.message("step " + std::to_string(run.step) + ": checkpoint " + run.res.last_checkpoint);
+  FLOWMOE_CHECK(step == run.loop.step, Error, "checkpoint of step ", step, " while step ", run.loop.step, " is queued");
+  save_run_checkpoint(run, run.loop.step);
+  run.loop.last_saved = run.loop.step;
+  run.progress.message("step " + std::to_string(run.loop.step) + ": checkpoint " + run.res.last_checkpoint);
   return true;
 }
 
@@ -81,14 +82,14 @@ static bool save_if_due(TrainRun& run, int64_t step) {
 // call's first step there is nothing new to save: the checkpoint it resumed from stands (none at step 0).
 // Rank 0 then removes the stop file, so that the resume does not stop at once.
 static void stop_with_checkpoint(TrainRun& run) {
-  if (run.steps_done > 0 && run.last_saved != run.step) save_run_checkpoint(run, run.step);
-  if (run.steps_done == 0) run.res.last_checkpoint = run.resume_dir;
-  const bool by_file = run.is_root && remove_stop_file(run.res.out_dir);
+  if (run.loop.steps_done > 0 && run.loop.last_saved != run.loop.step) save_run_checkpoint(run, run.loop.step);
+  if (run.loop.steps_done == 0) run.res.last_checkpoint = run.resume_dir;
+  const bool by_file = run.setup.is_root && remove_stop_file(run.res.out_dir);
   const std::string why = by_file ? " (asked by " + stop_file_path(run.res.out_dir) + ", now removed)" : "";
   if (run.res.last_checkpoint.empty())
     run.progress.message("stopped before the first step" + why + ": nothing trained, no checkpoint");
   else
-    run.progress.message("interrupted at step " + std::to_string(run.step) + why + ": checkpoint " +
+    run.progress.message("interrupted at step " + std::to_string(run.loop.step) + why + ": checkpoint " +
                          run.res.last_checkpoint + " (continue with --resume)");
   run.res.interrupted = true;
 }
@@ -97,32 +98,34 @@ static void stop_with_checkpoint(TrainRun& run) {
 static void report_step(TrainRun& run, const StepMetrics& m) {
   if (run.metrics) run.metrics->write(m);  // rank 0's alone
   StepMetrics shown = m;
-  shown.tokens_per_s = double(run.tokens_per_step * run.steps_done) / run.train_seconds;  // smoothed for display
+  shown.tokens_per_s =
+      double(run.tokens_per_step * run.loop.steps_done) / run.loop.time.seconds();  // smoothed for display
   run.flops.set_rates(shown);
-  run.progress.update(shown, run.train_seconds / double(run.steps_done) * double(run.cfg.train.steps - run.step));
+  run.progress.update(
+      shown, run.loop.time.seconds() / double(run.loop.steps_done) * double(run.cfg.train.steps - run.loop.step));
 }
 
 // ---- the loop -------------------------------------------------------------------------------------
 
 // Whether this rank was asked to stop: a signal, or on rank 0 the stop file.
-static bool asked_to_stop(const TrainRun& run) { return stop_requested(run.res.out_dir, run.is_root); }
+static bool asked_to_stop(const TrainRun& run) { return stop_requested(run.res.out_dir, run.setup.is_root); }
 
 // Whether any rank was asked to stop (a launcher delivers a signal to the ranks at slightly different
 // times, and rank 0 alone reads the stop file): all of them stop at the same point.
 static bool agree_on_stop(TrainRun& run) {
   const bool stop = asked_to_stop(run);
-  if (run.world_size == 1) return stop;
-  return all_reduce_values(*run.world, {stop ? 1.0 : 0.0}, ReduceOp::max)[0] > 0;
+  if (run.setup.world_size == 1) return stop;
+  return all_reduce_values(*run.setup.world, {stop ? 1.0 : 0.0}, ReduceOp::max)[0] > 0;
 }
 
 // The peak memory and exchange time of the step as the most any rank used, and agree_on_stop's answer,
 // in the step's one collective: all ranks stop after the same step.
 static bool agree_after_step(TrainRun& run, StepMetrics& m) {
   const bool stop = asked_to_stop(run);
-  if (run.world_size == 1) return stop;
+  if (run.setup.world_size == 1) return stop;
   const bool exchanged = !std::isnan(m.exchange_ms);  // the same on every rank: an expert-parallel run
   const std::vector<double> most = all_reduce_values(
-      *run.world, {double(m.peak_mem_bytes), stop ? 1.0 : 0.0, exchanged ? m.exchange_ms : 0.0}, ReduceOp::max);
+      *run.setup.world, {double(m.peak_mem_bytes), stop ? 1.0 : 0.0, exchanged ? m.exchange_ms : 0.0}, ReduceOp::max);
   m.peak_mem_bytes = int64_t(most[0]);
   if (exchanged) m.exchange_ms = most[2];
   return most[1] > 0;
@@ -137,14 +140,15 @@ static bool finish_step(TrainRun& run, StepMetrics m) {
   bool stop = agree_after_step(run, m);
   report_step(run, m);
   if (save_if_due(run, m.step) && !stop) stop = agree_on_stop(run);
-  run.step_clock = std::chrono::steady_clock::now();  // evaluation and checkpoints are not training time
+  run.loop.time.restart();  // evaluation and checkpoints are not training time
   return stop;
 }
 
 // The step's read-back: on the GPUs it waits for the step's collectives too, so a peer that stopped answering
 // shows here (the collectives' watchdog, parallel/watchdog.h).
 static std::optional<StepMetrics> read_back_step(TrainRun& run) {
-  const WatchedWait watch("the read-back of a step (its collectives)", run.world->backend_name(), run.world_size);
+  const WatchedWait watch("the read-back of a step (its collectives)", run.setup.world->backend_name(),
+                          run.setup.world_size);
   return complete_step(run);
 }
 
@@ -153,9 +157,9 @@ static std::optional<StepMetrics> read_back_step(TrainRun& run) {
 // step is not the profiled one, and a non-finite step need not stop the run exactly there.
 static bool may_run_ahead(const TrainRun& run) {
   const TrainConfig& tc = run.cfg.train;
-  return step_scalars_on_device(run) && run.step < run.end && run.step + 1 != run.opts.profile_step &&
-         tc.nonfinite != "stop" && !due(run.step, tc.eval_every, tc.steps) && !due(run.step, tc.sample_every, -1) &&
-         !checkpoint_due(run, run.step);
+  return step_scalars_on_device(run) && run.loop.step < run.end && run.loop.step + 1 != run.opts.profile_step &&
+         tc.nonfinite != "stop" && !due(run.loop.step, tc.eval_every, tc.steps) &&
+         !due(run.loop.step, tc.sample_every, -1) && !checkpoint_due(run, run.loop.step);
 }
 
 TrainResult train(const Config& cfg, const TrainOptions& opts) {
@@ -167,8 +171,8 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
   const CollectiveWatchdog watchdog(several ? cfg.parallel.timeout_s : 0, several ? opts.world->rank() : 0);
   TrainRun run(cfg, opts);
   bool stop = agree_on_stop(run);  // a request during set-up (or a stop file left behind): no step at all
-  while (run.step < run.end && !stop) {
-    if (run.step + 1 == run.opts.profile_step) {
+  while (run.loop.step < run.end && !stop) {
+    if (run.loop.step + 1 == run.opts.profile_step) {
       if (std::optional<StepMetrics> m = profiled_train_step(run)) stop = finish_step(run, *m);
       continue;
     }
@@ -180,14 +184,14 @@ TrainResult train(const Config& cfg, const TrainOptions& opts) {
     // On one GPU the host queues step N + 1 before it reads step N's loss: the GPU never waits for it.
     const int64_t keep = may_run_ahead(run) ? 1 : 0;
     // A void step (none is left pending then) goes round again: the loop takes it anew.
-    while (run.state.num_pending() > keep && !stop)
+    while (run.loop.step_state.num_pending() > keep && !stop)
       if (std::optional<StepMetrics> m = read_back_step(run)) stop = finish_step(run, *m);
   }
-  while (run.state.num_pending() > 0)  // a step queued before a stop
+  while (run.loop.step_state.num_pending() > 0)  // a step queued before a stop
     if (std::optional<StepMetrics> m = read_back_step(run)) finish_step(run, *m);
-  if (stop && run.step < run.end)
+  if (stop && run.loop.step < run.end)
     stop_with_checkpoint(run);
-  else if (stop && run.is_root)
+  else if (stop && run.setup.is_root)
     remove_stop_file(run.res.out_dir);  // it came with the run's last step: moot, and the next run must not stop
   return finish_run(run);
 }

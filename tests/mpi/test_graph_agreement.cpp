@@ -1,12 +1,12 @@
-// train.cuda_graph over several ranks (train/train_step.h, agree_on_capture): every rank replays the
+// train.cuda_graph over several ranks (train/step_graph.h, agree_on_capture): every rank replays the
 // captured step or none does. The decision is made on the host side of the world, so it runs here on the
-// CPU: each rank hands in its own capture's outcome, as graph_step does after trying it, and rank 1's
+// CPU: each rank hands in its own capture's outcome, as StepGraph::step does after trying it, and rank 1's
 // capture fails while the others' succeed.
 #include <string>
 
 #include "parallel/collectives.h"
 #include "tests/mpi/comm_test_util.h"
-#include "train/train_step.h"
+#include "train/step_graph.h"
 
 namespace flowmoe::test {
 namespace {
