@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "engine/ops/ops.h"
 #include "engine/rng.h"
 #include "kernels/attention.h"
 #include "kernels/common/cuda_check.h"

@@ -15,7 +15,6 @@
 #include "bench/bench_util.h"
 #include "engine/ops/ops.h"
 #include "engine/rng.h"
-#include "engine/stream.h"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device_api.h"
 #include "kernels/linear.h"

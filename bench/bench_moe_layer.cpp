@@ -11,7 +11,6 @@
 
 #include "bench/bench_util.h"
 #include "engine/allocator.h"
-#include "engine/stream.h"
 #include "kernels/common/device_api.h"
 #include "kernels/grouped_linear.h"
 #include "layers/moe.h"

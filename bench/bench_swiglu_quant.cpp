@@ -16,7 +16,6 @@
 #include "bench/baselines/swiglu_quant_baseline.h"
 #include "bench/bench_util.h"
 #include "engine/rng.h"
-#include "engine/stream.h"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device_api.h"
 #include "kernels/fp8.h"

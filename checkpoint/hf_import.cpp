@@ -9,7 +9,6 @@
 #include "checkpoint/hf_folder.h"
 #include "config/config.h"
 #include "config/output_check.h"
-#include "dataset/data.h"
 #include "dataset/hf_tokenizer.h"
 #include "io/file_io.h"
 #include "kernels/common/error.h"

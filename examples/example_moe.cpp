@@ -18,7 +18,7 @@
 #include "layers/model_config.h"
 #include "layers/moe.h"
 #include "layers/param.h"
-#include "train/trainer.h"
+#include "train/train_options.h"
 
 using namespace flowmoe;
 

@@ -30,7 +30,6 @@
 #include "kernels/common/error.h"
 #include "studies/plot.h"
 #include "train/evaluation.h"
-#include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/run_setup.h"
 #include "train/trainer.h"

@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint/checkpoint.h"
 #include "config/output_check.h"
 #include "examples/args.h"
 #include "io/file_io.h"
+#include "io/run_files.h"
 #include "studies/fp8_error.h"
 
 namespace flowmoe {

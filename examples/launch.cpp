@@ -2,7 +2,7 @@
 #include "examples/launch.h"
 
 #include "parallel/backends.h"
-#include "train/trainer.h"
+#include "train/train_options.h"
 
 namespace flowmoe {
 

@@ -18,8 +18,8 @@
 #include "examples/args.h"
 #include "examples/launch.h"
 #include "io/file_io.h"
+#include "parallel/collectives.h"
 #include "studies/parity.h"
-#include "train/data_parallel.h"
 #include "train/trainer.h"
 
 namespace flowmoe {

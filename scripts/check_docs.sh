@@ -24,18 +24,8 @@ if [[ "${1:-}" == "--self-test" ]]; then
   printf 'Read `layers/moe.h`, `moe.h`, `config_schema.{h,cpp}` and [the guide](docs/GUIDE.md); a run writes `metrics.jsonl`; see https://example.com/a.h.\n' >"$tmp/README.md"
   printf '# Guide\n\n`train/*.cpp` and `build/flowmoe`\n' >"$tmp/docs/GUIDE.md"
   printf '// The layer (docs/GUIDE.md).\n' >"$tmp/layers/moe.cpp"
-  failures=0
-  expect() {  # expect NAME STATUS PATTERN: the check on $tmp exits STATUS and prints PATTERN
-    local out status=0
-    out="$(timeout 20 "$0" --root "$tmp" 2>&1)" || status=$?
-    if [[ $status -eq $2 ]] && grep -qF -- "$3" <<<"$out"; then
-      echo "ok   $1"
-    else
-      echo "FAIL $1: exit $status, expected $2 and '$3' in:"
-      echo "$out"
-      failures=$((failures + 1))
-    fi
-  }
+  check="$0"
+  source "$(dirname "$0")/self_test.sh"  # expect NAME STATUS PATTERN
   expect "citations of files that exist pass" 0 "check_docs: every citation"
   printf 'And `layers/config.h`.\n' >>"$tmp/docs/GUIDE.md"
   expect "a doc citing a missing file fails" 1 "docs/GUIDE.md:4: \`layers/config.h\`"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command: check the folders' include order (scripts/check_layers.sh) and that the docs cite only
-# files of the tree (scripts/check_docs.sh), install Debian deps and
+# The test command: check the folders' include order (scripts/check_layers.sh), that the docs cite only
+# files of the tree (scripts/check_docs.sh) and that each include of a project header is used
+# (scripts/check_includes.sh), install Debian deps and
 # the interoperability tests' pinned Python packages (scripts/install_python_deps.sh),
 # check the sources' format (scripts/check_format.sh), configure (CUDA auto-detected: kernels are
 # compiled when nvcc is present, GPU tests skip without a device), build warning-free, run every test.
@@ -10,6 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/check_layers.sh
 scripts/check_docs.sh
+scripts/check_includes.sh --self-test
+scripts/check_includes.sh
 scripts/install_deps.sh
 scripts/install_python_deps.sh
 scripts/check_format.sh

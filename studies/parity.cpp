@@ -12,6 +12,7 @@
 
 #include "io/file_io.h"
 #include "kernels/common/error.h"
+#include "studies/parity_band.h"
 #include "studies/plot.h"
 
 namespace flowmoe {

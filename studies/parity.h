@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "studies/parity_band.h"
 #include "studies/parity_report.h"
 
 namespace flowmoe {

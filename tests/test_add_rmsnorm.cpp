@@ -11,7 +11,6 @@
 #include "engine/ops/add_rmsnorm.h"
 #include "engine/ops/ops.h"
 #include "engine/ops/quantize.h"
-#include "engine/stream.h"
 #include "kernels/add_rmsnorm.h"
 #include "kernels/common/device_api.h"
 #include "kernels/elementwise.h"

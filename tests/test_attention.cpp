@@ -6,7 +6,6 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/attention.h"
 #include "tests/attention_test_util.h"
 #include "tests/test_util.h"
 

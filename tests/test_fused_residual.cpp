@@ -6,7 +6,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/common/device_api.h"
 #include "layers/kv_cache.h"
 #include "layers/transformer.h"
 #include "tests/test_util.h"

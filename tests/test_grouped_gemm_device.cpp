@@ -30,7 +30,6 @@
 #include <cuda_runtime.h>
 #endif
 
-#include "kernels/fp8.h"
 #include "kernels/fp8_grouped_linear.h"
 #include "kernels/grouped_gemm_device.h"
 #include "kernels/grouped_linear.h"

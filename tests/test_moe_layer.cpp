@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <map>
 
-#include "checkpoint/checkpoint.h"
 #include "engine/ops/router.h"
 #include "layers/moe.h"
 #include "tests/moe_test_config.h"

@@ -14,7 +14,6 @@
 #include "engine/ops/ops.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/rmsnorm_quant.h"
-#include "engine/stream.h"
 #include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"

@@ -13,7 +13,6 @@
 
 #include "engine/ops/router.h"
 #include "kernels/adamw.h"
-#include "kernels/common/cuda_check.h"
 #include "kernels/step_control.h"
 #include "tests/train_test_util.h"
 #include "train/optimizer.h"

@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "kernels/common/error.h"
-#include "train/data_parallel.h"
+#include "parallel/collectives.h"
 #include "train/expert_parallel.h"
 
 namespace flowmoe {

@@ -1,6 +1,6 @@
-// A training run's set-up (TrainRun's constructor: the resume target, the memory check, the folders
-// and their locks, the data, the model, the optimizer, the gradient reducer) and its summary (see run.h);
-// its checkpoints are run_checkpoint.cpp's.
+// A training run's set-up (TrainRun's constructor: the resume target, the memory check, the folders and their
+// locks, then through RunSetup the data, the model, the gradient reducer and the optimizer) and its summary (see
+// run.h); its checkpoints are run_checkpoint.cpp's.
 #include "train/run.h"
 
 #include <algorithm>
@@ -15,9 +15,7 @@
 #include "engine/cast_stats.h"
 #include "engine/host_threads.h"
 #include "kernels/common/device_api.h"
-#include "parallel/backends.h"
 #include "parallel/distributed.h"
-#include "train/data_parallel.h"
 #include "train/expert_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/progress.h"

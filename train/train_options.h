@@ -13,7 +13,7 @@
 
 #include "config/config.h"
 #include "engine/device.h"
-#include "layers/transformer.h"
+#include "layers/moe.h"
 #include "parallel/communicator.h"
 #include "parallel/process_group.h"
 

@@ -8,19 +8,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "checkpoint/checkpoint.h"
-#include "engine/allocator.h"
-#include "engine/cast_stats.h"
-#include "engine/host_threads.h"
-#include "kernels/common/device_api.h"
-#include "parallel/backends.h"
-#include "parallel/distributed.h"
 #include "parallel/watchdog.h"
-#include "train/data_parallel.h"
 #include "train/evaluation.h"
-#include "train/expert_parallel.h"
 #include "train/generate.h"
-#include "train/memory_estimate.h"
 #include "train/progress.h"
 #include "train/run.h"
 #include "train/step_profile.h"

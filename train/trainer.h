@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "config/config.h"
-#include "dataset/data.h"
 #include "engine/device.h"
 #include "layers/transformer.h"
 #include "parallel/communicator.h"

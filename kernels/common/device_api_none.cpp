@@ -2,7 +2,6 @@
 #include <cstring>
 
 #include "kernels/common/device_api.h"
-#include "kernels/common/error.h"
 
 namespace flowmoe {
 

@@ -1,7 +1,6 @@
 // CPU reference for strided copies and casts (see kernels/copy.h).
 #include <cstring>
 
-#include "kernels/common/error.h"
 #include "kernels/copy.h"
 
 namespace flowmoe {

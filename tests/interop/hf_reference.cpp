@@ -11,7 +11,8 @@
 #include "config/config.h"
 #include "dataset/data.h"
 #include "io/file_io.h"
-#include "train/trainer.h"
+#include "layers/transformer.h"
+#include "train/train_options.h"
 
 using namespace flowmoe;
 

@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "checkpoint/checkpoint.h"
+#include "checkpoint/safetensors.h"
 #include "tests/mpi/train_launch.h"
 
 using namespace flowmoe;

@@ -15,7 +15,6 @@
 
 #include "engine/cast_stats.h"
 #include "tests/mpi/comm_test_util.h"
-#include "tests/test_util.h"
 #include "tests/train_test_util.h"
 #include "train/trainer.h"
 

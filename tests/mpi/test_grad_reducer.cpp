@@ -11,12 +11,13 @@
 #include <string>
 
 #include "kernels/common/device_api.h"
+#include "layers/transformer.h"
 #include "parallel/backends.h"
 #include "parallel/process_group.h"
 #include "tests/mpi/comm_test_util.h"
 #include "tests/mpi/grad_reducer_cases.h"
 #include "train/grad_reducer.h"
-#include "train/trainer.h"
+#include "train/train_options.h"
 
 namespace flowmoe::test {
 namespace {

@@ -4,7 +4,6 @@
 // given environment, and the backend choice.
 #include <map>
 
-#include "parallel/backends.h"
 #include "parallel/process_group.h"
 #include "tests/mpi/comm_test_util.h"
 #include "tests/test_util.h"
