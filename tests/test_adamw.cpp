@@ -5,7 +5,7 @@
 #include <string>
 
 #include "kernels/adamw.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 #include "train/optimizer.h"
 
 using namespace flowmoe;

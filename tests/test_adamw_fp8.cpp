@@ -14,7 +14,7 @@
 #include "kernels/adamw_fp8.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -11,8 +11,8 @@
 #include "engine/cast_stats.h"
 #include "engine/rng.h"
 #include "layers/fp8_weight.h"
-#include "tests/test_util.h"
-#include "tests/train_test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/train_fixtures.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;

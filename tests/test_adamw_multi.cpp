@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "kernels/adamw.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

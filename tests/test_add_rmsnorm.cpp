@@ -17,9 +17,9 @@
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"
 #include "kernels/rmsnorm.h"
-#include "tests/fp8_rows_check.h"
-#include "tests/norm_test_data.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/fp8_rows_check.h"
+#include "tests/support/norm_inputs.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

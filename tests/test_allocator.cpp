@@ -3,7 +3,7 @@
 #include <cstdlib>
 
 #include "engine/allocator.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 

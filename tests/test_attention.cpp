@@ -6,8 +6,8 @@
 #include <utility>
 #include <vector>
 
-#include "tests/attention_test_util.h"
-#include "tests/test_util.h"
+#include "tests/support/attention_checks.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

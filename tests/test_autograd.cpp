@@ -1,7 +1,7 @@
 // The autograd graph: accumulation where a value is used twice, leaf gradient accumulation across
 // backward calls, no-grad scopes, checkpoint equality, and clear errors.
 #include "engine/allocator.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

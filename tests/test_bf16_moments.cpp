@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kernels/adamw.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -14,7 +14,7 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/safetensors.h"
 #include "kernels/common/error.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/optimizer.h"
 
 using namespace flowmoe;

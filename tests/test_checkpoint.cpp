@@ -11,7 +11,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "kernels/common/error.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 

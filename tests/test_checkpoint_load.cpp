@@ -20,7 +20,7 @@
 #include "kernels/common/error.h"
 #include "kernels/router.h"
 #include "parallel/distributed.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/progress.h"
 #include "train/trainer.h"
 

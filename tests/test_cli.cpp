@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "kernels/common/error.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 
 extern char** environ;
 

@@ -20,7 +20,7 @@
 #include "dataset/data.h"
 #include "io/file_io.h"
 #include "kernels/common/error.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

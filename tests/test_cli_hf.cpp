@@ -13,8 +13,8 @@
 
 #include "checkpoint/hf_format.h"
 #include "dataset/hf_tokenizer.h"
-#include "tests/cli_run.h"
-#include "tests/train_test_util.h"
+#include "tests/support/cli_run.h"
+#include "tests/support/train_fixtures.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -8,7 +8,7 @@
 
 #include "engine/comm_lane.h"
 #include "engine/ops/ops.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 namespace flowmoe::test {
 namespace {

@@ -13,7 +13,7 @@
 #include "kernels/fp8.h"
 #include "kernels/swiglu.h"
 #include "kernels/swiglu_quant.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

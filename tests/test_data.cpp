@@ -13,7 +13,7 @@
 
 #include "dataset/data.h"
 #include "kernels/common/error.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 namespace fs = std::filesystem;

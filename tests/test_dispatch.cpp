@@ -15,7 +15,7 @@
 #include "kernels/common/device_api.h"
 #include "parallel/backends.h"
 #include "parallel/dispatch.h"
-#include "test_util.h"
+#include "tests/support/checks.h"
 
 namespace flowmoe {
 namespace {

@@ -1,5 +1,5 @@
 // add / mul / scale / cast / reshape: gradient checks of the CPU reference and CUDA vs CPU.
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -7,7 +7,7 @@
 
 #include "kernels/ep_layout.h"
 #include "parallel/exchange.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 namespace flowmoe::test {
 namespace {

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "kernels/attention.h"
-#include "tests/attention_test_util.h"
-#include "tests/test_util.h"
+#include "tests/support/attention_checks.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -16,8 +16,8 @@
 #include "kernels/fp8.h"
 #include "kernels/fp8_transpose.h"
 #include "kernels/quantize.h"
-#include "tests/cuda_graph_test.h"
-#include "tests/test_util.h"
+#include "tests/support/captured_graph.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

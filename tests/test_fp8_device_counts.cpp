@@ -16,8 +16,8 @@
 #include "engine/ops/grouped_linear.h"
 #include "kernels/fp8.h"
 #include "layers/moe.h"
-#include "tests/moe_test_config.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/moe_config.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

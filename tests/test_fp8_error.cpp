@@ -15,7 +15,7 @@
 
 #include "engine/tap.h"
 #include "studies/fp8_error.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

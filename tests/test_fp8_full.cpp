@@ -11,9 +11,9 @@
 #include "engine/cast_stats.h"
 #include "engine/profiler.h"
 #include "layers/transformer.h"
-#include "tests/mla_test_config.h"
-#include "tests/moe_test_config.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/mla_config.h"
+#include "tests/support/moe_config.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -23,8 +23,8 @@
 #include "kernels/fp8.h"
 #include "kernels/fp8_grouped_linear.h"
 #include "kernels/grouped_linear.h"
-#include "tests/fp8_test_data.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/fp8_operands.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -1,6 +1,6 @@
 // fp8_linear (engine/ops/fp8_linear.h): a dense FP8 linear, fp8_grouped_linear with one group.
 //
-// Inputs: x and dy of values u·2^(a_i + b_j) (tests/fp8_test_data.h: neighbouring blocks get different
+// Inputs: x and dy of values u·2^(a_i + b_j) (tests/support/fp8_operands.h: neighbouring blocks get different
 // power-of-two scales), x with edge rows (zero, one outlier that pushes the rest of its block into e4m3's
 // subnormals, tiny and huge magnitudes), weights N(0, 0.05²); row counts with a partial last 128-row block and 0.
 //
@@ -27,8 +27,8 @@
 #include "engine/ops/fp8_linear.h"
 #include "engine/ops/fp8_transpose.h"
 #include "kernels/fp8.h"
-#include "tests/fp8_test_data.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/fp8_operands.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -17,7 +17,7 @@
 #include "engine/ops/fp8_transpose.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_transpose.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -8,7 +8,7 @@
 
 #include "layers/kv_cache.h"
 #include "layers/transformer.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 #include "train/optimizer.h"
 
 using namespace flowmoe;

@@ -24,8 +24,8 @@
 
 #include "checkpoint/checkpoint.h"
 #include "kernels/common/error.h"
-#include "tests/safetensors_raw.h"
-#include "tests/train_test_util.h"
+#include "tests/support/safetensors_raw.h"
+#include "tests/support/train_fixtures.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -23,7 +23,7 @@
 
 #include "config/config.h"
 #include "kernels/common/error.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 namespace fs = std::filesystem;

@@ -18,9 +18,9 @@
 #include "dataset/bpe.h"
 #include "dataset/data.h"
 #include "dataset/run_tokenizer.h"
-#include "tests/mla_test_config.h"
-#include "tests/test_util.h"
-#include "tests/train_test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/mla_config.h"
+#include "tests/support/train_fixtures.h"
 #include "train/generate.h"
 
 using namespace flowmoe;

@@ -33,9 +33,9 @@
 #include "kernels/fp8_grouped_linear.h"
 #include "kernels/grouped_gemm_device.h"
 #include "kernels/grouped_linear.h"
-#include "tests/cuda_graph_test.h"
-#include "tests/fp8_test_data.h"
-#include "tests/test_util.h"
+#include "tests/support/captured_graph.h"
+#include "tests/support/checks.h"
+#include "tests/support/fp8_operands.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;
@@ -181,7 +181,7 @@ void check_bf16(const Bf16Problem& p) {
 }
 
 // ---- FP8 ----------------------------------------------------------------------------------------
-// Inputs and their quantized forms: tests/fp8_test_data.h.
+// Inputs and their quantized forms: tests/support/fp8_operands.h.
 
 template <class T>
 Tensor host_tensor(const std::vector<T>& v, DType dtype) {

@@ -14,7 +14,7 @@
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/permute.h"
 #include "kernels/grouped_linear.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

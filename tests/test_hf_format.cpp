@@ -9,7 +9,7 @@
 #include "checkpoint/hf_format.h"
 #include "engine/autograd.h"
 #include "engine/ops/ops.h"
-#include "tests/hf_test_util.h"
+#include "tests/support/hf_models.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

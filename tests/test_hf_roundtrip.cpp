@@ -15,8 +15,8 @@
 #include "checkpoint/hf_folder.h"
 #include "dataset/hf_tokenizer.h"
 #include "io/file_io.h"
-#include "tests/hf_test_util.h"
-#include "tests/train_test_util.h"
+#include "tests/support/hf_models.h"
+#include "tests/support/train_fixtures.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

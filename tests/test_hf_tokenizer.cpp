@@ -6,7 +6,7 @@
 
 #include "dataset/hf_tokenizer.h"
 #include "io/json.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -9,7 +9,7 @@
 #include <tuple>
 
 #include "kernels/linear.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

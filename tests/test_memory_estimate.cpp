@@ -9,7 +9,7 @@
 
 #include "engine/allocator.h"
 #include "kernels/common/error.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/evaluation.h"
 #include "train/grad_reducer.h"
 #include "train/memory_estimate.h"

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "kernels/common/error.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 

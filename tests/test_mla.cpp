@@ -10,9 +10,9 @@
 #include "config/config.h"
 #include "layers/mla.h"
 #include "layers/transformer.h"
-#include "tests/mla_test_config.h"
-#include "tests/test_util.h"
-#include "tests/train_test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/mla_config.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 
 using namespace flowmoe;

@@ -4,7 +4,7 @@
 #include <set>
 
 #include "layers/transformer.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

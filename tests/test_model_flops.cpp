@@ -6,8 +6,8 @@
 #include <filesystem>
 #include <string>
 
-#include "tests/mla_test_config.h"
-#include "tests/train_test_util.h"
+#include "tests/support/mla_config.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 #include "train/model_flops.h"
 #include "train/progress.h"

@@ -17,9 +17,9 @@
 #include "engine/cast_stats.h"
 #include "engine/profiler.h"
 #include "layers/moe.h"
-#include "tests/moe_test_config.h"
-#include "tests/test_util.h"
-#include "tests/train_test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/moe_config.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 

@@ -9,9 +9,9 @@
 
 #include "engine/ops/router.h"
 #include "layers/moe.h"
-#include "tests/moe_test_config.h"
-#include "tests/test_util.h"
-#include "tests/train_test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/moe_config.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/trainer.h"

@@ -5,9 +5,9 @@
 #include <map>
 
 #include "layers/mtp.h"
-#include "tests/mla_test_config.h"
-#include "tests/test_util.h"
-#include "tests/train_test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/mla_config.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 
 using namespace flowmoe;

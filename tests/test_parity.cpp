@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "studies/parity.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

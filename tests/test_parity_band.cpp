@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "studies/parity.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 
 using namespace flowmoe;

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "engine/ops/permute.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -11,7 +11,7 @@
 
 #include "engine/ops/ops.h"
 #include "engine/profiler.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/step_profile.h"
 
 using namespace flowmoe;

@@ -10,7 +10,7 @@
 #include "engine/ops/quantize.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

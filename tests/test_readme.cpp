@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "tests/cli_run.h"
-#include "tests/train_test_util.h"
+#include "tests/support/cli_run.h"
+#include "tests/support/train_fixtures.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;

@@ -10,7 +10,7 @@
 #include <filesystem>
 
 #include "config/config.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 
 using namespace flowmoe;

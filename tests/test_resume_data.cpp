@@ -9,7 +9,7 @@
 
 #include "dataset/data.h"
 #include "kernels/common/error.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;

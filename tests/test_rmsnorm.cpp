@@ -2,7 +2,7 @@
 // forward and backward over edge shapes, with error bounds scaled by the terms each output sums.
 #include <cmath>
 
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

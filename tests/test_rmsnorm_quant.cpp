@@ -5,7 +5,7 @@
 // bit for bit and against the CPU within the bound below.
 // CUDA vs CPU: the GPU sums x^2 in f32 in a tree and takes rsqrtf (<= 2 ulp), the CPU sums in double, so y
 // differs by a few f32 ulps; after the quantize a code may move by one e4m3 step (rarely), and a block's
-// scale by a factor 2 where its amax sits on a power-of-two boundary (tests/fp8_rows_check.h fp8_close).
+// scale by a factor 2 where its amax sits on a power-of-two boundary (tests/support/fp8_rows_check.h fp8_close).
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -19,9 +19,9 @@
 #include "kernels/quantize.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/rmsnorm_quant.h"
-#include "tests/fp8_rows_check.h"
-#include "tests/norm_test_data.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/fp8_rows_check.h"
+#include "tests/support/norm_inputs.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "layers/attention.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

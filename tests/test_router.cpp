@@ -8,7 +8,7 @@
 #include <tuple>
 
 #include "engine/ops/router.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -4,7 +4,7 @@
 
 #include "engine/ops/ops.h"
 #include "engine/ops/quantize.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 namespace flowmoe::test {
 namespace {

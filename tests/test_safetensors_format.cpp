@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "checkpoint/safetensors.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -10,8 +10,8 @@
 #include "engine/ops/ops.h"
 #include "engine/side_stream.h"
 #include "layers/moe.h"
-#include "tests/moe_test_config.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/moe_config.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

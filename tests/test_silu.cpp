@@ -1,7 +1,7 @@
 // silu: gradient check of the CPU reference, known values, errors, and CUDA vs CPU (f32, bf16).
 #include <cmath>
 
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -14,7 +14,7 @@
 #include "engine/ops/router.h"
 #include "kernels/adamw.h"
 #include "kernels/step_control.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/optimizer.h"
 #include "train/step_state.h"
 #include "train/trainer.h"

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 
@@ -28,7 +28,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// tiny_config (train_test_util.h) with a progress line per step, and `extra` overrides.
+// tiny_config (tests/support/train_fixtures.h) with a progress line per step, and `extra` overrides.
 Config stop_config(const fs::path& out_dir, const std::vector<std::string>& extra = {}) {
   Config c = tiny_config(out_dir);
   apply_override(c, "logging.log_every=1");

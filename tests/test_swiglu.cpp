@@ -3,7 +3,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

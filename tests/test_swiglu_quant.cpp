@@ -14,8 +14,8 @@
 #include "kernels/silu.h"
 #include "kernels/swiglu.h"
 #include "kernels/swiglu_quant.h"
-#include "tests/fp8_rows_check.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/fp8_rows_check.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

@@ -2,7 +2,7 @@
 // device moves, RNG reproducibility and error messages.
 #include <cmath>
 
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

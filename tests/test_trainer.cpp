@@ -13,7 +13,7 @@
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
 #include "studies/plot.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/trainer.h"

@@ -5,7 +5,7 @@
 #include <random>
 
 #include "engine/ops/unpermute.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 using namespace flowmoe;
 using namespace flowmoe::test;

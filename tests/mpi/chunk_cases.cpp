@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "tests/mpi/comm_test_util.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 namespace flowmoe::test {
 

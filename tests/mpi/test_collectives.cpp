@@ -5,7 +5,7 @@
 #include "kernels/common/device_api.h"
 #include "parallel/backends.h"
 #include "tests/mpi/comm_test_util.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 namespace flowmoe::test {
 namespace {

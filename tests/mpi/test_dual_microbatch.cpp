@@ -9,7 +9,7 @@
 #include "parallel/backends.h"
 #include "parallel/process_group.h"
 #include "tests/mpi/comm_test_util.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 namespace flowmoe::test {
 namespace {

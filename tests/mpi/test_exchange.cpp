@@ -17,9 +17,9 @@
 #include "kernels/common/device_api.h"
 #include "layers/moe.h"
 #include "parallel/backends.h"
-#include "tests/moe_test_config.h"
 #include "tests/mpi/comm_test_util.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/moe_config.h"
 
 namespace flowmoe::test {
 namespace {

@@ -5,9 +5,9 @@
 // sums in the same order. On the CPU under mpirun (the lane's tickets and the walk's order, one stream),
 // and with nccl and a GPU per rank on the GPUs (the comm stream beside the compute stream).
 #include "parallel/backends.h"
-#include "tests/moe_test_config.h"
 #include "tests/mpi/comm_test_util.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/moe_config.h"
 
 namespace flowmoe::test {
 namespace {

@@ -10,7 +10,7 @@
 #include "config/config.h"
 #include "parallel/process_group.h"
 #include "tests/mpi/comm_test_util.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 #include "train/data_parallel.h"
 #include "train/expert_parallel.h"
 #include "train/optimizer.h"

@@ -15,7 +15,7 @@
 
 #include "engine/cast_stats.h"
 #include "tests/mpi/comm_test_util.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/trainer.h"
 
 namespace flowmoe::test {

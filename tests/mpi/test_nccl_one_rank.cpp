@@ -31,7 +31,7 @@
 #include "parallel/process_group.h"
 #include "tests/mpi/grad_reducer_cases.h"
 #include "tests/mpi/stream_delay.h"
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 #include "train/grad_reducer.h"
 #include "train/metrics.h"
 #include "train/trainer.h"

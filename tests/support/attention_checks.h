@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "engine/ops/ops.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 namespace flowmoe::test {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "tests/train_test_util.h"
+#include "tests/support/train_fixtures.h"
 
 namespace flowmoe::test {
 

@@ -1,4 +1,4 @@
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 #include <cmath>
 #include <cstdlib>

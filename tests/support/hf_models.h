@@ -7,8 +7,8 @@
 #include "checkpoint/checkpoint.h"
 #include "config/config.h"
 #include "layers/transformer.h"
-#include "tests/mla_test_config.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
+#include "tests/support/mla_config.h"
 
 namespace flowmoe::test {
 

@@ -7,7 +7,7 @@
 
 #include "engine/rng.h"
 #include "engine/tensor.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 
 namespace flowmoe::test {
 

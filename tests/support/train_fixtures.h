@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "checkpoint/safetensors.h"
-#include "tests/test_util.h"
+#include "tests/support/checks.h"
 #include "train/trainer.h"
 
 namespace flowmoe::test {
