@@ -66,6 +66,23 @@ std::vector<ParamBuffers> model_buffers(const std::vector<Shape>& shapes, DType 
   return out;
 }
 
+// Parameter i's update of buffers b (step 1, lr 1e-4, weight decay 0.1), its bf16 copy written where it has one.
+AdamWTensor adamw_tensor(const ParamBuffers& b, DType moment_dtype, int64_t i) {
+  AdamWTensor t;
+  t.param = b.param.data<float>();
+  t.grad = b.grad.data<float>();
+  t.exp_avg = b.exp_avg.raw_data();
+  t.exp_avg_sq = b.exp_avg_sq.raw_data();
+  t.n = b.param.numel();
+  t.step.lr = 1e-4f;
+  t.step.weight_decay = 0.1f;
+  t.step.update = 1;
+  t.moment_dtype = moment_dtype;
+  t.rounding = {rounding_key(1, uint64_t(i)), 0};
+  if (b.copy.defined()) t.copy = {b.copy.raw_data(), DType::bf16};
+  return t;
+}
+
 struct Timing {
   double queued_ms = 0, graph_ms = 0;
 };
@@ -91,10 +108,6 @@ void run(const std::string& config, const std::string& config_path, const std::v
   Tensor slots = Tensor::zeros({num}, DType::f32, Device::cuda()),
          total = Tensor::zeros({1}, DType::f32, Device::cuda());
   Tensor partials = Tensor::zeros({int64_t(kTensorsPerLaunch) * kReduceMaxBlocks}, DType::f32, Device::cuda());
-  AdamWStep step;
-  step.lr = 1e-4f;
-  step.weight_decay = 0.1f;
-  step.update = 1;
   const double moment_bytes = double(dtype_size(moment_dtype));
   std::vector<AdamWTensor> tensors;
   std::vector<SumSlice> slices;
@@ -102,17 +115,7 @@ void run(const std::string& config, const std::string& config_path, const std::v
   for (int64_t i = 0; i < num; ++i) {
     ParamBuffers& b = bs[size_t(i)];
     const int64_t n = b.param.numel();
-    AdamWTensor t;
-    t.param = b.param.data<float>();
-    t.grad = b.grad.data<float>();
-    t.exp_avg = b.exp_avg.raw_data();
-    t.exp_avg_sq = b.exp_avg_sq.raw_data();
-    t.n = n;
-    t.step = step;
-    t.moment_dtype = moment_dtype;
-    t.rounding = {rounding_key(1, uint64_t(i)), 0};
-    if (b.copy.defined()) t.copy = {b.copy.raw_data(), DType::bf16};
-    tensors.push_back(t);
+    tensors.push_back(adamw_tensor(b, moment_dtype, i));
     slices.push_back({b.grad.data<float>(), n, slots.data<float>() + i});
     bytes += double(n) * (3 * 4 + 4 * moment_bytes + (b.copy.defined() ? 2 : 0) + 4);
     elements += double(n);
@@ -187,28 +190,15 @@ void run_fp8(const std::string& config, const std::string& config_path, const st
   }
   std::vector<ParamBuffers> bs = model_buffers(shapes, moment_dtype);
   std::vector<Fp8Buffers> fs;
-  AdamWStep step;
-  step.lr = 1e-4f;
-  step.weight_decay = 0.1f;
-  step.update = 1;
   std::vector<AdamWTensor> plain;
   std::vector<AdamWFp8Tensor> fused;
   double elements = 0;
   for (size_t i = 0; i < bs.size(); ++i) {
-    ParamBuffers& b = bs[i];
-    AdamWTensor t;
-    t.param = b.param.data<float>();
-    t.grad = b.grad.data<float>();
-    t.exp_avg = b.exp_avg.raw_data();
-    t.exp_avg_sq = b.exp_avg_sq.raw_data();
-    t.n = b.param.numel();
-    t.step = step;
-    t.moment_dtype = moment_dtype;
-    t.rounding = {rounding_key(1, uint64_t(i)), 0};
+    AdamWTensor t = adamw_tensor(bs[i], moment_dtype, int64_t(i));
     fs.push_back(fp8_buffers(shapes[i]));
-    fused.push_back({t, fs.back().copy});  // the optimizer's: the forward reads the f32 weights' FP8 copy
-    t.copy = {b.copy.raw_data(), DType::bf16};
     plain.push_back(t);
+    t.copy = {};  // the optimizer's: the forward reads the f32 weights' FP8 copy
+    fused.push_back({t, fs.back().copy});
     elements += double(t.n);
   }
   const int64_t num = int64_t(plain.size());
