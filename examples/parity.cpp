@@ -112,7 +112,7 @@ struct ParityOptions {
 
 // One run of the study: its name (the directory under --out) and its --set list.
 struct PlannedRun {
-  std::string name, recipe;
+  std::string name;
   bool control = false;
   std::vector<std::string> sets;
   Config cfg;
@@ -222,7 +222,7 @@ std::vector<PlannedRun> plan_runs(const ParityOptions& o) {
   if (o.steps > 0) common.push_back("train.steps=" + std::to_string(o.steps));
   std::vector<PlannedRun> plan;
   auto add = [&](const std::string& name, const std::string& recipe, bool control, std::vector<std::string> extra) {
-    PlannedRun p{name, recipe, control, common, {}};
+    PlannedRun p{name, control, common, {}};
     const std::string dir = (fs::path(o.out) / name).string();
     p.sets.push_back("precision.recipe=" + recipe);
     p.sets.push_back("logging.out_dir=" + dir);
@@ -233,8 +233,7 @@ std::vector<PlannedRun> plan_runs(const ParityOptions& o) {
   };
   for (const std::string& r : o.recipes) add(r, r, false, {});
   for (const auto& [name, sets] : o.candidates) {
-    add(name, o.recipes.front(), false, sets);
-    plan.back().recipe = plan.back().cfg.precision.recipe;  // a candidate's override may name another recipe
+    add(name, o.recipes.front(), false, sets);  // an override may name another recipe
   }
   const Config ref = plan.front().cfg;  // a copy: the adds below grow `plan`, which may move its elements
   for (int64_t k = 1; k <= o.num_controls; ++k) {
@@ -332,7 +331,7 @@ void prepare_out_folder(const ParityOptions& o, const Config& cfg) {
 ParityRun collect(const PlannedRun& p, const TrainResult* trained) {
   ParityRun run;
   run.name = p.name;
-  run.recipe = p.recipe;
+  run.recipe = p.cfg.precision.recipe;
   run.control = p.control;
   run.rows = read_metrics(find_metrics_file(p.cfg.run_dir()));
   char hash[32];
