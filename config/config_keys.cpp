@@ -233,6 +233,12 @@ const std::vector<Field>& schema() {
                        "update (sharded, the all-gather moves them in place of the weights); forward quantizes each "
                        "once per optimizer step, at its first use. The same losses either way; no effect under bf16 "
                        "(docs/DESIGN.md §7)"));
+    f.push_back(choice("precision", "fp8_weight_transpose", FLOWMOE_CONFIG_REF(precision.fp8_weight_transpose),
+                       enum_names(kFp8WeightTransposeNames),
+                       "whether each FP8 weight's exact transpose, which the dgrad GEMMs read, is kept: stored keeps "
+                       "it beside the FP8 weight; rebuilt has the backward rebuild it where dgrad needs it, 1 byte "
+                       "per FP8 weight parameter less memory for about 2 more moved per step. The same losses either "
+                       "way; no effect under bf16 (docs/DESIGN.md §7)"));
     // parallel
     f.push_back(integer("parallel", "expert_parallel_size", FLOWMOE_CONFIG_REF(parallel.expert_parallel_size), 1, 4096,
                         "ranks per expert-parallel group, each holding n_routed_experts / this of the routed experts; "

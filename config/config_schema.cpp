@@ -169,6 +169,8 @@ void set_field(Config& cfg, const Field& f, const std::string& text, const std::
         if (!enum_from_name(kAttentionTypeNames, text, *a)) bad("'" + text + "'");
       } else if (auto* w = std::get_if<Fp8WeightWriter*>(&ref)) {
         if (!enum_from_name(kFp8WeightWriterNames, text, *w)) bad("'" + text + "'");
+      } else if (auto* t = std::get_if<Fp8WeightTranspose*>(&ref)) {
+        if (!enum_from_name(kFp8WeightTransposeNames, text, *t)) bad("'" + text + "'");
       } else {
         *std::get<std::string*>(ref) = text;
       }
@@ -221,6 +223,7 @@ std::string field_value(const Config& cfg, const Field& f) {
     return f.kind == Kind::optional_integer && **i == 0 ? "null" : std::to_string(**i);
   if (auto* a = std::get_if<AttentionType*>(&ref)) return attention_type_name(**a);
   if (auto* w = std::get_if<Fp8WeightWriter*>(&ref)) return fp8_weight_writer_name(**w);
+  if (auto* t = std::get_if<Fp8WeightTranspose*>(&ref)) return enum_name(kFp8WeightTransposeNames, **t);
   if (auto* b = std::get_if<bool*>(&ref)) return **b ? "true" : "false";
   if (auto* s = std::get_if<std::string*>(&ref)) return **s;
   if (auto* t = std::get_if<DType*>(&ref)) return dtype_name(**t);

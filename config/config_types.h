@@ -57,6 +57,14 @@ inline constexpr EnumName<Fp8WeightWriter> kFp8WeightWriterNames[] = {{Fp8Weight
                                                                       {Fp8WeightWriter::optimizer, "optimizer"}};
 inline const char* fp8_weight_writer_name(Fp8WeightWriter w) { return enum_name(kFp8WeightWriterNames, w); }
 
+// precision.fp8_weight_transpose: whether each FP8 weight's exact block transpose (what dgrad reads) is kept beside
+// it. stored (the default): written with the copy (AdamW's update or the forward's quantize) and kept; rebuilt: the
+// backward rebuilds it from the copy where dgrad needs it and frees it after, which keeps 1 byte per FP8 weight
+// parameter less and moves about 2 more per step. The same bits either way.
+enum class Fp8WeightTranspose { stored, rebuilt };
+inline constexpr EnumName<Fp8WeightTranspose> kFp8WeightTransposeNames[] = {{Fp8WeightTranspose::stored, "stored"},
+                                                                            {Fp8WeightTranspose::rebuilt, "rebuilt"}};
+
 struct OptimizerConfig {
   double lr = 3e-3;
   double min_lr = 3e-4;
@@ -79,6 +87,7 @@ struct PrecisionConfig {
   // forward reads it, with f32 masters in the optimizer; f32: f32 weights, cast at each use.
   std::string param_dtype = "auto";
   Fp8WeightWriter fp8_weights = Fp8WeightWriter::optimizer;
+  Fp8WeightTranspose fp8_weight_transpose = Fp8WeightTranspose::stored;
 };
 
 // The data-parallel size is not a key: it is the number of processes the launcher started.

@@ -4,11 +4,11 @@
 namespace flowmoe {
 
 Fp8BlockCopy block_copy(const QuantizedWeight& wq) {
-  const Tensor& q = wq.q;
+  const Tensor &q = wq.q, &q_t = wq.q_t;
   return {q.data<uint8_t>(),
           q.fp8_scales()->scale_inv.data<float>(),
-          wq.q_t.data<uint8_t>(),
-          wq.q_t.fp8_scales()->scale_inv.data<float>(),
+          q_t.defined() ? q_t.data<uint8_t>() : nullptr,
+          q_t.defined() ? q_t.fp8_scales()->scale_inv.data<float>() : nullptr,
           q.dim() == 3 ? q.size(0) : 1,
           q.size(-2),
           q.size(-1)};
@@ -16,15 +16,18 @@ Fp8BlockCopy block_copy(const QuantizedWeight& wq) {
 
 void store_fp8_weight(Fp8WeightCopy& copy, const QuantizedWeight& fresh) {
   QuantizedWeight& into = copy.wq;
+  // Both absent (a copy without its transpose) fits too.
   const auto fits = [](const Tensor& a, const Tensor& b) {
-    return a.defined() && a.shape() == b.shape() && a.device() == b.device() && a.fp8_scales() &&
+    if (!a.defined() || !b.defined()) return a.defined() == b.defined();
+    return a.shape() == b.shape() && a.device() == b.device() && a.fp8_scales() &&
            a.fp8_scales()->scale_inv.shape() == b.fp8_scales()->scale_inv.shape();
   };
-  if (!copy.held || !fits(into.q, fresh.q) || !fits(into.q_t, fresh.q_t)) {
+  if (!copy.held || !into.q.defined() || !fits(into.q, fresh.q) || !fits(into.q_t, fresh.q_t)) {
     into = fresh;
     return;
   }
   for (const auto& [dst, src] : {std::pair{into.q, fresh.q}, std::pair{into.q_t, fresh.q_t}}) {
+    if (!dst.defined()) continue;
     Tensor data = dst, scales = dst.fp8_scales()->scale_inv;  // handles on the stored buffers
     data.copy_(src);
     scales.copy_(src.fp8_scales()->scale_inv);

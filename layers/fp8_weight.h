@@ -26,6 +26,9 @@ struct Fp8WeightCopy {
   // Its buffers are written in place by others (AdamW's update, a sharded all-gather), whose pointers (and a
   // captured step's) must stay valid: a forward's quantize is stored into them. Otherwise it takes their place.
   bool held = false;
+  // Whether wq keeps the exact transpose dgrad reads (precision.fp8_weight_transpose: stored); without it wq.q_t
+  // is undefined and the backward rebuilds it (weight_transpose). Set before the first quantize.
+  bool keeps_transpose = true;
 
   bool current_for(const Variable& w) const { return wq.q.defined() && version == w.version() && of == w.impl(); }
   void mark_current(const Variable& w) {
@@ -34,7 +37,8 @@ struct Fp8WeightCopy {
   }
 };
 
-// The kernels' view of a copy's four buffers (kernels/adamw_fp8.h): wq.q [B, N, K] or [N, K] (B = 1).
+// The kernels' view of a copy's four buffers (kernels/adamw_fp8.h): wq.q [B, N, K] or [N, K] (B = 1); q_t and
+// scale_inv_t null where the copy keeps no transpose.
 Fp8BlockCopy block_copy(const QuantizedWeight& wq);
 
 // A fresh quantize of a weight into its copy: written into the copy's buffers where they are held (and fit), so
@@ -49,8 +53,9 @@ class Fp8WeightCache {
   const QuantizedWeight& get(const Variable& w) const {
     // set_data and in-place updates bump the version; another weight (a cache handed the wrong one) is stale too.
     if (!copy_->current_for(w)) {
-      store_fp8_weight(*copy_, w.data().dim() == 2 ? quantize_linear_weight(w.data(), w.name())
-                                                   : quantize_weight(w.data(), w.name()));
+      const bool t = copy_->keeps_transpose;
+      store_fp8_weight(*copy_, w.data().dim() == 2 ? quantize_linear_weight(w.data(), w.name(), t)
+                                                   : quantize_weight(w.data(), w.name(), t));
       copy_->mark_current(w);
     }
     return copy_->wq;

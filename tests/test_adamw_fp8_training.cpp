@@ -13,6 +13,7 @@
 #include "layers/fp8_weight.h"
 #include "tests/support/checks.h"
 #include "tests/support/train_fixtures.h"
+#include "train/run_setup.h"
 #include "train/trainer.h"
 
 using namespace flowmoe;
@@ -78,6 +79,40 @@ TEST(AdamWFp8, ForwardQuantizesEachStepOptimizerNoneInSteadyStateSameLosses) {
     for (size_t i = 0; i < by_optimizer.losses.size(); ++i)
       EXPECT_EQ(by_optimizer.losses[i], by_forward.losses[i]) << "step " << i + 1;  // bit for bit
   }
+}
+
+// precision.fp8_weight_transpose rebuilt: the set-up marks every FP8 copy as keeping no transpose, a cache so marked
+// quantizes without one, and the losses and weight quantizes are those of stored, bit for bit, whoever writes the
+// copies (AdamW then writes no transpose: the kernel's null q_t).
+TEST(AdamWFp8, ARebuiltTransposeKeepsNoneAndRepeatsTheStoredRun) {
+  for (const std::string recipe : {"fp8_flow", "fp8_full"}) {
+    SCOPED_TRACE(recipe);
+    Config c = fp8_config(recipe);
+    apply_override(c, "precision.fp8_weight_transpose=rebuilt");
+    RunSetup setup(c);
+    setup.build_model();
+    int64_t num_copies = 0;
+    for (const ParamShard& s : setup.model().parameter_shards())
+      if (s.fp8) {
+        ++num_copies;
+        EXPECT_FALSE(s.fp8->keeps_transpose);
+      }
+    EXPECT_EQ(num_copies, num_fp8_weights(recipe));
+    for (const bool by_optimizer : {true, false}) {
+      SCOPED_TRACE(by_optimizer ? "fp8_weights optimizer" : "fp8_weights forward");
+      const Steps stored = train_steps(recipe, by_optimizer);
+      const Steps rebuilt = train_steps(recipe, by_optimizer, "", {"precision.fp8_weight_transpose=rebuilt"});
+      ASSERT_EQ(rebuilt.losses.size(), 4u);
+      EXPECT_EQ(rebuilt.losses, stored.losses);  // bit for bit
+      EXPECT_EQ(rebuilt.weight_quantizes, stored.weight_quantizes);
+    }
+  }
+  Rng rng(12);
+  const Variable w(random_tensor(rng, {256, 128}), false, "w");
+  const Fp8WeightCache cache;
+  cache.copy()->keeps_transpose = false;
+  EXPECT_FALSE(cache.get(w).q_t.defined());
+  EXPECT_TRUE(cache.get(w).q.defined());
 }
 
 // Under precision.fp8_weights: optimizer a checkpoint load moves the weights without their FP8 copies: the resumed

@@ -337,6 +337,21 @@ TEST(Config, Fp8WeightsIsForwardOrOptimizer) {
              "--set precision.fp8_weights=both: precision.fp8_weights: expected one of forward, optimizer");
 }
 
+// precision.fp8_weight_transpose parses once into Fp8WeightTranspose; stored by default.
+TEST(Config, Fp8WeightTransposeIsStoredOrRebuilt) {
+  EXPECT_EQ(parse_config("", "ok.yaml").precision.fp8_weight_transpose, Fp8WeightTranspose::stored);
+  Config c = parse_config("precision:\n  recipe: fp8_full\n  fp8_weight_transpose: rebuilt\n", "ok.yaml");
+  EXPECT_EQ(c.precision.fp8_weight_transpose, Fp8WeightTranspose::rebuilt);
+  EXPECT_HAS(to_yaml(c), "  fp8_weight_transpose: rebuilt\n");
+  EXPECT_EQ(parse_config(to_yaml(c), "resolved.yaml").precision.fp8_weight_transpose, Fp8WeightTranspose::rebuilt);
+  EXPECT_EQ(parse_config("", "ok.yaml", {"precision.fp8_weight_transpose=stored"}).precision.fp8_weight_transpose,
+            Fp8WeightTranspose::stored);
+  const std::string m = parse_error("precision:\n  fp8_weight_transpose: rebuild\n");
+  EXPECT_HAS(m, "bad.yaml:2: precision.fp8_weight_transpose: expected one of stored, rebuilt, got 'rebuild'");
+  EXPECT_HAS(m, "(did you mean 'rebuilt'?)");
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+}
+
 TEST(Config, SetOverridesAreValidatedTheSameWay) {
   Config c = parse_config("train:\n  steps: 50\n", "base.yaml",
                           {"train.steps=7", "optimizer.lr=1e-4", "optimizer.min_lr=0", "optimizer.warmup_steps=2"});

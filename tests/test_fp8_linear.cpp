@@ -74,11 +74,13 @@ struct LinearRun {
   CastCounts backward_casts;
   uint64_t host_syncs = 0;
 };
-LinearRun run_fp8_linear(const Tensor& x, const Tensor& w, const Tensor& dy, Device device) {
+// with_transpose false: the weight's copy keeps no transpose, and the backward rebuilds it (weight_transpose).
+LinearRun run_fp8_linear(const Tensor& x, const Tensor& w, const Tensor& dy, Device device,
+                         bool with_transpose = true) {
   Variable xv(x.to(device), true), wv(w.to(device), true, "test.weight");
   const Variable xq = quantize_rowwise(xv, "test: x");
   const uint64_t syncs = num_host_syncs();
-  const Variable y = fp8_linear(xq, wv, quantize_linear_weight(wv.data(), wv.name()), "test");
+  const Variable y = fp8_linear(xq, wv, quantize_linear_weight(wv.data(), wv.name(), with_transpose), "test");
   reset_cast_counts();
   y.backward(dy.to(device).to(y.dtype()));
   const uint64_t host_syncs = num_host_syncs() - syncs;  // before this test's own reads to the host, which count
@@ -360,4 +362,38 @@ TEST(Fp8LinearCuda, MatchesCpu) {
       for (double v : ref) amax = std::max(amax, std::fabs(v));
       EXPECT_TRUE(all_close(gpu.dw, cpu.dw, 1e-3, 2e-3 * amax)) << "dW";
     }
+}
+
+// precision.fp8_weight_transpose rebuilt: a copy quantized without its transpose has none, weight_transpose rebuilds
+// the one quantize_weight writes bit for bit (data and scales), and the linear's y, dx and dW are those of the copy
+// that keeps it, bit for bit, with no cast more. On the GPU, the rebuild is the kernel of kernels/cuda/adamw_fp8.cu.
+static void check_rebuilt_transpose(Device device) {
+  std::mt19937_64 gen(test_seed());
+  for (const Shape3& s : {Shape3{16, 128, 128}, Shape3{48, 256, 384}, Shape3{272, 384, 256}, Shape3{144, 640, 512}}) {
+    SCOPED_TRACE(::testing::Message() << "M " << s.m << " K " << s.k << " N " << s.n);
+    const Tensor x = make_x(gen, s.m, s.k, true), w = make_w(gen(), s.n, s.k), dy = make_dy(gen, s.m, s.n);
+    const Tensor wd = w.to(device);
+    const QuantizedWeight with = quantize_linear_weight(wd, "ref"), without = quantize_linear_weight(wd, "ref", false);
+    EXPECT_FALSE(without.q_t.defined());
+    ASSERT_TRUE(bit_equal(without.q.to(Device::cpu()), with.q.to(Device::cpu())));
+    const Tensor rebuilt = weight_transpose(without);
+    ASSERT_EQ(rebuilt.shape(), with.q_t.shape());
+    EXPECT_TRUE(bit_equal(rebuilt.to(Device::cpu()), with.q_t.to(Device::cpu()))) << "data";
+    EXPECT_TRUE(bit_equal(rebuilt.fp8_scales()->scale_inv.to(Device::cpu()),
+                          with.q_t.fp8_scales()->scale_inv.to(Device::cpu())))
+        << "scales";
+    EXPECT_EQ(weight_transpose(with).raw_data(), with.q_t.raw_data()) << "a stored transpose is used as it is";
+    const LinearRun stored = run_fp8_linear(x, w, dy, device), rebuilt_run = run_fp8_linear(x, w, dy, device, false);
+    EXPECT_TRUE(bit_equal(rebuilt_run.y, stored.y)) << "y";
+    EXPECT_TRUE(bit_equal(rebuilt_run.dx, stored.dx)) << "dx";
+    EXPECT_TRUE(bit_equal(rebuilt_run.dw, stored.dw)) << "dW";
+    EXPECT_EQ(rebuilt_run.backward_casts.by_site, stored.backward_casts.by_site);
+  }
+}
+
+TEST(Fp8LinearCpu, ABackwardWithoutAStoredTransposeRebuildsItBitForBit) { check_rebuilt_transpose(Device::cpu()); }
+
+TEST(Fp8LinearCuda, ABackwardWithoutAStoredTransposeRebuildsItBitForBit) {
+  FLOWMOE_REQUIRE_CUDA();
+  check_rebuilt_transpose(Device::cuda());
 }

@@ -208,6 +208,9 @@ TEST(MemoryEstimate, Fp8MoeTrainingIsNearTheMeasuredPeak) {
   expect_estimate_near_peak(run_config(kFp8Moe, d / "flow", {"precision.recipe=fp8_flow"}), "moe fp8_flow");
   expect_estimate_near_peak(run_config(kFp8Moe, d / "full", {"precision.recipe=fp8_full"}), "moe fp8_full");
   expect_estimate_near_peak(
+      run_config(kFp8Moe, d / "rebuilt", {"precision.recipe=fp8_full", "precision.fp8_weight_transpose=rebuilt"}),
+      "moe fp8_full, transposes rebuilt");
+  expect_estimate_near_peak(
       run_config(kFp8Moe, d / "recompute", {"precision.recipe=fp8_blockwise", "train.recompute=moe_expert"}),
       "moe fp8_blockwise recompute");
   fs::remove_all(d);
@@ -227,6 +230,26 @@ TEST(MemoryEstimate, GpuTrainingIsNearTheMeasuredPeak) {
                             "gpu moe bf16, 2 micro-batches");
   expect_estimate_near_peak(run_config(kFp8Moe, d / "flow", with({"precision.recipe=fp8_flow"})), "gpu moe fp8_flow");
   expect_estimate_near_peak(run_config(kFp8Moe, d / "full", with({"precision.recipe=fp8_full"})), "gpu moe fp8_full");
+  expect_estimate_near_peak(
+      run_config(kFp8Moe, d / "rebuilt", with({"precision.recipe=fp8_full", "precision.fp8_weight_transpose=rebuilt"})),
+      "gpu moe fp8_full, transposes rebuilt");
+  fs::remove_all(d);
+}
+
+// precision.fp8_weight_transpose rebuilt keeps no FP8 transposes: an evaluation saves them all, training all but
+// the one its dgrad rebuilds at a time, the largest: kFp8Moe's experts' fc1 [4 experts, 2 x 128, 128], 131072 bytes
+// and 8 f32 block scales (32 bytes, allocated as 64).
+TEST(MemoryEstimate, RebuiltTransposesKeepOnlyTheLargestWhileItsDgradRuns) {
+  const fs::path d = fresh_dir("memory_rebuilt");
+  const Config stored = run_config(kFp8Moe, d, {"precision.recipe=fp8_full"});
+  const Config rebuilt =
+      run_config(kFp8Moe, d, {"precision.recipe=fp8_full", "precision.fp8_weight_transpose=rebuilt"});
+  auto saved = [&](MemoryUse use) {
+    return estimate_memory(stored, Device::cpu(), use).weight_bytes -
+           estimate_memory(rebuilt, Device::cpu(), use).weight_bytes;
+  };
+  EXPECT_GT(saved(MemoryUse::train), 0);
+  EXPECT_EQ(saved(MemoryUse::eval) - saved(MemoryUse::train), 131072 + 64);
   fs::remove_all(d);
 }
 

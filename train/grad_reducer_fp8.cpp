@@ -14,9 +14,9 @@ bool GradientReducer::gathers_fp8(const Variable& p, const ParamShard& s) {
 }
 
 // The copy's q and scale_inv become views of buffers padded as b's segments, so that AdamW writes its segment in
-// place and the all-gather moves them in place; q_t and its scales keep buffers of their own. The shapes are
-// those quantize_weight gives (a dense [N, K] as [1, N, K]), so a forward that quantizes (init, a load) stores
-// into these buffers (store_fp8_weight).
+// place and the all-gather moves them in place; q_t and its scales, where the copy keeps them, buffers of their own.
+// The shapes are those quantize_weight gives (a dense [N, K] as [1, N, K]), so a forward that quantizes (init, a load)
+// stores into these buffers (store_fp8_weight).
 void GradientReducer::shard_fp8_copy(Bucket& b) {
   const Variable& p = params_[b.params.front()];
   const Device device = p.device();
@@ -28,8 +28,9 @@ void GradientReducer::shard_fp8_copy(Bucket& b) {
   const Tensor scales = b.fp8_scales.slice(0, 0, B * nbn * nbk).view({B, nbn, nbk});
   QuantizedWeight& wq = b.fp8->wq;
   wq.q = q.with_scales(scales, ScalingMode::block_128x128);
-  wq.q_t = Tensor::zeros({B, K, N}, DType::e4m3, device)
-               .with_scales(Tensor::zeros({B, nbk, nbn}, DType::f32, device), ScalingMode::block_128x128);
+  if (b.fp8->keeps_transpose)
+    wq.q_t = Tensor::zeros({B, K, N}, DType::e4m3, device)
+                 .with_scales(Tensor::zeros({B, nbk, nbn}, DType::f32, device), ScalingMode::block_128x128);
   b.fp8->held = true;  // the all-gather moves q and its scales in place
   b.fp8->version = 0;
   b.fp8->of = nullptr;  // not current: the first forward quantizes into these buffers
@@ -47,11 +48,13 @@ void GradientReducer::mark_fp8_current() const {
     if (b.fp8) b.fp8->mark_current(params_[b.params.front()]);
 }
 
-// The copy's data and scales, then its transpose from them, on the stream the forward waits for.
+// The copy's data and scales, then its transpose from them (where it keeps one), on the stream the forward waits
+// for.
 void GradientReducer::gather_fp8(Bucket& b) {
   comms_[b.group]->all_gather_in_place(b.fp8_q);
   comms_[b.group]->all_gather_in_place(b.fp8_scales);
   const Fp8BlockCopy c = block_copy(b.fp8->wq);
+  if (!c.q_t) return;
   if (b.fp8_q.device().is_cpu())
     fp8_block_transpose_cpu(c);
   else

@@ -154,6 +154,8 @@ int64_t saturate(double count) { return count < 9.2e18 ? int64_t(count) : std::n
 // embedding is cast twice); with the bf16 recipe also 2 P_x, grouped_linear's bf16 copy of the experts.
 // FP8 recipes (CPU and GPU): 2 P_x + scales, the cached FP8 expert weights and their transpose; fp8_full keeps
 // the same of its FP8 linears' weights (attention, dense MLPs, shared experts), which count into P_x here.
+// precision.fp8_weight_transpose rebuilt keeps no transpose: training then holds one weight's at a time, the
+// largest, while its dgrad runs.
 // precision.param_dtype auto trains on the GPU with the model's weights in the compute dtype instead, a P (4 for
 // what the forward reads in f32: routers, FP8 experts), and their f32 masters in the optimizer, 4 P; nothing is
 // cast at use. A sharded optimizer (train/grad_reducer.h) keeps the masters of this rank's segments alone, of
@@ -165,7 +167,8 @@ double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bo
   const bool sharded = use == MemoryUse::train && shards.any();
   const bool narrow = gpu && use == MemoryUse::train && cfg.precision.param_dtype != "f32";
   const bool keeps_casts = gpu && use == MemoryUse::train && !narrow;
-  double bytes = 0;
+  const int num_fp8_copies = cfg.precision.fp8_weight_transpose == Fp8WeightTranspose::stored ? 2 : 1;
+  double bytes = 0, largest_fp8_weight = 0;
   for (const ParamGroup& g : groups) {
     const bool fp8_weight =
         (g.role == Role::routed_expert && fp8) ||
@@ -178,13 +181,16 @@ double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bo
     else if (stored_narrow)
       bytes += allocated_bytes({{g.count, g.elements, 4}}, gpu);
     if (fp8_weight) {
-      for (int copy = 0; copy < 2; ++copy)  // the quantized weight and its transpose, with 128x128 scales
+      for (int copy = 0; copy < num_fp8_copies; ++copy)  // the quantized weight (and its transpose), 128x128 scales
         bytes += allocated_bytes({{g.count, g.elements, 1}, {g.count, g.elements / (128 * 128), 4}}, gpu);
+      largest_fp8_weight = std::max(largest_fp8_weight, g.elements);
     } else if (keeps_casts && g.role != Role::router) {
       const double casts = g.role == Role::embedding && cfg.model.tie_word_embeddings ? 2 : 1;
       bytes += allocated_bytes({{casts * g.count, g.elements, 2}}, gpu);
     }
   }
+  if (num_fp8_copies == 1 && use == MemoryUse::train)
+    bytes += allocated_bytes({{1, largest_fp8_weight, 1}, {1, largest_fp8_weight / (128 * 128), 4}}, gpu);
   const double E = double(cfg.model.n_routed_experts);
   const double moe_layers = double(num_moe_layers(cfg.model) + num_mtp_moe_layers(cfg.model));
   return bytes + allocated_bytes({{2 * moe_layers, E, 4}}, gpu);  // expert_bias, counts

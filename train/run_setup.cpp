@@ -30,6 +30,9 @@ DataLoader& RunSetup::read_data() {
 
 Transformer& RunSetup::build_model(uint64_t seed, const MoeOptions& moe) {
   model_.emplace(cfg.model, device, compute, seed, moe);
+  // Before any quantize: whether the FP8 weights keep their transposes (precision.fp8_weight_transpose).
+  for (const ParamShard& s : model_->parameter_shards())
+    if (s.fp8) s.fp8->keeps_transpose = cfg.precision.fp8_weight_transpose == Fp8WeightTranspose::stored;
   return *model_;
 }
 

@@ -203,7 +203,8 @@ class Fp8GroupedLinear : public Primitive {
     }
     if (needs[0]) {
       Fp8GroupedGemm dgrad(counts_, "fp8_grouped_linear_dgrad");
-      dx = eval(dgrad, {dy_row, wq_.q_t})[0];
+      // A weight that keeps no transpose has it rebuilt here and freed after (precision.fp8_weight_transpose).
+      dx = eval(dgrad, {dy_row, weight_transpose(wq_)})[0];
     }
     return {dx, dw};
   }

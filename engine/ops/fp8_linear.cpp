@@ -24,10 +24,10 @@ void check_fp8_linear_dims(int64_t out_features, int64_t in_features, const std:
   }
 }
 
-QuantizedWeight quantize_linear_weight(const Tensor& w, const std::string& site) {
+QuantizedWeight quantize_linear_weight(const Tensor& w, const std::string& site, bool with_transpose) {
   FLOWMOE_CHECK(w.dim() == 2, ShapeError, "quantize_linear_weight at '", site, "': w must be [N, K], got ",
                 w.describe());
-  return quantize_weight(w.reshape({1, w.size(0), w.size(1)}), site);
+  return quantize_weight(w.reshape({1, w.size(0), w.size(1)}), site, with_transpose);
 }
 
 Variable fp8_linear(const Variable& xq, const Variable& weight, const QuantizedWeight& wq, const std::string& site) {

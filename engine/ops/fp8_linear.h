@@ -29,9 +29,9 @@ std::string fp8_width_error(int64_t n, const std::string& user, const std::strin
 // blocks (fp8_width_error): what every FP8 linear, and a layer building one, checks.
 void check_fp8_linear_dims(int64_t out_features, int64_t in_features, const std::string& what);
 
-// w [N, K] (f32 or bf16) as one group [1, N, K] in 128x128 blocks with its exact transpose, the form fp8_linear
-// takes. Counts one CastKind::weight_quantize at `site`.
-QuantizedWeight quantize_linear_weight(const Tensor& w, const std::string& site);
+// w [N, K] (f32 or bf16) as one group [1, N, K] in 128x128 blocks with its exact transpose (with_transpose), the
+// form fp8_linear takes. Counts one CastKind::weight_quantize at `site`.
+QuantizedWeight quantize_linear_weight(const Tensor& w, const std::string& site, bool with_transpose = true);
 
 // y [M, N] = xq · weightᵀ. xq: e4m3 [M, K] with rowwise_1x128 scales, M a multiple of kFp8RowMultiple
 // (0 allowed); weight: the f32 master [N, K] (it receives dW in f32); wq = quantize_linear_weight(weight) for

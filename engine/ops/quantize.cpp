@@ -6,6 +6,7 @@
 
 #include "engine/cast_stats.h"
 #include "engine/ops/ops.h"
+#include "kernels/adamw_fp8.h"
 #include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"
@@ -222,11 +223,13 @@ class Dequantize : public SharedBodyPrimitive<Primitive> {
 // w [E,N,K] or [N,K] -> {q, q_t} in 128x128 blocks (no gradient).
 class QuantizeWeight : public SharedBodyPrimitive<BackwardPrimitive> {
  public:
-  explicit QuantizeWeight(const std::string& site) : what_("quantize_weight at '" + site + "'") {}
+  QuantizeWeight(const std::string& site, bool with_transpose)
+      : what_("quantize_weight at '" + site + "'"), with_transpose_(with_transpose) {}
   const char* name() const override { return "quantize_weight"; }
 
  private:
   std::string what_;
+  bool with_transpose_;
 
   std::vector<Tensor> run(const std::vector<Tensor>& in, bool) override {  // QUANT_DISPATCH picks the device
     const Tensor& w_in = in[0];
@@ -239,14 +242,18 @@ class QuantizeWeight : public SharedBodyPrimitive<BackwardPrimitive> {
     int64_t nbn = fp8_num_blocks(N), nbk = fp8_num_blocks(K);
     auto shape = [&](int64_t a, int64_t b) { return batched ? Shape{B, a, b} : Shape{a, b}; };
     Tensor q = Tensor::empty(w.shape(), DType::e4m3, w.device());
-    Tensor q_t = Tensor::empty(shape(K, N), DType::e4m3, w.device());
     Tensor s = Tensor::empty(shape(nbn, nbk), DType::f32, w.device());
-    Tensor s_t = Tensor::empty(shape(nbk, nbn), DType::f32, w.device());
+    Tensor q_t, s_t;
+    if (with_transpose_) {
+      q_t = Tensor::empty(shape(K, N), DType::e4m3, w.device());
+      s_t = Tensor::empty(shape(nbk, nbn), DType::f32, w.device());
+    }
     auto* qd = q.data<uint8_t>();
-    auto* qtd = q_t.data<uint8_t>();
-    QUANT_DISPATCH(
-        w, quantize_block_cpu(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, s_t.data<float>()),
-        quantize_block_cuda(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, s_t.data<float>(), stream));
+    auto* qtd = with_transpose_ ? q_t.data<uint8_t>() : nullptr;
+    float* std_ = with_transpose_ ? s_t.data<float>() : nullptr;
+    QUANT_DISPATCH(w, quantize_block_cpu(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, std_),
+                   quantize_block_cuda(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, std_, stream));
+    if (!with_transpose_) return {q.with_scales(s, ScalingMode::block_128x128)};
     return {q.with_scales(s, ScalingMode::block_128x128), q_t.with_scales(s_t, ScalingMode::block_128x128)};
   }
 };
@@ -302,11 +309,30 @@ Tensor dequantize_tensor(const Tensor& q, DType dtype, const std::string& site) 
   return y;
 }
 
-QuantizedWeight quantize_weight(const Tensor& w, const std::string& site) {
-  QuantizeWeight op(site);
+QuantizedWeight quantize_weight(const Tensor& w, const std::string& site, bool with_transpose) {
+  QuantizeWeight op(site, with_transpose);
   std::vector<Tensor> out = eval(op, {w});
   note_cast(CastKind::weight_quantize, site);
-  return {out[0], out[1]};
+  return {out[0], with_transpose ? out[1] : Tensor()};
+}
+
+Tensor weight_transpose(const QuantizedWeight& wq) {
+  if (wq.q_t.defined()) return wq.q_t;
+  const Tensor& q = wq.q;
+  FLOWMOE_CHECK(q.dtype() == DType::e4m3 && q.fp8_scales() && q.fp8_scales()->mode == ScalingMode::block_128x128 &&
+                    (q.dim() == 2 || q.dim() == 3) && q.is_contiguous(),
+                DTypeError, "weight_transpose: expected a contiguous e4m3 [N, K] or [B, N, K] in 128x128 blocks, got ",
+                q.describe());
+  const bool batched = q.dim() == 3;
+  const int64_t B = batched ? q.size(0) : 1, N = q.size(-2), K = q.size(-1);
+  const int64_t nbn = fp8_num_blocks(N), nbk = fp8_num_blocks(K);
+  auto shape = [&](int64_t a, int64_t b) { return batched ? Shape{B, a, b} : Shape{a, b}; };
+  Tensor q_t = Tensor::empty(shape(K, N), DType::e4m3, q.device());
+  Tensor s_t = Tensor::empty(shape(nbk, nbn), DType::f32, q.device());
+  const Fp8BlockCopy c{
+      q.data<uint8_t>(), q.fp8_scales()->scale_inv.data<float>(), q_t.data<uint8_t>(), s_t.data<float>(), B, N, K};
+  QUANT_DISPATCH(q, fp8_block_transpose_cpu(c), fp8_block_transpose_cuda(c, stream));
+  return q_t.with_scales(s_t, ScalingMode::block_128x128);
 }
 
 }  // namespace flowmoe

@@ -43,12 +43,19 @@ Tensor quantize_colwise_tensor(const Tensor& x, const ExpertCounts& counts, cons
 Tensor dequantize_tensor(const Tensor& q, DType dtype, const std::string& site);
 
 // A weight in 128x128 blocks and its exact transpose, both e4m3 with block_128x128 scales:
-// q [.., N, K] with scale_inv [.., ceil(N/128), ceil(K/128)], q_t [.., K, N] with the transposed grid.
+// q [.., N, K] with scale_inv [.., ceil(N/128), ceil(K/128)], q_t [.., K, N] with the transposed grid. q_t is
+// undefined where the weight keeps no transpose (precision.fp8_weight_transpose: rebuilt); weight_transpose then
+// rebuilds it for the GEMM that reads it.
 struct QuantizedWeight {
   Tensor q;
   Tensor q_t;
 };
-// w [E,N,K] or [N,K], f32 or bf16. Counts one CastKind::weight_quantize.
-QuantizedWeight quantize_weight(const Tensor& w, const std::string& site);
+// w [E,N,K] or [N,K], f32 or bf16; with_transpose false leaves q_t undefined. Counts one
+// CastKind::weight_quantize.
+QuantizedWeight quantize_weight(const Tensor& w, const std::string& site, bool with_transpose = true);
+
+// wq.q_t, or where it is undefined its rebuild from wq.q: each 128x128 block's bytes and the scale grid transposed
+// (kernels/adamw_fp8.h fp8_block_transpose_*), bit for bit the q_t quantize_weight writes. Not a cast: no rounding.
+Tensor weight_transpose(const QuantizedWeight& wq);
 
 }  // namespace flowmoe

@@ -93,7 +93,12 @@ TEST(Fp8Gather, ShardedEqualsUnshardedAndQuantizesNoWeight) {
     const TinyRun sharded = train_tiny(recipe, true, d / (recipe + "_sharded"));
     const TinyRun whole = train_tiny(recipe, false, d / (recipe + "_whole"));
     const TinyRun forward = train_tiny(recipe, true, d / (recipe + "_forward"), {"precision.fp8_weights=forward"});
+    // Copies without their transposes: the gather moves data and scales alone, and dgrad rebuilds each transpose.
+    const TinyRun rebuilt =
+        train_tiny(recipe, true, d / (recipe + "_rebuilt"), {"precision.fp8_weight_transpose=rebuilt"});
     ASSERT_EQ(sharded.losses.size(), 4u);
+    EXPECT_EQ(rebuilt.losses, sharded.losses);  // bit for bit: the same sums in the same order
+    EXPECT_EQ(rebuilt.weight_quantizes, sharded.weight_quantizes);
     ASSERT_EQ(whole.losses.size(), 4u);
     ASSERT_EQ(forward.losses.size(), 4u);
     EXPECT_EQ(sharded.weight_quantizes, (std::vector<int64_t>{num_fp8, 0, 0, 0}));
