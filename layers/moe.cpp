@@ -6,10 +6,31 @@
 #include "engine/ops/fp8_grouped_linear.h"
 #include "engine/ops/fp8_linear.h"
 #include "engine/ops/grouped_linear.h"
+#include "engine/ops/quantize.h"
 #include "engine/ops/swiglu_quant.h"
 #include "engine/side_stream.h"
 
 namespace flowmoe {
+
+namespace {
+
+// Input: [y]. Output: y. Its vjp quantizes dy once (rowwise 1x128): the fp8_flow cast "combine backward: dy".
+class CombineGradToFp8 : public Primitive {
+ public:
+  const char* name() const override { return "combine"; }
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return in; }
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return in; }
+  bool saves_inputs() const override { return false; }
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>& needs) override {
+    if (!needs[0]) return {Tensor()};
+    return {quantize_rowwise_tensor(d_out[0], "combine backward: dy")};
+  }
+};
+
+}  // namespace
+
+Variable combine_grad_to_fp8(const Variable& y) { return apply(std::make_shared<CombineGradToFp8>(), {y})[0]; }
 
 MoeRecipe moe_recipe_from_name(const std::string& name) {
   return parse_enum(kMoeRecipeNames, name, "precision.recipe");
@@ -95,7 +116,7 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
 //   6. + shared experts  engine/ops/elementwise.cpp  Binary::vjp: dy to both branches
 //   0. shared experts    layers/mlp.cpp (linear, swiglu vjps), on the side stream with shared_expert_overlap,
 //                        issued first and running beside 5 to 1; their dx joins the router's at x
-//   5. combine           parallel/dispatch.cpp       CombineGradToFp8::vjp (fp8_flow): dy quantized once;
+//   5. combine           layers/moe.cpp              CombineGradToFp8::vjp (fp8_flow): dy quantized once;
 //                        engine/ops/unpermute.cpp    UnpermuteUnpad::vjp: d_rows = prob·dy and
 //                                                    d_prob = rows·dy; fp8_flow: FP8 dy rows moved;
 //                        parallel/exchange.cpp       Exchange::vjp (several ranks): d_rows to the experts
@@ -198,8 +219,8 @@ Variable MoeLayer::finish(Pending& p) const { return add_shared(p, unpermute_rou
 // Step 5's unpermute+unpad of p's returned rows, once they are back: y [T, H].
 Variable MoeLayer::unpermute_routed(Pending& p) const {
   comm_lane_wait(p.returned.device(), p.back);
-  return combine_unpermute(p.returned, p.d, flow_.probs_in_experts ? Variable() : p.topk_prob,
-                           flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is);
+  Variable y = combine_unpermute(p.returned, p.d, flow_.probs_in_experts ? Variable() : p.topk_prob);
+  return flow_.quantize_once ? combine_grad_to_fp8(y) : y;
 }
 
 // 6. y [T, H] + the shared experts' output, once the side stream has finished it.

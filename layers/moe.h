@@ -183,6 +183,10 @@ class MoeLayer {
 // buffer, in wgrad).
 int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int align_size, MoeRecipe recipe);
 
+// y unchanged; its backward quantizes dy once (rowwise 1x128, counted as one cast at "combine backward: dy"), so
+// that fp8_flow's gradient rows and scales travel as FP8 from combine all the way to fc2's dgrad.
+Variable combine_grad_to_fp8(const Variable& y /*[T, H], combine's output*/);
+
 // RouterConfig from the model config's HF keys.
 RouterConfig router_config(const ModelConfig& cfg);
 

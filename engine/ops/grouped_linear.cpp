@@ -216,6 +216,11 @@ bool grouped_linear_takes_device_counts(const Tensor& x) {
   return built_with_cuda() && x.device().is_cuda() && x.dtype() == DType::bf16;
 }
 
+ExpertCounts gemm_counts(const Tensor& counts, const Tensor& rows, bool fp8_experts) {
+  if (fp8_experts || grouped_linear_takes_device_counts(rows)) return {{}, counts};
+  return {read_counts_once(counts), Tensor()};
+}
+
 Variable grouped_linear(const Variable& x, const Variable& weight,
                         const std::vector<int64_t>& padded_tokens_per_expert) {
   return grouped_linear(x, weight, ExpertCounts{padded_tokens_per_expert, Tensor()});
