@@ -1,6 +1,6 @@
 // The comm lane: ops that only move data between GPUs (the expert exchange, parallel/exchange.cpp) run on a
 // third stream beside the compute stream, so that an MoE layer split into token chunks overlaps one chunk's
-// exchange with another chunk's experts (parallel.exchange_chunks, layers/moe.cpp; DESIGN.md §9 draws it).
+// exchange with another chunk's experts (parallel.exchange_chunks, layers/moe_schedule.cpp; DESIGN.md §9 draws it).
 //   CommLaneScope scope(on): the exchanges issued while it lives go to the lane, and autograd walks their
 //     backward as soon as it is ready (Primitive::backward_first), so the comm stream gets it early. The walk
 //     order is the same on the CPU, where the lane runs everything at once.

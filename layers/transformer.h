@@ -23,6 +23,7 @@
 #include "layers/mlp.h"
 #include "layers/model_config.h"
 #include "layers/moe.h"
+#include "layers/moe_schedule.h"
 
 namespace flowmoe {
 
@@ -54,11 +55,12 @@ class TransformerBlock {
   MoeLayer* moe() const { return moe_.get(); }  // null for a dense block
   // forward in parts, for an MoE block whose caller interleaves two micro-batches (Transformer, dual_microbatch):
   // a = attention_half(x): a.h = x + attn(rmsnorm(x)) and a.n its post-attention norm; then moe_begin(a),
-  // moe_experts and moe_finish(a.h): a.h and the MoE layer's output (MoeLayer::begin, run_experts, finish).
+  // moe_experts and moe_finish(a.h): a.h and the MoE layer's output (moe_begin, moe_run_experts, moe_finish of
+  // layers/moe_schedule.h).
   AddNormed attention_half(const Residual& x, DType compute) const;
-  MoeLayer::Pending moe_begin(const AddNormed& a, DType compute) const;
-  void moe_experts(MoeLayer::Pending& p) const;
-  Residual moe_finish(const Variable& h, MoeLayer::Pending& p) const;
+  MoeInFlight moe_begin(const AddNormed& a, DType compute) const;
+  void moe_experts(MoeInFlight& p) const;
+  Residual moe_finish(const Variable& h, MoeInFlight& p) const;
   // train.recompute attention: attn(rmsnorm(x)) runs under checkpoint(), which keeps only x (the stream, added up
   // before it) and runs it again in backward (the same code, so the same bits).
   void set_recompute_attention(bool on) { recompute_attention_ = on; }

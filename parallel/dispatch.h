@@ -93,7 +93,7 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
 // unpermutes them where the tokens live. Its backward takes the gradient as it comes (fp8_flow's layer quantizes
 // it once before, layers/moe.h: combine_grad_to_fp8).
 Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob);
-// combine's two steps, for a layer that returns every chunk's rows before it unpermutes any (layers/moe.cpp):
+// combine's two steps, for a layer that returns every chunk's rows before it unpermutes any (layers/moe_schedule.cpp):
 // the rows back to the tokens' rank in the sender's sorted layout (as they are on one rank), then
 // unpermute+unpad there.
 Variable combine_return(const Variable& rows, const Dispatched& from);
