@@ -21,12 +21,12 @@
 
 namespace flowmoe {
 
-class StreamSchedule {
+class BackwardStreams {
  public:
-  StreamSchedule();
-  ~StreamSchedule();  // joins what the walk left open (does not throw: an error being reported comes first)
-  StreamSchedule(const StreamSchedule&) = delete;
-  StreamSchedule& operator=(const StreamSchedule&) = delete;
+  BackwardStreams();
+  ~BackwardStreams();  // joins what the walk left open (does not throw: an error being reported comes first)
+  BackwardStreams(const BackwardStreams&) = delete;
+  BackwardStreams& operator=(const BackwardStreams&) = delete;
 
   // Before n's vjp, given its incoming gradients: the stream it runs on, and the waits for what it reads.
   void before_run(const Node& n, const std::vector<Tensor>& d_out);
