@@ -11,7 +11,7 @@
 #include "engine/backward_streams.h"
 #include "engine/ops/ops.h"
 #include "engine/profiler.h"
-#include "engine/side_stream.h"
+#include "engine/stream_lane.h"
 #include "kernels/common/device_api.h"
 
 namespace flowmoe {

@@ -3,8 +3,7 @@
 
 #include <algorithm>
 
-#include "engine/comm_lane.h"
-#include "engine/side_stream.h"
+#include "engine/stream_lane.h"
 
 namespace flowmoe {
 

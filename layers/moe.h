@@ -47,12 +47,12 @@ struct MoeOptions {
   // parallel.ep_dispatch: across ranks, the one-sync exchange or the zero-sync one (parallel/dispatch.h);
   // auto resolves in resolve_ep_dispatch, once, when the layer is built.
   EpDispatch ep_dispatch = EpDispatch::automatic;
-  // parallel.shared_expert_overlap: the shared experts run on a side stream (engine/side_stream.h) beside
+  // parallel.shared_expert_overlap: the shared experts run on a side stream (engine/stream_lane.h) beside
   // router → dispatch → experts → combine, forward and backward, and join before their sum.
   bool shared_expert_overlap = false;
   // parallel.exchange_chunks: a training forward over the zero-sync exchange splits its tokens into this many
   // chunks, each dispatched and combined on its own, issued so that one chunk's exchange runs on the comm
-  // stream (engine/comm_lane.h) beside another chunk's experts. 1: the layer's tokens at once.
+  // stream (engine/stream_lane.h) beside another chunk's experts. 1: the layer's tokens at once.
   int exchange_chunks = 1;
   // false: the chunks' exchanges (and the dual micro-batches', layers/transformer.h) stay on the compute stream,
   // in the same order (the overlap's reference).

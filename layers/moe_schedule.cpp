@@ -4,9 +4,8 @@
 
 #include <vector>
 
-#include "engine/comm_lane.h"
 #include "engine/ops/ops.h"
-#include "engine/side_stream.h"
+#include "engine/stream_lane.h"
 
 namespace flowmoe {
 
@@ -33,7 +32,7 @@ void join_shared_experts(const MoeLayer& layer, Device device) {
 
 Variable MoeSchedule::shared_experts(const MoeTokens& t, DType compute) const {
   if (!layer_.shared_experts()) return Variable();
-  SideBranch side(t.x2.device(), layer_.options().shared_expert_overlap);
+  LaneScope side(Lane::side, t.x2.device(), layer_.options().shared_expert_overlap);
   return layer_.shared_forward(t, compute);
 }
 
@@ -53,7 +52,7 @@ Variable MoeSchedule::dispatch_experts_combine(const MoeTokens& t) const {
 }
 
 // Steps 3-5 over token chunks (parallel.exchange_chunks), issued so that each exchange, on the comm lane
-// (engine/comm_lane.h), has another chunk's work beside it on the compute stream:
+// (engine/stream_lane.h), has another chunk's work beside it on the compute stream:
 //   every chunk permuted and dispatched    (chunk c's rows travel while c+1 is permuted)
 //   per chunk: its rows waited for, experts, rows returned (c's return travels beside c+1's experts)
 //   every return waited for; each chunk unpermuted; the chunks stacked.
@@ -62,7 +61,7 @@ Variable MoeSchedule::dispatch_experts_combine(const MoeTokens& t) const {
 // for its buffers (training batches have one shape on every rank).
 Variable MoeSchedule::in_chunks(const MoeTokens& whole) const {
   const std::vector<int64_t> bounds = even_row_bounds(whole.tokens.size(0), layer_.num_chunks());
-  CommLaneScope lane(true, layer_.options().exchange_comm_stream);
+  LaneScope lane(Lane::comm, whole.tokens.device(), layer_.options().exchange_comm_stream);
   const std::vector<Variable> chunk_tokens = split_rows(whole.tokens, bounds);
   const std::vector<Variable> chunk_probs = split_rows(whole.topk_prob, bounds);
   std::vector<MoeInFlight> chunks(static_cast<size_t>(layer_.num_chunks()));

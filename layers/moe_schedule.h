@@ -2,9 +2,9 @@
 // stream each runs and in what order. The math is the layer's; the three schedules run the same stages, so
 // where their sums agree they agree bit for bit:
 //   at once:      the stages in order. With parallel.shared_expert_overlap the shared experts run on the side
-//                 stream (engine/side_stream.h) beside steps 1-5, forward and backward, joined before 6.
+//                 lane (engine/stream_lane.h) beside steps 1-5, forward and backward, joined before 6.
 //   token chunks: parallel.exchange_chunks, training forwards over the zero-sync exchange: steps 3-5 per chunk,
-//                 each chunk's exchanges on the comm lane (engine/comm_lane.h) beside another chunk's experts.
+//                 each chunk's exchanges on the comm lane (engine/stream_lane.h) beside another chunk's experts.
 //   dual micro-batches: parallel.dual_microbatch (Transformer::losses): the forward in three parts, moe_begin
 //                 (0-3), moe_run_experts (4, the rows' return issued) and moe_finish (5's unpermute, 6), so that
 //                 the caller interleaves two micro-batches, one's exchanges beside the other's work.
@@ -40,7 +40,7 @@ struct MoeInFlight {
   Dispatched d;
   uint64_t arrived = 0, back = 0;  // comm lane tickets: the dispatch, the return
 };
-// Steps 0-3; the dispatch on the comm lane when a CommLaneScope is open.
+// Steps 0-3; the dispatch on the comm lane where a LaneScope of it is open.
 MoeInFlight moe_begin(const MoeLayer& layer, const Variable& x /*[..., H]*/, DType compute,
                       const Variable& xq = Variable());
 // Step 4 (after waiting for the rows), and issues the rows' return.

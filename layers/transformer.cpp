@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "engine/comm_lane.h"
 #include "engine/profiler.h"
+#include "engine/stream_lane.h"
 #include "layers/mla.h"
 #include "layers/mtp.h"
 
@@ -277,7 +277,7 @@ Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& ta
                 " sequences on this rank does not split into two equal halves");
   const Tensor half_ids[2] = {ids.slice(0, 0, B / 2), ids.slice(0, B / 2, B)};
   const Tensor half_targets[2] = {targets.slice(0, 0, B / 2), targets.slice(0, B / 2, B)};
-  CommLaneScope lane(true, comm_stream_);
+  LaneScope lane(Lane::comm, device_, comm_stream_);
   Residual h[2];
   std::vector<Variable> layer_aux[2];
   stage(0);

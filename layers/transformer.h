@@ -111,7 +111,7 @@ class Transformer {
   // ids and targets [B,T] i32 (moved to the device). With dual micro-batches on and grad enabled (training),
   // the batch runs as two halves of B/2 sequences interleaved layer by layer: in each MoE layer both halves'
   // attention and dispatch, then both halves' experts, then both combines, so that one half's exchanges (on
-  // the comm lane, engine/comm_lane.h) travel beside the other half's compute. lm is the mean of the halves'
+  // the comm lane, engine/stream_lane.h) travel beside the other half's compute. lm is the mean of the halves'
   // (the same tokens: the batch's mean up to the order of the sums), each layer's aux term too.
   Losses losses(const Tensor& ids, const Tensor& targets) const;
   void set_dual_microbatch(bool on) { dual_microbatch_ = on; }  // parallel.dual_microbatch
