@@ -115,10 +115,14 @@ class MoeLayer {
   Variable forward(const Variable& x /*[..., H]*/, DType compute, const Variable& xq = Variable()) const;
   static const char* input_site() { return "dispatch: x"; }  // where x's quantize before dispatch is counted
 
-  // forward's stages, in order (moe.cpp), which the schedules (layers/moe_schedule.h) issue: take_tokens
-  // (fp8_full's quantize of x), 0. shared_forward (undefined without shared experts), 1. route, 2. quantize, 3.
-  // dispatch_tokens (buffers sized for tokens_per_rank tokens), 4. experts, 5. return_rows then unpermute, 6.
-  // add_shared.
+  // forward's stages, in order (moe.cpp), which the schedules (layers/moe_schedule.h) issue:
+  //   take_tokens         x as [T, H], and fp8_full's quantize of x
+  //   0. shared_forward   the shared experts (undefined without them)
+  //   1. route, 2. quantize
+  //   3. dispatch_tokens  buffers sized for tokens_per_rank tokens
+  //   4. experts
+  //   5. return_rows, then unpermute
+  //   6. add_shared
   MoeTokens take_tokens(const Variable& x /*[..., H]*/, const Variable& xq) const;
   Variable shared_forward(const MoeTokens& t, DType compute) const;
   void route(MoeTokens& t) const;
