@@ -22,6 +22,7 @@
 #include "engine/rng.h"
 #include "kernels/common/device_api.h"
 #include "kernels/fp8.h"
+#include "layers/moe.h"
 #include "parallel/dispatch.h"
 
 using namespace flowmoe;
@@ -189,7 +190,11 @@ class ShapeBench {
       Variable tokens(fp8 ? xq : x, true);
       Variable probs = fp8 ? Variable(prob, true) : Variable();  // fp8_flow: the probs travel with the rows
       Variable merge = fp8 ? Variable() : Variable(prob, true);  // bf16: combine applies them
-      const CombineGrad grad = fp8 ? CombineGrad::fp8 : CombineGrad::as_is;
+      // fp8_flow's combine quantizes its gradient once (layers/moe.h).
+      const auto combine_as_layer = [fp8](const Variable& rows, const Dispatched& d, const Variable& merge) {
+        Variable y = combine(rows, d, merge);
+        return fp8 ? combine_grad_to_fp8(y) : y;
+      };
       // The traffic is the routing's, the same in both modes: read from a sync plan, whose counts are on the host.
       const Traffic tr = traffic(*dispatch(tokens, idx, probs, sync_opt).plan, w_.host());
       for (const bool zero_sync : o_.zero_sync) {
@@ -206,7 +211,7 @@ class ShapeBench {
         auto clear = [&] { held.reset(), y = Variable(); };  // results die outside the timed region
         std::vector<Run> runs = {
             {"dispatch", fp8 ? fp8_row + 4 : act_row, clear, [&] { held = dispatch(tokens, idx, probs, opt); }},
-            {"combine", act_row, clear, [&] { y = combine(out_rows, d0, merge, grad); }}};
+            {"combine", act_row, clear, [&] { y = combine_as_layer(out_rows, d0, merge); }}};
         if (o_.backward) {
           runs.push_back({"dispatch.bwd", act_row + (fp8 ? 4 : 0),
                           [&] {
@@ -223,7 +228,7 @@ class ShapeBench {
                             clear();
                             out_rows.zero_grad();
                             if (merge.defined()) merge.zero_grad();
-                            y = combine(out_rows, d0, merge, grad);
+                            y = combine_as_layer(out_rows, d0, merge);
                           },
                           [&] { y.backward(dy); }});
         }

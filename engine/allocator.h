@@ -3,7 +3,7 @@
 // CUDA memory goes through a caching allocator: freed blocks are kept in a size-ordered pool and
 // handed out again, so a training step does not call cudaMalloc/cudaFree. Engine work runs on one
 // stream per device (kernels/common/device_api.h), so a freed block may be reused at once: any later use is
-// ordered after the last kernel that touched it. The exception is a side branch (engine/side_stream.h):
+// ordered after the last kernel that touched it. The exception is a side branch (engine/stream_lane.h):
 // while one is open, a block freed by the side stream's work is held back, and one freed by the compute
 // stream's goes back to the compute stream alone, since the other stream may not have passed it yet.
 #pragma once
@@ -53,7 +53,7 @@ class CachingAllocator {
   void close_pool();
   void release_pool(int pool);
 
-  // Between a side branch's fork and its join (engine/side_stream.h). A block the side stream's work
+  // Between a side branch's fork and its join (engine/stream_lane.h). A block the side stream's work
   // frees stays out of every pool and counts as live (the peak includes it): the compute stream may
   // not reuse it while the side stream may still read it. A block the compute stream's work frees may
   // serve the compute stream's next allocations at once (its stream order covers them), but not the

@@ -8,10 +8,10 @@
 #include <utility>
 
 // Above autograd, but kept: gradients are summed by tensor_add, the add primitive, on their device.
+#include "engine/backward_streams.h"
 #include "engine/ops/ops.h"
 #include "engine/profiler.h"
-#include "engine/side_stream.h"
-#include "engine/walk_streams.h"
+#include "engine/stream_lane.h"
 #include "kernels/common/device_api.h"
 
 namespace flowmoe {
@@ -270,7 +270,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
     }
   }
 
-  StreamSchedule streams;
+  BackwardStreams streams;
   std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, WalkOrder> ready;
   std::unordered_set<Node*> queued;
   for (auto& r : roots)

@@ -42,7 +42,7 @@ class Primitive {
   virtual double flops(const std::vector<Tensor>& inputs) const { return 0; }
   virtual double vjp_flops(const std::vector<Tensor>& inputs) const { return 2 * flops(inputs); }
   // Whether the backward walk runs this op's vjp as soon as it is ready, before the nodes recorded after it
-  // (an exchange on the comm lane, engine/comm_lane.h, whose transfer then overlaps them).
+  // (an exchange on the comm lane, engine/stream_lane.h, whose transfer then overlaps them).
   virtual bool backward_first() const { return false; }
 };
 
@@ -187,14 +187,14 @@ struct Node {
   std::vector<Shape> out_shapes;
   std::vector<DType> out_dtypes;
   Device device;
-  bool on_side = false;  // recorded in a side branch (engine/side_stream.h): its backward runs there too
+  bool on_side = false;  // recorded in a side branch (engine/stream_lane.h): its backward runs there too
   std::string scope;     // the profiler's scope when the node was recorded (kept only while profiling)
   // The walk's order among ready nodes: backward_first ones first, then the later recorded (higher sequence).
   bool backward_first = false;
   uint64_t sequence = 0;
 };
 
-// Nodes recorded while one lives are walked as soon as they are ready (a side branch's, engine/side_stream.h,
+// Nodes recorded while one lives are walked as soon as they are ready (a side branch's, engine/stream_lane.h,
 // whether or not its stream is on, so that the order and so the sums do not depend on it).
 class BackwardFirstGuard {
  public:

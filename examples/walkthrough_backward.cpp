@@ -73,7 +73,7 @@ void combine_backward(State& s, const Printer& out) {
   const std::vector<int64_t> rm = s.p.row_map.to_ints();
   const int64_t pad = pad_row(s);
   out.line("math   d out[row_map[t,j]] = dy[t] for every j: one gradient per token, quantized once, then moved");
-  out.line("code   parallel/dispatch.cpp::CombineGradToFp8::vjp -> quantize_rowwise_tensor; then");
+  out.line("code   layers/moe.cpp::CombineGradToFp8::vjp -> quantize_rowwise_tensor; then");
   out.line("       engine/ops/unpermute.cpp::UnpermuteUnpad::vjp -> engine/ops/permute.cpp::permute_rows_like");
   out.line("out    d_out %s + scale_inv %s", dims(s.d_out).c_str(), dims(s.d_out.fp8_scales()->scale_inv).c_str());
   out.line("rows %lld and %lld: codes %s (both), scale_inv %s | %s", (long long)rm[0], (long long)rm[1],

@@ -11,6 +11,7 @@
 #include "engine/ops/unpermute.h"
 #include "examples/walkthrough.h"
 #include "kernels/router.h"
+#include "layers/moe.h"
 
 namespace flowmoe::walk {
 
@@ -206,7 +207,7 @@ void fc2(State& s, const Printer& out) {
 
 void unpermute(State& s, const Printer& out) {
   s.out_in = leaf(s.out.data());
-  s.y_routed = combine(s.out_in, s.d, Variable(), CombineGrad::fp8);
+  s.y_routed = combine_grad_to_fp8(combine(s.out_in, s.d, Variable()));
   const std::vector<int64_t> rm = s.p.row_map.to_ints();
   out.line("math   y_routed[t] = Σ_j out[row_map[t,j]] in fp32, j ascending; no probs (SwiGLU applied them)");
   out.line("code   parallel/dispatch.cpp::combine -> engine/ops/unpermute.cpp::unpermute_unpad ->");
@@ -222,7 +223,8 @@ void combine(State& s, const Printer& out) {
   s.y_combined = s.y_routed;
   out.line("math   every expert output is already on its token's rank (expert-parallel size 1): combine is the");
   out.line("       unpermute + unpad of the last step; across ranks the rows first travel back to their tokens");
-  out.line("code   parallel/dispatch.cpp::combine; its backward will quantize dy once (CombineGradToFp8)");
+  out.line(
+      "code   parallel/dispatch.cpp::combine; its backward will quantize dy once (layers/moe.cpp::CombineGradToFp8)");
   out.line("casts  %s", cast_summary().c_str());
 }
 

@@ -2,14 +2,34 @@
 
 #include <utility>
 
-#include "engine/comm_lane.h"
 #include "engine/ops/fp8_grouped_linear.h"
 #include "engine/ops/fp8_linear.h"
 #include "engine/ops/grouped_linear.h"
+#include "engine/ops/quantize.h"
 #include "engine/ops/swiglu_quant.h"
-#include "engine/side_stream.h"
+#include "layers/moe_schedule.h"
 
 namespace flowmoe {
+
+namespace {
+
+// Input: [y]. Output: y. Its vjp quantizes dy once (rowwise 1x128): the fp8_flow cast "combine backward: dy".
+class CombineGradToFp8 : public Primitive {
+ public:
+  const char* name() const override { return "combine"; }
+  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return in; }
+  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return in; }
+  bool saves_inputs() const override { return false; }
+  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
+                          const std::vector<bool>& needs) override {
+    if (!needs[0]) return {Tensor()};
+    return {quantize_rowwise_tensor(d_out[0], "combine backward: dy")};
+  }
+};
+
+}  // namespace
+
+Variable combine_grad_to_fp8(const Variable& y) { return apply(std::make_shared<CombineGradToFp8>(), {y})[0]; }
 
 MoeRecipe moe_recipe_from_name(const std::string& name) {
   return parse_enum(kMoeRecipeNames, name, "precision.recipe");
@@ -88,14 +108,16 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
   tokens_since_update_ = Tensor::zeros({E}, DType::i32, device);
 }
 
-// Forward, top-down (DESIGN.md §2). The recipe is read once, into flow_ (moe_flow).
+// Forward, top-down (DESIGN.md §2): the math, stage by stage. The recipe is read once, into flow_ (moe_flow).
+// How the stages are issued (the shared experts on the side stream, the exchanges on the comm lane, token chunks,
+// two micro-batches interleaved) is layers/moe_schedule.cpp's, which calls the same stages.
 //
 // Backward, in order (each step is the vjp of the op named, in the file named; the walk takes the forward's
 // reverse, except that the shared experts and chunked exchanges go as soon as they are ready):
 //   6. + shared experts  engine/ops/elementwise.cpp  Binary::vjp: dy to both branches
 //   0. shared experts    layers/mlp.cpp (linear, swiglu vjps), on the side stream with shared_expert_overlap,
 //                        issued first and running beside 5 to 1; their dx joins the router's at x
-//   5. combine           parallel/dispatch.cpp       CombineGradToFp8::vjp (fp8_flow): dy quantized once;
+//   5. combine           layers/moe.cpp              CombineGradToFp8::vjp (fp8_flow): dy quantized once;
 //                        engine/ops/unpermute.cpp    UnpermuteUnpad::vjp: d_rows = prob·dy and
 //                                                    d_prob = rows·dy; fp8_flow: FP8 dy rows moved;
 //                        parallel/exchange.cpp       Exchange::vjp (several ranks): d_rows to the experts
@@ -111,149 +133,93 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
 //                                                    sigmoid scores into the gate weight and x (ready
 //                                                    once dispatch has returned d_probs)
 // With exchange_chunks, 5 to 3 run per chunk, the last chunk first; each chunk's exchanges are issued as
-// soon as they are ready, so they travel beside the other chunk's experts (routed_in_chunks).
+// soon as they are ready, so they travel beside the other chunk's experts (layers/moe_schedule.cpp).
 // (tests/test_moe_fp8.cpp checks this order against the ops the backward runs.)
 // The backward reads nothing to the host: the GEMMs and exchanges reuse the forward's counts.
-// The steps below run in begin (0-3, prepare holding 0-2), run_experts (4 and the rows' return) and finish (5-6).
 Variable MoeLayer::forward(const Variable& x, DType compute, const Variable& xq) const {
-  if (num_chunks_ > 1 && grad_enabled()) return forward_in_chunks(x, compute, xq);
-  Pending p = begin(x, compute, xq);
-  run_experts(p);
-  return finish(p);
+  const MoeSchedule schedule(*this);
+  MoeTokens t = take_tokens(x, xq);
+  Variable shared = schedule.shared_experts(t, compute);  // 0. shared experts
+  route(t);                                               // 1. router
+  quantize(t);                                            // 2. quantize once
+  Variable y = schedule.dispatch_experts_combine(t);      // 3-5. dispatch → experts → combine
+  return add_shared(t, y, shared);                        // 6. + shared experts
 }
 
-// Steps 0-2: what every token goes through before the routed experts.
-MoeLayer::Pending MoeLayer::prepare(const Variable& x, DType compute, const Variable& x_quantized) const {
-  Pending p;
-  p.in_shape = x.shape();
-  Variable x2 = reshape(x, {-1, p.in_shape.back()});  // [T, H]
-
+MoeTokens MoeLayer::take_tokens(const Variable& x, const Variable& x_quantized) const {
+  MoeTokens t;
+  t.in_shape = x.shape();
+  t.x2 = reshape(x, {-1, t.in_shape.back()});  // [T, H]
   // fp8_full quantizes x (step 2) first: the shared experts' FP8 GEMMs read the same xq as the dispatch, one
   // cast for both. In a transformer block the norm before this layer has quantized it already (x_quantized).
   FLOWMOE_CHECK(!x_quantized.defined() || flow_.fp8_linears, Error, "moe: a quantized input is for fp8_full, not ",
                 moe_recipe_name(options_.recipe));
-  Variable xq = x_quantized;
-  if (flow_.fp8_linears && !xq.defined()) xq = quantize_rowwise(x2, input_site());
-
-  // 0. The shared experts, a dense SwiGLU MLP on every token (summed in at 6). They wait for nothing the
-  //    routed path makes, so with shared_expert_overlap they run on a side stream beside steps 1-5, and
-  //    so do their backward's ops (engine/side_stream.h); issued first, so that a sync dispatch's host
-  //    read does not hold them back.
-  if (shared_) {
-    SideBranch side(x2.device(), options_.shared_expert_overlap);
-    p.shared_y = shared_->forward(xq.defined() ? xq : x2, compute);
-  }
-
-  // 1. Router, in fp32 as DeepSeek-V3 does: the top-k choice is sensitive to rounding.
-  RouterOutput r = route_tokens(x2, p.in_shape);
-  p.aux_loss = r.aux_loss;
-  p.topk_idx = r.topk_idx;
-  p.topk_prob = r.topk_prob;
-  if (x2.device().is_cpu() && p.topk_prob.dtype() != x2.dtype()) p.topk_prob = cast(p.topk_prob, x2.dtype());
-
-  // 2. Quantize once (fp8_flow): x becomes e4m3 with 1x128 scales, and stays FP8 until fc1.
-  if (xq.defined())
-    p.tokens = xq;
-  else
-    p.tokens = flow_.quantize_once ? quantize_rowwise(x2, input_site()) : x2;
-  return p;
+  t.xq = x_quantized;
+  if (flow_.fp8_linears && !t.xq.defined()) t.xq = quantize_rowwise(t.x2, input_site());
+  return t;
 }
 
-MoeLayer::Pending MoeLayer::begin(const Variable& x, DType compute, const Variable& xq) const {
-  Pending p = prepare(x, compute, xq);
-  dispatch_routed(p, p.tokens.size(0));
-  return p;
+// 0. The shared experts, a dense SwiGLU MLP on every token (summed in at 6). They wait for nothing the routed
+//    path makes, so a schedule may run them beside steps 1-5.
+Variable MoeLayer::shared_forward(const MoeTokens& t, DType compute) const {
+  if (!shared_) return Variable();
+  return shared_->forward(t.xq.defined() ? t.xq : t.x2, compute);
 }
 
-// Step 3 of p's tokens, whose buffers are sized for tokens_per_rank tokens.
-void MoeLayer::dispatch_routed(Pending& p, int64_t tokens_per_rank) const {
-  // 3. Dispatch: each routed copy goes to the rank that owns its expert, into that rank's expert-major
-  //    buffer padded to align_size (permute+pad; across ranks, an exchange straight into place).
-  //    fp8_flow moves the probs with the rows (SwiGLU applies them); the other recipes apply them at
-  //    combine, in fp32. On one GPU and with zero_sync the counts stay on the device and nothing reads
-  //    them: the expert GEMMs run in one launch each on the device counts, and in the FP8 recipes the
-  //    wgrad operands' colwise layouts (transpose or re-quantize) follow the same counts into worst-case
-  //    sized scales. A sync exchange reads them to the host once, sizing the transfers and the GEMMs.
-  //    With exchange_chunks, steps 3-5 run per token chunk, their exchanges beside the compute (routed_in_chunks).
-  p.d = dispatch(p.tokens, p.topk_idx, flow_.probs_in_experts ? p.topk_prob : Variable(),
-                 dispatch_options(tokens_per_rank));
-  p.arrived = comm_lane_last_ticket(p.tokens.device());
-}
-
-void MoeLayer::run_experts(Pending& p) const {
-  // 4. The experts: fc1 → SwiGLU (+ quantize) → fc2, on the counts dispatch left where they read them.
-  const Device device = p.d.rows.device();
-  comm_lane_wait(device, p.arrived);
-  Variable out_rows = experts(p.d.rows, p.d.probs, p.d.counts);
-
-  // 5. Combine: the rows return to their tokens' rank (issued here, so that it travels beside what the
-  //    caller runs next), then each token sums its k expert rows (× prob unless SwiGLU applied it):
-  //    unpermute+unpad, in finish.
-  p.returned = combine_return(out_rows, p.d);
-  p.back = comm_lane_last_ticket(device);
-}
-
-Variable MoeLayer::finish(Pending& p) const { return add_shared(p, unpermute_routed(p)); }
-
-// Step 5's unpermute+unpad of p's returned rows, once they are back: y [T, H].
-Variable MoeLayer::unpermute_routed(Pending& p) const {
-  comm_lane_wait(p.returned.device(), p.back);
-  return combine_unpermute(p.returned, p.d, flow_.probs_in_experts ? Variable() : p.topk_prob,
-                           flow_.quantize_once ? CombineGrad::fp8 : CombineGrad::as_is);
-}
-
-// 6. y [T, H] + the shared experts' output, once the side stream has finished it.
-Variable MoeLayer::add_shared(const Pending& p, Variable y) const {
-  if (shared_) {
-    join_side_branch(y.device());
-    y = add(y, p.shared_y);
-  }
-  return reshape(y, p.in_shape);
-}
-
-// forward with exchange_chunks: steps 0-2 and 6 as above, steps 3-5 per token chunk.
-Variable MoeLayer::forward_in_chunks(const Variable& x, DType compute, const Variable& xq) const {
-  Pending p = prepare(x, compute, xq);
-  return add_shared(p, routed_in_chunks(p));
-}
-
-// Steps 3-5 over token chunks (parallel.exchange_chunks), issued so that each exchange, on the comm lane
-// (engine/comm_lane.h), has another chunk's work beside it on the compute stream:
-//   every chunk permuted and dispatched    (chunk c's rows travel while c+1 is permuted)
-//   per chunk: its rows waited for, experts, rows returned (c's return travels beside c+1's experts)
-//   every return waited for; each chunk unpermuted; the chunks stacked.
-// The backward walk runs each exchange's vjp as soon as it is ready (backward_first) and waits for it only
-// where its gradient is read, so the same overlap holds there. Every rank's chunks have ceil(T / C) tokens
-// for its buffers (training batches have one shape on every rank).
-Variable MoeLayer::routed_in_chunks(const Pending& whole) const {
-  const std::vector<int64_t> bounds = even_row_bounds(whole.tokens.size(0), num_chunks_);
-  CommLaneScope lane(true, options_.exchange_comm_stream);
-  const std::vector<Variable> chunk_tokens = split_rows(whole.tokens, bounds);
-  const std::vector<Variable> chunk_probs = split_rows(whole.topk_prob, bounds);
-  std::vector<Pending> chunks(static_cast<size_t>(num_chunks_));
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    chunks[c].tokens = chunk_tokens[c];
-    chunks[c].topk_idx = whole.topk_idx.slice(0, bounds[c], bounds[c + 1]);
-    chunks[c].topk_prob = chunk_probs[c];
-    dispatch_routed(chunks[c], bounds[1]);
-  }
-  for (Pending& c : chunks) run_experts(c);
-  comm_lane_join(whole.tokens.device());
-  std::vector<Variable> y;
-  for (Pending& c : chunks) y.push_back(unpermute_routed(c));
-  return concat_rows(y);
-}
-
-RouterOutput MoeLayer::route_tokens(const Variable& x2, const Shape& in_shape) const {
+// 1. Router, in fp32 as DeepSeek-V3 does: the top-k choice is sensitive to rounding.
+void MoeLayer::route(MoeTokens& t) const {
   RouterConfig rc = router_;
-  if (in_shape.size() == 3) rc.seq_len = int(in_shape[1]);
-  Variable x_router = x2.dtype() == DType::f32 ? x2 : cast(x2, DType::f32);
-  RouterOutput r = route(x_router, gate_, expert_bias_.data(), rc);
+  if (t.in_shape.size() == 3) rc.seq_len = int(t.in_shape[1]);
+  Variable x_router = t.x2.dtype() == DType::f32 ? t.x2 : cast(t.x2, DType::f32);
+  RouterOutput r = flowmoe::route(x_router, gate_, expert_bias_.data(), rc);
   // Only training forwards steer the bias: an evaluation (no grad) must not, or a run resumed past
   // one would move its biases differently from the run that did not stop.
   if (grad_enabled()) add_tokens_per_expert(tokens_since_update_, r.tokens_per_expert);
-  aux_loss_ = r.aux_loss;
-  return r;
+  aux_loss_ = t.aux_loss = r.aux_loss;
+  t.topk_idx = r.topk_idx;
+  t.topk_prob = r.topk_prob;
+  if (t.x2.device().is_cpu() && t.topk_prob.dtype() != t.x2.dtype()) t.topk_prob = cast(t.topk_prob, t.x2.dtype());
+}
+
+// 2. Quantize once (fp8_flow): x becomes e4m3 with 1x128 scales, and stays FP8 until fc1.
+void MoeLayer::quantize(MoeTokens& t) const {
+  if (t.xq.defined())
+    t.tokens = t.xq;
+  else
+    t.tokens = flow_.quantize_once ? quantize_rowwise(t.x2, input_site()) : t.x2;
+}
+
+// 3. Dispatch: each routed copy goes to the rank that owns its expert, into that rank's expert-major
+//    buffer padded to align_size (permute+pad; across ranks, an exchange straight into place).
+//    fp8_flow moves the probs with the rows (SwiGLU applies them); the other recipes apply them at
+//    combine, in fp32. On one GPU and with zero_sync the counts stay on the device and nothing reads
+//    them: the expert GEMMs run in one launch each on the device counts, and in the FP8 recipes the
+//    wgrad operands' colwise layouts (transpose or re-quantize) follow the same counts into worst-case
+//    sized scales. A sync exchange reads them to the host once, sizing the transfers and the GEMMs.
+//    The buffers are sized for tokens_per_rank tokens (a chunk's are the largest chunk's).
+Dispatched MoeLayer::dispatch_tokens(const MoeTokens& t, int64_t tokens_per_rank) const {
+  return dispatch(t.tokens, t.topk_idx, flow_.probs_in_experts ? t.topk_prob : Variable(),
+                  dispatch_options(tokens_per_rank));
+}
+
+// 4. The experts: fc1 → SwiGLU (+ quantize) → fc2, on the counts dispatch left where they read them.
+Variable MoeLayer::experts(const Dispatched& d) const { return experts(d.rows, d.probs, d.counts); }
+
+// 5. Combine: the rows return to their tokens' rank, then each token sums its k expert rows (× prob unless
+//    SwiGLU applied them): unpermute+unpad. fp8_flow quantizes the gradient once, at its start.
+Variable MoeLayer::return_rows(const Variable& out_rows, const Dispatched& d) const {
+  return combine_return(out_rows, d);
+}
+
+Variable MoeLayer::unpermute(const Variable& returned, const Dispatched& d, const MoeTokens& t) const {
+  Variable y = combine_unpermute(returned, d, flow_.probs_in_experts ? Variable() : t.topk_prob);
+  return flow_.quantize_once ? combine_grad_to_fp8(y) : y;
+}
+
+// 6. y [T, H] + the shared experts' output, back in x's shape.
+Variable MoeLayer::add_shared(const MoeTokens& t, Variable y, const Variable& shared) const {
+  if (shared.defined()) y = add(y, shared);
+  return reshape(y, t.in_shape);
 }
 
 // fc1 → SwiGLU → fc2 over the permuted rows. fc1 and SwiGLU (the part recompute re-runs) go through

@@ -47,12 +47,12 @@ struct MoeOptions {
   // parallel.ep_dispatch: across ranks, the one-sync exchange or the zero-sync one (parallel/dispatch.h);
   // auto resolves in resolve_ep_dispatch, once, when the layer is built.
   EpDispatch ep_dispatch = EpDispatch::automatic;
-  // parallel.shared_expert_overlap: the shared experts run on a side stream (engine/side_stream.h) beside
+  // parallel.shared_expert_overlap: the shared experts run on a side stream (engine/stream_lane.h) beside
   // router → dispatch → experts → combine, forward and backward, and join before their sum.
   bool shared_expert_overlap = false;
   // parallel.exchange_chunks: a training forward over the zero-sync exchange splits its tokens into this many
   // chunks, each dispatched and combined on its own, issued so that one chunk's exchange runs on the comm
-  // stream (engine/comm_lane.h) beside another chunk's experts. 1: the layer's tokens at once.
+  // stream (engine/stream_lane.h) beside another chunk's experts. 1: the layer's tokens at once.
   int exchange_chunks = 1;
   // false: the chunks' exchanges (and the dual micro-batches', layers/transformer.h) stay on the compute stream,
   // in the same order (the overlap's reference).
@@ -89,6 +89,16 @@ struct MoeFlow {
 };
 MoeFlow moe_flow(MoeRecipe r);
 
+// What steps 0-2 of the forward leave for the routed experts: the tokens as [T, H] and their routing.
+struct MoeTokens {
+  Shape in_shape;   // x's, which the output takes
+  Variable x2;      // x as [T, H]
+  Variable xq;      // fp8_full: x quantized once, for the shared experts and dispatch alike; else undefined
+  Variable tokens;  // what dispatch moves: x2, or x quantized (fp8_flow, fp8_full)
+  Variable topk_prob, aux_loss;
+  Tensor topk_idx;
+};
+
 class MoeLayer {
  public:
   // Parameters (HF names): <prefix>.gate.weight [E,H], <prefix>.experts.fc1.weight [E,2F,H] (gate rows first, then
@@ -105,21 +115,24 @@ class MoeLayer {
   Variable forward(const Variable& x /*[..., H]*/, DType compute, const Variable& xq = Variable()) const;
   static const char* input_site() { return "dispatch: x"; }  // where x's quantize before dispatch is counted
 
-  // The forward in three parts, for a caller that interleaves two micro-batches (Transformer::losses with
-  // dual_microbatch): begin runs steps 0-3 (the shared experts issued, router, quantize, dispatch: on the comm
-  // lane when a CommLaneScope is open), run_experts step 4 (after waiting for the rows) and issues the rows'
-  // return, finish waits for it and runs 5-6. Without token chunks forward(x) is finish(run_experts(begin(x)))
-  // with the same ops in the same order.
-  struct Pending {
-    Shape in_shape;
-    Variable shared_y, tokens, topk_prob, returned, aux_loss;
-    Tensor topk_idx;
-    Dispatched d;
-    uint64_t arrived = 0, back = 0;  // comm lane tickets: the dispatch, the return
-  };
-  Pending begin(const Variable& x /*[..., H]*/, DType compute, const Variable& xq = Variable()) const;
-  void run_experts(Pending& p) const;
-  Variable finish(Pending& p) const;  // -> [..., H]
+  // forward's stages, in order (moe.cpp), which the schedules (layers/moe_schedule.h) issue:
+  //   take_tokens         x as [T, H], and fp8_full's quantize of x
+  //   0. shared_forward   the shared experts (undefined without them)
+  //   1. route, 2. quantize
+  //   3. dispatch_tokens  buffers sized for tokens_per_rank tokens
+  //   4. experts
+  //   5. return_rows, then unpermute
+  //   6. add_shared
+  MoeTokens take_tokens(const Variable& x /*[..., H]*/, const Variable& xq) const;
+  Variable shared_forward(const MoeTokens& t, DType compute) const;
+  void route(MoeTokens& t) const;
+  void quantize(MoeTokens& t) const;
+  Dispatched dispatch_tokens(const MoeTokens& t, int64_t tokens_per_rank) const;
+  Variable experts(const Dispatched& d) const;
+  Variable return_rows(const Variable& out_rows, const Dispatched& d) const;
+  Variable unpermute(const Variable& returned, const Dispatched& d, const MoeTokens& t) const;   // -> [T, H]
+  Variable add_shared(const MoeTokens& t, Variable y /*[T, H]*/, const Variable& shared) const;  // -> [..., H]
+  const MoeOptions& options() const { return options_; }
 
   // The balance loss of the last forward (undefined when aux_loss_alpha == 0).
   const Variable& aux_loss() const { return aux_loss_; }
@@ -151,14 +164,7 @@ class MoeLayer {
   const Mlp* shared_experts() const { return shared_.get(); }
 
  private:
-  RouterOutput route_tokens(const Variable& x2 /*[T,H]*/, const Shape& in_shape) const;
   Variable experts(const Variable& rows, const Variable& probs, const ExpertCounts& dispatched) const;
-  Pending prepare(const Variable& x, DType compute, const Variable& xq) const;  // steps 0-2
-  void dispatch_routed(Pending& p, int64_t tokens_per_rank) const;              // step 3
-  Variable unpermute_routed(Pending& p) const;                                  // step 5's unpermute
-  Variable add_shared(const Pending& p, Variable y) const;                      // step 6
-  Variable forward_in_chunks(const Variable& x, DType compute, const Variable& xq) const;
-  Variable routed_in_chunks(const Pending& whole) const;  // steps 3-5 per token chunk
   DispatchOptions dispatch_options(int64_t num_tokens) const;
 
   RouterConfig router_;
@@ -182,6 +188,10 @@ class MoeLayer {
 // rounded up to a multiple of kFp8RowMultiple for the FP8 recipes (their GEMMs' leading dimension over the whole
 // buffer, in wgrad).
 int64_t moe_permuted_rows(int64_t num_tokens, int top_k, int num_experts, int align_size, MoeRecipe recipe);
+
+// y unchanged; its backward quantizes dy once (rowwise 1x128, counted as one cast at "combine backward: dy"), so
+// that fp8_flow's gradient rows and scales travel as FP8 from combine all the way to fc2's dgrad.
+Variable combine_grad_to_fp8(const Variable& y /*[T, H], combine's output*/);
 
 // RouterConfig from the model config's HF keys.
 RouterConfig router_config(const ModelConfig& cfg);

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "engine/comm_lane.h"
 #include "engine/profiler.h"
+#include "engine/stream_lane.h"
 #include "layers/mla.h"
 #include "layers/mtp.h"
 
@@ -101,22 +101,22 @@ Variable TransformerBlock::attention_branch(const AddNormed& in, DType compute) 
   return self_attn_->forward_quantized(in.n.q, in.n.y, in.h.size(0), in.h.size(1), compute);
 }
 
-MoeLayer::Pending TransformerBlock::moe_begin(const AddNormed& a, DType compute) const {
+MoeInFlight TransformerBlock::moe_begin(const AddNormed& a, DType compute) const {
   ProfileScope layer(scope_);
   ProfileScope part("moe");
-  return moe_->begin(a.n.y, compute, a.n.q);
+  return flowmoe::moe_begin(*moe_, a.n.y, compute, a.n.q);
 }
 
-void TransformerBlock::moe_experts(MoeLayer::Pending& p) const {
+void TransformerBlock::moe_experts(MoeInFlight& p) const {
   ProfileScope layer(scope_);
   ProfileScope part("moe");
-  moe_->run_experts(p);
+  moe_run_experts(*moe_, p);
 }
 
-Residual TransformerBlock::moe_finish(const Variable& h, MoeLayer::Pending& p) const {
+Residual TransformerBlock::moe_finish(const Variable& h, MoeInFlight& p) const {
   ProfileScope layer(scope_);
   ProfileScope part("moe");
-  return hand_on(h, moe_->finish(p));
+  return hand_on(h, flowmoe::moe_finish(*moe_, p));
 }
 
 Transformer::Transformer(const ModelConfig& cfg, Device device, DType compute, uint64_t seed, const MoeOptions& moe)
@@ -277,7 +277,7 @@ Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& ta
                 " sequences on this rank does not split into two equal halves");
   const Tensor half_ids[2] = {ids.slice(0, 0, B / 2), ids.slice(0, B / 2, B)};
   const Tensor half_targets[2] = {targets.slice(0, 0, B / 2), targets.slice(0, B / 2, B)};
-  CommLaneScope lane(true, comm_stream_);
+  LaneScope lane(Lane::comm, device_, comm_stream_);
   Residual h[2];
   std::vector<Variable> layer_aux[2];
   stage(0);
@@ -290,15 +290,15 @@ Transformer::Losses Transformer::dual_losses(const Tensor& ids, const Tensor& ta
       continue;
     }
     AddNormed a[2];
-    MoeLayer::Pending p[2];
+    MoeInFlight p[2];
     for (int k = 0; k < 2; ++k) {
       a[k] = block.attention_half(h[k], compute_);
       p[k] = block.moe_begin(a[k], compute_);  // k's dispatch travels beside the other half's work
     }
-    for (MoeLayer::Pending& pk : p) block.moe_experts(pk);
+    for (MoeInFlight& pk : p) block.moe_experts(pk);
     for (int k = 0; k < 2; ++k) {
       h[k] = block.moe_finish(a[k].h, p[k]);
-      if (p[k].aux_loss.defined()) layer_aux[k].push_back(p[k].aux_loss);
+      if (p[k].t.aux_loss.defined()) layer_aux[k].push_back(p[k].t.aux_loss);
     }
   }
   comm_lane_join(device_);

@@ -23,6 +23,7 @@
 #include "layers/mlp.h"
 #include "layers/model_config.h"
 #include "layers/moe.h"
+#include "layers/moe_schedule.h"
 
 namespace flowmoe {
 
@@ -54,11 +55,12 @@ class TransformerBlock {
   MoeLayer* moe() const { return moe_.get(); }  // null for a dense block
   // forward in parts, for an MoE block whose caller interleaves two micro-batches (Transformer, dual_microbatch):
   // a = attention_half(x): a.h = x + attn(rmsnorm(x)) and a.n its post-attention norm; then moe_begin(a),
-  // moe_experts and moe_finish(a.h): a.h and the MoE layer's output (MoeLayer::begin, run_experts, finish).
+  // moe_experts and moe_finish(a.h): a.h and the MoE layer's output (moe_begin, moe_run_experts, moe_finish of
+  // layers/moe_schedule.h).
   AddNormed attention_half(const Residual& x, DType compute) const;
-  MoeLayer::Pending moe_begin(const AddNormed& a, DType compute) const;
-  void moe_experts(MoeLayer::Pending& p) const;
-  Residual moe_finish(const Variable& h, MoeLayer::Pending& p) const;
+  MoeInFlight moe_begin(const AddNormed& a, DType compute) const;
+  void moe_experts(MoeInFlight& p) const;
+  Residual moe_finish(const Variable& h, MoeInFlight& p) const;
   // train.recompute attention: attn(rmsnorm(x)) runs under checkpoint(), which keeps only x (the stream, added up
   // before it) and runs it again in backward (the same code, so the same bits).
   void set_recompute_attention(bool on) { recompute_attention_ = on; }
@@ -109,7 +111,7 @@ class Transformer {
   // ids and targets [B,T] i32 (moved to the device). With dual micro-batches on and grad enabled (training),
   // the batch runs as two halves of B/2 sequences interleaved layer by layer: in each MoE layer both halves'
   // attention and dispatch, then both halves' experts, then both combines, so that one half's exchanges (on
-  // the comm lane, engine/comm_lane.h) travel beside the other half's compute. lm is the mean of the halves'
+  // the comm lane, engine/stream_lane.h) travel beside the other half's compute. lm is the mean of the halves'
   // (the same tokens: the batch's mean up to the order of the sums), each layer's aux term too.
   Losses losses(const Tensor& ids, const Tensor& targets) const;
   void set_dual_microbatch(bool on) { dual_microbatch_ = on; }  // parallel.dual_microbatch

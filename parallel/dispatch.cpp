@@ -5,7 +5,6 @@
 #include <sstream>
 
 #include "engine/ops/grouped_linear.h"
-#include "engine/ops/quantize.h"
 #include "engine/ops/unpermute.h"
 #include "kernels/fp8.h"
 
@@ -16,27 +15,6 @@ namespace {
 // The sender's permute groups copies by global expert. Its segments only need to be contiguous, but
 // permute_pad pads them to at least its smallest align_size, the FP8 row multiple; the pad rows never travel.
 constexpr int kSortedAlign = kFp8RowMultiple;
-
-// Input: [y]. Output: y. Its vjp quantizes dy once (rowwise 1x128): the fp8_flow cast "combine backward: dy".
-class CombineGradToFp8 : public Primitive {
- public:
-  const char* name() const override { return "combine"; }
-  std::vector<Tensor> eval_cpu(const std::vector<Tensor>& in) override { return in; }
-  std::vector<Tensor> eval_gpu(const std::vector<Tensor>& in) override { return in; }
-  bool saves_inputs() const override { return false; }
-  std::vector<Tensor> vjp(const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>& d_out,
-                          const std::vector<bool>& needs) override {
-    if (!needs[0]) return {Tensor()};
-    return {quantize_rowwise_tensor(d_out[0], "combine backward: dy")};
-  }
-};
-
-// The GEMMs' counts from counts [L] i32 on the rows' device: left there where the GEMMs read them there,
-// else read to the host (one sync on a GPU).
-ExpertCounts gemm_counts(const Tensor& counts, const Variable& rows, bool fp8_experts) {
-  if (fp8_experts || grouped_linear_takes_device_counts(rows.data())) return {{}, counts};
-  return {read_counts_once(counts), Tensor()};
-}
 
 }  // namespace
 
@@ -52,7 +30,7 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
     d.rows = d.routing.rows;
     d.probs = d.routing.probs;
     d.tokens_per_expert = d.routing.tokens_per_expert;
-    d.counts = o.device_counts ? gemm_counts(d.routing.padded_tokens_per_expert, d.rows, o.fp8_experts)
+    d.counts = o.device_counts ? gemm_counts(d.routing.padded_tokens_per_expert, d.rows.data(), o.fp8_experts)
                                : ExpertCounts{read_counts_once(d.routing.padded_tokens_per_expert), Tensor()};
     return d;
   }
@@ -79,7 +57,7 @@ Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variab
     // Never read on a GPU (the layer's GEMMs there are bf16 or FP8, and both take device counts); the
     // CPU's are host memory, read without a sync.
     const Tensor& padded = plan->device_padded_tokens_per_expert;
-    d.counts = padded.device().is_cuda() ? ExpertCounts{{}, padded} : gemm_counts(padded, d.rows, o.fp8_experts);
+    d.counts = padded.device().is_cuda() ? ExpertCounts{{}, padded} : gemm_counts(padded, d.rows.data(), o.fp8_experts);
     d.plan = std::move(plan);
     return d;
   }
@@ -127,14 +105,12 @@ Variable combine_return(const Variable& rows, const Dispatched& from) {
   return from.plan ? exchange(rows, Variable(), from.plan, ExchangeDirection::to_tokens)[0] : rows;
 }
 
-Variable combine_unpermute(const Variable& sorted, const Dispatched& from, const Variable& topk_prob,
-                           CombineGrad grad) {
-  Variable y = unpermute_unpad(sorted, from.routing, topk_prob);
-  return grad == CombineGrad::fp8 ? apply(std::make_shared<CombineGradToFp8>(), {y})[0] : y;
+Variable combine_unpermute(const Variable& sorted, const Dispatched& from, const Variable& topk_prob) {
+  return unpermute_unpad(sorted, from.routing, topk_prob);
 }
 
-Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob, CombineGrad grad) {
-  return combine_unpermute(combine_return(rows, from), from, topk_prob, grad);
+Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob) {
+  return combine_unpermute(combine_return(rows, from), from, topk_prob);
 }
 
 }  // namespace flowmoe

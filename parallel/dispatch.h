@@ -88,19 +88,15 @@ std::string capacity_factor_error(double capacity_factor, bool sync, const std::
 Dispatched dispatch(const Variable& tokens, const Tensor& topk_idx, const Variable& probs,
                     const DispatchOptions& options);
 
-// The format of combine's backward: the gradient as it comes, or quantized once to FP8 (rowwise
-// 1x128, counted as one cast at "combine backward: dy"; fp8_flow): its rows and scales then travel as FP8 all the
-// way to fc2's dgrad.
-enum class CombineGrad { as_is, fp8 };
-
 // rows [R,H] (the experts' outputs, in dispatch's layout) -> y [T,H]. topk_prob [T,k]: the merge
 // weights, or undefined when the experts applied them (fp8_flow). Several ranks: moves the rows back and
-// unpermutes them where the tokens live.
-Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob, CombineGrad grad);
-// combine's two steps, for a layer that returns every chunk's rows before it unpermutes any (layers/moe.cpp):
+// unpermutes them where the tokens live. Its backward takes the gradient as it comes (fp8_flow's layer quantizes
+// it once before, layers/moe.h: combine_grad_to_fp8).
+Variable combine(const Variable& rows, const Dispatched& from, const Variable& topk_prob);
+// combine's two steps, for a layer that returns every chunk's rows before it unpermutes any (layers/moe_schedule.cpp):
 // the rows back to the tokens' rank in the sender's sorted layout (as they are on one rank), then
 // unpermute+unpad there.
 Variable combine_return(const Variable& rows, const Dispatched& from);
-Variable combine_unpermute(const Variable& sorted, const Dispatched& from, const Variable& topk_prob, CombineGrad grad);
+Variable combine_unpermute(const Variable& sorted, const Dispatched& from, const Variable& topk_prob);
 
 }  // namespace flowmoe

@@ -9,8 +9,8 @@
 #include <mutex>
 #include <optional>
 
-#include "engine/comm_lane.h"
 #include "engine/ops/ops.h"
+#include "engine/stream_lane.h"
 #include "kernels/common/device_api.h"
 #include "kernels/ep_layout.h"
 
@@ -262,7 +262,7 @@ Tensor move_blocks(const Tensor& src, const ExchangePlan& p, ExchangeDirection d
 }
 
 // Rows (with their FP8 scales) and probs along the plan; on_lane: a device plan's puts go to the comm lane
-// (engine/comm_lane.h), keeping what they read and write, the plan's tables included, until it is waited for.
+// (engine/stream_lane.h), keeping what they read and write, the plan's tables included, until it is waited for.
 std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, ExchangeDirection dir, bool on_lane) {
   const Tensor& rows = in[0];
   FLOWMOE_CHECK(
@@ -286,15 +286,15 @@ std::vector<Tensor> move(const std::vector<Tensor>& in, const ExchangePlan& p, E
   if (scales) tensors.push_back({scales->scale_inv.contiguous(), Tensor(), 1.0});
   if (in[1].defined()) tensors.push_back({in[1].contiguous(), Tensor(), 0.0});
   for (auto& t : tensors) t.recv = Tensor::empty(moved_shape(t.send, p, dir), t.send.dtype(), t.send.device());
-  std::optional<CommIssue> issue;  // on the lane: around the put's launches, keeping what they read and write
-  if (on_lane) {
+  const auto put = [&] { put_rows_on_device(tensors, p, dir); };
+  if (on_lane) {  // one issue on the lane, keeping what the put reads and writes
     std::vector<Tensor> keep = {p.to_experts_table, p.to_tokens_table, p.device_segment_starts,
                                 p.device_tokens_per_expert, p.device_overflow};
     for (const auto& t : tensors) keep.push_back(t.send), keep.push_back(t.recv);
-    issue.emplace(rows.device(), std::move(keep));
+    issue_on_comm_lane(rows.device(), std::move(keep), put);
+  } else {
+    put();
   }
-  put_rows_on_device(tensors, p, dir);
-  issue.reset();
   Tensor out = tensors[0].recv;
   if (scales) out = out.with_scales(tensors[1].recv, ScalingMode::rowwise_1x128);
   return {out, in[1].defined() ? tensors.back().recv : Tensor()};

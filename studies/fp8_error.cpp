@@ -12,7 +12,7 @@
 #include "checkpoint/checkpoint.h"
 #include "dataset/data.h"
 #include "engine/host_threads.h"
-#include "engine/tap.h"
+#include "engine/op_tensor_hook.h"
 #include "io/file_io.h"
 #include "kernels/common/error.h"
 #include "kernels/fp8.h"
@@ -244,12 +244,13 @@ Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t
   double bf16_loss = 0;
   std::vector<std::string> seen;  // backward order: the last layer first, fc2 before fc1
   {
-    ScopedTap guard([&](const std::string& site, const std::vector<Tensor>& t, const std::vector<int64_t>& segments) {
-      const std::string weight = site.substr(0, site.rfind(' '));
-      FLOWMOE_CHECK(weights.count(weight), Error, "fp8-error: no parameter named '", weight, "'");
-      if (!by_weight.count(weight)) seen.push_back(weight);
-      by_weight[weight].add(gemm_error_sums(t[0], t[1], weights[weight], segments));
-    });
+    ScopedOpTensorHook guard(
+        [&](const std::string& site, const std::vector<Tensor>& t, const std::vector<int64_t>& segments) {
+          const std::string weight = site.substr(0, site.rfind(' '));
+          FLOWMOE_CHECK(weights.count(weight), Error, "fp8-error: no parameter named '", weight, "'");
+          if (!by_weight.count(weight)) seen.push_back(weight);
+          by_weight[weight].add(gemm_error_sums(t[0], t[1], weights[weight], segments));
+        });
     for (const Batch& b : batches) {
       study.num_tokens += b.inputs.numel();
       const Transformer::Losses parts = model.losses(b.inputs, b.targets);

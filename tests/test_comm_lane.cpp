@@ -1,4 +1,4 @@
-// The comm lane (engine/comm_lane.h) and the backward walk's order (engine/autograd.cpp): tickets, waits, and
+// The comm lane (engine/stream_lane.h) and the backward walk's order (engine/autograd.cpp): tickets, waits, and
 // nodes marked backward_first running as soon as they are ready, before later-recorded ones. The lane's
 // streams run on a GPU in tests/mpi/test_exchange_chunks.cpp (the chunked MoE layer, bit for bit).
 #include <gtest/gtest.h>
@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/comm_lane.h"
 #include "engine/ops/ops.h"
+#include "engine/stream_lane.h"
 #include "tests/support/checks.h"
 
 namespace flowmoe::test {
@@ -29,7 +29,7 @@ class Traced : public Primitive {
     log_->push_back(name_);
     if (!issue_) return {d[0]};
     Tensor out = d[0].clone();
-    CommIssue lane(out.device(), {d[0], out});
+    issue_on_comm_lane(out.device(), {d[0], out}, [] {});
     return {out};
   }
 
@@ -71,15 +71,17 @@ TEST(BackwardOrder, BackwardFirstNodesRunAsSoonAsTheyAreReady) {
 TEST(CommLane, TicketsCountIssuesAndWaitsPassOnTheCpu) {
   const Device cpu = Device::cpu();
   const uint64_t before = comm_lane_last_ticket(cpu);
-  { CommIssue issue(cpu, {}); }
-  { CommIssue issue(cpu, {}); }
+  bool ran = false;
+  EXPECT_EQ(issue_on_comm_lane(cpu, {}, [&] { ran = true; }), before + 1);
+  EXPECT_TRUE(ran) << "the launches run at once";
+  issue_on_comm_lane(cpu, {}, [] {});
   EXPECT_EQ(comm_lane_last_ticket(cpu), before + 2);
   comm_lane_wait(cpu, before + 1);
   comm_lane_join(cpu);
   EXPECT_TRUE(throws_naming<Error>([&] { comm_lane_wait(cpu, before + 99); }, {"never issued"}));
   EXPECT_FALSE(comm_lane_on());
   {
-    CommLaneScope lane(true, false);
+    LaneScope lane(Lane::comm, cpu, false);
     EXPECT_TRUE(comm_lane_on());
     EXPECT_FALSE(comm_lane_streams());
   }

@@ -13,6 +13,7 @@
 #include "engine/ops/quantize.h"
 #include "engine/ops/unpermute.h"
 #include "kernels/common/device_api.h"
+#include "layers/moe.h"
 #include "parallel/backends.h"
 #include "parallel/dispatch.h"
 #include "tests/support/checks.h"
@@ -84,7 +85,7 @@ void check_one_rank(Device device) {
     ASSERT_TRUE(dd.counts.on_device());
     EXPECT_TRUE(dd.counts.host.empty());
     EXPECT_EQ(dd.counts.device.to_ints(), p.padded_tokens_per_expert.to_ints());
-    Variable y = combine(d.rows, d, prob, CombineGrad::as_is);
+    Variable y = combine(d.rows, d, prob);
     EXPECT_TRUE(bit_equal(host(y.data()), host(unpermute_unpad(p.rows, p, prob).data())));
   }
 }
@@ -109,7 +110,7 @@ void check_exchange_matches_one_rank(Device device, bool probs_with_rows) {
       Dispatched d = dispatch(x, idx, probs_with_rows ? prob : Variable(), options(exchange));
       Variable rows = mul(d.rows, d.rows);  // a nonlinear "expert", the same for every row
       if (probs_with_rows) rows = times_probs(rows, d.probs);
-      Variable y = combine(rows, d, probs_with_rows ? Variable() : prob, CombineGrad::as_is);
+      Variable y = combine(rows, d, probs_with_rows ? Variable() : prob);
       y.backward(dy);
       out.push_back(host(y.data()));
       dx.push_back(host(x.grad()));
@@ -153,7 +154,7 @@ TEST(Dispatch, ZeroSyncCapacityEmptiesOnlyAnExchangeThatDoesNotFit) {
     o.most_needed = Tensor::zeros({1}, DType::i32);
     Variable x(x0, true), prob(p0, true);
     Run r{dispatch(x, idx, Variable(), o), Tensor(), 0};
-    r.y = combine(mul(r.d.rows, r.d.rows), r.d, prob, CombineGrad::as_is).data();
+    r.y = combine(mul(r.d.rows, r.d.rows), r.d, prob).data();
     r.most = int32_t(o.most_needed.to_ints()[0]);
     return r;
   };
@@ -200,7 +201,7 @@ TEST(Dispatch, GradcheckThroughTheExchange) {
       Dispatched d = dispatch(v[0], idx, probs_with_rows ? v[1] : Variable(), options(true));
       Variable rows = mul(d.rows, d.rows);
       if (probs_with_rows) rows = times_probs(rows, d.probs);
-      return combine(rows, d, probs_with_rows ? Variable() : v[1], CombineGrad::as_is);
+      return combine(rows, d, probs_with_rows ? Variable() : v[1]);
     };
     EXPECT_TRUE(test::gradcheck(f, {random_tensor(rng, {3, 4}, DType::f64), random_tensor(rng, {3, 2}, DType::f64)},
                                 1e-6, 1e-5));
@@ -221,7 +222,7 @@ void check_fp8_grad(Device device, bool exchange) {
     // The expert rows: bf16 on the GPU, f32 on the CPU (the dtypes each unpermute backend takes).
     const DType rows_dtype = device.is_cpu() ? DType::f32 : DType::bf16;
     Variable rows(Tensor::zeros({d.rows.size(0), hidden}, rows_dtype, device), true);
-    Variable y = combine(rows, d, Variable(), CombineGrad::fp8);
+    Variable y = combine_grad_to_fp8(combine(rows, d, Variable()));
     Tensor dy = random_tensor(rng, {T, hidden}, rows_dtype, device);
     reset_cast_counts();
     y.backward(dy);
@@ -254,8 +255,7 @@ TEST(Dispatch, BadShapesThrowNamingThem) {
       {"topk_idx", "[5, k]"}));
   Dispatched d = dispatch(x, Tensor::zeros({5, 2}, DType::i32), Variable(), options(false));
   Variable wrong(Tensor::zeros({d.rows.size(0) + 1, 8}, DType::f32));
-  EXPECT_TRUE(test::throws_naming<ShapeError>([&] { combine(wrong, d, Variable(), CombineGrad::as_is); },
-                                              {"combine", "dispatched rows"}));
+  EXPECT_TRUE(test::throws_naming<ShapeError>([&] { combine(wrong, d, Variable()); }, {"combine", "dispatched rows"}));
 }
 
 TEST(DispatchCuda, OneRankIsPermutePadAndUnpermuteUnpad) {

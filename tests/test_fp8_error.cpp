@@ -13,7 +13,7 @@
 #include <filesystem>
 #include <random>
 
-#include "engine/tap.h"
+#include "engine/op_tensor_hook.h"
 #include "studies/fp8_error.h"
 #include "tests/support/train_fixtures.h"
 
@@ -140,7 +140,7 @@ TEST(Fp8Error, TheStudyOfATinyMoeCheckpointNamesEveryExpertGemm) {
       EXPECT_TRUE(std::isfinite(e) && e > 0 && e < 0.2) << r.weight;
   }
   EXPECT_NEAR(s.pooled.ratio(), 1.0, 0.1);
-  EXPECT_FALSE(tap_enabled());  // the study's tap is gone with it
+  EXPECT_FALSE(op_tensor_hook_installed());  // the study's hook is gone with it
   ASSERT_EQ(s.recipe_losses.size(), 4u);
   EXPECT_EQ(s.recipe_losses[0].first, "bf16");
   EXPECT_EQ(s.recipe_losses[3].first, "fp8_full");

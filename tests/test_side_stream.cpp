@@ -1,4 +1,4 @@
-// Side branches (engine/side_stream.h): the allocator holds freed blocks while one is open; autograd tags
+// Side branches (engine/stream_lane.h): the allocator holds freed blocks while one is open; autograd tags
 // the nodes recorded in one and runs their backward there; and on a GPU, the MoE layer with its shared
 // experts on the side stream equals the one-stream layer bit for bit, forward and backward, in every recipe.
 #include <cstdlib>
@@ -8,7 +8,7 @@
 
 #include "engine/allocator.h"
 #include "engine/ops/ops.h"
-#include "engine/side_stream.h"
+#include "engine/stream_lane.h"
 #include "layers/moe.h"
 #include "tests/support/checks.h"
 #include "tests/support/moe_config.h"
@@ -78,7 +78,7 @@ TEST(SideBranch, TheBackwardRunsTheBranchsNodesOnItsStream) {
     Variable x(Tensor::full({3}, 1.0, DType::f32, Device::cpu()), true);
     Variable s;
     {
-      SideBranch side(Device::cpu(), enabled);
+      LaneScope side(Lane::side, Device::cpu(), enabled);
       s = probe("side2", probe("side", x));
     }
     EXPECT_EQ(side_branch_open(Device::cpu()), enabled);
@@ -103,7 +103,7 @@ TEST(SideBranch, ACheckpointInTheBranchStaysThere) {
   Variable x(Tensor::full({2}, 1.0, DType::f32, Device::cpu()), true);
   Variable s;
   {
-    SideBranch side(Device::cpu());
+    LaneScope side(Lane::side, Device::cpu());
     s = checkpoint([](const std::vector<Variable>& in) { return std::vector<Variable>{probe("inner", in[0])}; },
                    {x})[0];
   }

@@ -7,7 +7,7 @@
 
 #include "engine/ops/ops.h"
 #include "engine/profiler.h"
-#include "engine/side_stream.h"
+#include "engine/stream_lane.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
 #include "kernels/fp8.h"
@@ -227,7 +227,7 @@ void GradientReducer::on_leaf(VariableImpl& leaf) {
 void GradientReducer::launch(Bucket& b) {
   const Device device = params_[b.params.front()].device();
   // Inside the backward, some of these gradients may come from a side branch (the shared experts,
-  // engine/side_stream.h): the stream that copies them waits for the other one first.
+  // engine/stream_lane.h): the stream that copies them waits for the other one first.
   wait_for_other_stream(device);
   // At most kBucketsInFlight full buffers: the oldest one's reduction is waited for and its memory reused.
   while (shard_ && in_flight_.size() >= kBucketsInFlight) {

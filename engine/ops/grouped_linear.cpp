@@ -7,7 +7,7 @@
 #include <memory>
 #include <utility>
 
-#include "engine/tap.h"
+#include "engine/op_tensor_hook.h"
 #include "kernels/common/device_api.h"
 #include "kernels/grouped_gemm_device.h"
 #include "kernels/grouped_linear.h"
@@ -111,7 +111,8 @@ class GroupedLinear : public Primitive {
     FLOWMOE_CHECK(d_out[0].shape() == (Shape{d.m_total, d.n}), ShapeError, "grouped_linear backward: d_y ",
                   d_out[0].describe(), " does not match y [", d.m_total, ", ", d.n, "]");
     Tensor x = x_in.contiguous(), dy = d_out[0].contiguous();
-    if (needs[1] && tap_enabled()) tap(weight_name_ + " wgrad", {x, dy}, counts_.host);  // the wgrad operands
+    if (needs[1] && op_tensor_hook_installed())
+      hand_op_tensors(weight_name_ + " wgrad", {x, dy}, counts_.host);  // the wgrad operands
     Tensor dx, dw;
     if (x.device().is_cpu()) {
       Tensor w = w_in.contiguous();
@@ -202,7 +203,7 @@ class GroupedLinear : public Primitive {
   }
 
   ExpertCounts counts_;      // host counts, read once per layer by the caller, or device counts [E] i32 on x's device
-  std::string weight_name_;  // names the tap site
+  std::string weight_name_;  // names the hook site
   Tensor w_compute_;         // GPU: the weight in x's dtype, from the forward to the backward
 };
 
@@ -214,6 +215,11 @@ Tensor grouped_gemm_device_workspace(const Tensor& like, int64_t num_experts) {
 
 bool grouped_linear_takes_device_counts(const Tensor& x) {
   return built_with_cuda() && x.device().is_cuda() && x.dtype() == DType::bf16;
+}
+
+ExpertCounts gemm_counts(const Tensor& counts, const Tensor& rows, bool fp8_experts) {
+  if (fp8_experts || grouped_linear_takes_device_counts(rows)) return {{}, counts};
+  return {read_counts_once(counts), Tensor()};
 }
 
 Variable grouped_linear(const Variable& x, const Variable& weight,

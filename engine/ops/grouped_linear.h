@@ -65,6 +65,10 @@ Tensor grouped_gemm_device_workspace(const Tensor& like, int64_t num_experts);
 // Whether grouped_linear can take device counts for x: a bf16 x on a GPU of a build with the one-launch
 // grouped GEMMs.
 bool grouped_linear_takes_device_counts(const Tensor& x);
+// The expert GEMMs' counts from counts [L] i32 on the rows' device: left there where the GEMMs over rows read
+// them there (FP8 GEMMs on any backend, bf16 ones per grouped_linear_takes_device_counts), else read to the host
+// (one sync on a GPU).
+ExpertCounts gemm_counts(const Tensor& counts, const Tensor& rows, bool fp8_experts);
 
 // y [M_total, N] = per expert e: x[rows of e] · weight[e]ᵀ.
 //   x [M_total, K]; weight [E, N, K] (E = padded_tokens_per_expert.size()).

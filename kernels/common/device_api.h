@@ -23,12 +23,12 @@ int cuda_current_device();
 std::string cuda_device_name(int device);
 cudaStream_t current_stream(int device);  // the engine's compute stream on that device (or its side stream)
 // A second engine stream per device, for a branch of work that runs beside the compute stream (the shared
-// experts beside the exchange: engine/side_stream.h). While this thread has it on, current_stream returns
+// experts beside the exchange: engine/stream_lane.h). While this thread has it on, current_stream returns
 // the side stream (a build without CUDA keeps the flag alone).
 void cuda_use_side_stream(bool on);
 bool cuda_using_side_stream();
 // A third engine stream per device, for data movement between GPUs that runs beside the compute stream (the
-// expert exchange of token chunks or dual micro-batches: engine/comm_lane.h). It has the compute stream's
+// expert exchange of token chunks or dual micro-batches: engine/stream_lane.h). It has the compute stream's
 // priority. While this thread has it on, current_stream returns it; the compute stream waits for it through
 // an event recorded on it (Event, engine/stream.h).
 void cuda_use_comm_stream(bool on);

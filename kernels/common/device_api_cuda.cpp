@@ -51,7 +51,7 @@ std::string cuda_device_name(int device) {
 
 // One non-blocking compute stream per device, created on first use and kept for the process, and
 // beside it the side stream. Everything the engine launches goes to the compute stream unless a side
-// branch is open (engine/side_stream.h, which also keeps freed memory from moving between the two).
+// branch is open (engine/stream_lane.h, which also keeps freed memory from moving between the two).
 namespace {
 
 struct EngineStreams {

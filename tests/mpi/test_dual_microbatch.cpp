@@ -4,7 +4,7 @@
 // zero-sync exchange (its exchanges on the comm lane) and over the sync one, and in one process. Rank-coded
 // token ids. On the CPU under mpirun; an odd batch is a ShapeError naming the key. With nccl and a GPU per rank,
 // the exchanges on the comm stream equal them on the compute stream bit for bit.
-#include "engine/comm_lane.h"
+#include "engine/stream_lane.h"
 #include "layers/transformer.h"
 #include "parallel/backends.h"
 #include "parallel/process_group.h"

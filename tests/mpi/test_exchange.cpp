@@ -199,7 +199,7 @@ void check_round_trip(const Ranks& ranks) {
       if (v != w) break;
     }
     if (ranks.zero_sync) check_counts_match_sync(d, all[size_t(me)], ranks, r);
-    Variable y = combine(d.rows, d, Variable(), CombineGrad::as_is);
+    Variable y = combine(d.rows, d, Variable());
     EXPECT_TRUE(all_close(y.data().to(Device::cpu()), tensor_scale(all[size_t(me)].x, double(kTopK)), 0, 0))
         << "combine did not bring every copy home";
   }
@@ -309,7 +309,7 @@ void check_gradients(const Ranks& ranks) {
         Variable rows = mul(d.rows, d.rows);
         if (probs_with_rows) rows = times_probs(rows, d.probs);
         const uint64_t syncs = num_host_syncs();
-        Variable y = combine(rows, d, probs_with_rows ? Variable() : prob, CombineGrad::as_is);
+        Variable y = combine(rows, d, probs_with_rows ? Variable() : prob);
         y.backward(dy);
         if (dispatch_syncs(ranks) >= 0) {
           EXPECT_EQ(num_host_syncs(), syncs) << "combine and the backward read nothing to the host";

@@ -1,7 +1,7 @@
 // The MoE layer's token chunks (parallel.exchange_chunks, layers/moe.cpp) over the world as one
 // expert-parallel group with the zero-sync exchange. Chunked, the layer's forward and backward equal the
 // layer's tokens at once to f32 rounding (the expert weight gradients sum chunk by chunk), and the chunks'
-// exchanges on the comm stream (engine/comm_lane.h) equal them on the compute stream bit for bit: the same
+// exchanges on the comm stream (engine/stream_lane.h) equal them on the compute stream bit for bit: the same
 // sums in the same order. On the CPU under mpirun (the lane's tickets and the walk's order, one stream),
 // and with nccl and a GPU per rank on the GPUs (the comm stream beside the compute stream).
 #include "parallel/backends.h"

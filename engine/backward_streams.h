@@ -1,13 +1,13 @@
 // The streams of the backward walk (engine/autograd.cpp's backward() alone uses it): where each node runs
 // and what waits for what.
-//   Side branch (engine/side_stream.h): nodes recorded in one run on the side stream (forked when the walk
+//   Side lane (engine/stream_lane.h): nodes recorded in one run on the side stream (forked when the walk
 //     first meets one), the others on the compute stream. The compute stream joins the branch before it
 //     reads a slot or leaf gradient the side stream wrote, and the side stream waits for the compute stream
 //     before it adds into one the compute stream wrote. What a side node reads (its incoming gradients, its
 //     saved tensors) stays referenced until the join, so that no block the side stream may still read is
 //     freed and handed to the compute stream (engine/allocator.h). A walk that starts inside a side node
 //     (a checkpoint's recompute there) stays on it.
-//   Comm lane (engine/comm_lane.h): a node whose vjp issued onto it leaves gradients to be waited for; the
+//   Comm lane (engine/stream_lane.h): a node whose vjp issued onto it leaves gradients to be waited for; the
 //     compute stream waits for that issue (and no later one) before a node reads them or a sum adds them.
 // Tests: tests/test_side_stream.cpp, tests/test_comm_lane.cpp (CPU schedules), tests/mpi/test_exchange_chunks.cpp.
 #pragma once
@@ -21,12 +21,12 @@
 
 namespace flowmoe {
 
-class StreamSchedule {
+class BackwardStreams {
  public:
-  StreamSchedule();
-  ~StreamSchedule();  // joins what the walk left open (does not throw: an error being reported comes first)
-  StreamSchedule(const StreamSchedule&) = delete;
-  StreamSchedule& operator=(const StreamSchedule&) = delete;
+  BackwardStreams();
+  ~BackwardStreams();  // joins what the walk left open (does not throw: an error being reported comes first)
+  BackwardStreams(const BackwardStreams&) = delete;
+  BackwardStreams& operator=(const BackwardStreams&) = delete;
 
   // Before n's vjp, given its incoming gradients: the stream it runs on, and the waits for what it reads.
   void before_run(const Node& n, const std::vector<Tensor>& d_out);

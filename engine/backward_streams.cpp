@@ -1,16 +1,15 @@
-// The backward walk's streams (see engine/walk_streams.h).
-#include "engine/walk_streams.h"
+// The backward walk's streams (see engine/backward_streams.h).
+#include "engine/backward_streams.h"
 
 #include <algorithm>
 
-#include "engine/comm_lane.h"
-#include "engine/side_stream.h"
+#include "engine/stream_lane.h"
 
 namespace flowmoe {
 
-StreamSchedule::StreamSchedule() : nested_(in_side_branch()) {}
+BackwardStreams::BackwardStreams() : nested_(in_side_branch()) {}
 
-StreamSchedule::~StreamSchedule() {
+BackwardStreams::~BackwardStreams() {
   try {
     if (lane_used_) comm_lane_join(lane_device_);
   } catch (...) {  // unwinding from an error already thrown: that one is the report
@@ -23,7 +22,7 @@ StreamSchedule::~StreamSchedule() {
   }
 }
 
-void StreamSchedule::before_run(const Node& n, const std::vector<Tensor>& d_out) {
+void BackwardStreams::before_run(const Node& n, const std::vector<Tensor>& d_out) {
   auto lane = lane_fed_.find(&n);
   if (lane != lane_fed_.end()) {
     comm_lane_wait(lane_device_, lane->second, &n.scope);
@@ -39,21 +38,21 @@ void StreamSchedule::before_run(const Node& n, const std::vector<Tensor>& d_out)
   if (!on_side_ && fed_.count(&n)) join();
 }
 
-void StreamSchedule::after_run(const Node& n) {
+void BackwardStreams::after_run(const Node& n) {
   const uint64_t last = comm_lane_last_ticket(n.device);
   ticket_ = last != issued_before_ ? last : 0;
   if (ticket_) lane_used_ = true, lane_device_ = n.device;
   scope_ = &n.scope;
 }
 
-void StreamSchedule::release(const std::shared_ptr<Node>& n) {
+void BackwardStreams::release(const std::shared_ptr<Node>& n) {
   if (on_side_ && !nested_)
     released_at_join_.push_back(n);
   else
     n->release();
 }
 
-void StreamSchedule::before_accumulate(const void* target, bool defined, bool leaf) {
+void BackwardStreams::before_accumulate(const void* target, bool defined, bool leaf) {
   before_accumulate_lane(target, defined, leaf);
   if (nested_) return;
   if (on_side_) {
@@ -65,7 +64,7 @@ void StreamSchedule::before_accumulate(const void* target, bool defined, bool le
 }
 
 // A sum reads both addends, and a leaf's gradient is read by hooks at once: both wait for the lane first.
-void StreamSchedule::before_accumulate_lane(const void* target, bool defined, bool leaf) {
+void BackwardStreams::before_accumulate_lane(const void* target, bool defined, bool leaf) {
   auto it = lane_fed_.find(target);
   const uint64_t held = it != lane_fed_.end() ? it->second : 0;
   const uint64_t need = defined || leaf ? std::max(ticket_, held) : 0;
@@ -74,7 +73,7 @@ void StreamSchedule::before_accumulate_lane(const void* target, bool defined, bo
   if (ticket_ && !need) lane_fed_[target] = ticket_;
 }
 
-void StreamSchedule::join() {
+void BackwardStreams::join() {
   join_side_branch(device_);
   fed_.clear();
   for (const auto& n : released_at_join_) n->release();
