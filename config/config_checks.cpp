@@ -10,6 +10,7 @@
 
 #include "engine/ops/fp8_linear.h"
 #include "kernels/attention.h"
+#include "kernels/attention_cudnn.h"
 #include "kernels/common/error.h"
 #include "layers/moe.h"
 
@@ -87,6 +88,10 @@ static void check_mla_shape(const Config& c, const KeyReport& r) {
 void check_model_shape(const Config& c, const KeyReport& r) {
   const ModelConfig& m = c.model;
   if (m.attention == AttentionType::mla) check_mla_shape(c, r);
+  if (m.attention_kernel == AttentionBackend::cudnn && !attention_cudnn_built())
+    r.err("model.attention_kernel",
+          "cudnn, but this build has no cuDNN attention backend (a CUDA build after "
+          "scripts/install_cudnn.sh has it; auto or flash run without)");
   if (m.attention == AttentionType::mha && m.hidden_size % m.num_attention_heads != 0)
     r.conflict({"model.hidden_size", "model.num_attention_heads"},
                "model.hidden_size = " + str(m.hidden_size) +
