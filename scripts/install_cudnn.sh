@@ -2,7 +2,7 @@
 # Installs cuDNN and the header-only C++ cudnn-frontend that the cuDNN attention backend builds on
 # (kernels/cuda/attention_cudnn.cpp) into .deps/ (ignored by git; CMake's FLOWMOE_CUDNN_ROOT points there):
 #   .deps/cudnn/{include,lib}       cuDNN's headers and libcudnn*.so.9, from the pinned PyPI wheel nvidia-cudnn-cu13
-#   .deps/cudnn_frontend/include    cudnn_frontend.h and its folder, from the pinned PyPI wheel nvidia-cudnn-frontend
+#   .deps/cudnn_frontend/include    cudnn-frontend's C++ headers, from the pinned PyPI wheel nvidia-cudnn-frontend
 # The wheels are downloaded, not installed: only those files, the licenses and a VERSION stamp are kept (about
 # 900 MB, nearly all of it cuDNN's engines). The frontend's headers are the same in each of its Python builds, so
 # one build is named. Idempotent: does nothing when the stamps name the pinned versions.
