@@ -2,7 +2,8 @@
 // reference (o, lse, d_q, d_k, d_v; causal; head widths 64 and 128, and the wide heads 192 / 128; T not a
 // multiple of 64; batch > 1), deterministic backward; the op on cuDNN against the op on the flash kernels, `auto`
 // resolving to cuDNN; the op's errors for a model.attention_kernel=cudnn it cannot honour. GPU tests skip without
-// a device, and without the backend in the build. The config key's error: tests/test_config.cpp.
+// a device, and without the backend in the build, where one test checks that it says it is absent. The config
+// key's error: tests/test_config.cpp.
 #include <string>
 #include <utility>
 #include <vector>
@@ -119,27 +120,33 @@ TEST(AttentionCudnn, AgreesWithFlash) {
   }
 }
 
-// model.attention_kernel=cudnn is not quietly replaced: f32 is a DTypeError and a head width cuDNN does not take a
-// ShapeError, each naming the key; auto takes the flash kernels for both.
+// model.attention_kernel=cudnn is not quietly replaced: f32 is a DTypeError and a head width cuDNN does not take
+// (not a multiple of 8) an Error, each naming the key and the shape; auto takes the flash kernels for both.
 TEST(AttentionCudnn, OpRefusesWhatCudnnCannotRun) {
   FLOWMOE_REQUIRE_CUDNN();
   Rng rng(test_seed());
   const Device gpu = Device::cuda();
-  Tensor x = random_tensor(rng, {1, 16, 1, 64}, DType::f32, gpu);
-  Variable q(x), k(x), v(x);
-  try {
-    causal_attention(q, k, v, AttentionBackend::cudnn);
-    ADD_FAILURE() << "f32 on cudnn did not throw";
-  } catch (const DTypeError& e) {
-    EXPECT_NE(std::string(e.what()).find("model.attention_kernel=cudnn"), std::string::npos) << e.what();
-  }
-  EXPECT_EQ(causal_attention(q, k, v, AttentionBackend::automatic).data().shape(), x.shape());
-  Tensor odd = random_tensor(rng, {1, 16, 1, 12}, DType::bf16, gpu);  // head width not a multiple of 8
-  Variable qo(odd), ko(odd), vo(odd);
-  try {
-    causal_attention(qo, ko, vo, AttentionBackend::cudnn);
-    ADD_FAILURE() << "head width 12 on cudnn did not throw";
-  } catch (const ShapeError& e) {
-    EXPECT_NE(std::string(e.what()).find("model.attention_kernel=cudnn"), std::string::npos) << e.what();
-  }
+  const Variable f32(random_tensor(rng, {1, 16, 1, 64}, DType::f32, gpu));
+  EXPECT_TRUE(throws_naming<DTypeError>([&] { causal_attention(f32, f32, f32, AttentionBackend::cudnn); },
+                                        {"model.attention_kernel=cudnn", "f32"}));
+  EXPECT_EQ(causal_attention(f32, f32, f32, AttentionBackend::automatic).data().shape(), f32.data().shape());
+  const Variable odd(random_tensor(rng, {1, 16, 1, 12}, DType::bf16, gpu));
+  EXPECT_TRUE(throws_naming<Error>([&] { causal_attention(odd, odd, odd, AttentionBackend::cudnn); },
+                                   {"model.attention_kernel=cudnn", "[1, 16, 1, 12]"}));
+  EXPECT_EQ(causal_attention(odd, odd, odd, AttentionBackend::automatic).data().shape(), odd.data().shape());
+}
+
+// A build without cuDNN says so: no shape is supported (with the reason), and the launchers throw naming the
+// missing backend, so `auto` resolves to the flash kernels and nothing reaches cuDNN.
+TEST(AttentionCudnn, AbsentFromABuildWithoutIt) {
+  if (attention_cudnn_built()) GTEST_SKIP() << "this build has the cuDNN backend";
+  const AttentionCudnnShape shape{2, 100, 3, 64, 64};
+  std::string why;
+  EXPECT_FALSE(attention_cudnn_supports(shape, &why));
+  EXPECT_NE(why.find("no cuDNN attention backend"), std::string::npos) << why;
+  EXPECT_TRUE(throws_naming<Error>([&] { attention_cudnn_workspace_bytes(shape, false); },
+                                   {"attention_cudnn_workspace_bytes", "no cuDNN attention backend"}));
+  EXPECT_TRUE(throws_naming<Error>(
+      [&] { attention_forward_cudnn(nullptr, nullptr, nullptr, nullptr, nullptr, shape, nullptr, nullptr); },
+      {"attention_forward_cudnn", "no cuDNN attention backend"}));
 }

@@ -63,7 +63,7 @@ bool use_cudnn(AttentionBackend backend, const Tensor& q, int64_t v_width) {
   FLOWMOE_CHECK(bf16, DTypeError, "causal_attention: model.attention_kernel=cudnn runs bf16 only, got ",
                 dtype_name(q.dtype()));
   std::string why;
-  FLOWMOE_CHECK(attention_cudnn_supports(cudnn_shape(q, v_width), &why), ShapeError,
+  FLOWMOE_CHECK(attention_cudnn_supports(cudnn_shape(q, v_width), &why), Error,
                 "causal_attention: model.attention_kernel=cudnn cannot run q ", shape_str(q.shape()), " with v width ",
                 v_width, ": ", why);
   return true;

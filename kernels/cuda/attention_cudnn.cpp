@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 
 #include "kernels/attention_cudnn.h"
 #include "kernels/common/cuda_check.h"
@@ -162,7 +163,15 @@ const Plans& plans_locked(const AttentionCudnnShape& s) {
   if (s.batch < 1 || s.seq_len < 1 || s.num_heads < 1 || s.head_dim < 1 || s.v_head_dim < 1) {
     p.why_not = "an empty shape";
   } else {
-    cudnnHandle_t handle = handle_locked(device);
+    // A cuDNN that cannot start here (no handle: a driver or GPU it does not support) refuses every shape, so
+    // `auto` falls back to the flash kernels instead of failing the run.
+    cudnnHandle_t handle = nullptr;
+    try {
+      handle = handle_locked(device);
+    } catch (const CudaError& e) {
+      p.why_not = e.what();
+      return cache().plans.emplace(key, std::move(p)).first->second;
+    }
     p.forward = forward_graph(s);
     p.backward = backward_graph(s);
     p.why_not = build(*p.forward, handle);
