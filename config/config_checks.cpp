@@ -88,10 +88,6 @@ static void check_mla_shape(const Config& c, const KeyReport& r) {
 void check_model_shape(const Config& c, const KeyReport& r) {
   const ModelConfig& m = c.model;
   if (m.attention == AttentionType::mla) check_mla_shape(c, r);
-  if (m.attention_kernel == AttentionBackend::cudnn && !attention_cudnn_built())
-    r.err("model.attention_kernel",
-          "cudnn, but this build has no cuDNN attention backend (a CUDA build after "
-          "scripts/install_cudnn.sh has it; auto or flash run without)");
   if (m.attention == AttentionType::mha && m.hidden_size % m.num_attention_heads != 0)
     r.conflict({"model.hidden_size", "model.num_attention_heads"},
                "model.hidden_size = " + str(m.hidden_size) +
@@ -159,6 +155,13 @@ static void check_data_files(const Config& c, const KeyReport& r, bool exists) {
   if (d.source == "text" && c.model.vocab_size < 256)
     r.err("model.vocab_size", std::to_string(c.model.vocab_size) + " is too small for byte-level text (" +
                                   r.from("data.source") + "); use vocab_size >= 256");
+}
+
+void check_attention_kernel(const Config& c, const KeyReport& r) {
+  if (c.model.attention_kernel == AttentionBackend::cudnn && !attention_cudnn_built())
+    r.err("model.attention_kernel",
+          "cudnn, but this build has no cuDNN attention backend (a CUDA build after "
+          "scripts/install_cudnn.sh has it; auto or flash run without)");
 }
 
 void check_data_source(const Config& c, const KeyReport& r, bool data_files) {

@@ -616,7 +616,8 @@ TEST(Config, TrainingGuideDocumentsEveryKey) {
 }
 
 // model.attention_kernel is parsed once into its enum (auto by default); cudnn in a build without the cuDNN backend
-// is a ConfigError naming the key and its line, and auto and flash read in every build.
+// is a ConfigError naming the key and its line, and auto and flash read in every build. A checkpoint's config asking
+// for cudnn reads anywhere (export and generate run from it on a build without cuDNN).
 TEST(Config, AttentionKernelKey) {
   EXPECT_EQ(parse_config("", "ok.yaml").model.attention_kernel, AttentionBackend::automatic);
   Config c = parse_config("model:\n  attention_kernel: flash\n", "ok.yaml");
@@ -638,6 +639,8 @@ TEST(Config, AttentionKernelKey) {
     EXPECT_HAS(parse_error("", {"model.attention_kernel=cudnn"}),
                "--set model.attention_kernel=cudnn: model.attention_kernel: cudnn, but this build has no cuDNN");
   }
+  EXPECT_EQ(parse_checkpoint_config("model:\n  attention_kernel: cudnn\n", "meta.json").model.attention_kernel,
+            AttentionBackend::cudnn);
 }
 
 // model.attention is parsed once into its enum; MLA's keys take DeepSeek-V3's names, q_lora_rank null.
