@@ -100,16 +100,18 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const AttentionCudnnShape& s) {
   return g;
 }
 
-// "" when the graph is built and cuDNN supports it, else cuDNN's reason.
+// "" when the graph is built and cuDNN supports it, else cuDNN's reason (the steps run in order, up to a failure).
 std::string build(fe::graph::Graph& g, cudnnHandle_t handle) {
-  for (auto step : {+[](fe::graph::Graph&x, cudnnHandle_t) { return x.validate(); },
-                    +[](fe::graph::Graph&x, cudnnHandle_t h) { return x.build_operation_graph(h); },
-                    +[](fe::graph::Graph&x, cudnnHandle_t) { return x.create_execution_plans({fe::HeurMode_t::A}); },
-                    +[](fe::graph::Graph&x, cudnnHandle_t h) { return x.check_support(h); },
-                    +[](fe::graph::Graph&x, cudnnHandle_t h) { return x.build_plans(h); }}) {
-    fe::error_t e = step(g, handle);
-    if (e.is_bad()) return e.get_message().empty() ? "cuDNN refused the graph" : e.get_message();
-  }
+  std::string why;
+  const auto failed = [&](fe::error_t e) {  // by value: error_t's get_message is not const
+    if (e.is_good()) return false;
+    why = e.get_message().empty() ? "cuDNN refused the graph" : e.get_message();
+    return true;
+  };
+  if (failed(g.validate()) || failed(g.build_operation_graph(handle)) ||
+      failed(g.create_execution_plans({fe::HeurMode_t::A})) || failed(g.check_support(handle)) ||
+      failed(g.build_plans(handle)))
+    return why;
   return "";
 }
 
