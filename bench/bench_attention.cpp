@@ -1,6 +1,9 @@
 // bench_attention: causal attention on bf16, forward and backward, through the launchers of
-// kernels/attention.h: the tensor-core kernels (kernels/cuda/flash_attention.cu, what the engine runs for
-// bf16) against the fp32 CUDA-core kernels (kernels/cuda/attention.cu) timed in the same run.
+// kernels/attention.h: the tensor-core kernels (kernels/cuda/flash_attention.cu, the engine's flash backend)
+// against the fp32 CUDA-core kernels (kernels/cuda/attention.cu) timed in the same run, and, in a build with cuDNN,
+// cuDNN's fused SDPA (kernels/attention_cudnn.h, the engine's cudnn backend) on the same inputs: a "cudnn" row per
+// shape (all shapes, the wide heads too) and cudnn_* fields on its BENCH line, with cudnn_rel_diff its largest
+// normwise difference from flash.
 // FLOPs as engine/ops/attention.cpp counts them: forward B·nh·T²·(hd + v_hd) (q·kᵀ and p·v over the causal
 // half), backward 2.5 times that. The wide heads (DeepSeek-V3's q, k 192 and v 128) run on the tensor-core
 // kernels alone: no CUDA-core row, no rel_diff. The ceiling is a bf16 8192³ GEMM through gemm_cuda (kernels/linear.h),
@@ -12,12 +15,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "bench/bench_util.h"
 #include "engine/rng.h"
 #include "kernels/attention.h"
+#include "kernels/attention_cudnn.h"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device_api.h"
 #include "kernels/linear.h"
@@ -51,6 +56,22 @@ struct Times {
   double fwd_ms = 0, bwd_ms = 0, fwdbwd_ms = 0;
 };
 
+// The forward and backward timed alone and together; the backward reads the o and lse the forward left.
+template <class Fwd, class Bwd>
+Times time_pair(const Fwd& fwd, const Bwd& bwd, cudaStream_t stream) {
+  Times t;
+  t.fwd_ms = median_ms(fwd, stream, kWarmup, kReps);
+  t.bwd_ms = median_ms(bwd, stream, kWarmup, kReps);  // reads the o and lse the forward left
+  t.fwdbwd_ms = median_ms(
+      [&] {
+        fwd();
+        bwd();
+      },
+      stream, kWarmup, kReps);
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return t;
+}
+
 Times time_family(AttentionKernel kernel, const AttnShape& s, Buffers& b, const Tensor& q, const Tensor& k,
                   const Tensor& v, const Tensor& d_out, cudaStream_t stream) {
   auto fwd = [&] {
@@ -63,17 +84,39 @@ Times time_family(AttentionKernel kernel, const AttnShape& s, Buffers& b, const 
                             b.lse.data<float>(), s.batch, s.seq_len, s.num_heads, s.head_dim, s.v_head_dim, stream,
                             kernel);
   };
-  Times t;
-  t.fwd_ms = median_ms(fwd, stream, kWarmup, kReps);
-  t.bwd_ms = median_ms(bwd, stream, kWarmup, kReps);  // reads the o and lse the forward left
-  t.fwdbwd_ms = median_ms(
-      [&] {
-        fwd();
-        bwd();
-      },
-      stream, kWarmup, kReps);
-  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return t;
+  return time_pair(fwd, bwd, stream);
+}
+
+// cuDNN's backend, with its workspaces allocated once outside the timed runs (the engine's allocator hands the op
+// cached blocks, so a step pays no cudaMalloc either).
+Times time_cudnn(const AttentionCudnnShape& shape, Buffers& b, const Tensor& q, const Tensor& k, const Tensor& v,
+                 const Tensor& d_out, cudaStream_t stream) {
+  const Device dev = q.device();
+  Tensor fwd_ws = Tensor::empty({attention_cudnn_workspace_bytes(shape, false)}, DType::u8, dev);
+  Tensor bwd_ws = Tensor::empty({attention_cudnn_workspace_bytes(shape, true)}, DType::u8, dev);
+  auto fwd = [&] {
+    attention_forward_cudnn(b.out.raw_data(), b.lse.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(), shape,
+                            fwd_ws.raw_data(), stream);
+  };
+  auto bwd = [&] {
+    attention_backward_cudnn(b.d_q.raw_data(), b.d_k.raw_data(), b.d_v.raw_data(), d_out.raw_data(), q.raw_data(),
+                             k.raw_data(), v.raw_data(), b.out.raw_data(), b.lse.data<float>(), shape,
+                             bwd_ws.raw_data(), stream);
+  };
+  return time_pair(fwd, bwd, stream);
+}
+
+// The largest normwise difference between two runs' o, d_q, d_k and d_v (relative to b's).
+double rel_diff(const Buffers& a, const Buffers& b) {
+  double worst = 0;
+  for (auto [x_t, y_t] :
+       {std::pair{&a.out, &b.out}, std::pair{&a.d_q, &b.d_q}, std::pair{&a.d_k, &b.d_k}, std::pair{&a.d_v, &b.d_v}}) {
+    const std::vector<double> x = x_t->to_doubles(), y = y_t->to_doubles();
+    double num = 0, den = 0;
+    for (size_t i = 0; i < x.size(); ++i) num += (x[i] - y[i]) * (x[i] - y[i]), den += y[i] * y[i];
+    worst = std::max(worst, den > 0 ? std::sqrt(num / den) : 0.0);
+  }
+  return worst;
 }
 
 double tflops(double flops, double ms) { return flops / (ms * 1e-3) / 1e12; }
@@ -99,9 +142,9 @@ double gemm_ceiling_tflops(Rng& rng, cudaStream_t stream) {
 int main() {
   return bench_main("bench_attention", [&](const cudaDeviceProp& prop, cudaStream_t stream) {
     std::printf(
-        "bench_attention on %s: causal attention, bf16, tensor-core (flash) vs CUDA-core (simt) kernels, "
+        "bench_attention on %s: causal attention, bf16, tensor-core (flash) vs CUDA-core (simt) kernels%s, "
         "median of %d reps\n",
-        prop.name, kReps);
+        prop.name, attention_cudnn_built() ? " and cuDNN's fused SDPA (cudnn)" : "", kReps);
     Rng rng(2026);
     const double ceiling = gemm_ceiling_tflops(rng, stream);
     std::printf("  bf16 GEMM %lld^3 ceiling: %.1f TFLOP/s\n", (long long)kCeilingSize, ceiling);
@@ -117,18 +160,15 @@ int main() {
         return rng.uniform({s.batch, s.seq_len, s.num_heads, hd}, -1.0, 1.0, DType::f32).to(DType::bf16).to(dev);
       };
       Tensor q = draw(s.head_dim), k = draw(s.head_dim), v = draw(s.v_head_dim), d_out = draw(s.v_head_dim);
-      Buffers flash(s, dev), simt(s, dev);
+      Buffers flash(s, dev), simt(s, dev), cudnn(s, dev);
       const Times tf = time_family(AttentionKernel::flash, s, flash, q, k, v, d_out, stream);
       const Times ts = s.simt() ? time_family(AttentionKernel::simt, s, simt, q, k, v, d_out, stream) : Times{};
-      double rel_diff = 0;
-      if (s.simt())
-        for (auto [a, b] : {std::pair{&flash.out, &simt.out}, std::pair{&flash.d_q, &simt.d_q},
-                            std::pair{&flash.d_k, &simt.d_k}, std::pair{&flash.d_v, &simt.d_v}}) {
-          const std::vector<double> x = a->to_doubles(), y = b->to_doubles();
-          double num = 0, den = 0;
-          for (size_t i = 0; i < x.size(); ++i) num += (x[i] - y[i]) * (x[i] - y[i]), den += y[i] * y[i];
-          rel_diff = std::max(rel_diff, den > 0 ? std::sqrt(num / den) : 0.0);
-        }
+      const double simt_diff = s.simt() ? rel_diff(flash, simt) : 0;
+      const AttentionCudnnShape cudnn_shape{s.batch, s.seq_len, s.num_heads, s.head_dim, s.v_head_dim};
+      std::string cudnn_why;
+      const bool with_cudnn = attention_cudnn_supports(cudnn_shape, &cudnn_why);
+      const Times tc = with_cudnn ? time_cudnn(cudnn_shape, cudnn, q, k, v, d_out, stream) : Times{};
+      const double cudnn_diff = with_cudnn ? rel_diff(cudnn, flash) : 0;
 
       const double fwd_flops = double(s.batch) * double(s.num_heads) * double(s.seq_len) * double(s.seq_len) *
                                double(s.head_dim + s.v_head_dim);
@@ -138,7 +178,7 @@ int main() {
                     (long long)s.num_heads, (long long)s.head_dim);
       if (s.v_head_dim != s.head_dim)
         std::snprintf(name + std::strlen(name), sizeof(name) - std::strlen(name), " / %lld", (long long)s.v_head_dim);
-      for (const auto& [label, t] : {std::pair{"flash", tf}, std::pair{"simt", ts}})
+      for (const auto& [label, t] : {std::pair{"flash", tf}, std::pair{"simt", ts}, std::pair{"cudnn", tc}})
         if (t.fwdbwd_ms > 0)
           std::printf("%-26s %-6s %9.3f %9.3f %9.3f %9.1f %9.1f %9.1f %8.3f\n", name, label, t.fwd_ms, t.bwd_ms,
                       t.fwdbwd_ms, tflops(fwd_flops, t.fwd_ms), tflops(bwd_flops, t.bwd_ms),
@@ -154,8 +194,16 @@ int main() {
         std::printf(
             " simt_fwdbwd_ms=%.4f speedup_vs_simt=%.2f fwd_speedup_vs_simt=%.2f bwd_speedup_vs_simt=%.2f "
             "rel_diff=%.2e",
-            ts.fwdbwd_ms, ts.fwdbwd_ms / tf.fwdbwd_ms, ts.fwd_ms / tf.fwd_ms, ts.bwd_ms / tf.bwd_ms, rel_diff);
+            ts.fwdbwd_ms, ts.fwdbwd_ms / tf.fwdbwd_ms, ts.fwd_ms / tf.fwd_ms, ts.bwd_ms / tf.bwd_ms, simt_diff);
+      if (with_cudnn)
+        std::printf(
+            " cudnn_fwd_ms=%.4f cudnn_bwd_ms=%.4f cudnn_fwdbwd_ms=%.4f cudnn_fwdbwd_tflops=%.1f "
+            "cudnn_frac_ceiling=%.4f cudnn_speedup_vs_flash=%.2f cudnn_rel_diff=%.2e",
+            tc.fwd_ms, tc.bwd_ms, tc.fwdbwd_ms, tflops(all_flops, tc.fwdbwd_ms),
+            tflops(all_flops, tc.fwdbwd_ms) / ceiling, tf.fwdbwd_ms / tc.fwdbwd_ms, cudnn_diff);
       std::printf("\n");
+      if (!with_cudnn && attention_cudnn_built())
+        std::printf("  %s: cudnn does not run it: %s\n", name, cudnn_why.c_str());
     }
     FLOWMOE_CUDA_CHECK(cudaDeviceSynchronize());
   });

@@ -160,12 +160,12 @@ YAML::Node load_yaml(const std::string& text, const std::string& name) {
 }
 
 Config config_from_yaml(const YAML::Node& root, const std::string& name, const std::vector<std::string>& overrides,
-                        bool data_files = true) {
+                        bool runs_here = true) {
   Config cfg;
   cfg.file = name;
   read_yaml(cfg, root, name);
   for (const std::string& o : overrides) apply_override(cfg, o);
-  validate(cfg, data_files);
+  validate(cfg, runs_here);
   return cfg;
 }
 
@@ -201,11 +201,12 @@ void apply_override(Config& cfg, const std::string& assignment) {
 }
 
 // Each section's own cross-key checks, in a fixed order: the first problem found is the one reported.
-void validate(const Config& c, bool data_files) {
+void validate(const Config& c, bool runs_here) {
   const KeyReport report(c);
   check_model_shape(c, report);
+  if (runs_here) check_attention_kernel(c, report);
   check_moe_routing(c, report);
-  check_data_source(c, report, data_files);
+  check_data_source(c, report, runs_here);
   check_init_from(c, report);
   check_lr_schedule(c, report);
   check_precision_recipe(c, report);

@@ -24,8 +24,9 @@ Config parse_checkpoint_config(const std::string& yaml_text, const std::string& 
 // One "section.key=value" override, type- and range-checked (call validate() afterwards).
 void apply_override(Config& cfg, const std::string& assignment);
 // The cross-key checks (divisibility, ranges that depend on other keys, unavailable features).
-// data_files false: leaves out the checks that data.path exists and is a token file (parse_checkpoint_config).
-void validate(const Config& cfg, bool data_files = true);
+// runs_here false (parse_checkpoint_config): leaves out the checks of what the machine that runs the config must
+// hold: data.path existing as a token file, and the cuDNN backend for model.attention_kernel: cudnn.
+void validate(const Config& cfg, bool runs_here = true);
 // Whether the CUDA attention kernels take the model's heads (attention_value_width_cuda): MLA's query/key head at
 // most kAttentionMaxHeadDimCuda wide and its value head no wider (the GPU pads the value), or a query/key head up
 // to kAttentionMaxWideHeadDimCuda (a multiple of 8; DeepSeek-V3's 128 + 64) with a value head of at most

@@ -10,6 +10,7 @@
 
 #include "engine/ops/fp8_linear.h"
 #include "kernels/attention.h"
+#include "kernels/attention_cudnn.h"
 #include "kernels/common/error.h"
 #include "layers/moe.h"
 
@@ -154,6 +155,13 @@ static void check_data_files(const Config& c, const KeyReport& r, bool exists) {
   if (d.source == "text" && c.model.vocab_size < 256)
     r.err("model.vocab_size", std::to_string(c.model.vocab_size) + " is too small for byte-level text (" +
                                   r.from("data.source") + "); use vocab_size >= 256");
+}
+
+void check_attention_kernel(const Config& c, const KeyReport& r) {
+  if (c.model.attention_kernel == AttentionBackend::cudnn && !attention_cudnn_built())
+    r.err("model.attention_kernel",
+          "cudnn, but this build has no cuDNN attention backend (a CUDA build after "
+          "scripts/install_cudnn.sh has it; auto or flash run without)");
 }
 
 void check_data_source(const Config& c, const KeyReport& r, bool data_files) {

@@ -29,6 +29,10 @@ void check_model_shape(const Config& c, const KeyReport& r);
 // The MoE keys agree with each other and with the router kernel's limits (DeepSeek-V3 group-limited top-k):
 // the router's own validate_router_config, reported at the model.* keys.
 void check_moe_routing(const Config& c, const KeyReport& r);
+// model.attention_kernel: cudnn only in a build with the cuDNN backend. A check of this machine, not of the config
+// alone: a checkpoint's config is read without it (validate's runs_here), so a CPU build exports and generates from
+// a run that trained on cuDNN.
+void check_attention_kernel(const Config& c, const KeyReport& r);
 // A synthetic corpus big enough for one sequence per split, or a data.path that exists and suits the source.
 void check_data_source(const Config& c, const KeyReport& r, bool data_files = true);
 // checkpoint.init_from: empty or hf:DIR with a DIR.

@@ -14,7 +14,7 @@
 namespace flowmoe::config_schema {
 
 // dtype: one of `choices`, dtype names (kernels/common/dtype.h), parsed once into a DType. A choice stores its
-// text, or parses it once into a typed enum where the field refers to one (AttentionType,
+// text, or parses it once into a typed enum where the field refers to one (AttentionType, AttentionBackend,
 // Fp8WeightWriter, Fp8WeightTranspose).
 // optional_integer: an integer in range, or null (YAML null, "null" or "" in an override), stored as 0.
 enum class Kind {
@@ -30,7 +30,8 @@ enum class Kind {
   dtype
 };
 using FieldRef =
-    std::variant<int64_t*, double*, bool*, std::string*, DType*, AttentionType*, Fp8WeightWriter*, Fp8WeightTranspose*>;
+    std::variant<int64_t*, double*, bool*, std::string*, DType*, AttentionType*, AttentionBackend*, Fp8WeightWriter*,
+                 Fp8WeightTranspose*>;
 
 struct Field {
   std::string section, key;

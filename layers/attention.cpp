@@ -8,11 +8,12 @@
 namespace flowmoe {
 
 Attention::Attention(ParamFactory& f, const std::string& prefix, int64_t hidden, int64_t num_heads, double rope_theta,
-                     double init_std, double out_init_std, bool fp8)
+                     double init_std, double out_init_std, bool fp8, AttentionBackend backend)
     : hidden_(hidden),
       num_heads_(num_heads),
       rope_theta_(rope_theta),
       fp8_(fp8),
+      backend_(backend),
       site_(prefix.substr(prefix.rfind('.') + 1)) {
   FLOWMOE_CHECK(hidden % num_heads == 0 && (hidden / num_heads) % 2 == 0, ShapeError, "attention: hidden ", hidden,
                 " with ", num_heads, " heads needs an even head size");
@@ -43,7 +44,7 @@ Variable Attention::forward(const Variable& x, DType compute) const {
   const Variable k_raw = reshape(linear(x, compute_weight(k_proj_, compute)), heads);
   const auto [q, k] = rope_qk(q_raw, k_raw, rope_theta_);
   Variable v = reshape(linear(x, compute_weight(v_proj_, compute)), heads);
-  Variable o = reshape(causal_attention(q, k, v), {b, t, hidden_});
+  Variable o = reshape(causal_attention(q, k, v, backend_), {b, t, hidden_});
   return linear(o, compute_weight(o_proj_, compute));
 }
 
@@ -58,7 +59,7 @@ Variable Attention::forward_cached(const Variable& x, DType compute, const Tenso
   const Variable k_raw = reshape(linear(x, compute_weight(k_proj_, compute)), heads);
   const auto [q, k] = rope_qk(q_raw, k_raw, rope_theta_, pos);
   const Variable v = reshape(linear(x, compute_weight(v_proj_, compute)), heads);
-  const Variable o = attend_with_cache(q, k, v, keys, values, pos, "attention");
+  const Variable o = attend_with_cache(q, k, v, keys, values, pos, backend_, "attention");
   return linear(reshape(o, {1, t, hidden_}), compute_weight(o_proj_, compute));
 }
 
@@ -76,7 +77,8 @@ Variable Attention::forward_quantized(const Variable& xq, const Variable&, int64
   const Variable k_raw = project(k_proj_, k_fp8_, "k_proj");
   const auto [q, k] = rope_qk(q_raw, k_raw, rope_theta_);
   const Variable v = project(v_proj_, v_fp8_, "v_proj");
-  const Variable oq = quantize_rowwise(reshape(causal_attention(q, k, v), {b * t, hidden_}), site_ + ".o_proj: x");
+  const Variable oq =
+      quantize_rowwise(reshape(causal_attention(q, k, v, backend_), {b * t, hidden_}), site_ + ".o_proj: x");
   return reshape(cached_fp8_linear(oq, o_proj_, o_fp8_, site_ + ".o_proj", compute), {b, t, hidden_});
 }
 

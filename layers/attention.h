@@ -33,9 +33,11 @@ class AttentionLayer {
 class Attention : public AttentionLayer {
  public:
   // fp8: the projections run in FP8 from the f32 weights (read in f32, ParamShard::reads_f32); hidden must then
-  // be a multiple of 128 (ShapeError naming the prefix).
+  // be a multiple of 128 (ShapeError naming the prefix). backend: the attention core's GPU kernels
+  // (model.attention_kernel).
   Attention(ParamFactory& f, const std::string& prefix, int64_t hidden, int64_t num_heads, double rope_theta,
-            double init_std, double out_init_std, bool fp8 = false);
+            double init_std, double out_init_std, bool fp8 = false,
+            AttentionBackend backend = AttentionBackend::automatic);
   Variable forward(const Variable& x /*[B,T,H]*/, DType compute) const override;  // -> [B,T,H]
   // Inference with a K/V cache (layers/kv_cache.h: keys and values [nh, capacity, hd] of this layer): x holds one
   // sequence's positions [pos, pos + T), which are rotated at those positions and written into the cache. The
@@ -54,6 +56,7 @@ class Attention : public AttentionLayer {
   int64_t hidden_, num_heads_;
   double rope_theta_;
   bool fp8_;
+  AttentionBackend backend_;
   std::string site_;  // the casts' site: the prefix's last part
   Variable q_proj_, k_proj_, v_proj_, o_proj_;
   Fp8WeightCache q_fp8_, k_fp8_, v_fp8_, o_fp8_;

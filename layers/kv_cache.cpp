@@ -37,7 +37,7 @@ Variable attend_cached(const Variable& q, const Tensor& keys, const Tensor& valu
 }  // namespace
 
 Variable attend_with_cache(const Variable& q, const Variable& k, const Variable& v, const Tensor& keys,
-                           const Tensor& values, int64_t pos, const char* what) {
+                           const Tensor& values, int64_t pos, AttentionBackend backend, const char* what) {
   const int64_t t = q.size(1), nh = q.size(2), qk = q.size(3), vd = v.size(3);
   FLOWMOE_CHECK(keys.dim() == 3 && keys.size(0) == nh && keys.size(2) == qk && values.dim() == 3 &&
                     values.size(0) == nh && values.size(1) == keys.size(1) && values.size(2) == vd,
@@ -49,7 +49,7 @@ Variable attend_with_cache(const Variable& q, const Variable& k, const Variable&
                 " token after it, got ", t, " tokens at position ", pos);
   write_positions(keys, k.data(), pos);
   write_positions(values, v.data(), pos);
-  return pos == 0 ? causal_attention(q, k, v) : attend_cached(q, keys, values, pos + 1);
+  return pos == 0 ? causal_attention(q, k, v, backend) : attend_cached(q, keys, values, pos + 1);
 }
 
 }  // namespace flowmoe

@@ -34,8 +34,9 @@ struct KvCache {
 // One cached attention step of a layer (layers/kv_cache.cpp): q, k [1, T, nh, qk], v [1, T, nh, v] at positions
 // [pos, pos + T) go into the cache; the prompt (pos 0) runs the training forward's causal attention, a later
 // call (one token) attends to the cached positions [0, pos] head by head through linear, softmax and matmul.
-// -> [1, T, nh, v]. `what` names the layer in the ShapeErrors.
+// -> [1, T, nh, v]. backend: the prompt's attention kernels (model.attention_kernel). `what` names the layer in the
+// ShapeErrors.
 Variable attend_with_cache(const Variable& q, const Variable& k, const Variable& v, const Tensor& keys,
-                           const Tensor& values, int64_t pos, const char* what);
+                           const Tensor& values, int64_t pos, AttentionBackend backend, const char* what);
 
 }  // namespace flowmoe

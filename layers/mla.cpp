@@ -27,6 +27,7 @@ LatentAttention::LatentAttention(ParamFactory& f, const std::string& prefix, con
       rope_theta_(c.rope_theta),
       eps_(kLatentNormEps),
       fp8_(fp8),
+      backend_(c.attention_kernel),
       site_(prefix.substr(prefix.rfind('.') + 1)) {
   FLOWMOE_CHECK(rope_ % 2 == 0 && nope_ >= 1 && v_dim_ >= 1 && kv_lora_rank_ >= 1 && q_lora_rank_ >= 0, ShapeError,
                 prefix, ": MLA needs an even qk_rope_head_dim and positive widths, got rope ", rope_, ", nope ", nope_,
@@ -107,7 +108,7 @@ Variable LatentAttention::forward(const Variable& x, DType compute) const {
     return forward_quantized(quantize_rowwise(reshape(x, {x.size(0) * x.size(1), hidden_}), input_site()), x, x.size(0),
                              x.size(1), compute);
   const Heads h = heads(Variable(), x, compute, 0);
-  return output(causal_attention(h.q, h.k, h.v), false, compute);
+  return output(causal_attention(h.q, h.k, h.v, backend_), false, compute);
 }
 
 Variable LatentAttention::forward_quantized(const Variable& xq, const Variable& y, int64_t b, int64_t t,
@@ -117,7 +118,7 @@ Variable LatentAttention::forward_quantized(const Variable& xq, const Variable& 
                 ShapeError, "mla: quantized input ", xq.data().describe(), ", expected FP8 [", b * t, ", ", hidden_,
                 "] and the norm's output [", b, ", ", t, ", ", hidden_, "] for an FP8 attention");
   const Heads h = heads(xq, y, compute, 0);
-  return output(causal_attention(h.q, h.k, h.v), true, compute);
+  return output(causal_attention(h.q, h.k, h.v, backend_), true, compute);
 }
 
 // In FP8 too the projections run in the compute dtype here: one row is no FP8 GEMM's row count.
@@ -127,7 +128,7 @@ Variable LatentAttention::forward_cached(const Variable& x, DType compute, const
   FLOWMOE_CHECK(x.data().dim() == 3 && x.size(0) == 1 && x.size(2) == hidden_, ShapeError, "mla: input ",
                 x.data().describe(), ", expected one sequence [1, T, ", hidden_, "]");
   const Heads h = heads(Variable(), x, compute, pos);
-  return output(attend_with_cache(h.q, h.k, h.v, keys, values, pos, "mla"), false, compute);
+  return output(attend_with_cache(h.q, h.k, h.v, keys, values, pos, backend_, "mla"), false, compute);
 }
 
 }  // namespace flowmoe

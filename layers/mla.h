@@ -48,6 +48,7 @@ class LatentAttention : public AttentionLayer {
   int64_t hidden_, num_heads_, q_lora_rank_, kv_lora_rank_, nope_, rope_, v_dim_;
   double rope_theta_, eps_;
   bool fp8_;
+  AttentionBackend backend_;  // model.attention_kernel
   std::string site_;
   Variable q_a_proj_, q_a_layernorm_, q_b_proj_, q_proj_, kv_a_proj_, kv_a_layernorm_, kv_b_proj_, o_proj_;
   Fp8WeightCache q_a_fp8_, q_b_fp8_, q_fp8_, kv_b_fp8_, o_fp8_;

@@ -23,7 +23,7 @@ TransformerBlock::TransformerBlock(ParamFactory& f, const ModelConfig& c, int64_
   else
     self_attn_ = std::make_unique<Attention>(f, layer_prefix(i) + ".self_attn", c.hidden_size, c.num_attention_heads,
                                              c.rope_theta, c.initializer_range, output_init_std(c),
-                                             moe_flow(moe.recipe).fp8_linears);
+                                             moe_flow(moe.recipe).fp8_linears, c.attention_kernel);
   if (is_moe_layer(c, i))
     moe_ = std::make_unique<MoeLayer>(f, c, layer_prefix(i) + ".mlp", moe, device);
   else

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian packages flowmoe builds with. Skips apt entirely when all are present.
-# The CUDA toolkit is not installed here: when nvcc exists (/usr/local/cuda or PATH) it is used, and
+# The CUDA toolkit is not installed here: when nvcc runs (/usr/local/cuda or PATH) it is used, and
 # scripts/install_cutlass.sh then puts the pinned CUTLASS headers into .deps/cutlass (the CUDA backend's
-# grouped GEMMs build on them; it skips when they are already there).
+# grouped GEMMs build on them) and scripts/install_cudnn.sh the pinned cuDNN and cudnn-frontend into .deps/cudnn and
+# .deps/cudnn_frontend (the cuDNN attention backend; a build without them leaves it out); each skips when its
+# pinned version is already there. Without nvcc (a CPU build) neither is fetched.
 # Open MPI (openmpi-bin, libopenmpi-dev) builds the mpi backend of parallel/ and runs its tests under
 # mpirun; flowmoe still builds without it (single process only). clang-format (14 on Debian 12) checks
 # the sources' format in the test command (scripts/check_format.sh). python3-pip installs the pinned
@@ -29,6 +31,7 @@ else
     exit 1
   fi
 fi
-if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+if nvcc --version >/dev/null 2>&1 || /usr/local/cuda/bin/nvcc --version >/dev/null 2>&1; then
   "$(dirname "$0")/install_cutlass.sh"
+  "$(dirname "$0")/install_cudnn.sh"
 fi

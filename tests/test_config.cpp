@@ -630,6 +630,34 @@ TEST(Config, TrainingGuideDocumentsEveryKey) {
   EXPECT_GT(rows, 50);
 }
 
+// model.attention_kernel is parsed once into its enum (auto by default); cudnn in a build without the cuDNN backend
+// is a ConfigError naming the key and its line, and auto and flash read in every build. A checkpoint's config asking
+// for cudnn reads anywhere (export and generate run from it on a build without cuDNN).
+TEST(Config, AttentionKernelKey) {
+  EXPECT_EQ(parse_config("", "ok.yaml").model.attention_kernel, AttentionBackend::automatic);
+  Config c = parse_config("model:\n  attention_kernel: flash\n", "ok.yaml");
+  EXPECT_EQ(c.model.attention_kernel, AttentionBackend::flash);
+  EXPECT_HAS(to_yaml(c), "attention_kernel: flash");
+  EXPECT_EQ(parse_config(to_yaml(c), "again.yaml").model.attention_kernel, AttentionBackend::flash);
+  EXPECT_EQ(parse_config("", "ok.yaml", {"model.attention_kernel=auto"}).model.attention_kernel,
+            AttentionBackend::automatic);
+  EXPECT_HAS(parse_error("model:\n  attention_kernel: cudn\n"),
+             "bad.yaml:2: model.attention_kernel: expected one of auto, flash, cudnn, got 'cudn' (did you mean "
+             "'cudnn'?)");
+  if (attention_cudnn_built()) {
+    EXPECT_EQ(parse_config("model:\n  attention_kernel: cudnn\n", "ok.yaml").model.attention_kernel,
+              AttentionBackend::cudnn);
+  } else {
+    const std::string m = parse_error("model:\n  attention_kernel: cudnn\n");
+    EXPECT_HAS(m, "bad.yaml:2: model.attention_kernel: cudnn, but this build has no cuDNN attention backend");
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    EXPECT_HAS(parse_error("", {"model.attention_kernel=cudnn"}),
+               "--set model.attention_kernel=cudnn: model.attention_kernel: cudnn, but this build has no cuDNN");
+  }
+  EXPECT_EQ(parse_checkpoint_config("model:\n  attention_kernel: cudnn\n", "meta.json").model.attention_kernel,
+            AttentionBackend::cudnn);
+}
+
 // model.attention is parsed once into its enum; MLA's keys take DeepSeek-V3's names, q_lora_rank null.
 TEST(Config, MlaKeys) {
   Config c = parse_config(

@@ -47,38 +47,9 @@ KernelResult run_kernels(Kernel fwd, Kernel bwd, const Tensor& q, const Tensor& 
   return r;
 }
 
-// lse[b, h, i] = log sum_{j<=i} exp(q_i·k_j / sqrt(hd)) in f64.
-Tensor reference_lse(const Tensor& q, const Tensor& k) {
-  const Shape& s = q.shape();
-  const int64_t B = s[0], T = s[1], nh = s[2], hd = s[3];
-  const std::vector<double> qs = q.to_doubles(), ks = k.to_doubles();
-  std::vector<double> lse(static_cast<size_t>(B * nh * T)), scores(static_cast<size_t>(T));
-  const double scale = 1.0 / std::sqrt(double(hd));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < nh; ++h)
-      for (int64_t i = 0; i < T; ++i) {
-        double m = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) {
-          double dot = 0;
-          for (int64_t d = 0; d < hd; ++d)
-            dot += qs[size_t(((b * T + i) * nh + h) * hd + d)] * ks[size_t(((b * T + j) * nh + h) * hd + d)];
-          scores[size_t(j)] = dot * scale;
-          m = std::max(m, scores[size_t(j)]);
-        }
-        double sum = 0;
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(scores[size_t(j)] - m);
-        lse[size_t((b * nh + h) * T + i)] = m + std::log(sum);
-      }
-  return Tensor::from_doubles(lse, {B, nh, T});
-}
-
 // The outputs and gradients of the tensor-core kernels against `want` within the tensor-core tolerances.
 void expect_flash(const KernelResult& r, const Result& want, const char* what) {
-  SCOPED_TRACE(what);
-  EXPECT_TRUE(close_to(r.out, want.out, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "out";
-  EXPECT_TRUE(close_to(r.d_q, want.d_q, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "d_q";
-  EXPECT_TRUE(close_to(r.d_k, want.d_k, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "d_k";
-  EXPECT_TRUE(close_to(r.d_v, want.d_v, kFlashRtol, kFlashAtolFrac, kFlashMaxRel)) << "d_v";
+  expect_tensor_core_close({r.out, r.d_q, r.d_k, r.d_v}, want, what);
 }
 
 // Equal values elementwise (+0 == -0).
@@ -151,15 +122,13 @@ TEST(AttentionCuda, FlashWideHeadsMatchCpu) {
                                                                       {{1, 1024, 1, 192}, 128},
                                                                       {{3, 200, 1, 136}, 64}}) {
     SCOPED_TRACE(shape_str(s) + " v " + std::to_string(v_hd));
-    const Shape v_shape = {s[0], s[1], s[2], v_hd};
-    Tensor q = random_tensor(rng, s, DType::bf16), k = random_tensor(rng, s, DType::bf16);
-    Tensor v = random_tensor(rng, v_shape, DType::bf16), d_out = random_tensor(rng, v_shape, DType::bf16);
-    Result ref = attend_with_grads(q.to(DType::f64), k.to(DType::f64), v.to(DType::f64), d_out.to(DType::f64));
+    const AttentionCase c = attention_case(rng, s, v_hd);
     const Device gpu = Device::cuda();
-    KernelResult flash = run_kernels(Kernel::flash, Kernel::flash, q.to(gpu), k.to(gpu), v.to(gpu), d_out.to(gpu));
-    ASSERT_EQ(flash.out.shape(), v_shape);
-    EXPECT_TRUE(all_close(flash.lse, reference_lse(q.to(DType::f64), k.to(DType::f64)), 0, 1e-3)) << "lse";
-    expect_flash(flash, ref, "flash vs f64");
+    KernelResult flash =
+        run_kernels(Kernel::flash, Kernel::flash, c.q.to(gpu), c.k.to(gpu), c.v.to(gpu), c.d_out.to(gpu));
+    ASSERT_EQ(flash.out.shape(), c.v.shape());
+    EXPECT_TRUE(all_close(flash.lse, reference_lse(c.q.to(DType::f64), c.k.to(DType::f64)), 0, 1e-3)) << "lse";
+    expect_flash(flash, c.ref, "flash vs f64");
   }
 }
 

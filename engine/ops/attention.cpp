@@ -5,7 +5,10 @@
 // kernels take the widths of attention_value_width_cuda (one width up to 128, or q/k heads up to 192 with v heads
 // up to 128), so the GPU path pads v with zero columns to that width, runs them, and keeps the output's first v
 // columns (the padded columns of o are P·0 = 0, so dO·o, the backward's delta, is unchanged).
-// Reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp.
+// On the GPU the backend (model.attention_kernel) is resolved once per call, in its forward (use_cudnn), and the
+// backward runs on the same one: cuDNN's fused SDPA (kernels/attention_cudnn.h) or the flash kernels, on the same
+// padded operands and the same [B, nh, T] natural-log lse.
+// Reference: kernels/cpu/attention.cpp. Tests: tests/test_attention.cpp, tests/test_attention_cudnn.cpp.
 #include "kernels/attention.h"
 #include "engine/ops/ops.h"
 #include "kernels/common/device_api.h"
@@ -47,8 +50,33 @@ Tensor pad_last(const Tensor& x, int64_t width) {
 }
 Tensor narrow_last(const Tensor& x, int64_t d) { return x.slice(x.dim() - 1, 0, d).contiguous(); }
 
+AttentionCudnnShape cudnn_shape(const Tensor& q, int64_t v_width) {
+  return {q.size(0), q.size(1), q.size(2), q.size(3), v_width};
+}
+
+// Whether this call runs on cuDNN: `backend` against this build, the dtype and the shape (q and v at v_width) on this
+// device. automatic takes cuDNN wherever it runs the call; cudnn insists, naming the key when it cannot.
+bool use_cudnn(AttentionBackend backend, const Tensor& q, int64_t v_width) {
+  if (backend == AttentionBackend::flash) return false;
+  const bool bf16 = q.dtype() == DType::bf16;
+  if (backend == AttentionBackend::automatic) return bf16 && attention_cudnn_supports(cudnn_shape(q, v_width));
+  FLOWMOE_CHECK(bf16, DTypeError, "causal_attention: model.attention_kernel=cudnn runs bf16 only, got ",
+                dtype_name(q.dtype()));
+  std::string why;
+  FLOWMOE_CHECK(attention_cudnn_supports(cudnn_shape(q, v_width), &why), Error,
+                "causal_attention: model.attention_kernel=cudnn cannot run q ", shape_str(q.shape()), " with v width ",
+                v_width, ": ", why);
+  return true;
+}
+
+// cuDNN's workspace for one execution, from the engine's allocator (an empty tensor when none is needed).
+Tensor cudnn_workspace(const AttentionCudnnShape& shape, bool backward, Device device) {
+  return Tensor::empty({attention_cudnn_workspace_bytes(shape, backward)}, DType::u8, device);
+}
+
 class CausalAttention : public Primitive {
  public:
+  explicit CausalAttention(AttentionBackend backend) : backend_(backend) {}
   const char* name() const override { return "causal_attention"; }
   // q·kᵀ and p·v over the causal half: 2·B·nh·T²·hd; the backward's four GEMMs and one recomputed
   // product, 2.5 times that (flash attention's count).
@@ -81,8 +109,17 @@ class CausalAttention : public Primitive {
     if (v_hd != v_width) v = pad_last(v, v_width);
     Tensor out = Tensor::empty({s[0], s[1], s[2], v_width}, q.dtype(), q.device());
     lse_ = Tensor::empty({s[0], s[2], s[1]}, DType::f32, q.device());
-    attention_forward_cuda(q.dtype(), out.raw_data(), lse_.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(),
-                           s[0], s[1], s[2], s[3], v_width, current_stream(q.device().index));
+    cudaStream_t stream = current_stream(q.device().index);
+    cudnn_ = use_cudnn(backend_, q, v_width);
+    if (cudnn_) {
+      const AttentionCudnnShape shape = cudnn_shape(q, v_width);
+      Tensor workspace = cudnn_workspace(shape, false, q.device());
+      attention_forward_cudnn(out.raw_data(), lse_.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(), shape,
+                              workspace.raw_data(), stream);
+    } else {
+      attention_forward_cuda(q.dtype(), out.raw_data(), lse_.data<float>(), q.raw_data(), k.raw_data(), v.raw_data(),
+                             s[0], s[1], s[2], s[3], v_width, stream);
+    }
     return {v_hd == v_width ? out : narrow_last(out, v_hd)};
   }
 
@@ -113,21 +150,32 @@ class CausalAttention : public Primitive {
       d_out = pad_last(d_out, v_width);
     }
     Tensor d_v = Tensor::empty({s[0], s[1], s[2], v_width}, q.dtype(), q.device());
-    Tensor delta = Tensor::empty({s[0], s[2], s[1]}, DType::f32, q.device());
-    attention_backward_cuda(q.dtype(), d_q.raw_data(), d_k.raw_data(), d_v.raw_data(), delta.data<float>(),
-                            d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(),
-                            lse_.data<float>(), s[0], s[1], s[2], s[3], v_width, current_stream(q.device().index));
+    cudaStream_t stream = current_stream(q.device().index);
+    if (cudnn_) {
+      const AttentionCudnnShape shape = cudnn_shape(q, v_width);
+      Tensor workspace = cudnn_workspace(shape, true, q.device());
+      attention_backward_cudnn(d_q.raw_data(), d_k.raw_data(), d_v.raw_data(), d_out.raw_data(), q.raw_data(),
+                               k.raw_data(), v.raw_data(), out.raw_data(), lse_.data<float>(), shape,
+                               workspace.raw_data(), stream);
+    } else {
+      Tensor delta = Tensor::empty({s[0], s[2], s[1]}, DType::f32, q.device());
+      attention_backward_cuda(q.dtype(), d_q.raw_data(), d_k.raw_data(), d_v.raw_data(), delta.data<float>(),
+                              d_out.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(), out.raw_data(),
+                              lse_.data<float>(), s[0], s[1], s[2], s[3], v_width, stream);
+    }
     return {d_q, d_k, v_hd == v_width ? d_v : narrow_last(d_v, v_hd)};
   }
 
  private:
-  Tensor lse_;  // [B, nh, T] f32, natural-log softmax normaliser of each query row (GPU only)
+  AttentionBackend backend_;
+  bool cudnn_ = false;  // the forward ran on cuDNN, so the backward does too (GPU only)
+  Tensor lse_;          // [B, nh, T] f32, natural-log softmax normaliser of each query row (GPU only)
 };
 
 }  // namespace
 
-Variable causal_attention(const Variable& q, const Variable& k, const Variable& v) {
-  return apply(std::make_shared<CausalAttention>(), {q, k, v})[0];
+Variable causal_attention(const Variable& q, const Variable& k, const Variable& v, AttentionBackend backend) {
+  return apply(std::make_shared<CausalAttention>(backend), {q, k, v})[0];
 }
 
 }  // namespace flowmoe

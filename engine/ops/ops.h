@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "engine/autograd.h"
+#include "kernels/attention_cudnn.h"
 #include "kernels/common/counted_rows.h"
 
 namespace flowmoe {
@@ -63,9 +64,11 @@ Variable rope(const Variable& x /*[B,T,nh,hd]*/, double theta, int64_t pos_offse
 std::pair<Variable, Variable> rope_qk(const Variable& q /*[B,T,nh,hd]*/, const Variable& k /*[B,T,nk,hd]*/,
                                       double theta, int64_t pos_offset = 0);
 // softmax(q·kᵀ / sqrt(hd) with a causal mask) · v, per batch and head. v's head width v_hd may differ from hd
-// (MLA); on a GPU it must not exceed hd.
+// (MLA); on a GPU it must not exceed hd. backend (model.attention_kernel) picks the GPU kernels: the flash kernels
+// of kernels/attention.h or cuDNN's (kernels/attention_cudnn.h); the CPU ignores it.
 Variable causal_attention(const Variable& q /*[B,T,nh,hd]*/, const Variable& k /*[B,T,nh,hd]*/,
-                          const Variable& v /*[B,T,nh,v_hd]*/);  // -> [B,T,nh,v_hd]
+                          const Variable& v /*[B,T,nh,v_hd]*/,
+                          AttentionBackend backend = AttentionBackend::automatic);  // -> [B,T,nh,v_hd]
 
 // ---- reductions: engine/ops/reduce.cpp ---------------------------------------------------------
 Variable sum(const Variable& x);   // over all elements -> shape {} (f32 for bf16 input)
