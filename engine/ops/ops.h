@@ -68,7 +68,7 @@ std::pair<Variable, Variable> rope_qk(const Variable& q /*[B,T,nh,hd]*/, const V
 // of kernels/attention.h or cuDNN's (kernels/attention_cudnn.h); the CPU ignores it.
 Variable causal_attention(const Variable& q /*[B,T,nh,hd]*/, const Variable& k /*[B,T,nh,hd]*/,
                           const Variable& v /*[B,T,nh,v_hd]*/,
-                          AttentionBackend backend = AttentionBackend::automatic);  // -> [B,T,nh,v_hd]
+                          AttentionBackend backend = AttentionBackend::flash);  // -> [B,T,nh,v_hd]
 
 // ---- reductions: engine/ops/reduce.cpp ---------------------------------------------------------
 Variable sum(const Variable& x);   // over all elements -> shape {} (f32 for bf16 input)
