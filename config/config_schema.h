@@ -29,9 +29,8 @@ enum class Kind {
   choice_list,
   dtype
 };
-using FieldRef =
-    std::variant<int64_t*, double*, bool*, std::string*, DType*, AttentionType*, AttentionBackend*, Fp8WeightWriter*,
-                 Fp8WeightTranspose*>;
+using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, DType*, AttentionType*, AttentionBackend*,
+                              Fp8WeightWriter*, Fp8WeightTranspose*>;
 
 struct Field {
   std::string section, key;

@@ -36,8 +36,7 @@ class Attention : public AttentionLayer {
   // be a multiple of 128 (ShapeError naming the prefix). backend: the attention core's GPU kernels
   // (model.attention_kernel).
   Attention(ParamFactory& f, const std::string& prefix, int64_t hidden, int64_t num_heads, double rope_theta,
-            double init_std, double out_init_std, bool fp8 = false,
-            AttentionBackend backend = AttentionBackend::flash);
+            double init_std, double out_init_std, bool fp8 = false, AttentionBackend backend = AttentionBackend::flash);
   Variable forward(const Variable& x /*[B,T,H]*/, DType compute) const override;  // -> [B,T,H]
   // Inference with a K/V cache (layers/kv_cache.h: keys and values [nh, capacity, hd] of this layer): x holds one
   // sequence's positions [pos, pos + T), which are rotated at those positions and written into the cache. The
