@@ -21,6 +21,12 @@ inline constexpr EnumName<AttentionType> kAttentionTypeNames[] = {{AttentionType
                                                                   {AttentionType::mla, "mla"}};
 inline const char* attention_type_name(AttentionType t) { return enum_name(kAttentionTypeNames, t); }
 
+// model.bias_update_schedule: constant moves expert_bias by bias_update_rate every step; lr scales that step with
+// lr(step) / optimizer.lr.
+enum class BiasUpdateSchedule { constant, lr };
+inline constexpr EnumName<BiasUpdateSchedule> kBiasUpdateScheduleNames[] = {{BiasUpdateSchedule::constant, "constant"},
+                                                                            {BiasUpdateSchedule::lr, "lr"}};
+
 struct ModelConfig {
   int64_t vocab_size = 256;
   int64_t hidden_size = 128;  // H, the residual stream's width
@@ -46,8 +52,8 @@ struct ModelConfig {
   double routed_scaling_factor = 1.0;
   double aux_loss_alpha = 0.0;
   double bias_update_rate = 0.001;
-  std::string bias_update_schedule = "constant";  // constant | lr: the step scales with lr(step)/optimizer.lr
-  std::string bias_update_rule = "sign";          // sign (DeepSeek-V3) | proportional to the load error
+  BiasUpdateSchedule bias_update_schedule = BiasUpdateSchedule::constant;
+  std::string bias_update_rule = "sign";  // sign (DeepSeek-V3) | proportional to the load error
   // Attention. mha: num_attention_heads heads of H / heads. mla (DeepSeek-V3's keys): queries through a
   // q_lora_rank bottleneck (0, null in YAML and config.json: one direct projection), keys and values from one
   // kv_lora_rank latent per token; each head's query and key are qk_nope_head_dim + qk_rope_head_dim wide (the

@@ -134,7 +134,7 @@ TEST(HfRoundTrip, MlaRoundTripsBitIdentical) {
     const Config imported = load_config((d / "imported.yaml").string());
     EXPECT_EQ(imported.model.attention, AttentionType::mla);
     EXPECT_EQ(hf_config_json(imported.model), hf_config_json(m));
-    EXPECT_EQ(imported.train.device, attention_fits_cuda(m) ? "auto" : "cpu");
+    EXPECT_EQ(imported.train.device, attention_fits_cuda(m) ? DeviceChoice::automatic : DeviceChoice::cpu);
   }
 }
 

@@ -28,18 +28,18 @@ static Tensor whole_master(const AdamW& opt, size_t i, const Shape& shape) {
 namespace {
 struct DataKey {
   const char* key;
-  bool (*applies)(const std::string& source);  // data.source
+  bool (*applies)(DataSource source);
 };
 const DataKey kDataKeys[] = {
-    {"data.source", [](const std::string&) { return true; }},
-    {"data.path", [](const std::string& source) { return source != "synthetic"; }},
-    {"data.synthetic_tokens", [](const std::string& source) { return source == "synthetic"; }},
-    {"data.synthetic_kind", [](const std::string& source) { return source == "synthetic"; }},
-    {"data.seed", [](const std::string&) { return true; }},
-    {"data.seq_len", [](const std::string&) { return true; }},
-    {"data.val_fraction", [](const std::string&) { return true; }},
-    {"train.batch_size", [](const std::string&) { return true; }},
-    {"train.grad_accum_steps", [](const std::string&) { return true; }},
+    {"data.source", [](DataSource) { return true; }},
+    {"data.path", [](DataSource source) { return source != DataSource::synthetic; }},
+    {"data.synthetic_tokens", [](DataSource source) { return source == DataSource::synthetic; }},
+    {"data.synthetic_kind", [](DataSource source) { return source == DataSource::synthetic; }},
+    {"data.seed", [](DataSource) { return true; }},
+    {"data.seq_len", [](DataSource) { return true; }},
+    {"data.val_fraction", [](DataSource) { return true; }},
+    {"train.batch_size", [](DataSource) { return true; }},
+    {"train.grad_accum_steps", [](DataSource) { return true; }},
 };
 }  // namespace
 

@@ -148,7 +148,7 @@ static std::optional<StepMetrics> read_back_step(TrainRun& run) {
 static bool may_run_ahead(const TrainRun& run) {
   const TrainConfig& tc = run.cfg.train;
   return step_scalars_on_device(run) && run.loop.step < run.end && run.loop.step + 1 != run.opts.profile_step &&
-         tc.nonfinite != "stop" && !due(run.loop.step, tc.eval_every, tc.steps) &&
+         tc.nonfinite != NonfinitePolicy::stop && !due(run.loop.step, tc.eval_every, tc.steps) &&
          !due(run.loop.step, tc.sample_every, -1) && !checkpoint_due(run, run.loop.step);
 }
 
