@@ -288,19 +288,19 @@ static void print_cast_summary(TrainRun& run) {
 // checkpoints are what tokens/s leaves out; "other" is the loop's own time and the summary's collectives.
 static void print_times(TrainRun& run) {
   const RunClock& c = run.clock;
-  const double total = c.seconds_since_start();
+  const double total = c.whole.running();
   double setup = 0;
   std::string parts;
   for (const auto& [name, seconds] : c.setup) {
     setup += seconds;
     if (seconds >= 0.05) parts += (parts.empty() ? "" : ", ") + name + " " + format_fixed(seconds, 1);
   }
-  const double other = total - setup - run.loop.time.seconds() - c.evaluation_seconds - c.checkpoint_seconds;
+  const double other = total - setup - run.loop.time.seconds() - c.evaluation.seconds() - c.checkpoints.seconds();
   run.progress.message(
       "time: " + format_fixed(total, 1) + " s in all: set-up " + format_fixed(setup, 1) + " s" +
       (parts.empty() ? "" : " (" + parts + ")") + ", training " + format_fixed(run.loop.time.seconds(), 1) +
-      " s, evaluation " + format_fixed(c.evaluation_seconds, 1) + " s, checkpoints " +
-      format_fixed(c.checkpoint_seconds, 1) + " s, other " + format_fixed(std::max(other, 0.0), 1) + " s");
+      " s, evaluation " + format_fixed(c.evaluation.seconds(), 1) + " s, checkpoints " +
+      format_fixed(c.checkpoints.seconds(), 1) + " s, other " + format_fixed(std::max(other, 0.0), 1) + " s");
 }
 
 static void print_summary(TrainRun& run, double peak_mem_bytes) {

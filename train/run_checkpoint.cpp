@@ -113,7 +113,7 @@ CheckpointMeta resume_from_checkpoint(RunSetup& setup, const std::string& dir) {
 }
 
 void save_run_checkpoint(TrainRun& run, int64_t at) {
-  const RunClock::Clock::time_point t0 = RunClock::Clock::now();
+  run.clock.checkpoints.restart();
   RunSetup& setup = run.setup;
   const AdamW& opt = setup.optimizer();
   CheckpointMeta meta;
@@ -163,7 +163,7 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
     if (!setup.is_root) untimed.emplace();
     setup.world->barrier();
   }
-  run.clock.checkpoint_seconds += RunClock::seconds_since(t0);
+  run.clock.checkpoints.lap();
 }
 
 }  // namespace flowmoe
