@@ -107,7 +107,7 @@ const std::vector<Field>& schema() {
                         "expert groups for group-limited routing"));
     f.push_back(integer("model", "topk_group", FLOWMOE_CONFIG_REF(model.topk_group), 1, kRouterMaxGroups,
                         "groups a token may route to"));
-    f.push_back(choice("model", "scoring_func", FLOWMOE_CONFIG_REF(model.scoring_func), enum_names(kRouterScoringNames),
+    f.push_back(choice("model", "scoring_func", FLOWMOE_CONFIG_ENUM(model.scoring_func), kRouterScoringNames,
                        "router score function"));
     f.push_back(boolean("model", "norm_topk_prob", FLOWMOE_CONFIG_REF(model.norm_topk_prob),
                         "normalise the top-k probabilities"));

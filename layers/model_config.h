@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels/common/name_table.h"
+#include "kernels/router.h"  // RouterScoring
 
 namespace flowmoe {
 
@@ -45,9 +46,9 @@ struct ModelConfig {
   int64_t num_experts_per_tok = 2;      // k, the routed experts each token takes
   int64_t moe_intermediate_size = 256;  // F, each expert's width (a shared expert's too)
   int64_t first_k_dense_replace = 0;
-  int64_t n_group = 1;     // group-limited routing: E in n_group groups,
-  int64_t topk_group = 1;  // of which each token picks from the best topk_group
-  std::string scoring_func = "sigmoid";
+  int64_t n_group = 1;                                  // group-limited routing: E in n_group groups,
+  int64_t topk_group = 1;                               // of which each token picks from the best topk_group
+  RouterScoring scoring_func = RouterScoring::sigmoid;  // names: engine/ops/router.h kRouterScoringNames
   bool norm_topk_prob = true;
   double routed_scaling_factor = 1.0;
   double aux_loss_alpha = 0.0;

@@ -238,6 +238,7 @@ TEST(Config, DuplicatesAndSyntaxErrors) {
 TEST(Config, ChoiceKeysTakeEachNameAndWriteItBack) {
   const std::string file = std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny.yaml";  // a file data.path may name
   const std::vector<std::pair<std::string, std::vector<std::string>>> keys = {
+      {"model.scoring_func", {"sigmoid", "softmax"}},
       {"model.bias_update_schedule", {"constant", "lr"}},
       {"data.source", {"synthetic", "text", "tokens"}},
       {"data.synthetic_kind", {"words", "bigram"}},
