@@ -45,7 +45,7 @@ struct ParamBuffers {
 std::vector<Shape> parameter_shapes(const std::string& config_path, const std::vector<std::string>& sets,
                                     bool fp8_only) {
   Config cfg = load_config(config_path, sets);
-  if (fp8_only) cfg.precision.recipe = "fp8_full";
+  if (fp8_only) cfg.precision.recipe = MoeRecipe::fp8_full;
   const Transformer model(cfg.model, Device::cuda(), DType::bf16, 1, moe_options(cfg));
   std::vector<Shape> shapes;
   for (size_t i = 0; i < model.parameters().size(); ++i)

@@ -213,7 +213,8 @@ ModelConfig model_config_from_hf(const std::string& json_text, const std::string
                      ".*): they do not change the logits");
   // The run config's own checks at the model's keys (the data keys' defaults fit any model that fits them).
   c.data.seq_len = std::min(c.data.seq_len, m.max_position_embeddings);
-  if (!attention_fits_cuda(m)) c.train.device = "cpu";  // heads the CUDA kernels do not take: a CPU model here
+  if (!attention_fits_cuda(m))
+    c.train.device = DeviceChoice::cpu;  // heads the CUDA kernels do not take: a CPU model here
   validate(c);
   return m;
 }

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 
+#include "engine/ops/router.h"
 #include "kernels/common/error.h"
 
 namespace flowmoe {
@@ -34,8 +35,9 @@ void check_hf_exportable(const ModelConfig& m) {
   const auto refuse = [&m](const std::string& key, const std::string& value, const std::string& why) {
     FLOWMOE_THROW(ConfigError, "model.", key, ": ", value, " has no ", hf_model_type(m), " counterpart (", why, ")");
   };
-  if (m.scoring_func != "sigmoid")
-    refuse("scoring_func", m.scoring_func, "transformers' glm4_moe and deepseek_v3 routers score with sigmoid only");
+  if (m.scoring_func != RouterScoring::sigmoid)
+    refuse("scoring_func", enum_name(kRouterScoringNames, m.scoring_func),
+           "transformers' glm4_moe and deepseek_v3 routers score with sigmoid only");
   if (m.n_routed_experts / m.n_group < 2)
     refuse(m.n_group > 1 ? "n_group" : "n_routed_experts",
            std::to_string(m.n_group > 1 ? m.n_group : m.n_routed_experts),

@@ -79,7 +79,8 @@ std::vector<std::string> import_hf(const std::string& dir, const HfImportOptions
   cfg.data.seq_len = std::min(cfg.data.seq_len, cfg.model.max_position_embeddings);
   cfg.checkpoint.resume = "true";
   if (!options.checkpoint_dir.empty()) cfg.checkpoint.dir = options.checkpoint_dir;
-  if (!attention_fits_cuda(cfg.model)) cfg.train.device = "cpu";  // written so: the config then loads as it is
+  if (!attention_fits_cuda(cfg.model))
+    cfg.train.device = DeviceChoice::cpu;  // written so: the config then loads as it is
   validate(cfg);
   const std::string root = cfg.checkpoint_dir();
   const std::string bpe_file =
@@ -124,7 +125,7 @@ std::vector<std::string> import_hf(const std::string& dir, const HfImportOptions
   write_file_synced(options.config_out, {&yaml});
 
   std::vector<std::string> lines = folder.notes();
-  if (cfg.train.device == "cpu")
+  if (cfg.train.device == DeviceChoice::cpu)
     lines.push_back("train.device: cpu: the attention heads (qk_nope_head_dim + qk_rope_head_dim = " +
                     std::to_string(attention_qk_head_dim(cfg.model)) + ", v_head_dim " +
                     std::to_string(cfg.model.v_head_dim) + ") are wider than the CUDA attention kernels take");

@@ -63,7 +63,7 @@ static void check_mla_shape(const Config& c, const KeyReport& r) {
   const ModelConfig& m = c.model;
   if (m.qk_rope_head_dim % 2 != 0)
     r.err("model.qk_rope_head_dim", str(m.qk_rope_head_dim) + " must be even (RoPE rotates pairs)");
-  if (c.train.device == "cpu" || attention_fits_cuda(m)) return;
+  if (c.train.device == DeviceChoice::cpu || attention_fits_cuda(m)) return;
   const int64_t qk = attention_qk_head_dim(m);
   const std::string qk_keys = "the query/key head model.qk_nope_head_dim + model.qk_rope_head_dim = " + str(qk);
   if (qk > kAttentionMaxWideHeadDimCuda)
@@ -146,13 +146,13 @@ static void check_synthetic_data(const Config& c, const KeyReport& r) {
 // exists: whether data.path must be there (not where a checkpoint is read: parse_checkpoint_config).
 static void check_data_files(const Config& c, const KeyReport& r, bool exists) {
   const DataConfig& d = c.data;
-  if (d.path.empty()) r.err("data.source", d.source + " needs data.path");
+  if (d.path.empty()) r.err("data.source", std::string(enum_name(kDataSourceNames, d.source)) + " needs data.path");
   std::error_code ec;
   fs::file_status st = fs::status(d.path, ec);
   if (exists && (ec || !fs::exists(st))) r.err("data.path", "'" + d.path + "' does not exist");
-  if (exists && d.source == "tokens" && !fs::is_regular_file(st))
+  if (exists && d.source == DataSource::tokens && !fs::is_regular_file(st))
     r.err("data.path", "'" + d.path + "' is not a file (tokens needs a .bin token file)");
-  if (d.source == "text" && c.model.vocab_size < 256)
+  if (d.source == DataSource::text && c.model.vocab_size < 256)
     r.err("model.vocab_size", std::to_string(c.model.vocab_size) + " is too small for byte-level text (" +
                                   r.from("data.source") + "); use vocab_size >= 256");
 }
@@ -165,7 +165,7 @@ void check_attention_kernel(const Config& c, const KeyReport& r) {
 }
 
 void check_data_source(const Config& c, const KeyReport& r, bool data_files) {
-  if (c.data.source == "synthetic")
+  if (c.data.source == DataSource::synthetic)
     check_synthetic_data(c, r);
   else
     check_data_files(c, r, data_files);
@@ -196,9 +196,8 @@ void check_parallel(const Config& c, const KeyReport& r) {
     r.err("parallel.expert_parallel_size",
           std::to_string(e) + " needs routed experts to share out over the ranks, but " +
               r.from("model.n_routed_experts") + " is 0: a dense model (use 1: the ranks then train data-parallel)");
-  const std::string capacity = capacity_factor_error(c.parallel.ep_capacity_factor,
-                                                     ep_dispatch_from_name(c.parallel.ep_dispatch) == EpDispatch::sync,
-                                                     "parallel.ep_dispatch: sync");
+  const std::string capacity = capacity_factor_error(
+      c.parallel.ep_capacity_factor, c.parallel.ep_dispatch == EpDispatch::sync, "parallel.ep_dispatch: sync");
   if (!capacity.empty()) r.conflict({"parallel.ep_capacity_factor", "parallel.ep_dispatch"}, capacity);
   if (c.parallel.dual_microbatch && c.parallel.exchange_chunks > 1)
     r.conflict({"parallel.dual_microbatch", "parallel.exchange_chunks"},
@@ -211,9 +210,9 @@ void check_parallel(const Config& c, const KeyReport& r) {
 // fp8_full runs every linear but the routers and the LM head in FP8, in dense models too; its dense GEMMs take
 // the batch's tokens as rows, so data.seq_len must give a row count they take.
 void check_precision_recipe(const Config& c, const KeyReport& r) {
-  const std::string& recipe = c.precision.recipe;
-  const MoeRecipe moe_recipe = moe_recipe_from_name(recipe);
+  const MoeRecipe moe_recipe = c.precision.recipe;
   if (moe_recipe == MoeRecipe::bf16) return;
+  const std::string recipe = moe_recipe_name(moe_recipe);
   const ModelConfig& m = c.model;
   // FP8 GEMMs use 128x128 weight blocks and 1x128 activation blocks (DESIGN.md §3-4).
   // `what`: how the message names the value when it is not key's own (a product of keys, "... = ").

@@ -46,6 +46,15 @@ Field choice(const char* s, const char* k, std::function<FieldRef(Config&)> r, s
              const char* doc) {
   return Field{s, k, Kind::choice, 0, 0, false, false, std::move(choices), doc, std::move(r)};
 }
+// A choice held as an enum: its choices are the names in `table`, in order.
+template <class E, size_t N>
+Field choice(const char* s, const char* k, std::type_identity_t<E& (*)(Config&)> member, const EnumName<E> (&table)[N],
+             const char* doc) {
+  return choice(
+      s, k, [member, &table](Config& c) -> FieldRef { return enum_ref(&member(c), table); }, enum_names(table), doc);
+}
+#define FLOWMOE_CONFIG_ENUM(member) \
+  [](Config & c) -> auto& { return c.member; }
 
 Field dtype(const char* s, const char* k, std::function<FieldRef(Config&)> r, std::vector<DType> choices,
             const char* doc) {
@@ -98,7 +107,7 @@ const std::vector<Field>& schema() {
                         "expert groups for group-limited routing"));
     f.push_back(integer("model", "topk_group", FLOWMOE_CONFIG_REF(model.topk_group), 1, kRouterMaxGroups,
                         "groups a token may route to"));
-    f.push_back(choice("model", "scoring_func", FLOWMOE_CONFIG_REF(model.scoring_func), enum_names(kRouterScoringNames),
+    f.push_back(choice("model", "scoring_func", FLOWMOE_CONFIG_ENUM(model.scoring_func), kRouterScoringNames,
                        "router score function"));
     f.push_back(boolean("model", "norm_topk_prob", FLOWMOE_CONFIG_REF(model.norm_topk_prob),
                         "normalise the top-k probabilities"));
@@ -108,15 +117,15 @@ const std::vector<Field>& schema() {
                        "weight of the sequence-wise balance loss"));
     f.push_back(number("model", "bias_update_rate", FLOWMOE_CONFIG_REF(model.bias_update_rate), 0, false, kInf, false,
                        "aux-loss-free balancing: expert_bias step"));
-    f.push_back(
-        choice("model", "bias_update_schedule", FLOWMOE_CONFIG_REF(model.bias_update_schedule), {"constant", "lr"},
-               "constant: every step moves expert_bias by bias_update_rate (DeepSeek-V3); lr: by bias_update_rate * "
-               "lr(step) / optimizer.lr, so the bias step follows the learning-rate schedule"));
+    f.push_back(choice(
+        "model", "bias_update_schedule", FLOWMOE_CONFIG_ENUM(model.bias_update_schedule), kBiasUpdateScheduleNames,
+        "constant: every step moves expert_bias by bias_update_rate (DeepSeek-V3); lr: by bias_update_rate * "
+        "lr(step) / optimizer.lr, so the bias step follows the learning-rate schedule"));
     f.push_back(choice(
         "model", "bias_update_rule", FLOWMOE_CONFIG_REF(model.bias_update_rule), enum_names(kBiasUpdateRuleNames),
         "sign: each step moves expert_bias by the bias step toward the mean load (DeepSeek-V3); proportional: by the "
         "bias step * (mean - load) / mean, so near-balanced experts barely move and overloaded ones move more"));
-    f.push_back(choice("model", "attention", FLOWMOE_CONFIG_REF(model.attention), enum_names(kAttentionTypeNames),
+    f.push_back(choice("model", "attention", FLOWMOE_CONFIG_ENUM(model.attention), kAttentionTypeNames,
                        "mha: multi-head attention; mla: DeepSeek-V3's multi-head latent attention (the keys below)"));
     f.push_back(optional_integer("model", "q_lora_rank", FLOWMOE_CONFIG_REF(model.q_lora_rank), 1, 65536,
                                  "mla: the query bottleneck's width; null: one direct query projection"));
@@ -129,7 +138,7 @@ const std::vector<Field>& schema() {
     f.push_back(
         integer("model", "v_head_dim", FLOWMOE_CONFIG_REF(model.v_head_dim), 1, 1024, "mla: each head's value width"));
     f.push_back(choice(
-        "model", "attention_kernel", FLOWMOE_CONFIG_REF(model.attention_kernel), enum_names(kAttentionBackendNames),
+        "model", "attention_kernel", FLOWMOE_CONFIG_ENUM(model.attention_kernel), kAttentionBackendNames,
         "the attention core's GPU kernels (bf16): cudnn, cuDNN's fused flash attention (a build with "
         "cuDNN: scripts/install_cudnn.sh; not yet run on a GPU, hence not the default); flash, flowmoe's "
         "own kernels; auto, cudnn where the build has it and cuDNN takes the shape, else flash"));
@@ -138,7 +147,7 @@ const std::vector<Field>& schema() {
                         "multi-token prediction depth D (DeepSeek-V3): modules after the model trained to predict "
                         "the tokens 2..D+1 ahead; 0: none"));
     // data
-    f.push_back(choice("data", "source", FLOWMOE_CONFIG_REF(data.source), {"synthetic", "text", "tokens"},
+    f.push_back(choice("data", "source", FLOWMOE_CONFIG_ENUM(data.source), kDataSourceNames,
                        "synthetic (built in, no download), text (bytes of files), tokens (llm.c .bin file)"));
     f.push_back(string("data", "path", FLOWMOE_CONFIG_REF(data.path),
                        "text: a file or a directory of files; tokens: a .bin token file (relative paths: from the "
@@ -151,11 +160,11 @@ const std::vector<Field>& schema() {
                         "seed of the synthetic corpus and of the batch order"));
     f.push_back(integer("data", "synthetic_tokens", FLOWMOE_CONFIG_REF(data.synthetic_tokens), 1024, 1 << 30,
                         "size of the synthetic corpus"));
-    f.push_back(choice("data", "synthetic_kind", FLOWMOE_CONFIG_REF(data.synthetic_kind), {"words", "bigram"},
+    f.push_back(choice("data", "synthetic_kind", FLOWMOE_CONFIG_ENUM(data.synthetic_kind), kSyntheticKindNames,
                        "which synthetic corpus: words (a low-entropy word chain, fast convergence checks) or bigram "
                        "(BPE-like token statistics: MoE load balance and precision parity)"));
     // train
-    f.push_back(choice("train", "device", FLOWMOE_CONFIG_REF(train.device), {"auto", "cpu", "cuda"},
+    f.push_back(choice("train", "device", FLOWMOE_CONFIG_ENUM(train.device), kDeviceChoiceNames,
                        "auto: the GPU when one is present, else the CPU"));
     f.push_back(integer("train", "steps", FLOWMOE_CONFIG_REF(train.steps), 1, 1e12, "optimizer steps"));
     f.push_back(integer("train", "batch_size", FLOWMOE_CONFIG_REF(train.batch_size), 1, 1 << 20,
@@ -170,7 +179,7 @@ const std::vector<Field>& schema() {
     f.push_back(integer("train", "eval_batches", FLOWMOE_CONFIG_REF(train.eval_batches), 1, 1 << 20,
                         "micro-batches per validation pass"));
     f.push_back(integer("train", "seed", FLOWMOE_CONFIG_REF(train.seed), 0, 9.0e15, "seed of the weight init"));
-    f.push_back(choice("train", "nonfinite", FLOWMOE_CONFIG_REF(train.nonfinite), {"skip", "stop"},
+    f.push_back(choice("train", "nonfinite", FLOWMOE_CONFIG_ENUM(train.nonfinite), kNonfinitePolicyNames,
                        "on a non-finite loss or gradient: skip the step, or stop with an error"));
     f.push_back(choice_list("train", "recompute", FLOWMOE_CONFIG_REF(train.recompute), {"moe_expert", "attention"},
                             "modules recomputed in backward: moe_expert keeps only the expert input (FP8 in fp8_flow) "
@@ -181,7 +190,7 @@ const std::vector<Field>& schema() {
                        "(with model.num_nextn_predict_layers > 0)"));
     f.push_back(integer("train", "max_skipped_steps", FLOWMOE_CONFIG_REF(train.max_skipped_steps), 0, 1e12,
                         "with nonfinite: skip, stop after this many skipped steps"));
-    f.push_back(choice("train", "cuda_graph", FLOWMOE_CONFIG_REF(train.cuda_graph), {"auto", "on", "off"},
+    f.push_back(choice("train", "cuda_graph", FLOWMOE_CONFIG_ENUM(train.cuda_graph), kAutoOnOffNames,
                        "capture the training step once as a CUDA graph and replay it: auto where the step "
                        "makes no host synchronisation (a GPU per process, one process or collectives over "
                        "nccl, any recipe), on requires it"));
@@ -209,7 +218,7 @@ const std::vector<Field>& schema() {
                       "checkpoint of either resumes under either"));
     // precision
     f.push_back(
-        choice("precision", "recipe", FLOWMOE_CONFIG_REF(precision.recipe), enum_names(kMoeRecipeNames),
+        choice("precision", "recipe", FLOWMOE_CONFIG_ENUM(precision.recipe), kMoeRecipeNames,
                "GEMM precision: bf16 (fp32 on CPU); fp8_blockwise (the routed experts' GEMMs in FP8, each quantizing "
                "its own inputs); fp8_flow (quantize once before dispatch, FP8 through the experts); fp8_full "
                "(fp8_flow, and the attention projections, dense MLPs and shared experts in FP8 too; the embedding, "
@@ -228,18 +237,17 @@ const std::vector<Field>& schema() {
                 "row alignment of each expert's segment",
                 FLOWMOE_CONFIG_REF(precision.align_size)};
     f.push_back(align);
-    f.push_back(choice("precision", "param_dtype", FLOWMOE_CONFIG_REF(precision.param_dtype), {"auto", "f32"},
+    f.push_back(choice("precision", "param_dtype", FLOWMOE_CONFIG_ENUM(precision.param_dtype), kParamDtypeNames,
                        "the dtype the model's weights are kept in: auto stores those the forward reads in bf16 (on "
                        "GPUs) in bf16, written once per step by AdamW from its f32 masters; f32 keeps f32 weights and "
                        "casts them at each use. The same losses either way"));
-    f.push_back(choice("precision", "fp8_weights", FLOWMOE_CONFIG_REF(precision.fp8_weights),
-                       enum_names(kFp8WeightWriterNames),
+    f.push_back(choice("precision", "fp8_weights", FLOWMOE_CONFIG_ENUM(precision.fp8_weights), kFp8WeightWriterNames,
                        "who writes the FP8 copies of the FP8 GEMMs' weights: optimizer has AdamW write them in its "
                        "update (sharded, the all-gather moves them in place of the weights); forward quantizes each "
                        "once per optimizer step, at its first use. The same losses either way; no effect under bf16 "
                        "(docs/DESIGN.md §7)"));
-    f.push_back(choice("precision", "fp8_weight_transpose", FLOWMOE_CONFIG_REF(precision.fp8_weight_transpose),
-                       enum_names(kFp8WeightTransposeNames),
+    f.push_back(choice("precision", "fp8_weight_transpose", FLOWMOE_CONFIG_ENUM(precision.fp8_weight_transpose),
+                       kFp8WeightTransposeNames,
                        "whether each FP8 weight's exact transpose, which the dgrad GEMMs read, is kept: stored keeps "
                        "it beside the FP8 weight; rebuilt has the backward rebuild it where dgrad needs it, 1 byte "
                        "per FP8 weight parameter less memory for about 2 more moved per step. The same losses either "
@@ -248,18 +256,17 @@ const std::vector<Field>& schema() {
     f.push_back(integer("parallel", "expert_parallel_size", FLOWMOE_CONFIG_REF(parallel.expert_parallel_size), 1, 4096,
                         "ranks per expert-parallel group, each holding n_routed_experts / this of the routed experts; "
                         "must divide the number of processes"));
-    f.push_back(choice("parallel", "backend", FLOWMOE_CONFIG_REF(parallel.backend), enum_names(kCommBackendNames),
+    f.push_back(choice("parallel", "backend", FLOWMOE_CONFIG_ENUM(parallel.backend), kCommBackendNames,
                        "collectives between ranks; auto: none for one process, nccl on GPUs, mpi on the CPU; nccl "
                        "asked for by name in one process runs the several-rank step on one GPU (the gradient "
                        "reducer and the sharded optimizer through NCCL)"));
-    f.push_back(choice("parallel", "ep_dispatch", FLOWMOE_CONFIG_REF(parallel.ep_dispatch),
-                       enum_names(kEpDispatchNames),
+    f.push_back(choice("parallel", "ep_dispatch", FLOWMOE_CONFIG_ENUM(parallel.ep_dispatch), kEpDispatchNames,
                        "the expert-parallel token exchange: sync reads the per-expert counts to the host once per "
                        "MoE layer; zero_sync keeps them on the device (worst-case receive buffers; nccl writes rows "
                        "into the peers' GPUs); auto: zero_sync for a group of 2 load/store-reachable GPUs, sync "
                        "otherwise (docs/PERF.md)"));
-    f.push_back(choice("parallel", "shared_expert_overlap", FLOWMOE_CONFIG_REF(parallel.shared_expert_overlap),
-                       {"auto", "on", "off"},
+    f.push_back(choice("parallel", "shared_expert_overlap", FLOWMOE_CONFIG_ENUM(parallel.shared_expert_overlap),
+                       kAutoOnOffNames,
                        "run the shared experts on a second CUDA stream beside dispatch, the routed experts and "
                        "combine, forward and backward (the same results); auto: on where experts are sharded "
                        "over several ranks, whose exchange it hides"));
@@ -332,11 +339,11 @@ const std::vector<Field>& schema() {
     // logging
     f.push_back(string("logging", "out_dir", FLOWMOE_CONFIG_REF(logging.out_dir),
                        "run outputs (resolved config, metrics); empty: runs/<config file name>"));
-    f.push_back(choice("logging", "metrics_format", FLOWMOE_CONFIG_REF(logging.metrics_format), {"jsonl", "csv"},
+    f.push_back(choice("logging", "metrics_format", FLOWMOE_CONFIG_ENUM(logging.metrics_format), kMetricsFormatNames,
                        "metrics file format"));
     f.push_back(integer("logging", "log_every", FLOWMOE_CONFIG_REF(logging.log_every), 1, 1e12,
                         "steps between plain progress lines"));
-    f.push_back(choice("logging", "progress", FLOWMOE_CONFIG_REF(logging.progress), {"auto", "bar", "plain"},
+    f.push_back(choice("logging", "progress", FLOWMOE_CONFIG_ENUM(logging.progress), kProgressModeNames,
                        "auto: a progress bar when one process writes to a terminal, plain lines otherwise and "
                        "under mpirun or srun (a rank cannot tell what the launcher's output is)"));
     return f;

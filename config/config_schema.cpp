@@ -165,14 +165,8 @@ void set_field(Config& cfg, const Field& f, const std::string& text, const std::
     case Kind::choice:
       if (std::find(f.choices.begin(), f.choices.end(), text) == f.choices.end())
         bad("'" + text + "'" + suggestion(text, f.choices));
-      if (auto* a = std::get_if<AttentionType*>(&ref)) {
-        if (!enum_from_name(kAttentionTypeNames, text, *a)) bad("'" + text + "'");
-      } else if (auto* k = std::get_if<AttentionBackend*>(&ref)) {
-        if (!enum_from_name(kAttentionBackendNames, text, *k)) bad("'" + text + "'");
-      } else if (auto* w = std::get_if<Fp8WeightWriter*>(&ref)) {
-        if (!enum_from_name(kFp8WeightWriterNames, text, *w)) bad("'" + text + "'");
-      } else if (auto* t = std::get_if<Fp8WeightTranspose*>(&ref)) {
-        if (!enum_from_name(kFp8WeightTransposeNames, text, *t)) bad("'" + text + "'");
+      if (auto* e = std::get_if<EnumRef>(&ref)) {
+        if (!e->set(text)) bad("'" + text + "'");
       } else {
         *std::get<std::string*>(ref) = text;
       }
@@ -223,10 +217,7 @@ std::string field_value(const Config& cfg, const Field& f) {
   FieldRef ref = f.ref(const_cast<Config&>(cfg));
   if (auto* i = std::get_if<int64_t*>(&ref))
     return f.kind == Kind::optional_integer && **i == 0 ? "null" : std::to_string(**i);
-  if (auto* a = std::get_if<AttentionType*>(&ref)) return attention_type_name(**a);
-  if (auto* k = std::get_if<AttentionBackend*>(&ref)) return attention_backend_name(**k);
-  if (auto* w = std::get_if<Fp8WeightWriter*>(&ref)) return fp8_weight_writer_name(**w);
-  if (auto* t = std::get_if<Fp8WeightTranspose*>(&ref)) return enum_name(kFp8WeightTransposeNames, **t);
+  if (auto* e = std::get_if<EnumRef>(&ref)) return e->get();
   if (auto* b = std::get_if<bool*>(&ref)) return **b ? "true" : "false";
   if (auto* s = std::get_if<std::string*>(&ref)) return **s;
   if (auto* t = std::get_if<DType*>(&ref)) return dtype_name(**t);

@@ -13,9 +13,9 @@
 
 namespace flowmoe::config_schema {
 
-// dtype: one of `choices`, dtype names (kernels/common/dtype.h), parsed once into a DType. A choice stores its
-// text, or parses it once into a typed enum where the field refers to one (AttentionType, AttentionBackend,
-// Fp8WeightWriter, Fp8WeightTranspose).
+// dtype: one of `choices`, dtype names (kernels/common/dtype.h), parsed once into a DType. A choice parses its text
+// once into the field's enum through the enum's name table (EnumRef); model.bias_update_rule, which the MoE layer
+// reads by name, stores its text.
 // optional_integer: an integer in range, or null (YAML null, "null" or "" in an override), stored as 0.
 enum class Kind {
   integer,
@@ -29,8 +29,18 @@ enum class Kind {
   choice_list,
   dtype
 };
-using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, DType*, AttentionType*, AttentionBackend*,
-                              Fp8WeightWriter*, Fp8WeightTranspose*>;
+// A choice field held as an enum: set stores the value of a name its table holds (false, the field untouched, for
+// another); get is the value's name.
+struct EnumRef {
+  std::function<bool(const std::string&)> set;
+  std::function<const char*()> get;
+};
+template <class E, size_t N>
+EnumRef enum_ref(E* value, const EnumName<E> (&table)[N]) {
+  return {[value, &table](const std::string& name) { return enum_from_name(table, name, value); },
+          [value, &table] { return enum_name(table, *value); }};
+}
+using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, DType*, EnumRef>;
 
 struct Field {
   std::string section, key;

@@ -16,21 +16,52 @@
 #include "kernels/common/dtype.h"
 #include "kernels/common/name_table.h"
 #include "layers/model_config.h"
+#include "layers/moe.h"
+#include "parallel/dispatch.h"
+#include "parallel/distributed.h"
 
 namespace flowmoe {
 
+// The choice keys the sections below hold as enums: each is parsed once from its name through its table
+// (kernels/common/name_table.h), which also gives the schema its choices, in the table's order, and the config
+// file its text.
+enum class DataSource { synthetic, text, tokens };
+inline constexpr EnumName<DataSource> kDataSourceNames[] = {
+    {DataSource::synthetic, "synthetic"}, {DataSource::text, "text"}, {DataSource::tokens, "tokens"}};
+enum class SyntheticKind { words, bigram };
+inline constexpr EnumName<SyntheticKind> kSyntheticKindNames[] = {{SyntheticKind::words, "words"},
+                                                                  {SyntheticKind::bigram, "bigram"}};
+enum class DeviceChoice { automatic, cpu, cuda };
+inline constexpr EnumName<DeviceChoice> kDeviceChoiceNames[] = {
+    {DeviceChoice::automatic, "auto"}, {DeviceChoice::cpu, "cpu"}, {DeviceChoice::cuda, "cuda"}};
+enum class NonfinitePolicy { skip, stop };
+inline constexpr EnumName<NonfinitePolicy> kNonfinitePolicyNames[] = {{NonfinitePolicy::skip, "skip"},
+                                                                      {NonfinitePolicy::stop, "stop"}};
+// train.cuda_graph and parallel.shared_expert_overlap: auto decides from the run, on requires, off leaves out.
+enum class AutoOnOff { automatic, on, off };
+inline constexpr EnumName<AutoOnOff> kAutoOnOffNames[] = {
+    {AutoOnOff::automatic, "auto"}, {AutoOnOff::on, "on"}, {AutoOnOff::off, "off"}};
+enum class ParamDtype { automatic, f32 };
+inline constexpr EnumName<ParamDtype> kParamDtypeNames[] = {{ParamDtype::automatic, "auto"}, {ParamDtype::f32, "f32"}};
+enum class MetricsFormat { jsonl, csv };
+inline constexpr EnumName<MetricsFormat> kMetricsFormatNames[] = {{MetricsFormat::jsonl, "jsonl"},
+                                                                  {MetricsFormat::csv, "csv"}};
+enum class ProgressMode { automatic, bar, plain };
+inline constexpr EnumName<ProgressMode> kProgressModeNames[] = {
+    {ProgressMode::automatic, "auto"}, {ProgressMode::bar, "bar"}, {ProgressMode::plain, "plain"}};
+
 struct DataConfig {
-  std::string source = "synthetic";  // synthetic | text | tokens
-  std::string path;                  // text: a file or a directory of files; tokens: a .bin file
+  DataSource source = DataSource::synthetic;
+  std::string path;  // text: a file or a directory of files; tokens: a .bin file
   int64_t seq_len = 128;
   double val_fraction = 0.05;
   int64_t seed = 1234;
-  int64_t synthetic_tokens = 1 << 20;    // size of the generated corpus
-  std::string synthetic_kind = "words";  // words | bigram (dataset/data.h)
+  int64_t synthetic_tokens = 1 << 20;                   // size of the generated corpus
+  SyntheticKind synthetic_kind = SyntheticKind::words;  // dataset/data.h
 };
 
 struct TrainConfig {
-  std::string device = "auto";  // auto | cpu | cuda
+  DeviceChoice device = DeviceChoice::automatic;
   int64_t steps = 300;
   int64_t batch_size = 8;  // sequences per micro-batch
   int64_t grad_accum_steps = 1;
@@ -38,14 +69,14 @@ struct TrainConfig {
   int64_t eval_batches = 4;
   int64_t sample_every = 0;  // steps between the greedy samples rank 0 prints (train/generate.h); 0: none
   int64_t seed = 42;
-  std::string nonfinite = "skip";  // skip | stop
-  std::string recompute;           // comma-joined modules recomputed in backward: "" or "moe_expert"
+  NonfinitePolicy nonfinite = NonfinitePolicy::skip;
+  std::string recompute;  // comma-joined modules recomputed in backward: "" or "moe_expert"
   bool recomputes(const std::string& module) const;
   int64_t max_skipped_steps = 10;
   // λ of the multi-token prediction loss (model.num_nextn_predict_layers > 0). DeepSeek-V3 trained with 0.3 for
   // its first 10T tokens and 0.1 after; flowmoe's runs are short, the regime of that first phase.
   double mtp_loss_weight = 0.3;
-  std::string cuda_graph = "auto";  // auto | on | off: replay the step as one CUDA graph (train/train_step.cpp)
+  AutoOnOff cuda_graph = AutoOnOff::automatic;  // replay the step as one CUDA graph (train/step_graph.h)
 };
 
 // precision.fp8_weights: who writes the FP8 copies the FP8 GEMMs read. optimizer (the default): AdamW writes them in
@@ -80,12 +111,12 @@ struct OptimizerConfig {
 };
 
 struct PrecisionConfig {
-  std::string recipe = "bf16";  // bf16 | fp8_blockwise | fp8_flow (the routed experts' GEMMs) | fp8_full (every
-                                // linear but the routers and the head; DESIGN.md §1, §7)
-  int64_t align_size = 16;      // 16 | 32 | 64 | 128
+  MoeRecipe recipe = MoeRecipe::bf16;  // fp8_flow: the routed experts' GEMMs; fp8_full: every linear but the
+                                       // routers and the head (DESIGN.md §1, §7)
+  int64_t align_size = 16;             // 16 | 32 | 64 | 128
   // auto | f32: the dtype the model's weights are stored in. auto: the compute dtype (bf16 on the GPU) where the
   // forward reads it, with f32 masters in the optimizer; f32: f32 weights, cast at each use.
-  std::string param_dtype = "auto";
+  ParamDtype param_dtype = ParamDtype::automatic;
   Fp8WeightWriter fp8_weights = Fp8WeightWriter::optimizer;
   Fp8WeightTranspose fp8_weight_transpose = Fp8WeightTranspose::stored;
 };
@@ -93,9 +124,9 @@ struct PrecisionConfig {
 // The data-parallel size is not a key: it is the number of processes the launcher started.
 struct ParallelConfig {
   int64_t expert_parallel_size = 1;
-  std::string backend = "auto";                // auto | nccl | mpi | none (parallel/distributed.h)
-  std::string ep_dispatch = "auto";            // auto | sync | zero_sync (parallel/dispatch.h EpDispatch)
-  std::string shared_expert_overlap = "auto";  // auto | on | off: shared experts on a side stream (layers/moe.h)
+  CommBackend backend = CommBackend::automatic;            // parallel/distributed.h
+  EpDispatch ep_dispatch = EpDispatch::automatic;          // parallel/dispatch.h
+  AutoOnOff shared_expert_overlap = AutoOnOff::automatic;  // shared experts on a side stream (layers/moe.h)
   int64_t exchange_chunks = 1;      // zero_sync: token chunks whose exchanges overlap the experts (layers/moe.h)
   int64_t exchange_sms = 0;         // chunks or dual micro-batches: SMs the grouped GEMMs leave to the exchanges
   double ep_capacity_factor = 0;    // zero_sync: receive rows as a multiple of an even load; 0: worst case
@@ -121,10 +152,10 @@ struct CheckpointConfig {
 };
 
 struct LoggingConfig {
-  std::string out_dir;                   // empty: runs/<config file name without extension>
-  std::string metrics_format = "jsonl";  // jsonl | csv
+  std::string out_dir;  // empty: runs/<config file name without extension>
+  MetricsFormat metrics_format = MetricsFormat::jsonl;
   int64_t log_every = 10;
-  std::string progress = "auto";  // auto | bar | plain
+  ProgressMode progress = ProgressMode::automatic;
 };
 
 struct Config {

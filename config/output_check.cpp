@@ -36,7 +36,7 @@ bool holds(const fs::path& folder, const std::string& file) {
 std::vector<InputFile> config_inputs(const Config& cfg) {
   std::vector<InputFile> inputs;
   if (!cfg.file.empty()) inputs.push_back({"config file", cfg.file});
-  if (cfg.data.source == "synthetic" || cfg.data.path.empty()) return inputs;
+  if (cfg.data.source == DataSource::synthetic || cfg.data.path.empty()) return inputs;
   std::error_code ec;
   if (!fs::is_directory(cfg.data.path, ec)) {
     inputs.push_back({"data file", cfg.data.path});

@@ -136,13 +136,13 @@ DataLoader DataLoader::from_config(const Config& cfg) {
   const DataConfig& d = cfg.data;
   std::vector<uint16_t> tokens;
   std::string name;
-  if (d.source == "synthetic") {
-    if (d.synthetic_kind == "bigram")
+  if (d.source == DataSource::synthetic) {
+    if (d.synthetic_kind == SyntheticKind::bigram)
       tokens = synthetic_bigram_corpus(cfg.model.vocab_size, d.synthetic_tokens, uint64_t(d.seed));
     else
       tokens = synthetic_corpus(cfg.model.vocab_size, d.synthetic_tokens, uint64_t(d.seed));
-    name = "synthetic corpus (" + d.synthetic_kind + ")";
-  } else if (d.source == "text") {
+    name = std::string("synthetic corpus (") + enum_name(kSyntheticKindNames, d.synthetic_kind) + ")";
+  } else if (d.source == DataSource::text) {
     tokens = read_text_tokens(d.path);
     name = "text '" + d.path + "'";
   } else {

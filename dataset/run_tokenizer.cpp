@@ -23,9 +23,9 @@ RunTokenizer RunTokenizer::for_config(const Config& cfg, const std::string& expl
     return t;
   }
   const DataConfig& d = cfg.data;
-  if (d.source == "text") {
+  if (d.source == DataSource::text) {
     t.kind_ = Kind::bytes;
-  } else if (d.source == "tokens") {
+  } else if (d.source == DataSource::tokens) {
     const std::string bpe = bpe_tokenizer_path(d.path);
     std::error_code ec;
     if (fs::exists(bpe, ec)) {
@@ -39,7 +39,8 @@ RunTokenizer RunTokenizer::for_config(const Config& cfg, const std::string& expl
                      "') and holds tokens of 256 and more, so they are not bytes";
     }
   } else {
-    t.missing_ = "data.source " + d.source + " has no tokenizer: its tokens are ids of a generated corpus, not text";
+    t.missing_ = std::string("data.source ") + enum_name(kDataSourceNames, d.source) +
+                 " has no tokenizer: its tokens are ids of a generated corpus, not text";
   }
   return t;
 }

@@ -61,7 +61,8 @@ The model runs in bf16 on the GPU and f32 on the CPU whatever precision.recipe t
 constexpr int64_t kDefaultMaxNewTokens = 64;
 
 struct GenerateArgs {
-  std::string checkpoint, prompt, prompt_file, device = "auto", tokenizer;
+  std::string checkpoint, prompt, prompt_file, tokenizer;
+  DeviceChoice device = DeviceChoice::automatic;
   bool has_prompt = false;
   int64_t max_new_tokens = kDefaultMaxNewTokens;
   SamplingOptions sampling;
@@ -100,9 +101,9 @@ GenerateArgs parse_generate_args(int argc, char** argv) {
       if (v.empty() || v[0] == '-' || *end != '\0' || errno == ERANGE)
         throw UsageError("generate: --seed needs a whole number from 0 to 2^64 - 1, got '" + v + "'");
     } else if (a == "--device") {
-      g.device = args.value(a);
-      if (g.device != "cpu" && g.device != "cuda")
-        throw UsageError("generate: --device needs cpu or cuda, got '" + g.device + "'");
+      const std::string d = args.value(a);
+      if (!enum_from_name(kDeviceChoiceNames, d, &g.device) || g.device == DeviceChoice::automatic)
+        throw UsageError("generate: --device needs cpu or cuda, got '" + d + "'");
     } else if (a == "--tokenizer") {
       g.tokenizer = args.value(a);
     } else {
@@ -168,14 +169,15 @@ int cmd_generate(int argc, char** argv) {
   const CheckpointMeta meta = read_checkpoint_meta(g.checkpoint);
   Config cfg = parse_checkpoint_config(meta.config_yaml, g.checkpoint + "/meta.json");
   cfg.train.device = g.device;
-  cfg.origins["train.device"] = "--device " + g.device;  // what a refusal of the device names
+  cfg.origins["train.device"] =
+      std::string("--device ") + enum_name(kDeviceChoiceNames, g.device);  // what a refusal of the device names
   // One process holds every expert: the MoE options below are a single process's, whatever trained the weights.
   cfg.parallel.expert_parallel_size = 1;
   RunSetup setup(cfg);
   const Device device = setup.device;
   RunTokenizer tokenizer = RunTokenizer::for_config(cfg, g.tokenizer);
   // Synthetic tokens are ids of a generated corpus: they go in and come out as numbers.
-  const bool ids = !tokenizer.found() && cfg.data.source == "synthetic";
+  const bool ids = !tokenizer.found() && cfg.data.source == DataSource::synthetic;
   if (!tokenizer.found() && !ids)
     throw ConfigError("generate: no tokenizer for this checkpoint: " + tokenizer.missing() +
                       " (give --tokenizer FILE)");

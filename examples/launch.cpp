@@ -12,7 +12,7 @@ bool g_ranks_started = false;
 
 DistributedRuntime start_ranks(const Config& cfg, const std::string& command) {
   DistributedOptions options;
-  options.backend = parse_comm_backend(cfg.parallel.backend);
+  options.backend = cfg.parallel.backend;
   options.use_cuda = resolve_device(cfg).is_cuda();
   options.config_text = "command: " + command + "\n" + to_yaml(cfg);
   g_ranks_started = true;

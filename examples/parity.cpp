@@ -331,7 +331,7 @@ void prepare_out_folder(const ParityOptions& o, const Config& cfg) {
 ParityRun collect(const PlannedRun& p, const TrainResult* trained) {
   ParityRun run;
   run.name = p.name;
-  run.recipe = p.cfg.precision.recipe;
+  run.recipe = moe_recipe_name(p.cfg.precision.recipe);
   run.control = p.control;
   run.rows = read_metrics(find_metrics_file(p.cfg.run_dir()));
   char hash[32];

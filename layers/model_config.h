@@ -9,6 +9,7 @@
 
 #include "kernels/attention_cudnn.h"
 #include "kernels/common/name_table.h"
+#include "kernels/router.h"  // RouterScoring
 
 namespace flowmoe {
 
@@ -21,6 +22,12 @@ enum class AttentionType { mha, mla };
 inline constexpr EnumName<AttentionType> kAttentionTypeNames[] = {{AttentionType::mha, "mha"},
                                                                   {AttentionType::mla, "mla"}};
 inline const char* attention_type_name(AttentionType t) { return enum_name(kAttentionTypeNames, t); }
+
+// model.bias_update_schedule: constant moves expert_bias by bias_update_rate every step; lr scales that step with
+// lr(step) / optimizer.lr.
+enum class BiasUpdateSchedule { constant, lr };
+inline constexpr EnumName<BiasUpdateSchedule> kBiasUpdateScheduleNames[] = {{BiasUpdateSchedule::constant, "constant"},
+                                                                            {BiasUpdateSchedule::lr, "lr"}};
 
 struct ModelConfig {
   int64_t vocab_size = 256;
@@ -40,15 +47,15 @@ struct ModelConfig {
   int64_t num_experts_per_tok = 2;      // k, the routed experts each token takes
   int64_t moe_intermediate_size = 256;  // F, each expert's width (a shared expert's too)
   int64_t first_k_dense_replace = 0;
-  int64_t n_group = 1;     // group-limited routing: E in n_group groups,
-  int64_t topk_group = 1;  // of which each token picks from the best topk_group
-  std::string scoring_func = "sigmoid";
+  int64_t n_group = 1;                                  // group-limited routing: E in n_group groups,
+  int64_t topk_group = 1;                               // of which each token picks from the best topk_group
+  RouterScoring scoring_func = RouterScoring::sigmoid;  // names: engine/ops/router.h kRouterScoringNames
   bool norm_topk_prob = true;
   double routed_scaling_factor = 1.0;
   double aux_loss_alpha = 0.0;
   double bias_update_rate = 0.001;
-  std::string bias_update_schedule = "constant";  // constant | lr: the step scales with lr(step)/optimizer.lr
-  std::string bias_update_rule = "sign";          // sign (DeepSeek-V3) | proportional to the load error
+  BiasUpdateSchedule bias_update_schedule = BiasUpdateSchedule::constant;
+  std::string bias_update_rule = "sign";  // sign (DeepSeek-V3) | proportional to the load error
   // Attention. mha: num_attention_heads heads of H / heads. mla (DeepSeek-V3's keys): queries through a
   // q_lora_rank bottleneck (0, null in YAML and config.json: one direct projection), keys and values from one
   // kv_lora_rank latent per token; each head's query and key are qk_nope_head_dim + qk_rope_head_dim wide (the

@@ -189,7 +189,7 @@ std::vector<Batch> study_batches(const Config& cfg, DataLoader& data, int64_t nu
 }
 
 // Whether the config's shapes take `recipe` (fp8_full's dense FP8 GEMMs need more of them than the experts' do).
-bool admits_recipe(Config cfg, const std::string& recipe) {
+bool admits_recipe(Config cfg, MoeRecipe recipe) {
   cfg.precision.recipe = recipe;
   try {
     validate(cfg);
@@ -201,8 +201,7 @@ bool admits_recipe(Config cfg, const std::string& recipe) {
 
 // The mean LM loss of `batches` under `recipe` through the weights and buffers of `loaded`, the same
 // model in another recipe (no graph; the checkpoint is not read again).
-double recipe_loss(Config cfg, const std::string& recipe, const Transformer& loaded,
-                   const std::vector<Batch>& batches) {
+double recipe_loss(Config cfg, MoeRecipe recipe, const Transformer& loaded, const std::vector<Batch>& batches) {
   cfg.precision.recipe = recipe;
   Transformer model(cfg.model, loaded.device(), loaded.compute_dtype(), uint64_t(cfg.train.seed), moe_options(cfg));
   auto take = [](const std::vector<Variable>& to, const std::vector<Variable>& from) {
@@ -224,7 +223,7 @@ Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t
   FLOWMOE_CHECK(num_batches >= 1, ConfigError, "fp8-error: --batches must be at least 1, got ", num_batches);
   FLOWMOE_CHECK(train_step >= 0 && train_step <= cfg.train.steps, ConfigError, "fp8-error: --train-step ", train_step,
                 " is not a step of the run (1 to train.steps = ", cfg.train.steps, ")");
-  cfg.precision.recipe = "bf16";  // unquantized operands: the reference holds no FP8 error
+  cfg.precision.recipe = MoeRecipe::bf16;  // unquantized operands: the reference holds no FP8 error
   cfg.train.recompute = "";
   cfg.parallel.expert_parallel_size = 1;
   RunSetup setup(cfg);
@@ -263,9 +262,10 @@ Fp8ErrorStudy fp8_error_study(Config cfg, const std::string& checkpoint, int64_t
     study.pooled.sums.add(by_weight[*it]);
   }
   study.pooled.weight = "all";
-  study.recipe_losses.push_back({"bf16", bf16_loss});  // the tapped pass is the bf16 forward
-  for (const char* recipe : {"fp8_blockwise", "fp8_flow", "fp8_full"})
-    if (admits_recipe(cfg, recipe)) study.recipe_losses.push_back({recipe, recipe_loss(cfg, recipe, model, batches)});
+  study.recipe_losses.push_back({moe_recipe_name(MoeRecipe::bf16), bf16_loss});  // the tapped pass is the bf16 forward
+  for (MoeRecipe recipe : {MoeRecipe::fp8_blockwise, MoeRecipe::fp8_flow, MoeRecipe::fp8_full})
+    if (admits_recipe(cfg, recipe))
+      study.recipe_losses.push_back({moe_recipe_name(recipe), recipe_loss(cfg, recipe, model, batches)});
   return study;
 }
 

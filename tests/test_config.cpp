@@ -36,7 +36,7 @@ std::string parse_error(const std::string& yaml, const std::vector<std::string>&
 TEST(Config, EmptyFileGivesValidDefaults) {
   Config c = parse_config("", "empty.yaml");
   EXPECT_EQ(c.model.n_routed_experts, 0);
-  EXPECT_EQ(c.data.source, "synthetic");
+  EXPECT_EQ(c.data.source, DataSource::synthetic);
   EXPECT_EQ(c.run_dir(), "runs/empty");
   EXPECT_EQ(c.checkpoint_dir(), "runs/empty/checkpoints");
 }
@@ -44,7 +44,7 @@ TEST(Config, EmptyFileGivesValidDefaults) {
 TEST(Config, ShippedConfigsLoad) {
   Config tiny = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny.yaml");
   EXPECT_EQ(tiny.model.vocab_size, 256);
-  EXPECT_EQ(tiny.train.device, "auto");
+  EXPECT_EQ(tiny.train.device, DeviceChoice::automatic);
   Config gpu = load_config(std::string(FLOWMOE_SOURCE_DIR) + "/configs/gpu_small.yaml");
   EXPECT_GT(gpu.model.hidden_size, tiny.model.hidden_size);
   EXPECT_EQ(gpu.origin("model.hidden_size").rfind(std::string(FLOWMOE_SOURCE_DIR) + "/configs/gpu_small.yaml:", 0), 0u);
@@ -200,7 +200,9 @@ TEST(Config, TheDataParallelSizeIsTheNumberOfProcesses) {
   EXPECT_HAS(set, "--set parallel.data_parallel_size=2");
   EXPECT_HAS(set, "number of launched processes");
   for (const char* b : {"auto", "nccl", "mpi", "none"})
-    EXPECT_EQ(parse_config(std::string("parallel:\n  backend: ") + b + "\n", "ok.yaml").parallel.backend, b);
+    EXPECT_STREQ(
+        comm_backend_name(parse_config(std::string("parallel:\n  backend: ") + b + "\n", "ok.yaml").parallel.backend),
+        b);
   std::string m = parse_error("parallel:\n  backend: gloo\n");
   EXPECT_HAS(m, "parallel.backend");
   EXPECT_HAS(m, "auto, nccl, mpi, none");
@@ -231,14 +233,49 @@ TEST(Config, DuplicatesAndSyntaxErrors) {
   EXPECT_HAS(m, "top level must be a mapping");
 }
 
+// The choice keys are held as enums: each takes every one of its names, in the order the messages list them, and
+// the resolved config writes the same name back; another name is refused in one line naming the key and the names.
+TEST(Config, ChoiceKeysTakeEachNameAndWriteItBack) {
+  const std::string file = std::string(FLOWMOE_SOURCE_DIR) + "/configs/tiny.yaml";  // a file data.path may name
+  const std::vector<std::pair<std::string, std::vector<std::string>>> keys = {
+      {"model.scoring_func", {"sigmoid", "softmax"}},
+      {"model.bias_update_schedule", {"constant", "lr"}},
+      {"data.source", {"synthetic", "text", "tokens"}},
+      {"data.synthetic_kind", {"words", "bigram"}},
+      {"train.device", {"auto", "cpu", "cuda"}},
+      {"train.nonfinite", {"skip", "stop"}},
+      {"train.cuda_graph", {"auto", "on", "off"}},
+      {"precision.param_dtype", {"auto", "f32"}},
+      {"parallel.backend", {"auto", "nccl", "mpi", "none"}},
+      {"parallel.ep_dispatch", {"auto", "sync", "zero_sync"}},
+      {"parallel.shared_expert_overlap", {"auto", "on", "off"}},
+      {"logging.metrics_format", {"jsonl", "csv"}},
+      {"logging.progress", {"auto", "bar", "plain"}}};
+  for (const auto& [key, names] : keys) {
+    SCOPED_TRACE(key);
+    const std::string name = key.substr(key.find('.') + 1);
+    std::string listed;
+    for (const std::string& v : names) {
+      std::vector<std::string> sets = {key + "=" + v};
+      if (key == "data.source" && v != "synthetic") sets.push_back("data.path=" + file);
+      EXPECT_HAS(to_yaml(parse_config("", "ok.yaml", sets)), "\n  " + name + ": " + v + "\n");
+      listed += (listed.empty() ? "" : ", ") + v;
+    }
+    const std::string m = parse_error("", {key + "=" + names.back() + "x"});
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    EXPECT_HAS(m, "--set " + key + "=" + names.back() + "x: " + key + ": expected one of " + listed + ", got '" +
+                      names.back() + "x'");
+  }
+}
+
 TEST(Config, SyntheticKindChoosesTheCorpus) {
-  EXPECT_EQ(parse_config("", "ok.yaml").data.synthetic_kind, "words");
+  EXPECT_EQ(parse_config("", "ok.yaml").data.synthetic_kind, SyntheticKind::words);
   Config c = parse_config("data:\n  synthetic_kind: bigram\n", "ok.yaml");
-  EXPECT_EQ(c.data.synthetic_kind, "bigram");
+  EXPECT_EQ(c.data.synthetic_kind, SyntheticKind::bigram);
   EXPECT_EQ(c.origin("data.synthetic_kind"), "ok.yaml:2");
   EXPECT_NE(to_yaml(c).find("synthetic_kind: bigram"), std::string::npos);
   c = parse_config("", "ok.yaml", {"data.synthetic_kind=bigram"});
-  EXPECT_EQ(c.data.synthetic_kind, "bigram");
+  EXPECT_EQ(c.data.synthetic_kind, SyntheticKind::bigram);
   std::string m = parse_error("data:\n  seq_len: 64\n  synthetic_kind: zipf\n");
   EXPECT_HAS(m, "bad.yaml:3");
   EXPECT_HAS(m, "data.synthetic_kind");
@@ -259,9 +296,9 @@ TEST(Config, RouterLrScaleDefaultsToOneAndRejectsNegatives) {
 }
 
 TEST(Config, BiasUpdateScheduleIsConstantOrLr) {
-  EXPECT_EQ(parse_config("", "ok.yaml").model.bias_update_schedule, "constant");
+  EXPECT_EQ(parse_config("", "ok.yaml").model.bias_update_schedule, BiasUpdateSchedule::constant);
   Config c = parse_config("model:\n  bias_update_schedule: lr\n", "ok.yaml");
-  EXPECT_EQ(c.model.bias_update_schedule, "lr");
+  EXPECT_EQ(c.model.bias_update_schedule, BiasUpdateSchedule::lr);
   EXPECT_NE(to_yaml(c).find("bias_update_schedule: lr"), std::string::npos);
   std::string m = parse_error("model:\n  bias_update_rate: 0.01\n  bias_update_schedule: cosine\n");
   EXPECT_HAS(m, "bad.yaml:3");
@@ -499,7 +536,7 @@ TEST(Config, Fp8RecipesNeedMoeLayers) {
   for (const char* recipe : {"fp8_blockwise", "fp8_flow", "fp8_full"}) {
     Config c =
         parse_config(moe, "ok.yaml", {"model.first_k_dense_replace=1", std::string("precision.recipe=") + recipe});
-    EXPECT_EQ(c.precision.recipe, recipe);
+    EXPECT_STREQ(moe_recipe_name(c.precision.recipe), recipe);
   }
   EXPECT_EQ(parse_config(moe, "ok.yaml", {"precision.recipe=bf16"}).model.first_k_dense_replace, 2);
 }
@@ -510,7 +547,7 @@ TEST(Config, Fp8RecipesNeedMoeLayers) {
 TEST(Config, Fp8FullChecksEveryFp8Linear) {
   const std::string dense =
       "model:\n  hidden_size: 128\n  intermediate_size: 384\ndata:\n  seq_len: 64\nprecision:\n  recipe: fp8_full\n";
-  EXPECT_EQ(parse_config(dense, "ok.yaml").precision.recipe, "fp8_full");
+  EXPECT_EQ(parse_config(dense, "ok.yaml").precision.recipe, MoeRecipe::fp8_full);
   std::string m = parse_error(dense, {"model.intermediate_size=200"});
   EXPECT_HAS(m, "--set model.intermediate_size=200: model.intermediate_size: 200 is not a multiple of 128");
   EXPECT_HAS(m, "precision.recipe (bad.yaml:7) = fp8_full needs: it runs the dense MLPs' GEMMs");

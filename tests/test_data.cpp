@@ -340,19 +340,19 @@ TEST(DataLoader, FromConfigReadsEachSource) {
   prepare_token_file({(d / "c.txt").string()}, bin);
 
   Config cfg = parse_config("data:\n  seq_len: 64\n", "t.yaml");
-  cfg.data.source = "text";
+  cfg.data.source = DataSource::text;
   cfg.data.path = (d / "c.txt").string();
   DataLoader from_text = DataLoader::from_config(cfg);
-  cfg.data.source = "tokens";
+  cfg.data.source = DataSource::tokens;
   cfg.data.path = bin;
   DataLoader from_tokens = DataLoader::from_config(cfg);
   EXPECT_EQ(from_text.num_tokens(), int64_t(text.size()));
   EXPECT_EQ(ints(from_text.next_train(4).inputs), ints(from_tokens.next_train(4).inputs));
-  cfg.data.source = "synthetic";
+  cfg.data.source = DataSource::synthetic;
   cfg.data.path.clear();
   DataLoader words = DataLoader::from_config(cfg);
   EXPECT_EQ(words.num_tokens(), cfg.data.synthetic_tokens);
-  cfg.data.synthetic_kind = "bigram";
+  cfg.data.synthetic_kind = SyntheticKind::bigram;
   DataLoader bigram = DataLoader::from_config(cfg);
   EXPECT_EQ(bigram.num_tokens(), cfg.data.synthetic_tokens);
   EXPECT_NE(ints(words.next_train(4).inputs), ints(bigram.next_train(4).inputs));

@@ -301,19 +301,19 @@ TEST(Generate, RefusesWhatTheCacheCannotHold) {
 TEST(Generate, RunTokenizerFollowsTheData) {
   const fs::path d = fresh_dir("run_tokenizer");
   Config cfg;
-  cfg.data.source = "text";
+  cfg.data.source = DataSource::text;
   RunTokenizer text = RunTokenizer::for_config(cfg);
   ASSERT_TRUE(text.found());
   EXPECT_EQ(text.encode("hé"), (std::vector<int32_t>{'h', 0xC3, 0xA9}));
   EXPECT_EQ(text.decode({'o', 'k', 300}), "ok\xEF\xBF\xBD") << "an id past the vocab";
 
-  cfg.data.source = "synthetic";
+  cfg.data.source = DataSource::synthetic;
   RunTokenizer none = RunTokenizer::for_config(cfg);
   EXPECT_FALSE(none.found());
   EXPECT_NE(none.missing().find("data.source synthetic"), std::string::npos) << none.missing();
   EXPECT_THROW(none.encode("x"), ConfigError);
 
-  cfg.data.source = "tokens";
+  cfg.data.source = DataSource::tokens;
   cfg.data.path = (d / "bytes.bin").string();
   write_token_file(cfg.data.path, {104, 105, 255});
   RunTokenizer bytes = RunTokenizer::for_config(cfg);

@@ -199,7 +199,7 @@ TEST(HfFormat, MlaIsDeepseekV3) {
 
 TEST(HfFormat, ExportRefusesWhatGlm4MoeCannotHold) {
   ModelConfig m = hf_moe_model();
-  m.scoring_func = "softmax";
+  m.scoring_func = RouterScoring::softmax;
   EXPECT_TRUE(throws_naming<ConfigError>([&] { hf_config_json(m); }, {"model.scoring_func: softmax"}));
   m = hf_moe_model();
   m.n_group = 8;

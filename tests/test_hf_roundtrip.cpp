@@ -134,7 +134,7 @@ TEST(HfRoundTrip, MlaRoundTripsBitIdentical) {
     const Config imported = load_config((d / "imported.yaml").string());
     EXPECT_EQ(imported.model.attention, AttentionType::mla);
     EXPECT_EQ(hf_config_json(imported.model), hf_config_json(m));
-    EXPECT_EQ(imported.train.device, attention_fits_cuda(m) ? "auto" : "cpu");
+    EXPECT_EQ(imported.train.device, attention_fits_cuda(m) ? DeviceChoice::automatic : DeviceChoice::cpu);
   }
 }
 
@@ -303,7 +303,7 @@ TEST(HfRoundTrip, ExportRefusalsWriteNothing) {
       throws_naming<IoError>([&] { export_hf(ck, (d / "hf").string()); },
                              {"tensor 'model.layers.2.input_layernorm.weight' is not in the model of its config"}));
   other = cfg;
-  other.model.scoring_func = "softmax";
+  other.model.scoring_func = RouterScoring::softmax;
   with_config(other);
   EXPECT_TRUE(throws_naming<ConfigError>([&] { export_hf(ck, (d / "hf").string()); }, {"model.scoring_func: softmax"}));
   std::ofstream(fs::path(ck) / kCheckpointMetaFile) << meta_json;

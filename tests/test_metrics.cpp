@@ -24,6 +24,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// The format a metrics file's extension names.
+MetricsFormat metrics_format(const std::string& name) {
+  return parse_enum(kMetricsFormatNames, name, "logging.metrics_format");
+}
+
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 Config small_config(const fs::path& out_dir, const std::vector<std::string>& sets = {}) {
@@ -68,7 +73,7 @@ struct Captured {
 
 TEST(MetricsWriter, AWriteTheOsRefusesThrowsNamingTheFileAndTheReason) {
   {
-    MetricsWriter jsonl("/dev/full", "jsonl", -1);  // nothing is written before the first row
+    MetricsWriter jsonl("/dev/full", MetricsFormat::jsonl, -1);  // nothing is written before the first row
     try {
       jsonl.write(row(1));
       ADD_FAILURE() << "a row written to /dev/full went unnoticed";
@@ -77,7 +82,7 @@ TEST(MetricsWriter, AWriteTheOsRefusesThrowsNamingTheFileAndTheReason) {
     }
   }
   try {
-    MetricsWriter csv("/dev/full", "csv", -1);  // the header
+    MetricsWriter csv("/dev/full", MetricsFormat::csv, -1);  // the header
     ADD_FAILURE() << "the CSV header written to /dev/full went unnoticed";
   } catch (const IoError& e) {
     EXPECT_EQ(std::string(e.what()), "cannot write metrics file '/dev/full': No space left on device");
@@ -131,7 +136,7 @@ TEST(MetricsWriter, AResumeDropsATornLastLine) {
     write_text(file, c.text);
     std::string note;
     {
-      MetricsWriter w(file.string(), c.format, 3);
+      MetricsWriter w(file.string(), metrics_format(c.format), 3);
       note = w.note();
     }
     EXPECT_EQ(read_bytes(file), c.kept);
@@ -152,7 +157,7 @@ TEST(MetricsWriter, AResumeThatCannotRewriteTheRowsLeavesThemAsTheyWere) {
   write_text(file, rows);
   try {
     FileSizeLimit limit(64);
-    MetricsWriter w(file.string(), "jsonl", 20);
+    MetricsWriter w(file.string(), MetricsFormat::jsonl, 20);
     ADD_FAILURE() << "the rows were rewritten past the limit";
   } catch (const IoError& e) {
     EXPECT_TRUE(has(e.what(), "cannot write metrics file '" + file.string() + "': File too large")) << e.what();
@@ -212,7 +217,7 @@ TEST(MetricsWriter, RowsReadBackAsWritten) {
     SCOPED_TRACE(format);
     const fs::path file = d / (std::string("metrics.") + format);
     {
-      MetricsWriter w(file.string(), format, -1);
+      MetricsWriter w(file.string(), metrics_format(format), -1);
       w.write(a);
       w.write(b);
     }
@@ -267,7 +272,7 @@ TEST(MetricsWriter, AResumeKeepsRowsWrittenBeforeTheFlopsColumns) {
     write_text(file, text);
     EXPECT_EQ(read_metrics(file.string()).size(), 2u);  // the old file reads as it is
     {
-      MetricsWriter w(file.string(), format, 2);
+      MetricsWriter w(file.string(), metrics_format(format), 2);
       StepMetrics m = row(3);
       m.tokens_per_s = 12;
       m.tflops = 0.25;

@@ -187,9 +187,10 @@ TEST(ModelFlops, OnTheCpuThereIsNoPeak) {
 // JSONL, an empty cell in CSV, nothing on the console.
 TEST(ModelFlops, ACpuRunHasTflopsAndNoMfu) {
   const fs::path d = fresh_dir("model_flops_run");
-  for (const char* format : {"jsonl", "csv"}) {
-    SCOPED_TRACE(format);
-    Config c = tiny_config(d / format);
+  for (const MetricsFormat format : {MetricsFormat::jsonl, MetricsFormat::csv}) {
+    const char* name = enum_name(kMetricsFormatNames, format);
+    SCOPED_TRACE(name);
+    Config c = tiny_config(d / name);
     c.logging.metrics_format = format;
     c.train.steps = 3;
     std::FILE* out = std::tmpfile();
@@ -213,11 +214,11 @@ TEST(ModelFlops, ACpuRunHasTflopsAndNoMfu) {
       EXPECT_TRUE(std::isnan(m.mfu));
     }
     const std::string text = read_bytes(r.metrics_file);
-    if (std::string(format) == "jsonl")
+    if (format == MetricsFormat::jsonl)
       EXPECT_NE(text.find("\"mfu\": null, \"mtp_loss\": null}\n"), std::string::npos) << text;
     else  // the header, then 3 rows whose last cells, mfu and mtp_loss, are empty
       EXPECT_EQ(text.find(",tflops,mfu,mtp_loss\n"), text.find('\n') - 20) << text;
-    EXPECT_EQ(count_of(text, ",,\n"), std::string(format) == "csv" ? 3u : 0u) << text;
+    EXPECT_EQ(count_of(text, ",,\n"), format == MetricsFormat::csv ? 3u : 0u) << text;
     EXPECT_EQ(text.find("nan"), std::string::npos) << text;
     EXPECT_NE(printed.find(" TFLOP/s | ETA"), std::string::npos) << printed;
     EXPECT_EQ(printed.find("MFU"), std::string::npos) << printed;

@@ -269,7 +269,7 @@ TEST(MoeModel, ProportionalBiasStepFollowsTheLoadError) {
     Config c = tiny_moe(d / format, 1, 1);
     c.model.bias_update_rule = "proportional";
     c.checkpoint.every = 1;
-    c.logging.metrics_format = format;
+    c.logging.metrics_format = parse_enum(kMetricsFormatNames, format, "logging.metrics_format");
     TrainResult r = train(c, quiet());
     std::vector<StepMetrics> rows = read_metrics(r.metrics_file);
     ASSERT_EQ(rows.size(), 1u);
@@ -309,7 +309,7 @@ TEST(MoeModel, BiasStepFollowsItsSchedule) {
     SCOPED_TRACE(schedule);
     Config c = tiny_moe(d / schedule, 3, 2);
     ASSERT_DOUBLE_EQ(c.optimizer.min_lr, c.optimizer.lr / 10);
-    c.model.bias_update_schedule = schedule;
+    c.model.bias_update_schedule = parse_enum(kBiasUpdateScheduleNames, schedule, "model.bias_update_schedule");
     c.checkpoint.every = 3;
     TrainResult r = train(c, quiet());
     const double rate = c.model.bias_update_rate;

@@ -19,14 +19,16 @@ RouterConfig make_cfg(int E, int k, int n_group, int topk_group, const std::stri
                       bool norm = true, double scale = 1.0) {
   RouterConfig c;
   c.num_experts = E, c.top_k = k, c.n_group = n_group, c.topk_group = topk_group;
-  c.scoring_func = scoring, c.norm_topk_prob = norm, c.routed_scaling_factor = scale;
+  c.scoring_func = parse_enum(kRouterScoringNames, scoring, "scoring_func");
+  c.norm_topk_prob = norm, c.routed_scaling_factor = scale;
   return c;
 }
 
 std::string describe(const RouterConfig& c) {
   return "E=" + std::to_string(c.num_experts) + " k=" + std::to_string(c.top_k) +
          " n_group=" + std::to_string(c.n_group) + " topk_group=" + std::to_string(c.topk_group) + " " +
-         c.scoring_func + (c.norm_topk_prob ? " norm" : "") + " scale=" + std::to_string(c.routed_scaling_factor);
+         enum_name(kRouterScoringNames, c.scoring_func) + (c.norm_topk_prob ? " norm" : "") +
+         " scale=" + std::to_string(c.routed_scaling_factor);
 }
 
 // Values step * (i - levels/2) for i uniform in [0, levels): few distinct values, so many exact ties.
@@ -67,7 +69,7 @@ Routing brute_force(const Tensor& logits_t, const Tensor& bias_t, const RouterCo
   Routing r;
   r.counts.assign(size_t(E), 0);
   for (int64_t t = 0; t < T; ++t) {
-    std::vector<double> sd = ref_scores(logits.data() + t * E, E, c.scoring_func == "softmax");
+    std::vector<double> sd = ref_scores(logits.data() + t * E, E, c.scoring_func == RouterScoring::softmax);
     std::vector<float> s(static_cast<size_t>(E)), key(static_cast<size_t>(E)),
         group_score(static_cast<size_t>(c.n_group));
     for (int e = 0; e < E; ++e) s[size_t(e)] = float(sd[size_t(e)]), key[size_t(e)] = s[size_t(e)] + bias[size_t(e)];
@@ -162,8 +164,8 @@ double selection_margin(const Tensor& logits, const Tensor& bias, const RouterCo
     for (size_t i = 1; i < v.size(); ++i) margin = std::min(margin, v[i] - v[i - 1]);
   };
   for (int64_t t = 0; t < logits.size(0); ++t) {
-    std::vector<double> s = ref_scores(l.data() + t * E, E, c.scoring_func == "softmax"), key(static_cast<size_t>(E)),
-                        group;
+    std::vector<double> s = ref_scores(l.data() + t * E, E, c.scoring_func == RouterScoring::softmax),
+                        key(static_cast<size_t>(E)), group;
     for (int e = 0; e < E; ++e) key[size_t(e)] = s[size_t(e)] + b[size_t(e)];
     for (int g = 0; g < c.n_group; ++g) {
       std::vector<double> v(key.begin() + g * gs, key.begin() + (g + 1) * gs);
@@ -195,7 +197,6 @@ TEST(Router, ConfigErrorsNameTheKey) {
   expect_error(make_cfg(64, 2, 32, 1), "n_group");
   expect_error(make_cfg(8, 2, 4, 5), "topk_group");
   expect_error(make_cfg(8, 5, 4, 2), "num_experts_per_tok");  // only 2 groups x 2 experts are kept
-  expect_error(make_cfg(8, 2, 1, 1, "relu"), "scoring_func");
   expect_error(make_cfg(8, 2, 1, 1, "sigmoid", true, 0.0), "routed_scaling_factor");
   RouterConfig c = make_cfg(8, 2, 1, 1);
   c.aux_loss_alpha = -1;

@@ -8,12 +8,14 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "checkpoint/checkpoint.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
 #include "studies/plot.h"
 #include "tests/support/train_fixtures.h"
+#include "train/lap_timer.h"
 #include "train/metrics.h"
 #include "train/optimizer.h"
 #include "train/trainer.h"
@@ -57,6 +59,25 @@ TEST(Schedule, WarmupThenCosine) {
   EXPECT_DOUBLE_EQ(clip_scale(2.0, 1.0), 0.5);
   EXPECT_DOUBLE_EQ(clip_scale(0.5, 1.0), 1.0);
   EXPECT_DOUBLE_EQ(clip_scale(5.0, 0.0), 1.0);  // clipping off
+}
+
+// The run's one timer (the summary's parts and the training time): its laps add up to its total, and the time
+// between a lap and the next restart (an evaluation, a checkpoint) is not in it.
+TEST(Trainer, LapTimerLeavesOutTheTimeBeforeARestart) {
+  using std::chrono::milliseconds;
+  const LapTimer outer;
+  LapTimer t;
+  std::this_thread::sleep_for(milliseconds(20));
+  const double first = t.lap();
+  std::this_thread::sleep_for(milliseconds(60));
+  t.restart();
+  std::this_thread::sleep_for(milliseconds(20));
+  EXPECT_GE(t.running(), 0.02);
+  const double second = t.lap();
+  EXPECT_GE(first, 0.02);
+  EXPECT_GE(second, 0.02);
+  EXPECT_DOUBLE_EQ(t.seconds(), first + second);
+  EXPECT_LE(t.seconds(), outer.running() - 0.06);
 }
 
 TEST(Trainer, TinyModelLearns) {

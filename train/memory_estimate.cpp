@@ -162,10 +162,10 @@ int64_t saturate(double count) { return count < 9.2e18 ? int64_t(count) : std::n
 // every parameter: 4 P / N.
 double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu, MemoryUse use,
                     const OptimizerShards& shards) {
-  const MoeFlow flow = moe_flow(moe_recipe_from_name(cfg.precision.recipe));
+  const MoeFlow flow = moe_flow(cfg.precision.recipe);
   const bool fp8 = flow.fp8_experts, fp8_linears = flow.fp8_linears;
   const bool sharded = use == MemoryUse::train && shards.any();
-  const bool narrow = gpu && use == MemoryUse::train && cfg.precision.param_dtype != "f32";
+  const bool narrow = gpu && use == MemoryUse::train && cfg.precision.param_dtype != ParamDtype::f32;
   const bool keeps_casts = gpu && use == MemoryUse::train && !narrow;
   const int num_fp8_copies = cfg.precision.fp8_weight_transpose == Fp8WeightTranspose::stored ? 2 : 1;
   double bytes = 0, largest_fp8_weight = 0;
@@ -235,7 +235,7 @@ std::vector<Tensors> moe_tensors(const Config& cfg, double tokens, double a, boo
   const ModelConfig& c = cfg.model;
   const double H = double(c.hidden_size), F = double(c.moe_intermediate_size), E = double(c.n_routed_experts);
   const double k = double(c.num_experts_per_tok);
-  const MoeRecipe recipe = moe_recipe_from_name(cfg.precision.recipe);
+  const MoeRecipe recipe = cfg.precision.recipe;
   const MoeFlow flow = moe_flow(recipe);
   const bool recompute = cfg.train.recomputes("moe_expert");
   // The permuted buffer, as the layer sizes it.

@@ -141,8 +141,8 @@ static std::vector<std::string> whole_lines(const std::string& path, bool csv, s
   return lines;
 }
 
-MetricsWriter::MetricsWriter(const std::string& path, const std::string& format, int64_t keep_up_to_step)
-    : path_(path), csv_(format == "csv") {
+MetricsWriter::MetricsWriter(const std::string& path, MetricsFormat format, int64_t keep_up_to_step)
+    : path_(path), csv_(format == MetricsFormat::csv) {
   std::vector<std::string> kept;
   if (keep_up_to_step >= 0) {
     for (const std::string& line : whole_lines(path, csv_, &note_)) {

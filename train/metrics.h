@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "config/config_types.h"
 #include "io/run_files.h"  // kMetricsFiles
 
 namespace flowmoe {
@@ -44,7 +45,7 @@ struct StepMetrics {
 // never goes on with rows missing.
 class MetricsWriter {
  public:
-  MetricsWriter(const std::string& path, const std::string& format /*jsonl|csv*/, int64_t keep_up_to_step);
+  MetricsWriter(const std::string& path, MetricsFormat format, int64_t keep_up_to_step);
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;

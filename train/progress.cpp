@@ -79,11 +79,11 @@ static bool started_by_launcher() {
   }
 }
 
-Progress::Progress(const std::string& mode, int64_t total_steps, int64_t log_every, std::FILE* out)
+Progress::Progress(ProgressMode mode, int64_t total_steps, int64_t log_every, std::FILE* out)
     : total_(total_steps), log_every_(log_every), out_(out) {
-  if (mode == "bar")
+  if (mode == ProgressMode::bar)
     bar_ = true;
-  else if (mode == "plain")
+  else if (mode == ProgressMode::plain)
     bar_ = false;
   else
     bar_ = out && auto_progress_bar(::isatty(::fileno(out)), std::getenv("TERM"), started_by_launcher());

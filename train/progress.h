@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <string>
 
+#include "config/config_types.h"
 #include "train/metrics.h"
 
 namespace flowmoe {
@@ -18,7 +19,7 @@ class Progress {
  public:
   // mode auto|bar|plain; auto: auto_progress_bar for `out`, this process's TERM and launcher.
   // out == nullptr: silent.
-  Progress(const std::string& mode, int64_t total_steps, int64_t log_every, std::FILE* out = stdout);
+  Progress(ProgressMode mode, int64_t total_steps, int64_t log_every, std::FILE* out = stdout);
   void update(const StepMetrics& m, double eta_s);  // bar: redraw; plain: a line every log_every steps
   void message(const std::string& line);            // a permanent line (evaluation, checkpoints)
   void finish();

@@ -154,7 +154,9 @@ static void announce_data(TrainRun& run, const std::string& init_note) {
   const Config& cfg = run.cfg;
   const TrainConfig& tc = cfg.train;
   const std::string source =
-      cfg.data.source == "synthetic" ? "synthetic (" + cfg.data.synthetic_kind + ")" : cfg.data.source;
+      cfg.data.source == DataSource::synthetic
+          ? std::string("synthetic (") + enum_name(kSyntheticKindNames, cfg.data.synthetic_kind) + ")"
+          : enum_name(kDataSourceNames, cfg.data.source);
   run.progress.message("data: " + source + ", " + std::to_string(run.setup.data().num_train_windows()) + " train / " +
                        std::to_string(run.setup.data().num_val_windows()) + " val sequences of " +
                        std::to_string(cfg.data.seq_len) + " tokens; " + std::to_string(tc.steps) + " steps x " +
@@ -176,8 +178,8 @@ static void announce_data(TrainRun& run, const std::string& init_note) {
 static StepSchedule run_step_schedule(const Config& c) {
   StepSchedule p = step_schedule(c.optimizer, c.train.steps);
   p.num_micro_batches = int32_t(c.train.grad_accum_steps);
-  p.bias_follows_lr = c.model.bias_update_schedule == "lr";
-  p.stop_on_nonfinite = c.train.nonfinite == "stop";
+  p.bias_follows_lr = c.model.bias_update_schedule == BiasUpdateSchedule::lr;
+  p.stop_on_nonfinite = c.train.nonfinite == NonfinitePolicy::stop;
   return p;
 }
 
@@ -231,9 +233,10 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
   // with larger ones (complete_step).
   const int64_t ep = setup.parallel.expert_parallel_size;
   if (c.parallel.ep_capacity_factor > 0 && ep > 1) {
-    const std::string e = capacity_factor_error(
-        c.parallel.ep_capacity_factor, !model.exchanges_zero_sync(),
-        "parallel.ep_dispatch " + c.parallel.ep_dispatch + " at expert-parallel size " + std::to_string(ep));
+    const std::string e =
+        capacity_factor_error(c.parallel.ep_capacity_factor, !model.exchanges_zero_sync(),
+                              "parallel.ep_dispatch " + std::string(ep_dispatch_name(c.parallel.ep_dispatch)) +
+                                  " at expert-parallel size " + std::to_string(ep));
     if (!e.empty()) throw ConfigError(c.origin("parallel.ep_capacity_factor") + ": parallel.ep_capacity_factor: " + e);
     loop.exchange_overflow = Tensor::zeros({1}, DType::i32, setup.device);
     model.set_exchange_buffers(c.parallel.ep_capacity_factor, 0, loop.exchange_overflow);
@@ -254,7 +257,9 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
   loop.step_state.reset(loop.step, setup.optimizer().num_updates());
   res.first_step = loop.step + 1;
   res.skipped_steps = loop.skipped;
-  res.metrics_file = (fs::path(res.out_dir) / ("metrics." + cfg.logging.metrics_format)).string();
+  res.metrics_file =
+      (fs::path(res.out_dir) / (std::string("metrics.") + enum_name(kMetricsFormatNames, cfg.logging.metrics_format)))
+          .string();
   if (setup.is_root) metrics.emplace(res.metrics_file, cfg.logging.metrics_format, resume_dir.empty() ? -1 : loop.step);
 
   const TrainConfig& tc = cfg.train;
@@ -270,7 +275,7 @@ TrainRun::TrainRun(const Config& c, const TrainOptions& o)
 // Where each explicit cast of the last step happened (DESIGN.md §1: the published flow has 2).
 static void print_cast_summary(TrainRun& run) {
   const CastCounts& casts = run.loop.last_casts;
-  std::string line = "casts per MoE layer per micro-batch (" + run.cfg.precision.recipe +
+  std::string line = "casts per MoE layer per micro-batch (" + std::string(moe_recipe_name(run.cfg.precision.recipe)) +
                      "): " + format_fixed(double(casts.activation_casts()) / run.cast_divisor, 1);
   for (const auto& [site, n] : casts.by_site)
     if (site.rfind("weight_quantize", 0) != 0)
@@ -283,19 +288,19 @@ static void print_cast_summary(TrainRun& run) {
 // checkpoints are what tokens/s leaves out; "other" is the loop's own time and the summary's collectives.
 static void print_times(TrainRun& run) {
   const RunClock& c = run.clock;
-  const double total = c.seconds_since_start();
+  const double total = c.whole.running();
   double setup = 0;
   std::string parts;
   for (const auto& [name, seconds] : c.setup) {
     setup += seconds;
     if (seconds >= 0.05) parts += (parts.empty() ? "" : ", ") + name + " " + format_fixed(seconds, 1);
   }
-  const double other = total - setup - run.loop.time.seconds() - c.evaluation_seconds - c.checkpoint_seconds;
+  const double other = total - setup - run.loop.time.seconds() - c.evaluation.seconds() - c.checkpoints.seconds();
   run.progress.message(
       "time: " + format_fixed(total, 1) + " s in all: set-up " + format_fixed(setup, 1) + " s" +
       (parts.empty() ? "" : " (" + parts + ")") + ", training " + format_fixed(run.loop.time.seconds(), 1) +
-      " s, evaluation " + format_fixed(c.evaluation_seconds, 1) + " s, checkpoints " +
-      format_fixed(c.checkpoint_seconds, 1) + " s, other " + format_fixed(std::max(other, 0.0), 1) + " s");
+      " s, evaluation " + format_fixed(c.evaluation.seconds(), 1) + " s, checkpoints " +
+      format_fixed(c.checkpoints.seconds(), 1) + " s, other " + format_fixed(std::max(other, 0.0), 1) + " s");
 }
 
 static void print_summary(TrainRun& run, double peak_mem_bytes) {

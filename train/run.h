@@ -3,7 +3,6 @@
 // writes: progress, metrics, checkpoints and the summary. Built in run.cpp in the order the members are declared;
 // trainer.cpp drives the loop, train_step.h takes the steps, run_checkpoint.cpp saves and resumes.
 #pragma once
-#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -15,6 +14,7 @@
 #include "dataset/run_tokenizer.h"
 #include "io/dir_lock.h"
 #include "train/evaluation.h"
+#include "train/lap_timer.h"
 #include "train/loop_state.h"
 #include "train/metrics.h"
 #include "train/model_flops.h"
@@ -25,25 +25,21 @@
 
 namespace flowmoe {
 
-// Where a run's wall time goes: the summary's "time:" line. Set-up is split into parts by laps.
+// Where a run's wall time goes: the summary's "time:" line. Set-up is split into parts by laps; evaluation (and
+// samples) and checkpoints are timed each as a restart and a lap.
 struct RunClock {
-  using Clock = std::chrono::steady_clock;
   // `started`: when the command began; the time until now is the part "start-up" (the ranks' start).
-  explicit RunClock(std::optional<Clock::time_point> started) : start(started.value_or(Clock::now())), last(start) {
+  explicit RunClock(std::optional<LapTimer::Clock::time_point> started)
+      : whole(started.value_or(LapTimer::Clock::now())), setup_laps(whole) {
     if (started) lap("start-up");
   }
   // Ends the set-up part `name` now: its time is the time since the previous lap.
-  void lap(const std::string& name) {
-    const Clock::time_point now = Clock::now();
-    setup.emplace_back(name, std::chrono::duration<double>(now - last).count());
-    last = now;
-  }
-  static double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-  double seconds_since_start() const { return seconds_since(start); }
+  void lap(const std::string& name) { setup.emplace_back(name, setup_laps.lap()); }
 
-  Clock::time_point start, last;
+  LapTimer whole;                                     // never lapped: its running() is the run's time so far
+  LapTimer setup_laps;                                // from the start, a lap a set-up part
   std::vector<std::pair<std::string, double>> setup;  // (part, seconds) in order
-  double evaluation_seconds = 0, checkpoint_seconds = 0;
+  LapTimer evaluation, checkpoints;
 };
 // A lap as a member: placed between TrainRun's members, it times the one built before it.
 struct SetupLap {

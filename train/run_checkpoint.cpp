@@ -28,18 +28,18 @@ static Tensor whole_master(const AdamW& opt, size_t i, const Shape& shape) {
 namespace {
 struct DataKey {
   const char* key;
-  bool (*applies)(const std::string& source);  // data.source
+  bool (*applies)(DataSource source);
 };
 const DataKey kDataKeys[] = {
-    {"data.source", [](const std::string&) { return true; }},
-    {"data.path", [](const std::string& source) { return source != "synthetic"; }},
-    {"data.synthetic_tokens", [](const std::string& source) { return source == "synthetic"; }},
-    {"data.synthetic_kind", [](const std::string& source) { return source == "synthetic"; }},
-    {"data.seed", [](const std::string&) { return true; }},
-    {"data.seq_len", [](const std::string&) { return true; }},
-    {"data.val_fraction", [](const std::string&) { return true; }},
-    {"train.batch_size", [](const std::string&) { return true; }},
-    {"train.grad_accum_steps", [](const std::string&) { return true; }},
+    {"data.source", [](DataSource) { return true; }},
+    {"data.path", [](DataSource source) { return source != DataSource::synthetic; }},
+    {"data.synthetic_tokens", [](DataSource source) { return source == DataSource::synthetic; }},
+    {"data.synthetic_kind", [](DataSource source) { return source == DataSource::synthetic; }},
+    {"data.seed", [](DataSource) { return true; }},
+    {"data.seq_len", [](DataSource) { return true; }},
+    {"data.val_fraction", [](DataSource) { return true; }},
+    {"train.batch_size", [](DataSource) { return true; }},
+    {"train.grad_accum_steps", [](DataSource) { return true; }},
 };
 }  // namespace
 
@@ -113,7 +113,7 @@ CheckpointMeta resume_from_checkpoint(RunSetup& setup, const std::string& dir) {
 }
 
 void save_run_checkpoint(TrainRun& run, int64_t at) {
-  const RunClock::Clock::time_point t0 = RunClock::Clock::now();
+  run.clock.checkpoints.restart();
   RunSetup& setup = run.setup;
   const AdamW& opt = setup.optimizer();
   CheckpointMeta meta;
@@ -163,7 +163,7 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
     if (!setup.is_root) untimed.emplace();
     setup.world->barrier();
   }
-  run.clock.checkpoint_seconds += RunClock::seconds_since(t0);
+  run.clock.checkpoints.lap();
 }
 
 }  // namespace flowmoe

@@ -47,7 +47,7 @@ CheckpointMeta RunSetup::load_weights(const std::string& dir) {
 
 // precision.param_dtype: what the weights the forward reads in the compute dtype are stored in.
 static DType weight_dtype(const Config& c, const Transformer& model) {
-  return c.precision.param_dtype == "f32" ? DType::f32 : model.compute_dtype();
+  return c.precision.param_dtype == ParamDtype::f32 ? DType::f32 : model.compute_dtype();
 }
 
 // The model's shards as the optimizer sees them: their FP8 copies only where AdamW writes them

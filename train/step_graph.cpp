@@ -17,19 +17,21 @@ GraphDecision agree_on_capture(Communicator& world, bool captured_here, bool ins
 }
 
 bool StepGraph::use(const TrainRun& run, bool profiled) const {
-  const std::string& mode = run.cfg.train.cuda_graph;
-  if (mode == "off" || failed_ || profiled) return false;
+  const AutoOnOff mode = run.cfg.train.cuda_graph;
+  if (mode == AutoOnOff::off || failed_ || profiled) return false;
   if (graph_ && graph_->captured()) return true;
   // Several ranks: nccl's collectives, the reducer's stream and the zero-sync exchange's device puts are
   // captured with the step. A sync exchange reads counts to the host, which no replay could repeat.
   const bool possible = step_scalars_on_device(run) && !run.opts.after_backward;
-  FLOWMOE_CHECK(possible || mode != "on", ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
+  FLOWMOE_CHECK(possible || mode != AutoOnOff::on, ConfigError, "train.cuda_graph: on (",
+                run.cfg.origin("train.cuda_graph"),
                 ") needs a GPU, one process or collectives on the device (nccl), and no test hooks");
   // The first step of a run is eager: it creates the cuBLASLt plans and tells whether the step syncs.
   if (!possible || eager_steps_ == 0) return false;
   const bool no_syncs = on_every_rank(*run.setup.world, last_eager_host_syncs_ == 0);
-  FLOWMOE_CHECK(no_syncs || mode != "on", ConfigError, "train.cuda_graph: on (", run.cfg.origin("train.cuda_graph"),
-                "), but the eager step made host synchronisations (", last_eager_host_syncs_,
+  FLOWMOE_CHECK(no_syncs || mode != AutoOnOff::on, ConfigError, "train.cuda_graph: on (",
+                run.cfg.origin("train.cuda_graph"), "), but the eager step made host synchronisations (",
+                last_eager_host_syncs_,
                 " on this rank), which a graph cannot replay (expert parallelism needs "
                 "parallel.ep_dispatch: zero_sync on GPUs that reach each other's memory)");
   return no_syncs;
@@ -63,7 +65,8 @@ std::vector<Tensor> StepGraph::step(TrainRun& run, const std::vector<Batch>& bat
       failure = std::current_exception();
       why = e.what();
     }
-    const GraphDecision decision = agree_on_capture(*setup.world, failure == nullptr, run.cfg.train.cuda_graph == "on");
+    const GraphDecision decision =
+        agree_on_capture(*setup.world, failure == nullptr, run.cfg.train.cuda_graph == AutoOnOff::on);
     if (decision != GraphDecision::replay) {
       // Nothing of a capture ran, here or elsewhere; FP8 weight caches made during it are dropped (their
       // versions move), and so is a graph this rank did capture.

@@ -7,9 +7,9 @@
 namespace flowmoe {
 
 Device resolve_device(const Config& cfg) {
-  const std::string& d = cfg.train.device;
-  if (d == "cpu") return Device::cpu();
-  if (d == "cuda") {
+  const DeviceChoice d = cfg.train.device;
+  if (d == DeviceChoice::cpu) return Device::cpu();
+  if (d == DeviceChoice::cuda) {
     if (!cuda_available())
       throw ConfigError(cfg.origin("train.device") + ": train.device: cuda was requested, but " +
                         (built_with_cuda() ? "no CUDA device is usable" : "this build has no CUDA backend") +
@@ -26,17 +26,18 @@ DType compute_dtype_for(Device device) {
 
 MoeOptions moe_options(const Config& cfg) {
   MoeOptions o(int(cfg.precision.align_size));
-  o.recipe = moe_recipe_from_name(cfg.precision.recipe);
+  o.recipe = cfg.precision.recipe;
   o.recompute_expert = cfg.train.recomputes("moe_expert");
-  o.ep_dispatch = ep_dispatch_from_name(cfg.parallel.ep_dispatch);
+  o.ep_dispatch = cfg.parallel.ep_dispatch;
   return o;
 }
 
 MoeOptions moe_options(const Config& cfg, const ParallelState& ps) {
   MoeOptions o = moe_options(cfg);
   if (ps.expert_parallel_size > 1) o.expert_parallel = ps.expert_parallel;
-  const std::string& overlap = cfg.parallel.shared_expert_overlap;
-  o.shared_expert_overlap = overlap == "on" || (overlap == "auto" && ps.expert_parallel_size > 1);
+  const AutoOnOff overlap = cfg.parallel.shared_expert_overlap;
+  o.shared_expert_overlap =
+      overlap == AutoOnOff::on || (overlap == AutoOnOff::automatic && ps.expert_parallel_size > 1);
   o.exchange_chunks = int(cfg.parallel.exchange_chunks);
   return o;
 }

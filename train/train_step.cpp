@@ -128,7 +128,7 @@ std::string describe_non_finite(const StepMetrics& m, bool has_aux) {
 // train.nonfinite: stop ends the run with a checkpoint; skip goes on until too many steps were skipped.
 void apply_non_finite_policy(TrainRun& run, const std::string& what) {
   const TrainConfig& tc = run.cfg.train;
-  if (tc.nonfinite == "stop") {
+  if (tc.nonfinite == NonfinitePolicy::stop) {
     // The update was not applied: the checkpoint holds the weights of the last good step, and a
     // --resume continues after the batch that failed.
     save_run_checkpoint(run, run.loop.step);

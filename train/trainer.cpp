@@ -29,10 +29,10 @@ static bool due(int64_t step, int64_t every, int64_t last_step) {
 
 static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
   if (run.val.num_batches == 0 || !due(m.step, run.cfg.train.eval_every, run.cfg.train.steps)) return;
-  const RunClock::Clock::time_point t0 = RunClock::Clock::now();
+  run.clock.evaluation.restart();
   m.val_loss =
       evaluate(run.setup.model(), run.setup.data(), run.val.num_batches, run.val.batch_size, run.setup.world.get());
-  run.clock.evaluation_seconds += RunClock::seconds_since(t0);
+  run.clock.evaluation.lap();
   if (std::isnan(run.res.first_val_loss)) run.res.first_val_loss = m.val_loss;
   run.res.final_val_loss = m.val_loss;
   run.progress.message("step " + std::to_string(m.step) + ": val loss " + format_fixed(m.val_loss, 4) +
@@ -44,10 +44,10 @@ static void evaluate_if_due(TrainRun& run, StepMetrics& m) {
 // no expert loads and it draws no random numbers, so training goes on as it would without it.
 static void sample_if_due(TrainRun& run, int64_t step) {
   if (!due(step, run.cfg.train.sample_every, -1)) return;
-  const RunClock::Clock::time_point t0 = RunClock::Clock::now();
+  run.clock.evaluation.restart();
   if (!run.sample_tokenizer) run.sample_tokenizer = RunTokenizer::for_config(run.cfg);
   const std::string line = training_sample(run.setup.model(), run.setup.data(), *run.sample_tokenizer);
-  run.clock.evaluation_seconds += RunClock::seconds_since(t0);
+  run.clock.evaluation.lap();
   run.progress.message("step " + std::to_string(step) + ": sample " + line);
 }
 
@@ -148,7 +148,7 @@ static std::optional<StepMetrics> read_back_step(TrainRun& run) {
 static bool may_run_ahead(const TrainRun& run) {
   const TrainConfig& tc = run.cfg.train;
   return step_scalars_on_device(run) && run.loop.step < run.end && run.loop.step + 1 != run.opts.profile_step &&
-         tc.nonfinite != "stop" && !due(run.loop.step, tc.eval_every, tc.steps) &&
+         tc.nonfinite != NonfinitePolicy::stop && !due(run.loop.step, tc.eval_every, tc.steps) &&
          !due(run.loop.step, tc.sample_every, -1) && !checkpoint_due(run, run.loop.step);
 }
 

@@ -23,7 +23,7 @@ RouterParams params_of(const RouterConfig& cfg) {
   p.top_k = cfg.top_k;
   p.n_group = cfg.n_group;
   p.topk_group = cfg.topk_group;
-  enum_from_name(kRouterScoringNames, cfg.scoring_func, &p.scoring);  // validate_router_config refuses another name
+  p.scoring = cfg.scoring_func;
   p.norm_topk_prob = cfg.norm_topk_prob;
   p.routed_scaling_factor = cfg.routed_scaling_factor;
   return p;
@@ -245,9 +245,6 @@ void validate_router_config(const RouterConfig& c, const std::string& key_prefix
                ({"num_experts_per_tok", "topk_group", "n_group", "n_routed_experts"}),
                "num_experts_per_tok = ", c.top_k, " exceeds the experts in the kept groups (topk_group ", c.topk_group,
                " x ", E / c.n_group, " experts per group)");
-  RouterScoring scoring{};
-  ROUTER_CHECK(enum_from_name(kRouterScoringNames, c.scoring_func, &scoring), ({"scoring_func"}), "'", c.scoring_func,
-               "' must be 'sigmoid' or 'softmax'");
   ROUTER_CHECK(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0, ({"routed_scaling_factor"}),
                c.routed_scaling_factor, " must be finite and > 0");
   ROUTER_CHECK(std::isfinite(c.aux_loss_alpha) && c.aux_loss_alpha >= 0, ({"aux_loss_alpha"}), c.aux_loss_alpha,

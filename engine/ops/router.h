@@ -9,20 +9,20 @@
 
 #include "engine/autograd.h"
 #include "kernels/common/name_table.h"
-#include "kernels/router.h"  // BiasUpdateRule
+#include "kernels/router.h"  // BiasUpdateRule, RouterScoring
 
 namespace flowmoe {
 
 struct RouterConfig {
-  int num_experts = 0;                   // n_routed_experts
-  int top_k = 0;                         // num_experts_per_tok
-  int n_group = 1;                       // n_group: experts form n_group contiguous groups
-  int topk_group = 1;                    // topk_group: groups kept per token
-  std::string scoring_func = "sigmoid";  // scoring_func: "sigmoid" or "softmax"
-  bool norm_topk_prob = true;            // norm_topk_prob (applied only when top_k > 1, as HF)
-  double routed_scaling_factor = 1.0;    // routed_scaling_factor
-  double aux_loss_alpha = 0.0;           // aux_loss_alpha: 0 disables the balance loss
-  int seq_len = 0;                       // tokens per sequence for the balance loss; 0: see route()
+  int num_experts = 0;                                  // n_routed_experts
+  int top_k = 0;                                        // num_experts_per_tok
+  int n_group = 1;                                      // n_group: experts form n_group contiguous groups
+  int topk_group = 1;                                   // topk_group: groups kept per token
+  RouterScoring scoring_func = RouterScoring::sigmoid;  // scoring_func (names: kRouterScoringNames)
+  bool norm_topk_prob = true;                           // norm_topk_prob (applied only when top_k > 1, as HF)
+  double routed_scaling_factor = 1.0;                   // routed_scaling_factor
+  double aux_loss_alpha = 0.0;                          // aux_loss_alpha: 0 disables the balance loss
+  int seq_len = 0;                                      // tokens per sequence for the balance loss; 0: see route()
 };
 
 // A RouterConfig that cannot route. keys() are the HF names of the keys involved, the one at fault
@@ -41,7 +41,7 @@ class RouterConfigError : public ConfigError {
 };
 
 // The one check of a router config: throws RouterConfigError when it cannot route: E % n_group,
-// topk_group <= n_group, top_k <= E and top_k <= topk_group * E / n_group, scoring_func, the scales,
+// topk_group <= n_group, top_k <= E and top_k <= topk_group * E / n_group, the scales,
 // and the kernel limits kRouterMaxExperts, kRouterMaxTopk and kRouterMaxGroups (kernels/router.h),
 // which hold on CPU too so both backends accept the same configs. key_prefix goes before the keys a
 // message names ("model." for the YAML config, whose checks call this).

@@ -29,11 +29,6 @@ __device__ __forceinline__ int find_item(const LaunchTable<Item, kCapacity>& tab
   return t;
 }
 
-// Whether p is aligned to `bytes` (a power of two): the 16-byte (or narrower) accesses' condition.
-__device__ __forceinline__ bool aligned_to(const void* p, uintptr_t bytes) {
-  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
-}
-
 // A moment (f32, or bf16 bits) as f32.
 __device__ __forceinline__ float load_moment(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float load_moment(const uint16_t* p, int64_t i) { return bf16_bits_value(p[i]); }

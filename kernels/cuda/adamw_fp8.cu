@@ -22,6 +22,7 @@
 #include "kernels/adamw_fp8.h"
 #include "kernels/common/cuda_check.h"
 #include "kernels/cuda/adamw_common.cuh"
+#include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/fp8.h"
 

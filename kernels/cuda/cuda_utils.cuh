@@ -1,5 +1,5 @@
 // Small device helpers shared by the kernels: bf16/f32 conversion, grid sizing, warp reductions, the
-// counted rows of a worst-case buffer, and a dtype -> C++ type dispatch for launchers.
+// counted rows of a worst-case buffer, pointer alignment, and a dtype -> C++ type dispatch for launchers.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -68,6 +68,12 @@ __device__ __forceinline__ int64_t counted_rows(int64_t rows, CountedRows c) {
   int64_t sum = 0;
   for (int i = 0; i < c.num; ++i) sum += __ldg(c.counts + i);
   return sum < rows ? sum : rows;
+}
+
+// Whether p is aligned to `bytes`: the condition of a vector access that wide (16 bytes: also TMA's base
+// alignment), checked by launchers on the host and by kernels on the device.
+__host__ __device__ __forceinline__ bool aligned_to(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
 // Blocks for a grid-stride loop over n elements (capped; the loop covers the rest).

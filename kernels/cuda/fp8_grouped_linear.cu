@@ -37,7 +37,7 @@ struct ExpertRows {
 };
 
 // Expert blockIdx.z of the chunk: ws[off*kb + b*rows + r] = xs[(off + r)*kb + b], a 32x32 tiled
-// transpose of its [rows][kb] scale block (rows a multiple of 16, kb = k/128).
+// transpose of its [rows][kb] scale block (rows a multiple of kFp8RowMultiple, kb = k/kFp8BlockSize).
 __global__ void scale_relayout_kernel(float* __restrict__ ws, const float* __restrict__ xs, ExpertRows chunk,
                                       int64_t kb) {
   __shared__ float tile[32][33];
@@ -88,9 +88,9 @@ struct PlanKeyHash {
   }
 };
 
-// Quarter-octave buckets that stay multiples of 16 (FP8 leading dimensions): 16, 32, 48, 64, 80, 96,
+// Quarter-octave buckets that stay multiples of kFp8RowMultiple (FP8 leading dimensions): 16, 32, 48, 64, 80, 96,
 // 112, 128, 160, 192, 224, 256, 320, ..., 1024, 1280, ... A new row count reuses its bucket's algorithm.
-int64_t bucket_of(int64_t v) { return quarter_octave_bucket(v, 16); }
+int64_t bucket_of(int64_t v) { return quarter_octave_bucket(v, kFp8RowMultiple); }
 PlanKey bucket_key(PlanKey key) {
   if (!key.wgrad) {
     key.n = bucket_of(key.n);
@@ -168,7 +168,8 @@ bool algo_fits(cublasLtHandle_t handle, Plan& p, const cublasLtMatmulAlgo_t& alg
   if (key.wgrad && key.k % kFp8BlockSize != 0)  // the open question of DESIGN.md §4: partial 1x128 blocks
     FLOWMOE_THROW(CudaError, "fp8_grouped_wgrad_cuda: cuBLASLt has no VEC128 x VEC128 algorithm for an expert of ",
                   key.k, " rows (N=", key.n, " K=", key.m, ", M_total ", key.lda, "): the reduction dim is not a ",
-                  "multiple of 128, so its last 1x128 block is partial; pad the segments to 128 rows");
+                  "multiple of ", kFp8BlockSize, ", so its last 1x", kFp8BlockSize,
+                  " block is partial; pad the segments to ", kFp8BlockSize, " rows");
   FLOWMOE_THROW(CudaError, key.wgrad ? "fp8_grouped_wgrad_cuda" : "fp8_grouped_gemm_cuda",
                 ": cuBLASLt has no block-scaled FP8 algorithm for m=", key.m, " n=", key.n, " k=", key.k, " (lda ",
                 key.lda, ", ldb ", key.ldb, ", ldd ", key.ldd, ", out ", dtype_name(key.d_dtype), ", alignments ",
@@ -227,13 +228,14 @@ int64_t check_args(const int64_t* padded_tokens_per_expert, int64_t num_experts,
   FLOWMOE_CHECK(num_experts >= 0 && m_total >= 0 && n >= 0 && k >= 0, ShapeError, what,
                 ": negative size E=", num_experts, " M_total=", m_total, " N=", n, " K=", k);
   FLOWMOE_CHECK(n % kFp8BlockSize == 0 && k % kFp8BlockSize == 0, ShapeError, what, ": N=", n, " and K=", k,
-                " must be multiples of 128 (128x128 weight blocks)");
-  FLOWMOE_CHECK(m_total % 16 == 0, ShapeError, what, ": M_total=", m_total,
-                " must be a multiple of 16 (cuBLASLt FP8 leading dimension)");
+                " must be multiples of ", kFp8BlockSize, " (", kFp8BlockSize, "x", kFp8BlockSize, " weight blocks)");
+  FLOWMOE_CHECK(m_total % kFp8RowMultiple == 0, ShapeError, what, ": M_total=", m_total, " must be a multiple of ",
+                kFp8RowMultiple, " (cuBLASLt FP8 leading dimension)");
   const int64_t total = check_grouped_rows(padded_tokens_per_expert, num_experts, m_total, what);
   for (int64_t e = 0; e < num_experts; ++e)
-    FLOWMOE_CHECK(padded_tokens_per_expert[e] % 16 == 0, ShapeError, what, ": expert ", e, " has ",
-                  padded_tokens_per_expert[e], " rows, not a multiple of 16 (permute_pad with align_size >= 16)");
+    FLOWMOE_CHECK(padded_tokens_per_expert[e] % kFp8RowMultiple == 0, ShapeError, what, ": expert ", e, " has ",
+                  padded_tokens_per_expert[e], " rows, not a multiple of ", kFp8RowMultiple,
+                  " (permute_pad with align_size >= ", kFp8RowMultiple, ")");
   return total;
 }
 

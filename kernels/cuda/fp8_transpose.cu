@@ -154,13 +154,11 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- launchers --------------------------------------------------------------------------------
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 // One launch of the kernel over `grid` CTAs with these segments.
 template <class Segments>
 void launch_transpose(const uint8_t* q, const float* scale_inv, int64_t M, int64_t K, uint8_t* q_t, float* scale_inv_t,
                       const Segments& segments, unsigned grid, cudaStream_t stream) {
-  const bool vec_in = K % 16 == 0 && aligned16(q), vec_out = M % 16 == 0 && aligned16(q_t);
+  const bool vec_in = K % 16 == 0 && aligned_to(q, 16), vec_out = M % 16 == 0 && aligned_to(q_t, 16);
   fp8_transpose_kernel<Segments><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, q_t, scale_inv_t,
                                                                 int(fp8_num_blocks(K)), vec_in, vec_out, segments);
   FLOWMOE_CUDA_CHECK_LAUNCH();

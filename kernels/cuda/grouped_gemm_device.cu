@@ -14,6 +14,7 @@
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/device_api.h"
+#include "kernels/cuda/cuda_utils.cuh"
 #include "kernels/cuda/grouped_gemm_kernels.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/fp8.h"
@@ -24,8 +25,6 @@ namespace flowmoe {
 namespace {
 
 using grouped_gemm::Call;
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Checks shared by every launcher: sizes, the expert limit of the device scan, and int32 problem shapes.
 void check_sizes(int64_t num_experts, int64_t m_total, int64_t n, int64_t k, const char* what) {
@@ -48,7 +47,7 @@ void check_pointers(std::initializer_list<const void*> ptrs, const char* what) {
   int i = 0;
   for (const void* p : ptrs) {
     FLOWMOE_CHECK(p != nullptr, Error, what, ": device pointer argument ", i, " is null");
-    FLOWMOE_CHECK(aligned16(p), Error, what, ": device pointer argument ", i, " (", p, ") is not 16-byte aligned");
+    FLOWMOE_CHECK(aligned_to(p, 16), Error, what, ": device pointer argument ", i, " (", p, ") is not 16-byte aligned");
     ++i;
   }
 }
@@ -196,8 +195,8 @@ void fp8_grouped_wgrad_device_cuda(const uint8_t* dy_t, const float* dy_t_scale_
   const char* what = "fp8_grouped_wgrad_device_cuda";
   check_sizes(num_experts, m_total, n, k, what);
   check_multiple(n, k, kFp8BlockSize, "128x128 weight blocks", what);
-  FLOWMOE_CHECK(m_total % 16 == 0, ShapeError, what, ": M_total=", m_total,
-                " must be a multiple of 16 (the leading dimension of dy_t and x_t, 16-byte rows for TMA)");
+  FLOWMOE_CHECK(m_total % kFp8RowMultiple == 0, ShapeError, what, ": M_total=", m_total, " must be a multiple of ",
+                kFp8RowMultiple, " (the leading dimension of dy_t and x_t, 16-byte rows for TMA)");
   if (!wgrad_gemm_needed(dw, num_experts, m_total, n, k, accumulate, stream, what)) return;
   check_pointers({dy_t, x_t, dw}, what);  // the scales may be null (num_blocks 0: every count is 0)
   Call c = make_call(padded_tokens_per_expert, num_experts, m_total, n, k, workspace, workspace_bytes, stream,

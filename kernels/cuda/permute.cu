@@ -37,8 +37,6 @@ int group_for(int64_t nvec) {
   return 256;
 }
 
-bool aligned_to(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes) == 0; }
-
 // Widest vector (16, 8, 4, 2 or 1 bytes) that divides the row and both base addresses.
 int vector_bytes(size_t row_bytes, const void* a, const void* b) {
   for (int vb = 16; vb > 1; vb /= 2)

@@ -334,8 +334,6 @@ __global__ void quantize_block_kernel(const T* __restrict__ w, int64_t N, int64_
 
 // ---- launchers --------------------------------------------------------------------------------
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 void check_sizes(const char* what, int64_t M, int64_t K) {
   FLOWMOE_CHECK(M >= 0 && K >= 0, ShapeError, what, ": bad shape [", M, ", ", K, "]");
 }
@@ -371,7 +369,7 @@ void launch_quantize_colwise(const char* what, DType dtype, const void* x, int64
   dispatch_cuda_float(dtype, what, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto* xt = static_cast<const T*>(x);
-    if (K % kVec<T> == 0 && aligned16(x))
+    if (K % kVec<T> == 0 && aligned_to(x, 16))
       quantize_colwise_kernel<T, true, Segments><<<grid, kThreads, 0, stream>>>(xt, M, K, segments, q, scale_inv);
     else
       quantize_colwise_kernel<T, false, Segments><<<grid, kThreads, 0, stream>>>(xt, M, K, segments, q, scale_inv);
@@ -389,7 +387,7 @@ void quantize_rowwise_cuda(DType dtype, const void* x, int64_t M, int64_t K, uin
     using T = std::remove_pointer_t<decltype(tag)>;
     unsigned grid = rows_grid<T>("quantize_rowwise_cuda", M, K);
     auto* xt = static_cast<const T*>(x);
-    if (K % kVec<T> == 0 && aligned16(x) && aligned16(q))
+    if (K % kVec<T> == 0 && aligned_to(x, 16) && aligned_to(q, 16))
       quantize_rowwise_kernel<T, true><<<grid, kThreads, 0, stream>>>(xt, M, K, q, scale_inv);
     else
       quantize_rowwise_kernel<T, false><<<grid, kThreads, 0, stream>>>(xt, M, K, q, scale_inv);
@@ -404,7 +402,7 @@ void dequantize_rowwise_cuda(DType out_dtype, const uint8_t* q, const float* sca
   dispatch_cuda_float(out_dtype, "dequantize_rowwise_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     unsigned grid = rows_grid<T>("dequantize_rowwise_cuda", M, K);
-    if (K % kVec<T> == 0 && aligned16(y) && aligned16(q))
+    if (K % kVec<T> == 0 && aligned_to(y, 16) && aligned_to(q, 16))
       dequantize_rows_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, 1, static_cast<T*>(y));
     else
       dequantize_rows_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(q, scale_inv, M, K, 1, static_cast<T*>(y));
@@ -445,7 +443,7 @@ void dequantize_colwise_cuda(DType out_dtype, const uint8_t* q, const float* sca
     using T = std::remove_pointer_t<decltype(tag)>;
     elem = sizeof(T);
     auto* yt = static_cast<T*>(y);
-    bool vec = K % kVec<T> == 0 && aligned16(y);
+    bool vec = K % kVec<T> == 0 && aligned_to(y, 16);
     dim3 grid = colwise_grid(what, K);
     for_each_colwise_chunk(what, M, K, rows_per_segment, num_segments, [&](const SegmentChunk& c, unsigned nb) {
       grid.x = nb;
@@ -474,7 +472,7 @@ void quantize_block_cuda(DType dtype, const void* w, int64_t B, int64_t N, int64
   dispatch_cuda_float(dtype, what, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto* wt = static_cast<const T*>(w);
-    if (K % kVec<T> == 0 && aligned16(w) && aligned16(q))
+    if (K % kVec<T> == 0 && aligned_to(w, 16) && aligned_to(q, 16))
       quantize_block_kernel<T, true><<<grid, kThreads, 0, stream>>>(wt, N, K, q, scale_inv, q_t, scale_inv_t);
     else
       quantize_block_kernel<T, false><<<grid, kThreads, 0, stream>>>(wt, N, K, q, scale_inv, q_t, scale_inv_t);
@@ -491,7 +489,7 @@ void dequantize_block_cuda(DType out_dtype, const uint8_t* q, const float* scale
     using T = std::remove_pointer_t<decltype(tag)>;
     unsigned grid = rows_grid<T>(what, B * N, K);
     auto* yt = static_cast<T*>(y);
-    if (K % kVec<T> == 0 && aligned16(y) && aligned16(q))
+    if (K % kVec<T> == 0 && aligned_to(y, 16) && aligned_to(q, 16))
       dequantize_rows_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(q, scale_inv, B * N, K, N, yt);
     else
       dequantize_rows_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(q, scale_inv, B * N, K, N, yt);

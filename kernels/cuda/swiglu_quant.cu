@@ -204,8 +204,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 // Blocks for the forward/quantize grid: one group of 128/N lanes per (row, block), grid-stride beyond.
 unsigned quantize_grid(int64_t M, int64_t K, int N) {
   return grid_size(M * fp8_num_blocks(K) * (kFp8BlockSize / N), kThreads);
@@ -223,7 +221,7 @@ void swiglu_quant_forward_cuda(DType dtype, const void* h, const float* prob, in
   dispatch_cuda_float(dtype, "swiglu_quant_forward_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int N = vec_elems<T>();
-    const bool vec = F % N == 0 && aligned(h, 16) && aligned(q, N);
+    const bool vec = F % N == 0 && aligned_to(h, 16) && aligned_to(q, N);
     auto kernel = vec ? swiglu_quant_forward_kernel<T, true> : swiglu_quant_forward_kernel<T, false>;
     kernel<<<quantize_grid(M, F, N), kThreads, 0, stream>>>(static_cast<const T*>(h), prob, M, F, q, scale_inv,
                                                             counted);
@@ -256,8 +254,9 @@ void swiglu_quant_backward_cuda(DType dtype, const void* d_a, const void* h, con
   dispatch_cuda_float(dtype, "swiglu_quant_backward_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int N = vec_elems<T>();
-    const bool vec = F % N == 0 && aligned(h, 16) && aligned(d_a, 16) && aligned(d_h_q, 4) && aligned(d_h, 16);
-    if (vec && F % kFp8BlockSize == 0 && aligned(d_h_q, N)) {  // the FP8 expert case: no seam, no shared memory
+    const bool vec =
+        F % N == 0 && aligned_to(h, 16) && aligned_to(d_a, 16) && aligned_to(d_h_q, 4) && aligned_to(d_h, 16);
+    if (vec && F % kFp8BlockSize == 0 && aligned_to(d_h_q, N)) {  // the FP8 expert case: no seam, no shared memory
       const unsigned grid = grid_size(M * 32, kThreads);
       swiglu_quant_backward_aligned_kernel<T>
           <<<grid, kThreads, 0, stream>>>(static_cast<const T*>(d_a), static_cast<const T*>(h), prob, M, F, d_h_q,

@@ -214,8 +214,6 @@ int group_for(int64_t nvec, int unroll) {
   return 256;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 // ---- launchers --------------------------------------------------------------------------------
@@ -227,7 +225,7 @@ void unpermute_cuda(DType dtype, const int32_t* row_map, int64_t num_tokens, int
   if (num_tokens == 0 || hidden == 0) return;
   dispatch_cuda_float(dtype, "unpermute_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const bool wide = hidden * int64_t(sizeof(T)) % 16 == 0 && aligned16(rows) && aligned16(y);
+    const bool wide = hidden * int64_t(sizeof(T)) % 16 == 0 && aligned_to(rows, 16) && aligned_to(y, 16);
     auto launch = [&](auto kernel, int elems_per_vec) {
       const int64_t nvec = hidden / elems_per_vec;
       const int group = group_for(nvec, kForwardUnroll), groups = kThreads / group;
@@ -262,8 +260,8 @@ void unpermute_backward_cuda(DType dtype, const UnpermuteBackwardArgs& in, cudaS
   if (a.num_tokens == 0 && a.num_pad_items == 0) return;
   dispatch_cuda_float(dtype, "unpermute_backward_cuda", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const bool wide =
-        in.hidden * int64_t(sizeof(T)) % 16 == 0 && aligned16(in.rows) && aligned16(in.dy) && aligned16(in.d_rows);
+    const bool wide = in.hidden * int64_t(sizeof(T)) % 16 == 0 && aligned_to(in.rows, 16) && aligned_to(in.dy, 16) &&
+                      aligned_to(in.d_rows, 16);
     auto launch = [&](auto kernel, int elems_per_vec) {
       a.nvec = in.hidden / elems_per_vec;
       a.group = group_for(a.nvec, kUnroll);
