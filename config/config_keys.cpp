@@ -122,7 +122,7 @@ const std::vector<Field>& schema() {
         "constant: every step moves expert_bias by bias_update_rate (DeepSeek-V3); lr: by bias_update_rate * "
         "lr(step) / optimizer.lr, so the bias step follows the learning-rate schedule"));
     f.push_back(choice(
-        "model", "bias_update_rule", FLOWMOE_CONFIG_REF(model.bias_update_rule), enum_names(kBiasUpdateRuleNames),
+        "model", "bias_update_rule", FLOWMOE_CONFIG_ENUM(model.bias_update_rule), kBiasUpdateRuleNames,
         "sign: each step moves expert_bias by the bias step toward the mean load (DeepSeek-V3); proportional: by the "
         "bias step * (mean - load) / mean, so near-balanced experts barely move and overloaded ones move more"));
     f.push_back(choice("model", "attention", FLOWMOE_CONFIG_ENUM(model.attention), kAttentionTypeNames,

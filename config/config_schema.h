@@ -14,8 +14,8 @@
 namespace flowmoe::config_schema {
 
 // dtype: one of `choices`, dtype names (kernels/common/dtype.h), parsed once into a DType. A choice parses its text
-// once into the field's enum through the enum's name table (EnumRef); model.bias_update_rule, which the MoE layer
-// reads by name, stores its text.
+// once into the field's enum through the enum's name table (EnumRef), or stores its text where the field is a
+// string.
 // optional_integer: an integer in range, or null (YAML null, "null" or "" in an override), stored as 0.
 enum class Kind {
   integer,

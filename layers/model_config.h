@@ -9,7 +9,7 @@
 
 #include "kernels/attention_cudnn.h"
 #include "kernels/common/name_table.h"
-#include "kernels/router.h"  // RouterScoring
+#include "kernels/router.h"  // RouterScoring, BiasUpdateRule
 
 namespace flowmoe {
 
@@ -55,7 +55,7 @@ struct ModelConfig {
   double aux_loss_alpha = 0.0;
   double bias_update_rate = 0.001;
   BiasUpdateSchedule bias_update_schedule = BiasUpdateSchedule::constant;
-  std::string bias_update_rule = "sign";  // sign (DeepSeek-V3) | proportional to the load error
+  BiasUpdateRule bias_update_rule = BiasUpdateRule::sign;  // sign (DeepSeek-V3) | proportional to the load error
   // Attention. mha: num_attention_heads heads of H / heads. mla (DeepSeek-V3's keys): queries through a
   // q_lora_rank bottleneck (0, null in YAML and config.json: one direct projection), keys and values from one
   // kv_lora_rank latent per token; each head's query and key are qk_nope_head_dim + qk_rope_head_dim wide (the

@@ -68,7 +68,7 @@ MoeLayer::MoeLayer(ParamFactory& f, const ModelConfig& cfg, const std::string& p
       options_(options),
       flow_(moe_flow(options.recipe)),
       bias_update_rate_(cfg.bias_update_rate),
-      bias_update_rule_(bias_update_rule_from_name(cfg.bias_update_rule)) {
+      bias_update_rule_(cfg.bias_update_rule) {
   validate_router_config(router_);
   const int64_t H = cfg.hidden_size, F = cfg.moe_intermediate_size, E = cfg.n_routed_experts;
   if (options.recipe != MoeRecipe::bf16)

@@ -327,10 +327,11 @@ TEST(Config, MultiTokenPredictionKeys) {
 }
 
 TEST(Config, BiasUpdateRuleIsSignOrProportional) {
-  EXPECT_EQ(parse_config("", "ok.yaml").model.bias_update_rule, "sign");
+  EXPECT_EQ(parse_config("", "ok.yaml").model.bias_update_rule, BiasUpdateRule::sign);
   EXPECT_EQ(parse_config("model:\n  bias_update_rule: proportional\n", "ok.yaml").model.bias_update_rule,
-            "proportional");
-  EXPECT_HAS(parse_error("model:\n  bias_update_rule: linear\n"), "model.bias_update_rule");
+            BiasUpdateRule::proportional);
+  EXPECT_HAS(parse_error("model:\n  bias_update_rule: linear\n"),
+             "bad.yaml:2: model.bias_update_rule: expected one of sign, proportional, got 'linear'");
 }
 
 // optimizer.moment_dtype: parsed once into a DType, f32 by default; anything but f32 or bf16 is refused in one

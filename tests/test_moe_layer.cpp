@@ -267,7 +267,7 @@ TEST(MoeModel, ProportionalBiasStepFollowsTheLoadError) {
   for (const std::string format : {"jsonl", "csv"}) {  // both metrics formats carry the per-layer loads
     SCOPED_TRACE(format);
     Config c = tiny_moe(d / format, 1, 1);
-    c.model.bias_update_rule = "proportional";
+    c.model.bias_update_rule = BiasUpdateRule::proportional;
     c.checkpoint.every = 1;
     c.logging.metrics_format = parse_enum(kMetricsFormatNames, format, "logging.metrics_format");
     TrainResult r = train(c, quiet());

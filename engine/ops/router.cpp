@@ -293,10 +293,6 @@ Variable router_balance_loss(const Variable& logits, const Tensor& topk_idx, con
   return apply(prim, {lg, Variable(topk_idx)})[0];
 }
 
-BiasUpdateRule bias_update_rule_from_name(const std::string& name) {
-  return parse_enum(kBiasUpdateRuleNames, name, "model.bias_update_rule");
-}
-
 void update_expert_bias(Tensor& expert_bias, const Tensor& tokens_per_expert, double rate, BiasUpdateRule rule) {
   check_dtype(expert_bias, {DType::f32}, "update_expert_bias (expert_bias)");
   FLOWMOE_CHECK(expert_bias.dim() == 1 && expert_bias.is_contiguous(), ShapeError,

@@ -82,8 +82,6 @@ inline constexpr EnumName<RouterScoring> kRouterScoringNames[] = {{RouterScoring
 // model.bias_update_rule's names.
 inline constexpr EnumName<BiasUpdateRule> kBiasUpdateRuleNames[] = {{BiasUpdateRule::sign, "sign"},
                                                                     {BiasUpdateRule::proportional, "proportional"}};
-// model.bias_update_rule; throws ConfigError for a name kBiasUpdateRuleNames does not hold.
-BiasUpdateRule bias_update_rule_from_name(const std::string& name);
 // total += counts (i32 [E], same device): sums the counts of several micro-batches before one update.
 void add_tokens_per_expert(Tensor& total, const Tensor& counts);
 
