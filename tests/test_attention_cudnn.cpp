@@ -73,8 +73,8 @@ void expect_same_bits(const Result& got, const Result& want, const char* what) {
 }
 
 // (q's shape [B, T, nh, hd], v's head width): one width at 64 and 128, the wide heads 192 / 128 (DeepSeek-V3's MLA);
-// T = 1, T not a multiple of 64, T past several tiles; batch > 1.
-const std::vector<std::pair<Shape, int64_t>> kShapes = {{{1, 1, 1, 128}, 128},   {{2, 100, 3, 64}, 64},
+// T = 2, T not a multiple of 64, T past several tiles; batch > 1. (cuDNN refuses T = 1: AutoFallsBackToFlash below.)
+const std::vector<std::pair<Shape, int64_t>> kShapes = {{{1, 2, 1, 128}, 128},   {{2, 100, 3, 64}, 64},
                                                         {{2, 257, 2, 128}, 128}, {{3, 130, 1, 64}, 64},
                                                         {{2, 200, 2, 192}, 128}, {{1, 1024, 1, 192}, 128}};
 
@@ -149,4 +149,22 @@ TEST(AttentionCudnn, AbsentFromABuildWithoutIt) {
   EXPECT_TRUE(throws_naming<Error>(
       [&] { attention_forward_cudnn(nullptr, nullptr, nullptr, nullptr, nullptr, shape, nullptr, nullptr); },
       {"attention_forward_cudnn", "no cuDNN attention backend"}));
+}
+
+// A shape cuDNN refuses (one query and one key: "s_q = s_kv = 1 is not supported" in cuDNN 9) runs on the flash
+// kernels under `auto`, with flash's bits, and is an error naming the key under `cudnn`.
+TEST(AttentionCudnn, AutoFallsBackToFlashWhereCudnnRefuses) {
+  FLOWMOE_REQUIRE_CUDNN();
+  Rng rng(test_seed());
+  const Shape s = {2, 1, 2, 128};
+  std::string why;
+  EXPECT_FALSE(attention_cudnn_supports(AttentionCudnnShape{s[0], s[1], s[2], s[3], s[3]}, &why));
+  EXPECT_FALSE(why.empty());
+  const Device gpu = Device::cuda();
+  Tensor q = random_tensor(rng, s, DType::bf16, gpu), k = random_tensor(rng, s, DType::bf16, gpu);
+  Tensor v = random_tensor(rng, s, DType::bf16, gpu), d_out = random_tensor(rng, s, DType::bf16, gpu);
+  expect_same_bits(attend_with_grads(q, k, v, d_out, AttentionBackend::automatic),
+                   attend_with_grads(q, k, v, d_out, AttentionBackend::flash), "auto vs flash");
+  EXPECT_TRUE(throws_naming<Error>([&] { attend_with_grads(q, k, v, d_out, AttentionBackend::cudnn); },
+                                   {"model.attention_kernel=cudnn", "[2, 1, 2, 128]"}));
 }
