@@ -19,14 +19,9 @@ if [ "$(cat "$dest/cudnn/VERSION" 2>/dev/null)" = "$cudnn_version" ] && [ -f "$d
   echo "[cudnn] nvidia-cudnn-cu13 $cudnn_version and nvidia-cudnn-frontend $frontend_version present in $dest"
   exit 0
 fi
-if ! python3 -m pip --version >/dev/null 2>&1; then
-  echo "[cudnn] installing python3-pip (pip fetches the cuDNN wheels)"
-  sudo=""
-  [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq
-  $sudo apt-get install -y -qq --no-install-recommends python3-pip
-fi
+# shellcheck source=scripts/ensure_pip.sh
+. scripts/ensure_pip.sh
+ensure_pip cudnn "pip fetches the cuDNN wheels"
 echo "[cudnn] installing nvidia-cudnn-cu13 $cudnn_version and nvidia-cudnn-frontend $frontend_version into $dest"
 mkdir -p "$dest"
 # The staging folder sits beside the destination, so the final moves stay on one file system.

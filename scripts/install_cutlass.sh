@@ -15,14 +15,9 @@ if [ "$(cat "$dest/VERSION" 2>/dev/null)" = "$version" ] && [ -f "$dest/include/
   echo "[cutlass] nvidia-cutlass $version present in $dest"
   exit 0
 fi
-if ! python3 -m pip --version >/dev/null 2>&1; then
-  echo "[cutlass] installing python3-pip (pip fetches the nvidia-cutlass wheel)"
-  sudo=""
-  [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq
-  $sudo apt-get install -y -qq --no-install-recommends python3-pip
-fi
+# shellcheck source=scripts/ensure_pip.sh
+. scripts/ensure_pip.sh
+ensure_pip cutlass "pip fetches the nvidia-cutlass wheel"
 echo "[cutlass] installing nvidia-cutlass $version headers into $dest"
 mkdir -p "$(dirname "$dest")"
 # The staging folder sits beside the destination, so the final moves stay on one file system.
