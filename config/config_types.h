@@ -86,7 +86,6 @@ struct TrainConfig {
 enum class Fp8WeightWriter { forward, optimizer };
 inline constexpr EnumName<Fp8WeightWriter> kFp8WeightWriterNames[] = {{Fp8WeightWriter::forward, "forward"},
                                                                       {Fp8WeightWriter::optimizer, "optimizer"}};
-inline const char* fp8_weight_writer_name(Fp8WeightWriter w) { return enum_name(kFp8WeightWriterNames, w); }
 
 // precision.fp8_weight_transpose: whether each FP8 weight's exact block transpose (what dgrad reads) is kept beside
 // it. stored (the default): written with the copy (AdamW's update or the forward's quantize) and kept; rebuilt: the

@@ -22,7 +22,6 @@ namespace flowmoe {
 enum class AttentionBackend : uint8_t { automatic, flash, cudnn };
 inline constexpr EnumName<AttentionBackend> kAttentionBackendNames[] = {
     {AttentionBackend::automatic, "auto"}, {AttentionBackend::flash, "flash"}, {AttentionBackend::cudnn, "cudnn"}};
-inline const char* attention_backend_name(AttentionBackend b) { return enum_name(kAttentionBackendNames, b); }
 
 // Whether this build holds the cuDNN backend.
 bool attention_cudnn_built();

@@ -21,7 +21,6 @@ constexpr int64_t kMaxMtpDepth = 16;
 enum class AttentionType { mha, mla };
 inline constexpr EnumName<AttentionType> kAttentionTypeNames[] = {{AttentionType::mha, "mha"},
                                                                   {AttentionType::mla, "mla"}};
-inline const char* attention_type_name(AttentionType t) { return enum_name(kAttentionTypeNames, t); }
 
 // model.bias_update_schedule: constant moves expert_bias by bias_update_rate every step; lr scales that step with
 // lr(step) / optimizer.lr.
