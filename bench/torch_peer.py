@@ -111,7 +111,7 @@ DEFAULTS = {
         "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 16,
         "v_head_dim": 32,
-        "attention_kernel": "flash",  # flowmoe's GPU kernels only: no effect on the peer's math
+        "attention_kernel": "auto",  # flowmoe's GPU kernels only: no effect on the peer's math
         "num_nextn_predict_layers": 0,
     },
     "data": {

@@ -138,10 +138,9 @@ const std::vector<Field>& schema() {
     f.push_back(
         integer("model", "v_head_dim", FLOWMOE_CONFIG_REF(model.v_head_dim), 1, 1024, "mla: each head's value width"));
     f.push_back(choice("model", "attention_kernel", FLOWMOE_CONFIG_ENUM(model.attention_kernel), kAttentionBackendNames,
-                       "the attention core's GPU kernels (bf16): cudnn, cuDNN's fused flash attention (a build with "
-                       "cuDNN: scripts/install_cudnn.sh; 1.5-2.4x flash on an H100, opt-in until its tests pass on a "
-                       "GPU); flash, flowmoe's "
-                       "own kernels; auto, cudnn where the build has it and cuDNN takes the shape, else flash"));
+                       "the attention core's GPU kernels (bf16): auto, cudnn where the build has it and cuDNN takes "
+                       "the shape, else flash; cudnn, cuDNN's fused flash attention (a build with cuDNN: "
+                       "scripts/install_cudnn.sh; 1.5-2.4x flash on an H100); flash, flowmoe's own kernels"));
     f.push_back(integer("model", "num_nextn_predict_layers", FLOWMOE_CONFIG_REF(model.num_nextn_predict_layers), 0,
                         kMaxMtpDepth,
                         "multi-token prediction depth D (DeepSeek-V3): modules after the model trained to predict "

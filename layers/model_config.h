@@ -65,9 +65,9 @@ struct ModelConfig {
   int64_t qk_nope_head_dim = 32;
   int64_t qk_rope_head_dim = 16;
   int64_t v_head_dim = 32;
-  // The attention core's GPU kernels (kernels/attention_cudnn.h): auto, flash or cudnn. flash by default until the
-  // cuDNN backend has passed its GPU tests (docs/TRAINING.md).
-  AttentionBackend attention_kernel = AttentionBackend::flash;
+  // The attention core's GPU kernels (kernels/attention_cudnn.h): auto (cuDNN where the build has it and it takes
+  // the shape, else flash), flash or cudnn.
+  AttentionBackend attention_kernel = AttentionBackend::automatic;
   // Multi-token prediction depth D (layers/mtp.h): modules after the main model, trained to predict the tokens
   // 2..D+1 ahead; 0 builds none. The name transformers' deepseek_v3 and glm4_moe configs use.
   int64_t num_nextn_predict_layers = 0;

@@ -668,17 +668,17 @@ TEST(Config, TrainingGuideDocumentsEveryKey) {
   EXPECT_GT(rows, 50);
 }
 
-// model.attention_kernel is parsed once into its enum (flash by default); cudnn in a build without the cuDNN backend
+// model.attention_kernel is parsed once into its enum (auto by default); cudnn in a build without the cuDNN backend
 // is a ConfigError naming the key and its line, and auto and flash read in every build. A checkpoint's config asking
 // for cudnn reads anywhere (export and generate run from it on a build without cuDNN).
 TEST(Config, AttentionKernelKey) {
-  EXPECT_EQ(parse_config("", "ok.yaml").model.attention_kernel, AttentionBackend::flash);
-  Config c = parse_config("model:\n  attention_kernel: auto\n", "ok.yaml");
-  EXPECT_EQ(c.model.attention_kernel, AttentionBackend::automatic);
-  EXPECT_HAS(to_yaml(c), "attention_kernel: auto");
-  EXPECT_EQ(parse_config(to_yaml(c), "again.yaml").model.attention_kernel, AttentionBackend::automatic);
-  EXPECT_EQ(parse_config("", "ok.yaml", {"model.attention_kernel=flash"}).model.attention_kernel,
-            AttentionBackend::flash);
+  EXPECT_EQ(parse_config("", "ok.yaml").model.attention_kernel, AttentionBackend::automatic);
+  Config c = parse_config("model:\n  attention_kernel: flash\n", "ok.yaml");
+  EXPECT_EQ(c.model.attention_kernel, AttentionBackend::flash);
+  EXPECT_HAS(to_yaml(c), "attention_kernel: flash");
+  EXPECT_EQ(parse_config(to_yaml(c), "again.yaml").model.attention_kernel, AttentionBackend::flash);
+  EXPECT_EQ(parse_config("", "ok.yaml", {"model.attention_kernel=auto"}).model.attention_kernel,
+            AttentionBackend::automatic);
   EXPECT_HAS(parse_error("model:\n  attention_kernel: cudn\n"),
              "bad.yaml:2: model.attention_kernel: expected one of auto, flash, cudnn, got 'cudn' (did you mean "
              "'cudnn'?)");

@@ -136,10 +136,13 @@ void expect_cache_matches_full_forward(const Transformer& model, int64_t prompt_
 // fixed tolerance says little: measured on an H100, single logits of this model differ by up to 0.1 between the
 // two. Both are held against the same weights computed in f32 on the GPU: over the decoded positions, the cached
 // logits' relative error (Frobenius) stays within twice the full bf16 forward's (a decode at a wrong position or
-// over a wrong slice of the cache is off by the logits' whole size), and where a position's best two f32 logits
-// are more than `margin` apart, the cached greedy token is their argmax.
-void expect_cache_as_close_as_full_forward(const ModelConfig& m, uint64_t seed, int64_t prompt_len, int64_t num_new,
-                                           double margin = 0.25) {
+// over a wrong slice of the cache is off by the logits' whole size). No greedy token is checked here: where a
+// token's router scores nearly tie, one token's GEMM and the full forward's T rows round them differently in bf16
+// and pick other experts, which moves that position's logits by more than any fixed margin (an H100 run of the MoE
+// model chose token 30 over f32's 7 at a position whose f32 logits were more than 0.25 apart). The tokens are
+// checked exactly in f32 on the same GPU (GenerateCuda.CachedGreedyMatchesTheFullForward).
+void expect_cache_as_close_as_full_forward(const ModelConfig& m, uint64_t seed, int64_t prompt_len,
+                                           int64_t num_new) {
   const Transformer bf16(m, Device::cuda(), DType::bf16, seed), f32(m, Device::cuda(), DType::f32, seed);
   const std::vector<int32_t> prompt = random_tokens(test_seed(), prompt_len, m.vocab_size);
   const CachedRun run = cached_greedy(bf16, prompt, num_new);
@@ -156,11 +159,6 @@ void expect_cache_as_close_as_full_forward(const ModelConfig& m, uint64_t seed, 
     got_all.insert(got_all.end(), got.begin(), got.end());
     full_all.insert(full_all.end(), by_full.begin(), by_full.end());
     ref_all.insert(ref_all.end(), want.begin(), want.end());
-    std::vector<float> sorted = want;
-    std::sort(sorted.rbegin(), sorted.rend());
-    if (sorted[0] - sorted[1] > margin) {
-      EXPECT_EQ(run.tokens[size_t(i)], argmax(want)) << "position " << pos;
-    }
   }
   const Shape shape{int64_t(ref_all.size())};
   const double err_cached = rel_error(Tensor::from_floats(got_all, shape), Tensor::from_floats(ref_all, shape));
@@ -371,7 +369,18 @@ TEST(Generate, SampleEveryLeavesTheLossesBitForBit) {
 
 // bf16 on the GPU: the cached decode's logits within bf16 rounding of the GPU's full forward and of the CPU's, and
 // the greedy tokens the full forward's argmax wherever its best two logits are clearly apart.
+// In f32 on the GPU, as on the CPU: each decoded token's logits within float rounding of the full forward's and
+// every greedy token its argmax where the best two logits are more than 1e-3 apart (the prefill's GEMMs block
+// fewer rows than the full forward's, so its logits agree within rounding rather than bit for bit).
 TEST(GenerateCuda, CachedGreedyMatchesTheFullForward) {
+  FLOWMOE_REQUIRE_CUDA();
+  for (const ModelConfig& m : {dense_model(), moe_model(), mla_model()}) {
+    const Transformer model(m, Device::cuda(), DType::f32, 7);
+    expect_cache_matches_full_forward(model, 5, 15, 1e-4, false, 1e-3);
+  }
+}
+
+TEST(GenerateCuda, CachedBf16IsAsCloseToF32AsTheFullForward) {
   FLOWMOE_REQUIRE_CUDA();
   for (const ModelConfig& m : {dense_model(), moe_model(), mla_model()})
     expect_cache_as_close_as_full_forward(m, 7, 5, 15);
