@@ -141,8 +141,7 @@ void expect_cache_matches_full_forward(const Transformer& model, int64_t prompt_
 // and pick other experts, which moves that position's logits by more than any fixed margin (an H100 run of the MoE
 // model chose token 30 over f32's 7 at a position whose f32 logits were more than 0.25 apart). The tokens are
 // checked exactly in f32 on the same GPU (GenerateCuda.CachedGreedyMatchesTheFullForward).
-void expect_cache_as_close_as_full_forward(const ModelConfig& m, uint64_t seed, int64_t prompt_len,
-                                           int64_t num_new) {
+void expect_cache_as_close_as_full_forward(const ModelConfig& m, uint64_t seed, int64_t prompt_len, int64_t num_new) {
   const Transformer bf16(m, Device::cuda(), DType::bf16, seed), f32(m, Device::cuda(), DType::f32, seed);
   const std::vector<int32_t> prompt = random_tokens(test_seed(), prompt_len, m.vocab_size);
   const CachedRun run = cached_greedy(bf16, prompt, num_new);
