@@ -220,6 +220,21 @@ class Dequantize : public SharedBodyPrimitive<Primitive> {
   }
 };
 
+// A weight [N, K] or [B, N, K] in 128x128 blocks: its dims, its block counts, and the [B,] a x b shape of the
+// tensors beside it (the scales [nbn, nbk], the transpose [K, N] and its scales [nbk, nbn]).
+struct WeightBlocks {
+  explicit WeightBlocks(const Tensor& w)
+      : batched(w.dim() == 3),
+        B(batched ? w.size(0) : 1),
+        N(w.size(-2)),
+        K(w.size(-1)),
+        nbn(fp8_num_blocks(N)),
+        nbk(fp8_num_blocks(K)) {}
+  Shape shape(int64_t a, int64_t b) const { return batched ? Shape{B, a, b} : Shape{a, b}; }
+  bool batched;
+  int64_t B, N, K, nbn, nbk;
+};
+
 // w [E,N,K] or [N,K] -> {q, q_t} in 128x128 blocks (no gradient).
 class QuantizeWeight : public SharedBodyPrimitive<BackwardPrimitive> {
  public:
@@ -237,22 +252,19 @@ class QuantizeWeight : public SharedBodyPrimitive<BackwardPrimitive> {
     FLOWMOE_CHECK(w_in.dim() == 2 || w_in.dim() == 3, ShapeError, what_, ": w must be [N, K] or [E, N, K], got ",
                   w_in.describe());
     Tensor w = w_in.contiguous();
-    bool batched = w.dim() == 3;
-    int64_t B = batched ? w.size(0) : 1, N = w.size(-2), K = w.size(-1);
-    int64_t nbn = fp8_num_blocks(N), nbk = fp8_num_blocks(K);
-    auto shape = [&](int64_t a, int64_t b) { return batched ? Shape{B, a, b} : Shape{a, b}; };
+    const WeightBlocks b(w);
     Tensor q = Tensor::empty(w.shape(), DType::e4m3, w.device());
-    Tensor s = Tensor::empty(shape(nbn, nbk), DType::f32, w.device());
+    Tensor s = Tensor::empty(b.shape(b.nbn, b.nbk), DType::f32, w.device());
     Tensor q_t, s_t;
     if (with_transpose_) {
-      q_t = Tensor::empty(shape(K, N), DType::e4m3, w.device());
-      s_t = Tensor::empty(shape(nbk, nbn), DType::f32, w.device());
+      q_t = Tensor::empty(b.shape(b.K, b.N), DType::e4m3, w.device());
+      s_t = Tensor::empty(b.shape(b.nbk, b.nbn), DType::f32, w.device());
     }
     auto* qd = q.data<uint8_t>();
     auto* qtd = with_transpose_ ? q_t.data<uint8_t>() : nullptr;
     float* std_ = with_transpose_ ? s_t.data<float>() : nullptr;
-    QUANT_DISPATCH(w, quantize_block_cpu(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, std_),
-                   quantize_block_cuda(w.dtype(), w.raw_data(), B, N, K, qd, s.data<float>(), qtd, std_, stream));
+    QUANT_DISPATCH(w, quantize_block_cpu(w.dtype(), w.raw_data(), b.B, b.N, b.K, qd, s.data<float>(), qtd, std_),
+                   quantize_block_cuda(w.dtype(), w.raw_data(), b.B, b.N, b.K, qd, s.data<float>(), qtd, std_, stream));
     if (!with_transpose_) return {q.with_scales(s, ScalingMode::block_128x128)};
     return {q.with_scales(s, ScalingMode::block_128x128), q_t.with_scales(s_t, ScalingMode::block_128x128)};
   }
@@ -323,14 +335,11 @@ Tensor weight_transpose(const QuantizedWeight& wq) {
                     (q.dim() == 2 || q.dim() == 3) && q.is_contiguous(),
                 DTypeError, "weight_transpose: expected a contiguous e4m3 [N, K] or [B, N, K] in 128x128 blocks, got ",
                 q.describe());
-  const bool batched = q.dim() == 3;
-  const int64_t B = batched ? q.size(0) : 1, N = q.size(-2), K = q.size(-1);
-  const int64_t nbn = fp8_num_blocks(N), nbk = fp8_num_blocks(K);
-  auto shape = [&](int64_t a, int64_t b) { return batched ? Shape{B, a, b} : Shape{a, b}; };
-  Tensor q_t = Tensor::empty(shape(K, N), DType::e4m3, q.device());
-  Tensor s_t = Tensor::empty(shape(nbk, nbn), DType::f32, q.device());
-  const Fp8BlockCopy c{
-      q.data<uint8_t>(), q.fp8_scales()->scale_inv.data<float>(), q_t.data<uint8_t>(), s_t.data<float>(), B, N, K};
+  const WeightBlocks b(q);
+  Tensor q_t = Tensor::empty(b.shape(b.K, b.N), DType::e4m3, q.device());
+  Tensor s_t = Tensor::empty(b.shape(b.nbk, b.nbn), DType::f32, q.device());
+  float* scale_inv = q.fp8_scales()->scale_inv.data<float>();
+  const Fp8BlockCopy c{q.data<uint8_t>(), scale_inv, q_t.data<uint8_t>(), s_t.data<float>(), b.B, b.N, b.K};
   QUANT_DISPATCH(q, fp8_block_transpose_cpu(c), fp8_block_transpose_cuda(c, stream));
   return q_t.with_scales(s_t, ScalingMode::block_128x128);
 }
