@@ -12,23 +12,6 @@ cd "$(dirname "$0")/.."
 # transformers' glm4_moe as checkpoint/hf_format.h's kHfTransformersVersion names it; torch for its CPU forward.
 pins=(transformers==5.25.0 torch==2.15.0)
 dest="${INTEROP_DEPS_DEST:-.deps/interop}"
-stamp="${pins[*]} $(python3 -c 'import sys; print("python%d.%d" % sys.version_info[:2])')"
-if [ "$(cat "$dest/VERSIONS" 2>/dev/null)" = "$stamp" ]; then
-  echo "[interop] ${pins[*]} present in $dest"
-  exit 0
-fi
-echo "[interop] installing ${pins[*]} and their dependencies into $dest"
-mkdir -p "$(dirname "$dest")"
-# Installed beside the destination and moved into place, so an interrupted install leaves no half folder.
-stage="$(mktemp -d "$(dirname "$dest")/.interop-stage.XXXXXX")"
-trap 'rm -rf "$stage"' EXIT
-if ! python3 -m pip install --quiet --only-binary=:all: --no-compile --disable-pip-version-check \
-     --root-user-action=ignore --target "$stage/pkg" "${pins[@]}" >"$stage/log" 2>&1; then
-  cat "$stage/log" >&2
-  echo "[interop] could not install ${pins[*]} (output above): the interop tests will skip" >&2
-  exit 0
-fi
-echo "$stamp" >"$stage/pkg/VERSIONS"
-rm -rf "$dest"
-mv "$stage/pkg" "$dest"
-echo "[interop] done: $(du -sh "$dest" | cut -f1) in $dest"
+# shellcheck source=scripts/pip_pinned.sh
+. scripts/pip_pinned.sh
+pip_install_pinned interop "$dest" "the interop tests will skip" -- "${pins[@]}"
