@@ -20,6 +20,7 @@
 #   GPU_CHECK_EXCLUDE=REGEX scripts/gpu_check.sh     leaves out the tests whose names match (ctest -E),
 #                                                    e.g. the CPU-only mpirun launches CI runs, to keep a
 #                                                    cold tests-only check within a 10-minute slot
+#   GPU_CHECK_JOBS=N scripts/gpu_check.sh          runs N tests at once on the GPU (default 6)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/train_run.sh
@@ -70,7 +71,7 @@ fi
 # (the README's quick start, over a minute) then overlaps the rest.
 exclude=()
 [ -n "${GPU_CHECK_EXCLUDE:-}" ] && { exclude=(-E "$GPU_CHECK_EXCLUDE"); row "tests left out" "matching $GPU_CHECK_EXCLUDE"; }
-ctest --test-dir "$build" --output-on-failure -j6 --timeout 900 "${exclude[@]}" >"$out/ctest.log" 2>&1
+ctest --test-dir "$build" --output-on-failure -j"${GPU_CHECK_JOBS:-6}" --timeout 900 "${exclude[@]}" >"$out/ctest.log" 2>&1
 test_rc=$?
 grep -E "tests passed|tests failed" "$out/ctest.log" | tail -1 | sed 's/^/    /'
 row "tests" "$(grep -E 'tests passed' "$out/ctest.log" | tail -1)"
