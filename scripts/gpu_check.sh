@@ -20,7 +20,7 @@
 #   GPU_CHECK_EXCLUDE=REGEX scripts/gpu_check.sh     leaves out the tests whose names match (ctest -E),
 #                                                    e.g. the CPU-only mpirun launches CI runs, to keep a
 #                                                    cold tests-only check within a 10-minute slot
-#   GPU_CHECK_JOBS=N scripts/gpu_check.sh          runs N tests at once on the GPU (default 6)
+#   GPU_CHECK_JOBS=N scripts/gpu_check.sh            runs N tests at once on the GPU (default 6)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/train_run.sh
