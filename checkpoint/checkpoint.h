@@ -15,7 +15,7 @@
 #include "dataset/data.h"
 #include "engine/autograd.h"
 #include "io/run_files.h"  // kCheckpointModelFile, kCheckpointMetaFile
-#include "layers/param.h"
+#include "parallel/param_shard.h"
 
 namespace flowmoe {
 

@@ -8,7 +8,7 @@
 
 #include "engine/autograd.h"
 #include "layers/model_config.h"
-#include "layers/param.h"
+#include "parallel/param_shard.h"
 
 namespace flowmoe {
 

@@ -85,7 +85,7 @@ void train_one_recipe(MoeRecipe recipe, Device device, int num_steps) {
 
     // ---- update: plain SGD on the f32 master weights ----------------------------------------------
     // set_data bumps the weight's version, which is how the FP8 recipes know to quantize it again
-    // (layers/fp8_weight.h): once per update, not once per use.
+    // (engine/fp8_weight.h): once per update, not once per use.
     for (Variable& p : params.params()) {
       if (!p.grad().defined()) continue;  // a parameter this step's backward did not reach
       p.set_data(tensor_add(p.data(), tensor_scale(p.grad().to(DType::f32), -kLearningRate)));

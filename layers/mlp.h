@@ -6,7 +6,7 @@
 #pragma once
 #include <string>
 
-#include "layers/fp8_weight.h"
+#include "engine/fp8_weight.h"
 #include "layers/param.h"
 
 namespace flowmoe {

@@ -11,12 +11,12 @@
 #include <memory>
 #include <string>
 
+#include "engine/fp8_weight.h"
 #include "engine/ops/fp8_grouped_linear.h"
 #include "engine/ops/grouped_linear.h"
 #include "engine/ops/quantize.h"
 #include "engine/ops/router.h"
 #include "kernels/common/name_table.h"
-#include "layers/fp8_weight.h"
 #include "layers/mlp.h"
 #include "layers/model_config.h"
 #include "parallel/dispatch.h"
@@ -174,7 +174,7 @@ class MoeLayer {
   MoeFlow flow_;
   bool zero_sync_ = false;            // options_.ep_dispatch resolved for this layer's group (training forwards)
   int num_chunks_ = 1;                // options_.exchange_chunks where the exchange is zero_sync, else 1
-  Fp8WeightCache fc1_fp8_, fc2_fp8_;  // expert weights quantized once per optimizer step (layers/fp8_weight.h)
+  Fp8WeightCache fc1_fp8_, fc2_fp8_;  // expert weights quantized once per optimizer step (engine/fp8_weight.h)
   double bias_update_rate_;
   BiasUpdateRule bias_update_rule_;
   Variable gate_, fc1_, fc2_;

@@ -1,4 +1,5 @@
-// Creating named parameters with a seeded init, and casting master weights to the compute dtype.
+// Creating named parameters with a seeded init, each with its ParamShard (parallel/param_shard.h), and casting
+// master weights to the compute dtype.
 // Values are drawn on the host from one Rng in creation order and copied to the device, so a seed
 // gives the same weights on the CPU and the GPU, and on every rank: an expert-sharded parameter draws
 // the full tensor and keeps this rank's rows, so its values do not depend on the expert-parallel size.
@@ -7,27 +8,12 @@
 #include <string>
 #include <vector>
 
+#include "engine/fp8_weight.h"
 #include "engine/ops/ops.h"
 #include "engine/rng.h"
-#include "layers/fp8_weight.h"
+#include "parallel/param_shard.h"
 
 namespace flowmoe {
-
-// Where a parameter's rows sit in the full tensor, and how the forward reads it. Expert weights are sharded
-// along dim 0 (the expert) over the expert-parallel group; every other parameter is whole on every rank.
-struct ParamShard {
-  bool expert = false;    // an expert weight: its gradient is reduced over the expert-data-parallel group
-  int64_t offset = 0;     // the full tensor's dim-0 row this rank's row 0 is
-  int64_t full_rows = 0;  // the full tensor's dim 0 (== the local dim 0 when not sharded)
-  // The forward reads the f32 values themselves, not a compute-dtype copy (a router's gate, which routes in
-  // f32; FP8 expert weights, quantized from f32): training keeps these weights in f32 where it stores the others
-  // in bf16 (precision.param_dtype).
-  bool reads_f32 = false;
-  // The FP8 copy the forward reads in place of the weight (layers/fp8_weight.h), which the optimizer writes; null
-  // where the forward reads the weight itself.
-  std::shared_ptr<Fp8WeightCopy> fp8 = nullptr;
-  bool sharded(const Variable& p) const { return full_rows != p.size(0); }
-};
 
 class ParamFactory {
  public:

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "engine/cast_stats.h"
+#include "engine/fp8_weight.h"
 #include "engine/rng.h"
-#include "layers/fp8_weight.h"
 #include "tests/support/checks.h"
 #include "tests/support/train_fixtures.h"
 #include "train/run_setup.h"

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "engine/autograd.h"
-#include "layers/param.h"
 #include "parallel/collectives.h"
 #include "parallel/communicator.h"
+#include "parallel/param_shard.h"
 #include "parallel/process_group.h"
 #include "train/grad_reducer.h"  // kGradientBucketBytes
 #include "train/optimizer.h"

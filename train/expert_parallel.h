@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "config/config.h"
-#include "layers/param.h"
+#include "parallel/param_shard.h"
 #include "parallel/process_group.h"
 
 namespace flowmoe {

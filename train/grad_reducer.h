@@ -22,9 +22,10 @@
 #include <vector>
 
 #include "engine/autograd.h"
+#include "engine/fp8_weight.h"
 #include "engine/stream.h"
-#include "layers/param.h"
 #include "parallel/collectives.h"
+#include "parallel/param_shard.h"
 #include "parallel/process_group.h"
 #include "train/optimizer.h"
 

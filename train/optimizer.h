@@ -8,10 +8,10 @@
 
 #include "config/config.h"
 #include "engine/autograd.h"
+#include "engine/fp8_weight.h"
 #include "kernels/adamw.h"
 #include "kernels/adamw_fp8.h"
 #include "kernels/step_control.h"
-#include "layers/fp8_weight.h"
 
 namespace flowmoe {
 
@@ -76,7 +76,7 @@ class AdamW {
   // The moments of the ranges from full ones (a checkpoint's, of the parameters' shapes, on any device).
   // The moments' dtype must be theirs (a checkpoint converts on load: checkpoint/checkpoint.h).
   void load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq);
-  // Per parameter, the FP8 copy the forward reads in its place (layers/fp8_weight.h, ParamShard::fp8; null: none, an
+  // Per parameter, the FP8 copy the forward reads in its place (engine/fp8_weight.h, ParamShard::fp8; null: none, an
   // empty list: none at all). A parameter this rank updates whole whose copy is current for it then steps in
   // adamw_fp8 (kernels/adamw_fp8.h): the update writes the copy too and marks it current for the new version, so
   // the next forward quantizes nothing. A copy that is not current (no forward yet since the weight moved) is left

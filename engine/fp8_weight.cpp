@@ -1,5 +1,5 @@
 // Storing a fresh quantize into a weight's FP8 copy (see fp8_weight.h).
-#include "layers/fp8_weight.h"
+#include "engine/fp8_weight.h"
 
 namespace flowmoe {
 
