@@ -130,9 +130,9 @@ struct ParallelConfig {
   int64_t exchange_sms = 0;         // chunks or dual micro-batches: SMs the grouped GEMMs leave to the exchanges
   double ep_capacity_factor = 0;    // zero_sync: receive rows as a multiple of an even load; 0: worst case
   bool dual_microbatch = false;     // two halves of the batch interleaved layer by layer (layers/transformer.h)
-  bool overlap_grad_reduce = true;  // reduce gradient buckets during the backward (train/grad_reducer.h)
+  bool overlap_grad_reduce = true;  // reduce gradient buckets during the backward (parallel/grad_reducer.h)
   int64_t grad_reduce_sms = 0;      // nccl: thread blocks the overlapped reduction may take; 0: nccl's choice
-  bool shard_optimizer = true;      // optimizer and gradients over the data-parallel ranks (train/grad_reducer.h)
+  bool shard_optimizer = true;      // optimizer and gradients over the data-parallel ranks (parallel/grad_reducer.h)
   double timeout_s = 600;           // a collective waiting longer ends the job (parallel/watchdog.h); 0: never
 };
 

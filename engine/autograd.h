@@ -154,7 +154,7 @@ void backward(std::vector<Variable> outputs, std::vector<Tensor> d_outputs, bool
 // Called once per leaf in a backward, right after the last gradient that backward brings it has been
 // accumulated into .grad(): the walk counts the edges into each leaf from the nodes it will run, and a
 // leaf used inside a checkpoint is finished by the recompute's own walk. Data parallelism starts a
-// gradient's reduction from here while the backward goes on (train/grad_reducer.h). The hook is this
+// gradient's reduction from here while the backward goes on (parallel/grad_reducer.h). The hook is this
 // thread's while the guard lives; without one the walk counts nothing.
 using LeafGradHook = std::function<void(VariableImpl& leaf)>;
 class LeafGradHookGuard {

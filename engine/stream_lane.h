@@ -65,7 +65,7 @@ void join_side_branch(Device device);
 // Whether a branch forked on this device has not been joined yet.
 bool side_branch_open(Device device);
 // Where a branch is open: the stream now in use waits for the other one, without closing the branch
-// (a gradient bucket that reads gradients of both, train/grad_reducer.cpp).
+// (a gradient bucket that reads gradients of both, parallel/grad_reducer.cpp).
 void wait_for_other_stream(Device device);
 
 // The comm lane.

@@ -153,7 +153,7 @@ class Transformer {
   // 1 + i layer i, num_hidden_layers + 1 the final norm and the head, num_hidden_layers + 1 + k MTP module k.
   // A stage hook, when set, is called
   // with each stage before the forward reads its weights: a sharded optimizer waits there for the
-  // weights it is still gathering (train/grad_reducer.h), so the gather overlaps the earlier stages.
+  // weights it is still gathering (parallel/grad_reducer.h), so the gather overlaps the earlier stages.
   const std::vector<int64_t>& parameter_stages() const { return stages_; }
   void set_stage_hook(std::function<void(int64_t)> hook) { stage_hook_ = std::move(hook); }
   const ModelConfig& config() const { return cfg_; }

@@ -138,7 +138,7 @@ TEST(AdamW, RouterLearningRateScale) {
   EXPECT_EQ(floats(qs[2].data()), other);
 }
 
-// Master weights (a sharded optimizer's, train/grad_reducer.h): AdamW updates the masters of the ranges and
+// Master weights (a sharded optimizer's, parallel/grad_reducer.h): AdamW updates the masters of the ranges and
 // writes the parameters' elements there from them; the same values as the in-place update of whole f32
 // parameters. A master of the wrong length is refused, naming the parameter.
 TEST(AdamW, MastersOfRangesUpdateAsWholeParameters) {

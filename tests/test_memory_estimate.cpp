@@ -9,9 +9,9 @@
 
 #include "engine/allocator.h"
 #include "kernels/common/error.h"
+#include "parallel/grad_reducer.h"
 #include "tests/support/train_fixtures.h"
 #include "train/evaluation.h"
-#include "train/grad_reducer.h"
 #include "train/memory_estimate.h"
 
 using namespace flowmoe;

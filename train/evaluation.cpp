@@ -6,7 +6,7 @@
 
 #include "kernels/common/error.h"
 #include "parallel/collectives.h"
-#include "train/expert_parallel.h"
+#include "parallel/expert_parallel.h"
 
 namespace flowmoe {
 

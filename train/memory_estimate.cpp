@@ -23,7 +23,7 @@
 #include "kernels/common/dtype.h"
 #include "kernels/common/error.h"
 #include "layers/moe.h"
-#include "train/grad_reducer.h"
+#include "parallel/grad_reducer.h"
 #include "train/train_options.h"
 
 namespace flowmoe {
@@ -158,7 +158,7 @@ int64_t saturate(double count) { return count < 9.2e18 ? int64_t(count) : std::n
 // largest, while its dgrad runs.
 // precision.param_dtype auto trains on the GPU with the model's weights in the compute dtype instead, a P (4 for
 // what the forward reads in f32: routers, FP8 experts), and their f32 masters in the optimizer, 4 P; nothing is
-// cast at use. A sharded optimizer (train/grad_reducer.h) keeps the masters of this rank's segments alone, of
+// cast at use. A sharded optimizer (parallel/grad_reducer.h) keeps the masters of this rank's segments alone, of
 // every parameter: 4 P / N.
 double weight_bytes(const Config& cfg, const std::vector<ParamGroup>& groups, bool gpu, MemoryUse use,
                     const OptimizerShards& shards) {
@@ -282,7 +282,7 @@ std::string driver_keys(const std::vector<ParamGroup>& groups, double activation
 }
 
 // What one micro-batch's gradients take: 4 P, f32, one per parameter. A sharded optimizer without gradient
-// accumulation releases them bucket by bucket (train/grad_reducer.h): 4 P / N of segments, plus the buckets in
+// accumulation releases them bucket by bucket (parallel/grad_reducer.h): 4 P / N of segments, plus the buckets in
 // flight and the one filling, each 25 MiB or the largest tensor (never more than 4 P). When a gradient is added
 // to one already held (train.grad_accum_steps > 1, a tied embedding's second use), the sum is a new tensor
 // beside the held and the incoming one: + 8 x the largest parameter tensor. The GPU's weight gradients come as

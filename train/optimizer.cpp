@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kernels/adamw.h"
+#include "parallel/data_parallel.h"
 
 namespace flowmoe {
 
@@ -253,6 +254,11 @@ void AdamW::load_moment_ranges(const std::vector<Tensor>& exp_avg, const std::ve
 void AdamW::zero_grad() {
   for (Variable& p : params_) p.zero_grad();
   range_grads_.clear();
+}
+
+double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards) {
+  if (ps.expert_parallel_size == 1 && !opt.sharded()) return opt.grad_norm();
+  return global_norm(ps, opt.grad_square_sums(expert_shard_flags(ps, shards)), opt.sharded());
 }
 
 }  // namespace flowmoe

@@ -1,6 +1,7 @@
 // AdamW on fp32 master weights, with its moments in fp32 or bf16 beside them (optimizer.moment_dtype), the
 // warmup-then-cosine learning-rate schedule and global-norm gradient clipping. The math is kernels/adamw.h; this
-// class gathers the parameters into one multi-tensor update and picks the CPU or CUDA launcher by device.
+// class gathers the parameters into one multi-tensor update and picks the CPU or CUDA launcher by device;
+// global_grad_norm hands its squared sums to the ranks' reduction (parallel/data_parallel.h).
 #pragma once
 #include <memory>
 #include <utility>
@@ -12,6 +13,8 @@
 #include "kernels/adamw.h"
 #include "kernels/adamw_fp8.h"
 #include "kernels/step_control.h"
+#include "parallel/param_shard.h"
+#include "parallel/process_group.h"
 
 namespace flowmoe {
 
@@ -30,13 +33,13 @@ class AdamW {
   // Parameters must be f32 leaves (bf16 ones too with masters, below). Weight decay applies to matrices
   // (dim >= 2) only. A parameter named *.mlp.gate.weight (an MoE router) steps with lr * cfg.router_lr_scale.
   //
-  // ranges, when given (train/grad_reducer.h, parallel.shard_optimizer): this rank updates the elements
+  // ranges, when given (parallel/grad_reducer.h, parallel.shard_optimizer): this rank updates the elements
   // [ranges[i].first, ranges[i].second) of parameter i's flat data alone and keeps moments for them alone
   // (1-D tensors of that many elements, zeroed); an empty range leaves the parameter to other ranks. Their
   // gradients are not the parameters' but set_range_grads()'s. The squared norms then cover the ranges, so
   // they are this rank's share of a sum over its group. Without ranges every parameter is whole.
   //
-  // masters (precision.param_dtype, train/grad_reducer.h): per parameter the f32 master weights of its range
+  // masters (precision.param_dtype, parallel/grad_reducer.h): per parameter the f32 master weights of its range
   // (1-D, the range's length: the whole parameter without ranges), or undefined where the parameter is its own
   // master (f32) or its range is empty. A parameter with a master is the model's copy (f32, or bf16 where the
   // forward computes in it): AdamW updates the master and writes the parameter's elements of the range from it,
@@ -134,5 +137,10 @@ class AdamW {
   // none this step.
   Tensor range_grad(size_t i) const;
 };
+
+// The global norm of the synced gradients, the same on every rank: opt.grad_norm() at expert-parallel size 1
+// without sharding (bit for bit); otherwise opt's squared sums split by expert shard (expert_shard_flags) and
+// summed over the groups (parallel/data_parallel.h, global_norm).
+double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards);
 
 }  // namespace flowmoe

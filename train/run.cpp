@@ -16,7 +16,7 @@
 #include "engine/host_threads.h"
 #include "kernels/common/device_api.h"
 #include "parallel/distributed.h"
-#include "train/expert_parallel.h"
+#include "parallel/expert_parallel.h"
 #include "train/memory_estimate.h"
 #include "train/progress.h"
 
@@ -161,7 +161,7 @@ static void announce_data(TrainRun& run, const std::string& init_note) {
                        std::to_string(run.setup.data().num_val_windows()) + " val sequences of " +
                        std::to_string(cfg.data.seq_len) + " tokens; " + std::to_string(tc.steps) + " steps x " +
                        std::to_string(run.tokens_per_step) + " tokens; outputs in " + run.res.out_dir);
-  if (run.setup.world_size > 1) run.progress.message(describe_ranks(run.setup.parallel, cfg));
+  if (run.setup.world_size > 1) run.progress.message(describe_ranks(run.setup.parallel, cfg.train.batch_size));
   // OpenMPI binds each of 2 ranks to one core by default; the host work (the weights' draws, the
   // checkpoints) then runs on one thread, which made set-up 9x slower in a 2-GPU run.
   if (run.setup.world_size > 1 && usable_cpu_count() == 1 && machine_cpu_count() > 1)

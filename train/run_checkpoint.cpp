@@ -1,6 +1,6 @@
 // A training run's checkpoints (see run.h): the resume at set-up and each save, with the optimizer's f32
 // masters as the weights a checkpoint holds, whether AdamW keeps them whole or a sharded optimizer keeps
-// segments of them (train/grad_reducer.h).
+// segments of them (parallel/grad_reducer.h).
 #include <yaml-cpp/yaml.h>
 
 #include <optional>
@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/watchdog.h"
-#include "train/expert_parallel.h"
 #include "train/run.h"
 
 namespace flowmoe {
@@ -76,7 +76,7 @@ CheckpointMeta resume_from_checkpoint(RunSetup& setup, const std::string& dir) {
   const Config& cfg = setup.cfg;
   AdamW& opt = setup.optimizer();
   // Every rank reads the full tensors and keeps its rows of each expert shard; a sharded optimizer reads
-  // the weights and moments whole, on the host, and keeps its ranges of them (train/grad_reducer.h). Whole
+  // the weights and moments whole, on the host, and keeps its ranges of them (parallel/grad_reducer.h). Whole
   // masters (optimizer_masters) take the weights, and the model's copies are cast from them.
   const bool sharded = opt.sharded();
   const std::vector<Variable> model_params = setup.model().parameters();
@@ -136,7 +136,9 @@ void save_run_checkpoint(TrainRun& run, int64_t at) {
   std::pair<std::vector<Tensor>, std::vector<Tensor>> moments;
   if (opt.sharded()) {
     setup.reducer()->wait_weights();
-    moments = setup.reducer()->full_moments(opt, keep);
+    // exp_avg first, then exp_avg_sq: the order of the collectives on every rank.
+    moments.first = setup.reducer()->full_ranges(opt.exp_avg(), opt.moment_dtype(), keep);
+    moments.second = setup.reducer()->full_ranges(opt.exp_avg_sq(), opt.moment_dtype(), keep);
     const std::vector<Tensor> masters = setup.reducer()->full_masters(keep);
     if (keep)
       for (size_t i = 0; i < weights.size(); ++i) weights[i] = Variable(masters[i], false, weights[i].name());

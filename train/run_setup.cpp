@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "parallel/backends.h"
-#include "train/expert_parallel.h"
+#include "parallel/expert_parallel.h"
 #include "train/train_options.h"
 
 namespace flowmoe {
@@ -16,7 +16,8 @@ RunSetup::RunSetup(const Config& c, std::shared_ptr<Communicator> w, std::option
       world(w ? std::move(w) : make_none_communicator()),
       rank(world->rank()),
       world_size(world->size()),
-      parallel(run_parallel_state(c, world)),
+      parallel(run_parallel_state(world, c.parallel.expert_parallel_size, c.model.n_routed_experts,
+                                  c.origin("parallel.expert_parallel_size"))),
       is_root(rank == 0),
       device(d ? *d : resolve_device(c)),
       compute(compute_dtype_for(device)) {}

@@ -14,8 +14,8 @@
 #include "engine/device.h"
 #include "layers/transformer.h"
 #include "parallel/communicator.h"
+#include "parallel/grad_reducer.h"
 #include "parallel/process_group.h"
-#include "train/grad_reducer.h"
 #include "train/memory_estimate.h"
 #include "train/optimizer.h"
 
@@ -24,7 +24,7 @@ namespace flowmoe {
 class RunSetup {
  public:
   // The ranks of `world` (null: this process alone) and their expert-parallel groups (collective: every rank
-  // builds them, train/expert_parallel.h), on `device` (unset: train.device resolved). Allocates nothing.
+  // builds them, parallel/expert_parallel.h), on `device` (unset: train.device resolved). Allocates nothing.
   RunSetup(const Config& cfg, std::shared_ptr<Communicator> world = nullptr,
            std::optional<Device> device = std::nullopt);
   RunSetup(const RunSetup&) = delete;

@@ -11,7 +11,7 @@
 #include "engine/profiler.h"
 #include "kernels/common/device_api.h"
 #include "kernels/common/error.h"
-#include "train/data_parallel.h"
+#include "parallel/data_parallel.h"
 #include "train/stop_request.h"
 
 namespace flowmoe {

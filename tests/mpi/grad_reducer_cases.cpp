@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "engine/cuda_graph.h"
-#include "train/grad_reducer.h"
+#include "parallel/grad_reducer.h"
 #include "train/trainer.h"
 
 namespace flowmoe::test {

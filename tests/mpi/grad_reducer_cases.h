@@ -1,4 +1,4 @@
-// The gradient reducer's checks (train/grad_reducer.h), shared by test_grad_reducer.cpp (test_comm: the
+// The gradient reducer's checks (parallel/grad_reducer.h), shared by test_grad_reducer.cpp (test_comm: the
 // world it runs in, on the CPU and through NCCL with a GPU per rank) and test_nccl_one_rank.cpp (a
 // one-rank NCCL world on one GPU, eagerly and captured as a CUDA graph). A real model's backward on
 // token ids that encode the rank, so every rank's gradients differ.

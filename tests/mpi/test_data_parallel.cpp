@@ -1,9 +1,9 @@
-// The reductions of data-parallel training (train/data_parallel.h) on the world this test runs in:
+// The reductions of data-parallel training (parallel/data_parallel.h) on the world this test runs in:
 // buckets of several tensors and lone large ones, the mean of the gradients, gradients that only some
 // ranks have, and the step's host values. Every value is a small integer times a power of two, so the
 // sums are exact in any order and compared exactly.
+#include "parallel/data_parallel.h"
 #include "tests/mpi/comm_test_util.h"
-#include "train/data_parallel.h"
 
 namespace flowmoe::test {
 namespace {

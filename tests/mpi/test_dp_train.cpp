@@ -172,7 +172,7 @@ TEST(DataParallelOverlap, OverlappedReductionTrainsTheSameWeightsBitForBit) {
 
 // train.recompute attention under data parallelism: each block's parameters get their gradients from the
 // recompute's own walk inside the backward, where the overlapped, sharded reduction starts a bucket as soon as
-// its last gradient is final (train/grad_reducer.h); the same weights bit for bit as without recompute.
+// its last gradient is final (parallel/grad_reducer.h); the same weights bit for bit as without recompute.
 TEST(DataParallelOverlap, RecomputedAttentionTrainsTheSameWeightsBitForBit) {
   const fs::path d = fresh_dir("dp_recompute");
   const std::vector<StepMetrics> plain = train_run(d, 2, "plain", ""),
@@ -250,7 +250,7 @@ TEST(DataParallelSharded, Bf16MomentsTrainTheSameWeights) {
 }
 
 // The sharded optimizer on the GPU, where the model's weights are bf16 copies of f32 masters that AdamW writes
-// once per step (train/grad_reducer.h), against a full copy on every rank, with bf16 weights and whole masters
+// once per step (parallel/grad_reducer.h), against a full copy on every rank, with bf16 weights and whole masters
 // (precision.param_dtype auto) and with f32 weights cast at each use (f32): the same losses and checkpoints,
 // bit for bit at 2 ranks. bf16 and fp8_flow (whose expert weights stay f32: they are quantized from it). Both
 // ranks on one GPU through the mpi backend, so one GPU suffices.

@@ -1,4 +1,4 @@
-// Expert parallelism in the trainer (train/expert_parallel.h, train/data_parallel.h) on the world this
+// Expert parallelism in the trainer (parallel/expert_parallel.h, parallel/data_parallel.h) on the world this
 // test runs in, for every expert-parallel size it allows: expert gradients reduced over their
 // expert-data-parallel group and dense ones over the world, the gradient norm of the full model,
 // checkpoints gathered from the shards and sliced back at any size, and the start-up check of the
@@ -8,11 +8,11 @@
 
 #include "checkpoint/checkpoint.h"
 #include "config/config.h"
+#include "parallel/data_parallel.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/process_group.h"
 #include "tests/mpi/comm_test_util.h"
 #include "tests/support/checks.h"
-#include "train/data_parallel.h"
-#include "train/expert_parallel.h"
 #include "train/optimizer.h"
 
 namespace flowmoe::test {
@@ -28,6 +28,12 @@ std::vector<int> divisors(int n) {
   for (int e = 1; e <= n; ++e)
     if (n % e == 0) out.push_back(e);
   return out;
+}
+
+// The groups of cfg's parallel.expert_parallel_size over this test's world, as a run makes them.
+ParallelState run_state(const Config& cfg) {
+  return run_parallel_state(test_runtime().world, cfg.parallel.expert_parallel_size, cfg.model.n_routed_experts,
+                            cfg.origin("parallel.expert_parallel_size"));
 }
 
 // Element j of row `row` of parameter t as rank r holds it: distinct per rank, row and tensor.
@@ -99,8 +105,7 @@ TEST(ExpertParallelTraining, ExpertGradientsReduceOverTheirGroupAndDenseOnesOver
 
 TEST(ExpertParallelTraining, AtSizeOneTheReductionIsTheDataParallelOne) {
   Communicator& world = test_world();
-  const ParallelState ps =
-      run_parallel_state(parse_config("model:\n  n_routed_experts: 8\n", "ep.yaml"), test_runtime().world);
+  const ParallelState ps = run_state(parse_config("model:\n  n_routed_experts: 8\n", "ep.yaml"));
   EXPECT_EQ(ps.expert_data_parallel.get(), test_runtime().world.get()) << "no communicator is split at size 1";
   ShardedParams a = sharded_params(ps), b = sharded_params(ps);
   for (size_t p = 0; p < a.params.size(); ++p) {
@@ -206,7 +211,7 @@ TEST(ExpertParallelTraining, CheckpointsGatherTheShardsAndLoadAtAnySize) {
 TEST(ExpertParallelTraining, SizesThatDoNotFitTheLaunchAreRefusedOnEveryRank) {
   const int n = test_world().size();
   const auto state = [&](const std::vector<std::string>& sets) {
-    run_parallel_state(parse_config("model:\n  n_routed_experts: 6\n", "ep.yaml", sets), test_runtime().world);
+    run_state(parse_config("model:\n  n_routed_experts: 6\n", "ep.yaml", sets));
   };
   const std::string wide = std::to_string(2 * n);
   EXPECT_TRUE(throws_naming<AllRanksConfigError>(
@@ -227,8 +232,8 @@ TEST(ExpertParallelTraining, StartUpLineNamesTheGroupsAndTheExperts) {
   for (int e : divisors(n)) {
     const Config cfg = parse_config("model:\n  n_routed_experts: 8\n", "ep.yaml",
                                     {"parallel.expert_parallel_size=" + std::to_string(e)});
-    const ParallelState ps = run_parallel_state(cfg, test_runtime().world);
-    const std::string line = describe_ranks(ps, cfg), b = std::to_string(8 / n);
+    const ParallelState ps = run_state(cfg);
+    const std::string line = describe_ranks(ps, cfg.train.batch_size), b = std::to_string(8 / n);
     const std::string ranks = std::to_string(n) + " ranks (backend " + test_world().backend_name() + "), each reads " +
                               b + " of every batch of 8 sequences";
     if (e == 1) {

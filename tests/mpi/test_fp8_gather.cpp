@@ -1,4 +1,4 @@
-// The sharded optimizer's FP8 weights (train/grad_reducer.h, Megatron-LM's --fp8-param-gather) on the world this
+// The sharded optimizer's FP8 weights (parallel/grad_reducer.h, Megatron-LM's --fp8-param-gather) on the world this
 // test runs in, under precision.fp8_weights: optimizer: each rank's AdamW writes the FP8 data and scales of its block
 // rows, the all-gather moves those in place of the weights, and each rank rebuilds the transpose. Against the unsharded
 // optimizer, whose AdamW writes every whole copy, on the same world: the same losses and checkpoints bit for bit under

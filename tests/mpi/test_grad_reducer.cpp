@@ -1,4 +1,4 @@
-// The overlapped gradient reduction (train/grad_reducer.h) on the world this test runs in: a real
+// The overlapped gradient reduction (parallel/grad_reducer.h) on the world this test runs in: a real
 // model's backward, at every expert-parallel size the world allows, reduced with the buckets launched
 // during the backward must give the gradients the plain schedule gives, bit for bit (the same buckets,
 // the same sums); gradient accumulation reduces once, after the last micro-batch; a parameter only some
@@ -13,10 +13,10 @@
 #include "kernels/common/device_api.h"
 #include "layers/transformer.h"
 #include "parallel/backends.h"
+#include "parallel/grad_reducer.h"
 #include "parallel/process_group.h"
 #include "tests/mpi/comm_test_util.h"
 #include "tests/mpi/grad_reducer_cases.h"
-#include "train/grad_reducer.h"
 #include "train/train_options.h"
 
 namespace flowmoe::test {

@@ -28,11 +28,11 @@
 #include "engine/device.h"
 #include "kernels/common/device_api.h"
 #include "parallel/backends.h"
+#include "parallel/grad_reducer.h"
 #include "parallel/process_group.h"
 #include "tests/mpi/grad_reducer_cases.h"
 #include "tests/mpi/stream_delay.h"
 #include "tests/support/train_fixtures.h"
-#include "train/grad_reducer.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 

@@ -1,5 +1,5 @@
 // Expert parallelism in a run: its groups, their description and the checkpoint gather (see expert_parallel.h).
-#include "train/expert_parallel.h"
+#include "parallel/expert_parallel.h"
 
 #include "kernels/common/error.h"
 #include "parallel/backends.h"
@@ -7,8 +7,9 @@
 
 namespace flowmoe {
 
-ParallelState run_parallel_state(const Config& cfg, std::shared_ptr<Communicator> world) {
-  const int64_t e = cfg.parallel.expert_parallel_size, experts = cfg.model.n_routed_experts;
+ParallelState run_parallel_state(std::shared_ptr<Communicator> world, int64_t expert_parallel_size,
+                                 int64_t n_routed_experts, const std::string& origin) {
+  const int64_t e = expert_parallel_size, experts = n_routed_experts;
   try {
     check_parallel_sizes(world->size(), e, experts);
   } catch (const ConfigError& err) {
@@ -19,7 +20,7 @@ ParallelState run_parallel_state(const Config& cfg, std::shared_ptr<Communicator
     if (world->size() == 1)
       why += " (expert parallelism shares the experts out over processes: start a multiple of " + std::to_string(e) +
              " of them with mpirun -np or srun -n)";
-    throw AllRanksConfigError(cfg.origin(key) + ": " + key + ": " + why);
+    throw AllRanksConfigError(origin + ": " + key + ": " + why);
   }
   if (e > 1) return make_parallel_state(std::move(world), e, experts);
   ParallelState ps;
@@ -31,14 +32,14 @@ ParallelState run_parallel_state(const Config& cfg, std::shared_ptr<Communicator
   return ps;
 }
 
-std::string describe_ranks(const ParallelState& ps, const Config& cfg) {
-  const int64_t n = ps.world->size(), b = cfg.train.batch_size;
+std::string describe_ranks(const ParallelState& ps, int64_t batch_size) {
+  const int64_t n = ps.world->size(), b = batch_size;
   const std::string ranks = std::to_string(n) + " ranks (backend " + ps.world->backend_name() + "), each reads " +
                             std::to_string(b / n) + " of every batch of " + std::to_string(b) + " sequences";
   if (ps.expert_parallel_size == 1) return "data-parallel: " + ranks;
   const std::string e = std::to_string(ps.expert_parallel_size), k = std::to_string(ps.num_local_experts);
   return "expert-parallel " + e + " x data-parallel " + std::to_string(ps.expert_data_parallel_size) + ": " + ranks +
-         " and holds " + k + " of the " + std::to_string(cfg.model.n_routed_experts) +
+         " and holds " + k + " of the " + std::to_string(ps.num_local_experts * ps.expert_parallel_size) +
          " routed experts: rank r the experts [" + k + "p, " + k + "p + " + k + ") with p = r mod " + e;
 }
 

@@ -5,15 +5,15 @@
 // whole batch, up to the order of the float sums.
 #pragma once
 #include <cstddef>
+#include <utility>
 #include <vector>
 
 #include "engine/autograd.h"
 #include "parallel/collectives.h"
 #include "parallel/communicator.h"
+#include "parallel/grad_reducer.h"  // kGradientBucketBytes
 #include "parallel/param_shard.h"
 #include "parallel/process_group.h"
-#include "train/grad_reducer.h"  // kGradientBucketBytes
-#include "train/optimizer.h"
 
 namespace flowmoe {
 
@@ -36,11 +36,12 @@ void all_reduce_gradients(Communicator& comm, const std::vector<Variable>& param
 void all_reduce_gradients(const ParallelState& ps, const std::vector<Variable>& params,
                           const std::vector<ParamShard>& shards, size_t bucket_bytes = kGradientBucketBytes);
 
-// The global norm of the synced gradients, the same on every rank: opt.grad_norm() at expert-parallel
-// size 1 (bit for bit). With expert parallelism a rank's expert gradients are its share of the experts:
-// their squares are summed over the expert-parallel group, the dense ones (whole everywhere) counted once.
-// A sharded optimizer's squares are summed over each parameter's data-parallel group first.
-double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards);
+// The global norm of the synced gradients from this rank's sums of their squares, split as {dense, expert
+// shards} (AdamW::grad_square_sums), the same on every rank. With expert parallelism a rank's expert gradients
+// are its share of the experts: their squares are summed over the expert-parallel group, the dense ones (whole
+// everywhere) counted once. A sharded optimizer's squares are summed over each parameter's data-parallel
+// group first. train/optimizer.h's global_grad_norm reads the sums from AdamW.
+double global_norm(const ParallelState& ps, std::pair<double, double> square_sums, bool sharded);
 // The same on the device: sums [2] f32 (AdamW::grad_square_sums_device: {dense, expert shards}) becomes
 // the global batch's, in place, on the collectives' streams (sharded: each rank's segments summed first).
 void reduce_square_sums(const ParallelState& ps, const Tensor& sums, bool sharded);

@@ -27,7 +27,6 @@
 #include "parallel/collectives.h"
 #include "parallel/param_shard.h"
 #include "parallel/process_group.h"
-#include "train/optimizer.h"
 
 namespace flowmoe {
 
@@ -93,10 +92,11 @@ class GradientReducer {
   void set_stages(const std::vector<int64_t>& stages);
   void wait_stage(int64_t stage);
   void wait_weights() { wait_stage(INT64_MAX); }
-  // Sharded: the full moments (in their dtype) and f32 master weights of every parameter (its local shape) from
-  // the ranks' segments, for a checkpoint; collective over the data-parallel groups, a bucket at a time. keep false:
-  // gathered and dropped (a rank that writes nothing); kept ones are on the host.
-  std::pair<std::vector<Tensor>, std::vector<Tensor>> full_moments(const AdamW& opt, bool keep);
+  // Sharded: every parameter's whole values (its local shape) from the ranks' segments, for a checkpoint;
+  // collective over the data-parallel groups, a bucket at a time. keep false: gathered and dropped (a rank that
+  // writes nothing); kept ones are on the host. full_ranges gathers per-parameter tensors of its owned_ranges()
+  // in dtype (AdamW's moments), full_masters the f32 master weights.
+  std::vector<Tensor> full_ranges(const std::vector<Tensor>& ranges, DType dtype, bool keep);
   std::vector<Tensor> full_masters(bool keep);
   // Sharded: every parameter's master range and model weights from its whole f32 values (a checkpoint's, of
   // the parameters' shapes, on any device).

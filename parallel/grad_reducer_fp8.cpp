@@ -2,7 +2,7 @@
 // gathered in place of the weights, and the transpose each rank rebuilds from them.
 #include "kernels/adamw_fp8.h"
 #include "kernels/fp8.h"
-#include "train/grad_reducer.h"
+#include "parallel/grad_reducer.h"
 
 namespace flowmoe {
 

@@ -3,28 +3,30 @@
 // tensors a checkpoint holds, gathered from the expert-parallel group (docs/TRAINING.md, "Several
 // processes": checkpoints do not depend on the expert-parallel size).
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "config/config.h"
 #include "parallel/param_shard.h"
 #include "parallel/process_group.h"
 
 namespace flowmoe {
 
-// The groups of cfg's parallel.expert_parallel_size over `world`; collective: every rank calls it.
-// A size that does not divide the number of ranks or model.n_routed_experts is an AllRanksConfigError
-// naming the key and its origin, raised on every rank alike before any group is split. At size 1 no
-// group is split: the expert-parallel group is this rank alone and the expert-data-parallel group is
-// the world itself, so a data-parallel run makes no extra communicator.
-ParallelState run_parallel_state(const Config& cfg, std::shared_ptr<Communicator> world);
+// The groups of a run's parallel.expert_parallel_size over `world`, for a model of n_routed_experts;
+// collective: every rank calls it. A size that does not divide the number of ranks or model.n_routed_experts
+// is an AllRanksConfigError naming the key and `origin` (where the config set it: Config::origin), raised on
+// every rank alike before any group is split. At size 1 no group is split: the expert-parallel group is this
+// rank alone and the expert-data-parallel group is the world itself, so a data-parallel run makes no extra
+// communicator.
+ParallelState run_parallel_state(std::shared_ptr<Communicator> world, int64_t expert_parallel_size,
+                                 int64_t n_routed_experts, const std::string& origin);
 
-// Rank 0's start-up line about the ranks of a run on several: "data-parallel: 4 ranks (backend mpi),
-// each reads 2 of every batch of 8 sequences", or with expert parallelism "expert-parallel 2 x
-// data-parallel 2: 4 ranks (backend mpi), each reads 2 of every batch of 8 sequences and holds 4 of the 8
-// routed experts: rank r the experts [4p, 4p + 4) with p = r mod 2".
-std::string describe_ranks(const ParallelState& ps, const Config& cfg);
+// Rank 0's start-up line about the ranks of a run on several, batch_size sequences a batch (train.batch_size):
+// "data-parallel: 4 ranks (backend mpi), each reads 2 of every batch of 8 sequences", or with expert parallelism
+// "expert-parallel 2 x data-parallel 2: 4 ranks (backend mpi), each reads 2 of every batch of 8 sequences and
+// holds 4 of the 8 routed experts: rank r the experts [4p, 4p + 4) with p = r mod 2".
+std::string describe_ranks(const ParallelState& ps, int64_t batch_size);
 
 // Whether `shards` (Transformer::parameter_shards()) holds rows of a larger tensor: the model is
 // expert-parallel, and its MoE forwards are collective over the expert-parallel group.

@@ -1,10 +1,10 @@
 // The reductions of data-parallel training (see data_parallel.h).
-#include "train/data_parallel.h"
+#include "parallel/data_parallel.h"
 
 #include <cmath>
 #include <memory>
 
-#include "train/grad_reducer.h"
+#include "parallel/grad_reducer.h"
 
 namespace flowmoe {
 
@@ -41,11 +41,9 @@ void sum_square_classes(const ParallelState& ps, bool sharded, Reduce&& reduce) 
 
 }  // namespace
 
-double global_grad_norm(const ParallelState& ps, AdamW& opt, const std::vector<ParamShard>& shards) {
-  if (ps.expert_parallel_size == 1 && !opt.sharded()) return opt.grad_norm();
-  auto [dense, experts] = opt.grad_square_sums(expert_shard_flags(ps, shards));
-  double sums[2] = {dense, experts};
-  sum_square_classes(ps, opt.sharded(), [&](Communicator& comm, int slot) {
+double global_norm(const ParallelState& ps, std::pair<double, double> square_sums, bool sharded) {
+  double sums[2] = {square_sums.first, square_sums.second};
+  sum_square_classes(ps, sharded, [&](Communicator& comm, int slot) {
     sums[slot] = all_reduce_values(comm, {sums[slot]}, ReduceOp::sum)[0];
   });
   return std::sqrt(sums[0] + sums[1]);

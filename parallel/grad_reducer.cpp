@@ -1,5 +1,5 @@
 // The bucketed, overlapped gradient reduction (see grad_reducer.h).
-#include "train/grad_reducer.h"
+#include "parallel/grad_reducer.h"
 
 #include <algorithm>
 #include <string>
@@ -416,25 +416,22 @@ std::vector<Tensor> GradientReducer::gather_segments(Fill&& fill, DType dtype, b
   return whole;
 }
 
-std::pair<std::vector<Tensor>, std::vector<Tensor>> GradientReducer::full_moments(const AdamW& opt, bool keep) {
-  std::vector<Tensor> full[2];
-  for (int which : {0, 1}) {
-    const std::vector<Tensor>& moments = which == 0 ? opt.exp_avg() : opt.exp_avg_sq();
-    // This rank's segment of a bucket is its parameters' ranges side by side, then the padding.
-    full[which] = gather_segments(
-        [&](const Bucket& b, Tensor& segment) {
-          int64_t at = 0;
-          for (size_t i : b.params) {
-            const int64_t n = ranges_[i].second - ranges_[i].first;
-            if (n > 0) segment.slice(0, at, at + n).copy_(moments[i]);
-            at += n;
-          }
-          FLOWMOE_CHECK(at <= segment.numel(), Error, "full_moments: a segment of ", segment.numel(),
-                        " elements holds ", at);
-        },
-        opt.moment_dtype(), keep);
-  }
-  return {std::move(full[0]), std::move(full[1])};
+std::vector<Tensor> GradientReducer::full_ranges(const std::vector<Tensor>& ranges, DType dtype, bool keep) {
+  FLOWMOE_CHECK(ranges.size() == params_.size(), Error, "GradientReducer::full_ranges: ", ranges.size(),
+                " tensors for ", params_.size(), " parameters");
+  // This rank's segment of a bucket is its parameters' ranges side by side, then the padding.
+  return gather_segments(
+      [&](const Bucket& b, Tensor& segment) {
+        int64_t at = 0;
+        for (size_t i : b.params) {
+          const int64_t n = ranges_[i].second - ranges_[i].first;
+          if (n > 0) segment.slice(0, at, at + n).copy_(ranges[i]);
+          at += n;
+        }
+        FLOWMOE_CHECK(at <= segment.numel(), Error, "full_ranges: a segment of ", segment.numel(), " elements holds ",
+                      at);
+      },
+      dtype, keep);
 }
 
 std::vector<Tensor> GradientReducer::full_masters(bool keep) {
