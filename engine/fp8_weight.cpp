@@ -3,17 +3,6 @@
 
 namespace flowmoe {
 
-Fp8BlockCopy block_copy(const QuantizedWeight& wq) {
-  const Tensor &q = wq.q, &q_t = wq.q_t;
-  return {q.data<uint8_t>(),
-          q.fp8_scales()->scale_inv.data<float>(),
-          q_t.defined() ? q_t.data<uint8_t>() : nullptr,
-          q_t.defined() ? q_t.fp8_scales()->scale_inv.data<float>() : nullptr,
-          q.dim() == 3 ? q.size(0) : 1,
-          q.size(-2),
-          q.size(-1)};
-}
-
 void store_fp8_weight(Fp8WeightCopy& copy, const QuantizedWeight& fresh) {
   QuantizedWeight& into = copy.wq;
   // Both absent (a copy without its transpose) fits too.

@@ -13,7 +13,6 @@
 #include "engine/ops/fp8_linear.h"
 #include "engine/ops/ops.h"
 #include "engine/ops/quantize.h"
-#include "kernels/adamw_fp8.h"
 
 namespace flowmoe {
 
@@ -36,10 +35,6 @@ struct Fp8WeightCopy {
     of = w.impl();
   }
 };
-
-// The kernels' view of a copy's four buffers (kernels/adamw_fp8.h): wq.q [B, N, K] or [N, K] (B = 1); q_t and
-// scale_inv_t null where the copy keeps no transpose.
-Fp8BlockCopy block_copy(const QuantizedWeight& wq);
 
 // A fresh quantize of a weight into its copy: written into the copy's buffers where they are held (and fit), so
 // the buffers a captured step (train.cuda_graph) reads and AdamW writes stay where they are; else it replaces them,

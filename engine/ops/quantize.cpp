@@ -336,12 +336,24 @@ Tensor weight_transpose(const QuantizedWeight& wq) {
                 DTypeError, "weight_transpose: expected a contiguous e4m3 [N, K] or [B, N, K] in 128x128 blocks, got ",
                 q.describe());
   const WeightBlocks b(q);
-  Tensor q_t = Tensor::empty(b.shape(b.K, b.N), DType::e4m3, q.device());
-  Tensor s_t = Tensor::empty(b.shape(b.nbk, b.nbn), DType::f32, q.device());
-  float* scale_inv = q.fp8_scales()->scale_inv.data<float>();
-  const Fp8BlockCopy c{q.data<uint8_t>(), scale_inv, q_t.data<uint8_t>(), s_t.data<float>(), b.B, b.N, b.K};
+  const Tensor s_t = Tensor::empty(b.shape(b.nbk, b.nbn), DType::f32, q.device());
+  const Tensor q_t =
+      Tensor::empty(b.shape(b.K, b.N), DType::e4m3, q.device()).with_scales(s_t, ScalingMode::block_128x128);
+  const Fp8BlockCopy c = block_copy({q, q_t});
   QUANT_DISPATCH(q, fp8_block_transpose_cpu(c), fp8_block_transpose_cuda(c, stream));
-  return q_t.with_scales(s_t, ScalingMode::block_128x128);
+  return q_t;
+}
+
+Fp8BlockCopy block_copy(const QuantizedWeight& wq) {
+  const Tensor &q = wq.q, &q_t = wq.q_t;
+  const WeightBlocks b(q);
+  return {q.data<uint8_t>(),
+          q.fp8_scales()->scale_inv.data<float>(),
+          q_t.defined() ? q_t.data<uint8_t>() : nullptr,
+          q_t.defined() ? q_t.fp8_scales()->scale_inv.data<float>() : nullptr,
+          b.B,
+          b.N,
+          b.K};
 }
 
 }  // namespace flowmoe

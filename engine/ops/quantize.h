@@ -9,6 +9,7 @@
 
 #include "engine/autograd.h"
 #include "engine/ops/grouped_linear.h"
+#include "kernels/adamw_fp8.h"
 
 namespace flowmoe {
 
@@ -53,6 +54,9 @@ struct QuantizedWeight {
 // w [E,N,K] or [N,K], f32 or bf16; with_transpose false leaves q_t undefined. Counts one
 // CastKind::weight_quantize.
 QuantizedWeight quantize_weight(const Tensor& w, const std::string& site, bool with_transpose = true);
+// The kernels' view of wq's four buffers (kernels/adamw_fp8.h): wq.q [B, N, K] or [N, K] (B = 1); q_t and
+// scale_inv_t null where wq keeps no transpose.
+Fp8BlockCopy block_copy(const QuantizedWeight& wq);
 
 // wq.q_t, or where it is undefined its rebuild from wq.q: each 128x128 block's bytes and the scale grid transposed
 // (kernels/adamw_fp8.h fp8_block_transpose_*), bit for bit the q_t quantize_weight writes. Not a cast: no rounding.
